@@ -1,0 +1,107 @@
+"""Frozen, validated configuration: what a request asks for and how to speculate.
+
+Terms (see DESIGN.md): the *target* is the model whose distribution the output follows
+exactly; the *drafter* proposes tokens; *k* (``num_speculative_tokens``) is how many draft
+tokens are proposed per round for one sequence.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How to sample one request, in vLLM's names.
+
+    temperature: 0 means greedy (argmax, no randomness).
+    top_k: keep the k most likely tokens; -1 (or 0) keeps all.
+    top_p: keep the smallest set of most likely tokens whose mass reaches top_p.
+    min_p: drop tokens whose probability is below min_p times the most likely one's.
+    max_tokens: the most tokens to generate.
+    stop: strings that end the generation; the text stops before them.
+    stop_token_ids: token ids that end the generation (kept in the token ids, like EOS).
+    seed: a per-request seed: the same seed gives the same tokens whatever else is batched.
+    ignore_eos: keep generating past the model's end-of-sequence tokens.
+    """
+
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    min_p: float = 0.0
+    max_tokens: int = 16
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+    seed: int | None = None
+    ignore_eos: bool = False
+
+    def __post_init__(self) -> None:
+        if isinstance(self.stop, str):
+            object.__setattr__(self, "stop", (self.stop,))
+        object.__setattr__(self, "stop", tuple(self.stop or ()))
+        object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids or ()))
+        _check(_is_real(self.temperature) and self.temperature >= 0,
+               f"temperature must be a number >= 0 (0 = greedy), got {self.temperature!r}")
+        _check(_is_real(self.top_p) and 0 < self.top_p <= 1,
+               f"top_p must be in (0, 1], got {self.top_p!r}")
+        _check(_is_int(self.top_k) and self.top_k >= -1,
+               f"top_k must be an integer >= -1 (-1 or 0 = no limit), got {self.top_k!r}")
+        _check(_is_real(self.min_p) and 0 <= self.min_p <= 1,
+               f"min_p must be in [0, 1], got {self.min_p!r}")
+        _check(_is_int(self.max_tokens) and self.max_tokens >= 1,
+               f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
+        _check(all(isinstance(s, str) and s for s in self.stop),
+               f"stop must be non-empty strings, got {self.stop!r}")
+        _check(all(_is_int(t) and t >= 0 for t in self.stop_token_ids),
+               f"stop_token_ids must be non-negative integers, got {self.stop_token_ids!r}")
+        _check(self.seed is None or _is_int(self.seed),
+               f"seed must be an integer or None, got {self.seed!r}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+
+SPECULATIVE_METHODS = ("draft_model", "ngram")
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    """How the engine speculates.
+
+    method: "draft_model" (a smaller model with the target's tokenizer) or "ngram"
+        (prompt lookup: copy what followed the last matching n-gram of the context).
+    model: the draft model's directory, for "draft_model".
+    num_speculative_tokens: k, draft tokens proposed per round (0 = plain decoding).
+    ngram_min / ngram_max: the n-gram lengths prompt lookup tries, longest first.
+    """
+
+    method: str = "draft_model"
+    model: str | None = None
+    num_speculative_tokens: int = 5
+    ngram_min: int = 1
+    ngram_max: int = 4
+
+    def __post_init__(self) -> None:
+        _check(self.method in SPECULATIVE_METHODS,
+               f"speculative_method must be one of {SPECULATIVE_METHODS}, got {self.method!r}")
+        _check(_is_int(self.num_speculative_tokens) and self.num_speculative_tokens >= 0,
+               f"num_speculative_tokens must be an integer >= 0, got {self.num_speculative_tokens!r}")
+        _check(self.method != "draft_model" or self.model is not None,
+               "speculative_method='draft_model' needs speculative_model=<draft directory>")
+        _check(_is_int(self.ngram_min) and _is_int(self.ngram_max) and 1 <= self.ngram_min <= self.ngram_max,
+               f"need 1 <= ngram_min <= ngram_max, got {self.ngram_min}, {self.ngram_max}")
+
+
+def _is_real(x) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
+
+
+def _is_int(x) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def _check(ok: bool, message: str) -> None:
+    if not ok:
+        raise ValueError(message)

@@ -1,0 +1,13 @@
+"""Drafters, by the name `speculative_method` uses. A new drafter is a new file and a line
+in DRAFTERS: a factory (SpeculativeConfig, the loaded target, dtype, device) -> Drafter."""
+
+from specdec.drafters.base import Draft, Drafter
+from specdec.drafters.draft_model import DraftModelDrafter
+from specdec.drafters.ngram import NgramDrafter
+
+DRAFTERS = {
+    "draft_model": DraftModelDrafter.from_config,
+    "ngram": NgramDrafter.from_config,
+}
+
+__all__ = ["DRAFTERS", "Draft", "Drafter", "DraftModelDrafter", "NgramDrafter"]

@@ -1,0 +1,118 @@
+"""A smaller model with the target's tokenizer, sampled k times per round.
+
+The draft's KV cache follows the target's: each slot remembers which tokens it has fed
+(the sequence so far, then the draft tokens it fed while proposing). At the next round the
+tokens that still match the sequence stay; the rest (rejected drafts) are simply overwritten
+by feeding the sequence from the first mismatch: after a rejection that is the recovered
+token, after a full acceptance the last draft token and the bonus token.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from specdec.drafters.base import Draft, Drafter
+from specdec.models.llama import LlamaModel
+from specdec.models.loader import LoadedModel, ModelLoadError, load_pretrained
+from specdec.sampling import SamplingTensors, sample, warp
+from specdec.sequence import Sequence
+
+
+class DraftModelDrafter(Drafter):
+    def __init__(self, model: LlamaModel, vocab_size: int):
+        self.model = model
+        self.vocab_size = vocab_size  # the target's: draft logits are cut or padded to it
+        self.cache = None
+        # slot -> (n, drafts): the cache holds the sequence's first n tokens, then these drafts
+        self.fed: dict[int, tuple[int, list[int]]] = {}
+
+    @classmethod
+    def from_config(cls, spec, target: LoadedModel, dtype, device) -> "DraftModelDrafter":
+        """Load spec.model and check that it shares the target's vocabulary."""
+        draft = load_pretrained(spec.model, dtype, device, load_tokenizer=target.tokenizer is not None)
+        check_same_vocabulary(target, draft)
+        return cls(draft.model, target.model.config.vocab_size)
+
+    def reserve(self, max_batch: int, max_len: int) -> None:
+        if self.cache is None or self.cache.max_batch < max_batch or self.cache.max_len < max_len:
+            self.cache = self.model.new_cache(max_batch, max_len)
+        self.fed.clear()
+
+    def release(self, seq: Sequence) -> None:
+        self.fed.pop(seq.slot, None)
+
+    def propose(self, batch: list[Sequence], k: int, sampling: SamplingTensors) -> Draft:
+        device = self.model.device
+        if k == 0:
+            return Draft.empty(len(batch), device)
+        self.cache.use_slots([seq.slot for seq in batch])
+        generators = [seq.generator for seq in batch]
+        logits = self._catch_up(batch)  # [B, V]: each row's next-token logits
+        draft_tokens, draft_probs = [], []
+        for i in range(k):
+            probs = warp(logits, sampling)  # [B, V]
+            token = sample(probs, generators)  # [B]
+            draft_tokens.append(token)
+            draft_probs.append(probs)
+            if i < k - 1:
+                positions = torch.tensor([seq.num_tokens + i for seq in batch], device=device)[:, None]  # [B, 1]
+                logits = self._logits(self.model(token[:, None], positions, self.cache)[:, 0])
+        token_ids = torch.stack(draft_tokens, dim=1)  # [B, k]
+        for row, seq in enumerate(batch):
+            self.fed[seq.slot] = (seq.num_tokens, token_ids[row, :k - 1].tolist())
+        probs = None if sampling.all_greedy else torch.stack(draft_probs, dim=1)  # [B, k, V]
+        return Draft(token_ids, torch.full((len(batch),), k, device=device), probs)
+
+    def _catch_up(self, batch: list[Sequence]) -> torch.Tensor:
+        """Feed each row the tokens its cache lacks (the whole prompt for a new sequence,
+        one or two tokens after a round); return the logits after each row's last token."""
+        device = self.model.device
+        pending = []
+        for seq in batch:
+            tokens = seq.token_ids
+            num_confirmed, drafts = self.fed.get(seq.slot, (0, []))
+            start = num_confirmed + _common_prefix(drafts, tokens[num_confirmed:])
+            start = min(start, len(tokens) - 1)  # always feed the last token: its logits are needed
+            pending.append((start, tokens[start:]))
+        width = max(len(chunk) for _, chunk in pending)
+        input_ids = torch.zeros(len(batch), width, dtype=torch.long)
+        positions = torch.zeros(len(batch), width, dtype=torch.long)
+        for row, (start, chunk) in enumerate(pending):
+            input_ids[row, :len(chunk)] = torch.tensor(chunk)
+            positions[row] = torch.arange(start, start + width)  # padding continues past the row's end
+        hidden = self.model.hidden_states(input_ids.to(device), positions.to(device), self.cache)  # [B, W, h]
+        last = torch.tensor([len(chunk) - 1 for _, chunk in pending], device=device)
+        return self._logits(self.model.logits(hidden[torch.arange(len(batch), device=device), last]))
+
+    def _logits(self, logits: torch.Tensor) -> torch.Tensor:
+        """Draft logits [B, V_draft] in the target's vocabulary [B, V]: extra ids cut, missing
+        ids given -inf (never drafted)."""
+        V = self.vocab_size
+        if logits.shape[-1] >= V:
+            return logits[..., :V]
+        pad = logits.new_full((*logits.shape[:-1], V - logits.shape[-1]), float("-inf"))
+        return torch.cat([logits, pad], dim=-1)
+
+
+def _common_prefix(a: list[int], b: list[int]) -> int:
+    n = min(len(a), len(b))
+    i = 0
+    while i < n and a[i] == b[i]:
+        i += 1
+    return i
+
+
+def check_same_vocabulary(target: LoadedModel, draft: LoadedModel) -> None:
+    """The draft must map text to the same token ids as the target (embedding sizes may differ,
+    as padded vocabularies often do)."""
+    if target.tokenizer is not None and draft.tokenizer is not None:
+        target_vocab, draft_vocab = target.tokenizer.get_vocab(), draft.tokenizer.get_vocab()
+        if target_vocab != draft_vocab:
+            differing = sorted(set(target_vocab.items()) ^ set(draft_vocab.items()))[:3]
+            raise ModelLoadError(
+                f"the draft {draft.path} has a different vocabulary from the target {target.path} "
+                f"({len(draft_vocab)} vs {len(target_vocab)} tokens; e.g. {differing}); "
+                "a draft must share the target's tokenizer")
+    elif target.model.config.vocab_size != draft.model.config.vocab_size:
+        raise ModelLoadError(f"the draft {draft.path} has vocab_size {draft.model.config.vocab_size}, the target "
+                             f"{target.path} has {target.model.config.vocab_size}; a draft must share the target's vocabulary")

@@ -1,0 +1,44 @@
+"""Prompt lookup: propose the tokens that followed the latest earlier occurrence of the
+context's last n tokens (n from ngram_max down to ngram_min). No model; the proposal is a
+point mass (draft_probs = None), and a row may propose fewer than k tokens, or none."""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from specdec.drafters.base import Draft, Drafter
+from specdec.sampling import SamplingTensors
+from specdec.sequence import Sequence
+
+
+class NgramDrafter(Drafter):
+    def __init__(self, ngram_min: int = 1, ngram_max: int = 4, device: torch.device | str = "cpu"):
+        self.ngram_min, self.ngram_max, self.device = ngram_min, ngram_max, device
+
+    @classmethod
+    def from_config(cls, spec, target, dtype, device) -> "NgramDrafter":
+        return cls(spec.ngram_min, spec.ngram_max, device)
+
+    def propose(self, batch: list[Sequence], k: int, sampling: SamplingTensors) -> Draft:
+        token_ids = torch.zeros(len(batch), k, dtype=torch.long)
+        num_tokens = torch.zeros(len(batch), dtype=torch.long)
+        for row, seq in enumerate(batch):
+            proposal = lookup(np.asarray(seq.token_ids), k, self.ngram_min, self.ngram_max)
+            token_ids[row, :len(proposal)] = torch.as_tensor(proposal, dtype=torch.long)
+            num_tokens[row] = len(proposal)
+        return Draft(token_ids.to(self.device), num_tokens.to(self.device), None)
+
+
+def lookup(context: np.ndarray, k: int, ngram_min: int, ngram_max: int) -> np.ndarray:
+    """Up to k tokens that followed the latest earlier match of the context's last n tokens,
+    trying the longest n first; empty when nothing matches."""
+    L = len(context)
+    for n in range(min(ngram_max, L - 1), ngram_min - 1, -1):
+        suffix = context[L - n:]
+        windows = np.lib.stride_tricks.sliding_window_view(context[:L - 1], n)  # [L-n, n]: starts 0..L-n-1
+        matches = np.flatnonzero((windows == suffix).all(axis=1))
+        if len(matches):
+            start = matches[-1] + n  # first token after the latest match
+            return context[start:start + k]
+    return context[:0]

@@ -1,0 +1,174 @@
+"""The round loop: where the target, the drafter and the rejection sampler meet.
+
+A round, for every running sequence at once:
+  propose   the drafter drafts up to k tokens per row
+  verify    one target forward over [last token, drafts] gives p at every draft position
+            and one past it; rejection sampling keeps a prefix and adds one token
+  emit      tokens are appended one by one, stopping at EOS / stop strings / max_tokens even
+            inside an accepted run; finished rows leave the batch and free their slot
+
+Invariant between rounds: the target's cache holds K/V for every token of a sequence but
+the last, which is fed first in the next round's verify forward.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+
+import torch
+
+from specdec.drafters.base import Drafter
+from specdec.models.llama import LlamaModel
+from specdec.models.tokenizer import Tokenizer
+from specdec.sampling import SamplingTensors, sample, warp
+from specdec.sequence import Sequence
+from specdec.verify import rejection_sample
+
+
+class Engine:
+    def __init__(self, target: LlamaModel, drafter: Drafter | None, num_speculative_tokens: int,
+                 eos_token_ids: tuple[int, ...], tokenizer: Tokenizer | None, max_num_seqs: int = 256):
+        self.target = target
+        self.drafter = drafter
+        self.k = num_speculative_tokens if drafter is not None else 0
+        self.eos_token_ids = frozenset(eos_token_ids)
+        self.tokenizer = tokenizer
+        self.max_num_seqs = max_num_seqs
+        self.cache = None
+        self.timings = {"prefill": 0.0, "draft": 0.0, "target": 0.0, "sampling": 0.0, "bookkeeping": 0.0}
+
+    def run(self, seqs: list[Sequence]) -> None:
+        """Generate every sequence to completion (continuous batching over free slots)."""
+        max_batch = min(self.max_num_seqs, len(seqs))
+        max_len = max(s.num_tokens + s.params.max_tokens for s in seqs) + self.k + 1
+        self._reserve(max_batch, max_len)
+        for key in self.timings:
+            self.timings[key] = 0.0
+        start = time.perf_counter()
+        waiting, running = deque(seqs), []
+        free_slots = list(range(max_batch))[::-1]
+        while waiting or running:
+            admitted = []
+            while waiting and free_slots:
+                seq = waiting.popleft()
+                seq.slot = free_slots.pop()
+                admitted.append(seq)
+            if admitted:
+                self._prefill(admitted)
+                running += admitted
+            running = self._retire(running, free_slots, start)
+            if running:
+                self._round(running)
+                running = self._retire(running, free_slots, start)
+
+    def _reserve(self, max_batch: int, max_len: int) -> None:
+        if self.cache is None or self.cache.max_batch < max_batch or self.cache.max_len < max_len:
+            self.cache = self.target.new_cache(max_batch, max_len)
+        if self.drafter is not None:
+            self.drafter.reserve(max_batch, max_len)
+
+    def _retire(self, running: list[Sequence], free_slots: list[int], start: float) -> list[Sequence]:
+        still_running = []
+        for seq in running:
+            if seq.finished:
+                seq.stats.seconds = time.perf_counter() - start
+                seq.text = self._final_text(seq)
+                free_slots.append(seq.slot)
+                if self.drafter is not None:
+                    self.drafter.release(seq)
+            else:
+                still_running.append(seq)
+        return still_running
+
+    def _prefill(self, batch: list[Sequence]) -> None:
+        """One target forward over the new prompts; samples each one's first token."""
+        t0 = time.perf_counter()
+        device = self.target.device
+        width = max(len(s.prompt_token_ids) for s in batch)
+        input_ids = torch.zeros(len(batch), width, dtype=torch.long)
+        for row, seq in enumerate(batch):
+            input_ids[row, :len(seq.prompt_token_ids)] = torch.tensor(seq.prompt_token_ids)
+        positions = torch.arange(width).expand(len(batch), width)  # padding continues past each prompt
+        self.cache.use_slots([s.slot for s in batch])
+        hidden = self.target.hidden_states(input_ids.to(device), positions.to(device), self.cache)  # [B, W, h]
+        last = torch.tensor([len(s.prompt_token_ids) - 1 for s in batch], device=device)
+        logits = self.target.logits(hidden[torch.arange(len(batch), device=device), last])  # [B, V]
+        probs = warp(logits, SamplingTensors.from_params([s.params for s in batch], device))
+        first_tokens = sample(probs, [s.generator for s in batch]).tolist()
+        for seq, token in zip(batch, first_tokens):
+            seq.stats.record_round(0, 0, self._emit(seq, [token]))
+        self.timings["prefill"] += time.perf_counter() - t0
+
+    def _round(self, batch: list[Sequence]) -> None:
+        device = self.target.device
+        sampling = SamplingTensors.from_params([s.params for s in batch], device)
+        t0 = time.perf_counter()
+        draft = self.drafter.propose(batch, self.k, sampling) if self.k else None
+        t1 = time.perf_counter()
+        k = draft.token_ids.shape[1] if draft is not None else 0
+        budget = torch.tensor([s.remaining_tokens - 1 for s in batch], device=device)
+        num_draft = torch.minimum(draft.num_tokens, budget) if k else torch.zeros_like(budget)  # [B]
+
+        input_ids, positions = self._verify_inputs(batch, draft, k)  # [B, k+1] each
+        self.cache.use_slots([s.slot for s in batch])
+        target_logits = self.target(input_ids, positions, self.cache)  # [B, k+1, V]
+        t2 = time.perf_counter()
+        B, V = len(batch), target_logits.shape[-1]
+        target_probs = warp(target_logits.view(B * (k + 1), V), sampling.repeat_rows(k + 1)).view(B, k + 1, V)
+        output, num_accepted = rejection_sample(
+            draft.token_ids if k else torch.zeros(B, 0, dtype=torch.long, device=device), num_draft,
+            draft.probs if k else None, target_probs, [s.generator for s in batch],
+            sampling.greedy if sampling.any_greedy else None)
+        t3 = time.perf_counter()
+
+        num_proposed, num_accepted_list = num_draft.tolist(), num_accepted.tolist()
+        for row, seq in enumerate(batch):
+            tokens = output[row, :num_accepted_list[row] + 1].tolist()
+            seq.stats.record_round(num_proposed[row], num_accepted_list[row], self._emit(seq, tokens))
+        if self.drafter is not None:
+            self.drafter.observe(batch, num_accepted)
+        t4 = time.perf_counter()
+        for key, seconds in (("draft", t1 - t0), ("target", t2 - t1), ("sampling", t3 - t2), ("bookkeeping", t4 - t3)):
+            self.timings[key] += seconds
+
+    def _verify_inputs(self, batch: list[Sequence], draft, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """[last token, d_1..d_k] at positions [L-1 .. L-1+k] per row: [B, k+1] each."""
+        device = self.target.device
+        last_tokens = torch.tensor([s.last_token_id for s in batch], device=device)[:, None]  # [B, 1]
+        input_ids = torch.cat([last_tokens, draft.token_ids], dim=1) if k else last_tokens
+        first_positions = torch.tensor([s.num_tokens - 1 for s in batch], device=device)[:, None]  # [B, 1]
+        positions = first_positions + torch.arange(k + 1, device=device)  # [B, k+1]
+        return input_ids, positions
+
+    def _emit(self, seq: Sequence, tokens: list[int]) -> int:
+        """Append tokens to seq until one of them finishes it; returns how many were emitted."""
+        params = seq.params
+        for count, token in enumerate(tokens, start=1):
+            seq.output_token_ids.append(token)
+            if (token in self.eos_token_ids and not params.ignore_eos) or token in params.stop_token_ids:
+                seq.finish_reason = "stop"
+            elif params.stop and self._stop_string_index(seq) is not None:
+                seq.finish_reason = "stop"
+            elif seq.remaining_tokens <= 0:
+                seq.finish_reason = "length"
+            if seq.finished:
+                return count
+        return len(tokens)
+
+    def _stop_string_index(self, seq: Sequence) -> int | None:
+        """Where the first stop string starts in the decoded output, or None."""
+        text = self._decode(seq.output_token_ids)
+        found = [i for i in (text.find(s) for s in seq.params.stop) if i >= 0]
+        return min(found) if found else None
+
+    def _final_text(self, seq: Sequence) -> str:
+        text = self._decode(seq.output_token_ids)
+        if seq.params.stop:
+            cut = self._stop_string_index(seq)
+            if cut is not None:
+                text = text[:cut]
+        return text
+
+    def _decode(self, token_ids: list[int]) -> str:
+        return self.tokenizer.decode(token_ids) if self.tokenizer is not None else ""

@@ -1,0 +1,49 @@
+"""A preallocated key/value cache with one slot per sequence.
+
+Each sequence owns a slot (a row of the cache) for its whole life. A forward pass names the
+slots of the rows it runs (`use_slots`) and writes each token's K/V at the token's position.
+Nothing is ever copied or rolled back: when draft tokens are rejected, their entries stay
+at positions past the row's length, the causal mask (key position <= query position) hides
+them, and the next round writes over them.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+class KVCache:
+    def __init__(self, num_layers: int, max_batch: int, max_len: int, num_kv_heads: int,
+                 head_dim: int, dtype: torch.dtype, device: torch.device | str):
+        shape = (max_batch, max_len, num_kv_heads, head_dim)  # [slots, positions, Hkv, D]
+        # Zeros, not empty: masked entries still meet the value matmul with weight 0, and
+        # uninitialised memory could hold NaN (0 * NaN = NaN).
+        self.keys = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.values = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.max_batch, self.max_len = max_batch, max_len
+        self.slots: torch.Tensor | None = None  # slot of each row of the next forward; None = rows 0..B-1
+
+    def use_slots(self, slots: torch.Tensor | list[int] | None) -> None:
+        """Route the rows of the following forward passes to these cache slots."""
+        if slots is not None:
+            slots = torch.as_tensor(slots, dtype=torch.long, device=self.keys[0].device)
+            if bool((slots < 0).any()) or bool((slots >= self.max_batch).any()):
+                raise ValueError(f"cache slots must be in [0, {self.max_batch}), got {slots.tolist()}")
+            if torch.equal(slots, torch.arange(len(slots), device=slots.device)):
+                slots = None  # rows 0..B-1: plain slicing, no gather
+        self.slots = slots
+
+    def write_and_read(self, layer: int, positions: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                       num_keys: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Store k, v [B, T, Hkv, D] at positions [B, T]; return this layer's keys and values
+        for the batch's slots at positions 0..num_keys-1: [B, num_keys, Hkv, D] each."""
+        B = positions.shape[0]
+        if num_keys > self.max_len:
+            raise ValueError(f"position {num_keys - 1} is past the cache length {self.max_len}")
+        keys, values = self.keys[layer], self.values[layer]
+        rows = torch.arange(B, device=positions.device) if self.slots is None else self.slots
+        keys[rows[:, None], positions] = k  # rows [B, 1] x positions [B, T] -> [B, T] entries
+        values[rows[:, None], positions] = v
+        if self.slots is None:
+            return keys[:B, :num_keys], values[:B, :num_keys]
+        return keys[self.slots, :num_keys], values[self.slots, :num_keys]

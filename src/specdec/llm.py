@@ -1,0 +1,165 @@
+"""LLM: the user-facing entry point, in the names vLLM users know.
+
+    llm = LLM(model="target_dir", speculative_model="draft_dir", num_speculative_tokens=5)
+    outputs = llm.generate(["def fib(n):"], SamplingParams(temperature=0, max_tokens=64))
+    print(outputs[0].outputs[0].text, outputs[0].metrics.acceptance_rate)
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from specdec.config import SamplingParams, SpeculativeConfig
+from specdec.drafters import DRAFTERS
+from specdec.engine import Engine
+from specdec.metrics import SpecStats
+from specdec.models.loader import LoadedModel, load_pretrained
+from specdec.sequence import Sequence
+
+
+@dataclass
+class CompletionOutput:
+    index: int
+    text: str
+    token_ids: list[int]
+    finish_reason: str | None
+
+
+@dataclass
+class RequestOutput:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
+    metrics: SpecStats = field(default_factory=SpecStats)
+    finished: bool = True
+
+
+class LLM:
+    """A target model, optionally with a drafter, ready to generate.
+
+    model: the target's Hugging Face directory.
+    speculative_model: the draft's directory (method "draft_model"), or "[ngram]" for
+        prompt lookup; None = no speculation unless speculative_method="ngram".
+    num_speculative_tokens: k, draft tokens per round.
+    speculative_method: "draft_model" or "ngram" (inferred from speculative_model if None).
+    dtype: "auto" (the checkpoint's), "float32", "bfloat16" or "float16".
+    device: "cpu", "cuda", "cuda:1", ...
+    max_num_seqs: the most sequences run at once; more wait for a free slot.
+    seed: seeds the random streams of requests that have no seed of their own.
+    """
+
+    def __init__(self, model: str, speculative_model: str | None = None, num_speculative_tokens: int = 5,
+                 speculative_method: str | None = None, dtype: str = "auto", device: str = "cpu",
+                 max_num_seqs: int = 256, seed: int = 0, skip_tokenizer_init: bool = False,
+                 ngram_prompt_lookup_min: int = 1, ngram_prompt_lookup_max: int = 4):
+        if speculative_model == "[ngram]":
+            speculative_model, speculative_method = None, "ngram"
+        if speculative_method is None:
+            speculative_method = "draft_model" if speculative_model is not None else None
+        self.speculative_config = None if speculative_method is None else SpeculativeConfig(
+            method=speculative_method, model=speculative_model, num_speculative_tokens=num_speculative_tokens,
+            ngram_min=ngram_prompt_lookup_min, ngram_max=ngram_prompt_lookup_max)
+        if not (isinstance(max_num_seqs, int) and max_num_seqs >= 1):
+            raise ValueError(f"max_num_seqs must be an integer >= 1, got {max_num_seqs!r}")
+        self.device = torch.device(device)
+        self.target: LoadedModel = load_pretrained(model, dtype, self.device, load_tokenizer=not skip_tokenizer_init)
+        self.tokenizer = self.target.tokenizer
+        drafter = None
+        if self.speculative_config is not None:
+            drafter = DRAFTERS[self.speculative_config.method](self.speculative_config, self.target, dtype, self.device)
+        k = self.speculative_config.num_speculative_tokens if self.speculative_config else 0
+        self.engine = Engine(self.target.model, drafter, k, self.target.eos_token_ids, self.tokenizer, max_num_seqs)
+        self._seed_source = torch.Generator().manual_seed(seed)
+        self._next_request_id = 0
+
+    @property
+    def max_model_len(self) -> int:
+        return self.target.model.config.max_position_embeddings
+
+    def generate(self, prompts, sampling_params: SamplingParams | list[SamplingParams] | None = None
+                 ) -> list[RequestOutput]:
+        """Generate for one prompt or a list of prompts (text, token ids, or
+        {"prompt_token_ids": [...]}); returns one RequestOutput per prompt, in order."""
+        prompt_list = _as_prompt_list(prompts)
+        params_list = _as_params_list(sampling_params, len(prompt_list))
+        seqs = [self._new_sequence(prompt, params) for prompt, params in zip(prompt_list, params_list)]
+        with torch.inference_mode():
+            self.engine.run(seqs)
+        return [self._output(seq) for seq in seqs]
+
+    def chat(self, messages: list[dict], sampling_params: SamplingParams | None = None) -> RequestOutput:
+        """Generate a reply to one conversation rendered with the model's chat template."""
+        tokenizer = self._need_tokenizer("chat")
+        prompt_ids = tokenizer.encode(tokenizer.apply_chat_template(messages), add_special_tokens=False)
+        return self.generate({"prompt_token_ids": prompt_ids}, sampling_params)[0]
+
+    def _new_sequence(self, prompt, params: SamplingParams) -> Sequence:
+        if isinstance(prompt, str):
+            if not prompt:
+                raise ValueError("empty prompt: give at least one character or token id")
+            prompt_text, prompt_ids = prompt, self._need_tokenizer("text prompts").encode(prompt)
+        else:
+            prompt_text, prompt_ids = None, list(prompt)
+        self._check_prompt(prompt_ids, params)
+        if params.stop:
+            self._need_tokenizer("stop strings")
+        generator = torch.Generator(self.device)
+        seed = params.seed if params.seed is not None else int(torch.randint(2**62, (1,), generator=self._seed_source))
+        generator.manual_seed(seed)
+        request_id = self._next_request_id
+        self._next_request_id += 1
+        return Sequence(request_id, prompt_ids, params, generator, prompt=prompt_text)
+
+    def _check_prompt(self, prompt_ids: list[int], params: SamplingParams) -> None:
+        vocab_size = self.target.model.config.vocab_size
+        if not prompt_ids:
+            raise ValueError("empty prompt: it encodes to no tokens; give a non-empty prompt")
+        if not all(isinstance(t, int) and 0 <= t < vocab_size for t in prompt_ids):
+            raise ValueError(f"prompt token ids must be integers in [0, {vocab_size})")
+        if len(prompt_ids) + params.max_tokens > self.max_model_len:
+            raise ValueError(f"prompt of {len(prompt_ids)} tokens + max_tokens={params.max_tokens} exceeds the "
+                             f"model's context length {self.max_model_len}; shorten the prompt or lower max_tokens")
+
+    def _need_tokenizer(self, what: str):
+        if self.tokenizer is None:
+            raise ValueError(f"{what} need a tokenizer, but this LLM was made with skip_tokenizer_init=True "
+                             "(or the model has none); give prompts as token ids")
+        return self.tokenizer
+
+    def _output(self, seq: Sequence) -> RequestOutput:
+        completion = CompletionOutput(0, seq.text, list(seq.output_token_ids), seq.finish_reason)
+        return RequestOutput(str(seq.request_id), seq.prompt, seq.prompt_token_ids, [completion], seq.stats)
+
+
+def _as_prompt_list(prompts) -> list:
+    if isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
+        prompts = [prompts]
+    if not isinstance(prompts, (list, tuple)) or not prompts:
+        raise ValueError("prompts must be a string, a list of token ids, or a non-empty list of those")
+    out = []
+    for prompt in prompts:
+        if isinstance(prompt, dict):
+            if "prompt_token_ids" in prompt:
+                prompt = prompt["prompt_token_ids"]
+            elif "prompt" in prompt:
+                prompt = prompt["prompt"]
+            else:
+                raise ValueError("a dict prompt needs 'prompt' or 'prompt_token_ids'")
+        if not isinstance(prompt, (str, list, tuple)):
+            raise ValueError(f"a prompt must be text or a list of token ids, got {type(prompt).__name__}")
+        out.append(prompt)
+    return out
+
+
+def _as_params_list(params, n: int) -> list[SamplingParams]:
+    if params is None:
+        return [SamplingParams()] * n
+    if isinstance(params, SamplingParams):
+        return [params] * n
+    params = list(params)
+    if len(params) != n or not all(isinstance(p, SamplingParams) for p in params):
+        raise ValueError(f"give one SamplingParams, or a list of {n} (one per prompt)")
+    return params

@@ -1,0 +1,91 @@
+"""SpecStats: what speculation did for one request (or, merged, for many).
+
+  α  acceptance rate = accepted / proposed draft tokens
+  τ  tokens emitted per target forward, bonus and the prefill's first token included
+     (plain decoding: exactly 1.0)
+Acceptance by position i is the fraction of rounds that proposed a draft token at position i
+(0-based) in which it was accepted.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class SpecStats:
+    num_draft_tokens: int = 0  # proposed
+    num_accepted_tokens: int = 0
+    num_emitted_tokens: int = 0
+    num_target_forwards: int = 0
+    proposed_by_position: list[int] = field(default_factory=list)
+    accepted_by_position: list[int] = field(default_factory=list)
+    seconds: float = 0.0  # wall time from the start of generate() to this request's end
+
+    def record_round(self, num_proposed: int, num_accepted: int, num_emitted: int) -> None:
+        self.num_target_forwards += 1
+        self.num_draft_tokens += num_proposed
+        self.num_accepted_tokens += num_accepted
+        self.num_emitted_tokens += num_emitted
+        _grow(self.proposed_by_position, num_proposed)
+        _grow(self.accepted_by_position, num_accepted)
+        for i in range(num_proposed):
+            self.proposed_by_position[i] += 1
+        for i in range(num_accepted):
+            self.accepted_by_position[i] += 1
+
+    @property
+    def acceptance_rate(self) -> float:
+        """α; nan when nothing was proposed."""
+        return self.num_accepted_tokens / self.num_draft_tokens if self.num_draft_tokens else float("nan")
+
+    @property
+    def tokens_per_forward(self) -> float:
+        """τ."""
+        return self.num_emitted_tokens / self.num_target_forwards if self.num_target_forwards else float("nan")
+
+    @property
+    def acceptance_by_position(self) -> list[float]:
+        return [a / p if p else float("nan") for a, p in zip(self.accepted_by_position, self.proposed_by_position)]
+
+    @property
+    def tokens_per_second(self) -> float:
+        return self.num_emitted_tokens / self.seconds if self.seconds > 0 else float("nan")
+
+    @classmethod
+    def merge(cls, stats: list["SpecStats"]) -> "SpecStats":
+        """Totals over requests; seconds is the longest (the requests ran together)."""
+        total = cls()
+        for s in stats:
+            total.num_draft_tokens += s.num_draft_tokens
+            total.num_accepted_tokens += s.num_accepted_tokens
+            total.num_emitted_tokens += s.num_emitted_tokens
+            total.num_target_forwards += s.num_target_forwards
+            for mine, theirs in ((total.proposed_by_position, s.proposed_by_position),
+                                 (total.accepted_by_position, s.accepted_by_position)):
+                _grow(mine, len(theirs))
+                for i, n in enumerate(theirs):
+                    mine[i] += n
+            total.seconds = max(total.seconds, s.seconds)
+        return total
+
+    def summary(self) -> str:
+        by_position = " ".join(f"{a:.2f}" for a in self.acceptance_by_position)
+        return (f"tokens {self.num_emitted_tokens}  target forwards {self.num_target_forwards}  "
+                f"τ {self.tokens_per_forward:.2f}  α {self.acceptance_rate:.3f} "
+                f"({self.num_accepted_tokens}/{self.num_draft_tokens})  "
+                f"by position [{by_position}]  {self.seconds:.2f}s  {self.tokens_per_second:.1f} tok/s")
+
+
+def expected_tokens_per_round(alpha: float, k: int) -> float:
+    """(1 - α^(k+1)) / (1 - α): tokens per round if each draft is accepted with probability α."""
+    return float(k + 1) if alpha >= 1 else (1 - alpha ** (k + 1)) / (1 - alpha)
+
+
+def predicted_speedup(alpha: float, k: int, cost_ratio: float) -> float:
+    """(1 - α^(k+1)) / ((1 - α)(k·c + 1)) over plain decoding, c = draft step / target step."""
+    return expected_tokens_per_round(alpha, k) / (k * cost_ratio + 1)
+
+
+def _grow(counts: list[int], size: int) -> None:
+    counts.extend([0] * (size - len(counts)))

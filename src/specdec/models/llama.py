@@ -1,0 +1,233 @@
+"""The Llama family in one file: Llama 2/3, Mistral, Qwen2, Qwen3.
+
+They differ only in small switches, all read from the Hugging Face config:
+  attention_bias  biases on q/k/v (Qwen2 always; Llama and Qwen3 when configured; on o too
+                  for Llama/Qwen3)
+  qk_norm         an RMSNorm over each head of q and k before RoPE (Qwen3)
+  rope scaling    "llama3" (Llama 3.1+) and "linear" stretch the rotary frequencies
+  sliding window  a layer attends only to the last `window` positions (Mistral, some Qwen)
+  tied embeddings the output head reuses the input embedding matrix
+
+The model knows nothing of speculation. `forward(input_ids [B, T], positions [B, T], cache)`
+writes each token's K/V into the cache at its position and attends to every cached key at a
+position <= the query's. Positions decide everything: entries past a row's length (say,
+rejected draft tokens) sit at later positions, are masked, and are overwritten next time.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from specdec.kv_cache import KVCache
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    max_position_embeddings: int
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 10000.0
+    rope_scaling: tuple[tuple[str, float], ...] = ()  # sorted (key, value) pairs, hashable
+    tie_word_embeddings: bool = False
+    qkv_bias: bool = False
+    o_bias: bool = False
+    mlp_bias: bool = False
+    qk_norm: bool = False
+    sliding_windows: tuple[int | None, ...] = ()  # per layer; empty = full attention everywhere
+
+    def __post_init__(self) -> None:
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(f"num_attention_heads ({self.num_heads}) must be a multiple of "
+                             f"num_key_value_heads ({self.num_kv_heads})")
+
+    def window(self, layer: int) -> int | None:
+        return self.sliding_windows[layer] if self.sliding_windows else None
+
+    @property
+    def num_parameters(self) -> int:
+        h, i, v = self.hidden_size, self.intermediate_size, self.vocab_size
+        q, kv = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        per_layer = h * (q + 2 * kv) + q * h + 3 * h * i + 2 * h
+        return v * h * (1 if self.tie_word_embeddings else 2) + self.num_layers * per_layer + h
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x32.to(x.dtype)
+
+
+def rope_inverse_frequencies(config: ModelConfig) -> torch.Tensor:
+    """The rotary frequencies theta^(-2i/d), stretched by the config's rope scaling."""
+    d = config.head_dim
+    inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, d, 2, dtype=torch.float32) / d))
+    scaling = dict(config.rope_scaling)
+    rope_type = scaling.get("rope_type", "default")
+    if rope_type == "linear":
+        inv_freq = inv_freq / scaling["factor"]
+    elif rope_type == "llama3":
+        inv_freq = _llama3_scaled(inv_freq, scaling)
+    return inv_freq
+
+
+def _llama3_scaled(inv_freq: torch.Tensor, s: dict) -> torch.Tensor:
+    """Llama 3.1: long wavelengths divided by `factor`, short kept, a smooth blend between."""
+    factor, low, high = s["factor"], s["low_freq_factor"], s["high_freq_factor"]
+    old_context = s["original_max_position_embeddings"]
+    wavelength = 2 * math.pi / inv_freq
+    low_freq_wavelength, high_freq_wavelength = old_context / low, old_context / high
+    scaled = torch.where(wavelength > low_freq_wavelength, inv_freq / factor, inv_freq)
+    smooth = (old_context / wavelength - low) / (high - low)
+    blended = (1 - smooth) * scaled / factor + smooth * scaled
+    is_medium = (wavelength >= high_freq_wavelength) & (wavelength <= low_freq_wavelength)
+    return torch.where(is_medium, blended, scaled)
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    first, second = x.chunk(2, dim=-1)
+    return torch.cat((-second, first), dim=-1)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x [B, T, H, D] rotated by cos/sin [B, T, 1, D]."""
+    return x * cos + rotate_half(x) * sin
+
+
+class Attention(nn.Module):
+    def __init__(self, config: ModelConfig, layer_index: int):
+        super().__init__()
+        self.layer_index = layer_index
+        self.num_heads, self.num_kv_heads, self.head_dim = config.num_heads, config.num_kv_heads, config.head_dim
+        h, q_dim, kv_dim = config.hidden_size, config.num_heads * config.head_dim, config.num_kv_heads * config.head_dim
+        self.q_proj = nn.Linear(h, q_dim, bias=config.qkv_bias)
+        self.k_proj = nn.Linear(h, kv_dim, bias=config.qkv_bias)
+        self.v_proj = nn.Linear(h, kv_dim, bias=config.qkv_bias)
+        self.o_proj = nn.Linear(q_dim, h, bias=config.o_bias)
+        if config.qk_norm:
+            self.q_norm = RMSNorm(config.head_dim, config.rms_norm_eps)
+            self.k_norm = RMSNorm(config.head_dim, config.rms_norm_eps)
+        else:
+            self.q_norm = self.k_norm = None
+
+    def forward(self, x, cos, sin, mask, positions, cache: KVCache) -> torch.Tensor:
+        B, T, _ = x.shape
+        q = self.q_proj(x).view(B, T, self.num_heads, self.head_dim)  # [B, T, H, D]
+        k = self.k_proj(x).view(B, T, self.num_kv_heads, self.head_dim)  # [B, T, Hkv, D]
+        v = self.v_proj(x).view(B, T, self.num_kv_heads, self.head_dim)  # [B, T, Hkv, D]
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        num_keys = mask.shape[-1]
+        keys, values = cache.write_and_read(self.layer_index, positions, k, v, num_keys)  # [B, S, Hkv, D] each
+        out = F.scaled_dot_product_attention(
+            q.transpose(1, 2), keys.transpose(1, 2), values.transpose(1, 2),  # [B, H(kv), T|S, D]
+            attn_mask=mask, enable_gqa=self.num_heads != self.num_kv_heads,
+        )  # [B, H, T, D]
+        return self.o_proj(out.transpose(1, 2).reshape(B, T, -1))  # [B, T, H*D] -> [B, T, hidden]
+
+
+class MLP(nn.Module):
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        h, i, bias = config.hidden_size, config.intermediate_size, config.mlp_bias
+        self.gate_proj = nn.Linear(h, i, bias=bias)
+        self.up_proj = nn.Linear(h, i, bias=bias)
+        self.down_proj = nn.Linear(i, h, bias=bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, config: ModelConfig, layer_index: int):
+        super().__init__()
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.self_attn = Attention(config, layer_index)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.mlp = MLP(config)
+
+    def forward(self, x, cos, sin, mask, positions, cache) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, mask, positions, cache)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class LlamaModel(nn.Module):
+    """Decoder-only transformer; parameter names follow Hugging Face's checkpoints."""
+
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        self.config = config
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(config, i) for i in range(config.num_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        if config.tie_word_embeddings:
+            self.lm_head.weight = self.embed_tokens.weight
+        self.register_buffer("inv_freq", rope_inverse_frequencies(config), persistent=False)
+
+    @property
+    def device(self) -> torch.device:
+        return self.embed_tokens.weight.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.embed_tokens.weight.dtype
+
+    def new_cache(self, max_batch: int, max_len: int) -> KVCache:
+        c = self.config
+        return KVCache(c.num_layers, max_batch, max_len, c.num_kv_heads, c.head_dim, self.dtype, self.device)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, cache: KVCache) -> torch.Tensor:
+        """input_ids, positions [B, T] -> logits [B, T, V] (float32)."""
+        return self.logits(self.hidden_states(input_ids, positions, cache))
+
+    def hidden_states(self, input_ids: torch.Tensor, positions: torch.Tensor, cache: KVCache) -> torch.Tensor:
+        """input_ids, positions [B, T] -> final normed hidden states [B, T, hidden]."""
+        x = self.embed_tokens(input_ids)  # [B, T, hidden]
+        cos, sin = self._rope_tables(positions)
+        num_keys = int(positions.max()) + 1
+        masks = {}
+        for layer in self.layers:
+            window = self.config.window(layer.self_attn.layer_index)
+            if window not in masks:
+                masks[window] = attention_mask(positions, num_keys, window)
+            x = layer(x, cos, sin, masks[window], positions, cache)
+        return self.norm(x)
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden [..., hidden] -> logits [..., V] in float32."""
+        return self.lm_head(hidden).float()
+
+    def _rope_tables(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """positions [B, T] -> cos, sin [B, T, 1, D] in the model's dtype (computed in float32)."""
+        angles = positions.float()[..., None] * self.inv_freq  # [B, T, D/2]
+        angles = torch.cat((angles, angles), dim=-1)[:, :, None, :]  # [B, T, 1, D]
+        return angles.cos().to(self.dtype), angles.sin().to(self.dtype)
+
+
+def attention_mask(positions: torch.Tensor, num_keys: int, window: int | None) -> torch.Tensor:
+    """Which cached keys each query may read: key position <= query position (and within
+    the sliding window). positions [B, T] -> mask [B, 1, T, num_keys] (True = attend)."""
+    key_positions = torch.arange(num_keys, device=positions.device)  # [S]
+    query_positions = positions[:, None, :, None]  # [B, 1, T, 1]
+    mask = key_positions <= query_positions
+    if window is not None:
+        mask &= key_positions > query_positions - window
+    return mask

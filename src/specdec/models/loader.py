@@ -1,0 +1,249 @@
+"""A Hugging Face model directory -> LlamaModel + Tokenizer + EOS ids.
+
+Reads config.json, model.safetensors (or the shards listed in model.safetensors.index.json),
+tokenizer.json / tokenizer_config.json and generation_config.json. Safetensors only: no
+pickle, no remote code. Every problem is reported as a ModelLoadError naming the file and
+what to do, before anything is half-built.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from specdec.models.llama import LlamaModel, ModelConfig, rope_inverse_frequencies
+from specdec.models.tokenizer import Tokenizer
+
+SUPPORTED_ARCHITECTURES = {
+    "LlamaForCausalLM": "llama",
+    "MistralForCausalLM": "mistral",
+    "Qwen2ForCausalLM": "qwen2",
+    "Qwen3ForCausalLM": "qwen3",
+}
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+DTYPES = {"float32": torch.float32, "float": torch.float32, "bfloat16": torch.bfloat16,
+          "float16": torch.float16, "half": torch.float16}
+
+
+class ModelLoadError(ValueError):
+    """A model directory that cannot be loaded; the message says why and what to do."""
+
+
+@dataclass
+class LoadedModel:
+    model: LlamaModel
+    tokenizer: Tokenizer | None
+    eos_token_ids: tuple[int, ...]
+    path: Path
+    hf_config: dict
+
+
+def load_pretrained(path: str | Path, dtype: str | torch.dtype = "auto", device: str | torch.device = "cpu",
+                    load_tokenizer: bool = True) -> LoadedModel:
+    path = Path(path)
+    if not path.is_dir():
+        raise ModelLoadError(f"model directory {str(path)!r} does not exist (or is not a directory); "
+                             "point at a Hugging Face model directory holding config.json and *.safetensors")
+    hf_config = read_config(path)
+    config = model_config_from_hf(hf_config, path / "config.json")
+    torch_dtype = resolve_dtype(dtype, hf_config)
+    weights = read_safetensors(path)
+    tokenizer = _load_tokenizer(path) if load_tokenizer else None
+    model = build_model(config, weights, torch_dtype, torch.device(device), path)
+    return LoadedModel(model, tokenizer, eos_token_ids(path, hf_config), path, hf_config)
+
+
+def read_config(path: Path) -> dict:
+    return _read_json(path / "config.json", what="the model's config.json")
+
+
+def model_config_from_hf(cfg: dict, where: Path) -> ModelConfig:
+    """Translate a Hugging Face config (transformers v4 or v5 style) into a ModelConfig."""
+    model_type = _model_type(cfg, where)
+
+    def need(key: str):
+        if key not in cfg or cfg[key] is None:
+            raise ModelLoadError(f"{where}: required field {key!r} is missing; "
+                                 "the config must come from a complete Hugging Face checkpoint")
+        return cfg[key]
+
+    if cfg.get("hidden_act", "silu") != "silu":
+        raise ModelLoadError(f"{where}: hidden_act {cfg['hidden_act']!r} is not supported (only 'silu')")
+    hidden, heads = need("hidden_size"), need("num_attention_heads")
+    num_layers = need("num_hidden_layers")
+    rope_theta, rope_scaling = _rope(cfg, where)
+    return ModelConfig(
+        vocab_size=need("vocab_size"),
+        hidden_size=hidden,
+        intermediate_size=need("intermediate_size"),
+        num_layers=num_layers,
+        num_heads=heads,
+        num_kv_heads=cfg.get("num_key_value_heads") or heads,
+        head_dim=cfg.get("head_dim") or hidden // heads,
+        max_position_embeddings=cfg.get("max_position_embeddings", 2048),
+        rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
+        rope_theta=rope_theta,
+        rope_scaling=rope_scaling,
+        tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+        qkv_bias=model_type == "qwen2" or bool(cfg.get("attention_bias", False)),
+        o_bias=model_type != "qwen2" and bool(cfg.get("attention_bias", False)),
+        mlp_bias=bool(cfg.get("mlp_bias", False)),
+        qk_norm=model_type == "qwen3",
+        sliding_windows=_sliding_windows(cfg, model_type, num_layers),
+    )
+
+
+def _model_type(cfg: dict, where: Path) -> str:
+    architectures = cfg.get("architectures") or []
+    supported = ", ".join(SUPPORTED_ARCHITECTURES)
+    for arch in architectures:
+        if arch in SUPPORTED_ARCHITECTURES:
+            return SUPPORTED_ARCHITECTURES[arch]
+    if architectures:
+        raise ModelLoadError(f"{where}: unsupported architecture {architectures}; supported: {supported}")
+    if cfg.get("model_type") in SUPPORTED_ARCHITECTURES.values():
+        return cfg["model_type"]
+    raise ModelLoadError(f"{where}: unsupported or missing model_type {cfg.get('model_type')!r} "
+                         f"(no 'architectures' field); supported: {supported}")
+
+
+def _rope(cfg: dict, where: Path) -> tuple[float, tuple]:
+    """(rope_theta, rope scaling as sorted pairs) from v5's rope_parameters or v4's rope_scaling."""
+    params = dict(cfg.get("rope_parameters") or {})
+    scaling = dict(cfg.get("rope_scaling") or {})
+    theta = params.pop("rope_theta", cfg.get("rope_theta", 10000.0))
+    merged = {**scaling, **params}
+    rope_type = merged.pop("rope_type", merged.pop("type", "default"))
+    if rope_type not in SUPPORTED_ROPE_TYPES:
+        raise ModelLoadError(f"{where}: rope type {rope_type!r} is not supported; supported: {SUPPORTED_ROPE_TYPES}")
+    needed = {"linear": ["factor"], "llama3": ["factor", "low_freq_factor", "high_freq_factor",
+                                                "original_max_position_embeddings"]}.get(rope_type, [])
+    missing = [key for key in needed if key not in merged]
+    if missing:
+        raise ModelLoadError(f"{where}: rope type {rope_type!r} needs {missing} in rope_scaling")
+    pairs = tuple(sorted((k, float(merged[k])) for k in needed))
+    return float(theta), (("rope_type", rope_type),) + pairs if rope_type != "default" else ()
+
+
+def _sliding_windows(cfg: dict, model_type: str, num_layers: int) -> tuple:
+    window = cfg.get("sliding_window")
+    if not window:
+        return ()
+    layer_types = cfg.get("layer_types")
+    if layer_types:
+        return tuple(window if t == "sliding_attention" else None for t in layer_types)
+    if model_type == "mistral":
+        return (window,) * num_layers
+    if cfg.get("use_sliding_window"):
+        first = cfg.get("max_window_layers", num_layers)
+        return tuple(window if i >= first else None for i in range(num_layers))
+    return ()
+
+
+def resolve_dtype(dtype: str | torch.dtype, hf_config: dict) -> torch.dtype:
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype == "auto":
+        dtype = hf_config.get("dtype") or hf_config.get("torch_dtype") or "float32"
+    if dtype not in DTYPES:
+        raise ValueError(f"dtype {dtype!r} is not supported; use 'auto' or one of {sorted(DTYPES)}")
+    return DTYPES[dtype]
+
+
+def read_safetensors(path: Path) -> dict[str, torch.Tensor]:
+    """All tensors of model.safetensors, or of the shards its index lists, on the CPU."""
+    from safetensors import safe_open
+
+    index = path / "model.safetensors.index.json"
+    if index.is_file():
+        weight_map = _read_json(index, what="the shard index").get("weight_map")
+        if not isinstance(weight_map, dict) or not weight_map:
+            raise ModelLoadError(f"{index}: no 'weight_map' listing the shards")
+        files = sorted(set(weight_map.values()))
+    elif (path / "model.safetensors").is_file():
+        files = ["model.safetensors"]
+    else:
+        found = sorted(p.name for p in path.glob("*.bin")) + sorted(p.name for p in path.glob("*.pt"))
+        hint = (f" (found {found}: pickle checkpoints are not loaded; convert them to safetensors)"
+                if found else "")
+        raise ModelLoadError(f"{path}: no model.safetensors or model.safetensors.index.json{hint}")
+    tensors = {}
+    for name in files:
+        file = path / name
+        if not file.is_file():
+            raise ModelLoadError(f"{file}: shard listed in the index is missing; re-save or re-download the model")
+        try:
+            with safe_open(str(file), framework="pt", device="cpu") as f:
+                for key in f.keys():
+                    tensors[key] = f.get_tensor(key)
+        except Exception as e:  # safetensors raises its own error types for bad headers and short files
+            raise ModelLoadError(f"{file}: corrupt or truncated safetensors file ({e}); "
+                                 "re-save or re-download it") from e
+    return tensors
+
+
+def build_model(config: ModelConfig, weights: dict[str, torch.Tensor], dtype: torch.dtype,
+                device: torch.device, path: Path) -> LlamaModel:
+    """A LlamaModel holding exactly the checkpoint's weights (checked by name and shape)."""
+    state = {key.removeprefix("model."): tensor for key, tensor in weights.items()
+             if not key.endswith("rotary_emb.inv_freq")}
+    if config.tie_word_embeddings:
+        state.pop("lm_head.weight", None)
+    with torch.device("meta"):
+        model = LlamaModel(config)
+    expected = {name: p.shape for name, p in model.named_parameters()}  # tied lm_head is not listed twice
+    missing = sorted(set(expected) - set(state))
+    unexpected = sorted(set(state) - set(expected))
+    if missing or unexpected:
+        raise ModelLoadError(f"{path}: checkpoint does not match its config.json: "
+                             f"missing tensors {missing[:5]}{'...' if len(missing) > 5 else ''}, "
+                             f"unexpected tensors {unexpected[:5]}{'...' if len(unexpected) > 5 else ''}")
+    for name, shape in expected.items():
+        if tuple(state[name].shape) != tuple(shape):
+            raise ModelLoadError(f"{path}: tensor {name!r} has shape {tuple(state[name].shape)}, "
+                                 f"config.json implies {tuple(shape)}")
+    model.load_state_dict({k: v.to(device=device, dtype=dtype) for k, v in state.items()}, strict=False, assign=True)
+    if config.tie_word_embeddings:
+        model.lm_head.weight = model.embed_tokens.weight
+    model.inv_freq = rope_inverse_frequencies(config).to(device)
+    return model.eval().requires_grad_(False)
+
+
+def eos_token_ids(path: Path, hf_config: dict) -> tuple[int, ...]:
+    """EOS ids from generation_config.json and config.json (either may hold an int or a list)."""
+    ids: list[int] = []
+    sources = [hf_config]
+    if (path / "generation_config.json").is_file():
+        sources.insert(0, _read_json(path / "generation_config.json", what="generation_config.json"))
+    for source in sources:
+        value = source.get("eos_token_id")
+        for token in (value if isinstance(value, list) else [value]):
+            if isinstance(token, int) and token not in ids:
+                ids.append(token)
+    return tuple(ids)
+
+
+def _load_tokenizer(path: Path) -> Tokenizer:
+    if not (path / "tokenizer.json").is_file():
+        raise ModelLoadError(f"{path}: tokenizer.json is missing; save the tokenizer with the model "
+                             "(tokenizer.save_pretrained) or pass skip_tokenizer_init=True and give token ids")
+    try:
+        return Tokenizer.from_directory(path)
+    except Exception as e:
+        raise ModelLoadError(f"{path}: cannot read the tokenizer ({e})") from e
+
+
+def _read_json(file: Path, what: str) -> dict:
+    if not file.is_file():
+        raise ModelLoadError(f"{file}: {what} is missing; point at a Hugging Face model directory")
+    try:
+        with open(file) as f:
+            data = json.load(f)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ModelLoadError(f"{file}: {what} is not valid JSON ({e})") from e
+    if not isinstance(data, dict):
+        raise ModelLoadError(f"{file}: {what} must hold a JSON object")
+    return data

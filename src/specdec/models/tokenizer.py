@@ -1,0 +1,72 @@
+"""A Hugging Face tokenizer.json (through the `tokenizers` library) with the chat template and
+special tokens of tokenizer_config.json. No transformers, no remote code."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from tokenizers import Tokenizer as _RustTokenizer
+
+
+class Tokenizer:
+    def __init__(self, backend: _RustTokenizer, special_tokens: dict[str, str] | None = None,
+                 chat_template: str | None = None):
+        self.backend = backend
+        self.special_tokens = dict(special_tokens or {})  # e.g. {"bos_token": "<s>", "eos_token": "</s>"}
+        self.chat_template = chat_template
+
+    @classmethod
+    def from_directory(cls, path: str | Path) -> "Tokenizer":
+        path = Path(path)
+        backend = _RustTokenizer.from_file(str(path / "tokenizer.json"))
+        config = _read_json(path / "tokenizer_config.json") if (path / "tokenizer_config.json").is_file() else {}
+        special = {name: _token_text(config[name]) for name in ("bos_token", "eos_token", "pad_token", "unk_token")
+                   if config.get(name) is not None}
+        template = config.get("chat_template")
+        if isinstance(template, list):  # [{"name": "default", "template": ...}, ...]
+            named = {t.get("name"): t.get("template") for t in template}
+            template = named.get("default") or next(iter(named.values()), None)
+        if template is None and (path / "chat_template.jinja").is_file():
+            template = (path / "chat_template.jinja").read_text()
+        return cls(backend, special, template)
+
+    @property
+    def vocab_size(self) -> int:
+        return self.backend.get_vocab_size(with_added_tokens=True)
+
+    def get_vocab(self) -> dict[str, int]:
+        return self.backend.get_vocab(with_added_tokens=True)
+
+    def token_to_id(self, token: str) -> int | None:
+        return self.backend.token_to_id(token)
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return self.backend.encode(text, add_special_tokens=add_special_tokens).ids
+
+    def decode(self, token_ids: list[int], skip_special_tokens: bool = True) -> str:
+        return self.backend.decode(list(token_ids), skip_special_tokens=skip_special_tokens)
+
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
+        """Render a conversation with the model's own template (Jinja, sandboxed)."""
+        if not self.chat_template:
+            raise ValueError("this tokenizer has no chat template (none in tokenizer_config.json "
+                             "or chat_template.jinja); pass a plain prompt instead")
+        from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+        def raise_exception(message):
+            raise ValueError(f"chat template error: {message}")
+
+        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+        env.globals["raise_exception"] = raise_exception
+        return env.from_string(self.chat_template).render(
+            messages=messages, add_generation_prompt=add_generation_prompt, **self.special_tokens)
+
+
+def _token_text(token) -> str:
+    return token["content"] if isinstance(token, dict) else str(token)
+
+
+def _read_json(path: Path) -> dict:
+    with open(path) as f:
+        return json.load(f)

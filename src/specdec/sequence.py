@@ -1,0 +1,44 @@
+"""A Sequence: one request's state while the engine runs it."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from specdec.config import SamplingParams
+from specdec.metrics import SpecStats
+
+
+@dataclass
+class Sequence:
+    request_id: int
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    generator: torch.Generator  # the request's own random stream (seeded when params.seed is set)
+    prompt: str | None = None
+    slot: int = -1  # its row in the KV caches while running
+    output_token_ids: list[int] = field(default_factory=list)
+    text: str = ""  # filled when finished (cut before a stop string)
+    finish_reason: str | None = None  # "stop" (EOS, stop token or stop string) or "length"
+    stats: SpecStats = field(default_factory=SpecStats)
+
+    @property
+    def token_ids(self) -> list[int]:
+        return self.prompt_token_ids + self.output_token_ids
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def last_token_id(self) -> int:
+        return self.output_token_ids[-1] if self.output_token_ids else self.prompt_token_ids[-1]
+
+    @property
+    def remaining_tokens(self) -> int:
+        return self.params.max_tokens - len(self.output_token_ids)
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None

@@ -1,0 +1,78 @@
+"""Tiny random models saved with transformers' save_pretrained: the outside reference."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+
+ARCHITECTURES = ("llama", "llama3", "mistral", "qwen2", "qwen3")
+
+TEXT = ("def add(a, b):\n    return a + b\n\nclass Point:\n    def __init__(self, x, y):\n"
+        "        self.x = x\n        self.y = y\n\nfor i in range(10):\n    print(i, add(i, i))\n") * 4
+
+
+def make_tokenizer(vocab_size: int):
+    """A byte-level BPE trained on a little Python, padded with merges up to vocab_size."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=["<s>", "</s>"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    tok.train_from_iterator([TEXT], trainer)
+    tok.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", 0)])
+    return tok
+
+
+def hf_config(arch: str, vocab_size: int = 320, **overrides):
+    from transformers import LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
+
+    common = dict(vocab_size=vocab_size, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+                  bos_token_id=0, eos_token_id=1, rms_norm_eps=1e-5)
+    if arch == "llama":
+        cls = LlamaConfig
+    elif arch == "llama3":
+        cls = LlamaConfig
+        common.update(rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                                    "high_freq_factor": 4.0, "original_max_position_embeddings": 32},
+                      rope_theta=500000.0, attention_bias=True)
+    elif arch == "mistral":
+        cls = MistralConfig
+        common.update(sliding_window=16)
+    elif arch == "qwen2":
+        cls = Qwen2Config
+    elif arch == "qwen3":
+        cls = Qwen3Config
+        common.update(head_dim=32)
+    else:
+        raise ValueError(arch)
+    common.update(overrides)
+    return cls(**common)
+
+
+def save_tiny_model(path: Path, arch: str = "llama", seed: int = 0, vocab_size: int = 320,
+                    tokenizer: bool = True, max_shard_size: str | None = None, init_std: float = 0.02,
+                    **overrides) -> Path:
+    """Random-init a transformers model and save it (safetensors) with a tokenizer."""
+    from transformers import AutoModelForCausalLM
+
+    config = hf_config(arch, vocab_size, initializer_range=init_std, **overrides)
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    path = Path(path)
+    kwargs = {"max_shard_size": max_shard_size} if max_shard_size else {}
+    model.save_pretrained(path, **kwargs)
+    if tokenizer:
+        make_tokenizer(vocab_size).save(str(path / "tokenizer.json"))
+        (path / "tokenizer_config.json").write_text(json.dumps({"bos_token": "<s>", "eos_token": "</s>"}))
+    return path
+
+
+def load_hf(path: Path):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
