@@ -36,6 +36,7 @@ class Engine:
         self.tokenizer = tokenizer
         self.max_num_seqs = max_num_seqs
         self.cache = None
+        self._sampling_key, self._sampling = None, None
         self.timings = {"prefill": 0.0, "draft": 0.0, "target": 0.0, "sampling": 0.0, "bookkeeping": 0.0}
 
     def run(self, seqs: list[Sequence]) -> None:
@@ -45,6 +46,7 @@ class Engine:
         self._reserve(max_batch, max_len)
         for key in self.timings:
             self.timings[key] = 0.0
+        self._sampling_key = None  # sequence objects of an earlier call may share ids with these
         start = time.perf_counter()
         waiting, running = deque(seqs), []
         free_slots = list(range(max_batch))[::-1]
@@ -102,7 +104,7 @@ class Engine:
 
     def _round(self, batch: list[Sequence]) -> None:
         device = self.target.device
-        sampling = SamplingTensors.from_params([s.params for s in batch], device)
+        sampling = self._sampling_tensors(batch)
         t0 = time.perf_counter()
         draft = self.drafter.propose(batch, self.k, sampling) if self.k else None
         t1 = time.perf_counter()
@@ -131,6 +133,14 @@ class Engine:
         t4 = time.perf_counter()
         for key, seconds in (("draft", t1 - t0), ("target", t2 - t1), ("sampling", t3 - t2), ("bookkeeping", t4 - t3)):
             self.timings[key] += seconds
+
+    def _sampling_tensors(self, batch: list[Sequence]) -> SamplingTensors:
+        """The batch's settings as tensors, rebuilt only when the batch changes."""
+        key = tuple(id(seq) for seq in batch)
+        if key != self._sampling_key:
+            self._sampling_key = key
+            self._sampling = SamplingTensors.from_params([s.params for s in batch], self.target.device)
+        return self._sampling
 
     def _verify_inputs(self, batch: list[Sequence], draft, k: int) -> tuple[torch.Tensor, torch.Tensor]:
         """[last token, d_1..d_k] at positions [L-1 .. L-1+k] per row: [B, k+1] each."""

@@ -75,6 +75,15 @@ class LLM:
         self._seed_source = torch.Generator().manual_seed(seed)
         self._next_request_id = 0
 
+    def target_only(self) -> "LLM":
+        """An LLM over the same loaded target with no drafter: the baseline to compare with."""
+        plain = object.__new__(LLM)
+        plain.__dict__.update(self.__dict__)
+        plain.speculative_config = None
+        plain.engine = Engine(self.target.model, None, 0, self.target.eos_token_ids, self.tokenizer,
+                              self.engine.max_num_seqs)
+        return plain
+
     @property
     def max_model_len(self) -> int:
         return self.target.model.config.max_position_embeddings

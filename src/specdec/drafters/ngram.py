@@ -1,6 +1,10 @@
 """Prompt lookup: propose the tokens that followed the latest earlier occurrence of the
 context's last n tokens (n from ngram_max down to ngram_min). No model; the proposal is a
-point mass (draft_probs = None), and a row may propose fewer than k tokens, or none."""
+point mass (draft_probs = None), and a row may propose fewer than k tokens, or none.
+
+When the match is so recent that its continuation runs into the end of the context (a
+repeating loop), the copy goes on over the tokens it has just proposed, as LZ77 copies
+overlapping runs: "a b c a b" with the match "a b" at 0 proposes "c a b c a"."""
 
 from __future__ import annotations
 
@@ -39,6 +43,9 @@ def lookup(context: np.ndarray, k: int, ngram_min: int, ngram_max: int) -> np.nd
         windows = np.lib.stride_tricks.sliding_window_view(context[:L - 1], n)  # [L-n, n]: starts 0..L-n-1
         matches = np.flatnonzero((windows == suffix).all(axis=1))
         if len(matches):
-            start = matches[-1] + n  # first token after the latest match
-            return context[start:start + k]
+            start = matches[-1] + n  # first token after the latest match (start < L)
+            extended = np.concatenate([context, np.empty(k, dtype=context.dtype)])
+            for i in range(k):  # overlapping copy: start + i < L + i, always already written
+                extended[L + i] = extended[start + i]
+            return extended[L:L + k]
     return context[:0]

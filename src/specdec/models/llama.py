@@ -116,9 +116,8 @@ class Attention(nn.Module):
         self.layer_index = layer_index
         self.num_heads, self.num_kv_heads, self.head_dim = config.num_heads, config.num_kv_heads, config.head_dim
         h, q_dim, kv_dim = config.hidden_size, config.num_heads * config.head_dim, config.num_kv_heads * config.head_dim
-        self.q_proj = nn.Linear(h, q_dim, bias=config.qkv_bias)
-        self.k_proj = nn.Linear(h, kv_dim, bias=config.qkv_bias)
-        self.v_proj = nn.Linear(h, kv_dim, bias=config.qkv_bias)
+        # q, k and v projections as one matrix [q; k; v] (one matmul instead of three)
+        self.qkv_proj = nn.Linear(h, q_dim + 2 * kv_dim, bias=config.qkv_bias)
         self.o_proj = nn.Linear(q_dim, h, bias=config.o_bias)
         if config.qk_norm:
             self.q_norm = RMSNorm(config.head_dim, config.rms_norm_eps)
@@ -128,9 +127,8 @@ class Attention(nn.Module):
 
     def forward(self, x, cos, sin, mask, positions, cache: KVCache) -> torch.Tensor:
         B, T, _ = x.shape
-        q = self.q_proj(x).view(B, T, self.num_heads, self.head_dim)  # [B, T, H, D]
-        k = self.k_proj(x).view(B, T, self.num_kv_heads, self.head_dim)  # [B, T, Hkv, D]
-        v = self.v_proj(x).view(B, T, self.num_kv_heads, self.head_dim)  # [B, T, Hkv, D]
+        qkv = self.qkv_proj(x).view(B, T, self.num_heads + 2 * self.num_kv_heads, self.head_dim)  # [B, T, H+2Hkv, D]
+        q, k, v = qkv.split([self.num_heads, self.num_kv_heads, self.num_kv_heads], dim=2)  # [B, T, H|Hkv, D]
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
@@ -147,12 +145,12 @@ class MLP(nn.Module):
     def __init__(self, config: ModelConfig):
         super().__init__()
         h, i, bias = config.hidden_size, config.intermediate_size, config.mlp_bias
-        self.gate_proj = nn.Linear(h, i, bias=bias)
-        self.up_proj = nn.Linear(h, i, bias=bias)
+        self.gate_up_proj = nn.Linear(h, 2 * i, bias=bias)  # [gate; up] as one matrix
         self.down_proj = nn.Linear(i, h, bias=bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)  # [..., 2I] -> 2 x [..., I]
+        return self.down_proj(F.silu(gate) * up)
 
 
 class DecoderLayer(nn.Module):

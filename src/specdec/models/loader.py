@@ -14,6 +14,8 @@ from pathlib import Path
 
 import torch
 
+from specdec.models.checkpoint import from_hf
+from specdec.models.cpu_linear import can_pack, pack_linears
 from specdec.models.llama import LlamaModel, ModelConfig, rope_inverse_frequencies
 from specdec.models.tokenizer import Tokenizer
 
@@ -42,7 +44,9 @@ class LoadedModel:
 
 
 def load_pretrained(path: str | Path, dtype: str | torch.dtype = "auto", device: str | torch.device = "cpu",
-                    load_tokenizer: bool = True) -> LoadedModel:
+                    load_tokenizer: bool = True, pack_weights: bool = True) -> LoadedModel:
+    """Load a Hugging Face directory. pack_weights: on the CPU in bfloat16, prepack the
+    linear layers for oneDNN (see cpu_linear.py)."""
     path = Path(path)
     if not path.is_dir():
         raise ModelLoadError(f"model directory {str(path)!r} does not exist (or is not a directory); "
@@ -53,6 +57,8 @@ def load_pretrained(path: str | Path, dtype: str | torch.dtype = "auto", device:
     weights = read_safetensors(path)
     tokenizer = _load_tokenizer(path) if load_tokenizer else None
     model = build_model(config, weights, torch_dtype, torch.device(device), path)
+    if pack_weights and can_pack(torch_dtype, torch.device(device)):
+        pack_linears(model)
     return LoadedModel(model, tokenizer, eos_token_ids(path, hf_config), path, hf_config)
 
 
@@ -188,8 +194,10 @@ def read_safetensors(path: Path) -> dict[str, torch.Tensor]:
 def build_model(config: ModelConfig, weights: dict[str, torch.Tensor], dtype: torch.dtype,
                 device: torch.device, path: Path) -> LlamaModel:
     """A LlamaModel holding exactly the checkpoint's weights (checked by name and shape)."""
-    state = {key.removeprefix("model."): tensor for key, tensor in weights.items()
-             if not key.endswith("rotary_emb.inv_freq")}
+    try:
+        state = from_hf(weights)
+    except RuntimeError as e:  # q/k/v or gate/up pieces that do not stack
+        raise ModelLoadError(f"{path}: checkpoint tensors do not fit together ({e}); check config.json") from e
     if config.tie_word_embeddings:
         state.pop("lm_head.weight", None)
     with torch.device("meta"):

@@ -70,3 +70,17 @@ def _token_text(token) -> str:
 def _read_json(path: Path) -> dict:
     with open(path) as f:
         return json.load(f)
+
+
+def train_byte_level_bpe(texts, vocab_size: int, special_tokens: tuple[str, ...] = ("<|endoftext|>",)
+                         ) -> _RustTokenizer:
+    """Train a byte-level BPE tokenizer (GPT-2 style: any text encodes, nothing is unknown)."""
+    from tokenizers import decoders, models, pre_tokenizers, trainers
+
+    tokenizer = _RustTokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=list(special_tokens),
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    tokenizer.train_from_iterator(texts, trainer)
+    return tokenizer

@@ -1,0 +1,73 @@
+"""specdec's command line.
+
+    specdec generate --model DIR [--draft DIR | --ngram] [-k N] --prompt TEXT [--compare]
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from specdec.config import SamplingParams
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="specdec", description="Exact speculative decoding for LLMs")
+    commands = parser.add_subparsers(dest="command", required=True)
+    add_generate_parser(commands)
+    args = parser.parse_args(argv)
+    try:
+        return args.run(args)
+    except (ValueError, FileNotFoundError) as e:  # bad input: one clear line, no traceback
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+
+
+def add_generate_parser(commands) -> None:
+    p = commands.add_parser("generate", help="generate a completion, speculatively",
+                            description="Generate a completion with the target model, verified against "
+                                        "a draft model's or prompt lookup's proposals.")
+    p.add_argument("--model", required=True, help="target model directory (Hugging Face format)")
+    drafter = p.add_mutually_exclusive_group()
+    drafter.add_argument("--draft", help="draft model directory (shares the target's tokenizer)")
+    drafter.add_argument("--ngram", action="store_true", help="draft by prompt lookup (no draft model)")
+    p.add_argument("-k", "--num-speculative-tokens", type=int, default=5, help="draft tokens per round (default 5)")
+    p.add_argument("--prompt", required=True, help="the prompt text")
+    p.add_argument("--max-tokens", type=int, default=128)
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--top-k", type=int, default=-1)
+    p.add_argument("--min-p", type=float, default=0.0)
+    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--stop", action="append", default=[], help="a stop string (repeatable)")
+    p.add_argument("--dtype", default="auto", help="auto, float32, bfloat16 or float16")
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--compare", action="store_true", help="also run the target alone and print the speedup")
+    p.set_defaults(run=run_generate)
+
+
+def run_generate(args) -> int:
+    from specdec.llm import LLM
+
+    params = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, min_p=args.min_p,
+                            max_tokens=args.max_tokens, seed=args.seed, stop=tuple(args.stop))
+    method = "ngram" if args.ngram else ("draft_model" if args.draft else None)
+    llm = LLM(args.model, speculative_model=args.draft, speculative_method=method,
+              num_speculative_tokens=args.num_speculative_tokens, dtype=args.dtype, device=args.device)
+    llm.generate(args.prompt, SamplingParams(temperature=0, max_tokens=2))  # warm-up: first calls are slow
+    output = llm.generate(args.prompt, params)[0]
+    print(args.prompt + output.outputs[0].text)
+    print()
+    label = f"{method} k={args.num_speculative_tokens}" if method else "target alone"
+    print(f"[{label}] {output.metrics.summary()}")
+    if args.compare:
+        baseline = llm.target_only().generate(args.prompt, params)[0]
+        print(f"[target alone] {baseline.metrics.summary()}")
+        speedup = baseline.metrics.seconds / output.metrics.seconds
+        same = baseline.outputs[0].token_ids == output.outputs[0].token_ids
+        print(f"speedup {speedup:.2f}x" + (f"; greedy outputs identical: {same}" if params.greedy else ""))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

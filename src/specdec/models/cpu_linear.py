@@ -1,0 +1,58 @@
+"""bfloat16 linear layers with their weights prepacked for oneDNN, for decoding on the CPU.
+
+Decoding multiplies a few rows of activations by every weight matrix: pure weight
+streaming. PyTorch's plain bf16 CPU matmul re-lays out the weight on every call; oneDNN's
+prepacked (blocked) layout is made once at load time, and on this project's machines it
+roughly halves the time of a decode step's matmuls (benchmarks/bench_core.py). Same
+arithmetic up to bf16 rounding order; the model code is untouched: `pack_linears` swaps
+modules after loading.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+
+class PackedLinear(nn.Module):
+    """y = x W^T + b with W held in oneDNN's blocked bf16 layout."""
+
+    def __init__(self, linear: nn.Linear):
+        super().__init__()
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        self.packed_weight = torch.ops.mkldnn._reorder_linear_weight(linear.weight.detach(), 1)
+        self.bias = linear.bias
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.ops.mkldnn._linear_pointwise(x, self.packed_weight, self.bias, "none", [None], "")
+
+
+def can_pack(dtype: torch.dtype, device: torch.device) -> bool:
+    if device.type != "cpu" or dtype != torch.bfloat16 or not torch.backends.mkldnn.is_available():
+        return False
+    try:
+        if not torch.ops.mkldnn._is_mkldnn_bf16_supported():
+            return False
+        return _packed_matches_plain()
+    except (RuntimeError, AttributeError):  # an op this build or CPU lacks
+        return False
+
+
+def pack_linears(model: nn.Module) -> None:
+    """Replace every nn.Linear inside model by a PackedLinear (in place)."""
+    for parent in list(model.modules()):
+        for name, child in list(parent.named_children()):
+            if isinstance(child, nn.Linear):
+                setattr(parent, name, PackedLinear(child))
+
+
+def _packed_matches_plain() -> bool:
+    """A one-off check that the packed op computes what F.linear does on this machine."""
+    g = torch.Generator().manual_seed(0)
+    linear = nn.Linear(64, 48, bias=True).to(torch.bfloat16)
+    with torch.no_grad():
+        linear.weight.copy_(torch.randn(48, 64, generator=g))
+        x = torch.randn(2, 3, 64, generator=g).to(torch.bfloat16)
+        expected = linear(x).float()
+        got = PackedLinear(linear)(x).float()
+    return got.shape == expected.shape and bool(torch.allclose(got, expected, rtol=2e-2, atol=2e-1))

@@ -1,0 +1,183 @@
+"""The round loop: greedy speculative output is the target's own greedy output, token for
+token, for every drafter, k and batch shape; stops cut runs exactly; finished rows leave."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+import torch
+
+from helpers import load_hf, save_tiny_model
+from specdec import LLM, SamplingParams
+
+GREEDY = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def dirs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("engine")
+    target = save_tiny_model(root / "target", "llama", seed=1, init_std=0.3)
+    draft = save_tiny_model(root / "draft", "qwen2", seed=2, init_std=0.3, num_hidden_layers=1)
+    return {"target": target, "draft": draft}
+
+
+@pytest.fixture(scope="module")
+def plain(dirs):
+    return LLM(str(dirs["target"]), dtype="float32")
+
+
+def random_prompts(n: int, seed: int, vocab: int = 320, repeat: bool = False) -> list[list[int]]:
+    """Fresh random token prompts of different lengths; `repeat` tiles a chunk so that
+    prompt lookup finds matches."""
+    g = torch.Generator().manual_seed(seed)
+    prompts = []
+    for i in range(n):
+        length = int(torch.randint(3, 30, (1,), generator=g))
+        tokens = torch.randint(2, vocab, (length,), generator=g).tolist()
+        prompts.append(tokens * 3 if repeat else tokens)
+    return prompts
+
+
+def token_ids(outputs) -> list[list[int]]:
+    return [o.outputs[0].token_ids for o in outputs]
+
+
+@pytest.mark.parametrize("method", ["self", "random_draft", "ngram"])
+def test_greedy_speculative_equals_target_alone(dirs, plain, method):
+    speculative = {"self": dict(speculative_model=str(dirs["target"])),
+                   "random_draft": dict(speculative_model=str(dirs["draft"])),
+                   "ngram": dict(speculative_method="ngram")}[method]
+    prompts = random_prompts(4, seed=10, repeat=method == "ngram")
+    expected = token_ids(plain.generate(prompts, GREEDY))
+    for k in range(1, 9):
+        llm = LLM(str(dirs["target"]), dtype="float32", num_speculative_tokens=k, **speculative)
+        for prompt, want in zip(prompts[:1], expected[:1]):  # batch of one
+            assert token_ids(llm.generate(prompt, GREEDY)) == [want], f"k={k} batch 1"
+        outputs = llm.generate(prompts, GREEDY)  # ragged batch: prompts of different lengths
+        assert token_ids(outputs) == expected, f"k={k} ragged batch"
+        stats = [o.metrics for o in outputs]
+        if method == "self":
+            assert all(s.acceptance_rate == 1.0 for s in stats)
+            assert all(len(s.acceptance_by_position) == k for s in stats)
+        if method == "random_draft":
+            assert sum(s.num_accepted_tokens for s in stats) < 0.5 * sum(s.num_draft_tokens for s in stats)
+        if method == "ngram":
+            assert sum(s.num_draft_tokens for s in stats) > 0
+
+
+def test_transformers_greedy_reference(dirs):
+    """The speculative output also equals transformers' own greedy generate."""
+    hf = load_hf(dirs["target"])
+    llm = LLM(str(dirs["target"]), speculative_model=str(dirs["draft"]), num_speculative_tokens=3, dtype="float32")
+    for prompt in random_prompts(3, seed=11):
+        out = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=25))[0]
+        ref = hf.generate(torch.tensor([prompt]), max_new_tokens=25, do_sample=False)[0, len(prompt):].tolist()
+        if 1 in ref:  # transformers stops at EOS (id 1) and pads after it
+            ref = ref[:ref.index(1) + 1]
+        assert out.outputs[0].token_ids == ref
+
+
+def test_metrics_plain_and_self_draft(dirs, plain):
+    prompt = random_prompts(1, seed=12)[0]
+    out = plain.generate(prompt, GREEDY)[0]
+    assert out.metrics.tokens_per_forward == 1.0
+    assert out.metrics.num_target_forwards == GREEDY.max_tokens
+    assert out.metrics.num_draft_tokens == 0
+    llm = LLM(str(dirs["target"]), speculative_model=str(dirs["target"]), num_speculative_tokens=4, dtype="float32")
+    out = llm.generate(prompt, GREEDY)[0]
+    # 1 prefill token, then rounds of 5 (4 accepted + bonus) until the budget clips the drafts
+    assert out.metrics.num_emitted_tokens == 40
+    assert out.metrics.num_target_forwards == 1 + 8
+    assert out.metrics.tokens_per_forward == pytest.approx(40 / 9)
+    assert out.metrics.tokens_per_second > 0
+
+
+def test_zero_speculative_tokens_is_plain_decoding(dirs, plain):
+    prompts = random_prompts(3, seed=13)
+    llm = LLM(str(dirs["target"]), speculative_model=str(dirs["draft"]), num_speculative_tokens=0, dtype="float32")
+    outputs = llm.generate(prompts, GREEDY)
+    assert token_ids(outputs) == token_ids(plain.generate(prompts, GREEDY))
+    assert all(o.metrics.tokens_per_forward == 1.0 for o in outputs)
+
+
+def test_stop_token_inside_accepted_run(dirs, plain):
+    """With the target as its own draft every round accepts all k; a stop token in the
+    middle of such a run must end the output right there."""
+    prompt = random_prompts(1, seed=14)[0]
+    reference = plain.generate(prompt, GREEDY)[0].outputs[0].token_ids
+    llm = LLM(str(dirs["target"]), speculative_model=str(dirs["target"]), num_speculative_tokens=6, dtype="float32")
+    for cut in (3, 9, 17):
+        stop_token = reference[cut]
+        first = reference.index(stop_token)
+        params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True, stop_token_ids=(stop_token,))
+        out = llm.generate(prompt, params)[0].outputs[0]
+        assert out.token_ids == reference[:first + 1]
+        assert out.finish_reason == "stop"
+
+
+def test_eos_inside_accepted_run(dirs, plain, tmp_path):
+    prompt = random_prompts(1, seed=15)[0]
+    reference = plain.generate(prompt, GREEDY)[0].outputs[0].token_ids
+    eos = reference[7]
+    model_dir = tmp_path / "with_eos"
+    shutil.copytree(dirs["target"], model_dir)
+    (model_dir / "generation_config.json").write_text(json.dumps({"eos_token_id": [eos, 1]}))
+    llm = LLM(str(model_dir), speculative_model=str(model_dir), num_speculative_tokens=5, dtype="float32")
+    out = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=40))[0].outputs[0]
+    assert out.token_ids == reference[:reference.index(eos) + 1]
+    assert out.finish_reason == "stop"
+    ignoring = llm.generate(prompt, GREEDY)[0].outputs[0]
+    assert ignoring.token_ids == reference and ignoring.finish_reason == "length"
+
+
+def test_max_tokens_inside_accepted_run(dirs, plain):
+    prompt = random_prompts(1, seed=16)[0]
+    reference = plain.generate(prompt, GREEDY)[0].outputs[0].token_ids
+    llm = LLM(str(dirs["target"]), speculative_model=str(dirs["target"]), num_speculative_tokens=7, dtype="float32")
+    for max_tokens in (1, 2, 5, 13):
+        out = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True))[0]
+        assert out.outputs[0].token_ids == reference[:max_tokens]
+        assert out.outputs[0].finish_reason == "length"
+        assert out.metrics.num_emitted_tokens == max_tokens
+
+
+def test_stop_string_cuts_text_and_tokens(dirs, plain):
+    prompt = "def add(a, b):"
+    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    reference = plain.generate(prompt, params)[0].outputs[0]
+    text = reference.text
+    assert len(text) > 12, "the random model should produce some text"
+    stop = text[8:11]
+    cut = text.index(stop)
+    llm = LLM(str(dirs["target"]), speculative_model=str(dirs["target"]), num_speculative_tokens=5, dtype="float32")
+    out = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=40, ignore_eos=True, stop=[stop]))[0].outputs[0]
+    assert out.text == text[:cut]
+    assert out.finish_reason == "stop"
+    n = len(out.token_ids)
+    assert out.token_ids == reference.token_ids[:n]
+    decode = llm.tokenizer.decode
+    assert stop in decode(out.token_ids) and stop not in decode(out.token_ids[:-1])  # nothing after the stop
+
+
+def test_rows_leave_and_slots_are_reused(dirs, plain):
+    """Different max_tokens per request, more requests than slots: each output is what the
+    request gives alone."""
+    prompts = random_prompts(5, seed=17)
+    params = [SamplingParams(temperature=0, max_tokens=m, ignore_eos=True) for m in (3, 30, 8, 1, 17)]
+    expected = [plain.generate(p, sp)[0].outputs[0].token_ids for p, sp in zip(prompts, params)]
+    for kwargs in (dict(speculative_model=str(dirs["draft"])), dict(speculative_method="ngram"), {}):
+        llm = LLM(str(dirs["target"]), num_speculative_tokens=4, max_num_seqs=2, dtype="float32", **kwargs)
+        assert token_ids(llm.generate(prompts, params)) == expected
+
+
+def test_mixed_greedy_and_sampled_batch(dirs, plain):
+    """Greedy rows stay exact while sampled rows share their batch."""
+    prompts = random_prompts(4, seed=18)
+    greedy_expected = token_ids(plain.generate(prompts[:2], GREEDY))
+    sampled = SamplingParams(temperature=1.0, max_tokens=40, seed=5)
+    llm = LLM(str(dirs["target"]), speculative_model=str(dirs["draft"]), num_speculative_tokens=3, dtype="float32")
+    outputs = llm.generate(prompts, [GREEDY, GREEDY, sampled, sampled])
+    assert token_ids(outputs[:2]) == greedy_expected
+    assert all(len(o.outputs[0].token_ids) >= 1 for o in outputs[2:])
