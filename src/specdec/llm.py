@@ -126,7 +126,7 @@ class LLM:
         vocab_size = self.target.model.config.vocab_size
         if not prompt_ids:
             raise ValueError("empty prompt: it encodes to no tokens; give a non-empty prompt")
-        if not all(isinstance(t, int) and 0 <= t < vocab_size for t in prompt_ids):
+        if not all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < vocab_size for t in prompt_ids):
             raise ValueError(f"prompt token ids must be integers in [0, {vocab_size})")
         if len(prompt_ids) + params.max_tokens > self.max_model_len:
             raise ValueError(f"prompt of {len(prompt_ids)} tokens + max_tokens={params.max_tokens} exceeds the "

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import torch
 
-from specdec.models.checkpoint import from_hf
+from specdec.models.checkpoint import from_hf, to_hf
 from specdec.models.cpu_linear import can_pack, pack_linears
 from specdec.models.llama import LlamaModel, ModelConfig, rope_inverse_frequencies
 from specdec.models.tokenizer import Tokenizer
@@ -193,31 +193,32 @@ def read_safetensors(path: Path) -> dict[str, torch.Tensor]:
 
 def build_model(config: ModelConfig, weights: dict[str, torch.Tensor], dtype: torch.dtype,
                 device: torch.device, path: Path) -> LlamaModel:
-    """A LlamaModel holding exactly the checkpoint's weights (checked by name and shape)."""
-    try:
-        state = from_hf(weights)
-    except RuntimeError as e:  # q/k/v or gate/up pieces that do not stack
-        raise ModelLoadError(f"{path}: checkpoint tensors do not fit together ({e}); check config.json") from e
-    if config.tie_word_embeddings:
-        state.pop("lm_head.weight", None)
+    """A LlamaModel holding exactly the checkpoint's weights, checked by name and shape in
+    the checkpoint's own (Hugging Face) names before the projections are fused."""
     with torch.device("meta"):
         model = LlamaModel(config)
-    expected = {name: p.shape for name, p in model.named_parameters()}  # tied lm_head is not listed twice
-    missing = sorted(set(expected) - set(state))
-    unexpected = sorted(set(state) - set(expected))
+    expected = {name: tuple(t.shape) for name, t in to_hf(model).items()}
+    given = {name: t for name, t in weights.items() if not name.endswith("rotary_emb.inv_freq")}
+    if config.tie_word_embeddings:
+        given.pop("lm_head.weight", None)  # some tied checkpoints store the shared matrix twice
+    missing, unexpected = sorted(set(expected) - set(given)), sorted(set(given) - set(expected))
     if missing or unexpected:
         raise ModelLoadError(f"{path}: checkpoint does not match its config.json: "
-                             f"missing tensors {missing[:5]}{'...' if len(missing) > 5 else ''}, "
-                             f"unexpected tensors {unexpected[:5]}{'...' if len(unexpected) > 5 else ''}")
+                             f"missing tensors {_some(missing)}, unexpected tensors {_some(unexpected)}")
     for name, shape in expected.items():
-        if tuple(state[name].shape) != tuple(shape):
-            raise ModelLoadError(f"{path}: tensor {name!r} has shape {tuple(state[name].shape)}, "
-                                 f"config.json implies {tuple(shape)}")
-    model.load_state_dict({k: v.to(device=device, dtype=dtype) for k, v in state.items()}, strict=False, assign=True)
+        if tuple(given[name].shape) != shape:
+            raise ModelLoadError(f"{path}: tensor {name!r} has shape {tuple(given[name].shape)}, "
+                                 f"config.json implies {shape}")
+    state = from_hf(given)
+    model.load_state_dict({k: v.to(device=device, dtype=dtype) for k, v in state.items()}, strict=False, assign=True)  # names checked above; a tied lm_head is re-tied below
     if config.tie_word_embeddings:
         model.lm_head.weight = model.embed_tokens.weight
     model.inv_freq = rope_inverse_frequencies(config).to(device)
     return model.eval().requires_grad_(False)
+
+
+def _some(names: list[str]) -> str:
+    return f"{names[:5]}{' ...' if len(names) > 5 else ''}" if names else "none"
 
 
 def eos_token_ids(path: Path, hf_config: dict) -> tuple[int, ...]:

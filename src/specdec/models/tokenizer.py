@@ -68,8 +68,14 @@ def _token_text(token) -> str:
 
 
 def _read_json(path: Path) -> dict:
-    with open(path) as f:
-        return json.load(f)
+    try:
+        with open(path) as f:
+            data = json.load(f)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ValueError(f"{path} is not valid JSON ({e})") from e
+    if not isinstance(data, dict):
+        raise ValueError(f"{path} must hold a JSON object")
+    return data
 
 
 def train_byte_level_bpe(texts, vocab_size: int, special_tokens: tuple[str, ...] = ("<|endoftext|>",)

@@ -1,0 +1,49 @@
+"""`specdec generate`: prints the completion and the metrics; --compare adds the speedup."""
+
+from __future__ import annotations
+
+import pytest
+
+from helpers import save_tiny_model
+from specdec import LLM, SamplingParams
+from specdec.cli import main
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return save_tiny_model(tmp_path_factory.mktemp("cli") / "m", "llama", seed=4, init_std=0.3)
+
+
+def test_generate_prints_completion_and_metrics(model_dir, capsys):
+    prompt = "def add(a, b):"
+    expected = LLM(str(model_dir), dtype="float32").generate(
+        prompt, SamplingParams(temperature=0, max_tokens=12))[0].outputs[0].text
+    assert main(["generate", "--model", str(model_dir), "--draft", str(model_dir), "-k", "3",
+                 "--prompt", prompt, "--max-tokens", "12", "--dtype", "float32", "--compare"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith(prompt + expected)
+    assert "[draft_model k=3]" in out and "α 1.000" in out and "τ" in out
+    assert "[target alone]" in out and "speedup" in out and "greedy outputs identical: True" in out
+
+
+def test_generate_ngram_sampled(model_dir, capsys):
+    assert main(["generate", "--model", str(model_dir), "--ngram", "--prompt", "for i in range(10): for i in",
+                 "--max-tokens", "8", "--temperature", "0.8", "--top-p", "0.9", "--seed", "3"]) == 0
+    assert "[ngram k=5]" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--model", "/nonexistent/dir"], "does not exist"),
+    (["--temperature", "-1"], "temperature"),
+    (["--top-p", "1.5"], "top_p"),
+    (["--max-tokens", "0"], "max_tokens"),
+    (["-k", "-1", "--ngram"], "num_speculative_tokens"),
+])
+def test_bad_input_is_one_clear_line(model_dir, capsys, args, message):
+    base = {"--model": str(model_dir), "--prompt": "x"}
+    for flag, value in zip(args[::2], args[1::2]):
+        base[flag] = value
+    argv = ["generate"] + [item for pair in base.items() for item in pair] + [a for a in args if a == "--ngram"]
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error:") and message in err and "Traceback" not in err
