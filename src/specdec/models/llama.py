@@ -132,11 +132,14 @@ class Attention(nn.Module):
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        num_keys = mask.shape[-1]
-        keys, values = cache.write_and_read(self.layer_index, positions, k, v, num_keys)  # [B, S, Hkv, D] each
+        if cache is None:  # training: the keys are this sequence's own, causal by construction
+            keys, values = k, v
+        else:
+            num_keys = mask.shape[-1]
+            keys, values = cache.write_and_read(self.layer_index, positions, k, v, num_keys)  # [B, S, Hkv, D] each
         out = F.scaled_dot_product_attention(
             q.transpose(1, 2), keys.transpose(1, 2), values.transpose(1, 2),  # [B, H(kv), T|S, D]
-            attn_mask=mask, enable_gqa=self.num_heads != self.num_kv_heads,
+            attn_mask=mask, is_causal=mask is None, enable_gqa=self.num_heads != self.num_kv_heads,
         )  # [B, H, T, D]
         return self.o_proj(out.transpose(1, 2).reshape(B, T, -1))  # [B, T, H*D] -> [B, T, hidden]
 
@@ -192,20 +195,22 @@ class LlamaModel(nn.Module):
         c = self.config
         return KVCache(c.num_layers, max_batch, max_len, c.num_kv_heads, c.head_dim, self.dtype, self.device)
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, cache: KVCache) -> torch.Tensor:
-        """input_ids, positions [B, T] -> logits [B, T, V] (float32)."""
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, cache: KVCache | None) -> torch.Tensor:
+        """input_ids, positions [B, T] -> logits [B, T, V] (float32).
+        cache=None (training) attends causally within input_ids; positions must be 0..T-1."""
         return self.logits(self.hidden_states(input_ids, positions, cache))
 
-    def hidden_states(self, input_ids: torch.Tensor, positions: torch.Tensor, cache: KVCache) -> torch.Tensor:
+    def hidden_states(self, input_ids: torch.Tensor, positions: torch.Tensor, cache: KVCache | None) -> torch.Tensor:
         """input_ids, positions [B, T] -> final normed hidden states [B, T, hidden]."""
         x = self.embed_tokens(input_ids)  # [B, T, hidden]
         cos, sin = self._rope_tables(positions)
-        num_keys = int(positions.max()) + 1
+        num_keys = int(positions.max()) + 1 if cache is not None else input_ids.shape[1]
         masks = {}
         for layer in self.layers:
             window = self.config.window(layer.self_attn.layer_index)
             if window not in masks:
-                masks[window] = attention_mask(positions, num_keys, window)
+                plain_causal = cache is None and (window is None or window >= num_keys)
+                masks[window] = None if plain_causal else attention_mask(positions, num_keys, window)
             x = layer(x, cos, sin, masks[window], positions, cache)
         return self.norm(x)
 
