@@ -181,3 +181,15 @@ def test_mixed_greedy_and_sampled_batch(dirs, plain):
     outputs = llm.generate(prompts, [GREEDY, GREEDY, sampled, sampled])
     assert token_ids(outputs[:2]) == greedy_expected
     assert all(len(o.outputs[0].token_ids) >= 1 for o in outputs[2:])
+
+
+def test_late_admission_next_to_a_long_row(dirs, plain):
+    """A long prompt admitted while another row is near its end: the draft's catch-up pads
+    the old row far past its length, which must stay inside the cache."""
+    g = torch.Generator().manual_seed(19)
+    prompts = [torch.randint(2, 320, (n,), generator=g).tolist() for n in (30, 5, 30)]
+    params = [SamplingParams(temperature=0, max_tokens=m, ignore_eos=True) for m in (40, 25, 10)]
+    expected = [plain.generate(p, sp)[0].outputs[0].token_ids for p, sp in zip(prompts, params)]
+    llm = LLM(str(dirs["target"]), speculative_model=str(dirs["draft"]), num_speculative_tokens=2,
+              max_num_seqs=2, dtype="float32")
+    assert token_ids(llm.generate(prompts, params)) == expected

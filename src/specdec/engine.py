@@ -19,6 +19,7 @@ from collections import deque
 import torch
 
 from specdec.drafters.base import Drafter
+from specdec.kv_cache import ragged_batch
 from specdec.models.llama import LlamaModel
 from specdec.models.tokenizer import Tokenizer
 from specdec.sampling import SamplingTensors, sample, warp
@@ -42,6 +43,8 @@ class Engine:
     def run(self, seqs: list[Sequence]) -> None:
         """Generate every sequence to completion (continuous batching over free slots)."""
         max_batch = min(self.max_num_seqs, len(seqs))
+        # + k + 1: verify positions run k past the last token, and the last position is kept
+        # free for padding (see kv_cache.ragged_batch)
         max_len = max(s.num_tokens + s.params.max_tokens for s in seqs) + self.k + 1
         self._reserve(max_batch, max_len)
         for key in self.timings:
@@ -87,15 +90,11 @@ class Engine:
         """One target forward over the new prompts; samples each one's first token."""
         t0 = time.perf_counter()
         device = self.target.device
-        width = max(len(s.prompt_token_ids) for s in batch)
-        input_ids = torch.zeros(len(batch), width, dtype=torch.long)
-        for row, seq in enumerate(batch):
-            input_ids[row, :len(seq.prompt_token_ids)] = torch.tensor(seq.prompt_token_ids)
-        positions = torch.arange(width).expand(len(batch), width)  # padding continues past each prompt
+        input_ids, positions, last = ragged_batch([s.prompt_token_ids for s in batch], [0] * len(batch), self.cache)
         self.cache.use_slots([s.slot for s in batch])
         hidden = self.target.hidden_states(input_ids.to(device), positions.to(device), self.cache)  # [B, W, h]
-        last = torch.tensor([len(s.prompt_token_ids) - 1 for s in batch], device=device)
-        logits = self.target.logits(hidden[torch.arange(len(batch), device=device), last])  # [B, V]
+        rows = torch.arange(len(batch), device=device)
+        logits = self.target.logits(hidden[rows, last.to(device)])  # [B, V]: after each prompt's last token
         probs = warp(logits, SamplingTensors.from_params([s.params for s in batch], device))
         first_tokens = sample(probs, [s.generator for s in batch]).tolist()
         for seq, token in zip(batch, first_tokens):

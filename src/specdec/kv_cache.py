@@ -47,3 +47,23 @@ class KVCache:
         if self.slots is None:
             return keys[:B, :num_keys], values[:B, :num_keys]
         return keys[self.slots, :num_keys], values[self.slots, :num_keys]
+
+
+def ragged_batch(chunks: list[list[int]], starts: list[int], cache: KVCache
+                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Pack rows of different lengths for one forward: row i feeds chunks[i] at positions
+    starts[i], starts[i]+1, ... Returns input_ids [B, W], positions [B, W] and the index of
+    each row's last real token [B].
+
+    Padding slots (token 0) take the positions after the row's own, clamped to the cache's
+    last position: past every row's length, so real queries never read what they write,
+    and the row's next real tokens overwrite it (the engine keeps the last position free).
+    """
+    width = max(len(chunk) for chunk in chunks)
+    input_ids = torch.zeros(len(chunks), width, dtype=torch.long)
+    positions = torch.zeros(len(chunks), width, dtype=torch.long)
+    for row, (chunk, start) in enumerate(zip(chunks, starts)):
+        input_ids[row, :len(chunk)] = torch.tensor(chunk, dtype=torch.long)
+        positions[row] = torch.arange(start, start + width).clamp(max=cache.max_len - 1)
+    last_index = torch.tensor([len(chunk) - 1 for chunk in chunks])
+    return input_ids, positions, last_index

@@ -12,6 +12,7 @@ from __future__ import annotations
 import torch
 
 from specdec.drafters.base import Draft, Drafter
+from specdec.kv_cache import ragged_batch
 from specdec.models.llama import LlamaModel
 from specdec.models.loader import LoadedModel, ModelLoadError, load_pretrained
 from specdec.sampling import SamplingTensors, sample, warp
@@ -67,22 +68,18 @@ class DraftModelDrafter(Drafter):
         """Feed each row the tokens its cache lacks (the whole prompt for a new sequence,
         one or two tokens after a round); return the logits after each row's last token."""
         device = self.model.device
-        pending = []
+        chunks, starts = [], []
         for seq in batch:
             tokens = seq.token_ids
             num_confirmed, drafts = self.fed.get(seq.slot, (0, []))
             start = num_confirmed + _common_prefix(drafts, tokens[num_confirmed:])
             start = min(start, len(tokens) - 1)  # always feed the last token: its logits are needed
-            pending.append((start, tokens[start:]))
-        width = max(len(chunk) for _, chunk in pending)
-        input_ids = torch.zeros(len(batch), width, dtype=torch.long)
-        positions = torch.zeros(len(batch), width, dtype=torch.long)
-        for row, (start, chunk) in enumerate(pending):
-            input_ids[row, :len(chunk)] = torch.tensor(chunk)
-            positions[row] = torch.arange(start, start + width)  # padding continues past the row's end
+            chunks.append(tokens[start:])
+            starts.append(start)
+        input_ids, positions, last = ragged_batch(chunks, starts, self.cache)
         hidden = self.model.hidden_states(input_ids.to(device), positions.to(device), self.cache)  # [B, W, h]
-        last = torch.tensor([len(chunk) - 1 for _, chunk in pending], device=device)
-        return self._logits(self.model.logits(hidden[torch.arange(len(batch), device=device), last]))
+        rows = torch.arange(len(batch), device=device)
+        return self._logits(self.model.logits(hidden[rows, last.to(device)]))
 
     def _logits(self, logits: torch.Tensor) -> torch.Tensor:
         """Draft logits [B, V_draft] in the target's vocabulary [B, V]: extra ids cut, missing

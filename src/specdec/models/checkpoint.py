@@ -72,14 +72,80 @@ def hf_config_dict(config: ModelConfig, dtype: torch.dtype, extra: dict | None =
     }
 
 
+SHARD_BYTES = 15_000_000  # the largest safetensors file save_pretrained writes (15 MB, as in "15MB")
+WEIGHT_FILE, INDEX_FILE = "model.safetensors", "model.safetensors.index.json"
+
+
 def save_pretrained(model: LlamaModel, path: str | Path, dtype: torch.dtype = torch.bfloat16,
-                    extra_config: dict | None = None) -> Path:
-    """Write config.json and model.safetensors for a plain-Llama LlamaModel."""
+                    extra_config: dict | None = None, *, max_shard_bytes: int = SHARD_BYTES,
+                    tokenizer=None, eos_token_id: int | None = None) -> Path:
+    """Write a Hugging Face directory for a plain-Llama LlamaModel that transformers loads too.
+
+    Weights: model.safetensors if they fit in max_shard_bytes, else shards
+    model-0000i-of-0000n.safetensors of at most max_shard_bytes each (a single tensor larger
+    than that gets a shard of its own) listed in model.safetensors.index.json. Weight files a
+    previous save left in the directory are removed first.
+    tokenizer: a `tokenizers.Tokenizer`, written as tokenizer.json with a tokenizer_config.json.
+    eos_token_id: the end-of-sequence token, written to config.json (as bos_token_id too: a
+        document starts after the previous one's end) and generation_config.json.
+    """
     from safetensors.torch import save_file
 
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
+    if not (isinstance(max_shard_bytes, int) and max_shard_bytes > 0):
+        raise ValueError(f"max_shard_bytes must be a positive integer, got {max_shard_bytes!r}")
     state = {name: t.to(dtype) for name, t in to_hf(model).items()}
-    save_file(state, str(path / "model.safetensors"), metadata={"format": "pt"})
-    (path / "config.json").write_text(json.dumps(hf_config_dict(model.config, dtype, extra_config), indent=2))
+    _remove_weight_files(path)
+    shards = plan_shards(state, max_shard_bytes)
+    if len(shards) == 1:
+        save_file(state, str(path / WEIGHT_FILE), metadata={"format": "pt"})
+    else:
+        weight_map = {}
+        for i, names in enumerate(shards, start=1):
+            file = f"model-{i:05d}-of-{len(shards):05d}.safetensors"
+            save_file({name: state[name] for name in names}, str(path / file), metadata={"format": "pt"})
+            weight_map.update(dict.fromkeys(names, file))
+        total = sum(t.numel() * t.element_size() for t in state.values())
+        _write_json(path / INDEX_FILE, {"metadata": {"total_size": total}, "weight_map": weight_map})
+    ids = {} if eos_token_id is None else {"bos_token_id": eos_token_id, "eos_token_id": eos_token_id}
+    _write_json(path / "config.json", hf_config_dict(model.config, dtype, {**ids, **(extra_config or {})}))
+    if ids:
+        _write_json(path / "generation_config.json", ids)
+    if tokenizer is not None:
+        save_tokenizer(tokenizer, path, model.config.max_position_embeddings, eos_token_id)
     return path
+
+
+def plan_shards(state: dict[str, torch.Tensor], max_shard_bytes: int) -> list[list[str]]:
+    """Tensor names grouped, in order, into files of at most max_shard_bytes (tensor data plus
+    a generous allowance for the file's JSON header)."""
+    shards, current, current_bytes = [], [], 0
+    for name, tensor in state.items():
+        size = tensor.numel() * tensor.element_size() + len(name) + 128  # header entry: name, dtype, shape, offsets
+        if current and current_bytes + size > max_shard_bytes - 64:  # 64: the header's own framing
+            shards.append(current)
+            current, current_bytes = [], 0
+        current.append(name)
+        current_bytes += size
+    return shards + [current] if current else shards
+
+
+def save_tokenizer(tokenizer, path: Path, model_max_length: int, eos_token_id: int | None) -> None:
+    """tokenizer.json plus a tokenizer_config.json that transformers' AutoTokenizer reads as
+    the same tokenizer (PreTrainedTokenizerFast over tokenizer.json, no text clean-up)."""
+    tokenizer.save(str(path / "tokenizer.json"))
+    config = {"tokenizer_class": "PreTrainedTokenizerFast", "model_max_length": model_max_length,
+              "clean_up_tokenization_spaces": False}
+    if eos_token_id is not None:
+        config["eos_token"] = tokenizer.id_to_token(eos_token_id)
+    _write_json(path / "tokenizer_config.json", config)
+
+
+def _remove_weight_files(path: Path) -> None:
+    for file in [path / WEIGHT_FILE, path / INDEX_FILE, *path.glob("model-*-of-*.safetensors")]:
+        file.unlink(missing_ok=True)
+
+
+def _write_json(file: Path, data: dict) -> None:
+    file.write_text(json.dumps(data, indent=2) + "\n")

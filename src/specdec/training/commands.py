@@ -1,0 +1,154 @@
+"""The `specdec train` and `specdec distill` subcommands (argparse, wired in by cli.py).
+
+    specdec train --corpus PATH --out DIR (--preset NAME | size flags) [training flags]
+    specdec distill --target DIR --out DIR [--preset draft | size flags | --init DIR] [flags]
+
+Flags left out take the defaults of TrainConfig / DistillConfig / the preset, so each
+default lives in one place. Progress goes to stderr, the final summary to stdout.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+from specdec.training.train import PRESETS, model_shape
+
+SIZE_FLAGS = {  # flag -> ModelShape field
+    "vocab_size": "vocab_size", "hidden_size": "hidden_size", "layers": "num_layers", "heads": "num_heads",
+    "kv_heads": "num_kv_heads", "intermediate_size": "intermediate_size", "context": "context",
+}
+TRAIN_FLAGS = {  # flag -> TrainConfig field
+    "steps": "steps", "batch_size": "batch_size", "grad_accum": "grad_accum", "lr": "lr",
+    "min_lr_ratio": "min_lr_ratio", "warmup": "warmup", "weight_decay": "weight_decay", "grad_clip": "grad_clip",
+    "seed": "seed", "device": "device", "eval_every": "eval_every", "eval_tokens": "eval_tokens",
+    "checkpoint_every": "checkpoint_every", "log_every": "log_every", "stop_after": "stop_after",
+}
+
+
+def add_train_parser(commands) -> None:
+    p = commands.add_parser("train", help="train a tokenizer and a Llama model on a text corpus",
+                            description="Train a byte-level BPE tokenizer and a Llama-architecture model on a "
+                                        "corpus, writing a Hugging Face model directory. Rerunning the same "
+                                        "command with the same --out resumes from its checkpoint.")
+    p.add_argument("--corpus", help="a text file or a directory of text files (default: this Python's "
+                                    "standard library, with fixed modules held out)")
+    p.add_argument("--out", required=True, help="output directory (model files; checkpoint/ while training)")
+    p.add_argument("--tokenizer", metavar="DIR", help="reuse the tokenizer.json in DIR (e.g. the target's, to "
+                                                      "train a draft that shares it) instead of training one")
+    _add_size_flags(p, default_preset=None)
+    _add_training_flags(p)
+    p.set_defaults(run=run_train)
+
+
+def add_distill_parser(commands) -> None:
+    p = commands.add_parser("distill", help="distill a draft model from a target model",
+                            description="Train a draft that shares the target's tokenizer to match the target's "
+                                        "next-token distributions; reports the acceptance rate α = 1 - TV(p, q) "
+                                        "on held-out text before and after.")
+    p.add_argument("--target", required=True, help="the target's model directory")
+    p.add_argument("--out", required=True, help="output directory for the draft")
+    p.add_argument("--corpus", help="text to distill on (default: this Python's standard library)")
+    p.add_argument("--init", metavar="DIR", help="start from this trained draft instead of a random one")
+    _add_size_flags(p, default_preset="draft")
+    p.add_argument("--temperature", type=float, help="temperature of both distributions (default 1)")
+    p.add_argument("--on-policy-fraction", type=float,
+                   help="fraction of batches of text sampled from the target (default 0)")
+    p.add_argument("--prompt-tokens", type=int, help="corpus tokens an on-policy sample continues (default 32)")
+    p.add_argument("--divergence", choices=("fkl+tv", "tv", "fkl"), help="the loss (default fkl+tv)")
+    p.add_argument("--target-dtype", choices=("auto", "float32", "bfloat16"),
+                   help="the target's weights while distilling (default auto: as saved)")
+    _add_training_flags(p)
+    p.set_defaults(run=run_distill)
+
+
+def _add_size_flags(p: argparse.ArgumentParser, default_preset: str | None) -> None:
+    sizes = p.add_argument_group("model size (a preset, optionally with some sizes replaced)")
+    sizes.add_argument("--preset", choices=sorted(PRESETS), default=default_preset,
+                       help=f"target ~22M, draft ~2M, tiny ~0.25M parameters (default {default_preset})")
+    for flag in SIZE_FLAGS:
+        sizes.add_argument("--" + flag.replace("_", "-"), type=int)
+    sizes.add_argument("--untie-embeddings", action="store_true", help="a separate output matrix")
+
+
+def _add_training_flags(p: argparse.ArgumentParser) -> None:
+    t = p.add_argument_group("training (defaults: specdec.training.loop.TrainConfig)")
+    for flag in ("steps", "batch_size", "grad_accum", "warmup", "seed", "eval_every", "eval_tokens",
+                 "checkpoint_every", "log_every", "stop_after"):
+        t.add_argument("--" + flag.replace("_", "-"), type=int)
+    for flag in ("lr", "min_lr_ratio", "weight_decay", "grad_clip"):
+        t.add_argument("--" + flag.replace("_", "-"), type=float)
+    t.add_argument("--device", help="cpu, cuda or cuda:N (default: cuda if available, else cpu)")
+    t.add_argument("--precision", choices=("bf16", "fp32"), default="bf16",
+                   help="bf16: bfloat16 autocast (default); fp32: plain float32")
+    t.add_argument("--save-dtype", choices=("bfloat16", "float32"), default="bfloat16",
+                   help="dtype of the saved weights (default bfloat16)")
+    t.add_argument("--max-shard-mb", type=float, default=15.0, help="largest safetensors file, in MB (default 15)")
+    resume = t.add_mutually_exclusive_group()
+    resume.add_argument("--resume", action="store_true",
+                        help="require a checkpoint in --out to resume from (resuming is automatic when one exists)")
+    resume.add_argument("--restart", action="store_true", help="ignore a checkpoint in --out and start over")
+
+
+def run_train(args) -> int:
+    from specdec.training.train import train
+
+    result = train(args.out, _shape(args), _train_config(args), corpus_path=args.corpus,
+                   tokenizer_dir=args.tokenizer, **_output_options(args))
+    print(_summary(result, "held_out_loss"))
+    return 0
+
+
+def run_distill(args) -> int:
+    from specdec.training.distill import DistillConfig, alpha_summary, distill
+
+    if args.init is not None and any(getattr(args, flag) is not None for flag in SIZE_FLAGS):
+        raise ValueError("--init takes the draft's size from its config.json; drop the size flags")
+    distill_config = DistillConfig(**_given(args, {"temperature": "temperature",
+                                                   "on_policy_fraction": "on_policy_fraction",
+                                                   "prompt_tokens": "prompt_tokens", "divergence": "divergence",
+                                                   "target_dtype": "target_dtype"}))
+    shape = None if args.init is not None else _shape(args)
+    result = distill(args.target, args.out, shape, _train_config(args), distill_config, corpus_path=args.corpus,
+                     init_dir=args.init, **_output_options(args))
+    print(_summary(result, "held_out_alpha"))
+    print(alpha_summary(result))
+    return 0
+
+
+def _shape(args):
+    sizes = _given(args, SIZE_FLAGS)
+    if args.untie_embeddings:
+        sizes["tie_word_embeddings"] = False
+    return model_shape(args.preset, **sizes)
+
+
+def _train_config(args):
+    import torch
+
+    from specdec.training.loop import TrainConfig
+
+    values = _given(args, TRAIN_FLAGS)
+    values.setdefault("device", "cuda" if torch.cuda.is_available() else "cpu")
+    return TrainConfig(bf16=args.precision == "bf16", **values)
+
+
+def _output_options(args) -> dict:
+    if not args.max_shard_mb > 0:
+        raise ValueError(f"--max-shard-mb must be > 0, got {args.max_shard_mb}")
+    arguments = {k: v for k, v in sorted(vars(args).items()) if k != "run" and v is not None and v is not False}
+    return {"save_dtype": args.save_dtype, "max_shard_bytes": int(args.max_shard_mb * 1_000_000),
+            "restart": args.restart, "require_checkpoint": args.resume, "arguments": arguments}
+
+
+def _given(args, names: dict[str, str]) -> dict:
+    """{field: value} for the flags given on the command line."""
+    return {field: getattr(args, flag) for flag, field in names.items() if getattr(args, flag) is not None}
+
+
+def _summary(result, metric: str) -> str:
+    state = result.state
+    where = (f"model written to {result.out}" if result.out is not None
+             else f"stopped at step {state.step} of {result.steps}; rerun the same command to continue")
+    return (f"{where}\nsteps {state.step}  train loss {result.train_loss:.4f}  {metric} "
+            f"{result.first_evaluation[metric]:.4f} (step 0) -> {result.last_evaluation[metric]:.4f}  "
+            f"tokens seen {state.tokens_seen:,}  wall time {state.seconds / 60:.1f} min")

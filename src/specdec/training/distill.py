@@ -1,0 +1,234 @@
+"""`specdec distill`: train a draft to match its target's next-token distributions.
+
+Terms (DESIGN.md): target_probs (p) is the target's distribution at a position, draft_probs
+(q) the draft's, both at the same temperature. A draft token is accepted with probability
+min(1, p/q), so the expected acceptance rate at a position is
+
+    α = Σ_v min(p_v, q_v) = 1 − TV(p, q),    TV(p, q) = ½ Σ_v |p_v − q_v|.
+
+The loss. Maximising α is minimising TV, so TV is optimised directly; but TV's gradient
+through the softmax is weak where q is far from p (it only says "up" or "down" for each
+token, with no sense of how far: a random-init draft learns slowly from it alone). Forward
+KL(p ‖ q), the cross-entropy against the target's soft labels, gives the smooth,
+mass-covering gradient that gets q near p quickly, and once q is near p it stays a bound on
+what matters (Pinsker: TV ≤ sqrt(KL / 2)). The default loss is their sum, forward KL + TV,
+as DistillSpec (Zhou et al., 2023) found the best divergence depends on the task and TV /
+forward KL the safe choices; "tv" and "fkl" alone are options.
+
+Data: random windows of the corpus (the target's training corpus by default), and, with
+on_policy_fraction F > 0, a fraction F of micro-batches is on-policy: text the target itself
+samples (at the distillation temperature) continuing the first `prompt_tokens` of a corpus
+window, which is the text the draft meets when speculating.
+
+The draft shares the target's tokenizer (its files are copied) and vocabulary size. It is
+reported by held-out α (mean over positions of 1 − TV) and greedy agreement (the fraction
+of positions where the draft's most likely token is the target's: greedy decoding's α),
+before distillation (the initial draft: random init, or --init) and after.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import shutil
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from specdec.models.checkpoint import SHARD_BYTES, save_pretrained
+from specdec.models.llama import LlamaModel
+from specdec.models.loader import LoadedModel, load_pretrained
+from specdec.training.corpus import check_stream_length, evaluation_windows, load_corpus, sample_windows, token_stream
+from specdec.training.loop import Task, TrainConfig, log, train_loop
+from specdec.training.train import (SAVE_DTYPES, ModelShape, TrainResult, _check_save_dtype, new_model, open_checkpoint,
+                                    run_identity, training_positions, write_log)
+
+DIVERGENCES = ("fkl+tv", "tv", "fkl")
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja")
+
+
+@dataclass(frozen=True)
+class DistillConfig:
+    """What the draft is taught (see the module docstring).
+
+    temperature: both distributions are softened by it before comparing (> 0); also the
+        temperature the target samples on-policy text at.
+    on_policy_fraction: the fraction of micro-batches sampled from the target, in [0, 1].
+    prompt_tokens: corpus tokens an on-policy sample continues from.
+    divergence: "fkl+tv" (default), "tv" or "fkl".
+    target_dtype: the target's weights: "auto" (as saved), "float32" or "bfloat16".
+    """
+
+    temperature: float = 1.0
+    on_policy_fraction: float = 0.0
+    prompt_tokens: int = 32
+    divergence: str = "fkl+tv"
+    target_dtype: str = "auto"
+
+    def __post_init__(self) -> None:
+        if not (isinstance(self.temperature, (int, float)) and self.temperature > 0):
+            raise ValueError(f"temperature must be > 0, got {self.temperature!r}")
+        if not (isinstance(self.on_policy_fraction, (int, float)) and 0 <= self.on_policy_fraction <= 1):
+            raise ValueError(f"on_policy_fraction must be in [0, 1], got {self.on_policy_fraction!r}")
+        if not (isinstance(self.prompt_tokens, int) and self.prompt_tokens >= 1):
+            raise ValueError(f"prompt_tokens must be an integer >= 1, got {self.prompt_tokens!r}")
+        if self.divergence not in DIVERGENCES:
+            raise ValueError(f"divergence must be one of {', '.join(DIVERGENCES)}, got {self.divergence!r}")
+        if self.target_dtype not in ("auto", *SAVE_DTYPES):
+            raise ValueError(f"target_dtype must be auto, float32 or bfloat16, got {self.target_dtype!r}")
+
+
+def distill(target_dir: str | Path, out: str | Path, shape: ModelShape | None, config: TrainConfig,
+            distill_config: DistillConfig = DistillConfig(), corpus_path: str | Path | None = None,
+            init_dir: str | Path | None = None, save_dtype: str = "bfloat16", max_shard_bytes: int = SHARD_BYTES,
+            restart: bool = False, require_checkpoint: bool = False, arguments: dict | None = None) -> TrainResult:
+    """Distill a draft of `shape` (or the trained draft in init_dir) from the target into `out`."""
+    out, target_dir, started = Path(out), Path(target_dir), time.perf_counter()
+    _check_save_dtype(save_dtype)
+    target = load_pretrained(target_dir, distill_config.target_dtype, config.device)
+    if target.tokenizer is None or not target.eos_token_ids:
+        raise ValueError(f"the target {target_dir} needs a tokenizer.json and an eos_token_id to distill from")
+    checkpoint = open_checkpoint(out, restart, require_checkpoint)
+    corpus = load_corpus(corpus_path)
+    log(corpus.describe())
+    tokenizer, eot_id = target.tokenizer.backend, target.eos_token_ids[0]
+    train_stream, held_out_stream = (token_stream(docs, tokenizer, eot_id) for docs in (corpus.train, corpus.held_out))
+    draft = initial_draft(target, shape, init_dir, config.seed).to(config.device)
+    context = min(draft.config.max_position_embeddings, target.model.config.max_position_embeddings)
+    check_stream_length(train_stream, context, "training")
+    log(f"target {target.model.config.num_parameters / 1e6:.2f}M parameters, draft "
+        f"{draft.config.num_parameters / 1e6:.2f}M; {len(train_stream):,} training tokens; ready in "
+        f"{time.perf_counter() - started:.1f}s")
+    identity = run_identity("distill", draft.config, tokenizer, corpus, target=str(target_dir.resolve()),
+                            distill=dataclasses.asdict(distill_config), init=str(init_dir))
+    task = distillation_task(draft, target.model, train_stream, held_out_stream, context, config, distill_config,
+                             identity)
+    state = train_loop(task, config, out / "checkpoint", checkpoint)
+    result = TrainResult(None, state, config.steps)
+    if result.finished:
+        save_pretrained(draft, out, SAVE_DTYPES[save_dtype], max_shard_bytes=max_shard_bytes, eos_token_id=eot_id)
+        copy_tokenizer(target, out)
+        result = TrainResult(out, state, config.steps)
+    write_log(out, "distill", config, {"target": str(target_dir), "init": str(init_dir),
+                                       "distill": dataclasses.asdict(distill_config),
+                                       "model": dataclasses.asdict(draft.config)}, result, arguments)
+    return result
+
+
+def initial_draft(target: LoadedModel, shape: ModelShape | None, init_dir, seed: int) -> LlamaModel:
+    """A random-init draft of `shape` with the target's vocabulary size, or the draft in init_dir."""
+    target_vocab = target.model.config.vocab_size
+    if init_dir is None:
+        shape = dataclasses.replace(shape, vocab_size=target_vocab,
+                                    context=min(shape.context, target.model.config.max_position_embeddings))
+        return new_model(shape.model_config(), seed)
+    from specdec.drafters.draft_model import check_same_vocabulary
+
+    loaded = load_pretrained(init_dir, "float32", "cpu", pack_weights=False)
+    check_same_vocabulary(target, loaded)
+    if loaded.model.config.vocab_size != target_vocab:
+        raise ValueError(f"--init {init_dir} has vocab_size {loaded.model.config.vocab_size}, the target "
+                         f"{target_vocab}; distillation compares distributions over the same vocabulary")
+    return loaded.model.train().requires_grad_(True)
+
+
+def distillation_task(draft: LlamaModel, target: LlamaModel, train_stream: torch.Tensor,
+                      held_out_stream: torch.Tensor, context: int, config: TrainConfig,
+                      distill_config: DistillConfig, identity: dict) -> Task:
+    device, temperature = torch.device(config.device), distill_config.temperature
+    held_out = evaluation_windows(held_out_stream, context, config.eval_tokens)
+
+    def next_batch(generator: torch.Generator) -> torch.Tensor:
+        windows = sample_windows(train_stream, config.batch_size, context, generator)  # [B, T+1]
+        on_policy = float(torch.rand((), generator=generator)) < distill_config.on_policy_fraction
+        if on_policy:
+            prompt = windows[:, :min(distill_config.prompt_tokens, context)].to(device)  # [B, P]
+            return sample_from_target(target, prompt, context + 1, temperature, generator)
+        return windows.to(device)
+
+    def loss(draft: LlamaModel, windows: torch.Tensor) -> torch.Tensor:
+        draft_logits, target_logits = both_logits(draft, target, windows[:, :-1])
+        return divergence_loss(draft_logits, target_logits, temperature, distill_config.divergence)
+
+    def evaluate(draft: LlamaModel) -> dict[str, float]:
+        totals = {"held_out_alpha": 0.0, "held_out_greedy_agreement": 0.0, "held_out_tv": 0.0}
+        for batch in held_out.split(config.batch_size):
+            draft_logits, target_logits = both_logits(draft, target, batch[:, :-1].to(device))
+            for name, value in acceptance_metrics(draft_logits, target_logits, temperature).items():
+                totals[name] += value * len(batch)
+        return {name: total / len(held_out) for name, total in totals.items()}
+
+    return Task(draft, next_batch, loss, evaluate, config.batch_size * context, identity)
+
+
+def both_logits(draft: LlamaModel, target: LlamaModel, inputs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The draft's logits (with gradients) and the frozen target's, [B, T, V] each, float32."""
+    positions = training_positions(inputs)
+    with torch.no_grad():
+        target_logits = target(inputs, positions, None)
+    return draft(inputs, positions, None), target_logits
+
+
+def divergence_loss(draft_logits: torch.Tensor, target_logits: torch.Tensor, temperature: float,
+                    divergence: str) -> torch.Tensor:
+    """Mean over positions of the chosen divergence between the target's and the draft's
+    distributions at `temperature`; logits [B, T, V]."""
+    target_probs = torch.softmax(target_logits.float() / temperature, dim=-1)  # [B, T, V]
+    draft_log_probs = torch.log_softmax(draft_logits.float() / temperature, dim=-1)  # [B, T, V]
+    loss = torch.zeros((), device=draft_logits.device)
+    if "tv" in divergence.split("+"):
+        loss = loss + total_variation(target_probs, draft_log_probs.exp()).mean()
+    if "fkl" in divergence.split("+"):
+        target_entropy_term = torch.special.xlogy(target_probs, target_probs)  # p log p, 0 where p = 0
+        loss = loss + (target_entropy_term - target_probs * draft_log_probs).sum(-1).mean()  # KL(p || q)
+    return loss
+
+
+def total_variation(target_probs: torch.Tensor, draft_probs: torch.Tensor) -> torch.Tensor:
+    """TV(p, q) = ½ Σ_v |p_v − q_v| at each position: [..., V] -> [...]."""
+    return 0.5 * (target_probs - draft_probs).abs().sum(-1)
+
+
+def acceptance_metrics(draft_logits: torch.Tensor, target_logits: torch.Tensor, temperature: float
+                       ) -> dict[str, float]:
+    """Mean over positions of α = 1 − TV(p, q), of TV, and of greedy agreement (argmax q = argmax p)."""
+    target_probs = torch.softmax(target_logits.float() / temperature, dim=-1)  # [B, T, V]
+    draft_probs = torch.softmax(draft_logits.float() / temperature, dim=-1)  # [B, T, V]
+    tv = total_variation(target_probs, draft_probs)  # [B, T]
+    agreement = (draft_logits.argmax(-1) == target_logits.argmax(-1)).float()  # [B, T]
+    return {"held_out_alpha": float(1 - tv.mean()), "held_out_greedy_agreement": float(agreement.mean()),
+            "held_out_tv": float(tv.mean())}
+
+
+@torch.no_grad()
+def sample_from_target(target: LlamaModel, prompt: torch.Tensor, length: int, temperature: float,
+                       generator: torch.Generator) -> torch.Tensor:
+    """Continue prompt [B, P] by sampling from the target at `temperature` up to `length` tokens:
+    [B, length]. Draws use `generator` (on the CPU), so a resumed run samples the same text."""
+    B, P = prompt.shape
+    device = prompt.device
+    cache = target.new_cache(B, length)
+    logits = target(prompt, torch.arange(P, device=device).expand(B, P), cache)[:, -1]  # [B, V]
+    tokens = [prompt]
+    for position in range(P, length):
+        probs = torch.softmax(logits.float() / temperature, dim=-1).cpu()  # [B, V]
+        next_token = torch.multinomial(probs, 1, generator=generator).to(device)  # [B, 1]
+        tokens.append(next_token)
+        if position + 1 < length:
+            logits = target(next_token, torch.full((B, 1), position, device=device), cache)[:, -1]
+    return torch.cat(tokens, dim=1)  # [B, length]
+
+
+def copy_tokenizer(target: LoadedModel, out: Path) -> None:
+    """The draft gets the target's tokenizer files, byte for byte."""
+    for name in TOKENIZER_FILES:
+        if (target.path / name).is_file():
+            shutil.copyfile(target.path / name, out / name)
+
+
+def alpha_summary(result: TrainResult) -> str:
+    first, last = result.first_evaluation, result.last_evaluation
+    return (f"held-out α (1 − TV) {first['held_out_alpha']:.3f} -> {last['held_out_alpha']:.3f}; "
+            f"greedy agreement {first['held_out_greedy_agreement']:.3f} -> {last['held_out_greedy_agreement']:.3f}")
+

@@ -1,0 +1,299 @@
+"""`specdec train`: a byte-level BPE tokenizer and a Llama-architecture model, from a corpus.
+
+The recipe: train the tokenizer on the corpus's training documents (or reuse one, so that a
+draft shares its target's), tokenize them into one stream, and train a LlamaModel to predict
+the next token of random windows of it (cross-entropy), with the shared loop of loop.py.
+The result is a Hugging Face directory (save_pretrained: config.json naming LlamaForCausalLM,
+safetensors shards with their index, tokenizer files, generation_config.json) plus
+training_log.json (settings, evaluations, summary).
+
+Weights start as in GPT-2 / Hugging Face Llama: normal(0, 0.02) matrices and embeddings, the
+projections that write into the residual stream (o_proj, down_proj) scaled by 1/sqrt(2 * layers)
+so the stream's variance does not grow with depth; norms at 1.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import math
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from specdec.models.checkpoint import SHARD_BYTES, save_pretrained
+from specdec.models.llama import LlamaModel, ModelConfig
+from specdec.models.tokenizer import train_byte_level_bpe
+from specdec.training.corpus import (END_OF_TEXT, Corpus, check_stream_length, evaluation_windows, load_corpus,
+                                     sample_windows, token_stream)
+from specdec.training.loop import RunState, Task, TrainConfig, log, read_checkpoint, train_loop
+
+SAVE_DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """The size of a model to train. context: the window length T trained on (and the
+    model's max_position_embeddings). head_dim = hidden_size / num_heads."""
+
+    vocab_size: int
+    hidden_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    intermediate_size: int
+    context: int
+    tie_word_embeddings: bool = True
+
+    def __post_init__(self) -> None:
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            if f.type == "int" and not (isinstance(value, int) and not isinstance(value, bool) and value >= 1):
+                raise ValueError(f"{f.name} must be an integer >= 1, got {value!r}")
+        if self.vocab_size < 258:
+            raise ValueError(f"vocab_size must be >= 258 (256 bytes, the end-of-text token and a merge), "
+                             f"got {self.vocab_size}")
+        if self.hidden_size % self.num_heads or (self.hidden_size // self.num_heads) % 2:
+            raise ValueError(f"hidden_size ({self.hidden_size}) must be num_heads ({self.num_heads}) times "
+                             "an even head size (rotary embeddings rotate pairs)")
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(f"num_heads ({self.num_heads}) must be a multiple of num_kv_heads ({self.num_kv_heads})")
+        if self.context < 2:
+            raise ValueError(f"context must be >= 2, got {self.context}")
+
+    def model_config(self) -> ModelConfig:
+        return ModelConfig(vocab_size=self.vocab_size, hidden_size=self.hidden_size,
+                           intermediate_size=self.intermediate_size, num_layers=self.num_layers,
+                           num_heads=self.num_heads, num_kv_heads=self.num_kv_heads,
+                           head_dim=self.hidden_size // self.num_heads, max_position_embeddings=self.context,
+                           rms_norm_eps=1e-5, tie_word_embeddings=self.tie_word_embeddings)
+
+
+PRESETS = {
+    # ~21.7M parameters (4.2M of them the tied embedding)
+    "target": ModelShape(vocab_size=8192, hidden_size=512, num_layers=6, num_heads=8, num_kv_heads=4,
+                         intermediate_size=1408, context=512),
+    # ~1.9M parameters, 11x fewer than "target", same vocabulary
+    "draft": ModelShape(vocab_size=8192, hidden_size=160, num_layers=2, num_heads=4, num_kv_heads=2,
+                        intermediate_size=448, context=512),
+    # ~0.25M parameters: for tests
+    "tiny": ModelShape(vocab_size=512, hidden_size=96, num_layers=2, num_heads=4, num_kv_heads=2,
+                       intermediate_size=256, context=128),
+}
+
+
+def model_shape(preset: str | None, **sizes) -> ModelShape:
+    """A preset with some sizes replaced (None values ignored); without a preset, all sizes."""
+    sizes = {k: v for k, v in sizes.items() if v is not None}
+    if preset is None:
+        missing = [f.name for f in dataclasses.fields(ModelShape) if f.name not in sizes
+                   and f.default is dataclasses.MISSING]
+        if missing:
+            raise ValueError(f"give a --preset ({', '.join(PRESETS)}) or every size: missing {', '.join(missing)}")
+        return ModelShape(**sizes)
+    if preset not in PRESETS:
+        raise ValueError(f"unknown preset {preset!r}; choose one of {', '.join(PRESETS)}")
+    return dataclasses.replace(PRESETS[preset], **sizes)
+
+
+@dataclass(frozen=True)
+class TrainResult:
+    """The summary of a run. out: the model directory (None if the session stopped early)."""
+
+    out: Path | None
+    state: RunState
+    steps: int
+
+    @property
+    def finished(self) -> bool:
+        return self.state.step >= self.steps
+
+    @property
+    def train_loss(self) -> float:
+        """Mean train loss over the last 5% of steps (at least 1, at most 50)."""
+        recent = self.state.losses[-max(1, min(50, len(self.state.losses) // 20)):]
+        return sum(recent) / len(recent) if recent else float("nan")
+
+    @property
+    def first_evaluation(self) -> dict:
+        return self.state.evaluations[0]
+
+    @property
+    def last_evaluation(self) -> dict:
+        return self.state.evaluations[-1]
+
+
+def train(out: str | Path, shape: ModelShape, config: TrainConfig, corpus_path: str | Path | None = None,
+          tokenizer_dir: str | Path | None = None, save_dtype: str = "bfloat16",
+          max_shard_bytes: int = SHARD_BYTES, restart: bool = False, require_checkpoint: bool = False,
+          arguments: dict | None = None) -> TrainResult:
+    """Train (or resume training) a model on the corpus and write it to `out`."""
+    out, started = Path(out), time.perf_counter()
+    _check_save_dtype(save_dtype)
+    checkpoint = open_checkpoint(out, restart, require_checkpoint)
+    corpus = load_corpus(corpus_path)
+    log(corpus.describe())
+    tokenizer, eot_id = prepare_tokenizer(corpus, shape, tokenizer_dir, checkpoint)
+    shape = _fit_vocabulary(shape, tokenizer, tokenizer_dir)
+    train_stream, held_out_stream = (token_stream(docs, tokenizer, eot_id) for docs in (corpus.train, corpus.held_out))
+    check_stream_length(train_stream, shape.context, "training")
+    log(f"{len(train_stream):,} training tokens, {len(held_out_stream):,} held-out tokens; model of "
+        f"{shape.model_config().num_parameters / 1e6:.2f}M parameters; tokenizer ready in "
+        f"{time.perf_counter() - started:.1f}s")
+    model = new_model(shape.model_config(), config.seed).to(config.device)
+    task = language_model_task(model, train_stream, held_out_stream, shape.context, config,
+                               identity=run_identity("train", model.config, tokenizer, corpus))
+    state = train_loop(task, config, out / "checkpoint", checkpoint)
+    result = TrainResult(None, state, config.steps)
+    if result.finished:
+        save_pretrained(model, out, SAVE_DTYPES[save_dtype], max_shard_bytes=max_shard_bytes,
+                        tokenizer=tokenizer, eos_token_id=eot_id)
+        result = TrainResult(out, state, config.steps)
+    write_log(out, "train", config, {"model": dataclasses.asdict(shape)}, result, arguments)
+    return result
+
+
+def new_model(config: ModelConfig, seed: int) -> LlamaModel:
+    """A LlamaModel in float32 with its weights initialised as in the module docstring."""
+    model = LlamaModel(config)
+    generator = torch.Generator().manual_seed(seed)
+    residual_std = 0.02 / math.sqrt(2 * config.num_layers)
+    for name, param in model.named_parameters():  # a tied lm_head is the embedding, visited once
+        if param.dim() < 2:
+            torch.nn.init.ones_(param) if name.endswith("norm.weight") else torch.nn.init.zeros_(param)
+        else:
+            std = residual_std if name.endswith(("o_proj.weight", "down_proj.weight")) else 0.02
+            torch.nn.init.normal_(param, std=std, generator=generator)
+    return model
+
+
+def language_model_task(model: LlamaModel, train_stream: torch.Tensor, held_out_stream: torch.Tensor,
+                        context: int, config: TrainConfig, identity: dict) -> Task:
+    """Next-token prediction on random windows of the training stream; held-out loss."""
+    device = torch.device(config.device)
+    held_out = evaluation_windows(held_out_stream, context, config.eval_tokens)
+
+    def next_batch(generator: torch.Generator) -> torch.Tensor:
+        return sample_windows(train_stream, config.batch_size, context, generator).to(device)
+
+    def evaluate(model: LlamaModel) -> dict[str, float]:
+        losses = [next_token_loss(model, batch.to(device)) for batch in held_out.split(config.batch_size)]
+        sizes = [len(batch) for batch in held_out.split(config.batch_size)]
+        return {"held_out_loss": sum(float(loss) * n for loss, n in zip(losses, sizes)) / sum(sizes)}
+
+    return Task(model, next_batch, next_token_loss, evaluate, config.batch_size * context, identity)
+
+
+def next_token_loss(model: LlamaModel, windows: torch.Tensor) -> torch.Tensor:
+    """Mean cross-entropy of predicting windows[:, 1:] from windows[:, :-1]; windows [B, T+1]."""
+    inputs, targets = windows[:, :-1], windows[:, 1:]  # [B, T] each
+    logits = model(inputs, training_positions(inputs), None)  # [B, T, V]
+    return F.cross_entropy(logits.flatten(0, 1), targets.flatten())  # [B*T, V] vs [B*T]
+
+
+def training_positions(input_ids: torch.Tensor) -> torch.Tensor:
+    """0..T-1 for every row: [B, T]."""
+    B, T = input_ids.shape
+    return torch.arange(T, device=input_ids.device).expand(B, T)
+
+
+# ---------------------------------------------------------------------------- tokenizer
+
+def prepare_tokenizer(corpus: Corpus, shape: ModelShape, tokenizer_dir, checkpoint: dict | None):
+    """(tokenizer, end-of-text id): the checkpoint's when resuming, else the one in tokenizer_dir,
+    else a byte-level BPE of shape.vocab_size trained on the training documents."""
+    from tokenizers import Tokenizer
+
+    if checkpoint is not None:
+        tokenizer = Tokenizer.from_str(checkpoint["identity"]["tokenizer"])
+    elif tokenizer_dir is not None:
+        tokenizer = read_tokenizer(Path(tokenizer_dir))
+    else:
+        log(f"training a byte-level BPE tokenizer of {shape.vocab_size} tokens ...")
+        tokenizer = train_byte_level_bpe((d.text for d in corpus.train), shape.vocab_size, (END_OF_TEXT,))
+    return tokenizer, end_of_text_id(tokenizer, tokenizer_dir)
+
+
+def read_tokenizer(path: Path):
+    from tokenizers import Tokenizer
+
+    file = path / "tokenizer.json"
+    if not file.is_file():
+        raise ValueError(f"--tokenizer {str(path)!r}: no tokenizer.json there; point at a model directory "
+                         "(e.g. the target's) holding one")
+    try:
+        return Tokenizer.from_file(str(file))
+    except Exception as e:
+        raise ValueError(f"{file}: not a readable tokenizer.json ({e})") from e
+
+
+def end_of_text_id(tokenizer, tokenizer_dir) -> int:
+    """The id of the token that ends every document: <|endoftext|>, or the eos_token of the
+    reused tokenizer's tokenizer_config.json."""
+    token = END_OF_TEXT
+    config_file = Path(tokenizer_dir) / "tokenizer_config.json" if tokenizer_dir is not None else None
+    if config_file is not None and config_file.is_file():
+        eos = json.loads(config_file.read_text()).get("eos_token")
+        token = (eos.get("content") if isinstance(eos, dict) else eos) or END_OF_TEXT
+    token_id = tokenizer.token_to_id(token)
+    if token_id is None:
+        raise ValueError(f"the tokenizer has no end-of-text token {token!r}; its documents need one")
+    return token_id
+
+
+def _fit_vocabulary(shape: ModelShape, tokenizer, tokenizer_dir) -> ModelShape:
+    """A reused tokenizer brings its model's vocab_size (config.json there, else its own size),
+    so a draft's embedding matches its target's."""
+    size = tokenizer.get_vocab_size(with_added_tokens=True)
+    if tokenizer_dir is not None:
+        config_file = Path(tokenizer_dir) / "config.json"
+        model_vocab = json.loads(config_file.read_text()).get("vocab_size") if config_file.is_file() else None
+        shape = dataclasses.replace(shape, vocab_size=max(size, model_vocab or size))
+    if size > shape.vocab_size:
+        raise ValueError(f"the tokenizer has {size} tokens, more than the model's vocab_size {shape.vocab_size}")
+    return shape
+
+
+# ---------------------------------------------------------------------------- run bookkeeping
+
+def open_checkpoint(out: Path, restart: bool, require_checkpoint: bool) -> dict | None:
+    """The checkpoint to resume from in out/checkpoint (None = start afresh)."""
+    if out.exists() and not out.is_dir():
+        raise ValueError(f"--out {str(out)!r} is a file; give a directory")
+    if restart:
+        (out / "checkpoint" / "last.pt").unlink(missing_ok=True)
+        return None
+    checkpoint = read_checkpoint(out / "checkpoint")
+    if checkpoint is None and require_checkpoint:
+        raise ValueError(f"--resume: no checkpoint in {out / 'checkpoint'}; drop --resume to start a new run")
+    return checkpoint
+
+
+def run_identity(kind: str, model_config: ModelConfig, tokenizer, corpus: Corpus, **extra) -> dict:
+    """What a checkpoint must match to be resumed by this run."""
+    tokenizer_json = tokenizer.to_str()
+    corpus_fingerprint = hashlib.sha256("\0".join(f"{d.name}\0{len(d.text)}" for d in corpus.train).encode())
+    return {"kind": kind, "model": dataclasses.asdict(model_config), "tokenizer": tokenizer_json,
+            "corpus": f"{corpus.root}:{corpus_fingerprint.hexdigest()[:16]}", **extra}
+
+
+def write_log(out: Path, kind: str, config: TrainConfig, settings: dict, result: TrainResult,
+              arguments: dict | None) -> None:
+    """out/training_log.json: what was run and how it went (for the model card)."""
+    out.mkdir(parents=True, exist_ok=True)
+    state = result.state
+    record = {"kind": kind, "arguments": arguments, "finished": result.finished, "train_config": dataclasses.asdict(config),
+              **settings, "step": state.step, "tokens_seen": state.tokens_seen, "seconds": round(state.seconds, 1),
+              "train_loss": result.train_loss, "evaluations": state.evaluations,
+              "device": torch.cuda.get_device_name(config.device) if config.device.startswith("cuda") else "cpu",
+              "torch_threads": torch.get_num_threads()}
+    (out / "training_log.json").write_text(json.dumps(record, indent=2) + "\n")
+
+
+def _check_save_dtype(save_dtype: str) -> None:
+    if save_dtype not in SAVE_DTYPES:
+        raise ValueError(f"save dtype {save_dtype!r} is not supported; use one of {', '.join(SAVE_DTYPES)}")
