@@ -48,7 +48,7 @@ class LLM:
     dtype: "auto" (the checkpoint's), "float32", "bfloat16" or "float16".
     device: "cpu", "cuda", "cuda:1", ...
     max_num_seqs: the most sequences run at once; more wait for a free slot.
-    seed: seeds the random streams of requests that have no seed of their own.
+    seed: seeds the random stream that requests without a seed of their own share.
     """
 
     def __init__(self, model: str, speculative_model: str | None = None, num_speculative_tokens: int = 5,
@@ -72,7 +72,7 @@ class LLM:
             drafter = DRAFTERS[self.speculative_config.method](self.speculative_config, self.target, dtype, self.device)
         k = self.speculative_config.num_speculative_tokens if self.speculative_config else 0
         self.engine = Engine(self.target.model, drafter, k, self.target.eos_token_ids, self.tokenizer, max_num_seqs)
-        self._seed_source = torch.Generator().manual_seed(seed)
+        self._shared_generator = torch.Generator(self.device).manual_seed(seed)  # for requests without a seed
         self._next_request_id = 0
 
     def target_only(self) -> "LLM":
@@ -115,9 +115,10 @@ class LLM:
         self._check_prompt(prompt_ids, params)
         if params.stop:
             self._need_tokenizer("stop strings")
-        generator = torch.Generator(self.device)
-        seed = params.seed if params.seed is not None else int(torch.randint(2**62, (1,), generator=self._seed_source))
-        generator.manual_seed(seed)
+        if params.seed is not None:
+            generator = torch.Generator(self.device).manual_seed(params.seed)
+        else:
+            generator = self._shared_generator
         request_id = self._next_request_id
         self._next_request_id += 1
         return Sequence(request_id, prompt_ids, params, generator, prompt=prompt_text)

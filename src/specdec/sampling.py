@@ -8,8 +8,9 @@ Warping, in this order (the order of transformers' logits warpers):
 then renormalise. Softmax is always float32. The draft and the target are warped by the same
 function with the same settings, so q and p are what the draft and the target really sample.
 
-Sampling is inverse-CDF in float64 with one uniform per draw from the row's own generator,
-so a seeded request draws the same numbers whatever else is in the batch.
+Sampling is inverse-CDF in float64 with one uniform per draw from the row's generator: a
+seeded request has its own, so it draws the same numbers whatever else is in the batch;
+requests without a seed share one.
 """
 
 from __future__ import annotations
@@ -102,10 +103,24 @@ def point_mass(token_ids: torch.Tensor, vocab_size: int) -> torch.Tensor:
 
 
 def uniforms(generators: list[torch.Generator], n: int, device: torch.device | str) -> torch.Tensor:
-    """n float64 uniforms in [0, 1) per row from that row's generator: [len(generators), n]."""
+    """n float64 uniforms in [0, 1) per row from that row's generator: [len(generators), n].
+
+    Rows that share one generator object (requests without a seed of their own) draw
+    together in one call, in row order; a seeded request's own generator serves its row
+    alone, so its numbers do not depend on the rest of the batch."""
+    out = torch.empty(len(generators), n, dtype=torch.float64, device=device)
     if n == 0:
-        return torch.zeros(len(generators), 0, dtype=torch.float64, device=device)
-    return torch.stack([torch.rand(n, generator=g, dtype=torch.float64, device=device) for g in generators])
+        return out
+    rows_by_generator: dict[int, list[int]] = {}
+    for row, g in enumerate(generators):
+        rows_by_generator.setdefault(id(g), []).append(row)
+    for rows in rows_by_generator.values():
+        drawn = torch.rand(len(rows), n, generator=generators[rows[0]], dtype=torch.float64, device=device)
+        if len(rows) == 1:
+            out[rows[0]] = drawn[0]
+        else:
+            out[torch.tensor(rows, device=device)] = drawn
+    return out
 
 
 def sample_with_uniforms(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:

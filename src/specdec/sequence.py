@@ -15,7 +15,7 @@ class Sequence:
     request_id: int
     prompt_token_ids: list[int]
     params: SamplingParams
-    generator: torch.Generator  # the request's own random stream (seeded when params.seed is set)
+    generator: torch.Generator  # its own when params.seed is set, else the LLM's shared one
     prompt: str | None = None
     slot: int = -1  # its row in the KV caches while running
     output_token_ids: list[int] = field(default_factory=list)
