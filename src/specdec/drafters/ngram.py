@@ -38,12 +38,19 @@ def lookup(context: np.ndarray, k: int, ngram_min: int, ngram_max: int) -> np.nd
     """Up to k tokens that followed the latest earlier match of the context's last n tokens,
     trying the longest n first; empty when nothing matches."""
     L = len(context)
+    ends = np.flatnonzero(context[:L - 1] == context[L - 1])  # earlier places where a match could end
+    if L < 2 or not len(ends):
+        return context[:0]
+    match_len = np.ones(len(ends), dtype=np.int64)  # how far back each candidate keeps matching
+    alive = np.ones(len(ends), dtype=bool)
+    for back in range(1, min(ngram_max, L - 1)):
+        alive &= ends >= back
+        alive[alive] &= context[ends[alive] - back] == context[L - 1 - back]
+        match_len += alive
     for n in range(min(ngram_max, L - 1), ngram_min - 1, -1):
-        suffix = context[L - n:]
-        windows = np.lib.stride_tricks.sliding_window_view(context[:L - 1], n)  # [L-n, n]: starts 0..L-n-1
-        matches = np.flatnonzero((windows == suffix).all(axis=1))
-        if len(matches):
-            start = matches[-1] + n  # first token after the latest match (start < L)
+        matching = np.flatnonzero(match_len >= n)
+        if len(matching):
+            start = ends[matching[-1]] + 1  # first token after the latest match (start < L)
             extended = np.concatenate([context, np.empty(k, dtype=context.dtype)])
             for i in range(k):  # overlapping copy: start + i < L + i, always already written
                 extended[L + i] = extended[start + i]

@@ -6,14 +6,17 @@ min(1, p/q), so the expected acceptance rate at a position is
 
     α = Σ_v min(p_v, q_v) = 1 − TV(p, q),    TV(p, q) = ½ Σ_v |p_v − q_v|.
 
-The loss. Maximising α is minimising TV, so TV is optimised directly; but TV's gradient
-through the softmax is weak where q is far from p (it only says "up" or "down" for each
-token, with no sense of how far: a random-init draft learns slowly from it alone). Forward
-KL(p ‖ q), the cross-entropy against the target's soft labels, gives the smooth,
-mass-covering gradient that gets q near p quickly, and once q is near p it stays a bound on
-what matters (Pinsker: TV ≤ sqrt(KL / 2)). The default loss is their sum, forward KL + TV,
-as DistillSpec (Zhou et al., 2023) found the best divergence depends on the task and TV /
-forward KL the safe choices; "tv" and "fkl" alone are options.
+The loss. Maximising α is minimising TV, so TV is optimised directly; but alone it learns
+slowly from a random draft. Its gradient with respect to the draft's logit z_v is
+q_v·(g_v − Σ_u q_u g_u) with g = ½ sign(q − p): proportional to the draft's own probability
+q_v, so a token the draft gives almost no mass gets almost no push however much the target
+wants it. Forward KL(p ‖ q), the cross-entropy against the target's soft labels, has the
+gradient q_v − p_v, which pulls every token the target likes by its full p_v: it brings q
+near p quickly, and it bounds what matters (Pinsker: TV ≤ sqrt(KL / 2)). The default loss
+is their sum, forward KL + TV: KL does the coarse work, TV keeps the objective the acceptance
+rate itself where KL would spend capacity on the target's tail. (DistillSpec, Zhou et al.
+2023, found the best divergence depends on the task, with TV and forward KL the safe
+choices.) "tv" and "fkl" alone are options.
 
 Data: random windows of the corpus (the target's training corpus by default), and, with
 on_policy_fraction F > 0, a fraction F of micro-batches is on-policy: text the target itself
@@ -41,7 +44,7 @@ from specdec.models.llama import LlamaModel
 from specdec.models.loader import LoadedModel, load_pretrained
 from specdec.training.corpus import check_stream_length, evaluation_windows, load_corpus, sample_windows, token_stream
 from specdec.training.loop import Task, TrainConfig, log, train_loop
-from specdec.training.train import (SAVE_DTYPES, ModelShape, TrainResult, _check_save_dtype, new_model, open_checkpoint,
+from specdec.training.train import (SAVE_DTYPES, ModelShape, TrainResult, check_save_dtype, new_model, open_checkpoint,
                                     run_identity, training_positions, write_log)
 
 DIVERGENCES = ("fkl+tv", "tv", "fkl")
@@ -85,7 +88,7 @@ def distill(target_dir: str | Path, out: str | Path, shape: ModelShape | None, c
             restart: bool = False, require_checkpoint: bool = False, arguments: dict | None = None) -> TrainResult:
     """Distill a draft of `shape` (or the trained draft in init_dir) from the target into `out`."""
     out, target_dir, started = Path(out), Path(target_dir), time.perf_counter()
-    _check_save_dtype(save_dtype)
+    check_save_dtype(save_dtype)
     target = load_pretrained(target_dir, distill_config.target_dtype, config.device)
     if target.tokenizer is None or not target.eos_token_ids:
         raise ValueError(f"the target {target_dir} needs a tokenizer.json and an eos_token_id to distill from")

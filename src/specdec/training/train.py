@@ -50,10 +50,11 @@ class ModelShape:
     tie_word_embeddings: bool = True
 
     def __post_init__(self) -> None:
-        for f in dataclasses.fields(self):
-            value = getattr(self, f.name)
-            if f.type == "int" and not (isinstance(value, int) and not isinstance(value, bool) and value >= 1):
-                raise ValueError(f"{f.name} must be an integer >= 1, got {value!r}")
+        for name in ("vocab_size", "hidden_size", "num_layers", "num_heads", "num_kv_heads", "intermediate_size",
+                     "context"):
+            value = getattr(self, name)
+            if not (isinstance(value, int) and not isinstance(value, bool) and value >= 1):
+                raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
         if self.vocab_size < 258:
             raise ValueError(f"vocab_size must be >= 258 (256 bytes, the end-of-text token and a merge), "
                              f"got {self.vocab_size}")
@@ -133,7 +134,7 @@ def train(out: str | Path, shape: ModelShape, config: TrainConfig, corpus_path: 
           arguments: dict | None = None) -> TrainResult:
     """Train (or resume training) a model on the corpus and write it to `out`."""
     out, started = Path(out), time.perf_counter()
-    _check_save_dtype(save_dtype)
+    check_save_dtype(save_dtype)
     checkpoint = open_checkpoint(out, restart, require_checkpoint)
     corpus = load_corpus(corpus_path)
     log(corpus.describe())
@@ -163,8 +164,10 @@ def new_model(config: ModelConfig, seed: int) -> LlamaModel:
     generator = torch.Generator().manual_seed(seed)
     residual_std = 0.02 / math.sqrt(2 * config.num_layers)
     for name, param in model.named_parameters():  # a tied lm_head is the embedding, visited once
-        if param.dim() < 2:
-            torch.nn.init.ones_(param) if name.endswith("norm.weight") else torch.nn.init.zeros_(param)
+        if name.endswith("norm.weight"):
+            torch.nn.init.ones_(param)
+        elif param.dim() < 2:  # biases
+            torch.nn.init.zeros_(param)
         else:
             std = residual_std if name.endswith(("o_proj.weight", "down_proj.weight")) else 0.02
             torch.nn.init.normal_(param, std=std, generator=generator)
@@ -181,9 +184,9 @@ def language_model_task(model: LlamaModel, train_stream: torch.Tensor, held_out_
         return sample_windows(train_stream, config.batch_size, context, generator).to(device)
 
     def evaluate(model: LlamaModel) -> dict[str, float]:
-        losses = [next_token_loss(model, batch.to(device)) for batch in held_out.split(config.batch_size)]
-        sizes = [len(batch) for batch in held_out.split(config.batch_size)]
-        return {"held_out_loss": sum(float(loss) * n for loss, n in zip(losses, sizes)) / sum(sizes)}
+        batches = held_out.split(config.batch_size)
+        total = sum(float(next_token_loss(model, batch.to(device))) * len(batch) for batch in batches)
+        return {"held_out_loss": total / len(held_out)}
 
     return Task(model, next_batch, next_token_loss, evaluate, config.batch_size * context, identity)
 
@@ -286,14 +289,17 @@ def write_log(out: Path, kind: str, config: TrainConfig, settings: dict, result:
     """out/training_log.json: what was run and how it went (for the model card)."""
     out.mkdir(parents=True, exist_ok=True)
     state = result.state
-    record = {"kind": kind, "arguments": arguments, "finished": result.finished, "train_config": dataclasses.asdict(config),
-              **settings, "step": state.step, "tokens_seen": state.tokens_seen, "seconds": round(state.seconds, 1),
-              "train_loss": result.train_loss, "evaluations": state.evaluations,
-              "device": torch.cuda.get_device_name(config.device) if config.device.startswith("cuda") else "cpu",
-              "torch_threads": torch.get_num_threads()}
+    device = torch.cuda.get_device_name(config.device) if config.device.startswith("cuda") else "cpu"
+    record = {
+        "kind": kind, "arguments": arguments, "finished": result.finished,
+        "train_config": dataclasses.asdict(config), **settings,
+        "step": state.step, "tokens_seen": state.tokens_seen, "seconds": round(state.seconds, 1),
+        "train_loss": result.train_loss, "evaluations": state.evaluations,
+        "device": device, "torch_threads": torch.get_num_threads(),
+    }
     (out / "training_log.json").write_text(json.dumps(record, indent=2) + "\n")
 
 
-def _check_save_dtype(save_dtype: str) -> None:
+def check_save_dtype(save_dtype: str) -> None:
     if save_dtype not in SAVE_DTYPES:
         raise ValueError(f"save dtype {save_dtype!r} is not supported; use one of {', '.join(SAVE_DTYPES)}")

@@ -1,0 +1,261 @@
+"""Sampled speculative output follows the target's warped distribution exactly, end to end
+through specdec.LLM, for both drafters; and a seeded request does not depend on its batch.
+
+The exact distributions come from outside the engine: transformers' model for the logits and
+a reference warper written here from the definitions in specdec/sampling.py's docstring.
+
+The engine samples the first generated token from the prefill forward (plain sampling); the
+following ones come out of speculative rounds (accepted drafts, recovered and bonus tokens).
+A round never drafts past max_tokens (a row with r tokens left verifies at most r - 1 drafts),
+so max_tokens must be at least 3 for any draft to be verified: with max_tokens = 3 the second
+token is an accepted or recovered first draft, the third a bonus token or a plain round's.
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import numpy as np
+import pytest
+import scipy.stats
+import torch
+
+from helpers import load_hf, save_tiny_model
+from specdec import LLM, SamplingParams
+
+VOCAB = 32
+# A very small model: the cost of these tests is ~100k rows through the engine, not the model.
+DIMS = dict(hidden_size=16, intermediate_size=32, num_attention_heads=2, num_key_value_heads=1,
+            num_hidden_layers=1)
+K = 3
+NUM_DRAWS = 100_000
+MAX_TOKENS = 3  # the first token from the prefill, then draft-verified ones
+MARGIN = 1e-5  # a top-k / top-p / min-p decision this close to its threshold could go either way
+
+SETTINGS = {
+    "T1.0": dict(temperature=1.0),
+    "T0.7-top_k5": dict(temperature=0.7, top_k=5),
+    "T1.3-top_p0.8": dict(temperature=1.3, top_p=0.8),
+    "T1.0-min_p0.1": dict(temperature=1.0, min_p=0.1),
+    "T0.9-top_k8-top_p0.9-min_p0.05": dict(temperature=0.9, top_k=8, top_p=0.9, min_p=0.05),
+}
+# Three of the five settings per drafter, to stay near 2 minutes on 2 cores: 100,000 draws
+# cost 11-20 s per run, nearly all of it the engine's per-row Python work. Each drafter gets
+# top_k, top_p and min_p (all three together, plus single ones); every setting runs once.
+RUNS = {
+    "draft_model": ["T0.7-top_k5", "T1.0-min_p0.1", "T0.9-top_k8-top_p0.9-min_p0.05"],
+    "ngram": ["T1.0", "T1.3-top_p0.8", "T0.9-top_k8-top_p0.9-min_p0.05"],
+}
+
+
+# ---------------------------------------------------------------------------------------------
+# Models, prompt and the exact distributions.
+# ---------------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory):
+    """A tiny target over 32 tokens; a draft that is a different random model (the target's
+    weights plus independent noise of a fifth of their size, so that 10-50% of drafts are
+    accepted, depending on the setting); and a prompt that is the target's own greedy
+    continuation of one token, so it repeats and prompt lookup finds likely next tokens in it."""
+    root = tmp_path_factory.mktemp("distribution")
+    target_dir = save_tiny_model(root / "target", "llama", seed=7, vocab_size=VOCAB, tokenizer=False,
+                                 init_std=0.5, **DIMS)
+    target = load_hf(target_dir)
+    draft = load_hf(target_dir)
+    g = torch.Generator().manual_seed(4)
+    with torch.no_grad():
+        for param in draft.parameters():
+            param.add_(torch.randn(param.shape, generator=g) * 0.2 * param.std().clamp(min=0.1))
+    draft_dir = root / "draft"
+    draft.save_pretrained(draft_dir)
+
+    prompt = [5]
+    with torch.no_grad():
+        for _ in range(7):
+            prompt.append(int(target(torch.tensor([prompt])).logits[0, -1].argmax()))
+    # logits after the prompt followed by every possible (x_1 .. x_{T-1}): [V^(T-1), T, V]
+    T = MAX_TOKENS
+    continuations = torch.tensor(list(itertools.product(range(VOCAB), repeat=T - 1)), dtype=torch.long)
+    input_ids = torch.cat([torch.tensor(prompt).expand(len(continuations), -1), continuations], dim=1)
+    with torch.no_grad():
+        logits = target(input_ids).logits[:, len(prompt) - 1:].float().numpy()
+    return dict(target=str(target_dir), draft=str(draft_dir), prompt=prompt, logits=logits)
+
+
+def reference_warp(logits: np.ndarray, temperature: float, top_k: int = -1, top_p: float = 1.0,
+                   min_p: float = 0.0) -> tuple[np.ndarray, np.ndarray]:
+    """logits [N, V] -> (probs [N, V] in float64, margins [N]: per row, the smallest distance
+    of any top-k / top-p / min-p decision from its threshold). From the definitions:
+    temperature; top_k keeps logits >= the k-th largest; top_p keeps the tokens whose mass
+    before them, in descending order, is < top_p; min_p drops probabilities < min_p * the
+    largest; renormalise."""
+    z = logits.astype(np.float64) / temperature
+    N, V = z.shape
+    keep = np.ones((N, V), dtype=bool)
+    margins = np.full(N, np.inf)
+    if 0 < top_k < V:
+        descending = -np.sort(-z, axis=1)
+        kth = descending[:, top_k - 1:top_k]
+        keep &= z >= kth
+        margins = np.minimum(margins, kth[:, 0] - descending[:, top_k])
+    if top_p < 1:
+        probs = softmax_where(z, keep)
+        for n in range(N):
+            mass_before = 0.0
+            for token in np.argsort(-probs[n], kind="stable"):
+                if not keep[n, token]:
+                    continue
+                margins[n] = min(margins[n], abs(mass_before - top_p))
+                if mass_before >= top_p:
+                    keep[n, token] = False
+                mass_before += probs[n, token]
+    probs = softmax_where(z, keep)
+    if min_p > 0:
+        threshold = min_p * probs.max(axis=1, keepdims=True)
+        margins = np.minimum(margins, np.where(keep, np.abs(probs - threshold), np.inf).min(axis=1))
+        keep &= probs >= threshold
+        probs = softmax_where(z, keep)
+    return probs, margins
+
+
+def softmax_where(z: np.ndarray, keep: np.ndarray) -> np.ndarray:
+    z = np.where(keep, z, -np.inf)
+    e = np.exp(z - z.max(axis=1, keepdims=True))
+    return e / e.sum(axis=1, keepdims=True)
+
+
+def exact_distributions(logits: np.ndarray, setting: dict) -> list[np.ndarray]:
+    """The exact joint distribution of the first t generated tokens, for t = 1..T, each as an
+    array [V] * t (from logits [V^(T-1), T, V] over all continuations, in itertools.product
+    order)."""
+    count, T, V = logits.shape
+    warped, margins = reference_warp(logits.reshape(-1, V), **setting)
+    warped, margins = warped.reshape(count, T, V), margins.reshape(count, T)
+    joints, ambiguous = [], 0.0
+    for t in range(1, T + 1):
+        # rows whose first t-1 continuation tokens differ are the contexts of token t
+        contexts = warped[::V ** (T - t), t - 1]  # [V^(t-1), V]: p(x_t | x_1 .. x_{t-1})
+        previous = joints[-1].reshape(-1) if joints else np.ones(1)  # P(x_1 .. x_{t-1})
+        joints.append((previous[:, None] * contexts).reshape((V,) * t))
+        ambiguous += previous[margins[::V ** (T - t), t - 1] < MARGIN].sum()
+    # where float32 rounding could tip a decision, the contexts must be too rare to matter
+    assert ambiguous < 1e-4, f"contexts of probability {ambiguous:.1e} sit on a warping threshold: pick other seeds"
+    return joints
+
+
+# ---------------------------------------------------------------------------------------------
+# Chi-square.
+# ---------------------------------------------------------------------------------------------
+
+
+def chi_square_p_value(samples: np.ndarray, probs: np.ndarray, what: str) -> float:
+    """Pearson's chi-square of integer samples against probs (bins of expected count < 5
+    merged into one). A sample outside the support of probs fails outright."""
+    probs = probs.reshape(-1) / probs.sum()
+    counts = np.bincount(samples, minlength=len(probs)).astype(np.float64)
+    impossible = np.flatnonzero((counts > 0) & (probs == 0))
+    assert len(impossible) == 0, f"{what}: sampled outcomes of probability 0: {impossible[:10]}"
+    expected = probs * len(samples)
+    big = expected >= 5
+    obs, exp = list(counts[big]), list(expected[big])
+    if (~big & (probs > 0)).any():
+        obs.append(counts[~big].sum())
+        exp.append(expected[~big].sum())
+        if exp[-1] < 5 and len(exp) > 1:  # still too small: fold it into the smallest other bin
+            smallest = int(np.argmin(exp[:-1]))
+            obs[smallest] += obs.pop()
+            exp[smallest] += exp.pop()
+    if len(exp) < 2:
+        return 1.0
+    return float(scipy.stats.chisquare(obs, exp).pvalue)
+
+
+def assert_follows(samples: np.ndarray, probs: np.ndarray, what: str) -> None:
+    p_value = chi_square_p_value(samples, probs, what)
+    assert p_value > 1e-3, f"{what}: chi-square p-value {p_value:.2e} over {len(samples)} draws"
+
+
+# ---------------------------------------------------------------------------------------------
+# The tests.
+# ---------------------------------------------------------------------------------------------
+
+
+def make_llm(setup, drafter: str, **kwargs) -> LLM:
+    speculative_model = setup["draft"] if drafter == "draft_model" else "[ngram]"
+    return LLM(setup["target"], speculative_model=speculative_model, num_speculative_tokens=K, dtype="float32",
+               skip_tokenizer_init=True, **kwargs)
+
+
+@pytest.fixture(scope="module")
+def llms(setup):
+    return {drafter: make_llm(setup, drafter, max_num_seqs=NUM_DRAWS, seed=1000 + i)
+            for i, drafter in enumerate(RUNS)}
+
+
+def test_reference_warper_matches_the_definitions():
+    """The test's own warper, on a hand-checked example."""
+    logits = np.log(np.array([[0.05, 0.4, 0.1, 0.3, 0.15]]))
+    probs, _ = reference_warp(logits, 1.0, top_k=3)
+    np.testing.assert_allclose(probs[0], [0, 0.4, 0, 0.3, 0.15] / np.float64(0.85))
+    probs, _ = reference_warp(logits, 1.0, top_p=0.75)  # masses before: .4: 0, .3: .4, .15: .7, .1: .85
+    np.testing.assert_allclose(probs[0], [0, 0.4, 0, 0.3, 0.15] / np.float64(0.85))
+    probs, _ = reference_warp(logits, 1.0, min_p=0.3)  # drops < 0.12
+    np.testing.assert_allclose(probs[0], [0, 0.4, 0, 0.3, 0.15] / np.float64(0.85))
+    probs, _ = reference_warp(logits, 0.5)
+    np.testing.assert_allclose(probs[0], np.array([0.05, 0.4, 0.1, 0.3, 0.15]) ** 2 / 0.285)
+    probs, _ = reference_warp(logits, 1.0, top_k=4, top_p=0.7, min_p=0.5)  # top_k: .4 .3 .15 .1
+    np.testing.assert_allclose(probs[0], [0, 0.4, 0, 0.3, 0] / np.float64(0.7))  # top_p keeps .4 .3
+
+
+@pytest.mark.parametrize("drafter,setting", [(d, s) for d, settings in RUNS.items() for s in settings])
+def test_sampled_tokens_follow_the_target(setup, llms, drafter, setting):
+    """Over 100,000 copies of one prompt: the first, second and third generated tokens each
+    follow their exact marginal, and the tokens jointly follow the exact joint distribution;
+    drafts were both accepted and rejected along the way."""
+    joints = exact_distributions(setup["logits"], SETTINGS[setting])
+    params = SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True, **SETTINGS[setting])
+    outputs = llms[drafter].generate([setup["prompt"]] * NUM_DRAWS, params)
+    tokens = np.array([out.outputs[0].token_ids for out in outputs])  # [N, T]
+    assert tokens.shape == (NUM_DRAWS, MAX_TOKENS)
+
+    proposed = sum(out.metrics.num_draft_tokens for out in outputs)
+    accepted = sum(out.metrics.num_accepted_tokens for out in outputs)
+    assert proposed >= NUM_DRAWS // 4, f"only {proposed} draft tokens were verified"
+    assert 1000 < accepted < proposed - 1000, f"{accepted} of {proposed} drafts accepted: one path untested"
+
+    T, V = MAX_TOKENS, VOCAB
+    for t in range(T):
+        marginal = joints[-1].sum(axis=tuple(i for i in range(T) if i != t))
+        assert_follows(tokens[:, t], marginal, f"{drafter} {setting}: token {t + 1}")
+    assert_follows(np.ravel_multi_index(tokens.T, (V,) * T), joints[-1], f"{drafter} {setting}: joint")
+
+
+OTHER_PROMPTS = [[7, 3, 9, 7, 3, 9, 7, 3], [11, 2], [4, 4, 4, 4, 4, 4, 4, 4, 4, 4, 4, 4, 4], [30, 1, 17, 30, 1]]
+
+
+@pytest.mark.parametrize("drafter", list(RUNS))
+def test_seeded_request_is_independent_of_its_batch(setup, drafter):
+    """The same seeded request alone, in a batch with other seeded and unseeded requests of
+    other prompts and settings, twice in one batch, and queued behind others for a slot."""
+    seeded = SamplingParams(temperature=1.0, max_tokens=20, seed=4321, ignore_eos=True)
+    prompt = setup["prompt"]
+    llm = make_llm(setup, drafter)
+    alone = llm.generate([prompt], seeded)[0]
+    assert alone.metrics.num_draft_tokens > 0 and alone.metrics.num_accepted_tokens > 0
+
+    others = [SamplingParams(temperature=1.0, max_tokens=15, ignore_eos=True),
+              SamplingParams(temperature=0.8, top_k=6, max_tokens=30, seed=99, ignore_eos=True),
+              SamplingParams(temperature=0, max_tokens=12, ignore_eos=True),
+              SamplingParams(temperature=1.0, min_p=0.1, top_p=0.9, max_tokens=25, ignore_eos=True)]
+    prompts = [OTHER_PROMPTS[0], prompt, OTHER_PROMPTS[1], OTHER_PROMPTS[2], prompt, OTHER_PROMPTS[3]]
+    params = [others[0], seeded, others[1], others[2], seeded, others[3]]
+    batched = llm.generate(prompts, params)
+    assert batched[1].outputs[0].token_ids == alone.outputs[0].token_ids
+    assert batched[4].outputs[0].token_ids == alone.outputs[0].token_ids
+    assert batched[0].outputs[0].token_ids != alone.outputs[0].token_ids
+
+    queued = make_llm(setup, drafter, max_num_seqs=2).generate(prompts[2:] + prompts[:2], params[2:] + params[:2])
+    assert queued[2].outputs[0].token_ids == alone.outputs[0].token_ids  # admitted when a slot frees
+    assert queued[5].outputs[0].token_ids == alone.outputs[0].token_ids
