@@ -1,6 +1,8 @@
 """specdec's command line.
 
     specdec generate --model DIR [--draft DIR | --ngram] [-k N] --prompt TEXT [--compare]
+    specdec train --corpus PATH --out DIR (--preset NAME | size flags)
+    specdec distill --target DIR --out DIR
 """
 
 from __future__ import annotations
@@ -9,12 +11,15 @@ import argparse
 import sys
 
 from specdec.config import SamplingParams
+from specdec.training.commands import add_distill_parser, add_train_parser
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="specdec", description="Exact speculative decoding for LLMs")
     commands = parser.add_subparsers(dest="command", required=True)
     add_generate_parser(commands)
+    add_train_parser(commands)
+    add_distill_parser(commands)
     args = parser.parse_args(argv)
     try:
         return args.run(args)

@@ -10,6 +10,7 @@ default lives in one place. Progress goes to stderr, the final summary to stdout
 from __future__ import annotations
 
 import argparse
+import sys
 
 from specdec.training.train import PRESETS, model_shape
 
@@ -17,12 +18,10 @@ SIZE_FLAGS = {  # flag -> ModelShape field
     "vocab_size": "vocab_size", "hidden_size": "hidden_size", "layers": "num_layers", "heads": "num_heads",
     "kv_heads": "num_kv_heads", "intermediate_size": "intermediate_size", "context": "context",
 }
-TRAIN_FLAGS = {  # flag -> TrainConfig field
-    "steps": "steps", "batch_size": "batch_size", "grad_accum": "grad_accum", "lr": "lr",
-    "min_lr_ratio": "min_lr_ratio", "warmup": "warmup", "weight_decay": "weight_decay", "grad_clip": "grad_clip",
-    "seed": "seed", "device": "device", "eval_every": "eval_every", "eval_tokens": "eval_tokens",
-    "checkpoint_every": "checkpoint_every", "log_every": "log_every", "stop_after": "stop_after",
-}
+TRAIN_FIELDS = ("steps", "batch_size", "grad_accum", "lr", "min_lr_ratio", "warmup", "weight_decay", "grad_clip",
+                "seed", "device", "eval_every", "eval_tokens", "checkpoint_every", "log_every", "stop_after")
+DISTILL_FIELDS = ("temperature", "on_policy_fraction", "prompt_tokens", "divergence", "target_dtype")
+# (TrainConfig and DistillConfig fields, each set by the flag of the same name)
 
 
 def add_train_parser(commands) -> None:
@@ -92,8 +91,11 @@ def _add_training_flags(p: argparse.ArgumentParser) -> None:
 def run_train(args) -> int:
     from specdec.training.train import train
 
-    result = train(args.out, _shape(args), _train_config(args), corpus_path=args.corpus,
-                   tokenizer_dir=args.tokenizer, **_output_options(args))
+    try:
+        result = train(args.out, _shape(args), _train_config(args), corpus_path=args.corpus,
+                       tokenizer_dir=args.tokenizer, **_output_options(args))
+    except KeyboardInterrupt:
+        return _interrupted(args.out)
     print(_summary(result, "held_out_loss"))
     return 0
 
@@ -103,16 +105,23 @@ def run_distill(args) -> int:
 
     if args.init is not None and any(getattr(args, flag) is not None for flag in SIZE_FLAGS):
         raise ValueError("--init takes the draft's size from its config.json; drop the size flags")
-    distill_config = DistillConfig(**_given(args, {"temperature": "temperature",
-                                                   "on_policy_fraction": "on_policy_fraction",
-                                                   "prompt_tokens": "prompt_tokens", "divergence": "divergence",
-                                                   "target_dtype": "target_dtype"}))
+    distill_config = DistillConfig(**_given(args, DISTILL_FIELDS))
     shape = None if args.init is not None else _shape(args)
-    result = distill(args.target, args.out, shape, _train_config(args), distill_config, corpus_path=args.corpus,
-                     init_dir=args.init, **_output_options(args))
+    try:
+        result = distill(args.target, args.out, shape, _train_config(args), distill_config,
+                         corpus_path=args.corpus, init_dir=args.init, **_output_options(args))
+    except KeyboardInterrupt:
+        return _interrupted(args.out)
     print(_summary(result, "held_out_alpha"))
     print(alpha_summary(result))
     return 0
+
+
+def _interrupted(out: str) -> int:
+    """Ctrl-C: a line on how to resume instead of a traceback."""
+    print(f"\ninterrupted; rerun the same command to resume from the last checkpoint in {out}/checkpoint",
+          file=sys.stderr)
+    return 130
 
 
 def _shape(args):
@@ -127,7 +136,7 @@ def _train_config(args):
 
     from specdec.training.loop import TrainConfig
 
-    values = _given(args, TRAIN_FLAGS)
+    values = _given(args, TRAIN_FIELDS)
     values.setdefault("device", "cuda" if torch.cuda.is_available() else "cpu")
     return TrainConfig(bf16=args.precision == "bf16", **values)
 
@@ -140,8 +149,10 @@ def _output_options(args) -> dict:
             "restart": args.restart, "require_checkpoint": args.resume, "arguments": arguments}
 
 
-def _given(args, names: dict[str, str]) -> dict:
-    """{field: value} for the flags given on the command line."""
+def _given(args, names: dict[str, str] | tuple[str, ...]) -> dict:
+    """{field: value} for the flags given on the command line; names: {flag: field}, or
+    fields named like their flags."""
+    names = names if isinstance(names, dict) else {name: name for name in names}
     return {field: getattr(args, flag) for flag, field in names.items() if getattr(args, flag) is not None}
 
 

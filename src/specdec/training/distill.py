@@ -6,17 +6,19 @@ min(1, p/q), so the expected acceptance rate at a position is
 
     α = Σ_v min(p_v, q_v) = 1 − TV(p, q),    TV(p, q) = ½ Σ_v |p_v − q_v|.
 
-The loss. Maximising α is minimising TV, so TV is optimised directly; but alone it learns
-slowly from a random draft. Its gradient with respect to the draft's logit z_v is
-q_v·(g_v − Σ_u q_u g_u) with g = ½ sign(q − p): proportional to the draft's own probability
-q_v, so a token the draft gives almost no mass gets almost no push however much the target
-wants it. Forward KL(p ‖ q), the cross-entropy against the target's soft labels, has the
-gradient q_v − p_v, which pulls every token the target likes by its full p_v: it brings q
-near p quickly, and it bounds what matters (Pinsker: TV ≤ sqrt(KL / 2)). The default loss
-is their sum, forward KL + TV: KL does the coarse work, TV keeps the objective the acceptance
-rate itself where KL would spend capacity on the target's tail. (DistillSpec, Zhou et al.
-2023, found the best divergence depends on the task, with TV and forward KL the safe
-choices.) "tv" and "fkl" alone are options.
+The loss. Maximising α is minimising TV, so TV is optimised directly; but TV alone steers
+poorly. Its gradient with respect to the draft's logit z_v is q_v·(g_v − Σ_u q_u g_u) with
+g = ½ sign(q − p): proportional to the draft's own probability q_v, so a token the draft
+gives little mass gets little push however much the target wants it, and it says only "up"
+or "down", not how far. Forward KL(p ‖ q), the cross-entropy against the target's soft
+labels, has the gradient q_v − p_v, which pulls every token the target likes by its full
+p_v, and it bounds TV (Pinsker: TV ≤ sqrt(KL / 2)). The default loss is their sum,
+forward KL + TV: KL does the steering, TV keeps the acceptance rate itself in the objective.
+Measured on the standard library (a 0.82M-parameter target with a 2048-token vocabulary,
+a 0.18M draft, 400 steps of 16 x 128 tokens, one seed), held-out α / greedy agreement:
+TV 0.786 / 0.571, forward KL 0.797 / 0.615, forward KL + TV 0.801 / 0.615. (DistillSpec,
+Zhou et al. 2023, likewise found TV and forward KL the safe choices.) "tv" and "fkl" alone
+are options.
 
 Data: random windows of the corpus (the target's training corpus by default), and, with
 on_policy_fraction F > 0, a fraction F of micro-batches is on-policy: text the target itself

@@ -122,7 +122,7 @@ class RunState:
 
     step: int = 0
     tokens_seen: int = 0
-    seconds: float = 0.0  # wall time over all sessions
+    seconds: float = 0.0  # wall time of the training loop, over all sessions
     losses: list[float] = field(default_factory=list)  # train loss of each step
     evaluations: list[dict] = field(default_factory=list)  # {"step": s, **metrics}
 

@@ -1,0 +1,296 @@
+"""The training recipes: a tiny `specdec train` run writes a directory that specdec and
+transformers load alike, its loss falls, an interrupted run resumes exactly; a tiny
+`specdec distill` run raises α; bad corpora get clear errors."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import sysconfig
+from pathlib import Path
+
+import pytest
+import torch
+
+from specdec.models.checkpoint import save_pretrained
+from specdec.models.loader import load_pretrained
+from specdec.training.commands import add_distill_parser, add_train_parser
+from specdec.training.corpus import (END_OF_TEXT, HELD_OUT_MODULES, Document, evaluation_windows, load_corpus,
+                                     sample_windows, split_held_out)
+from specdec.training.distill import DistillConfig, acceptance_metrics, divergence_loss
+from specdec.training.loop import TrainConfig, learning_rate
+from specdec.training.train import PRESETS, ModelShape, model_shape, new_model, train
+
+STDLIB = Path(sysconfig.get_paths()["stdlib"])
+# Small standard-library files present in Python 3.10-3.13, none of them held out.
+CORPUS_FILES = ("abc.py", "copy.py", "genericpath.py", "keyword.py", "numbers.py", "opcode.py",
+                "operator.py", "stat.py", "string.py", "types.py")
+TINY_RUN = ["--preset", "tiny", "--context", "64", "--batch-size", "8", "--lr", "3e-3", "--warmup", "4",
+            "--eval-tokens", "2048", "--log-every", "10", "--device", "cpu"]
+
+
+def cli(*argv: str) -> int:
+    parser = argparse.ArgumentParser(prog="specdec")
+    commands = parser.add_subparsers(dest="command", required=True)
+    add_train_parser(commands)
+    add_distill_parser(commands)
+    args = parser.parse_args([str(a) for a in argv])
+    return args.run(args)
+
+
+@pytest.fixture(scope="module")
+def corpus_dir(tmp_path_factory) -> Path:
+    path = tmp_path_factory.mktemp("corpus")
+    for name in CORPUS_FILES:
+        shutil.copyfile(STDLIB / name, path / name)
+    return path
+
+
+@pytest.fixture(scope="module")
+def trained_dir(corpus_dir, tmp_path_factory) -> Path:
+    """A tiny model trained for 40 steps, saved in float32 in shards of at most 200 kB."""
+    out = tmp_path_factory.mktemp("trained")
+    assert cli("train", "--corpus", corpus_dir, "--out", out, *TINY_RUN, "--steps", "40", "--eval-every", "20",
+               "--checkpoint-every", "20", "--save-dtype", "float32", "--max-shard-mb", "0.2") == 0
+    return out
+
+
+# ---------------------------------------------------------------------------- train
+
+def test_trained_directory_loads_in_specdec_and_transformers_alike(trained_dir, corpus_dir):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    ours = load_pretrained(trained_dir, "float32")
+    theirs = AutoModelForCausalLM.from_pretrained(trained_dir, dtype=torch.float32).eval()
+    ids = torch.randint(0, ours.model.config.vocab_size, (3, 57), generator=torch.Generator().manual_seed(11))
+    with torch.no_grad():
+        our_logits = ours.model(ids, torch.arange(57).expand(3, 57), None)
+        their_logits = theirs(ids).logits
+    assert (our_logits - their_logits).abs().max() <= 1e-4
+    assert our_logits.std() > 0.1  # a trained model, not a constant one
+
+    hf_tokenizer = AutoTokenizer.from_pretrained(trained_dir)
+    texts = [(corpus_dir / "types.py").read_text()[:3000], "  x\t= 'é 日本' # <|endoftext|> tail\r\n", "z" * 300]
+    for text in texts:
+        assert ours.tokenizer.encode(text) == hf_tokenizer(text).input_ids
+    eos = ours.tokenizer.token_to_id(END_OF_TEXT)
+    config = json.loads((trained_dir / "config.json").read_text())
+    assert config["architectures"] == ["LlamaForCausalLM"] and config["eos_token_id"] == eos
+    assert json.loads((trained_dir / "generation_config.json").read_text())["eos_token_id"] == eos
+    assert ours.eos_token_ids == (eos,) and hf_tokenizer.eos_token_id == eos
+
+
+def test_trained_directory_is_sharded_within_the_limit(trained_dir):
+    index = json.loads((trained_dir / "model.safetensors.index.json").read_text())
+    shards = sorted(set(index["weight_map"].values()))
+    assert len(shards) >= 3 and not (trained_dir / "model.safetensors").exists()
+    assert all((trained_dir / shard).stat().st_size <= 200_000 for shard in shards)
+    assert sorted(p.name for p in trained_dir.glob("model-*.safetensors")) == shards
+
+
+def test_training_loss_fell(trained_dir):
+    log = json.loads((trained_dir / "training_log.json").read_text())
+    evaluations = log["evaluations"]
+    assert [e["step"] for e in evaluations] == [0, 20, 40] and log["finished"] and log["step"] == 40
+    assert evaluations[-1]["held_out_loss"] < evaluations[0]["held_out_loss"] - 0.5
+    assert log["train_loss"] < evaluations[0]["held_out_loss"] - 1.0
+    assert log["tokens_seen"] == 40 * 8 * 64
+
+
+def test_interrupted_run_resumes_where_it_stopped(corpus_dir, tmp_path):
+    run = ["--corpus", corpus_dir, *TINY_RUN, "--steps", "20", "--eval-every", "10", "--checkpoint-every", "10",
+           "--seed", "5"]
+    assert cli("train", *run, "--out", tmp_path / "whole") == 0
+    assert cli("train", *run, "--out", tmp_path / "split", "--stop-after", "10") == 0  # the 'interruption'
+    halfway = torch.load(tmp_path / "split" / "checkpoint" / "last.pt", weights_only=True)
+    assert halfway["state"]["step"] == 10 and not (tmp_path / "split" / "config.json").exists()
+    assert cli("train", *run, "--out", tmp_path / "split", "--resume") == 0
+
+    whole, split = (json.loads((tmp_path / name / "training_log.json").read_text()) for name in ("whole", "split"))
+    assert split["step"] == 20 and split["tokens_seen"] == whole["tokens_seen"]
+    assert split["evaluations"] == whole["evaluations"]  # steps 0, 10, 20: step 0 not evaluated again
+    final = [torch.load(tmp_path / name / "checkpoint" / "last.pt", weights_only=True) for name in ("whole", "split")]
+    assert final[0]["state"]["losses"] == final[1]["state"]["losses"]
+    for name, tensor in final[0]["model"].items():
+        assert torch.equal(tensor, final[1]["model"][name]), name
+
+    with pytest.raises(ValueError, match="lr"):  # other settings cannot silently continue the run
+        cli("train", *run, "--out", tmp_path / "split", "--lr", "1e-3")
+
+
+def test_train_reusing_a_tokenizer_shares_its_vocabulary(trained_dir, corpus_dir, tmp_path):
+    out = tmp_path / "draft"
+    assert cli("train", "--corpus", corpus_dir, "--out", out, "--tokenizer", trained_dir, *TINY_RUN,
+               "--hidden-size", "32", "--heads", "2", "--kv-heads", "1", "--steps", "2") == 0
+    assert (out / "tokenizer.json").read_text() == (trained_dir / "tokenizer.json").read_text()
+    target_config, draft_config = (json.loads((p / "config.json").read_text()) for p in (trained_dir, out))
+    assert draft_config["vocab_size"] == target_config["vocab_size"]
+    assert draft_config["eos_token_id"] == target_config["eos_token_id"]
+    assert draft_config["torch_dtype"] == "bfloat16" and (out / "model.safetensors").is_file()
+
+
+# ---------------------------------------------------------------------------- distill
+
+def test_distill_raises_acceptance(trained_dir, corpus_dir, tmp_path):
+    from specdec import LLM, SamplingParams
+
+    out = tmp_path / "distilled"
+    assert cli("distill", "--target", trained_dir, "--out", out, "--corpus", corpus_dir, *TINY_RUN,
+               "--hidden-size", "32", "--layers", "1", "--heads", "2", "--kv-heads", "1",
+               "--intermediate-size", "64", "--steps", "30", "--eval-every", "0", "--checkpoint-every", "0",
+               "--on-policy-fraction", "0.25", "--prompt-tokens", "8") == 0
+    log = json.loads((out / "training_log.json").read_text())
+    before, after = log["evaluations"][0], log["evaluations"][-1]
+    assert after["step"] == 30
+    assert after["held_out_alpha"] > before["held_out_alpha"] + 0.05
+    assert abs(after["held_out_alpha"] + after["held_out_tv"] - 1) < 1e-6
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        assert (out / name).read_bytes() == (trained_dir / name).read_bytes()
+
+    llm = LLM(str(trained_dir), speculative_model=str(out), num_speculative_tokens=3, dtype="float32")
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    speculative = llm.generate("def copy(x):\n", params)[0]
+    alone = llm.target_only().generate("def copy(x):\n", params)[0]
+    assert speculative.outputs[0].token_ids == alone.outputs[0].token_ids
+    assert speculative.metrics.num_draft_tokens > 0  # the draft did propose
+
+
+def test_acceptance_is_one_minus_total_variation():
+    generator = torch.Generator().manual_seed(3)
+    draft_logits, target_logits = (torch.randn(2, 5, 40, generator=generator) * 3 for _ in range(2))
+    metrics = acceptance_metrics(draft_logits, target_logits, temperature=1.0)
+    alpha = torch.minimum(draft_logits.softmax(-1), target_logits.softmax(-1)).sum(-1).mean()
+    assert abs(metrics["held_out_alpha"] - float(alpha)) < 1e-6
+    same = acceptance_metrics(target_logits, target_logits, temperature=0.7)
+    assert abs(same["held_out_alpha"] - 1) < 1e-6 and same["held_out_greedy_agreement"] == 1.0
+    for divergence in ("tv", "fkl", "fkl+tv"):
+        assert divergence_loss(target_logits, target_logits, 1.0, divergence).abs() < 1e-5
+        assert divergence_loss(draft_logits, target_logits, 1.0, divergence) > 0.1
+    tv = divergence_loss(draft_logits, target_logits, 1.0, "tv")
+    assert abs(float(tv) - (1 - float(alpha))) < 1e-5
+
+
+# ---------------------------------------------------------------------------- corpus
+
+def test_default_corpus_is_the_standard_library_with_fixed_held_out_modules():
+    corpus = load_corpus()
+    train_names = {d.name for d in corpus.train}
+    assert sorted(d.name for d in corpus.held_out) == sorted(HELD_OUT_MODULES)
+    assert not train_names & set(HELD_OUT_MODULES)
+    assert "os.py" in train_names and "json/decoder.py" in train_names
+    excluded = ("site-packages", "test", "tests", "idle_test")
+    assert not any(part in excluded for name in train_names for part in name.split("/")[:-1])
+    assert sum(len(d.text) for d in corpus.train) > 5_000_000
+
+
+def test_corpus_errors_are_clear(tmp_path):
+    missing = tmp_path / "nowhere"
+    with pytest.raises(ValueError, match="does not exist"):
+        load_corpus(missing)
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(ValueError, match="empty"):
+        load_corpus(tmp_path / "empty")
+    (tmp_path / "blank.txt").write_text("  \n\n")
+    with pytest.raises(ValueError, match="empty"):
+        load_corpus(tmp_path / "blank.txt")
+    binary = tmp_path / "weights.bin"
+    binary.write_bytes(bytes(torch.randint(0, 256, (4096,), generator=torch.Generator().manual_seed(1)).tolist()))
+    with pytest.raises(ValueError, match="not text") as error:
+        load_corpus(binary)
+    assert str(binary) in str(error.value)
+    latin1 = tmp_path / "latin1.txt"
+    latin1.write_bytes("caf\xe9 cr\xe8me\n".encode("latin-1"))
+    with pytest.raises(ValueError, match="not text"):
+        load_corpus(latin1)
+    (tmp_path / "only_binary").mkdir()
+    shutil.copyfile(binary, tmp_path / "only_binary" / "a.bin")
+    with pytest.raises(ValueError, match="empty.*1 files skipped"):
+        load_corpus(tmp_path / "only_binary")
+    out = tmp_path / "out"
+    with pytest.raises(ValueError, match="does not exist"):  # through the command, before writing anything
+        cli("train", "--corpus", missing, "--out", out, *TINY_RUN)
+    assert not out.exists()
+
+
+def test_held_out_split_of_other_corpora(tmp_path):
+    documents = [Document(f"f{i:02d}.txt", f"text {i}\n") for i in range(23)]
+    train_docs, held_out = split_held_out(documents)
+    assert [d.name for d in held_out] == ["f09.txt", "f19.txt"] and len(train_docs) == 21
+    train_docs, held_out = split_held_out(documents[:3])
+    assert [d.name for d in held_out] == ["f02.txt"]
+    lines = "".join(f"line {i}\n" for i in range(100))
+    (tmp_path / "one.txt").write_text(lines)
+    corpus = load_corpus(tmp_path / "one.txt")
+    assert corpus.train[0].text + corpus.held_out[0].text == lines
+    assert corpus.held_out[0].text.startswith("line 9") and corpus.train[0].text.endswith("\n")
+
+
+def test_windows_are_slices_of_the_stream():
+    stream = torch.randperm(1000, generator=torch.Generator().manual_seed(2)).to(torch.int32)
+    windows = sample_windows(stream, 6, 31, torch.Generator().manual_seed(4))
+    assert windows.shape == (6, 32) and windows.dtype == torch.int64
+    for row in windows:
+        start = int((stream == row[0]).nonzero())
+        assert torch.equal(row, stream[start:start + 32].long())
+    held = evaluation_windows(stream, 100, max_tokens=450)
+    assert held.shape == (4, 101) and torch.equal(held[1], stream[100:201].long())
+    assert evaluation_windows(stream[:20], 100, 450).shape == (1, 20)
+
+
+# ---------------------------------------------------------------------------- configuration
+
+def test_presets_sizes():
+    target, draft, tiny = (PRESETS[name].model_config().num_parameters for name in ("target", "draft", "tiny"))
+    assert 20e6 <= target <= 25e6 and target >= 10 * draft and 1e5 <= tiny <= 1e6
+    assert PRESETS["target"].vocab_size == PRESETS["draft"].vocab_size
+    model = new_model(PRESETS["tiny"].model_config(), seed=0)
+    assert sum(p.numel() for p in model.parameters()) == PRESETS["tiny"].model_config().num_parameters
+    assert model_shape("draft", context=256).context == 256
+
+
+def test_configuration_errors_are_clear():
+    with pytest.raises(ValueError, match="steps"):
+        TrainConfig(steps=0)
+    with pytest.raises(ValueError, match="lr"):
+        TrainConfig(lr=-1.0)
+    with pytest.raises(ValueError, match="CUDA|device"):
+        TrainConfig(device="cuda:7" if torch.cuda.is_available() else "cuda")
+    with pytest.raises(ValueError, match="num_kv_heads"):
+        model_shape("tiny", num_kv_heads=3)
+    with pytest.raises(ValueError, match="preset"):
+        model_shape("huge")
+    with pytest.raises(ValueError, match="missing"):
+        model_shape(None, hidden_size=64)
+    with pytest.raises(ValueError, match="vocab_size"):
+        ModelShape(vocab_size=100, hidden_size=64, num_layers=1, num_heads=2, num_kv_heads=1,
+                   intermediate_size=64, context=32)
+    with pytest.raises(ValueError, match="on_policy_fraction"):
+        DistillConfig(on_policy_fraction=1.5)
+    with pytest.raises(ValueError, match="divergence"):
+        DistillConfig(divergence="reverse")
+
+
+def test_learning_rate_warms_up_then_decays_to_the_floor():
+    config = TrainConfig(steps=100, warmup=10, lr=1e-3, min_lr_ratio=0.1)
+    rates = [learning_rate(step, config) for step in range(100)]
+    assert rates[0] == pytest.approx(1e-4) and rates[9] == pytest.approx(1e-3)
+    assert all(a >= b for a, b in zip(rates[9:], rates[10:]))
+    assert learning_rate(100, config) == pytest.approx(1e-4)
+
+
+def test_save_pretrained_shards_only_when_needed(tmp_path):
+    model = new_model(PRESETS["tiny"].model_config(), seed=9)
+    single = save_pretrained(model, tmp_path / "single", torch.bfloat16)
+    assert (single / "model.safetensors").is_file() and not (single / "model.safetensors.index.json").exists()
+    sharded = save_pretrained(model, tmp_path / "single", torch.bfloat16, max_shard_bytes=100_000)
+    assert not (sharded / "model.safetensors").exists()  # the earlier single file was replaced
+    files = sorted(sharded.glob("model-*.safetensors"))
+    assert len(files) >= 4 and all(f.stat().st_size <= 100_000 for f in files)
+    ids = torch.randint(0, 512, (1, 30), generator=torch.Generator().manual_seed(8))
+    loaded = load_pretrained(sharded, "float32", load_tokenizer=False).model
+    with torch.no_grad():
+        for param in model.parameters():
+            param.copy_(param.bfloat16().float())  # what a bfloat16 save keeps
+        expected = model(ids, torch.arange(30)[None], None)
+        assert torch.allclose(loaded(ids, torch.arange(30)[None], None), expected, atol=1e-5)
