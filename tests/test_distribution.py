@@ -17,10 +17,9 @@ import itertools
 
 import numpy as np
 import pytest
-import scipy.stats
 import torch
 
-from helpers import load_hf, save_tiny_model
+from helpers import chi_square_p_value, load_hf, save_tiny_model
 from specdec import LLM, SamplingParams
 
 VOCAB = 32
@@ -148,28 +147,6 @@ def exact_distributions(logits: np.ndarray, setting: dict) -> list[np.ndarray]:
 # ---------------------------------------------------------------------------------------------
 # Chi-square.
 # ---------------------------------------------------------------------------------------------
-
-
-def chi_square_p_value(samples: np.ndarray, probs: np.ndarray, what: str) -> float:
-    """Pearson's chi-square of integer samples against probs (bins of expected count < 5
-    merged into one). A sample outside the support of probs fails outright."""
-    probs = probs.reshape(-1) / probs.sum()
-    counts = np.bincount(samples, minlength=len(probs)).astype(np.float64)
-    impossible = np.flatnonzero((counts > 0) & (probs == 0))
-    assert len(impossible) == 0, f"{what}: sampled outcomes of probability 0: {impossible[:10]}"
-    expected = probs * len(samples)
-    big = expected >= 5
-    obs, exp = list(counts[big]), list(expected[big])
-    if (~big & (probs > 0)).any():
-        obs.append(counts[~big].sum())
-        exp.append(expected[~big].sum())
-        if exp[-1] < 5 and len(exp) > 1:  # still too small: fold it into the smallest other bin
-            smallest = int(np.argmin(exp[:-1]))
-            obs[smallest] += obs.pop()
-            exp[smallest] += exp.pop()
-    if len(exp) < 2:
-        return 1.0
-    return float(scipy.stats.chisquare(obs, exp).pvalue)
 
 
 def assert_follows(samples: np.ndarray, probs: np.ndarray, what: str) -> None:

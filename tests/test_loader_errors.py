@@ -23,15 +23,6 @@ MAX_POSITIONS = 256  # helpers.hf_config
 SUPPORTED = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """Tiny models run fastest on one thread; two threads on a busy 2-core machine spin."""
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(previous)
-
-
 @pytest.fixture(scope="module")
 def good(tmp_path_factory) -> Path:
     return save_tiny_model(tmp_path_factory.mktemp("good"), "llama", seed=0, init_std=0.2)

@@ -138,15 +138,6 @@ class SavedModels:
         return self.saved[name][1]
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """Tiny models run fastest on one thread; two threads on a busy 2-core machine spin."""
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(previous)
-
-
 @pytest.fixture(scope="module")
 def models(tmp_path_factory) -> SavedModels:
     return SavedModels(tmp_path_factory)

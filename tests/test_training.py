@@ -20,7 +20,7 @@ from specdec.training.corpus import (END_OF_TEXT, HELD_OUT_MODULES, Document, ev
                                      sample_windows, split_held_out)
 from specdec.training.distill import DistillConfig, acceptance_metrics, divergence_loss
 from specdec.training.loop import TrainConfig, learning_rate
-from specdec.training.train import PRESETS, ModelShape, model_shape, new_model, train
+from specdec.training.train import PRESETS, ModelShape, model_shape, new_model
 
 STDLIB = Path(sysconfig.get_paths()["stdlib"])
 # Small standard-library files present in Python 3.10-3.13, none of them held out.

@@ -10,11 +10,11 @@ drawn from p_{n+1}. Here p = target_probs, q = draft_probs.
 
 from __future__ import annotations
 
-import numpy as np
 import pytest
 import scipy.stats
 import torch
 
+from helpers import chi_square_p_value
 from specdec import verify
 from specdec.verify import rejection_sample
 
@@ -379,28 +379,6 @@ def test_greedy_rows_use_no_randomness():
 # ---------------------------------------------------------------------------------------------
 # The output distribution of rejection sampling alone.
 # ---------------------------------------------------------------------------------------------
-
-
-def chi_square_p_value(samples: torch.Tensor, probs: torch.Tensor) -> float:
-    """Pearson's chi-square of samples against probs (bins of expected count < 5 merged into
-    one). Samples outside the support of probs fail outright."""
-    probs = probs.double().numpy()
-    probs = probs / probs.sum()
-    counts = np.bincount(samples.numpy(), minlength=len(probs)).astype(np.float64)
-    assert counts[probs == 0].sum() == 0, f"sampled tokens of probability 0: {np.flatnonzero(counts * (probs == 0))}"
-    expected = probs * len(samples)
-    big = expected >= 5
-    obs, exp = list(counts[big]), list(expected[big])
-    if (~big & (probs > 0)).any():
-        obs.append(counts[~big].sum())
-        exp.append(expected[~big].sum())
-        if exp[-1] < 5 and len(exp) > 1:  # still too small: fold into the smallest other bin
-            smallest = int(np.argmin(exp[:-1]))
-            obs[smallest] += obs.pop()
-            exp[smallest] += exp.pop()
-    if len(exp) < 2:
-        return 1.0
-    return float(scipy.stats.chisquare(obs, exp).pvalue)
 
 
 def assert_follows(samples: torch.Tensor, probs: torch.Tensor, what: str = "") -> None:

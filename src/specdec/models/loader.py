@@ -239,8 +239,10 @@ def _load_tokenizer(path: Path) -> Tokenizer:
     if not (path / "tokenizer.json").is_file():
         raise ModelLoadError(f"{path}: tokenizer.json is missing; save the tokenizer with the model "
                              "(tokenizer.save_pretrained) or pass skip_tokenizer_init=True and give token ids")
+    config_file = path / "tokenizer_config.json"
+    config = _read_json(config_file, what="tokenizer_config.json") if config_file.is_file() else None
     try:
-        return Tokenizer.from_directory(path)
+        return Tokenizer.from_directory(path, config)
     except Exception as e:
         raise ModelLoadError(f"{path}: cannot read the tokenizer ({e})") from e
 

@@ -3,7 +3,6 @@ special tokens of tokenizer_config.json. No transformers, no remote code."""
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 from tokenizers import Tokenizer as _RustTokenizer
@@ -17,10 +16,11 @@ class Tokenizer:
         self.chat_template = chat_template
 
     @classmethod
-    def from_directory(cls, path: str | Path) -> "Tokenizer":
+    def from_directory(cls, path: str | Path, config: dict | None = None) -> "Tokenizer":
+        """tokenizer.json in path; config: the parsed tokenizer_config.json, if there is one."""
         path = Path(path)
         backend = _RustTokenizer.from_file(str(path / "tokenizer.json"))
-        config = _read_json(path / "tokenizer_config.json") if (path / "tokenizer_config.json").is_file() else {}
+        config = config or {}
         special = {name: _token_text(config[name]) for name in ("bos_token", "eos_token", "pad_token", "unk_token")
                    if config.get(name) is not None}
         template = config.get("chat_template")
@@ -65,17 +65,6 @@ class Tokenizer:
 
 def _token_text(token) -> str:
     return token["content"] if isinstance(token, dict) else str(token)
-
-
-def _read_json(path: Path) -> dict:
-    try:
-        with open(path) as f:
-            data = json.load(f)
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise ValueError(f"{path} is not valid JSON ({e})") from e
-    if not isinstance(data, dict):
-        raise ValueError(f"{path} must hold a JSON object")
-    return data
 
 
 def train_byte_level_bpe(texts, vocab_size: int, special_tokens: tuple[str, ...] = ("<|endoftext|>",)
