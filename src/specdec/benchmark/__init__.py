@@ -1,0 +1,1 @@
+"""Measuring specdec: prompt sets and the runs that time them."""
