@@ -24,7 +24,7 @@ from specdec.models.llama import LlamaModel
 from specdec.models.tokenizer import Tokenizer
 from specdec.sampling import SamplingTensors, sample, warp
 from specdec.sequence import Sequence
-from specdec.verify import rejection_sample
+from specdec.verify import greedy_verify, rejection_sample
 
 
 class Engine:
@@ -115,12 +115,15 @@ class Engine:
         self.cache.use_slots([s.slot for s in batch])
         target_logits = self.target(input_ids, positions, self.cache)  # [B, k+1, V]
         t2 = time.perf_counter()
-        B, V = len(batch), target_logits.shape[-1]
-        target_probs = warp(target_logits.view(B * (k + 1), V), sampling.repeat_rows(k + 1)).view(B, k + 1, V)
-        output, num_accepted = rejection_sample(
-            draft.token_ids if k else torch.zeros(B, 0, dtype=torch.long, device=device), num_draft,
-            draft.probs if k else None, target_probs, [s.generator for s in batch],
-            sampling.greedy if sampling.any_greedy else None)
+        draft_token_ids = draft.token_ids if k else torch.zeros(len(batch), 0, dtype=torch.long, device=device)
+        if sampling.all_greedy:  # prefix matching against argmax: no probabilities needed
+            output, num_accepted = greedy_verify(draft_token_ids, num_draft, target_logits.argmax(-1))
+        else:
+            B, V = len(batch), target_logits.shape[-1]
+            target_probs = warp(target_logits.view(B * (k + 1), V), sampling.repeat_rows(k + 1)).view(B, k + 1, V)
+            output, num_accepted = rejection_sample(
+                draft_token_ids, num_draft, draft.probs if k else None, target_probs, [s.generator for s in batch],
+                sampling.greedy if sampling.any_greedy else None)
         t3 = time.perf_counter()
 
         num_proposed, num_accepted_list = num_draft.tolist(), num_accepted.tolist()

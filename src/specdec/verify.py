@@ -56,23 +56,38 @@ def rejection_sample(
     q_draft_token = (torch.ones_like(p_draft_token) if draft_probs is None
                      else draft_probs.gather(2, draft_ids).squeeze(2).double())  # [B, k]
     accept = (u[:, :k] * q_draft_token < p_draft_token) & proposed  # [B, k]
-    target_argmax = target_probs.argmax(-1)  # [B, k+1]
-    if greedy is not None:
-        greedy_accept = (draft_token_ids == target_argmax[:, :k]) & proposed
-        accept = torch.where(greedy[:, None], greedy_accept, accept)
     num_accepted = accept.long().cumprod(dim=1).sum(dim=1)  # [B]: length of the accepted prefix
-
     final_token = _recovered_or_bonus(num_accepted, num_draft, draft_token_ids, draft_probs,
                                       target_probs, u[:, k])
+    output = _assemble(draft_token_ids, num_accepted, final_token)
     if greedy is not None:
-        greedy_final = target_argmax.gather(1, num_accepted[:, None]).squeeze(1)
-        final_token = torch.where(greedy, greedy_final, final_token)
+        greedy_output, greedy_accepted = greedy_verify(draft_token_ids, num_draft, target_probs.argmax(-1))
+        output = torch.where(greedy[:, None], greedy_output, output)
+        num_accepted = torch.where(greedy, greedy_accepted, num_accepted)
+    return output, num_accepted
 
-    positions = torch.arange(k + 1, device=device)[None, :]  # [1, k+1]
+
+def greedy_verify(draft_token_ids: torch.Tensor, num_draft: torch.Tensor, target_argmax: torch.Tensor
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Greedy verification, no randomness: drafts are kept while they equal the target's
+    argmax, and the token after them is the argmax there. draft_token_ids [B, k],
+    num_draft [B], target_argmax [B, k+1] -> (output_token_ids [B, k+1], num_accepted [B])."""
+    k = draft_token_ids.shape[1]
+    draft_token_ids = draft_token_ids.long()
+    proposed = torch.arange(k, device=draft_token_ids.device)[None, :] < num_draft[:, None]  # [B, k]
+    accept = (draft_token_ids == target_argmax[:, :k]) & proposed
+    num_accepted = accept.long().cumprod(dim=1).sum(dim=1)  # [B]
+    final_token = target_argmax.gather(1, num_accepted[:, None]).squeeze(1)  # [B]
+    return _assemble(draft_token_ids, num_accepted, final_token), num_accepted
+
+
+def _assemble(draft_token_ids: torch.Tensor, num_accepted: torch.Tensor, final_token: torch.Tensor) -> torch.Tensor:
+    """[accepted drafts..., final token, -1 padding]: [B, k+1]."""
+    B, k = draft_token_ids.shape
+    positions = torch.arange(k + 1, device=draft_token_ids.device)[None, :]  # [1, k+1]
     padded_draft = torch.cat([draft_token_ids, draft_token_ids.new_full((B, 1), -1)], dim=1)  # [B, k+1]
     output = torch.where(positions < num_accepted[:, None], padded_draft, -1)
-    output = output.scatter(1, num_accepted[:, None], final_token[:, None])
-    return output, num_accepted
+    return output.scatter(1, num_accepted[:, None], final_token[:, None])
 
 
 def _recovered_or_bonus(num_accepted, num_draft, draft_token_ids, draft_probs, target_probs, u_final):

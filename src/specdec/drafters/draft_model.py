@@ -51,17 +51,20 @@ class DraftModelDrafter(Drafter):
         logits = self._catch_up(batch)  # [B, V]: each row's next-token logits
         draft_tokens, draft_probs = [], []
         for i in range(k):
-            probs = warp(logits, sampling)  # [B, V]
-            token = sample(probs, generators)  # [B]
+            if sampling.all_greedy:  # a point mass on the argmax: no probabilities kept
+                token = logits.argmax(-1)  # [B]
+            else:
+                probs = warp(logits, sampling)  # [B, V]
+                token = sample(probs, generators)  # [B]
+                draft_probs.append(probs)
             draft_tokens.append(token)
-            draft_probs.append(probs)
             if i < k - 1:
                 positions = torch.tensor([seq.num_tokens + i for seq in batch], device=device)[:, None]  # [B, 1]
                 logits = self._logits(self.model(token[:, None], positions, self.cache)[:, 0])
         token_ids = torch.stack(draft_tokens, dim=1)  # [B, k]
         for row, seq in enumerate(batch):
             self.fed[seq.slot] = (seq.num_tokens, token_ids[row, :k - 1].tolist())
-        probs = None if sampling.all_greedy else torch.stack(draft_probs, dim=1)  # [B, k, V]
+        probs = torch.stack(draft_probs, dim=1) if draft_probs else None  # [B, k, V]
         return Draft(token_ids, torch.full((len(batch),), k, device=device), probs)
 
     def _catch_up(self, batch: list[Sequence]) -> torch.Tensor:
