@@ -47,3 +47,19 @@ def test_bad_input_is_one_clear_line(model_dir, capsys, args, message):
     assert main(argv) == 2
     err = capsys.readouterr().err
     assert err.startswith("error:") and message in err and "Traceback" not in err
+
+
+def test_accepted_draft_tokens_are_marked(model_dir, capsys):
+    """With the target as its own draft every token after the first is an accepted draft:
+    the colored runs, with the color codes removed, give back the completion exactly."""
+    assert main(["generate", "--model", str(model_dir), "--draft", str(model_dir), "-k", "4", "--prompt",
+                 "def add(a, b):", "--max-tokens", "12", "--dtype", "float32", "--color", "always"]) == 0
+    out = capsys.readouterr().out
+    from specdec.cli import DRAFT_COLOR, RESET
+    body = out.split("\n\n", 1)[1].split("\n\n[draft_model")[0]
+    expected = LLM(str(model_dir), dtype="float32").generate(
+        "def add(a, b):", SamplingParams(temperature=0, max_tokens=12))[0].outputs[0]
+    assert body.replace(DRAFT_COLOR, "").replace(RESET, "") == "def add(a, b):" + expected.text
+    assert body.count(DRAFT_COLOR) >= 1
+    plain_first = body.index(DRAFT_COLOR) > len("def add(a, b):")  # the prefill's token is the target's
+    assert plain_first or expected.text == ""

@@ -91,6 +91,9 @@ def test_metrics_plain_and_self_draft(dirs, plain):
     assert out.metrics.num_emitted_tokens == 40
     assert out.metrics.num_target_forwards == 1 + 8
     assert out.metrics.tokens_per_forward == pytest.approx(40 / 9)
+    from_draft = out.outputs[0].from_draft
+    assert len(from_draft) == 40 and sum(from_draft) == out.metrics.num_accepted_tokens
+    assert from_draft[:11] == [False] + [True] * 4 + [False] + [True] * 4 + [False]  # prefill, then rounds
     assert out.metrics.tokens_per_second > 0
 
 

@@ -48,6 +48,8 @@ def add_generate_parser(commands) -> None:
     p.add_argument("--dtype", default="auto", help="auto, float32, bfloat16 or float16")
     p.add_argument("--device", default="cpu")
     p.add_argument("--compare", action="store_true", help="also run the target alone and print the speedup")
+    p.add_argument("--color", choices=("auto", "always", "never"), default="auto",
+                   help="mark accepted draft tokens in color (auto: when printing to a terminal)")
     p.set_defaults(run=run_generate)
 
 
@@ -61,7 +63,13 @@ def run_generate(args) -> int:
               num_speculative_tokens=args.num_speculative_tokens, dtype=args.dtype, device=args.device)
     llm.generate(args.prompt, SamplingParams(temperature=0, max_tokens=2))  # warm-up: first calls are slow
     output = llm.generate(args.prompt, params)[0]
-    print(args.prompt + output.outputs[0].text)
+    completion = output.outputs[0]
+    color = args.color == "always" or (args.color == "auto" and sys.stdout.isatty())
+    if color and method:
+        print(f"{DRAFT_COLOR}accepted draft tokens look like this{RESET}; the target's own tokens are plain\n")
+        print(args.prompt + mark_draft_tokens(llm.tokenizer, completion))
+    else:
+        print(args.prompt + completion.text)
     print()
     label = f"{method} k={args.num_speculative_tokens}" if method else "target alone"
     print(f"[{label}] {output.metrics.summary()}")
@@ -72,6 +80,25 @@ def run_generate(args) -> int:
         same = baseline.outputs[0].token_ids == output.outputs[0].token_ids
         print(f"speedup {speedup:.2f}x" + (f"; greedy outputs identical: {same}" if params.greedy else ""))
     return 0
+
+
+DRAFT_COLOR, RESET = "\033[32;1m", "\033[0m"
+
+
+def mark_draft_tokens(tokenizer, completion) -> str:
+    """The completion's text with each run of accepted draft tokens in color. Falls back to
+    the plain text where the tokens do not decode to it (a stop string cut it)."""
+    ids = completion.token_ids
+    if tokenizer.decode(ids) != completion.text:
+        return completion.text
+    pieces, start, previous_text = [], 0, ""
+    for end in range(1, len(ids) + 1):
+        if end == len(ids) or completion.from_draft[end] != completion.from_draft[start]:
+            text = tokenizer.decode(ids[:end])
+            run = text[len(previous_text):]
+            pieces.append(f"{DRAFT_COLOR}{run}{RESET}" if completion.from_draft[start] else run)
+            start, previous_text = end, text
+    return "".join(pieces)
 
 
 if __name__ == "__main__":

@@ -98,7 +98,7 @@ class Engine:
         probs = warp(logits, SamplingTensors.from_params([s.params for s in batch], device))
         first_tokens = sample(probs, [s.generator for s in batch]).tolist()
         for seq, token in zip(batch, first_tokens):
-            seq.stats.record_round(0, 0, self._emit(seq, [token]))
+            seq.stats.record_round(0, 0, self._emit(seq, [token], num_from_draft=0))
         self.timings["prefill"] += time.perf_counter() - t0
 
     def _round(self, batch: list[Sequence]) -> None:
@@ -129,7 +129,8 @@ class Engine:
         num_proposed, num_accepted_list = num_draft.tolist(), num_accepted.tolist()
         for row, seq in enumerate(batch):
             tokens = output[row, :num_accepted_list[row] + 1].tolist()
-            seq.stats.record_round(num_proposed[row], num_accepted_list[row], self._emit(seq, tokens))
+            emitted = self._emit(seq, tokens, num_from_draft=num_accepted_list[row])
+            seq.stats.record_round(num_proposed[row], num_accepted_list[row], emitted)
         if self.drafter is not None:
             self.drafter.observe(batch, num_accepted)
         t4 = time.perf_counter()
@@ -153,11 +154,13 @@ class Engine:
         positions = first_positions + torch.arange(k + 1, device=device)  # [B, k+1]
         return input_ids, positions
 
-    def _emit(self, seq: Sequence, tokens: list[int]) -> int:
-        """Append tokens to seq until one of them finishes it; returns how many were emitted."""
+    def _emit(self, seq: Sequence, tokens: list[int], num_from_draft: int) -> int:
+        """Append tokens to seq until one of them finishes it; returns how many were emitted.
+        The first num_from_draft tokens are accepted drafts, the rest the target's own."""
         params = seq.params
         for count, token in enumerate(tokens, start=1):
             seq.output_token_ids.append(token)
+            seq.output_from_draft.append(count <= num_from_draft)
             if (token in self.eos_token_ids and not params.ignore_eos) or token in params.stop_token_ids:
                 seq.finish_reason = "stop"
             elif params.stop and self._stop_string_index(seq) is not None:

@@ -25,6 +25,7 @@ class CompletionOutput:
     text: str
     token_ids: list[int]
     finish_reason: str | None
+    from_draft: list[bool] = field(default_factory=list)  # per token id: accepted from the drafter?
 
 
 @dataclass
@@ -140,7 +141,8 @@ class LLM:
         return self.tokenizer
 
     def _output(self, seq: Sequence) -> RequestOutput:
-        completion = CompletionOutput(0, seq.text, list(seq.output_token_ids), seq.finish_reason)
+        completion = CompletionOutput(0, seq.text, list(seq.output_token_ids), seq.finish_reason,
+                                      list(seq.output_from_draft))
         return RequestOutput(str(seq.request_id), seq.prompt, seq.prompt_token_ids, [completion], seq.stats)
 
 
