@@ -18,7 +18,7 @@ from collections import deque
 
 import torch
 
-from specdec.drafters.base import Drafter
+from specdec.drafters.base import Draft, Drafter
 from specdec.kv_cache import ragged_batch
 from specdec.models.llama import LlamaModel
 from specdec.models.tokenizer import Tokenizer
@@ -105,27 +105,16 @@ class Engine:
         device = self.target.device
         sampling = self._sampling_tensors(batch)
         t0 = time.perf_counter()
-        draft = self.drafter.propose(batch, self.k, sampling) if self.k else None
+        draft = self.drafter.propose(batch, self.k, sampling) if self.k else Draft.empty(len(batch), device)
         t1 = time.perf_counter()
-        k = draft.token_ids.shape[1] if draft is not None else 0
-        budget = torch.tensor([s.remaining_tokens - 1 for s in batch], device=device)
-        num_draft = torch.minimum(draft.num_tokens, budget) if k else torch.zeros_like(budget)  # [B]
-
-        input_ids, positions = self._verify_inputs(batch, draft, k)  # [B, k+1] each
+        budget = torch.tensor([s.remaining_tokens - 1 for s in batch], device=device)  # room left after a token
+        num_draft = torch.minimum(draft.num_tokens, budget)  # [B]
+        input_ids, positions = self._verify_inputs(batch, draft)  # [B, k+1] each
         self.cache.use_slots([s.slot for s in batch])
         target_logits = self.target(input_ids, positions, self.cache)  # [B, k+1, V]
         t2 = time.perf_counter()
-        draft_token_ids = draft.token_ids if k else torch.zeros(len(batch), 0, dtype=torch.long, device=device)
-        if sampling.all_greedy:  # prefix matching against argmax: no probabilities needed
-            output, num_accepted = greedy_verify(draft_token_ids, num_draft, target_logits.argmax(-1))
-        else:
-            B, V = len(batch), target_logits.shape[-1]
-            target_probs = warp(target_logits.view(B * (k + 1), V), sampling.repeat_rows(k + 1)).view(B, k + 1, V)
-            output, num_accepted = rejection_sample(
-                draft_token_ids, num_draft, draft.probs if k else None, target_probs, [s.generator for s in batch],
-                sampling.greedy if sampling.any_greedy else None)
+        output, num_accepted = self._verify(batch, sampling, draft, num_draft, target_logits)
         t3 = time.perf_counter()
-
         num_proposed, num_accepted_list = num_draft.tolist(), num_accepted.tolist()
         for row, seq in enumerate(batch):
             tokens = output[row, :num_accepted_list[row] + 1].tolist()
@@ -137,6 +126,16 @@ class Engine:
         for key, seconds in (("draft", t1 - t0), ("target", t2 - t1), ("sampling", t3 - t2), ("bookkeeping", t4 - t3)):
             self.timings[key] += seconds
 
+    def _verify(self, batch, sampling: SamplingTensors, draft: Draft, num_draft: torch.Tensor,
+                target_logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Rejection sampling (greedy: prefix matching) -> output_token_ids [B, k+1], num_accepted [B]."""
+        if sampling.all_greedy:  # no probabilities needed
+            return greedy_verify(draft.token_ids, num_draft, target_logits.argmax(-1))
+        B, T, V = target_logits.shape  # T = k + 1
+        target_probs = warp(target_logits.view(B * T, V), sampling.repeat_rows(T)).view(B, T, V)
+        return rejection_sample(draft.token_ids, num_draft, draft.probs, target_probs, [s.generator for s in batch],
+                                sampling.greedy if sampling.any_greedy else None)
+
     def _sampling_tensors(self, batch: list[Sequence]) -> SamplingTensors:
         """The batch's settings as tensors, rebuilt only when the batch changes."""
         key = tuple(id(seq) for seq in batch)
@@ -145,13 +144,13 @@ class Engine:
             self._sampling = SamplingTensors.from_params([s.params for s in batch], self.target.device)
         return self._sampling
 
-    def _verify_inputs(self, batch: list[Sequence], draft, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def _verify_inputs(self, batch: list[Sequence], draft: Draft) -> tuple[torch.Tensor, torch.Tensor]:
         """[last token, d_1..d_k] at positions [L-1 .. L-1+k] per row: [B, k+1] each."""
         device = self.target.device
         last_tokens = torch.tensor([s.last_token_id for s in batch], device=device)[:, None]  # [B, 1]
-        input_ids = torch.cat([last_tokens, draft.token_ids], dim=1) if k else last_tokens
+        input_ids = torch.cat([last_tokens, draft.token_ids], dim=1)  # [B, k+1]
         first_positions = torch.tensor([s.num_tokens - 1 for s in batch], device=device)[:, None]  # [B, 1]
-        positions = first_positions + torch.arange(k + 1, device=device)  # [B, k+1]
+        positions = first_positions + torch.arange(input_ids.shape[1], device=device)  # [B, k+1]
         return input_ids, positions
 
     def _emit(self, seq: Sequence, tokens: list[int], num_from_draft: int) -> int:
