@@ -13,8 +13,9 @@ TEXT = ("def add(a, b):\n    return a + b\n\nclass Point:\n    def __init__(self
         "        self.x = x\n        self.y = y\n\nfor i in range(10):\n    print(i, add(i, i))\n") * 4
 
 
-def make_tokenizer(vocab_size: int):
-    """A byte-level BPE trained on a little Python, padded with merges up to vocab_size."""
+def make_tokenizer(vocab_size: int, text: str = TEXT):
+    """A byte-level BPE trained on text (a little Python by default), with at most vocab_size
+    tokens (fewer when the text has fewer merges to learn)."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 
     tok = Tokenizer(models.BPE())
@@ -22,7 +23,7 @@ def make_tokenizer(vocab_size: int):
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=["<s>", "</s>"],
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
-    tok.train_from_iterator([TEXT], trainer)
+    tok.train_from_iterator([text], trainer)
     tok.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", 0)])
     return tok
 

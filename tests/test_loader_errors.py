@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import TEXT, save_tiny_model
+from helpers import TEXT, make_tokenizer, save_tiny_model
 
 from specdec import LLM, ModelLoadError, SamplingParams
 
@@ -369,16 +369,8 @@ def test_corrupt_generation_config(good, workdir):
 
 def save_with_other_tokenizer(path: Path, vocab_size: int, text: str, tokenizer_size: int, seed: int = 9) -> Path:
     """A tiny model whose BPE (tokenizer_size tokens) is trained on `text`."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
-
     save_tiny_model(path, "llama", seed=seed, vocab_size=vocab_size, init_std=0.2, tokenizer=True)
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=tokenizer_size, special_tokens=["<s>", "</s>"],
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
-    tok.train_from_iterator([text], trainer)
-    tok.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", 0)])
+    tok = make_tokenizer(tokenizer_size, text)
     assert tok.get_vocab_size() == tokenizer_size
     tok.save(str(path / "tokenizer.json"))
     return path
