@@ -28,8 +28,7 @@ PROMPT = '''def parse_header(line):
     return key.strip(), value.strip()
 
 
-def parse_headers(lines):
-'''
+def parse_headers(lines):'''
 
 
 def build_stand_in(path: Path) -> Path:

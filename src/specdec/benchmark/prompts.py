@@ -1,16 +1,26 @@
 """Prompt sets for benchmarks.
 
 held-out code prompts: a held-out standard-library module's text cut just after one of its
-function's `def` line (the signature, up to the colon and line break), so the model writes the
-body. Only modules in corpus.HELD_OUT_MODULES are used: the shipped pair never saw them.
+function's `def` line (the signature, up to its colon), so the model writes the body. The line
+break stays out of the prompt: byte-level BPE merges a line break with the next line's
+indentation, so a prompt ending in a bare line break would tell the model that the next line
+starts at column 0. Only modules in corpus.HELD_OUT_MODULES are used: the shipped pair never saw them.
+
+repeated code prompts: a held-out module's function, whole, then a comment asking for the same
+function under a new name and that renamed function's signature, so the body the model writes
+copies code already in the prompt (editing and refactoring look like this; prompt lookup
+shines here).
 """
 
 from __future__ import annotations
 
 import ast
+import textwrap
 from dataclasses import dataclass
 
 from specdec.training.corpus import HELD_OUT_MODULES, stdlib_path
+
+MIN_BODY_LINES = 3  # repeated code prompts copy functions with at least this many lines of body
 
 
 @dataclass(frozen=True)
@@ -21,7 +31,7 @@ class Prompt:
 
 def held_out_code_prompts(per_module: int = 2, max_chars: int = 1200) -> list[Prompt]:
     """Up to per_module prompts from each held-out module: the last max_chars characters of the
-    file before (and including) a `def` line, cut at a line start."""
+    file up to the end of a `def` line, starting at a line start."""
     prompts = []
     for module in HELD_OUT_MODULES:
         file = stdlib_path() / module
@@ -37,9 +47,49 @@ def held_out_code_prompts(per_module: int = 2, max_chars: int = 1200) -> list[Pr
     return prompts
 
 
-def _def_line_ends(source: str) -> list[tuple[str, int]]:
-    """(function name, offset just past its signature's line break), for functions whose body
-    starts on a later line, spread evenly through the file."""
+def repeated_code_prompts(per_module: int = 1, max_chars: int = 1200) -> list[Prompt]:
+    """Up to per_module prompts from each held-out module: one of its functions (dedented, with
+    a body of at least MIN_BODY_LINES lines), a comment, and the same signature renamed to
+    <name>_copy, ready for the copied body; each prompt at most max_chars long."""
+    prompts = []
+    for module in HELD_OUT_MODULES:
+        file = stdlib_path() / module
+        if not file.is_file():
+            continue
+        source = file.read_text(encoding="utf-8")
+        fitting = []
+        for span in _function_spans(source):
+            text = _repeat_prompt(source, span)
+            if text is not None and len(text) <= max_chars:
+                fitting.append(Prompt(f"{module}:{span.name} (repeat)", text))
+        step = max(1, len(fitting) // per_module)
+        prompts += fitting[step // 2::step][:per_module]
+    return prompts
+
+
+@dataclass(frozen=True)
+class _FunctionSpan:
+    lineno: int
+    name: str
+    start: int  # offset of the `def` line's first character
+    signature_end: int  # offset just past the signature's line break
+    end: int  # offset just past the function's last line
+
+
+def _repeat_prompt(source: str, span: _FunctionSpan) -> str | None:
+    """The function, a comment, and its signature renamed; None for a body too short to copy."""
+    lines = textwrap.dedent(source[span.start:span.end]).splitlines(keepends=True)
+    num_signature_lines = source[span.start:span.signature_end].count("\n")
+    if len(lines) - num_signature_lines < MIN_BODY_LINES or lines[0][:1].isspace():
+        return None  # too short, or a string inside is less indented than the def
+    new_name = f"{span.name}_copy"
+    signature = "".join(lines[:num_signature_lines]).replace(f"def {span.name}(", f"def {new_name}(", 1)
+    comment = f"# The same function again, renamed from {span.name} to {new_name}:\n"
+    return "".join(lines).rstrip() + "\n\n\n" + comment + signature.rstrip("\r\n")  # no bare line break: see above
+
+
+def _function_spans(source: str) -> list[_FunctionSpan]:
+    """Every function whose body starts on a later line than its `def`, in source order."""
     lines = source.splitlines(keepends=True)
     line_starts = [0]
     for line in lines:
@@ -50,7 +100,14 @@ def _def_line_ends(source: str) -> list[tuple[str, int]]:
             last = node.body[0].lineno - 2  # 0-based: the line before the body
             while last > node.lineno - 1 and (not lines[last].strip() or lines[last].lstrip().startswith("#")):
                 last -= 1  # comments and blank lines between the signature and the body
-            found.append((node.lineno, node.name, line_starts[last + 1]))
-    found.sort()
+            found.append(_FunctionSpan(node.lineno, node.name, line_starts[node.lineno - 1], line_starts[last + 1],
+                                       line_starts[node.end_lineno]))
+    return sorted(found, key=lambda span: span.lineno)
+
+
+def _def_line_ends(source: str) -> list[tuple[str, int]]:
+    """(function name, offset just past its signature's colon), for functions whose body
+    starts on a later line, spread evenly through the file."""
+    found = _function_spans(source)
     step = max(1, len(found) // 4)
-    return [(name, offset) for _, name, offset in found[step // 2::step]]
+    return [(span.name, len(source[:span.signature_end].rstrip("\r\n"))) for span in found[step // 2::step]]
