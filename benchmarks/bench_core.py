@@ -28,6 +28,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "src"))
 
 from specdec import LLM, SamplingParams  # noqa: E402
+from specdec.benchmark.machine import read_bandwidth  # noqa: E402
 from specdec.engine import Engine  # noqa: E402
 from specdec.models.loader import load_pretrained  # noqa: E402
 
@@ -105,22 +106,6 @@ def verify_cost(model, context: int = 128, repeats: int = 30) -> dict:
             result[num_tokens] = statistics.median(time_call(lambda: model(ids, positions, cache))
                                                    for _ in range(repeats))
     return result
-
-
-def read_bandwidth(num_bytes: int, repeats: int = 5) -> float:
-    """Bytes/s of summing a float32 buffer of num_bytes (the best of repeats)."""
-    buffer = torch.ones(num_bytes // 4)
-    buffer.sum()
-    return num_bytes / min(time_call(buffer.sum) for _ in range(repeats))
-
-
-def weight_bytes(model) -> int:
-    seen, total = set(), 0
-    for tensor in list(model.parameters()) + [m.packed_weight for m in model.modules() if hasattr(m, "packed_weight")]:
-        if id(tensor) not in seen:
-            seen.add(id(tensor))
-            total += tensor.numel() * tensor.element_size()
-    return total
 
 
 def main() -> None:

@@ -13,36 +13,16 @@ the measured cost ratio c; and it checks the outputs are identical.
 from __future__ import annotations
 
 import argparse
-import statistics
 import sys
-import time
 from pathlib import Path
-
-import torch
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "src"))
 
 from specdec import LLM, SamplingParams, SpecStats  # noqa: E402
+from specdec.benchmark.machine import step_seconds  # noqa: E402
 from specdec.benchmark.prompts import held_out_code_prompts  # noqa: E402
 from specdec.metrics import predicted_speedup  # noqa: E402
-
-
-def step_seconds(model, repeats: int = 50) -> float:
-    """Median time of one single-token forward after a 64-token context."""
-    cache = model.new_cache(1, 80)
-    ids = torch.randint(0, model.config.vocab_size, (1, 64), generator=torch.Generator().manual_seed(0))
-    with torch.inference_mode():
-        model(ids, torch.arange(64)[None], cache)
-        token, position = ids[:, -1:], torch.tensor([[64]])
-        for _ in range(5):
-            model(token, position, cache)
-        times = []
-        for _ in range(repeats):
-            start = time.perf_counter()
-            model(token, position, cache)
-            times.append(time.perf_counter() - start)
-    return statistics.median(times)
 
 
 def main() -> None:
@@ -52,13 +32,14 @@ def main() -> None:
     parser.add_argument("-k", type=int, default=5)
     parser.add_argument("--prompts-per-module", type=int, default=2)
     parser.add_argument("--max-tokens", type=int, default=64)
+    parser.add_argument("--max-chars", type=int, default=800, help="prompt length in characters (at most)")
     parser.add_argument("--dtype", default="auto")
     parser.add_argument("--show", type=int, default=3, help="print this many completions")
     args = parser.parse_args()
 
     speculative = LLM(args.target, speculative_model=args.draft, num_speculative_tokens=args.k, dtype=args.dtype)
     plain = speculative.target_only()
-    prompts = held_out_code_prompts(args.prompts_per_module)
+    prompts = held_out_code_prompts(args.prompts_per_module, max_chars=args.max_chars)
     params = SamplingParams(temperature=0, max_tokens=args.max_tokens)
     speculative.generate(prompts[0].text, params)  # warm-up
     plain.generate(prompts[0].text, params)

@@ -196,3 +196,15 @@ def test_late_admission_next_to_a_long_row(dirs, plain):
     llm = LLM(str(dirs["target"]), speculative_model=str(dirs["draft"]), num_speculative_tokens=2,
               max_num_seqs=2, dtype="float32")
     assert token_ids(llm.generate(prompts, params)) == expected
+
+
+def test_acceptance_by_position_counts_positions_never_accepted():
+    from specdec.metrics import SpecStats
+
+    stats = SpecStats()
+    stats.record_round(2, 0, 1)
+    assert stats.acceptance_by_position == [0.0, 0.0]
+    stats.record_round(3, 1, 2)
+    assert stats.acceptance_by_position == [0.5, 0.0, 0.0]
+    merged = SpecStats.merge([stats, SpecStats()])
+    assert merged.acceptance_by_position == [0.5, 0.0, 0.0]

@@ -3,6 +3,7 @@
     specdec generate --model DIR [--draft DIR | --ngram] [-k N] --prompt TEXT [--compare]
     specdec train --corpus PATH --out DIR (--preset NAME | size flags)
     specdec distill --target DIR --out DIR
+    specdec bench [--quick] [--model DIR --draft DIR] [--device cuda] [--out DIR] [--write-docs]
 """
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ from __future__ import annotations
 import argparse
 import sys
 
+from specdec.benchmark.commands import add_bench_parser
 from specdec.config import SamplingParams
 from specdec.training.commands import add_distill_parser, add_train_parser
 
@@ -20,6 +22,7 @@ def main(argv: list[str] | None = None) -> int:
     add_generate_parser(commands)
     add_train_parser(commands)
     add_distill_parser(commands)
+    add_bench_parser(commands)
     args = parser.parse_args(argv)
     try:
         return args.run(args)

@@ -28,7 +28,7 @@ class SpecStats:
         self.num_accepted_tokens += num_accepted
         self.num_emitted_tokens += num_emitted
         _grow(self.proposed_by_position, num_proposed)
-        _grow(self.accepted_by_position, num_accepted)
+        _grow(self.accepted_by_position, num_proposed)  # as long: positions never accepted count as 0
         for i in range(num_proposed):
             self.proposed_by_position[i] += 1
         for i in range(num_accepted):
@@ -63,7 +63,7 @@ class SpecStats:
             total.num_target_forwards += s.num_target_forwards
             for mine, theirs in ((total.proposed_by_position, s.proposed_by_position),
                                  (total.accepted_by_position, s.accepted_by_position)):
-                _grow(mine, len(theirs))
+                _grow(mine, len(s.proposed_by_position))
                 for i, n in enumerate(theirs):
                     mine[i] += n
             total.seconds = max(total.seconds, s.seconds)

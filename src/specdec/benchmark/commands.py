@@ -1,0 +1,126 @@
+"""The `specdec bench` subcommand (argparse, wired in by cli.py).
+
+    specdec bench [--model DIR --draft DIR] [--device cpu|cuda] [--quick] [--out DIR]
+                  [--max-tokens N] [--ks 1,2,...] [--prompts N] [--no-transformers] [--write-docs]
+
+Without --model it benchmarks the shipped pair (models/code-target, models/code-draft).
+Progress goes to stderr, the Markdown report to stdout; files go under --out.
+"""
+
+from __future__ import annotations
+
+import argparse
+import shlex
+import sys
+from pathlib import Path
+
+from specdec.demo import ROOT, SHIPPED_DRAFT, SHIPPED_TARGET
+
+FULL = {"prompts": 8, "max_tokens": 128, "ks": (1, 2, 3, 4, 5, 6, 7, 8)}
+QUICK = {"prompts": 4, "max_tokens": 32, "ks": (1, 3, 5)}
+
+
+def add_bench_parser(commands) -> None:
+    p = commands.add_parser("bench", help="benchmark speculative decoding against the target alone and transformers",
+                            description="Measure, in one run with the methods interleaved prompt by prompt: the "
+                                        "target alone, the draft model at each k, prompt lookup, and transformers' "
+                                        "generate (plain, assisted, prompt lookup), greedy and sampled, on held-out "
+                                        "code prompts and on prompts that repeat code. Reports tokens/s, speedup, "
+                                        "α, τ, acceptance by position, the cost ratio c, the predicted speedup, the "
+                                        "memory-bandwidth roofline and a greedy exactness check.")
+    p.add_argument("--model", metavar="DIR",
+                   help=f"target model directory (default: the shipped pair, {_relative(SHIPPED_TARGET)})")
+    p.add_argument("--draft", metavar="DIR",
+                   help="draft model directory sharing the target's tokenizer (optional with --model; "
+                        f"default with no --model: {_relative(SHIPPED_DRAFT)})")
+    p.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N (default cpu)")
+    p.add_argument("--dtype", default="auto", help="auto (the checkpoint's), float32, bfloat16 or float16")
+    p.add_argument("--quick", action="store_true",
+                   help=f"a few minutes: {QUICK['prompts']} prompts per set, {QUICK['max_tokens']} tokens, "
+                        f"k in {{{','.join(map(str, QUICK['ks']))}}}")
+    p.add_argument("--out", metavar="DIR", default="bench_out",
+                   help="directory for results.json, results.md and the plots (default bench_out)")
+    p.add_argument("--max-tokens", type=int, metavar="N",
+                   help=f"new tokens per prompt (default {FULL['max_tokens']}, --quick {QUICK['max_tokens']})")
+    p.add_argument("--ks", type=_int_list, metavar="K,K,...",
+                   help="comma-separated k values (default 1..8, --quick 1,3,5)")
+    p.add_argument("--prompts", type=int, metavar="N",
+                   help=f"prompts per set (default {FULL['prompts']}, --quick {QUICK['prompts']})")
+    p.add_argument("--seed", type=int, default=0, help="seeds of the sampled runs (prompt i uses seed + i)")
+    p.add_argument("--no-transformers", action="store_true", help="skip transformers' generate rows")
+    p.add_argument("--write-docs", action="store_true", help="also write docs/benchmarks.md (and its plots)")
+    p.set_defaults(run=run_bench)
+
+
+def run_bench(args) -> int:
+    from specdec.benchmark.report import markdown, write_docs, write_report
+    from specdec.benchmark.run import run_benchmark
+
+    config = bench_config(args)
+    results = run_benchmark(config, progress=lambda message: print(message, file=sys.stderr, flush=True))
+    paths = write_report(results, args.out)
+    if args.write_docs:
+        paths["docs"] = write_docs(results, paths, ROOT / "docs", command_line(args))
+    print(markdown(results))
+    print("wrote " + ", ".join(str(path) for path in paths.values()), file=sys.stderr)
+    return 0
+
+
+def bench_config(args):
+    """BenchConfig from the parsed flags: the shipped pair by default, --quick's sizes unless
+    a flag names its own."""
+    from specdec.benchmark.run import BenchConfig
+
+    model, draft = resolve_pair(args.model, args.draft)
+    sizes = QUICK if args.quick else FULL
+    return BenchConfig(model=model, draft=draft, device=args.device, dtype=args.dtype,
+                       ks=_given_or(args.ks, sizes["ks"]), max_tokens=_given_or(args.max_tokens, sizes["max_tokens"]),
+                       prompts_per_set=_given_or(args.prompts, sizes["prompts"]),
+                       with_transformers=not args.no_transformers, seed=args.seed)
+
+
+def resolve_pair(model: str | None, draft: str | None) -> tuple[str, str | None]:
+    """(target, draft) directories: as given, or the shipped pair when no --model is given."""
+    if model is not None:
+        return model, draft
+    if draft is not None:
+        raise ValueError("--draft needs --model (the target it drafts for)")
+    missing = [path for path in (SHIPPED_TARGET, SHIPPED_DRAFT) if not (path / "config.json").is_file()]
+    if missing:
+        raise FileNotFoundError(
+            f"the shipped model pair is missing ({', '.join(_relative(p) for p in missing)}): pass --model DIR "
+            "[--draft DIR], or train the pair with `specdec train` and `specdec distill` (see the README)")
+    return str(SHIPPED_TARGET), str(SHIPPED_DRAFT)
+
+
+def command_line(args) -> str:
+    """The `specdec bench` command that reproduces this run (the flags given, written out)."""
+    words = ["specdec", "bench"]
+    for flag in ("model", "draft", "device", "dtype", "out", "max_tokens", "prompts", "seed"):
+        value = getattr(args, flag)
+        if value is not None:
+            words += ["--" + flag.replace("_", "-"), str(value)]
+    if args.ks:
+        words += ["--ks", ",".join(map(str, args.ks))]
+    for flag in ("quick", "no_transformers", "write_docs"):
+        if getattr(args, flag):
+            words.append("--" + flag.replace("_", "-"))
+    return " ".join(shlex.quote(word) for word in words)
+
+
+def _given_or(value, default):
+    return default if value is None else value
+
+
+def _int_list(text: str) -> tuple[int, ...]:
+    try:
+        return tuple(int(part) for part in text.split(",") if part.strip())
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--ks takes comma-separated integers, e.g. 1,3,5; got {text!r}") from None
+
+
+def _relative(path: Path) -> str:
+    try:
+        return str(path.relative_to(ROOT))
+    except ValueError:
+        return str(path)

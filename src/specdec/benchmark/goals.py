@@ -1,0 +1,82 @@
+"""The speed goals of the benchmark issue, read off a run's results.
+
+On the held-out code prompts ("code" set), with the draft model:
+  greedy speculative  >= 2.5x the target alone      sampled (0.8 / 0.95) >= 1.8x
+  specdec speculative >= 2x transformers' assisted generation (same pair, prompts and k)
+  measured speedup within 15% of the formula's prediction
+Each goal says whether it was met and by how much it was missed; a goal that could not be
+measured (no draft, no transformers) says so, with met = None.
+"""
+
+from __future__ import annotations
+
+GOAL_SET = "code"
+GREEDY_SPEEDUP, SAMPLED_SPEEDUP, VS_TRANSFORMERS, PREDICTION_TOLERANCE = 2.5, 1.8, 2.0, 0.15
+
+
+def evaluate_goals(results: dict) -> list[dict]:
+    rows = [r for r in results["rows"] if r["prompt_set"] == GOAL_SET]
+    k = results["config"]["transformers_k"]
+    return [
+        _speedup_goal(rows, "greedy", GREEDY_SPEEDUP),
+        _speedup_goal(rows, "sampled", SAMPLED_SPEEDUP),
+        _transformers_goal(rows, "greedy", k),
+        _transformers_goal(rows, "sampled", k),
+        _prediction_goal(rows),
+    ]
+
+
+def _speedup_goal(rows: list[dict], sampling: str, bar: float) -> dict:
+    goal = f"{sampling} speculative (draft model) >= {bar}x the tokens/s of the target alone"
+    candidates = _draft_rows(rows, "specdec", sampling)
+    if not candidates:
+        return _unmeasured(goal, bar, f"no {sampling} draft-model rows (no --draft, or sampling not run)")
+    best = max(candidates, key=lambda r: r["speedup"])
+    return _judged(goal, bar, best["speedup"], f"best at k={best['k']}: {best['speedup']:.2f}x")
+
+
+def _transformers_goal(rows: list[dict], sampling: str, k: int) -> dict:
+    bar = VS_TRANSFORMERS
+    goal = f"{sampling} specdec speculative >= {bar}x the tokens/s of transformers' assisted generation (k={k})"
+    ours = [r for r in _draft_rows(rows, "specdec", sampling) if r["k"] == k]
+    theirs = _draft_rows(rows, "transformers", sampling)
+    if not ours or not theirs:
+        return _unmeasured(goal, bar, f"needs a draft model, transformers, and k={k} among --ks")
+    ratio = ours[0]["tokens_per_s"] / theirs[0]["tokens_per_s"]
+    return _judged(goal, bar, ratio, f"{ours[0]['tokens_per_s']:.1f} vs {theirs[0]['tokens_per_s']:.1f} tokens/s")
+
+
+def _prediction_goal(rows: list[dict]) -> dict:
+    goal = (f"measured speedup after the prefill within {PREDICTION_TOLERANCE:.0%} of the predicted one "
+            "(draft model, every k; measured: the largest relative error)")
+    judged = [r for r in _draft_rows(rows, "specdec", None) if r["predicted_speedup"] and r["decode_speedup"]]
+    if not judged:
+        return _unmeasured(goal, PREDICTION_TOLERANCE, "no draft-model rows with a prediction")
+    errors = [abs(r["decode_speedup"] / r["predicted_speedup"] - 1) for r in judged]
+    error, worst = max(zip(errors, judged), key=lambda pair: pair[0])
+    within = sum(e <= PREDICTION_TOLERANCE for e in errors)
+    met = error <= PREDICTION_TOLERANCE
+    detail = (f"{within}/{len(judged)} within; worst {worst['sampling']} k={worst['k']}: measured "
+              f"{worst['decode_speedup']:.2f}x vs predicted {worst['predicted_speedup']:.2f}x ({error:.0%} off)")
+    if not met:
+        detail += f"; missed by {error - PREDICTION_TOLERANCE:.0%} points"
+    from_tau = [abs(r["decode_speedup"] / r["predicted_from_tau"] - 1) for r in judged if r.get("predicted_from_tau")]
+    if from_tau:
+        detail += f" (predicted from τ instead: worst {max(from_tau):.0%} off)"
+    return {"goal": goal, "bar": PREDICTION_TOLERANCE, "measured": error, "met": met, "detail": detail}
+
+
+def _draft_rows(rows: list[dict], engine: str, sampling: str | None) -> list[dict]:
+    return [r for r in rows if r["engine"] == engine and r["method"] == "draft_model"
+            and (sampling is None or r["sampling"] == sampling)]
+
+
+def _judged(goal: str, bar: float, measured: float, detail: str) -> dict:
+    met = measured >= bar
+    if not met:
+        detail += f"; missed by {bar - measured:.2f}x ({1 - measured / bar:.0%} short)"
+    return {"goal": goal, "bar": bar, "measured": measured, "met": met, "detail": detail}
+
+
+def _unmeasured(goal: str, bar: float, why: str) -> dict:
+    return {"goal": goal, "bar": bar, "measured": None, "met": None, "detail": f"not measured: {why}"}

@@ -1,0 +1,101 @@
+"""This machine, as the benchmarks measure it: what it is, how fast it streams memory, and
+what one model step costs on it.
+
+The roofline of decoding: every step reads every weight once, so a step can take no less
+than weight bytes ÷ streaming read bandwidth; bandwidth ÷ weight bytes is the ceiling in
+tokens/s for plain decoding at batch 1.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import platform
+import statistics
+import time
+from pathlib import Path
+
+import torch
+
+
+def describe_machine(device: str | torch.device = "cpu") -> dict:
+    """CPU model, cores, threads, accelerator, torch and Python versions, and the date (UTC)."""
+    device = torch.device(device)
+    return {
+        "cpu": cpu_model(),
+        "cores": os.cpu_count(),
+        "torch_threads": torch.get_num_threads(),
+        "device": str(device),
+        "gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else None,
+        "torch": torch.__version__,
+        "python": platform.python_version(),
+        "platform": platform.platform(),
+        "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+    }
+
+
+def cpu_model() -> str:
+    """The CPU's model name from /proc/cpuinfo, else what platform knows."""
+    cpuinfo = Path("/proc/cpuinfo")
+    if cpuinfo.is_file():
+        for line in cpuinfo.read_text(errors="replace").splitlines():
+            if line.startswith("model name") and ":" in line:
+                return line.split(":", 1)[1].strip()
+    return platform.processor() or platform.machine() or "unknown"
+
+
+def read_bandwidth(num_bytes: int, repeats: int = 5, device: str | torch.device = "cpu") -> float:
+    """Bytes/s of summing a float32 buffer of num_bytes (the best of repeats). A buffer larger
+    than the last-level cache measures streaming from DRAM."""
+    device = torch.device(device)
+    buffer = torch.ones(num_bytes // 4, device=device)
+    buffer.sum()
+    _synchronize(device)
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        buffer.sum()
+        _synchronize(device)
+        best = min(best, time.perf_counter() - start)
+    return num_bytes / best
+
+
+def decode_weight_bytes(model) -> int:
+    """Bytes of weights one decode step reads: every parameter and prepacked weight once, but
+    of the embedding table only the row it looks up, unless the table is also the output
+    matrix (tied and not prepacked), which the step reads whole."""
+    seen, total = set(), 0
+    for tensor in list(model.parameters()) + [m.packed_weight for m in model.modules() if hasattr(m, "packed_weight")]:
+        if id(tensor) not in seen:
+            seen.add(id(tensor))
+            total += tensor.numel() * tensor.element_size()
+    embedding = model.embed_tokens.weight
+    if getattr(model.lm_head, "weight", None) is not embedding:
+        total -= (embedding.shape[0] - 1) * embedding.shape[1] * embedding.element_size()
+    return total
+
+
+def step_seconds(model, repeats: int = 50, context: int = 64) -> float:
+    """Median time of one single-token forward after a context of `context` tokens."""
+    device = model.device
+    cache = model.new_cache(1, context + 16)
+    ids = torch.randint(0, model.config.vocab_size, (1, context), generator=torch.Generator().manual_seed(0))
+    ids = ids.to(device)
+    with torch.inference_mode():
+        model(ids, torch.arange(context, device=device)[None], cache)
+        token, position = ids[:, -1:], torch.tensor([[context]], device=device)
+        for _ in range(5):
+            model(token, position, cache)
+        times = []
+        for _ in range(repeats):
+            _synchronize(device)
+            start = time.perf_counter()
+            model(token, position, cache)
+            _synchronize(device)
+            times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def _synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)

@@ -1,0 +1,268 @@
+"""The benchmark's results on paper: results.json, results.md (Markdown tables), PNG plots,
+and docs/benchmarks.md. Everything here reads the JSON-ready results dict of run.py, so a
+report can be rebuilt from a saved results.json."""
+
+from __future__ import annotations
+
+import json
+import math
+import shutil
+from pathlib import Path
+
+
+PLOTS = ("speedup_vs_k.png", "acceptance_by_position.png", "tokens_per_second.png")
+ROUND_PARTS = ("draft", "target", "sampling", "bookkeeping")
+
+
+def write_report(results: dict, out_dir: str | Path) -> dict[str, Path]:
+    """results.json, results.md and the plots under out_dir; returns their paths by name."""
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    paths = {"json": out_dir / "results.json", "markdown": out_dir / "results.md"}
+    paths["json"].write_text(json.dumps(_json_safe(results), indent=2) + "\n")
+    paths["markdown"].write_text(markdown(results))
+    for name, path in zip(PLOTS, write_plots(results, out_dir)):
+        paths[name] = path
+    return paths
+
+
+def write_docs(results: dict, plots: dict[str, Path], docs_dir: str | Path, command: str) -> Path:
+    """docs/benchmarks.md: the latest results with the machine they came from; the plots are
+    copied to docs/benchmarks/."""
+    docs_dir = Path(docs_dir)
+    image_dir = docs_dir / "benchmarks"
+    image_dir.mkdir(parents=True, exist_ok=True)
+    for name in PLOTS:
+        shutil.copyfile(plots[name], image_dir / name)
+    images = "\n".join(f"![{name[:-4].replace('_', ' ')}](benchmarks/{name})" for name in PLOTS)
+    page = (f"# Benchmarks\n\nThe latest `specdec bench` results, reproduced with\n\n```\n{command}\n```\n\n"
+            f"{markdown(results, title_level=2)}\n## Plots\n\n{images}\n")
+    path = docs_dir / "benchmarks.md"
+    path.write_text(page)
+    return path
+
+
+# -- Markdown ------------------------------------------------------------------------------
+
+def markdown(results: dict, title_level: int = 1) -> str:
+    h = "#" * title_level
+    sections = [f"{h} specdec bench\n\n{_machine_line(results)}\n\n{_setup_line(results)}\n",
+                f"{h}# Costs and roofline\n\n{costs_table(results)}\n"]
+    for set_name, prompt_set in results["prompt_sets"].items():
+        for sampling in results["config"]["samplings"]:
+            title = f"{h}# {prompt_set['title']} ({set_name}), {_sampling_words(sampling)}"
+            sections.append(f"{title}\n\n{method_table(results, set_name, sampling['name'])}\n")
+    sections += [f"{h}# Greedy exactness\n\n{exactness_text(results['exactness'])}\n",
+                 f"{h}# Goals (held-out code prompts)\n\n{goals_table(results['goals'])}\n",
+                 f"{h}# Where the time goes\n\n{profile_table(results)}\n"]
+    if results["notes"]:
+        sections.append(f"{h}# Notes\n\n" + "\n".join(f"- {note}" for note in results["notes"]) + "\n")
+    return "\n".join(sections)
+
+
+def method_table(results: dict, set_name: str, sampling: str) -> str:
+    lines = ["| method | tokens/s | speedup | decode speedup | predicted | predicted from τ | α | τ | c "
+             "| acceptance by position | of roofline |", "|---|---:|---:|---:|---:|---:|---:|---:|---:|---|---:|"]
+    for r in _rows(results, set_name, sampling):
+        by_position = " ".join(_number(a, 2) for a in r["acceptance_by_position"] or [])
+        lines.append(f"| {r['label']} | {_number(r['tokens_per_s'], 1)} | {_times(r['speedup'])} | "
+                     f"{_times(r['decode_speedup'])} | {_times(r['predicted_speedup'])} | "
+                     f"{_times(r['predicted_from_tau'])} | "
+                     f"{_number(r['alpha'], 3)} | {_number(r['tau'], 2)} | "
+                     f"{_number(r['cost_ratio'], 3)} | {by_position} | {_number(r['roofline_fraction'], 2)} |")
+    return "\n".join(lines)
+
+
+def costs_table(results: dict) -> str:
+    costs, roof = results["costs"], results["roofline"]
+    greedy_targets = [r for r in results["rows"] if r["engine"] == "specdec" and r["method"] == "none"
+                      and r["sampling"] == "greedy"]
+    lines = ["| measure | value |", "|---|---:|",
+             f"| target step (1 token after 64) | {_number(costs['target_step_ms'], 3)} ms |",
+             f"| draft step (1 token after 64) | {_number(costs['draft_step_ms'], 3)} ms |",
+             f"| cost ratio c = draft step ÷ target step | {_number(costs['cost_ratio'], 3)} |",
+             f"| streaming read bandwidth ({roof['buffer_bytes'] / 2**20:.0f} MiB buffer) | "
+             f"{roof['read_bandwidth_gb_per_s']:.1f} GB/s |",
+             f"| target weight bytes read per decode step | {roof['decode_weight_bytes'] / 1e6:.1f} MB |",
+             f"| roofline: step floor / ceiling | {roof['step_floor_ms']:.3f} ms / "
+             f"{roof['ceiling_tokens_per_s']:.0f} tokens/s |"]
+    for r in greedy_targets:
+        lines.append(f"| target alone, {r['prompt_set']} greedy, decode tokens/s (fraction of the ceiling) | "
+                     f"{_number(r['decode_tokens_per_s'], 1)} ({_number(r['roofline_fraction'], 2)}) |")
+    return "\n".join(lines)
+
+
+def exactness_text(exactness: dict) -> str:
+    text = (f"Greedy outputs identical in {exactness['identical']} of {exactness['compared']} comparisons "
+            "(every specdec method against the specdec target alone; the target alone against "
+            "transformers' greedy generate).")
+    if exactness["divergences"]:
+        text += "\n\n| checked | against | prompt | first different token | tokens there |\n|---|---|---|---:|---|"
+        for d in exactness["divergences"]:
+            text += (f"\n| {d['checked']} | {d['reference']} | {d['prompt']} | {d['position']} | "
+                     f"{list(d['checked_tokens'])} vs {list(d['reference_tokens'])} |")
+    return text
+
+
+def goals_table(goals: list[dict]) -> str:
+    lines = ["| goal | measured | met | detail |", "|---|---:|---|---|"]
+    for g in goals:
+        met = {True: "yes", False: "**no**", None: "–"}[g["met"]]
+        lines.append(f"| {g['goal']} | {_number(g['measured'], 2)} | {met} | {g['detail']} |")
+    return "\n".join(lines)
+
+
+def profile_table(results: dict) -> str:
+    """Per round (ms): draft, target forward, sampling/verification, bookkeeping; and the share
+    of the wall time in prefill and outside the engine; for the target alone and the rows at
+    transformers_k."""
+    k = results["config"]["transformers_k"]
+    lines = ["| prompts, sampling | method | rounds | ms/round | draft | target | sampling | bookkeeping | "
+             "prefill | other |", "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    for r in results["rows"]:
+        if r["profile"] is None or r["k"] not in (0, k):
+            continue
+        rounds, seconds = r["profile"]["rounds"], r["profile"]["seconds"]
+        per_round = {part: seconds[part] / rounds * 1e3 if rounds else float("nan") for part in ROUND_PARTS}
+        total = sum(seconds.values())
+        lines.append(f"| {r['prompt_set']}, {r['sampling']} | {r['label']} | {rounds} | "
+                     f"{_number(sum(per_round.values()), 2)} | "
+                     + " | ".join(_number(per_round[part], 2) for part in ROUND_PARTS)
+                     + f" | {seconds['prefill'] / total:.0%} | {seconds['other'] / total:.0%} |")
+    return ("Milliseconds per round (one propose → verify → accept step) in each part; prefill and other "
+            "(outside the engine's loop) as shares of the wall time.\n\n" + "\n".join(lines))
+
+
+def _machine_line(results: dict) -> str:
+    m = results["machine"]
+    where = m["gpu"] or f"{m['cpu']}, {m['cores']} cores ({m['torch_threads']} torch threads)"
+    return f"Machine: {where}; torch {m['torch']}, Python {m['python']}; {m['date']}."
+
+
+def _setup_line(results: dict) -> str:
+    models, config = results["models"], results["config"]
+    pair = f"target {_model_words(models['target'])}"
+    if models["draft"]:
+        pair += f", draft {_model_words(models['draft'])}"
+    sets = ", ".join(f"{len(s['prompts'])} {name}" for name, s in results["prompt_sets"].items())
+    return (f"Models: {pair}. Prompts: {sets}; {config['max_tokens']} new tokens each; k in "
+            f"{{{', '.join(map(str, config['ks']))}}}; transformers at k={config['transformers_k']}; "
+            f"device {config['device']}; every method interleaved prompt by prompt in one run.")
+
+
+def _model_words(model: dict) -> str:
+    dtype = model["dtype"].replace("torch.", "")
+    return f"{Path(model['path']).name} ({model['parameters'] / 1e6:.1f}M parameters, {dtype})"
+
+
+def _sampling_words(sampling: dict) -> str:
+    if sampling["temperature"] == 0:
+        return "greedy"
+    return f"sampled (temperature {sampling['temperature']}, top_p {sampling['top_p']})"
+
+
+def _rows(results: dict, set_name: str, sampling: str) -> list[dict]:
+    return [r for r in results["rows"] if r["prompt_set"] == set_name and r["sampling"] == sampling]
+
+
+def _number(x, digits: int) -> str:
+    return "–" if x is None or (isinstance(x, float) and not math.isfinite(x)) else f"{x:.{digits}f}"
+
+
+def _times(x) -> str:
+    return "–" if x is None else f"{x:.2f}x"
+
+
+def _json_safe(value):
+    """NaN and infinity become null (JSON has no such numbers)."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, dict):
+        return {key: _json_safe(v) for key, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_json_safe(v) for v in value]
+    return value
+
+
+# -- plots ---------------------------------------------------------------------------------
+
+def write_plots(results: dict, out_dir: Path) -> list[Path]:
+    """The three PNGs of PLOTS, one panel per (prompt set, sampling) in each."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows_per_panel = len(_rows(results, *next(iter(_panel_keys(results)))))
+    heights = (4, 4, max(4, 0.3 * rows_per_panel))  # the bar chart grows with its rows
+    paths = []
+    for name, draw, height in zip(PLOTS, (_plot_speedup_vs_k, _plot_acceptance, _plot_tokens_per_second), heights):
+        figure, panels = _panels(plt, results, height)
+        for (set_name, sampling), axes in panels:
+            draw(axes, _rows(results, set_name, sampling))
+            axes.set_title(f"{results['prompt_sets'][set_name]['title']}, {sampling}", fontsize=10)
+            if axes.get_legend_handles_labels()[0]:
+                axes.legend(fontsize=7)
+        figure.tight_layout()
+        path = out_dir / name
+        figure.savefig(path, dpi=100)
+        plt.close(figure)
+        paths.append(path)
+    return paths
+
+
+def _panel_keys(results: dict) -> list[tuple[str, str]]:
+    return [(s, m["name"]) for s in results["prompt_sets"] for m in results["config"]["samplings"]]
+
+
+def _panels(plt, results: dict, height: float):
+    num_sets, num_samplings = len(results["prompt_sets"]), len(results["config"]["samplings"])
+    figure, grid = plt.subplots(num_sets, num_samplings, figsize=(6.5 * num_samplings, height * num_sets),
+                                squeeze=False)
+    return figure, [(key, grid[i // num_samplings][i % num_samplings]) for i, key in enumerate(_panel_keys(results))]
+
+
+def _plot_speedup_vs_k(axes, rows: list[dict]) -> None:
+    lines = (("specdec", "draft_model", "o-", "C0"), ("specdec", "ngram", "s-", "C1"),
+             ("transformers", "draft_model", "D", "C2"), ("transformers", "ngram", "^", "C3"))
+    for engine, method, style, color in lines:
+        chosen = [r for r in rows if r["engine"] == engine and r["method"] == method]
+        if chosen:
+            axes.plot([r["k"] for r in chosen], [r["speedup"] for r in chosen], style, color=color,
+                      label=chosen[0]["label"].rsplit(" k=", 1)[0])
+    drafted = [r for r in rows if r["engine"] == "specdec" and r["method"] == "draft_model"
+               and r["predicted_speedup"] and r["decode_speedup"]]
+    if drafted:
+        ks = [r["k"] for r in drafted]
+        axes.plot(ks, [r["decode_speedup"] for r in drafted], "o-.", color="C0", alpha=0.6,
+                  label="specdec draft model, after the prefill")
+        axes.plot(ks, [r["predicted_speedup"] for r in drafted], "o--", color="C0", alpha=0.3,
+                  label="specdec draft model, predicted")
+    for r in rows:
+        if r["method"] == "none":
+            axes.axhline(r["speedup"], linestyle=":" if r["engine"] == "transformers" else "-", color="gray",
+                         linewidth=1, label=r["label"])
+    axes.xaxis.get_major_locator().set_params(integer=True)
+    axes.set_xlabel("k (draft tokens per round)")
+    axes.set_ylabel("speedup over the target alone")
+
+
+def _plot_acceptance(axes, rows: list[dict]) -> None:
+    for method, color in (("draft_model", "C0"), ("ngram", "C1")):
+        chosen = [r for r in rows if r["engine"] == "specdec" and r["method"] == method and r["acceptance_by_position"]]
+        if chosen:
+            r = max(chosen, key=lambda row: row["k"])
+            values = [math.nan if a is None else a for a in r["acceptance_by_position"]]
+            axes.plot(range(1, len(values) + 1), values, "o-", color=color, label=r["label"])
+    axes.xaxis.get_major_locator().set_params(integer=True)
+    axes.set_ylim(0, 1.05)
+    axes.set_xlabel("draft position")
+    axes.set_ylabel("acceptance (accepted ÷ proposed)")
+
+
+def _plot_tokens_per_second(axes, rows: list[dict]) -> None:
+    axes.barh(range(len(rows)), [r["tokens_per_s"] for r in rows],
+              color=["C0" if r["engine"] == "specdec" else "C1" for r in rows])
+    axes.set_yticks(range(len(rows)), [r["label"] for r in rows], fontsize=7)
+    axes.invert_yaxis()
+    axes.set_xlabel("tokens/s (blue: specdec, orange: transformers)")

@@ -1,0 +1,530 @@
+"""The benchmark's measurement: every method on every prompt, interleaved, on one machine.
+
+For each prompt set and each sampling setting, prompt by prompt, every method decodes the
+same prompt tokens back to back (in an order rotated from prompt to prompt), so machine
+drift hits all methods alike. The methods:
+  specdec    the target alone; the draft model at each k; prompt lookup at each k
+  transformers (optional, imported lazily)  generate: plain, assisted by the draft model
+             (assistant_model=draft), prompt lookup (prompt_lookup_num_tokens), at one k
+Then the totals per configuration: tokens/s, speedup over the specdec target alone, α, τ,
+acceptance by position, the cost ratio c and the speedup the formula predicts from α, k and c,
+the fraction of the memory-bandwidth roofline reached, and a profile of where the time went;
+and the greedy exactness check.
+
+run_benchmark(BenchConfig) -> results, a JSON-ready dict (report.py renders it).
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+from specdec.benchmark.exactness import compare
+from specdec.benchmark.goals import evaluate_goals
+from specdec.benchmark.machine import decode_weight_bytes, describe_machine, read_bandwidth, step_seconds
+from specdec.benchmark.prompts import Prompt, held_out_code_prompts, repeated_code_prompts
+from specdec.config import SamplingParams, SpeculativeConfig
+from specdec.drafters import DRAFTERS
+from specdec.engine import Engine
+from specdec.llm import LLM
+from specdec.metrics import SpecStats, predicted_speedup
+
+PROMPT_SETS = {  # name -> (title, prompt-set function(per_module, max_chars))
+    "code": ("held-out code completion", held_out_code_prompts),
+    "repeat": ("repeating code already in the prompt", repeated_code_prompts),
+}
+
+
+@dataclass(frozen=True)
+class SamplingSetting:
+    name: str
+    temperature: float
+    top_p: float = 1.0
+
+    def params(self, max_tokens: int, seed: int) -> SamplingParams:
+        return SamplingParams(temperature=self.temperature, top_p=self.top_p, max_tokens=max_tokens, seed=seed)
+
+
+GREEDY = SamplingSetting("greedy", 0.0)
+SAMPLED = SamplingSetting("sampled", 0.8, 0.95)
+
+
+@dataclass(frozen=True)
+class BenchConfig:
+    """What to measure.
+
+    model / draft: Hugging Face directories (draft None: no draft-model rows).
+    ks: the k of each speculative row (draft model and prompt lookup).
+    transformers_k: the k of transformers' assisted generation and prompt lookup
+        (None: 5 if in ks, else the largest of ks).
+    prompts_per_set: prompts taken from each prompt set (spread evenly over it).
+    max_prompt_chars: the longest prompt text; prompts too long for the context are cut
+        from the left, keeping their first token.
+    bandwidth_bytes: the buffer that measures streaming read bandwidth (larger than the
+        last-level cache).
+    """
+
+    model: str
+    draft: str | None = None
+    device: str = "cpu"
+    dtype: str = "auto"
+    ks: tuple[int, ...] = (1, 2, 3, 4, 5, 6, 7, 8)
+    transformers_k: int | None = None
+    max_tokens: int = 128
+    prompts_per_set: int = 8
+    max_prompt_chars: int = 1200
+    prompt_sets: tuple[str, ...] = ("code", "repeat")
+    samplings: tuple[SamplingSetting, ...] = (GREEDY, SAMPLED)
+    with_transformers: bool = True
+    seed: int = 0
+    bandwidth_bytes: int = 1 << 30
+    step_repeats: int = 50
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "ks", tuple(self.ks))
+        object.__setattr__(self, "prompt_sets", tuple(self.prompt_sets))
+        object.__setattr__(self, "samplings", tuple(self.samplings))
+        _check_model_dir(self.model, "target model")
+        if self.draft is not None:
+            _check_model_dir(self.draft, "draft model")
+        _check(self.ks and all(_is_int(k) and k >= 1 for k in self.ks) and len(set(self.ks)) == len(self.ks),
+               f"ks must be distinct integers >= 1, got {self.ks!r}")
+        object.__setattr__(self, "ks", tuple(sorted(self.ks)))
+        if self.transformers_k is None:
+            object.__setattr__(self, "transformers_k", 5 if 5 in self.ks else max(self.ks))
+        _check(_is_int(self.transformers_k) and self.transformers_k >= 1,
+               f"transformers_k must be an integer >= 1, got {self.transformers_k!r}")
+        _check(_is_int(self.max_tokens) and self.max_tokens >= 1, f"max_tokens must be >= 1, got {self.max_tokens!r}")
+        _check(_is_int(self.prompts_per_set) and self.prompts_per_set >= 1,
+               f"prompts per set must be >= 1, got {self.prompts_per_set!r}")
+        _check(_is_int(self.max_prompt_chars) and self.max_prompt_chars >= 16,
+               f"max_prompt_chars must be >= 16, got {self.max_prompt_chars!r}")
+        _check(self.prompt_sets and set(self.prompt_sets) <= set(PROMPT_SETS),
+               f"prompt sets must be among {sorted(PROMPT_SETS)}, got {self.prompt_sets!r}")
+        _check(self.samplings and len({s.name for s in self.samplings}) == len(self.samplings),
+               "samplings must be non-empty with distinct names")
+        _check(isinstance(self.device, str) and self.device.split(":")[0] in ("cpu", "cuda"),
+               f"device must be cpu, cuda or cuda:N, got {self.device!r}")
+        _check(not self.device.startswith("cuda") or torch.cuda.is_available(),
+               f"device {self.device!r}: CUDA is not available on this machine")
+
+    @property
+    def max_k(self) -> int:
+        return max(max(self.ks), self.transformers_k)
+
+
+@dataclass(frozen=True)
+class Method:
+    engine: str  # "specdec" or "transformers"
+    drafter: str  # "none", "draft_model" or "ngram"
+    k: int = 0
+
+    @property
+    def label(self) -> str:
+        if self.drafter == "none":
+            return "specdec target alone" if self.engine == "specdec" else "transformers generate"
+        name = {"draft_model": "draft model", "ngram": "prompt lookup"}[self.drafter]
+        if self.engine == "transformers":
+            name = {"draft_model": "assisted (draft model)", "ngram": "prompt lookup"}[self.drafter]
+        return f"{self.engine} {name} k={self.k}"
+
+
+TARGET_ALONE = Method("specdec", "none")
+TRANSFORMERS_PLAIN = Method("transformers", "none")
+
+
+@dataclass
+class Run:
+    """One method's decoding of one prompt."""
+
+    token_ids: list[int]
+    seconds: float  # wall time of the call
+    stats: SpecStats | None = None  # specdec only
+    timings: dict[str, float] | None = None  # specdec only: Engine.timings of the call
+
+
+Runner = Callable[[list[int], SamplingParams], Run]
+
+
+@dataclass
+class Record:
+    prompt_set: str
+    sampling: str
+    prompt: str
+    method: Method
+    run: Run
+
+
+@dataclass
+class LoadedRunners:
+    runners: dict[Method, Runner]
+    target: LLM
+    draft_model: object | None  # the draft's LlamaModel, for its step cost
+    notes: list[str] = field(default_factory=list)
+
+
+def run_benchmark(config: BenchConfig, progress: Callable[[str], None] | None = None) -> dict:
+    """Load, warm up, measure every configuration interleaved, and summarize (JSON-ready)."""
+    say = progress or (lambda message: None)
+    say(f"loading {config.model}" + (f" and {config.draft}" if config.draft else ""))
+    loaded = load_runners(config)
+    prompts = {name: encode_prompts(loaded.target, config, name, loaded.notes) for name in config.prompt_sets}
+    say("warming up every method")
+    warm_up(loaded.runners, next(iter(prompts.values()))[0][1], config)
+    records = measure(loaded.runners, prompts, config, say)
+    say("measuring step costs and memory bandwidth")
+    costs = measure_costs(loaded, config)
+    roofline = measure_roofline(loaded.target, config)
+    rows = summarize(records, loaded.runners, costs, roofline, config)
+    results = {
+        "machine": describe_machine(config.device),
+        "config": _config_json(config),
+        "models": _models_json(loaded, config),
+        "prompt_sets": {name: {"title": PROMPT_SETS[name][0], "prompts": [p.name for p, _ in prompts[name]]}
+                        for name in config.prompt_sets},
+        "costs": costs,
+        "roofline": roofline,
+        "rows": rows,
+        "exactness": check_greedy_exactness(records),
+        "notes": loaded.notes + _method_notes(loaded.target.target.model.dtype),
+    }
+    results["goals"] = evaluate_goals(results)
+    return results
+
+
+# -- loading -------------------------------------------------------------------------------
+
+def load_runners(config: BenchConfig) -> LoadedRunners:
+    """The specdec target (loaded once, shared by every specdec method) and its drafters,
+    then the transformers baselines where transformers is installed."""
+    target = LLM(config.model, dtype=config.dtype, device=config.device)
+    runners: dict[Method, Runner] = {TARGET_ALONE: SpecdecRunner(target)}
+    draft_model = None
+    if config.draft is not None:
+        spec = SpeculativeConfig(method="draft_model", model=config.draft, num_speculative_tokens=max(config.ks))
+        drafter = DRAFTERS["draft_model"](spec, target.target, config.dtype, target.device)
+        draft_model = drafter.model
+        for k in config.ks:
+            runners[Method("specdec", "draft_model", k)] = SpecdecRunner(with_drafter(target, drafter, k))
+    ngram = DRAFTERS["ngram"](SpeculativeConfig(method="ngram"), target.target, config.dtype, target.device)
+    for k in config.ks:
+        runners[Method("specdec", "ngram", k)] = SpecdecRunner(with_drafter(target, ngram, k))
+    loaded = LoadedRunners(runners, target, draft_model)
+    if config.with_transformers:
+        runners.update(transformers_runners(config, target, draft_model, loaded.notes))
+    return loaded
+
+
+def with_drafter(base: LLM, drafter, k: int) -> LLM:
+    """An LLM over base's loaded target that speculates with drafter at k (nothing reloaded)."""
+    llm = base.target_only()
+    llm.engine = Engine(base.target.model, drafter, k, base.target.eos_token_ids, base.tokenizer,
+                        base.engine.max_num_seqs)
+    return llm
+
+
+class SpecdecRunner:
+    def __init__(self, llm: LLM):
+        self.llm = llm
+
+    def __call__(self, prompt_ids: list[int], params: SamplingParams) -> Run:
+        start = time.perf_counter()
+        output = self.llm.generate({"prompt_token_ids": prompt_ids}, params)[0]
+        seconds = time.perf_counter() - start
+        return Run(output.outputs[0].token_ids, seconds, output.metrics, dict(self.llm.engine.timings))
+
+
+class TransformersRunner:
+    """transformers' generate on the same checkpoint, with extra generate() arguments."""
+
+    def __init__(self, model, device: torch.device, eos_token_id: int | None, **generate_kwargs):
+        self.model, self.device, self.eos_token_id = model, device, eos_token_id
+        self.generate_kwargs = generate_kwargs
+
+    def __call__(self, prompt_ids: list[int], params: SamplingParams) -> Run:
+        input_ids = torch.tensor([prompt_ids], device=self.device)
+        kwargs = dict(self.generate_kwargs, max_new_tokens=params.max_tokens, attention_mask=torch.ones_like(input_ids),
+                      pad_token_id=self.eos_token_id)
+        if params.greedy:
+            kwargs.update(do_sample=False, temperature=None, top_p=None, top_k=None)
+        else:
+            kwargs.update(do_sample=True, temperature=params.temperature, top_p=params.top_p, top_k=0)
+            torch.manual_seed(params.seed)
+        start = time.perf_counter()
+        with torch.inference_mode():
+            output = self.model.generate(input_ids, **kwargs)
+        token_ids = output[0, len(prompt_ids):].tolist()
+        return Run(token_ids, time.perf_counter() - start)
+
+
+def transformers_runners(config: BenchConfig, target: LLM, draft_model, notes: list[str]) -> dict[Method, Runner]:
+    """transformers' generate: plain, assisted by the draft, prompt lookup; {} with a note
+    where transformers is missing or cannot load the checkpoints."""
+    try:
+        import transformers
+        from transformers import AutoModelForCausalLM
+    except ImportError:
+        notes.append("transformers is not installed: its rows are skipped (pip install transformers).")
+        return {}
+    transformers.logging.set_verbosity_error()
+    transformers.logging.disable_progress_bar()
+    device, k = target.device, config.transformers_k
+    eos = target.target.eos_token_ids[0] if target.target.eos_token_ids else None
+    try:
+        hf_target = AutoModelForCausalLM.from_pretrained(config.model, dtype=target.target.model.dtype)
+        hf_target = hf_target.to(device).eval()
+        hf_draft = None
+        if draft_model is not None:  # in the dtypes specdec loaded them in
+            hf_draft = AutoModelForCausalLM.from_pretrained(config.draft, dtype=draft_model.dtype).to(device).eval()
+            hf_draft.generation_config.num_assistant_tokens = k
+            hf_draft.generation_config.num_assistant_tokens_schedule = "constant"
+    except Exception as e:  # an optional baseline: report why it is missing, measure the rest
+        notes.append(f"transformers could not load the checkpoints ({type(e).__name__}: {e}); its rows are skipped.")
+        return {}
+    runners = {TRANSFORMERS_PLAIN: TransformersRunner(hf_target, device, eos)}
+    if hf_draft is not None:
+        runners[Method("transformers", "draft_model", k)] = TransformersRunner(hf_target, device, eos,
+                                                                               assistant_model=hf_draft)
+    runners[Method("transformers", "ngram", k)] = TransformersRunner(hf_target, device, eos,
+                                                                     prompt_lookup_num_tokens=k)
+    notes.append(f"transformers {transformers.__version__}: assisted generation at num_assistant_tokens={k} "
+                 "(schedule constant, its default assistant_confidence_threshold), prompt lookup at "
+                 f"prompt_lookup_num_tokens={k} (its default max_matching_ngram_size 2).")
+    return runners
+
+
+# -- prompts -------------------------------------------------------------------------------
+
+def encode_prompts(target: LLM, config: BenchConfig, set_name: str, notes: list[str]) -> list[tuple[Prompt, list[int]]]:
+    """prompts_per_set prompts spread over the set, as token ids that fit the context."""
+    _, make_prompts = PROMPT_SETS[set_name]
+    prompts = spread(make_prompts(per_module=2, max_chars=config.max_prompt_chars), config.prompts_per_set)
+    if not prompts:
+        raise ValueError(f"prompt set {set_name!r} is empty: the held-out standard-library modules are missing")
+    room = target.max_model_len - config.max_tokens - config.max_k - 1
+    if room < 2:
+        raise ValueError(f"the target's context ({target.max_model_len} tokens) leaves no room for a prompt with "
+                         f"max_tokens={config.max_tokens} and k up to {config.max_k}; lower --max-tokens")
+    encoded, num_cut = [], 0
+    for prompt in prompts:
+        ids = target.tokenizer.encode(prompt.text)
+        if len(ids) > room:
+            ids, num_cut = ids[:1] + ids[len(ids) - room + 1:], num_cut + 1
+        encoded.append((prompt, ids))
+    if num_cut:
+        notes.append(f"{num_cut} {set_name!r} prompts were cut to their last {room} tokens to fit the context.")
+    return encoded
+
+
+def spread(items: list, n: int) -> list:
+    """n items taken evenly through the list (all of them if it has no more than n)."""
+    if len(items) <= n:
+        return list(items)
+    return [items[(2 * i + 1) * len(items) // (2 * n)] for i in range(n)]
+
+
+# -- measuring -----------------------------------------------------------------------------
+
+def warm_up(runners: dict[Method, Runner], prompt_ids: list[int], config: BenchConfig) -> None:
+    """A short call of every method and sampling: first calls are slow."""
+    for sampling in config.samplings:
+        for runner in runners.values():
+            runner(prompt_ids[-32:], sampling.params(4, config.seed))
+
+
+def measure(runners: dict[Method, Runner], prompts: dict[str, list[tuple[Prompt, list[int]]]],
+            config: BenchConfig, say: Callable[[str], None]) -> list[Record]:
+    """Every method on every prompt, prompt by prompt, the order rotated each prompt."""
+    methods, records = list(runners), []
+    for set_name, set_prompts in prompts.items():
+        for sampling in config.samplings:
+            for index, (prompt, ids) in enumerate(set_prompts):
+                say(f"[{set_name} {sampling.name} {index + 1}/{len(set_prompts)}] {prompt.name}")
+                params = sampling.params(config.max_tokens, config.seed + index)
+                shift = index % len(methods)
+                for method in methods[shift:] + methods[:shift]:
+                    records.append(Record(set_name, sampling.name, prompt.name, method, runners[method](ids, params)))
+    return records
+
+
+def measure_costs(loaded: LoadedRunners, config: BenchConfig) -> dict:
+    """The median single-token step of the target and of the draft, and c = draft ÷ target
+    (the median over three alternating measurements, so drift hits both alike)."""
+    target_model = loaded.target.target.model
+    target_steps, draft_steps = [], []
+    for _ in range(3):
+        target_steps.append(step_seconds(target_model, config.step_repeats))
+        if loaded.draft_model is not None:
+            draft_steps.append(step_seconds(loaded.draft_model, config.step_repeats))
+    target_step = statistics.median(target_steps)
+    draft_step = statistics.median(draft_steps) if draft_steps else None
+    return {"target_step_ms": target_step * 1e3,
+            "draft_step_ms": draft_step * 1e3 if draft_step is not None else None,
+            "cost_ratio": draft_step / target_step if draft_step is not None else None}
+
+
+def measure_roofline(target: LLM, config: BenchConfig) -> dict:
+    """Weight bytes a decode step reads ÷ streaming read bandwidth: the fastest a step can be."""
+    bandwidth = read_bandwidth(config.bandwidth_bytes, device=config.device)
+    weight_bytes = decode_weight_bytes(target.target.model)
+    return {"buffer_bytes": config.bandwidth_bytes, "read_bandwidth_gb_per_s": bandwidth / 1e9,
+            "decode_weight_bytes": weight_bytes, "step_floor_ms": weight_bytes / bandwidth * 1e3,
+            "ceiling_tokens_per_s": bandwidth / weight_bytes}
+
+
+# -- summarizing ---------------------------------------------------------------------------
+
+def summarize(records: list[Record], runners: dict[Method, Runner], costs: dict, roofline: dict,
+              config: BenchConfig) -> list[dict]:
+    """One row per (prompt set, sampling, method), in the order of runners; speedups are over
+    the specdec target alone in the same prompt set and sampling."""
+    rows = []
+    for set_name in config.prompt_sets:
+        for sampling in config.samplings:
+            group = []
+            for method in runners:
+                key = (set_name, sampling.name, method)
+                runs = [r.run for r in records if (r.prompt_set, r.sampling, r.method) == key]
+                row = {"prompt_set": set_name, "sampling": sampling.name, "engine": method.engine,
+                       "method": method.drafter, "k": method.k, "label": method.label}
+                row.update(_row_measurements(method, runs, costs, roofline))
+                group.append(row)
+            _add_speedups(group, next(row for row in group if row["label"] == TARGET_ALONE.label))
+            rows += group
+    return rows
+
+
+def _row_measurements(method: Method, runs: list[Run], costs: dict, roofline: dict) -> dict:
+    seconds = sum(r.seconds for r in runs)
+    row = {"prompts": len(runs), "tokens": sum(len(r.token_ids) for r in runs), "seconds": seconds}
+    row["tokens_per_s"] = row["tokens"] / seconds
+    row.update(alpha=None, tau=None, acceptance_by_position=None, cost_ratio=None, predicted_speedup=None,
+               tokens_per_round=None, predicted_from_tau=None, decode_tokens_per_s=None, roofline_fraction=None,
+               profile=None)
+    if method.engine != "specdec":
+        return row
+    stats = SpecStats.merge([r.stats for r in runs])
+    alpha = _finite(stats.acceptance_rate)
+    row.update(tau=_finite(stats.tokens_per_forward), alpha=alpha, acceptance_by_position=acceptance_by_position(stats))
+    row["cost_ratio"] = {"draft_model": costs["cost_ratio"], "ngram": 0.0}.get(method.drafter)
+    if alpha is not None and row["cost_ratio"] is not None:
+        row["predicted_speedup"] = predicted_speedup(alpha, method.k, row["cost_ratio"])
+    row["profile"] = profile(runs, stats)
+    if row["profile"]["rounds"] and row["cost_ratio"] is not None:
+        row["tokens_per_round"] = (row["tokens"] - len(runs)) / row["profile"]["rounds"]  # after the prefill's
+        row["predicted_from_tau"] = row["tokens_per_round"] / (method.k * row["cost_ratio"] + 1)
+    decode_seconds = seconds - row["profile"]["seconds"]["prefill"]
+    if decode_seconds > 0:
+        row["decode_tokens_per_s"] = (row["tokens"] - len(runs)) / decode_seconds  # the first comes from prefill
+        row["roofline_fraction"] = row["decode_tokens_per_s"] / roofline["ceiling_tokens_per_s"]
+    return row
+
+
+def _add_speedups(group: list[dict], baseline: dict) -> None:
+    """speedup: tokens/s over the baseline's, prefill included (what a user waits for);
+    decode_speedup: over the baseline's after the prefill (what the formula predicts)."""
+    for row in group:
+        row["speedup"] = row["tokens_per_s"] / baseline["tokens_per_s"]
+        both = row["decode_tokens_per_s"] and baseline["decode_tokens_per_s"]
+        row["decode_speedup"] = row["decode_tokens_per_s"] / baseline["decode_tokens_per_s"] if both else None
+
+
+def acceptance_by_position(stats: SpecStats) -> list[float | None]:
+    """Accepted ÷ proposed at each draft position, None where nothing was proposed. (Not
+    SpecStats.acceptance_by_position: it drops the positions past the longest accepted run,
+    as accepted_by_position only grows that far.)"""
+    proposed = stats.proposed_by_position
+    accepted = stats.accepted_by_position + [0] * (len(proposed) - len(stats.accepted_by_position))
+    return [a / p if p else None for a, p in zip(accepted, proposed)]
+
+
+def profile(runs: list[Run], stats: SpecStats) -> dict:
+    """Where the time went, summed over runs: Engine.timings' parts, and "other" (the rest of
+    the wall time: creating requests and outputs, the final decode), with the rounds counted."""
+    parts = {key: sum(r.timings[key] for r in runs) for key in runs[0].timings}
+    parts["other"] = max(0.0, sum(r.seconds for r in runs) - sum(parts.values()))
+    return {"rounds": stats.num_target_forwards - len(runs),  # a prefill forward per run is not a round
+            "seconds": parts}
+
+
+def check_greedy_exactness(records: list[Record]) -> dict:
+    """Greedy outputs of every specdec method against the specdec target alone, and the target
+    alone against transformers' greedy generate: how many compared, and every divergence."""
+    greedy = [r for r in records if r.sampling == GREEDY.name]
+    by_prompt: dict[tuple[str, str], dict[Method, Run]] = {}
+    for r in greedy:
+        by_prompt.setdefault((r.prompt_set, r.prompt), {})[r.method] = r.run
+    compared, divergences = 0, []
+    for (_, prompt), runs in by_prompt.items():
+        pairs = [(m, TARGET_ALONE) for m in runs if m.engine == "specdec" and m != TARGET_ALONE]
+        if TRANSFORMERS_PLAIN in runs:
+            pairs.append((TARGET_ALONE, TRANSFORMERS_PLAIN))
+        for checked, against in pairs:
+            compared += 1
+            divergence = compare(prompt, checked.label, runs[checked].token_ids, against.label,
+                                 runs[against].token_ids)
+            if divergence is not None:
+                divergences.append(divergence.to_json())
+    return {"compared": compared, "identical": compared - len(divergences), "divergences": divergences}
+
+
+# -- helpers -------------------------------------------------------------------------------
+
+def _method_notes(target_dtype: torch.dtype) -> list[str]:
+    notes = ["Speedup: tokens/s over the specdec target alone on the same prompts and sampling; tokens/s "
+             "counts every generated token over the wall time of each call, prefill included. Decode speedup: "
+             "the same after the prefill (the first token), which is what the formula models.",
+             "Predicted: (1 - α^(k+1)) / ((1 - α)(k·c + 1)) from the measured α and c; prompt lookup is taken "
+             "as c = 0 and may propose fewer than k tokens a round, which the formula does not model.",
+             "Predicted from τ: the measured tokens per round (after the prefill) ÷ (k·c + 1), the formula with "
+             "the α that gives the measured tokens per round. It differs from the α prediction for k > 1 because "
+             "α = accepted ÷ proposed also counts the drafts after a round's first rejection, which the target "
+             "never judges (i.i.d. acceptance 0.8 at k = 5 gives accepted ÷ proposed 0.54); what remains between "
+             "it and the measured speedup is cost the formula leaves out (sampling, bookkeeping, a verify "
+             "forward dearer than one step).",
+             "Adaptive k: the engine has none yet, so no row for it."]
+    if target_dtype != torch.float32:
+        notes.append(f"The target runs in {str(target_dtype).replace('torch.', '')}: greedy outputs are exact in "
+                     "float32; in lower precision a forward over k+1 tokens can round differently from a "
+                     "one-token step and flip a near-tie, which the exactness check would show (--dtype float32 "
+                     "rules that out).")
+    return notes
+
+
+def _finite(x: float) -> float | None:
+    return x if x is not None and math.isfinite(x) else None
+
+
+def _config_json(config: BenchConfig) -> dict:
+    data = asdict(config)
+    data["samplings"] = [asdict(s) for s in config.samplings]
+    return data
+
+
+def _models_json(loaded: LoadedRunners, config: BenchConfig) -> dict:
+    def describe(path: str, model) -> dict:
+        return {"path": str(Path(path)), "parameters": model.config.num_parameters, "dtype": str(model.dtype)}
+
+    return {"target": describe(config.model, loaded.target.target.model),
+            "draft": describe(config.draft, loaded.draft_model) if loaded.draft_model is not None else None}
+
+
+def _check_model_dir(path: str, what: str) -> None:
+    if not Path(path).is_dir():
+        raise FileNotFoundError(f"{what} directory {str(path)!r} does not exist; pass a Hugging Face model "
+                                "directory (with config.json and *.safetensors)")
+
+
+def _is_int(x) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def _check(ok: bool, message: str) -> None:
+    if not ok:
+        raise ValueError(message)

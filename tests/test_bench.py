@@ -1,0 +1,264 @@
+"""`specdec bench` on a tiny pair: every configuration measured with sane values, the greedy
+exactness check, the report files, and clear errors. Speed is printed by the bench, never
+asserted here."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+
+import pytest
+
+from helpers import save_tiny_model
+from specdec.benchmark import commands
+from specdec.benchmark.exactness import compare, first_divergence
+from specdec.benchmark.goals import evaluate_goals
+from specdec.benchmark.prompts import repeated_code_prompts
+from specdec.benchmark.report import PLOTS, write_report
+from specdec.benchmark.run import (GREEDY, TARGET_ALONE, TRANSFORMERS_PLAIN, BenchConfig, Method, Record, Run,
+                                   check_greedy_exactness, run_benchmark,
+                                   transformers_runners)
+
+PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
+KS = (1, 2)
+TINY = dict(max_tokens=6, prompts_per_set=1, max_prompt_chars=200, bandwidth_bytes=16 << 20, step_repeats=5)
+
+
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory):
+    """A 2-layer target and a 1-layer draft with the same tokenizer (same vocab and text)."""
+    root = tmp_path_factory.mktemp("bench")
+    target = save_tiny_model(root / "target", "llama", seed=0, init_std=0.3)
+    draft = save_tiny_model(root / "draft", "llama", seed=1, init_std=0.3, num_hidden_layers=1)
+    return target, draft
+
+
+@pytest.fixture(scope="module")
+def results(pair):
+    target, draft = pair
+    return run_benchmark(BenchConfig(model=str(target), draft=str(draft), ks=KS, **TINY))
+
+
+@pytest.fixture(scope="module")
+def report(results, tmp_path_factory):
+    return write_report(results, tmp_path_factory.mktemp("bench_out"))
+
+
+def expected_methods() -> set[tuple[str, str, int]]:
+    speculative = {(engine, drafter, k) for engine in ("specdec",) for drafter in ("draft_model", "ngram") for k in KS}
+    transformers = {("transformers", "none", 0), ("transformers", "draft_model", 2), ("transformers", "ngram", 2)}
+    return {("specdec", "none", 0)} | speculative | transformers
+
+
+def formula(alpha: float, k: int, c: float) -> float:
+    """(1 - α^(k+1)) / ((1 - α)(k·c + 1)), written out here, apart from specdec.metrics."""
+    tokens_per_round = k + 1 if alpha == 1 else (1 - alpha ** (k + 1)) / (1 - alpha)
+    return tokens_per_round / (k * c + 1)
+
+
+def test_every_configuration_has_a_row(results):
+    for set_name in ("code", "repeat"):
+        for sampling in ("greedy", "sampled"):
+            rows = [r for r in results["rows"] if (r["prompt_set"], r["sampling"]) == (set_name, sampling)]
+            assert {(r["engine"], r["method"], r["k"]) for r in rows} == expected_methods()
+            assert len(rows) == len(expected_methods())
+            assert all(r["prompts"] == 1 and r["tokens"] >= 1 and r["tokens_per_s"] > 0 for r in rows)
+
+
+def test_speedup_is_relative_to_the_target_alone(results):
+    for r in results["rows"]:
+        if r["label"] == TARGET_ALONE.label:
+            assert r["speedup"] == pytest.approx(1.0, abs=1e-12) and r["tau"] == pytest.approx(1.0)
+            assert r["decode_speedup"] == pytest.approx(1.0, abs=1e-12)
+            assert r["profile"]["rounds"] == r["tokens"] - r["prompts"]  # one token a round after the prefill
+        base = next(b for b in results["rows"] if b["label"] == TARGET_ALONE.label
+                    and (b["prompt_set"], b["sampling"]) == (r["prompt_set"], r["sampling"]))
+        assert r["speedup"] == pytest.approx(r["tokens_per_s"] / base["tokens_per_s"])
+        if r["engine"] == "specdec":
+            assert r["decode_speedup"] == pytest.approx(r["decode_tokens_per_s"] / base["decode_tokens_per_s"])
+        else:
+            assert r["decode_speedup"] is None and r["alpha"] is None and r["profile"] is None
+
+
+def test_speculative_rows_are_sane(results):
+    cost_ratio = results["costs"]["cost_ratio"]
+    assert cost_ratio > 0 and results["costs"]["target_step_ms"] > 0
+    for r in (r for r in results["rows"] if r["engine"] == "specdec" and r["method"] != "none"):
+        if r["alpha"] is None:  # prompt lookup found no match: nothing proposed, nothing predicted
+            assert r["method"] == "ngram" and r["tau"] == 1 and r["acceptance_by_position"] == []
+            assert r["predicted_speedup"] is None
+            continue
+        assert 0 <= r["alpha"] <= 1 and 1 <= r["tau"] <= r["k"] + 1
+        assert r["cost_ratio"] == (cost_ratio if r["method"] == "draft_model" else 0.0)
+        assert r["predicted_speedup"] == pytest.approx(formula(r["alpha"], r["k"], r["cost_ratio"]))
+        assert r["tokens_per_round"] == pytest.approx((r["tokens"] - 1) / r["profile"]["rounds"])
+        assert r["predicted_from_tau"] == pytest.approx(r["tokens_per_round"] / (r["k"] * r["cost_ratio"] + 1))
+        if r["method"] == "draft_model":  # proposes k tokens every round: every position is measured
+            assert len(r["acceptance_by_position"]) == r["k"]
+            assert all(0 <= a <= 1 for a in r["acceptance_by_position"])
+        seconds = r["profile"]["seconds"]
+        assert set(seconds) == {"prefill", "draft", "target", "sampling", "bookkeeping", "other"}
+        assert sum(seconds.values()) == pytest.approx(r["seconds"], rel=1e-6) and seconds["target"] > 0
+    assert results["roofline"]["ceiling_tokens_per_s"] > 0
+    assert 0 < results["rows"][0]["roofline_fraction"] < math.inf
+
+
+def test_target_as_its_own_draft_accepts_everything(pair):
+    target, _ = pair
+    results = run_benchmark(BenchConfig(model=str(target), draft=str(target), ks=(3,), prompt_sets=("code",),
+                                        samplings=(GREEDY,), with_transformers=False, **TINY))
+    row = next(r for r in results["rows"] if r["method"] == "draft_model")
+    assert row["alpha"] == 1.0 and row["acceptance_by_position"] == [1.0, 1.0, 1.0] and row["tau"] > 1
+    assert row["predicted_speedup"] == pytest.approx(4 / (3 * results["costs"]["cost_ratio"] + 1))
+    assert results["exactness"] == {"compared": 2, "identical": 2, "divergences": []}
+    assert not any(r["engine"] == "transformers" for r in results["rows"])
+
+
+def test_without_transformers_its_rows_are_skipped_with_a_note(pair, monkeypatch):
+    monkeypatch.setitem(sys.modules, "transformers", None)  # import transformers now raises ImportError
+    notes = []
+    assert transformers_runners(BenchConfig(model=str(pair[0])), None, None, notes) == {}
+    assert notes == ["transformers is not installed: its rows are skipped (pip install transformers)."]
+
+
+def test_greedy_outputs_are_identical(results):
+    per_set = 2 * len(KS) + 1  # each speculative method vs the target alone; the target vs transformers
+    assert results["exactness"] == {"compared": 2 * per_set, "identical": 2 * per_set, "divergences": []}
+
+
+def test_first_divergence():
+    assert first_divergence([5, 6, 7], [5, 6, 7]) is None
+    assert first_divergence([], []) is None
+    assert first_divergence([5, 6, 7], [5, 9, 7]) == 1
+    assert first_divergence([5, 6], [5, 6, 7]) == 2
+    assert first_divergence([4], [5]) == 0
+    divergence = compare("p.py:f", "ours", [1, 2, 3, 4, 5, 6, 7], "theirs", [1, 2, 9, 4])
+    assert (divergence.prompt, divergence.position) == ("p.py:f", 2)
+    assert divergence.checked_tokens == (3, 4, 5, 6) and divergence.reference_tokens == (9, 4)
+    assert "first differs at token 2" in divergence.describe()
+    assert compare("p", "ours", [1, 2], "theirs", [1, 2]) is None
+
+
+def test_exactness_check_reports_where_outputs_part():
+    draft_k2 = Method("specdec", "draft_model", 2)
+    runs = {TARGET_ALONE: [1, 2, 3, 4], draft_k2: [1, 2, 8, 4], TRANSFORMERS_PLAIN: [1, 2, 3, 4]}
+    records = [Record("code", GREEDY.name, "m.py:f", method, Run(tokens, 0.1)) for method, tokens in runs.items()]
+    records.append(Record("code", "sampled", "m.py:f", draft_k2, Run([7, 7, 7], 0.1)))  # sampled: not checked
+    exactness = check_greedy_exactness(records)
+    assert exactness["compared"] == 2 and exactness["identical"] == 1
+    [divergence] = exactness["divergences"]
+    assert divergence["checked"] == draft_k2.label and divergence["reference"] == TARGET_ALONE.label
+    assert divergence["position"] == 2 and divergence["prompt"] == "m.py:f"
+    assert (divergence["checked_tokens"], divergence["reference_tokens"]) == ((8, 4), (3, 4))
+
+
+def test_report_files(results, report):
+    saved = json.loads(report["json"].read_text())
+    assert len(saved["rows"]) == len(results["rows"]) and saved["machine"]["cores"] >= 1
+    assert {g["met"] for g in saved["goals"]} <= {True, False, None} and len(saved["goals"]) == 5
+    text = report["markdown"].read_text()
+    for heading in ("Costs and roofline", "held-out code completion", "repeating code", "Greedy exactness",
+                    "Goals", "Where the time goes"):
+        assert heading in text
+    assert all(f"| {r['label']} |" in text for r in results["rows"])
+    for name in PLOTS:
+        data = report[name].read_bytes()
+        assert data.startswith(PNG_SIGNATURE) and len(data) > 1000
+
+
+def test_write_docs(results, report, tmp_path):
+    from specdec.benchmark.report import write_docs
+
+    page = write_docs(results, report, tmp_path / "docs", "specdec bench --quick").read_text()
+    assert "specdec bench --quick" in page and results["machine"]["cpu"] in page and results["machine"]["torch"] in page
+    assert all((tmp_path / "docs" / "benchmarks" / name).read_bytes().startswith(PNG_SIGNATURE) for name in PLOTS)
+
+
+def goal_rows(greedy: float, sampled: float, theirs: float, decode: float, predicted: float) -> list[dict]:
+    common = dict(prompt_set="code", k=5, decode_speedup=None, predicted_speedup=None)
+    return [dict(common, engine="specdec", method="draft_model", sampling="greedy", speedup=greedy,
+                 tokens_per_s=100 * greedy, decode_speedup=decode, predicted_speedup=predicted),
+            dict(common, engine="specdec", method="draft_model", sampling="sampled", speedup=sampled,
+                 tokens_per_s=100 * sampled),
+            dict(common, engine="transformers", method="draft_model", sampling="greedy", speedup=theirs,
+                 tokens_per_s=100 * theirs)]
+
+
+def test_goals_say_met_missed_or_unmeasured():
+    goals = evaluate_goals({"config": {"transformers_k": 5}, "rows": goal_rows(3.0, 1.5, 1.0, 2.0, 2.2)})
+    greedy, sampled, vs_greedy, vs_sampled, prediction = goals
+    assert greedy["met"] is True and greedy["measured"] == 3.0
+    assert sampled["met"] is False and "missed by 0.30x" in sampled["detail"]
+    assert vs_greedy["met"] is True and vs_greedy["measured"] == pytest.approx(3.0)
+    assert vs_sampled["met"] is None and vs_sampled["detail"].startswith("not measured")
+    assert prediction["met"] is True and prediction["measured"] == pytest.approx(abs(2.0 / 2.2 - 1))
+    off = evaluate_goals({"config": {"transformers_k": 5}, "rows": goal_rows(3.0, 2.0, 1.0, 1.0, 2.0)})[-1]
+    assert off["met"] is False and off["measured"] == pytest.approx(0.5) and "missed by 35% points" in off["detail"]
+
+
+def parse(argv: list[str]):
+    parser = argparse.ArgumentParser(prog="specdec")
+    commands.add_bench_parser(parser.add_subparsers(dest="command", required=True))
+    return parser.parse_args(["bench"] + argv)
+
+
+def test_quick_sizes_and_flags_that_override_them(pair):
+    target, draft = pair
+    quick = commands.bench_config(parse(["--model", str(target), "--draft", str(draft), "--quick"]))
+    assert (quick.ks, quick.max_tokens, quick.prompts_per_set) == ((1, 3, 5), 32, 4)
+    mine = commands.bench_config(parse(["--model", str(target), "--quick", "--ks", "2,4", "--max-tokens", "7",
+                                        "--prompts", "3", "--no-transformers"]))
+    assert (mine.ks, mine.max_tokens, mine.prompts_per_set, mine.draft, mine.with_transformers) == \
+        ((2, 4), 7, 3, None, False)
+    args = parse(["--model", str(target), "--quick", "--ks", "2,4", "--write-docs"])
+    assert parse(commands.command_line(args).split()[2:]) == args
+
+
+def test_missing_model_directory_is_a_clear_error(pair, tmp_path):
+    args = parse(["--model", str(tmp_path / "nowhere"), "--out", str(tmp_path / "out")])
+    with pytest.raises(FileNotFoundError, match="target model directory .*nowhere.* does not exist"):
+        args.run(args)
+    assert not (tmp_path / "out").exists()  # nothing half-done
+    with pytest.raises(FileNotFoundError, match="draft model directory"):
+        commands.bench_config(parse(["--model", str(pair[0]), "--draft", str(tmp_path / "nowhere")]))
+
+
+def test_missing_shipped_pair_says_what_to_do(monkeypatch, tmp_path):
+    monkeypatch.setattr(commands, "SHIPPED_TARGET", tmp_path / "models" / "code-target")
+    monkeypatch.setattr(commands, "SHIPPED_DRAFT", tmp_path / "models" / "code-draft")
+    with pytest.raises(FileNotFoundError, match=r"shipped model pair is missing.*--model DIR.*specdec train"):
+        commands.bench_config(parse([]))
+
+
+@pytest.mark.parametrize("changes, message", [
+    ({"ks": (0, 2)}, "ks must be distinct integers >= 1"),
+    ({"ks": (2, 2)}, "ks must be distinct"),
+    ({"max_tokens": 0}, "max_tokens"),
+    ({"prompt_sets": ("code", "poetry")}, "prompt sets must be among"),
+    ({"device": "tpu"}, "device"),
+])
+def test_bad_configuration_values(pair, changes, message):
+    with pytest.raises(ValueError, match=message):
+        BenchConfig(model=str(pair[0]), **changes)
+
+
+def test_bad_ks_flag_is_rejected_by_argparse(capsys):
+    with pytest.raises(SystemExit):
+        parse(["--ks", "1,x"])
+    assert "comma-separated integers" in capsys.readouterr().err
+
+
+def test_repeated_code_prompts_end_with_the_renamed_signature():
+    prompts = repeated_code_prompts(per_module=1, max_chars=1200)
+    assert len(prompts) >= 8
+    for prompt in prompts:
+        function, comment_and_signature = prompt.text.split("\n\n\n# ")
+        name = prompt.name.split(":")[1].removesuffix(" (repeat)")
+        assert function.startswith(f"def {name}(") or function.startswith(f"async def {name}(")
+        comment, signature = comment_and_signature.split("\n", 1)
+        assert comment.endswith(f"renamed from {name} to {name}_copy:")
+        assert signature.endswith(":") and f"def {name}_copy(" in signature  # no bare line break at the end
+        assert function.startswith(signature.replace(f"{name}_copy(", f"{name}("))  # the same signature
+        assert len(prompt.text) <= 1200 and function.count("\n") >= len(signature.splitlines()) + 2
