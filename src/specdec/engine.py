@@ -92,9 +92,7 @@ class Engine:
         device = self.target.device
         input_ids, positions, last = ragged_batch([s.prompt_token_ids for s in batch], [0] * len(batch), self.cache)
         self.cache.use_slots([s.slot for s in batch])
-        hidden = self.target.hidden_states(input_ids.to(device), positions.to(device), self.cache)  # [B, W, h]
-        rows = torch.arange(len(batch), device=device)
-        logits = self.target.logits(hidden[rows, last.to(device)])  # [B, V]: after each prompt's last token
+        logits = self.target.last_token_logits(input_ids.to(device), positions.to(device), self.cache, last)  # [B, V]
         probs = warp(logits, SamplingTensors.from_params([s.params for s in batch], device))
         first_tokens = sample(probs, [s.generator for s in batch]).tolist()
         for seq, token in zip(batch, first_tokens):
@@ -162,7 +160,7 @@ class Engine:
             seq.output_from_draft.append(count <= num_from_draft)
             if (token in self.eos_token_ids and not params.ignore_eos) or token in params.stop_token_ids:
                 seq.finish_reason = "stop"
-            elif params.stop and self._stop_string_index(seq) is not None:
+            elif params.stop and _stop_string_index(self._decode(seq.output_token_ids), params.stop) is not None:
                 seq.finish_reason = "stop"
             elif seq.remaining_tokens <= 0:
                 seq.finish_reason = "length"
@@ -170,19 +168,17 @@ class Engine:
                 return count
         return len(tokens)
 
-    def _stop_string_index(self, seq: Sequence) -> int | None:
-        """Where the first stop string starts in the decoded output, or None."""
-        text = self._decode(seq.output_token_ids)
-        found = [i for i in (text.find(s) for s in seq.params.stop) if i >= 0]
-        return min(found) if found else None
-
     def _final_text(self, seq: Sequence) -> str:
+        """The decoded output, cut before the first stop string."""
         text = self._decode(seq.output_token_ids)
-        if seq.params.stop:
-            cut = self._stop_string_index(seq)
-            if cut is not None:
-                text = text[:cut]
-        return text
+        cut = _stop_string_index(text, seq.params.stop)
+        return text if cut is None else text[:cut]
 
     def _decode(self, token_ids: list[int]) -> str:
         return self.tokenizer.decode(token_ids) if self.tokenizer is not None else ""
+
+
+def _stop_string_index(text: str, stops: tuple[str, ...]) -> int | None:
+    """Where the first of the stop strings starts in text, or None."""
+    found = [i for i in (text.find(stop) for stop in stops) if i >= 0]
+    return min(found) if found else None

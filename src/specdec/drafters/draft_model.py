@@ -80,9 +80,7 @@ class DraftModelDrafter(Drafter):
             chunks.append(tokens[start:])
             starts.append(start)
         input_ids, positions, last = ragged_batch(chunks, starts, self.cache)
-        hidden = self.model.hidden_states(input_ids.to(device), positions.to(device), self.cache)  # [B, W, h]
-        rows = torch.arange(len(batch), device=device)
-        return self._logits(self.model.logits(hidden[rows, last.to(device)]))
+        return self._logits(self.model.last_token_logits(input_ids.to(device), positions.to(device), self.cache, last))
 
     def _logits(self, logits: torch.Tensor) -> torch.Tensor:
         """Draft logits [B, V_draft] in the target's vocabulary [B, V]: extra ids cut, missing

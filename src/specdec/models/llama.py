@@ -214,6 +214,14 @@ class LlamaModel(nn.Module):
             x = layer(x, cos, sin, masks[window], positions, cache)
         return self.norm(x)
 
+    def last_token_logits(self, input_ids: torch.Tensor, positions: torch.Tensor, cache: KVCache,
+                          last_index: torch.Tensor) -> torch.Tensor:
+        """Forward padded rows; logits after each row's last real token (index last_index [B]):
+        [B, V]. The output head runs on those positions only."""
+        hidden = self.hidden_states(input_ids, positions, cache)  # [B, T, hidden]
+        rows = torch.arange(input_ids.shape[0], device=hidden.device)
+        return self.logits(hidden[rows, last_index.to(hidden.device)])
+
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [..., hidden] -> logits [..., V] in float32."""
         return self.lm_head(hidden).float()
