@@ -11,6 +11,7 @@ import torch
 
 from helpers import load_hf, save_tiny_model
 from specdec import LLM, SamplingParams
+from specdec.models.cpu_linear import Bf16PackedLinear, can_pack
 
 GREEDY = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
 
@@ -208,3 +209,53 @@ def test_acceptance_by_position_counts_positions_never_accepted():
     assert stats.acceptance_by_position == [0.5, 0.0, 0.0]
     merged = SpecStats.merge([stats, SpecStats()])
     assert merged.acceptance_by_position == [0.5, 0.0, 0.0]
+
+
+def test_alpha_recovers_iid_acceptance_that_the_formula_assumes():
+    """Rounds whose draft tokens are each accepted with probability 0.8 until the first
+    rejection: α (accepted / judged) estimates 0.8, accepted / proposed follows
+    E[accepted] / k, and τ follows (1 - α^(k+1)) / (1 - α)."""
+    import random
+
+    from specdec.metrics import SpecStats, expected_tokens_per_round
+
+    rng, alpha, k = random.Random(0), 0.8, 5
+    stats = SpecStats()
+    for _ in range(20000):
+        num_accepted = 0
+        while num_accepted < k and rng.random() < alpha:
+            num_accepted += 1
+        stats.record_round(k, num_accepted, num_accepted + 1)
+    assert stats.acceptance_rate == pytest.approx(alpha, abs=0.01)
+    expected_accepted = alpha * (1 - alpha ** k) / (1 - alpha)
+    assert stats.proposed_acceptance_rate == pytest.approx(expected_accepted / k, abs=0.01)
+    assert stats.tokens_per_forward == pytest.approx(expected_tokens_per_round(alpha, k), rel=0.01)
+    merged = SpecStats.merge([stats, stats])
+    assert merged.num_judged_tokens == 2 * stats.num_judged_tokens
+    assert merged.acceptance_rate == stats.acceptance_rate
+
+
+@pytest.mark.parametrize("draft_dtype, expected", [("auto", torch.float32), ("bfloat16", torch.bfloat16)])
+def test_draft_dtype_is_independent_of_the_target_and_never_changes_greedy_output(dirs, draft_dtype, expected,
+                                                                                    monkeypatch):
+    """A small draft runs in float32 on the CPU by default (its big output layer in bfloat16),
+    or in the dtype asked for; the target's greedy output stays its own either way."""
+    monkeypatch.setattr("specdec.drafters.draft_model.LARGE_WEIGHT_BYTES", 70_000)  # the tiny draft's lm_head: 82 kB
+    plain_bf16 = LLM(str(dirs["target"]), dtype="bfloat16")
+    llm = LLM(str(dirs["target"]), speculative_model=str(dirs["draft"]), num_speculative_tokens=3,
+              dtype="bfloat16", draft_dtype=draft_dtype)
+    draft = llm.engine.drafter.model
+    assert llm.target.model.dtype == torch.bfloat16 and draft.embed_tokens.weight.dtype == expected
+    if draft_dtype == "auto" and can_pack(torch.bfloat16, torch.device("cpu")):
+        assert isinstance(draft.lm_head, Bf16PackedLinear)  # the big matrix: its bytes matter
+        assert not any(isinstance(m, Bf16PackedLinear) for m in draft.layers.modules())
+    prompts = random_prompts(2, seed=31)
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    expected_ids = [plain_bf16.generate([p], params)[0].outputs[0].token_ids for p in prompts]
+    got = [llm.generate([p], params)[0].outputs[0].token_ids for p in prompts]
+    assert got == expected_ids
+
+
+def test_bad_draft_dtype_is_refused_by_name(dirs):
+    with pytest.raises(ValueError, match="draft_dtype must be one of"):
+        LLM(str(dirs["target"]), speculative_model=str(dirs["draft"]), draft_dtype="float64")

@@ -1,8 +1,15 @@
 """SpecStats: what speculation did for one request (or, merged, for many).
 
-  α  acceptance rate = accepted / proposed draft tokens
-  τ  tokens emitted per target forward, bonus and the prefill's first token included
-     (plain decoding: exactly 1.0)
+  judged   a draft token the verifier decided on: every draft token before it in its round
+           was accepted. Draft tokens after the first rejection are never judged.
+  α        acceptance rate = accepted / judged draft tokens: the chance that a draft token is
+           accepted, given the verifier reached it. This is the α of the speedup formula
+           (1 - α^(k+1)) / ((1 - α)(k·c + 1)), which assumes each judged token is accepted
+           independently with probability α.
+  accepted / proposed   vLLM's "draft acceptance rate" (`proposed_acceptance_rate`); it is
+           lower than α when k > 1, because unjudged drafts count as failures.
+  τ        tokens emitted per target forward, bonus and the prefill's first token included
+           (plain decoding: exactly 1.0)
 Acceptance by position i is the fraction of rounds that proposed a draft token at position i
 (0-based) in which it was accepted.
 """
@@ -15,6 +22,7 @@ from dataclasses import dataclass, field
 @dataclass
 class SpecStats:
     num_draft_tokens: int = 0  # proposed
+    num_judged_tokens: int = 0
     num_accepted_tokens: int = 0
     num_emitted_tokens: int = 0
     num_target_forwards: int = 0
@@ -25,6 +33,7 @@ class SpecStats:
     def record_round(self, num_proposed: int, num_accepted: int, num_emitted: int) -> None:
         self.num_target_forwards += 1
         self.num_draft_tokens += num_proposed
+        self.num_judged_tokens += num_accepted + (1 if num_accepted < num_proposed else 0)
         self.num_accepted_tokens += num_accepted
         self.num_emitted_tokens += num_emitted
         _grow(self.proposed_by_position, num_proposed)
@@ -36,7 +45,12 @@ class SpecStats:
 
     @property
     def acceptance_rate(self) -> float:
-        """α; nan when nothing was proposed."""
+        """α = accepted / judged; nan when nothing was judged."""
+        return self.num_accepted_tokens / self.num_judged_tokens if self.num_judged_tokens else float("nan")
+
+    @property
+    def proposed_acceptance_rate(self) -> float:
+        """accepted / proposed (vLLM's draft acceptance rate); nan when nothing was proposed."""
         return self.num_accepted_tokens / self.num_draft_tokens if self.num_draft_tokens else float("nan")
 
     @property
@@ -58,6 +72,7 @@ class SpecStats:
         total = cls()
         for s in stats:
             total.num_draft_tokens += s.num_draft_tokens
+            total.num_judged_tokens += s.num_judged_tokens
             total.num_accepted_tokens += s.num_accepted_tokens
             total.num_emitted_tokens += s.num_emitted_tokens
             total.num_target_forwards += s.num_target_forwards
@@ -73,7 +88,8 @@ class SpecStats:
         by_position = " ".join(f"{a:.2f}" for a in self.acceptance_by_position)
         return (f"tokens {self.num_emitted_tokens}  target forwards {self.num_target_forwards}  "
                 f"τ {self.tokens_per_forward:.2f}  α {self.acceptance_rate:.3f} "
-                f"({self.num_accepted_tokens}/{self.num_draft_tokens})  "
+                f"({self.num_accepted_tokens} accepted/{self.num_judged_tokens} judged/"
+                f"{self.num_draft_tokens} proposed)  "
                 f"by position [{by_position}]  {self.seconds:.2f}s  {self.tokens_per_second:.1f} tok/s")
 
 

@@ -60,6 +60,7 @@ class BenchConfig:
     """What to measure.
 
     model / draft: Hugging Face directories (draft None: no draft-model rows).
+    dtype / draft_dtype: as LLM's dtype and draft_dtype.
     ks: the k of each speculative row (draft model and prompt lookup).
     transformers_k: the k of transformers' assisted generation and prompt lookup
         (None: 5 if in ks, else the largest of ks).
@@ -74,6 +75,7 @@ class BenchConfig:
     draft: str | None = None
     device: str = "cpu"
     dtype: str = "auto"
+    draft_dtype: str = "auto"
     ks: tuple[int, ...] = (1, 2, 3, 4, 5, 6, 7, 8)
     transformers_k: int | None = None
     max_tokens: int = 128
@@ -207,7 +209,8 @@ def load_runners(config: BenchConfig) -> LoadedRunners:
     runners: dict[Method, Runner] = {TARGET_ALONE: SpecdecRunner(target)}
     draft_model = None
     if config.draft is not None:
-        spec = SpeculativeConfig(method="draft_model", model=config.draft, num_speculative_tokens=max(config.ks))
+        spec = SpeculativeConfig(method="draft_model", model=config.draft, num_speculative_tokens=max(config.ks),
+                                 draft_dtype=config.draft_dtype)
         drafter = DRAFTERS["draft_model"](spec, target.target, config.dtype, target.device)
         draft_model = drafter.model
         for k in config.ks:
@@ -483,11 +486,11 @@ def _method_notes(target_dtype: torch.dtype) -> list[str]:
              "Predicted: (1 - α^(k+1)) / ((1 - α)(k·c + 1)) from the measured α and c; prompt lookup is taken "
              "as c = 0 and may propose fewer than k tokens a round, which the formula does not model.",
              "Predicted from τ: the measured tokens per round (after the prefill) ÷ (k·c + 1), the formula with "
-             "the α that gives the measured tokens per round. It differs from the α prediction for k > 1 because "
-             "α = accepted ÷ proposed also counts the drafts after a round's first rejection, which the target "
-             "never judges (i.i.d. acceptance 0.8 at k = 5 gives accepted ÷ proposed 0.54); what remains between "
-             "it and the measured speedup is cost the formula leaves out (sampling, bookkeeping, a verify "
-             "forward dearer than one step).",
+             "the α that gives the measured tokens per round. α = accepted ÷ judged (a draft token is judged when "
+             "every draft before it in its round was accepted), the α the formula assumes; the two predictions "
+             "differ where acceptance is not the same at every position. What remains between them and the "
+             "measured speedup is cost the formula leaves out (sampling, bookkeeping, a verify forward dearer "
+             "than one step).",
              "Adaptive k: the engine has none yet, so no row for it."]
     if target_dtype != torch.float32:
         notes.append(f"The target runs in {str(target_dtype).replace('torch.', '')}: greedy outputs are exact in "
