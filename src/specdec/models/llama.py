@@ -125,7 +125,8 @@ class Attention(nn.Module):
         else:
             self.q_norm = self.k_norm = None
 
-    def forward(self, x, cos, sin, mask, positions, cache: KVCache) -> torch.Tensor:
+    def forward(self, x, cos, sin, mask, positions, cache: KVCache | None, num_keys: int) -> torch.Tensor:
+        """num_keys: the cache positions 0..num_keys-1 this forward reads (cache path only)."""
         B, T, _ = x.shape
         qkv = self.qkv_proj(x).view(B, T, self.num_heads + 2 * self.num_kv_heads, self.head_dim)  # [B, T, H+2Hkv, D]
         q, k, v = qkv.split([self.num_heads, self.num_kv_heads, self.num_kv_heads], dim=2)  # [B, T, H|Hkv, D]
@@ -135,11 +136,10 @@ class Attention(nn.Module):
         if cache is None:  # training: the keys are this sequence's own, causal by construction
             keys, values = k, v
         else:
-            num_keys = mask.shape[-1]
             keys, values = cache.write_and_read(self.layer_index, positions, k, v, num_keys)  # [B, S, Hkv, D] each
         out = F.scaled_dot_product_attention(
             q.transpose(1, 2), keys.transpose(1, 2), values.transpose(1, 2),  # [B, H(kv), T|S, D]
-            attn_mask=mask, is_causal=mask is None, enable_gqa=self.num_heads != self.num_kv_heads,
+            attn_mask=mask, is_causal=mask is None and cache is None, enable_gqa=self.num_heads != self.num_kv_heads,
         )  # [B, H, T, D]
         return self.o_proj(out.transpose(1, 2).reshape(B, T, -1))  # [B, T, H*D] -> [B, T, hidden]
 
@@ -164,8 +164,8 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = MLP(config)
 
-    def forward(self, x, cos, sin, mask, positions, cache) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, mask, positions, cache)
+    def forward(self, x, cos, sin, mask, positions, cache, num_keys) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, mask, positions, cache, num_keys)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -182,6 +182,7 @@ class LlamaModel(nn.Module):
         if config.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
         self.register_buffer("inv_freq", rope_inverse_frequencies(config), persistent=False)
+        self._rope_cache = None  # ((dtype, device), cos [N, D], sin [N, D]) for positions 0..N-1
 
     @property
     def device(self) -> torch.device:
@@ -203,16 +204,27 @@ class LlamaModel(nn.Module):
     def hidden_states(self, input_ids: torch.Tensor, positions: torch.Tensor, cache: KVCache | None) -> torch.Tensor:
         """input_ids, positions [B, T] -> final normed hidden states [B, T, hidden]."""
         x = self.embed_tokens(input_ids)  # [B, T, hidden]
-        cos, sin = self._rope_tables(positions)
-        num_keys = int(positions.max()) + 1 if cache is not None else input_ids.shape[1]
+        num_positions = int(positions.max()) + 1
+        cos, sin = self._rope_tables(positions, num_positions)
+        num_keys = num_positions if cache is not None else input_ids.shape[1]
         masks = {}
         for layer in self.layers:
             window = self.config.window(layer.self_attn.layer_index)
             if window not in masks:
-                plain_causal = cache is None and (window is None or window >= num_keys)
-                masks[window] = None if plain_causal else attention_mask(positions, num_keys, window)
-            x = layer(x, cos, sin, masks[window], positions, cache)
+                masks[window] = self._mask(positions, num_keys, window, cache is None)
+            x = layer(x, cos, sin, masks[window], positions, cache, num_keys)
         return self.norm(x)
+
+    @staticmethod
+    def _mask(positions: torch.Tensor, num_keys: int, window: int | None, training: bool) -> torch.Tensor | None:
+        """The attention mask, or None where none is needed: in training (plain causal), and
+        for one new token per row when every row sits at the last key position (a decode step
+        of a batch of equal lengths), which reads every key."""
+        if window is not None and window < num_keys:
+            return attention_mask(positions, num_keys, window)
+        if training or (positions.shape[1] == 1 and int(positions.min()) == num_keys - 1):
+            return None
+        return attention_mask(positions, num_keys, window)
 
     def last_token_logits(self, input_ids: torch.Tensor, positions: torch.Tensor, cache: KVCache,
                           last_index: torch.Tensor) -> torch.Tensor:
@@ -226,11 +238,18 @@ class LlamaModel(nn.Module):
         """hidden [..., hidden] -> logits [..., V] in float32."""
         return self.lm_head(hidden).float()
 
-    def _rope_tables(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """positions [B, T] -> cos, sin [B, T, 1, D] in the model's dtype (computed in float32)."""
-        angles = positions.float()[..., None] * self.inv_freq  # [B, T, D/2]
-        angles = torch.cat((angles, angles), dim=-1)[:, :, None, :]  # [B, T, 1, D]
-        return angles.cos().to(self.dtype), angles.sin().to(self.dtype)
+    def _rope_tables(self, positions: torch.Tensor, num_positions: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """positions [B, T] (all < num_positions) -> cos, sin [B, T, 1, D] in the model's dtype
+        (computed in float32), read from tables of every position so far (a decode step then
+        costs two lookups)."""
+        key = (self.dtype, self.device)
+        if self._rope_cache is None or self._rope_cache[0] != key or self._rope_cache[1].shape[0] < num_positions:
+            size = max(num_positions, 2 * self._rope_cache[1].shape[0] if self._rope_cache else 1024)
+            angles = torch.arange(size, device=self.device).float()[:, None] * self.inv_freq  # [N, D/2]
+            angles = torch.cat((angles, angles), dim=-1)  # [N, D]
+            self._rope_cache = (key, angles.cos().to(self.dtype), angles.sin().to(self.dtype))
+        _, cos, sin = self._rope_cache
+        return cos[positions][:, :, None, :], sin[positions][:, :, None, :]  # [B, T, 1, D] each
 
 
 def attention_mask(positions: torch.Tensor, num_keys: int, window: int | None) -> torch.Tensor:
