@@ -63,3 +63,13 @@ def test_accepted_draft_tokens_are_marked(model_dir, capsys):
     assert body.count(DRAFT_COLOR) >= 1
     plain_first = body.index(DRAFT_COLOR) > len("def add(a, b):")  # the prefill's token is the target's
     assert plain_first or expected.text == ""
+
+
+def test_divergence_note_names_the_position_and_the_precision():
+    import torch
+
+    from specdec.cli import divergence_note
+
+    assert divergence_note([1, 2, 3], [1, 2, 4], torch.float32) == "the outputs first differ at generated token 2"
+    note = divergence_note([1, 2, 3], [1, 2], torch.bfloat16)
+    assert note.startswith("the outputs first differ at generated token 2: in bfloat16") and "float32" in note

@@ -49,6 +49,9 @@ def add_generate_parser(commands) -> None:
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("--stop", action="append", default=[], help="a stop string (repeatable)")
     p.add_argument("--dtype", default="auto", help="auto, float32, bfloat16 or float16")
+    p.add_argument("--draft-dtype", default="auto",
+                   help="the draft model's dtype: auto (float32 for a small draft on the CPU, else --dtype's), "
+                        "float32, bfloat16 or float16")
     p.add_argument("--device", default="cpu")
     p.add_argument("--compare", action="store_true", help="also run the target alone and print the speedup")
     p.add_argument("--color", choices=("auto", "always", "never"), default="auto",
@@ -63,7 +66,8 @@ def run_generate(args) -> int:
                             max_tokens=args.max_tokens, seed=args.seed, stop=tuple(args.stop))
     method = "ngram" if args.ngram else ("draft_model" if args.draft else None)
     llm = LLM(args.model, speculative_model=args.draft, speculative_method=method,
-              num_speculative_tokens=args.num_speculative_tokens, dtype=args.dtype, device=args.device)
+              num_speculative_tokens=args.num_speculative_tokens, dtype=args.dtype, device=args.device,
+              draft_dtype=args.draft_dtype)
     llm.generate(args.prompt, SamplingParams(temperature=0, max_tokens=2))  # warm-up: first calls are slow
     output = llm.generate(args.prompt, params)[0]
     completion = output.outputs[0]
@@ -82,7 +86,21 @@ def run_generate(args) -> int:
         speedup = baseline.metrics.seconds / output.metrics.seconds
         same = baseline.outputs[0].token_ids == output.outputs[0].token_ids
         print(f"speedup {speedup:.2f}x" + (f"; greedy outputs identical: {same}" if params.greedy else ""))
+        if params.greedy and not same:
+            print(divergence_note(baseline.outputs[0].token_ids, output.outputs[0].token_ids, llm.target.model.dtype))
     return 0
+
+
+def divergence_note(expected: list[int], got: list[int], dtype) -> str:
+    """Where greedy speculative output first leaves the target's own, and why that can happen."""
+    import torch
+
+    position = next((i for i, (a, b) in enumerate(zip(expected, got)) if a != b), min(len(expected), len(got)))
+    note = f"the outputs first differ at generated token {position}"
+    if dtype != torch.float32:
+        note += (f": in {str(dtype).removeprefix('torch.')} a forward over k+1 tokens can round differently from a "
+                 "one-token step and flip a near-tie between two tokens (--dtype float32 is exact)")
+    return note
 
 
 DRAFT_COLOR, RESET = "\033[32;1m", "\033[0m"

@@ -66,6 +66,10 @@ class SamplingParams:
 SPECULATIVE_METHODS = ("draft_model", "ngram")
 
 
+DRAFT_DTYPES = ("auto", "float32", "bfloat16", "float16")
+SMALL_DRAFT_PARAMETERS = 100_000_000
+
+
 @dataclass(frozen=True)
 class SpeculativeConfig:
     """How the engine speculates.
@@ -75,6 +79,12 @@ class SpeculativeConfig:
     model: the draft model's directory, for "draft_model".
     num_speculative_tokens: k, draft tokens proposed per round (0 = plain decoding).
     ngram_min / ngram_max: the n-gram lengths prompt lookup tries, longest first.
+    draft_dtype: the draft model's dtype. "auto": for a draft of at most
+        SMALL_DRAFT_PARAMETERS on the CPU, float32 (its matrices are small, and bfloat16 CPU
+        kernels cost more per call than the bytes they save) except its output layer, the one
+        matrix big enough for bytes to matter, prepacked in bfloat16 (benchmarks/bench_draft.py);
+        otherwise the target's dtype. The draft's dtype never changes the output, only the
+        acceptance rate and the speed.
     """
 
     method: str = "draft_model"
@@ -82,6 +92,7 @@ class SpeculativeConfig:
     num_speculative_tokens: int = 5
     ngram_min: int = 1
     ngram_max: int = 4
+    draft_dtype: str = "auto"
 
     def __post_init__(self) -> None:
         _check(self.method in SPECULATIVE_METHODS,
@@ -92,6 +103,7 @@ class SpeculativeConfig:
                "speculative_method='draft_model' needs speculative_model=<draft directory>")
         _check(_is_int(self.ngram_min) and _is_int(self.ngram_max) and 1 <= self.ngram_min <= self.ngram_max,
                f"need 1 <= ngram_min <= ngram_max, got {self.ngram_min}, {self.ngram_max}")
+        _check(self.draft_dtype in DRAFT_DTYPES, f"draft_dtype must be one of {DRAFT_DTYPES}, got {self.draft_dtype!r}")
 
 
 def _is_real(x) -> bool:

@@ -35,6 +35,9 @@ def add_bench_parser(commands) -> None:
                         f"default with no --model: {_relative(SHIPPED_DRAFT)})")
     p.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N (default cpu)")
     p.add_argument("--dtype", default="auto", help="auto (the checkpoint's), float32, bfloat16 or float16")
+    p.add_argument("--draft-dtype", default="auto",
+                   help="the draft's dtype: auto (float32 for a small draft on the CPU, else --dtype's), float32, "
+                        "bfloat16 or float16")
     p.add_argument("--quick", action="store_true",
                    help=f"a few minutes: {QUICK['prompts']} prompts per set, {QUICK['max_tokens']} tokens, "
                         f"k in {{{','.join(map(str, QUICK['ks']))}}}")
@@ -73,7 +76,7 @@ def bench_config(args):
 
     model, draft = resolve_pair(args.model, args.draft)
     sizes = QUICK if args.quick else FULL
-    return BenchConfig(model=model, draft=draft, device=args.device, dtype=args.dtype,
+    return BenchConfig(model=model, draft=draft, device=args.device, dtype=args.dtype, draft_dtype=args.draft_dtype,
                        ks=_given_or(args.ks, sizes["ks"]), max_tokens=_given_or(args.max_tokens, sizes["max_tokens"]),
                        prompts_per_set=_given_or(args.prompts, sizes["prompts"]),
                        with_transformers=not args.no_transformers, seed=args.seed)
@@ -96,7 +99,7 @@ def resolve_pair(model: str | None, draft: str | None) -> tuple[str, str | None]
 def command_line(args) -> str:
     """The `specdec bench` command that reproduces this run (the flags given, written out)."""
     words = ["specdec", "bench"]
-    for flag in ("model", "draft", "device", "dtype", "out", "max_tokens", "prompts", "seed"):
+    for flag in ("model", "draft", "device", "dtype", "draft_dtype", "out", "max_tokens", "prompts", "seed"):
         value = getattr(args, flag)
         if value is not None:
             words += ["--" + flag.replace("_", "-"), str(value)]

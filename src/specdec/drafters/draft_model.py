@@ -9,14 +9,20 @@ token, after a full acceptance the last draft token and the bonus token.
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import torch
 
+from specdec.config import SMALL_DRAFT_PARAMETERS
 from specdec.drafters.base import Draft, Drafter
 from specdec.kv_cache import ragged_batch
+from specdec.models.cpu_linear import can_pack, pack_large_linears_in_bf16
 from specdec.models.llama import LlamaModel
-from specdec.models.loader import LoadedModel, ModelLoadError, load_pretrained
+from specdec.models.loader import LoadedModel, ModelLoadError, load_pretrained, model_config_from_hf, read_config
 from specdec.sampling import SamplingTensors, sample, warp
 from specdec.sequence import Sequence
+
+LARGE_WEIGHT_BYTES = 2_000_000  # float32 matrices at least this big run in bf16 in a small CPU draft
 
 
 class DraftModelDrafter(Drafter):
@@ -29,9 +35,19 @@ class DraftModelDrafter(Drafter):
 
     @classmethod
     def from_config(cls, spec, target: LoadedModel, dtype, device) -> "DraftModelDrafter":
-        """Load spec.model and check that it shares the target's vocabulary."""
-        draft = load_pretrained(spec.model, dtype, device, load_tokenizer=target.tokenizer is not None)
+        """Load spec.model in spec.draft_dtype and check that it shares the target's vocabulary.
+        "auto" on the CPU, for a small draft: float32, with its output layer (the one matrix
+        big enough for bytes to matter) prepacked in bfloat16."""
+        device = torch.device(device)
+        small_on_cpu = spec.draft_dtype == "auto" and device.type == "cpu" and _is_small(spec.model)
+        if small_on_cpu:
+            draft_dtype = torch.float32
+        else:
+            draft_dtype = target.model.dtype if spec.draft_dtype == "auto" else spec.draft_dtype
+        draft = load_pretrained(spec.model, draft_dtype, device, load_tokenizer=target.tokenizer is not None)
         check_same_vocabulary(target, draft)
+        if small_on_cpu and can_pack(torch.bfloat16, device):
+            pack_large_linears_in_bf16(draft.model, LARGE_WEIGHT_BYTES)
         return cls(draft.model, target.model.config.vocab_size)
 
     def reserve(self, max_batch: int, max_len: int) -> None:
@@ -90,6 +106,15 @@ class DraftModelDrafter(Drafter):
             return logits[..., :V]
         pad = logits.new_full((*logits.shape[:-1], V - logits.shape[-1]), float("-inf"))
         return torch.cat([logits, pad], dim=-1)
+
+
+def _is_small(path: str) -> bool:
+    """At most SMALL_DRAFT_PARAMETERS, by its config.json (a missing one fails later, in
+    load_pretrained, with a clear error)."""
+    if not (Path(path) / "config.json").is_file():
+        return False
+    config = model_config_from_hf(read_config(Path(path)), Path(path) / "config.json")
+    return config.num_parameters <= SMALL_DRAFT_PARAMETERS
 
 
 def _common_prefix(a: list[int], b: list[int]) -> int:

@@ -15,16 +15,46 @@ from torch import nn
 
 
 class PackedLinear(nn.Module):
-    """y = x W^T + b with W held in oneDNN's blocked bf16 layout."""
+    """y = x W^T + b with W held in oneDNN's blocked bf16 layout. weight_dtype: round the
+    weight (and bias) to it first (None: the linear's own dtype, which must be bf16)."""
 
-    def __init__(self, linear: nn.Linear):
+    def __init__(self, linear: nn.Linear, weight_dtype: torch.dtype | None = None):
         super().__init__()
         self.in_features, self.out_features = linear.in_features, linear.out_features
-        self.packed_weight = torch.ops.mkldnn._reorder_linear_weight(linear.weight.detach(), 1)
-        self.bias = linear.bias
+        weight, bias = linear.weight.detach(), linear.bias
+        if weight_dtype is not None:
+            weight = weight.to(weight_dtype)
+            bias = None if bias is None else nn.Parameter(bias.detach().to(weight_dtype), requires_grad=False)
+        self.packed_weight = torch.ops.mkldnn._reorder_linear_weight(weight, 1)
+        self.bias = bias
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return torch.ops.mkldnn._linear_pointwise(x, self.packed_weight, self.bias, "none", [None], "")
+
+
+class Bf16PackedLinear(PackedLinear):
+    """A PackedLinear inside a float32 model: the weight rounded to bfloat16, the input cast
+    to bfloat16 and the output back to float32."""
+
+    def __init__(self, linear: nn.Linear):
+        super().__init__(linear, weight_dtype=torch.bfloat16)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return super().forward(x.to(torch.bfloat16)).to(x.dtype)
+
+
+def pack_large_linears_in_bf16(model: nn.Module, min_weight_bytes: int) -> list[str]:
+    """In a float32 model, replace the nn.Linear layers whose weight holds at least
+    min_weight_bytes by Bf16PackedLinear (in place); return their names. For a small draft
+    model on the CPU: its small matrices run faster in float32, while its output layer
+    (vocabulary x hidden) is big enough that halving its bytes pays (benchmarks/bench_core.py)."""
+    replaced = []
+    for parent_name, parent in list(model.named_modules()):
+        for name, child in list(parent.named_children()):
+            if isinstance(child, nn.Linear) and child.weight.numel() * child.weight.element_size() >= min_weight_bytes:
+                setattr(parent, name, Bf16PackedLinear(child))
+                replaced.append(f"{parent_name}.{name}".lstrip("."))
+    return replaced
 
 
 def can_pack(dtype: torch.dtype, device: torch.device) -> bool:

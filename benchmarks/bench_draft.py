@@ -1,0 +1,57 @@
+"""How fast one draft step runs in each draft dtype, and the cost ratio c it gives.
+
+    python benchmarks/bench_draft.py [--target DIR --draft DIR] [--dtype bfloat16] [--repeats 5]
+
+A draft step is one token through the draft with a warm cache (specdec.benchmark.machine.
+step_seconds, the fastest of --repeats measurements). "auto" is what LLM(draft_dtype="auto")
+picks: on the CPU, for a small draft, float32 with the output layer prepacked in bfloat16.
+The table prints the step time and c = draft step ÷ target step for each choice.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "src"))
+
+import torch  # noqa: E402
+
+from specdec.benchmark.machine import step_seconds  # noqa: E402
+from specdec.config import DRAFT_DTYPES, SpeculativeConfig  # noqa: E402
+from specdec.drafters import DRAFTERS  # noqa: E402
+from specdec.models.loader import load_pretrained  # noqa: E402
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--target", default=str(ROOT / "models" / "code-target"))
+    parser.add_argument("--draft", default=str(ROOT / "models" / "code-draft"))
+    parser.add_argument("--dtype", default="bfloat16", help="the target's dtype")
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--repeats", type=int, default=5)
+    args = parser.parse_args()
+
+    target = load_pretrained(args.target, args.dtype, args.device)
+    target_step = min(step_seconds(target.model) for _ in range(args.repeats))
+    print(f"target {Path(args.target).name} in {args.dtype}: one step {target_step * 1e3:.3f} ms "
+          f"({torch.get_num_threads()} threads, {args.device})\n")
+    print("| draft dtype | runs as | one draft step | c |")
+    print("|---|---|---:|---:|")
+    for draft_dtype in DRAFT_DTYPES:
+        spec = SpeculativeConfig(model=args.draft, draft_dtype=draft_dtype)
+        model = DRAFTERS["draft_model"](spec, target, args.dtype, args.device).model
+        draft_step = min(step_seconds(model) for _ in range(args.repeats))
+        print(f"| {draft_dtype} | {_runs_as(model)} | {draft_step * 1e3:.3f} ms | {draft_step / target_step:.3f} |")
+
+
+def _runs_as(model) -> str:
+    dtype = str(model.embed_tokens.weight.dtype).removeprefix("torch.")
+    head = type(model.lm_head).__name__
+    return f"{dtype}, output layer {'bfloat16 prepacked' if head == 'Bf16PackedLinear' else dtype}"
+
+
+if __name__ == "__main__":
+    main()
