@@ -186,6 +186,35 @@ def test_reference_warper_matches_the_definitions():
     np.testing.assert_allclose(probs[0], [0, 0.4, 0, 0.3, 0] / np.float64(0.7))  # top_p keeps .4 .3
 
 
+@pytest.mark.parametrize("seed", [0, 1])
+def test_top_k_top_p_cut_among_candidates_is_the_full_sort_cut(seed):
+    """Over a realistic vocabulary, warp looks for the top-k / top-p cut among the most likely
+    tokens before sorting everything. Rows from flat to peaked, logits rounded to bfloat16 (so
+    with ties), every combination: the warped distributions are the reference's, and the rows
+    the candidates decide are cut exactly as by the full sort."""
+    from specdec.sampling import SamplingTensors, _cut_among_candidates, _cut_sorted, warp
+
+    generator = torch.Generator().manual_seed(seed)
+    V, scales = 8192, (0.3, 1.0, 3.0, 6.0, 12.0)
+    settings = [dict(top_k=k, top_p=p) for k in (-1, 1, 5, 40, 64, 100) for p in (1.0, 0.5, 0.9, 0.95)
+                if (k, p) != (-1, 1.0)]
+    rows = [(scale, setting) for scale in scales for setting in settings]
+    logits = torch.stack([torch.randn(V, generator=generator) * scale for scale, _ in rows])
+    logits = logits.to(torch.bfloat16).float()  # [N, V]
+    params = [SamplingParams(temperature=1.0, **setting) for _, setting in rows]
+    tensors = SamplingTensors.from_params(params)
+
+    cut, decided = _cut_among_candidates(logits, tensors)
+    assert 0.3 * len(rows) < int(decided.sum()) < len(rows)  # both paths are exercised
+    assert torch.equal(cut[decided], _cut_sorted(logits, tensors)[decided])
+
+    probs = warp(logits, tensors).double().numpy()
+    for row, (_, setting) in enumerate(rows):
+        expected, margin = reference_warp(logits[row:row + 1].double().numpy(), 1.0, **setting)
+        if margin[0] > 1e-5:  # a decision this close to its threshold may round either way
+            np.testing.assert_allclose(probs[row], expected[0], atol=1e-6)
+
+
 @pytest.mark.parametrize("drafter,setting", [(d, s) for d, settings in RUNS.items() for s in settings])
 def test_sampled_tokens_follow_the_target(setup, llms, drafter, setting):
     """Over 100,000 copies of one prompt: the first, second and third generated tokens each

@@ -15,11 +15,15 @@ requests without a seed share one.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
 
 from specdec.config import SamplingParams
+
+
+CANDIDATES = 64  # the most likely tokens a top-k / top-p cut is first looked for among
 
 
 @dataclass(frozen=True)
@@ -54,6 +58,11 @@ class SamplingTensors:
             any_greedy=any(greedy),
         )
 
+    def select_rows(self, rows: torch.Tensor) -> "SamplingTensors":
+        """The settings of some rows (the batch-wide flags kept: they only enable checks)."""
+        return dataclasses.replace(self, temperature=self.temperature[rows], top_k=self.top_k[rows],
+                                   top_p=self.top_p[rows], min_p=self.min_p[rows], greedy=self.greedy[rows])
+
     def repeat_rows(self, n: int) -> "SamplingTensors":
         """Each row's settings repeated n times in place: [N] -> [N * n], for [N, n, V] logits."""
         rep = lambda t: t.repeat_interleave(n)  # noqa: E731
@@ -81,7 +90,56 @@ def warp(logits: torch.Tensor, settings: SamplingTensors) -> torch.Tensor:
 
 
 def _top_k_top_p(logits: torch.Tensor, settings: SamplingTensors) -> torch.Tensor:
-    """Set to -inf the logits that top_k or top_p drop. logits [N, V]."""
+    """Set to -inf the logits that top_k or top_p drop. logits [N, V].
+
+    The kept tokens are usually a few of the most likely, so the cut is first looked for
+    among the CANDIDATES largest logits (a partial selection, much cheaper than sorting the
+    vocabulary); rows whose cut is not decided there are sorted in full."""
+    if logits.shape[-1] <= 2 * CANDIDATES:
+        return _cut_sorted(logits, settings)
+    cut, decided = _cut_among_candidates(logits, settings)
+    if not bool(decided.all()):
+        rows = (~decided).nonzero().squeeze(1)  # [R]
+        cut[rows] = _cut_sorted(logits[rows], settings.select_rows(rows))
+    return cut
+
+
+def _cut_among_candidates(logits: torch.Tensor, settings: SamplingTensors) -> tuple[torch.Tensor, torch.Tensor]:
+    """The cut of _cut_sorted made from the top CANDIDATES logits only, and whether each row's
+    cut is decided by them: [N, V] logits (-inf where dropped), [N] bool.
+
+    A row is decided when its kept tokens end before the last candidate with a strictly larger
+    logit (so no token outside the candidates ties with, or precedes, a kept one) and top_p's
+    probabilities are computable: without top_k they are over the whole vocabulary, with
+    top_k <= CANDIDATES over the candidates it keeps."""
+    V = logits.shape[-1]
+    values, ids = logits.topk(CANDIDATES, dim=-1)  # [N, C], descending; the order among ties is unspecified
+    ids, by_id = ids.sort(dim=-1)
+    values = values.gather(1, by_id)  # [N, C] in token-id order
+    values, order = values.sort(dim=-1, descending=True, stable=True)  # _cut_sorted's order: logit, then id
+    ids = ids.gather(1, order)  # [N, C]
+    k = torch.where(settings.top_k > 0, settings.top_k.clamp(max=V), V)  # [N]
+    kth_largest = values.gather(1, (k.clamp(max=CANDIDATES) - 1)[:, None])  # [N, 1]
+    k_within = (k <= CANDIDATES) & (kth_largest[:, 0] > values[:, -1])  # [N]: top_k's tokens are all candidates
+    drop = torch.zeros_like(values, dtype=torch.bool)  # [N, C]
+    if settings.any_top_k:
+        drop = k_within[:, None] & (values < kth_largest)
+    if settings.any_top_p:
+        row_max = values[:, :1]  # [N, 1]
+        exp_values = torch.exp(values - row_max).masked_fill(drop, 0.0)  # [N, C]
+        full_total = torch.exp(logits - row_max).sum(-1, keepdim=True)  # [N, 1]
+        total = torch.where(k_within[:, None], exp_values.sum(-1, keepdim=True), full_total)
+        probs = exp_values / total  # [N, C]
+        drop = drop | _top_p_drops(probs, settings.top_p)
+    num_kept = (~drop).sum(-1)  # [N]; kept tokens come first
+    last_kept = values.gather(1, (num_kept - 1)[:, None])[:, 0]  # [N]
+    decided = (num_kept < CANDIDATES) & (last_kept > values[:, -1]) & (k_within | (k == V))
+    cut = torch.full_like(logits, float("-inf")).scatter_(1, ids, values.masked_fill(drop, float("-inf")))
+    return cut, decided
+
+
+def _cut_sorted(logits: torch.Tensor, settings: SamplingTensors) -> torch.Tensor:
+    """_top_k_top_p by a full (stable) sort of every row. logits [N, V]."""
     V = logits.shape[-1]
     sorted_logits, order = logits.sort(dim=-1, descending=True, stable=True)  # [N, V]
     if settings.any_top_k:
@@ -89,12 +147,19 @@ def _top_k_top_p(logits: torch.Tensor, settings: SamplingTensors) -> torch.Tenso
         kth_largest = sorted_logits.gather(1, (k - 1)[:, None])  # [N, 1]
         sorted_logits = sorted_logits.masked_fill(sorted_logits < kth_largest, float("-inf"))
     if settings.any_top_p:
-        sorted_probs = torch.softmax(sorted_logits, dim=-1)
-        mass_before = sorted_probs.cumsum(-1) - sorted_probs  # [N, V]
-        drop = mass_before >= settings.top_p[:, None]
-        drop[:, 0] = False  # the most likely token always stays
-        sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
+        sorted_logits = sorted_logits.masked_fill(_top_p_drops(torch.softmax(sorted_logits, dim=-1), settings.top_p),
+                                                  float("-inf"))
     return torch.empty_like(logits).scatter_(1, order, sorted_logits)
+
+
+def _top_p_drops(sorted_probs: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    """Which tokens top_p drops: those whose mass before them, in descending order, is >= top_p.
+    sorted_probs [N, C] (descending), top_p [N] -> [N, C] bool. The most likely token always
+    stays, and top_p = 1 drops nothing (float32 sums can reach 1 before the tail ends)."""
+    mass_before = sorted_probs.cumsum(-1) - sorted_probs  # [N, C]
+    drop = (mass_before >= top_p[:, None]) & (top_p < 1)[:, None]
+    drop[:, 0] = False
+    return drop
 
 
 def point_mass(token_ids: torch.Tensor, vocab_size: int) -> torch.Tensor:
