@@ -47,7 +47,7 @@ from specdec.models.loader import LoadedModel, load_pretrained
 from specdec.training.corpus import check_stream_length, evaluation_windows, load_corpus, sample_windows, token_stream
 from specdec.training.loop import Task, TrainConfig, log, train_loop
 from specdec.training.train import (SAVE_DTYPES, ModelShape, TrainResult, check_save_dtype, new_model, open_checkpoint,
-                                    run_identity, training_positions, write_log)
+                                    run_identity, training_positions, write_log, corpus_record)
 
 DIVERGENCES = ("fkl+tv", "tv", "fkl")
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja")
@@ -117,7 +117,8 @@ def distill(target_dir: str | Path, out: str | Path, shape: ModelShape | None, c
         result = TrainResult(out, state, config.steps)
     write_log(out, "distill", config, {"target": str(target_dir), "init": str(init_dir),
                                        "distill": dataclasses.asdict(distill_config),
-                                       "model": dataclasses.asdict(draft.config)}, result, arguments)
+                                       "model": dataclasses.asdict(draft.config), **corpus_record(corpus)},
+              result, arguments)
     return result
 
 

@@ -75,9 +75,10 @@ class ModelShape:
 
 
 PRESETS = {
-    # ~21.7M parameters (4.2M of them the tied embedding)
-    "target": ModelShape(vocab_size=8192, hidden_size=512, num_layers=6, num_heads=8, num_kv_heads=4,
-                         intermediate_size=1408, context=512),
+    # ~22.0M parameters (3.1M of them the tied embedding). Deep and narrow, like the large
+    # models speculative decoding is for: decoding cost grows with depth, not only with bytes.
+    "target": ModelShape(vocab_size=8192, hidden_size=384, num_layers=12, num_heads=6, num_kv_heads=2,
+                         intermediate_size=1024, context=512),
     # ~1.9M parameters, 11x fewer than "target", same vocabulary
     "draft": ModelShape(vocab_size=8192, hidden_size=160, num_layers=2, num_heads=4, num_kv_heads=2,
                         intermediate_size=448, context=512),
@@ -154,7 +155,7 @@ def train(out: str | Path, shape: ModelShape, config: TrainConfig, corpus_path: 
         save_pretrained(model, out, SAVE_DTYPES[save_dtype], max_shard_bytes=max_shard_bytes,
                         tokenizer=tokenizer, eos_token_id=eot_id)
         result = TrainResult(out, state, config.steps)
-    write_log(out, "train", config, {"model": dataclasses.asdict(shape)}, result, arguments)
+    write_log(out, "train", config, {"model": dataclasses.asdict(shape), **corpus_record(corpus)}, result, arguments)
     return result
 
 
@@ -284,9 +285,18 @@ def run_identity(kind: str, model_config: ModelConfig, tokenizer, corpus: Corpus
             "corpus": f"{corpus.root}:{corpus_fingerprint.hexdigest()[:16]}", **extra}
 
 
+def corpus_record(corpus: Corpus) -> dict:
+    """What the training log keeps of the corpus (for the model card)."""
+    return {"corpus": corpus.describe().removeprefix("corpus "), "held_out": [d.name for d in corpus.held_out]}
+
+
 def write_log(out: Path, kind: str, config: TrainConfig, settings: dict, result: TrainResult,
               arguments: dict | None) -> None:
-    """out/training_log.json: what was run and how it went (for the model card)."""
+    """out/training_log.json: what was run and how it went; and, once the run has finished,
+    the model card out/README.md made from it (model_card.py)."""
+    from specdec.benchmark.machine import cpu_model
+    from specdec.training.model_card import write_model_card
+
     out.mkdir(parents=True, exist_ok=True)
     state = result.state
     device = torch.cuda.get_device_name(config.device) if config.device.startswith("cuda") else "cpu"
@@ -295,9 +305,11 @@ def write_log(out: Path, kind: str, config: TrainConfig, settings: dict, result:
         "train_config": dataclasses.asdict(config), **settings,
         "step": state.step, "tokens_seen": state.tokens_seen, "seconds": round(state.seconds, 1),
         "train_loss": result.train_loss, "evaluations": state.evaluations,
-        "device": device, "torch_threads": torch.get_num_threads(),
+        "device": device, "cpu": cpu_model(), "torch_threads": torch.get_num_threads(),
     }
     (out / "training_log.json").write_text(json.dumps(record, indent=2) + "\n")
+    if result.finished:
+        write_model_card(out)
 
 
 def check_save_dtype(save_dtype: str) -> None:

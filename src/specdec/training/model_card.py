@@ -1,0 +1,146 @@
+"""The model card (README.md) that `specdec train` and `specdec distill` write beside the weights.
+
+Everything in it comes from the run itself: training_log.json (the command's arguments, the
+optimizer settings, steps, tokens, wall time, device, evaluations) and config.json. Rerun
+`python -m specdec.training.model_card DIR` to write it again for a finished run.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+from specdec.benchmark.machine import cpu_model
+from specdec.training.corpus import HELD_OUT_MODULES, load_corpus
+
+# flags whose value the command line shows as a bare switch
+SWITCHES = ("untie_embeddings", "resume", "restart")
+
+
+def write_model_card(out: str | Path, moved: dict[str, str] | None = None) -> Path:
+    """Write out/README.md from out/training_log.json and out/config.json; return its path.
+    moved: {directory the run used: where it is now}, for a run copied after it finished (the
+    card's command then names the new places)."""
+    out = Path(out)
+    log = json.loads((out / "training_log.json").read_text())
+    config = json.loads((out / "config.json").read_text())
+    card = out / "README.md"
+    card.write_text(model_card(out.name, log, config, moved or {}))
+    return card
+
+
+def model_card(name: str, log: dict, config: dict, moved: dict[str, str]) -> str:
+    """The card's Markdown text."""
+    kind = log["kind"]
+    arguments = {key: moved.get(str(value), value) for key, value in (log.get("arguments") or {}).items()}
+    evaluations = log.get("evaluations") or []
+    first, last = (evaluations[0], evaluations[-1]) if evaluations else ({}, {})
+    steps, tokens = log["step"], log["tokens_seen"]
+    train = log["train_config"]
+    lines = [f"# {name}", "",
+             f"A {_millions(config)}M-parameter Llama-architecture model of Python code, "
+             + ("trained from scratch by `specdec train`." if kind == "train" else
+                f"distilled by `specdec distill` to draft for the target `{Path(log['target']).name}`: "
+                "it shares the target's tokenizer and learned the target's next-token distributions."),
+             "It ships with specdec so that speculative decoding runs with nothing to download. It writes "
+             "plausible-looking standard-library Python, but it is a demonstration model: small, trained for "
+             "minutes on one library, and often wrong.", "",
+             "| | |", "|---|---|",
+             f"| architecture | {_architecture(config)} |",
+             f"| parameters | {_millions(config)}M |",
+             f"| weights | {config.get('torch_dtype', '?')} safetensors |",
+             f"| corpus | {log.get('corpus') or _corpus_line(arguments.get('corpus'))} |",
+             f"| held out | {', '.join(log.get('held_out') or _held_out(arguments.get('corpus')))} (never trained on) |",
+             f"| training | {steps:,} steps of {train['batch_size'] * train['grad_accum']} windows; {tokens:,} tokens; "
+             f"AdamW lr {train['lr']:g} (warm-up {train['warmup']}, cosine to {train['lr'] * train['min_lr_ratio']:g}), "
+             f"weight decay {train['weight_decay']:g}, {'bfloat16 autocast' if train['bf16'] else 'float32'}, "
+             f"seed {train['seed']} |"]
+    if kind == "distill":
+        distill = log.get("distill", {})
+        lines.append(f"| distillation | loss {distill.get('divergence', '?')} on the target's soft labels at "
+                     f"temperature {distill.get('temperature', '?')}, on-policy fraction "
+                     f"{distill.get('on_policy_fraction', 0)} |")
+    lines += [f"| time and hardware | {log['seconds'] / 60:.1f} min on {_hardware(log)} |",
+              f"| held-out evaluation | {_evaluation_line(first, last)} |", "",
+              "## Made by", "", "```", _command(kind, arguments), "```", ""]
+    if moved:
+        lines += ["The run wrote to " + ", ".join(f"`{old}`" for old in moved) + "; its files were copied to "
+                  + ", ".join(f"`{new}`" for new in moved.values()) + " (the command above names the new places).",
+                  ""]
+    lines += [
+              "Runs are deterministic up to floating-point reduction order: the same command with the same "
+              "seed on the same machine and library versions gives the same model.", "",
+              "The corpus is Python's standard library, under the Python Software Foundation License.", ""]
+    return "\n".join(lines)
+
+
+def _millions(config: dict) -> str:
+    from specdec.models.loader import model_config_from_hf
+
+    return f"{model_config_from_hf(config, Path('config.json')).num_parameters / 1e6:.2f}"
+
+
+def _architecture(c: dict) -> str:
+    tied = "tied" if c.get("tie_word_embeddings") else "untied"
+    return (f"{c['architectures'][0]}: {c['num_hidden_layers']} layers, hidden size {c['hidden_size']}, "
+            f"{c['num_attention_heads']} heads ({c['num_key_value_heads']} key/value heads), MLP "
+            f"{c['intermediate_size']}, vocabulary {c['vocab_size']} (byte-level BPE), context "
+            f"{c['max_position_embeddings']}, {tied} embeddings")
+
+
+def _corpus_line(path: str | None) -> str:
+    return load_corpus(path).describe().removeprefix("corpus ")
+
+
+def _held_out(path: str | None) -> list[str]:
+    return list(HELD_OUT_MODULES) if path is None else [d.name for d in load_corpus(path).held_out]
+
+
+def _hardware(log: dict) -> str:
+    device = log.get("device", "cpu")
+    if device != "cpu":
+        return device
+    return f"{log.get('cpu') or cpu_model()}, {log.get('torch_threads', '?')} threads, no GPU"
+
+
+def _evaluation_line(first: dict, last: dict) -> str:
+    parts = []
+    for key, label in (("held_out_loss", "loss (nats/token)"), ("held_out_alpha", "α = 1 − TV"),
+                       ("held_out_greedy_agreement", "greedy agreement")):
+        if key in last:
+            parts.append(f"{label} {first[key]:.3f} (step {first['step']}) → {last[key]:.3f} (step {last['step']})")
+    return "; ".join(parts) or "none"
+
+
+def _command(kind: str, arguments: dict) -> str:
+    words = ["specdec", kind]
+    for key, value in sorted(arguments.items()):
+        if key == "command":
+            continue
+        flag = "--" + key.replace("_", "-")
+        if value is True or key in SWITCHES:
+            words.append(flag)
+        else:
+            words += [flag, str(value)]
+    return " ".join(words)
+
+
+def main(argv: list[str]) -> int:
+    import argparse
+
+    parser = argparse.ArgumentParser(prog="python -m specdec.training.model_card",
+                                     description="write README.md for a finished train or distill run")
+    parser.add_argument("model_dir")
+    parser.add_argument("--moved", action="append", default=[], metavar="OLD=NEW",
+                        help="a directory the run used and where it is now (repeatable)")
+    args = parser.parse_args(argv)
+    pairs = [m.split("=", 1) for m in args.moved]
+    if any(len(pair) != 2 for pair in pairs):
+        parser.error("--moved takes OLD=NEW")
+    print(write_model_card(args.model_dir, dict(pairs)))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
