@@ -98,6 +98,26 @@ def test_training_loss_fell(trained_dir):
     assert log["tokens_seen"] == 40 * 8 * 64
 
 
+def test_model_card_states_the_run(trained_dir, corpus_dir):
+    """README.md beside the weights: the command that made them, the corpus and its held-out
+    files, steps, tokens, hardware and the held-out loss, all as the log recorded them."""
+    from specdec.training.model_card import main as model_card_main
+
+    log = json.loads((trained_dir / "training_log.json").read_text())
+    card = (trained_dir / "README.md").read_text()
+    assert f"specdec train --batch-size 8 --checkpoint-every 20 --context 64 --corpus {corpus_dir}" in card
+    assert "--steps 40" in card and f"--out {trained_dir}" in card
+    assert f"{log['tokens_seen']:,} tokens" in card and "seed 0" in card
+    assert f"{len(CORPUS_FILES) - len(log['held_out'])} training documents" in card
+    assert all(name in card for name in log["held_out"])
+    first, last = log["evaluations"][0], log["evaluations"][-1]
+    assert f"{first['held_out_loss']:.3f} (step 0) → {last['held_out_loss']:.3f} (step 40)" in card
+    assert log["cpu"] in card
+    assert model_card_main([str(trained_dir), "--moved", f"{trained_dir}=models/tiny"]) == 0
+    moved = (trained_dir / "README.md").read_text()
+    assert "--out models/tiny" in moved and f"The run wrote to `{trained_dir}`" in moved
+
+
 def test_interrupted_run_resumes_where_it_stopped(corpus_dir, tmp_path):
     run = ["--corpus", corpus_dir, *TINY_RUN, "--steps", "20", "--eval-every", "10", "--checkpoint-every", "10",
            "--seed", "5"]
