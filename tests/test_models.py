@@ -394,6 +394,26 @@ def test_half_precision_loads_and_roughly_agrees(models, dtype):
         assert tokens[0] == int(hf_logits(hf, prompt)[-1].argmax())
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_half_precision_decode_steps_agree_with_float32(models, dtype):
+    """Decode steps and verify-sized chunks (attention in float32 on the CPU) against
+    transformers in float32: as close as the half-precision prefill is."""
+    path, hf, _ = models.get("llama3", seed=ARCH_SEEDS["llama3"])
+    model = load_pretrained(path, {torch.bfloat16: "bfloat16", torch.float16: "float16"}[dtype]).model
+    ids = random_ids(903, PROMPT_LEN)
+    ref = hf_logits(hf, ids)
+    cache = model.new_cache(1, PROMPT_LEN + 8)
+    bounds = [0, 20] + list(range(21, 31)) + [36, PROMPT_LEN]  # a prefill, one-token steps, verify-sized chunks
+    chunks = []
+    with torch.inference_mode():
+        for start, end in zip(bounds, bounds[1:]):
+            chunks.append(model(torch.tensor([ids[start:end]]), torch.arange(start, end)[None], cache)[0])
+    ours = torch.cat(chunks)
+    assert max_diff(ours, ref) < 0.1 * ref.abs().max().item()
+    agree = (ours.argmax(-1) == ref.argmax(-1)).float().mean().item()
+    assert agree >= 0.8, f"argmax agrees on only {agree:.0%} of positions"
+
+
 @pytest.mark.parametrize("key", ["dtype", "torch_dtype"])
 def test_auto_dtype_follows_the_config(models, tmp_path, key):
     src, _, _ = models.get("llama", seed=ARCH_SEEDS["llama"])

@@ -137,11 +137,26 @@ class Attention(nn.Module):
             keys, values = k, v
         else:
             keys, values = cache.write_and_read(self.layer_index, positions, k, v, num_keys)  # [B, S, Hkv, D] each
+        q, keys, values = q.transpose(1, 2), keys.transpose(1, 2), values.transpose(1, 2)  # [B, H(kv), T|S, D]
+        if _attend_in_float32(q, T):
+            q, keys, values = q.float(), keys.float(), values.float()
         out = F.scaled_dot_product_attention(
-            q.transpose(1, 2), keys.transpose(1, 2), values.transpose(1, 2),  # [B, H(kv), T|S, D]
-            attn_mask=mask, is_causal=mask is None and cache is None, enable_gqa=self.num_heads != self.num_kv_heads,
-        )  # [B, H, T, D]
+            q, keys, values, attn_mask=mask, is_causal=mask is None and cache is None,
+            enable_gqa=self.num_heads != self.num_kv_heads,
+        ).to(x.dtype)  # [B, H, T, D]
         return self.o_proj(out.transpose(1, 2).reshape(B, T, -1))  # [B, T, H*D] -> [B, T, hidden]
+
+
+FLOAT32_ATTENTION_MAX_QUERIES = 16
+
+
+def _attend_in_float32(q: torch.Tensor, num_queries: int) -> bool:
+    """On the CPU, half-precision attention over a few queries (a decode step or a verify
+    forward) runs in float32: PyTorch's bf16 CPU kernel takes ~90 us for one query over 300
+    keys where float32 takes ~25 us (benchmarks/bench_core.py). Decode steps and verify
+    forwards both do, so they round alike; long prefills keep the half-precision kernel,
+    which is as fast there."""
+    return q.device.type == "cpu" and q.dtype != torch.float32 and num_queries <= FLOAT32_ATTENTION_MAX_QUERIES
 
 
 class MLP(nn.Module):
