@@ -45,6 +45,9 @@ RUNS = {
     "draft_model": ["T0.7-top_k5", "T1.0-min_p0.1", "T0.9-top_k8-top_p0.9-min_p0.05"],
     "ngram": ["T1.0", "T1.3-top_p0.8", "T0.9-top_k8-top_p0.9-min_p0.05"],
 }
+# adaptive k (a row stops drafting after a draft token of draft probability < this): only in
+# the seeded-request test, since the distribution tests' one round proposes a single token
+CONFIDENCE_THRESHOLD = 0.3
 
 
 # ---------------------------------------------------------------------------------------------
@@ -160,7 +163,9 @@ def assert_follows(samples: np.ndarray, probs: np.ndarray, what: str) -> None:
 
 
 def make_llm(setup, drafter: str, **kwargs) -> LLM:
-    speculative_model = setup["draft"] if drafter == "draft_model" else "[ngram]"
+    speculative_model = "[ngram]" if drafter == "ngram" else setup["draft"]
+    if drafter == "draft_model_adaptive":
+        kwargs["draft_confidence_threshold"] = CONFIDENCE_THRESHOLD
     return LLM(setup["target"], speculative_model=speculative_model, num_speculative_tokens=K, dtype="float32",
                skip_tokenizer_init=True, **kwargs)
 
@@ -241,7 +246,7 @@ def test_sampled_tokens_follow_the_target(setup, llms, drafter, setting):
 OTHER_PROMPTS = [[7, 3, 9, 7, 3, 9, 7, 3], [11, 2], [4, 4, 4, 4, 4, 4, 4, 4, 4, 4, 4, 4, 4], [30, 1, 17, 30, 1]]
 
 
-@pytest.mark.parametrize("drafter", list(RUNS))
+@pytest.mark.parametrize("drafter", [*RUNS, "draft_model_adaptive"])
 def test_seeded_request_is_independent_of_its_batch(setup, drafter):
     """The same seeded request alone, in a batch with other seeded and unseeded requests of
     other prompts and settings, twice in one batch, and queued behind others for a slot."""
@@ -250,6 +255,9 @@ def test_seeded_request_is_independent_of_its_batch(setup, drafter):
     llm = make_llm(setup, drafter)
     alone = llm.generate([prompt], seeded)[0]
     assert alone.metrics.num_draft_tokens > 0 and alone.metrics.num_accepted_tokens > 0
+    if drafter == "draft_model_adaptive":  # rounds that stopped drafting early, and rounds that did not
+        by_position = alone.metrics.proposed_by_position
+        assert by_position[0] > by_position[-1] > 0
 
     others = [SamplingParams(temperature=1.0, max_tokens=15, ignore_eos=True),
               SamplingParams(temperature=0.8, top_k=6, max_tokens=30, seed=99, ignore_eos=True),

@@ -45,9 +45,10 @@ def token_ids(outputs) -> list[list[int]]:
     return [o.outputs[0].token_ids for o in outputs]
 
 
-@pytest.mark.parametrize("method", ["self", "random_draft", "ngram"])
+@pytest.mark.parametrize("method", ["self", "self_adaptive", "random_draft", "ngram"])
 def test_greedy_speculative_equals_target_alone(dirs, plain, method):
     speculative = {"self": dict(speculative_model=str(dirs["target"])),
+                   "self_adaptive": dict(speculative_model=str(dirs["target"]), draft_confidence_threshold=0.3),
                    "random_draft": dict(speculative_model=str(dirs["draft"])),
                    "ngram": dict(speculative_method="ngram")}[method]
     prompts = random_prompts(4, seed=10, repeat=method == "ngram")
@@ -62,6 +63,10 @@ def test_greedy_speculative_equals_target_alone(dirs, plain, method):
         if method == "self":
             assert all(s.acceptance_rate == 1.0 for s in stats)
             assert all(len(s.acceptance_by_position) == k for s in stats)
+        if method == "self_adaptive" and k >= 3:  # all accepted, but rows stop drafting where unsure
+            assert all(s.acceptance_rate == 1.0 for s in stats)
+            rounds = sum(s.num_target_forwards - 1 for s in stats)  # after each prefill
+            assert 1.1 * rounds < sum(s.num_draft_tokens for s in stats) < 0.9 * k * rounds
         if method == "random_draft":
             assert sum(s.num_accepted_tokens for s in stats) < 0.5 * sum(s.num_draft_tokens for s in stats)
         if method == "ngram":

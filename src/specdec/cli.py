@@ -52,6 +52,9 @@ def add_generate_parser(commands) -> None:
     p.add_argument("--draft-dtype", default="auto",
                    help="the draft model's dtype: auto (float32 for a small draft on the CPU, else --dtype's), "
                         "float32, bfloat16 or float16")
+    p.add_argument("--draft-confidence", type=float, default=0.0, metavar="P",
+                   help="adaptive k: stop a round's drafting after a draft token the draft gave less than P "
+                        "(default 0: always k)")
     p.add_argument("--device", default="cpu")
     p.add_argument("--compare", action="store_true", help="also run the target alone and print the speedup")
     p.add_argument("--color", choices=("auto", "always", "never"), default="auto",
@@ -67,7 +70,7 @@ def run_generate(args) -> int:
     method = "ngram" if args.ngram else ("draft_model" if args.draft else None)
     llm = LLM(args.model, speculative_model=args.draft, speculative_method=method,
               num_speculative_tokens=args.num_speculative_tokens, dtype=args.dtype, device=args.device,
-              draft_dtype=args.draft_dtype)
+              draft_dtype=args.draft_dtype, draft_confidence_threshold=args.draft_confidence)
     llm.generate(args.prompt, SamplingParams(temperature=0, max_tokens=2))  # warm-up: first calls are slow
     output = llm.generate(args.prompt, params)[0]
     completion = output.outputs[0]

@@ -85,6 +85,10 @@ class SpeculativeConfig:
         matrix big enough for bytes to matter, prepacked in bfloat16 (benchmarks/bench_draft.py);
         otherwise the target's dtype. The draft's dtype never changes the output, only the
         acceptance rate and the speed.
+    draft_confidence_threshold: adaptive k for the draft model. A row stops drafting for the
+        round after a token the draft gave less than this probability (the tokens after it
+        would likely be rejected); 0 = always draft k. (transformers' assisted generation
+        calls it assistant_confidence_threshold.)
     """
 
     method: str = "draft_model"
@@ -93,6 +97,7 @@ class SpeculativeConfig:
     ngram_min: int = 1
     ngram_max: int = 4
     draft_dtype: str = "auto"
+    draft_confidence_threshold: float = 0.0
 
     def __post_init__(self) -> None:
         _check(self.method in SPECULATIVE_METHODS,
@@ -103,6 +108,8 @@ class SpeculativeConfig:
                "speculative_method='draft_model' needs speculative_model=<draft directory>")
         _check(_is_int(self.ngram_min) and _is_int(self.ngram_max) and 1 <= self.ngram_min <= self.ngram_max,
                f"need 1 <= ngram_min <= ngram_max, got {self.ngram_min}, {self.ngram_max}")
+        _check(_is_real(self.draft_confidence_threshold) and 0 <= self.draft_confidence_threshold <= 1,
+               f"draft_confidence_threshold must be in [0, 1], got {self.draft_confidence_threshold!r}")
         _check(self.draft_dtype in DRAFT_DTYPES, f"draft_dtype must be one of {DRAFT_DTYPES}, got {self.draft_dtype!r}")
 
 

@@ -49,6 +49,8 @@ class LLM:
     dtype: "auto" (the checkpoint's), "float32", "bfloat16" or "float16".
     draft_dtype: the draft model's dtype; "auto" = float32 for a small draft on the CPU, else
         the target's (see SpeculativeConfig).
+    draft_confidence_threshold: adaptive k: a row stops drafting for the round after a token
+        the draft gave less than this probability (0 = always k; see SpeculativeConfig).
     device: "cpu", "cuda", "cuda:1", ...
     max_num_seqs: the most sequences run at once; more wait for a free slot.
     seed: seeds the random stream that requests without a seed of their own share.
@@ -57,14 +59,16 @@ class LLM:
     def __init__(self, model: str, speculative_model: str | None = None, num_speculative_tokens: int = 5,
                  speculative_method: str | None = None, dtype: str = "auto", device: str = "cpu",
                  max_num_seqs: int = 256, seed: int = 0, skip_tokenizer_init: bool = False,
-                 ngram_prompt_lookup_min: int = 1, ngram_prompt_lookup_max: int = 4, draft_dtype: str = "auto"):
+                 ngram_prompt_lookup_min: int = 1, ngram_prompt_lookup_max: int = 4, draft_dtype: str = "auto",
+                 draft_confidence_threshold: float = 0.0):
         if speculative_model == "[ngram]":
             speculative_model, speculative_method = None, "ngram"
         if speculative_method is None:
             speculative_method = "draft_model" if speculative_model is not None else None
         self.speculative_config = None if speculative_method is None else SpeculativeConfig(
             method=speculative_method, model=speculative_model, num_speculative_tokens=num_speculative_tokens,
-            ngram_min=ngram_prompt_lookup_min, ngram_max=ngram_prompt_lookup_max, draft_dtype=draft_dtype)
+            ngram_min=ngram_prompt_lookup_min, ngram_max=ngram_prompt_lookup_max, draft_dtype=draft_dtype,
+            draft_confidence_threshold=draft_confidence_threshold)
         if not (isinstance(max_num_seqs, int) and max_num_seqs >= 1):
             raise ValueError(f"max_num_seqs must be an integer >= 1, got {max_num_seqs!r}")
         self.device = torch.device(device)

@@ -12,6 +12,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
+import torch.nn.functional as F
 
 from specdec.config import SMALL_DRAFT_PARAMETERS
 from specdec.drafters.base import Draft, Drafter
@@ -26,9 +27,10 @@ LARGE_WEIGHT_BYTES = 2_000_000  # float32 matrices at least this big run in bf16
 
 
 class DraftModelDrafter(Drafter):
-    def __init__(self, model: LlamaModel, vocab_size: int):
+    def __init__(self, model: LlamaModel, vocab_size: int, confidence_threshold: float = 0.0):
         self.model = model
         self.vocab_size = vocab_size  # the target's: draft logits are cut or padded to it
+        self.confidence_threshold = confidence_threshold  # 0 = always draft k
         self.cache = None
         # slot -> (n, drafts): the cache holds the sequence's first n tokens, then these drafts
         self.fed: dict[int, tuple[int, list[int]]] = {}
@@ -48,7 +50,7 @@ class DraftModelDrafter(Drafter):
         check_same_vocabulary(target, draft)
         if small_on_cpu and can_pack(torch.bfloat16, device):
             pack_large_linears_in_bf16(draft.model, LARGE_WEIGHT_BYTES)
-        return cls(draft.model, target.model.config.vocab_size)
+        return cls(draft.model, target.model.config.vocab_size, spec.draft_confidence_threshold)
 
     def reserve(self, max_batch: int, max_len: int) -> None:
         if self.cache is None or self.cache.max_batch < max_batch or self.cache.max_len < max_len:
@@ -59,6 +61,11 @@ class DraftModelDrafter(Drafter):
         self.fed.pop(seq.slot, None)
 
     def propose(self, batch: list[Sequence], k: int, sampling: SamplingTensors) -> Draft:
+        """Up to k draft tokens per row. With a confidence threshold, a row stops after a draft
+        token the draft itself gave less than that probability (the next ones would likely be
+        rejected), and drafting ends when every row has stopped. A stopped row draws no more
+        random numbers and the draft keeps k columns (padding after its tokens), so a seeded
+        request consumes its generator the same alone or in any batch."""
         device = self.model.device
         if k == 0:
             return Draft.empty(len(batch), device)
@@ -66,22 +73,41 @@ class DraftModelDrafter(Drafter):
         generators = [seq.generator for seq in batch]
         logits = self._catch_up(batch)  # [B, V]: each row's next-token logits
         draft_tokens, draft_probs = [], []
+        num_tokens = torch.full((len(batch),), k, device=device)  # [B]
+        drafting = torch.ones(len(batch), dtype=torch.bool, device=device)  # [B]: rows not yet stopped
         for i in range(k):
+            probs = None
             if sampling.all_greedy:  # a point mass on the argmax: no probabilities kept
                 token = logits.argmax(-1)  # [B]
             else:
                 probs = warp(logits, sampling)  # [B, V]
-                token = sample(probs, generators)  # [B]
+                token = _sample_rows(probs, generators, drafting)  # [B]
                 draft_probs.append(probs)
             draft_tokens.append(token)
+            if self.confidence_threshold > 0:
+                stopping = drafting & (self._confidence(logits, token, probs) < self.confidence_threshold)
+                num_tokens = torch.where(stopping, i + 1, num_tokens)
+                drafting &= ~stopping
+                if not bool(drafting.any()):
+                    break
             if i < k - 1:
                 positions = torch.tensor([seq.num_tokens + i for seq in batch], device=device)[:, None]  # [B, 1]
                 logits = self._logits(self.model(token[:, None], positions, self.cache)[:, 0])
-        token_ids = torch.stack(draft_tokens, dim=1)  # [B, k]
-        for row, seq in enumerate(batch):
-            self.fed[seq.slot] = (seq.num_tokens, token_ids[row, :k - 1].tolist())
-        probs = torch.stack(draft_probs, dim=1) if draft_probs else None  # [B, k, V]
-        return Draft(token_ids, torch.full((len(batch),), k, device=device), probs)
+        token_ids = torch.stack(draft_tokens, dim=1)  # [B, steps], steps <= k
+        for row, seq in enumerate(batch):  # the cache holds every draft token but the last
+            self.fed[seq.slot] = (seq.num_tokens, token_ids[row, :token_ids.shape[1] - 1].tolist())
+        padding = k - token_ids.shape[1]
+        token_ids = F.pad(token_ids, (0, padding))  # [B, k]
+        probs = F.pad(torch.stack(draft_probs, dim=1), (0, 0, 0, padding)) if draft_probs else None  # [B, k, V]
+        return Draft(token_ids, num_tokens, probs)
+
+    @staticmethod
+    def _confidence(logits: torch.Tensor, token: torch.Tensor, probs: torch.Tensor | None) -> torch.Tensor:
+        """The draft's probability of each row's draft token [B]: under the warped distribution
+        it was sampled from, or (greedy) under the plain softmax."""
+        if probs is None:
+            probs = torch.softmax(logits.float(), dim=-1)  # [B, V]
+        return probs.gather(1, token[:, None])[:, 0]
 
     def _catch_up(self, batch: list[Sequence]) -> torch.Tensor:
         """Feed each row the tokens its cache lacks (the whole prompt for a new sequence,
@@ -106,6 +132,18 @@ class DraftModelDrafter(Drafter):
             return logits[..., :V]
         pad = logits.new_full((*logits.shape[:-1], V - logits.shape[-1]), float("-inf"))
         return torch.cat([logits, pad], dim=-1)
+
+
+def _sample_rows(probs: torch.Tensor, generators: list[torch.Generator], rows: torch.Tensor) -> torch.Tensor:
+    """A token per row of probs [B, V]: sampled where rows [B] is True (each with its row's
+    generator), the argmax elsewhere, drawing nothing there."""
+    if bool(rows.all()):
+        return sample(probs, generators)
+    token = probs.argmax(-1)  # [B]
+    chosen = rows.nonzero().squeeze(1).tolist()
+    if chosen:
+        token[chosen] = sample(probs[chosen], [generators[r] for r in chosen])
+    return token
 
 
 def _is_small(path: str) -> bool:
