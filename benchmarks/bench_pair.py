@@ -36,11 +36,13 @@ def main() -> None:
     parser.add_argument("--max-chars", type=int, default=800, help="prompt length in characters (at most)")
     parser.add_argument("--dtype", default="auto")
     parser.add_argument("--draft-dtype", default="auto")
+    parser.add_argument("--draft-confidence", type=float, default=0.0,
+                        help="adaptive k: LLM(draft_confidence_threshold=...) (default 0: always k)")
     parser.add_argument("--show", type=int, default=3, help="print this many completions")
     args = parser.parse_args()
 
     first = LLM(args.target, speculative_model=args.draft, num_speculative_tokens=args.k[0], dtype=args.dtype,
-                draft_dtype=args.draft_dtype)
+                draft_dtype=args.draft_dtype, draft_confidence_threshold=args.draft_confidence)
     plain = first.target_only()
     speculative = {k: with_drafter(first, first.engine.drafter, k) for k in args.k}  # one draft, loaded once
     prompts = held_out_code_prompts(args.prompts_per_module, max_chars=args.max_chars)
@@ -64,7 +66,9 @@ def main() -> None:
     base = _totals(plain_stats)
     cost_ratio = step_seconds(first.engine.drafter.model) / step_seconds(first.target.model)
     print(f"## {Path(args.target).name} + {Path(args.draft).name} (draft in "
-          f"{str(first.engine.drafter.model.dtype).removeprefix('torch.')}), greedy, {len(prompts)} held-out code "
+          f"{str(first.engine.drafter.model.dtype).removeprefix('torch.')}"
+          + (f", adaptive k: confidence >= {args.draft_confidence}" if args.draft_confidence else "")
+          + f"), greedy, {len(prompts)} held-out code "
           f"prompts, {args.max_tokens} new tokens each\n")
     print("| decoder | tokens/s | α (accepted ÷ judged) | accepted ÷ proposed | τ | speedup | predicted "
           "| acceptance by position | identical outputs |")
