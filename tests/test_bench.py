@@ -38,7 +38,7 @@ def pair(tmp_path_factory):
 @pytest.fixture(scope="module")
 def results(pair):
     target, draft = pair
-    return run_benchmark(BenchConfig(model=str(target), draft=str(draft), ks=KS, **TINY))
+    return run_benchmark(BenchConfig(model=str(target), draft=str(draft), ks=KS, adaptive_confidence=0.5, **TINY))
 
 
 @pytest.fixture(scope="module")
@@ -49,7 +49,8 @@ def report(results, tmp_path_factory):
 def expected_methods() -> set[tuple[str, str, int]]:
     speculative = {(engine, drafter, k) for engine in ("specdec",) for drafter in ("draft_model", "ngram") for k in KS}
     transformers = {("transformers", "none", 0), ("transformers", "draft_model", 2), ("transformers", "ngram", 2)}
-    return {("specdec", "none", 0)} | speculative | transformers
+    adaptive = {("specdec", "draft_model_adaptive", max(KS))}
+    return {("specdec", "none", 0)} | speculative | adaptive | transformers
 
 
 def formula(alpha: float, k: int, c: float) -> float:
@@ -86,6 +87,9 @@ def test_speculative_rows_are_sane(results):
     cost_ratio = results["costs"]["cost_ratio"]
     assert cost_ratio > 0 and results["costs"]["target_step_ms"] > 0
     for r in (r for r in results["rows"] if r["engine"] == "specdec" and r["method"] != "none"):
+        if r["method"] == "draft_model_adaptive":  # k varies by round: no formula
+            assert r["cost_ratio"] is None and r["predicted_speedup"] is None and 1 <= r["tau"] <= r["k"] + 1
+            continue
         if r["alpha"] is None:  # prompt lookup found no match: nothing proposed, nothing predicted
             assert r["method"] == "ngram" and r["tau"] == 1 and r["acceptance_by_position"] == []
             assert r["predicted_speedup"] is None
@@ -108,11 +112,15 @@ def test_speculative_rows_are_sane(results):
 def test_target_as_its_own_draft_accepts_everything(pair):
     target, _ = pair
     results = run_benchmark(BenchConfig(model=str(target), draft=str(target), ks=(3,), prompt_sets=("code",),
-                                        samplings=(GREEDY,), with_transformers=False, **TINY))
+                                        samplings=(GREEDY,), with_transformers=False, adaptive_confidence=0.6,
+                                        **TINY))
     row = next(r for r in results["rows"] if r["method"] == "draft_model")
     assert row["alpha"] == 1.0 and row["acceptance_by_position"] == [1.0, 1.0, 1.0] and row["tau"] > 1
     assert row["predicted_speedup"] == pytest.approx(4 / (3 * results["costs"]["cost_ratio"] + 1))
-    assert results["exactness"] == {"compared": 2, "identical": 2, "divergences": []}
+    adaptive = next(r for r in results["rows"] if r["method"] == "draft_model_adaptive")
+    assert adaptive["label"] == "specdec draft model adaptive k<=3" and adaptive["alpha"] == 1.0
+    assert 1 < adaptive["tau"] < row["tau"]  # it stopped drafting where the draft was unsure
+    assert results["exactness"] == {"compared": 3, "identical": 3, "divergences": []}
     assert not any(r["engine"] == "transformers" for r in results["rows"])
 
 
@@ -124,7 +132,7 @@ def test_without_transformers_its_rows_are_skipped_with_a_note(pair, monkeypatch
 
 
 def test_greedy_outputs_are_identical(results):
-    per_set = 2 * len(KS) + 1  # each speculative method vs the target alone; the target vs transformers
+    per_set = 2 * len(KS) + 2  # each speculative method (adaptive too) vs the target alone; the target vs transformers
     assert results["exactness"] == {"compared": 2 * per_set, "identical": 2 * per_set, "divergences": []}
 
 

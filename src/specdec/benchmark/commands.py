@@ -17,6 +17,7 @@ from pathlib import Path
 from specdec.demo import ROOT, SHIPPED_DRAFT, SHIPPED_TARGET
 
 FULL = {"prompts": 8, "max_tokens": 128, "ks": (1, 2, 3, 4, 5, 6, 7, 8)}
+ADAPTIVE_CONFIDENCE = 0.5
 QUICK = {"prompts": 4, "max_tokens": 32, "ks": (1, 3, 5)}
 
 
@@ -35,6 +36,9 @@ def add_bench_parser(commands) -> None:
                         f"default with no --model: {_relative(SHIPPED_DRAFT)})")
     p.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N (default cpu)")
     p.add_argument("--dtype", default="auto", help="auto (the checkpoint's), float32, bfloat16 or float16")
+    p.add_argument("--adaptive-confidence", type=float, default=ADAPTIVE_CONFIDENCE, metavar="P",
+                   help=f"add a row for the draft model with adaptive k (LLM's draft_confidence_threshold=P, up "
+                        f"to the largest k; default {ADAPTIVE_CONFIDENCE}, 0 = no such row)")
     p.add_argument("--draft-dtype", default="auto",
                    help="the draft's dtype: auto (float32 for a small draft on the CPU, else --dtype's), float32, "
                         "bfloat16 or float16")
@@ -77,6 +81,7 @@ def bench_config(args):
     model, draft = resolve_pair(args.model, args.draft)
     sizes = QUICK if args.quick else FULL
     return BenchConfig(model=model, draft=draft, device=args.device, dtype=args.dtype, draft_dtype=args.draft_dtype,
+                       adaptive_confidence=args.adaptive_confidence,
                        ks=_given_or(args.ks, sizes["ks"]), max_tokens=_given_or(args.max_tokens, sizes["max_tokens"]),
                        prompts_per_set=_given_or(args.prompts, sizes["prompts"]),
                        with_transformers=not args.no_transformers, seed=args.seed)
@@ -99,7 +104,8 @@ def resolve_pair(model: str | None, draft: str | None) -> tuple[str, str | None]
 def command_line(args) -> str:
     """The `specdec bench` command that reproduces this run (the flags given, written out)."""
     words = ["specdec", "bench"]
-    for flag in ("model", "draft", "device", "dtype", "draft_dtype", "out", "max_tokens", "prompts", "seed"):
+    for flag in ("model", "draft", "device", "dtype", "draft_dtype", "adaptive_confidence", "out", "max_tokens",
+                 "prompts", "seed"):
         value = getattr(args, flag)
         if value is not None:
             words += ["--" + flag.replace("_", "-"), str(value)]

@@ -31,6 +31,7 @@ from specdec.benchmark.machine import decode_weight_bytes, describe_machine, rea
 from specdec.benchmark.prompts import Prompt, held_out_code_prompts, repeated_code_prompts
 from specdec.config import SamplingParams, SpeculativeConfig
 from specdec.drafters import DRAFTERS
+from specdec.drafters.draft_model import DraftModelDrafter
 from specdec.engine import Engine
 from specdec.llm import LLM
 from specdec.metrics import SpecStats, predicted_speedup
@@ -61,6 +62,8 @@ class BenchConfig:
 
     model / draft: Hugging Face directories (draft None: no draft-model rows).
     dtype / draft_dtype: as LLM's dtype and draft_dtype.
+    adaptive_confidence: > 0 adds a row for the draft model with adaptive k (up to the
+        largest of ks; LLM's draft_confidence_threshold).
     ks: the k of each speculative row (draft model and prompt lookup).
     transformers_k: the k of transformers' assisted generation and prompt lookup
         (None: 5 if in ks, else the largest of ks).
@@ -76,6 +79,7 @@ class BenchConfig:
     device: str = "cpu"
     dtype: str = "auto"
     draft_dtype: str = "auto"
+    adaptive_confidence: float = 0.0
     ks: tuple[int, ...] = (1, 2, 3, 4, 5, 6, 7, 8)
     transformers_k: int | None = None
     max_tokens: int = 128
@@ -102,6 +106,8 @@ class BenchConfig:
             object.__setattr__(self, "transformers_k", 5 if 5 in self.ks else max(self.ks))
         _check(_is_int(self.transformers_k) and self.transformers_k >= 1,
                f"transformers_k must be an integer >= 1, got {self.transformers_k!r}")
+        _check(_is_real(self.adaptive_confidence) and 0 <= self.adaptive_confidence < 1,
+               f"adaptive_confidence must be in [0, 1), got {self.adaptive_confidence!r}")
         _check(_is_int(self.max_tokens) and self.max_tokens >= 1, f"max_tokens must be >= 1, got {self.max_tokens!r}")
         _check(_is_int(self.prompts_per_set) and self.prompts_per_set >= 1,
                f"prompts per set must be >= 1, got {self.prompts_per_set!r}")
@@ -124,13 +130,15 @@ class BenchConfig:
 @dataclass(frozen=True)
 class Method:
     engine: str  # "specdec" or "transformers"
-    drafter: str  # "none", "draft_model" or "ngram"
+    drafter: str  # "none", "draft_model", "draft_model_adaptive" (k at most k) or "ngram"
     k: int = 0
 
     @property
     def label(self) -> str:
         if self.drafter == "none":
             return "specdec target alone" if self.engine == "specdec" else "transformers generate"
+        if self.drafter == "draft_model_adaptive":
+            return f"{self.engine} draft model adaptive k<={self.k}"
         name = {"draft_model": "draft model", "ngram": "prompt lookup"}[self.drafter]
         if self.engine == "transformers":
             name = {"draft_model": "assisted (draft model)", "ngram": "prompt lookup"}[self.drafter]
@@ -215,6 +223,10 @@ def load_runners(config: BenchConfig) -> LoadedRunners:
         draft_model = drafter.model
         for k in config.ks:
             runners[Method("specdec", "draft_model", k)] = SpecdecRunner(with_drafter(target, drafter, k))
+        if config.adaptive_confidence > 0:  # the same draft weights, its own cache
+            adaptive = DraftModelDrafter(drafter.model, drafter.vocab_size, config.adaptive_confidence)
+            runners[Method("specdec", "draft_model_adaptive", max(config.ks))] = SpecdecRunner(
+                with_drafter(target, adaptive, max(config.ks)))
     ngram = DRAFTERS["ngram"](SpeculativeConfig(method="ngram"), target.target, config.dtype, target.device)
     for k in config.ks:
         runners[Method("specdec", "ngram", k)] = SpecdecRunner(with_drafter(target, ngram, k))
@@ -526,6 +538,10 @@ def _check_model_dir(path: str, what: str) -> None:
 
 def _is_int(x) -> bool:
     return isinstance(x, int) and not isinstance(x, bool)
+
+
+def _is_real(x) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
 
 
 def _check(ok: bool, message: str) -> None:
