@@ -97,6 +97,11 @@ def test_speculative_rows_are_sane(results):
         assert 0 <= r["alpha"] <= 1 and 1 <= r["tau"] <= r["k"] + 1
         assert r["cost_ratio"] == (cost_ratio if r["method"] == "draft_model" else 0.0)
         assert r["predicted_speedup"] == pytest.approx(formula(r["alpha"], r["k"], r["cost_ratio"]))
+        if r["method"] == "draft_model":  # the verify forward's measured cost replaces the formula's 1
+            v = results["costs"]["verify_cost_ratio"][str(r["k"])]
+            assert v > 0.5 and r["predicted_with_verify_cost"] == pytest.approx(
+                formula(r["alpha"], r["k"], r["cost_ratio"]) * (r["k"] * r["cost_ratio"] + 1)
+                / (r["k"] * r["cost_ratio"] + v))
         assert r["tokens_per_round"] == pytest.approx((r["tokens"] - 1) / r["profile"]["rounds"])
         assert r["predicted_from_tau"] == pytest.approx(r["tokens_per_round"] / (r["k"] * r["cost_ratio"] + 1))
         if r["method"] == "draft_model":  # proposes k tokens every round: every position is measured

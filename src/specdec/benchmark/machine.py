@@ -75,15 +75,17 @@ def decode_weight_bytes(model) -> int:
     return total
 
 
-def step_seconds(model, repeats: int = 50, context: int = 64) -> float:
-    """Median time of one single-token forward after a context of `context` tokens."""
+def step_seconds(model, repeats: int = 50, context: int = 64, num_tokens: int = 1) -> float:
+    """Median time of one forward of num_tokens tokens (1: a decode step; k + 1: a verify
+    forward) after a context of `context` tokens."""
     device = model.device
-    cache = model.new_cache(1, context + 16)
+    cache = model.new_cache(1, context + num_tokens + 16)
     ids = torch.randint(0, model.config.vocab_size, (1, context), generator=torch.Generator().manual_seed(0))
     ids = ids.to(device)
     with torch.inference_mode():
         model(ids, torch.arange(context, device=device)[None], cache)
-        token, position = ids[:, -1:], torch.tensor([[context]], device=device)
+        token = ids[:, -num_tokens:]  # [1, num_tokens]
+        position = torch.arange(context, context + num_tokens, device=device)[None]  # [1, num_tokens]
         for _ in range(5):
             model(token, position, cache)
         times = []

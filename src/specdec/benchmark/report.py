@@ -61,13 +61,14 @@ def markdown(results: dict, title_level: int = 1) -> str:
 
 
 def method_table(results: dict, set_name: str, sampling: str) -> str:
-    lines = ["| method | tokens/s | speedup | decode speedup | predicted | predicted from τ | α | τ | c "
-             "| acceptance by position | of roofline |", "|---|---:|---:|---:|---:|---:|---:|---:|---:|---|---:|"]
+    lines = ["| method | tokens/s | speedup | decode speedup | predicted | predicted from τ "
+             "| predicted with verify cost | α | τ | c | acceptance by position | of roofline |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|---:|"]
     for r in _rows(results, set_name, sampling):
         by_position = " ".join(_number(a, 2) for a in r["acceptance_by_position"] or [])
         lines.append(f"| {r['label']} | {_number(r['tokens_per_s'], 1)} | {_times(r['speedup'])} | "
                      f"{_times(r['decode_speedup'])} | {_times(r['predicted_speedup'])} | "
-                     f"{_times(r['predicted_from_tau'])} | "
+                     f"{_times(r['predicted_from_tau'])} | {_times(r.get('predicted_with_verify_cost'))} | "
                      f"{_number(r['alpha'], 3)} | {_number(r['tau'], 2)} | "
                      f"{_number(r['cost_ratio'], 3)} | {by_position} | {_number(r['roofline_fraction'], 2)} |")
     return "\n".join(lines)
@@ -81,6 +82,8 @@ def costs_table(results: dict) -> str:
              f"| target step (1 token after 64) | {_number(costs['target_step_ms'], 3)} ms |",
              f"| draft step (1 token after 64) | {_number(costs['draft_step_ms'], 3)} ms |",
              f"| cost ratio c = draft step ÷ target step | {_number(costs['cost_ratio'], 3)} |",
+             "| verify forward of k+1 tokens ÷ target step, v_k | "
+             + ", ".join(f"k={k}: {_number(v, 2)}" for k, v in costs.get("verify_cost_ratio", {}).items()) + " |",
              f"| streaming read bandwidth ({roof['buffer_bytes'] / 2**20:.0f} MiB buffer) | "
              f"{roof['read_bandwidth_gb_per_s']:.1f} GB/s |",
              f"| target weight bytes read per decode step | {roof['decode_weight_bytes'] / 1e6:.1f} MB |",

@@ -34,7 +34,7 @@ from specdec.drafters import DRAFTERS
 from specdec.drafters.draft_model import DraftModelDrafter
 from specdec.engine import Engine
 from specdec.llm import LLM
-from specdec.metrics import SpecStats, predicted_speedup
+from specdec.metrics import SpecStats, expected_tokens_per_round, predicted_speedup
 
 PROMPT_SETS = {  # name -> (title, prompt-set function(per_module, max_chars))
     "code": ("held-out code completion", held_out_code_prompts),
@@ -369,19 +369,23 @@ def measure(runners: dict[Method, Runner], prompts: dict[str, list[tuple[Prompt,
 
 
 def measure_costs(loaded: LoadedRunners, config: BenchConfig) -> dict:
-    """The median single-token step of the target and of the draft, and c = draft ÷ target
-    (the median over three alternating measurements, so drift hits both alike)."""
+    """The median single-token step of the target and of the draft, c = draft ÷ target, and
+    for each k the target's (k+1)-token verify forward ÷ its step, v_k (each the median over
+    three alternating measurements, so drift hits all alike)."""
     target_model = loaded.target.target.model
-    target_steps, draft_steps = [], []
+    target_steps, draft_steps, verify_steps = [], [], {k: [] for k in config.ks}
     for _ in range(3):
         target_steps.append(step_seconds(target_model, config.step_repeats))
         if loaded.draft_model is not None:
             draft_steps.append(step_seconds(loaded.draft_model, config.step_repeats))
+        for k in config.ks:
+            verify_steps[k].append(step_seconds(target_model, config.step_repeats, num_tokens=k + 1))
     target_step = statistics.median(target_steps)
     draft_step = statistics.median(draft_steps) if draft_steps else None
     return {"target_step_ms": target_step * 1e3,
             "draft_step_ms": draft_step * 1e3 if draft_step is not None else None,
-            "cost_ratio": draft_step / target_step if draft_step is not None else None}
+            "cost_ratio": draft_step / target_step if draft_step is not None else None,
+            "verify_cost_ratio": {str(k): statistics.median(times) / target_step for k, times in verify_steps.items()}}
 
 
 def measure_roofline(target: LLM, config: BenchConfig) -> dict:
@@ -420,6 +424,7 @@ def _row_measurements(method: Method, runs: list[Run], costs: dict, roofline: di
     row = {"prompts": len(runs), "tokens": sum(len(r.token_ids) for r in runs), "seconds": seconds}
     row["tokens_per_s"] = row["tokens"] / seconds
     row.update(alpha=None, tau=None, acceptance_by_position=None, cost_ratio=None, predicted_speedup=None,
+               predicted_with_verify_cost=None,
                tokens_per_round=None, predicted_from_tau=None, decode_tokens_per_s=None, roofline_fraction=None,
                profile=None)
     if method.engine != "specdec":
@@ -430,6 +435,10 @@ def _row_measurements(method: Method, runs: list[Run], costs: dict, roofline: di
     row["cost_ratio"] = {"draft_model": costs["cost_ratio"], "ngram": 0.0}.get(method.drafter)
     if alpha is not None and row["cost_ratio"] is not None:
         row["predicted_speedup"] = predicted_speedup(alpha, method.k, row["cost_ratio"])
+        verify_cost = costs["verify_cost_ratio"].get(str(method.k))
+        if verify_cost is not None:  # the formula with the verify forward's measured cost instead of 1
+            row["predicted_with_verify_cost"] = (expected_tokens_per_round(alpha, method.k)
+                                                 / (method.k * row["cost_ratio"] + verify_cost))
     row["profile"] = profile(runs, stats)
     if row["profile"]["rounds"] and row["cost_ratio"] is not None:
         row["tokens_per_round"] = (row["tokens"] - len(runs)) / row["profile"]["rounds"]  # after the prefill's
@@ -497,6 +506,8 @@ def _method_notes(target_dtype: torch.dtype) -> list[str]:
              "the same after the prefill (the first token), which is what the formula models.",
              "Predicted: (1 - α^(k+1)) / ((1 - α)(k·c + 1)) from the measured α and c; prompt lookup is taken "
              "as c = 0 and may propose fewer than k tokens a round, which the formula does not model.",
+             "Predicted with verify cost: the formula with the measured cost of the (k+1)-token verify forward "
+             "(v_k target steps) in place of 1: (1 - α^(k+1)) / ((1 - α)(k·c + v_k)).",
              "Predicted from τ: the measured tokens per round (after the prefill) ÷ (k·c + 1), the formula with "
              "the α that gives the measured tokens per round. α = accepted ÷ judged (a draft token is judged when "
              "every draft before it in its round was accepted), the α the formula assumes; the two predictions "
