@@ -66,7 +66,7 @@ def save_random_llama(path: Path, vocab_size: int, hidden_size: int, intermediat
 def main() -> int:
     from specdec.cli import main as cli_main
 
-    common = ["-k", "5", "--prompt", PROMPT, "--max-tokens", "128", "--compare", "--color", "always"]
+    common = ["-k", "4", "--prompt", PROMPT, "--max-tokens", "128", "--compare", "--color", "always"]
     if (SHIPPED_TARGET / "config.json").is_file() and (SHIPPED_DRAFT / "config.json").is_file():
         print(f"target {SHIPPED_TARGET.relative_to(ROOT)}, draft {SHIPPED_DRAFT.relative_to(ROOT)}, greedy\n")
         return cli_main(["generate", "--model", str(SHIPPED_TARGET), "--draft", str(SHIPPED_DRAFT)] + common)
