@@ -514,7 +514,9 @@ def _method_notes(target_dtype: torch.dtype) -> list[str]:
              "differ where acceptance is not the same at every position. What remains between them and the "
              "measured speedup is cost the formula leaves out (sampling, bookkeeping, a verify forward dearer "
              "than one step).",
-             "Adaptive k: the engine has none yet, so no row for it."]
+             "Adaptive k: the draft model up to the largest k, a row stopping its drafting after a token the draft "
+             "gave less than the --adaptive-confidence probability (LLM's draft_confidence_threshold); the "
+             "formula's fixed k does not apply to it."]
     if target_dtype != torch.float32:
         notes.append(f"The target runs in {str(target_dtype).replace('torch.', '')}: greedy outputs are exact in "
                      "float32; in lower precision a forward over k+1 tokens can round differently from a "
