@@ -264,3 +264,14 @@ def test_draft_dtype_is_independent_of_the_target_and_never_changes_greedy_outpu
 def test_bad_draft_dtype_is_refused_by_name(dirs):
     with pytest.raises(ValueError, match="draft_dtype must be one of"):
         LLM(str(dirs["target"]), speculative_model=str(dirs["draft"]), draft_dtype="float64")
+
+
+def test_summary_shows_acceptance_only_where_something_was_drafted():
+    from specdec.metrics import SpecStats
+
+    plain = SpecStats()
+    plain.record_round(0, 0, 1)
+    assert "α" not in plain.summary() and "τ 1.00" in plain.summary()
+    drafted = SpecStats()
+    drafted.record_round(3, 1, 2)
+    assert "α 0.500 (1 accepted/2 judged/3 proposed)  by position [1.00 0.00 0.00]" in drafted.summary()

@@ -85,12 +85,13 @@ class SpecStats:
         return total
 
     def summary(self) -> str:
+        """One line; the acceptance figures only where something was drafted."""
         by_position = " ".join(f"{a:.2f}" for a in self.acceptance_by_position)
+        drafted = (f"α {self.acceptance_rate:.3f} ({self.num_accepted_tokens} accepted/{self.num_judged_tokens} "
+                   f"judged/{self.num_draft_tokens} proposed)  by position [{by_position}]  "
+                   if self.num_draft_tokens else "")
         return (f"tokens {self.num_emitted_tokens}  target forwards {self.num_target_forwards}  "
-                f"τ {self.tokens_per_forward:.2f}  α {self.acceptance_rate:.3f} "
-                f"({self.num_accepted_tokens} accepted/{self.num_judged_tokens} judged/"
-                f"{self.num_draft_tokens} proposed)  "
-                f"by position [{by_position}]  {self.seconds:.2f}s  {self.tokens_per_second:.1f} tok/s")
+                f"τ {self.tokens_per_forward:.2f}  {drafted}{self.seconds:.2f}s  {self.tokens_per_second:.1f} tok/s")
 
 
 def expected_tokens_per_round(alpha: float, k: int) -> float:
