@@ -41,21 +41,21 @@ class SamplingParams:
             object.__setattr__(self, "stop", (self.stop,))
         object.__setattr__(self, "stop", tuple(self.stop or ()))
         object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids or ()))
-        _check(_is_real(self.temperature) and self.temperature >= 0,
+        check(is_real(self.temperature) and self.temperature >= 0,
                f"temperature must be a number >= 0 (0 = greedy), got {self.temperature!r}")
-        _check(_is_real(self.top_p) and 0 < self.top_p <= 1,
+        check(is_real(self.top_p) and 0 < self.top_p <= 1,
                f"top_p must be in (0, 1], got {self.top_p!r}")
-        _check(_is_int(self.top_k) and self.top_k >= -1,
+        check(is_int(self.top_k) and self.top_k >= -1,
                f"top_k must be an integer >= -1 (-1 or 0 = no limit), got {self.top_k!r}")
-        _check(_is_real(self.min_p) and 0 <= self.min_p <= 1,
+        check(is_real(self.min_p) and 0 <= self.min_p <= 1,
                f"min_p must be in [0, 1], got {self.min_p!r}")
-        _check(_is_int(self.max_tokens) and self.max_tokens >= 1,
+        check(is_int(self.max_tokens) and self.max_tokens >= 1,
                f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
-        _check(all(isinstance(s, str) and s for s in self.stop),
+        check(all(isinstance(s, str) and s for s in self.stop),
                f"stop must be non-empty strings, got {self.stop!r}")
-        _check(all(_is_int(t) and t >= 0 for t in self.stop_token_ids),
+        check(all(is_int(t) and t >= 0 for t in self.stop_token_ids),
                f"stop_token_ids must be non-negative integers, got {self.stop_token_ids!r}")
-        _check(self.seed is None or _is_int(self.seed),
+        check(self.seed is None or is_int(self.seed),
                f"seed must be an integer or None, got {self.seed!r}")
 
     @property
@@ -100,27 +100,32 @@ class SpeculativeConfig:
     draft_confidence_threshold: float = 0.0
 
     def __post_init__(self) -> None:
-        _check(self.method in SPECULATIVE_METHODS,
+        check(self.method in SPECULATIVE_METHODS,
                f"speculative_method must be one of {SPECULATIVE_METHODS}, got {self.method!r}")
-        _check(_is_int(self.num_speculative_tokens) and self.num_speculative_tokens >= 0,
+        check(is_int(self.num_speculative_tokens) and self.num_speculative_tokens >= 0,
                f"num_speculative_tokens must be an integer >= 0, got {self.num_speculative_tokens!r}")
-        _check(self.method != "draft_model" or self.model is not None,
+        check(self.method != "draft_model" or self.model is not None,
                "speculative_method='draft_model' needs speculative_model=<draft directory>")
-        _check(_is_int(self.ngram_min) and _is_int(self.ngram_max) and 1 <= self.ngram_min <= self.ngram_max,
+        check(is_int(self.ngram_min) and is_int(self.ngram_max) and 1 <= self.ngram_min <= self.ngram_max,
                f"need 1 <= ngram_min <= ngram_max, got {self.ngram_min}, {self.ngram_max}")
-        _check(_is_real(self.draft_confidence_threshold) and 0 <= self.draft_confidence_threshold <= 1,
+        check(is_real(self.draft_confidence_threshold) and 0 <= self.draft_confidence_threshold <= 1,
                f"draft_confidence_threshold must be in [0, 1], got {self.draft_confidence_threshold!r}")
-        _check(self.draft_dtype in DRAFT_DTYPES, f"draft_dtype must be one of {DRAFT_DTYPES}, got {self.draft_dtype!r}")
+        check(self.draft_dtype in DRAFT_DTYPES, f"draft_dtype must be one of {DRAFT_DTYPES}, got {self.draft_dtype!r}")
 
 
-def _is_real(x) -> bool:
+# Validation of configuration values, shared by every frozen configuration dataclass.
+
+def is_real(x) -> bool:
+    """A finite int or float (not a bool)."""
     return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
 
 
-def _is_int(x) -> bool:
+def is_int(x) -> bool:
+    """An int (not a bool)."""
     return isinstance(x, int) and not isinstance(x, bool)
 
 
-def _check(ok: bool, message: str) -> None:
+def check(ok: bool, message: str) -> None:
+    """Raise ValueError(message) unless ok."""
     if not ok:
         raise ValueError(message)

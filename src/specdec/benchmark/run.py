@@ -29,7 +29,7 @@ from specdec.benchmark.exactness import compare
 from specdec.benchmark.goals import evaluate_goals
 from specdec.benchmark.machine import decode_weight_bytes, describe_machine, read_bandwidth, step_seconds
 from specdec.benchmark.prompts import Prompt, held_out_code_prompts, repeated_code_prompts
-from specdec.config import SamplingParams, SpeculativeConfig
+from specdec.config import SamplingParams, SpeculativeConfig, check, is_int, is_real
 from specdec.drafters import DRAFTERS
 from specdec.drafters.draft_model import DraftModelDrafter
 from specdec.engine import Engine
@@ -99,27 +99,27 @@ class BenchConfig:
         _check_model_dir(self.model, "target model")
         if self.draft is not None:
             _check_model_dir(self.draft, "draft model")
-        _check(self.ks and all(_is_int(k) and k >= 1 for k in self.ks) and len(set(self.ks)) == len(self.ks),
+        check(self.ks and all(is_int(k) and k >= 1 for k in self.ks) and len(set(self.ks)) == len(self.ks),
                f"ks must be distinct integers >= 1, got {self.ks!r}")
         object.__setattr__(self, "ks", tuple(sorted(self.ks)))
         if self.transformers_k is None:
             object.__setattr__(self, "transformers_k", 5 if 5 in self.ks else max(self.ks))
-        _check(_is_int(self.transformers_k) and self.transformers_k >= 1,
+        check(is_int(self.transformers_k) and self.transformers_k >= 1,
                f"transformers_k must be an integer >= 1, got {self.transformers_k!r}")
-        _check(_is_real(self.adaptive_confidence) and 0 <= self.adaptive_confidence < 1,
+        check(is_real(self.adaptive_confidence) and 0 <= self.adaptive_confidence < 1,
                f"adaptive_confidence must be in [0, 1), got {self.adaptive_confidence!r}")
-        _check(_is_int(self.max_tokens) and self.max_tokens >= 1, f"max_tokens must be >= 1, got {self.max_tokens!r}")
-        _check(_is_int(self.prompts_per_set) and self.prompts_per_set >= 1,
+        check(is_int(self.max_tokens) and self.max_tokens >= 1, f"max_tokens must be >= 1, got {self.max_tokens!r}")
+        check(is_int(self.prompts_per_set) and self.prompts_per_set >= 1,
                f"prompts per set must be >= 1, got {self.prompts_per_set!r}")
-        _check(_is_int(self.max_prompt_chars) and self.max_prompt_chars >= 16,
+        check(is_int(self.max_prompt_chars) and self.max_prompt_chars >= 16,
                f"max_prompt_chars must be >= 16, got {self.max_prompt_chars!r}")
-        _check(self.prompt_sets and set(self.prompt_sets) <= set(PROMPT_SETS),
+        check(self.prompt_sets and set(self.prompt_sets) <= set(PROMPT_SETS),
                f"prompt sets must be among {sorted(PROMPT_SETS)}, got {self.prompt_sets!r}")
-        _check(self.samplings and len({s.name for s in self.samplings}) == len(self.samplings),
+        check(self.samplings and len({s.name for s in self.samplings}) == len(self.samplings),
                "samplings must be non-empty with distinct names")
-        _check(isinstance(self.device, str) and self.device.split(":")[0] in ("cpu", "cuda"),
+        check(isinstance(self.device, str) and self.device.split(":")[0] in ("cpu", "cuda"),
                f"device must be cpu, cuda or cuda:N, got {self.device!r}")
-        _check(not self.device.startswith("cuda") or torch.cuda.is_available(),
+        check(not self.device.startswith("cuda") or torch.cuda.is_available(),
                f"device {self.device!r}: CUDA is not available on this machine")
 
     @property
@@ -547,16 +547,3 @@ def _check_model_dir(path: str, what: str) -> None:
     if not Path(path).is_dir():
         raise FileNotFoundError(f"{what} directory {str(path)!r} does not exist; pass a Hugging Face model "
                                 "directory (with config.json and *.safetensors)")
-
-
-def _is_int(x) -> bool:
-    return isinstance(x, int) and not isinstance(x, bool)
-
-
-def _is_real(x) -> bool:
-    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
-
-
-def _check(ok: bool, message: str) -> None:
-    if not ok:
-        raise ValueError(message)

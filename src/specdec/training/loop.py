@@ -31,6 +31,7 @@ from typing import Callable
 
 import torch
 
+from specdec.config import check, is_int, is_real
 from specdec.models.llama import LlamaModel
 
 CHECKPOINT_FILE = "last.pt"
@@ -70,25 +71,25 @@ class TrainConfig:
 
     def __post_init__(self) -> None:
         for name in ("steps", "batch_size", "grad_accum", "eval_tokens"):
-            _check(_is_int(getattr(self, name)) and getattr(self, name) >= 1,
+            check(is_int(getattr(self, name)) and getattr(self, name) >= 1,
                    f"{name} must be an integer >= 1, got {getattr(self, name)!r}")
         for name in ("warmup", "eval_every", "checkpoint_every", "log_every", "seed"):
-            _check(_is_int(getattr(self, name)) and getattr(self, name) >= 0,
+            check(is_int(getattr(self, name)) and getattr(self, name) >= 0,
                    f"{name} must be an integer >= 0, got {getattr(self, name)!r}")
-        _check(_is_real(self.lr) and self.lr > 0, f"lr must be a number > 0, got {self.lr!r}")
-        _check(_is_real(self.min_lr_ratio) and 0 <= self.min_lr_ratio <= 1,
+        check(is_real(self.lr) and self.lr > 0, f"lr must be a number > 0, got {self.lr!r}")
+        check(is_real(self.min_lr_ratio) and 0 <= self.min_lr_ratio <= 1,
                f"min_lr_ratio must be in [0, 1], got {self.min_lr_ratio!r}")
-        _check(_is_real(self.weight_decay) and self.weight_decay >= 0,
+        check(is_real(self.weight_decay) and self.weight_decay >= 0,
                f"weight_decay must be >= 0, got {self.weight_decay!r}")
-        _check(_is_real(self.grad_clip) and self.grad_clip > 0, f"grad_clip must be > 0, got {self.grad_clip!r}")
-        _check(self.stop_after is None or (_is_int(self.stop_after) and self.stop_after >= 1),
+        check(is_real(self.grad_clip) and self.grad_clip > 0, f"grad_clip must be > 0, got {self.grad_clip!r}")
+        check(self.stop_after is None or (is_int(self.stop_after) and self.stop_after >= 1),
                f"stop_after must be an integer >= 1 or None, got {self.stop_after!r}")
         try:
             device = torch.device(self.device)
         except (RuntimeError, TypeError) as e:
             raise ValueError(f"device {self.device!r} is not a device ({e}); use cpu, cuda or cuda:N") from e
-        _check(device.type in ("cpu", "cuda"), f"device must be cpu or cuda, got {self.device!r}")
-        _check(device.type != "cuda" or torch.cuda.is_available(),
+        check(device.type in ("cpu", "cuda"), f"device must be cpu or cuda, got {self.device!r}")
+        check(device.type != "cuda" or torch.cuda.is_available(),
                f"device {self.device!r} asked for, but CUDA is not available here; use --device cpu")
 
     @property
@@ -302,16 +303,3 @@ def check_resumable(checkpoint: dict, task: Task, config: TrainConfig) -> None:
     if checkpoint["state"]["step"] > config.steps:
         raise ValueError(f"the checkpoint is at step {checkpoint['state']['step']}, past --steps {config.steps}; "
                          f"{hint}")
-
-
-def _check(ok: bool, message: str) -> None:
-    if not ok:
-        raise ValueError(message)
-
-
-def _is_int(x) -> bool:
-    return isinstance(x, int) and not isinstance(x, bool)
-
-
-def _is_real(x) -> bool:
-    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
