@@ -43,18 +43,13 @@ class Bf16PackedLinear(PackedLinear):
         return super().forward(x.to(torch.bfloat16)).to(x.dtype)
 
 
-def pack_large_linears_in_bf16(model: nn.Module, min_weight_bytes: int) -> list[str]:
+def pack_large_linears_in_bf16(model: nn.Module, min_weight_bytes: int) -> None:
     """In a float32 model, replace the nn.Linear layers whose weight holds at least
-    min_weight_bytes by Bf16PackedLinear (in place); return their names. For a small draft
-    model on the CPU: its small matrices run faster in float32, while its output layer
-    (vocabulary x hidden) is big enough that halving its bytes pays (benchmarks/bench_core.py)."""
-    replaced = []
-    for parent_name, parent in list(model.named_modules()):
-        for name, child in list(parent.named_children()):
-            if isinstance(child, nn.Linear) and child.weight.numel() * child.weight.element_size() >= min_weight_bytes:
-                setattr(parent, name, Bf16PackedLinear(child))
-                replaced.append(f"{parent_name}.{name}".lstrip("."))
-    return replaced
+    min_weight_bytes by Bf16PackedLinear (in place). For a small draft model on the CPU: its
+    small matrices run faster in float32, while its output layer (vocabulary x hidden) is big
+    enough that halving its bytes pays (benchmarks/bench_draft.py)."""
+    _replace_linears(model, Bf16PackedLinear,
+                     lambda linear: linear.weight.numel() * linear.weight.element_size() >= min_weight_bytes)
 
 
 def can_pack(dtype: torch.dtype, device: torch.device) -> bool:
@@ -70,10 +65,15 @@ def can_pack(dtype: torch.dtype, device: torch.device) -> bool:
 
 def pack_linears(model: nn.Module) -> None:
     """Replace every nn.Linear inside model by a PackedLinear (in place)."""
+    _replace_linears(model, PackedLinear, lambda linear: True)
+
+
+def _replace_linears(model: nn.Module, replacement, chosen) -> None:
+    """Swap each nn.Linear inside model for which chosen(linear) holds by replacement(linear)."""
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):
-            if isinstance(child, nn.Linear):
-                setattr(parent, name, PackedLinear(child))
+            if isinstance(child, nn.Linear) and chosen(child):
+                setattr(parent, name, replacement(child))
 
 
 def _packed_matches_plain() -> bool:
