@@ -60,15 +60,18 @@ class SamplingTensors:
 
     def select_rows(self, rows: torch.Tensor) -> "SamplingTensors":
         """The settings of some rows (the batch-wide flags kept: they only enable checks)."""
-        return dataclasses.replace(self, temperature=self.temperature[rows], top_k=self.top_k[rows],
-                                   top_p=self.top_p[rows], min_p=self.min_p[rows], greedy=self.greedy[rows])
+        return self._map_rows(lambda t: t[rows])
 
     def repeat_rows(self, n: int) -> "SamplingTensors":
         """Each row's settings repeated n times in place: [N] -> [N * n], for [N, n, V] logits."""
-        rep = lambda t: t.repeat_interleave(n)  # noqa: E731
-        return SamplingTensors(rep(self.temperature), rep(self.top_k), rep(self.top_p), rep(self.min_p),
-                               rep(self.greedy), self.any_top_k, self.any_top_p, self.any_min_p,
-                               self.all_greedy, self.any_greedy)
+        return self._map_rows(lambda t: t.repeat_interleave(n))
+
+    def _map_rows(self, f) -> "SamplingTensors":
+        """f applied to every per-row tensor; the batch-wide flags unchanged."""
+        return dataclasses.replace(self, **{name: f(getattr(self, name)) for name in PER_ROW_FIELDS})
+
+
+PER_ROW_FIELDS = ("temperature", "top_k", "top_p", "min_p", "greedy")
 
 
 def warp(logits: torch.Tensor, settings: SamplingTensors) -> torch.Tensor:
