@@ -153,7 +153,8 @@ FLOAT32_ATTENTION_MAX_QUERIES = 16
 def _attend_in_float32(q: torch.Tensor, num_queries: int) -> bool:
     """On the CPU, half-precision attention over a few queries (a decode step or a verify
     forward) runs in float32: PyTorch's bf16 CPU kernel takes ~90 us for one query over 300
-    keys where float32 takes ~25 us (benchmarks/bench_core.py). Decode steps and verify
+    keys where float32 takes ~25 us (timed on this project's 2-core machine; the decode step
+    it gives is in docs/core_speed.md, from benchmarks/bench_core.py). Decode steps and verify
     forwards both do, so they round alike; long prefills keep the half-precision kernel,
     which is as fast there."""
     return q.device.type == "cpu" and q.dtype != torch.float32 and num_queries <= FLOAT32_ATTENTION_MAX_QUERIES
@@ -235,9 +236,8 @@ class LlamaModel(nn.Module):
         """The attention mask, or None where none is needed: in training (plain causal), and
         for one new token per row when every row sits at the last key position (a decode step
         of a batch of equal lengths), which reads every key."""
-        if window is not None and window < num_keys:
-            return attention_mask(positions, num_keys, window)
-        if training or (positions.shape[1] == 1 and int(positions.min()) == num_keys - 1):
+        window_cuts = window is not None and window < num_keys
+        if not window_cuts and (training or (positions.shape[1] == 1 and int(positions.min()) == num_keys - 1)):
             return None
         return attention_mask(positions, num_keys, window)
 
