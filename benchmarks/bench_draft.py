@@ -20,6 +20,7 @@ sys.path.insert(0, str(ROOT / "src"))
 import torch  # noqa: E402
 
 from specdec.benchmark.machine import step_seconds  # noqa: E402
+from specdec.demo import SHIPPED_DRAFT, SHIPPED_TARGET  # noqa: E402
 from specdec.config import DRAFT_DTYPES, SpeculativeConfig  # noqa: E402
 from specdec.drafters import DRAFTERS  # noqa: E402
 from specdec.models.loader import load_pretrained  # noqa: E402
@@ -27,8 +28,8 @@ from specdec.models.loader import load_pretrained  # noqa: E402
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--target", default=str(ROOT / "models" / "code-target"))
-    parser.add_argument("--draft", default=str(ROOT / "models" / "code-draft"))
+    parser.add_argument("--target", default=str(SHIPPED_TARGET))
+    parser.add_argument("--draft", default=str(SHIPPED_DRAFT))
     parser.add_argument("--dtype", default="bfloat16", help="the target's dtype")
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--repeats", type=int, default=5)

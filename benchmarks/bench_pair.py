@@ -21,6 +21,7 @@ sys.path.insert(0, str(ROOT / "src"))
 
 from specdec import LLM, SamplingParams, SpecStats  # noqa: E402
 from specdec.benchmark.machine import step_seconds  # noqa: E402
+from specdec.demo import SHIPPED_DRAFT, SHIPPED_TARGET  # noqa: E402
 from specdec.benchmark.prompts import held_out_code_prompts  # noqa: E402
 from specdec.benchmark.run import with_drafter  # noqa: E402
 from specdec.metrics import predicted_speedup  # noqa: E402
@@ -28,8 +29,8 @@ from specdec.metrics import predicted_speedup  # noqa: E402
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--target", default=str(ROOT / "models" / "code-target"))
-    parser.add_argument("--draft", default=str(ROOT / "models" / "code-draft"))
+    parser.add_argument("--target", default=str(SHIPPED_TARGET))
+    parser.add_argument("--draft", default=str(SHIPPED_DRAFT))
     parser.add_argument("-k", type=int, nargs="+", default=[5], help="one or more k (default 5)")
     parser.add_argument("--prompts-per-module", type=int, default=2)
     parser.add_argument("--max-tokens", type=int, default=64)

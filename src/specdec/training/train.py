@@ -25,12 +25,14 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from specdec.benchmark.machine import cpu_model
 from specdec.models.checkpoint import SHARD_BYTES, save_pretrained
 from specdec.models.llama import LlamaModel, ModelConfig
 from specdec.models.tokenizer import train_byte_level_bpe
 from specdec.training.corpus import (END_OF_TEXT, Corpus, check_stream_length, evaluation_windows, load_corpus,
                                      sample_windows, token_stream)
 from specdec.training.loop import RunState, Task, TrainConfig, log, read_checkpoint, train_loop
+from specdec.training.model_card import write_model_card
 
 SAVE_DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
 
@@ -294,8 +296,6 @@ def write_log(out: Path, kind: str, config: TrainConfig, settings: dict, result:
               arguments: dict | None) -> None:
     """out/training_log.json: what was run and how it went; and, once the run has finished,
     the model card out/README.md made from it (model_card.py)."""
-    from specdec.benchmark.machine import cpu_model
-    from specdec.training.model_card import write_model_card
 
     out.mkdir(parents=True, exist_ok=True)
     state = result.state
