@@ -192,32 +192,31 @@ def test_reference_warper_matches_the_definitions():
 
 
 @pytest.mark.parametrize("seed", [0, 1])
-def test_top_k_top_p_cut_among_candidates_is_the_full_sort_cut(seed):
-    """Over a realistic vocabulary, warp looks for the top-k / top-p cut among the most likely
-    tokens before sorting everything. Rows from flat to peaked, logits rounded to bfloat16 (so
-    with ties), every combination: the warped distributions are the reference's, and the rows
-    the candidates decide are cut exactly as by the full sort."""
-    from specdec.sampling import SamplingTensors, _cut_among_candidates, _cut_sorted, warp
+def test_top_k_top_p_over_a_realistic_vocabulary(seed):
+    """Rows from flat to peaked over 8,192 tokens, logits rounded to bfloat16 (so with ties),
+    every combination of top_k and top_p: the probabilities sort exactly as a stable sort
+    sorts them, and the warped distributions are the reference's."""
+    from specdec.sampling import SamplingTensors, sorted_descending, warp
 
     generator = torch.Generator().manual_seed(seed)
     V, scales = 8192, (0.3, 1.0, 3.0, 6.0, 12.0)
-    settings = [dict(top_k=k, top_p=p) for k in (-1, 1, 5, 40, 64, 100) for p in (1.0, 0.5, 0.9, 0.95)
-                if (k, p) != (-1, 1.0)]
+    settings = [dict(top_k=k, top_p=p) for k in (-1, 1, 5, 40, 64, 100, 2000) for p in (1.0, 0.5, 0.9, 0.95)]
     rows = [(scale, setting) for scale in scales for setting in settings]
     logits = torch.stack([torch.randn(V, generator=generator) * scale for scale, _ in rows])
     logits = logits.to(torch.bfloat16).float()  # [N, V]
-    params = [SamplingParams(temperature=1.0, **setting) for _, setting in rows]
-    tensors = SamplingTensors.from_params(params)
+    logits[::7, -100:] = float("-inf")  # some probabilities exactly 0
 
-    cut, decided = _cut_among_candidates(logits, tensors)
-    assert 0.3 * len(rows) < int(decided.sum()) < len(rows)  # both paths are exercised
-    assert torch.equal(cut[decided], _cut_sorted(logits, tensors)[decided])
+    probs = torch.softmax(logits, dim=-1)
+    values, ids = sorted_descending(probs)
+    expected_values, expected_ids = probs.sort(dim=-1, descending=True, stable=True)
+    assert torch.equal(values, expected_values) and torch.equal(ids, expected_ids)
 
-    probs = warp(logits, tensors).double().numpy()
+    tensors = SamplingTensors.from_params([SamplingParams(temperature=1.0, **setting) for _, setting in rows])
+    warped = warp(logits, tensors)
     for row, (_, setting) in enumerate(rows):
         expected, margin = reference_warp(logits[row:row + 1].double().numpy(), 1.0, **setting)
         if margin[0] > 1e-5:  # a decision this close to its threshold may round either way
-            np.testing.assert_allclose(probs[row], expected[0], atol=1e-6)
+            np.testing.assert_allclose(warped[row].double().numpy(), expected[0], atol=1e-6)
 
 
 @pytest.mark.parametrize("drafter,setting", [(d, s) for d, settings in RUNS.items() for s in settings])
