@@ -22,6 +22,7 @@ class KVCache:
         self.values = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
         self.max_batch, self.max_len = max_batch, max_len
         self.slots: torch.Tensor | None = None  # slot of each row of the next forward; None = rows 0..B-1
+        self._arange = torch.arange(max_batch, device=device)  # [max_batch]: rows 0..B-1 without an op per layer
 
     def use_slots(self, slots: torch.Tensor | list[int] | None) -> None:
         """Route the rows of the following forward passes to these cache slots."""
@@ -41,7 +42,7 @@ class KVCache:
         if num_keys > self.max_len:
             raise ValueError(f"position {num_keys - 1} is past the cache length {self.max_len}")
         keys, values = self.keys[layer], self.values[layer]
-        rows = torch.arange(B, device=positions.device) if self.slots is None else self.slots
+        rows = self._arange[:B] if self.slots is None else self.slots
         keys[rows[:, None], positions] = k  # rows [B, 1] x positions [B, T] -> [B, T] entries
         values[rows[:, None], positions] = v
         if self.slots is None:

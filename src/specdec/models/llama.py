@@ -69,9 +69,12 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x32 = x.float()
-        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x32.to(x.dtype)
+        """In float32, cast back before the weight (as Hugging Face's). Conversions of a float32
+        input are skipped: in a small model's decode step each op's dispatch is what costs."""
+        is_float32 = x.dtype == torch.float32
+        x32 = x if is_float32 else x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True).add_(self.eps))
+        return self.weight * (x32 if is_float32 else x32.to(x.dtype))
 
 
 def rope_inverse_frequencies(config: ModelConfig) -> torch.Tensor:
@@ -100,14 +103,12 @@ def _llama3_scaled(inv_freq: torch.Tensor, s: dict) -> torch.Tensor:
     return torch.where(is_medium, blended, scaled)
 
 
-def rotate_half(x: torch.Tensor) -> torch.Tensor:
-    first, second = x.chunk(2, dim=-1)
-    return torch.cat((-second, first), dim=-1)
-
-
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x [B, T, H, D] rotated by cos/sin [B, T, 1, D]."""
-    return x * cos + rotate_half(x) * sin
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
+    """x [B, T, H, D] rotated by cos/sin [B, T, 1, D]: Hugging Face's x * cos + rotate_half(x) * sin,
+    where rotate_half(x) = [-x2, x1] for the halves x1, x2 of D. Written as
+    roll(x) * [-sin1, sin2] with roll(x) = [x2, x1]: the same products bit for bit
+    ((-a) * b = a * (-b)), in one op where rotate_half takes four."""
+    return x * cos + x.roll(x.shape[-1] // 2, dims=-1) * signed_sin
 
 
 class Attention(nn.Module):
@@ -125,14 +126,17 @@ class Attention(nn.Module):
         else:
             self.q_norm = self.k_norm = None
 
-    def forward(self, x, cos, sin, mask, positions, cache: KVCache | None, num_keys: int) -> torch.Tensor:
+    def forward(self, x, cos, signed_sin, mask, positions, cache: KVCache | None, num_keys: int) -> torch.Tensor:
         """num_keys: the cache positions 0..num_keys-1 this forward reads (cache path only)."""
         B, T, _ = x.shape
-        qkv = self.qkv_proj(x).view(B, T, self.num_heads + 2 * self.num_kv_heads, self.head_dim)  # [B, T, H+2Hkv, D]
-        q, k, v = qkv.split([self.num_heads, self.num_kv_heads, self.num_kv_heads], dim=2)  # [B, T, H|Hkv, D]
-        if self.q_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        H, Hkv = self.num_heads, self.num_kv_heads
+        qkv = self.qkv_proj(x).view(B, T, H + 2 * Hkv, self.head_dim)  # [B, T, H+2Hkv, D]
+        if self.q_norm is None:  # q and k rotated together
+            q, k = apply_rope(qkv[:, :, :H + Hkv], cos, signed_sin).split([H, Hkv], dim=2)  # [B, T, H|Hkv, D]
+        else:
+            q, k = self.q_norm(qkv[:, :, :H]), self.k_norm(qkv[:, :, H:H + Hkv])
+            q, k = apply_rope(q, cos, signed_sin), apply_rope(k, cos, signed_sin)
+        v = qkv[:, :, H + Hkv:]  # [B, T, Hkv, D]
         if cache is None:  # training: the keys are this sequence's own, causal by construction
             keys, values = k, v
         else:
@@ -180,8 +184,8 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = MLP(config)
 
-    def forward(self, x, cos, sin, mask, positions, cache, num_keys) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, mask, positions, cache, num_keys)
+    def forward(self, x, cos, signed_sin, mask, positions, cache, num_keys) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), cos, signed_sin, mask, positions, cache, num_keys)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -198,7 +202,7 @@ class LlamaModel(nn.Module):
         if config.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
         self.register_buffer("inv_freq", rope_inverse_frequencies(config), persistent=False)
-        self._rope_cache = None  # ((dtype, device), cos [N, D], sin [N, D]) for positions 0..N-1
+        self._rope_cache = None  # ((dtype, device), cos [N, D], signed sin [N, D]) for positions 0..N-1
 
     @property
     def device(self) -> torch.device:
@@ -221,14 +225,14 @@ class LlamaModel(nn.Module):
         """input_ids, positions [B, T] -> final normed hidden states [B, T, hidden]."""
         x = self.embed_tokens(input_ids)  # [B, T, hidden]
         num_positions = int(positions.max()) + 1
-        cos, sin = self._rope_tables(positions, num_positions)
+        cos, signed_sin = self._rope_tables(positions, num_positions)
         num_keys = num_positions if cache is not None else input_ids.shape[1]
         masks = {}
         for layer in self.layers:
             window = self.config.window(layer.self_attn.layer_index)
             if window not in masks:
                 masks[window] = self._mask(positions, num_keys, window, cache is None)
-            x = layer(x, cos, sin, masks[window], positions, cache, num_keys)
+            x = layer(x, cos, signed_sin, masks[window], positions, cache, num_keys)
         return self.norm(x)
 
     @staticmethod
@@ -254,17 +258,18 @@ class LlamaModel(nn.Module):
         return self.lm_head(hidden).float()
 
     def _rope_tables(self, positions: torch.Tensor, num_positions: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """positions [B, T] (all < num_positions) -> cos, sin [B, T, 1, D] in the model's dtype
+        """positions [B, T] (all < num_positions) -> cos, signed sin [B, T, 1, D] in the model's dtype
         (computed in float32), read from tables of every position so far (a decode step then
         costs two lookups)."""
         key = (self.dtype, self.device)
         if self._rope_cache is None or self._rope_cache[0] != key or self._rope_cache[1].shape[0] < num_positions:
             size = max(num_positions, 2 * self._rope_cache[1].shape[0] if self._rope_cache else 1024)
             angles = torch.arange(size, device=self.device).float()[:, None] * self.inv_freq  # [N, D/2]
-            angles = torch.cat((angles, angles), dim=-1)  # [N, D]
-            self._rope_cache = (key, angles.cos().to(self.dtype), angles.sin().to(self.dtype))
-        _, cos, sin = self._rope_cache
-        return cos[positions][:, :, None, :], sin[positions][:, :, None, :]  # [B, T, 1, D] each
+            cos = torch.cat((angles.cos(), angles.cos()), dim=-1)  # [N, D]
+            signed_sin = torch.cat((-angles.sin(), angles.sin()), dim=-1)  # [N, D]: see apply_rope
+            self._rope_cache = (key, cos.to(self.dtype), signed_sin.to(self.dtype))
+        _, cos, signed_sin = self._rope_cache
+        return cos[positions][:, :, None, :], signed_sin[positions][:, :, None, :]  # [B, T, 1, D] each
 
 
 def attention_mask(positions: torch.Tensor, num_keys: int, window: int | None) -> torch.Tensor:
