@@ -175,6 +175,17 @@ def test_distill_raises_acceptance(trained_dir, corpus_dir, tmp_path):
     assert speculative.outputs[0].token_ids == alone.outputs[0].token_ids
     assert speculative.metrics.num_draft_tokens > 0  # the draft did propose
 
+    # a second run continuing from this draft (--init): its card names both runs, in order
+    continued = tmp_path / "continued"
+    assert cli("distill", "--target", trained_dir, "--init", out, "--out", continued, "--corpus", corpus_dir,
+               "--batch-size", "8", "--eval-tokens", "2048", "--steps", "3", "--eval-every", "0",
+               "--checkpoint-every", "0") == 0
+    card = (continued / "README.md").read_text()
+    first_command, second_command = f"--out {out} ", f"--init {out} "
+    assert first_command in card and second_command in card
+    assert card.index(first_command) < card.index(second_command) and "started from" in card
+    assert f"{before['held_out_alpha']:.3f} (step 0)" in card  # the evaluation spans both runs
+
 
 def test_acceptance_is_one_minus_total_variation():
     generator = torch.Generator().manual_seed(3)

@@ -34,6 +34,7 @@ before distillation (the initial draft: random init, or --init) and after.
 from __future__ import annotations
 
 import dataclasses
+import json
 import shutil
 import time
 from dataclasses import dataclass
@@ -100,6 +101,7 @@ def distill(target_dir: str | Path, out: str | Path, shape: ModelShape | None, c
     tokenizer, eot_id = target.tokenizer.backend, target.eos_token_ids[0]
     train_stream, held_out_stream = (token_stream(docs, tokenizer, eot_id) for docs in (corpus.train, corpus.held_out))
     draft = initial_draft(target, shape, init_dir, config.seed).to(config.device)
+    init_log = read_training_log(init_dir)  # read now: out may be init_dir, overwritten at the end
     context = min(draft.config.max_position_embeddings, target.model.config.max_position_embeddings)
     check_stream_length(train_stream, context, "training")
     log(f"target {target.model.config.num_parameters / 1e6:.2f}M parameters, draft "
@@ -115,11 +117,17 @@ def distill(target_dir: str | Path, out: str | Path, shape: ModelShape | None, c
         save_pretrained(draft, out, SAVE_DTYPES[save_dtype], max_shard_bytes=max_shard_bytes, eos_token_id=eot_id)
         copy_tokenizer(target, out)
         result = TrainResult(out, state, config.steps)
-    write_log(out, "distill", config, {"target": str(target_dir), "init": str(init_dir),
+    write_log(out, "distill", config, {"target": str(target_dir), "init": str(init_dir), "init_log": init_log,
                                        "distill": dataclasses.asdict(distill_config),
                                        "model": dataclasses.asdict(draft.config), **corpus_record(corpus)},
               result, arguments)
     return result
+
+
+def read_training_log(model_dir) -> dict | None:
+    """model_dir's training_log.json (how an --init draft was made, for the model card), or None."""
+    path = None if model_dir is None else Path(model_dir) / "training_log.json"
+    return json.loads(path.read_text()) if path is not None and path.is_file() else None
 
 
 def initial_draft(target: LoadedModel, shape: ModelShape | None, init_dir, seed: int) -> LlamaModel:

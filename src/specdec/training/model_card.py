@@ -34,8 +34,9 @@ def model_card(name: str, log: dict, config: dict, moved: dict[str, str]) -> str
     """The card's Markdown text."""
     kind = log["kind"]
     arguments = {key: moved.get(str(value), value) for key, value in (log.get("arguments") or {}).items()}
-    evaluations = log.get("evaluations") or []
-    first, last = (evaluations[0], evaluations[-1]) if evaluations else ({}, {})
+    earlier = _earlier_runs(log)  # the runs whose draft this one started from (--init), oldest first
+    evaluations = (earlier[0] if earlier else log).get("evaluations") or [], log.get("evaluations") or []
+    first, last = (evaluations[0][0], evaluations[1][-1]) if all(evaluations) else ({}, {})
     steps, tokens = log["step"], log["tokens_seen"]
     train = log["train_config"]
     lines = [f"# {name}", "",
@@ -61,9 +62,18 @@ def model_card(name: str, log: dict, config: dict, moved: dict[str, str]) -> str
         lines.append(f"| distillation | loss {distill.get('divergence', '?')} on the target's soft labels at "
                      f"temperature {distill.get('temperature', '?')}, on-policy fraction "
                      f"{distill.get('on_policy_fraction', 0)} |")
-    lines += [f"| time and hardware | {log['seconds'] / 60:.1f} min on {_hardware(log)} |",
+    for run in earlier:
+        lines.append(f"| started from | the draft of an earlier run: {run['step']:,} steps, {run['tokens_seen']:,} "
+                     f"tokens, lr {run['train_config']['lr']:g}, {run['seconds'] / 60:.1f} min |")
+    minutes = [run["seconds"] / 60 for run in earlier + [log]]
+    lines += [f"| time and hardware | {' + '.join(f'{m:.1f}' for m in minutes)} min on {_hardware(log)} |",
               f"| held-out evaluation | {_evaluation_line(first, last)} |", "",
-              "## Made by", "", "```", _command(kind, arguments), "```", ""]
+              "## Made by", ""]
+    if earlier:
+        lines += [f"{len(earlier) + 1} runs, in this order; each after the first starts from the draft the one "
+                  "before wrote (`--init`).", ""]
+    lines += ["```", *(_command(run["kind"], run.get("arguments") or {}) for run in earlier),
+              _command(kind, arguments), "```", ""]
     if moved:
         lines += ["The run wrote to " + ", ".join(f"`{old}`" for old in moved) + "; its files were copied to "
                   + ", ".join(f"`{new}`" for new in moved.values()) + " (the command above names the new places).",
@@ -73,6 +83,16 @@ def model_card(name: str, log: dict, config: dict, moved: dict[str, str]) -> str
               "seed on the same machine and library versions gives the same model.", "",
               "The corpus is Python's standard library, under the Python Software Foundation License.", ""]
     return "\n".join(lines)
+
+
+def _earlier_runs(log: dict) -> list[dict]:
+    """The training logs of the runs a distill continued from (its --init draft's, and so
+    on), oldest first."""
+    runs, run = [], log.get("init_log")
+    while run:
+        runs.insert(0, run)
+        run = run.get("init_log")
+    return runs
 
 
 def _millions(config: dict) -> str:
