@@ -47,7 +47,8 @@ def report(results, tmp_path_factory):
 
 
 def expected_methods() -> set[tuple[str, str, int]]:
-    speculative = {(engine, drafter, k) for engine in ("specdec",) for drafter in ("draft_model", "ngram") for k in KS}
+    speculative = {(engine, drafter, k) for engine in ("specdec",) for drafter in ("draft_model", "ngram", "lookup_then_draft")
+                   for k in KS}
     transformers = {("transformers", "none", 0), ("transformers", "draft_model", 2), ("transformers", "ngram", 2)}
     adaptive = {("specdec", "draft_model_adaptive", max(KS))}
     return {("specdec", "none", 0)} | speculative | adaptive | transformers
@@ -87,7 +88,7 @@ def test_speculative_rows_are_sane(results):
     cost_ratio = results["costs"]["cost_ratio"]
     assert cost_ratio > 0 and results["costs"]["target_step_ms"] > 0
     for r in (r for r in results["rows"] if r["engine"] == "specdec" and r["method"] != "none"):
-        if r["method"] == "draft_model_adaptive":  # k varies by round: no formula
+        if r["method"] in ("draft_model_adaptive", "lookup_then_draft"):  # k or c varies by round: no formula
             assert r["cost_ratio"] is None and r["predicted_speedup"] is None and 1 <= r["tau"] <= r["k"] + 1
             continue
         if r["alpha"] is None:  # prompt lookup found no match: nothing proposed, nothing predicted
@@ -125,7 +126,7 @@ def test_target_as_its_own_draft_accepts_everything(pair):
     adaptive = next(r for r in results["rows"] if r["method"] == "draft_model_adaptive")
     assert adaptive["label"] == "specdec draft model adaptive k<=3" and adaptive["alpha"] == 1.0
     assert 1 < adaptive["tau"] < row["tau"]  # it stopped drafting where the draft was unsure
-    assert results["exactness"] == {"compared": 3, "identical": 3, "divergences": []}
+    assert results["exactness"] == {"compared": 4, "identical": 4, "divergences": []}  # 4 speculative rows
     assert not any(r["engine"] == "transformers" for r in results["rows"])
 
 
@@ -137,7 +138,7 @@ def test_without_transformers_its_rows_are_skipped_with_a_note(pair, monkeypatch
 
 
 def test_greedy_outputs_are_identical(results):
-    per_set = 2 * len(KS) + 2  # each speculative method (adaptive too) vs the target alone; the target vs transformers
+    per_set = 3 * len(KS) + 2  # each speculative method (adaptive too) vs the target alone; the target vs transformers
     assert results["exactness"] == {"compared": 2 * per_set, "identical": 2 * per_set, "divergences": []}
 
 

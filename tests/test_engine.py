@@ -45,12 +45,14 @@ def token_ids(outputs) -> list[list[int]]:
     return [o.outputs[0].token_ids for o in outputs]
 
 
-@pytest.mark.parametrize("method", ["self", "self_adaptive", "random_draft", "ngram"])
+@pytest.mark.parametrize("method", ["self", "self_adaptive", "random_draft", "ngram", "lookup_then_draft"])
 def test_greedy_speculative_equals_target_alone(dirs, plain, method):
     speculative = {"self": dict(speculative_model=str(dirs["target"])),
                    "self_adaptive": dict(speculative_model=str(dirs["target"]), draft_confidence_threshold=0.3),
                    "random_draft": dict(speculative_model=str(dirs["draft"])),
-                   "ngram": dict(speculative_method="ngram")}[method]
+                   "ngram": dict(speculative_method="ngram"),
+                   "lookup_then_draft": dict(speculative_model=str(dirs["draft"]),
+                                             speculative_method="lookup_then_draft")}[method]
     prompts = random_prompts(4, seed=10, repeat=method == "ngram")
     expected = token_ids(plain.generate(prompts, GREEDY))
     for k in range(1, 9):
@@ -71,6 +73,58 @@ def test_greedy_speculative_equals_target_alone(dirs, plain, method):
             assert sum(s.num_accepted_tokens for s in stats) < 0.5 * sum(s.num_draft_tokens for s in stats)
         if method == "ngram":
             assert sum(s.num_draft_tokens for s in stats) > 0
+
+
+def test_lookup_then_draft_drafts_by_model_only_where_lookup_finds_nothing(tmp_path):
+    """Over 12 tokens, random text soon repeats pairs of tokens, so prompt lookup (matches of
+    at least 2 tokens) finds something in some rows and rounds and not in others: the draft
+    model drafts for exactly the rows it found nothing for; greedy and sampled runs mix both
+    kinds of row in one round; greedy output is still the target's."""
+    small = dict(vocab_size=12, tokenizer=False, init_std=0.5)
+    target = save_tiny_model(tmp_path / "target", "llama", seed=5, **small)
+    draft = save_tiny_model(tmp_path / "draft", "llama", seed=6, num_hidden_layers=1, **small)
+    llm = LLM(str(target), speculative_model=str(draft), speculative_method="lookup_then_draft",
+              num_speculative_tokens=4, dtype="float32", skip_tokenizer_init=True)
+    drafter = llm.engine.drafter
+    assert drafter.lookup.ngram_min == 2  # the method's default: a one-token match is not trusted
+    rounds = []  # (rows lookup matched, rows the draft model drafted for), by request id
+
+    def lookup_propose(batch, k, sampling):
+        draft = type(drafter.lookup).propose(drafter.lookup, batch, k, sampling)
+        rounds.append(({seq.request_id for seq, n in zip(batch, draft.num_tokens.tolist()) if n > 0}, set()))
+        return draft
+
+    def model_propose(batch, k, sampling):
+        rounds[-1][1].update(seq.request_id for seq in batch)
+        return type(drafter.draft_model).propose(drafter.draft_model, batch, k, sampling)
+
+    drafter.lookup.propose, drafter.draft_model.propose = lookup_propose, model_propose
+    prompts = random_prompts(6, seed=20, vocab=12)
+    plain = LLM(str(target), dtype="float32", skip_tokenizer_init=True)
+    for params in (GREEDY, SamplingParams(temperature=1.0, max_tokens=40, ignore_eos=True, seed=3)):
+        rounds.clear()
+        outputs = llm.generate(prompts, params)
+        if params is GREEDY:
+            assert token_ids(outputs) == token_ids(plain.generate(prompts, GREEDY))
+        assert all(not (matched & drafted) for matched, drafted in rounds)
+        assert any(matched and drafted for matched, drafted in rounds)  # both kinds of row in one round
+
+
+def test_lookup_then_draft_merges_point_masses_with_the_draft_models_distributions():
+    from specdec.drafters.base import Draft
+    from specdec.drafters.lookup_then_draft import _merge
+
+    V = 6
+    looked_up = Draft(torch.tensor([[3, 1, 0], [0, 0, 0], [5, 0, 0]]), torch.tensor([2, 0, 1]))
+    drafted_probs = torch.softmax(torch.randn(1, 3, V, generator=torch.Generator().manual_seed(0)), dim=-1)
+    drafted = Draft(torch.tensor([[4, 2, 2]]), torch.tensor([3]), drafted_probs)
+    merged = _merge(looked_up, drafted, torch.tensor([1]))
+    assert merged.token_ids.tolist() == [[3, 1, 0], [4, 2, 2], [5, 0, 0]]
+    assert merged.num_tokens.tolist() == [2, 3, 1]
+    assert torch.equal(merged.probs[1], drafted_probs[0])
+    assert merged.probs[0, 0].tolist() == [0, 0, 0, 1, 0, 0] and merged.probs[2, 0].tolist() == [0, 0, 0, 0, 0, 1]
+    greedy = _merge(looked_up, Draft(drafted.token_ids, drafted.num_tokens, None), torch.tensor([1]))
+    assert greedy.probs is None and greedy.token_ids.tolist() == merged.token_ids.tolist()
 
 
 def test_transformers_greedy_reference(dirs):

@@ -1,6 +1,6 @@
 """specdec's command line.
 
-    specdec generate --model DIR [--draft DIR | --ngram] [-k N] --prompt TEXT [--compare]
+    specdec generate --model DIR [--draft DIR [--lookup] | --ngram] [-k N] --prompt TEXT [--compare]
     specdec train --corpus PATH --out DIR (--preset NAME | size flags)
     specdec distill --target DIR --out DIR
     specdec bench [--quick] [--model DIR --draft DIR] [--device cuda] [--out DIR] [--write-docs]
@@ -39,6 +39,8 @@ def add_generate_parser(commands) -> None:
     drafter = p.add_mutually_exclusive_group()
     drafter.add_argument("--draft", help="draft model directory (shares the target's tokenizer)")
     drafter.add_argument("--ngram", action="store_true", help="draft by prompt lookup (no draft model)")
+    p.add_argument("--lookup", action="store_true",
+                   help="with --draft: prompt lookup where the context repeats, the draft model elsewhere")
     p.add_argument("-k", "--num-speculative-tokens", type=int, default=5, help="draft tokens per round (default 5)")
     p.add_argument("--prompt", required=True, help="the prompt text")
     p.add_argument("--max-tokens", type=int, default=128)
@@ -62,12 +64,23 @@ def add_generate_parser(commands) -> None:
     p.set_defaults(run=run_generate)
 
 
+def _speculative_method(args) -> str | None:
+    """generate's drafter flags -> LLM's speculative_method."""
+    if args.ngram:
+        return "ngram"
+    if args.draft is None:
+        if args.lookup:
+            raise ValueError("--lookup falls back to a draft model where prompt lookup finds nothing: add --draft DIR")
+        return None
+    return "lookup_then_draft" if args.lookup else "draft_model"
+
+
 def run_generate(args) -> int:
     from specdec.llm import LLM
 
     params = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, min_p=args.min_p,
                             max_tokens=args.max_tokens, seed=args.seed, stop=tuple(args.stop))
-    method = "ngram" if args.ngram else ("draft_model" if args.draft else None)
+    method = _speculative_method(args)
     llm = LLM(args.model, speculative_model=args.draft, speculative_method=method,
               num_speculative_tokens=args.num_speculative_tokens, dtype=args.dtype, device=args.device,
               draft_dtype=args.draft_dtype, draft_confidence_threshold=args.draft_confidence)

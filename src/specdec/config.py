@@ -63,7 +63,11 @@ class SamplingParams:
         return self.temperature == 0
 
 
-SPECULATIVE_METHODS = ("draft_model", "ngram")
+SPECULATIVE_METHODS = ("draft_model", "ngram", "lookup_then_draft")
+NEEDS_DRAFT_MODEL = ("draft_model", "lookup_then_draft")
+# the shortest n-gram match prompt lookup trusts, by method: with a draft model to fall back
+# on, a one-token match is too weak to use instead of it
+DEFAULT_NGRAM_MIN = {"ngram": 1, "lookup_then_draft": 2, "draft_model": 1}
 
 
 DRAFT_DTYPES = ("auto", "float32", "bfloat16", "float16")
@@ -74,11 +78,14 @@ SMALL_DRAFT_PARAMETERS = 100_000_000
 class SpeculativeConfig:
     """How the engine speculates.
 
-    method: "draft_model" (a smaller model with the target's tokenizer) or "ngram"
-        (prompt lookup: copy what followed the last matching n-gram of the context).
-    model: the draft model's directory, for "draft_model".
+    method: "draft_model" (a smaller model with the target's tokenizer), "ngram" (prompt
+        lookup: copy what followed the last matching n-gram of the context), or
+        "lookup_then_draft" (prompt lookup for the rows where it finds a match, the draft
+        model for the others).
+    model: the draft model's directory, for "draft_model" and "lookup_then_draft".
     num_speculative_tokens: k, draft tokens proposed per round (0 = plain decoding).
-    ngram_min / ngram_max: the n-gram lengths prompt lookup tries, longest first.
+    ngram_min / ngram_max: the n-gram lengths prompt lookup tries, longest first. ngram_min
+        None: 1 for "ngram", 2 for "lookup_then_draft".
     draft_dtype: the draft model's dtype. "auto": for a draft of at most
         SMALL_DRAFT_PARAMETERS on the CPU, float32 (its matrices are small, and bfloat16 CPU
         kernels cost more per call than the bytes they save) except its output layer, the one
@@ -94,7 +101,7 @@ class SpeculativeConfig:
     method: str = "draft_model"
     model: str | None = None
     num_speculative_tokens: int = 5
-    ngram_min: int = 1
+    ngram_min: int | None = None
     ngram_max: int = 4
     draft_dtype: str = "auto"
     draft_confidence_threshold: float = 0.0
@@ -104,8 +111,11 @@ class SpeculativeConfig:
                f"speculative_method must be one of {SPECULATIVE_METHODS}, got {self.method!r}")
         check(is_int(self.num_speculative_tokens) and self.num_speculative_tokens >= 0,
                f"num_speculative_tokens must be an integer >= 0, got {self.num_speculative_tokens!r}")
-        check(self.method != "draft_model" or self.model is not None,
-               "speculative_method='draft_model' needs speculative_model=<draft directory>")
+        check(self.method not in NEEDS_DRAFT_MODEL or self.model is not None,
+               f"speculative_method={self.method!r} needs speculative_model=<draft directory>")
+        if self.ngram_min is None:
+            default = DEFAULT_NGRAM_MIN[self.method]
+            object.__setattr__(self, "ngram_min", min(default, self.ngram_max) if is_int(self.ngram_max) else default)
         check(is_int(self.ngram_min) and is_int(self.ngram_max) and 1 <= self.ngram_min <= self.ngram_max,
                f"need 1 <= ngram_min <= ngram_max, got {self.ngram_min}, {self.ngram_max}")
         check(is_real(self.draft_confidence_threshold) and 0 <= self.draft_confidence_threshold <= 1,

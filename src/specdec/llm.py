@@ -42,10 +42,13 @@ class LLM:
     """A target model, optionally with a drafter, ready to generate.
 
     model: the target's Hugging Face directory.
-    speculative_model: the draft's directory (method "draft_model"), or "[ngram]" for
-        prompt lookup; None = no speculation unless speculative_method="ngram".
+    speculative_model: the draft's directory (methods "draft_model", "lookup_then_draft"), or
+        "[ngram]" for prompt lookup; None = no speculation unless speculative_method="ngram".
     num_speculative_tokens: k, draft tokens per round.
-    speculative_method: "draft_model" or "ngram" (inferred from speculative_model if None).
+    speculative_method: "draft_model", "ngram" or "lookup_then_draft" (prompt lookup where it
+        finds a match, the draft model elsewhere); inferred from speculative_model if None.
+    ngram_prompt_lookup_min / _max: the n-gram lengths prompt lookup tries (min None: 1 for
+        "ngram", 2 for "lookup_then_draft"; see SpeculativeConfig).
     dtype: "auto" (the checkpoint's), "float32", "bfloat16" or "float16".
     draft_dtype: the draft model's dtype; "auto" = float32 for a small draft on the CPU, else
         the target's (see SpeculativeConfig).
@@ -59,7 +62,7 @@ class LLM:
     def __init__(self, model: str, speculative_model: str | None = None, num_speculative_tokens: int = 5,
                  speculative_method: str | None = None, dtype: str = "auto", device: str = "cpu",
                  max_num_seqs: int = 256, seed: int = 0, skip_tokenizer_init: bool = False,
-                 ngram_prompt_lookup_min: int = 1, ngram_prompt_lookup_max: int = 4, draft_dtype: str = "auto",
+                 ngram_prompt_lookup_min: int | None = None, ngram_prompt_lookup_max: int = 4, draft_dtype: str = "auto",
                  draft_confidence_threshold: float = 0.0):
         if speculative_model == "[ngram]":
             speculative_model, speculative_method = None, "ngram"

@@ -227,6 +227,7 @@ def _panels(plt, results: dict, height: float):
 
 def _plot_speedup_vs_k(axes, rows: list[dict]) -> None:
     lines = (("specdec", "draft_model", "o-", "C0"), ("specdec", "ngram", "s-", "C1"),
+             ("specdec", "lookup_then_draft", "v-", "C4"),
              ("transformers", "draft_model", "D", "C2"), ("transformers", "ngram", "^", "C3"))
     for engine, method, style, color in lines:
         chosen = [r for r in rows if r["engine"] == engine and r["method"] == method]

@@ -30,8 +30,7 @@ from specdec.benchmark.goals import evaluate_goals
 from specdec.benchmark.machine import decode_weight_bytes, describe_machine, read_bandwidth, step_seconds
 from specdec.benchmark.prompts import Prompt, held_out_code_prompts, repeated_code_prompts
 from specdec.config import SamplingParams, SpeculativeConfig, check, is_int, is_real
-from specdec.drafters import DRAFTERS
-from specdec.drafters.draft_model import DraftModelDrafter
+from specdec.drafters import DRAFTERS, DraftModelDrafter, LookupThenDraftDrafter, NgramDrafter
 from specdec.engine import Engine
 from specdec.llm import LLM
 from specdec.metrics import SpecStats, expected_tokens_per_round, predicted_speedup
@@ -130,7 +129,7 @@ class BenchConfig:
 @dataclass(frozen=True)
 class Method:
     engine: str  # "specdec" or "transformers"
-    drafter: str  # "none", "draft_model", "draft_model_adaptive" (k at most k) or "ngram"
+    drafter: str  # "none", "draft_model", "draft_model_adaptive" (k at most k), "ngram" or "lookup_then_draft"
     k: int = 0
 
     @property
@@ -139,7 +138,8 @@ class Method:
             return "specdec target alone" if self.engine == "specdec" else "transformers generate"
         if self.drafter == "draft_model_adaptive":
             return f"{self.engine} draft model adaptive k<={self.k}"
-        name = {"draft_model": "draft model", "ngram": "prompt lookup"}[self.drafter]
+        name = {"draft_model": "draft model", "ngram": "prompt lookup",
+                "lookup_then_draft": "prompt lookup, else draft model"}[self.drafter]
         if self.engine == "transformers":
             name = {"draft_model": "assisted (draft model)", "ngram": "prompt lookup"}[self.drafter]
         return f"{self.engine} {name} k={self.k}"
@@ -230,6 +230,12 @@ def load_runners(config: BenchConfig) -> LoadedRunners:
     ngram = DRAFTERS["ngram"](SpeculativeConfig(method="ngram"), target.target, config.dtype, target.device)
     for k in config.ks:
         runners[Method("specdec", "ngram", k)] = SpecdecRunner(with_drafter(target, ngram, k))
+    if config.draft is not None:  # the same draft weights, with its own cache, behind prompt lookup
+        lookup = NgramDrafter.from_config(SpeculativeConfig(method="lookup_then_draft", model=config.draft),
+                                          target.target, config.dtype, target.device)
+        hybrid = LookupThenDraftDrafter(lookup, DraftModelDrafter(drafter.model, drafter.vocab_size))
+        for k in config.ks:
+            runners[Method("specdec", "lookup_then_draft", k)] = SpecdecRunner(with_drafter(target, hybrid, k))
     loaded = LoadedRunners(runners, target, draft_model)
     if config.with_transformers:
         runners.update(transformers_runners(config, target, draft_model, loaded.notes))

@@ -3,11 +3,13 @@ in DRAFTERS: a factory (SpeculativeConfig, the loaded target, dtype, device) -> 
 
 from specdec.drafters.base import Draft, Drafter
 from specdec.drafters.draft_model import DraftModelDrafter
+from specdec.drafters.lookup_then_draft import LookupThenDraftDrafter
 from specdec.drafters.ngram import NgramDrafter
 
 DRAFTERS = {
     "draft_model": DraftModelDrafter.from_config,
     "ngram": NgramDrafter.from_config,
+    "lookup_then_draft": LookupThenDraftDrafter.from_config,
 }
 
-__all__ = ["DRAFTERS", "Draft", "Drafter", "DraftModelDrafter", "NgramDrafter"]
+__all__ = ["DRAFTERS", "Draft", "Drafter", "DraftModelDrafter", "LookupThenDraftDrafter", "NgramDrafter"]

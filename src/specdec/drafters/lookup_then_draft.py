@@ -1,0 +1,64 @@
+"""Prompt lookup first; the draft model for the rows where it finds nothing.
+
+Each round, a row whose context's last n tokens (n >= ngram_min) occurred earlier in it
+proposes what followed them there, at no cost (see ngram.py); the other rows are drafted by
+the draft model (see draft_model.py). Code repeats itself (names, calls, whole lines), so on
+code many rounds need no draft model at all, and the rest still get its drafts. The draft
+model's cache catches up on the tokens it skipped the next time it drafts for the row.
+
+Per row, the draft is a point mass (a looked-up row) or the draft model's distributions:
+rejection sampling keeps the output exactly the target's either way.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from specdec.drafters.base import Draft, Drafter
+from specdec.drafters.draft_model import DraftModelDrafter
+from specdec.drafters.ngram import NgramDrafter
+from specdec.sampling import SamplingTensors, point_mass
+from specdec.sequence import Sequence
+
+
+class LookupThenDraftDrafter(Drafter):
+    def __init__(self, lookup: NgramDrafter, draft_model: DraftModelDrafter):
+        self.lookup = lookup
+        self.draft_model = draft_model
+
+    @classmethod
+    def from_config(cls, spec, target, dtype, device) -> "LookupThenDraftDrafter":
+        return cls(NgramDrafter.from_config(spec, target, dtype, device),
+                   DraftModelDrafter.from_config(spec, target, dtype, device))
+
+    def reserve(self, max_batch: int, max_len: int) -> None:
+        self.draft_model.reserve(max_batch, max_len)
+
+    def release(self, seq: Sequence) -> None:
+        self.draft_model.release(seq)
+
+    def propose(self, batch: list[Sequence], k: int, sampling: SamplingTensors) -> Draft:
+        looked_up = self.lookup.propose(batch, k, sampling)
+        unmatched = [row for row, n in enumerate(looked_up.num_tokens.tolist()) if n == 0]
+        if not unmatched:
+            return looked_up
+        if len(unmatched) == len(batch):
+            return self.draft_model.propose(batch, k, sampling)
+        rows = torch.tensor(unmatched, device=looked_up.token_ids.device)  # [R]
+        drafted = self.draft_model.propose([batch[row] for row in unmatched], k, sampling.select_rows(rows))
+        return _merge(looked_up, drafted, rows)
+
+
+def _merge(looked_up: Draft, drafted: Draft, drafted_rows: torch.Tensor) -> Draft:
+    """looked_up's rows, with drafted's in place of rows drafted_rows [R]. Where drafted has
+    distributions, looked-up rows get point masses on their tokens."""
+    token_ids = looked_up.token_ids.clone()  # [B, k]
+    token_ids[drafted_rows] = drafted.token_ids
+    num_tokens = looked_up.num_tokens.clone()  # [B]
+    num_tokens[drafted_rows] = drafted.num_tokens
+    probs = None
+    if drafted.probs is not None:
+        B, k = token_ids.shape
+        probs = point_mass(looked_up.token_ids.reshape(-1), drafted.probs.shape[-1]).view(B, k, -1)  # [B, k, V]
+        probs[drafted_rows] = drafted.probs
+    return Draft(token_ids, num_tokens, probs)
