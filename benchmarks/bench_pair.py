@@ -1,13 +1,15 @@
 """A target/draft pair on held-out code prompts: acceptance, speedup, and sample completions.
 
     python benchmarks/bench_pair.py [--target DIR --draft DIR] [-k 3 4 5] [--prompts-per-module 2]
-                                    [--max-tokens 64] [--show 3]
+                                    [--max-tokens 64] [--lookup] [--show 3]
 
 Prompts are held-out standard-library modules cut just after a `def` line (see
 specdec.benchmark.prompts). For each prompt, greedy speculative decoding and the target
 alone run back to back (interleaved, so drift hits all alike); the table reports the
 totals: α, τ, tokens/s of each, the measured speedup and the one predicted from α, k and
-the measured cost ratio c; and it checks the outputs are identical.
+the measured cost ratio c; and it checks the outputs are identical. --lookup adds rows for
+speculative_method="lookup_then_draft": prompt lookup where the context repeats, the same
+draft model elsewhere (no prediction: the cost per draft token varies by round).
 """
 
 from __future__ import annotations
@@ -25,6 +27,10 @@ from specdec.demo import SHIPPED_DRAFT, SHIPPED_TARGET  # noqa: E402
 from specdec.benchmark.prompts import held_out_code_prompts  # noqa: E402
 from specdec.benchmark.run import with_drafter  # noqa: E402
 from specdec.metrics import predicted_speedup  # noqa: E402
+from specdec.config import SpeculativeConfig  # noqa: E402
+from specdec.drafters import DraftModelDrafter, LookupThenDraftDrafter, NgramDrafter  # noqa: E402
+
+DRAFT_MODEL, LOOKUP = "draft model", "prompt lookup, else draft model"
 
 
 def main() -> None:
@@ -39,28 +45,37 @@ def main() -> None:
     parser.add_argument("--draft-dtype", default="auto")
     parser.add_argument("--draft-confidence", type=float, default=0.0,
                         help="adaptive k: LLM(draft_confidence_threshold=...) (default 0: always k)")
+    parser.add_argument("--lookup", action="store_true",
+                        help="also run speculative_method='lookup_then_draft' (prompt lookup, else the draft) at each k")
     parser.add_argument("--show", type=int, default=3, help="print this many completions")
     args = parser.parse_args()
 
     first = LLM(args.target, speculative_model=args.draft, num_speculative_tokens=args.k[0], dtype=args.dtype,
                 draft_dtype=args.draft_dtype, draft_confidence_threshold=args.draft_confidence)
     plain = first.target_only()
-    speculative = {k: with_drafter(first, first.engine.drafter, k) for k in args.k}  # one draft, loaded once
+    drafters = {DRAFT_MODEL: first.engine.drafter}  # one draft, loaded once
+    if args.lookup:
+        drafter = first.engine.drafter
+        lookup = NgramDrafter.from_config(SpeculativeConfig(method="lookup_then_draft", model=args.draft),
+                                          first.target, args.dtype, first.device)
+        drafters[LOOKUP] = LookupThenDraftDrafter(lookup, DraftModelDrafter(drafter.model, drafter.vocab_size,
+                                                                            drafter.confidence_threshold))
+    speculative = {(name, k): with_drafter(first, drafter, k) for name, drafter in drafters.items() for k in args.k}
     prompts = held_out_code_prompts(args.prompts_per_module, max_chars=args.max_chars)
     params = SamplingParams(temperature=0, max_tokens=args.max_tokens)
     for llm in (plain, *speculative.values()):  # warm-up
         llm.generate(prompts[0].text, params)
 
-    plain_stats, spec_stats = [], {k: [] for k in args.k}
-    mismatches, shown = {k: [] for k in args.k}, []
+    plain_stats, spec_stats = [], {key: [] for key in speculative}
+    mismatches, shown = {key: [] for key in speculative}, []
     for prompt in prompts:  # interleaved: the target alone, then each k, prompt by prompt
         alone = plain.generate(prompt.text, params)[0]
         plain_stats.append(alone.metrics)
-        for k, llm in speculative.items():
+        for key, llm in speculative.items():
             ours = llm.generate(prompt.text, params)[0]
-            spec_stats[k].append(ours.metrics)
+            spec_stats[key].append(ours.metrics)
             if ours.outputs[0].token_ids != alone.outputs[0].token_ids:
-                mismatches[k].append(prompt.name)
+                mismatches[key].append(prompt.name)
         if len(shown) < args.show:
             shown.append((prompt, alone.outputs[0].text))
 
@@ -75,19 +90,19 @@ def main() -> None:
           "| acceptance by position | identical outputs |")
     print("|---|---:|---:|---:|---:|---:|---:|---|---:|")
     print(f"| target alone | {base.tokens_per_second:.1f} | | | 1.00 | 1.00x | | | |")
-    for k in args.k:
-        spec = _totals(spec_stats[k])
+    for (name, k), stats in spec_stats.items():
+        spec = _totals(stats)
         alpha = spec.acceptance_rate
         by_position = " ".join(f"{a:.2f}" for a in spec.acceptance_by_position)
-        print(f"| draft model k={k} | {spec.tokens_per_second:.1f} | {alpha:.3f} | "
+        predicted = f"{predicted_speedup(alpha, k, cost_ratio):.2f}x" if name == DRAFT_MODEL else "–"
+        print(f"| {name} k={k} | {spec.tokens_per_second:.1f} | {alpha:.3f} | "
               f"{spec.proposed_acceptance_rate:.3f} | {spec.tokens_per_forward:.2f} | "
-              f"{spec.tokens_per_second / base.tokens_per_second:.2f}x | "
-              f"{predicted_speedup(alpha, k, cost_ratio):.2f}x | {by_position} | "
-              f"{len(prompts) - len(mismatches[k])}/{len(prompts)} |")
+              f"{spec.tokens_per_second / base.tokens_per_second:.2f}x | {predicted} | {by_position} | "
+              f"{len(prompts) - len(mismatches[name, k])}/{len(prompts)} |")
     print(f"\ncost ratio c (one draft step ÷ one target step) = {cost_ratio:.3f}")
-    for k in args.k:
-        if mismatches[k]:
-            print(f"k={k}: outputs differ from the target alone on {', '.join(mismatches[k])}")
+    for (name, k), names in mismatches.items():
+        if names:
+            print(f"{name} k={k}: outputs differ from the target alone on {', '.join(names)}")
     for prompt, completion in shown:
         print(f"\n### {prompt.name}\n```python\n{prompt.text[-300:]}{completion}\n```")
 
