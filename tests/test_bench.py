@@ -191,7 +191,7 @@ def test_write_docs(results, report, tmp_path):
 
 
 def goal_rows(greedy: float, sampled: float, theirs: float, decode: float, predicted: float) -> list[dict]:
-    common = dict(prompt_set="code", k=5, decode_speedup=None, predicted_speedup=None)
+    common = dict(prompt_set="code", k=5, decode_speedup=None, predicted_speedup=None, label="specdec draft model k=5")
     return [dict(common, engine="specdec", method="draft_model", sampling="greedy", speedup=greedy,
                  tokens_per_s=100 * greedy, decode_speedup=decode, predicted_speedup=predicted),
             dict(common, engine="specdec", method="draft_model", sampling="sampled", speedup=sampled,
@@ -210,6 +210,17 @@ def test_goals_say_met_missed_or_unmeasured():
     assert prediction["met"] is True and prediction["measured"] == pytest.approx(abs(2.0 / 2.2 - 1))
     off = evaluate_goals({"config": {"transformers_k": 5}, "rows": goal_rows(3.0, 2.0, 1.0, 1.0, 2.0)})[-1]
     assert off["met"] is False and off["measured"] == pytest.approx(0.5) and "missed by 35% points" in off["detail"]
+
+
+def test_speedup_goals_take_the_best_row_drafting_with_the_draft_model_and_name_each():
+    rows = goal_rows(2.0, 1.5, 1.0, 2.0, 2.2)
+    hybrid = dict(rows[0], method="lookup_then_draft", k=4, speedup=2.6, tokens_per_s=260,
+                  label="specdec prompt lookup, else draft model k=4")
+    lookup = dict(rows[0], method="ngram", k=6, speedup=9.0, tokens_per_s=900, label="specdec prompt lookup k=6")
+    greedy = evaluate_goals({"config": {"transformers_k": 5}, "rows": rows + [hybrid, lookup]})[0]
+    assert greedy["met"] is True and greedy["measured"] == 2.6  # prompt lookup alone does not count
+    assert "best draft model k=5: 2.00x" in greedy["detail"]
+    assert "best prompt lookup, else draft model k=4: 2.60x" in greedy["detail"]
 
 
 def parse(argv: list[str]):

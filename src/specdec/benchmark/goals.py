@@ -1,6 +1,7 @@
 """The speed goals of the benchmark issue, read off a run's results.
 
-On the held-out code prompts ("code" set), with the draft model:
+On the held-out code prompts ("code" set), with the draft model (alone, or behind prompt
+lookup: speculative_method "lookup_then_draft"; the best of either, each reported):
   greedy speculative  >= 2.5x the target alone      sampled (0.8 / 0.95) >= 1.8x
   specdec speculative >= 2x transformers' assisted generation (same pair, prompts and k)
   measured speedup within 15% of the formula's prediction
@@ -11,6 +12,7 @@ measured (no draft, no transformers) says so, with met = None.
 from __future__ import annotations
 
 GOAL_SET = "code"
+DRAFT_MODEL_METHODS = ("draft_model", "lookup_then_draft")  # the speedup goals' rows: the draft model drafts
 GREEDY_SPEEDUP, SAMPLED_SPEEDUP, VS_TRANSFORMERS, PREDICTION_TOLERANCE = 2.5, 1.8, 2.0, 0.15
 
 
@@ -27,12 +29,19 @@ def evaluate_goals(results: dict) -> list[dict]:
 
 
 def _speedup_goal(rows: list[dict], sampling: str, bar: float) -> dict:
-    goal = f"{sampling} speculative (draft model) >= {bar}x the tokens/s of the target alone"
-    candidates = _draft_rows(rows, "specdec", sampling)
-    if not candidates:
+    """Judged on the best row that drafts with the draft model, alone or behind prompt lookup;
+    the detail gives the best of each."""
+    goal = f"{sampling} speculative with the draft model >= {bar}x the tokens/s of the target alone"
+    bests = []
+    for method in DRAFT_MODEL_METHODS:
+        candidates = _draft_rows(rows, "specdec", sampling, method)
+        if candidates:
+            bests.append(max(candidates, key=lambda r: r["speedup"]))
+    if not bests:
         return _unmeasured(goal, bar, f"no {sampling} draft-model rows (no --draft, or sampling not run)")
-    best = max(candidates, key=lambda r: r["speedup"])
-    return _judged(goal, bar, best["speedup"], f"best at k={best['k']}: {best['speedup']:.2f}x")
+    best = max(bests, key=lambda r: r["speedup"])
+    detail = "; ".join(f"best {r['label'].removeprefix('specdec ')}: {r['speedup']:.2f}x" for r in bests)
+    return _judged(goal, bar, best["speedup"], detail)
 
 
 def _transformers_goal(rows: list[dict], sampling: str, k: int) -> dict:
@@ -66,8 +75,8 @@ def _prediction_goal(rows: list[dict]) -> dict:
     return {"goal": goal, "bar": PREDICTION_TOLERANCE, "measured": error, "met": met, "detail": detail}
 
 
-def _draft_rows(rows: list[dict], engine: str, sampling: str | None) -> list[dict]:
-    return [r for r in rows if r["engine"] == engine and r["method"] == "draft_model"
+def _draft_rows(rows: list[dict], engine: str, sampling: str | None, method: str = "draft_model") -> list[dict]:
+    return [r for r in rows if r["engine"] == engine and r["method"] == method
             and (sampling is None or r["sampling"] == sampling)]
 
 

@@ -522,7 +522,10 @@ def _method_notes(target_dtype: torch.dtype) -> list[str]:
              "than one step).",
              "Adaptive k: the draft model up to the largest k, a row stopping its drafting after a token the draft "
              "gave less than the --adaptive-confidence probability (LLM's draft_confidence_threshold); the "
-             "formula's fixed k does not apply to it."]
+             "formula's fixed k does not apply to it.",
+             "Prompt lookup, else draft model (speculative_method lookup_then_draft): prompt lookup for the rows "
+             "whose last 2 or more tokens occurred earlier, at no cost, and the draft model for the others; its "
+             "cost per draft token varies by round, so no formula."]
     if target_dtype != torch.float32:
         notes.append(f"The target runs in {str(target_dtype).replace('torch.', '')}: greedy outputs are exact in "
                      "float32; in lower precision a forward over k+1 tokens can round differently from a "
