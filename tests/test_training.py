@@ -184,7 +184,7 @@ def test_distill_raises_acceptance(trained_dir, corpus_dir, tmp_path):
     first_command, second_command = f"--out {out} ", f"--init {out} "
     assert first_command in card and second_command in card
     assert card.index(first_command) < card.index(second_command) and "started from" in card
-    assert f"{before['held_out_alpha']:.3f} (step 0)" in card  # the evaluation spans both runs
+    assert f"{before['held_out_alpha']:.3f} (step 0 of the first run)" in card  # the evaluation spans both runs
 
 
 def test_acceptance_is_one_minus_total_variation():

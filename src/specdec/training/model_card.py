@@ -67,7 +67,7 @@ def model_card(name: str, log: dict, config: dict, moved: dict[str, str]) -> str
                      f"tokens, lr {run['train_config']['lr']:g}, {run['seconds'] / 60:.1f} min |")
     minutes = [run["seconds"] / 60 for run in earlier + [log]]
     lines += [f"| time and hardware | {' + '.join(f'{m:.1f}' for m in minutes)} min on {_hardware(log)} |",
-              f"| held-out evaluation | {_evaluation_line(first, last)} |", "",
+              f"| held-out evaluation | {_evaluation_line(first, last, 'the first run' if earlier else '')} |", "",
               "## Made by", ""]
     if earlier:
         lines += [f"{len(earlier) + 1} runs, in this order; each after the first starts from the draft the one "
@@ -124,12 +124,15 @@ def _hardware(log: dict) -> str:
     return f"{log.get('cpu') or cpu_model()}, {log.get('torch_threads', '?')} threads, no GPU"
 
 
-def _evaluation_line(first: dict, last: dict) -> str:
+def _evaluation_line(first: dict, last: dict, first_run: str) -> str:
+    """first_run: what the first evaluation's step counts in, when it is another run's."""
     parts = []
     for key, label in (("held_out_loss", "loss (nats/token)"), ("held_out_alpha", "α = 1 − TV"),
                        ("held_out_greedy_agreement", "greedy agreement")):
         if key in last:
-            parts.append(f"{label} {first[key]:.3f} (step {first['step']}) → {last[key]:.3f} (step {last['step']})")
+            where, last_where = (f" of {first_run}", " of the last") if first_run else ("", "")
+            parts.append(f"{label} {first[key]:.3f} (step {first['step']}{where}) → {last[key]:.3f} "
+                         f"(step {last['step']}{last_where})")
     return "; ".join(parts) or "none"
 
 
