@@ -252,7 +252,7 @@ def _plot_speedup_vs_k(axes, rows: list[dict]) -> None:
 
 
 def _plot_acceptance(axes, rows: list[dict]) -> None:
-    for method, color in (("draft_model", "C0"), ("ngram", "C1")):
+    for method, color in (("draft_model", "C0"), ("ngram", "C1"), ("lookup_then_draft", "C4")):
         chosen = [r for r in rows if r["engine"] == "specdec" and r["method"] == method and r["acceptance_by_position"]]
         if chosen:
             r = max(chosen, key=lambda row: row["k"])
