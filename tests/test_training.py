@@ -115,7 +115,7 @@ def test_model_card_states_the_run(trained_dir, corpus_dir):
     assert log["cpu"] in card
     assert model_card_main([str(trained_dir), "--moved", f"{trained_dir}=models/tiny"]) == 0
     moved = (trained_dir / "README.md").read_text()
-    assert "--out models/tiny" in moved and f"The run wrote to `{trained_dir}`" in moved
+    assert "--out models/tiny" in moved and f"Runs wrote to `{trained_dir}`" in moved
 
 
 def test_interrupted_run_resumes_where_it_stopped(corpus_dir, tmp_path):

@@ -33,7 +33,7 @@ def write_model_card(out: str | Path, moved: dict[str, str] | None = None) -> Pa
 def model_card(name: str, log: dict, config: dict, moved: dict[str, str]) -> str:
     """The card's Markdown text."""
     kind = log["kind"]
-    arguments = {key: moved.get(str(value), value) for key, value in (log.get("arguments") or {}).items()}
+    arguments = _moved_arguments(log, moved)
     earlier = _earlier_runs(log)  # the runs whose draft this one started from (--init), oldest first
     evaluations = (earlier[0] if earlier else log).get("evaluations") or [], log.get("evaluations") or []
     first, last = (evaluations[0][0], evaluations[1][-1]) if all(evaluations) else ({}, {})
@@ -72,17 +72,22 @@ def model_card(name: str, log: dict, config: dict, moved: dict[str, str]) -> str
     if earlier:
         lines += [f"{len(earlier) + 1} runs, in this order; each after the first starts from the draft the one "
                   "before wrote (`--init`).", ""]
-    lines += ["```", *(_command(run["kind"], run.get("arguments") or {}) for run in earlier),
+    lines += ["```", *(_command(run["kind"], _moved_arguments(run, moved)) for run in earlier),
               _command(kind, arguments), "```", ""]
     if moved:
-        lines += ["The run wrote to " + ", ".join(f"`{old}`" for old in moved) + "; its files were copied to "
-                  + ", ".join(f"`{new}`" for new in moved.values()) + " (the command above names the new places).",
-                  ""]
+        lines += ["Runs wrote to " + ", ".join(f"`{old}`" for old in moved) + "; their files were copied to "
+                  + ", ".join(f"`{new}`" for new in moved.values()) + " in turn (the commands above name the new "
+                  "places).", ""]
     lines += [
               "Runs are deterministic up to floating-point reduction order: the same command with the same "
               "seed on the same machine and library versions gives the same model.", "",
               "The corpus is Python's standard library, under the Python Software Foundation License.", ""]
     return "\n".join(lines)
+
+
+def _moved_arguments(log: dict, moved: dict[str, str]) -> dict:
+    """A run's command-line arguments, with the directories that moved named where they are now."""
+    return {key: moved.get(str(value), value) for key, value in (log.get("arguments") or {}).items()}
 
 
 def _earlier_runs(log: dict) -> list[dict]:
