@@ -32,18 +32,33 @@ def test_generate_ngram_sampled(model_dir, capsys):
     assert "[ngram k=5]" in capsys.readouterr().out
 
 
+def test_generate_lookup_then_draft(model_dir, capsys):
+    prompt = "for i in range(10): for i in"
+    expected = LLM(str(model_dir), dtype="float32").generate(
+        prompt, SamplingParams(temperature=0, max_tokens=12))[0].outputs[0].text
+    assert main(["generate", "--model", str(model_dir), "--draft", str(model_dir), "--lookup", "-k", "3",
+                 "--prompt", prompt, "--max-tokens", "12", "--dtype", "float32"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith(prompt + expected) and "[lookup_then_draft k=3]" in out
+
+
+SWITCHES = ("--ngram", "--lookup")
+
+
 @pytest.mark.parametrize("args, message", [
     (["--model", "/nonexistent/dir"], "does not exist"),
     (["--temperature", "-1"], "temperature"),
     (["--top-p", "1.5"], "top_p"),
     (["--max-tokens", "0"], "max_tokens"),
     (["-k", "-1", "--ngram"], "num_speculative_tokens"),
+    (["--lookup"], "add --draft DIR"),
 ])
 def test_bad_input_is_one_clear_line(model_dir, capsys, args, message):
     base = {"--model": str(model_dir), "--prompt": "x"}
-    for flag, value in zip(args[::2], args[1::2]):
+    options = [a for a in args if a not in SWITCHES]
+    for flag, value in zip(options[::2], options[1::2]):
         base[flag] = value
-    argv = ["generate"] + [item for pair in base.items() for item in pair] + [a for a in args if a == "--ngram"]
+    argv = ["generate"] + [item for pair in base.items() for item in pair] + [a for a in args if a in SWITCHES]
     assert main(argv) == 2
     err = capsys.readouterr().err
     assert err.startswith("error:") and message in err and "Traceback" not in err
