@@ -44,7 +44,6 @@ SETTINGS = {
 RUNS = {
     "draft_model": ["T0.7-top_k5", "T1.0-min_p0.1", "T0.9-top_k8-top_p0.9-min_p0.05"],
     "ngram": ["T1.0", "T1.3-top_p0.8", "T0.9-top_k8-top_p0.9-min_p0.05"],
-    "lookup_then_draft": ["T1.3-top_p0.8"],  # rows whose first token gives a lookup match, and rows without
 }
 # adaptive k (a row stops drafting after a draft token of draft probability < this): only in
 # the seeded-request test, since the distribution tests' one round proposes a single token
@@ -167,8 +166,6 @@ def make_llm(setup, drafter: str, **kwargs) -> LLM:
     speculative_model = "[ngram]" if drafter == "ngram" else setup["draft"]
     if drafter == "draft_model_adaptive":
         kwargs["draft_confidence_threshold"] = CONFIDENCE_THRESHOLD
-    if drafter == "lookup_then_draft":
-        kwargs["speculative_method"] = "lookup_then_draft"
     return LLM(setup["target"], speculative_model=speculative_model, num_speculative_tokens=K, dtype="float32",
                skip_tokenizer_init=True, **kwargs)
 

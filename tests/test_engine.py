@@ -78,8 +78,8 @@ def test_greedy_speculative_equals_target_alone(dirs, plain, method):
 def test_lookup_then_draft_drafts_by_model_only_where_lookup_finds_nothing(tmp_path):
     """Over 12 tokens, random text soon repeats pairs of tokens, so prompt lookup (matches of
     at least 2 tokens) finds something in some rows and rounds and not in others: the draft
-    model drafts for exactly the rows it found nothing for; greedy and sampled runs mix both
-    kinds of row in one round; greedy output is still the target's."""
+    model drafts for exactly the greedy rows it found nothing for and for every sampled row;
+    a round mixes both kinds of row; greedy output is still the target's."""
     small = dict(vocab_size=12, tokenizer=False, init_std=0.5)
     target = save_tiny_model(tmp_path / "target", "llama", seed=5, **small)
     draft = save_tiny_model(tmp_path / "draft", "llama", seed=6, num_hidden_layers=1, **small)
@@ -89,25 +89,34 @@ def test_lookup_then_draft_drafts_by_model_only_where_lookup_finds_nothing(tmp_p
     assert drafter.lookup.ngram_min == 2  # the method's default: a one-token match is not trusted
     rounds = []  # (rows lookup matched, rows the draft model drafted for), by request id
 
+    def propose(batch, k, sampling):
+        rounds.append((set(), set()))
+        return type(drafter).propose(drafter, batch, k, sampling)
+
     def lookup_propose(batch, k, sampling):
         draft = type(drafter.lookup).propose(drafter.lookup, batch, k, sampling)
-        rounds.append(({seq.request_id for seq, n in zip(batch, draft.num_tokens.tolist()) if n > 0}, set()))
+        rounds[-1][0].update(seq.request_id for seq, n in zip(batch, draft.num_tokens.tolist()) if n > 0)
         return draft
 
     def model_propose(batch, k, sampling):
         rounds[-1][1].update(seq.request_id for seq in batch)
         return type(drafter.draft_model).propose(drafter.draft_model, batch, k, sampling)
 
-    drafter.lookup.propose, drafter.draft_model.propose = lookup_propose, model_propose
+    drafter.propose, drafter.lookup.propose, drafter.draft_model.propose = propose, lookup_propose, model_propose
     prompts = random_prompts(6, seed=20, vocab=12)
     plain = LLM(str(target), dtype="float32", skip_tokenizer_init=True)
-    for params in (GREEDY, SamplingParams(temperature=1.0, max_tokens=40, ignore_eos=True, seed=3)):
-        rounds.clear()
-        outputs = llm.generate(prompts, params)
-        if params is GREEDY:
-            assert token_ids(outputs) == token_ids(plain.generate(prompts, GREEDY))
-        assert all(not (matched & drafted) for matched, drafted in rounds)
-        assert any(matched and drafted for matched, drafted in rounds)  # both kinds of row in one round
+    outputs = llm.generate(prompts, GREEDY)
+    assert token_ids(outputs) == token_ids(plain.generate(prompts, GREEDY))
+    assert all(not (matched & drafted) for matched, drafted in rounds)
+    assert any(matched and drafted for matched, drafted in rounds)  # both kinds of row in one round
+
+    sampled = SamplingParams(temperature=1.0, max_tokens=40, ignore_eos=True, seed=3)
+    rounds.clear()
+    outputs = llm.generate(prompts, [GREEDY, sampled] * 3)
+    sampled_ids = {int(out.request_id) for out in outputs[1::2]}
+    early = rounds[:5]  # every row still runs: 40 tokens take at least 8 rounds
+    assert all(sampled_ids <= drafted and not (matched - sampled_ids) & drafted for matched, drafted in early)
+    assert any(matched - sampled_ids for matched, _ in rounds)  # greedy rows still looked up, beside sampled ones
 
 
 def test_lookup_then_draft_merges_point_masses_with_the_draft_models_distributions():
