@@ -27,8 +27,7 @@ from specdec.demo import SHIPPED_DRAFT, SHIPPED_TARGET  # noqa: E402
 from specdec.benchmark.prompts import held_out_code_prompts  # noqa: E402
 from specdec.benchmark.run import with_drafter  # noqa: E402
 from specdec.metrics import predicted_speedup  # noqa: E402
-from specdec.config import SpeculativeConfig  # noqa: E402
-from specdec.drafters import DraftModelDrafter, LookupThenDraftDrafter, NgramDrafter  # noqa: E402
+from specdec.drafters import LookupThenDraftDrafter  # noqa: E402
 
 DRAFT_MODEL, LOOKUP = "draft model", "prompt lookup, else draft model"
 
@@ -55,11 +54,7 @@ def main() -> None:
     plain = first.target_only()
     drafters = {DRAFT_MODEL: first.engine.drafter}  # one draft, loaded once
     if args.lookup:
-        drafter = first.engine.drafter
-        lookup = NgramDrafter.from_config(SpeculativeConfig(method="lookup_then_draft", model=args.draft),
-                                          first.target, args.dtype, first.device)
-        drafters[LOOKUP] = LookupThenDraftDrafter(lookup, DraftModelDrafter(drafter.model, drafter.vocab_size,
-                                                                            drafter.confidence_threshold))
+        drafters[LOOKUP] = LookupThenDraftDrafter.sharing_weights(first.engine.drafter)
     speculative = {(name, k): with_drafter(first, drafter, k) for name, drafter in drafters.items() for k in args.k}
     prompts = held_out_code_prompts(args.prompts_per_module, max_chars=args.max_chars)
     params = SamplingParams(temperature=0, max_tokens=args.max_tokens)

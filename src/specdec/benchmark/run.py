@@ -30,7 +30,7 @@ from specdec.benchmark.goals import evaluate_goals
 from specdec.benchmark.machine import decode_weight_bytes, describe_machine, read_bandwidth, step_seconds
 from specdec.benchmark.prompts import Prompt, held_out_code_prompts, repeated_code_prompts
 from specdec.config import SamplingParams, SpeculativeConfig, check, is_int, is_real
-from specdec.drafters import DRAFTERS, DraftModelDrafter, LookupThenDraftDrafter, NgramDrafter
+from specdec.drafters import DRAFTERS, LookupThenDraftDrafter
 from specdec.engine import Engine
 from specdec.llm import LLM
 from specdec.metrics import SpecStats, expected_tokens_per_round, predicted_speedup
@@ -224,16 +224,14 @@ def load_runners(config: BenchConfig) -> LoadedRunners:
         for k in config.ks:
             runners[Method("specdec", "draft_model", k)] = SpecdecRunner(with_drafter(target, drafter, k))
         if config.adaptive_confidence > 0:  # the same draft weights, its own cache
-            adaptive = DraftModelDrafter(drafter.model, drafter.vocab_size, config.adaptive_confidence)
+            adaptive = drafter.sharing_weights(config.adaptive_confidence)
             runners[Method("specdec", "draft_model_adaptive", max(config.ks))] = SpecdecRunner(
                 with_drafter(target, adaptive, max(config.ks)))
     ngram = DRAFTERS["ngram"](SpeculativeConfig(method="ngram"), target.target, config.dtype, target.device)
     for k in config.ks:
         runners[Method("specdec", "ngram", k)] = SpecdecRunner(with_drafter(target, ngram, k))
     if config.draft is not None:  # the same draft weights, with its own cache, behind prompt lookup
-        lookup = NgramDrafter.from_config(SpeculativeConfig(method="lookup_then_draft", model=config.draft),
-                                          target.target, config.dtype, target.device)
-        hybrid = LookupThenDraftDrafter(lookup, DraftModelDrafter(drafter.model, drafter.vocab_size))
+        hybrid = LookupThenDraftDrafter.sharing_weights(drafter)
         for k in config.ks:
             runners[Method("specdec", "lookup_then_draft", k)] = SpecdecRunner(with_drafter(target, hybrid, k))
     loaded = LoadedRunners(runners, target, draft_model)

@@ -52,6 +52,12 @@ class DraftModelDrafter(Drafter):
             pack_large_linears_in_bf16(draft.model, LARGE_WEIGHT_BYTES)
         return cls(draft.model, target.model.config.vocab_size, spec.draft_confidence_threshold)
 
+    def sharing_weights(self, confidence_threshold: float | None = None) -> "DraftModelDrafter":
+        """A drafter over the same draft weights with a cache of its own (so both can run in one
+        process); confidence_threshold None keeps this one's."""
+        threshold = self.confidence_threshold if confidence_threshold is None else confidence_threshold
+        return DraftModelDrafter(self.model, self.vocab_size, threshold)
+
     def reserve(self, max_batch: int, max_len: int) -> None:
         if self.cache is None or self.cache.max_batch < max_batch or self.cache.max_len < max_len:
             self.cache = self.model.new_cache(max_batch, max_len)

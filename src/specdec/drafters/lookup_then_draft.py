@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import torch
 
+from specdec.config import DEFAULT_NGRAM_MIN
 from specdec.drafters.base import Draft, Drafter
 from specdec.drafters.draft_model import DraftModelDrafter
 from specdec.drafters.ngram import NgramDrafter
@@ -34,6 +35,13 @@ class LookupThenDraftDrafter(Drafter):
     def from_config(cls, spec, target, dtype, device) -> "LookupThenDraftDrafter":
         return cls(NgramDrafter.from_config(spec, target, dtype, device),
                    DraftModelDrafter.from_config(spec, target, dtype, device))
+
+    @classmethod
+    def sharing_weights(cls, draft_model: DraftModelDrafter) -> "LookupThenDraftDrafter":
+        """Prompt lookup with this method's default n-gram lengths in front of draft_model's
+        weights, with a cache of its own."""
+        return cls(NgramDrafter(DEFAULT_NGRAM_MIN["lookup_then_draft"], device=draft_model.model.device),
+                   draft_model.sharing_weights())
 
     def reserve(self, max_batch: int, max_len: int) -> None:
         self.draft_model.reserve(max_batch, max_len)
