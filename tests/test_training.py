@@ -186,6 +186,17 @@ def test_distill_raises_acceptance(trained_dir, corpus_dir, tmp_path):
     assert card.index(first_command) < card.index(second_command) and "started from" in card
     assert f"{before['held_out_alpha']:.3f} (step 0 of the first run)" in card  # the evaluation spans both runs
 
+    # --init and --out the same directory, interrupted and resumed: still two runs, not three
+    same = tmp_path / "same"
+    shutil.copytree(out, same, ignore=shutil.ignore_patterns("checkpoint"))  # the weights and files, as shipped
+    again = ["distill", "--target", trained_dir, "--init", same, "--out", same, "--corpus", corpus_dir,
+             "--batch-size", "8", "--eval-tokens", "2048", "--steps", "4", "--eval-every", "0",
+             "--checkpoint-every", "2"]
+    assert cli(*again, "--stop-after", "2") == 0 and cli(*again) == 0
+    log = json.loads((same / "training_log.json").read_text())
+    assert log["finished"] and log["init_log"]["step"] == 30 and log["init_log"]["init_log"] is None
+    assert "2 runs, in this order" in (same / "README.md").read_text()
+
 
 def test_acceptance_is_one_minus_total_variation():
     generator = torch.Generator().manual_seed(3)

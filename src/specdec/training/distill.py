@@ -125,9 +125,14 @@ def distill(target_dir: str | Path, out: str | Path, shape: ModelShape | None, c
 
 
 def read_training_log(model_dir) -> dict | None:
-    """model_dir's training_log.json (how an --init draft was made, for the model card), or None."""
+    """How the draft in model_dir (an --init draft) was made, for the model card: its
+    training_log.json, or None. An unfinished log there is this very run's, resumed with
+    --out the same as --init: the draft it started from is the one that log names."""
     path = None if model_dir is None else Path(model_dir) / "training_log.json"
-    return json.loads(path.read_text()) if path is not None and path.is_file() else None
+    if path is None or not path.is_file():
+        return None
+    log = json.loads(path.read_text())
+    return log if log.get("finished", True) else log.get("init_log")
 
 
 def initial_draft(target: LoadedModel, shape: ModelShape | None, init_dir, seed: int) -> LlamaModel:
