@@ -18,7 +18,7 @@ from specdec.models.loader import load_pretrained
 from specdec.training.commands import add_distill_parser, add_train_parser
 from specdec.training.corpus import (END_OF_TEXT, HELD_OUT_MODULES, Document, evaluation_windows, load_corpus,
                                      sample_windows, split_held_out)
-from specdec.training.distill import DistillConfig, acceptance_metrics, divergence_loss
+from specdec.training.distill import DistillConfig, acceptance_metrics, divergence_loss, sample_from_target
 from specdec.training.loop import TrainConfig, learning_rate
 from specdec.training.train import PRESETS, ModelShape, model_shape, new_model
 
@@ -159,7 +159,7 @@ def test_distill_raises_acceptance(trained_dir, corpus_dir, tmp_path):
     assert cli("distill", "--target", trained_dir, "--out", out, "--corpus", corpus_dir, *TINY_RUN,
                "--hidden-size", "32", "--layers", "1", "--heads", "2", "--kv-heads", "1",
                "--intermediate-size", "64", "--steps", "30", "--eval-every", "0", "--checkpoint-every", "0",
-               "--on-policy-fraction", "0.25", "--prompt-tokens", "8") == 0
+               "--on-policy-fraction", "0.25", "--sample-temperature", "0", "--prompt-tokens", "8") == 0
     log = json.loads((out / "training_log.json").read_text())
     before, after = log["evaluations"][0], log["evaluations"][-1]
     assert after["step"] == 30
@@ -311,6 +311,22 @@ def test_configuration_errors_are_clear():
         DistillConfig(on_policy_fraction=1.5)
     with pytest.raises(ValueError, match="divergence"):
         DistillConfig(divergence="reverse")
+    with pytest.raises(ValueError, match="sample_temperature"):
+        DistillConfig(sample_temperature=-0.5)
+
+
+def test_on_policy_text_at_temperature_zero_is_the_targets_greedy_text():
+    """Each sampled token is the argmax of a cache-free forward over the text before it."""
+    model = new_model(PRESETS["tiny"].model_config(), seed=5).eval()
+    prompt = torch.randint(0, model.config.vocab_size, (3, 4), generator=torch.Generator().manual_seed(11))
+    text = sample_from_target(model, prompt, 12, 0.0, torch.Generator().manual_seed(0))  # [3, 12]
+    assert torch.equal(text[:, :4], prompt)
+    positions = torch.arange(12).expand(3, 12)
+    with torch.no_grad():
+        logits = model(text, positions, None)  # [3, 12, V]
+    assert torch.equal(text[:, 4:], logits[:, 3:-1].argmax(-1))
+    sampled = sample_from_target(model, prompt, 12, 1.0, torch.Generator().manual_seed(0))
+    assert not torch.equal(sampled, text)  # a random tiny model's samples are not its greedy text
 
 
 def test_learning_rate_warms_up_then_decays_to_the_floor():

@@ -20,7 +20,7 @@ SIZE_FLAGS = {  # flag -> ModelShape field
 }
 TRAIN_FIELDS = ("steps", "batch_size", "grad_accum", "lr", "min_lr_ratio", "warmup", "weight_decay", "grad_clip",
                 "seed", "device", "eval_every", "eval_tokens", "checkpoint_every", "log_every", "stop_after")
-DISTILL_FIELDS = ("temperature", "on_policy_fraction", "prompt_tokens", "divergence", "target_dtype")
+DISTILL_FIELDS = ("temperature", "on_policy_fraction", "sample_temperature", "prompt_tokens", "divergence", "target_dtype")
 # (TrainConfig and DistillConfig fields, each set by the flag of the same name)
 
 
@@ -52,6 +52,9 @@ def add_distill_parser(commands) -> None:
     p.add_argument("--temperature", type=float, help="temperature of both distributions (default 1)")
     p.add_argument("--on-policy-fraction", type=float,
                    help="fraction of batches of text sampled from the target (default 0)")
+    p.add_argument("--sample-temperature", type=float,
+                   help="temperature on-policy text is sampled at; 0 is the target's greedy text "
+                        "(default: --temperature)")
     p.add_argument("--prompt-tokens", type=int, help="corpus tokens an on-policy sample continues (default 32)")
     p.add_argument("--divergence", choices=("fkl+tv", "tv", "fkl"), help="the loss (default fkl+tv)")
     p.add_argument("--target-dtype", choices=("auto", "float32", "bfloat16"),

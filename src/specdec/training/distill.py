@@ -22,8 +22,10 @@ are options.
 
 Data: random windows of the corpus (the target's training corpus by default), and, with
 on_policy_fraction F > 0, a fraction F of micro-batches is on-policy: text the target itself
-samples (at the distillation temperature) continuing the first `prompt_tokens` of a corpus
-window, which is the text the draft meets when speculating.
+samples continuing the first `prompt_tokens` of a corpus window, which is the text the draft
+meets when speculating. It is sampled at the distillation temperature unless
+`sample_temperature` says otherwise; 0 means the target's greedy text, the text greedy
+speculative decoding verifies (a small target's greedy text repeats itself, unlike its corpus).
 
 The draft shares the target's tokenizer (its files are copied) and vocabulary size. It is
 reported by held-out α (mean over positions of 1 − TV) and greedy agreement (the fraction
@@ -58,9 +60,10 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_ma
 class DistillConfig:
     """What the draft is taught (see the module docstring).
 
-    temperature: both distributions are softened by it before comparing (> 0); also the
-        temperature the target samples on-policy text at.
+    temperature: both distributions are softened by it before comparing (> 0).
     on_policy_fraction: the fraction of micro-batches sampled from the target, in [0, 1].
+    sample_temperature: the temperature on-policy text is sampled at (>= 0; 0 is greedy);
+        None: `temperature`.
     prompt_tokens: corpus tokens an on-policy sample continues from.
     divergence: "fkl+tv" (default), "tv" or "fkl".
     target_dtype: the target's weights: "auto" (as saved), "float32" or "bfloat16".
@@ -68,6 +71,7 @@ class DistillConfig:
 
     temperature: float = 1.0
     on_policy_fraction: float = 0.0
+    sample_temperature: float | None = None
     prompt_tokens: int = 32
     divergence: str = "fkl+tv"
     target_dtype: str = "auto"
@@ -77,6 +81,9 @@ class DistillConfig:
             raise ValueError(f"temperature must be > 0, got {self.temperature!r}")
         if not (isinstance(self.on_policy_fraction, (int, float)) and 0 <= self.on_policy_fraction <= 1):
             raise ValueError(f"on_policy_fraction must be in [0, 1], got {self.on_policy_fraction!r}")
+        if self.sample_temperature is not None and not (
+                isinstance(self.sample_temperature, (int, float)) and self.sample_temperature >= 0):
+            raise ValueError(f"sample_temperature must be >= 0 (0 is greedy), got {self.sample_temperature!r}")
         if not (isinstance(self.prompt_tokens, int) and self.prompt_tokens >= 1):
             raise ValueError(f"prompt_tokens must be an integer >= 1, got {self.prompt_tokens!r}")
         if self.divergence not in DIVERGENCES:
@@ -156,6 +163,7 @@ def distillation_task(draft: LlamaModel, target: LlamaModel, train_stream: torch
                       held_out_stream: torch.Tensor, context: int, config: TrainConfig,
                       distill_config: DistillConfig, identity: dict) -> Task:
     device, temperature = torch.device(config.device), distill_config.temperature
+    sample_temperature = temperature if distill_config.sample_temperature is None else distill_config.sample_temperature
     held_out = evaluation_windows(held_out_stream, context, config.eval_tokens)
 
     def next_batch(generator: torch.Generator) -> torch.Tensor:
@@ -163,7 +171,7 @@ def distillation_task(draft: LlamaModel, target: LlamaModel, train_stream: torch
         on_policy = float(torch.rand((), generator=generator)) < distill_config.on_policy_fraction
         if on_policy:
             prompt = windows[:, :min(distill_config.prompt_tokens, context)].to(device)  # [B, P]
-            return sample_from_target(target, prompt, context + 1, temperature, generator)
+            return sample_from_target(target, prompt, context + 1, sample_temperature, generator)
         return windows.to(device)
 
     def loss(draft: LlamaModel, windows: torch.Tensor) -> torch.Tensor:
@@ -223,20 +231,28 @@ def acceptance_metrics(draft_logits: torch.Tensor, target_logits: torch.Tensor, 
 @torch.no_grad()
 def sample_from_target(target: LlamaModel, prompt: torch.Tensor, length: int, temperature: float,
                        generator: torch.Generator) -> torch.Tensor:
-    """Continue prompt [B, P] by sampling from the target at `temperature` up to `length` tokens:
-    [B, length]. Draws use `generator` (on the CPU), so a resumed run samples the same text."""
+    """Continue prompt [B, P] by sampling from the target at `temperature` (0: its most likely
+    token) up to `length` tokens: [B, length]. Draws use `generator` (on the CPU), so a resumed
+    run samples the same text."""
     B, P = prompt.shape
     device = prompt.device
     cache = target.new_cache(B, length)
     logits = target(prompt, torch.arange(P, device=device).expand(B, P), cache)[:, -1]  # [B, V]
     tokens = [prompt]
     for position in range(P, length):
-        probs = torch.softmax(logits.float() / temperature, dim=-1).cpu()  # [B, V]
-        next_token = torch.multinomial(probs, 1, generator=generator).to(device)  # [B, 1]
+        next_token = next_tokens(logits, temperature, generator).to(device)  # [B, 1]
         tokens.append(next_token)
         if position + 1 < length:
             logits = target(next_token, torch.full((B, 1), position, device=device), cache)[:, -1]
     return torch.cat(tokens, dim=1)  # [B, length]
+
+
+def next_tokens(logits: torch.Tensor, temperature: float, generator: torch.Generator) -> torch.Tensor:
+    """One token per row of logits [B, V], drawn at `temperature` or, at 0, the most likely: [B, 1] on the CPU."""
+    if temperature == 0:
+        return logits.argmax(-1, keepdim=True).cpu()  # [B, 1]
+    probs = torch.softmax(logits.float() / temperature, dim=-1).cpu()  # [B, V]
+    return torch.multinomial(probs, 1, generator=generator)  # [B, 1]
 
 
 def copy_tokenizer(target: LoadedModel, out: Path) -> None:

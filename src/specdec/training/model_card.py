@@ -61,7 +61,7 @@ def model_card(name: str, log: dict, config: dict, moved: dict[str, str]) -> str
         distill = log.get("distill", {})
         lines.append(f"| distillation | loss {distill.get('divergence', '?')} on the target's soft labels at "
                      f"temperature {distill.get('temperature', '?')}, on-policy fraction "
-                     f"{distill.get('on_policy_fraction', 0)} |")
+                     f"{distill.get('on_policy_fraction', 0)}{_on_policy_sampling(distill)} |")
     for run in earlier:
         lines.append(f"| started from | the draft of an earlier run: {run['step']:,} steps, {run['tokens_seen']:,} "
                      f"tokens, lr {run['train_config']['lr']:g}, {run['seconds'] / 60:.1f} min |")
@@ -116,6 +116,15 @@ def _architecture(c: dict) -> str:
 
 def _corpus_line(path: str | None) -> str:
     return load_corpus(path).describe().removeprefix("corpus ")
+
+
+def _on_policy_sampling(distill: dict) -> str:
+    """How on-policy text was sampled, where there was any."""
+    if not distill.get("on_policy_fraction"):
+        return ""
+    temperature = distill.get("sample_temperature")
+    temperature = distill.get("temperature", "?") if temperature is None else temperature
+    return " (the target's greedy text)" if temperature == 0 else f" (sampled at temperature {temperature})"
 
 
 def _held_out(path: str | None) -> list[str]:
