@@ -90,6 +90,7 @@ def test_speculative_rows_are_sane(results):
     for r in (r for r in results["rows"] if r["engine"] == "specdec" and r["method"] != "none"):
         if r["method"] in ("draft_model_adaptive", "lookup_then_draft"):  # k or c varies by round: no formula
             assert r["cost_ratio"] is None and r["predicted_speedup"] is None and 1 <= r["tau"] <= r["k"] + 1
+            assert r["cost_ratio_in_rounds"] is None and r["predicted_in_rounds"] is None
             continue
         if r["alpha"] is None:  # prompt lookup found no match: nothing proposed, nothing predicted
             assert r["method"] == "ngram" and r["tau"] == 1 and r["acceptance_by_position"] == []
@@ -105,6 +106,12 @@ def test_speculative_rows_are_sane(results):
                 / (r["k"] * r["cost_ratio"] + v))
         assert r["tokens_per_round"] == pytest.approx((r["tokens"] - 1) / r["profile"]["rounds"])
         assert r["predicted_from_tau"] == pytest.approx(r["tokens_per_round"] / (r["k"] * r["cost_ratio"] + 1))
+        target_alone = next(t for t in results["rows"] if t["label"] == "specdec target alone"
+                            and (t["prompt_set"], t["sampling"]) == (r["prompt_set"], r["sampling"]))
+        target_step = target_alone["profile"]["seconds"]["target"] / target_alone["profile"]["rounds"]
+        draft_step = r["profile"]["seconds"]["draft"] / (r["profile"]["rounds"] * r["k"])
+        assert r["cost_ratio_in_rounds"] == pytest.approx(draft_step / target_step) and draft_step > 0
+        assert r["predicted_in_rounds"] == pytest.approx(formula(r["alpha"], r["k"], r["cost_ratio_in_rounds"]))
         if r["method"] == "draft_model":  # proposes k tokens every round: every position is measured
             assert len(r["acceptance_by_position"]) == r["k"]
             assert all(0 <= a <= 1 for a in r["acceptance_by_position"])
@@ -193,7 +200,8 @@ def test_write_docs(results, report, tmp_path):
 def goal_rows(greedy: float, sampled: float, theirs: float, decode: float, predicted: float) -> list[dict]:
     common = dict(prompt_set="code", k=5, decode_speedup=None, predicted_speedup=None, label="specdec draft model k=5")
     return [dict(common, engine="specdec", method="draft_model", sampling="greedy", speedup=greedy,
-                 tokens_per_s=100 * greedy, decode_speedup=decode, predicted_speedup=predicted),
+                 tokens_per_s=100 * greedy, decode_speedup=decode, predicted_in_rounds=predicted,
+                 predicted_speedup=2 * predicted),
             dict(common, engine="specdec", method="draft_model", sampling="sampled", speedup=sampled,
                  tokens_per_s=100 * sampled),
             dict(common, engine="transformers", method="draft_model", sampling="greedy", speedup=theirs,
@@ -208,6 +216,7 @@ def test_goals_say_met_missed_or_unmeasured():
     assert vs_greedy["met"] is True and vs_greedy["measured"] == pytest.approx(3.0)
     assert vs_sampled["met"] is None and vs_sampled["detail"].startswith("not measured")
     assert prediction["met"] is True and prediction["measured"] == pytest.approx(abs(2.0 / 2.2 - 1))
+    assert "with the isolated step's c: worst 55% off" in prediction["detail"]  # judged on c in the rounds
     off = evaluate_goals({"config": {"transformers_k": 5}, "rows": goal_rows(3.0, 2.0, 1.0, 1.0, 2.0)})[-1]
     assert off["met"] is False and off["measured"] == pytest.approx(0.5) and "missed by 35% points" in off["detail"]
 

@@ -4,7 +4,7 @@ On the held-out code prompts ("code" set), with the draft model (alone, or behin
 lookup: speculative_method "lookup_then_draft"; the best of either, each reported):
   greedy speculative  >= 2.5x the target alone      sampled (0.8 / 0.95) >= 1.8x
   specdec speculative >= 2x transformers' assisted generation (same pair, prompts and k)
-  measured speedup within 15% of the formula's prediction
+  measured speedup within 15% of the formula's prediction (c as paid in the rounds)
 Each goal says whether it was met and by how much it was missed; a goal that could not be
 measured (no draft, no transformers) says so, with met = None.
 """
@@ -56,22 +56,25 @@ def _transformers_goal(rows: list[dict], sampling: str, k: int) -> dict:
 
 
 def _prediction_goal(rows: list[dict]) -> dict:
-    goal = (f"measured speedup after the prefill within {PREDICTION_TOLERANCE:.0%} of the predicted one "
-            "(draft model, every k; measured: the largest relative error)")
-    judged = [r for r in _draft_rows(rows, "specdec", None) if r["predicted_speedup"] and r["decode_speedup"]]
+    """Judged with c as paid inside the rounds (see run._add_in_round_costs); the detail also
+    gives the error with the isolated step's c and with the measured τ."""
+    goal = (f"measured speedup after the prefill within {PREDICTION_TOLERANCE:.0%} of the formula's prediction, "
+            "c measured in the rounds (draft model, every k; measured: the largest relative error)")
+    judged = [r for r in _draft_rows(rows, "specdec", None) if r.get("predicted_in_rounds") and r["decode_speedup"]]
     if not judged:
         return _unmeasured(goal, PREDICTION_TOLERANCE, "no draft-model rows with a prediction")
-    errors = [abs(r["decode_speedup"] / r["predicted_speedup"] - 1) for r in judged]
+    errors = [abs(r["decode_speedup"] / r["predicted_in_rounds"] - 1) for r in judged]
     error, worst = max(zip(errors, judged), key=lambda pair: pair[0])
     within = sum(e <= PREDICTION_TOLERANCE for e in errors)
     met = error <= PREDICTION_TOLERANCE
     detail = (f"{within}/{len(judged)} within; worst {worst['sampling']} k={worst['k']}: measured "
-              f"{worst['decode_speedup']:.2f}x vs predicted {worst['predicted_speedup']:.2f}x ({error:.0%} off)")
+              f"{worst['decode_speedup']:.2f}x vs predicted {worst['predicted_in_rounds']:.2f}x ({error:.0%} off)")
     if not met:
         detail += f"; missed by {error - PREDICTION_TOLERANCE:.0%} points"
-    from_tau = [abs(r["decode_speedup"] / r["predicted_from_tau"] - 1) for r in judged if r.get("predicted_from_tau")]
-    if from_tau:
-        detail += f" (predicted from τ instead: worst {max(from_tau):.0%} off)"
+    for name, key in (("with the isolated step's c", "predicted_speedup"), ("predicted from τ", "predicted_from_tau")):
+        others = [abs(r["decode_speedup"] / r[key] - 1) for r in judged if r.get(key)]
+        if others:
+            detail += f"; {name}: worst {max(others):.0%} off"
     return {"goal": goal, "bar": PREDICTION_TOLERANCE, "measured": error, "met": met, "detail": detail}
 
 

@@ -61,15 +61,18 @@ def markdown(results: dict, title_level: int = 1) -> str:
 
 
 def method_table(results: dict, set_name: str, sampling: str) -> str:
-    lines = ["| method | tokens/s | speedup | decode speedup | predicted | predicted from τ "
-             "| predicted with verify cost | α | τ | c | acceptance by position | of roofline |",
-             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|---:|"]
+    lines = ["| method | tokens/s | speedup | decode speedup | predicted (c in rounds) | predicted (isolated c) "
+             "| predicted from τ | predicted with verify cost | α | τ | c in rounds | isolated c "
+             "| acceptance by position | of roofline |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|---:|"]
     for r in _rows(results, set_name, sampling):
         by_position = " ".join(_number(a, 2) for a in r["acceptance_by_position"] or [])
         lines.append(f"| {r['label']} | {_number(r['tokens_per_s'], 1)} | {_times(r['speedup'])} | "
-                     f"{_times(r['decode_speedup'])} | {_times(r['predicted_speedup'])} | "
+                     f"{_times(r['decode_speedup'])} | {_times(r.get('predicted_in_rounds'))} | "
+                     f"{_times(r['predicted_speedup'])} | "
                      f"{_times(r['predicted_from_tau'])} | {_times(r.get('predicted_with_verify_cost'))} | "
                      f"{_number(r['alpha'], 3)} | {_number(r['tau'], 2)} | "
+                     f"{_number(r.get('cost_ratio_in_rounds'), 3)} | "
                      f"{_number(r['cost_ratio'], 3)} | {by_position} | {_number(r['roofline_fraction'], 2)} |")
     return "\n".join(lines)
 
@@ -235,13 +238,13 @@ def _plot_speedup_vs_k(axes, rows: list[dict]) -> None:
             axes.plot([r["k"] for r in chosen], [r["speedup"] for r in chosen], style, color=color,
                       label=chosen[0]["label"].rsplit(" k=", 1)[0])
     drafted = [r for r in rows if r["engine"] == "specdec" and r["method"] == "draft_model"
-               and r["predicted_speedup"] and r["decode_speedup"]]
+               and r.get("predicted_in_rounds") and r["decode_speedup"]]
     if drafted:
         ks = [r["k"] for r in drafted]
         axes.plot(ks, [r["decode_speedup"] for r in drafted], "o-.", color="C0", alpha=0.6,
                   label="specdec draft model, after the prefill")
-        axes.plot(ks, [r["predicted_speedup"] for r in drafted], "o--", color="C0", alpha=0.3,
-                  label="specdec draft model, predicted")
+        axes.plot(ks, [r["predicted_in_rounds"] for r in drafted], "o--", color="C0", alpha=0.3,
+                  label="specdec draft model, predicted (c in rounds)")
     for r in rows:
         if r["method"] == "none":
             axes.axhline(r["speedup"], linestyle=":" if r["engine"] == "transformers" else "-", color="gray",

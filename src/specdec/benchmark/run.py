@@ -418,7 +418,9 @@ def summarize(records: list[Record], runners: dict[Method, Runner], costs: dict,
                        "method": method.drafter, "k": method.k, "label": method.label}
                 row.update(_row_measurements(method, runs, costs, roofline))
                 group.append(row)
-            _add_speedups(group, next(row for row in group if row["label"] == TARGET_ALONE.label))
+            baseline = next(row for row in group if row["label"] == TARGET_ALONE.label)
+            _add_speedups(group, baseline)
+            _add_in_round_costs(group, baseline)
             rows += group
     return rows
 
@@ -461,6 +463,24 @@ def _add_speedups(group: list[dict], baseline: dict) -> None:
         row["speedup"] = row["tokens_per_s"] / baseline["tokens_per_s"]
         both = row["decode_tokens_per_s"] and baseline["decode_tokens_per_s"]
         row["decode_speedup"] = row["decode_tokens_per_s"] / baseline["decode_tokens_per_s"] if both else None
+
+
+def _add_in_round_costs(group: list[dict], baseline: dict) -> None:
+    """c measured where it is paid: the drafter's time per draft step inside the rounds (its
+    k steps per round, with the bookkeeping that feeds them) ÷ the target alone's time per
+    forward in its own decoding; and the formula's prediction with that c. An isolated step
+    is cheaper than one between the target's forwards (which evict the draft from the caches),
+    so the isolated c flatters the formula."""
+    target_rounds = baseline["profile"]["rounds"] if baseline["profile"] else 0
+    target_step = baseline["profile"]["seconds"]["target"] / target_rounds if target_rounds else None
+    for row in group:
+        row.update(cost_ratio_in_rounds=None, predicted_in_rounds=None)
+        fixed_k = row["engine"] == "specdec" and row["method"] in ("draft_model", "ngram")
+        if not (fixed_k and target_step and row["alpha"] is not None and row["profile"]["rounds"]):
+            continue
+        draft_step = row["profile"]["seconds"]["draft"] / (row["profile"]["rounds"] * row["k"])
+        row["cost_ratio_in_rounds"] = draft_step / target_step
+        row["predicted_in_rounds"] = predicted_speedup(row["alpha"], row["k"], row["cost_ratio_in_rounds"])
 
 
 def acceptance_by_position(stats: SpecStats) -> list[float | None]:
