@@ -139,6 +139,28 @@ def test_interrupted_run_resumes_where_it_stopped(corpus_dir, tmp_path):
         cli("train", *run, "--out", tmp_path / "split", "--lr", "1e-3")
 
 
+def test_train_init_goes_on_from_a_trained_model(trained_dir, corpus_dir, tmp_path):
+    """--init: the first evaluation is the trained model's last (float32 weights, the same
+    held-out windows), training goes on lowering it, and the card names both runs."""
+    out = tmp_path / "continued"
+    run = ["--corpus", corpus_dir, "--batch-size", "8", "--lr", "1e-3", "--warmup", "2", "--eval-tokens", "2048",
+           "--device", "cpu", "--steps", "20", "--eval-every", "0", "--checkpoint-every", "0", "--save-dtype", "float32"]
+    assert cli("train", "--init", trained_dir, "--out", out, *run) == 0
+    first_run = json.loads((trained_dir / "training_log.json").read_text())
+    log = json.loads((out / "training_log.json").read_text())
+    start, end = log["evaluations"][0], log["evaluations"][-1]
+    assert start["held_out_loss"] == pytest.approx(first_run["evaluations"][-1]["held_out_loss"], abs=1e-4)
+    assert end["step"] == 20 and end["held_out_loss"] < start["held_out_loss"]
+    assert (out / "tokenizer.json").read_text() == (trained_dir / "tokenizer.json").read_text()
+    assert json.loads((out / "config.json").read_text())["hidden_size"] == PRESETS["tiny"].hidden_size
+    card = (out / "README.md").read_text()
+    assert "2 runs, in this order" in card and f"--init {trained_dir} " in card and "the model of an earlier" in card
+    assert log["init_log"]["step"] == 40
+
+    with pytest.raises(ValueError, match="--init takes the model's size"):
+        cli("train", "--init", trained_dir, "--out", tmp_path / "sized", *run, "--preset", "tiny")
+
+
 def test_train_reusing_a_tokenizer_shares_its_vocabulary(trained_dir, corpus_dir, tmp_path):
     out = tmp_path / "draft"
     assert cli("train", "--corpus", corpus_dir, "--out", out, "--tokenizer", trained_dir, *TINY_RUN,

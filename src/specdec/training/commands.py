@@ -34,6 +34,8 @@ def add_train_parser(commands) -> None:
     p.add_argument("--out", required=True, help="output directory (model files; checkpoint/ while training)")
     p.add_argument("--tokenizer", metavar="DIR", help="reuse the tokenizer.json in DIR (e.g. the target's, to "
                                                       "train a draft that shares it) instead of training one")
+    p.add_argument("--init", metavar="DIR", help="go on training the model in DIR (its weights, size and "
+                                                 "tokenizer) with a new schedule")
     _add_size_flags(p, default_preset=None)
     _add_training_flags(p)
     p.set_defaults(run=run_train)
@@ -94,9 +96,14 @@ def _add_training_flags(p: argparse.ArgumentParser) -> None:
 def run_train(args) -> int:
     from specdec.training.train import train
 
+    if args.init is not None and (args.preset is not None or args.tokenizer is not None or args.untie_embeddings
+                                  or any(getattr(args, flag) is not None for flag in SIZE_FLAGS)):
+        raise ValueError("--init takes the model's size and tokenizer from its directory; drop --preset, "
+                         "the size flags and --tokenizer")
+    shape = None if args.init is not None else _shape(args)
     try:
-        result = train(args.out, _shape(args), _train_config(args), corpus_path=args.corpus,
-                       tokenizer_dir=args.tokenizer, **_output_options(args))
+        result = train(args.out, shape, _train_config(args), corpus_path=args.corpus,
+                       tokenizer_dir=args.tokenizer, init_dir=args.init, **_output_options(args))
     except KeyboardInterrupt:
         return _interrupted(args.out)
     print(_summary(result, "held_out_loss"))

@@ -36,7 +36,6 @@ before distillation (the initial draft: random init, or --init) and after.
 from __future__ import annotations
 
 import dataclasses
-import json
 import shutil
 import time
 from dataclasses import dataclass
@@ -50,7 +49,7 @@ from specdec.models.loader import LoadedModel, load_pretrained
 from specdec.training.corpus import check_stream_length, evaluation_windows, load_corpus, sample_windows, token_stream
 from specdec.training.loop import Task, TrainConfig, log, train_loop
 from specdec.training.train import (SAVE_DTYPES, ModelShape, TrainResult, check_save_dtype, new_model, open_checkpoint,
-                                    run_identity, training_positions, write_log, corpus_record)
+                                    read_training_log, run_identity, training_positions, write_log, corpus_record)
 
 DIVERGENCES = ("fkl+tv", "tv", "fkl")
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja")
@@ -129,17 +128,6 @@ def distill(target_dir: str | Path, out: str | Path, shape: ModelShape | None, c
                                        "model": dataclasses.asdict(draft.config), **corpus_record(corpus)},
               result, arguments)
     return result
-
-
-def read_training_log(model_dir) -> dict | None:
-    """How the draft in model_dir (an --init draft) was made, for the model card: its
-    training_log.json, or None. An unfinished log there is this very run's, resumed with
-    --out the same as --init: the draft it started from is the one that log names."""
-    path = None if model_dir is None else Path(model_dir) / "training_log.json"
-    if path is None or not path.is_file():
-        return None
-    log = json.loads(path.read_text())
-    return log if log.get("finished", True) else log.get("init_log")
 
 
 def initial_draft(target: LoadedModel, shape: ModelShape | None, init_dir, seed: int) -> LlamaModel:

@@ -33,15 +33,17 @@ def write_model_card(out: str | Path, moved: dict[str, str] | None = None) -> Pa
 def model_card(name: str, log: dict, config: dict, moved: dict[str, str]) -> str:
     """The card's Markdown text."""
     kind = log["kind"]
+    made = "draft" if kind == "distill" else "model"
     arguments = _moved_arguments(log, moved)
-    earlier = _earlier_runs(log)  # the runs whose draft this one started from (--init), oldest first
+    earlier = _earlier_runs(log)  # the runs whose model this one started from (--init), oldest first
     evaluations = (earlier[0] if earlier else log).get("evaluations") or [], log.get("evaluations") or []
     first, last = (evaluations[0][0], evaluations[1][-1]) if all(evaluations) else ({}, {})
     steps, tokens = log["step"], log["tokens_seen"]
     train = log["train_config"]
     lines = [f"# {name}", "",
              f"A {_millions(config)}M-parameter Llama-architecture model of Python code, "
-             + ("trained from scratch by `specdec train`." if kind == "train" else
+             + ((f"trained by `specdec train` in {len(earlier) + 1} runs." if earlier else
+                 "trained from scratch by `specdec train`.") if kind == "train" else
                 f"distilled by `specdec distill` to draft for the target `{Path(log['target']).name}`: "
                 "it shares the target's tokenizer and learned the target's next-token distributions."),
              "It ships with specdec so that speculative decoding runs with nothing to download. It writes "
@@ -63,14 +65,14 @@ def model_card(name: str, log: dict, config: dict, moved: dict[str, str]) -> str
                      f"temperature {distill.get('temperature', '?')}, on-policy fraction "
                      f"{distill.get('on_policy_fraction', 0)}{_on_policy_sampling(distill)} |")
     for run in earlier:
-        lines.append(f"| started from | the draft of an earlier run: {run['step']:,} steps, {run['tokens_seen']:,} "
+        lines.append(f"| started from | the {made} of an earlier run: {run['step']:,} steps, {run['tokens_seen']:,} "
                      f"tokens, lr {run['train_config']['lr']:g}, {run['seconds'] / 60:.1f} min |")
     minutes = [run["seconds"] / 60 for run in earlier + [log]]
     lines += [f"| time and hardware | {' + '.join(f'{m:.1f}' for m in minutes)} min on {_hardware(log)} |",
               f"| held-out evaluation | {_evaluation_line(first, last, 'the first run' if earlier else '')} |", "",
               "## Made by", ""]
     if earlier:
-        lines += [f"{len(earlier) + 1} runs, in this order; each after the first starts from the draft the one "
+        lines += [f"{len(earlier) + 1} runs, in this order; each after the first starts from the {made} the one "
                   "before wrote (`--init`).", ""]
     lines += ["```", *(_command(run["kind"], _moved_arguments(run, moved)) for run in earlier),
               _command(kind, arguments), "```", ""]

@@ -131,34 +131,76 @@ class TrainResult:
         return self.state.evaluations[-1]
 
 
-def train(out: str | Path, shape: ModelShape, config: TrainConfig, corpus_path: str | Path | None = None,
+def train(out: str | Path, shape: ModelShape | None, config: TrainConfig, corpus_path: str | Path | None = None,
           tokenizer_dir: str | Path | None = None, save_dtype: str = "bfloat16",
           max_shard_bytes: int = SHARD_BYTES, restart: bool = False, require_checkpoint: bool = False,
-          arguments: dict | None = None) -> TrainResult:
-    """Train (or resume training) a model on the corpus and write it to `out`."""
+          arguments: dict | None = None, init_dir: str | Path | None = None) -> TrainResult:
+    """Train (or resume training) a model on the corpus and write it to `out`. init_dir: go
+    on training the model there (its weights, size and tokenizer; shape and tokenizer_dir
+    must be None) instead of a new one."""
     out, started = Path(out), time.perf_counter()
     check_save_dtype(save_dtype)
+    if init_dir is not None and (shape is not None or tokenizer_dir is not None):
+        raise ValueError("--init takes the model's size and tokenizer from its directory; drop the size flags "
+                         "and --tokenizer")
     checkpoint = open_checkpoint(out, restart, require_checkpoint)
     corpus = load_corpus(corpus_path)
     log(corpus.describe())
+    initial = load_initial_model(init_dir) if init_dir is not None else None
+    if initial is not None:
+        shape, tokenizer_dir = shape_of(initial.config), init_dir
     tokenizer, eot_id = prepare_tokenizer(corpus, shape, tokenizer_dir, checkpoint)
     shape = _fit_vocabulary(shape, tokenizer, tokenizer_dir)
+    init_log = read_training_log(init_dir)  # read now: out may be init_dir, overwritten at the end
     train_stream, held_out_stream = (token_stream(docs, tokenizer, eot_id) for docs in (corpus.train, corpus.held_out))
     check_stream_length(train_stream, shape.context, "training")
     log(f"{len(train_stream):,} training tokens, {len(held_out_stream):,} held-out tokens; model of "
         f"{shape.model_config().num_parameters / 1e6:.2f}M parameters; tokenizer ready in "
         f"{time.perf_counter() - started:.1f}s")
-    model = new_model(shape.model_config(), config.seed).to(config.device)
-    task = language_model_task(model, train_stream, held_out_stream, shape.context, config,
-                               identity=run_identity("train", model.config, tokenizer, corpus))
+    model = (initial if initial is not None else new_model(shape.model_config(), config.seed)).to(config.device)
+    identity = run_identity("train", model.config, tokenizer, corpus, **({"init": str(init_dir)} if init_dir else {}))
+    task = language_model_task(model, train_stream, held_out_stream, shape.context, config, identity)
     state = train_loop(task, config, out / "checkpoint", checkpoint)
     result = TrainResult(None, state, config.steps)
     if result.finished:
         save_pretrained(model, out, SAVE_DTYPES[save_dtype], max_shard_bytes=max_shard_bytes,
                         tokenizer=tokenizer, eos_token_id=eot_id)
         result = TrainResult(out, state, config.steps)
-    write_log(out, "train", config, {"model": dataclasses.asdict(shape), **corpus_record(corpus)}, result, arguments)
+    settings = {"model": dataclasses.asdict(shape), **corpus_record(corpus)}
+    if init_dir is not None:
+        settings.update(init=str(init_dir), init_log=init_log)
+    write_log(out, "train", config, settings, result, arguments)
     return result
+
+
+def load_initial_model(init_dir: str | Path) -> LlamaModel:
+    """The trained model in init_dir, in float32 and ready to train (a --init run goes on from it)."""
+    from specdec.models.loader import load_pretrained
+
+    return load_pretrained(init_dir, "float32", "cpu", pack_weights=False, load_tokenizer=False
+                           ).model.train().requires_grad_(True)
+
+
+def shape_of(config: ModelConfig) -> ModelShape:
+    """The ModelShape of a loaded model's config (rejects shapes `specdec train` cannot make)."""
+    if config.head_dim * config.num_heads != config.hidden_size:
+        raise ValueError(f"--init: head_dim {config.head_dim} x {config.num_heads} heads is not the hidden size "
+                         f"{config.hidden_size}; specdec train makes (and continues) only models where it is")
+    return ModelShape(vocab_size=config.vocab_size, hidden_size=config.hidden_size, num_layers=config.num_layers,
+                      num_heads=config.num_heads, num_kv_heads=config.num_kv_heads,
+                      intermediate_size=config.intermediate_size, context=config.max_position_embeddings,
+                      tie_word_embeddings=config.tie_word_embeddings)
+
+
+def read_training_log(model_dir) -> dict | None:
+    """How the model in model_dir (an --init model) was made, for the model card: its
+    training_log.json, or None. An unfinished log there is this very run's, resumed with
+    --out the same as --init: the model it started from is the one that log names."""
+    path = None if model_dir is None else Path(model_dir) / "training_log.json"
+    if path is None or not path.is_file():
+        return None
+    log = json.loads(path.read_text())
+    return log if log.get("finished", True) else log.get("init_log")
 
 
 def new_model(config: ModelConfig, seed: int) -> LlamaModel:
