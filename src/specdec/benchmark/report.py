@@ -47,7 +47,7 @@ def write_docs(results: dict, plots: dict[str, Path], docs_dir: str | Path, comm
 def markdown(results: dict, title_level: int = 1) -> str:
     h = "#" * title_level
     sections = [f"{h} specdec bench\n\n{_machine_line(results)}\n\n{_setup_line(results)}\n",
-                f"{h}# Costs and roofline\n\n{costs_table(results)}\n"]
+                f"{h}# Costs and roofline\n\n{costs_table(results)}\n\n{TABLE_LEGEND}\n"]
     for set_name, prompt_set in results["prompt_sets"].items():
         for sampling in results["config"]["samplings"]:
             title = f"{h}# {prompt_set['title']} ({set_name}), {_sampling_words(sampling)}"
@@ -58,6 +58,15 @@ def markdown(results: dict, title_level: int = 1) -> str:
     if results["notes"]:
         sections.append(f"{h}# Notes\n\n" + "\n".join(f"- {note}" for note in results["notes"]) + "\n")
     return "\n".join(sections)
+
+
+TABLE_LEGEND = (
+    "Speedup: tokens/s over the target alone's, prefill included; decode speedup: after the prefill, "
+    "what the formula predicts. Predicted: (1 − α^(k+1)) / ((1 − α)(k·c + 1)), with c in rounds (the "
+    "drafter's time per draft step inside the rounds, catch-up and bookkeeping included, ÷ the target "
+    "alone's time per forward in its own decoding) or the isolated c (one draft step ÷ one target step, "
+    "each timed alone, back to back). Predicted from τ: the measured tokens per round ÷ (k·c + 1), "
+    "isolated c; with verify cost: the verify forward's measured cost v_k in place of the formula's 1.")
 
 
 def method_table(results: dict, set_name: str, sampling: str) -> str:
