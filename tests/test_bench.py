@@ -10,6 +10,7 @@ import math
 import sys
 
 import pytest
+import torch
 
 from helpers import save_tiny_model
 from specdec.benchmark import commands
@@ -276,6 +277,12 @@ def test_missing_shipped_pair_says_what_to_do(monkeypatch, tmp_path):
 def test_bad_configuration_values(pair, changes, message):
     with pytest.raises(ValueError, match=message):
         BenchConfig(model=str(pair[0]), **changes)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the error is for machines without CUDA")
+def test_cuda_device_without_cuda_is_a_clear_error(pair):
+    with pytest.raises(ValueError, match="device 'cuda': CUDA is not available on this machine"):
+        BenchConfig(model=str(pair[0]), device="cuda")
 
 
 def test_bad_ks_flag_is_rejected_by_argparse(capsys):
