@@ -475,7 +475,7 @@ def _add_in_round_costs(group: list[dict], baseline: dict) -> None:
     target_step = baseline["profile"]["seconds"]["target"] / target_rounds if target_rounds else None
     for row in group:
         row.update(cost_ratio_in_rounds=None, predicted_in_rounds=None)
-        fixed_k = row["engine"] == "specdec" and row["method"] in ("draft_model", "ngram")
+        fixed_k = row["cost_ratio"] is not None  # set for the rows that draft k tokens every round
         if not (fixed_k and target_step and row["alpha"] is not None and row["profile"]["rounds"]):
             continue
         draft_step = row["profile"]["seconds"]["draft"] / (row["profile"]["rounds"] * row["k"])

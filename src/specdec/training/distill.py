@@ -49,7 +49,7 @@ from specdec.models.loader import LoadedModel, load_pretrained
 from specdec.training.corpus import check_stream_length, evaluation_windows, load_corpus, sample_windows, token_stream
 from specdec.training.loop import Task, TrainConfig, log, train_loop
 from specdec.training.train import (SAVE_DTYPES, ModelShape, TrainResult, check_save_dtype, new_model, open_checkpoint,
-                                    read_training_log, run_identity, training_positions, write_log, corpus_record)
+                                    load_initial_model, read_training_log, run_identity, training_positions, write_log, corpus_record)
 
 DIVERGENCES = ("fkl+tv", "tv", "fkl")
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja")
@@ -139,12 +139,12 @@ def initial_draft(target: LoadedModel, shape: ModelShape | None, init_dir, seed:
         return new_model(shape.model_config(), seed)
     from specdec.drafters.draft_model import check_same_vocabulary
 
-    loaded = load_pretrained(init_dir, "float32", "cpu", pack_weights=False)
+    loaded = load_initial_model(init_dir, load_tokenizer=True)
     check_same_vocabulary(target, loaded)
     if loaded.model.config.vocab_size != target_vocab:
         raise ValueError(f"--init {init_dir} has vocab_size {loaded.model.config.vocab_size}, the target "
                          f"{target_vocab}; distillation compares distributions over the same vocabulary")
-    return loaded.model.train().requires_grad_(True)
+    return loaded.model
 
 
 def distillation_task(draft: LlamaModel, target: LlamaModel, train_stream: torch.Tensor,

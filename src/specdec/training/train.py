@@ -146,7 +146,7 @@ def train(out: str | Path, shape: ModelShape | None, config: TrainConfig, corpus
     checkpoint = open_checkpoint(out, restart, require_checkpoint)
     corpus = load_corpus(corpus_path)
     log(corpus.describe())
-    initial = load_initial_model(init_dir) if init_dir is not None else None
+    initial = load_initial_model(init_dir).model if init_dir is not None else None
     if initial is not None:
         shape, tokenizer_dir = shape_of(initial.config), init_dir
     tokenizer, eot_id = prepare_tokenizer(corpus, shape, tokenizer_dir, checkpoint)
@@ -173,12 +173,14 @@ def train(out: str | Path, shape: ModelShape | None, config: TrainConfig, corpus
     return result
 
 
-def load_initial_model(init_dir: str | Path) -> LlamaModel:
-    """The trained model in init_dir, in float32 and ready to train (a --init run goes on from it)."""
+def load_initial_model(init_dir: str | Path, load_tokenizer: bool = False):
+    """The trained model in init_dir (a LoadedModel), in float32 with its model ready to train:
+    what a --init run of train or distill goes on from."""
     from specdec.models.loader import load_pretrained
 
-    return load_pretrained(init_dir, "float32", "cpu", pack_weights=False, load_tokenizer=False
-                           ).model.train().requires_grad_(True)
+    loaded = load_pretrained(init_dir, "float32", "cpu", pack_weights=False, load_tokenizer=load_tokenizer)
+    loaded.model.train().requires_grad_(True)
+    return loaded
 
 
 def shape_of(config: ModelConfig) -> ModelShape:
