@@ -5,6 +5,7 @@ transformers load alike, its loss falls, an interrupted run resumes exactly; a t
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import shutil
 import sysconfig
@@ -189,6 +190,9 @@ def test_distill_raises_acceptance(trained_dir, corpus_dir, tmp_path):
     assert abs(after["held_out_alpha"] + after["held_out_tv"] - 1) < 1e-6
     for name in ("tokenizer.json", "tokenizer_config.json"):
         assert (out / name).read_bytes() == (trained_dir / name).read_bytes()
+    shards = b"".join(f.read_bytes() for f in sorted(trained_dir.glob("model-*-of-*.safetensors")))
+    weights = hashlib.sha256(shards).hexdigest()[:16]
+    assert log["target_sha256"] == weights and f"sha256 `{weights}`" in (out / "README.md").read_text()
 
     llm = LLM(str(trained_dir), speculative_model=str(out), num_speculative_tokens=3, dtype="float32")
     params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
@@ -206,6 +210,7 @@ def test_distill_raises_acceptance(trained_dir, corpus_dir, tmp_path):
     first_command, second_command = f"--out {out} ", f"--init {out} "
     assert first_command in card and second_command in card
     assert card.index(first_command) < card.index(second_command) and "started from" in card
+    assert "other weights of the target" not in card and "not record" not in card  # both runs: the same target
     assert f"{before['held_out_alpha']:.3f} (step 0 of the first run)" in card  # the evaluation spans both runs
 
     # --init and --out the same directory, interrupted and resumed: still two runs, not three
@@ -218,6 +223,18 @@ def test_distill_raises_acceptance(trained_dir, corpus_dir, tmp_path):
     log = json.loads((same / "training_log.json").read_text())
     assert log["finished"] and log["init_log"]["step"] == 30 and log["init_log"]["init_log"] is None
     assert "2 runs, in this order" in (same / "README.md").read_text()
+
+
+def test_model_card_names_runs_distilled_from_other_target_weights():
+    """A draft continued across a change of its target (the target trained further, say):
+    the card says which runs saw other target weights, or did not record them."""
+    from specdec.training.model_card import _target_history
+
+    runs = [{}, {"target_sha256": "aa"}, {"target_sha256": "aa"}, {"target_sha256": "bb"}]
+    paragraph = _target_history(runs)[0]
+    assert paragraph.startswith("Runs 2 and 3 distilled from other weights of the target than the last run's.")
+    assert "Run 1 does not record which weights of the target it distilled from" in paragraph
+    assert _target_history(runs[3:]) == [] and _target_history(runs[1:3]) == []
 
 
 def test_acceptance_is_one_minus_total_variation():

@@ -36,6 +36,7 @@ before distillation (the initial draft: random init, or --init) and after.
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import shutil
 import time
 from dataclasses import dataclass
@@ -123,11 +124,23 @@ def distill(target_dir: str | Path, out: str | Path, shape: ModelShape | None, c
         save_pretrained(draft, out, SAVE_DTYPES[save_dtype], max_shard_bytes=max_shard_bytes, eos_token_id=eot_id)
         copy_tokenizer(target, out)
         result = TrainResult(out, state, config.steps)
-    write_log(out, "distill", config, {"target": str(target_dir), "init": str(init_dir), "init_log": init_log,
+    write_log(out, "distill", config, {"target": str(target_dir), "target_sha256": weights_fingerprint(target_dir),
+                                       "init": str(init_dir), "init_log": init_log,
                                        "distill": dataclasses.asdict(distill_config),
                                        "model": dataclasses.asdict(draft.config), **corpus_record(corpus)},
               result, arguments)
     return result
+
+
+def weights_fingerprint(model_dir: Path) -> str:
+    """The first 16 hex digits of the SHA-256 of a model directory's safetensors files, in
+    name order: which weights a draft was distilled from, kept in its training log."""
+    digest = hashlib.sha256()
+    for file in sorted(model_dir.glob("*.safetensors")):
+        with file.open("rb") as f:
+            for block in iter(lambda: f.read(1 << 20), b""):
+                digest.update(block)
+    return digest.hexdigest()[:16]
 
 
 def initial_draft(target: LoadedModel, shape: ModelShape | None, init_dir, seed: int) -> LlamaModel:

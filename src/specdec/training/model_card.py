@@ -64,6 +64,9 @@ def model_card(name: str, log: dict, config: dict, moved: dict[str, str]) -> str
         lines.append(f"| distillation | loss {distill.get('divergence', '?')} on the target's soft labels at "
                      f"temperature {distill.get('temperature', '?')}, on-policy fraction "
                      f"{distill.get('on_policy_fraction', 0)}{_on_policy_sampling(distill)} |")
+        if log.get("target_sha256"):
+            lines.append(f"| target weights | sha256 `{log['target_sha256']}` (the first 16 hex digits, over its "
+                         "safetensors files) |")
     for run in earlier:
         lines.append(f"| started from | the {made} of an earlier run: {run['step']:,} steps, {run['tokens_seen']:,} "
                      f"tokens, lr {run['train_config']['lr']:g}, {run['seconds'] / 60:.1f} min |")
@@ -74,6 +77,8 @@ def model_card(name: str, log: dict, config: dict, moved: dict[str, str]) -> str
     if earlier:
         lines += [f"{len(earlier) + 1} runs, in this order; each after the first starts from the {made} the one "
                   "before wrote (`--init`).", ""]
+        if kind == "distill":
+            lines += _target_history(earlier + [log])
     lines += ["```", *(_command(run["kind"], _moved_arguments(run, moved)) for run in earlier),
               _command(kind, arguments), "```", ""]
     if moved:
@@ -100,6 +105,29 @@ def _earlier_runs(log: dict) -> list[dict]:
         runs.insert(0, run)
         run = run.get("init_log")
     return runs
+
+
+def _target_history(runs: list[dict]) -> list[str]:
+    """A paragraph naming the runs that distilled from other target weights than the last
+    run, or that did not record them; none where all recorded the last run's."""
+    last = runs[-1].get("target_sha256")
+    unrecorded = [i + 1 for i, run in enumerate(runs) if not run.get("target_sha256")]
+    other = [i + 1 for i, run in enumerate(runs) if run.get("target_sha256") not in (None, last)]
+    sentences = []
+    if other:
+        sentences.append(f"{_runs(other)} distilled from other weights of the target than the last run's.")
+    if unrecorded:
+        sentences.append(f"{_runs(unrecorded)} {'does' if len(unrecorded) == 1 else 'do'} not record which "
+                         f"weights of the target {'it' if len(unrecorded) == 1 else 'they'} distilled from "
+                         "(the record came later).")
+    return [" ".join(sentences), ""] if sentences else []
+
+
+def _runs(numbers: list[int]) -> str:
+    """'Run 3' or 'Runs 1, 2 and 4'."""
+    if len(numbers) == 1:
+        return f"Run {numbers[0]}"
+    return f"Runs {', '.join(map(str, numbers[:-1]))} and {numbers[-1]}"
 
 
 def _millions(config: dict) -> str:
