@@ -47,8 +47,8 @@ def model_card(name: str, log: dict, config: dict, moved: dict[str, str]) -> str
                 f"distilled by `specdec distill` to draft for the target `{Path(log['target']).name}`: "
                 "it shares the target's tokenizer and learned the target's next-token distributions."),
              "It ships with specdec so that speculative decoding runs with nothing to download. It writes "
-             "plausible-looking standard-library Python, but it is a demonstration model: small, trained for "
-             "minutes on one library, and often wrong.", "",
+             "plausible-looking standard-library Python, but it is a demonstration model: small, trained on one "
+             "library, and often wrong.", "",
              "| | |", "|---|---|",
              f"| architecture | {_architecture(config)} |",
              f"| parameters | {_millions(config)}M |",
