@@ -49,8 +49,9 @@ from specdec.models.llama import LlamaModel
 from specdec.models.loader import LoadedModel, load_pretrained
 from specdec.training.corpus import check_stream_length, evaluation_windows, load_corpus, sample_windows, token_stream
 from specdec.training.loop import Task, TrainConfig, log, train_loop
-from specdec.training.train import (SAVE_DTYPES, ModelShape, TrainResult, check_save_dtype, new_model, open_checkpoint,
-                                    load_initial_model, read_training_log, run_identity, training_positions, write_log, corpus_record)
+from specdec.training.train import (SAVE_DTYPES, ModelShape, TrainResult, check_save_dtype, corpus_record,
+                                    load_initial_model, new_model, open_checkpoint, read_training_log, run_identity,
+                                    training_positions, write_log)
 
 DIVERGENCES = ("fkl+tv", "tv", "fkl")
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja")
