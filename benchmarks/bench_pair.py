@@ -7,9 +7,10 @@ Prompts are held-out standard-library modules cut just after a `def` line (see
 specdec.benchmark.prompts). For each prompt, greedy speculative decoding and the target
 alone run back to back (interleaved, so drift hits all alike); the table reports the
 totals: α, τ, tokens/s of each, the measured speedup and the one predicted from α, k and
-the measured cost ratio c; and it checks the outputs are identical. --lookup adds rows for
-speculative_method="lookup_then_draft": prompt lookup where the context repeats, the same
-draft model elsewhere (no prediction: the cost per draft token varies by round).
+the measured cost ratio c; it checks the outputs are identical; and it counts how many of the
+target's completion lines are valid Python after their prompt (Prompt.lines_that_parse).
+--lookup adds rows for speculative_method="lookup_then_draft": prompt lookup where the context
+repeats, the same draft model elsewhere (no prediction: the cost per draft token varies by round).
 """
 
 from __future__ import annotations
@@ -62,10 +63,11 @@ def main() -> None:
         llm.generate(prompts[0].text, params)
 
     plain_stats, spec_stats = [], {key: [] for key in speculative}
-    mismatches, shown = {key: [] for key in speculative}, []
+    mismatches, shown, parsing = {key: [] for key in speculative}, [], []
     for prompt in prompts:  # interleaved: the target alone, then each k, prompt by prompt
         alone = plain.generate(prompt.text, params)[0]
         plain_stats.append(alone.metrics)
+        parsing.append(prompt.lines_that_parse(alone.outputs[0].text))
         for key, llm in speculative.items():
             ours = llm.generate(prompt.text, params)[0]
             spec_stats[key].append(ours.metrics)
@@ -98,6 +100,10 @@ def main() -> None:
     for (name, k), names in mismatches.items():
         if names:
             print(f"{name} k={k}: outputs differ from the target alone on {', '.join(names)}")
+    valid_lines, whole_lines = (sum(counts) for counts in zip(*parsing))
+    valid_throughout = sum(valid == whole for valid, whole in parsing)
+    print(f"\nthe target's completions: {valid_lines} of their {whole_lines} whole non-blank lines are valid Python "
+          f"after their prompt; {valid_throughout} of {len(prompts)} completions are valid throughout")
     for prompt, completion in shown:
         print(f"\n### {prompt.name}\n```python\n{prompt.text[-300:]}{completion}\n```")
 

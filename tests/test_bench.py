@@ -5,8 +5,11 @@ asserted here."""
 from __future__ import annotations
 
 import argparse
+import ast
+import itertools
 import json
 import math
+import random
 import sys
 
 import pytest
@@ -16,8 +19,9 @@ from helpers import save_tiny_model
 from specdec.benchmark import commands
 from specdec.benchmark.exactness import compare, first_divergence
 from specdec.benchmark.goals import evaluate_goals
-from specdec.benchmark.prompts import repeated_code_prompts
+from specdec.benchmark.prompts import held_out_code_prompts, repeated_code_prompts
 from specdec.benchmark.report import PLOTS, write_report
+from specdec.training.corpus import stdlib_path
 from specdec.benchmark.run import (GREEDY, TARGET_ALONE, TRANSFORMERS_PLAIN, BenchConfig, Method, Record, Run,
                                    check_greedy_exactness, run_benchmark,
                                    transformers_runners)
@@ -303,3 +307,49 @@ def test_repeated_code_prompts_end_with_the_renamed_signature():
         assert signature.endswith(":") and f"def {name}_copy(" in signature  # no bare line break at the end
         assert function.startswith(signature.replace(f"{name}_copy(", f"{name}("))  # the same signature
         assert len(prompt.text) <= 1200 and function.count("\n") >= len(signature.splitlines()) + 2
+
+
+def _original_body(prompt) -> tuple[str, ast.FunctionDef]:
+    """The stdlib's own body for a held-out prompt's function (the file's text from the prompt's
+    end to the function's last line), and the function's syntax tree."""
+    module, name = prompt.name.split(":")
+    source = (stdlib_path() / module).read_text(encoding="utf-8")
+    cut = len(prompt.before + prompt.text)
+    assert source[:cut] == prompt.before + prompt.text
+    line_ends = list(itertools.accumulate(len(line) for line in source.splitlines(keepends=True)))
+    enclosing = [node for node in ast.walk(ast.parse(source))
+                 if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and node.name == name
+                 and line_ends[node.lineno - 2] < cut < line_ends[node.end_lineno - 1]]
+    function = max(enclosing, key=lambda node: node.lineno)  # the innermost
+    return source[cut:line_ends[function.end_lineno - 1]], function
+
+
+def test_the_stdlibs_own_bodies_are_valid_python_after_their_prompts_and_a_bad_line_stops_the_count():
+    prompts = held_out_code_prompts(per_module=1, max_chars=800)
+    assert len(prompts) >= 8 and sum(bool(prompt.before) for prompt in prompts) >= 4  # files cut to 800 characters
+    rng, checked = random.Random(0), 0
+    for prompt in prompts:
+        body, function = _original_body(prompt)
+        num_lines = sum(1 for line in body.splitlines() if line.strip())
+        assert prompt.lines_that_parse(body) == (num_lines, num_lines)
+        unfinished = body.rstrip("\n")[:-1]  # its last line is left out
+        assert prompt.lines_that_parse(unfinished) == (num_lines - 1, num_lines - 1)
+
+        if len(function.body) < 2:
+            continue
+        statement = rng.choice(function.body[1:])  # a bad line goes just before it
+        checked += 1
+        lines = body.splitlines(keepends=True)
+        first_body_line = (prompt.before + prompt.text).count("\n") + 1  # 1-based: the signature's last line
+        at = statement.lineno - first_body_line  # index into lines: the statement's first line
+        indent = lines[at][:len(lines[at]) - len(lines[at].lstrip())]
+        broken = "".join(lines[:at]) + f"{indent}x = = 1\n" + "".join(lines[at:])
+        valid_before = sum(1 for line in lines[:at] if line.strip())
+        assert prompt.lines_that_parse(broken) == (valid_before, num_lines + 1), prompt.name
+    assert checked >= 8
+
+
+def test_a_body_at_the_wrong_indentation_is_not_valid_python_and_an_open_docstring_is():
+    prompt = next(prompt for prompt in held_out_code_prompts(per_module=1) if "    def " in prompt.text[-200:])
+    assert prompt.lines_that_parse("\nreturn 1\n") == (0, 1)
+    assert prompt.lines_that_parse("\n" + " " * 12 + "'''An open docstring\n" + " " * 12 + "more") == (1, 1)

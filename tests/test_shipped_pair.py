@@ -1,6 +1,6 @@
 """The code-model pair committed in models/: its size limits, its model cards, that transformers
 reads it as specdec does, and that speculative decoding with it is exactly the target's greedy
-output on held-out code."""
+output on held-out code, and mostly valid Python."""
 
 from __future__ import annotations
 
@@ -58,11 +58,14 @@ def test_transformers_reads_the_target_as_specdec_does():
 def test_speculative_greedy_output_is_the_targets_on_held_out_code(draft_dtype):
     llm = LLM(str(TARGET), speculative_model=str(DRAFT), num_speculative_tokens=5, dtype="float32",
               draft_dtype=draft_dtype)
-    prompts = [p.text for p in held_out_code_prompts(1, max_chars=600)[::4]]
+    prompts = held_out_code_prompts(1, max_chars=600)[::4]
     params = SamplingParams(temperature=0, max_tokens=48)
-    speculative = llm.generate(prompts, params)
-    alone = llm.target_only().generate(prompts, params)
+    speculative = llm.generate([p.text for p in prompts], params)
+    alone = llm.target_only().generate([p.text for p in prompts], params)
     for ours, reference in zip(speculative, alone):
         assert ours.outputs[0].token_ids == reference.outputs[0].token_ids
     accepted = sum(out.metrics.num_accepted_tokens for out in speculative)
     assert accepted > 0.3 * sum(len(out.outputs[0].token_ids) for out in speculative)  # the draft does help
+    valid, whole = (sum(counts) for counts in zip(*(prompt.lines_that_parse(out.outputs[0].text)
+                                                    for prompt, out in zip(prompts, alone))))
+    assert whole >= len(prompts) and valid >= 0.8 * whole  # the target writes Python

@@ -15,7 +15,9 @@ shines here).
 from __future__ import annotations
 
 import ast
+import codeop
 import textwrap
+import warnings
 from dataclasses import dataclass
 
 from specdec.training.corpus import HELD_OUT_MODULES, stdlib_path
@@ -27,6 +29,21 @@ MIN_BODY_LINES = 3  # repeated code prompts copy functions with at least this ma
 class Prompt:
     name: str  # "module.py:function"
     text: str
+    before: str = ""  # the file's text before `text`, cut off to keep the prompt short
+
+    def lines_that_parse(self, completion: str) -> tuple[int, int]:
+        """(parsing, whole): of the completion's whole non-blank lines (its last, unfinished line
+        left out), how many Python's parser accepts after the prompt: the longest run of them,
+        from the first, that is valid Python after the file's text up to the prompt's end, either
+        complete or valid so far (a block, bracket or string the cut left open, as the parser
+        of the interactive prompt judges it). A body written well parses whole; one that is not
+        Python parses none."""
+        whole_lines = completion[:completion.rfind("\n") + 1].splitlines(keepends=True)
+        ends = [i + 1 for i, line in enumerate(whole_lines) if line.strip()]  # just past each non-blank line
+        for parsing in range(len(ends), 0, -1):
+            if _valid_so_far(self.before + self.text + "".join(whole_lines[:ends[parsing - 1]])):
+                return parsing, len(ends)
+        return 0, len(ends)
 
 
 def held_out_code_prompts(per_module: int = 2, max_chars: int = 1200) -> list[Prompt]:
@@ -35,11 +52,10 @@ def held_out_code_prompts(per_module: int = 2, max_chars: int = 1200) -> list[Pr
     prompts = []
     for module, source in _held_out_sources():
         for name, cut in _def_line_ends(source)[:per_module]:
-            text = source[:cut]
-            if len(text) > max_chars:
-                start = text.index("\n", len(text) - max_chars) + 1
-                text = text[start:]
-            prompts.append(Prompt(f"{module}:{name}", text))
+            start = 0
+            if cut > max_chars:
+                start = source.index("\n", cut - max_chars) + 1
+            prompts.append(Prompt(f"{module}:{name}", source[start:cut], before=source[:start]))
     return prompts
 
 
@@ -86,6 +102,17 @@ def _repeat_prompt(source: str, span: _FunctionSpan) -> str | None:
     signature = "".join(lines[:num_signature_lines]).replace(f"def {span.name}(", f"def {new_name}(", 1)
     comment = f"# The same function again, renamed from {span.name} to {new_name}:\n"
     return "".join(lines).rstrip() + "\n\n\n" + comment + signature.rstrip("\r\n")  # no bare line break: see above
+
+
+def _valid_so_far(source: str) -> bool:
+    """Whether source is Python code, complete or cut off before its end."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # SyntaxWarning for a bad escape in a string the model wrote
+        try:
+            codeop.compile_command(source, symbol="exec")  # None for code cut off: still valid
+        except (SyntaxError, ValueError, OverflowError):  # ValueError: a null byte; OverflowError: a huge literal
+            return False
+    return True
 
 
 def _function_spans(source: str) -> list[_FunctionSpan]:
