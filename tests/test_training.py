@@ -116,7 +116,8 @@ def test_model_card_states_the_run(trained_dir, corpus_dir):
     assert log["cpu"] in card
     assert model_card_main([str(trained_dir), "--moved", f"{trained_dir}=models/tiny"]) == 0
     moved = (trained_dir / "README.md").read_text()
-    assert "--out models/tiny" in moved and f"Runs wrote to `{trained_dir}`" in moved
+    assert "--out models/tiny" in moved
+    assert f"Copied after the run: `{trained_dir}` to `models/tiny` (the command above names the new places)" in moved
 
 
 def test_interrupted_run_resumes_where_it_stopped(corpus_dir, tmp_path):
@@ -235,6 +236,8 @@ def test_model_card_names_runs_distilled_from_other_target_weights():
     assert paragraph.startswith("Runs 2 and 3 distilled from other weights of the target than the last run's.")
     assert "Run 1 does not record which weights of the target it distilled from" in paragraph
     assert _target_history(runs[3:]) == [] and _target_history(runs[1:3]) == []
+    assert _target_history([{}, {}]) == ["No run records which weights of the target it distilled from "
+                                          "(the record came later).", ""]
 
 
 def test_acceptance_is_one_minus_total_variation():

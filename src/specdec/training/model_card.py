@@ -82,9 +82,10 @@ def model_card(name: str, log: dict, config: dict, moved: dict[str, str]) -> str
     lines += ["```", *(_command(run["kind"], _moved_arguments(run, moved)) for run in earlier),
               _command(kind, arguments), "```", ""]
     if moved:
-        lines += ["Runs wrote to " + ", ".join(f"`{old}`" for old in moved) + "; their files were copied to "
-                  + ", ".join(f"`{new}`" for new in moved.values()) + " in turn (the commands above name the new "
-                  "places).", ""]
+        commands = "the commands above name" if earlier else "the command above names"
+        lines += [f"Copied after the run{'s' if earlier else ''}: "
+                  + ", ".join(f"`{old}` to `{new}`" for old, new in moved.items())
+                  + f" ({commands} the new places).", ""]
     lines += [
               "Runs are deterministic up to floating-point reduction order: the same command with the same "
               "seed on the same machine and library versions gives the same model.", "",
@@ -116,7 +117,9 @@ def _target_history(runs: list[dict]) -> list[str]:
     sentences = []
     if other:
         sentences.append(f"{_runs(other)} distilled from other weights of the target than the last run's.")
-    if unrecorded:
+    if len(unrecorded) == len(runs):
+        sentences.append("No run records which weights of the target it distilled from (the record came later).")
+    elif unrecorded:
         sentences.append(f"{_runs(unrecorded)} {'does' if len(unrecorded) == 1 else 'do'} not record which "
                          f"weights of the target {'it' if len(unrecorded) == 1 else 'they'} distilled from "
                          "(the record came later).")
