@@ -9,7 +9,7 @@ import shutil
 import pytest
 import torch
 
-from helpers import load_hf, save_tiny_model
+from helpers import load_hf, make_tokenizer, save_tiny_model
 from specdec import LLM, SamplingParams
 from specdec.models.cpu_linear import Bf16PackedLinear, can_pack
 
@@ -322,6 +322,22 @@ def test_draft_dtype_is_independent_of_the_target_and_never_changes_greedy_outpu
     expected_ids = [plain_bf16.generate([p], params)[0].outputs[0].token_ids for p in prompts]
     got = [llm.generate([p], params)[0].outputs[0].token_ids for p in prompts]
     assert got == expected_ids
+
+
+def test_a_draft_lacking_the_targets_padded_ids_still_drafts(tmp_path):
+    """A padded vocabulary: the target's embedding has 320 ids, the shared tokenizer makes fewer,
+    and the draft's embedding stops at 313. Prompts holding the target's extra ids run (in a
+    batch and sampled too), and greedy output is the target's alone."""
+    target = save_tiny_model(tmp_path / "target", seed=1, init_std=0.3, vocab_size=320, tokenizer=False)
+    draft = save_tiny_model(tmp_path / "draft", seed=2, init_std=0.3, vocab_size=313, tokenizer=False)
+    for directory in (target, draft):
+        make_tokenizer(313).save(str(directory / "tokenizer.json"))
+    prompts = [p + [315, 319] + p for p in random_prompts(3, seed=33)]  # ids the draft cannot embed
+    speculative = LLM(str(target), speculative_model=str(draft), num_speculative_tokens=3, dtype="float32")
+    alone = speculative.target_only()
+    assert token_ids(speculative.generate(prompts, GREEDY)) == token_ids(alone.generate(prompts, GREEDY))
+    sampled = speculative.generate(prompts, SamplingParams(temperature=1.0, max_tokens=20, ignore_eos=True, seed=4))
+    assert all(len(out.outputs[0].token_ids) == 20 for out in sampled)
 
 
 def test_bad_draft_dtype_is_refused_by_name(dirs):

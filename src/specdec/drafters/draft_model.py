@@ -128,7 +128,18 @@ class DraftModelDrafter(Drafter):
             chunks.append(tokens[start:])
             starts.append(start)
         input_ids, positions, last = ragged_batch(chunks, starts, self.cache)
-        return self._logits(self.model.last_token_logits(input_ids.to(device), positions.to(device), self.cache, last))
+        input_ids = self._in_draft_vocabulary(input_ids.to(device))
+        return self._logits(self.model.last_token_logits(input_ids, positions.to(device), self.cache, last))
+
+    def _in_draft_vocabulary(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """A draft with a smaller embedding than the target's (a padded vocabulary: ids the shared
+        tokenizer never makes) cannot embed the target's extra ids, which a prompt of ids or a
+        sample can still hold: it reads them as id 0. That changes only what the draft proposes;
+        verification keeps the output the target's."""
+        draft_vocab_size = self.model.config.vocab_size
+        if draft_vocab_size >= self.vocab_size:
+            return input_ids
+        return torch.where(input_ids < draft_vocab_size, input_ids, 0)
 
     def _logits(self, logits: torch.Tensor) -> torch.Tensor:
         """Draft logits [B, V_draft] in the target's vocabulary [B, V]: extra ids cut, missing
