@@ -444,6 +444,12 @@ def assert_still_works(llms, name: str) -> None:
     ("max_tokens", -3),
     ("min_p", 2),
     ("min_p", -0.1),
+    ("top_k", 2**63),
+    ("seed", 2**64),
+    ("seed", -2**63 - 1),
+    ("seed", 1.5),
+    ("stop_token_ids", "7"),
+    ("stop_token_ids", [3, -1]),
 ])
 def test_invalid_sampling_values(llms, field, value):
     made, prompts, _, _ = llms
@@ -454,8 +460,18 @@ def test_invalid_sampling_values(llms, field, value):
 
 def test_valid_edge_sampling_values_are_accepted():
     """The boundaries the checks above must not reject."""
-    SamplingParams(temperature=0, top_p=1, top_k=-1, min_p=0, max_tokens=1)
-    SamplingParams(temperature=2.0, top_p=1e-6, top_k=0, min_p=1, max_tokens=10_000)
+    SamplingParams(temperature=0, top_p=1, top_k=-1, min_p=0, max_tokens=1, seed=-2**63)
+    SamplingParams(temperature=2.0, top_p=1e-6, top_k=2**63 - 1, min_p=1, max_tokens=10_000, seed=2**64 - 1)
+    assert SamplingParams(stop_token_ids=7).stop_token_ids == (7,)  # one id, as one stop string is allowed
+
+
+@pytest.mark.parametrize("name", ["target", "draft_model"])
+@pytest.mark.parametrize("temperature", [1e-38, 1e-6])
+def test_a_temperature_too_small_to_divide_by_is_greedy(llms, name, temperature):
+    """logits / 1e-38 overflows float32; below 1e-5 (vLLM's threshold) sampling is greedy."""
+    made, prompts, params, reference = llms
+    tiny = SamplingParams(temperature=temperature, max_tokens=params.max_tokens)
+    assert [o.outputs[0].token_ids for o in made[name].generate(prompts, tiny)] == reference
 
 
 @pytest.mark.parametrize("name", ["target", "draft_model"])
@@ -490,6 +506,17 @@ def test_token_ids_out_of_vocabulary(llms, name, bad):
     with pytest.raises(ValueError, match=str(VOCAB)):
         made[name].generate(bad, params)
     assert_still_works(llms, name)
+
+
+def test_every_prompt_form_gives_the_same_tokens(llms):
+    """Token ids as a list or a tuple, alone, in a list or in a dict; text alone, in a list or
+    tuple, or in a dict."""
+    made, prompts, params, reference = llms
+    ids, text = prompts[0], prompts[2]
+    for form in (ids, tuple(ids), [ids], [tuple(ids)], {"prompt_token_ids": ids}, [{"prompt_token_ids": tuple(ids)}]):
+        assert [o.outputs[0].token_ids for o in made["target"].generate(form, params)] == reference[:1], form
+    for form in (text, [text], (text,), {"prompt": text}):
+        assert [o.outputs[0].token_ids for o in made["target"].generate(form, params)] == reference[2:], form
 
 
 def test_sampling_params_list_of_wrong_length(llms):

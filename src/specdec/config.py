@@ -11,18 +11,24 @@ import math
 from dataclasses import dataclass
 
 
+GREEDY_TEMPERATURE = 1e-5  # temperatures below this sample greedily
+INT64_MIN, INT64_MAX, UINT64_MAX = -2**63, 2**63 - 1, 2**64 - 1
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     """How to sample one request, in vLLM's names.
 
-    temperature: 0 means greedy (argmax, no randomness).
+    temperature: 0 means greedy (argmax, no randomness); so does any temperature below
+        GREEDY_TEMPERATURE (1e-5, as in vLLM), where logits / T would overflow float32.
     top_k: keep the k most likely tokens; -1 (or 0) keeps all.
     top_p: keep the smallest set of most likely tokens whose mass reaches top_p.
     min_p: drop tokens whose probability is below min_p times the most likely one's.
     max_tokens: the most tokens to generate.
     stop: strings that end the generation; the text stops before them.
     stop_token_ids: token ids that end the generation (kept in the token ids, like EOS).
-    seed: a per-request seed: the same seed gives the same tokens whatever else is batched.
+    seed: a per-request seed: the same seed gives the same tokens whatever else is batched
+        (any integer torch.Generator takes: from -2**63 to 2**64 - 1).
     ignore_eos: keep generating past the model's end-of-sequence tokens.
     """
 
@@ -40,12 +46,16 @@ class SamplingParams:
         if isinstance(self.stop, str):
             object.__setattr__(self, "stop", (self.stop,))
         object.__setattr__(self, "stop", tuple(self.stop or ()))
+        if is_int(self.stop_token_ids):
+            object.__setattr__(self, "stop_token_ids", (self.stop_token_ids,))
+        check(isinstance(self.stop_token_ids, (tuple, list, set, frozenset)) or self.stop_token_ids is None,
+              f"stop_token_ids must be a list of token ids, got {self.stop_token_ids!r}")
         object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids or ()))
         check(is_real(self.temperature) and self.temperature >= 0,
                f"temperature must be a number >= 0 (0 = greedy), got {self.temperature!r}")
         check(is_real(self.top_p) and 0 < self.top_p <= 1,
                f"top_p must be in (0, 1], got {self.top_p!r}")
-        check(is_int(self.top_k) and self.top_k >= -1,
+        check(is_int(self.top_k) and -1 <= self.top_k <= INT64_MAX,
                f"top_k must be an integer >= -1 (-1 or 0 = no limit), got {self.top_k!r}")
         check(is_real(self.min_p) and 0 <= self.min_p <= 1,
                f"min_p must be in [0, 1], got {self.min_p!r}")
@@ -55,12 +65,12 @@ class SamplingParams:
                f"stop must be non-empty strings, got {self.stop!r}")
         check(all(is_int(t) and t >= 0 for t in self.stop_token_ids),
                f"stop_token_ids must be non-negative integers, got {self.stop_token_ids!r}")
-        check(self.seed is None or is_int(self.seed),
-               f"seed must be an integer or None, got {self.seed!r}")
+        check(self.seed is None or (is_int(self.seed) and INT64_MIN <= self.seed <= UINT64_MAX),
+               f"seed must be an integer from -2**63 to 2**64 - 1, or None, got {self.seed!r}")
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0
+        return self.temperature < GREEDY_TEMPERATURE
 
 
 SPECULATIVE_METHODS = ("draft_model", "ngram", "lookup_then_draft")

@@ -156,7 +156,8 @@ class LLM:
 
 
 def _as_prompt_list(prompts) -> list:
-    if isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
+    if isinstance(prompts, (str, dict)) or (isinstance(prompts, (list, tuple)) and prompts
+                                            and isinstance(prompts[0], int)):  # one prompt of token ids
         prompts = [prompts]
     if not isinstance(prompts, (list, tuple)) or not prompts:
         raise ValueError("prompts must be a string, a list of token ids, or a non-empty list of those")
