@@ -340,6 +340,21 @@ def test_a_draft_lacking_the_targets_padded_ids_still_drafts(tmp_path):
     assert all(len(out.outputs[0].token_ids) == 20 for out in sampled)
 
 
+def test_adaptive_k_stops_a_greedy_row_alike_alone_or_beside_sampled_rows(dirs):
+    """A greedy row's confidence is the draft's plain softmax, not the point mass it is sampled
+    from, also in a batch with sampled rows: it proposes as many draft tokens either way."""
+    llm = LLM(str(dirs["target"]), speculative_model=str(dirs["draft"]), num_speculative_tokens=4, dtype="float32",
+              draft_confidence_threshold=0.5)
+    greedy_prompt, sampled_prompt = random_prompts(2, seed=34)
+    alone = llm.generate([greedy_prompt], GREEDY)[0]
+    sampled = SamplingParams(temperature=1.0, max_tokens=40, ignore_eos=True, seed=5)
+    beside = llm.generate([greedy_prompt, sampled_prompt], [GREEDY, sampled])[0]
+    assert beside.outputs[0].token_ids == alone.outputs[0].token_ids
+    rounds = alone.metrics.num_target_forwards - 1  # after the prefill
+    assert alone.metrics.num_draft_tokens < 0.9 * 4 * rounds  # the threshold does stop this row early
+    assert beside.metrics.num_draft_tokens == alone.metrics.num_draft_tokens
+
+
 def test_bad_draft_dtype_is_refused_by_name(dirs):
     with pytest.raises(ValueError, match="draft_dtype must be one of"):
         LLM(str(dirs["target"]), speculative_model=str(dirs["draft"]), draft_dtype="float64")

@@ -91,7 +91,8 @@ class DraftModelDrafter(Drafter):
                 draft_probs.append(probs)
             draft_tokens.append(token)
             if self.confidence_threshold > 0:
-                stopping = drafting & (self._confidence(logits, token, probs) < self.confidence_threshold)
+                confidence = self._confidence(logits, token, probs, sampling.greedy)  # [B]
+                stopping = drafting & (confidence < self.confidence_threshold)
                 num_tokens = torch.where(stopping, i + 1, num_tokens)
                 drafting &= ~stopping
                 if not bool(drafting.any()):
@@ -108,12 +109,15 @@ class DraftModelDrafter(Drafter):
         return Draft(token_ids, num_tokens, probs)
 
     @staticmethod
-    def _confidence(logits: torch.Tensor, token: torch.Tensor, probs: torch.Tensor | None) -> torch.Tensor:
+    def _confidence(logits: torch.Tensor, token: torch.Tensor, probs: torch.Tensor | None,
+                    greedy: torch.Tensor) -> torch.Tensor:
         """The draft's probability of each row's draft token [B]: under the warped distribution
-        it was sampled from, or (greedy) under the plain softmax."""
-        if probs is None:
-            probs = torch.softmax(logits.float(), dim=-1)  # [B, V]
-        return probs.gather(1, token[:, None])[:, 0]
+        it was sampled from, or, for a greedy row [B] (whose warped distribution is a point mass,
+        certain by construction), under the plain softmax, whatever else is in the batch."""
+        plain = torch.softmax(logits.float(), dim=-1).gather(1, token[:, None])[:, 0]  # [B]
+        if probs is None:  # an all-greedy batch
+            return plain
+        return torch.where(greedy, plain, probs.gather(1, token[:, None])[:, 0])
 
     def _catch_up(self, batch: list[Sequence]) -> torch.Tensor:
         """Feed each row the tokens its cache lacks (the whole prompt for a new sequence,
