@@ -98,9 +98,10 @@ class SpeculativeConfig:
         None: 1 for "ngram", 2 for "lookup_then_draft".
     draft_dtype: the draft model's dtype. "auto": for a draft of at most
         SMALL_DRAFT_PARAMETERS on the CPU, float32 (its matrices are small, and bfloat16 CPU
-        kernels cost more per call than the bytes they save) except its output layer, the one
-        matrix big enough for bytes to matter, prepacked in bfloat16 (benchmarks/bench_draft.py);
-        otherwise the target's dtype. The draft's dtype never changes the output, only the
+        kernels cost more per call than the bytes they save) except its matrices of at least
+        2 MB in float32 (draft_model.LARGE_WEIGHT_BYTES: in a draft this small, typically only
+        the output layer), big enough for bytes to matter, prepacked in bfloat16
+        (benchmarks/bench_draft.py); otherwise the target's dtype. The draft's dtype never changes the output, only the
         acceptance rate and the speed.
     draft_confidence_threshold: adaptive k for the draft model. A row stops drafting for the
         round after a token the draft gave less than this probability (the tokens after it

@@ -38,7 +38,8 @@ def rejection_sample(
     draft_probs [B, k, V]|None  the distributions the draft tokens were drawn from
     target_probs [B, k+1, V]    the target's warped distributions at each draft position and
                                 one past it
-    generators                  one per row: each row draws n + 1 uniforms from its own
+    generators                  one per row: each row draws k + 1 uniforms from its own
+                                (rows sharing one generator draw from it in row order)
     greedy [B] bool|None        rows decided by argmax prefix matching
 
     Returns output_token_ids [B, k+1] (accepted tokens, then the recovered or bonus token,
@@ -51,7 +52,7 @@ def rejection_sample(
     proposed = torch.arange(k, device=device)[None, :] < num_draft[:, None]  # [B, k]
     u = uniforms(generators, k + 1, device)  # [B, k+1]: k acceptance tests, 1 final draw
 
-    draft_ids = draft_token_ids.clamp(min=0)[..., None]  # [B, k, 1], -1 padding made harmless
+    draft_ids = draft_token_ids.clamp(min=0)[..., None]  # [B, k, 1]: padding (even -1) is a valid index
     p_draft_token = target_probs[:, :k].gather(2, draft_ids).squeeze(2).double()  # [B, k]
     q_draft_token = (torch.ones_like(p_draft_token) if draft_probs is None
                      else draft_probs.gather(2, draft_ids).squeeze(2).double())  # [B, k]

@@ -15,7 +15,8 @@ from specdec.sequence import Sequence
 class Draft:
     """Proposed tokens for a batch.
 
-    token_ids [B, k]        entries past a row's num_tokens are padding (0)
+    token_ids [B, k]        entries past a row's num_tokens are ignored (0 padding, or the
+                            tokens an adaptive draft drafted after the row stopped)
     num_tokens [B]          how many tokens each row proposes (0..k)
     probs [B, k, V] | None  the warped distributions each token was drawn from, in the
                             target's vocabulary; None = point masses (a deterministic drafter)

@@ -38,8 +38,9 @@ class DraftModelDrafter(Drafter):
     @classmethod
     def from_config(cls, spec, target: LoadedModel, dtype, device) -> "DraftModelDrafter":
         """Load spec.model in spec.draft_dtype and check that it shares the target's vocabulary.
-        "auto" on the CPU, for a small draft: float32, with its output layer (the one matrix
-        big enough for bytes to matter) prepacked in bfloat16."""
+        "auto" on the CPU, for a small draft: float32, with its matrices of at least
+        LARGE_WEIGHT_BYTES (those big enough for bytes to matter: in the shipped draft, only the
+        output layer) prepacked in bfloat16."""
         device = torch.device(device)
         small_on_cpu = spec.draft_dtype == "auto" and device.type == "cpu" and _is_small(spec.model)
         if small_on_cpu:
@@ -70,8 +71,8 @@ class DraftModelDrafter(Drafter):
         """Up to k draft tokens per row. With a confidence threshold, a row stops after a draft
         token the draft itself gave less than that probability (the next ones would likely be
         rejected), and drafting ends when every row has stopped. A stopped row draws no more
-        random numbers and the draft keeps k columns (padding after its tokens), so a seeded
-        request consumes its generator the same alone or in any batch."""
+        random numbers (its later columns hold the draft's argmax, ignored, or 0 padding), so a
+        seeded request consumes its generator the same alone or in any batch."""
         device = self.model.device
         if k == 0:
             return Draft.empty(len(batch), device)

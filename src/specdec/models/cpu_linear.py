@@ -46,8 +46,9 @@ class Bf16PackedLinear(PackedLinear):
 def pack_large_linears_in_bf16(model: nn.Module, min_weight_bytes: int) -> None:
     """In a float32 model, replace the nn.Linear layers whose weight holds at least
     min_weight_bytes by Bf16PackedLinear (in place). For a small draft model on the CPU: its
-    small matrices run faster in float32, while its output layer (vocabulary x hidden) is big
-    enough that halving its bytes pays (benchmarks/bench_draft.py)."""
+    small matrices run faster in float32, while the big ones (in a small draft, typically only
+    the output layer, vocabulary x hidden) are big enough that halving their bytes pays
+    (benchmarks/bench_draft.py)."""
     _replace_linears(model, Bf16PackedLinear,
                      lambda linear: linear.weight.numel() * linear.weight.element_size() >= min_weight_bytes)
 
