@@ -52,6 +52,7 @@ SWITCHES = ("--ngram", "--lookup")
     (["--max-tokens", "0"], "max_tokens"),
     (["-k", "-1", "--ngram"], "num_speculative_tokens"),
     (["--lookup"], "add --draft DIR"),
+    (["--lookup", "--ngram"], "instead of --ngram"),
 ])
 def test_bad_input_is_one_clear_line(model_dir, capsys, args, message):
     base = {"--model": str(model_dir), "--prompt": "x"}

@@ -545,6 +545,14 @@ def test_draft_model_method_needs_a_model(good):
         LLM(model=str(good), speculative_method="draft_model")
 
 
+def test_a_draft_model_with_a_method_that_uses_none_is_refused(good, draft):
+    with pytest.raises(ValueError, match="uses no draft model"):
+        LLM(model=str(good), speculative_model=str(draft), speculative_method="ngram")
+    with pytest.raises(ValueError, match=r"\[ngram\]"):
+        LLM(model=str(good), speculative_model="[ngram]", speculative_method="lookup_then_draft")
+    LLM(model=str(good), speculative_model="[ngram]", speculative_method="ngram")  # the same thing twice is fine
+
+
 def test_missing_draft_directory_names_it(good, workdir):
     missing = workdir / "no_draft_here"
     message = load_error(good, speculative_model=str(missing))

@@ -66,11 +66,12 @@ def add_generate_parser(commands) -> None:
 
 def _speculative_method(args) -> str | None:
     """generate's drafter flags -> LLM's speculative_method."""
+    if args.lookup and args.draft is None:
+        raise ValueError("--lookup falls back to a draft model where prompt lookup finds nothing: add --draft DIR"
+                         + (" (instead of --ngram, which is prompt lookup alone)" if args.ngram else ""))
     if args.ngram:
         return "ngram"
     if args.draft is None:
-        if args.lookup:
-            raise ValueError("--lookup falls back to a draft model where prompt lookup finds nothing: add --draft DIR")
         return None
     return "lookup_then_draft" if args.lookup else "draft_model"
 

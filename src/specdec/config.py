@@ -124,6 +124,9 @@ class SpeculativeConfig:
                f"num_speculative_tokens must be an integer >= 0, got {self.num_speculative_tokens!r}")
         check(self.method not in NEEDS_DRAFT_MODEL or self.model is not None,
                f"speculative_method={self.method!r} needs speculative_model=<draft directory>")
+        check(self.method in NEEDS_DRAFT_MODEL or self.model is None,
+               f"speculative_method={self.method!r} uses no draft model, but speculative_model={self.model!r} "
+               "was given; drop it, or use 'lookup_then_draft' for prompt lookup with the draft behind it")
         if self.ngram_min is None:
             default = DEFAULT_NGRAM_MIN[self.method]
             object.__setattr__(self, "ngram_min", min(default, self.ngram_max) if is_int(self.ngram_max) else default)

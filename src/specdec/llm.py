@@ -64,7 +64,10 @@ class LLM:
                  max_num_seqs: int = 256, seed: int = 0, skip_tokenizer_init: bool = False,
                  ngram_prompt_lookup_min: int | None = None, ngram_prompt_lookup_max: int = 4, draft_dtype: str = "auto",
                  draft_confidence_threshold: float = 0.0):
-        if speculative_model == "[ngram]":
+        if speculative_model == "[ngram]":  # vLLM's older spelling of speculative_method="ngram"
+            if speculative_method not in (None, "ngram"):
+                raise ValueError(f'speculative_model="[ngram]" means speculative_method="ngram", but '
+                                 f'speculative_method={speculative_method!r} was given; give one or the other')
             speculative_model, speculative_method = None, "ngram"
         if speculative_method is None:
             speculative_method = "draft_model" if speculative_model is not None else None
