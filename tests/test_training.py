@@ -114,6 +114,7 @@ def test_model_card_states_the_run(trained_dir, corpus_dir):
     first, last = log["evaluations"][0], log["evaluations"][-1]
     assert f"{first['held_out_loss']:.3f} (step 0) → {last['held_out_loss']:.3f} (step 40)" in card
     assert log["cpu"] in card
+    assert "Python code" not in card and "Python Software Foundation" not in card  # not the standard library
     assert model_card_main([str(trained_dir), "--moved", f"{trained_dir}=models/tiny"]) == 0
     moved = (trained_dir / "README.md").read_text()
     assert "--out models/tiny" in moved
@@ -127,6 +128,8 @@ def test_interrupted_run_resumes_where_it_stopped(corpus_dir, tmp_path):
     assert cli("train", *run, "--out", tmp_path / "split", "--stop-after", "10") == 0  # the 'interruption'
     halfway = torch.load(tmp_path / "split" / "checkpoint" / "last.pt", weights_only=True)
     assert halfway["state"]["step"] == 10 and not (tmp_path / "split" / "config.json").exists()
+    assert not (tmp_path / "split" / "training_log.json").exists()  # a stopped session's log stays with its checkpoint
+    assert not json.loads((tmp_path / "split" / "checkpoint" / "training_log.json").read_text())["finished"]
     assert cli("train", *run, "--out", tmp_path / "split", "--resume") == 0
 
     whole, split = (json.loads((tmp_path / name / "training_log.json").read_text()) for name in ("whole", "split"))
@@ -166,7 +169,7 @@ def test_train_init_goes_on_from_a_trained_model(trained_dir, corpus_dir, tmp_pa
 def test_train_reusing_a_tokenizer_shares_its_vocabulary(trained_dir, corpus_dir, tmp_path):
     out = tmp_path / "draft"
     assert cli("train", "--corpus", corpus_dir, "--out", out, "--tokenizer", trained_dir, *TINY_RUN,
-               "--hidden-size", "32", "--heads", "2", "--kv-heads", "1", "--steps", "2") == 0
+               "--hidden-size", "32", "--heads", "2", "--kv-heads", "1", "--steps", "2", "--warmup", "1") == 0
     assert (out / "tokenizer.json").read_text() == (trained_dir / "tokenizer.json").read_text()
     target_config, draft_config = (json.loads((p / "config.json").read_text()) for p in (trained_dir, out))
     assert draft_config["vocab_size"] == target_config["vocab_size"]
@@ -224,6 +227,35 @@ def test_distill_raises_acceptance(trained_dir, corpus_dir, tmp_path):
     log = json.loads((same / "training_log.json").read_text())
     assert log["finished"] and log["init_log"]["step"] == 30 and log["init_log"]["init_log"] is None
     assert "2 runs, in this order" in (same / "README.md").read_text()
+
+    # in place over the finished run's own checkpoint (left in the directory): a new run, not a refusal
+    in_place = tmp_path / "in_place"
+    shutil.copytree(out, in_place)
+    assert (in_place / "checkpoint" / "last.pt").is_file()
+    assert cli("distill", "--target", trained_dir, "--init", in_place, "--out", in_place, "--corpus", corpus_dir,
+               "--batch-size", "8", "--eval-tokens", "2048", "--steps", "2", "--seed", "9", "--eval-every", "0",
+               "--checkpoint-every", "0") == 0
+    log = json.loads((in_place / "training_log.json").read_text())
+    assert log["step"] == 2 and log["init_log"]["step"] == 30
+
+    with pytest.raises(ValueError, match="drop --preset"):
+        cli("distill", "--target", trained_dir, "--init", out, "--out", tmp_path / "x", "--preset", "target")
+    with pytest.raises(ValueError, match="vocab-size"):
+        cli("distill", "--target", trained_dir, "--out", tmp_path / "x", "--vocab-size", "4000")
+    assert not (tmp_path / "x").exists()
+
+
+def test_a_model_trained_then_distilled_gets_a_card_for_both(trained_dir, corpus_dir, tmp_path):
+    """--init across kinds: a `train` model distilled further. The train run measured no α, so
+    the card's α starts at the distillation's first evaluation."""
+    out = tmp_path / "distilled"
+    assert cli("distill", "--target", trained_dir, "--init", trained_dir, "--out", out, "--corpus", corpus_dir,
+               "--batch-size", "8", "--eval-tokens", "2048", "--steps", "2", "--eval-every", "0",
+               "--checkpoint-every", "0") == 0
+    log, card = json.loads((out / "training_log.json").read_text()), (out / "README.md").read_text()
+    first, last = log["evaluations"][0], log["evaluations"][-1]
+    assert "2 runs, in this order" in card
+    assert f"α = 1 − TV {first['held_out_alpha']:.3f} (step 0 of the last) → {last['held_out_alpha']:.3f}" in card
 
 
 def test_model_card_names_runs_distilled_from_other_target_weights():
@@ -303,6 +335,9 @@ def test_held_out_split_of_other_corpora(tmp_path):
     assert [d.name for d in held_out] == ["f09.txt", "f19.txt"] and len(train_docs) == 21
     train_docs, held_out = split_held_out(documents[:3])
     assert [d.name for d in held_out] == ["f02.txt"]
+    named_like_held_out = [Document("queue.py", "a = 1\n"), Document("glob.py", "b = 2\n")]
+    train_docs, held_out = split_held_out(named_like_held_out)  # all of them: not the stdlib rule
+    assert [d.name for d in train_docs] == ["queue.py"] and [d.name for d in held_out] == ["glob.py"]
     lines = "".join(f"line {i}\n" for i in range(100))
     (tmp_path / "one.txt").write_text(lines)
     corpus = load_corpus(tmp_path / "one.txt")
@@ -355,6 +390,11 @@ def test_configuration_errors_are_clear():
         DistillConfig(divergence="reverse")
     with pytest.raises(ValueError, match="sample_temperature"):
         DistillConfig(sample_temperature=-0.5)
+    with pytest.raises(ValueError, match="temperature"):
+        DistillConfig(temperature=float("inf"))  # α would read 1 and the loss 0: nothing learned
+    with pytest.raises(ValueError, match="warmup 50 must be fewer"):
+        TrainConfig(steps=50, warmup=50)
+    assert TrainConfig(steps=50).warmup == 5 and TrainConfig(steps=5000).warmup == 100  # a tenth, at most 100
 
 
 def test_on_policy_text_at_temperature_zero_is_the_targets_greedy_text():

@@ -10,6 +10,7 @@ default lives in one place. Progress goes to stderr, the final summary to stdout
 from __future__ import annotations
 
 import argparse
+import math
 import sys
 
 from specdec.training.train import PRESETS, model_shape
@@ -113,8 +114,11 @@ def run_train(args) -> int:
 def run_distill(args) -> int:
     from specdec.training.distill import DistillConfig, alpha_summary, distill
 
-    if args.init is not None and any(getattr(args, flag) is not None for flag in SIZE_FLAGS):
-        raise ValueError("--init takes the draft's size from its config.json; drop the size flags")
+    if args.init is not None and (args.untie_embeddings or args.preset != "draft"
+                                  or any(getattr(args, flag) is not None for flag in SIZE_FLAGS)):
+        raise ValueError("--init takes the draft's size from its config.json; drop --preset and the size flags")
+    if args.vocab_size is not None:
+        raise ValueError("a draft's vocabulary is its target's (the same tokenizer); drop --vocab-size")
     distill_config = DistillConfig(**_given(args, DISTILL_FIELDS))
     shape = None if args.init is not None else _shape(args)
     try:
@@ -152,8 +156,8 @@ def _train_config(args):
 
 
 def _output_options(args) -> dict:
-    if not args.max_shard_mb > 0:
-        raise ValueError(f"--max-shard-mb must be > 0, got {args.max_shard_mb}")
+    if not (math.isfinite(args.max_shard_mb) and args.max_shard_mb > 0):
+        raise ValueError(f"--max-shard-mb must be a number > 0, got {args.max_shard_mb}")
     arguments = {k: v for k, v in sorted(vars(args).items()) if k != "run" and v is not None and v is not False}
     return {"save_dtype": args.save_dtype, "max_shard_bytes": int(args.max_shard_mb * 1_000_000),
             "restart": args.restart, "require_checkpoint": args.resume, "arguments": arguments}
@@ -169,7 +173,8 @@ def _given(args, names: dict[str, str] | tuple[str, ...]) -> dict:
 def _summary(result, metric: str) -> str:
     state = result.state
     where = (f"model written to {result.out}" if result.out is not None
-             else f"stopped at step {state.step} of {result.steps}; rerun the same command to continue")
+             else f"stopped at step {state.step} of {result.steps} (--stop-after); rerun with a later --stop-after, "
+                  "or without it, to continue")
     return (f"{where}\nsteps {state.step}  train loss {result.train_loss:.4f}  {metric} "
             f"{result.first_evaluation[metric]:.4f} (step 0) -> {result.last_evaluation[metric]:.4f}  "
             f"tokens seen {state.tokens_seen:,}  wall time {state.seconds / 60:.1f} min")

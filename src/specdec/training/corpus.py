@@ -12,8 +12,8 @@ The default corpus is the Python standard library of the running interpreter: ev
 file under sysconfig's stdlib path, except site-packages, test directories (EXCLUDED_DIRECTORIES)
 and files that are not UTF-8. HELD_OUT_MODULES are held out. Any other directory (all its text
 files, recursively, hidden ones skipped) or a single text file works as a corpus too; there the
-held-out documents are those of HELD_OUT_MODULES if the directory has any (a copy of the
-standard library), else every tenth file in sorted order (the last file when there are fewer
+held-out documents are those of HELD_OUT_MODULES if the directory has any and other files
+too (a copy of the standard library), else every tenth file in sorted order (the last file when there are fewer
 than ten), and a single file holds out its last tenth (cut at a line break).
 """
 
@@ -92,7 +92,8 @@ def load_corpus(path: str | Path | None = None) -> Corpus:
 def split_held_out(documents: list[Document]) -> tuple[list[Document], list[Document]]:
     """(train, held-out) by the rules in the module docstring."""
     held_names = set(HELD_OUT_MODULES)
-    if any(d.name in held_names for d in documents):
+    named_held_out = [d.name in held_names for d in documents]
+    if any(named_held_out) and not all(named_held_out):  # all of them: nothing would be left to train on
         return ([d for d in documents if d.name not in held_names], [d for d in documents if d.name in held_names])
     if len(documents) == 1:
         return _split_one(documents[0])

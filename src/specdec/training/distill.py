@@ -44,6 +44,7 @@ from pathlib import Path
 
 import torch
 
+from specdec.config import check, is_int, is_real
 from specdec.models.checkpoint import SHARD_BYTES, save_pretrained
 from specdec.models.llama import LlamaModel
 from specdec.models.loader import LoadedModel, load_pretrained
@@ -78,15 +79,14 @@ class DistillConfig:
     target_dtype: str = "auto"
 
     def __post_init__(self) -> None:
-        if not (isinstance(self.temperature, (int, float)) and self.temperature > 0):
-            raise ValueError(f"temperature must be > 0, got {self.temperature!r}")
-        if not (isinstance(self.on_policy_fraction, (int, float)) and 0 <= self.on_policy_fraction <= 1):
-            raise ValueError(f"on_policy_fraction must be in [0, 1], got {self.on_policy_fraction!r}")
-        if self.sample_temperature is not None and not (
-                isinstance(self.sample_temperature, (int, float)) and self.sample_temperature >= 0):
-            raise ValueError(f"sample_temperature must be >= 0 (0 is greedy), got {self.sample_temperature!r}")
-        if not (isinstance(self.prompt_tokens, int) and self.prompt_tokens >= 1):
-            raise ValueError(f"prompt_tokens must be an integer >= 1, got {self.prompt_tokens!r}")
+        check(is_real(self.temperature) and self.temperature > 0,
+              f"temperature must be a number > 0, got {self.temperature!r}")
+        check(is_real(self.on_policy_fraction) and 0 <= self.on_policy_fraction <= 1,
+              f"on_policy_fraction must be in [0, 1], got {self.on_policy_fraction!r}")
+        check(self.sample_temperature is None or (is_real(self.sample_temperature) and self.sample_temperature >= 0),
+              f"sample_temperature must be a number >= 0 (0 is greedy), got {self.sample_temperature!r}")
+        check(is_int(self.prompt_tokens) and self.prompt_tokens >= 1,
+              f"prompt_tokens must be an integer >= 1, got {self.prompt_tokens!r}")
         if self.divergence not in DIVERGENCES:
             raise ValueError(f"divergence must be one of {', '.join(DIVERGENCES)}, got {self.divergence!r}")
         if self.target_dtype not in ("auto", *SAVE_DTYPES):

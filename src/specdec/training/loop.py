@@ -36,9 +36,11 @@ from specdec.models.llama import LlamaModel
 
 CHECKPOINT_FILE = "last.pt"
 CHECKPOINT_FORMAT = 1
-# TrainConfig fields a resumed run may change; the others decide the data and the updates.
-RESUMABLE_CHANGES = frozenset({"steps", "device", "eval_every", "eval_tokens", "checkpoint_every",
-                               "log_every", "stop_after"})
+# TrainConfig fields a resumed run may change; the others decide the data, the updates and the
+# held-out text. `steps` may change too, to lengthen or shorten a run: the schedule is then the new
+# length's from the resumed step on (the learning rate moves to the new cosine curve there).
+RESUMABLE_CHANGES = frozenset({"steps", "device", "eval_every", "checkpoint_every", "log_every", "stop_after"})
+DEFAULT_WARMUP = 100  # at most; a tenth of the steps for shorter runs
 
 
 @dataclass(frozen=True)
@@ -46,9 +48,12 @@ class TrainConfig:
     """How to optimise (shared by train and distill). Steps count optimizer updates.
 
     eval_every / checkpoint_every / log_every: every that many steps (0 = only at the end).
+    warmup: warm-up steps (must be fewer than steps); None: a tenth of the steps, at most
+        DEFAULT_WARMUP.
     eval_tokens: held-out tokens evaluated each time (the first ones of the held-out text).
-    stop_after: end this session after that step although the schedule spans `steps`
-        (rerun the same command to continue from the checkpoint); None = run to `steps`.
+    stop_after: end this session at that step of the run although the schedule spans `steps`
+        (rerun with a later stop_after, or none, to continue from the checkpoint); None = run
+        to `steps`.
     bf16: bfloat16 autocast; False = plain float32.
     """
 
@@ -57,7 +62,7 @@ class TrainConfig:
     grad_accum: int = 1
     lr: float = 1e-3
     min_lr_ratio: float = 0.1
-    warmup: int = 100
+    warmup: int | None = None
     weight_decay: float = 0.1
     grad_clip: float = 1.0
     seed: int = 0
@@ -73,6 +78,8 @@ class TrainConfig:
         for name in ("steps", "batch_size", "grad_accum", "eval_tokens"):
             check(is_int(getattr(self, name)) and getattr(self, name) >= 1,
                    f"{name} must be an integer >= 1, got {getattr(self, name)!r}")
+        if self.warmup is None:
+            object.__setattr__(self, "warmup", min(DEFAULT_WARMUP, self.steps // 10))
         for name in ("warmup", "eval_every", "checkpoint_every", "log_every", "seed"):
             check(is_int(getattr(self, name)) and getattr(self, name) >= 0,
                    f"{name} must be an integer >= 0, got {getattr(self, name)!r}")
@@ -84,6 +91,8 @@ class TrainConfig:
         check(is_real(self.grad_clip) and self.grad_clip > 0, f"grad_clip must be > 0, got {self.grad_clip!r}")
         check(self.stop_after is None or (is_int(self.stop_after) and self.stop_after >= 1),
                f"stop_after must be an integer >= 1 or None, got {self.stop_after!r}")
+        check(self.warmup < self.steps, f"warmup {self.warmup} must be fewer steps than steps {self.steps}: the "
+                                        f"learning rate would never reach lr nor decay; lower --warmup")
         try:
             device = torch.device(self.device)
         except (RuntimeError, TypeError) as e:
@@ -135,6 +144,10 @@ def train_loop(task: Task, config: TrainConfig, checkpoint_dir: Path, checkpoint
     optimizer = make_optimizer(model, config)
     generator = torch.Generator().manual_seed(config.seed)
     state = RunState()
+    if checkpoint is not None and _left_by_the_init_run(checkpoint, task, config, checkpoint_dir):
+        log(f"{checkpoint_dir / CHECKPOINT_FILE} is the finished run's that made the --init model; this run "
+            "starts afresh from that model")
+        checkpoint = None
     if checkpoint is not None:
         state = restore(checkpoint, task, config, optimizer, generator)
         log(f"resuming from {checkpoint_dir / CHECKPOINT_FILE} at step {state.step}")
@@ -286,16 +299,36 @@ def restore(checkpoint: dict, task: Task, config: TrainConfig, optimizer: torch.
     return RunState(**checkpoint["state"])
 
 
+def _left_by_the_init_run(checkpoint: dict, task: Task, config: TrainConfig, checkpoint_dir: Path) -> bool:
+    """Whether a run that continues a model in place (--init DIR --out DIR) finds the checkpoint
+    of the finished run that made that model: not its own to resume (unless it is the same
+    command again, which resumes it and has nothing left to do)."""
+    init = task.identity.get("init")
+    if init in (None, "None") or Path(init).resolve() != checkpoint_dir.parent.resolve():
+        return False
+    finished = checkpoint["state"]["step"] >= checkpoint["train_config"]["steps"]
+    return finished and bool(_differing_identity(checkpoint, task) or _changed_settings(checkpoint, config))
+
+
+def _differing_identity(checkpoint: dict, task: Task) -> list[str]:
+    return sorted(k for k in set(task.identity) | set(checkpoint["identity"])
+                  if task.identity.get(k) != checkpoint["identity"].get(k))
+
+
+def _changed_settings(checkpoint: dict, config: TrainConfig) -> list[str]:
+    saved = checkpoint["train_config"]
+    return sorted(f.name for f in fields(config)
+                  if f.name not in RESUMABLE_CHANGES and saved.get(f.name) != getattr(config, f.name))
+
+
 def check_resumable(checkpoint: dict, task: Task, config: TrainConfig) -> None:
     hint = "use another --out, or pass --restart to start over"
-    differing = sorted(k for k in set(task.identity) | set(checkpoint["identity"])
-                       if task.identity.get(k) != checkpoint["identity"].get(k))
+    differing = _differing_identity(checkpoint, task)
     if differing:
         raise ValueError(f"the checkpoint in the output directory is of a different run (it differs in "
                          f"{', '.join(differing)}); {hint}")
     saved = checkpoint["train_config"]
-    changed = sorted(f.name for f in fields(config)
-                     if f.name not in RESUMABLE_CHANGES and saved.get(f.name) != getattr(config, f.name))
+    changed = _changed_settings(checkpoint, config)
     if changed:
         details = ", ".join(f"{name} {saved.get(name)!r} -> {getattr(config, name)!r}" for name in changed)
         raise ValueError(f"the checkpoint was made with other training settings ({details}); "

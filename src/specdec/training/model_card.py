@@ -36,19 +36,20 @@ def model_card(name: str, log: dict, config: dict, moved: dict[str, str]) -> str
     made = "draft" if kind == "distill" else "model"
     arguments = _moved_arguments(log, moved)
     earlier = _earlier_runs(log)  # the runs whose model this one started from (--init), oldest first
-    evaluations = (earlier[0] if earlier else log).get("evaluations") or [], log.get("evaluations") or []
-    first, last = (evaluations[0][0], evaluations[1][-1]) if all(evaluations) else ({}, {})
+    firsts = [(run.get("evaluations") or [{}])[0] for run in earlier + [log]]  # each run's first, oldest first
+    last = (log.get("evaluations") or [{}])[-1]
     steps, tokens = log["step"], log["tokens_seen"]
     train = log["train_config"]
+    stdlib = "corpus" not in (log.get("arguments") or {})  # the default corpus: the standard library
     lines = [f"# {name}", "",
-             f"A {_millions(config)}M-parameter Llama-architecture model of Python code, "
+             f"A {_millions(config)}M-parameter Llama-architecture model{' of Python code' if stdlib else ''}, "
              + ((f"trained by `specdec train` in {len(earlier) + 1} runs." if earlier else
                  "trained from scratch by `specdec train`.") if kind == "train" else
                 f"distilled by `specdec distill` to draft for the target `{Path(log['target']).name}`: "
                 "it shares the target's tokenizer and learned the target's next-token distributions."),
-             "It ships with specdec so that speculative decoding runs with nothing to download. It writes "
-             "plausible-looking standard-library Python, but it is a demonstration model: small, trained on one "
-             "library, and often wrong.", "",
+             "It writes plausible-looking standard-library Python, but it is a demonstration model: small, "
+             "trained on one library, and often wrong." if stdlib else
+             "It is small and trained on one corpus (below): check what it writes before relying on it.", "",
              "| | |", "|---|---|",
              f"| architecture | {_architecture(config)} |",
              f"| parameters | {_millions(config)}M |",
@@ -72,7 +73,7 @@ def model_card(name: str, log: dict, config: dict, moved: dict[str, str]) -> str
                      f"tokens, lr {run['train_config']['lr']:g}, {run['seconds'] / 60:.1f} min |")
     minutes = [run["seconds"] / 60 for run in earlier + [log]]
     lines += [f"| time and hardware | {' + '.join(f'{m:.1f}' for m in minutes)} min on {_hardware(log)} |",
-              f"| held-out evaluation | {_evaluation_line(first, last, 'the first run' if earlier else '')} |", "",
+              f"| held-out evaluation | {_evaluation_line(firsts, last)} |", "",
               "## Made by", ""]
     if earlier:
         lines += [f"{len(earlier) + 1} runs, in this order; each after the first starts from the {made} the one "
@@ -89,7 +90,8 @@ def model_card(name: str, log: dict, config: dict, moved: dict[str, str]) -> str
     lines += [
               "Runs are deterministic up to floating-point reduction order: the same command with the same "
               "seed on the same machine and library versions gives the same model.", "",
-              "The corpus is Python's standard library, under the Python Software Foundation License.", ""]
+              *(["The corpus is Python's standard library, under the Python Software Foundation License.", ""]
+                if stdlib else [])]
     return "\n".join(lines)
 
 
@@ -171,15 +173,22 @@ def _hardware(log: dict) -> str:
     return f"{log.get('cpu') or cpu_model()}, {log.get('torch_threads', '?')} threads, no GPU"
 
 
-def _evaluation_line(first: dict, last: dict, first_run: str) -> str:
-    """first_run: what the first evaluation's step counts in, when it is another run's."""
+def _evaluation_line(firsts: list[dict], last: dict) -> str:
+    """Each held-out metric the last run measured, from the first evaluation of the earliest run
+    that measured it (a draft first trained by `train`, then distilled, has no α before its
+    distillation) to the last run's last. firsts: each run's first evaluation, oldest first."""
     parts = []
+    several = len(firsts) > 1
     for key, label in (("held_out_loss", "loss (nats/token)"), ("held_out_alpha", "α = 1 − TV"),
                        ("held_out_greedy_agreement", "greedy agreement")):
-        if key in last:
-            where, last_where = (f" of {first_run}", " of the last") if first_run else ("", "")
-            parts.append(f"{label} {first[key]:.3f} (step {first['step']}{where}) → {last[key]:.3f} "
-                         f"(step {last['step']}{last_where})")
+        if key not in last:
+            continue
+        run = next((i for i, first in enumerate(firsts) if key in first), len(firsts) - 1)
+        first = firsts[run] if key in firsts[run] else last
+        where = "" if not several else (" of the first run" if run == 0 else
+                                        " of the last" if run == len(firsts) - 1 else f" of run {run + 1}")
+        parts.append(f"{label} {first[key]:.3f} (step {first['step']}{where}) → {last[key]:.3f} "
+                     f"(step {last['step']}{' of the last' if several else ''})")
     return "; ".join(parts) or "none"
 
 

@@ -196,8 +196,9 @@ def shape_of(config: ModelConfig) -> ModelShape:
 
 def read_training_log(model_dir) -> dict | None:
     """How the model in model_dir (an --init model) was made, for the model card: its
-    training_log.json, or None. An unfinished log there is this very run's, resumed with
-    --out the same as --init: the model it started from is the one that log names."""
+    training_log.json, or None. An unfinished log there (written by versions that kept a stopped
+    session's log in out) is this very run's, resumed with --out the same as --init: the model it
+    started from is the one that log names."""
     path = None if model_dir is None else Path(model_dir) / "training_log.json"
     if path is None or not path.is_file():
         return None
@@ -338,10 +339,12 @@ def corpus_record(corpus: Corpus) -> dict:
 
 def write_log(out: Path, kind: str, config: TrainConfig, settings: dict, result: TrainResult,
               arguments: dict | None) -> None:
-    """out/training_log.json: what was run and how it went; and, once the run has finished,
-    the model card out/README.md made from it (model_card.py)."""
-
-    out.mkdir(parents=True, exist_ok=True)
+    """training_log.json: what was run and how it went. A finished run's goes in out, with the
+    model card out/README.md made from it (model_card.py); a session that stopped early writes
+    its log beside its checkpoint, in out/checkpoint, so that it never stands beside weights (an
+    earlier run's, or none) that it does not describe."""
+    where = out if result.finished else out / "checkpoint"
+    where.mkdir(parents=True, exist_ok=True)
     state = result.state
     device = torch.cuda.get_device_name(config.device) if config.device.startswith("cuda") else "cpu"
     record = {
@@ -351,7 +354,7 @@ def write_log(out: Path, kind: str, config: TrainConfig, settings: dict, result:
         "train_loss": result.train_loss, "evaluations": state.evaluations,
         "device": device, "cpu": cpu_model(), "torch_threads": torch.get_num_threads(),
     }
-    (out / "training_log.json").write_text(json.dumps(record, indent=2) + "\n")
+    (where / "training_log.json").write_text(json.dumps(record, indent=2) + "\n")
     if result.finished:
         write_model_card(out)
 
