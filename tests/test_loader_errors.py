@@ -173,8 +173,32 @@ def test_unsupported_or_incomplete_features(good, workdir, changes, names):
 def test_heads_not_a_multiple_of_kv_heads(good, workdir):
     path = broken_copy(good, workdir)
     edit_config(path, num_key_value_heads=3)
-    message = load_error(path, ValueError)
-    assert "num_key_value_heads" in message
+    message = load_error(path)
+    assert "num_key_value_heads" in message and "config.json" in message
+
+
+@pytest.mark.parametrize("changes, names", [  # loaded before as if fine, then failed at the first forward
+    ({"rms_norm_eps": None}, None),  # null means the default, as in transformers
+    ({"rms_norm_eps": -1.0}, ["rms_norm_eps"]),
+    ({"num_attention_heads": 0}, ["num_attention_heads"]),
+    ({"vocab_size": -5}, ["vocab_size"]),
+    ({"num_key_value_heads": -2}, ["num_key_value_heads"]),
+    ({"hidden_size": "64"}, ["hidden_size"]),
+    ({"rope_theta": None, "rope_parameters": ...}, None),  # the default theta
+    ({"rope_parameters": {"rope_type": "default", "rope_theta": -1.0}}, ["rope_theta"]),
+    ({"architectures": ["MistralForCausalLM"], "model_type": "mistral", "sliding_window": 4,
+      "layer_types": ["sliding_attention"]}, ["layer_types", "2"]),
+    ({"dtype": "float64", "torch_dtype": ...}, ["float64", "config.json"]),
+])
+def test_config_values_are_checked_at_load(good, workdir, changes, names):
+    path = broken_copy(good, workdir)
+    edit_config(path, **changes)
+    if names is None:
+        out = LLM(model=str(path)).generate(random_ids(3, 5), SamplingParams(temperature=0, max_tokens=2))
+        assert len(out[0].outputs[0].token_ids) == 2
+    else:
+        message = load_error(path)
+        assert all(name in message for name in names) and "config.json" in message, message
 
 
 def test_unknown_dtype(good):
@@ -251,6 +275,14 @@ def test_index_without_weight_map(sharded, workdir):
     (path / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}}))
     message = load_error(path)
     assert "model.safetensors.index.json" in message and "weight_map" in message
+
+
+def test_index_naming_no_file(sharded, workdir):
+    path = broken_copy(sharded, workdir)
+    index = json.loads((path / "model.safetensors.index.json").read_text())
+    index["weight_map"][next(iter(index["weight_map"]))] = None
+    (path / "model.safetensors.index.json").write_text(json.dumps(index))
+    assert "weight_map" in load_error(path)
 
 
 def test_index_not_json(sharded, workdir):

@@ -312,6 +312,40 @@ def test_tied_checkpoint_that_also_stores_lm_head(models, tmp_path):
     assert max_diff(specdec_logits(model, ids), hf_logits(hf, ids)) <= ATOL
 
 
+def _edit_checkpoint(src: Path, path: Path, how: str) -> None:
+    """A copy of src changed the way real checkpoints differ from what transformers saves."""
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(src, path)
+    config = json.loads((path / "config.json").read_text())
+    if how == "tied_config_own_head":  # tie_word_embeddings true, yet a head of its own stored
+        tensors = load_file(str(path / "model.safetensors"))
+        generator = torch.Generator().manual_seed(5)
+        tensors["lm_head.weight"] = torch.randn(tensors["model.embed_tokens.weight"].shape, generator=generator)
+        save_file(tensors, str(path / "model.safetensors"), metadata={"format": "pt"})
+    elif how == "mistral_bias_flags":  # flags transformers' Mistral ignores
+        config.update(attention_bias=True, mlp_bias=True)
+    elif how == "llama3_no_original_context":  # transformers v5 takes max_position_embeddings
+        config["rope_parameters"].pop("original_max_position_embeddings")
+    (path / "config.json").write_text(json.dumps(config))
+
+
+@pytest.mark.parametrize("how, arch, overrides", [
+    ("tied_config_own_head", "llama", {"tie_word_embeddings": True}),
+    ("mistral_bias_flags", "mistral", {}),
+    ("llama3_no_original_context", "llama3", {}),
+])
+def test_checkpoints_transformers_reads_its_own_way(models, tmp_path, how, arch, overrides):
+    """transformers (loading the same edited directory) is the reference."""
+    src, _, _ = models.get(how, arch=arch, seed=40 + len(how), **overrides)
+    path = tmp_path / how
+    _edit_checkpoint(src, path, how)
+    hf = load_hf(path)
+    model = load_pretrained(path, "float32").model
+    ids = random_ids(870 + len(how), PROMPT_LEN)
+    assert max_diff(specdec_logits(model, ids), hf_logits(hf, ids)) <= ATOL
+
+
 def v4_style(config: dict, legacy_type_key: bool = False) -> dict:
     """A transformers-v5 config.json rewritten the way v4 saved it (and many real checkpoints
     still are): rope_theta at the top, rope_scaling instead of rope_parameters, no layer_types."""
@@ -506,6 +540,44 @@ def test_chat_template_renders(models, tmp_path, how):
         assert hf_tok.apply_chat_template(MESSAGES, tokenize=False, add_generation_prompt=True) == rendered
     with pytest.raises(ValueError, match="unknown role tool"):
         llm.tokenizer.apply_chat_template(MESSAGES + [{"role": "tool", "content": "x"}])
+
+
+FEATURE_TEMPLATE = (  # what templates written for transformers use beyond plain Jinja
+    "{% for message in messages %}{% if message['role'] == 'stop' %}{% break %}{% endif %}"
+    "{% if message['role'] == 'assistant' %}{% generation %}{{ message['content'] }}{% endgeneration %}"
+    "{% else %}{{ message | tojson }}{% endif %}\n{% endfor %}"
+    "{{ strftime_now('%Y') | length }}"
+)
+
+
+@pytest.mark.parametrize("where", ["config", "jinja_file_over_config"])
+def test_chat_template_features_and_precedence_match_transformers(models, tmp_path, where):
+    """{% break %}, tojson (no HTML escaping, keys in order, non-ASCII kept), {% generation %},
+    strftime_now; and chat_template.jinja taking precedence over tokenizer_config.json's."""
+    from transformers import AutoTokenizer
+
+    path = with_chat_template(models, tmp_path, "string")
+    config = json.loads((path / "tokenizer_config.json").read_text())
+    if where == "config":
+        config["chat_template"] = FEATURE_TEMPLATE
+    else:
+        (path / "chat_template.jinja").write_text(FEATURE_TEMPLATE)  # the config keeps CHAT_TEMPLATE
+    (path / "tokenizer_config.json").write_text(json.dumps(config))
+    messages = [{"role": "user", "content": "hi <b> & é"}, {"role": "assistant", "content": "ok"},
+                {"role": "stop", "content": ""}, {"role": "user", "content": "never shown"}]
+    ours = LLM(model=str(path), dtype="float32").tokenizer.apply_chat_template(messages)
+    theirs = AutoTokenizer.from_pretrained(path).apply_chat_template(messages, tokenize=False,
+                                                                     add_generation_prompt=True)
+    assert ours == theirs and '"content": "hi <b> & é"' in ours and "never shown" not in ours
+
+
+def test_named_chat_templates_without_a_default_are_an_error(models, tmp_path):
+    path = with_chat_template(models, tmp_path, "list")
+    config = json.loads((path / "tokenizer_config.json").read_text())
+    config["chat_template"] = [{"name": "tool_use", "template": "A"}, {"name": "rag", "template": "B"}]
+    (path / "tokenizer_config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match="none named 'default'"):
+        LLM(model=str(path), dtype="float32")
 
 
 def test_chat_generates_from_the_rendered_template(models, tmp_path):

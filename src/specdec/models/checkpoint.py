@@ -36,6 +36,12 @@ def from_hf(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
 
 def to_hf(model: LlamaModel) -> dict[str, torch.Tensor]:
     """LlamaModel parameters -> Hugging Face names (splitting fused projections)."""
+    from specdec.models.cpu_linear import PackedLinear
+
+    packed = [name for name, module in model.named_modules() if isinstance(module, PackedLinear)]
+    if packed:  # their weights live in oneDNN's layout, outside the state dict
+        raise ValueError(f"the model's linear layers are packed for oneDNN ({packed[:2]}...), and their weights "
+                         "cannot be saved; load it with load_pretrained(..., pack_weights=False) to save it")
     c = model.config
     split_sizes = {"self_attn.qkv_proj": [c.num_heads * c.head_dim] + [c.num_kv_heads * c.head_dim] * 2,
                    "mlp.gate_up_proj": [c.intermediate_size] * 2}
@@ -92,10 +98,10 @@ def save_pretrained(model: LlamaModel, path: str | Path, dtype: torch.dtype = to
     from safetensors.torch import save_file
 
     path = Path(path)
-    path.mkdir(parents=True, exist_ok=True)
     if not (isinstance(max_shard_bytes, int) and max_shard_bytes > 0):
         raise ValueError(f"max_shard_bytes must be a positive integer, got {max_shard_bytes!r}")
-    state = {name: t.to(dtype) for name, t in to_hf(model).items()}
+    state = {name: t.to(dtype) for name, t in to_hf(model).items()}  # checks the model first
+    path.mkdir(parents=True, exist_ok=True)
     _remove_weight_files(path)
     shards = plan_shards(state, max_shard_bytes)
     if len(shards) == 1:

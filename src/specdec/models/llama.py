@@ -159,7 +159,8 @@ def _attend_in_float32(q: torch.Tensor, num_queries: int) -> bool:
     forward) runs in float32: PyTorch's bf16 CPU kernel takes ~90 us for one query over 300
     keys where float32 takes ~25 us (timed on this project's 2-core machine; the decode step
     it gives is in docs/core_speed.md, from benchmarks/bench_core.py). Decode steps and verify
-    forwards both do, so they round alike; long prefills keep the half-precision kernel,
+    forwards of up to FLOAT32_ATTENTION_MAX_QUERIES tokens (k <= 15) both do, so they round
+    alike; longer forwards (prefills, and verifying k >= 16) keep the half-precision kernel,
     which is as fast there."""
     return q.device.type == "cpu" and q.dtype != torch.float32 and num_queries <= FLOAT32_ATTENTION_MAX_QUERIES
 

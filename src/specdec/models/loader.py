@@ -8,7 +8,9 @@ what to do, before anything is half-built.
 
 from __future__ import annotations
 
+import dataclasses
 import json
+import math
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -76,30 +78,45 @@ def model_config_from_hf(cfg: dict, where: Path) -> ModelConfig:
                                  "the config must come from a complete Hugging Face checkpoint")
         return cfg[key]
 
+    def positive_int(key: str, value):
+        if not (isinstance(value, int) and not isinstance(value, bool) and value >= 1):
+            raise ModelLoadError(f"{where}: {key} must be a positive integer, got {value!r}")
+        return value
+
     if cfg.get("hidden_act", "silu") != "silu":
         raise ModelLoadError(f"{where}: hidden_act {cfg['hidden_act']!r} is not supported (only 'silu')")
-    hidden, heads = need("hidden_size"), need("num_attention_heads")
-    num_layers = need("num_hidden_layers")
+    hidden, heads = (positive_int(key, need(key)) for key in ("hidden_size", "num_attention_heads"))
+    num_layers = positive_int("num_hidden_layers", need("num_hidden_layers"))
+    eps = cfg.get("rms_norm_eps") if cfg.get("rms_norm_eps") is not None else 1e-6
+    if not (isinstance(eps, (int, float)) and not isinstance(eps, bool) and math.isfinite(eps) and eps > 0):
+        raise ModelLoadError(f"{where}: rms_norm_eps must be a number > 0, got {eps!r}")
     rope_theta, rope_scaling = _rope(cfg, where)
-    return ModelConfig(
-        vocab_size=need("vocab_size"),
-        hidden_size=hidden,
-        intermediate_size=need("intermediate_size"),
-        num_layers=num_layers,
-        num_heads=heads,
-        num_kv_heads=cfg.get("num_key_value_heads") or heads,
-        head_dim=cfg.get("head_dim") or hidden // heads,
-        max_position_embeddings=cfg.get("max_position_embeddings", 2048),
-        rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
-        rope_theta=rope_theta,
-        rope_scaling=rope_scaling,
-        tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-        qkv_bias=model_type == "qwen2" or bool(cfg.get("attention_bias", False)),
-        o_bias=model_type != "qwen2" and bool(cfg.get("attention_bias", False)),
-        mlp_bias=bool(cfg.get("mlp_bias", False)),
-        qk_norm=model_type == "qwen3",
-        sliding_windows=_sliding_windows(cfg, model_type, num_layers),
-    )
+    # transformers gives these biases only to some architectures, whatever config.json says
+    attention_bias = model_type in ("llama", "qwen3") and bool(cfg.get("attention_bias", False))
+    try:
+        return ModelConfig(
+            vocab_size=positive_int("vocab_size", need("vocab_size")),
+            hidden_size=hidden,
+            intermediate_size=positive_int("intermediate_size", need("intermediate_size")),
+            num_layers=num_layers,
+            num_heads=heads,
+            num_kv_heads=positive_int("num_key_value_heads", cfg.get("num_key_value_heads") or heads),
+            head_dim=positive_int("head_dim", cfg.get("head_dim") or hidden // heads),
+            max_position_embeddings=positive_int("max_position_embeddings", cfg.get("max_position_embeddings") or 2048),
+            rms_norm_eps=float(eps),
+            rope_theta=rope_theta,
+            rope_scaling=rope_scaling,
+            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+            qkv_bias=model_type == "qwen2" or attention_bias,
+            o_bias=attention_bias,
+            mlp_bias=model_type == "llama" and bool(cfg.get("mlp_bias", False)),
+            qk_norm=model_type == "qwen3",
+            sliding_windows=_sliding_windows(cfg, model_type, num_layers, where),
+        )
+    except ValueError as e:  # ModelConfig's own checks (heads a multiple of key/value heads)
+        if isinstance(e, ModelLoadError):
+            raise
+        raise ModelLoadError(f"{where}: {e}") from e
 
 
 def _model_type(cfg: dict, where: Path) -> str:
@@ -120,26 +137,38 @@ def _rope(cfg: dict, where: Path) -> tuple[float, tuple]:
     """(rope_theta, rope scaling as sorted pairs) from v5's rope_parameters or v4's rope_scaling."""
     params = dict(cfg.get("rope_parameters") or {})
     scaling = dict(cfg.get("rope_scaling") or {})
-    theta = params.pop("rope_theta", cfg.get("rope_theta", 10000.0))
+    theta = params.pop("rope_theta", cfg.get("rope_theta"))
+    theta = 10000.0 if theta is None else theta
     merged = {**scaling, **params}
     rope_type = merged.pop("rope_type", merged.pop("type", "default"))
     if rope_type not in SUPPORTED_ROPE_TYPES:
         raise ModelLoadError(f"{where}: rope type {rope_type!r} is not supported; supported: {SUPPORTED_ROPE_TYPES}")
     needed = {"linear": ["factor"], "llama3": ["factor", "low_freq_factor", "high_freq_factor",
                                                 "original_max_position_embeddings"]}.get(rope_type, [])
-    missing = [key for key in needed if key not in merged]
+    if rope_type == "llama3" and merged.get("original_max_position_embeddings") is None:
+        merged["original_max_position_embeddings"] = cfg.get("max_position_embeddings")  # as transformers v5 does
+    missing = [key for key in needed if merged.get(key) is None]
     if missing:
         raise ModelLoadError(f"{where}: rope type {rope_type!r} needs {missing} in rope_scaling")
+    values = [theta] + [merged[k] for k in needed]
+    if not all(isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and v > 0 for v in values):
+        raise ModelLoadError(f"{where}: rope_theta and the rope scaling values {needed} must be numbers > 0, "
+                             f"got {values}")
     pairs = tuple(sorted((k, float(merged[k])) for k in needed))
     return float(theta), (("rope_type", rope_type),) + pairs if rope_type != "default" else ()
 
 
-def _sliding_windows(cfg: dict, model_type: str, num_layers: int) -> tuple:
+def _sliding_windows(cfg: dict, model_type: str, num_layers: int, where: Path) -> tuple:
     window = cfg.get("sliding_window")
     if not window:
         return ()
+    if not (isinstance(window, int) and not isinstance(window, bool) and window >= 1):
+        raise ModelLoadError(f"{where}: sliding_window must be a positive integer or null, got {window!r}")
     layer_types = cfg.get("layer_types")
     if layer_types:
+        if not isinstance(layer_types, list) or len(layer_types) != num_layers:
+            raise ModelLoadError(f"{where}: layer_types must list one type per layer ({num_layers}), "
+                                 f"got {layer_types!r}")
         return tuple(window if t == "sliding_attention" else None for t in layer_types)
     if model_type == "mistral":
         return (window,) * num_layers
@@ -153,7 +182,11 @@ def resolve_dtype(dtype: str | torch.dtype, hf_config: dict) -> torch.dtype:
     if isinstance(dtype, torch.dtype):
         return dtype
     if dtype == "auto":
-        dtype = hf_config.get("dtype") or hf_config.get("torch_dtype") or "float32"
+        saved = hf_config.get("dtype") or hf_config.get("torch_dtype") or "float32"
+        if saved not in DTYPES:
+            raise ModelLoadError(f"config.json says the weights are {saved!r}, which is not supported; pass "
+                                 f"dtype= one of {sorted(DTYPES)} instead of 'auto'")
+        return DTYPES[saved]
     if dtype not in DTYPES:
         raise ValueError(f"dtype {dtype!r} is not supported; use 'auto' or one of {sorted(DTYPES)}")
     return DTYPES[dtype]
@@ -168,6 +201,8 @@ def read_safetensors(path: Path) -> dict[str, torch.Tensor]:
         weight_map = _read_json(index, what="the shard index").get("weight_map")
         if not isinstance(weight_map, dict) or not weight_map:
             raise ModelLoadError(f"{index}: no 'weight_map' listing the shards")
+        if not all(isinstance(file, str) and file for file in weight_map.values()):
+            raise ModelLoadError(f"{index}: every 'weight_map' entry must name a shard file")
         files = sorted(set(weight_map.values()))
     elif (path / "model.safetensors").is_file():
         files = ["model.safetensors"]
@@ -195,12 +230,15 @@ def build_model(config: ModelConfig, weights: dict[str, torch.Tensor], dtype: to
                 device: torch.device, path: Path) -> LlamaModel:
     """A LlamaModel holding exactly the checkpoint's weights, checked by name and shape in
     the checkpoint's own (Hugging Face) names before the projections are fused."""
+    given = {name: t for name, t in weights.items() if not name.endswith("rotary_emb.inv_freq")}
+    if config.tie_word_embeddings and "lm_head.weight" in given:
+        if _same_tensor(given["lm_head.weight"], given.get("model.embed_tokens.weight")):
+            del given["lm_head.weight"]  # some tied checkpoints store the shared matrix twice
+        else:  # a head of its own: transformers then leaves them untied, and so do we
+            config = dataclasses.replace(config, tie_word_embeddings=False)
     with torch.device("meta"):
         model = LlamaModel(config)
     expected = {name: tuple(t.shape) for name, t in to_hf(model).items()}
-    given = {name: t for name, t in weights.items() if not name.endswith("rotary_emb.inv_freq")}
-    if config.tie_word_embeddings:
-        given.pop("lm_head.weight", None)  # some tied checkpoints store the shared matrix twice
     missing, unexpected = sorted(set(expected) - set(given)), sorted(set(given) - set(expected))
     if missing or unexpected:
         raise ModelLoadError(f"{path}: checkpoint does not match its config.json: "
@@ -210,11 +248,16 @@ def build_model(config: ModelConfig, weights: dict[str, torch.Tensor], dtype: to
             raise ModelLoadError(f"{path}: tensor {name!r} has shape {tuple(given[name].shape)}, "
                                  f"config.json implies {shape}")
     state = from_hf(given)
-    model.load_state_dict({k: v.to(device=device, dtype=dtype) for k, v in state.items()}, strict=False, assign=True)  # names checked above; a tied lm_head is re-tied below
+    # names checked above; a tied lm_head is re-tied below
+    model.load_state_dict({k: v.to(device=device, dtype=dtype) for k, v in state.items()}, strict=False, assign=True)
     if config.tie_word_embeddings:
         model.lm_head.weight = model.embed_tokens.weight
     model.inv_freq = rope_inverse_frequencies(config).to(device)
     return model.eval().requires_grad_(False)
+
+
+def _same_tensor(a: torch.Tensor, b: torch.Tensor | None) -> bool:
+    return b is not None and a.shape == b.shape and bool(torch.equal(a, b))
 
 
 def _some(names: list[str]) -> str:

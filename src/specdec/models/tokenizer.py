@@ -3,6 +3,7 @@ special tokens of tokenizer_config.json. No transformers, no remote code."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 from tokenizers import Tokenizer as _RustTokenizer
@@ -23,13 +24,7 @@ class Tokenizer:
         config = config or {}
         special = {name: _token_text(config[name]) for name in ("bos_token", "eos_token", "pad_token", "unk_token")
                    if config.get(name) is not None}
-        template = config.get("chat_template")
-        if isinstance(template, list):  # [{"name": "default", "template": ...}, ...]
-            named = {t.get("name"): t.get("template") for t in template}
-            template = named.get("default") or next(iter(named.values()), None)
-        if template is None and (path / "chat_template.jinja").is_file():
-            template = (path / "chat_template.jinja").read_text()
-        return cls(backend, special, template)
+        return cls(backend, special, _chat_template(path, config))
 
     @property
     def vocab_size(self) -> int:
@@ -52,15 +47,51 @@ class Tokenizer:
         if not self.chat_template:
             raise ValueError("this tokenizer has no chat template (none in tokenizer_config.json "
                              "or chat_template.jinja); pass a plain prompt instead")
-        from jinja2.sandbox import ImmutableSandboxedEnvironment
-
-        def raise_exception(message):
-            raise ValueError(f"chat template error: {message}")
-
-        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
-        env.globals["raise_exception"] = raise_exception
-        return env.from_string(self.chat_template).render(
+        return _template_environment().from_string(self.chat_template).render(
             messages=messages, add_generation_prompt=add_generation_prompt, **self.special_tokens)
+
+
+def _chat_template(path: Path, config: dict) -> str | None:
+    """The chat template, where transformers looks for it: chat_template.jinja first, else
+    tokenizer_config.json's chat_template (a string, or named templates: the "default" one)."""
+    if (path / "chat_template.jinja").is_file():
+        return (path / "chat_template.jinja").read_text()
+    template = config.get("chat_template")
+    if isinstance(template, list):  # [{"name": "default", "template": ...}, {"name": "tool_use", ...}]
+        named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
+        if "default" not in named:
+            raise ValueError(f"tokenizer_config.json has named chat templates {sorted(map(str, named))} but none "
+                             "named 'default'; name the one to use 'default'")
+        template = named["default"]
+    return template
+
+
+def _template_environment():
+    """A sandboxed Jinja environment with what chat templates written for transformers use:
+    loop controls ({% break %}), tojson without HTML escaping or key sorting, strftime_now,
+    raise_exception, and the {% generation %} tag (which only marks assistant text)."""
+    from datetime import datetime
+
+    from jinja2.ext import Extension, loopcontrols
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    class GenerationTag(Extension):
+        tags = {"generation"}
+
+        def parse(self, parser):
+            next(parser.stream)
+            return parser.parse_statements(("name:endgeneration",), drop_needle=True)  # the body, as is
+
+    def raise_exception(message):
+        raise ValueError(f"chat template error: {message}")
+
+    def tojson(value, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
+        return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[loopcontrols, GenerationTag])
+    env.filters["tojson"] = tojson
+    env.globals.update(raise_exception=raise_exception, strftime_now=lambda fmt: datetime.now().strftime(fmt))
+    return env
 
 
 def _token_text(token) -> str:
