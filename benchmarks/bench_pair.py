@@ -10,7 +10,9 @@ totals: α, τ, tokens/s of each, the measured speedup and the one predicted fro
 the measured cost ratio c; it checks the outputs are identical; and it counts how many of the
 target's completion lines are valid Python after their prompt (Prompt.lines_that_parse).
 --lookup adds rows for speculative_method="lookup_then_draft": prompt lookup where the context
-repeats, the same draft model elsewhere (no prediction: the cost per draft token varies by round).
+repeats, the same draft model elsewhere (no prediction: the cost per draft token varies by round;
+nor with --draft-confidence, where k varies). The prediction models decoding alone; the measured
+speedup includes both models' prefill, so it reads lower on short outputs.
 """
 
 from __future__ import annotations
@@ -91,7 +93,8 @@ def main() -> None:
         spec = _totals(stats)
         alpha = spec.acceptance_rate
         by_position = " ".join(f"{a:.2f}" for a in spec.acceptance_by_position)
-        predicted = f"{predicted_speedup(alpha, k, cost_ratio):.2f}x" if name == DRAFT_MODEL else "–"
+        fixed_k = name == DRAFT_MODEL and not args.draft_confidence  # what the formula models
+        predicted = f"{predicted_speedup(alpha, k, cost_ratio):.2f}x" if fixed_k else "–"
         print(f"| {name} k={k} | {spec.tokens_per_second:.1f} | {alpha:.3f} | "
               f"{spec.proposed_acceptance_rate:.3f} | {spec.tokens_per_forward:.2f} | "
               f"{spec.tokens_per_second / base.tokens_per_second:.2f}x | {predicted} | {by_position} | "

@@ -10,21 +10,23 @@ import itertools
 import json
 import math
 import random
+import shutil
 import sys
 
 import pytest
 import torch
 
 from helpers import save_tiny_model
+from specdec import SamplingParams
 from specdec.benchmark import commands
 from specdec.benchmark.exactness import compare, first_divergence
 from specdec.benchmark.goals import evaluate_goals
 from specdec.benchmark.prompts import held_out_code_prompts, repeated_code_prompts
 from specdec.benchmark.report import PLOTS, write_report
-from specdec.training.corpus import stdlib_path
 from specdec.benchmark.run import (GREEDY, TARGET_ALONE, TRANSFORMERS_PLAIN, BenchConfig, Method, Record, Run,
                                    check_greedy_exactness, run_benchmark,
                                    transformers_runners)
+from specdec.training.corpus import stdlib_path
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 KS = (1, 2)
@@ -149,6 +151,36 @@ def test_without_transformers_its_rows_are_skipped_with_a_note(pair, monkeypatch
     assert notes == ["transformers is not installed: its rows are skipped (pip install transformers)."]
 
 
+def test_transformers_baseline_ignores_the_checkpoints_generation_settings_and_stops_at_every_eos(tmp_path):
+    """A generation_config.json with a repetition penalty, and EOS ids in config.json only:
+    transformers' plain generate still gives the target alone's greedy tokens, and a draft
+    with a padded vocabulary gets a note, not a crash, from assisted generation."""
+    from specdec import LLM
+
+    target = save_tiny_model(tmp_path / "target", "llama", seed=0, init_std=0.3)
+    prompt = [5, 9, 14, 3, 8, 21]
+    plain = LLM(str(target), dtype="float32").generate(prompt, SamplingParams(temperature=0, max_tokens=12,
+                                                                               ignore_eos=True))[0]
+    generated = plain.outputs[0].token_ids
+    config = json.loads((target / "config.json").read_text())
+    config["eos_token_id"] = [1, generated[3]]  # the 4th greedy token ends the output
+    (target / "config.json").write_text(json.dumps(config))
+    generation = json.loads((target / "generation_config.json").read_text())
+    generation["repetition_penalty"] = 1.3
+    (target / "generation_config.json").write_text(json.dumps(generation))
+    draft = save_tiny_model(tmp_path / "draft", "llama", seed=1, init_std=0.3, vocab_size=384, tokenizer=False)
+    shutil.copyfile(target / "tokenizer.json", draft / "tokenizer.json")
+
+    config = BenchConfig(model=str(target), draft=str(draft), ks=(2,), **TINY)
+    llm = LLM(str(target), speculative_model=str(draft), num_speculative_tokens=2, dtype=config.dtype)
+    notes = []
+    runners = transformers_runners(config, llm, llm.engine.drafter.model, notes)
+    assert set(m.drafter for m in runners) == {"none", "ngram"} and any("vocab_size" in note for note in notes)
+    params = SamplingParams(temperature=0, max_tokens=12)
+    ours = llm.target_only().generate(prompt, params)[0].outputs[0].token_ids
+    assert ours == generated[:4] and runners[TRANSFORMERS_PLAIN](prompt, params).token_ids == ours
+
+
 def test_greedy_outputs_are_identical(results):
     per_set = 3 * len(KS) + 2  # each speculative method (adaptive too) vs the target alone; the target vs transformers
     assert results["exactness"] == {"compared": 2 * per_set, "identical": 2 * per_set, "divergences": []}
@@ -264,6 +296,14 @@ def test_missing_model_directory_is_a_clear_error(pair, tmp_path):
         commands.bench_config(parse(["--model", str(pair[0]), "--draft", str(tmp_path / "nowhere")]))
 
 
+def test_an_out_that_cannot_be_written_is_refused_before_measuring(pair, tmp_path, monkeypatch):
+    (tmp_path / "a_file").write_text("")
+    args = parse(["--model", str(pair[0]), "--no-transformers", "--out", str(tmp_path / "a_file")])
+    monkeypatch.setattr("specdec.benchmark.run.run_benchmark", lambda *a, **k: pytest.fail("measured first"))
+    with pytest.raises(ValueError, match="is a file"):
+        args.run(args)
+
+
 def test_missing_shipped_pair_says_what_to_do(monkeypatch, tmp_path):
     monkeypatch.setattr(commands, "SHIPPED_TARGET", tmp_path / "models" / "code-target")
     monkeypatch.setattr(commands, "SHIPPED_DRAFT", tmp_path / "models" / "code-draft")
@@ -277,6 +317,9 @@ def test_missing_shipped_pair_says_what_to_do(monkeypatch, tmp_path):
     ({"max_tokens": 0}, "max_tokens"),
     ({"prompt_sets": ("code", "poetry")}, "prompt sets must be among"),
     ({"device": "tpu"}, "device"),
+    ({"device": "cpu:x"}, "device must be cpu, cuda or cuda:N"),
+    ({"step_repeats": 0}, "step_repeats"),
+    ({"bandwidth_bytes": 0}, "bandwidth_bytes"),
 ])
 def test_bad_configuration_values(pair, changes, message):
     with pytest.raises(ValueError, match=message):

@@ -64,6 +64,7 @@ def run_bench(args) -> int:
     from specdec.benchmark.run import run_benchmark
 
     config = bench_config(args)
+    check_out_dir(Path(args.out))  # before the minutes of measuring, not after
     results = run_benchmark(config, progress=lambda message: print(message, file=sys.stderr, flush=True))
     paths = write_report(results, args.out)
     if args.write_docs:
@@ -85,6 +86,19 @@ def bench_config(args):
                        ks=_given_or(args.ks, sizes["ks"]), max_tokens=_given_or(args.max_tokens, sizes["max_tokens"]),
                        prompts_per_set=_given_or(args.prompts, sizes["prompts"]),
                        with_transformers=not args.no_transformers, seed=args.seed)
+
+
+def check_out_dir(out: Path) -> None:
+    """--out must be a directory this process can write (it is made if missing)."""
+    if out.exists() and not out.is_dir():
+        raise ValueError(f"--out {str(out)!r} is a file; give a directory for the results")
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        probe = out / ".write_test"
+        probe.write_text("")
+        probe.unlink()
+    except OSError as e:
+        raise ValueError(f"--out {str(out)!r} cannot be written ({e.strerror}); give a directory you can write") from e
 
 
 def resolve_pair(model: str | None, draft: str | None) -> tuple[str, str | None]:

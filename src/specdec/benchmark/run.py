@@ -116,10 +116,20 @@ class BenchConfig:
                f"prompt sets must be among {sorted(PROMPT_SETS)}, got {self.prompt_sets!r}")
         check(self.samplings and len({s.name for s in self.samplings}) == len(self.samplings),
                "samplings must be non-empty with distinct names")
-        check(isinstance(self.device, str) and self.device.split(":")[0] in ("cpu", "cuda"),
+        check(is_int(self.step_repeats) and self.step_repeats >= 1,
+               f"step_repeats must be an integer >= 1, got {self.step_repeats!r}")
+        check(is_int(self.bandwidth_bytes) and self.bandwidth_bytes >= 1 << 20,
+               f"bandwidth_bytes must be an integer >= 1 MiB, got {self.bandwidth_bytes!r}")
+        try:
+            device = torch.device(self.device)
+        except (RuntimeError, TypeError):
+            device = None
+        check(device is not None and device.type in ("cpu", "cuda"),
                f"device must be cpu, cuda or cuda:N, got {self.device!r}")
-        check(not self.device.startswith("cuda") or torch.cuda.is_available(),
+        check(device.type != "cuda" or torch.cuda.is_available(),
                f"device {self.device!r}: CUDA is not available on this machine")
+        check(device.type != "cuda" or (device.index or 0) < torch.cuda.device_count(),
+               f"device {self.device!r}: this machine has {torch.cuda.device_count()} CUDA devices")
 
     @property
     def max_k(self) -> int:
@@ -260,20 +270,42 @@ class SpecdecRunner:
 
 
 class TransformersRunner:
-    """transformers' generate on the same checkpoint, with extra generate() arguments."""
+    """transformers' generate on the same checkpoint (assisted by assistant_model, if given,
+    with generation_options such as prompt_lookup_num_tokens). Its generation config holds
+    what the SamplingParams say and neutral values for what they do not: transformers fills
+    a setting left unset from the checkpoint's generation_config.json, which may hold ones
+    specdec does not apply (a repetition penalty, say) and would give transformers other
+    work and other tokens. It stops at the same EOS ids as specdec (config.json's and
+    generation_config.json's)."""
 
-    def __init__(self, model, device: torch.device, eos_token_id: int | None, **generate_kwargs):
-        self.model, self.device, self.eos_token_id = model, device, eos_token_id
-        self.generate_kwargs = generate_kwargs
+    NEUTRAL = dict(repetition_penalty=1.0, no_repeat_ngram_size=0, min_new_tokens=0, typical_p=1.0,
+                   epsilon_cutoff=0.0, eta_cutoff=0.0)
+
+    def __init__(self, model, device: torch.device, eos_token_ids: tuple[int, ...], assistant_model=None,
+                 **generation_options):
+        self.model, self.device, self.eos_token_ids = model, device, list(eos_token_ids)
+        self.assistant_model, self.generation_options = assistant_model, generation_options
+
+    def generation_config(self, params: SamplingParams):
+        from transformers import GenerationConfig
+
+        eos = self.eos_token_ids or None
+        sampling = (dict(do_sample=False) if params.greedy else
+                    dict(do_sample=True, temperature=params.temperature, top_p=params.top_p, top_k=0,
+                         min_p=self._min_p(params)))
+        return GenerationConfig(max_new_tokens=params.max_tokens, eos_token_id=eos, pad_token_id=eos[0] if eos else None,
+                                **self.NEUTRAL, **sampling, **self.generation_options)
+
+    def _min_p(self, params: SamplingParams) -> float | None:
+        """params.min_p; None (no warper at all) for 0 unless the checkpoint's config sets one."""
+        return params.min_p if params.min_p or self.model.generation_config.min_p is not None else None
 
     def __call__(self, prompt_ids: list[int], params: SamplingParams) -> Run:
         input_ids = torch.tensor([prompt_ids], device=self.device)
-        kwargs = dict(self.generate_kwargs, max_new_tokens=params.max_tokens, attention_mask=torch.ones_like(input_ids),
-                      pad_token_id=self.eos_token_id)
-        if params.greedy:
-            kwargs.update(do_sample=False, temperature=None, top_p=None, top_k=None)
-        else:
-            kwargs.update(do_sample=True, temperature=params.temperature, top_p=params.top_p, top_k=0)
+        kwargs = dict(generation_config=self.generation_config(params), attention_mask=torch.ones_like(input_ids))
+        if self.assistant_model is not None:
+            kwargs["assistant_model"] = self.assistant_model
+        if not params.greedy:
             torch.manual_seed(params.seed)
         start = time.perf_counter()
         with torch.inference_mode():
@@ -294,7 +326,7 @@ def transformers_runners(config: BenchConfig, target: LLM, draft_model, notes: l
     transformers.logging.set_verbosity_error()
     transformers.logging.disable_progress_bar()
     device, k = target.device, config.transformers_k
-    eos = target.target.eos_token_ids[0] if target.target.eos_token_ids else None
+    eos = target.target.eos_token_ids
     try:
         hf_target = AutoModelForCausalLM.from_pretrained(config.model, dtype=target.target.model.dtype)
         hf_target = hf_target.to(device).eval()
@@ -307,9 +339,19 @@ def transformers_runners(config: BenchConfig, target: LLM, draft_model, notes: l
         notes.append(f"transformers could not load the checkpoints ({type(e).__name__}: {e}); its rows are skipped.")
         return {}
     runners = {TRANSFORMERS_PLAIN: TransformersRunner(hf_target, device, eos)}
-    if hf_draft is not None:
+    if hf_draft is not None and hf_draft.config.vocab_size != hf_target.config.vocab_size:
+        notes.append(f"transformers' assisted generation needs the draft's vocab_size "
+                     f"({hf_draft.config.vocab_size}) to equal the target's ({hf_target.config.vocab_size}); "
+                     "its row is skipped (specdec drafts with a padded vocabulary like this).")
+    elif hf_draft is not None:
         runners[Method("transformers", "draft_model", k)] = TransformersRunner(hf_target, device, eos,
                                                                                assistant_model=hf_draft)
+        packed = _packed_linears(draft_model)
+        if packed:
+            notes.append(f"specdec runs the draft in {str(draft_model.dtype).removeprefix('torch.')} with "
+                         f"{packed} of its matrices (those of 2 MB or more) prepacked in bfloat16 "
+                         "(draft_dtype=\"auto\"); transformers' assistant runs wholly in "
+                         f"{str(hf_draft.dtype).removeprefix('torch.')}, reading more bytes a step.")
     runners[Method("transformers", "ngram", k)] = TransformersRunner(hf_target, device, eos,
                                                                      prompt_lookup_num_tokens=k)
     notes.append(f"transformers {transformers.__version__}: assisted generation at num_assistant_tokens={k} "
@@ -484,9 +526,8 @@ def _add_in_round_costs(group: list[dict], baseline: dict) -> None:
 
 
 def acceptance_by_position(stats: SpecStats) -> list[float | None]:
-    """Accepted ÷ proposed at each draft position, None where nothing was proposed. (Not
-    SpecStats.acceptance_by_position: it drops the positions past the longest accepted run,
-    as accepted_by_position only grows that far.)"""
+    """Accepted ÷ proposed at each draft position, None (for JSON) where nothing was proposed,
+    where SpecStats.acceptance_by_position has NaN."""
     proposed = stats.proposed_by_position
     accepted = stats.accepted_by_position + [0] * (len(proposed) - len(stats.accepted_by_position))
     return [a / p if p else None for a, p in zip(accepted, proposed)]
@@ -564,10 +605,18 @@ def _config_json(config: BenchConfig) -> dict:
 
 def _models_json(loaded: LoadedRunners, config: BenchConfig) -> dict:
     def describe(path: str, model) -> dict:
-        return {"path": str(Path(path)), "parameters": model.config.num_parameters, "dtype": str(model.dtype)}
+        return {"path": str(Path(path)), "parameters": model.config.num_parameters, "dtype": str(model.dtype),
+                "bf16_packed_matrices": _packed_linears(model)}
 
     return {"target": describe(config.model, loaded.target.target.model),
             "draft": describe(config.draft, loaded.draft_model) if loaded.draft_model is not None else None}
+
+
+def _packed_linears(model) -> int:
+    """How many of a float32 model's matrices run prepacked in bfloat16 (cpu_linear.py)."""
+    from specdec.models.cpu_linear import Bf16PackedLinear
+
+    return sum(isinstance(module, Bf16PackedLinear) for module in model.modules())
 
 
 def _check_model_dir(path: str, what: str) -> None:
