@@ -27,8 +27,11 @@ class SamplingParams:
     max_tokens: the most tokens to generate.
     stop: strings that end the generation; the text stops before them.
     stop_token_ids: token ids that end the generation (kept in the token ids, like EOS).
-    seed: a per-request seed: the same seed gives the same tokens whatever else is batched
-        (any integer torch.Generator takes: from -2**63 to 2**64 - 1).
+    seed: a per-request seed (any integer torch.Generator takes: from -2**63 to 2**64 - 1).
+        The request draws the same random numbers whatever else is batched, so in float32 it
+        gets the same tokens. In bfloat16 or float16 a wider batch pads attention to more
+        (masked) keys, which can round a near-tie differently and so change a token, as in
+        other engines that batch.
     ignore_eos: keep generating past the model's end-of-sequence tokens.
     """
 

@@ -10,7 +10,8 @@ then renormalise. Softmax is always float32. The draft and the target are warped
 function with the same settings, so q and p are what the draft and the target really sample.
 
 Sampling is inverse-CDF in float64 with one uniform per draw from the row's generator: a
-seeded request has its own, so it draws the same numbers whatever else is in the batch;
+seeded request has its own, so it draws the same numbers whatever else is in the batch
+(and, in float32, gets the same tokens; see SamplingParams.seed for half precision);
 requests without a seed share one.
 """
 
