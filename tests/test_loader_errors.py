@@ -201,6 +201,15 @@ def test_config_values_are_checked_at_load(good, workdir, changes, names):
         assert all(name in message for name in names) and "config.json" in message, message
 
 
+@pytest.mark.parametrize("device, message", [("gpu", "device must be"), ("cuda:x", "device must be"),
+                                             ("cuda", "CUDA is not available|CUDA devices")])
+def test_bad_device_is_a_clear_error(good, device, message):
+    if device == "cuda" and torch.cuda.is_available():
+        device = f"cuda:{torch.cuda.device_count()}"  # one past the last
+    with pytest.raises(ValueError, match=message):
+        LLM(model=str(good), device=device)
+
+
 def test_unknown_dtype(good):
     with pytest.raises(ValueError, match="int8") as info:
         LLM(model=str(good), dtype="int8")

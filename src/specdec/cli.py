@@ -26,7 +26,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         return args.run(args)
-    except (ValueError, FileNotFoundError) as e:  # bad input: one clear line, no traceback
+    except (ValueError, OSError) as e:  # bad input, a path that cannot be read or written: one clear line
         print(f"error: {e}", file=sys.stderr)
         return 2
 
