@@ -89,3 +89,50 @@ def test_divergence_note_names_the_position_and_the_precision():
     assert divergence_note([1, 2, 3], [1, 2, 4], torch.float32) == "the outputs first differ at generated token 2"
     note = divergence_note([1, 2, 3], [1, 2], torch.bfloat16)
     assert note.startswith("the outputs first differ at generated token 2: in bfloat16") and "float32" in note
+
+
+def _strip_colors(text: str) -> str:
+    from specdec.cli import DRAFT_COLOR, RESET
+
+    return text.replace(DRAFT_COLOR, "").replace(RESET, "")
+
+
+@pytest.mark.parametrize("text", ["x = '€'", "naïve = 1  # 😀 ok"])
+def test_marking_keeps_characters_split_across_runs(text):
+    """Multi-byte characters the byte-level tokenizer splits into several tokens, with the
+    runs changing inside them (every other token an accepted draft): the marked text, colors
+    removed, is the decoded text, with no replacement characters."""
+    from helpers import make_tokenizer
+    from specdec.cli import DRAFT_COLOR, mark_draft_tokens
+    from specdec.llm import CompletionOutput
+    from specdec.models.tokenizer import Tokenizer
+
+    tokenizer = Tokenizer(make_tokenizer(320))
+    prompt_ids = tokenizer.encode("s = 1\n", add_special_tokens=False)
+    ids = tokenizer.encode(text, add_special_tokens=False)
+    assert len(ids) > len(text.encode("ascii", "ignore").decode())  # some character takes several tokens
+    completion = CompletionOutput(0, tokenizer.decode(ids), ids, "length", [i % 2 == 0 for i in range(len(ids))])
+    marked = mark_draft_tokens(tokenizer, prompt_ids, completion)
+    assert _strip_colors(marked) == text and "\ufffd" not in marked and DRAFT_COLOR in marked
+
+
+def test_marking_a_completion_cut_by_a_stop_string(model_dir, capsys):
+    """--stop cuts the text: still marked, and cut at the same place."""
+    args = ["generate", "--model", str(model_dir), "--draft", str(model_dir), "-k", "4", "--prompt", "def add(a, b):",
+            "--max-tokens", "16", "--dtype", "float32", "--color", "always"]
+    assert main(args) == 0
+    full = _strip_colors(capsys.readouterr().out.split("\n\n", 1)[1].split("\n\n[draft_model")[0])
+    stop = full[len("def add(a, b):") + 6:][:3]  # a stop string a few characters into the completion
+    assert main(args + ["--stop", stop]) == 0
+    marked = capsys.readouterr().out.split("\n\n", 1)[1].split("\n\n[draft_model")[0]
+    from specdec.cli import DRAFT_COLOR
+    assert DRAFT_COLOR in marked and _strip_colors(marked) == full[:full.index(stop, len("def add(a, b):"))]
+
+
+def test_compare_speedup_is_a_ratio_of_tokens_per_second(model_dir, capsys):
+    assert main(["generate", "--model", str(model_dir), "--draft", str(model_dir), "-k", "3", "--prompt", "def f(",
+                 "--max-tokens", "12", "--temperature", "1", "--seed", "2", "--stop", "e", "--compare"]) == 0
+    out = capsys.readouterr().out
+    rates = [float(line.split(" tok/s")[0].rsplit(" ", 1)[1]) for line in out.splitlines() if "tok/s" in line]
+    speedup = float(out.split("speedup ")[1].split("x")[0])
+    assert speedup == pytest.approx(rates[0] / rates[1], rel=0.02)

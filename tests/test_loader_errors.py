@@ -499,6 +499,15 @@ def test_invalid_sampling_values(llms, field, value):
     assert_still_works(llms, "target")
 
 
+@pytest.mark.parametrize("name", ["target", "draft_model"])
+def test_a_top_p_too_small_for_float32_keeps_the_most_likely_token(llms, name):
+    """1e-300 rounds to 0 in float32: the most likely token is still kept, so sampling at
+    that top_p is greedy."""
+    made, prompts, params, reference = llms
+    tiny = SamplingParams(temperature=1.0, top_p=1e-300, max_tokens=params.max_tokens, seed=3)
+    assert [o.outputs[0].token_ids for o in made[name].generate(prompts, tiny)] == reference
+
+
 def test_valid_edge_sampling_values_are_accepted():
     """The boundaries the checks above must not reject."""
     SamplingParams(temperature=0, top_p=1, top_k=-1, min_p=0, max_tokens=1, seed=-2**63)
@@ -547,6 +556,13 @@ def test_token_ids_out_of_vocabulary(llms, name, bad):
     with pytest.raises(ValueError, match=str(VOCAB)):
         made[name].generate(bad, params)
     assert_still_works(llms, name)
+
+
+def test_a_prompt_that_is_not_utf8_is_a_clear_error(llms):
+    made, _, params, _ = llms
+    with pytest.raises(ValueError, match="not valid UTF-8"):
+        made["target"].generate("caf\udce9", params)  # how b"caf\xe9" arrives in sys.argv
+    assert_still_works(llms, "target")
 
 
 def test_every_prompt_form_gives_the_same_tokens(llms):

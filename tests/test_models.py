@@ -491,6 +491,30 @@ def test_text_prompt_encodes_like_tokenizers_and_output_decodes(models):
     assert [o.prompt_token_ids for o in outs] == [expected_ids, reference.encode("class Point:").ids]
 
 
+def test_output_text_reads_as_it_does_after_the_prompt_with_a_sentencepiece_decoder():
+    """Llama 2 / Mistral style: the decoder strips the first token's leading space, so text
+    decoded alone loses the space between prompt and output; decode_after keeps it. The
+    reference: the tokenizers library decoding prompt and output together."""
+    from tokenizers import Tokenizer as Backend, decoders, models, pre_tokenizers, trainers
+
+    from specdec.models.tokenizer import Tokenizer
+
+    backend = Backend(models.BPE(unk_token="<unk>"))
+    backend.pre_tokenizer = pre_tokenizers.Metaspace(replacement="\u2581", prepend_scheme="first")
+    backend.decoder = decoders.Sequence([decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse(),
+                                         decoders.Strip(" ", 1, 0)])
+    backend.train_from_iterator([TEXT_PROMPT * 20 + " for i in range(10): print(i, add(i, i))"],
+                                trainers.BpeTrainer(vocab_size=120, special_tokens=["<unk>", "<s>", "</s>"]))
+    tokenizer = Tokenizer(backend)
+    ids = backend.encode("for i in range(10): print(i, add(i, i))").ids
+    lost_a_space = 0
+    for cut in range(1, len(ids)):
+        whole, before = backend.decode(ids), backend.decode(ids[:cut])
+        assert before + tokenizer.decode_after(ids[:cut], ids[cut:]) == whole, cut
+        lost_a_space += before + backend.decode(ids[cut:]) != whole
+    assert lost_a_space > 0  # decoding the output alone would have been wrong
+
+
 CHAT_TEMPLATE = (
     "{{ bos_token }}"
     "{% for message in messages %}"

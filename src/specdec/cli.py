@@ -85,13 +85,14 @@ def run_generate(args) -> int:
     llm = LLM(args.model, speculative_model=args.draft, speculative_method=method,
               num_speculative_tokens=args.num_speculative_tokens, dtype=args.dtype, device=args.device,
               draft_dtype=args.draft_dtype, draft_confidence_threshold=args.draft_confidence)
-    llm.generate(args.prompt, SamplingParams(temperature=0, max_tokens=2))  # warm-up: first calls are slow
+    warm_up = SamplingParams(temperature=0, max_tokens=min(2, args.max_tokens))  # no more than the request asks
+    llm.generate(args.prompt, warm_up)  # first calls are slow
     output = llm.generate(args.prompt, params)[0]
     completion = output.outputs[0]
     color = args.color == "always" or (args.color == "auto" and sys.stdout.isatty())
     if color and method:
         print(f"{DRAFT_COLOR}accepted draft tokens look like this{RESET}; the target's own tokens are plain\n")
-        print(args.prompt + mark_draft_tokens(llm.tokenizer, completion))
+        print(args.prompt + mark_draft_tokens(llm.tokenizer, output.prompt_token_ids, completion))
     else:
         print(args.prompt + completion.text)
     print()
@@ -100,7 +101,8 @@ def run_generate(args) -> int:
     if args.compare:
         baseline = llm.target_only().generate(args.prompt, params)[0]
         print(f"[target alone] {baseline.metrics.summary()}")
-        speedup = baseline.metrics.seconds / output.metrics.seconds
+        # tokens/s, not seconds: sampled or stopped, the two outputs differ in length
+        speedup = output.metrics.tokens_per_second / baseline.metrics.tokens_per_second
         same = baseline.outputs[0].token_ids == output.outputs[0].token_ids
         print(f"speedup {speedup:.2f}x" + (f"; greedy outputs identical: {same}" if params.greedy else ""))
         if params.greedy and not same:
@@ -123,19 +125,27 @@ def divergence_note(expected: list[int], got: list[int], dtype) -> str:
 DRAFT_COLOR, RESET = "\033[32;1m", "\033[0m"
 
 
-def mark_draft_tokens(tokenizer, completion) -> str:
-    """The completion's text with each run of accepted draft tokens in color. Falls back to
-    the plain text where the tokens do not decode to it (a stop string cut it)."""
-    ids = completion.token_ids
-    if tokenizer.decode(ids) != completion.text:
-        return completion.text
-    pieces, start, previous_text = [], 0, ""
+def mark_draft_tokens(tokenizer, prompt_ids: list[int], completion) -> str:
+    """The completion's text with each run of accepted draft tokens in color. Each run's text
+    is what its tokens add to the text decoded so far (after the prompt, as the engine
+    decodes); a character split between two runs goes with the first. A completion a stop
+    string cut is marked whole, then cut to its text's length."""
+    ids, draft = completion.token_ids, completion.from_draft
+    runs, start, decoded = [], 0, ""  # runs: (text, is_draft)
     for end in range(1, len(ids) + 1):
-        if end == len(ids) or completion.from_draft[end] != completion.from_draft[start]:
-            text = tokenizer.decode(ids[:end])
-            run = text[len(previous_text):]
-            pieces.append(f"{DRAFT_COLOR}{run}{RESET}" if completion.from_draft[start] else run)
-            start, previous_text = end, text
+        if end < len(ids) and draft[end] == draft[start]:
+            continue
+        text = tokenizer.decode_after(prompt_ids, ids[:end])
+        if end < len(ids) and text.endswith("\ufffd"):
+            continue  # the run ends inside a character: it takes the rest of it
+        runs.append((text[len(decoded):], draft[start]))
+        start, decoded = end, text
+    if not decoded.startswith(completion.text):
+        return completion.text
+    pieces, left = [], len(completion.text)
+    for text, is_draft in runs:
+        text, left = text[:left], left - len(text[:left])
+        pieces.append(f"{DRAFT_COLOR}{text}{RESET}" if is_draft and text else text)
     return "".join(pieces)
 
 

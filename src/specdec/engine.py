@@ -160,7 +160,7 @@ class Engine:
             seq.output_from_draft.append(count <= num_from_draft)
             if (token in self.eos_token_ids and not params.ignore_eos) or token in params.stop_token_ids:
                 seq.finish_reason = "stop"
-            elif params.stop and _stop_string_index(self._decode(seq.output_token_ids), params.stop) is not None:
+            elif params.stop and _stop_string_index(self._output_text(seq), params.stop) is not None:
                 seq.finish_reason = "stop"
             elif seq.remaining_tokens <= 0:
                 seq.finish_reason = "length"
@@ -170,12 +170,15 @@ class Engine:
 
     def _final_text(self, seq: Sequence) -> str:
         """The decoded output, cut before the first stop string."""
-        text = self._decode(seq.output_token_ids)
+        text = self._output_text(seq)
         cut = _stop_string_index(text, seq.params.stop)
         return text if cut is None else text[:cut]
 
-    def _decode(self, token_ids: list[int]) -> str:
-        return self.tokenizer.decode(token_ids) if self.tokenizer is not None else ""
+    def _output_text(self, seq: Sequence) -> str:
+        """The output's text as it reads after the prompt (Tokenizer.decode_after)."""
+        if self.tokenizer is None:
+            return ""
+        return self.tokenizer.decode_after(seq.prompt_token_ids, seq.output_token_ids)
 
 
 def _stop_string_index(text: str, stops: tuple[str, ...]) -> int | None:

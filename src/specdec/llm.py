@@ -122,6 +122,11 @@ class LLM:
         if isinstance(prompt, str):
             if not prompt:
                 raise ValueError("empty prompt: give at least one character or token id")
+            try:
+                prompt.encode("utf-8")
+            except UnicodeEncodeError as e:  # lone surrogates, as bytes that were not UTF-8 arrive in sys.argv
+                raise ValueError(f"the prompt is not valid UTF-8 text (at character {e.start}); "
+                                 "give it as UTF-8") from e
             prompt_text, prompt_ids = prompt, self._need_tokenizer("text prompts").encode(prompt)
         else:
             prompt_text, prompt_ids = None, list(prompt)

@@ -116,6 +116,7 @@ def _kept_prefix(values: torch.Tensor, settings: SamplingTensors) -> torch.Tenso
         if settings.any_top_k:
             top_p = top_p * torch.where(limited[:, None], cumulative[:, -1:], 1.0)  # a fraction of top_k's mass
         within = cumulative - kept_values < top_p  # [N, V]: the mass before each token
+        within[:, 0] = True  # the most likely always: a top_p too small for float32 rounds to 0
         keep = within if keep is None else keep & within
     return keep
 

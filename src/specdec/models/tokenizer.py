@@ -9,6 +9,9 @@ from pathlib import Path
 from tokenizers import Tokenizer as _RustTokenizer
 
 
+DECODE_CONTEXT_TOKENS = 4  # prompt tokens decoded with an output so that it reads as it does after them
+
+
 class Tokenizer:
     def __init__(self, backend: _RustTokenizer, special_tokens: dict[str, str] | None = None,
                  chat_template: str | None = None):
@@ -41,6 +44,19 @@ class Tokenizer:
 
     def decode(self, token_ids: list[int], skip_special_tokens: bool = True) -> str:
         return self.backend.decode(list(token_ids), skip_special_tokens=skip_special_tokens)
+
+    def decode_after(self, context_ids: list[int], token_ids: list[int]) -> str:
+        """token_ids' text as it reads after context_ids: decoded together with the context's
+        last DECODE_CONTEXT_TOKENS tokens, less their text. Decoded alone, a SentencePiece-style
+        decoder (Llama 2, Mistral) strips the first token's leading space ("▁al" -> "al"). Falls
+        back to decoding token_ids alone where the context's text does not end cleanly (a
+        character split between the two)."""
+        context = list(context_ids[-DECODE_CONTEXT_TOKENS:])
+        prefix = self.decode(context)
+        text = self.decode(context + list(token_ids))
+        if prefix and not prefix.endswith("\ufffd") and text.startswith(prefix):
+            return text[len(prefix):]
+        return self.decode(token_ids)
 
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
         """Render a conversation with the model's own template (Jinja, sandboxed)."""
