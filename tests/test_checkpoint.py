@@ -72,6 +72,7 @@ def test_fused_names_round_trip():
 def test_prompt_lookup_rules():
     ctx = np.array
     assert lookup(ctx([5, 1, 2, 9, 4, 1, 2]), 3, 1, 4).tolist() == [9, 4, 1]  # latest match of "1 2"
+    assert lookup(ctx([1, 2, 7, 1, 2, 8, 1, 2]), 1, 2, 2).tolist() == [8]  # the latest of two earlier matches
     assert lookup(ctx([1, 2, 3, 4]), 3, 1, 4).tolist() == []  # nothing repeats
     assert lookup(ctx([1, 2, 3, 1, 2]), 5, 1, 4).tolist() == [3, 1, 2, 3, 1]  # overlapping copy
     assert lookup(ctx([7, 7, 7, 7]), 3, 1, 4).tolist() == [7, 7, 7]

@@ -77,13 +77,18 @@ def setup(tmp_path_factory):
     with torch.no_grad():
         for _ in range(7):
             prompt.append(int(target(torch.tensor([prompt])).logits[0, -1].argmax()))
-    # logits after the prompt followed by every possible (x_1 .. x_{T-1}): [V^(T-1), T, V]
-    T = MAX_TOKENS
+    return dict(target=str(target_dir), draft=str(draft_dir), prompt=prompt,
+                logits=continuation_logits(target, prompt, MAX_TOKENS))
+
+
+def continuation_logits(target, prompt: list[int], T: int) -> np.ndarray:
+    """The target's logits after the prompt followed by every possible (x_1 .. x_{T-1}):
+    [V^(T-1), T, V], in itertools.product order."""
     continuations = torch.tensor(list(itertools.product(range(VOCAB), repeat=T - 1)), dtype=torch.long)
     input_ids = torch.cat([torch.tensor(prompt).expand(len(continuations), -1), continuations], dim=1)
     with torch.no_grad():
-        logits = target(input_ids).logits[:, len(prompt) - 1:].float().numpy()
-    return dict(target=str(target_dir), draft=str(draft_dir), prompt=prompt, logits=logits)
+        return torch.cat([target(chunk).logits[:, len(prompt) - 1:].float()
+                          for chunk in input_ids.split(8192)]).numpy()
 
 
 def reference_warp(logits: np.ndarray, temperature: float, top_k: int = -1, top_p: float = 1.0,
@@ -191,6 +196,23 @@ def test_reference_warper_matches_the_definitions():
     np.testing.assert_allclose(probs[0], [0, 0.4, 0, 0.3, 0] / np.float64(0.7))  # top_p keeps .4 .3
 
 
+@pytest.mark.parametrize("setting, logits, expected", [
+    (dict(top_k=2), [0.0, 0.0, 0.0, 0.0], [0.25, 0.25, 0.25, 0.25]),  # ties at the k-th are kept
+    (dict(top_p=0.5), [0.0, 0.0, 0.0, 0.0], [0.5, 0.5, 0.0, 0.0]),  # mass before < top_p: strict
+    (dict(min_p=1.0), [0.0, 0.0, -1.0], [0.5, 0.5, 0.0]),  # min_p 1 keeps the most likely (ties too)
+    (dict(top_k=1, top_p=0.3, min_p=0.9), [2.0, 1.0, 0.0], [1.0, 0.0, 0.0]),
+])
+def test_warping_at_its_exact_boundaries(setting, logits, expected):
+    """The boundary rules of the definitions, on inputs that sit exactly on them."""
+    from specdec.sampling import SamplingTensors, warp
+
+    tensors = SamplingTensors.from_params([SamplingParams(temperature=1.0, **setting)])
+    probs = warp(torch.tensor([logits]), tensors)[0]
+    reference, _ = reference_warp(np.array([logits]), 1.0, **setting)
+    np.testing.assert_allclose(probs.numpy(), expected, atol=1e-6)
+    np.testing.assert_allclose(reference[0], expected, atol=1e-12)
+
+
 @pytest.mark.parametrize("seed", [0, 1])
 def test_top_k_top_p_over_a_realistic_vocabulary(seed):
     """Rows from flat to peaked over 8,192 tokens, logits rounded to bfloat16 (so with ties),
@@ -240,6 +262,24 @@ def test_sampled_tokens_follow_the_target(setup, llms, drafter, setting):
         marginal = joints[-1].sum(axis=tuple(i for i in range(T) if i != t))
         assert_follows(tokens[:, t], marginal, f"{drafter} {setting}: token {t + 1}")
     assert_follows(np.ravel_multi_index(tokens.T, (V,) * T), joints[-1], f"{drafter} {setting}: joint")
+
+
+def test_two_drafts_in_one_round_follow_the_target(setup, llms):
+    """max_tokens 4: after the prefill's token, one round verifies two draft tokens, the second
+    judged with its own draft distribution, then a recovered or bonus token. The four tokens
+    follow their exact marginals and the first three their exact joint."""
+    T, V, setting = 4, VOCAB, SETTINGS["T0.7-top_k5"]
+    joints = exact_distributions(continuation_logits(load_hf(setup["target"]), setup["prompt"], T), setting)
+    params = SamplingParams(max_tokens=T, ignore_eos=True, **setting)
+    outputs = llms["draft_model"].generate([setup["prompt"]] * NUM_DRAWS, params)
+    tokens = np.array([out.outputs[0].token_ids for out in outputs])  # [N, 4]
+    second_judged = sum(out.metrics.proposed_by_position[1] for out in outputs
+                        if len(out.metrics.proposed_by_position) > 1 and out.metrics.accepted_by_position[:1] == [1])
+    assert second_judged > NUM_DRAWS // 10, f"only {second_judged} second drafts were judged"
+    for t in range(T):
+        marginal = joints[-1].sum(axis=tuple(i for i in range(T) if i != t))
+        assert_follows(tokens[:, t], marginal, f"draft_model two drafts: token {t + 1}")
+    assert_follows(np.ravel_multi_index(tokens[:, :3].T, (V,) * 3), joints[2], "draft_model two drafts: joint of 3")
 
 
 OTHER_PROMPTS = [[7, 3, 9, 7, 3, 9, 7, 3], [11, 2], [4, 4, 4, 4, 4, 4, 4, 4, 4, 4, 4, 4, 4], [30, 1, 17, 30, 1]]

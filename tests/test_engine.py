@@ -231,6 +231,10 @@ def test_stop_string_cuts_text_and_tokens(dirs, plain):
     assert out.token_ids == reference.token_ids[:n]
     decode = llm.tokenizer.decode
     assert stop in decode(out.token_ids) and stop not in decode(out.token_ids[:-1])  # nothing after the stop
+    later = text[cut + 4:cut + 7]  # a second stop string, listed first, found later in the text
+    assert later and text.index(later) > cut
+    both = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=40, ignore_eos=True, stop=[later, stop]))
+    assert both[0].outputs[0].text == text[:cut]  # cut at the earliest in the text, whatever the list order
 
 
 def test_rows_leave_and_slots_are_reused(dirs, plain):
@@ -244,6 +248,27 @@ def test_rows_leave_and_slots_are_reused(dirs, plain):
         assert token_ids(llm.generate(prompts, params)) == expected
 
 
+def test_a_reused_slot_starts_its_draft_cache_afresh(dirs):
+    """One slot, three requests in turn, the target as its own draft: every draft is accepted
+    only if the draft's cache state left by one request is dropped for the next."""
+    llm = LLM(str(dirs["target"]), speculative_model=str(dirs["target"]), num_speculative_tokens=3,
+              max_num_seqs=1, dtype="float32")
+    outputs = llm.generate(random_prompts(3, seed=21), GREEDY)
+    assert [o.metrics.acceptance_rate for o in outputs] == [1.0, 1.0, 1.0]
+
+
+def test_no_draft_is_verified_past_max_tokens(dirs):
+    """A row with r tokens left verifies at most r - 1 drafts (the last token is the bonus).
+    The target as its own draft has every draft accepted, so each round emits its drafts and
+    a bonus: after the prefill's token, drafts + rounds = max_tokens - 1 exactly."""
+    llm = LLM(str(dirs["target"]), speculative_model=str(dirs["target"]), num_speculative_tokens=4, dtype="float32")
+    for max_tokens in (40, 7):
+        out = llm.generate(random_prompts(1, seed=22), SamplingParams(temperature=0, max_tokens=max_tokens,
+                                                                        ignore_eos=True))[0]
+        rounds = out.metrics.num_target_forwards - 1  # after the prefill
+        assert out.metrics.num_draft_tokens + rounds == max_tokens - 1 and len(out.outputs[0].token_ids) == max_tokens
+
+
 def test_mixed_greedy_and_sampled_batch(dirs, plain):
     """Greedy rows stay exact while sampled rows share their batch."""
     prompts = random_prompts(4, seed=18)
@@ -252,7 +277,9 @@ def test_mixed_greedy_and_sampled_batch(dirs, plain):
     llm = LLM(str(dirs["target"]), speculative_model=str(dirs["draft"]), num_speculative_tokens=3, dtype="float32")
     outputs = llm.generate(prompts, [GREEDY, GREEDY, sampled, sampled])
     assert token_ids(outputs[:2]) == greedy_expected
-    assert all(len(o.outputs[0].token_ids) >= 1 for o in outputs[2:])
+    alone = [llm.generate(p, sampled)[0].outputs[0].token_ids for p in prompts[2:]]  # seeded: as alone (float32)
+    assert token_ids(outputs[2:]) == alone and all(len(ids) == 40 or ids[-1] in llm.engine.eos_token_ids
+                                                   for ids in alone)
 
 
 def test_late_admission_next_to_a_long_row(dirs, plain):

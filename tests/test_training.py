@@ -5,8 +5,10 @@ transformers load alike, its loss falls, an interrupted run resumes exactly; a t
 from __future__ import annotations
 
 import argparse
+import contextlib
 import hashlib
 import json
+import math
 import shutil
 import sysconfig
 from pathlib import Path
@@ -21,7 +23,7 @@ from specdec.training.corpus import (END_OF_TEXT, HELD_OUT_MODULES, Document, ev
                                      sample_windows, split_held_out)
 from specdec.training.distill import DistillConfig, acceptance_metrics, divergence_loss, sample_from_target
 from specdec.training.loop import TrainConfig, learning_rate
-from specdec.training.train import PRESETS, ModelShape, model_shape, new_model
+from specdec.training.train import PRESETS, ModelShape, model_shape, new_model, next_token_loss
 
 STDLIB = Path(sysconfig.get_paths()["stdlib"])
 # Small standard-library files present in Python 3.10-3.13, none of them held out.
@@ -280,6 +282,11 @@ def test_acceptance_is_one_minus_total_variation():
     assert abs(metrics["held_out_alpha"] - float(alpha)) < 1e-6
     same = acceptance_metrics(target_logits, target_logits, temperature=0.7)
     assert abs(same["held_out_alpha"] - 1) < 1e-6 and same["held_out_greedy_agreement"] == 1.0
+    softened = acceptance_metrics(draft_logits, target_logits, temperature=0.7)  # both distributions at T = 0.7
+    alpha_07 = torch.minimum((draft_logits / 0.7).softmax(-1), (target_logits / 0.7).softmax(-1)).sum(-1).mean()
+    assert abs(softened["held_out_alpha"] - float(alpha_07)) < 1e-6 and abs(float(alpha_07) - float(alpha)) > 0.01
+    tv_07 = divergence_loss(draft_logits, target_logits, 0.7, "tv")
+    assert abs(float(tv_07) - (1 - float(alpha_07))) < 1e-5
     for divergence in ("tv", "fkl", "fkl+tv"):
         assert divergence_loss(target_logits, target_logits, 1.0, divergence).abs() < 1e-5
         assert divergence_loss(draft_logits, target_logits, 1.0, divergence) > 0.1
@@ -417,6 +424,41 @@ def test_learning_rate_warms_up_then_decays_to_the_floor():
     assert rates[0] == pytest.approx(1e-4) and rates[9] == pytest.approx(1e-3)
     assert all(a >= b for a, b in zip(rates[9:], rates[10:]))
     assert learning_rate(100, config) == pytest.approx(1e-4)
+    for offset in (30, 45, 60):  # a cosine between warm-up's end (step 10) and step 100
+        fraction = offset / 90
+        cosine = 0.5 * (1 + math.cos(math.pi * fraction))
+        assert learning_rate(10 + offset, config) == pytest.approx(1e-4 + 9e-4 * cosine)
+
+
+class _GradientRecorder:
+    """Stands in for the optimizer: records the gradients train_step hands it."""
+
+    def __init__(self, model):
+        self.model, self.param_groups, self.gradients = model, [{}], None
+
+    def step(self):
+        self.gradients = torch.cat([p.grad.flatten() for p in self.model.parameters()])
+
+    def zero_grad(self, set_to_none=True):
+        self.model.zero_grad(set_to_none=set_to_none)
+
+
+def test_gradient_accumulation_averages_like_one_big_batch():
+    """grad_accum=2 of 4 windows each: the same loss and gradients as one batch of the same 8."""
+    from specdec.training.loop import Task, train_step
+
+    windows = torch.randint(0, 300, (8, 17), generator=torch.Generator().manual_seed(8))
+    losses, gradients = [], []
+    for grad_accum, batch_size in ((1, 8), (2, 4)):
+        config = TrainConfig(steps=10, batch_size=batch_size, grad_accum=grad_accum, bf16=False, grad_clip=1e9)
+        model = new_model(PRESETS["tiny"].model_config(), seed=3)
+        batches = iter(windows.split(batch_size))
+        task = Task(model, lambda generator: next(batches), next_token_loss, lambda m: {}, batch_size * 16, {})
+        recorder = _GradientRecorder(model)
+        losses.append(train_step(task, recorder, config, torch.Generator(), contextlib.nullcontext(), 1e-3))
+        gradients.append(recorder.gradients)
+    assert losses[0] == pytest.approx(losses[1], rel=1e-5)
+    assert torch.allclose(gradients[0], gradients[1], rtol=1e-4, atol=1e-7)
 
 
 def test_save_pretrained_shards_only_when_needed(tmp_path):
