@@ -202,6 +202,9 @@ def test_eos_inside_accepted_run(dirs, plain, tmp_path):
     assert out.finish_reason == "stop"
     ignoring = llm.generate(prompt, GREEDY)[0].outputs[0]
     assert ignoring.token_ids == reference and ignoring.finish_reason == "length"
+    last_allowed = reference.index(eos) + 1  # the EOS is also the last token max_tokens allows: a stop
+    at_limit = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=last_allowed))[0].outputs[0]
+    assert at_limit.token_ids == reference[:last_allowed] and at_limit.finish_reason == "stop"
 
 
 def test_max_tokens_inside_accepted_run(dirs, plain):
