@@ -152,6 +152,24 @@ def is_int(x) -> bool:
     return isinstance(x, int) and not isinstance(x, bool)
 
 
+def check_device(device):
+    """device (a string or torch.device) as a torch.device: cpu, cuda or cuda:N, and CUDA only
+    where this machine has that device; else a ValueError that names it."""
+    import torch
+
+    try:
+        parsed = torch.device(device)
+    except (RuntimeError, TypeError):
+        parsed = None
+    check(parsed is not None and parsed.type in ("cpu", "cuda"), f"device must be cpu, cuda or cuda:N, got {device!r}")
+    check(parsed.type != "cuda" or torch.cuda.is_available(),
+          f"device {str(device)!r}: CUDA is not available on this machine (no GPU, or a CPU build of PyTorch); "
+          "use cpu")
+    check(parsed.type != "cuda" or (parsed.index or 0) < torch.cuda.device_count(),
+          f"device {str(device)!r}: this machine has {torch.cuda.device_count()} CUDA devices")
+    return parsed
+
+
 def check(ok: bool, message: str) -> None:
     """Raise ValueError(message) unless ok."""
     if not ok:

@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from specdec.config import SamplingParams, SpeculativeConfig
+from specdec.config import SamplingParams, SpeculativeConfig, check_device
 from specdec.drafters import DRAFTERS
 from specdec.engine import Engine
 from specdec.metrics import SpecStats
@@ -77,7 +77,7 @@ class LLM:
             draft_confidence_threshold=draft_confidence_threshold)
         if not (isinstance(max_num_seqs, int) and max_num_seqs >= 1):
             raise ValueError(f"max_num_seqs must be an integer >= 1, got {max_num_seqs!r}")
-        self.device = _check_device(device)
+        self.device = check_device(device)
         self.target: LoadedModel = load_pretrained(model, dtype, self.device, load_tokenizer=not skip_tokenizer_init)
         self.tokenizer = self.target.tokenizer
         drafter = None
@@ -161,22 +161,6 @@ class LLM:
         completion = CompletionOutput(0, seq.text, list(seq.output_token_ids), seq.finish_reason,
                                       list(seq.output_from_draft))
         return RequestOutput(str(seq.request_id), seq.prompt, seq.prompt_token_ids, [completion], seq.stats)
-
-
-def _check_device(device: str | torch.device) -> torch.device:
-    """The device to run on: cpu, cuda or cuda:N, and CUDA only where it is available."""
-    try:
-        parsed = torch.device(device)
-    except (RuntimeError, TypeError):
-        parsed = None
-    if parsed is None or parsed.type not in ("cpu", "cuda"):
-        raise ValueError(f"device must be 'cpu', 'cuda' or 'cuda:N', got {device!r}")
-    if parsed.type == "cuda" and not torch.cuda.is_available():
-        raise ValueError(f"device {str(device)!r}: CUDA is not available here (no GPU, or a CPU build of "
-                         "PyTorch); use device='cpu'")
-    if parsed.type == "cuda" and (parsed.index or 0) >= torch.cuda.device_count():
-        raise ValueError(f"device {str(device)!r}: this machine has {torch.cuda.device_count()} CUDA devices")
-    return parsed
 
 
 def _as_prompt_list(prompts) -> list:

@@ -29,7 +29,7 @@ from specdec.benchmark.exactness import compare
 from specdec.benchmark.goals import evaluate_goals
 from specdec.benchmark.machine import decode_weight_bytes, describe_machine, read_bandwidth, step_seconds
 from specdec.benchmark.prompts import Prompt, held_out_code_prompts, repeated_code_prompts
-from specdec.config import SamplingParams, SpeculativeConfig, check, is_int, is_real
+from specdec.config import SamplingParams, SpeculativeConfig, check, check_device, is_int, is_real
 from specdec.drafters import DRAFTERS, LookupThenDraftDrafter
 from specdec.engine import Engine
 from specdec.llm import LLM
@@ -120,16 +120,7 @@ class BenchConfig:
                f"step_repeats must be an integer >= 1, got {self.step_repeats!r}")
         check(is_int(self.bandwidth_bytes) and self.bandwidth_bytes >= 1 << 20,
                f"bandwidth_bytes must be an integer >= 1 MiB, got {self.bandwidth_bytes!r}")
-        try:
-            device = torch.device(self.device)
-        except (RuntimeError, TypeError):
-            device = None
-        check(device is not None and device.type in ("cpu", "cuda"),
-               f"device must be cpu, cuda or cuda:N, got {self.device!r}")
-        check(device.type != "cuda" or torch.cuda.is_available(),
-               f"device {self.device!r}: CUDA is not available on this machine")
-        check(device.type != "cuda" or (device.index or 0) < torch.cuda.device_count(),
-               f"device {self.device!r}: this machine has {torch.cuda.device_count()} CUDA devices")
+        check_device(self.device)
 
     @property
     def max_k(self) -> int:

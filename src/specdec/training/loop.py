@@ -31,7 +31,7 @@ from typing import Callable
 
 import torch
 
-from specdec.config import check, is_int, is_real
+from specdec.config import check, check_device, is_int, is_real
 from specdec.models.llama import LlamaModel
 
 CHECKPOINT_FILE = "last.pt"
@@ -93,13 +93,7 @@ class TrainConfig:
                f"stop_after must be an integer >= 1 or None, got {self.stop_after!r}")
         check(self.warmup < self.steps, f"warmup {self.warmup} must be fewer steps than steps {self.steps}: the "
                                         f"learning rate would never reach lr nor decay; lower --warmup")
-        try:
-            device = torch.device(self.device)
-        except (RuntimeError, TypeError) as e:
-            raise ValueError(f"device {self.device!r} is not a device ({e}); use cpu, cuda or cuda:N") from e
-        check(device.type in ("cpu", "cuda"), f"device must be cpu or cuda, got {self.device!r}")
-        check(device.type != "cuda" or torch.cuda.is_available(),
-               f"device {self.device!r} asked for, but CUDA is not available here; use --device cpu")
+        check_device(self.device)
 
     @property
     def last_step(self) -> int:
