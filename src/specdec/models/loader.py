@@ -10,12 +10,12 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import math
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
+from specdec.config import is_int, is_real
 from specdec.models.checkpoint import from_hf, to_hf
 from specdec.models.cpu_linear import can_pack, pack_linears
 from specdec.models.llama import LlamaModel, ModelConfig, rope_inverse_frequencies
@@ -79,7 +79,7 @@ def model_config_from_hf(cfg: dict, where: Path) -> ModelConfig:
         return cfg[key]
 
     def positive_int(key: str, value):
-        if not (isinstance(value, int) and not isinstance(value, bool) and value >= 1):
+        if not (is_int(value) and value >= 1):
             raise ModelLoadError(f"{where}: {key} must be a positive integer, got {value!r}")
         return value
 
@@ -88,7 +88,7 @@ def model_config_from_hf(cfg: dict, where: Path) -> ModelConfig:
     hidden, heads = (positive_int(key, need(key)) for key in ("hidden_size", "num_attention_heads"))
     num_layers = positive_int("num_hidden_layers", need("num_hidden_layers"))
     eps = cfg.get("rms_norm_eps") if cfg.get("rms_norm_eps") is not None else 1e-6
-    if not (isinstance(eps, (int, float)) and not isinstance(eps, bool) and math.isfinite(eps) and eps > 0):
+    if not (is_real(eps) and eps > 0):
         raise ModelLoadError(f"{where}: rms_norm_eps must be a number > 0, got {eps!r}")
     rope_theta, rope_scaling = _rope(cfg, where)
     # transformers gives these biases only to some architectures, whatever config.json says
@@ -113,9 +113,9 @@ def model_config_from_hf(cfg: dict, where: Path) -> ModelConfig:
             qk_norm=model_type == "qwen3",
             sliding_windows=_sliding_windows(cfg, model_type, num_layers, where),
         )
+    except ModelLoadError:
+        raise
     except ValueError as e:  # ModelConfig's own checks (heads a multiple of key/value heads)
-        if isinstance(e, ModelLoadError):
-            raise
         raise ModelLoadError(f"{where}: {e}") from e
 
 
@@ -151,7 +151,7 @@ def _rope(cfg: dict, where: Path) -> tuple[float, tuple]:
     if missing:
         raise ModelLoadError(f"{where}: rope type {rope_type!r} needs {missing} in rope_scaling")
     values = [theta] + [merged[k] for k in needed]
-    if not all(isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and v > 0 for v in values):
+    if not all(is_real(v) and v > 0 for v in values):
         raise ModelLoadError(f"{where}: rope_theta and the rope scaling values {needed} must be numbers > 0, "
                              f"got {values}")
     pairs = tuple(sorted((k, float(merged[k])) for k in needed))
@@ -162,7 +162,7 @@ def _sliding_windows(cfg: dict, model_type: str, num_layers: int, where: Path) -
     window = cfg.get("sliding_window")
     if not window:
         return ()
-    if not (isinstance(window, int) and not isinstance(window, bool) and window >= 1):
+    if not (is_int(window) and window >= 1):
         raise ModelLoadError(f"{where}: sliding_window must be a positive integer or null, got {window!r}")
     layer_types = cfg.get("layer_types")
     if layer_types:
