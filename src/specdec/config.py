@@ -104,8 +104,8 @@ class SpeculativeConfig:
         kernels cost more per call than the bytes they save) except its matrices of at least
         2 MB in float32 (draft_model.LARGE_WEIGHT_BYTES: in a draft this small, typically only
         the output layer), big enough for bytes to matter, prepacked in bfloat16
-        (benchmarks/bench_draft.py); otherwise the target's dtype. The draft's dtype never changes the output, only the
-        acceptance rate and the speed.
+        (benchmarks/bench_draft.py); otherwise the target's dtype. The draft's dtype never
+        changes the output, only the acceptance rate and the speed.
     draft_confidence_threshold: adaptive k for the draft model. A row stops drafting for the
         round after a token the draft gave less than this probability (the tokens after it
         would likely be rejected); 0 = always draft k. (transformers' assisted generation
@@ -161,7 +161,8 @@ def check_device(device):
         parsed = torch.device(device)
     except (RuntimeError, TypeError):
         parsed = None
-    check(parsed is not None and parsed.type in ("cpu", "cuda"), f"device must be cpu, cuda or cuda:N, got {device!r}")
+    check(parsed is not None and parsed.type in ("cpu", "cuda"),
+          f"device must be cpu, cuda or cuda:N, got {device!r}")
     check(parsed.type != "cuda" or torch.cuda.is_available(),
           f"device {str(device)!r}: CUDA is not available on this machine (no GPU, or a CPU build of PyTorch); "
           "use cpu")

@@ -13,8 +13,9 @@ file under sysconfig's stdlib path, except site-packages, test directories (EXCL
 and files that are not UTF-8. HELD_OUT_MODULES are held out. Any other directory (all its text
 files, recursively, hidden ones skipped) or a single text file works as a corpus too; there the
 held-out documents are those of HELD_OUT_MODULES if the directory has any and other files
-too (a copy of the standard library), else every tenth file in sorted order (the last file when there are fewer
-than ten), and a single file holds out its last tenth (cut at a line break).
+too (a copy of the standard library), else every tenth file in sorted order (the last file
+when there are fewer than ten), and a single file holds out its last tenth (cut at a line
+break).
 """
 
 from __future__ import annotations
