@@ -70,12 +70,11 @@ def test_accepted_draft_tokens_are_marked(model_dir, capsys):
     the colored runs, with the color codes removed, give back the completion exactly."""
     assert main(["generate", "--model", str(model_dir), "--draft", str(model_dir), "-k", "4", "--prompt",
                  "def add(a, b):", "--max-tokens", "12", "--dtype", "float32", "--color", "always"]) == 0
-    out = capsys.readouterr().out
-    from specdec.cli import DRAFT_COLOR, RESET
-    body = out.split("\n\n", 1)[1].split("\n\n[draft_model")[0]
+    from specdec.cli import DRAFT_COLOR
+    body = _marked_body(capsys.readouterr().out)
     expected = LLM(str(model_dir), dtype="float32").generate(
         "def add(a, b):", SamplingParams(temperature=0, max_tokens=12))[0].outputs[0]
-    assert body.replace(DRAFT_COLOR, "").replace(RESET, "") == "def add(a, b):" + expected.text
+    assert _strip_colors(body) == "def add(a, b):" + expected.text
     assert body.count(DRAFT_COLOR) >= 1
     plain_first = body.index(DRAFT_COLOR) > len("def add(a, b):")  # the prefill's token is the target's
     assert plain_first or expected.text == ""
@@ -89,6 +88,11 @@ def test_divergence_note_names_the_position_and_the_precision():
     assert divergence_note([1, 2, 3], [1, 2, 4], torch.float32) == "the outputs first differ at generated token 2"
     note = divergence_note([1, 2, 3], [1, 2], torch.bfloat16)
     assert note.startswith("the outputs first differ at generated token 2: in bfloat16") and "float32" in note
+
+
+def _marked_body(out: str) -> str:
+    """The prompt and the marked completion in generate's output (after the legend, before the metrics)."""
+    return out.split("\n\n", 1)[1].split("\n\n[draft_model")[0]
 
 
 def _strip_colors(text: str) -> str:
@@ -121,10 +125,10 @@ def test_marking_a_completion_cut_by_a_stop_string(model_dir, capsys):
     args = ["generate", "--model", str(model_dir), "--draft", str(model_dir), "-k", "4", "--prompt", "def add(a, b):",
             "--max-tokens", "16", "--dtype", "float32", "--color", "always"]
     assert main(args) == 0
-    full = _strip_colors(capsys.readouterr().out.split("\n\n", 1)[1].split("\n\n[draft_model")[0])
+    full = _strip_colors(_marked_body(capsys.readouterr().out))
     stop = full[len("def add(a, b):") + 6:][:3]  # a stop string a few characters into the completion
     assert main(args + ["--stop", stop]) == 0
-    marked = capsys.readouterr().out.split("\n\n", 1)[1].split("\n\n[draft_model")[0]
+    marked = _marked_body(capsys.readouterr().out)
     from specdec.cli import DRAFT_COLOR
     assert DRAFT_COLOR in marked and _strip_colors(marked) == full[:full.index(stop, len("def add(a, b):"))]
 
