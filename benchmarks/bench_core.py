@@ -32,12 +32,14 @@ from specdec.benchmark.machine import read_bandwidth  # noqa: E402
 from specdec.engine import Engine  # noqa: E402
 from specdec.models.loader import load_pretrained  # noqa: E402
 
-MODEL_DIR = ROOT / "bench_out" / "llama-100m-random"
+MODEL_DIR = ROOT / "build" / "llama-100m-random"  # a cache, apart from bench_out (which `specdec bench` replaces)
 
 
 def make_model(path: Path) -> Path:
     """A ~100M-parameter Llama (hidden 768, 12 layers, GQA 12/4, vocab 32000, tied) in bf16."""
     from transformers import AutoModelForCausalLM, LlamaConfig
+
+    from specdec.output_dir import open_output_dir
 
     if (path / "config.json").is_file():
         return path
@@ -45,8 +47,10 @@ def make_model(path: Path) -> Path:
                          num_attention_heads=12, num_key_value_heads=4, max_position_embeddings=2048,
                          tie_word_embeddings=True, bos_token_id=0, eos_token_id=1)
     torch.manual_seed(0)
-    AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16).save_pretrained(path)
-    return path
+    with open_output_dir(path, "bench_core") as output:  # an interrupted build leaves nothing that loads
+        output.clear_staging()
+        AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16).save_pretrained(output.staging)
+        return output.commit()
 
 
 def time_call(fn) -> float:

@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from specdec.models.checkpoint import save_pretrained
-from specdec.models.loader import load_pretrained
+from specdec.models.loader import ModelLoadError, load_pretrained
 from specdec.training.commands import add_distill_parser, add_train_parser
 from specdec.training.corpus import (END_OF_TEXT, HELD_OUT_MODULES, Document, evaluation_windows, load_corpus,
                                      sample_windows, split_held_out)
@@ -128,11 +128,15 @@ def test_interrupted_run_resumes_where_it_stopped(corpus_dir, tmp_path):
            "--seed", "5"]
     assert cli("train", *run, "--out", tmp_path / "whole") == 0
     assert cli("train", *run, "--out", tmp_path / "split", "--stop-after", "10") == 0  # the 'interruption'
-    halfway = torch.load(tmp_path / "split" / "checkpoint" / "last.pt", weights_only=True)
-    assert halfway["state"]["step"] == 10 and not (tmp_path / "split" / "config.json").exists()
-    assert not (tmp_path / "split" / "training_log.json").exists()  # a stopped session's log stays with its checkpoint
-    assert not json.loads((tmp_path / "split" / "checkpoint" / "training_log.json").read_text())["finished"]
+    staging = tmp_path / "split.incomplete"  # an unfinished run stays beside --out, which it leaves untouched
+    halfway = torch.load(staging / "checkpoint" / "last.pt", weights_only=True)
+    assert halfway["state"]["step"] == 10 and not (tmp_path / "split").exists()
+    assert not (staging / "training_log.json").exists()  # a stopped session's log stays with its checkpoint
+    assert not json.loads((staging / "checkpoint" / "training_log.json").read_text())["finished"]
+    with pytest.raises(ModelLoadError, match="unfinished output of a `specdec train` run"):
+        load_pretrained(staging)
     assert cli("train", *run, "--out", tmp_path / "split", "--resume") == 0
+    assert not staging.exists()
 
     whole, split = (json.loads((tmp_path / name / "training_log.json").read_text()) for name in ("whole", "split"))
     assert split["step"] == 20 and split["tokens_seen"] == whole["tokens_seen"]
@@ -219,26 +223,13 @@ def test_distill_raises_acceptance(trained_dir, corpus_dir, tmp_path):
     assert "other weights of the target" not in card and "not record" not in card  # both runs: the same target
     assert f"{before['held_out_alpha']:.3f} (step 0 of the first run)" in card  # the evaluation spans both runs
 
-    # --init and --out the same directory, interrupted and resumed: still two runs, not three
-    same = tmp_path / "same"
-    shutil.copytree(out, same, ignore=shutil.ignore_patterns("checkpoint"))  # the weights and files, as shipped
-    again = ["distill", "--target", trained_dir, "--init", same, "--out", same, "--corpus", corpus_dir,
-             "--batch-size", "8", "--eval-tokens", "2048", "--steps", "4", "--eval-every", "0",
-             "--checkpoint-every", "2"]
-    assert cli(*again, "--stop-after", "2") == 0 and cli(*again) == 0
-    log = json.loads((same / "training_log.json").read_text())
-    assert log["finished"] and log["init_log"]["step"] == 30 and log["init_log"]["init_log"] is None
-    assert "2 runs, in this order" in (same / "README.md").read_text()
-
-    # in place over the finished run's own checkpoint (left in the directory): a new run, not a refusal
-    in_place = tmp_path / "in_place"
-    shutil.copytree(out, in_place)
-    assert (in_place / "checkpoint" / "last.pt").is_file()
-    assert cli("distill", "--target", trained_dir, "--init", in_place, "--out", in_place, "--corpus", corpus_dir,
-               "--batch-size", "8", "--eval-tokens", "2048", "--steps", "2", "--seed", "9", "--eval-every", "0",
-               "--checkpoint-every", "0") == 0
-    log = json.loads((in_place / "training_log.json").read_text())
-    assert log["step"] == 2 and log["init_log"]["step"] == 30
+    # --out the --init draft itself: refused before anything is written, the draft intact
+    before_files = {f.name: f.read_bytes() for f in out.iterdir() if f.is_file()}
+    with pytest.raises(ValueError, match="is --init .* which this command reads"):
+        cli("distill", "--target", trained_dir, "--init", out, "--out", out, "--corpus", corpus_dir,
+            "--batch-size", "8", "--eval-tokens", "2048", "--steps", "2", "--force")
+    assert {f.name: f.read_bytes() for f in out.iterdir() if f.is_file()} == before_files
+    assert not (tmp_path / "distilled.incomplete").exists()
 
     with pytest.raises(ValueError, match="drop --preset"):
         cli("distill", "--target", trained_dir, "--init", out, "--out", tmp_path / "x", "--preset", "target")

@@ -48,17 +48,17 @@ def argmax(values: list[float]) -> int:
 def reference_rejection_sample(draft_token_ids, num_draft, draft_probs, target_probs, generators, greedy=None):
     """Same contract as specdec.verify.rejection_sample, one row and one position at a time.
 
-    Randomness, per row, from that row's generator: u = rand(k + 1) in float64; u[i] decides
-    draft position i, u[k] draws the recovered or bonus token."""
+    Randomness, per row, from that row's generator: u = rand(n + 1) in float64 for the row's n
+    proposed drafts; u[i] decides draft position i, u[n] draws the recovered or bonus token."""
     B, k = draft_token_ids.shape
     V = target_probs.shape[-1]
     output = [[-1] * (k + 1) for _ in range(B)]
     num_accepted = [0] * B
     for b in range(B):
-        u = torch.rand(k + 1, dtype=torch.float64, generator=generators[b]).tolist()
+        n = int(num_draft[b])
+        u = torch.rand(n + 1, dtype=torch.float64, generator=generators[b]).tolist()
         p = target_probs[b].double().tolist()  # [k+1][V], the float32 values exactly
         q = None if draft_probs is None else draft_probs[b].double().tolist()  # [k][V]
-        n = int(num_draft[b])
         is_greedy = greedy is not None and bool(greedy[b])
         final = None
         for i in range(n):
@@ -79,10 +79,10 @@ def reference_rejection_sample(draft_token_ids, num_draft, draft_probs, target_p
                 residual = [max(0.0, p[i][v] - q_i[v]) for v in range(V)]
                 if sum(residual) <= 0:
                     residual = p[i]
-                final = inverse_cdf(residual, u[k])
+                final = inverse_cdf(residual, u[n])
             break
         if final is None:  # all n kept: the bonus token from p_{n+1}
-            final = argmax(p[n]) if is_greedy else inverse_cdf(p[n], u[k])
+            final = argmax(p[n]) if is_greedy else inverse_cdf(p[n], u[n])
         output[b][num_accepted[b]] = final
     return torch.tensor(output, dtype=torch.long), torch.tensor(num_accepted, dtype=torch.long)
 
@@ -218,8 +218,8 @@ def test_k_zero_samples_from_p():
 
 def fixed_uniforms(value: float):
     """A stand-in for specdec.sampling.uniforms that returns `value` for every draw."""
-    def draw(generators, n, device):
-        return torch.full((len(generators), n), value, dtype=torch.float64, device=device)
+    def draw(generators, counts, device):
+        return torch.full((len(generators), max(counts)), value, dtype=torch.float64, device=device)
     return draw
 
 

@@ -85,6 +85,7 @@ def run_generate(args) -> int:
     llm = LLM(args.model, speculative_model=args.draft, speculative_method=method,
               num_speculative_tokens=args.num_speculative_tokens, dtype=args.dtype, device=args.device,
               draft_dtype=args.draft_dtype, draft_confidence_threshold=args.draft_confidence)
+    llm.prompt_token_ids(args.prompt, params)  # a bad request is refused as itself, not as the warm-up
     warm_up = SamplingParams(temperature=0, max_tokens=min(2, args.max_tokens))  # no more than the request asks
     llm.generate(args.prompt, warm_up)  # first calls are slow
     output = llm.generate(args.prompt, params)[0]

@@ -8,6 +8,7 @@ tokens are proposed per round for one sequence.
 from __future__ import annotations
 
 import math
+import os
 from dataclasses import dataclass
 
 
@@ -48,6 +49,8 @@ class SamplingParams:
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
             object.__setattr__(self, "stop", (self.stop,))
+        check(isinstance(self.stop, (tuple, list)) or self.stop is None,
+              f"stop must be a string or a list of strings, got {self.stop!r}")
         object.__setattr__(self, "stop", tuple(self.stop or ()))
         if is_int(self.stop_token_ids):
             object.__setattr__(self, "stop_token_ids", (self.stop_token_ids,))
@@ -70,6 +73,7 @@ class SamplingParams:
                f"stop_token_ids must be non-negative integers, got {self.stop_token_ids!r}")
         check(self.seed is None or (is_int(self.seed) and INT64_MIN <= self.seed <= UINT64_MAX),
                f"seed must be an integer from -2**63 to 2**64 - 1, or None, got {self.seed!r}")
+        check(isinstance(self.ignore_eos, bool), f"ignore_eos must be True or False, got {self.ignore_eos!r}")
 
     @property
     def greedy(self) -> bool:
@@ -125,6 +129,8 @@ class SpeculativeConfig:
                f"speculative_method must be one of {SPECULATIVE_METHODS}, got {self.method!r}")
         check(is_int(self.num_speculative_tokens) and self.num_speculative_tokens >= 0,
                f"num_speculative_tokens must be an integer >= 0, got {self.num_speculative_tokens!r}")
+        check(self.model is None or (isinstance(self.model, (str, os.PathLike)) and str(self.model).strip()),
+              f"speculative_model must be the path of a draft model directory, got {self.model!r}")
         check(self.method not in NEEDS_DRAFT_MODEL or self.model is not None,
                f"speculative_method={self.method!r} needs speculative_model=<draft directory>")
         check(self.method in NEEDS_DRAFT_MODEL or self.model is None,

@@ -7,7 +7,7 @@ the same prompt and the measured speedup; last, the speedup with prompt lookup i
 the draft model (`specdec generate --lookup`).
 
 Without the shipped pair (a checkout that lacks models/), it falls back to a stand-in it
-builds once under bench_out/demo/: a random-init ~100M-parameter Llama with a tokenizer
+builds once under build/demo-stand-in/: a random-init ~100M-parameter Llama with a tokenizer
 trained on the standard library, drafted by prompt lookup. A random model writes nonsense,
 but exactly the nonsense the target alone would write.
 """
@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 
 ROOT = Path(__file__).resolve().parents[2]
-DEMO_DIR = ROOT / "bench_out" / "demo" / "llama-100m-random"
+DEMO_DIR = ROOT / "build" / "demo-stand-in"  # a cache, apart from bench_out (which `specdec bench` replaces)
 SHIPPED_TARGET, SHIPPED_DRAFT = ROOT / "models" / "code-target", ROOT / "models" / "code-draft"
 PROMPT = '''def parse_header(line):
     """Split a 'Key: value' header line."""
@@ -36,15 +36,18 @@ def build_stand_in(path: Path) -> Path:
     if (path / "config.json").is_file():
         return path
     from specdec.models.tokenizer import train_byte_level_bpe
+    from specdec.output_dir import open_output_dir
 
     print(f"building a random-init stand-in target in {path} (once) ...", flush=True)
-    stdlib = Path(sysconfig.get_paths()["stdlib"])
-    files = sorted(stdlib.glob("*.py"))[:200]
-    tokenizer = train_byte_level_bpe((f.read_text(errors="replace") for f in files), vocab_size=32000)
-    save_random_llama(path, vocab_size=tokenizer.get_vocab_size(), hidden_size=768, intermediate_size=2048,
-                      num_layers=12, num_heads=12, num_kv_heads=4, seed=0)
-    tokenizer.save(str(path / "tokenizer.json"))
-    return path
+    with open_output_dir(path, "demo") as output:  # an interrupted build leaves nothing that loads
+        output.clear_staging()
+        stdlib = Path(sysconfig.get_paths()["stdlib"])
+        files = sorted(stdlib.glob("*.py"))[:200]
+        tokenizer = train_byte_level_bpe((f.read_text(errors="replace") for f in files), vocab_size=32000)
+        save_random_llama(output.staging, vocab_size=tokenizer.get_vocab_size(), hidden_size=768,
+                          intermediate_size=2048, num_layers=12, num_heads=12, num_kv_heads=4, seed=0)
+        tokenizer.save(str(output.staging / "tokenizer.json"))
+        return output.commit()
 
 
 def save_random_llama(path: Path, vocab_size: int, hidden_size: int, intermediate_size: int, num_layers: int,

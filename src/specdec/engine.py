@@ -45,7 +45,7 @@ class Engine:
         max_batch = min(self.max_num_seqs, len(seqs))
         # + k + 1: verify positions run k past the last token, and the last position is kept
         # free for padding (see kv_cache.ragged_batch)
-        max_len = max(s.num_tokens + s.params.max_tokens for s in seqs) + self.k + 1
+        max_len = max(s.num_tokens + s.params.max_tokens for s in seqs) + self._usable_k(seqs) + 1
         self._reserve(max_batch, max_len)
         for key in self.timings:
             self.timings[key] = 0.0
@@ -102,11 +102,12 @@ class Engine:
     def _round(self, batch: list[Sequence]) -> None:
         device = self.target.device
         sampling = self._sampling_tensors(batch)
+        k = self._usable_k(batch)
         t0 = time.perf_counter()
-        draft = self.drafter.propose(batch, self.k, sampling) if self.k else Draft.empty(len(batch), device)
+        draft = self.drafter.propose(batch, k, sampling) if k else Draft.empty(len(batch), device)
         t1 = time.perf_counter()
-        budget = torch.tensor([s.remaining_tokens - 1 for s in batch], device=device)  # room left after a token
-        num_draft = torch.minimum(draft.num_tokens, budget)  # [B]
+        room = torch.tensor([s.draft_room for s in batch], device=device)  # [B]
+        num_draft = torch.minimum(draft.num_tokens, room)  # [B]
         input_ids, positions = self._verify_inputs(batch, draft)  # [B, k+1] each
         self.cache.use_slots([s.slot for s in batch])
         target_logits = self.target(input_ids, positions, self.cache)  # [B, k+1, V]
@@ -123,6 +124,11 @@ class Engine:
         t4 = time.perf_counter()
         for key, seconds in (("draft", t1 - t0), ("target", t2 - t1), ("sampling", t3 - t2), ("bookkeeping", t4 - t3)):
             self.timings[key] += seconds
+
+    def _usable_k(self, seqs: list[Sequence]) -> int:
+        """The round's k: no wider than the most drafts any row has room for (a larger k would
+        be drafted and verified for nothing; each row is also cut to its own room)."""
+        return min(self.k, max(s.draft_room for s in seqs))
 
     def _verify(self, batch, sampling: SamplingTensors, draft: Draft, num_draft: torch.Tensor,
                 target_logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from specdec.config import SamplingParams, SpeculativeConfig, check_device
+from specdec.config import INT64_MIN, UINT64_MAX, SamplingParams, SpeculativeConfig, check, check_device, is_int
 from specdec.drafters import DRAFTERS
 from specdec.engine import Engine
 from specdec.metrics import SpecStats
@@ -64,6 +64,7 @@ class LLM:
                  max_num_seqs: int = 256, seed: int = 0, skip_tokenizer_init: bool = False,
                  ngram_prompt_lookup_min: int | None = None, ngram_prompt_lookup_max: int = 4, draft_dtype: str = "auto",
                  draft_confidence_threshold: float = 0.0):
+        check_arguments(seed=seed, max_num_seqs=max_num_seqs, skip_tokenizer_init=skip_tokenizer_init)
         if speculative_model == "[ngram]":  # vLLM's older spelling of speculative_method="ngram"
             if speculative_method not in (None, "ngram"):
                 raise ValueError(f'speculative_model="[ngram]" means speculative_method="ngram", but '
@@ -75,11 +76,11 @@ class LLM:
             method=speculative_method, model=speculative_model, num_speculative_tokens=num_speculative_tokens,
             ngram_min=ngram_prompt_lookup_min, ngram_max=ngram_prompt_lookup_max, draft_dtype=draft_dtype,
             draft_confidence_threshold=draft_confidence_threshold)
-        if not (isinstance(max_num_seqs, int) and max_num_seqs >= 1):
-            raise ValueError(f"max_num_seqs must be an integer >= 1, got {max_num_seqs!r}")
         self.device = check_device(device)
         self.target: LoadedModel = load_pretrained(model, dtype, self.device, load_tokenizer=not skip_tokenizer_init)
         self.tokenizer = self.target.tokenizer
+        if self.speculative_config is not None:
+            check_k_fits(self.speculative_config.num_speculative_tokens, self.max_model_len)
         drafter = None
         if self.speculative_config is not None:
             drafter = DRAFTERS[self.speculative_config.method](self.speculative_config, self.target, dtype, self.device)
@@ -118,7 +119,9 @@ class LLM:
         prompt_ids = tokenizer.encode(tokenizer.apply_chat_template(messages), add_special_tokens=False)
         return self.generate({"prompt_token_ids": prompt_ids}, sampling_params)[0]
 
-    def _new_sequence(self, prompt, params: SamplingParams) -> Sequence:
+    def prompt_token_ids(self, prompt, params: SamplingParams) -> list[int]:
+        """The prompt (text or token ids) as token ids, checked as generate checks a request
+        with these params: a ValueError names what is wrong before any work is done."""
         if isinstance(prompt, str):
             if not prompt:
                 raise ValueError("empty prompt: give at least one character or token id")
@@ -127,12 +130,17 @@ class LLM:
             except UnicodeEncodeError as e:  # lone surrogates, as bytes that were not UTF-8 arrive in sys.argv
                 raise ValueError(f"the prompt is not valid UTF-8 text (at character {e.start}); "
                                  "give it as UTF-8") from e
-            prompt_text, prompt_ids = prompt, self._need_tokenizer("text prompts").encode(prompt)
+            prompt_ids = self._need_tokenizer("text prompts").encode(prompt)
         else:
-            prompt_text, prompt_ids = None, list(prompt)
+            prompt_ids = list(prompt)
         self._check_prompt(prompt_ids, params)
         if params.stop:
             self._need_tokenizer("stop strings")
+        return prompt_ids
+
+    def _new_sequence(self, prompt, params: SamplingParams) -> Sequence:
+        prompt_ids = self.prompt_token_ids(prompt, params)
+        prompt_text = prompt if isinstance(prompt, str) else None
         if params.seed is not None:
             generator = torch.Generator(self.device).manual_seed(params.seed)
         else:
@@ -161,6 +169,23 @@ class LLM:
         completion = CompletionOutput(0, seq.text, list(seq.output_token_ids), seq.finish_reason,
                                       list(seq.output_from_draft))
         return RequestOutput(str(seq.request_id), seq.prompt, seq.prompt_token_ids, [completion], seq.stats)
+
+
+def check_arguments(seed, max_num_seqs, skip_tokenizer_init) -> None:
+    """LLM's plain arguments, checked before any model is loaded."""
+    check(is_int(seed) and INT64_MIN <= seed <= UINT64_MAX, f"seed must be an integer, got {seed!r}")
+    check(is_int(max_num_seqs) and max_num_seqs >= 1, f"max_num_seqs must be an integer >= 1, got {max_num_seqs!r}")
+    check(isinstance(skip_tokenizer_init, bool), f"skip_tokenizer_init must be True or False, "
+                                                 f"got {skip_tokenizer_init!r}")
+
+
+def check_k_fits(k: int, context_length: int) -> None:
+    """k (num_speculative_tokens) is at most the context length - 1: a round verifies the last
+    token and its k drafts in one forward, which the context must hold. (Each round also drafts
+    no more than a request can still emit, so a large k costs nothing it cannot use.)"""
+    check(k < context_length, f"num_speculative_tokens={k} is more than the model's context length "
+                              f"({context_length} tokens) can verify in one round; give at most {context_length - 1} "
+                              "(useful values are 1 to about 10)")
 
 
 def _as_prompt_list(prompts) -> list:

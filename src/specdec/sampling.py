@@ -146,24 +146,30 @@ def point_mass(token_ids: torch.Tensor, vocab_size: int) -> torch.Tensor:
     return torch.nn.functional.one_hot(token_ids, vocab_size).float()
 
 
-def uniforms(generators: list[torch.Generator], n: int, device: torch.device | str) -> torch.Tensor:
-    """n float64 uniforms in [0, 1) per row from that row's generator: [len(generators), n].
+def uniforms(generators: list[torch.Generator], counts: int | list[int], device: torch.device | str) -> torch.Tensor:
+    """counts[i] float64 uniforms in [0, 1) for row i from that row's generator (or n for
+    every row): [len(generators), max(counts)], zero past a row's count.
 
     Rows that share one generator object (requests without a seed of their own) draw
     together in one call, in row order; a seeded request's own generator serves its row
     alone, so its numbers do not depend on the rest of the batch."""
-    out = torch.empty(len(generators), n, dtype=torch.float64, device=device)
-    if n == 0:
+    counts = [counts] * len(generators) if isinstance(counts, int) else list(counts)
+    width = max(counts, default=0)
+    out = torch.zeros(len(generators), width, dtype=torch.float64, device=device)
+    if width == 0:
         return out
     rows_by_generator: dict[int, list[int]] = {}
     for row, g in enumerate(generators):
         rows_by_generator.setdefault(id(g), []).append(row)
     for rows in rows_by_generator.values():
-        drawn = torch.rand(len(rows), n, generator=generators[rows[0]], dtype=torch.float64, device=device)
+        row_counts = [counts[row] for row in rows]
+        drawn = torch.rand(sum(row_counts), generator=generators[rows[0]], dtype=torch.float64, device=device)
         if len(rows) == 1:
-            out[rows[0]] = drawn[0]
-        else:
-            out[torch.tensor(rows, device=device)] = drawn
+            out[rows[0], :row_counts[0]] = drawn
+            continue
+        block = torch.zeros(len(rows), width, dtype=torch.float64, device=device)  # [R, width]
+        block[torch.arange(width, device=device)[None, :] < torch.tensor(row_counts, device=device)[:, None]] = drawn
+        out[torch.tensor(rows, device=device)] = block
     return out
 
 

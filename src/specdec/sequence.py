@@ -41,5 +41,11 @@ class Sequence:
         return self.params.max_tokens - len(self.output_token_ids)
 
     @property
+    def draft_room(self) -> int:
+        """The most draft tokens worth proposing for it in a round: what it can still emit,
+        less the token the round adds itself."""
+        return max(0, self.remaining_tokens - 1)
+
+    @property
     def finished(self) -> bool:
         return self.finish_reason is not None

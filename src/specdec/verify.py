@@ -38,8 +38,9 @@ def rejection_sample(
     draft_probs [B, k, V]|None  the distributions the draft tokens were drawn from
     target_probs [B, k+1, V]    the target's warped distributions at each draft position and
                                 one past it
-    generators                  one per row: each row draws k + 1 uniforms from its own
-                                (rows sharing one generator draw from it in row order)
+    generators                  one per row: each row draws num_draft + 1 uniforms from its
+                                own (rows sharing one generator draw from it in row order),
+                                so what a row draws depends on that row alone
     greedy [B] bool|None        rows decided by argmax prefix matching
 
     Returns output_token_ids [B, k+1] (accepted tokens, then the recovered or bonus token,
@@ -50,7 +51,8 @@ def rejection_sample(
     draft_token_ids = draft_token_ids.long()
     num_draft = num_draft.to(device)
     proposed = torch.arange(k, device=device)[None, :] < num_draft[:, None]  # [B, k]
-    u = uniforms(generators, k + 1, device)  # [B, k+1]: k acceptance tests, 1 final draw
+    draws = uniforms(generators, (num_draft + 1).tolist(), device)  # [B, <= k+1]: acceptance tests, final draw
+    u = torch.nn.functional.pad(draws, (0, k + 1 - draws.shape[1]))  # [B, k+1]: 0 past a row's draws
 
     draft_ids = draft_token_ids.clamp(min=0)[..., None]  # [B, k, 1]: padding (even -1) is a valid index
     p_draft_token = target_probs[:, :k].gather(2, draft_ids).squeeze(2).double()  # [B, k]
@@ -58,8 +60,9 @@ def rejection_sample(
                      else draft_probs.gather(2, draft_ids).squeeze(2).double())  # [B, k]
     accept = (u[:, :k] * q_draft_token < p_draft_token) & proposed  # [B, k]
     num_accepted = accept.long().cumprod(dim=1).sum(dim=1)  # [B]: length of the accepted prefix
+    u_final = u.gather(1, num_draft[:, None]).squeeze(1)  # [B]: each row's last draw
     final_token = _recovered_or_bonus(num_accepted, num_draft, draft_token_ids, draft_probs,
-                                      target_probs, u[:, k])
+                                      target_probs, u_final)
     output = _assemble(draft_token_ids, num_accepted, final_token)
     if greedy is not None:
         greedy_output, greedy_accepted = greedy_verify(draft_token_ids, num_draft, target_probs.argmax(-1))

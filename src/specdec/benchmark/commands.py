@@ -10,12 +10,14 @@ Progress goes to stderr, the Markdown report to stdout; files go under --out.
 from __future__ import annotations
 
 import argparse
+import json
 import shlex
 import sys
 from pathlib import Path
 
 from specdec.demo import ROOT, SHIPPED_DRAFT, SHIPPED_TARGET
 
+DOCS = ROOT / "docs"
 FULL = {"prompts": 8, "max_tokens": 128, "ks": (1, 2, 3, 4, 5, 6, 7, 8)}
 ADAPTIVE_CONFIDENCE = 0.5
 QUICK = {"prompts": 4, "max_tokens": 32, "ks": (1, 3, 5)}
@@ -46,7 +48,9 @@ def add_bench_parser(commands) -> None:
                    help=f"a few minutes: {QUICK['prompts']} prompts per set, {QUICK['max_tokens']} tokens, "
                         f"k in {{{','.join(map(str, QUICK['ks']))}}}")
     p.add_argument("--out", metavar="DIR", default="bench_out",
-                   help="directory for results.json, results.md and the plots (default bench_out)")
+                   help="directory for results.json, results.md and the plots (default bench_out); an earlier "
+                        "bench's is replaced, a directory of other files refused")
+    p.add_argument("--force", action="store_true", help="replace an --out that holds other files")
     p.add_argument("--max-tokens", type=int, metavar="N",
                    help=f"new tokens per prompt (default {FULL['max_tokens']}, --quick {QUICK['max_tokens']})")
     p.add_argument("--ks", type=_int_list, metavar="K,K,...",
@@ -64,13 +68,16 @@ def run_bench(args) -> int:
     from specdec.benchmark.run import run_benchmark
 
     config = bench_config(args)
-    check_out_dir(Path(args.out))  # before the minutes of measuring, not after
-    results = run_benchmark(config, progress=lambda message: print(message, file=sys.stderr, flush=True))
-    paths = write_report(results, args.out)
-    if args.write_docs:
-        paths["docs"] = write_docs(results, paths, ROOT / "docs", command_line(args))
+    with open_bench_output(args, config) as output:  # before the minutes of measuring, not after
+        output.clear_staging()
+        results = run_benchmark(config, progress=lambda message: print(message, file=sys.stderr, flush=True))
+        paths = write_report(results, output.staging)
+        written = [output.final / path.name for path in paths.values()]
+        if args.write_docs:
+            written.append(write_docs(results, paths, DOCS, command_line(args)))
+        output.commit()
     print(markdown(results))
-    print("wrote " + ", ".join(str(path) for path in paths.values()), file=sys.stderr)
+    print("wrote " + ", ".join(str(path) for path in written), file=sys.stderr)
     return 0
 
 
@@ -88,17 +95,23 @@ def bench_config(args):
                        with_transformers=not args.no_transformers, seed=args.seed)
 
 
-def check_out_dir(out: Path) -> None:
-    """--out must be a directory this process can write (it is made if missing)."""
-    if out.exists() and not out.is_dir():
-        raise ValueError(f"--out {str(out)!r} is a file; give a directory for the results")
+def open_bench_output(args, config):
+    """--out (output_dir.py): new, empty, or an earlier bench's results (replaced), never an
+    input model or the docs --write-docs writes."""
+    from specdec.output_dir import open_output_dir
+
+    inputs = {"--model": config.model, "--draft": config.draft}
+    if args.write_docs:
+        inputs["--write-docs's directory"] = DOCS
+    return open_output_dir(args.out, "bench", inputs, args.force, is_bench_output)
+
+
+def is_bench_output(path: Path) -> bool:
+    """Whether path holds an earlier `specdec bench`'s results."""
     try:
-        out.mkdir(parents=True, exist_ok=True)
-        probe = out / ".write_test"
-        probe.write_text("")
-        probe.unlink()
-    except OSError as e:
-        raise ValueError(f"--out {str(out)!r} cannot be written ({e.strerror}); give a directory you can write") from e
+        return "prompt_sets" in json.loads((path / "results.json").read_text())
+    except (OSError, ValueError, TypeError):
+        return False
 
 
 def resolve_pair(model: str | None, draft: str | None) -> tuple[str, str | None]:

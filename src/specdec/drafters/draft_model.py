@@ -70,9 +70,10 @@ class DraftModelDrafter(Drafter):
     def propose(self, batch: list[Sequence], k: int, sampling: SamplingTensors) -> Draft:
         """Up to k draft tokens per row. With a confidence threshold, a row stops after a draft
         token the draft itself gave less than that probability (the next ones would likely be
-        rejected), and drafting ends when every row has stopped. A stopped row draws no more
-        random numbers (its later columns hold the draft's argmax, ignored, or 0 padding), so a
-        seeded request consumes its generator the same alone or in any batch."""
+        rejected); a row also stops at its draft_room (what it can still emit), and drafting ends
+        when every row has stopped. A stopped row draws no more random numbers (its later columns
+        hold the draft's argmax, ignored, or 0 padding), so a seeded request consumes its
+        generator the same alone or in any batch."""
         device = self.model.device
         if k == 0:
             return Draft.empty(len(batch), device)
@@ -80,8 +81,8 @@ class DraftModelDrafter(Drafter):
         generators = [seq.generator for seq in batch]
         logits = self._catch_up(batch)  # [B, V]: each row's next-token logits
         draft_tokens, draft_probs = [], []
-        num_tokens = torch.full((len(batch),), k, device=device)  # [B]
-        drafting = torch.ones(len(batch), dtype=torch.bool, device=device)  # [B]: rows not yet stopped
+        num_tokens = torch.tensor([min(k, seq.draft_room) for seq in batch], device=device)  # [B]
+        drafting = num_tokens > 0  # [B]: rows not yet stopped
         for i in range(k):
             probs = None
             if sampling.all_greedy:  # a point mass on the argmax: no probabilities kept
@@ -96,8 +97,9 @@ class DraftModelDrafter(Drafter):
                 stopping = drafting & (confidence < self.confidence_threshold)
                 num_tokens = torch.where(stopping, i + 1, num_tokens)
                 drafting &= ~stopping
-                if not bool(drafting.any()):
-                    break
+            drafting &= num_tokens > i + 1
+            if not bool(drafting.any()):
+                break
             if i < k - 1:
                 positions = torch.tensor([seq.num_tokens + i for seq in batch], device=device)[:, None]  # [B, 1]
                 logits = self._logits(self.model(token[:, None], positions, self.cache)[:, 0])

@@ -9,6 +9,7 @@ else keeps its name, without the "model." prefix.
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import torch
@@ -95,8 +96,6 @@ def save_pretrained(model: LlamaModel, path: str | Path, dtype: torch.dtype = to
     eos_token_id: the end-of-sequence token, written to config.json (as bos_token_id too: a
         document starts after the previous one's end) and generation_config.json.
     """
-    from safetensors.torch import save_file
-
     path = Path(path)
     if not (isinstance(max_shard_bytes, int) and max_shard_bytes > 0):
         raise ValueError(f"max_shard_bytes must be a positive integer, got {max_shard_bytes!r}")
@@ -105,12 +104,12 @@ def save_pretrained(model: LlamaModel, path: str | Path, dtype: torch.dtype = to
     _remove_weight_files(path)
     shards = plan_shards(state, max_shard_bytes)
     if len(shards) == 1:
-        save_file(state, str(path / WEIGHT_FILE), metadata={"format": "pt"})
+        _save_safetensors(state, path / WEIGHT_FILE)
     else:
         weight_map = {}
         for i, names in enumerate(shards, start=1):
             file = f"model-{i:05d}-of-{len(shards):05d}.safetensors"
-            save_file({name: state[name] for name in names}, str(path / file), metadata={"format": "pt"})
+            _save_safetensors({name: state[name] for name in names}, path / file)
             weight_map.update(dict.fromkeys(names, file))
         total = sum(t.numel() * t.element_size() for t in state.values())
         _write_json(path / INDEX_FILE, {"metadata": {"total_size": total}, "weight_map": weight_map})
@@ -121,6 +120,16 @@ def save_pretrained(model: LlamaModel, path: str | Path, dtype: torch.dtype = to
     if tokenizer is not None:
         save_tokenizer(tokenizer, path, model.config.max_position_embeddings, eos_token_id)
     return path
+
+
+def _save_safetensors(tensors: dict[str, torch.Tensor], file: Path) -> None:
+    """A safetensors file with the permissions of any other new file (safetensors writes 0600)."""
+    from safetensors.torch import save_file
+
+    save_file(tensors, str(file), metadata={"format": "pt"})
+    umask = os.umask(0)
+    os.umask(umask)
+    os.chmod(file, 0o666 & ~umask)
 
 
 def plan_shards(state: dict[str, torch.Tensor], max_shard_bytes: int) -> list[list[str]]:

@@ -20,6 +20,7 @@ from specdec.models.checkpoint import from_hf, to_hf
 from specdec.models.cpu_linear import can_pack, pack_linears
 from specdec.models.llama import LlamaModel, ModelConfig, rope_inverse_frequencies
 from specdec.models.tokenizer import Tokenizer
+from specdec.output_dir import unfinished_output_message
 
 SUPPORTED_ARCHITECTURES = {
     "LlamaForCausalLM": "llama",
@@ -49,10 +50,7 @@ def load_pretrained(path: str | Path, dtype: str | torch.dtype = "auto", device:
                     load_tokenizer: bool = True, pack_weights: bool = True) -> LoadedModel:
     """Load a Hugging Face directory. pack_weights: on the CPU in bfloat16, prepack the
     linear layers for oneDNN (see cpu_linear.py)."""
-    path = Path(path)
-    if not path.is_dir():
-        raise ModelLoadError(f"model directory {str(path)!r} does not exist (or is not a directory); "
-                             "point at a Hugging Face model directory holding config.json and *.safetensors")
+    path = check_model_path(path)
     hf_config = read_config(path)
     config = model_config_from_hf(hf_config, path / "config.json")
     torch_dtype = resolve_dtype(dtype, hf_config)
@@ -62,6 +60,38 @@ def load_pretrained(path: str | Path, dtype: str | torch.dtype = "auto", device:
     if pack_weights and can_pack(torch_dtype, torch.device(device)):
         pack_linears(model)
     return LoadedModel(model, tokenizer, eos_token_ids(path, hf_config), path, hf_config)
+
+
+PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
+
+
+def check_model_path(path) -> Path:
+    """path as a Path to a model directory, or a ModelLoadError saying what it is instead."""
+    if not isinstance(path, (str, Path)) or not str(path).strip():
+        raise ModelLoadError(f"model must be the path of a Hugging Face model directory, got {path!r}")
+    path = Path(path).expanduser()
+    if path.is_file():
+        raise ModelLoadError(f"{str(path)!r} is a file, not a model directory: {_file_hint(path)}")
+    if not path.is_dir():
+        raise ModelLoadError(f"model directory {str(path)!r} does not exist; point at a Hugging Face model "
+                             "directory holding config.json and *.safetensors")
+    unfinished = unfinished_output_message(path)
+    if unfinished is not None:
+        raise ModelLoadError(unfinished)
+    return path
+
+
+def _file_hint(path: Path) -> str:
+    suffix = path.suffix.lower()
+    if suffix in PICKLE_SUFFIXES:
+        return (f"a {suffix} checkpoint is a pickle, which specdec never loads (it can run code); use the "
+                "model's safetensors release, a directory with config.json and *.safetensors")
+    if suffix == ".gguf":
+        return ("a GGUF file; specdec loads Hugging Face directories (config.json, *.safetensors, "
+                "tokenizer.json) and does not read GGUF yet")
+    if suffix == ".safetensors" or path.name == "config.json":
+        return f"point at the directory holding it, {str(path.parent)!r}"
+    return "point at a Hugging Face model directory holding config.json and *.safetensors"
 
 
 def read_config(path: Path) -> dict:
@@ -180,6 +210,9 @@ def _sliding_windows(cfg: dict, model_type: str, num_layers: int, where: Path) -
 
 def resolve_dtype(dtype: str | torch.dtype, hf_config: dict) -> torch.dtype:
     if isinstance(dtype, torch.dtype):
+        if dtype not in (torch.float32, torch.bfloat16, torch.float16):
+            raise ValueError(f"dtype {dtype} is not supported: the model runs in torch.float32, torch.bfloat16 "
+                             "or torch.float16 ('auto' takes the checkpoint's)")
         return dtype
     if dtype == "auto":
         saved = hf_config.get("dtype") or hf_config.get("torch_dtype") or "float32"
@@ -204,6 +237,10 @@ def read_safetensors(path: Path) -> dict[str, torch.Tensor]:
         if not all(isinstance(file, str) and file for file in weight_map.values()):
             raise ModelLoadError(f"{index}: every 'weight_map' entry must name a shard file")
         files = sorted(set(weight_map.values()))
+        outside = [file for file in files if Path(file).is_absolute() or ".." in Path(file).parts]
+        if outside:
+            raise ModelLoadError(f"{index}: shard paths must stay inside the model directory, got {_some(outside)}; "
+                                 "an index naming files elsewhere is refused")
     elif (path / "model.safetensors").is_file():
         files = ["model.safetensors"]
     else:
@@ -231,6 +268,7 @@ def build_model(config: ModelConfig, weights: dict[str, torch.Tensor], dtype: to
     """A LlamaModel holding exactly the checkpoint's weights, checked by name and shape in
     the checkpoint's own (Hugging Face) names before the projections are fused."""
     given = {name: t for name, t in weights.items() if not name.endswith("rotary_emb.inv_freq")}
+    _check_finite(given, path, "")
     if config.tie_word_embeddings and "lm_head.weight" in given:
         if _same_tensor(given["lm_head.weight"], given.get("model.embed_tokens.weight")):
             del given["lm_head.weight"]  # some tied checkpoints store the shared matrix twice
@@ -247,13 +285,23 @@ def build_model(config: ModelConfig, weights: dict[str, torch.Tensor], dtype: to
         if tuple(given[name].shape) != shape:
             raise ModelLoadError(f"{path}: tensor {name!r} has shape {tuple(given[name].shape)}, "
                                  f"config.json implies {shape}")
-    state = from_hf(given)
+    state = {name: t.to(device=device, dtype=dtype) for name, t in from_hf(given).items()}
+    _check_finite(state, path, f" once converted to {str(dtype).removeprefix('torch.')} (use a wider dtype)")
     # names checked above; a tied lm_head is re-tied below
-    model.load_state_dict({k: v.to(device=device, dtype=dtype) for k, v in state.items()}, strict=False, assign=True)
+    model.load_state_dict(state, strict=False, assign=True)
     if config.tie_word_embeddings:
         model.lm_head.weight = model.embed_tokens.weight
     model.inv_freq = rope_inverse_frequencies(config).to(device)
     return model.eval().requires_grad_(False)
+
+
+def _check_finite(tensors: dict[str, torch.Tensor], path: Path, where: str) -> None:
+    """Refuse weights holding NaN or infinity (a corrupt or diverged checkpoint), which would
+    otherwise decode to empty or garbled text; one pass over the weights."""
+    bad = [name for name, t in tensors.items() if t.is_floating_point() and not bool(torch.isfinite(t).all())]
+    if bad:
+        raise ModelLoadError(f"{path}: tensors {_some(bad)} hold NaN or infinite values{where}; the checkpoint is "
+                             "corrupt or its training diverged: re-save or re-download it")
 
 
 def _same_tensor(a: torch.Tensor, b: torch.Tensor | None) -> bool:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import math
 import sys
+from pathlib import Path
 
 from specdec.training.train import PRESETS, model_shape
 
@@ -32,7 +33,8 @@ def add_train_parser(commands) -> None:
                                         "command with the same --out resumes from its checkpoint.")
     p.add_argument("--corpus", help="a text file or a directory of text files (default: this Python's "
                                     "standard library, with fixed modules held out)")
-    p.add_argument("--out", required=True, help="output directory (model files; checkpoint/ while training)")
+    p.add_argument("--out", required=True, help="output directory for the model (written as OUT.incomplete/ "
+                                                "until the run finishes; OUT/checkpoint/ resumes or lengthens it)")
     p.add_argument("--tokenizer", metavar="DIR", help="reuse the tokenizer.json in DIR (e.g. the target's, to "
                                                       "train a draft that shares it) instead of training one")
     p.add_argument("--init", metavar="DIR", help="go on training the model in DIR (its weights, size and "
@@ -48,7 +50,8 @@ def add_distill_parser(commands) -> None:
                                         "next-token distributions; reports the acceptance rate α = 1 - TV(p, q) "
                                         "on held-out text before and after.")
     p.add_argument("--target", required=True, help="the target's model directory")
-    p.add_argument("--out", required=True, help="output directory for the draft")
+    p.add_argument("--out", required=True, help="output directory for the draft (written as OUT.incomplete/ "
+                                                "until the run finishes)")
     p.add_argument("--corpus", help="text to distill on (default: this Python's standard library)")
     p.add_argument("--init", metavar="DIR", help="start from this trained draft instead of a random one")
     _add_size_flags(p, default_preset="draft")
@@ -88,6 +91,9 @@ def _add_training_flags(p: argparse.ArgumentParser) -> None:
     t.add_argument("--save-dtype", choices=("bfloat16", "float32"), default="bfloat16",
                    help="dtype of the saved weights (default bfloat16)")
     t.add_argument("--max-shard-mb", type=float, default=15.0, help="largest safetensors file, in MB (default 15)")
+    t.add_argument("--force", action="store_true",
+                   help="replace an --out that holds other files (not an earlier run of this command) when the run "
+                        "finishes; an input model is never replaced")
     resume = t.add_mutually_exclusive_group()
     resume.add_argument("--resume", action="store_true",
                         help="require a checkpoint in --out to resume from (resuming is automatic when one exists)")
@@ -106,8 +112,8 @@ def run_train(args) -> int:
         result = train(args.out, shape, _train_config(args), corpus_path=args.corpus,
                        tokenizer_dir=args.tokenizer, init_dir=args.init, **_output_options(args))
     except KeyboardInterrupt:
-        return _interrupted(args.out)
-    print(_summary(result, "held_out_loss"))
+        return _interrupted(args)
+    print(_summary(result, "held_out_loss", args.out))
     return 0
 
 
@@ -125,16 +131,27 @@ def run_distill(args) -> int:
         result = distill(args.target, args.out, shape, _train_config(args), distill_config,
                          corpus_path=args.corpus, init_dir=args.init, **_output_options(args))
     except KeyboardInterrupt:
-        return _interrupted(args.out)
-    print(_summary(result, "held_out_alpha"))
+        return _interrupted(args)
+    print(_summary(result, "held_out_alpha", args.out))
     print(alpha_summary(result))
     return 0
 
 
-def _interrupted(out: str) -> int:
-    """Ctrl-C: a line on how to resume instead of a traceback."""
-    print(f"\ninterrupted; rerun the same command to resume from the last checkpoint in {out}/checkpoint",
-          file=sys.stderr)
+def _interrupted(args) -> int:
+    """Ctrl-C: a line on what was kept and how to go on, instead of a traceback."""
+    from specdec.output_dir import staging_path
+    from specdec.training.loop import CHECKPOINT_FILE
+    from specdec.training.train import CHECKPOINT_DIR
+
+    checkpoints = [directory / CHECKPOINT_DIR / CHECKPOINT_FILE
+                   for directory in (staging_path(args.out), Path(args.out).expanduser())]
+    found = next((file for file in checkpoints if file.is_file()), None)
+    if found is None or args.restart:
+        message = ("interrupted before this run's first checkpoint (--checkpoint-every); nothing was kept, and "
+                   "rerunning the command starts over")
+    else:
+        message = f"interrupted; rerun the same command to resume from the last checkpoint, {found}"
+    print(f"\n{message}", file=sys.stderr)
     return 130
 
 
@@ -160,7 +177,8 @@ def _output_options(args) -> dict:
         raise ValueError(f"--max-shard-mb must be a number > 0, got {args.max_shard_mb}")
     arguments = {k: v for k, v in sorted(vars(args).items()) if k != "run" and v is not None and v is not False}
     return {"save_dtype": args.save_dtype, "max_shard_bytes": int(args.max_shard_mb * 1_000_000),
-            "restart": args.restart, "require_checkpoint": args.resume, "arguments": arguments}
+            "restart": args.restart, "require_checkpoint": args.resume, "force": args.force,
+            "arguments": arguments}
 
 
 def _given(args, names: dict[str, str] | tuple[str, ...]) -> dict:
@@ -170,11 +188,13 @@ def _given(args, names: dict[str, str] | tuple[str, ...]) -> dict:
     return {field: getattr(args, flag) for flag, field in names.items() if getattr(args, flag) is not None}
 
 
-def _summary(result, metric: str) -> str:
+def _summary(result, metric: str, out: str) -> str:
+    from specdec.output_dir import staging_path
+
     state = result.state
-    where = (f"model written to {result.out}" if result.out is not None
-             else f"stopped at step {state.step} of {result.steps} (--stop-after); rerun with a later --stop-after, "
-                  "or without it, to continue")
+    where = (f"model written to {out}" if result.out is not None
+             else f"stopped at step {state.step} of {result.steps} (--stop-after), its checkpoint in "
+                  f"{staging_path(out)}; rerun with a later --stop-after, or without it, to continue")
     return (f"{where}\nsteps {state.step}  train loss {result.train_loss:.4f}  {metric} "
             f"{result.first_evaluation[metric]:.4f} (step 0) -> {result.last_evaluation[metric]:.4f}  "
             f"tokens seen {state.tokens_seen:,}  wall time {state.seconds / 60:.1f} min")

@@ -50,9 +50,9 @@ from specdec.models.llama import LlamaModel
 from specdec.models.loader import LoadedModel, load_pretrained
 from specdec.training.corpus import check_stream_length, evaluation_windows, load_corpus, sample_windows, token_stream
 from specdec.training.loop import Task, TrainConfig, log, train_loop
-from specdec.training.train import (SAVE_DTYPES, ModelShape, TrainResult, check_save_dtype, corpus_record,
-                                    load_initial_model, new_model, open_checkpoint, read_training_log, run_identity,
-                                    training_positions, write_log)
+from specdec.training.train import (CHECKPOINT_DIR, SAVE_DTYPES, ModelShape, TrainResult, check_save_dtype,
+                                    corpus_record, finish_run, load_initial_model, new_model, open_run_output,
+                                    read_training_log, resume_checkpoint, run_identity, training_positions)
 
 DIVERGENCES = ("fkl+tv", "tv", "fkl")
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja")
@@ -96,41 +96,55 @@ class DistillConfig:
 def distill(target_dir: str | Path, out: str | Path, shape: ModelShape | None, config: TrainConfig,
             distill_config: DistillConfig = DistillConfig(), corpus_path: str | Path | None = None,
             init_dir: str | Path | None = None, save_dtype: str = "bfloat16", max_shard_bytes: int = SHARD_BYTES,
-            restart: bool = False, require_checkpoint: bool = False, arguments: dict | None = None) -> TrainResult:
-    """Distill a draft of `shape` (or the trained draft in init_dir) from the target into `out`."""
-    out, target_dir, started = Path(out), Path(target_dir), time.perf_counter()
+            restart: bool = False, require_checkpoint: bool = False, arguments: dict | None = None,
+            force: bool = False) -> TrainResult:
+    """Distill a draft of `shape` (or the trained draft in init_dir) from the target into `out`
+    (see output_dir.py: out must not be an input, nor a directory of other files unless force)."""
+    target_dir, started = Path(target_dir), time.perf_counter()
     check_save_dtype(save_dtype)
-    target = load_pretrained(target_dir, distill_config.target_dtype, config.device)
-    if target.tokenizer is None or not target.eos_token_ids:
-        raise ValueError(f"the target {target_dir} needs a tokenizer.json and an eos_token_id to distill from")
-    checkpoint = open_checkpoint(out, restart, require_checkpoint)
-    corpus = load_corpus(corpus_path)
-    log(corpus.describe())
-    tokenizer, eot_id = target.tokenizer.backend, target.eos_token_ids[0]
-    train_stream, held_out_stream = (token_stream(docs, tokenizer, eot_id) for docs in (corpus.train, corpus.held_out))
-    draft = initial_draft(target, shape, init_dir, config.seed).to(config.device)
-    init_log = read_training_log(init_dir)  # read now: out may be init_dir, overwritten at the end
-    context = min(draft.config.max_position_embeddings, target.model.config.max_position_embeddings)
-    check_stream_length(train_stream, context, "training")
-    log(f"target {target.model.config.num_parameters / 1e6:.2f}M parameters, draft "
-        f"{draft.config.num_parameters / 1e6:.2f}M; {len(train_stream):,} training tokens; ready in "
-        f"{time.perf_counter() - started:.1f}s")
-    identity = run_identity("distill", draft.config, tokenizer, corpus, target=str(target_dir.resolve()),
-                            distill=dataclasses.asdict(distill_config), init=str(init_dir))
-    task = distillation_task(draft, target.model, train_stream, held_out_stream, context, config, distill_config,
-                             identity)
-    state = train_loop(task, config, out / "checkpoint", checkpoint)
-    result = TrainResult(None, state, config.steps)
-    if result.finished:
-        save_pretrained(draft, out, SAVE_DTYPES[save_dtype], max_shard_bytes=max_shard_bytes, eos_token_id=eot_id)
-        copy_tokenizer(target, out)
-        result = TrainResult(out, state, config.steps)
-    write_log(out, "distill", config, {"target": str(target_dir), "target_sha256": weights_fingerprint(target_dir),
-                                       "init": str(init_dir), "init_log": init_log,
-                                       "distill": dataclasses.asdict(distill_config),
-                                       "model": dataclasses.asdict(draft.config), **corpus_record(corpus)},
-              result, arguments)
-    return result
+    inputs = {"--target": target_dir, "--init": init_dir, "--corpus": corpus_path}
+    with open_run_output(out, "distill", inputs, force) as output:
+        target = load_pretrained(target_dir, distill_config.target_dtype, config.device)
+        if target.tokenizer is None or not target.eos_token_ids:
+            raise ValueError(f"the target {target_dir} needs a tokenizer.json and an eos_token_id to distill from")
+        checkpoint = resume_checkpoint(output, restart, require_checkpoint)
+        corpus = load_corpus(corpus_path)
+        log(corpus.describe())
+        tokenizer, eot_id = target.tokenizer.backend, target.eos_token_ids[0]
+        train_stream, held_out_stream = (token_stream(docs, tokenizer, eot_id)
+                                         for docs in (corpus.train, corpus.held_out))
+        draft = initial_draft(target, shape, init_dir, config.seed).to(config.device)
+        context = min(draft.config.max_position_embeddings, target.model.config.max_position_embeddings)
+        check_stream_length(train_stream, context, "training")
+        check_prompt_tokens(distill_config, context)
+        log(f"target {target.model.config.num_parameters / 1e6:.2f}M parameters, draft "
+            f"{draft.config.num_parameters / 1e6:.2f}M; {len(train_stream):,} training tokens; ready in "
+            f"{time.perf_counter() - started:.1f}s")
+        identity = run_identity("distill", draft.config, tokenizer, corpus, target=str(target_dir.resolve()),
+                                distill=dataclasses.asdict(distill_config), init=str(init_dir))
+        task = distillation_task(draft, target.model, train_stream, held_out_stream, context, config,
+                                 distill_config, identity)
+        state = train_loop(task, config, output.staging / CHECKPOINT_DIR, checkpoint)
+        settings = {"target": str(target_dir), "target_sha256": weights_fingerprint(target_dir),
+                    "init": str(init_dir), "init_log": read_training_log(init_dir),
+                    "distill": dataclasses.asdict(distill_config), "model": dataclasses.asdict(draft.config),
+                    **corpus_record(corpus)}
+
+        def save_model(directory: Path) -> None:
+            save_pretrained(draft, directory, SAVE_DTYPES[save_dtype], max_shard_bytes=max_shard_bytes,
+                            eos_token_id=eot_id)
+            copy_tokenizer(target, directory)
+
+        return finish_run(output, "distill", config, settings, state, arguments, save_model)
+
+
+def check_prompt_tokens(distill_config: DistillConfig, context: int) -> None:
+    """On-policy samples continue --prompt-tokens corpus tokens up to the context: say so when
+    the context leaves them fewer than asked for."""
+    if distill_config.on_policy_fraction > 0 and distill_config.prompt_tokens >= context:
+        log(f"note: --prompt-tokens {distill_config.prompt_tokens} is not below the context ({context} tokens): "
+            f"on-policy samples continue the first {context} corpus tokens of a window by one sampled token; "
+            f"give --prompt-tokens below {context} for more of the target's own text")
 
 
 def weights_fingerprint(model_dir: Path) -> str:

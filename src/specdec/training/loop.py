@@ -133,18 +133,14 @@ class RunState:
 
 def train_loop(task: Task, config: TrainConfig, checkpoint_dir: Path, checkpoint: dict | None) -> RunState:
     """Run steps up to config.last_step from scratch or from `checkpoint` (see read_checkpoint);
-    evaluate at step 0 and at the end; return the run's state."""
+    evaluate at step 0 and at the end; return the run's state. The session always ends with its
+    checkpoint in checkpoint_dir (also when resumed with nothing left to do)."""
     model, device = task.model, torch.device(config.device)
     optimizer = make_optimizer(model, config)
     generator = torch.Generator().manual_seed(config.seed)
     state = RunState()
-    if checkpoint is not None and _left_by_the_init_run(checkpoint, task, config, checkpoint_dir):
-        log(f"{checkpoint_dir / CHECKPOINT_FILE} is the finished run's that made the --init model; this run "
-            "starts afresh from that model")
-        checkpoint = None
     if checkpoint is not None:
         state = restore(checkpoint, task, config, optimizer, generator)
-        log(f"resuming from {checkpoint_dir / CHECKPOINT_FILE} at step {state.step}")
     autocast = torch.autocast(device.type, dtype=torch.bfloat16) if config.bf16 else contextlib.nullcontext()
     if not state.evaluations:
         evaluate(task, state, autocast)
@@ -161,6 +157,8 @@ def train_loop(task: Task, config: TrainConfig, checkpoint_dir: Path, checkpoint
             save_checkpoint(checkpoint_dir, task, config, optimizer, generator, state)
     if state.evaluations[-1]["step"] != state.step:
         evaluate(task, state, autocast)
+    if not (checkpoint_dir / CHECKPOINT_FILE).is_file():
+        save_checkpoint(checkpoint_dir, task, config, optimizer, generator, state)
     return state
 
 
@@ -291,17 +289,6 @@ def restore(checkpoint: dict, task: Task, config: TrainConfig, optimizer: torch.
     generator.set_state(checkpoint["data_generator"])
     torch.set_rng_state(checkpoint["torch_rng"])
     return RunState(**checkpoint["state"])
-
-
-def _left_by_the_init_run(checkpoint: dict, task: Task, config: TrainConfig, checkpoint_dir: Path) -> bool:
-    """Whether a run that continues a model in place (--init DIR --out DIR) finds the checkpoint
-    of the finished run that made that model: not its own to resume (unless it is the same
-    command again, which resumes it and has nothing left to do)."""
-    init = task.identity.get("init")
-    if init in (None, "None") or Path(init).resolve() != checkpoint_dir.parent.resolve():
-        return False
-    finished = checkpoint["state"]["step"] >= checkpoint["train_config"]["steps"]
-    return finished and bool(_differing_identity(checkpoint, task) or _changed_settings(checkpoint, config))
 
 
 def _differing_identity(checkpoint: dict, task: Task) -> list[str]:

@@ -15,18 +15,19 @@ from specdec.benchmark.machine import cpu_model
 from specdec.training.corpus import HELD_OUT_MODULES, load_corpus
 
 # flags whose value the command line shows as a bare switch
-SWITCHES = ("untie_embeddings", "resume", "restart")
+SWITCHES = ("untie_embeddings", "resume", "restart", "force")
 
 
-def write_model_card(out: str | Path, moved: dict[str, str] | None = None) -> Path:
+def write_model_card(out: str | Path, moved: dict[str, str] | None = None, name: str | None = None) -> Path:
     """Write out/README.md from out/training_log.json and out/config.json; return its path.
     moved: {directory the run used: where it is now}, for a run copied after it finished (the
-    card's command then names the new places)."""
+    card's command then names the new places). name: the model's (default: out's name; a run
+    writes its card in a staging directory named after the model's)."""
     out = Path(out)
     log = json.loads((out / "training_log.json").read_text())
     config = json.loads((out / "config.json").read_text())
     card = out / "README.md"
-    card.write_text(model_card(out.name, log, config, moved or {}))
+    card.write_text(model_card(name or out.name, log, config, moved or {}))
     return card
 
 

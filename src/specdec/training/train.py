@@ -21,6 +21,7 @@ import math
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
 
 import torch
 import torch.nn.functional as F
@@ -29,9 +30,10 @@ from specdec.benchmark.machine import cpu_model
 from specdec.models.checkpoint import SHARD_BYTES, save_pretrained
 from specdec.models.llama import LlamaModel, ModelConfig
 from specdec.models.tokenizer import train_byte_level_bpe
+from specdec.output_dir import OutputDir, open_output_dir
 from specdec.training.corpus import (END_OF_TEXT, Corpus, check_stream_length, evaluation_windows, load_corpus,
                                      sample_windows, token_stream)
-from specdec.training.loop import RunState, Task, TrainConfig, log, read_checkpoint, train_loop
+from specdec.training.loop import CHECKPOINT_FILE, RunState, Task, TrainConfig, log, read_checkpoint, train_loop
 from specdec.training.model_card import write_model_card
 
 SAVE_DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
@@ -134,43 +136,46 @@ class TrainResult:
 def train(out: str | Path, shape: ModelShape | None, config: TrainConfig, corpus_path: str | Path | None = None,
           tokenizer_dir: str | Path | None = None, save_dtype: str = "bfloat16",
           max_shard_bytes: int = SHARD_BYTES, restart: bool = False, require_checkpoint: bool = False,
-          arguments: dict | None = None, init_dir: str | Path | None = None) -> TrainResult:
-    """Train (or resume training) a model on the corpus and write it to `out`. init_dir: go
-    on training the model there (its weights, size and tokenizer; shape and tokenizer_dir
-    must be None) instead of a new one."""
-    out, started = Path(out), time.perf_counter()
+          arguments: dict | None = None, init_dir: str | Path | None = None, force: bool = False) -> TrainResult:
+    """Train (or resume training) a model on the corpus and write it to `out` (see
+    output_dir.py: out must not be an input, nor a directory of other files unless force).
+    init_dir: go on training the model there (its weights, size and tokenizer; shape and
+    tokenizer_dir must be None) instead of a new one."""
+    started = time.perf_counter()
     check_save_dtype(save_dtype)
     if init_dir is not None and (shape is not None or tokenizer_dir is not None):
         raise ValueError("--init takes the model's size and tokenizer from its directory; drop the size flags "
                          "and --tokenizer")
-    checkpoint = open_checkpoint(out, restart, require_checkpoint)
-    corpus = load_corpus(corpus_path)
-    log(corpus.describe())
-    initial = load_initial_model(init_dir).model if init_dir is not None else None
-    if initial is not None:
-        shape, tokenizer_dir = shape_of(initial.config), init_dir
-    tokenizer, eot_id = prepare_tokenizer(corpus, shape, tokenizer_dir, checkpoint)
-    shape = _fit_vocabulary(shape, tokenizer, tokenizer_dir)
-    init_log = read_training_log(init_dir)  # read now: out may be init_dir, overwritten at the end
-    train_stream, held_out_stream = (token_stream(docs, tokenizer, eot_id) for docs in (corpus.train, corpus.held_out))
-    check_stream_length(train_stream, shape.context, "training")
-    log(f"{len(train_stream):,} training tokens, {len(held_out_stream):,} held-out tokens; model of "
-        f"{shape.model_config().num_parameters / 1e6:.2f}M parameters; tokenizer ready in "
-        f"{time.perf_counter() - started:.1f}s")
-    model = (initial if initial is not None else new_model(shape.model_config(), config.seed)).to(config.device)
-    identity = run_identity("train", model.config, tokenizer, corpus, **({"init": str(init_dir)} if init_dir else {}))
-    task = language_model_task(model, train_stream, held_out_stream, shape.context, config, identity)
-    state = train_loop(task, config, out / "checkpoint", checkpoint)
-    result = TrainResult(None, state, config.steps)
-    if result.finished:
-        save_pretrained(model, out, SAVE_DTYPES[save_dtype], max_shard_bytes=max_shard_bytes,
-                        tokenizer=tokenizer, eos_token_id=eot_id)
-        result = TrainResult(out, state, config.steps)
-    settings = {"model": dataclasses.asdict(shape), **corpus_record(corpus)}
-    if init_dir is not None:
-        settings.update(init=str(init_dir), init_log=init_log)
-    write_log(out, "train", config, settings, result, arguments)
-    return result
+    inputs = {"--init": init_dir, "--tokenizer": tokenizer_dir, "--corpus": corpus_path}
+    with open_run_output(out, "train", inputs, force) as output:
+        checkpoint = resume_checkpoint(output, restart, require_checkpoint)
+        corpus = load_corpus(corpus_path)
+        log(corpus.describe())
+        initial = load_initial_model(init_dir).model if init_dir is not None else None
+        if initial is not None:
+            shape, tokenizer_dir = shape_of(initial.config), init_dir
+        tokenizer, eot_id = prepare_tokenizer(corpus, shape, tokenizer_dir, checkpoint)
+        shape = _fit_vocabulary(shape, tokenizer, tokenizer_dir)
+        train_stream, held_out_stream = (token_stream(docs, tokenizer, eot_id)
+                                         for docs in (corpus.train, corpus.held_out))
+        check_stream_length(train_stream, shape.context, "training")
+        log(f"{len(train_stream):,} training tokens, {len(held_out_stream):,} held-out tokens; model of "
+            f"{shape.model_config().num_parameters / 1e6:.2f}M parameters; tokenizer ready in "
+            f"{time.perf_counter() - started:.1f}s")
+        model = (initial if initial is not None else new_model(shape.model_config(), config.seed)).to(config.device)
+        identity = run_identity("train", model.config, tokenizer, corpus,
+                                **({"init": str(init_dir)} if init_dir else {}))
+        task = language_model_task(model, train_stream, held_out_stream, shape.context, config, identity)
+        state = train_loop(task, config, output.staging / CHECKPOINT_DIR, checkpoint)
+        settings = {"model": dataclasses.asdict(shape), **corpus_record(corpus)}
+        if init_dir is not None:
+            settings.update(init=str(init_dir), init_log=read_training_log(init_dir))
+
+        def save_model(directory: Path) -> None:
+            save_pretrained(model, directory, SAVE_DTYPES[save_dtype], max_shard_bytes=max_shard_bytes,
+                            tokenizer=tokenizer, eos_token_id=eot_id)
+
+        return finish_run(output, "train", config, settings, state, arguments, save_model)
 
 
 def load_initial_model(init_dir: str | Path, load_tokenizer: bool = False):
@@ -311,17 +316,59 @@ def _fit_vocabulary(shape: ModelShape, tokenizer, tokenizer_dir) -> ModelShape:
 
 # ---------------------------------------------------------------------------- run bookkeeping
 
-def open_checkpoint(out: Path, restart: bool, require_checkpoint: bool) -> dict | None:
-    """The checkpoint to resume from in out/checkpoint (None = start afresh)."""
-    if out.exists() and not out.is_dir():
-        raise ValueError(f"--out {str(out)!r} is a file; give a directory")
+CHECKPOINT_DIR = "checkpoint"  # in a run's output directory: the checkpoint to resume or lengthen it from
+
+
+def open_run_output(out, kind: str, inputs: dict, force: bool) -> OutputDir:
+    """The output directory of a train or distill run (output_dir.py). Its own earlier output
+    is a directory holding this kind of run's checkpoint, finished or not."""
+    return open_output_dir(out, kind, inputs, force, lambda path: is_run_output(path, kind))
+
+
+def is_run_output(path: Path, kind: str) -> bool:
+    """Whether path holds the checkpoint of a `specdec <kind>` run (the log beside the model,
+    or beside the checkpoint for a run that stopped early, names the kind)."""
+    if not (path / CHECKPOINT_DIR / CHECKPOINT_FILE).is_file():
+        return False
+    for log_file in (path / "training_log.json", path / CHECKPOINT_DIR / "training_log.json"):
+        if log_file.is_file():
+            try:
+                return json.loads(log_file.read_text()).get("kind") == kind
+            except (ValueError, AttributeError):
+                return False
+    return True
+
+
+def resume_checkpoint(output: OutputDir, restart: bool, require_checkpoint: bool) -> dict | None:
+    """The checkpoint to resume from (None = start afresh): the one in the staging directory
+    (a session that stopped early), else the one of this command's earlier run in --out (a
+    finished run, lengthened or rerun)."""
     if restart:
-        (out / "checkpoint" / "last.pt").unlink(missing_ok=True)
+        output.clear_staging()
         return None
-    checkpoint = read_checkpoint(out / "checkpoint")
-    if checkpoint is None and require_checkpoint:
-        raise ValueError(f"--resume: no checkpoint in {out / 'checkpoint'}; drop --resume to start a new run")
-    return checkpoint
+    for directory in (output.staging / CHECKPOINT_DIR, output.final / CHECKPOINT_DIR):
+        checkpoint = read_checkpoint(directory)
+        if checkpoint is not None:
+            log(f"resuming from {directory / CHECKPOINT_FILE} (step {checkpoint['state']['step']})")
+            return checkpoint
+    if require_checkpoint:
+        raise ValueError(f"--resume: no checkpoint in {output.staging / CHECKPOINT_DIR} or "
+                         f"{output.final / CHECKPOINT_DIR}; drop --resume to start a new run")
+    return None
+
+
+def finish_run(output: OutputDir, kind: str, config: TrainConfig, settings: dict, state: RunState,
+               arguments: dict | None, save_model: Callable[[Path], None]) -> TrainResult:
+    """A session's end: a finished run saves its model and log and moves into --out; a session
+    that stopped early leaves its log beside its checkpoint in the staging directory."""
+    finished = state.step >= config.steps
+    if finished:
+        save_model(output.staging)
+    write_log(output.staging, kind, config, settings, TrainResult(None, state, config.steps), arguments,
+              name=output.final.name)
+    if not finished:
+        return TrainResult(None, state, config.steps)
+    return TrainResult(output.commit(), state, config.steps)
 
 
 def run_identity(kind: str, model_config: ModelConfig, tokenizer, corpus: Corpus, **extra) -> dict:
@@ -338,12 +385,12 @@ def corpus_record(corpus: Corpus) -> dict:
 
 
 def write_log(out: Path, kind: str, config: TrainConfig, settings: dict, result: TrainResult,
-              arguments: dict | None) -> None:
+              arguments: dict | None, name: str | None = None) -> None:
     """training_log.json: what was run and how it went. A finished run's goes in out, with the
-    model card out/README.md made from it (model_card.py); a session that stopped early writes
-    its log beside its checkpoint, in out/checkpoint, so that it never stands beside weights (an
-    earlier run's, or none) that it does not describe."""
-    where = out if result.finished else out / "checkpoint"
+    model card out/README.md made from it (model_card.py; name: the model's, default out's);
+    a session that stopped early writes its log beside its checkpoint, in out/checkpoint, so
+    that it never stands beside weights (an earlier run's, or none) that it does not describe."""
+    where = out if result.finished else out / CHECKPOINT_DIR
     where.mkdir(parents=True, exist_ok=True)
     state = result.state
     device = torch.cuda.get_device_name(config.device) if config.device.startswith("cuda") else "cpu"
@@ -356,7 +403,7 @@ def write_log(out: Path, kind: str, config: TrainConfig, settings: dict, result:
     }
     (where / "training_log.json").write_text(json.dumps(record, indent=2) + "\n")
     if result.finished:
-        write_model_card(out)
+        write_model_card(out, name=name)
 
 
 def check_save_dtype(save_dtype: str) -> None:
