@@ -304,6 +304,20 @@ def test_an_out_that_cannot_be_written_is_refused_before_measuring(pair, tmp_pat
         args.run(args)
 
 
+def test_results_are_written_whole_and_an_earlier_benchs_replaced(pair, results, tmp_path, monkeypatch, capsys):
+    """--out gets results.json, results.md and the plots only once the run is done (staged in
+    OUT.incomplete/ until then); rerunning into it replaces the earlier results."""
+    monkeypatch.setattr("specdec.benchmark.run.run_benchmark", lambda *a, **k: results)
+    out = tmp_path / "out"
+    for _ in range(2):
+        args = parse(["--model", str(pair[0]), "--no-transformers", "--out", str(out)])
+        assert args.run(args) == 0
+        assert sorted(p.name for p in out.iterdir()) == sorted(["results.json", "results.md", *PLOTS])
+        assert not (tmp_path / "out.incomplete").exists()
+    assert json.loads((out / "results.json").read_text())["prompt_sets"]
+    assert f"wrote {out.resolve() / 'results.json'}" in capsys.readouterr().err
+
+
 def test_missing_shipped_pair_says_what_to_do(monkeypatch, tmp_path):
     monkeypatch.setattr(commands, "SHIPPED_TARGET", tmp_path / "models" / "code-target")
     monkeypatch.setattr(commands, "SHIPPED_DRAFT", tmp_path / "models" / "code-draft")

@@ -1,0 +1,192 @@
+"""Bad input, one kind per case: each is refused with the exception a caller can catch (a
+ValueError, or its subclass ModelLoadError for model files) and a message that names the
+problem, before any work is done; and what used to hang (a k far beyond what a request can
+use) now finishes at once with the target's own output."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from helpers import save_tiny_model
+from safetensors.torch import load_file, save_file
+
+from specdec import LLM, ModelLoadError, SamplingParams
+from specdec.cli import main
+
+CONTEXT = 256  # helpers.hf_config's max_position_embeddings
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory) -> Path:
+    return save_tiny_model(tmp_path_factory.mktemp("bad") / "tiny", "llama", seed=3, init_std=0.2)
+
+
+@pytest.fixture(scope="module")
+def llm(model_dir) -> LLM:
+    return LLM(str(model_dir), dtype="float32")
+
+
+def broken_copy(model_dir: Path, tmp_path: Path, change) -> Path:
+    """A copy of the model with change(tensors) applied to its weights."""
+    import shutil
+
+    path = tmp_path / "broken"
+    shutil.copytree(model_dir, path)
+    tensors = load_file(path / "model.safetensors")
+    change(tensors)
+    save_file(tensors, path / "model.safetensors", metadata={"format": "pt"})
+    return path
+
+
+# ---------------------------------------------------------------------------- LLM(...)
+
+LLM_CASES = [  # (arguments besides the model, what the message must say)
+    ({"seed": "abc"}, "seed must be an integer"),
+    ({"seed": 1.5}, "seed must be an integer"),
+    ({"max_num_seqs": True}, "max_num_seqs must be an integer"),
+    ({"skip_tokenizer_init": "no"}, "skip_tokenizer_init must be True or False"),
+    ({"speculative_model": 123}, "speculative_model must be the path"),
+    ({"num_speculative_tokens": 2.0, "speculative_method": "ngram"}, "num_speculative_tokens must be an integer"),
+    ({"device": "tpu"}, "device must be cpu, cuda"),
+]
+
+
+@pytest.mark.parametrize("arguments, message", LLM_CASES, ids=[str(a) for a, _ in LLM_CASES])
+def test_bad_llm_arguments_are_refused_before_loading(arguments, message, tmp_path):
+    """Checked before the model is read: the model path here does not even exist."""
+    with pytest.raises(ValueError, match=message):
+        LLM(str(tmp_path / "not-loaded-yet"), **arguments)
+
+
+@pytest.mark.parametrize("model, message", [
+    (None, "model must be the path of a Hugging Face model directory, got None"),
+    ("", "model must be the path"),
+    (42, "got 42"),
+])
+def test_a_model_that_is_not_a_path(model, message):
+    with pytest.raises(ModelLoadError, match=message):
+        LLM(model)
+
+
+@pytest.mark.parametrize("dtype", [torch.int8, torch.float64, torch.bool])
+def test_a_torch_dtype_that_is_not_a_supported_float(model_dir, dtype):
+    with pytest.raises(ValueError, match=f"dtype {dtype} is not supported"):
+        LLM(str(model_dir), dtype=dtype)
+
+
+def test_a_torch_float_dtype_is_taken(model_dir):
+    assert LLM(str(model_dir), dtype=torch.bfloat16).target.model.dtype == torch.bfloat16
+
+
+@pytest.mark.parametrize("value", [float("nan"), float("inf"), float("-inf")])
+def test_weights_holding_nan_or_inf_are_refused_at_load(model_dir, tmp_path, value):
+    def poison(tensors):
+        name = "model.layers.1.mlp.down_proj.weight"
+        tensors[name][3, 5] = value
+
+    path = broken_copy(model_dir, tmp_path, poison)
+    with pytest.raises(ModelLoadError, match=r"\['model.layers.1.mlp.down_proj.weight'\] hold NaN or infinite"):
+        LLM(str(path))
+
+
+def test_weights_that_overflow_the_asked_dtype_are_refused(model_dir, tmp_path):
+    def enlarge(tensors):
+        tensors["model.norm.weight"][0] = 1e6  # beyond float16's largest, 65504
+
+    path = broken_copy(model_dir, tmp_path, enlarge)
+    assert LLM(str(path), dtype="float32")  # fine as saved
+    with pytest.raises(ModelLoadError, match="once converted to float16"):
+        LLM(str(path), dtype="float16")
+
+
+@pytest.mark.parametrize("shard", ["../elsewhere.safetensors", "/etc/elsewhere.safetensors", "a/../../x.safetensors"])
+def test_a_shard_index_pointing_outside_the_model_is_refused(model_dir, tmp_path, shard):
+    import shutil
+
+    path = tmp_path / "indexed"
+    shutil.copytree(model_dir, path)
+    weight_map = {name: "model.safetensors" for name in load_file(path / "model.safetensors")}
+    weight_map["lm_head.weight"] = shard
+    (path / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
+    with pytest.raises(ModelLoadError, match="shard paths must stay inside the model directory"):
+        LLM(str(path))
+
+
+def test_k_beyond_the_context_is_refused(model_dir):
+    with pytest.raises(ValueError, match=f"num_speculative_tokens=10000000 is more than the model's context "
+                                         f"length \\({CONTEXT} tokens\\).*at most {CONTEXT - 1}"):
+        LLM(str(model_dir), speculative_method="ngram", num_speculative_tokens=10_000_000)
+
+
+@pytest.mark.parametrize("method", ["ngram", "draft_model"])
+def test_a_k_far_beyond_the_request_drafts_only_what_it_can_use(model_dir, llm, method):
+    """k = 255 with max_tokens = 4: each round drafts no more than the request can still emit
+    (it used to draft and verify all k every round); the output is the target's own."""
+    draft = {"speculative_model": str(model_dir)} if method == "draft_model" else {}
+    fast = LLM(str(model_dir), dtype="float32", speculative_method=method, num_speculative_tokens=CONTEXT - 1, **draft)
+    params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    out = fast.generate("def add(a, b):", params)[0]
+    assert out.outputs[0].token_ids == llm.generate("def add(a, b):", params)[0].outputs[0].token_ids
+    assert out.metrics.num_draft_tokens <= 3  # after the prefill's token, at most 3 more can be emitted
+    assert fast.engine.cache.max_len < 64  # the cache is sized by what is used, not by k
+
+
+# ---------------------------------------------------------------------------- SamplingParams(...)
+
+PARAMS_CASES = [
+    ({"stop": 123}, "stop must be a string or a list of strings, got 123"),
+    ({"stop": [""]}, "stop must be non-empty strings"),
+    ({"stop": [b"x"]}, "stop must be non-empty strings"),
+    ({"ignore_eos": "no"}, "ignore_eos must be True or False, got 'no'"),
+    ({"ignore_eos": 1}, "ignore_eos must be True or False"),
+    ({"temperature": "0.7"}, "temperature must be a number"),
+    ({"temperature": float("nan")}, "temperature must be a number"),
+    ({"max_tokens": True}, "max_tokens must be an integer"),
+    ({"top_k": 2.5}, "top_k must be an integer"),
+    ({"stop_token_ids": "2"}, "stop_token_ids must be a list of token ids"),
+    ({"seed": "7"}, "seed must be an integer"),
+]
+
+
+@pytest.mark.parametrize("fields, message", PARAMS_CASES, ids=[str(f) for f, _ in PARAMS_CASES])
+def test_bad_sampling_params(fields, message):
+    with pytest.raises(ValueError, match=message):
+        SamplingParams(**fields)
+
+
+# ---------------------------------------------------------------------------- the command line
+
+
+def test_a_prompt_too_long_for_the_context_quotes_the_users_max_tokens(model_dir, capsys):
+    """The error names the request's max_tokens, not the 2 tokens of generate's warm-up."""
+    assert main(["generate", "--model", str(model_dir), "--prompt", "x = 1\n" * 300, "--max-tokens", "100"]) == 2
+    err = capsys.readouterr().err
+    assert "max_tokens=100 exceeds the model's context length 256" in err and "max_tokens=2 " not in err
+
+
+def test_prompt_tokens_cut_to_the_context_is_said(model_dir, tmp_path, capsys):
+    import shutil
+    import sysconfig
+
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    for name in ("abc.py", "copy.py", "stat.py", "keyword.py"):
+        shutil.copyfile(Path(sysconfig.get_paths()["stdlib"]) / name, corpus / name)
+    trained = tmp_path / "target"
+    run = ["--batch-size", "2", "--eval-tokens", "128", "--steps", "1", "--warmup", "0", "--log-every", "0",
+           "--eval-every", "0", "--corpus", str(corpus)]
+    assert main(["train", "--out", str(trained), "--preset", "tiny", "--context", "16", *run]) == 0
+    assert main(["distill", "--target", str(trained), "--out", str(tmp_path / "draft"), "--hidden-size", "32",
+                 "--heads", "2", "--kv-heads", "1", "--layers", "1", "--on-policy-fraction", "1",
+                 "--prompt-tokens", "40", *run]) == 0
+    assert "--prompt-tokens 40 is not below the context (16 tokens)" in capsys.readouterr().err
+
+
+def test_generate_with_a_k_beyond_the_context_says_why(model_dir, capsys):
+    """The issue's `-k 1000 --max-tokens 4` on a model with a shorter context."""
+    assert main(["generate", "--model", str(model_dir), "--ngram", "-k", "1000", "--prompt", "x",
+                 "--max-tokens", "4"]) == 2
+    assert "num_speculative_tokens=1000 is more than the model's context length" in capsys.readouterr().err

@@ -1,0 +1,290 @@
+"""Nothing lost: every command that writes a directory refuses to overwrite its inputs and a
+user's files, writes into OUT.incomplete/ until it finishes, and leaves nothing that loads when
+it is interrupted. First output_dir.py itself, then the commands that use it (train, distill,
+bench), each on the cases that used to lose data."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import sysconfig
+from pathlib import Path
+
+import pytest
+import torch
+from helpers import save_tiny_model
+
+from specdec.cli import main
+from specdec.models.checkpoint import save_pretrained
+from specdec.models.loader import ModelLoadError, load_pretrained
+from specdec.output_dir import STAGING_MARKER, open_output_dir, staging_path
+from specdec.training import loop
+from specdec.training.train import new_model, model_shape
+
+STDLIB = Path(sysconfig.get_paths()["stdlib"])
+CORPUS_FILES = ("abc.py", "copy.py", "genericpath.py", "keyword.py", "numbers.py", "opcode.py", "stat.py")
+TINY_RUN = ["--preset", "tiny", "--context", "32", "--batch-size", "4", "--warmup", "1", "--eval-tokens", "256",
+            "--log-every", "0", "--eval-every", "0", "--device", "cpu"]
+
+
+def snapshot(path: Path) -> dict[str, bytes]:
+    """Every file under path, by relative name, with its bytes."""
+    return {str(f.relative_to(path)): f.read_bytes() for f in sorted(path.rglob("*")) if f.is_file()}
+
+
+@pytest.fixture(scope="module")
+def corpus_dir(tmp_path_factory) -> Path:
+    path = tmp_path_factory.mktemp("corpus")
+    for name in CORPUS_FILES:
+        shutil.copyfile(STDLIB / name, path / name)
+    return path
+
+
+@pytest.fixture(scope="module")
+def model_dir(corpus_dir, tmp_path_factory) -> Path:
+    """A tiny model made by `specdec train` (its model card and training log included)."""
+    out = tmp_path_factory.mktemp("made") / "target"
+    assert main(["train", "--corpus", str(corpus_dir), "--out", str(out), *TINY_RUN, "--steps", "2"]) == 0
+    return out
+
+
+def user_folder(path: Path) -> Path:
+    """A user's own folder, named like a model's files."""
+    path.mkdir(parents=True)
+    (path / "README.md").write_text("my notes\n")
+    (path / "config.json").write_text('{"mine": true}\n')
+    (path / "tokenizer.json").write_text("{}\n")
+    return path
+
+
+# ---------------------------------------------------------------------------- output_dir.py
+
+
+@pytest.mark.parametrize("out", ["", "   ", None])
+def test_an_empty_out_is_refused(out, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(ValueError, match="--out is empty"):
+        open_output_dir(out, "train")
+    assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("where, relation", [("same", "is"), ("inside", "lies inside"), ("parent", "holds"),
+                                             ("link", "is")])
+def test_an_out_overlapping_an_input_is_refused_even_with_force(where, relation, tmp_path):
+    source = user_folder(tmp_path / "models" / "target")
+    out = {"same": source, "inside": source / "sub", "parent": tmp_path / "models", "link": tmp_path / "link"}[where]
+    if where == "link":
+        out.symlink_to(source)
+    before = snapshot(tmp_path / "models")
+    with pytest.raises(ValueError, match=f"{relation} --target '{source}', which this command reads"):
+        open_output_dir(out, "distill", {"--target": source, "--init": None}, force=True)
+    assert snapshot(tmp_path / "models") == before
+    assert not staging_path(out).exists()
+
+
+def test_a_folder_of_other_files_is_refused_then_replaced_only_when_forced_and_finished(tmp_path):
+    folder = user_folder(tmp_path / "mine")
+    before = snapshot(folder)
+    with pytest.raises(ValueError, match=r"already holds files \(README.md, config.json, tokenizer.json\) .*--force"):
+        open_output_dir(folder, "train")
+    assert snapshot(folder) == before and not staging_path(folder).exists()
+
+    output = open_output_dir(folder, "train", force=True)
+    (output.staging / "model.safetensors").write_bytes(b"new")
+    assert snapshot(folder) == before  # nothing replaced before the run finishes
+    assert output.commit() == folder.resolve()
+    assert snapshot(folder) == {"model.safetensors": b"new"}
+    assert not output.staging.exists() and not (tmp_path / "mine.replaced").exists()
+
+
+def test_a_file_is_refused(tmp_path):
+    (tmp_path / "f").write_text("x")
+    with pytest.raises(ValueError, match="is a file"):
+        open_output_dir(tmp_path / "f", "bench")
+
+
+def test_an_unwritable_destination_fails_at_once(tmp_path):
+    (tmp_path / "f").write_text("x")
+    with pytest.raises(ValueError, match="cannot be written .*Not a directory"):
+        open_output_dir(tmp_path / "f" / "out", "train")
+
+
+def test_own_output_is_accepted_and_replaced(tmp_path):
+    earlier = user_folder(tmp_path / "run")
+    output = open_output_dir(earlier, "bench", is_own_output=lambda path: (path / "README.md").is_file())
+    (output.staging / "results.json").write_text("{}")
+    output.commit()
+    assert snapshot(earlier) == {"results.json": b"{}"}
+
+
+def test_a_failed_run_leaves_nothing_unless_it_wrote_something(tmp_path):
+    with pytest.raises(RuntimeError):
+        with open_output_dir(tmp_path / "out", "train"):
+            raise RuntimeError("failed before writing")
+    assert list(tmp_path.iterdir()) == []
+
+    with pytest.raises(KeyboardInterrupt):
+        with open_output_dir(tmp_path / "out", "train") as output:
+            (output.staging / "checkpoint").mkdir()
+            raise KeyboardInterrupt
+    assert (tmp_path / "out.incomplete" / "checkpoint").is_dir() and not (tmp_path / "out").exists()
+
+
+def test_staging_directories_not_of_this_command_are_left_alone(tmp_path):
+    (tmp_path / "out.incomplete").mkdir()
+    (tmp_path / "out.incomplete" / "keep").write_text("x")
+    with pytest.raises(ValueError, match="was not made by specdec"):
+        open_output_dir(tmp_path / "out", "train")
+    shutil.rmtree(tmp_path / "out.incomplete")
+
+    open_output_dir(tmp_path / "out", "train")
+    with pytest.raises(ValueError, match="holds an unfinished `specdec train` run"):
+        open_output_dir(tmp_path / "out", "distill")
+
+
+def test_an_unfinished_output_does_not_load(tmp_path):
+    staging = open_output_dir(tmp_path / "model", "train").staging
+    save_pretrained(new_model(model_shape("tiny").model_config(), seed=0), staging)
+    with pytest.raises(ModelLoadError, match="unfinished output of a `specdec train` run"):
+        load_pretrained(staging)
+
+
+def test_saved_weights_get_normal_permissions(tmp_path):
+    umask = os.umask(0o022)
+    try:
+        save_pretrained(new_model(model_shape("tiny").model_config(), seed=0), tmp_path, max_shard_bytes=100_000)
+    finally:
+        os.umask(umask)
+    modes = {f.name: f.stat().st_mode & 0o777 for f in tmp_path.iterdir()}
+    assert len(modes) > 3 and set(modes.values()) == {0o644}, modes
+
+
+# ---------------------------------------------------------------------------- the commands
+
+
+def test_distill_into_its_own_target_is_refused_and_the_target_kept(model_dir, corpus_dir, capsys):
+    before = snapshot(model_dir)
+    assert main(["distill", "--target", str(model_dir), "--out", str(model_dir), "--corpus", str(corpus_dir),
+                 *TINY_RUN, "--steps", "2"]) == 2
+    assert f"is --target '{model_dir}'" in capsys.readouterr().err
+    assert snapshot(model_dir) == before
+    load_pretrained(model_dir)
+
+
+def test_train_over_a_model_or_a_users_folder_is_refused(model_dir, corpus_dir, tmp_path, capsys):
+    copy = tmp_path / "copy"
+    shutil.copytree(model_dir, copy, ignore=shutil.ignore_patterns("checkpoint"))  # a model, as shipped
+    folder = user_folder(tmp_path / "mine")
+    for out in (copy, folder):
+        before = snapshot(out)
+        assert main(["train", "--corpus", str(corpus_dir), "--out", str(out), *TINY_RUN, "--steps", "2"]) == 2
+        assert "not an earlier `specdec train` run's" in capsys.readouterr().err
+        assert snapshot(out) == before and not staging_path(out).exists()
+    # asked to, it replaces the folder, once the new model is complete
+    assert main(["train", "--corpus", str(corpus_dir), "--out", str(folder), *TINY_RUN, "--steps", "2",
+                 "--force"]) == 0
+    assert not (folder / "README.md").read_text().startswith("my notes") and load_pretrained(folder)
+
+
+def test_train_with_an_empty_out_writes_nothing(corpus_dir, tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "README.md").write_text("mine")
+    assert main(["train", "--corpus", str(corpus_dir), "--out", "", *TINY_RUN, "--steps", "2"]) == 2
+    assert "--out is empty" in capsys.readouterr().err
+    assert [p.name for p in tmp_path.iterdir()] == ["README.md"] and (tmp_path / "README.md").read_text() == "mine"
+
+
+def test_train_continuing_a_model_into_itself_is_refused(model_dir, corpus_dir, capsys):
+    before = snapshot(model_dir)
+    assert main(["train", "--init", str(model_dir), "--out", str(model_dir), "--corpus", str(corpus_dir),
+                 "--steps", "2", "--force"]) == 2
+    assert f"is --init '{model_dir}'" in capsys.readouterr().err
+    assert snapshot(model_dir) == before
+
+
+def test_rerunning_a_finished_run_lengthens_it_in_place(corpus_dir, tmp_path):
+    """A run's own --out is not 'a directory of other files': the same command with more
+    --steps resumes from its checkpoint and replaces the model when it is done."""
+    out = tmp_path / "run"
+    run = ["train", "--corpus", str(corpus_dir), "--out", str(out), *TINY_RUN, "--checkpoint-every", "0"]
+    assert main([*run, "--steps", "2"]) == 0
+    assert main([*run, "--steps", "4"]) == 0
+    log = json.loads((out / "training_log.json").read_text())
+    assert log["step"] == 4 and [e["step"] for e in log["evaluations"]] == [0, 2, 4]
+    assert not staging_path(out).exists()
+
+
+def interrupt_at_step(monkeypatch, step: int) -> None:
+    """Make the training loop raise KeyboardInterrupt (Ctrl-C) as it starts step `step` + 1."""
+    real_step, calls = loop.train_step, []
+
+    def train_step(*args, **kwargs):
+        if len(calls) == step:
+            raise KeyboardInterrupt
+        calls.append(1)
+        return real_step(*args, **kwargs)
+
+    monkeypatch.setattr(loop, "train_step", train_step)
+
+
+def test_an_interrupted_run_leaves_nothing_that_loads_and_resumes(corpus_dir, tmp_path, monkeypatch, capsys):
+    out = tmp_path / "run"
+    run = ["train", "--corpus", str(corpus_dir), "--out", str(out), *TINY_RUN, "--steps", "4",
+           "--checkpoint-every", "2"]
+    with monkeypatch.context() as patch:
+        interrupt_at_step(patch, 3)
+        assert main(run) == 130
+    err = capsys.readouterr().err
+    staging = staging_path(out)
+    assert f"resume from the last checkpoint, {staging / 'checkpoint' / 'last.pt'}" in err
+    assert not out.exists()
+    for path in (out, staging):
+        with pytest.raises(ModelLoadError):
+            load_pretrained(path)
+    assert main(run) == 0
+    assert "resuming from" in capsys.readouterr().err and not staging.exists()
+    assert json.loads((out / "training_log.json").read_text())["step"] == 4 and load_pretrained(out)
+
+
+def test_interrupted_before_the_first_checkpoint_says_so_and_keeps_nothing(corpus_dir, tmp_path, monkeypatch,
+                                                                             capsys):
+    out = tmp_path / "run"
+    interrupt_at_step(monkeypatch, 1)
+    assert main(["train", "--corpus", str(corpus_dir), "--out", str(out), *TINY_RUN, "--steps", "4",
+                 "--checkpoint-every", "2"]) == 130
+    assert "before this run's first checkpoint (--checkpoint-every); nothing was kept" in capsys.readouterr().err
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_bench_refuses_its_inputs_and_a_users_folder_before_measuring(tmp_path, capsys, monkeypatch):
+    import specdec.benchmark.run as bench_run
+
+    model = save_tiny_model(tmp_path / "tiny")
+    monkeypatch.setattr(bench_run, "run_benchmark", lambda *a, **k: pytest.fail("measured before checking --out"))
+    folder = user_folder(tmp_path / "mine")
+    before = snapshot(tmp_path)
+    for out, message in ((model, "is --model"), (model / "bench", "lies inside --model"),
+                         (folder, "not an earlier `specdec bench` run's")):
+        assert main(["bench", "--model", str(model), "--out", str(out), "--quick", "--no-transformers"]) == 2
+        assert message in capsys.readouterr().err
+    assert snapshot(tmp_path) == before
+
+
+def test_a_model_path_that_is_a_file_says_what_it_is(tmp_path):
+    for name, message in (("model.bin", "a .bin checkpoint is a pickle"), ("model.gguf", "a GGUF file"),
+                          ("model.safetensors", f"point at the directory holding it, '{tmp_path}'"),
+                          ("notes.txt", "point at a Hugging Face model directory")):
+        (tmp_path / name).write_bytes(b"\0" * 16)
+        with pytest.raises(ModelLoadError, match=message):
+            load_pretrained(tmp_path / name)
+
+
+def test_checkpoint_files_stay_loadable_with_torch_weights_only(corpus_dir, tmp_path):
+    """The staged checkpoint is a plain tensors-and-data file (no pickled objects)."""
+    out = tmp_path / "run"
+    assert main(["train", "--corpus", str(corpus_dir), "--out", str(out), *TINY_RUN, "--steps", "2",
+                 "--stop-after", "1"]) == 0
+    checkpoint = torch.load(staging_path(out) / "checkpoint" / "last.pt", weights_only=True)
+    assert checkpoint["state"]["step"] == 1
+    assert (staging_path(out) / STAGING_MARKER).is_file()
