@@ -29,6 +29,9 @@ def main(argv: list[str] | None = None) -> int:
     except (ValueError, OSError) as e:  # bad input, a path that cannot be read or written: one clear line
         print(f"error: {e}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:  # train and distill say what they kept; the others have nothing to keep
+        print("\ninterrupted", file=sys.stderr)
+        return 130
 
 
 def add_generate_parser(commands) -> None:
