@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import save_tiny_model
+from helpers import save_tiny_model, stdlib_corpus
 from safetensors.torch import load_file, save_file
 
 from specdec import LLM, ModelLoadError, SamplingParams
@@ -168,13 +168,7 @@ def test_a_prompt_too_long_for_the_context_quotes_the_users_max_tokens(model_dir
 
 
 def test_prompt_tokens_cut_to_the_context_is_said(model_dir, tmp_path, capsys):
-    import shutil
-    import sysconfig
-
-    corpus = tmp_path / "corpus"
-    corpus.mkdir()
-    for name in ("abc.py", "copy.py", "stat.py", "keyword.py"):
-        shutil.copyfile(Path(sysconfig.get_paths()["stdlib"]) / name, corpus / name)
+    corpus = stdlib_corpus(tmp_path / "corpus", ("abc.py", "copy.py", "stat.py", "keyword.py"))
     trained = tmp_path / "target"
     run = ["--batch-size", "2", "--eval-tokens", "128", "--steps", "1", "--warmup", "0", "--log-every", "0",
            "--eval-every", "0", "--corpus", str(corpus)]

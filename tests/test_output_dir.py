@@ -8,12 +8,11 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import sysconfig
 from pathlib import Path
 
 import pytest
 import torch
-from helpers import save_tiny_model
+from helpers import save_tiny_model, stdlib_corpus
 
 from specdec.cli import main
 from specdec.models.checkpoint import save_pretrained
@@ -22,8 +21,6 @@ from specdec.output_dir import STAGING_MARKER, open_output_dir, staging_path
 from specdec.training import loop
 from specdec.training.train import new_model, model_shape
 
-STDLIB = Path(sysconfig.get_paths()["stdlib"])
-CORPUS_FILES = ("abc.py", "copy.py", "genericpath.py", "keyword.py", "numbers.py", "opcode.py", "stat.py")
 TINY_RUN = ["--preset", "tiny", "--context", "32", "--batch-size", "4", "--warmup", "1", "--eval-tokens", "256",
             "--log-every", "0", "--eval-every", "0", "--device", "cpu"]
 
@@ -35,10 +32,7 @@ def snapshot(path: Path) -> dict[str, bytes]:
 
 @pytest.fixture(scope="module")
 def corpus_dir(tmp_path_factory) -> Path:
-    path = tmp_path_factory.mktemp("corpus")
-    for name in CORPUS_FILES:
-        shutil.copyfile(STDLIB / name, path / name)
-    return path
+    return stdlib_corpus(tmp_path_factory.mktemp("corpus"))
 
 
 @pytest.fixture(scope="module")

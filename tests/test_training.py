@@ -10,11 +10,11 @@ import hashlib
 import json
 import math
 import shutil
-import sysconfig
 from pathlib import Path
 
 import pytest
 import torch
+from helpers import CORPUS_FILES, stdlib_corpus
 
 from specdec.models.checkpoint import save_pretrained
 from specdec.models.loader import ModelLoadError, load_pretrained
@@ -25,10 +25,6 @@ from specdec.training.distill import DistillConfig, acceptance_metrics, divergen
 from specdec.training.loop import TrainConfig, learning_rate
 from specdec.training.train import PRESETS, ModelShape, model_shape, new_model, next_token_loss
 
-STDLIB = Path(sysconfig.get_paths()["stdlib"])
-# Small standard-library files present in Python 3.10-3.13, none of them held out.
-CORPUS_FILES = ("abc.py", "copy.py", "genericpath.py", "keyword.py", "numbers.py", "opcode.py",
-                "operator.py", "stat.py", "string.py", "types.py")
 TINY_RUN = ["--preset", "tiny", "--context", "64", "--batch-size", "8", "--lr", "3e-3", "--warmup", "4",
             "--eval-tokens", "2048", "--log-every", "10", "--device", "cpu"]
 
@@ -44,10 +40,7 @@ def cli(*argv: str) -> int:
 
 @pytest.fixture(scope="module")
 def corpus_dir(tmp_path_factory) -> Path:
-    path = tmp_path_factory.mktemp("corpus")
-    for name in CORPUS_FILES:
-        shutil.copyfile(STDLIB / name, path / name)
-    return path
+    return stdlib_corpus(tmp_path_factory.mktemp("corpus"))
 
 
 @pytest.fixture(scope="module")
