@@ -104,12 +104,43 @@ def test_an_unwritable_destination_fails_at_once(tmp_path):
         open_output_dir(tmp_path / "f" / "out", "train")
 
 
-def test_own_output_is_accepted_and_replaced(tmp_path):
+def test_own_output_is_replaced_unless_it_also_holds_the_users_files(tmp_path):
     earlier = user_folder(tmp_path / "run")
-    output = open_output_dir(earlier, "bench", is_own_output=lambda path: (path / "README.md").is_file())
+    own = {"is_own_output": lambda path: (path / "README.md").is_file(), "own_entries": ("*.md", "*.json")}
+    output = open_output_dir(earlier, "bench", **own)
     (output.staging / "results.json").write_text("{}")
     output.commit()
     assert snapshot(earlier) == {"results.json": b"{}"}
+
+    (earlier / "README.md").write_text("mine")
+    (earlier / "notes.txt").write_text("mine too")
+    before = snapshot(earlier)
+    with pytest.raises(ValueError, match=r"holds an earlier `specdec bench` run, and also notes.txt, which that run "
+                                         r"did not write .*move them away, or pass --force"):
+        open_output_dir(earlier, "bench", **own)
+    assert snapshot(earlier) == before and not staging_path(earlier).exists()
+
+
+@pytest.mark.parametrize("place", ["cwd", "parent of cwd", "home"])
+def test_the_current_and_home_directories_are_never_replaced(place, tmp_path, monkeypatch):
+    for name in ("work", "home"):
+        (tmp_path / "top" / name).mkdir(parents=True)
+    monkeypatch.chdir(tmp_path / "top" / "work")
+    monkeypatch.setenv("HOME", str(tmp_path / "top" / "home"))
+    out = {"cwd": ".", "parent of cwd": "..", "home": "~"}[place]
+    name = "your home directory" if place == "home" else "the current directory"
+    with pytest.raises(ValueError, match=f"{'holds' if place == 'parent of cwd' else 'is'} {name}"):
+        open_output_dir(out, "train", force=True)
+    assert sorted(p.name for p in (tmp_path / "top").iterdir()) == ["home", "work"] and len(list(tmp_path.iterdir())) == 1
+
+
+def test_a_directory_another_run_is_writing_is_refused(tmp_path):
+    first = open_output_dir(tmp_path / "out", "train")
+    with pytest.raises(ValueError, match="another specdec run is writing --out"):
+        open_output_dir(tmp_path / "out", "train")
+    first.lock.close()  # the first run ends (a process that dies releases it too)
+    with open_output_dir(tmp_path / "out", "train") as second:
+        assert second.staging == first.staging
 
 
 def test_a_failed_run_leaves_nothing_unless_it_wrote_something(tmp_path):
@@ -209,6 +240,30 @@ def test_rerunning_a_finished_run_lengthens_it_in_place(corpus_dir, tmp_path):
     assert not staging_path(out).exists()
 
 
+def test_a_finished_run_with_the_users_files_added_is_not_replaced(corpus_dir, tmp_path, capsys):
+    out = tmp_path / "run"
+    run = ["train", "--corpus", str(corpus_dir), "--out", str(out), *TINY_RUN]
+    assert main([*run, "--steps", "2"]) == 0
+    (out / "notes.txt").write_text("mine")
+    before = snapshot(out)
+    for again in (["--steps", "4"], ["--steps", "2", "--restart"]):
+        assert main([*run, *again]) == 2
+        assert "and also notes.txt, which that run did not write" in capsys.readouterr().err
+        assert snapshot(out) == before
+
+
+def test_a_folder_with_a_foreign_checkpoint_is_not_an_earlier_run(corpus_dir, tmp_path, capsys):
+    """A checkpoint/last.pt without the log of a `specdec train` run is not this command's."""
+    folder = user_folder(tmp_path / "project")
+    (folder / "checkpoint").mkdir()
+    torch.save({"weights": torch.ones(2)}, folder / "checkpoint" / "last.pt")
+    before = snapshot(folder)
+    assert main(["train", "--corpus", str(corpus_dir), "--out", str(folder), *TINY_RUN, "--steps", "2",
+                 "--restart"]) == 2
+    assert "not an earlier `specdec train` run's" in capsys.readouterr().err
+    assert snapshot(folder) == before
+
+
 def interrupt_at_step(monkeypatch, step: int) -> None:
     """Make the training loop raise KeyboardInterrupt (Ctrl-C) as it starts step `step` + 1."""
     real_step, calls = loop.train_step, []
@@ -257,9 +312,12 @@ def test_bench_refuses_its_inputs_and_a_users_folder_before_measuring(tmp_path, 
     model = save_tiny_model(tmp_path / "tiny")
     monkeypatch.setattr(bench_run, "run_benchmark", lambda *a, **k: pytest.fail("measured before checking --out"))
     folder = user_folder(tmp_path / "mine")
+    results = user_folder(tmp_path / "docs")
+    (results / "results.json").write_text('{"prompt_sets": {}}')  # a bench's results, copied among their own
     before = snapshot(tmp_path)
     for out, message in ((model, "is --model"), (model / "bench", "lies inside --model"),
-                         (folder, "not an earlier `specdec bench` run's")):
+                         (folder, "not an earlier `specdec bench` run's"),
+                         (results, "and also README.md, config.json, tokenizer.json, which that run did not write")):
         assert main(["bench", "--model", str(model), "--out", str(out), "--quick", "--no-transformers"]) == 2
         assert message in capsys.readouterr().err
     assert snapshot(tmp_path) == before

@@ -4,9 +4,11 @@ Every command that writes a directory (train, distill, bench, and the ones to co
 it with `open_output_dir` before its work and ends with `OutputDir.commit()`:
 
   refused     an empty --out; a file; a directory that is one of the command's inputs, lies
-              inside one or holds one (even with force); an existing non-empty directory that
-              is not this command's own earlier output, unless force (it is then replaced
-              when the run finishes, never before)
+              inside one or holds one, or is (or holds) the current or the home directory
+              (even with force); an existing non-empty directory that is not this command's own
+              earlier output, or holds files besides that output's, unless force (it is then
+              replaced when the run finishes, never before); a directory another run is
+              writing (its staging directory is locked while the run lasts)
   staging     the run writes into `<out>.incomplete/`, a sibling made at once, so a
               destination that cannot be written fails in the first second, not after hours
               of training; it holds STAGING_MARKER, which the model loader refuses
@@ -16,17 +18,19 @@ it with `open_output_dir` before its work and ends with `OutputDir.commit()`:
 
 Terms: *final* is the directory the user named, *staging* its `.incomplete` sibling, and a
 command's *own output* is what an earlier run of the same command wrote there (the command
-says how to recognise it), which it may resume from and replace.
+says how to recognise it and what such a run writes), which it may resume from and replace.
 """
 
 from __future__ import annotations
 
+import fcntl
+import fnmatch
 import json
 import os
 import shutil
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable
+from typing import IO, Callable
 
 STAGING_SUFFIX = ".incomplete"
 STAGING_MARKER = ".specdec-incomplete.json"  # {"command": ..., "out": ...}
@@ -38,13 +42,15 @@ class OutputDir:
     """An output directory opened for writing (see the module docstring).
 
     given: --out as the user wrote it (for messages). final: it, resolved. staging: where
-    the run writes. command: the command writing it (e.g. "train").
+    the run writes. command: the command writing it (e.g. "train"). lock: the staging
+    marker, open and locked while this run writes.
     """
 
     given: str
     final: Path
     staging: Path
     command: str
+    lock: IO = field(repr=False, compare=False)
 
     def commit(self) -> Path:
         """Put the staging directory in place as the final one (replacing what was there) and
@@ -56,6 +62,7 @@ class OutputDir:
             os.replace(self.final, old)
         os.replace(self.staging, self.final)
         (self.final / STAGING_MARKER).unlink()
+        self.lock.close()
         if old is not None:
             _remove(old)
         return self.final
@@ -64,9 +71,11 @@ class OutputDir:
         return self
 
     def __exit__(self, error_type, error, traceback) -> None:
-        """A run that fails (or is interrupted) before writing anything leaves nothing behind."""
+        """A run that fails (or is interrupted) before writing anything leaves nothing behind;
+        the lock goes with the run."""
         if error is not None:
             self.discard_if_empty()
+        self.lock.close()
 
     def discard_if_empty(self) -> bool:
         """Remove the staging directory if the run wrote nothing there; whether it did."""
@@ -83,12 +92,15 @@ class OutputDir:
 
 
 def open_output_dir(out, command: str, inputs: dict[str, object] | None = None, force: bool = False,
-                    is_own_output: Callable[[Path], bool] = lambda path: False) -> OutputDir:
-    """Check --out and make its staging directory; raise ValueError naming the problem.
+                    is_own_output: Callable[[Path], bool] = lambda path: False,
+                    own_entries: tuple[str, ...] = ()) -> OutputDir:
+    """Check --out and make (and lock) its staging directory; raise ValueError naming the problem.
 
     inputs: {flag: path or None} of what the command reads (models, tokenizers, corpora).
     force: replace an existing directory that is not this command's own output.
     is_own_output(final): whether a non-empty final directory is this command's earlier output.
+    own_entries: name patterns (fnmatch) of what such an output holds; anything else in it is
+        the user's, and makes it a directory of other files.
     """
     given = "" if out is None else str(out)
     if not given.strip():
@@ -97,13 +109,11 @@ def open_output_dir(out, command: str, inputs: dict[str, object] | None = None, 
     if final.exists() and not final.is_dir():
         raise ValueError(f"--out {given!r} is a file; give a directory")
     _check_apart_from_inputs(given, final, inputs or {})
-    if final.is_dir() and any(final.iterdir()) and not force and not is_own_output(final):
-        raise ValueError(f"--out {given!r} already holds files ({_some_entries(final)}) that are not an earlier "
-                         f"`specdec {command}` run's; give a new or empty directory, or pass --force to replace "
-                         "it when this run finishes")
+    _check_not_a_home(given, final)
+    if final.is_dir() and any(final.iterdir()) and not force:
+        _check_replaceable(given, final, command, is_own_output, own_entries)
     staging = staging_path(final)
-    _make_staging(given, staging, command, final)
-    return OutputDir(given, final, staging, command)
+    return OutputDir(given, final, staging, command, _make_staging(given, staging, command, final))
 
 
 def staging_path(out) -> Path:
@@ -130,22 +140,55 @@ def _check_apart_from_inputs(given: str, final: Path, inputs: dict[str, object])
                          "replace it)")
 
 
-def _make_staging(given: str, staging: Path, command: str, final: Path) -> None:
+def _check_not_a_home(given: str, final: Path) -> None:
+    """Refuse to replace the current or the home directory, or a directory holding either."""
+    for name, place in (("the current directory", Path.cwd().resolve()), ("your home directory",
+                                                                          Path.home().resolve())):
+        if final == place or final in place.parents:
+            raise ValueError(f"--out {given!r} {'is' if final == place else 'holds'} {name}, which an output "
+                             "directory would replace; give a new directory for the output")
+
+
+def _check_replaceable(given: str, final: Path, command: str, is_own_output: Callable[[Path], bool],
+                       own_entries: tuple[str, ...]) -> None:
+    """A non-empty --out may be replaced without force only when it is this command's own
+    output and holds nothing else."""
+    names = sorted(p.name for p in final.iterdir())
+    if not is_own_output(final):
+        raise ValueError(f"--out {given!r} already holds files ({_some(names)}) that are not an earlier "
+                         f"`specdec {command}` run's; give a new or empty directory, or pass --force to replace "
+                         "it when this run finishes")
+    others = [name for name in names if not any(fnmatch.fnmatch(name, pattern) for pattern in own_entries)]
+    if others:
+        raise ValueError(f"--out {given!r} holds an earlier `specdec {command}` run, and also {_some(others)}, which "
+                         "that run did not write and this one would replace; move them away, or pass --force")
+
+
+def _make_staging(given: str, staging: Path, command: str, final: Path) -> IO:
+    """Make (or reopen, for a run that resumes) the staging directory; return its marker,
+    open and locked."""
     marker = staging / STAGING_MARKER
     if staging.exists() and not marker.is_file():
         raise ValueError(f"{staging} exists and was not made by specdec; move it away to write --out {given!r}")
-    if marker.is_file():
-        earlier = _read_marker(marker)
-        if earlier != command:
-            raise ValueError(f"{staging} holds an unfinished `specdec {earlier}` run; finish it with that command, "
-                             f"or remove {staging}, before writing --out {given!r} with `specdec {command}`")
-        return
+    if marker.is_file() and _read_marker(marker) != command:
+        raise ValueError(f"{staging} holds an unfinished `specdec {_read_marker(marker)}` run; finish it with that "
+                         f"command, or remove {staging}, before writing --out {given!r} with `specdec {command}`")
     try:
-        staging.mkdir(parents=True)
-        marker.write_text(json.dumps({"command": command, "out": str(final)}) + "\n")
+        staging.mkdir(parents=True, exist_ok=True)
+        lock = open(marker, "a+")
     except OSError as e:
         raise ValueError(f"--out {given!r} cannot be written ({e.strerror}: {e.filename}); give a directory you "
                          "can write") from e
+    try:
+        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        lock.close()
+        raise ValueError(f"another specdec run is writing --out {given!r} (in {staging}); wait for it to finish, or "
+                         "give another --out") from None
+    if os.path.getsize(marker) == 0:
+        lock.write(json.dumps({"command": command, "out": str(final)}) + "\n")
+        lock.flush()
+    return lock
 
 
 def _read_marker(marker: Path) -> str:
@@ -164,8 +207,7 @@ def unfinished_output_message(path: Path) -> str | None:
             "before it finished); rerun that command to finish it, then use its --out directory")
 
 
-def _some_entries(path: Path, limit: int = 4) -> str:
-    names = sorted(p.name for p in path.iterdir())
+def _some(names: list[str], limit: int = 4) -> str:
     return ", ".join(names[:limit]) + (f" and {len(names) - limit} more" if len(names) > limit else "")
 
 

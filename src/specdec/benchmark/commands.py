@@ -103,7 +103,10 @@ def open_bench_output(args, config):
     inputs = {"--model": config.model, "--draft": config.draft}
     if args.write_docs:
         inputs["--write-docs's directory"] = DOCS
-    return open_output_dir(args.out, "bench", inputs, args.force, is_bench_output)
+    from specdec.benchmark.report import PLOTS
+
+    return open_output_dir(args.out, "bench", inputs, args.force, is_bench_output,
+                           own_entries=("results.json", "results.md", *PLOTS))
 
 
 def is_bench_output(path: Path) -> bool:

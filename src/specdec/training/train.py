@@ -319,15 +319,22 @@ def _fit_vocabulary(shape: ModelShape, tokenizer, tokenizer_dir) -> ModelShape:
 CHECKPOINT_DIR = "checkpoint"  # in a run's output directory: the checkpoint to resume or lengthen it from
 
 
+# what a train or distill run writes in its output directory (beside nothing of the user's)
+RUN_OUTPUT_ENTRIES = ("config.json", "generation_config.json", "model.safetensors", "model-*-of-*.safetensors",
+                      "model.safetensors.index.json", "tokenizer.json", "tokenizer_config.json",
+                      "special_tokens_map.json", "chat_template.jinja", "README.md", "training_log.json",
+                      CHECKPOINT_DIR)
+
+
 def open_run_output(out, kind: str, inputs: dict, force: bool) -> OutputDir:
     """The output directory of a train or distill run (output_dir.py). Its own earlier output
-    is a directory holding this kind of run's checkpoint, finished or not."""
-    return open_output_dir(out, kind, inputs, force, lambda path: is_run_output(path, kind))
+    is a directory holding this kind of run's checkpoint and log, finished or not."""
+    return open_output_dir(out, kind, inputs, force, lambda path: is_run_output(path, kind), RUN_OUTPUT_ENTRIES)
 
 
 def is_run_output(path: Path, kind: str) -> bool:
-    """Whether path holds the checkpoint of a `specdec <kind>` run (the log beside the model,
-    or beside the checkpoint for a run that stopped early, names the kind)."""
+    """Whether path holds the checkpoint of a `specdec <kind>` run, with the run's log (beside
+    the model, or beside the checkpoint for a run that stopped early) naming that kind."""
     if not (path / CHECKPOINT_DIR / CHECKPOINT_FILE).is_file():
         return False
     for log_file in (path / "training_log.json", path / CHECKPOINT_DIR / "training_log.json"):
@@ -336,7 +343,7 @@ def is_run_output(path: Path, kind: str) -> bool:
                 return json.loads(log_file.read_text()).get("kind") == kind
             except (ValueError, AttributeError):
                 return False
-    return True
+    return False
 
 
 def resume_checkpoint(output: OutputDir, restart: bool, require_checkpoint: bool) -> dict | None:
