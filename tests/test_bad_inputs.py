@@ -134,6 +134,22 @@ def test_a_k_far_beyond_the_request_drafts_only_what_it_can_use(model_dir, llm, 
     assert fast.engine.cache.max_len < 64  # the cache is sized by what is used, not by k
 
 
+def test_a_cache_larger_than_free_memory_is_refused_before_allocating(llm, monkeypatch):
+    """max_tokens that a model with a vast context allows, but memory does not: a clear error
+    (it used to allocate until the kernel killed the process), and the LLM still works after."""
+    import specdec.kv_cache as kv_cache
+
+    params = SamplingParams(temperature=0, max_tokens=200, ignore_eos=True)
+    expected = llm.generate("def add(a, b):", params)[0].outputs[0].token_ids
+    llm.engine.cache = None
+    with monkeypatch.context() as patch:
+        patch.setattr(kv_cache, "free_memory_bytes", lambda device: 100_000)  # 100 kB free
+        with pytest.raises(ValueError, match=r"key/value cache of 1 slots x 2\d\d positions needs [\d,]+ bytes, more than "
+                                             r"the 100,000 bytes free on cpu: 1 sequences at once.*lower max_tokens"):
+            llm.generate("def add(a, b):", params)
+    assert llm.generate("def add(a, b):", params)[0].outputs[0].token_ids == expected
+
+
 # ---------------------------------------------------------------------------- SamplingParams(...)
 
 PARAMS_CASES = [

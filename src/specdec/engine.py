@@ -19,7 +19,7 @@ from collections import deque
 import torch
 
 from specdec.drafters.base import Draft, Drafter
-from specdec.kv_cache import ragged_batch
+from specdec.kv_cache import CacheTooLarge, ragged_batch
 from specdec.models.llama import LlamaModel
 from specdec.models.tokenizer import Tokenizer
 from specdec.sampling import SamplingTensors, sample, warp
@@ -68,10 +68,15 @@ class Engine:
                 running = self._retire(running, free_slots, start)
 
     def _reserve(self, max_batch: int, max_len: int) -> None:
-        if self.cache is None or self.cache.max_batch < max_batch or self.cache.max_len < max_len:
-            self.cache = self.target.new_cache(max_batch, max_len)
-        if self.drafter is not None:
-            self.drafter.reserve(max_batch, max_len)
+        try:
+            if self.cache is None or self.cache.max_batch < max_batch or self.cache.max_len < max_len:
+                self.cache = None  # the old one's memory goes back before the new one takes its own
+                self.cache = self.target.new_cache(max_batch, max_len)
+            if self.drafter is not None:
+                self.drafter.reserve(max_batch, max_len)
+        except CacheTooLarge as e:
+            raise CacheTooLarge(f"{e}: {max_batch} sequences at once, each of up to {max_len:,} positions (prompt + "
+                                "max_tokens + k + 1); lower max_tokens, or max_num_seqs") from None
 
     def _retire(self, running: list[Sequence], free_slots: list[int], start: float) -> list[Sequence]:
         still_running = []

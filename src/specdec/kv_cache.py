@@ -9,13 +9,21 @@ them, and the next round writes over them.
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import torch
+
+
+class CacheTooLarge(ValueError):
+    """A cache that would not fit in the memory this machine has free."""
 
 
 class KVCache:
     def __init__(self, num_layers: int, max_batch: int, max_len: int, num_kv_heads: int,
                  head_dim: int, dtype: torch.dtype, device: torch.device | str):
         shape = (max_batch, max_len, num_kv_heads, head_dim)  # [slots, positions, Hkv, D]
+        check_fits(2 * num_layers * max_batch * max_len * num_kv_heads * head_dim * dtype.itemsize,
+                   torch.device(device), f"a key/value cache of {max_batch} slots x {max_len:,} positions")
         # Zeros, not empty: masked entries still meet the value matmul with weight 0, and
         # uninitialised memory could hold NaN (0 * NaN = NaN).
         self.keys = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
@@ -68,3 +76,32 @@ def ragged_batch(chunks: list[list[int]], starts: list[int], cache: KVCache
         positions[row] = torch.arange(start, start + width).clamp(max=cache.max_len - 1)
     last_index = torch.tensor([len(chunk) - 1 for chunk in chunks])
     return input_ids, positions, last_index
+
+
+def check_fits(num_bytes: int, device: torch.device, what: str) -> None:
+    """Raise CacheTooLarge before allocating num_bytes that the device does not have free
+    (an allocation that size would fail deep in torch, or push the machine into swap until the
+    kernel kills the process)."""
+    free = free_memory_bytes(device)
+    if free is not None and num_bytes > free:
+        raise CacheTooLarge(f"{what} needs {_size(num_bytes)}, more than the {_size(free)} free on {device}")
+
+
+def free_memory_bytes(device: torch.device) -> int | None:
+    """Bytes a new allocation can take: CUDA's free memory, or the CPU's MemAvailable (Linux);
+    None where unknown."""
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[0]
+    meminfo = Path("/proc/meminfo")
+    if device.type == "cpu" and meminfo.is_file():
+        for line in meminfo.read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    return None
+
+
+def _size(num_bytes: int) -> str:
+    for unit, scale in (("GB", 1e9), ("MB", 1e6)):
+        if num_bytes >= scale:
+            return f"{num_bytes / scale:,.1f} {unit}"
+    return f"{num_bytes:,} bytes"
