@@ -61,6 +61,22 @@ def test_bad_llm_arguments_are_refused_before_loading(arguments, message, tmp_pa
         LLM(str(tmp_path / "not-loaded-yet"), **arguments)
 
 
+@pytest.mark.parametrize("arguments, message", [
+    ({"num_speculative_tokens": 3}, "num_speculative_tokens=3 without a drafter: give speculative_model"),
+    ({"ngram_prompt_lookup_min": 2}, "ngram_min=2 without a drafter"),
+    ({"draft_confidence_threshold": float("nan")}, "draft_confidence_threshold=nan without a drafter"),
+    ({"draft_dtype": "float16"}, "draft_dtype='float16' without a drafter"),
+    ({"speculative_method": "ngram", "draft_confidence_threshold": 0.5},
+     "draft_confidence_threshold=0.5 configure a draft model, and speculative_method='ngram' uses none"),
+    ({"speculative_method": "ngram", "draft_dtype": "bfloat16"}, "draft_dtype='bfloat16' configure a draft model"),
+])
+def test_speculation_options_that_would_be_ignored_are_refused(arguments, message, tmp_path):
+    """Options of a drafter given without one (or of a draft model given to prompt lookup) did
+    nothing, silently; they are refused, before loading."""
+    with pytest.raises(ValueError, match=message):
+        LLM(str(tmp_path / "not-loaded-yet"), **arguments)
+
+
 @pytest.mark.parametrize("model, message", [
     (None, "model must be the path of a Hugging Face model directory, got None"),
     ("", "model must be the path"),
@@ -69,6 +85,11 @@ def test_bad_llm_arguments_are_refused_before_loading(arguments, message, tmp_pa
 def test_a_model_that_is_not_a_path(model, message):
     with pytest.raises(ModelLoadError, match=message):
         LLM(model)
+
+
+def test_a_dtype_that_is_neither_a_name_nor_a_torch_dtype(model_dir):
+    with pytest.raises(ValueError, match=r"dtype must be 'auto', one of .* or a torch dtype, got \['float32'\]"):
+        LLM(str(model_dir), dtype=["float32"])
 
 
 @pytest.mark.parametrize("dtype", [torch.int8, torch.float64, torch.bool])
@@ -150,6 +171,56 @@ def test_a_cache_larger_than_free_memory_is_refused_before_allocating(llm, monke
     assert llm.generate("def add(a, b):", params)[0].outputs[0].token_ids == expected
 
 
+@pytest.mark.parametrize("prompts, params, message", [
+    ("a", 5, "sampling_params must be a SamplingParams or a list of them, got 5"),
+    ({"prompt_token_ids": "abc"}, None, "'prompt_token_ids' must be a list of token ids, got 'abc'"),
+    ({"prompt": [1, 2]}, None, "'prompt' must be text, got \\[1, 2\\]"),
+])
+def test_bad_generate_arguments(llm, prompts, params, message):
+    with pytest.raises(ValueError, match=message):
+        llm.generate(prompts, params)
+
+
+CHAT = [{"role": "user", "content": "hi"}]
+
+
+@pytest.fixture(scope="module")
+def chat_llm(model_dir, tmp_path_factory) -> LLM:
+    import shutil
+
+    path = tmp_path_factory.mktemp("chat") / "model"
+    shutil.copytree(model_dir, path)
+    template = "{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}{% endfor %}"
+    (path / "tokenizer_config.json").write_text(json.dumps({"eos_token": "</s>", "chat_template": template}))
+    return LLM(str(path), dtype="float32")
+
+
+@pytest.mark.parametrize("messages, message", [
+    (None, "messages must be a non-empty list"),
+    ("hello", "messages must be a non-empty list"),
+    ([], "messages must be a non-empty list"),
+    (["hi"], r"messages\[0\] must be a dict with 'role' and 'content', got 'hi'"),
+    ([{"content": "hi"}], r"messages\[0\] needs a 'role'"),
+    ([{"role": "user"}], r"messages\[0\]\['content'\] must be text, got None"),
+    ([{"role": "user", "content": "hi"}, {"role": "user", "content": 7}], r"messages\[1\]\['content'\] must be text"),
+])
+def test_bad_chat_messages(chat_llm, messages, message):
+    with pytest.raises(ValueError, match=message):
+        chat_llm.chat(messages)
+    assert chat_llm.chat(CHAT, SamplingParams(max_tokens=2)).outputs[0].token_ids  # and it still chats
+
+
+@pytest.mark.parametrize("template, message", [
+    ("{% for m in messages %}", "TemplateSyntaxError"),
+    ("{{ nothing.defined() }}", "UndefinedError"),
+    ("{% for i in range(10**9) %}x{% endfor %}", "OverflowError"),
+])
+def test_a_chat_template_that_fails_is_named(chat_llm, template, message, monkeypatch):
+    monkeypatch.setattr(chat_llm.tokenizer, "chat_template", template)
+    with pytest.raises(ValueError, match=f"the model's chat template failed \\({message}"):
+        chat_llm.chat(CHAT)
+
+
 # ---------------------------------------------------------------------------- SamplingParams(...)
 
 PARAMS_CASES = [
@@ -193,6 +264,29 @@ def test_prompt_tokens_cut_to_the_context_is_said(model_dir, tmp_path, capsys):
                  "--heads", "2", "--kv-heads", "1", "--layers", "1", "--on-policy-fraction", "1",
                  "--prompt-tokens", "40", *run]) == 0
     assert "--prompt-tokens 40 is not below the context (16 tokens)" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["-k", "3"], "-k need a drafter: add --draft DIR or --ngram"),
+    (["--draft-confidence", "0.5"], "--draft-confidence need a drafter"),
+    (["--draft-dtype", "float16"], "--draft-dtype need a drafter"),
+    (["--ngram", "--draft-confidence", "0.5"], "--draft-confidence set the draft model, and --ngram uses none"),
+])
+def test_generate_flags_that_would_be_ignored(model_dir, capsys, flags, message):
+    assert main(["generate", "--model", str(model_dir), "--prompt", "x", "--max-tokens", "2", *flags]) == 2
+    assert message in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--max-shard-mb", "1e-9"], "--max-shard-mb must be a number of at least 0.000001"),
+    (["--batch-size", "100000000"], "--batch-size 100000000 windows of 17 tokens"),
+])
+def test_training_flags_refused_before_training(tmp_path, capsys, flags, message):
+    corpus = stdlib_corpus(tmp_path / "corpus", ("abc.py", "copy.py", "stat.py"))
+    assert main(["train", "--out", str(tmp_path / "out"), "--preset", "tiny", "--context", "16", "--steps", "2",
+                 "--corpus", str(corpus), *flags]) == 2
+    assert message in capsys.readouterr().err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["corpus"]  # nothing written
 
 
 def test_generate_with_a_k_beyond_the_context_says_why(model_dir, capsys):

@@ -246,8 +246,9 @@ def test_rows_leave_and_slots_are_reused(dirs, plain):
     prompts = random_prompts(5, seed=17)
     params = [SamplingParams(temperature=0, max_tokens=m, ignore_eos=True) for m in (3, 30, 8, 1, 17)]
     expected = [plain.generate(p, sp)[0].outputs[0].token_ids for p, sp in zip(prompts, params)]
-    for kwargs in (dict(speculative_model=str(dirs["draft"])), dict(speculative_method="ngram"), {}):
-        llm = LLM(str(dirs["target"]), num_speculative_tokens=4, max_num_seqs=2, dtype="float32", **kwargs)
+    for kwargs in (dict(speculative_model=str(dirs["draft"]), num_speculative_tokens=4),
+                   dict(speculative_method="ngram", num_speculative_tokens=4), {}):
+        llm = LLM(str(dirs["target"]), max_num_seqs=2, dtype="float32", **kwargs)
         assert token_ids(llm.generate(prompts, params)) == expected
 
 

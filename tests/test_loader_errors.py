@@ -189,6 +189,13 @@ def test_heads_not_a_multiple_of_kv_heads(good, workdir):
     ({"architectures": ["MistralForCausalLM"], "model_type": "mistral", "sliding_window": 4,
       "layer_types": ["sliding_attention"]}, ["layer_types", "2"]),
     ({"dtype": "float64", "torch_dtype": ...}, ["float64", "config.json"]),
+    # these were TypeErrors from deep in the loader (found probing)
+    ({"dtype": ["float32"], "torch_dtype": ...}, ["['float32']", "config.json"]),
+    ({"architectures": 5}, ["'architectures' must be a list", "5"]),
+    ({"rope_scaling": [8.0]}, ["rope_scaling must be an object", "[8.0]"]),
+    ({"rope_parameters": "linear"}, ["rope_parameters must be an object", "'linear'"]),
+    ({"architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", "sliding_window": 4, "use_sliding_window": True,
+      "max_window_layers": None}, ["max_window_layers", "None"]),
 ])
 def test_config_values_are_checked_at_load(good, workdir, changes, names):
     path = broken_copy(good, workdir)

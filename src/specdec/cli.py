@@ -44,7 +44,7 @@ def add_generate_parser(commands) -> None:
     drafter.add_argument("--ngram", action="store_true", help="draft by prompt lookup (no draft model)")
     p.add_argument("--lookup", action="store_true",
                    help="with --draft: prompt lookup where the context repeats, the draft model elsewhere")
-    p.add_argument("-k", "--num-speculative-tokens", type=int, default=5, help="draft tokens per round (default 5)")
+    p.add_argument("-k", "--num-speculative-tokens", type=int, help="draft tokens per round (default 5)")
     p.add_argument("--prompt", required=True, help="the prompt text")
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
@@ -57,7 +57,7 @@ def add_generate_parser(commands) -> None:
     p.add_argument("--draft-dtype", default="auto",
                    help="the draft model's dtype: auto (float32 for a small draft on the CPU, else --dtype's), "
                         "float32, bfloat16 or float16")
-    p.add_argument("--draft-confidence", type=float, default=0.0, metavar="P",
+    p.add_argument("--draft-confidence", type=float, metavar="P",
                    help="adaptive k: stop a round's drafting after a draft token the draft gave less than P "
                         "(default 0: always k)")
     p.add_argument("--device", default="cpu")
@@ -72,9 +72,17 @@ def _speculative_method(args) -> str | None:
     if args.lookup and args.draft is None:
         raise ValueError("--lookup falls back to a draft model where prompt lookup finds nothing: add --draft DIR"
                          + (" (instead of --ngram, which is prompt lookup alone)" if args.ngram else ""))
+    draft_flags = [flag for flag, given in (("--draft-confidence", args.draft_confidence is not None),
+                                            ("--draft-dtype", args.draft_dtype != "auto")) if given]
     if args.ngram:
+        if draft_flags:
+            raise ValueError(f"{' and '.join(draft_flags)} set the draft model, and --ngram uses none; drop them, or "
+                             "give --draft DIR --lookup for prompt lookup with a draft model behind it")
         return "ngram"
     if args.draft is None:
+        flags = draft_flags + (["-k"] if args.num_speculative_tokens is not None else [])
+        if flags:
+            raise ValueError(f"{' and '.join(flags)} need a drafter: add --draft DIR or --ngram, or drop them")
         return None
     return "lookup_then_draft" if args.lookup else "draft_model"
 
@@ -100,7 +108,7 @@ def run_generate(args) -> int:
     else:
         print(args.prompt + completion.text)
     print()
-    label = f"{method} k={args.num_speculative_tokens}" if method else "target alone"
+    label = f"{method} k={llm.speculative_config.num_speculative_tokens}" if method else "target alone"
     print(f"[{label}] {output.metrics.summary()}")
     if args.compare:
         baseline = llm.target_only().generate(args.prompt, params)[0]

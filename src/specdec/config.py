@@ -144,6 +144,12 @@ class SpeculativeConfig:
         check(is_real(self.draft_confidence_threshold) and 0 <= self.draft_confidence_threshold <= 1,
                f"draft_confidence_threshold must be in [0, 1], got {self.draft_confidence_threshold!r}")
         check(self.draft_dtype in DRAFT_DTYPES, f"draft_dtype must be one of {DRAFT_DTYPES}, got {self.draft_dtype!r}")
+        unused = [f"{name}={value!r}" for name, value, neutral in (
+            ("draft_dtype", self.draft_dtype, "auto"),
+            ("draft_confidence_threshold", self.draft_confidence_threshold, 0)) if value != neutral]
+        check(self.method in NEEDS_DRAFT_MODEL or not unused,
+              f"{', '.join(unused)} configure a draft model, and speculative_method={self.method!r} uses none; "
+              "drop them, or use 'lookup_then_draft' for prompt lookup with a draft model behind it")
 
 
 # Validation of configuration values, shared by every frozen configuration dataclass.

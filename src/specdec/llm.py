@@ -44,7 +44,8 @@ class LLM:
     model: the target's Hugging Face directory.
     speculative_model: the draft's directory (methods "draft_model", "lookup_then_draft"), or
         "[ngram]" for prompt lookup; None = no speculation unless speculative_method="ngram".
-    num_speculative_tokens: k, draft tokens per round.
+    num_speculative_tokens: k, draft tokens per round (None: 5). Below the target's context
+        length; each round drafts no more than a request can still emit.
     speculative_method: "draft_model", "ngram" or "lookup_then_draft" (prompt lookup where it
         finds a match, the draft model elsewhere); inferred from speculative_model if None.
     ngram_prompt_lookup_min / _max: the n-gram lengths prompt lookup tries (min None: 1 for
@@ -57,23 +58,19 @@ class LLM:
     device: "cpu", "cuda", "cuda:1", ...
     max_num_seqs: the most sequences run at once; more wait for a free slot.
     seed: seeds the random stream that requests without a seed of their own share.
+
+    Options of speculation given without a drafter (no speculative_model or method) are refused,
+    not ignored; so are draft-model options given with prompt lookup alone.
     """
 
-    def __init__(self, model: str, speculative_model: str | None = None, num_speculative_tokens: int = 5,
+    def __init__(self, model: str, speculative_model: str | None = None, num_speculative_tokens: int | None = None,
                  speculative_method: str | None = None, dtype: str = "auto", device: str = "cpu",
                  max_num_seqs: int = 256, seed: int = 0, skip_tokenizer_init: bool = False,
-                 ngram_prompt_lookup_min: int | None = None, ngram_prompt_lookup_max: int = 4, draft_dtype: str = "auto",
-                 draft_confidence_threshold: float = 0.0):
+                 ngram_prompt_lookup_min: int | None = None, ngram_prompt_lookup_max: int | None = None,
+                 draft_dtype: str = "auto", draft_confidence_threshold: float | None = None):
         check_arguments(seed=seed, max_num_seqs=max_num_seqs, skip_tokenizer_init=skip_tokenizer_init)
-        if speculative_model == "[ngram]":  # vLLM's older spelling of speculative_method="ngram"
-            if speculative_method not in (None, "ngram"):
-                raise ValueError(f'speculative_model="[ngram]" means speculative_method="ngram", but '
-                                 f'speculative_method={speculative_method!r} was given; give one or the other')
-            speculative_model, speculative_method = None, "ngram"
-        if speculative_method is None:
-            speculative_method = "draft_model" if speculative_model is not None else None
-        self.speculative_config = None if speculative_method is None else SpeculativeConfig(
-            method=speculative_method, model=speculative_model, num_speculative_tokens=num_speculative_tokens,
+        self.speculative_config = speculative_config(
+            speculative_model, speculative_method, num_speculative_tokens=num_speculative_tokens,
             ngram_min=ngram_prompt_lookup_min, ngram_max=ngram_prompt_lookup_max, draft_dtype=draft_dtype,
             draft_confidence_threshold=draft_confidence_threshold)
         self.device = check_device(device)
@@ -116,6 +113,7 @@ class LLM:
     def chat(self, messages: list[dict], sampling_params: SamplingParams | None = None) -> RequestOutput:
         """Generate a reply to one conversation rendered with the model's chat template."""
         tokenizer = self._need_tokenizer("chat")
+        check_messages(messages)
         prompt_ids = tokenizer.encode(tokenizer.apply_chat_template(messages), add_special_tokens=False)
         return self.generate({"prompt_token_ids": prompt_ids}, sampling_params)[0]
 
@@ -171,6 +169,23 @@ class LLM:
         return RequestOutput(str(seq.request_id), seq.prompt, seq.prompt_token_ids, [completion], seq.stats)
 
 
+def speculative_config(model, method, **options) -> SpeculativeConfig | None:
+    """LLM's speculation arguments as a SpeculativeConfig (None: no drafter). options:
+    SpeculativeConfig's fields; None (or "auto" for draft_dtype) = not given, its default."""
+    if model == "[ngram]":  # vLLM's older spelling of speculative_method="ngram"
+        check(method in (None, "ngram"), f'speculative_model="[ngram]" means speculative_method="ngram", but '
+                                         f'speculative_method={method!r} was given; give one or the other')
+        model, method = None, "ngram"
+    if method is None and model is not None:
+        method = "draft_model"
+    given = {name: value for name, value in options.items() if value is not None and value != "auto"}
+    if method is None:
+        check(not given, f"{', '.join(f'{n}={v!r}' for n, v in given.items())} without a drafter: give "
+                         "speculative_model=<draft directory> or speculative_method='ngram', or drop them")
+        return None
+    return SpeculativeConfig(method=method, model=model, **given)
+
+
 def check_arguments(seed, max_num_seqs, skip_tokenizer_init) -> None:
     """LLM's plain arguments, checked before any model is loaded."""
     check(is_int(seed) and INT64_MIN <= seed <= UINT64_MAX, f"seed must be an integer, got {seed!r}")
@@ -188,6 +203,24 @@ def check_k_fits(k: int, context_length: int) -> None:
                               "(useful values are 1 to about 10)")
 
 
+def check_messages(messages) -> None:
+    """A conversation: a non-empty list of {"role": str, "content": str} dicts."""
+    check(isinstance(messages, (list, tuple)) and len(messages) > 0,
+          f"messages must be a non-empty list of {{'role': ..., 'content': ...}} dicts, got {_short(messages)}")
+    for i, message in enumerate(messages):
+        check(isinstance(message, dict), f"messages[{i}] must be a dict with 'role' and 'content', got "
+                                         f"{_short(message)}")
+        check(isinstance(message.get("role"), str) and message["role"],
+              f"messages[{i}] needs a 'role' (e.g. 'system', 'user', 'assistant'), got {_short(message.get('role'))}")
+        check(isinstance(message.get("content"), str),
+              f"messages[{i}]['content'] must be text, got {_short(message.get('content'))}")
+
+
+def _short(value) -> str:
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
 def _as_prompt_list(prompts) -> list:
     if isinstance(prompts, (str, dict)) or (isinstance(prompts, (list, tuple)) and prompts
                                             and isinstance(prompts[0], int)):  # one prompt of token ids
@@ -199,8 +232,11 @@ def _as_prompt_list(prompts) -> list:
         if isinstance(prompt, dict):
             if "prompt_token_ids" in prompt:
                 prompt = prompt["prompt_token_ids"]
+                check(isinstance(prompt, (list, tuple)), "'prompt_token_ids' must be a list of token ids, got "
+                                                         f"{_short(prompt)}")
             elif "prompt" in prompt:
                 prompt = prompt["prompt"]
+                check(isinstance(prompt, str), f"'prompt' must be text, got {_short(prompt)}")
             else:
                 raise ValueError("a dict prompt needs 'prompt' or 'prompt_token_ids'")
         if not isinstance(prompt, (str, list, tuple)):
@@ -214,6 +250,8 @@ def _as_params_list(params, n: int) -> list[SamplingParams]:
         return [SamplingParams()] * n
     if isinstance(params, SamplingParams):
         return [params] * n
+    check(isinstance(params, (list, tuple)), f"sampling_params must be a SamplingParams or a list of them, got "
+                                             f"{_short(params)}")
     params = list(params)
     if len(params) != n or not all(isinstance(p, SamplingParams) for p in params):
         raise ValueError(f"give one SamplingParams, or a list of {n} (one per prompt)")

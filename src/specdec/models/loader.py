@@ -152,6 +152,8 @@ def model_config_from_hf(cfg: dict, where: Path) -> ModelConfig:
 def _model_type(cfg: dict, where: Path) -> str:
     architectures = cfg.get("architectures") or []
     supported = ", ".join(SUPPORTED_ARCHITECTURES)
+    if not isinstance(architectures, list) or not all(isinstance(a, str) for a in architectures):
+        raise ModelLoadError(f"{where}: 'architectures' must be a list of names, got {architectures!r}")
     for arch in architectures:
         if arch in SUPPORTED_ARCHITECTURES:
             return SUPPORTED_ARCHITECTURES[arch]
@@ -165,6 +167,9 @@ def _model_type(cfg: dict, where: Path) -> str:
 
 def _rope(cfg: dict, where: Path) -> tuple[float, tuple]:
     """(rope_theta, rope scaling as sorted pairs) from v5's rope_parameters or v4's rope_scaling."""
+    for key in ("rope_parameters", "rope_scaling"):
+        if cfg.get(key) is not None and not isinstance(cfg[key], dict):
+            raise ModelLoadError(f"{where}: {key} must be an object (or null), got {cfg[key]!r}")
     params = dict(cfg.get("rope_parameters") or {})
     scaling = dict(cfg.get("rope_scaling") or {})
     theta = params.pop("rope_theta", cfg.get("rope_theta"))
@@ -204,6 +209,9 @@ def _sliding_windows(cfg: dict, model_type: str, num_layers: int, where: Path) -
         return (window,) * num_layers
     if cfg.get("use_sliding_window"):
         first = cfg.get("max_window_layers", num_layers)
+        if not (is_int(first) and first >= 0):
+            raise ModelLoadError(f"{where}: max_window_layers must be an integer >= 0 with use_sliding_window, "
+                                 f"got {first!r}")
         return tuple(window if i >= first else None for i in range(num_layers))
     return ()
 
@@ -214,9 +222,11 @@ def resolve_dtype(dtype: str | torch.dtype, hf_config: dict) -> torch.dtype:
             raise ValueError(f"dtype {dtype} is not supported: the model runs in torch.float32, torch.bfloat16 "
                              "or torch.float16 ('auto' takes the checkpoint's)")
         return dtype
+    if not isinstance(dtype, str):
+        raise ValueError(f"dtype must be 'auto', one of {sorted(DTYPES)} or a torch dtype, got {dtype!r}")
     if dtype == "auto":
         saved = hf_config.get("dtype") or hf_config.get("torch_dtype") or "float32"
-        if saved not in DTYPES:
+        if not isinstance(saved, str) or saved not in DTYPES:
             raise ModelLoadError(f"config.json says the weights are {saved!r}, which is not supported; pass "
                                  f"dtype= one of {sorted(DTYPES)} instead of 'auto'")
         return DTYPES[saved]

@@ -63,8 +63,14 @@ class Tokenizer:
         if not self.chat_template:
             raise ValueError("this tokenizer has no chat template (none in tokenizer_config.json "
                              "or chat_template.jinja); pass a plain prompt instead")
-        return _template_environment().from_string(self.chat_template).render(
-            messages=messages, add_generation_prompt=add_generation_prompt, **self.special_tokens)
+        try:
+            return _template_environment().from_string(self.chat_template).render(
+                messages=messages, add_generation_prompt=add_generation_prompt, **self.special_tokens)
+        except ValueError:  # raise_exception(): the template's own message
+            raise
+        except Exception as e:  # a template that does not parse, names what is undefined, loops too far, ...
+            raise ValueError(f"the model's chat template failed ({type(e).__name__}: {e}); fix chat_template in "
+                             "tokenizer_config.json (or chat_template.jinja), or pass a plain prompt") from e
 
 
 def _chat_template(path: Path, config: dict) -> str | None:

@@ -173,8 +173,8 @@ def _train_config(args):
 
 
 def _output_options(args) -> dict:
-    if not (math.isfinite(args.max_shard_mb) and args.max_shard_mb > 0):
-        raise ValueError(f"--max-shard-mb must be a number > 0, got {args.max_shard_mb}")
+    if not (math.isfinite(args.max_shard_mb) and args.max_shard_mb * 1_000_000 >= 1):
+        raise ValueError(f"--max-shard-mb must be a number of at least 0.000001 (one byte), got {args.max_shard_mb}")
     arguments = {k: v for k, v in sorted(vars(args).items()) if k != "run" and v is not None and v is not False}
     return {"save_dtype": args.save_dtype, "max_shard_bytes": int(args.max_shard_mb * 1_000_000),
             "restart": args.restart, "require_checkpoint": args.resume, "force": args.force,

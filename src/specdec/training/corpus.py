@@ -162,10 +162,16 @@ def token_stream(documents: tuple[Document, ...] | list[Document], tokenizer, en
     return torch.tensor(ids, dtype=torch.int32)
 
 
-def check_stream_length(stream: torch.Tensor, window: int, what: str) -> None:
+def check_stream_length(stream: torch.Tensor, window: int, what: str, batch_size: int = 1) -> None:
+    """The text must hold one window of window + 1 tokens, and a micro-batch of batch_size
+    windows must not exceed the whole text (it would only repeat it, at the memory's expense)."""
     if len(stream) < window + 1:
         raise ValueError(f"the {what} text is only {len(stream)} tokens, fewer than one window of "
                          f"{window + 1} (context + 1); use a shorter --context or a larger corpus")
+    if batch_size * (window + 1) > len(stream):
+        raise ValueError(f"--batch-size {batch_size} windows of {window + 1} tokens (context + 1) is "
+                         f"{batch_size * (window + 1):,} tokens a micro-batch, more than the {len(stream):,} tokens of "
+                         f"{what} text; give --batch-size {len(stream) // (window + 1)} or less (or more text)")
 
 
 def sample_windows(stream: torch.Tensor, batch_size: int, window: int, generator: torch.Generator) -> torch.Tensor:

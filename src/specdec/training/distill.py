@@ -115,7 +115,7 @@ def distill(target_dir: str | Path, out: str | Path, shape: ModelShape | None, c
                                          for docs in (corpus.train, corpus.held_out))
         draft = initial_draft(target, shape, init_dir, config.seed).to(config.device)
         context = min(draft.config.max_position_embeddings, target.model.config.max_position_embeddings)
-        check_stream_length(train_stream, context, "training")
+        check_stream_length(train_stream, context, "training", config.batch_size)
         check_prompt_tokens(distill_config, context)
         log(f"target {target.model.config.num_parameters / 1e6:.2f}M parameters, draft "
             f"{draft.config.num_parameters / 1e6:.2f}M; {len(train_stream):,} training tokens; ready in "

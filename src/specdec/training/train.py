@@ -158,7 +158,7 @@ def train(out: str | Path, shape: ModelShape | None, config: TrainConfig, corpus
         shape = _fit_vocabulary(shape, tokenizer, tokenizer_dir)
         train_stream, held_out_stream = (token_stream(docs, tokenizer, eot_id)
                                          for docs in (corpus.train, corpus.held_out))
-        check_stream_length(train_stream, shape.context, "training")
+        check_stream_length(train_stream, shape.context, "training", config.batch_size)
         log(f"{len(train_stream):,} training tokens, {len(held_out_stream):,} held-out tokens; model of "
             f"{shape.model_config().num_parameters / 1e6:.2f}M parameters; tokenizer ready in "
             f"{time.perf_counter() - started:.1f}s")
