@@ -181,6 +181,17 @@ def test_bad_generate_arguments(llm, prompts, params, message):
         llm.generate(prompts, params)
 
 
+def test_stop_token_ids_outside_the_vocabulary(llm):
+    with pytest.raises(ValueError, match=r"stop_token_ids \[320, 999\] are outside the vocabulary \[0, 320\)"):
+        llm.generate("x", SamplingParams(stop_token_ids=[3, 320, 999]))
+
+
+def test_a_draft_with_a_shorter_context_is_said(model_dir, tmp_path):
+    short = save_tiny_model(tmp_path / "short", "llama", seed=5, init_std=0.2, max_position_embeddings=16)
+    with pytest.warns(UserWarning, match="has a context of 16 tokens, the target 256: past 16 tokens"):
+        LLM(str(model_dir), speculative_model=str(short), num_speculative_tokens=2)
+
+
 CHAT = [{"role": "user", "content": "hi"}]
 
 
@@ -254,6 +265,32 @@ def test_a_prompt_too_long_for_the_context_quotes_the_users_max_tokens(model_dir
     assert "max_tokens=100 exceeds the model's context length 256" in err and "max_tokens=2 " not in err
 
 
+@pytest.mark.parametrize("command, flags, message", [
+    ("distill", ["--sample-temperature", "0"], "--sample-temperature and --prompt-tokens shape the text the target "
+                                               "writes, which only --on-policy-fraction F > 0 uses"),
+    ("distill", ["--prompt-tokens", "8", "--on-policy-fraction", "0"], "only --on-policy-fraction F > 0 uses"),
+    ("train", ["--tokenizer", "TARGET", "--vocab-size", "1000"], "--tokenizer brings its vocabulary"),
+])
+def test_training_flags_that_would_be_ignored(model_dir, tmp_path, capsys, command, flags, message):
+    source = ["--target", str(model_dir)] if command == "distill" else ["--preset", "tiny"]
+    flags = [str(model_dir) if flag == "TARGET" else flag for flag in flags]
+    assert main([command, *source, "--out", str(tmp_path / "out"), *flags]) == 2
+    assert message in capsys.readouterr().err and not (tmp_path / "out").exists()
+
+
+def test_resuming_with_other_steps_says_how_to_keep_the_warmup(tmp_path, capsys):
+    """The default warm-up follows --steps, so resuming with other --steps changes it: the
+    refusal says which --warmup keeps the run's."""
+    corpus = stdlib_corpus(tmp_path / "corpus", ("abc.py", "copy.py", "stat.py"))
+    run = ["train", "--out", str(tmp_path / "out"), "--preset", "tiny", "--context", "16", "--batch-size", "2",
+           "--eval-tokens", "64", "--log-every", "0", "--corpus", str(corpus)]
+    assert main([*run, "--steps", "20", "--stop-after", "1"]) == 0
+    assert main([*run, "--steps", "40"]) == 2
+    assert "warmup 2 -> 4) (warm-up defaults to a tenth of --steps, at most 100: pass --warmup 2" in \
+        capsys.readouterr().err
+    assert main([*run, "--steps", "40", "--warmup", "2", "--stop-after", "2"]) == 0
+
+
 def test_prompt_tokens_cut_to_the_context_is_said(model_dir, tmp_path, capsys):
     corpus = stdlib_corpus(tmp_path / "corpus", ("abc.py", "copy.py", "stat.py", "keyword.py"))
     trained = tmp_path / "target"
@@ -287,6 +324,16 @@ def test_training_flags_refused_before_training(tmp_path, capsys, flags, message
                  "--corpus", str(corpus), *flags]) == 2
     assert message in capsys.readouterr().err
     assert sorted(p.name for p in tmp_path.iterdir()) == ["corpus"]  # nothing written
+
+
+def test_a_stop_string_on_the_command_line_reads_backslash_n_as_a_newline():
+    """`--stop "\\n"` (what a shell passes for "\n") is a newline, as a user means; "\\\\n" is
+    a backslash and an n, and other backslashes stay as they are."""
+    from specdec.cli import build_parser
+
+    args = build_parser().parse_args(["generate", "--model", "m", "--prompt", "p", "--stop", "\\n",
+                                      "--stop", "a\\\\n", "--stop", "\\t\\x"])
+    assert args.stop == ["\n", "a\\n", "\t\\x"]
 
 
 def test_generate_with_a_k_beyond_the_context_says_why(model_dir, capsys):

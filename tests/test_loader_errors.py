@@ -412,6 +412,25 @@ def test_corrupt_generation_config(good, workdir):
     assert "generation_config.json" in message and "JSON" in message
 
 
+def test_a_tokenizer_larger_than_the_vocabulary(good, workdir):
+    """A tokenizer whose ids run past vocab_size is not the model's: said at load, not as an
+    out-of-range prompt when the user gave text."""
+    path = broken_copy(good, workdir)
+    make_tokenizer(VOCAB + 40, TEXT * 3 + "".join(chr(c) for c in range(0x400, 0x500))).save(str(path / "tokenizer.json"))
+    message = load_error(path)
+    assert f"tokenizer.json has token ids up to {VOCAB + 39}, beyond config.json's vocab_size {VOCAB}" in message
+
+
+@pytest.mark.parametrize("file, value", [("generation_config.json", True), ("generation_config.json", "</s>"),
+                                         ("generation_config.json", [1, VOCAB]), ("config.json", -1)])
+def test_eos_ids_that_are_not_token_ids(good, workdir, file, value):
+    path = broken_copy(good, workdir)
+    data = json.loads((path / file).read_text()) if (path / file).is_file() else {}
+    (path / file).write_text(json.dumps({**data, "eos_token_id": value}))
+    message = load_error(path)
+    assert file in message and f"eos_token_id must be token ids in [0, {VOCAB})" in message
+
+
 # ----------------------------------------------------------------------------- draft vocabulary
 
 

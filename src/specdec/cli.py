@@ -16,14 +16,18 @@ from specdec.config import SamplingParams
 from specdec.training.commands import add_distill_parser, add_train_parser
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="specdec", description="Exact speculative decoding for LLMs")
     commands = parser.add_subparsers(dest="command", required=True)
     add_generate_parser(commands)
     add_train_parser(commands)
     add_distill_parser(commands)
     add_bench_parser(commands)
-    args = parser.parse_args(argv)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
     try:
         return args.run(args)
     except (ValueError, OSError) as e:  # bad input, a path that cannot be read or written: one clear line
@@ -52,7 +56,8 @@ def add_generate_parser(commands) -> None:
     p.add_argument("--top-k", type=int, default=-1)
     p.add_argument("--min-p", type=float, default=0.0)
     p.add_argument("--seed", type=int, default=None)
-    p.add_argument("--stop", action="append", default=[], help="a stop string (repeatable)")
+    p.add_argument("--stop", action="append", default=[], type=unescape,
+                   help=r"a stop string (repeatable); \n, \t and \\ stand for a newline, a tab and a backslash")
     p.add_argument("--dtype", default="auto", help="auto, float32, bfloat16 or float16")
     p.add_argument("--draft-dtype", default="auto",
                    help="the draft model's dtype: auto (float32 for a small draft on the CPU, else --dtype's), "
@@ -65,6 +70,23 @@ def add_generate_parser(commands) -> None:
     p.add_argument("--color", choices=("auto", "always", "never"), default="auto",
                    help="mark accepted draft tokens in color (auto: when printing to a terminal)")
     p.set_defaults(run=run_generate)
+
+
+ESCAPES = {"n": "\n", "t": "\t", "r": "\r", "\\": "\\"}
+
+
+def unescape(text: str) -> str:
+    """A command-line string with \\n, \\t, \\r and \\\\ read as a newline, a tab, a carriage return
+    and a backslash (a shell passes them as two characters); other backslashes stay."""
+    out, i = [], 0
+    while i < len(text):
+        if text[i] == "\\" and i + 1 < len(text) and text[i + 1] in ESCAPES:
+            out.append(ESCAPES[text[i + 1]])
+            i += 2
+        else:
+            out.append(text[i])
+            i += 1
+    return "".join(out)
 
 
 def _speculative_method(args) -> str | None:

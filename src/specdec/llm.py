@@ -153,6 +153,9 @@ class LLM:
             raise ValueError("empty prompt: it encodes to no tokens; give a non-empty prompt")
         if not all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < vocab_size for t in prompt_ids):
             raise ValueError(f"prompt token ids must be integers in [0, {vocab_size})")
+        outside = [t for t in params.stop_token_ids if t >= vocab_size]
+        check(not outside, f"stop_token_ids {outside} are outside the vocabulary [0, {vocab_size}): they could never "
+                           "be generated")
         if len(prompt_ids) + params.max_tokens > self.max_model_len:
             raise ValueError(f"prompt of {len(prompt_ids)} tokens + max_tokens={params.max_tokens} exceeds the "
                              f"model's context length {self.max_model_len}; shorten the prompt or lower max_tokens")

@@ -356,9 +356,13 @@ def transformers_runners(config: BenchConfig, target: LLM, draft_model, notes: l
 def encode_prompts(target: LLM, config: BenchConfig, set_name: str, notes: list[str]) -> list[tuple[Prompt, list[int]]]:
     """prompts_per_set prompts spread over the set, as token ids that fit the context."""
     _, make_prompts = PROMPT_SETS[set_name]
-    prompts = spread(make_prompts(per_module=2, max_chars=config.max_prompt_chars), config.prompts_per_set)
+    available = make_prompts(per_module=2, max_chars=config.max_prompt_chars)
+    prompts = spread(available, config.prompts_per_set)
     if not prompts:
         raise ValueError(f"prompt set {set_name!r} is empty: the held-out standard-library modules are missing")
+    if len(prompts) < config.prompts_per_set:
+        notes.append(f"the {set_name!r} set has {len(prompts)} prompts, fewer than the {config.prompts_per_set} "
+                     "asked for: all of them were run.")
     room = target.max_model_len - config.max_tokens - config.max_k - 1
     if room < 2:
         raise ValueError(f"the target's context ({target.max_model_len} tokens) leaves no room for a prompt with "

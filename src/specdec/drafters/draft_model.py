@@ -9,6 +9,7 @@ token, after a full acceptance the last draft token and the bonus token.
 
 from __future__ import annotations
 
+import warnings
 from pathlib import Path
 
 import torch
@@ -49,6 +50,7 @@ class DraftModelDrafter(Drafter):
             draft_dtype = target.model.dtype if spec.draft_dtype == "auto" else spec.draft_dtype
         draft = load_pretrained(spec.model, draft_dtype, device, load_tokenizer=target.tokenizer is not None)
         check_same_vocabulary(target, draft)
+        warn_if_shorter_context(target, draft)
         if small_on_cpu and can_pack(torch.bfloat16, device):
             pack_large_linears_in_bf16(draft.model, LARGE_WEIGHT_BYTES)
         return cls(draft.model, target.model.config.vocab_size, spec.draft_confidence_threshold)
@@ -185,6 +187,16 @@ def _common_prefix(a: list[int], b: list[int]) -> int:
     while i < n and a[i] == b[i]:
         i += 1
     return i
+
+
+def warn_if_shorter_context(target: LoadedModel, draft: LoadedModel) -> None:
+    """A draft trained on shorter texts than its target is run past its length on long
+    requests: say so once (its proposals may fall off there; the output stays the target's)."""
+    draft_context, target_context = (m.model.config.max_position_embeddings for m in (draft, target))
+    if draft_context < target_context:
+        warnings.warn(f"the draft {draft.path} has a context of {draft_context} tokens, the target {target_context}: "
+                      f"past {draft_context} tokens it drafts beyond what it was trained on, and fewer of its "
+                      "tokens may be accepted (the output is still the target's)", stacklevel=2)
 
 
 def check_same_vocabulary(target: LoadedModel, draft: LoadedModel) -> None:

@@ -54,12 +54,13 @@ def load_pretrained(path: str | Path, dtype: str | torch.dtype = "auto", device:
     hf_config = read_config(path)
     config = model_config_from_hf(hf_config, path / "config.json")
     torch_dtype = resolve_dtype(dtype, hf_config)
+    eos_ids = eos_token_ids(path, hf_config, config.vocab_size)
     weights = read_safetensors(path)
-    tokenizer = _load_tokenizer(path) if load_tokenizer else None
+    tokenizer = _load_tokenizer(path, config.vocab_size) if load_tokenizer else None
     model = build_model(config, weights, torch_dtype, torch.device(device), path)
     if pack_weights and can_pack(torch_dtype, torch.device(device)):
         pack_linears(model)
-    return LoadedModel(model, tokenizer, eos_token_ids(path, hf_config), path, hf_config)
+    return LoadedModel(model, tokenizer, eos_ids, path, hf_config)
 
 
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
@@ -322,30 +323,42 @@ def _some(names: list[str]) -> str:
     return f"{names[:5]}{' ...' if len(names) > 5 else ''}" if names else "none"
 
 
-def eos_token_ids(path: Path, hf_config: dict) -> tuple[int, ...]:
-    """EOS ids from generation_config.json and config.json (either may hold an int or a list)."""
+def eos_token_ids(path: Path, hf_config: dict, vocab_size: int) -> tuple[int, ...]:
+    """EOS ids from generation_config.json and config.json (either may hold an int, a list of
+    them, or null); anything else, or an id outside the vocabulary, is a ModelLoadError."""
     ids: list[int] = []
-    sources = [hf_config]
+    sources = {"config.json": hf_config}
     if (path / "generation_config.json").is_file():
-        sources.insert(0, _read_json(path / "generation_config.json", what="generation_config.json"))
-    for source in sources:
+        sources = {"generation_config.json": _read_json(path / "generation_config.json",
+                                                        what="generation_config.json"), **sources}
+    for name, source in sources.items():
         value = source.get("eos_token_id")
         for token in (value if isinstance(value, list) else [value]):
-            if isinstance(token, int) and token not in ids:
-                ids.append(token)
+            if token is None or token in ids:
+                continue
+            if not (is_int(token) and 0 <= token < vocab_size):
+                raise ModelLoadError(f"{path / name}: eos_token_id must be token ids in [0, {vocab_size}) (or null), "
+                                     f"got {value!r}")
+            ids.append(token)
     return tuple(ids)
 
 
-def _load_tokenizer(path: Path) -> Tokenizer:
+def _load_tokenizer(path: Path, vocab_size: int) -> Tokenizer:
     if not (path / "tokenizer.json").is_file():
         raise ModelLoadError(f"{path}: tokenizer.json is missing; save the tokenizer with the model "
                              "(tokenizer.save_pretrained) or pass skip_tokenizer_init=True and give token ids")
     config_file = path / "tokenizer_config.json"
     config = _read_json(config_file, what="tokenizer_config.json") if config_file.is_file() else None
     try:
-        return Tokenizer.from_directory(path, config)
+        tokenizer = Tokenizer.from_directory(path, config)
     except Exception as e:
         raise ModelLoadError(f"{path}: cannot read the tokenizer ({e})") from e
+    largest = max(tokenizer.backend.get_vocab(with_added_tokens=True).values(), default=-1)
+    if largest >= vocab_size:
+        raise ModelLoadError(f"{path}: tokenizer.json has token ids up to {largest}, beyond config.json's vocab_size "
+                             f"{vocab_size}: the tokenizer is not this model's (or tokens were added without "
+                             "resizing the model's embedding)")
+    return tokenizer
 
 
 def _read_json(file: Path, what: str) -> dict:

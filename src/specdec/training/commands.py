@@ -107,6 +107,8 @@ def run_train(args) -> int:
                                   or any(getattr(args, flag) is not None for flag in SIZE_FLAGS)):
         raise ValueError("--init takes the model's size and tokenizer from its directory; drop --preset, "
                          "the size flags and --tokenizer")
+    if args.tokenizer is not None and args.vocab_size is not None:
+        raise ValueError("--tokenizer brings its vocabulary (and its model's vocab_size); drop --vocab-size")
     shape = None if args.init is not None else _shape(args)
     try:
         result = train(args.out, shape, _train_config(args), corpus_path=args.corpus,
@@ -125,6 +127,9 @@ def run_distill(args) -> int:
         raise ValueError("--init takes the draft's size from its config.json; drop --preset and the size flags")
     if args.vocab_size is not None:
         raise ValueError("a draft's vocabulary is its target's (the same tokenizer); drop --vocab-size")
+    if not args.on_policy_fraction and (args.sample_temperature is not None or args.prompt_tokens is not None):
+        raise ValueError("--sample-temperature and --prompt-tokens shape the text the target writes, which only "
+                         "--on-policy-fraction F > 0 uses; add it, or drop them")
     distill_config = DistillConfig(**_given(args, DISTILL_FIELDS))
     shape = None if args.init is not None else _shape(args)
     try:

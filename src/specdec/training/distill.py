@@ -160,10 +160,12 @@ def weights_fingerprint(model_dir: Path) -> str:
 
 def initial_draft(target: LoadedModel, shape: ModelShape | None, init_dir, seed: int) -> LlamaModel:
     """A random-init draft of `shape` with the target's vocabulary size, or the draft in init_dir."""
-    target_vocab = target.model.config.vocab_size
+    target_vocab, target_context = target.model.config.vocab_size, target.model.config.max_position_embeddings
     if init_dir is None:
-        shape = dataclasses.replace(shape, vocab_size=target_vocab,
-                                    context=min(shape.context, target.model.config.max_position_embeddings))
+        if shape.context > target_context:
+            log(f"note: the draft's context is cut from {shape.context} to the target's, {target_context} tokens "
+                "(distillation needs the target's distribution at every position)")
+        shape = dataclasses.replace(shape, vocab_size=target_vocab, context=min(shape.context, target_context))
         return new_model(shape.model_config(), seed)
     from specdec.drafters.draft_model import check_same_vocabulary
 

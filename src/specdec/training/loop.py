@@ -312,7 +312,9 @@ def check_resumable(checkpoint: dict, task: Task, config: TrainConfig) -> None:
     changed = _changed_settings(checkpoint, config)
     if changed:
         details = ", ".join(f"{name} {saved.get(name)!r} -> {getattr(config, name)!r}" for name in changed)
-        raise ValueError(f"the checkpoint was made with other training settings ({details}); "
+        warmup = (f" (warm-up defaults to a tenth of --steps, at most {DEFAULT_WARMUP}: pass --warmup "
+                  f"{saved.get('warmup')} to keep the run's with other --steps)" if "warmup" in changed else "")
+        raise ValueError(f"the checkpoint was made with other training settings ({details}){warmup}; "
                          f"rerun with the same settings to resume, or {hint}")
     if checkpoint["state"]["step"] > config.steps:
         raise ValueError(f"the checkpoint is at step {checkpoint['state']['step']}, past --steps {config.steps}; "

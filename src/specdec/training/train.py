@@ -271,6 +271,10 @@ def prepare_tokenizer(corpus: Corpus, shape: ModelShape, tokenizer_dir, checkpoi
     else:
         log(f"training a byte-level BPE tokenizer of {shape.vocab_size} tokens ...")
         tokenizer = train_byte_level_bpe((d.text for d in corpus.train), shape.vocab_size, (END_OF_TEXT,))
+        if tokenizer.get_vocab_size() < shape.vocab_size:
+            log(f"note: the corpus yields only {tokenizer.get_vocab_size():,} tokens, not {shape.vocab_size:,}; the "
+                f"model's other {shape.vocab_size - tokenizer.get_vocab_size():,} embedding rows will never be used "
+                "(give a smaller --vocab-size, or more text)")
     return tokenizer, end_of_text_id(tokenizer, tokenizer_dir)
 
 
