@@ -218,7 +218,7 @@ def test_distill_raises_acceptance(trained_dir, corpus_dir, tmp_path):
 
     # --out the --init draft itself: refused before anything is written, the draft intact
     before_files = {f.name: f.read_bytes() for f in out.iterdir() if f.is_file()}
-    with pytest.raises(ValueError, match="is --init .* which this command reads"):
+    with pytest.raises(ValueError, match="is --init .*: writing there would destroy it"):
         cli("distill", "--target", trained_dir, "--init", out, "--out", out, "--corpus", corpus_dir,
             "--batch-size", "8", "--eval-tokens", "2048", "--steps", "2", "--force")
     assert {f.name: f.read_bytes() for f in out.iterdir() if f.is_file()} == before_files

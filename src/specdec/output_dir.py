@@ -96,7 +96,8 @@ def open_output_dir(out, command: str, inputs: dict[str, object] | None = None, 
                     own_entries: tuple[str, ...] = ()) -> OutputDir:
     """Check --out and make (and lock) its staging directory; raise ValueError naming the problem.
 
-    inputs: {flag: path or None} of what the command reads (models, tokenizers, corpora).
+    inputs: {flag: path or None} of what the command reads (models, tokenizers, corpora) or
+        writes elsewhere.
     force: replace an existing directory that is not this command's own output.
     is_own_output(final): whether a non-empty final directory is this command's earlier output.
     own_entries: name patterns (fnmatch) of what such an output holds; anything else in it is
@@ -135,9 +136,8 @@ def _check_apart_from_inputs(given: str, final: Path, inputs: dict[str, object])
             relation = "holds"
         else:
             continue
-        raise ValueError(f"--out {given!r} {relation} {flag} {str(path)!r}, which this command reads; writing there "
-                         "would destroy it. Give another --out (and move the result afterwards if you mean to "
-                         "replace it)")
+        raise ValueError(f"--out {given!r} {relation} {flag} {str(path)!r}: writing there would destroy it. Give "
+                         "another --out (and move the result afterwards if you mean to replace it)")
 
 
 def _check_not_a_home(given: str, final: Path) -> None:

@@ -98,13 +98,12 @@ def bench_config(args):
 def open_bench_output(args, config):
     """--out (output_dir.py): new, empty, or an earlier bench's results (replaced), never an
     input model or the docs --write-docs writes."""
+    from specdec.benchmark.report import PLOTS
     from specdec.output_dir import open_output_dir
 
     inputs = {"--model": config.model, "--draft": config.draft}
     if args.write_docs:
-        inputs["--write-docs's directory"] = DOCS
-    from specdec.benchmark.report import PLOTS
-
+        inputs["the docs --write-docs updates"] = DOCS
     return open_output_dir(args.out, "bench", inputs, args.force, is_bench_output,
                            own_entries=("results.json", "results.md", *PLOTS))
 
