@@ -12,7 +12,6 @@ from __future__ import annotations
 import argparse
 import math
 import sys
-from pathlib import Path
 
 from specdec.training.train import PRESETS, model_shape
 
@@ -144,16 +143,15 @@ def run_distill(args) -> int:
 
 def _interrupted(args) -> int:
     """Ctrl-C: a line on what was kept and how to go on, instead of a traceback."""
-    from specdec.output_dir import staging_path
     from specdec.training.loop import CHECKPOINT_FILE
-    from specdec.training.train import CHECKPOINT_DIR
+    from specdec.training.train import checkpoint_dirs
 
-    checkpoints = [directory / CHECKPOINT_DIR / CHECKPOINT_FILE
-                   for directory in (staging_path(args.out), Path(args.out).expanduser())]
-    found = next((file for file in checkpoints if file.is_file()), None)
-    if found is None or args.restart:
+    found = next((d / CHECKPOINT_FILE for d in checkpoint_dirs(args.out) if (d / CHECKPOINT_FILE).is_file()), None)
+    if found is None:
         message = ("interrupted before this run's first checkpoint (--checkpoint-every); nothing was kept, and "
                    "rerunning the command starts over")
+    elif args.restart:
+        message = f"interrupted; rerun without --restart to resume from the last checkpoint, {found}"
     else:
         message = f"interrupted; rerun the same command to resume from the last checkpoint, {found}"
     print(f"\n{message}", file=sys.stderr)

@@ -30,7 +30,7 @@ from specdec.benchmark.machine import cpu_model
 from specdec.models.checkpoint import SHARD_BYTES, save_pretrained
 from specdec.models.llama import LlamaModel, ModelConfig
 from specdec.models.tokenizer import train_byte_level_bpe
-from specdec.output_dir import OutputDir, open_output_dir
+from specdec.output_dir import OutputDir, open_output_dir, staging_path
 from specdec.training.corpus import (END_OF_TEXT, Corpus, check_stream_length, evaluation_windows, load_corpus,
                                      sample_windows, token_stream)
 from specdec.training.loop import CHECKPOINT_FILE, RunState, Task, TrainConfig, log, read_checkpoint, train_loop
@@ -357,7 +357,7 @@ def resume_checkpoint(output: OutputDir, restart: bool, require_checkpoint: bool
     if restart:
         output.clear_staging()
         return None
-    for directory in (output.staging / CHECKPOINT_DIR, output.final / CHECKPOINT_DIR):
+    for directory in checkpoint_dirs(output.final):
         checkpoint = read_checkpoint(directory)
         if checkpoint is not None:
             log(f"resuming from {directory / CHECKPOINT_FILE} (step {checkpoint['state']['step']})")
@@ -366,6 +366,13 @@ def resume_checkpoint(output: OutputDir, restart: bool, require_checkpoint: bool
         raise ValueError(f"--resume: no checkpoint in {output.staging / CHECKPOINT_DIR} or "
                          f"{output.final / CHECKPOINT_DIR}; drop --resume to start a new run")
     return None
+
+
+def checkpoint_dirs(out) -> tuple[Path, Path]:
+    """Where a run writing --out `out` may have left a checkpoint, the newest first: its
+    staging directory's (a session that stopped early), then its earlier finished run's."""
+    final = Path(out).expanduser().resolve()
+    return staging_path(final) / CHECKPOINT_DIR, final / CHECKPOINT_DIR
 
 
 def finish_run(output: OutputDir, kind: str, config: TrainConfig, settings: dict, state: RunState,
