@@ -47,7 +47,7 @@ def make_model(path: Path) -> Path:
                          num_attention_heads=12, num_key_value_heads=4, max_position_embeddings=2048,
                          tie_word_embeddings=True, bos_token_id=0, eos_token_id=1)
     torch.manual_seed(0)
-    with open_output_dir(path, "bench_core") as output:  # an interrupted build leaves nothing that loads
+    with open_output_dir(path, "bench_core", resumable=False) as output:  # an interrupted build leaves nothing that loads
         output.clear_staging()
         AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16).save_pretrained(output.staging)
         return output.commit()

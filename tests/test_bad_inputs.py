@@ -175,6 +175,7 @@ def test_a_cache_larger_than_free_memory_is_refused_before_allocating(llm, monke
     ("a", 5, "sampling_params must be a SamplingParams or a list of them, got 5"),
     ({"prompt_token_ids": "abc"}, None, "'prompt_token_ids' must be a list of token ids, got 'abc'"),
     ({"prompt": [1, 2]}, None, "'prompt' must be text, got \\[1, 2\\]"),
+    ({"prompt": "ab", "prompt_token_ids": [1, 2]}, None, "takes 'prompt' \\(text\\) or 'prompt_token_ids', not both"),
 ])
 def test_bad_generate_arguments(llm, prompts, params, message):
     with pytest.raises(ValueError, match=message):
@@ -289,6 +290,9 @@ def test_resuming_with_other_steps_says_how_to_keep_the_warmup(tmp_path, capsys)
     assert "warmup 2 -> 4) (warm-up defaults to a tenth of --steps, at most 100: pass --warmup 2" in \
         capsys.readouterr().err
     assert main([*run, "--steps", "40", "--warmup", "2", "--stop-after", "2"]) == 0
+    capsys.readouterr()
+    assert main([*run, "--steps", "40", "--warmup", "2", "--stop-after", "1"]) == 2
+    assert "the checkpoint is at step 2, past --stop-after 1" in capsys.readouterr().err
 
 
 def test_prompt_tokens_cut_to_the_context_is_said(model_dir, tmp_path, capsys):
@@ -304,10 +308,10 @@ def test_prompt_tokens_cut_to_the_context_is_said(model_dir, tmp_path, capsys):
 
 
 @pytest.mark.parametrize("flags, message", [
-    (["-k", "3"], "-k need a drafter: add --draft DIR or --ngram"),
-    (["--draft-confidence", "0.5"], "--draft-confidence need a drafter"),
-    (["--draft-dtype", "float16"], "--draft-dtype need a drafter"),
-    (["--ngram", "--draft-confidence", "0.5"], "--draft-confidence set the draft model, and --ngram uses none"),
+    (["-k", "3"], "-k needs a drafter: add --draft DIR or --ngram"),
+    (["--draft-confidence", "0.5"], "--draft-confidence needs a drafter"),
+    (["--draft-dtype", "float16"], "--draft-dtype needs a drafter"),
+    (["--ngram", "--draft-confidence", "0.5"], "--draft-confidence sets the draft model, and --ngram uses none"),
 ])
 def test_generate_flags_that_would_be_ignored(model_dir, capsys, flags, message):
     assert main(["generate", "--model", str(model_dir), "--prompt", "x", "--max-tokens", "2", *flags]) == 2

@@ -134,6 +134,69 @@ def test_the_current_and_home_directories_are_never_replaced(place, tmp_path, mo
     assert sorted(p.name for p in (tmp_path / "top").iterdir()) == ["home", "work"] and len(list(tmp_path.iterdir())) == 1
 
 
+@pytest.mark.parametrize("name", ["run.incomplete", "run.replaced"])
+def test_specdecs_working_directories_are_not_an_out(name, tmp_path):
+    """Not even with --force: another run may be writing there (found probing: bench --force
+    into a training run's staging directory mixed the two)."""
+    with pytest.raises(ValueError, match="names ending in .incomplete or .replaced are specdec's working directories"):
+        open_output_dir(tmp_path / name, "bench", force=True)
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_a_users_folder_named_like_the_replacement_directory_is_kept(tmp_path):
+    out = open_output_dir(tmp_path / "run", "train")
+    out.commit()
+    user_folder(tmp_path / "run.replaced")
+    before = snapshot(tmp_path / "run.replaced")
+    with pytest.raises(ValueError, match="run.replaced exists .*move or remove it"):
+        open_output_dir(tmp_path / "run", "train", is_own_output=lambda path: True)
+    assert snapshot(tmp_path / "run.replaced") == before
+
+
+def test_an_input_inside_the_staging_directory_is_refused(tmp_path):
+    corpus = user_folder(tmp_path / "run.incomplete")
+    with pytest.raises(ValueError, match="--out '.*run''s staging directory .* is --corpus"):
+        open_output_dir(tmp_path / "run", "train", {"--corpus": corpus}, force=True)
+
+
+def test_system_places_and_repositories_are_never_replaced(tmp_path):
+    with pytest.raises(ValueError, match="a system directory an output would replace"):
+        open_output_dir("/tmp", "bench", force=True)
+    repository = user_folder(tmp_path / "repo")
+    (repository / ".git").mkdir()
+    with pytest.raises(ValueError, match=r"is a repository \(it holds .git\); --force never replaces one"):
+        open_output_dir(repository, "bench", force=True)
+
+
+def test_a_name_too_long_to_stage_is_refused_up_front(tmp_path):
+    with pytest.raises(ValueError, match="its name is too long to stage beside it .* at most 244 bytes"):
+        open_output_dir(tmp_path / ("a" * 250), "train")
+
+
+def test_a_commit_cut_short_after_its_rename_is_finished_by_the_next_run(tmp_path):
+    """Killed between moving the staging directory into place and removing its marker: the
+    output is whole; the loader says to rerun, and the rerun finishes the commit."""
+    output = open_output_dir(tmp_path / "run", "train")
+    (output.staging / "model.safetensors").write_bytes(b"weights")
+    os.replace(output.staging, output.final)  # the commit, cut short here
+    output.lock.close()
+    with pytest.raises(ModelLoadError, match="unfinished output of a `specdec train` run"):
+        load_pretrained(output.final)
+    with pytest.raises(ValueError, match="output of a `specdec train` run whose last step was cut short"):
+        open_output_dir(tmp_path / "run", "bench")
+    with open_output_dir(tmp_path / "run", "train", is_own_output=lambda path: True,
+                         own_entries=("model.safetensors",)):
+        assert snapshot(tmp_path / "run") == {"model.safetensors": b"weights"}
+
+
+def test_a_command_that_cannot_resume_leaves_nothing_when_interrupted(tmp_path):
+    with pytest.raises(KeyboardInterrupt):
+        with open_output_dir(tmp_path / "results", "bench", resumable=False) as output:
+            (output.staging / "results.json").write_text("{}")
+            raise KeyboardInterrupt
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_a_directory_another_run_is_writing_is_refused(tmp_path):
     first = open_output_dir(tmp_path / "out", "train")
     with pytest.raises(ValueError, match="another specdec run is writing --out"):
@@ -250,6 +313,17 @@ def test_a_finished_run_with_the_users_files_added_is_not_replaced(corpus_dir, t
         assert main([*run, *again]) == 2
         assert "and also notes.txt, which that run did not write" in capsys.readouterr().err
         assert snapshot(out) == before
+
+
+def test_the_users_files_inside_a_finished_runs_checkpoint_directory_are_kept(corpus_dir, tmp_path, capsys):
+    out = tmp_path / "run"
+    run = ["train", "--corpus", str(corpus_dir), "--out", str(out), *TINY_RUN]
+    assert main([*run, "--steps", "2"]) == 0
+    (out / "checkpoint" / "step1000-keep.pt").write_bytes(b"mine")
+    before = snapshot(out)
+    assert main([*run, "--steps", "4"]) == 2
+    assert "and also checkpoint/step1000-keep.pt, which that run did not write" in capsys.readouterr().err
+    assert snapshot(out) == before
 
 
 def test_a_folder_with_a_foreign_checkpoint_is_not_an_earlier_run(corpus_dir, tmp_path, capsys):

@@ -11,12 +11,13 @@ from __future__ import annotations
 import argparse
 import sys
 
-from specdec.benchmark.commands import add_bench_parser
 from specdec.config import SamplingParams
-from specdec.training.commands import add_distill_parser, add_train_parser
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from specdec.benchmark.commands import add_bench_parser  # these import torch: after main's try begins
+    from specdec.training.commands import add_distill_parser, add_train_parser
+
     parser = argparse.ArgumentParser(prog="specdec", description="Exact speculative decoding for LLMs")
     commands = parser.add_subparsers(dest="command", required=True)
     add_generate_parser(commands)
@@ -27,8 +28,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
     try:
+        args = build_parser().parse_args(argv)
         return args.run(args)
     except (ValueError, OSError) as e:  # bad input, a path that cannot be read or written: one clear line
         print(f"error: {e}", file=sys.stderr)
@@ -98,13 +99,15 @@ def _speculative_method(args) -> str | None:
                                             ("--draft-dtype", args.draft_dtype != "auto")) if given]
     if args.ngram:
         if draft_flags:
-            raise ValueError(f"{' and '.join(draft_flags)} set the draft model, and --ngram uses none; drop them, or "
-                             "give --draft DIR --lookup for prompt lookup with a draft model behind it")
+            raise ValueError(f"{' and '.join(draft_flags)} {'sets' if len(draft_flags) == 1 else 'set'} the draft "
+                             "model, and --ngram uses none; drop them, or give --draft DIR --lookup for prompt lookup "
+                             "with a draft model behind it")
         return "ngram"
     if args.draft is None:
         flags = draft_flags + (["-k"] if args.num_speculative_tokens is not None else [])
         if flags:
-            raise ValueError(f"{' and '.join(flags)} need a drafter: add --draft DIR or --ngram, or drop them")
+            raise ValueError(f"{' and '.join(flags)} {'needs' if len(flags) == 1 else 'need'} a drafter: add --draft "
+                             "DIR or --ngram, or drop them")
         return None
     return "lookup_then_draft" if args.lookup else "draft_model"
 

@@ -39,7 +39,7 @@ def build_stand_in(path: Path) -> Path:
     from specdec.output_dir import open_output_dir
 
     print(f"building a random-init stand-in target in {path} (once) ...", flush=True)
-    with open_output_dir(path, "demo") as output:  # an interrupted build leaves nothing that loads
+    with open_output_dir(path, "demo", resumable=False) as output:  # an interrupted build leaves nothing that loads
         output.clear_staging()
         stdlib = Path(sysconfig.get_paths()["stdlib"])
         files = sorted(stdlib.glob("*.py"))[:200]

@@ -233,6 +233,8 @@ def _as_prompt_list(prompts) -> list:
     out = []
     for prompt in prompts:
         if isinstance(prompt, dict):
+            check(not {"prompt", "prompt_token_ids"} <= prompt.keys(),
+                  "a dict prompt takes 'prompt' (text) or 'prompt_token_ids', not both")
             if "prompt_token_ids" in prompt:
                 prompt = prompt["prompt_token_ids"]
                 check(isinstance(prompt, (list, tuple)), "'prompt_token_ids' must be a list of token ids, got "

@@ -3,22 +3,29 @@
 Every command that writes a directory (train, distill, bench, and the ones to come) opens
 it with `open_output_dir` before its work and ends with `OutputDir.commit()`:
 
-  refused     an empty --out; a file; a directory that is one of the command's inputs, lies
-              inside one or holds one, or is (or holds) the current or the home directory
-              (even with force); an existing non-empty directory that is not this command's own
-              earlier output, or holds files besides that output's, unless force (it is then
-              replaced when the run finishes, never before); a directory another run is
-              writing (its staging directory is locked while the run lasts)
+  refused     an empty --out; a file; a name ending in .incomplete or .replaced (specdec's
+              working directories); a directory that is one of the command's inputs, lies
+              inside one or holds one; the current or home directory, one holding either,
+              the filesystem's root or a directory right under it (all of these even with
+              force); an existing non-empty directory that is not this command's own earlier
+              output, or holds files besides that output's (even inside its subdirectories),
+              unless force, which replaces it when the run finishes, never before, and never
+              a repository (a directory holding .git); a directory another run is writing (its
+              staging directory is locked while that run lasts)
   staging     the run writes into `<out>.incomplete/`, a sibling made at once, so a
               destination that cannot be written fails in the first second, not after hours
               of training; it holds STAGING_MARKER, which the model loader refuses
-  commit      renames the staging directory into place; until then `<out>` is untouched, so
-              an interrupted or failed run never leaves a directory that loads as a finished
-              model (rerunning the command finds its staging directory and resumes)
+  commit      moves `<out>` (if any) aside to `<out>.replaced`, renames the staging directory
+              into place, removes the marker, then the old directory; until then `<out>` is
+              untouched, so an interrupted or failed run never leaves a directory that loads as
+              a finished model. Rerunning the command finds its staging directory and resumes
+              (a resumable command), or starts afresh; a commit cut short between its renames
+              is finished by the next run of the same command
 
 Terms: *final* is the directory the user named, *staging* its `.incomplete` sibling, and a
 command's *own output* is what an earlier run of the same command wrote there (the command
-says how to recognise it and what such a run writes), which it may resume from and replace.
+says how to recognise it and which files such a run writes), which it may resume from and
+replace.
 """
 
 from __future__ import annotations
@@ -33,8 +40,9 @@ from pathlib import Path
 from typing import IO, Callable
 
 STAGING_SUFFIX = ".incomplete"
-STAGING_MARKER = ".specdec-incomplete.json"  # {"command": ..., "out": ...}
 REPLACED_SUFFIX = ".replaced"  # where commit() moves the old final directory until the new one is in place
+STAGING_MARKER = ".specdec-incomplete.json"  # {"command": ..., "out": ..., "resumable": ...}
+NAME_MAX = 255  # the longest file name Linux file systems take
 
 
 @dataclass(frozen=True)
@@ -42,39 +50,49 @@ class OutputDir:
     """An output directory opened for writing (see the module docstring).
 
     given: --out as the user wrote it (for messages). final: it, resolved. staging: where
-    the run writes. command: the command writing it (e.g. "train"). lock: the staging
-    marker, open and locked while this run writes.
+    the run writes. command: the command writing it (e.g. "train"). resumable: whether a
+    later run resumes from what this one leaves in staging (else a failed run removes it).
+    lock: the staging marker, open and locked while this run writes.
     """
 
     given: str
     final: Path
     staging: Path
     command: str
+    resumable: bool
     lock: IO = field(repr=False, compare=False)
+
+    @property
+    def replaced(self) -> Path:
+        return self.final.with_name(self.final.name + REPLACED_SUFFIX)
 
     def commit(self) -> Path:
         """Put the staging directory in place as the final one (replacing what was there) and
         return the final directory."""
-        old = None
-        if self.final.exists():
-            old = self.final.with_name(self.final.name + REPLACED_SUFFIX)
-            _remove(old)  # left by a commit interrupted between its renames
-            os.replace(self.final, old)
+        if self.replaced.exists():  # made since the run began: whose it is, is not known
+            raise ValueError(f"{self.replaced} appeared while this run wrote; move it away and rerun the command to "
+                             f"finish (the finished output waits in {self.staging})")
+        replacing = self.final.exists()
+        if replacing:
+            os.replace(self.final, self.replaced)
         os.replace(self.staging, self.final)
         (self.final / STAGING_MARKER).unlink()
         self.lock.close()
-        if old is not None:
-            _remove(old)
+        if replacing:
+            _remove(self.replaced)
         return self.final
 
     def __enter__(self) -> "OutputDir":
         return self
 
     def __exit__(self, error_type, error, traceback) -> None:
-        """A run that fails (or is interrupted) before writing anything leaves nothing behind;
-        the lock goes with the run."""
-        if error is not None:
-            self.discard_if_empty()
+        """A run that fails (or is interrupted) leaves nothing behind unless a later run can
+        resume from it; the lock goes with the run."""
+        if error is not None and self.staging.is_dir():
+            if not self.resumable:
+                shutil.rmtree(self.staging)
+            else:
+                self.discard_if_empty()
         self.lock.close()
 
     def discard_if_empty(self) -> bool:
@@ -93,28 +111,37 @@ class OutputDir:
 
 def open_output_dir(out, command: str, inputs: dict[str, object] | None = None, force: bool = False,
                     is_own_output: Callable[[Path], bool] = lambda path: False,
-                    own_entries: tuple[str, ...] = ()) -> OutputDir:
+                    own_entries: tuple[str, ...] = (), resumable: bool = True) -> OutputDir:
     """Check --out and make (and lock) its staging directory; raise ValueError naming the problem.
 
     inputs: {flag: path or None} of what the command reads (models, tokenizers, corpora) or
         writes elsewhere.
     force: replace an existing directory that is not this command's own output.
     is_own_output(final): whether a non-empty final directory is this command's earlier output.
-    own_entries: name patterns (fnmatch) of what such an output holds; anything else in it is
-        the user's, and makes it a directory of other files.
+    own_entries: patterns (fnmatch, of paths relative to it) of the files such an output
+        holds; any other file in it is the user's, and makes it a directory of other files.
+    resumable: whether the command resumes from an interrupted run's staging directory.
     """
     given = "" if out is None else str(out)
     if not given.strip():
         raise ValueError(f"--out is empty; give the directory {command} should write")
     final = Path(given).expanduser().resolve()
+    staging, replaced = (final.with_name(final.name + suffix) for suffix in (STAGING_SUFFIX, REPLACED_SUFFIX))
+    _check_name(given, final)
     if final.exists() and not final.is_dir():
         raise ValueError(f"--out {given!r} is a file; give a directory")
-    _check_apart_from_inputs(given, final, inputs or {})
-    _check_not_a_home(given, final)
-    if final.is_dir() and any(final.iterdir()) and not force:
-        _check_replaceable(given, final, command, is_own_output, own_entries)
-    staging = staging_path(final)
-    return OutputDir(given, final, staging, command, _make_staging(given, staging, command, final))
+    for place, label in ((final, ""), (staging, f"'s staging directory {staging}"),
+                         (replaced, f"'s replacement directory {replaced}")):
+        _check_apart_from_inputs(f"--out {given!r}{label}", place, inputs or {})
+    _check_not_a_system_place(given, final)
+    _finish_interrupted_commit(given, final, staging, command)
+    if final.is_dir() and any(final.iterdir()):
+        _check_replaceable(given, final, command, force, is_own_output, own_entries)
+    if replaced.exists():
+        raise ValueError(f"{replaced} exists (a replacement of --out {given!r} cut short, or a directory of yours); "
+                         "move or remove it before writing --out")
+    lock = _make_staging(given, staging, command, final, resumable)
+    return OutputDir(given, final, staging, command, resumable, lock)
 
 
 def staging_path(out) -> Path:
@@ -123,56 +150,100 @@ def staging_path(out) -> Path:
     return final.with_name(final.name + STAGING_SUFFIX)
 
 
-def _check_apart_from_inputs(given: str, final: Path, inputs: dict[str, object]) -> None:
+def unfinished_output_message(path: Path) -> str | None:
+    """What to say of a directory that is a run's staging directory (None if it is not one)."""
+    marker = Path(path) / STAGING_MARKER
+    if not marker.is_file():
+        return None
+    return (f"{path} is the unfinished output of a `specdec {_read_marker(marker).get('command')}` run (interrupted "
+            "or failed before it finished); rerun that command to finish it, then use its --out directory")
+
+
+def _check_name(given: str, final: Path) -> None:
+    if final.name.endswith((STAGING_SUFFIX, REPLACED_SUFFIX)):
+        raise ValueError(f"--out {given!r}: names ending in {STAGING_SUFFIX} or {REPLACED_SUFFIX} are specdec's "
+                         "working directories; give the directory's own name")
+    if len(os.fsencode(final.name + STAGING_SUFFIX)) > NAME_MAX:
+        raise ValueError(f"--out {given!r}: its name is too long to stage beside it as {final.name[:20]}..."
+                         f"{STAGING_SUFFIX}; give a name of at most {NAME_MAX - len(STAGING_SUFFIX)} bytes")
+
+
+def _finish_interrupted_commit(given: str, final: Path, staging: Path, command: str) -> None:
+    """A final directory that still holds the staging marker, with no staging directory beside
+    it, is a commit cut short after its rename: the output is whole, only the marker is left."""
+    marker = final / STAGING_MARKER
+    if not marker.is_file() or staging.exists():
+        return
+    earlier = _read_marker(marker).get("command")
+    if earlier != command:
+        raise ValueError(f"--out {given!r} is the output of a `specdec {earlier}` run whose last step was cut short; "
+                         f"rerun that command to finish it")
+    marker.unlink()
+
+
+def _check_apart_from_inputs(what: str, place: Path, inputs: dict[str, object]) -> None:
     for flag, path in inputs.items():
         if path is None or not str(path).strip():
             continue
         source = Path(path).expanduser().resolve()
-        if final == source:
+        if place == source:
             relation = "is"
-        elif source in final.parents:
+        elif source in place.parents:
             relation = "lies inside"
-        elif final in source.parents:
+        elif place in source.parents:
             relation = "holds"
         else:
             continue
-        raise ValueError(f"--out {given!r} {relation} {flag} {str(path)!r}: writing there would destroy it. Give "
-                         "another --out (and move the result afterwards if you mean to replace it)")
+        raise ValueError(f"{what} {relation} {flag} {str(path)!r}: writing there would destroy it. Give another "
+                         "--out (and move the result afterwards if you mean to replace it)")
 
 
-def _check_not_a_home(given: str, final: Path) -> None:
-    """Refuse to replace the current or the home directory, or a directory holding either."""
+def _check_not_a_system_place(given: str, final: Path) -> None:
+    """Refuse to replace the current or home directory, a directory holding either, the root
+    or a directory right under it."""
     for name, place in (("the current directory", Path.cwd().resolve()), ("your home directory",
                                                                           Path.home().resolve())):
         if final == place or final in place.parents:
             raise ValueError(f"--out {given!r} {'is' if final == place else 'holds'} {name}, which an output "
                              "directory would replace; give a new directory for the output")
+    if len(final.parts) <= 2:
+        raise ValueError(f"--out {given!r} is {final}, a system directory an output would replace; give a new "
+                         "directory for the output")
 
 
-def _check_replaceable(given: str, final: Path, command: str, is_own_output: Callable[[Path], bool],
+def _check_replaceable(given: str, final: Path, command: str, force: bool, is_own_output: Callable[[Path], bool],
                        own_entries: tuple[str, ...]) -> None:
     """A non-empty --out may be replaced without force only when it is this command's own
-    output and holds nothing else."""
+    output and holds nothing else; with force, never when it is a repository."""
+    if force:
+        if (final / ".git").exists():
+            raise ValueError(f"--out {given!r} is a repository (it holds .git); --force never replaces one: give a "
+                             "new directory for the output")
+        return
     names = sorted(p.name for p in final.iterdir())
     if not is_own_output(final):
         raise ValueError(f"--out {given!r} already holds files ({_some(names)}) that are not an earlier "
                          f"`specdec {command}` run's; give a new or empty directory, or pass --force to replace "
-                         "it when this run finishes")
-    others = [name for name in names if not any(fnmatch.fnmatch(name, pattern) for pattern in own_entries)]
+                         "the whole directory when this run finishes")
+    files = sorted(p.relative_to(final).as_posix() for p in final.rglob("*") if not p.is_dir() or p.is_symlink())
+    others = [name for name in files if not any(fnmatch.fnmatch(name, pattern) for pattern in own_entries)]
     if others:
         raise ValueError(f"--out {given!r} holds an earlier `specdec {command}` run, and also {_some(others)}, which "
                          "that run did not write and this one would replace; move them away, or pass --force")
 
 
-def _make_staging(given: str, staging: Path, command: str, final: Path) -> IO:
+def _make_staging(given: str, staging: Path, command: str, final: Path, resumable: bool) -> IO:
     """Make (or reopen, for a run that resumes) the staging directory; return its marker,
     open and locked."""
     marker = staging / STAGING_MARKER
     if staging.exists() and not marker.is_file():
         raise ValueError(f"{staging} exists and was not made by specdec; move it away to write --out {given!r}")
-    if marker.is_file() and _read_marker(marker) != command:
-        raise ValueError(f"{staging} holds an unfinished `specdec {_read_marker(marker)}` run; finish it with that "
-                         f"command, or remove {staging}, before writing --out {given!r} with `specdec {command}`")
+    earlier = _read_marker(marker) if marker.is_file() else {"command": command}
+    if earlier.get("command") != command:
+        what = ("could be resumed" if earlier.get("resumable", True) else "cannot be resumed: remove it")
+        raise ValueError(f"{staging} holds an unfinished `specdec {earlier.get('command')}` run ({what}); finish it "
+                         f"with that command, or remove {staging}, before writing --out {given!r} with "
+                         f"`specdec {command}`")
     try:
         staging.mkdir(parents=True, exist_ok=True)
         lock = open(marker, "a+")
@@ -186,25 +257,17 @@ def _make_staging(given: str, staging: Path, command: str, final: Path) -> IO:
         raise ValueError(f"another specdec run is writing --out {given!r} (in {staging}); wait for it to finish, or "
                          "give another --out") from None
     if os.path.getsize(marker) == 0:
-        lock.write(json.dumps({"command": command, "out": str(final)}) + "\n")
+        lock.write(json.dumps({"command": command, "out": str(final), "resumable": resumable}) + "\n")
         lock.flush()
     return lock
 
 
-def _read_marker(marker: Path) -> str:
+def _read_marker(marker: Path) -> dict:
     try:
-        return str(json.loads(marker.read_text()).get("command"))
-    except (OSError, ValueError, AttributeError):
-        return "unknown"
-
-
-def unfinished_output_message(path: Path) -> str | None:
-    """What to say of a directory that is a run's staging directory (None if it is not one)."""
-    marker = Path(path) / STAGING_MARKER
-    if not marker.is_file():
-        return None
-    return (f"{path} is the unfinished output of a `specdec {_read_marker(marker)}` run (interrupted or failed "
-            "before it finished); rerun that command to finish it, then use its --out directory")
+        data = json.loads(marker.read_text())
+    except (OSError, ValueError):
+        return {"command": "unknown"}
+    return data if isinstance(data, dict) else {"command": "unknown"}
 
 
 def _some(names: list[str], limit: int = 4) -> str:

@@ -50,7 +50,8 @@ def add_bench_parser(commands) -> None:
     p.add_argument("--out", metavar="DIR", default="bench_out",
                    help="directory for results.json, results.md and the plots (default bench_out); an earlier "
                         "bench's is replaced, a directory of other files refused")
-    p.add_argument("--force", action="store_true", help="replace an --out that holds other files")
+    p.add_argument("--force", action="store_true",
+                   help="replace an --out that holds other files: the whole directory, once the results are written")
     p.add_argument("--max-tokens", type=int, metavar="N",
                    help=f"new tokens per prompt (default {FULL['max_tokens']}, --quick {QUICK['max_tokens']})")
     p.add_argument("--ks", type=_int_list, metavar="K,K,...",
@@ -105,7 +106,7 @@ def open_bench_output(args, config):
     if args.write_docs:
         inputs["the docs --write-docs updates"] = DOCS
     return open_output_dir(args.out, "bench", inputs, args.force, is_bench_output,
-                           own_entries=("results.json", "results.md", *PLOTS))
+                           own_entries=("results.json", "results.md", *PLOTS), resumable=False)
 
 
 def is_bench_output(path: Path) -> bool:

@@ -91,8 +91,8 @@ def _add_training_flags(p: argparse.ArgumentParser) -> None:
                    help="dtype of the saved weights (default bfloat16)")
     t.add_argument("--max-shard-mb", type=float, default=15.0, help="largest safetensors file, in MB (default 15)")
     t.add_argument("--force", action="store_true",
-                   help="replace an --out that holds other files (not an earlier run of this command) when the run "
-                        "finishes; an input model is never replaced")
+                   help="replace an --out that holds other files (not an earlier run of this command): the whole "
+                        "directory, when the run finishes; an input model is never replaced")
     resume = t.add_mutually_exclusive_group()
     resume.add_argument("--resume", action="store_true",
                         help="require a checkpoint in --out to resume from (resuming is automatic when one exists)")

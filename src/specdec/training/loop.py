@@ -316,6 +316,9 @@ def check_resumable(checkpoint: dict, task: Task, config: TrainConfig) -> None:
                   f"{saved.get('warmup')} to keep the run's with other --steps)" if "warmup" in changed else "")
         raise ValueError(f"the checkpoint was made with other training settings ({details}){warmup}; "
                          f"rerun with the same settings to resume, or {hint}")
+    if config.stop_after is not None and checkpoint["state"]["step"] > config.stop_after:
+        raise ValueError(f"the checkpoint is at step {checkpoint['state']['step']}, past --stop-after "
+                         f"{config.stop_after}; give a later --stop-after (or none) to go on")
     if checkpoint["state"]["step"] > config.steps:
         raise ValueError(f"the checkpoint is at step {checkpoint['state']['step']}, past --steps {config.steps}; "
                          f"{hint}")

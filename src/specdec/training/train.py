@@ -327,7 +327,8 @@ CHECKPOINT_DIR = "checkpoint"  # in a run's output directory: the checkpoint to 
 RUN_OUTPUT_ENTRIES = ("config.json", "generation_config.json", "model.safetensors", "model-*-of-*.safetensors",
                       "model.safetensors.index.json", "tokenizer.json", "tokenizer_config.json",
                       "special_tokens_map.json", "chat_template.jinja", "README.md", "training_log.json",
-                      CHECKPOINT_DIR)
+                      *(f"{CHECKPOINT_DIR}/{name}" for name in (CHECKPOINT_FILE, CHECKPOINT_FILE + ".tmp",
+                                                                "training_log.json")))
 
 
 def open_run_output(out, kind: str, inputs: dict, force: bool) -> OutputDir:
