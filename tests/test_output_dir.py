@@ -160,8 +160,10 @@ def test_an_input_inside_the_staging_directory_is_refused(tmp_path):
 
 
 def test_system_places_and_repositories_are_never_replaced(tmp_path):
-    with pytest.raises(ValueError, match="a system directory an output would replace"):
-        open_output_dir("/tmp", "bench", force=True)
+    top = Path("/specdec-test-top-level")  # a directory right under / (that holds neither cwd nor home)
+    with pytest.raises(ValueError, match=f"is {top}, a system directory an output would replace"):
+        open_output_dir(top, "bench", force=True)
+    assert not top.exists() and not Path(f"{top}.incomplete").exists()
     repository = user_folder(tmp_path / "repo")
     (repository / ".git").mkdir()
     with pytest.raises(ValueError, match=r"is a repository \(it holds .git\); --force never replaces one"):
