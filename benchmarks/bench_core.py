@@ -31,8 +31,9 @@ from specdec import LLM, SamplingParams  # noqa: E402
 from specdec.benchmark.machine import read_bandwidth  # noqa: E402
 from specdec.engine import Engine  # noqa: E402
 from specdec.models.loader import load_pretrained  # noqa: E402
+from specdec.paths import BUILD  # noqa: E402
 
-MODEL_DIR = ROOT / "build" / "llama-100m-random"  # a cache, apart from bench_out (which `specdec bench` replaces)
+MODEL_DIR = BUILD / "llama-100m-random"
 
 
 def make_model(path: Path) -> Path:

@@ -21,7 +21,7 @@ sys.path.insert(0, str(ROOT / "src"))
 import torch  # noqa: E402
 
 from specdec.benchmark.machine import step_seconds  # noqa: E402
-from specdec.demo import SHIPPED_DRAFT, SHIPPED_TARGET  # noqa: E402
+from specdec.paths import SHIPPED_DRAFT, SHIPPED_TARGET  # noqa: E402
 from specdec.config import DRAFT_DTYPES, SpeculativeConfig  # noqa: E402
 from specdec.drafters import DRAFTERS  # noqa: E402
 from specdec.models.loader import load_pretrained  # noqa: E402

@@ -26,7 +26,7 @@ sys.path.insert(0, str(ROOT / "src"))
 
 from specdec import LLM, SamplingParams, SpecStats  # noqa: E402
 from specdec.benchmark.machine import step_seconds  # noqa: E402
-from specdec.demo import SHIPPED_DRAFT, SHIPPED_TARGET  # noqa: E402
+from specdec.paths import SHIPPED_DRAFT, SHIPPED_TARGET  # noqa: E402
 from specdec.benchmark.prompts import held_out_code_prompts  # noqa: E402
 from specdec.benchmark.run import with_drafter  # noqa: E402
 from specdec.metrics import predicted_speedup  # noqa: E402

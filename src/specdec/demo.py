@@ -20,9 +20,9 @@ from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parents[2]
-DEMO_DIR = ROOT / "build" / "demo-stand-in"  # a cache, apart from bench_out (which `specdec bench` replaces)
-SHIPPED_TARGET, SHIPPED_DRAFT = ROOT / "models" / "code-target", ROOT / "models" / "code-draft"
+from specdec.paths import BUILD, ROOT, SHIPPED_DRAFT, SHIPPED_TARGET
+
+DEMO_DIR = BUILD / "demo-stand-in"
 PROMPT = '''def parse_header(line):
     """Split a 'Key: value' header line."""
     key, _, value = line.partition(":")

@@ -15,9 +15,8 @@ import shlex
 import sys
 from pathlib import Path
 
-from specdec.demo import ROOT, SHIPPED_DRAFT, SHIPPED_TARGET
+from specdec.paths import DOCS, ROOT, SHIPPED_DRAFT, SHIPPED_TARGET
 
-DOCS = ROOT / "docs"
 FULL = {"prompts": 8, "max_tokens": 128, "ks": (1, 2, 3, 4, 5, 6, 7, 8)}
 ADAPTIVE_CONFIDENCE = 0.5
 QUICK = {"prompts": 4, "max_tokens": 32, "ks": (1, 3, 5)}
