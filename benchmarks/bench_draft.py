@@ -44,7 +44,7 @@ def main() -> None:
     print("|---|---|---:|---:|")
     for draft_dtype in DRAFT_DTYPES:
         spec = SpeculativeConfig(model=args.draft, draft_dtype=draft_dtype)
-        model = DRAFTERS["draft_model"](spec, target, args.dtype, args.device).model
+        model = DRAFTERS["draft_model"](spec, target, args.device).model
         draft_step = min(step_seconds(model) for _ in range(args.repeats))
         print(f"| {draft_dtype} | {_runs_as(model)} | {draft_step * 1e3:.3f} ms | {draft_step / target_step:.3f} |")
 

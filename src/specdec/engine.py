@@ -49,7 +49,7 @@ class Engine:
         self._reserve(max_batch, max_len)
         for key in self.timings:
             self.timings[key] = 0.0
-        self._sampling_key = None  # sequence objects of an earlier call may share ids with these
+        self._sampling_key = None  # an earlier call's requests may share ids with these
         start = time.perf_counter()
         waiting, running = deque(seqs), []
         free_slots = list(range(max_batch))[::-1]
@@ -147,7 +147,7 @@ class Engine:
 
     def _sampling_tensors(self, batch: list[Sequence]) -> SamplingTensors:
         """The batch's settings as tensors, rebuilt only when the batch changes."""
-        key = tuple(id(seq) for seq in batch)
+        key = tuple(seq.request_id for seq in batch)
         if key != self._sampling_key:
             self._sampling_key = key
             self._sampling = SamplingTensors.from_params([s.params for s in batch], self.target.device)

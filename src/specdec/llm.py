@@ -80,7 +80,7 @@ class LLM:
             check_k_fits(self.speculative_config.num_speculative_tokens, self.max_model_len)
         drafter = None
         if self.speculative_config is not None:
-            drafter = DRAFTERS[self.speculative_config.method](self.speculative_config, self.target, dtype, self.device)
+            drafter = DRAFTERS[self.speculative_config.method](self.speculative_config, self.target, self.device)
         k = self.speculative_config.num_speculative_tokens if self.speculative_config else 0
         self.engine = Engine(self.target.model, drafter, k, self.target.eos_token_ids, self.tokenizer, max_num_seqs)
         self._shared_generator = torch.Generator(self.device).manual_seed(seed)  # for requests without a seed

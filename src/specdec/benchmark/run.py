@@ -220,7 +220,7 @@ def load_runners(config: BenchConfig) -> LoadedRunners:
     if config.draft is not None:
         spec = SpeculativeConfig(method="draft_model", model=config.draft, num_speculative_tokens=max(config.ks),
                                  draft_dtype=config.draft_dtype)
-        drafter = DRAFTERS["draft_model"](spec, target.target, config.dtype, target.device)
+        drafter = DRAFTERS["draft_model"](spec, target.target, target.device)
         draft_model = drafter.model
         for k in config.ks:
             runners[Method("specdec", "draft_model", k)] = SpecdecRunner(with_drafter(target, drafter, k))
@@ -228,7 +228,7 @@ def load_runners(config: BenchConfig) -> LoadedRunners:
             adaptive = drafter.sharing_weights(config.adaptive_confidence)
             runners[Method("specdec", "draft_model_adaptive", max(config.ks))] = SpecdecRunner(
                 with_drafter(target, adaptive, max(config.ks)))
-    ngram = DRAFTERS["ngram"](SpeculativeConfig(method="ngram"), target.target, config.dtype, target.device)
+    ngram = DRAFTERS["ngram"](SpeculativeConfig(method="ngram"), target.target, target.device)
     for k in config.ks:
         runners[Method("specdec", "ngram", k)] = SpecdecRunner(with_drafter(target, ngram, k))
     if config.draft is not None:  # the same draft weights, with its own cache, behind prompt lookup

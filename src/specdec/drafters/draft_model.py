@@ -37,7 +37,7 @@ class DraftModelDrafter(Drafter):
         self.fed: dict[int, tuple[int, list[int]]] = {}
 
     @classmethod
-    def from_config(cls, spec, target: LoadedModel, dtype, device) -> "DraftModelDrafter":
+    def from_config(cls, spec, target: LoadedModel, device) -> "DraftModelDrafter":
         """Load spec.model in spec.draft_dtype and check that it shares the target's vocabulary.
         "auto" on the CPU, for a small draft: float32, with its matrices of at least
         LARGE_WEIGHT_BYTES (those big enough for bytes to matter: in the shipped draft, only the

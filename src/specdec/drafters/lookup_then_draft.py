@@ -32,9 +32,9 @@ class LookupThenDraftDrafter(Drafter):
         self.draft_model = draft_model
 
     @classmethod
-    def from_config(cls, spec, target, dtype, device) -> "LookupThenDraftDrafter":
-        return cls(NgramDrafter.from_config(spec, target, dtype, device),
-                   DraftModelDrafter.from_config(spec, target, dtype, device))
+    def from_config(cls, spec, target, device) -> "LookupThenDraftDrafter":
+        return cls(NgramDrafter.from_config(spec, target, device),
+                   DraftModelDrafter.from_config(spec, target, device))
 
     @classmethod
     def sharing_weights(cls, draft_model: DraftModelDrafter) -> "LookupThenDraftDrafter":

@@ -21,7 +21,7 @@ class NgramDrafter(Drafter):
         self.ngram_min, self.ngram_max, self.device = ngram_min, ngram_max, device
 
     @classmethod
-    def from_config(cls, spec, target, dtype, device) -> "NgramDrafter":
+    def from_config(cls, spec, target, device) -> "NgramDrafter":
         return cls(spec.ngram_min, spec.ngram_max, device)
 
     def propose(self, batch: list[Sequence], k: int, sampling: SamplingTensors) -> Draft:
