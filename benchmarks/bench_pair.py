@@ -28,7 +28,6 @@ from specdec import LLM, SamplingParams, SpecStats  # noqa: E402
 from specdec.benchmark.machine import step_seconds  # noqa: E402
 from specdec.paths import SHIPPED_DRAFT, SHIPPED_TARGET  # noqa: E402
 from specdec.benchmark.prompts import held_out_code_prompts  # noqa: E402
-from specdec.benchmark.run import with_drafter  # noqa: E402
 from specdec.metrics import predicted_speedup  # noqa: E402
 from specdec.drafters import LookupThenDraftDrafter  # noqa: E402
 
@@ -58,7 +57,7 @@ def main() -> None:
     drafters = {DRAFT_MODEL: first.engine.drafter}  # one draft, loaded once
     if args.lookup:
         drafters[LOOKUP] = LookupThenDraftDrafter.sharing_weights(first.engine.drafter)
-    speculative = {(name, k): with_drafter(first, drafter, k) for name, drafter in drafters.items() for k in args.k}
+    speculative = {(name, k): first.with_drafter(drafter, k) for name, drafter in drafters.items() for k in args.k}
     prompts = held_out_code_prompts(args.prompts_per_module, max_chars=args.max_chars)
     params = SamplingParams(temperature=0, max_tokens=args.max_tokens)
     for llm in (plain, *speculative.values()):  # warm-up

@@ -7,12 +7,13 @@
 
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass, field
 
 import torch
 
 from specdec.config import INT64_MIN, UINT64_MAX, SamplingParams, SpeculativeConfig, check, check_device, is_int
-from specdec.drafters import DRAFTERS
+from specdec.drafters import DRAFTERS, Drafter
 from specdec.engine import Engine
 from specdec.metrics import SpecStats
 from specdec.models.loader import LoadedModel, load_pretrained
@@ -82,18 +83,26 @@ class LLM:
         if self.speculative_config is not None:
             drafter = DRAFTERS[self.speculative_config.method](self.speculative_config, self.target, self.device)
         k = self.speculative_config.num_speculative_tokens if self.speculative_config else 0
-        self.engine = Engine(self.target.model, drafter, k, self.target.eos_token_ids, self.tokenizer, max_num_seqs)
+        self.max_num_seqs = max_num_seqs
+        self.engine = self._engine(drafter, k)
         self._shared_generator = torch.Generator(self.device).manual_seed(seed)  # for requests without a seed
         self._next_request_id = 0
 
     def target_only(self) -> "LLM":
         """An LLM over the same loaded target with no drafter: the baseline to compare with."""
-        plain = object.__new__(LLM)
-        plain.__dict__.update(self.__dict__)
-        plain.speculative_config = None
-        plain.engine = Engine(self.target.model, None, 0, self.target.eos_token_ids, self.tokenizer,
-                              self.engine.max_num_seqs)
-        return plain
+        return self.with_drafter(None)
+
+    def with_drafter(self, drafter: Drafter | None, k: int = 0) -> "LLM":
+        """An LLM over the same loaded target (nothing is reloaded) that speculates with drafter
+        at k, or decodes plainly (None). Its speculative_config is None: that field says how an
+        LLM was made from arguments."""
+        other = copy.copy(self)
+        other.speculative_config = None
+        other.engine = self._engine(drafter, k)
+        return other
+
+    def _engine(self, drafter: Drafter | None, k: int) -> Engine:
+        return Engine(self.target.model, drafter, k, self.target.eos_token_ids, self.tokenizer, self.max_num_seqs)
 
     @property
     def max_model_len(self) -> int:

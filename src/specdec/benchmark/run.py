@@ -31,7 +31,6 @@ from specdec.benchmark.machine import decode_weight_bytes, describe_machine, rea
 from specdec.benchmark.prompts import Prompt, held_out_code_prompts, repeated_code_prompts
 from specdec.config import SamplingParams, SpeculativeConfig, check, check_device, is_int, is_real
 from specdec.drafters import DRAFTERS, LookupThenDraftDrafter
-from specdec.engine import Engine
 from specdec.llm import LLM
 from specdec.metrics import SpecStats, expected_tokens_per_round, predicted_speedup
 
@@ -223,30 +222,22 @@ def load_runners(config: BenchConfig) -> LoadedRunners:
         drafter = DRAFTERS["draft_model"](spec, target.target, target.device)
         draft_model = drafter.model
         for k in config.ks:
-            runners[Method("specdec", "draft_model", k)] = SpecdecRunner(with_drafter(target, drafter, k))
+            runners[Method("specdec", "draft_model", k)] = SpecdecRunner(target.with_drafter(drafter, k))
         if config.adaptive_confidence > 0:  # the same draft weights, its own cache
             adaptive = drafter.sharing_weights(config.adaptive_confidence)
             runners[Method("specdec", "draft_model_adaptive", max(config.ks))] = SpecdecRunner(
-                with_drafter(target, adaptive, max(config.ks)))
+                target.with_drafter(adaptive, max(config.ks)))
     ngram = DRAFTERS["ngram"](SpeculativeConfig(method="ngram"), target.target, target.device)
     for k in config.ks:
-        runners[Method("specdec", "ngram", k)] = SpecdecRunner(with_drafter(target, ngram, k))
+        runners[Method("specdec", "ngram", k)] = SpecdecRunner(target.with_drafter(ngram, k))
     if config.draft is not None:  # the same draft weights, with its own cache, behind prompt lookup
         hybrid = LookupThenDraftDrafter.sharing_weights(drafter)
         for k in config.ks:
-            runners[Method("specdec", "lookup_then_draft", k)] = SpecdecRunner(with_drafter(target, hybrid, k))
+            runners[Method("specdec", "lookup_then_draft", k)] = SpecdecRunner(target.with_drafter(hybrid, k))
     loaded = LoadedRunners(runners, target, draft_model)
     if config.with_transformers:
         runners.update(transformers_runners(config, target, draft_model, loaded.notes))
     return loaded
-
-
-def with_drafter(base: LLM, drafter, k: int) -> LLM:
-    """An LLM over base's loaded target that speculates with drafter at k (nothing reloaded)."""
-    llm = base.target_only()
-    llm.engine = Engine(base.target.model, drafter, k, base.target.eos_token_ids, base.tokenizer,
-                        base.engine.max_num_seqs)
-    return llm
 
 
 class SpecdecRunner:
