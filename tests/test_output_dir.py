@@ -160,14 +160,39 @@ def test_an_input_inside_the_staging_directory_is_refused(tmp_path):
 
 
 def test_system_places_and_repositories_are_never_replaced(tmp_path):
-    top = Path("/specdec-test-top-level")  # a directory right under / (that holds neither cwd nor home)
-    with pytest.raises(ValueError, match=f"is {top}, a system directory an output would replace"):
-        open_output_dir(top, "bench", force=True)
-    assert not top.exists() and not Path(f"{top}.incomplete").exists()
+    etc = Path("/etc")  # a non-empty directory right under / that holds neither cwd nor home
+    with pytest.raises(ValueError, match="is /etc, a system directory an output would replace"):
+        open_output_dir(etc, "bench", force=True)
+    assert not Path("/etc.incomplete").exists()
     repository = user_folder(tmp_path / "repo")
     (repository / ".git").mkdir()
     with pytest.raises(ValueError, match=r"is a repository \(it holds .git\); --force never replaces one"):
         open_output_dir(repository, "bench", force=True)
+
+
+def test_a_mount_point_is_refused_up_front(tmp_path, monkeypatch):
+    """A mount point (a container's output volume, say) cannot be renamed when the run
+    finishes: refused before the run, with where to write instead."""
+    mounted = tmp_path / "volume"
+    mounted.mkdir()
+    monkeypatch.setattr(os.path, "ismount", lambda path: Path(path) == mounted)
+    with pytest.raises(ValueError, match=f"is a mount point, .*give a directory inside it, e.g. {mounted / 'out'}"):
+        open_output_dir(mounted, "train")
+    with open_output_dir(mounted / "out", "train") as output:
+        assert output.commit() == mounted / "out"
+
+
+def test_a_commit_that_cannot_rename_says_where_the_output_is(tmp_path, monkeypatch):
+    output = open_output_dir(tmp_path / "run", "bench")
+    (output.staging / "results.json").write_text("{}")
+
+    def refuse(source, destination):
+        raise OSError(16, "Device or resource busy", str(source))
+
+    monkeypatch.setattr(os, "replace", refuse)
+    with pytest.raises(ValueError, match=f"could not be moved into place .*it is complete in {output.staging}"):
+        output.commit()
+    assert (output.staging / "results.json").read_text() == "{}"
 
 
 def test_a_name_too_long_to_stage_is_refused_up_front(tmp_path):

@@ -6,8 +6,8 @@ it with `open_output_dir` before its work and ends with `OutputDir.commit()`:
   refused     an empty --out; a file; a name ending in .incomplete or .replaced (specdec's
               working directories); a directory that is one of the command's inputs, lies
               inside one or holds one; the current or home directory, one holding either,
-              the filesystem's root or a directory right under it (all of these even with
-              force); an existing non-empty directory that is not this command's own earlier
+              the filesystem's root or a non-empty directory right under it, a mount point
+              (all of these even with force); an existing non-empty directory that is not this command's own earlier
               output, or holds files besides that output's (even inside its subdirectories),
               unless force, which replaces it when the run finishes, never before, and never
               a repository (a directory holding .git); a directory another run is writing (its
@@ -73,9 +73,14 @@ class OutputDir:
             raise ValueError(f"{self.replaced} appeared while this run wrote; move it away and rerun the command to "
                              f"finish (the finished output waits in {self.staging})")
         replacing = self.final.exists()
-        if replacing:
-            os.replace(self.final, self.replaced)
-        os.replace(self.staging, self.final)
+        try:
+            if replacing:
+                os.replace(self.final, self.replaced)
+            os.replace(self.staging, self.final)
+        except OSError as e:
+            raise ValueError(f"the finished output could not be moved into place ({e.strerror}: {e.filename}); it is "
+                             f"complete in {self.staging}, and {self.given!r} is "
+                             f"{'in ' + str(self.replaced) if self.replaced.exists() else 'untouched'}") from e
         (self.final / STAGING_MARKER).unlink()
         self.lock.close()
         if replacing:
@@ -200,15 +205,18 @@ def _check_apart_from_inputs(what: str, place: Path, inputs: dict[str, object]) 
 
 def _check_not_a_system_place(given: str, final: Path) -> None:
     """Refuse to replace the current or home directory, a directory holding either, the root
-    or a directory right under it."""
+    or a non-empty directory right under it; and a mount point, which a rename cannot move."""
     for name, place in (("the current directory", Path.cwd().resolve()), ("your home directory",
                                                                           Path.home().resolve())):
         if final == place or final in place.parents:
             raise ValueError(f"--out {given!r} {'is' if final == place else 'holds'} {name}, which an output "
                              "directory would replace; give a new directory for the output")
-    if len(final.parts) <= 2:
+    if len(final.parts) <= 2 and final.is_dir() and any(final.iterdir()):
         raise ValueError(f"--out {given!r} is {final}, a system directory an output would replace; give a new "
                          "directory for the output")
+    if final.is_dir() and os.path.ismount(final):
+        raise ValueError(f"--out {given!r} is a mount point, which cannot be renamed into place when the run "
+                         f"finishes; give a directory inside it, e.g. {final / 'out'}")
 
 
 def _check_replaceable(given: str, final: Path, command: str, force: bool, is_own_output: Callable[[Path], bool],
