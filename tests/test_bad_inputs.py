@@ -212,6 +212,7 @@ def chat_llm(model_dir, tmp_path_factory) -> LLM:
     ("hello", "messages must be a non-empty list"),
     ([], "messages must be a non-empty list"),
     (["hi"], r"messages\[0\] must be a dict with 'role' and 'content', got 'hi'"),
+    ([CHAT, CHAT], r"a list of conversations \(batched chat\) is not supported yet"),
     ([{"content": "hi"}], r"messages\[0\] needs a 'role'"),
     ([{"role": "user"}], r"messages\[0\]\['content'\] must be text, got None"),
     ([{"role": "user", "content": "hi"}, {"role": "user", "content": 7}], r"messages\[1\]\['content'\] must be text"),

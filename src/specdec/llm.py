@@ -219,6 +219,8 @@ def check_messages(messages) -> None:
     """A conversation: a non-empty list of {"role": str, "content": str} dicts."""
     check(isinstance(messages, (list, tuple)) and len(messages) > 0,
           f"messages must be a non-empty list of {{'role': ..., 'content': ...}} dicts, got {_short(messages)}")
+    check(not isinstance(messages[0], (list, tuple)), "a list of conversations (batched chat) is not supported yet: "
+                                                      "call chat once per conversation")
     for i, message in enumerate(messages):
         check(isinstance(message, dict), f"messages[{i}] must be a dict with 'role' and 'content', got "
                                          f"{_short(message)}")
