@@ -102,6 +102,17 @@ def test_a_torch_float_dtype_is_taken(model_dir):
     assert LLM(str(model_dir), dtype=torch.bfloat16).target.model.dtype == torch.bfloat16
 
 
+@pytest.mark.parametrize("alias, dtype", [("fp16", torch.float16), ("bf16", torch.bfloat16), ("fp32", torch.float32),
+                                          ("half", torch.float16)])
+def test_dtype_aliases_and_torch_dtypes_for_the_draft_too(model_dir, alias, dtype):
+    """The spellings vLLM and transformers users write, for the target and for the draft."""
+    llm = LLM(str(model_dir), dtype=alias, speculative_model=str(model_dir), draft_dtype=alias,
+              num_speculative_tokens=2)
+    assert llm.target.model.dtype == dtype and llm.engine.drafter.model.dtype == dtype
+    assert LLM(str(model_dir), speculative_model=str(model_dir), draft_dtype=dtype,
+               num_speculative_tokens=2).engine.drafter.model.dtype == dtype
+
+
 @pytest.mark.parametrize("value", [float("nan"), float("inf"), float("-inf")])
 def test_weights_holding_nan_or_inf_are_refused_at_load(model_dir, tmp_path, value):
     def poison(tensors):

@@ -88,6 +88,14 @@ DEFAULT_NGRAM_MIN = {"ngram": 1, "lookup_then_draft": 2, "draft_model": 1}
 
 
 DRAFT_DTYPES = ("auto", "float32", "bfloat16", "float16")
+DTYPE_ALIASES = {"float": "float32", "fp32": "float32", "bf16": "bfloat16", "half": "float16", "fp16": "float16"}
+
+
+def dtype_name(dtype):
+    """A dtype as its canonical name: torch.bfloat16 or "bf16" -> "bfloat16"; other values as given."""
+    if not isinstance(dtype, str) and type(dtype).__name__ == "dtype" and type(dtype).__module__ == "torch":
+        dtype = str(dtype).removeprefix("torch.")
+    return DTYPE_ALIASES.get(dtype, dtype) if isinstance(dtype, str) else dtype
 SMALL_DRAFT_PARAMETERS = 100_000_000
 
 
@@ -143,7 +151,9 @@ class SpeculativeConfig:
                f"need 1 <= ngram_min <= ngram_max, got {self.ngram_min}, {self.ngram_max}")
         check(is_real(self.draft_confidence_threshold) and 0 <= self.draft_confidence_threshold <= 1,
                f"draft_confidence_threshold must be in [0, 1], got {self.draft_confidence_threshold!r}")
-        check(self.draft_dtype in DRAFT_DTYPES, f"draft_dtype must be one of {DRAFT_DTYPES}, got {self.draft_dtype!r}")
+        object.__setattr__(self, "draft_dtype", dtype_name(self.draft_dtype))
+        check(self.draft_dtype in DRAFT_DTYPES, f"draft_dtype must be one of {DRAFT_DTYPES} (or a torch dtype), got "
+                                                f"{self.draft_dtype!r}")
         unused = [f"{name}={value!r}" for name, value, neutral in (
             ("draft_dtype", self.draft_dtype, "auto"),
             ("draft_confidence_threshold", self.draft_confidence_threshold, 0)) if value != neutral]

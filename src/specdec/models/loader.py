@@ -15,7 +15,7 @@ from pathlib import Path
 
 import torch
 
-from specdec.config import is_int, is_real
+from specdec.config import DTYPE_ALIASES, is_int, is_real
 from specdec.models.checkpoint import from_hf, to_hf
 from specdec.models.cpu_linear import can_pack, pack_linears
 from specdec.models.llama import LlamaModel, ModelConfig, rope_inverse_frequencies
@@ -29,8 +29,8 @@ SUPPORTED_ARCHITECTURES = {
     "Qwen3ForCausalLM": "qwen3",
 }
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
-DTYPES = {"float32": torch.float32, "float": torch.float32, "bfloat16": torch.bfloat16,
-          "float16": torch.float16, "half": torch.float16}
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+DTYPES.update({alias: DTYPES[name] for alias, name in DTYPE_ALIASES.items()})  # "fp16", "bf16", "half", ...
 
 
 class ModelLoadError(ValueError):
