@@ -422,7 +422,8 @@ def test_a_tokenizer_larger_than_the_vocabulary(good, workdir):
 
 
 @pytest.mark.parametrize("file, value", [("generation_config.json", True), ("generation_config.json", "</s>"),
-                                         ("generation_config.json", [1, VOCAB]), ("config.json", -1)])
+                                         ("generation_config.json", [1, VOCAB]), ("config.json", -1),
+                                         ("generation_config.json", [1, True])])  # True == 1: not skipped as seen
 def test_eos_ids_that_are_not_token_ids(good, workdir, file, value):
     path = broken_copy(good, workdir)
     data = json.loads((path / file).read_text()) if (path / file).is_file() else {}

@@ -91,12 +91,16 @@ DRAFT_DTYPES = ("auto", "float32", "bfloat16", "float16")
 DTYPE_ALIASES = {"float": "float32", "fp32": "float32", "bf16": "bfloat16", "half": "float16", "fp16": "float16"}
 
 
+SMALL_DRAFT_PARAMETERS = 100_000_000
+
+
 def dtype_name(dtype):
     """A dtype as its canonical name: torch.bfloat16 or "bf16" -> "bfloat16"; other values as given."""
-    if not isinstance(dtype, str) and type(dtype).__name__ == "dtype" and type(dtype).__module__ == "torch":
-        dtype = str(dtype).removeprefix("torch.")
-    return DTYPE_ALIASES.get(dtype, dtype) if isinstance(dtype, str) else dtype
-SMALL_DRAFT_PARAMETERS = 100_000_000
+    if not isinstance(dtype, str):
+        import torch  # not at the top: the command line reads this module before it needs torch
+
+        return str(dtype).removeprefix("torch.") if isinstance(dtype, torch.dtype) else dtype
+    return DTYPE_ALIASES.get(dtype, dtype)
 
 
 @dataclass(frozen=True)

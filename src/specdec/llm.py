@@ -77,10 +77,9 @@ class LLM:
         self.device = check_device(device)
         self.target: LoadedModel = load_pretrained(model, dtype, self.device, load_tokenizer=not skip_tokenizer_init)
         self.tokenizer = self.target.tokenizer
-        if self.speculative_config is not None:
-            check_k_fits(self.speculative_config.num_speculative_tokens, self.max_model_len)
         drafter = None
         if self.speculative_config is not None:
+            check_k_fits(self.speculative_config.num_speculative_tokens, self.max_model_len)
             drafter = DRAFTERS[self.speculative_config.method](self.speculative_config, self.target, self.device)
         k = self.speculative_config.num_speculative_tokens if self.speculative_config else 0
         self.max_num_seqs = max_num_seqs

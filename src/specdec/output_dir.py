@@ -64,7 +64,7 @@ class OutputDir:
 
     @property
     def replaced(self) -> Path:
-        return self.final.with_name(self.final.name + REPLACED_SUFFIX)
+        return _sibling(self.final, REPLACED_SUFFIX)
 
     def commit(self) -> Path:
         """Put the staging directory in place as the final one (replacing what was there) and
@@ -131,7 +131,7 @@ def open_output_dir(out, command: str, inputs: dict[str, object] | None = None, 
     if not given.strip():
         raise ValueError(f"--out is empty; give the directory {command} should write")
     final = Path(given).expanduser().resolve()
-    staging, replaced = (final.with_name(final.name + suffix) for suffix in (STAGING_SUFFIX, REPLACED_SUFFIX))
+    staging, replaced = _sibling(final, STAGING_SUFFIX), _sibling(final, REPLACED_SUFFIX)
     _check_name(given, final)
     if final.exists() and not final.is_dir():
         raise ValueError(f"--out {given!r} is a file; give a directory")
@@ -151,8 +151,11 @@ def open_output_dir(out, command: str, inputs: dict[str, object] | None = None, 
 
 def staging_path(out) -> Path:
     """Where a run writing --out `out` stages its output: `<out>.incomplete`, beside it."""
-    final = Path(out).expanduser().resolve()
-    return final.with_name(final.name + STAGING_SUFFIX)
+    return _sibling(Path(out).expanduser().resolve(), STAGING_SUFFIX)
+
+
+def _sibling(final: Path, suffix: str) -> Path:
+    return final.with_name(final.name + suffix)
 
 
 def unfinished_output_message(path: Path) -> str | None:

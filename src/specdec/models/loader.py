@@ -279,7 +279,6 @@ def build_model(config: ModelConfig, weights: dict[str, torch.Tensor], dtype: to
     """A LlamaModel holding exactly the checkpoint's weights, checked by name and shape in
     the checkpoint's own (Hugging Face) names before the projections are fused."""
     given = {name: t for name, t in weights.items() if not name.endswith("rotary_emb.inv_freq")}
-    _check_finite(given, path, "")
     if config.tie_word_embeddings and "lm_head.weight" in given:
         if _same_tensor(given["lm_head.weight"], given.get("model.embed_tokens.weight")):
             del given["lm_head.weight"]  # some tied checkpoints store the shared matrix twice
@@ -297,7 +296,7 @@ def build_model(config: ModelConfig, weights: dict[str, torch.Tensor], dtype: to
             raise ModelLoadError(f"{path}: tensor {name!r} has shape {tuple(given[name].shape)}, "
                                  f"config.json implies {shape}")
     state = {name: t.to(device=device, dtype=dtype) for name, t in from_hf(given).items()}
-    _check_finite(state, path, f" once converted to {str(dtype).removeprefix('torch.')} (use a wider dtype)")
+    _check_finite(state, given, dtype, path)
     # names checked above; a tied lm_head is re-tied below
     model.load_state_dict(state, strict=False, assign=True)
     if config.tie_word_embeddings:
@@ -306,13 +305,24 @@ def build_model(config: ModelConfig, weights: dict[str, torch.Tensor], dtype: to
     return model.eval().requires_grad_(False)
 
 
-def _check_finite(tensors: dict[str, torch.Tensor], path: Path, where: str) -> None:
-    """Refuse weights holding NaN or infinity (a corrupt or diverged checkpoint), which would
-    otherwise decode to empty or garbled text; one pass over the weights."""
-    bad = [name for name, t in tensors.items() if t.is_floating_point() and not bool(torch.isfinite(t).all())]
+def _check_finite(state: dict[str, torch.Tensor], saved: dict[str, torch.Tensor], dtype: torch.dtype,
+                  path: Path) -> None:
+    """Refuse weights holding NaN or infinity, which would otherwise decode to empty or garbled
+    text: one pass over the weights as they will run (state); only when that finds some, the
+    checkpoint's own (saved, Hugging Face names) tell a corrupt or diverged checkpoint from
+    values the requested dtype cannot hold."""
+    if all(bool(torch.isfinite(t).all()) for t in state.values() if t.is_floating_point()):
+        return
+    bad = _non_finite(saved)
     if bad:
-        raise ModelLoadError(f"{path}: tensors {_some(bad)} hold NaN or infinite values{where}; the checkpoint is "
-                             "corrupt or its training diverged: re-save or re-download it")
+        raise ModelLoadError(f"{path}: tensors {_some(bad)} hold NaN or infinite values; the checkpoint is corrupt "
+                             "or its training diverged: re-save or re-download it")
+    raise ModelLoadError(f"{path}: tensors {_some(_non_finite(state))} hold NaN or infinite values once converted "
+                         f"to {str(dtype).removeprefix('torch.')} (use a wider dtype)")
+
+
+def _non_finite(tensors: dict[str, torch.Tensor]) -> list[str]:
+    return [name for name, t in tensors.items() if t.is_floating_point() and not bool(torch.isfinite(t).all())]
 
 
 def _same_tensor(a: torch.Tensor, b: torch.Tensor | None) -> bool:
@@ -334,12 +344,13 @@ def eos_token_ids(path: Path, hf_config: dict, vocab_size: int) -> tuple[int, ..
     for name, source in sources.items():
         value = source.get("eos_token_id")
         for token in (value if isinstance(value, list) else [value]):
-            if token is None or token in ids:
+            if token is None:
                 continue
             if not (is_int(token) and 0 <= token < vocab_size):
                 raise ModelLoadError(f"{path / name}: eos_token_id must be token ids in [0, {vocab_size}) (or null), "
                                      f"got {value!r}")
-            ids.append(token)
+            if token not in ids:
+                ids.append(token)
     return tuple(ids)
 
 
