@@ -32,6 +32,7 @@ from specdec.benchmark.machine import read_bandwidth  # noqa: E402
 from specdec.engine import Engine  # noqa: E402
 from specdec.models.loader import load_pretrained  # noqa: E402
 from specdec.paths import BUILD  # noqa: E402
+from specdec.runner import ModelRunner  # noqa: E402
 
 MODEL_DIR = BUILD / "llama-100m-random"
 
@@ -66,9 +67,11 @@ def decode_speed(path: Path, num_tokens: int, repeats: int) -> dict:
     hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16).eval()
     llm = LLM(str(path), dtype="bfloat16", skip_tokenizer_init=True)
     # the same engine over an unpacked load: what prepacking the weights is worth
-    unpacked = load_pretrained(path, "bfloat16", "cpu", load_tokenizer=False, pack_weights=False)
+    unpacked = load_pretrained(path, "bfloat16", "cpu", load_tokenizer=False)
     llm_unpacked = llm.target_only()
-    llm_unpacked.target, llm_unpacked.engine = unpacked, Engine(unpacked.model, None, 0, unpacked.eos_token_ids, None)
+    llm_unpacked.target = unpacked
+    llm_unpacked.engine = Engine(ModelRunner(unpacked.model, compile="off", pack_weights=False), None, 0,
+                                 unpacked.eos_token_ids, None)
 
     prompt = torch.randint(2, 32000, (1, 32), generator=torch.Generator().manual_seed(0))
     params = SamplingParams(temperature=0, max_tokens=num_tokens, ignore_eos=True)

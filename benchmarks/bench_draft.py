@@ -21,6 +21,7 @@ sys.path.insert(0, str(ROOT / "src"))
 import torch  # noqa: E402
 
 from specdec.benchmark.machine import step_seconds  # noqa: E402
+from specdec.runner import ModelRunner  # noqa: E402
 from specdec.paths import SHIPPED_DRAFT, SHIPPED_TARGET  # noqa: E402
 from specdec.config import DRAFT_DTYPES, SpeculativeConfig  # noqa: E402
 from specdec.drafters import DRAFTERS  # noqa: E402
@@ -37,15 +38,17 @@ def main() -> None:
     args = parser.parse_args()
 
     target = load_pretrained(args.target, args.dtype, args.device)
-    target_step = min(step_seconds(target.model) for _ in range(args.repeats))
+    target_runner = ModelRunner(target.model, compile="off")
+    target_step = min(step_seconds(target_runner) for _ in range(args.repeats))
     print(f"target {Path(args.target).name} in {args.dtype}: one step {target_step * 1e3:.3f} ms "
           f"({torch.get_num_threads()} threads, {args.device})\n")
     print("| draft dtype | runs as | one draft step | c |")
     print("|---|---|---:|---:|")
     for draft_dtype in DRAFT_DTYPES:
         spec = SpeculativeConfig(model=args.draft, draft_dtype=draft_dtype)
-        model = DRAFTERS["draft_model"](spec, target, args.device).model
-        draft_step = min(step_seconds(model) for _ in range(args.repeats))
+        runner = DRAFTERS["draft_model"](spec, target, target_runner).runner
+        draft_step = min(step_seconds(runner) for _ in range(args.repeats))
+        model = runner.eager_model()
         print(f"| {draft_dtype} | {_runs_as(model)} | {draft_step * 1e3:.3f} ms | {draft_step / target_step:.3f} |")
 
 

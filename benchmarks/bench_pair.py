@@ -78,7 +78,7 @@ def main() -> None:
             shown.append((prompt, alone.outputs[0].text))
 
     base = _totals(plain_stats)
-    cost_ratio = step_seconds(first.engine.drafter.model) / step_seconds(first.target.model)
+    cost_ratio = step_seconds(first.engine.drafter.runner) / step_seconds(first.runner)
     print(f"## {Path(args.target).name} + {Path(args.draft).name} (draft in "
           f"{str(first.engine.drafter.model.dtype).removeprefix('torch.')}"
           + (f", adaptive k: confidence >= {args.draft_confidence}" if args.draft_confidence else "")

@@ -174,7 +174,7 @@ def test_transformers_baseline_ignores_the_checkpoints_generation_settings_and_s
     config = BenchConfig(model=str(target), draft=str(draft), ks=(2,), **TINY)
     llm = LLM(str(target), speculative_model=str(draft), num_speculative_tokens=2, dtype=config.dtype)
     notes = []
-    runners = transformers_runners(config, llm, llm.engine.drafter.model, notes)
+    runners = transformers_runners(config, llm, llm.engine.drafter.runner, notes)
     assert set(m.drafter for m in runners) == {"none", "ngram"} and any("vocab_size" in note for note in notes)
     params = SamplingParams(temperature=0, max_tokens=12)
     ours = llm.target_only().generate(prompt, params)[0].outputs[0].token_ids

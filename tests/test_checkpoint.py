@@ -41,20 +41,22 @@ def test_saved_directory_loads_in_transformers_and_specdec(tmp_path):
 
 
 def test_a_model_packed_for_onednn_is_not_saved_without_its_weights(tmp_path):
-    """load_pretrained packs bf16 linears on the CPU: their weights leave the state dict, so
-    saving such a model is refused (it would write a directory with no linear weights)."""
+    """An eager ModelRunner packs bf16 linears on the CPU: their weights leave the state dict,
+    so saving such a model is refused (it would write a directory with no linear weights)."""
     import pytest
 
     from specdec.models.cpu_linear import can_pack
+    from specdec.runner import ModelRunner
 
     path = save_pretrained(random_model(False, seed=5), tmp_path / "saved", dtype=torch.bfloat16)
     packed = load_pretrained(path, "bfloat16", load_tokenizer=False)
     if not can_pack(torch.bfloat16, torch.device("cpu")):
         pytest.skip("this CPU has no oneDNN bf16: nothing is packed")
-    with pytest.raises(ValueError, match="pack_weights=False"):
+    ModelRunner(packed.model, compile="off").eager_model()
+    with pytest.raises(ValueError, match="before a ModelRunner"):
         save_pretrained(packed.model, tmp_path / "again", dtype=torch.bfloat16)
     assert not (tmp_path / "again").exists()
-    unpacked = load_pretrained(path, "bfloat16", load_tokenizer=False, pack_weights=False)
+    unpacked = load_pretrained(path, "bfloat16", load_tokenizer=False)
     save_pretrained(unpacked.model, tmp_path / "again", dtype=torch.bfloat16)
     assert load_pretrained(tmp_path / "again", "float32", load_tokenizer=False).model.config == unpacked.model.config
 

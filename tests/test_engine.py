@@ -343,7 +343,7 @@ def test_draft_dtype_is_independent_of_the_target_and_never_changes_greedy_outpu
     plain_bf16 = LLM(str(dirs["target"]), dtype="bfloat16")
     llm = LLM(str(dirs["target"]), speculative_model=str(dirs["draft"]), num_speculative_tokens=3,
               dtype="bfloat16", draft_dtype=draft_dtype)
-    draft = llm.engine.drafter.model
+    draft = llm.engine.drafter.runner.eager_model()  # the draft as it runs eagerly
     assert llm.target.model.dtype == torch.bfloat16 and draft.embed_tokens.weight.dtype == expected
     if draft_dtype == "auto" and can_pack(torch.bfloat16, torch.device("cpu")):
         assert isinstance(draft.lm_head, Bf16PackedLinear)  # the big matrix: its bytes matter

@@ -17,6 +17,7 @@ import torch
 from helpers import ARCHITECTURES, hf_config, load_hf, make_tokenizer
 from tokenizers import Tokenizer as RustTokenizer
 
+from specdec.platform import Platform
 from specdec import LLM, SamplingParams
 from specdec.models.loader import load_pretrained
 
@@ -458,7 +459,8 @@ def test_auto_dtype_follows_the_config(models, tmp_path, key):
     config.pop("torch_dtype", None)
     config[key] = "bfloat16"
     (path / "config.json").write_text(json.dumps(config))
-    assert LLM(model=str(path)).target.model.dtype == torch.bfloat16
+    native_bf16 = Platform("cpu", "AVX512", native_bf16=True, native_fp16=False)  # where bf16 is emulated, see
+    assert LLM(model=str(path), platform=native_bf16).target.model.dtype == torch.bfloat16  # test_runner.py
     assert LLM(model=str(path), dtype="float32").target.model.dtype == torch.float32
     assert LLM(model=str(src)).target.model.dtype == torch.float32  # the saved config says float32
 

@@ -20,15 +20,15 @@ import torch
 
 from specdec.drafters.base import Draft, Drafter
 from specdec.kv_cache import CacheTooLarge, ragged_batch
-from specdec.models.llama import LlamaModel
 from specdec.models.tokenizer import Tokenizer
+from specdec.runner import ModelRunner
 from specdec.sampling import SamplingTensors, sample, warp
 from specdec.sequence import Sequence
 from specdec.verify import greedy_verify, rejection_sample
 
 
 class Engine:
-    def __init__(self, target: LlamaModel, drafter: Drafter | None, num_speculative_tokens: int,
+    def __init__(self, target: ModelRunner, drafter: Drafter | None, num_speculative_tokens: int,
                  eos_token_ids: tuple[int, ...], tokenizer: Tokenizer | None, max_num_seqs: int = 256):
         self.target = target
         self.drafter = drafter
@@ -46,7 +46,8 @@ class Engine:
         # + k + 1: verify positions run k past the last token, and the last position is kept
         # free for padding (see kv_cache.ragged_batch)
         max_len = max(s.num_tokens + s.params.max_tokens for s in seqs) + self._usable_k(seqs) + 1
-        self._reserve(max_batch, max_len)
+        waves = -(-len(seqs) // max_batch)
+        self._reserve(max_batch, max_len, num_forwards=waves * max(s.params.max_tokens for s in seqs))
         for key in self.timings:
             self.timings[key] = 0.0
         self._sampling_key = None  # an earlier call's requests may share ids with these
@@ -67,13 +68,14 @@ class Engine:
                 self._round(running)
                 running = self._retire(running, free_slots, start)
 
-    def _reserve(self, max_batch: int, max_len: int) -> None:
+    def _reserve(self, max_batch: int, max_len: int, num_forwards: int) -> None:
+        """Caches for the work ahead (at most num_forwards target forwards); the runners
+        compile for it if they are to."""
+        query_lengths = (self.k + 1,)  # every round verifies k drafts (fewer are padded)
         try:
-            if self.cache is None or self.cache.max_batch < max_batch or self.cache.max_len < max_len:
-                self.cache = None  # the old one's memory goes back before the new one takes its own
-                self.cache = self.target.new_cache(max_batch, max_len)
+            self.cache = self.target.prepare(max_batch, max_len, query_lengths, num_forwards, self.cache)
             if self.drafter is not None:
-                self.drafter.reserve(max_batch, max_len)
+                self.drafter.reserve(max_batch, max_len, num_forwards)
         except CacheTooLarge as e:
             raise CacheTooLarge(f"{e}: {max_batch} sequences at once, each of up to {max_len:,} positions (prompt + "
                                 "max_tokens + k + 1); lower max_tokens, or max_num_seqs") from None
@@ -141,7 +143,7 @@ class Engine:
         if sampling.all_greedy:  # no probabilities needed
             return greedy_verify(draft.token_ids, num_draft, target_logits.argmax(-1))
         B, T, V = target_logits.shape  # T = k + 1
-        target_probs = warp(target_logits.view(B * T, V), sampling.repeat_rows(T)).view(B, T, V)
+        target_probs = warp(target_logits.reshape(B * T, V), sampling.repeat_rows(T)).view(B, T, V)
         return rejection_sample(draft.token_ids, num_draft, draft.probs, target_probs, [s.generator for s in batch],
                                 sampling.greedy if sampling.any_greedy else None)
 

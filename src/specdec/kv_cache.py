@@ -20,7 +20,11 @@ class CacheTooLarge(ValueError):
 
 class KVCache:
     def __init__(self, num_layers: int, max_batch: int, max_len: int, num_kv_heads: int,
-                 head_dim: int, dtype: torch.dtype, device: torch.device | str):
+                 head_dim: int, dtype: torch.dtype, device: torch.device | str, static: bool = False):
+        """static: every forward reads all max_len positions (masked past each query), and the
+        slots are always gathered, so a forward's shapes depend on its batch and query length
+        only, never on how long the sequences are: what a compiled graph needs. Otherwise a
+        forward reads positions 0..max(positions) (fewer keys, but a new shape each step)."""
         shape = (max_batch, max_len, num_kv_heads, head_dim)  # [slots, positions, Hkv, D]
         check_fits(2 * num_layers * max_batch * max_len * num_kv_heads * head_dim * dtype.itemsize,
                    torch.device(device), f"a key/value cache of {max_batch} slots x {max_len:,} positions")
@@ -28,7 +32,7 @@ class KVCache:
         # uninitialised memory could hold NaN (0 * NaN = NaN).
         self.keys = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
         self.values = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
-        self.max_batch, self.max_len = max_batch, max_len
+        self.max_batch, self.max_len, self.static = max_batch, max_len, static
         self.slots: torch.Tensor | None = None  # slot of each row of the next forward; None = rows 0..B-1
         self._arange = torch.arange(max_batch, device=device)  # [max_batch]: rows 0..B-1 without an op per layer
 
@@ -38,9 +42,13 @@ class KVCache:
             slots = torch.as_tensor(slots, dtype=torch.long, device=self.keys[0].device)
             if bool((slots < 0).any()) or bool((slots >= self.max_batch).any()):
                 raise ValueError(f"cache slots must be in [0, {self.max_batch}), got {slots.tolist()}")
-            if torch.equal(slots, torch.arange(len(slots), device=slots.device)):
+            if not self.static and torch.equal(slots, torch.arange(len(slots), device=slots.device)):
                 slots = None  # rows 0..B-1: plain slicing, no gather
         self.slots = slots
+
+    def num_keys(self, positions: torch.Tensor) -> int:
+        """How many cache positions (0..num_keys-1) a forward at positions [B, T] reads."""
+        return self.max_len if self.static else int(positions.max()) + 1
 
     def write_and_read(self, layer: int, positions: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                        num_keys: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -17,6 +17,8 @@ from specdec.drafters import DRAFTERS, Drafter
 from specdec.engine import Engine
 from specdec.metrics import SpecStats
 from specdec.models.loader import LoadedModel, load_pretrained
+from specdec.platform import Platform, detect_platform
+from specdec.runner import ModelRunner, check_compile_mode
 from specdec.sequence import Sequence
 
 
@@ -51,13 +53,17 @@ class LLM:
         finds a match, the draft model elsewhere); inferred from speculative_model if None.
     ngram_prompt_lookup_min / _max: the n-gram lengths prompt lookup tries (min None: 1 for
         "ngram", 2 for "lookup_then_draft"; see SpeculativeConfig).
-    dtype: "auto" (the checkpoint's), "float32", "bfloat16" or "float16".
+    dtype: "auto" (the checkpoint's, or float32 where the device emulates the checkpoint's half
+        precision; see platform.auto_dtype), "float32", "bfloat16" or "float16".
     draft_dtype: the draft model's dtype; "auto" = float32 for a small draft on the CPU, else
         the target's (see SpeculativeConfig).
     draft_confidence_threshold: adaptive k: a row stops drafting for the round after a token
         the draft gave less than this probability (0 = always k; see SpeculativeConfig).
     device: "cpu", "cuda", "cuda:1", ...
     max_num_seqs: the most sequences run at once; more wait for a free slot.
+    compile: "auto", "on" or "off": whether the target and draft models run compiled
+        (torch.compile; see runner.py: "auto" compiles for long work only).
+    platform: what the device can do (platform.Platform); None detects it. Tests pass their own.
     seed: seeds the random stream that requests without a seed of their own share.
 
     Options of speculation given without a drafter (no speculative_model or method) are refused,
@@ -68,19 +74,24 @@ class LLM:
                  speculative_method: str | None = None, dtype: str = "auto", device: str = "cpu",
                  max_num_seqs: int = 256, seed: int = 0, skip_tokenizer_init: bool = False,
                  ngram_prompt_lookup_min: int | None = None, ngram_prompt_lookup_max: int | None = None,
-                 draft_dtype: str = "auto", draft_confidence_threshold: float | None = None):
+                 draft_dtype: str = "auto", draft_confidence_threshold: float | None = None,
+                 compile: str = "auto", platform: Platform | None = None):
         check_arguments(seed=seed, max_num_seqs=max_num_seqs, skip_tokenizer_init=skip_tokenizer_init)
+        check_compile_mode(compile)
         self.speculative_config = speculative_config(
             speculative_model, speculative_method, num_speculative_tokens=num_speculative_tokens,
             ngram_min=ngram_prompt_lookup_min, ngram_max=ngram_prompt_lookup_max, draft_dtype=draft_dtype,
             draft_confidence_threshold=draft_confidence_threshold)
         self.device = check_device(device)
-        self.target: LoadedModel = load_pretrained(model, dtype, self.device, load_tokenizer=not skip_tokenizer_init)
+        platform = platform or detect_platform(self.device)
+        self.target: LoadedModel = load_pretrained(model, dtype, self.device, load_tokenizer=not skip_tokenizer_init,
+                                                   platform=platform, what="the target")
+        self.runner = ModelRunner(self.target.model, platform, compile, name="the target")
         self.tokenizer = self.target.tokenizer
         drafter = None
         if self.speculative_config is not None:
             check_k_fits(self.speculative_config.num_speculative_tokens, self.max_model_len)
-            drafter = DRAFTERS[self.speculative_config.method](self.speculative_config, self.target, self.device)
+            drafter = DRAFTERS[self.speculative_config.method](self.speculative_config, self.target, self.runner)
         k = self.speculative_config.num_speculative_tokens if self.speculative_config else 0
         self.max_num_seqs = max_num_seqs
         self.engine = self._engine(drafter, k)
@@ -101,7 +112,7 @@ class LLM:
         return other
 
     def _engine(self, drafter: Drafter | None, k: int) -> Engine:
-        return Engine(self.target.model, drafter, k, self.target.eos_token_ids, self.tokenizer, self.max_num_seqs)
+        return Engine(self.runner, drafter, k, self.target.eos_token_ids, self.tokenizer, self.max_num_seqs)
 
     @property
     def max_model_len(self) -> int:

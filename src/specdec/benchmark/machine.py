@@ -75,13 +75,21 @@ def decode_weight_bytes(model) -> int:
     return total
 
 
-def step_seconds(model, repeats: int = 50, context: int = 64, num_tokens: int = 1) -> float:
+def step_seconds(runner, repeats: int = 50, context: int = 64, num_tokens: int = 1,
+                 num_forwards: int = 0) -> float:
     """Median time of one forward of num_tokens tokens (1: a decode step; k + 1: a verify
-    forward) after a context of `context` tokens."""
-    device = model.device
-    cache = model.new_cache(1, context + num_tokens + 16)
-    ids = torch.randint(0, model.config.vocab_size, (1, context), generator=torch.Generator().manual_seed(0))
+    forward) after a context of `context` tokens, as runner (a ModelRunner, or a model to run
+    eagerly) runs it for work of num_forwards forwards (which decides whether "auto" compiles)."""
+    from specdec.runner import ModelRunner
+
+    if not isinstance(runner, ModelRunner):
+        runner = ModelRunner(runner, compile="off")
+    device = runner.device
+    cache = runner.prepare(1, context + num_tokens + 16, (num_tokens,), num_forwards)
+    cache.use_slots([0])
+    ids = torch.randint(0, runner.config.vocab_size, (1, context), generator=torch.Generator().manual_seed(0))
     ids = ids.to(device)
+    model = runner
     with torch.inference_mode():
         model(ids, torch.arange(context, device=device)[None], cache)
         token = ids[:, -num_tokens:]  # [1, num_tokens]

@@ -25,6 +25,7 @@ from typing import Callable
 
 import torch
 
+from specdec.runner import check_compile_mode
 from specdec.benchmark.exactness import compare
 from specdec.benchmark.goals import evaluate_goals
 from specdec.benchmark.machine import decode_weight_bytes, describe_machine, read_bandwidth, step_seconds
@@ -59,7 +60,7 @@ class BenchConfig:
     """What to measure.
 
     model / draft: Hugging Face directories (draft None: no draft-model rows).
-    dtype / draft_dtype: as LLM's dtype and draft_dtype.
+    dtype / draft_dtype / compile: as LLM's dtype, draft_dtype and compile.
     adaptive_confidence: > 0 adds a row for the draft model with adaptive k (up to the
         largest of ks; LLM's draft_confidence_threshold).
     ks: the k of each speculative row (draft model and prompt lookup).
@@ -77,6 +78,7 @@ class BenchConfig:
     device: str = "cpu"
     dtype: str = "auto"
     draft_dtype: str = "auto"
+    compile: str = "auto"
     adaptive_confidence: float = 0.0
     ks: tuple[int, ...] = (1, 2, 3, 4, 5, 6, 7, 8)
     transformers_k: int | None = None
@@ -120,6 +122,7 @@ class BenchConfig:
         check(is_int(self.bandwidth_bytes) and self.bandwidth_bytes >= 1 << 20,
                f"bandwidth_bytes must be an integer >= 1 MiB, got {self.bandwidth_bytes!r}")
         check_device(self.device)
+        check_compile_mode(self.compile)
 
     @property
     def max_k(self) -> int:
@@ -175,7 +178,7 @@ class Record:
 class LoadedRunners:
     runners: dict[Method, Runner]
     target: LLM
-    draft_model: object | None  # the draft's LlamaModel, for its step cost
+    draft_model: object | None  # the draft's ModelRunner, for its step cost
     notes: list[str] = field(default_factory=list)
 
 
@@ -213,21 +216,21 @@ def run_benchmark(config: BenchConfig, progress: Callable[[str], None] | None = 
 def load_runners(config: BenchConfig) -> LoadedRunners:
     """The specdec target (loaded once, shared by every specdec method) and its drafters,
     then the transformers baselines where transformers is installed."""
-    target = LLM(config.model, dtype=config.dtype, device=config.device)
+    target = LLM(config.model, dtype=config.dtype, device=config.device, compile=config.compile)
     runners: dict[Method, Runner] = {TARGET_ALONE: SpecdecRunner(target)}
     draft_model = None
     if config.draft is not None:
         spec = SpeculativeConfig(method="draft_model", model=config.draft, num_speculative_tokens=max(config.ks),
                                  draft_dtype=config.draft_dtype)
-        drafter = DRAFTERS["draft_model"](spec, target.target, target.device)
-        draft_model = drafter.model
+        drafter = DRAFTERS["draft_model"](spec, target.target, target.runner)
+        draft_model = drafter.runner
         for k in config.ks:
             runners[Method("specdec", "draft_model", k)] = SpecdecRunner(target.with_drafter(drafter, k))
         if config.adaptive_confidence > 0:  # the same draft weights, its own cache
             adaptive = drafter.sharing_weights(config.adaptive_confidence)
             runners[Method("specdec", "draft_model_adaptive", max(config.ks))] = SpecdecRunner(
                 target.with_drafter(adaptive, max(config.ks)))
-    ngram = DRAFTERS["ngram"](SpeculativeConfig(method="ngram"), target.target, target.device)
+    ngram = DRAFTERS["ngram"](SpeculativeConfig(method="ngram"), target.target, target.runner)
     for k in config.ks:
         runners[Method("specdec", "ngram", k)] = SpecdecRunner(target.with_drafter(ngram, k))
     if config.draft is not None:  # the same draft weights, with its own cache, behind prompt lookup
@@ -328,7 +331,7 @@ def transformers_runners(config: BenchConfig, target: LLM, draft_model, notes: l
     elif hf_draft is not None:
         runners[Method("transformers", "draft_model", k)] = TransformersRunner(hf_target, device, eos,
                                                                                assistant_model=hf_draft)
-        packed = _packed_linears(draft_model)
+        packed = _packed_linears(draft_model.eager_model())
         if packed:
             notes.append(f"specdec runs the draft in {str(draft_model.dtype).removeprefix('torch.')} with "
                          f"{packed} of its matrices (those of 2 MB or more) prepacked in bfloat16 "
@@ -404,14 +407,16 @@ def measure_costs(loaded: LoadedRunners, config: BenchConfig) -> dict:
     """The median single-token step of the target and of the draft, c = draft ÷ target, and
     for each k the target's (k+1)-token verify forward ÷ its step, v_k (each the median over
     three alternating measurements, so drift hits all alike)."""
-    target_model = loaded.target.target.model
+    target_runner = loaded.target.runner
+    work = config.max_tokens  # each request runs alone: the work "auto" compilation judges
     target_steps, draft_steps, verify_steps = [], [], {k: [] for k in config.ks}
     for _ in range(3):
-        target_steps.append(step_seconds(target_model, config.step_repeats))
+        target_steps.append(step_seconds(target_runner, config.step_repeats, num_forwards=work))
         if loaded.draft_model is not None:
-            draft_steps.append(step_seconds(loaded.draft_model, config.step_repeats))
+            draft_steps.append(step_seconds(loaded.draft_model, config.step_repeats, num_forwards=work))
         for k in config.ks:
-            verify_steps[k].append(step_seconds(target_model, config.step_repeats, num_tokens=k + 1))
+            verify_steps[k].append(step_seconds(target_runner, config.step_repeats, num_tokens=k + 1,
+                                                num_forwards=work))
     target_step = statistics.median(target_steps)
     draft_step = statistics.median(draft_steps) if draft_steps else None
     return {"target_step_ms": target_step * 1e3,
@@ -590,11 +595,12 @@ def _config_json(config: BenchConfig) -> dict:
 
 
 def _models_json(loaded: LoadedRunners, config: BenchConfig) -> dict:
-    def describe(path: str, model) -> dict:
-        return {"path": str(Path(path)), "parameters": model.config.num_parameters, "dtype": str(model.dtype),
-                "bf16_packed_matrices": _packed_linears(model)}
+    def describe(path: str, runner) -> dict:
+        return {"path": str(Path(path)), "parameters": runner.config.num_parameters, "dtype": str(runner.dtype),
+                "bf16_packed_matrices": _packed_linears(runner.eager_model()), "compile": runner.compile_mode,
+                "compile_seconds": round(runner.compile_seconds, 1)}
 
-    return {"target": describe(config.model, loaded.target.target.model),
+    return {"target": describe(config.model, loaded.target.runner),
             "draft": describe(config.draft, loaded.draft_model) if loaded.draft_model is not None else None}
 
 

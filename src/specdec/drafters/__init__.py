@@ -1,5 +1,5 @@
 """Drafters, by the name `speculative_method` uses. A new drafter is a new file and a line
-in DRAFTERS: a factory (SpeculativeConfig, the loaded target, device) -> Drafter."""
+in DRAFTERS: a factory (SpeculativeConfig, the loaded target, the target's ModelRunner) -> Drafter."""
 
 from specdec.drafters.base import Draft, Drafter
 from specdec.drafters.draft_model import DraftModelDrafter

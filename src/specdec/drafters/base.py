@@ -39,8 +39,9 @@ class Drafter(ABC):
     the target accepted, and `release` when a sequence leaves its slot.
     """
 
-    def reserve(self, max_batch: int, max_len: int) -> None:
-        """Make room for max_batch sequences of up to max_len positions."""
+    def reserve(self, max_batch: int, max_len: int, num_forwards: int = 0) -> None:
+        """Make room for max_batch sequences of up to max_len positions, for work of at most
+        num_forwards rounds (a model-based drafter may compile for it)."""
 
     @abstractmethod
     def propose(self, batch: list[Sequence], k: int, sampling: SamplingTensors) -> Draft:

@@ -18,9 +18,8 @@ import torch.nn.functional as F
 from specdec.config import SMALL_DRAFT_PARAMETERS
 from specdec.drafters.base import Draft, Drafter
 from specdec.kv_cache import ragged_batch
-from specdec.models.cpu_linear import can_pack, pack_large_linears_in_bf16
-from specdec.models.llama import LlamaModel
 from specdec.models.loader import LoadedModel, ModelLoadError, load_pretrained, model_config_from_hf, read_config
+from specdec.runner import ModelRunner
 from specdec.sampling import SamplingTensors, sample, warp
 from specdec.sequence import Sequence
 
@@ -28,8 +27,11 @@ LARGE_WEIGHT_BYTES = 2_000_000  # float32 matrices at least this big run in bf16
 
 
 class DraftModelDrafter(Drafter):
-    def __init__(self, model: LlamaModel, vocab_size: int, confidence_threshold: float = 0.0):
-        self.model = model
+    """runner: how the draft model runs (runner.model is the model)."""
+
+    def __init__(self, runner: ModelRunner, vocab_size: int, confidence_threshold: float = 0.0):
+        self.runner = runner
+        self.model = runner.model
         self.vocab_size = vocab_size  # the target's: draft logits are cut or padded to it
         self.confidence_threshold = confidence_threshold  # 0 = always draft k
         self.cache = None
@@ -37,33 +39,35 @@ class DraftModelDrafter(Drafter):
         self.fed: dict[int, tuple[int, list[int]]] = {}
 
     @classmethod
-    def from_config(cls, spec, target: LoadedModel, device) -> "DraftModelDrafter":
-        """Load spec.model in spec.draft_dtype and check that it shares the target's vocabulary.
-        "auto" on the CPU, for a small draft: float32, with its matrices of at least
-        LARGE_WEIGHT_BYTES (those big enough for bytes to matter: in the shipped draft, only the
-        output layer) prepacked in bfloat16."""
-        device = torch.device(device)
+    def from_config(cls, spec, target: LoadedModel, target_runner: ModelRunner) -> "DraftModelDrafter":
+        """Load spec.model in spec.draft_dtype, check that it shares the target's vocabulary, and
+        run it as the target runs (device, platform, compile). "auto" on the CPU, for a small
+        draft: float32, and where it runs eagerly, its matrices of at least LARGE_WEIGHT_BYTES
+        (those big enough for bytes to matter: in the shipped draft, only the output layer)
+        prepacked in bfloat16 if this CPU has it natively."""
+        device = target_runner.device
         small_on_cpu = spec.draft_dtype == "auto" and device.type == "cpu" and _is_small(spec.model)
         if small_on_cpu:
             draft_dtype = torch.float32
         else:
             draft_dtype = target.model.dtype if spec.draft_dtype == "auto" else spec.draft_dtype
-        draft = load_pretrained(spec.model, draft_dtype, device, load_tokenizer=target.tokenizer is not None)
+        draft = load_pretrained(spec.model, draft_dtype, device, load_tokenizer=target.tokenizer is not None,
+                                platform=target_runner.platform, what="the draft")
         check_same_vocabulary(target, draft)
         warn_if_shorter_context(target, draft)
-        if small_on_cpu and can_pack(torch.bfloat16, device):
-            pack_large_linears_in_bf16(draft.model, LARGE_WEIGHT_BYTES)
-        return cls(draft.model, target.model.config.vocab_size, spec.draft_confidence_threshold)
+        runner = ModelRunner(draft.model, target_runner.platform, target_runner.compile_mode,
+                             bf16_pack_min_bytes=LARGE_WEIGHT_BYTES if small_on_cpu else None, name="the draft")
+        return cls(runner, target.model.config.vocab_size, spec.draft_confidence_threshold)
 
     def sharing_weights(self, confidence_threshold: float | None = None) -> "DraftModelDrafter":
-        """A drafter over the same draft weights with a cache of its own (so both can run in one
-        process); confidence_threshold None keeps this one's."""
+        """A drafter over the same draft model and runner, with a cache of its own (for
+        comparisons within one process); confidence_threshold None keeps this one's."""
         threshold = self.confidence_threshold if confidence_threshold is None else confidence_threshold
-        return DraftModelDrafter(self.model, self.vocab_size, threshold)
+        return DraftModelDrafter(self.runner, self.vocab_size, threshold)
 
-    def reserve(self, max_batch: int, max_len: int) -> None:
-        if self.cache is None or self.cache.max_batch < max_batch or self.cache.max_len < max_len:
-            self.cache = self.model.new_cache(max_batch, max_len)
+    def reserve(self, max_batch: int, max_len: int, num_forwards: int = 0) -> None:
+        # each round feeds 1 or 2 tokens per row (catch-up), then one per draft step
+        self.cache = self.runner.prepare(max_batch, max_len, (1, 2), num_forwards, self.cache)
         self.fed.clear()
 
     def release(self, seq: Sequence) -> None:
@@ -104,7 +108,7 @@ class DraftModelDrafter(Drafter):
                 break
             if i < k - 1:
                 positions = torch.tensor([seq.num_tokens + i for seq in batch], device=device)[:, None]  # [B, 1]
-                logits = self._logits(self.model(token[:, None], positions, self.cache)[:, 0])
+                logits = self._logits(self.runner(token[:, None], positions, self.cache)[:, 0])
         token_ids = torch.stack(draft_tokens, dim=1)  # [B, steps], steps <= k
         for row, seq in enumerate(batch):  # the cache holds every draft token but the last
             self.fed[seq.slot] = (seq.num_tokens, token_ids[row, :token_ids.shape[1] - 1].tolist())
@@ -138,7 +142,7 @@ class DraftModelDrafter(Drafter):
             starts.append(start)
         input_ids, positions, last = ragged_batch(chunks, starts, self.cache)
         input_ids = self._in_draft_vocabulary(input_ids.to(device))
-        return self._logits(self.model.last_token_logits(input_ids, positions.to(device), self.cache, last))
+        return self._logits(self.runner.last_token_logits(input_ids, positions.to(device), self.cache, last))
 
     def _in_draft_vocabulary(self, input_ids: torch.Tensor) -> torch.Tensor:
         """A draft with a smaller embedding than the target's (a padded vocabulary: ids the shared

@@ -32,9 +32,9 @@ class LookupThenDraftDrafter(Drafter):
         self.draft_model = draft_model
 
     @classmethod
-    def from_config(cls, spec, target, device) -> "LookupThenDraftDrafter":
-        return cls(NgramDrafter.from_config(spec, target, device),
-                   DraftModelDrafter.from_config(spec, target, device))
+    def from_config(cls, spec, target, target_runner) -> "LookupThenDraftDrafter":
+        return cls(NgramDrafter.from_config(spec, target, target_runner),
+                   DraftModelDrafter.from_config(spec, target, target_runner))
 
     @classmethod
     def sharing_weights(cls, draft_model: DraftModelDrafter) -> "LookupThenDraftDrafter":
@@ -43,8 +43,8 @@ class LookupThenDraftDrafter(Drafter):
         return cls(NgramDrafter(DEFAULT_NGRAM_MIN["lookup_then_draft"], device=draft_model.model.device),
                    draft_model.sharing_weights())
 
-    def reserve(self, max_batch: int, max_len: int) -> None:
-        self.draft_model.reserve(max_batch, max_len)
+    def reserve(self, max_batch: int, max_len: int, num_forwards: int = 0) -> None:
+        self.draft_model.reserve(max_batch, max_len, num_forwards)
 
     def release(self, seq: Sequence) -> None:
         self.draft_model.release(seq)

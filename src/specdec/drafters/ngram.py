@@ -21,8 +21,8 @@ class NgramDrafter(Drafter):
         self.ngram_min, self.ngram_max, self.device = ngram_min, ngram_max, device
 
     @classmethod
-    def from_config(cls, spec, target, device) -> "NgramDrafter":
-        return cls(spec.ngram_min, spec.ngram_max, device)
+    def from_config(cls, spec, target, target_runner) -> "NgramDrafter":
+        return cls(spec.ngram_min, spec.ngram_max, target_runner.device)
 
     def propose(self, batch: list[Sequence], k: int, sampling: SamplingTensors) -> Draft:
         token_ids = torch.zeros(len(batch), k, dtype=torch.long)

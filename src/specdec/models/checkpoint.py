@@ -42,7 +42,8 @@ def to_hf(model: LlamaModel) -> dict[str, torch.Tensor]:
     packed = [name for name, module in model.named_modules() if isinstance(module, PackedLinear)]
     if packed:  # their weights live in oneDNN's layout, outside the state dict
         raise ValueError(f"the model's linear layers are packed for oneDNN ({packed[:2]}...), and their weights "
-                         "cannot be saved; load it with load_pretrained(..., pack_weights=False) to save it")
+                         "cannot be saved; save a model load_pretrained gave, before a ModelRunner runs it eagerly "
+                         "(which packs it)")
     c = model.config
     split_sizes = {"self_attn.qkv_proj": [c.num_heads * c.head_dim] + [c.num_kv_heads * c.head_dim] * 2,
                    "mlp.gate_up_proj": [c.intermediate_size] * 2}

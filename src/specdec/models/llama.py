@@ -213,9 +213,9 @@ class LlamaModel(nn.Module):
     def dtype(self) -> torch.dtype:
         return self.embed_tokens.weight.dtype
 
-    def new_cache(self, max_batch: int, max_len: int) -> KVCache:
+    def new_cache(self, max_batch: int, max_len: int, static: bool = False) -> KVCache:
         c = self.config
-        return KVCache(c.num_layers, max_batch, max_len, c.num_kv_heads, c.head_dim, self.dtype, self.device)
+        return KVCache(c.num_layers, max_batch, max_len, c.num_kv_heads, c.head_dim, self.dtype, self.device, static)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, cache: KVCache | None) -> torch.Tensor:
         """input_ids, positions [B, T] -> logits [B, T, V] (float32).
@@ -225,24 +225,23 @@ class LlamaModel(nn.Module):
     def hidden_states(self, input_ids: torch.Tensor, positions: torch.Tensor, cache: KVCache | None) -> torch.Tensor:
         """input_ids, positions [B, T] -> final normed hidden states [B, T, hidden]."""
         x = self.embed_tokens(input_ids)  # [B, T, hidden]
-        num_positions = int(positions.max()) + 1
-        cos, signed_sin = self._rope_tables(positions, num_positions)
-        num_keys = num_positions if cache is not None else input_ids.shape[1]
+        num_keys = cache.num_keys(positions) if cache is not None else input_ids.shape[1]
+        cos, signed_sin = self._rope_tables(positions, num_keys)
+        needs_mask = cache is not None and (cache.static or not _reads_every_key(positions, num_keys))
         masks = {}
         for layer in self.layers:
             window = self.config.window(layer.self_attn.layer_index)
             if window not in masks:
-                masks[window] = self._mask(positions, num_keys, window, cache is None)
+                masks[window] = self._mask(positions, num_keys, window, needs_mask)
             x = layer(x, cos, signed_sin, masks[window], positions, cache, num_keys)
         return self.norm(x)
 
     @staticmethod
-    def _mask(positions: torch.Tensor, num_keys: int, window: int | None, training: bool) -> torch.Tensor | None:
-        """The attention mask, or None where none is needed: in training (plain causal), and
-        for one new token per row when every row sits at the last key position (a decode step
-        of a batch of equal lengths), which reads every key."""
-        window_cuts = window is not None and window < num_keys
-        if not window_cuts and (training or (positions.shape[1] == 1 and int(positions.min()) == num_keys - 1)):
+    def _mask(positions: torch.Tensor, num_keys: int, window: int | None, needs_mask: bool) -> torch.Tensor | None:
+        """The attention mask, or None where causality alone says it all (needs_mask False:
+        training, which is plain causal, or a step that reads every key, see _reads_every_key)
+        and no sliding window cuts."""
+        if not needs_mask and (window is None or window >= num_keys):
             return None
         return attention_mask(positions, num_keys, window)
 
@@ -262,6 +261,12 @@ class LlamaModel(nn.Module):
         """positions [B, T] (all < num_positions) -> cos, signed sin [B, T, 1, D] in the model's dtype
         (computed in float32), read from tables of every position so far (a decode step then
         costs two lookups)."""
+        _, cos, signed_sin = self.rope_tables_for(num_positions)
+        return cos[positions][:, :, None, :], signed_sin[positions][:, :, None, :]  # [B, T, 1, D] each
+
+    def rope_tables_for(self, num_positions: int) -> tuple:
+        """((dtype, device), cos [N, D], signed sin [N, D]) for positions 0..N-1, N >= num_positions,
+        built once and grown by doubling."""
         key = (self.dtype, self.device)
         if self._rope_cache is None or self._rope_cache[0] != key or self._rope_cache[1].shape[0] < num_positions:
             size = max(num_positions, 2 * self._rope_cache[1].shape[0] if self._rope_cache else 1024)
@@ -269,8 +274,13 @@ class LlamaModel(nn.Module):
             cos = torch.cat((angles.cos(), angles.cos()), dim=-1)  # [N, D]
             signed_sin = torch.cat((-angles.sin(), angles.sin()), dim=-1)  # [N, D]: see apply_rope
             self._rope_cache = (key, cos.to(self.dtype), signed_sin.to(self.dtype))
-        _, cos, signed_sin = self._rope_cache
-        return cos[positions][:, :, None, :], signed_sin[positions][:, :, None, :]  # [B, T, 1, D] each
+        return self._rope_cache
+
+
+def _reads_every_key(positions: torch.Tensor, num_keys: int) -> bool:
+    """One new token per row, every row at the last key position (a decode step of a batch
+    of equal lengths): each query reads every key, so no mask is needed."""
+    return positions.shape[1] == 1 and int(positions.min()) == num_keys - 1
 
 
 def attention_mask(positions: torch.Tensor, num_keys: int, window: int | None) -> torch.Tensor:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -17,10 +18,12 @@ import torch
 
 from specdec.config import DTYPE_ALIASES, is_int, is_real
 from specdec.models.checkpoint import from_hf, to_hf
-from specdec.models.cpu_linear import can_pack, pack_linears
 from specdec.models.llama import LlamaModel, ModelConfig, rope_inverse_frequencies
 from specdec.models.tokenizer import Tokenizer
 from specdec.output_dir import unfinished_output_message
+from specdec.platform import Platform, auto_dtype, detect_platform, warn_if_emulated
+
+log = logging.getLogger("specdec")
 
 SUPPORTED_ARCHITECTURES = {
     "LlamaForCausalLM": "llama",
@@ -47,19 +50,19 @@ class LoadedModel:
 
 
 def load_pretrained(path: str | Path, dtype: str | torch.dtype = "auto", device: str | torch.device = "cpu",
-                    load_tokenizer: bool = True, pack_weights: bool = True) -> LoadedModel:
-    """Load a Hugging Face directory. pack_weights: on the CPU in bfloat16, prepack the
-    linear layers for oneDNN (see cpu_linear.py)."""
+                    load_tokenizer: bool = True, platform: Platform | None = None,
+                    what: str = "the model") -> LoadedModel:
+    """Load a Hugging Face directory in dtype ("auto": see resolve_dtype; platform: the
+    device's, detected if None). How the model then runs (weight layouts, compilation) is
+    its ModelRunner's business."""
     path = check_model_path(path)
     hf_config = read_config(path)
     config = model_config_from_hf(hf_config, path / "config.json")
-    torch_dtype = resolve_dtype(dtype, hf_config)
+    torch_dtype = resolve_dtype(dtype, hf_config, platform or detect_platform(device), what)
     eos_ids = eos_token_ids(path, hf_config, config.vocab_size)
     weights = read_safetensors(path)
     tokenizer = _load_tokenizer(path, config.vocab_size) if load_tokenizer else None
     model = build_model(config, weights, torch_dtype, torch.device(device), path)
-    if pack_weights and can_pack(torch_dtype, torch.device(device)):
-        pack_linears(model)
     return LoadedModel(model, tokenizer, eos_ids, path, hf_config)
 
 
@@ -217,23 +220,31 @@ def _sliding_windows(cfg: dict, model_type: str, num_layers: int, where: Path) -
     return ()
 
 
-def resolve_dtype(dtype: str | torch.dtype, hf_config: dict) -> torch.dtype:
+def resolve_dtype(dtype: str | torch.dtype, hf_config: dict, platform: Platform | None = None,
+                  what: str = "the model") -> torch.dtype:
+    """dtype as a torch dtype; "auto" = the checkpoint's, unless platform (detected if None)
+    would emulate it (platform.auto_dtype). The choice is logged; an explicit half precision
+    the platform emulates runs, with a warning."""
     if isinstance(dtype, torch.dtype):
         if dtype not in (torch.float32, torch.bfloat16, torch.float16):
             raise ValueError(f"dtype {dtype} is not supported: the model runs in torch.float32, torch.bfloat16 "
                              "or torch.float16 ('auto' takes the checkpoint's)")
-        return dtype
-    if not isinstance(dtype, str):
+    elif not isinstance(dtype, str):
         raise ValueError(f"dtype must be 'auto', one of {sorted(DTYPES)} or a torch dtype, got {dtype!r}")
-    if dtype == "auto":
-        saved = hf_config.get("dtype") or hf_config.get("torch_dtype") or "float32"
-        if not isinstance(saved, str) or saved not in DTYPES:
-            raise ModelLoadError(f"config.json says the weights are {saved!r}, which is not supported; pass "
-                                 f"dtype= one of {sorted(DTYPES)} instead of 'auto'")
-        return DTYPES[saved]
-    if dtype not in DTYPES:
+    elif dtype != "auto" and dtype not in DTYPES:
         raise ValueError(f"dtype {dtype!r} is not supported; use 'auto' or one of {sorted(DTYPES)}")
-    return DTYPES[dtype]
+    platform = platform or detect_platform("cpu")
+    if dtype != "auto":
+        chosen = dtype if isinstance(dtype, torch.dtype) else DTYPES[dtype]
+        warn_if_emulated(chosen, platform, what)
+        return chosen
+    saved = hf_config.get("dtype") or hf_config.get("torch_dtype") or "float32"
+    if not isinstance(saved, str) or saved not in DTYPES:
+        raise ModelLoadError(f"config.json says the weights are {saved!r}, which is not supported; pass "
+                             f"dtype= one of {sorted(DTYPES)} instead of 'auto'")
+    chosen, why = auto_dtype(DTYPES[saved], platform)
+    log.info("%s runs in %s: %s", what, str(chosen).removeprefix("torch."), why)
+    return chosen
 
 
 def read_safetensors(path: Path) -> dict[str, torch.Tensor]:

@@ -183,7 +183,7 @@ def load_initial_model(init_dir: str | Path, load_tokenizer: bool = False):
     what a --init run of train or distill goes on from."""
     from specdec.models.loader import load_pretrained
 
-    loaded = load_pretrained(init_dir, "float32", "cpu", pack_weights=False, load_tokenizer=load_tokenizer)
+    loaded = load_pretrained(init_dir, "float32", "cpu", load_tokenizer=load_tokenizer)
     loaded.model.train().requires_grad_(True)
     return loaded
 
