@@ -25,6 +25,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "src"))
 
 from specdec import LLM, SamplingParams, SpecStats  # noqa: E402
+from specdec.config import COMPILE_HELP, COMPILE_MODES  # noqa: E402
 from specdec.benchmark.machine import step_seconds  # noqa: E402
 from specdec.paths import SHIPPED_DRAFT, SHIPPED_TARGET  # noqa: E402
 from specdec.benchmark.prompts import held_out_code_prompts  # noqa: E402
@@ -44,6 +45,7 @@ def main() -> None:
     parser.add_argument("--max-chars", type=int, default=800, help="prompt length in characters (at most)")
     parser.add_argument("--dtype", default="auto")
     parser.add_argument("--draft-dtype", default="auto")
+    parser.add_argument("--compile", choices=COMPILE_MODES, default="auto", help=COMPILE_HELP)
     parser.add_argument("--draft-confidence", type=float, default=0.0,
                         help="adaptive k: LLM(draft_confidence_threshold=...) (default 0: always k)")
     parser.add_argument("--lookup", action="store_true",
@@ -52,7 +54,7 @@ def main() -> None:
     args = parser.parse_args()
 
     first = LLM(args.target, speculative_model=args.draft, num_speculative_tokens=args.k[0], dtype=args.dtype,
-                draft_dtype=args.draft_dtype, draft_confidence_threshold=args.draft_confidence)
+                draft_dtype=args.draft_dtype, draft_confidence_threshold=args.draft_confidence, compile=args.compile)
     plain = first.target_only()
     drafters = {DRAFT_MODEL: first.engine.drafter}  # one draft, loaded once
     if args.lookup:
@@ -60,8 +62,9 @@ def main() -> None:
     speculative = {(name, k): first.with_drafter(drafter, k) for name, drafter in drafters.items() for k in args.k}
     prompts = held_out_code_prompts(args.prompts_per_module, max_chars=args.max_chars)
     params = SamplingParams(temperature=0, max_tokens=args.max_tokens)
-    for llm in (plain, *speculative.values()):  # warm-up
-        llm.generate(prompts[0].text, params)
+    longest = max(prompts, key=lambda prompt: len(first.prompt_token_ids(prompt.text, params)))
+    for llm in (plain, *speculative.values()):  # warm-up (and compiling) for the longest prompt
+        llm.warm_up(longest.text, params)
 
     plain_stats, spec_stats = [], {key: [] for key in speculative}
     mismatches, shown, parsing = {key: [] for key in speculative}, [], []
@@ -79,7 +82,8 @@ def main() -> None:
 
     base = _totals(plain_stats)
     cost_ratio = step_seconds(first.engine.drafter.runner) / step_seconds(first.runner)
-    print(f"## {Path(args.target).name} + {Path(args.draft).name} (draft in "
+    print(f"## {Path(args.target).name} + {Path(args.draft).name} (target in "
+          f"{str(first.runner.dtype).removeprefix('torch.')}, compile={args.compile}, draft in "
           f"{str(first.engine.drafter.model.dtype).removeprefix('torch.')}"
           + (f", adaptive k: confidence >= {args.draft_confidence}" if args.draft_confidence else "")
           + f"), greedy, {len(prompts)} held-out code "

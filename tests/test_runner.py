@@ -165,3 +165,16 @@ def test_eager_runner_with_auto_leaves_the_model_unpacked(dirs):
     assert all(type(m) is torch.nn.Linear for m in llm.target.model.modules() if "Linear" in type(m).__name__)
     assert eager.embed_tokens.weight is llm.target.model.embed_tokens.weight
     assert isinstance(llm.runner, ModelRunner)
+
+
+def test_a_graph_that_computes_wrong_logits_is_caught_and_eager_runs(dirs, eager_outputs, monkeypatch):
+    """The warm-up compares each compiled shape with eager on the same input: a compiler that
+    returns wrong logits (here: doubled) is caught before any request uses it."""
+    def wrong_compile(fn, **options):
+        return lambda *args, **kwargs: 2 * fn(*args, **kwargs)
+
+    monkeypatch.setattr(torch, "compile", wrong_compile)
+    llm = LLM(str(dirs["target"]), dtype="float32", compile="on")
+    with pytest.warns(UserWarning, match="differ from eager ones"):
+        outputs = llm.generate(PROMPTS, GREEDY)
+    assert token_ids(outputs) == [eager_outputs[tuple(p)] for p in PROMPTS] and not llm.engine.cache.static

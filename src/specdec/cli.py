@@ -9,9 +9,10 @@
 from __future__ import annotations
 
 import argparse
+import logging
 import sys
 
-from specdec.config import SamplingParams
+from specdec.config import COMPILE_HELP, COMPILE_MODES, SamplingParams
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -28,6 +29,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    show_log()
     try:
         args = build_parser().parse_args(argv)
         return args.run(args)
@@ -37,6 +39,16 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:  # train and distill say what they kept; the others have nothing to keep
         print("\ninterrupted", file=sys.stderr)
         return 130
+
+
+def show_log() -> None:
+    """specdec's log lines (the dtype chosen and why, compile times) on stderr, once."""
+    log = logging.getLogger("specdec")
+    if not log.handlers:
+        handler = logging.StreamHandler(sys.stderr)
+        handler.setFormatter(logging.Formatter("specdec: %(message)s"))
+        log.addHandler(handler)
+        log.setLevel(logging.INFO)
 
 
 def add_generate_parser(commands) -> None:
@@ -67,6 +79,7 @@ def add_generate_parser(commands) -> None:
                    help="adaptive k: stop a round's drafting after a draft token the draft gave less than P "
                         "(default 0: always k)")
     p.add_argument("--device", default="cpu")
+    p.add_argument("--compile", choices=COMPILE_MODES, default="auto", help=COMPILE_HELP)
     p.add_argument("--compare", action="store_true", help="also run the target alone and print the speedup")
     p.add_argument("--color", choices=("auto", "always", "never"), default="auto",
                    help="mark accepted draft tokens in color (auto: when printing to a terminal)")
@@ -120,10 +133,11 @@ def run_generate(args) -> int:
     method = _speculative_method(args)
     llm = LLM(args.model, speculative_model=args.draft, speculative_method=method,
               num_speculative_tokens=args.num_speculative_tokens, dtype=args.dtype, device=args.device,
-              draft_dtype=args.draft_dtype, draft_confidence_threshold=args.draft_confidence)
+              draft_dtype=args.draft_dtype, draft_confidence_threshold=args.draft_confidence, compile=args.compile)
     llm.prompt_token_ids(args.prompt, params)  # a bad request is refused as itself, not as the warm-up
-    warm_up = SamplingParams(temperature=0, max_tokens=min(2, args.max_tokens))  # no more than the request asks
-    llm.generate(args.prompt, warm_up)  # first calls are slow
+    llm.warm_up(args.prompt, params)  # first calls are slow
+    if args.compare:
+        llm.target_only().warm_up(args.prompt, params)
     output = llm.generate(args.prompt, params)[0]
     completion = output.outputs[0]
     color = args.color == "always" or (args.color == "auto" and sys.stdout.isatty())

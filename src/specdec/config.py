@@ -80,6 +80,10 @@ class SamplingParams:
         return self.temperature < GREEDY_TEMPERATURE
 
 
+COMPILE_MODES = ("auto", "on", "off")  # how the models run: see runner.py
+COMPILE_HELP = ("run the models compiled (torch.compile): on, off, or auto (the default: only for long work, "
+                "where the compile time pays back)")
+
 SPECULATIVE_METHODS = ("draft_model", "ngram", "lookup_then_draft")
 NEEDS_DRAFT_MODEL = ("draft_model", "lookup_then_draft")
 # the shortest n-gram match prompt lookup trusts, by method: with a draft model to fall back

@@ -40,14 +40,20 @@ class Engine:
         self._sampling_key, self._sampling = None, None
         self.timings = {"prefill": 0.0, "draft": 0.0, "target": 0.0, "sampling": 0.0, "bookkeeping": 0.0}
 
-    def run(self, seqs: list[Sequence]) -> None:
-        """Generate every sequence to completion (continuous batching over free slots)."""
+    def prepare(self, seqs: list[Sequence]) -> int:
+        """Size the caches for generating seqs (and compile for it, where the runners are to);
+        returns how many run at once."""
         max_batch = min(self.max_num_seqs, len(seqs))
         # + k + 1: verify positions run k past the last token, and the last position is kept
         # free for padding (see kv_cache.ragged_batch)
         max_len = max(s.num_tokens + s.params.max_tokens for s in seqs) + self._usable_k(seqs) + 1
         waves = -(-len(seqs) // max_batch)
         self._reserve(max_batch, max_len, num_forwards=waves * max(s.params.max_tokens for s in seqs))
+        return max_batch
+
+    def run(self, seqs: list[Sequence]) -> None:
+        """Generate every sequence to completion (continuous batching over free slots)."""
+        max_batch = self.prepare(seqs)
         for key in self.timings:
             self.timings[key] = 0.0
         self._sampling_key = None  # an earlier call's requests may share ids with these

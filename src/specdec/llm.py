@@ -8,6 +8,7 @@
 from __future__ import annotations
 
 import copy
+import dataclasses
 from dataclasses import dataclass, field
 
 import torch
@@ -128,6 +129,13 @@ class LLM:
         with torch.inference_mode():
             self.engine.run(seqs)
         return [self._output(seq) for seq in seqs]
+
+    def warm_up(self, prompt, params: SamplingParams) -> None:
+        """Make the first calls' one-off costs (compiling, allocating) before a request like this
+        one is timed: size (and compile) for it, then generate two tokens."""
+        with torch.inference_mode():
+            self.engine.prepare([self._new_sequence(prompt, params)])
+        self.generate(prompt, dataclasses.replace(params, max_tokens=min(2, params.max_tokens)))
 
     def chat(self, messages: list[dict], sampling_params: SamplingParams | None = None) -> RequestOutput:
         """Generate a reply to one conversation rendered with the model's chat template."""

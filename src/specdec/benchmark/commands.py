@@ -15,6 +15,7 @@ import shlex
 import sys
 from pathlib import Path
 
+from specdec.config import COMPILE_HELP, COMPILE_MODES
 from specdec.paths import DOCS, ROOT, SHIPPED_DRAFT, SHIPPED_TARGET
 
 FULL = {"prompts": 8, "max_tokens": 128, "ks": (1, 2, 3, 4, 5, 6, 7, 8)}
@@ -43,6 +44,7 @@ def add_bench_parser(commands) -> None:
     p.add_argument("--draft-dtype", default="auto",
                    help="the draft's dtype: auto (float32 for a small draft on the CPU, else --dtype's), float32, "
                         "bfloat16 or float16")
+    p.add_argument("--compile", choices=COMPILE_MODES, default="auto", help=COMPILE_HELP)
     p.add_argument("--quick", action="store_true",
                    help=f"a few minutes: {QUICK['prompts']} prompts per set, {QUICK['max_tokens']} tokens, "
                         f"k in {{{','.join(map(str, QUICK['ks']))}}}")
@@ -89,6 +91,7 @@ def bench_config(args):
     model, draft = resolve_pair(args.model, args.draft)
     sizes = QUICK if args.quick else FULL
     return BenchConfig(model=model, draft=draft, device=args.device, dtype=args.dtype, draft_dtype=args.draft_dtype,
+                       compile=args.compile,
                        adaptive_confidence=args.adaptive_confidence,
                        ks=_given_or(args.ks, sizes["ks"]), max_tokens=_given_or(args.max_tokens, sizes["max_tokens"]),
                        prompts_per_set=_given_or(args.prompts, sizes["prompts"]),
