@@ -135,9 +135,10 @@ def run_generate(args) -> int:
               num_speculative_tokens=args.num_speculative_tokens, dtype=args.dtype, device=args.device,
               draft_dtype=args.draft_dtype, draft_confidence_threshold=args.draft_confidence, compile=args.compile)
     llm.prompt_token_ids(args.prompt, params)  # a bad request is refused as itself, not as the warm-up
-    llm.warm_up(args.prompt, params)  # first calls are slow
-    if args.compare:
-        llm.target_only().warm_up(args.prompt, params)
+    baseline_llm = llm.target_only() if args.compare else None
+    for warming in (llm, baseline_llm):  # first calls are slow
+        if warming is not None:
+            warming.warm_up(args.prompt, params)
     output = llm.generate(args.prompt, params)[0]
     completion = output.outputs[0]
     color = args.color == "always" or (args.color == "auto" and sys.stdout.isatty())
@@ -150,7 +151,7 @@ def run_generate(args) -> int:
     label = f"{method} k={llm.speculative_config.num_speculative_tokens}" if method else "target alone"
     print(f"[{label}] {output.metrics.summary()}")
     if args.compare:
-        baseline = llm.target_only().generate(args.prompt, params)[0]
+        baseline = baseline_llm.generate(args.prompt, params)[0]
         print(f"[target alone] {baseline.metrics.summary()}")
         # tokens/s, not seconds: sampled or stopped, the two outputs differ in length
         speedup = output.metrics.tokens_per_second / baseline.metrics.tokens_per_second

@@ -82,7 +82,7 @@ class ModelRunner:
         self.query_buckets: tuple[int, ...] = ()  # query lengths compiled for (empty: eager)
         self.compile_seconds = 0.0
         self._compiled = None  # the torch.compile'd forward, once compiling was chosen
-        self._compile_failed = False
+        self._eager_only = False  # compiling failed, or measured slower: never try again
         self._eager_model: LlamaModel | None = None  # made on first eager use
         self._warm_shapes: set[tuple[int, int, int]] = set()  # (batch, queries, cache length) run compiled
 
@@ -131,7 +131,7 @@ class ModelRunner:
                 and set(query_lengths) <= set(self.query_buckets))
 
     def _will_compile(self, num_forwards: int) -> bool:
-        if self._compile_failed or self.compile_mode == "off":
+        if self._eager_only or self.compile_mode == "off":
             return False
         if self.compile_mode == "auto" and num_forwards < AUTO_COMPILE_MIN_FORWARDS:
             return False
@@ -210,7 +210,7 @@ class ModelRunner:
         log.info("%s: a forward of %d x %d tokens takes %.2f ms compiled, %.2f ms eager: runs %s", self.name, rows,
                  queries, timings["compiled"] * 1e3, timings["eager"] * 1e3, min(timings, key=timings.get))
         if timings["eager"] < timings["compiled"]:
-            self._compiled, self._compile_failed, self.query_buckets = None, True, ()
+            self._run_eagerly_from_now_on()
 
     # --- forwards ----------------------------------------------------------------------------
 
@@ -287,6 +287,9 @@ class ModelRunner:
         self._warm_shapes.add((input_ids.shape[0], input_ids.shape[1], cache.max_len))
         return logits
 
+    def _run_eagerly_from_now_on(self) -> None:
+        self._compiled, self._eager_only, self.query_buckets = None, True, ()
+
     def _inductor_config(self):
         """Inductor's settings for this runner's (re)compilations, which happen inside calls.
         Patched around each call: torch.compile(options=...) does not reach freezing, without
@@ -299,7 +302,7 @@ class ModelRunner:
         message = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
         warnings.warn(f"{self.name} could not be compiled ({type(error).__name__}: {message[:300]}); it runs "
                       "eagerly instead (compile='off' skips the attempt)", stacklevel=4)
-        self._compiled, self._compile_failed, self.query_buckets = None, True, ()
+        self._run_eagerly_from_now_on()
 
     def eager_model(self) -> LlamaModel:
         """The model as eager mode runs it fastest: with prepacked CPU weights where they help.

@@ -89,18 +89,17 @@ def step_seconds(runner, repeats: int = 50, context: int = 64, num_tokens: int =
     cache.use_slots([0])
     ids = torch.randint(0, runner.config.vocab_size, (1, context), generator=torch.Generator().manual_seed(0))
     ids = ids.to(device)
-    model = runner
     with torch.inference_mode():
-        model(ids, torch.arange(context, device=device)[None], cache)
+        runner(ids, torch.arange(context, device=device)[None], cache)
         token = ids[:, -num_tokens:]  # [1, num_tokens]
         position = torch.arange(context, context + num_tokens, device=device)[None]  # [1, num_tokens]
         for _ in range(5):
-            model(token, position, cache)
+            runner(token, position, cache)
         times = []
         for _ in range(repeats):
             _synchronize(device)
             start = time.perf_counter()
-            model(token, position, cache)
+            runner(token, position, cache)
             _synchronize(device)
             times.append(time.perf_counter() - start)
     return statistics.median(times)

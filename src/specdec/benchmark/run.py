@@ -25,7 +25,6 @@ from typing import Callable
 
 import torch
 
-from specdec.runner import check_compile_mode
 from specdec.benchmark.exactness import compare
 from specdec.benchmark.goals import evaluate_goals
 from specdec.benchmark.machine import decode_weight_bytes, describe_machine, read_bandwidth, step_seconds
@@ -34,6 +33,7 @@ from specdec.config import SamplingParams, SpeculativeConfig, check, check_devic
 from specdec.drafters import DRAFTERS, LookupThenDraftDrafter
 from specdec.llm import LLM
 from specdec.metrics import SpecStats, expected_tokens_per_round, predicted_speedup
+from specdec.runner import check_compile_mode
 
 PROMPT_SETS = {  # name -> (title, prompt-set function(per_module, max_chars))
     "code": ("held-out code completion", held_out_code_prompts),

@@ -31,12 +31,16 @@ class DraftModelDrafter(Drafter):
 
     def __init__(self, runner: ModelRunner, vocab_size: int, confidence_threshold: float = 0.0):
         self.runner = runner
-        self.model = runner.model
         self.vocab_size = vocab_size  # the target's: draft logits are cut or padded to it
         self.confidence_threshold = confidence_threshold  # 0 = always draft k
         self.cache = None
         # slot -> (n, drafts): the cache holds the sequence's first n tokens, then these drafts
         self.fed: dict[int, tuple[int, list[int]]] = {}
+
+    @property
+    def model(self):
+        """The draft model (the runner's)."""
+        return self.runner.model
 
     @classmethod
     def from_config(cls, spec, target: LoadedModel, target_runner: ModelRunner) -> "DraftModelDrafter":

@@ -220,10 +220,9 @@ def _sliding_windows(cfg: dict, model_type: str, num_layers: int, where: Path) -
     return ()
 
 
-def resolve_dtype(dtype: str | torch.dtype, hf_config: dict, platform: Platform | None = None,
+def resolve_dtype(dtype: str | torch.dtype, hf_config: dict, platform: Platform,
                   what: str = "the model") -> torch.dtype:
-    """dtype as a torch dtype; "auto" = the checkpoint's, unless platform (detected if None)
-    would emulate it (platform.auto_dtype). The choice is logged; an explicit half precision
+    """dtype as a torch dtype; "auto" = the checkpoint's, unless platform would emulate it (platform.auto_dtype). The choice is logged; an explicit half precision
     the platform emulates runs, with a warning."""
     if isinstance(dtype, torch.dtype):
         if dtype not in (torch.float32, torch.bfloat16, torch.float16):
@@ -233,7 +232,6 @@ def resolve_dtype(dtype: str | torch.dtype, hf_config: dict, platform: Platform 
         raise ValueError(f"dtype must be 'auto', one of {sorted(DTYPES)} or a torch dtype, got {dtype!r}")
     elif dtype != "auto" and dtype not in DTYPES:
         raise ValueError(f"dtype {dtype!r} is not supported; use 'auto' or one of {sorted(DTYPES)}")
-    platform = platform or detect_platform("cpu")
     if dtype != "auto":
         chosen = dtype if isinstance(dtype, torch.dtype) else DTYPES[dtype]
         warn_if_emulated(chosen, platform, what)
