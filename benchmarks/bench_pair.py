@@ -1,7 +1,7 @@
 """A target/draft pair on held-out code prompts: acceptance, speedup, and sample completions.
 
     python benchmarks/bench_pair.py [--target DIR --draft DIR] [-k 3 4 5] [--prompts-per-module 2]
-                                    [--max-tokens 64] [--lookup] [--show 3]
+                                    [--max-tokens 64] [--lookup] [--k-policy fixed goodput] [--show 3]
 
 Prompts are held-out standard-library modules cut just after a `def` line (see
 specdec.benchmark.prompts). For each prompt, greedy speculative decoding and the target
@@ -12,7 +12,9 @@ target's completion lines are valid Python after their prompt (Prompt.lines_that
 --lookup adds rows for speculative_method="lookup_then_draft": prompt lookup where the context
 repeats, the same draft model elsewhere (no prediction: the cost per draft token varies by round;
 nor with --draft-confidence, where k varies). The prediction models decoding alone; the measured
-speedup includes both models' prefill, so it reads lower on short outputs.
+speedup includes both models' prefill, so it reads lower on short outputs. --k-policy runs each
+row at a fixed k, or by goodput with k as the most (LLM's speculative_k_policy; its rows also say
+how many rounds ran at each k).
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "src"))
 
 from specdec import LLM, SamplingParams, SpecStats  # noqa: E402
-from specdec.config import COMPILE_HELP, COMPILE_MODES  # noqa: E402
+from specdec.config import COMPILE_HELP, COMPILE_MODES, K_POLICIES  # noqa: E402
 from specdec.benchmark.machine import step_seconds  # noqa: E402
 from specdec.paths import SHIPPED_DRAFT, SHIPPED_TARGET  # noqa: E402
 from specdec.benchmark.prompts import held_out_code_prompts  # noqa: E402
@@ -50,6 +52,8 @@ def main() -> None:
                         help="adaptive k: LLM(draft_confidence_threshold=...) (default 0: always k)")
     parser.add_argument("--lookup", action="store_true",
                         help="also run speculative_method='lookup_then_draft' (prompt lookup, else the draft) at each k")
+    parser.add_argument("--k-policy", nargs="+", choices=K_POLICIES, default=["fixed"],
+                        help="fixed k, or k by goodput (at most k), or both (default fixed)")
     parser.add_argument("--show", type=int, default=3, help="print this many completions")
     args = parser.parse_args()
 
@@ -59,7 +63,8 @@ def main() -> None:
     drafters = {DRAFT_MODEL: first.engine.drafter}  # one draft, loaded once
     if args.lookup:
         drafters[LOOKUP] = LookupThenDraftDrafter.sharing_weights(first.engine.drafter)
-    speculative = {(name, k): first.with_drafter(drafter, k) for name, drafter in drafters.items() for k in args.k}
+    speculative = {(name, policy, k): first.with_drafter(drafter, k, policy)
+                   for name, drafter in drafters.items() for policy in args.k_policy for k in args.k}
     prompts = held_out_code_prompts(args.prompts_per_module, max_chars=args.max_chars)
     params = SamplingParams(temperature=0, max_tokens=args.max_tokens)
     longest = max(prompts, key=lambda prompt: len(first.prompt_token_ids(prompt.text, params)))
@@ -92,20 +97,21 @@ def main() -> None:
           "| acceptance by position | identical outputs |")
     print("|---|---:|---:|---:|---:|---:|---:|---|---:|")
     print(f"| target alone | {base.tokens_per_second:.1f} | | | 1.00 | 1.00x | | | |")
-    for (name, k), stats in spec_stats.items():
+    for (name, policy, k), stats in spec_stats.items():
         spec = _totals(stats)
         alpha = spec.acceptance_rate
         by_position = " ".join(f"{a:.2f}" for a in spec.acceptance_by_position)
-        fixed_k = name == DRAFT_MODEL and not args.draft_confidence  # what the formula models
+        fixed_k = name == DRAFT_MODEL and not args.draft_confidence and policy == "fixed"  # what the formula models
         predicted = f"{predicted_speedup(alpha, k, cost_ratio):.2f}x" if fixed_k else "–"
-        print(f"| {name} k={k} | {spec.tokens_per_second:.1f} | {alpha:.3f} | "
+        label = f"{name} k={k}" if policy == "fixed" else f"{name} goodput k<={k} ({spec.k_summary().strip()})"
+        print(f"| {label} | {spec.tokens_per_second:.1f} | {alpha:.3f} | "
               f"{spec.proposed_acceptance_rate:.3f} | {spec.tokens_per_forward:.2f} | "
               f"{spec.tokens_per_second / base.tokens_per_second:.2f}x | {predicted} | {by_position} | "
-              f"{len(prompts) - len(mismatches[name, k])}/{len(prompts)} |")
+              f"{len(prompts) - len(mismatches[name, policy, k])}/{len(prompts)} |")
     print(f"\ncost ratio c (one draft step ÷ one target step) = {cost_ratio:.3f}")
-    for (name, k), names in mismatches.items():
+    for (name, policy, k), names in mismatches.items():
         if names:
-            print(f"{name} k={k}: outputs differ from the target alone on {', '.join(names)}")
+            print(f"{name} {policy} k={k}: outputs differ from the target alone on {', '.join(names)}")
     valid_lines, whole_lines = (sum(counts) for counts in zip(*parsing))
     valid_throughout = sum(valid == whole for valid, whole in parsing)
     print(f"\nthe target's completions: {valid_lines} of their {whole_lines} whole non-blank lines are valid Python "

@@ -57,7 +57,7 @@ def expected_methods() -> set[tuple[str, str, int]]:
     speculative = {(engine, drafter, k) for engine in ("specdec",) for drafter in ("draft_model", "ngram", "lookup_then_draft")
                    for k in KS}
     transformers = {("transformers", "none", 0), ("transformers", "draft_model", 2), ("transformers", "ngram", 2)}
-    adaptive = {("specdec", "draft_model_adaptive", max(KS))}
+    adaptive = {("specdec", "draft_model_adaptive", max(KS)), ("specdec", "draft_model_goodput", max(KS))}
     return {("specdec", "none", 0)} | speculative | adaptive | transformers
 
 
@@ -95,9 +95,11 @@ def test_speculative_rows_are_sane(results):
     cost_ratio = results["costs"]["cost_ratio"]
     assert cost_ratio > 0 and results["costs"]["target_step_ms"] > 0
     for r in (r for r in results["rows"] if r["engine"] == "specdec" and r["method"] != "none"):
-        if r["method"] in ("draft_model_adaptive", "lookup_then_draft"):  # k or c varies by round: no formula
+        if r["method"] in ("draft_model_adaptive", "draft_model_goodput", "lookup_then_draft"):  # k or c varies
             assert r["cost_ratio"] is None and r["predicted_speedup"] is None and 1 <= r["tau"] <= r["k"] + 1
             assert r["cost_ratio_in_rounds"] is None and r["predicted_in_rounds"] is None
+            if r["method"] == "draft_model_goodput":  # how many rounds took each k
+                assert sum(r["rounds_by_k"]) == r["profile"]["rounds"] and len(r["rounds_by_k"]) <= r["k"] + 1
             continue
         if r["alpha"] is None:  # prompt lookup found no match: nothing proposed, nothing predicted
             assert r["method"] == "ngram" and r["tau"] == 1 and r["acceptance_by_position"] == []
@@ -140,7 +142,7 @@ def test_target_as_its_own_draft_accepts_everything(pair):
     adaptive = next(r for r in results["rows"] if r["method"] == "draft_model_adaptive")
     assert adaptive["label"] == "specdec draft model adaptive k<=3" and adaptive["alpha"] == 1.0
     assert 1 < adaptive["tau"] < row["tau"]  # it stopped drafting where the draft was unsure
-    assert results["exactness"] == {"compared": 4, "identical": 4, "divergences": []}  # 4 speculative rows
+    assert results["exactness"] == {"compared": 5, "identical": 5, "divergences": []}  # 5 speculative rows
     assert not any(r["engine"] == "transformers" for r in results["rows"])
 
 
@@ -182,7 +184,8 @@ def test_transformers_baseline_ignores_the_checkpoints_generation_settings_and_s
 
 
 def test_greedy_outputs_are_identical(results):
-    per_set = 3 * len(KS) + 2  # each speculative method (adaptive too) vs the target alone; the target vs transformers
+    per_set = 3 * len(KS) + 3  # each speculative method (adaptive, goodput too) vs the target alone; the target vs
+    # transformers
     assert results["exactness"] == {"compared": 2 * per_set, "identical": 2 * per_set, "divergences": []}
 
 

@@ -18,7 +18,7 @@ def test_generate_prints_completion_and_metrics(model_dir, capsys):
     prompt = "def add(a, b):"
     expected = LLM(str(model_dir), dtype="float32").generate(
         prompt, SamplingParams(temperature=0, max_tokens=12))[0].outputs[0].text
-    assert main(["generate", "--model", str(model_dir), "--draft", str(model_dir), "-k", "3",
+    assert main(["generate", "--model", str(model_dir), "--draft", str(model_dir), "--k-policy", "fixed", "-k", "3",
                  "--prompt", prompt, "--max-tokens", "12", "--dtype", "float32", "--compare"]) == 0
     out = capsys.readouterr().out
     assert out.startswith(prompt + expected)
@@ -36,7 +36,7 @@ def test_generate_lookup_then_draft(model_dir, capsys):
     prompt = "for i in range(10): for i in"
     expected = LLM(str(model_dir), dtype="float32").generate(
         prompt, SamplingParams(temperature=0, max_tokens=12))[0].outputs[0].text
-    assert main(["generate", "--model", str(model_dir), "--draft", str(model_dir), "--lookup", "-k", "3",
+    assert main(["generate", "--model", str(model_dir), "--draft", str(model_dir), "--k-policy", "fixed", "--lookup", "-k", "3",
                  "--prompt", prompt, "--max-tokens", "12", "--dtype", "float32"]) == 0
     out = capsys.readouterr().out
     assert out.startswith(prompt + expected) and "[lookup_then_draft k=3]" in out
@@ -68,7 +68,7 @@ def test_bad_input_is_one_clear_line(model_dir, capsys, args, message):
 def test_accepted_draft_tokens_are_marked(model_dir, capsys):
     """With the target as its own draft every token after the first is an accepted draft:
     the colored runs, with the color codes removed, give back the completion exactly."""
-    assert main(["generate", "--model", str(model_dir), "--draft", str(model_dir), "-k", "4", "--prompt",
+    assert main(["generate", "--model", str(model_dir), "--draft", str(model_dir), "--k-policy", "fixed", "-k", "4", "--prompt",
                  "def add(a, b):", "--max-tokens", "12", "--dtype", "float32", "--color", "always"]) == 0
     from specdec.cli import DRAFT_COLOR
     body = _marked_body(capsys.readouterr().out)
@@ -122,7 +122,7 @@ def test_marking_keeps_characters_split_across_runs(text):
 
 def test_marking_a_completion_cut_by_a_stop_string(model_dir, capsys):
     """--stop cuts the text: still marked, and cut at the same place."""
-    args = ["generate", "--model", str(model_dir), "--draft", str(model_dir), "-k", "4", "--prompt", "def add(a, b):",
+    args = ["generate", "--model", str(model_dir), "--draft", str(model_dir), "--k-policy", "fixed", "-k", "4", "--prompt", "def add(a, b):",
             "--max-tokens", "16", "--dtype", "float32", "--color", "always"]
     assert main(args) == 0
     full = _strip_colors(_marked_body(capsys.readouterr().out))

@@ -171,6 +171,7 @@ def make_llm(setup, drafter: str, **kwargs) -> LLM:
     speculative_model = "[ngram]" if drafter == "ngram" else setup["draft"]
     if drafter == "draft_model_adaptive":
         kwargs["draft_confidence_threshold"] = CONFIDENCE_THRESHOLD
+    kwargs.setdefault("speculative_k_policy", "fixed")  # k every round: these tests count what was drafted
     return LLM(setup["target"], speculative_model=speculative_model, num_speculative_tokens=K, dtype="float32",
                skip_tokenizer_init=True, **kwargs)
 
@@ -280,6 +281,41 @@ def test_two_drafts_in_one_round_follow_the_target(setup, llms):
         marginal = joints[-1].sum(axis=tuple(i for i in range(T) if i != t))
         assert_follows(tokens[:, t], marginal, f"draft_model two drafts: token {t + 1}")
     assert_follows(np.ravel_multi_index(tokens[:, :3].T, (V,) * 3), joints[2], "draft_model two drafts: joint of 3")
+
+
+def test_sampled_tokens_follow_the_quantized_target(setup):
+    """Lossless with respect to the quantized target: int8 target weights, the draft's int4,
+    and the tokens follow the exact distribution of the int8 model (its own plain forward over
+    every continuation, warped by the reference warper)."""
+    setting = SETTINGS["T1.0"]
+    llm = make_llm(setup, "draft_model", quantization="int8", draft_quantization="int4", max_num_seqs=NUM_DRAWS,
+                   seed=77)
+    joints = exact_distributions(continuation_logits(LogitsOf(llm.runner.model), setup["prompt"], MAX_TOKENS),
+                                 setting)
+    outputs = llm.generate([setup["prompt"]] * NUM_DRAWS, SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True,
+                                                                          **setting))
+    tokens = np.array([out.outputs[0].token_ids for out in outputs])  # [N, T]
+    accepted = sum(out.metrics.num_accepted_tokens for out in outputs)
+    assert 1000 < accepted < sum(out.metrics.num_draft_tokens for out in outputs) - 1000
+    T, V = MAX_TOKENS, VOCAB
+    for t in range(T):
+        marginal = joints[-1].sum(axis=tuple(i for i in range(T) if i != t))
+        assert_follows(tokens[:, t], marginal, f"int8 target: token {t + 1}")
+    assert_follows(np.ravel_multi_index(tokens.T, (V,) * T), joints[-1], "int8 target: joint")
+
+
+class LogitsOf:
+    """specdec's model called as transformers' is, model(input_ids).logits, for continuation_logits."""
+
+    def __init__(self, model):
+        self.model = model
+
+    def __call__(self, input_ids: torch.Tensor):
+        from types import SimpleNamespace
+
+        positions = torch.arange(input_ids.shape[1]).expand_as(input_ids)  # [N, T]
+        with torch.no_grad():
+            return SimpleNamespace(logits=self.model(input_ids, positions, None))
 
 
 OTHER_PROMPTS = [[7, 3, 9, 7, 3, 9, 7, 3], [11, 2], [4, 4, 4, 4, 4, 4, 4, 4, 4, 4, 4, 4, 4], [30, 1, 17, 30, 1]]

@@ -47,8 +47,10 @@ def token_ids(outputs) -> list[list[int]]:
 
 @pytest.mark.parametrize("method", ["self", "self_adaptive", "random_draft", "ngram", "lookup_then_draft"])
 def test_greedy_speculative_equals_target_alone(dirs, plain, method):
-    speculative = {"self": dict(speculative_model=str(dirs["target"])),
-                   "self_adaptive": dict(speculative_model=str(dirs["target"]), draft_confidence_threshold=0.3),
+    # the target as its own draft costs a target step per draft: goodput would switch it off
+    speculative = {"self": dict(speculative_model=str(dirs["target"]), speculative_k_policy="fixed"),
+                   "self_adaptive": dict(speculative_model=str(dirs["target"]), draft_confidence_threshold=0.3,
+                                         speculative_k_policy="fixed"),
                    "random_draft": dict(speculative_model=str(dirs["draft"])),
                    "ngram": dict(speculative_method="ngram"),
                    "lookup_then_draft": dict(speculative_model=str(dirs["draft"]),
@@ -84,7 +86,8 @@ def test_lookup_then_draft_drafts_by_model_only_where_lookup_finds_nothing(tmp_p
     target = save_tiny_model(tmp_path / "target", "llama", seed=5, **small)
     draft = save_tiny_model(tmp_path / "draft", "llama", seed=6, num_hidden_layers=1, **small)
     llm = LLM(str(target), speculative_model=str(draft), speculative_method="lookup_then_draft",
-              num_speculative_tokens=4, dtype="float32", skip_tokenizer_init=True)
+              num_speculative_tokens=4, dtype="float32", skip_tokenizer_init=True,
+              speculative_k_policy="fixed")  # every row drafts every round
     drafter = llm.engine.drafter
     assert drafter.lookup.ngram_min == 2  # the method's default: a one-token match is not trusted
     rounds = []  # (rows lookup matched, rows the draft model drafted for), by request id
@@ -154,7 +157,8 @@ def test_metrics_plain_and_self_draft(dirs, plain):
     assert out.metrics.tokens_per_forward == 1.0
     assert out.metrics.num_target_forwards == GREEDY.max_tokens
     assert out.metrics.num_draft_tokens == 0
-    llm = LLM(str(dirs["target"]), speculative_model=str(dirs["target"]), num_speculative_tokens=4, dtype="float32")
+    llm = LLM(str(dirs["target"]), speculative_model=str(dirs["target"]), num_speculative_tokens=4, dtype="float32",
+              speculative_k_policy="fixed")
     out = llm.generate(prompt, GREEDY)[0]
     # 1 prefill token, then rounds of 5 (4 accepted + bonus) until the budget clips the drafts
     assert out.metrics.num_emitted_tokens == 40
@@ -179,7 +183,8 @@ def test_stop_token_inside_accepted_run(dirs, plain):
     middle of such a run must end the output right there."""
     prompt = random_prompts(1, seed=14)[0]
     reference = plain.generate(prompt, GREEDY)[0].outputs[0].token_ids
-    llm = LLM(str(dirs["target"]), speculative_model=str(dirs["target"]), num_speculative_tokens=6, dtype="float32")
+    llm = LLM(str(dirs["target"]), speculative_model=str(dirs["target"]), num_speculative_tokens=6, dtype="float32",
+              speculative_k_policy="fixed")
     for cut in (3, 9, 17):
         stop_token = reference[cut]
         first = reference.index(stop_token)
@@ -196,7 +201,8 @@ def test_eos_inside_accepted_run(dirs, plain, tmp_path):
     model_dir = tmp_path / "with_eos"
     shutil.copytree(dirs["target"], model_dir)
     (model_dir / "generation_config.json").write_text(json.dumps({"eos_token_id": [eos, 1]}))
-    llm = LLM(str(model_dir), speculative_model=str(model_dir), num_speculative_tokens=5, dtype="float32")
+    llm = LLM(str(model_dir), speculative_model=str(model_dir), num_speculative_tokens=5, dtype="float32",
+              speculative_k_policy="fixed")
     out = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=40))[0].outputs[0]
     assert out.token_ids == reference[:reference.index(eos) + 1]
     assert out.finish_reason == "stop"
@@ -210,7 +216,8 @@ def test_eos_inside_accepted_run(dirs, plain, tmp_path):
 def test_max_tokens_inside_accepted_run(dirs, plain):
     prompt = random_prompts(1, seed=16)[0]
     reference = plain.generate(prompt, GREEDY)[0].outputs[0].token_ids
-    llm = LLM(str(dirs["target"]), speculative_model=str(dirs["target"]), num_speculative_tokens=7, dtype="float32")
+    llm = LLM(str(dirs["target"]), speculative_model=str(dirs["target"]), num_speculative_tokens=7, dtype="float32",
+              speculative_k_policy="fixed")
     for max_tokens in (1, 2, 5, 13):
         out = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True))[0]
         assert out.outputs[0].token_ids == reference[:max_tokens]
@@ -226,7 +233,8 @@ def test_stop_string_cuts_text_and_tokens(dirs, plain):
     assert len(text) > 12, "the random model should produce some text"
     stop = text[8:11]
     cut = text.index(stop)
-    llm = LLM(str(dirs["target"]), speculative_model=str(dirs["target"]), num_speculative_tokens=5, dtype="float32")
+    llm = LLM(str(dirs["target"]), speculative_model=str(dirs["target"]), num_speculative_tokens=5, dtype="float32",
+              speculative_k_policy="fixed")
     out = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=40, ignore_eos=True, stop=[stop]))[0].outputs[0]
     assert out.text == text[:cut]
     assert out.finish_reason == "stop"
@@ -256,6 +264,7 @@ def test_a_reused_slot_starts_its_draft_cache_afresh(dirs):
     """One slot, three requests in turn, the target as its own draft: every draft is accepted
     only if the draft's cache state left by one request is dropped for the next."""
     llm = LLM(str(dirs["target"]), speculative_model=str(dirs["target"]), num_speculative_tokens=3,
+              speculative_k_policy="fixed",
               max_num_seqs=1, dtype="float32")
     outputs = llm.generate(random_prompts(3, seed=21), GREEDY)
     assert [o.metrics.acceptance_rate for o in outputs] == [1.0, 1.0, 1.0]
@@ -265,7 +274,8 @@ def test_no_draft_is_verified_past_max_tokens(dirs):
     """A row with r tokens left verifies at most r - 1 drafts (the last token is the bonus).
     The target as its own draft has every draft accepted, so each round emits its drafts and
     a bonus: after the prefill's token, drafts + rounds = max_tokens - 1 exactly."""
-    llm = LLM(str(dirs["target"]), speculative_model=str(dirs["target"]), num_speculative_tokens=4, dtype="float32")
+    llm = LLM(str(dirs["target"]), speculative_model=str(dirs["target"]), num_speculative_tokens=4, dtype="float32",
+              speculative_k_policy="fixed")
     for max_tokens in (40, 7):
         out = llm.generate(random_prompts(1, seed=22), SamplingParams(temperature=0, max_tokens=max_tokens,
                                                                         ignore_eos=True))[0]
@@ -375,6 +385,7 @@ def test_adaptive_k_stops_a_greedy_row_alike_alone_or_beside_sampled_rows(dirs):
     """A greedy row's confidence is the draft's plain softmax, not the point mass it is sampled
     from, also in a batch with sampled rows: it proposes as many draft tokens either way."""
     llm = LLM(str(dirs["target"]), speculative_model=str(dirs["draft"]), num_speculative_tokens=4, dtype="float32",
+              speculative_k_policy="fixed",
               draft_confidence_threshold=0.5)
     greedy_prompt, sampled_prompt = random_prompts(2, seed=34)
     alone = llm.generate([greedy_prompt], GREEDY)[0]

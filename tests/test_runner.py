@@ -61,16 +61,19 @@ def test_compiled_target_alone_equals_eager(dirs, eager_outputs):
 def test_compiled_speculation_equals_eager_target_alone(dirs, eager_outputs, method):
     """Target and draft compiled, k=3: the verify forward runs at 4 queries (rounds with fewer
     drafts padded to it), the draft at 1 and 2; the output is the eager target's. The draft
-    model is the target itself (compiled at other shapes: its drafts are nearly all accepted),
-    or a different random model behind prompt lookup."""
+    model is the target itself (compiled at other shapes: its drafts are nearly all accepted)
+    at a fixed k, or a different random model behind prompt lookup with k by goodput (whose
+    plain rounds run the target's 1-query graph)."""
     draft = dirs["target"] if method == "draft_model" else dirs["draft"]
+    k_policy = "fixed" if method == "draft_model" else "goodput"
     llm = LLM(str(dirs["target"]), speculative_model=str(draft), speculative_method=method,
-              num_speculative_tokens=3, dtype="float32", compile="on")
+              num_speculative_tokens=3, dtype="float32", compile="on", speculative_k_policy=k_policy)
     assert token_ids(llm.generate(PROMPTS[:1], GREEDY)) == [eager_outputs[tuple(PROMPTS[0])]]  # batch of one
     outputs = llm.generate(PROMPTS, GREEDY)
     assert token_ids(outputs) == [eager_outputs[tuple(p)] for p in PROMPTS]
     draft_runner = llm.engine.drafter.draft_model.runner if method == "lookup_then_draft" else llm.engine.drafter.runner
-    assert llm.runner.query_buckets == (4,) and draft_runner.query_buckets == (1, 2)
+    assert llm.runner.query_buckets == ((4,) if k_policy == "fixed" else (1, 4))
+    assert draft_runner.query_buckets == (1, 2)
     if method == "draft_model":
         assert sum(o.metrics.num_accepted_tokens for o in outputs) > 0.9 * sum(o.metrics.num_draft_tokens
                                                                               for o in outputs)

@@ -197,7 +197,8 @@ def test_distill_raises_acceptance(trained_dir, corpus_dir, tmp_path):
     weights = hashlib.sha256(shards).hexdigest()[:16]
     assert log["target_sha256"] == weights and f"sha256 `{weights}`" in (out / "README.md").read_text()
 
-    llm = LLM(str(trained_dir), speculative_model=str(out), num_speculative_tokens=3, dtype="float32")
+    llm = LLM(str(trained_dir), speculative_model=str(out), num_speculative_tokens=3, dtype="float32",
+              speculative_k_policy="fixed")  # α of every round, whether or not drafting pays
     params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
     speculative = llm.generate("def copy(x):\n", params)[0]
     alone = llm.target_only().generate("def copy(x):\n", params)[0]

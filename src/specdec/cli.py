@@ -12,7 +12,8 @@ import argparse
 import logging
 import sys
 
-from specdec.config import COMPILE_HELP, COMPILE_MODES, SamplingParams
+from specdec.config import (COMPILE_HELP, COMPILE_MODES, K_POLICIES, QUANTIZATION_ARGS, QUANTIZATION_HELP, SamplingParams,
+                            quantization_from_arg)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -61,7 +62,11 @@ def add_generate_parser(commands) -> None:
     drafter.add_argument("--ngram", action="store_true", help="draft by prompt lookup (no draft model)")
     p.add_argument("--lookup", action="store_true",
                    help="with --draft: prompt lookup where the context repeats, the draft model elsewhere")
-    p.add_argument("-k", "--num-speculative-tokens", type=int, help="draft tokens per round (default 5)")
+    p.add_argument("-k", "--num-speculative-tokens", type=int,
+                   help="draft tokens per round: the most, with --k-policy goodput (default 5)")
+    p.add_argument("--k-policy", choices=K_POLICIES,
+                   help="goodput (default): each round picks k from 0 to -k for the most expected tokens per "
+                        "second, switching speculation off where it does not pay; fixed: always -k")
     p.add_argument("--prompt", required=True, help="the prompt text")
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
@@ -78,6 +83,9 @@ def add_generate_parser(commands) -> None:
     p.add_argument("--draft-confidence", type=float, metavar="P",
                    help="adaptive k: stop a round's drafting after a draft token the draft gave less than P "
                         "(default 0: always k)")
+    p.add_argument("--quantization", choices=QUANTIZATION_ARGS, default="none", help=QUANTIZATION_HELP)
+    p.add_argument("--draft-quantization", choices=QUANTIZATION_ARGS, default="none",
+                   help="the same for the draft model")
     p.add_argument("--device", default="cpu")
     p.add_argument("--compile", choices=COMPILE_MODES, default="auto", help=COMPILE_HELP)
     p.add_argument("--compare", action="store_true", help="also run the target alone and print the speedup")
@@ -109,7 +117,8 @@ def _speculative_method(args) -> str | None:
         raise ValueError("--lookup falls back to a draft model where prompt lookup finds nothing: add --draft DIR"
                          + (" (instead of --ngram, which is prompt lookup alone)" if args.ngram else ""))
     draft_flags = [flag for flag, given in (("--draft-confidence", args.draft_confidence is not None),
-                                            ("--draft-dtype", args.draft_dtype != "auto")) if given]
+                                            ("--draft-dtype", args.draft_dtype != "auto"),
+                                            ("--draft-quantization", args.draft_quantization != "none")) if given]
     if args.ngram:
         if draft_flags:
             raise ValueError(f"{' and '.join(draft_flags)} {'sets' if len(draft_flags) == 1 else 'set'} the draft "
@@ -117,7 +126,8 @@ def _speculative_method(args) -> str | None:
                              "with a draft model behind it")
         return "ngram"
     if args.draft is None:
-        flags = draft_flags + (["-k"] if args.num_speculative_tokens is not None else [])
+        flags = draft_flags + (["-k"] if args.num_speculative_tokens is not None else []) + \
+            (["--k-policy"] if args.k_policy is not None else [])
         if flags:
             raise ValueError(f"{' and '.join(flags)} {'needs' if len(flags) == 1 else 'need'} a drafter: add --draft "
                              "DIR or --ngram, or drop them")
@@ -133,7 +143,9 @@ def run_generate(args) -> int:
     method = _speculative_method(args)
     llm = LLM(args.model, speculative_model=args.draft, speculative_method=method,
               num_speculative_tokens=args.num_speculative_tokens, dtype=args.dtype, device=args.device,
-              draft_dtype=args.draft_dtype, draft_confidence_threshold=args.draft_confidence, compile=args.compile)
+              draft_dtype=args.draft_dtype, draft_confidence_threshold=args.draft_confidence, compile=args.compile,
+              quantization=quantization_from_arg(args.quantization), speculative_k_policy=args.k_policy,
+              draft_quantization=quantization_from_arg(args.draft_quantization))
     llm.prompt_token_ids(args.prompt, params)  # a bad request is refused as itself, not as the warm-up
     baseline_llm = llm.target_only() if args.compare else None
     for warming in (llm, baseline_llm):  # first calls are slow

@@ -32,7 +32,9 @@ class SamplingParams:
         The request draws the same random numbers whatever else is batched, so in float32 it
         gets the same tokens. In bfloat16 or float16 a wider batch pads attention to more
         (masked) keys, which can round a near-tie differently and so change a token, as in
-        other engines that batch.
+        other engines that batch. Under speculation, rounds with a seeded sampled request
+        draft the fixed num_speculative_tokens (not the goodput policy's choice, which varies
+        with timings), since its tokens depend on how many drafts each round judged.
     ignore_eos: keep generating past the model's end-of-sequence tokens.
     """
 
@@ -84,6 +86,26 @@ COMPILE_MODES = ("auto", "on", "off")  # how the models run: see runner.py
 COMPILE_HELP = ("run the models compiled (torch.compile): on, off, or auto (the default: only for long work, "
                 "where the compile time pays back)")
 
+K_POLICIES = ("goodput", "fixed")  # how each round's k is chosen: see SpeculativeConfig
+QUANTIZATIONS = ("int8", "int4")  # weight-only, see models/quantized_linear.py; None: as loaded
+
+
+def check_quantization_name(quantization, what: str = "quantization") -> None:
+    """None, "int8" or "int4", else a ValueError that names the valid choices."""
+    check(quantization is None or quantization in QUANTIZATIONS,
+          f"{what} must be one of None, {', '.join(repr(q) for q in QUANTIZATIONS)}; got {quantization!r}")
+
+
+QUANTIZATION_HELP = ("weight-only quantization of the model's linear layers: int8 (per output channel) or int4 "
+                     "(groups of 32); CPU only. Default: none")
+
+QUANTIZATION_ARGS = ("none", *QUANTIZATIONS)  # on the command line, "none" for None
+
+
+def quantization_from_arg(text: str) -> str | None:
+    return None if text == "none" else text
+
+
 SPECULATIVE_METHODS = ("draft_model", "ngram", "lookup_then_draft")
 NEEDS_DRAFT_MODEL = ("draft_model", "lookup_then_draft")
 # the shortest n-gram match prompt lookup trusts, by method: with a draft model to fall back
@@ -130,6 +152,11 @@ class SpeculativeConfig:
         round after a token the draft gave less than this probability (the tokens after it
         would likely be rejected); 0 = always draft k. (transformers' assisted generation
         calls it assistant_confidence_threshold.)
+    draft_quantization: None, "int8" or "int4": the draft's weights quantized (as LLM's
+        quantization for the target). Changes the acceptance rate, never the output.
+    k_policy: "goodput" (each round picks its k, 0 to num_speculative_tokens, for the most
+        expected tokens per second, from each request's acceptance rate and the measured costs;
+        see goodput.py) or "fixed" (every round drafts num_speculative_tokens).
     """
 
     method: str = "draft_model"
@@ -139,6 +166,8 @@ class SpeculativeConfig:
     ngram_max: int = 4
     draft_dtype: str = "auto"
     draft_confidence_threshold: float = 0.0
+    draft_quantization: str | None = None
+    k_policy: str = "goodput"
 
     def __post_init__(self) -> None:
         check(self.method in SPECULATIVE_METHODS,
@@ -162,9 +191,12 @@ class SpeculativeConfig:
         object.__setattr__(self, "draft_dtype", dtype_name(self.draft_dtype))
         check(self.draft_dtype in DRAFT_DTYPES, f"draft_dtype must be one of {DRAFT_DTYPES} (or a torch dtype), got "
                                                 f"{self.draft_dtype!r}")
+        check_quantization_name(self.draft_quantization, "draft_quantization")
+        check(self.k_policy in K_POLICIES, f"speculative_k_policy must be one of {K_POLICIES}, got {self.k_policy!r}")
         unused = [f"{name}={value!r}" for name, value, neutral in (
             ("draft_dtype", self.draft_dtype, "auto"),
-            ("draft_confidence_threshold", self.draft_confidence_threshold, 0)) if value != neutral]
+            ("draft_confidence_threshold", self.draft_confidence_threshold, 0),
+            ("draft_quantization", self.draft_quantization, None)) if value != neutral]
         check(self.method in NEEDS_DRAFT_MODEL or not unused,
               f"{', '.join(unused)} configure a draft model, and speculative_method={self.method!r} uses none; "
               "drop them, or use 'lookup_then_draft' for prompt lookup with a draft model behind it")

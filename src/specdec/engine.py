@@ -1,6 +1,8 @@
 """The round loop: where the target, the drafter and the rejection sampler meet.
 
 A round, for every running sequence at once:
+  choose    the round's k: by goodput (goodput.py: expected tokens per second from each
+            sequence's acceptance rate and the measured costs; 0 = plain decoding), or fixed
   propose   the drafter drafts up to k tokens per row
   verify    one target forward over [last token, drafts] gives p at every draft position
             and one past it; rejection sampling keeps a prefix and adds one token
@@ -19,6 +21,7 @@ from collections import deque
 import torch
 
 from specdec.drafters.base import Draft, Drafter
+from specdec.goodput import GoodputPolicy
 from specdec.kv_cache import CacheTooLarge, ragged_batch
 from specdec.models.tokenizer import Tokenizer
 from specdec.runner import ModelRunner
@@ -27,9 +30,16 @@ from specdec.sequence import Sequence
 from specdec.verify import greedy_verify, rejection_sample
 
 
+CALIBRATION_CONTEXT = 128  # the positions the goodput policy's cost calibration runs at
+
+
 class Engine:
+    """k_policy: "goodput" (num_speculative_tokens is each round's largest k; see goodput.py)
+    or "fixed" (every round drafts num_speculative_tokens, less only where a row has no room)."""
+
     def __init__(self, target: ModelRunner, drafter: Drafter | None, num_speculative_tokens: int,
-                 eos_token_ids: tuple[int, ...], tokenizer: Tokenizer | None, max_num_seqs: int = 256):
+                 eos_token_ids: tuple[int, ...], tokenizer: Tokenizer | None, max_num_seqs: int = 256,
+                 k_policy: str = "goodput"):
         self.target = target
         self.drafter = drafter
         self.k = num_speculative_tokens if drafter is not None else 0
@@ -37,6 +47,9 @@ class Engine:
         self.tokenizer = tokenizer
         self.max_num_seqs = max_num_seqs
         self.cache = None
+        self.policy = None
+        if self.k and k_policy == "goodput":
+            self.policy = GoodputPolicy(self.k, lambda num_tokens: self.target.padded_queries(num_tokens, self.cache))
         self._sampling_key, self._sampling = None, None
         self.timings = {"prefill": 0.0, "draft": 0.0, "target": 0.0, "sampling": 0.0, "bookkeeping": 0.0}
 
@@ -46,9 +59,10 @@ class Engine:
         max_batch = min(self.max_num_seqs, len(seqs))
         # + k + 1: verify positions run k past the last token, and the last position is kept
         # free for padding (see kv_cache.ragged_batch)
-        max_len = max(s.num_tokens + s.params.max_tokens for s in seqs) + self._usable_k(seqs) + 1
+        k = self._usable_k(seqs)
+        max_len = max(s.num_tokens + s.params.max_tokens for s in seqs) + k + 1
         waves = -(-len(seqs) // max_batch)
-        self._reserve(max_batch, max_len, num_forwards=waves * max(s.params.max_tokens for s in seqs))
+        self._reserve(max_batch, max_len, waves * max(s.params.max_tokens for s in seqs), k)
         return max_batch
 
     def run(self, seqs: list[Sequence]) -> None:
@@ -74,10 +88,11 @@ class Engine:
                 self._round(running)
                 running = self._retire(running, free_slots, start)
 
-    def _reserve(self, max_batch: int, max_len: int, num_forwards: int) -> None:
-        """Caches for the work ahead (at most num_forwards target forwards); the runners
-        compile for it if they are to."""
-        query_lengths = (self.k + 1,)  # every round verifies k drafts (fewer are padded)
+    def _reserve(self, max_batch: int, max_len: int, num_forwards: int, k: int) -> None:
+        """Caches for the work ahead (at most num_forwards target forwards, k drafts a round at
+        most); the runners compile for it if they are to, and the policy measures its costs."""
+        # a fixed k verifies k drafts every round (fewer are padded); goodput may choose k = 0
+        query_lengths = (1, self.k + 1) if self.policy is not None else (self.k + 1,)
         try:
             self.cache = self.target.prepare(max_batch, max_len, query_lengths, num_forwards, self.cache)
             if self.drafter is not None:
@@ -85,6 +100,21 @@ class Engine:
         except CacheTooLarge as e:
             raise CacheTooLarge(f"{e}: {max_batch} sequences at once, each of up to {max_len:,} positions (prompt + "
                                 "max_tokens + k + 1); lower max_tokens, or max_num_seqs") from None
+        if self.policy is not None:
+            self.policy.calibrate(max_batch, k, lambda num_tokens: self._time_target(max_batch, num_tokens, max_len),
+                                  lambda: self.drafter.time_step(max_batch))
+
+    def _time_target(self, batch_size: int, num_tokens: int, max_len: int) -> None:
+        """A target forward of num_tokens tokens per row for batch_size rows, for the policy to
+        time, in slots 0..batch_size-1 before any sequence holds them, at positions from
+        CALIBRATION_CONTEXT on (attention over as many keys as a typical prompt; what it
+        writes there sits past every new sequence's length until that sequence overwrites it)."""
+        device = self.target.device
+        start = max(0, min(CALIBRATION_CONTEXT, max_len - num_tokens - 1))
+        self.cache.use_slots(list(range(batch_size)))
+        input_ids = torch.zeros(batch_size, num_tokens, dtype=torch.long, device=device)  # [B, T]
+        positions = start + torch.arange(num_tokens, device=device).expand(batch_size, num_tokens)  # [B, T]
+        self.target(input_ids, positions, self.cache)
 
     def _retire(self, running: list[Sequence], free_slots: list[int], start: float) -> list[Sequence]:
         still_running = []
@@ -110,17 +140,18 @@ class Engine:
         first_tokens = sample(probs, [s.generator for s in batch]).tolist()
         for seq, token in zip(batch, first_tokens):
             seq.stats.record_round(0, 0, self._emit(seq, [token], num_from_draft=0))
+            if self.policy is not None:
+                self.policy.start(seq.slot)
         self.timings["prefill"] += time.perf_counter() - t0
 
     def _round(self, batch: list[Sequence]) -> None:
         device = self.target.device
         sampling = self._sampling_tensors(batch)
-        k = self._usable_k(batch)
+        ks = self._round_ks(batch)  # each row's k (at most its room)
         t0 = time.perf_counter()
-        draft = self.drafter.propose(batch, k, sampling) if k else Draft.empty(len(batch), device)
+        draft, all_rows_drafted = self._propose(batch, ks, sampling)
         t1 = time.perf_counter()
-        room = torch.tensor([s.draft_room for s in batch], device=device)  # [B]
-        num_draft = torch.minimum(draft.num_tokens, room)  # [B]
+        num_draft = torch.minimum(draft.num_tokens, torch.tensor(ks, device=device))  # [B]
         input_ids, positions = self._verify_inputs(batch, draft)  # [B, k+1] each
         self.cache.use_slots([s.slot for s in batch])
         target_logits = self.target(input_ids, positions, self.cache)  # [B, k+1, V]
@@ -131,12 +162,40 @@ class Engine:
         for row, seq in enumerate(batch):
             tokens = output[row, :num_accepted_list[row] + 1].tolist()
             emitted = self._emit(seq, tokens, num_from_draft=num_accepted_list[row])
-            seq.stats.record_round(num_proposed[row], num_accepted_list[row], emitted)
+            seq.stats.record_round(num_proposed[row], num_accepted_list[row], emitted, k=ks[row])
         if self.drafter is not None:
             self.drafter.observe(batch, num_accepted)
+        if self.policy is not None:
+            self.policy.observe([s.slot for s in batch], num_proposed, num_accepted_list)
+            self.policy.observe_round(len(batch), max(ks), input_ids.shape[1], target_seconds=t3 - t1,
+                                      draft_seconds=t1 - t0 if all_rows_drafted else None)
         t4 = time.perf_counter()
         for key, seconds in (("draft", t1 - t0), ("target", t2 - t1), ("sampling", t3 - t2), ("bookkeeping", t4 - t3)):
             self.timings[key] += seconds
+
+    def _round_ks(self, batch: list[Sequence]) -> list[int]:
+        """Each row's k this round: the goodput policy's choice, or the fixed k (each row cut to
+        its room). A round with a seeded sampled request keeps the fixed k: its tokens depend on
+        its rounds' k, which goodput takes from timings, and a seed must give the same tokens
+        every run."""
+        rooms = [s.draft_room for s in batch]
+        if self.policy is None or any(s.params.seed is not None and not s.params.greedy for s in batch):
+            k = self._usable_k(batch)
+            return [min(k, room) for room in rooms]
+        return self.policy.choose([s.slot for s in batch], rooms)
+
+    def _propose(self, batch: list[Sequence], ks: list[int], sampling: SamplingTensors) -> tuple[Draft, bool]:
+        """The drafter's tokens for the rows with k > 0 (up to the largest k); the rest propose
+        nothing. Also whether every row drafted."""
+        device = self.target.device
+        rows = [row for row, k in enumerate(ks) if k > 0]
+        if not rows:
+            return Draft.empty(len(batch), device), False
+        if len(rows) == len(batch):
+            return self.drafter.propose(batch, max(ks), sampling), True
+        index = torch.tensor(rows, device=device)  # [R]
+        drafted = self.drafter.propose([batch[row] for row in rows], max(ks), sampling.select_rows(index))
+        return drafted.scattered(len(batch), index), False
 
     def _usable_k(self, seqs: list[Sequence]) -> int:
         """The round's k: no wider than the most drafts any row has room for (a larger k would

@@ -13,11 +13,13 @@ from dataclasses import dataclass, field
 
 import torch
 
-from specdec.config import INT64_MIN, UINT64_MAX, SamplingParams, SpeculativeConfig, check, check_device, is_int
+from specdec.config import (INT64_MIN, UINT64_MAX, SamplingParams, SpeculativeConfig, check, check_device,
+                            check_quantization_name, is_int)
 from specdec.drafters import DRAFTERS, Drafter
 from specdec.engine import Engine
 from specdec.metrics import SpecStats
 from specdec.models.loader import LoadedModel, load_pretrained
+from specdec.models.quantized_linear import check_quantization
 from specdec.platform import Platform, detect_platform
 from specdec.runner import ModelRunner, check_compile_mode
 from specdec.sequence import Sequence
@@ -58,10 +60,17 @@ class LLM:
         precision; see platform.auto_dtype), "float32", "bfloat16" or "float16".
     draft_dtype: the draft model's dtype; "auto" = float32 for a small draft on the CPU, else
         the target's (see SpeculativeConfig).
+    speculative_k_policy: "goodput" (the default: each round picks its k, from 0, plain
+        decoding, to num_speculative_tokens, for the most expected tokens per second; a useless
+        draft switches itself off) or "fixed" (every round drafts num_speculative_tokens).
     draft_confidence_threshold: adaptive k: a row stops drafting for the round after a token
         the draft gave less than this probability (0 = always k; see SpeculativeConfig).
     device: "cpu", "cuda", "cuda:1", ...
     max_num_seqs: the most sequences run at once; more wait for a free slot.
+    quantization: None, "int8" or "int4": the target's linear layers with weight-only
+        quantized weights (int8 per output channel, int4 in groups of 32; CPU only, see
+        models/quantized_linear.py). Speculation stays exact with respect to the quantized target.
+    draft_quantization: the same for the draft model.
     compile: "auto", "on" or "off": whether the target and draft models run compiled
         (torch.compile; see runner.py: "auto" compiles for long work only).
     platform: what the device can do (platform.Platform); None detects it. Tests pass their own.
@@ -76,26 +85,33 @@ class LLM:
                  max_num_seqs: int = 256, seed: int = 0, skip_tokenizer_init: bool = False,
                  ngram_prompt_lookup_min: int | None = None, ngram_prompt_lookup_max: int | None = None,
                  draft_dtype: str = "auto", draft_confidence_threshold: float | None = None,
-                 compile: str = "auto", platform: Platform | None = None):
+                 compile: str = "auto", platform: Platform | None = None, quantization: str | None = None,
+                 draft_quantization: str | None = None, speculative_k_policy: str | None = None):
         check_arguments(seed=seed, max_num_seqs=max_num_seqs, skip_tokenizer_init=skip_tokenizer_init)
         check_compile_mode(compile)
+        check_quantization_name(quantization)
         self.speculative_config = speculative_config(
             speculative_model, speculative_method, num_speculative_tokens=num_speculative_tokens,
             ngram_min=ngram_prompt_lookup_min, ngram_max=ngram_prompt_lookup_max, draft_dtype=draft_dtype,
-            draft_confidence_threshold=draft_confidence_threshold)
+            draft_confidence_threshold=draft_confidence_threshold, draft_quantization=draft_quantization,
+            k_policy=speculative_k_policy)
         self.device = check_device(device)
+        check_quantization(quantization, self.device)
+        if self.speculative_config is not None:
+            check_quantization(self.speculative_config.draft_quantization, self.device, "draft_quantization")
         platform = platform or detect_platform(self.device)
         self.target: LoadedModel = load_pretrained(model, dtype, self.device, load_tokenizer=not skip_tokenizer_init,
                                                    platform=platform, what="the target")
-        self.runner = ModelRunner(self.target.model, platform, compile, name="the target")
+        self.runner = ModelRunner(self.target.model, platform, compile, name="the target", quantization=quantization)
         self.tokenizer = self.target.tokenizer
         drafter = None
         if self.speculative_config is not None:
             check_k_fits(self.speculative_config.num_speculative_tokens, self.max_model_len)
             drafter = DRAFTERS[self.speculative_config.method](self.speculative_config, self.target, self.runner)
-        k = self.speculative_config.num_speculative_tokens if self.speculative_config else 0
+        spec = self.speculative_config
         self.max_num_seqs = max_num_seqs
-        self.engine = self._engine(drafter, k)
+        self.engine = self._engine(drafter, spec.num_speculative_tokens if spec else 0,
+                                   spec.k_policy if spec else "fixed")
         self._shared_generator = torch.Generator(self.device).manual_seed(seed)  # for requests without a seed
         self._next_request_id = 0
 
@@ -103,17 +119,17 @@ class LLM:
         """An LLM over the same loaded target with no drafter: the baseline to compare with."""
         return self.with_drafter(None)
 
-    def with_drafter(self, drafter: Drafter | None, k: int = 0) -> "LLM":
+    def with_drafter(self, drafter: Drafter | None, k: int = 0, k_policy: str = "fixed") -> "LLM":
         """An LLM over the same loaded target (nothing is reloaded) that speculates with drafter
-        at k, or decodes plainly (None). Its speculative_config is None: that field says how an
-        LLM was made from arguments."""
+        at k (every round, or at most, by goodput: k_policy), or decodes plainly (None). Its
+        speculative_config is None: that field says how an LLM was made from arguments."""
         other = copy.copy(self)
         other.speculative_config = None
-        other.engine = self._engine(drafter, k)
+        other.engine = self._engine(drafter, k, k_policy)
         return other
 
-    def _engine(self, drafter: Drafter | None, k: int) -> Engine:
-        return Engine(self.runner, drafter, k, self.target.eos_token_ids, self.tokenizer, self.max_num_seqs)
+    def _engine(self, drafter: Drafter | None, k: int, k_policy: str) -> Engine:
+        return Engine(self.runner, drafter, k, self.target.eos_token_ids, self.tokenizer, self.max_num_seqs, k_policy)
 
     @property
     def max_model_len(self) -> int:

@@ -11,7 +11,8 @@
   τ        tokens emitted per target forward, bonus and the prefill's first token included
            (plain decoding: exactly 1.0)
 Acceptance by position i is the fraction of rounds that proposed a draft token at position i
-(0-based) in which it was accepted.
+(0-based) in which it was accepted. Rounds by k counts the rounds at each k the engine chose
+for the request (index k; 0 = a plain decoding step; see goodput.py).
 """
 
 from __future__ import annotations
@@ -28,10 +29,15 @@ class SpecStats:
     num_target_forwards: int = 0
     proposed_by_position: list[int] = field(default_factory=list)
     accepted_by_position: list[int] = field(default_factory=list)
+    rounds_by_k: list[int] = field(default_factory=list)
     seconds: float = 0.0  # wall time from the start of generate() to this request's end
 
-    def record_round(self, num_proposed: int, num_accepted: int, num_emitted: int) -> None:
+    def record_round(self, num_proposed: int, num_accepted: int, num_emitted: int, k: int | None = None) -> None:
+        """One target forward's outcome; k: the round's k for this request (None: the prefill)."""
         self.num_target_forwards += 1
+        if k is not None:
+            _grow(self.rounds_by_k, k + 1)
+            self.rounds_by_k[k] += 1
         self.num_draft_tokens += num_proposed
         self.num_judged_tokens += num_accepted + (1 if num_accepted < num_proposed else 0)
         self.num_accepted_tokens += num_accepted
@@ -77,8 +83,9 @@ class SpecStats:
             total.num_emitted_tokens += s.num_emitted_tokens
             total.num_target_forwards += s.num_target_forwards
             for mine, theirs in ((total.proposed_by_position, s.proposed_by_position),
-                                 (total.accepted_by_position, s.accepted_by_position)):
-                _grow(mine, len(s.proposed_by_position))
+                                 (total.accepted_by_position, s.accepted_by_position),
+                                 (total.rounds_by_k, s.rounds_by_k)):
+                _grow(mine, len(theirs))
                 for i, n in enumerate(theirs):
                     mine[i] += n
             total.seconds = max(total.seconds, s.seconds)
@@ -91,7 +98,13 @@ class SpecStats:
                    f"judged/{self.num_draft_tokens} proposed)  by position [{by_position}]  "
                    if self.num_draft_tokens else "")
         return (f"tokens {self.num_emitted_tokens}  target forwards {self.num_target_forwards}  "
-                f"τ {self.tokens_per_forward:.2f}  {drafted}{self.seconds:.2f}s  {self.tokens_per_second:.1f} tok/s")
+                f"τ {self.tokens_per_forward:.2f}  {drafted}{self.k_summary()}{self.seconds:.2f}s  "
+                f"{self.tokens_per_second:.1f} tok/s")
+
+    def k_summary(self) -> str:
+        """"k chosen 0:12 5:40  " (rounds at each k), or "" where every round had the same k."""
+        used = [(k, n) for k, n in enumerate(self.rounds_by_k) if n]
+        return "k chosen " + " ".join(f"{k}:{n}" for k, n in used) + "  " if len(used) > 1 else ""
 
 
 def expected_tokens_per_round(alpha: float, k: int) -> float:

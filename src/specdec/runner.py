@@ -42,6 +42,7 @@ from specdec.config import COMPILE_MODES
 from specdec.kv_cache import KVCache
 from specdec.models.cpu_linear import can_pack, pack_large_linears_in_bf16, pack_linears
 from specdec.models.llama import LlamaModel
+from specdec.models.quantized_linear import check_quantization, quantize_linears
 from specdec.platform import Platform, detect_platform
 
 log = logging.getLogger("specdec")
@@ -55,7 +56,9 @@ DYNAMO_RECOMPILE_LIMIT = 256  # each shape is one compile of LlamaModel.forward,
 # inductor reads this once, at its first compile (or first cache lookup) in the process
 os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(INDUCTOR_CACHE_DIR))
 
-CPU_COMPILE_OPTIONS = {"freezing": True, "max_autotune": True, "max_autotune_gemm_backends": "CPP,ATEN"}
+CPU_COMPILE_OPTIONS = {"freezing": True, "max_autotune": True, "max_autotune_gemm_backends": "CPP,ATEN",
+                       # autotuning's tables of timings on stderr: compiling says how long it took, once
+                       "autotune_num_choices_displayed": 0, "max_autotune_report_choices_stats": False}
 
 
 def check_compile_mode(compile: str) -> str:
@@ -69,13 +72,21 @@ class ModelRunner:
     bf16_pack_min_bytes: in a float32 model run eagerly on a CPU with native bfloat16, the
         linear layers with at least this many bytes of weight run in bfloat16 (a small draft's
         output layer; see cpu_linear.pack_large_linears_in_bf16); None: none do.
-    name: what it is called in logs and warnings ("the target", "the draft")."""
+    name: what it is called in logs and warnings ("the target", "the draft").
+    quantization: None, "int8" or "int4": the model's linear layers are replaced, in place, by
+        weight-only quantized ones (models/quantized_linear.py) before anything runs."""
 
     def __init__(self, model: LlamaModel, platform: Platform | None = None, compile: str = "off",
-                 bf16_pack_min_bytes: int | None = None, name: str = "the model", pack_weights: bool = True):
+                 bf16_pack_min_bytes: int | None = None, name: str = "the model", pack_weights: bool = True,
+                 quantization: str | None = None):
         self.model = model
         self.platform = platform or detect_platform(model.device)
         self.compile_mode = check_compile_mode(compile)
+        self.quantization = check_quantization(quantization, model.device)
+        if self.quantization is not None:
+            counts = quantize_linears(model, self.quantization)
+            log.info("%s: weights quantized (%s)", name, ", ".join(f"{n} linear layers {form}"
+                                                                   for form, n in sorted(counts.items())))
         self.bf16_pack_min_bytes = bf16_pack_min_bytes
         self.pack_weights = pack_weights  # False: eager runs the model's own layers (to measure what packing is worth)
         self.name = name
@@ -190,7 +201,8 @@ class ModelRunner:
         with _using_slots(cache, slots):  # the model's own layers: the same weights the graph froze
             eager = self.model(input_ids, positions, cache)
         error = float((compiled - eager).abs().max() / eager.abs().max().clamp(min=1e-6))
-        if error > (1e-3 if self.dtype == torch.float32 else 5e-2):
+        exact_float32 = self.dtype == torch.float32 and self.quantization is None  # quantized layers run in bf16
+        if error > (1e-3 if exact_float32 else 5e-2):
             self._fall_back(ArithmeticError(f"its logits differ from eager ones by {error:.1e} of their scale"))
             return False
         return True
@@ -248,6 +260,10 @@ class ModelRunner:
         logits = self.forward(input_ids, positions, cache)  # [B, T, V]
         rows = torch.arange(input_ids.shape[0], device=logits.device)
         return logits[rows, last_index.to(logits.device)]
+
+    def padded_queries(self, num_queries: int, cache: KVCache) -> int:
+        """The query length a forward of num_queries tokens per row runs at (what it costs)."""
+        return self._query_bucket(num_queries, cache) or num_queries
 
     def _query_bucket(self, num_queries: int, cache: KVCache) -> int | None:
         """The compiled query length a forward of num_queries tokens runs at, or None (eager)."""

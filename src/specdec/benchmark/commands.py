@@ -15,7 +15,7 @@ import shlex
 import sys
 from pathlib import Path
 
-from specdec.config import COMPILE_HELP, COMPILE_MODES
+from specdec.config import COMPILE_HELP, COMPILE_MODES, QUANTIZATION_ARGS, QUANTIZATION_HELP, quantization_from_arg
 from specdec.paths import DOCS, ROOT, SHIPPED_DRAFT, SHIPPED_TARGET
 
 FULL = {"prompts": 8, "max_tokens": 128, "ks": (1, 2, 3, 4, 5, 6, 7, 8)}
@@ -45,6 +45,11 @@ def add_bench_parser(commands) -> None:
                    help="the draft's dtype: auto (float32 for a small draft on the CPU, else --dtype's), float32, "
                         "bfloat16 or float16")
     p.add_argument("--compile", choices=COMPILE_MODES, default="auto", help=COMPILE_HELP)
+    p.add_argument("--quantization", choices=QUANTIZATION_ARGS, default="none",
+                   help=QUANTIZATION_HELP + "; a quantized target is also compared with the unquantized one "
+                                            "(greedy agreement, perplexity, speed)")
+    p.add_argument("--draft-quantization", choices=QUANTIZATION_ARGS, default="none",
+                   help="the same for the draft model")
     p.add_argument("--quick", action="store_true",
                    help=f"a few minutes: {QUICK['prompts']} prompts per set, {QUICK['max_tokens']} tokens, "
                         f"k in {{{','.join(map(str, QUICK['ks']))}}}")
@@ -91,7 +96,8 @@ def bench_config(args):
     model, draft = resolve_pair(args.model, args.draft)
     sizes = QUICK if args.quick else FULL
     return BenchConfig(model=model, draft=draft, device=args.device, dtype=args.dtype, draft_dtype=args.draft_dtype,
-                       compile=args.compile,
+                       compile=args.compile, quantization=quantization_from_arg(args.quantization),
+                       draft_quantization=quantization_from_arg(args.draft_quantization),
                        adaptive_confidence=args.adaptive_confidence,
                        ks=_given_or(args.ks, sizes["ks"]), max_tokens=_given_or(args.max_tokens, sizes["max_tokens"]),
                        prompts_per_set=_given_or(args.prompts, sizes["prompts"]),

@@ -61,11 +61,13 @@ def read_bandwidth(num_bytes: int, repeats: int = 5, device: str | torch.device 
 
 
 def decode_weight_bytes(model) -> int:
-    """Bytes of weights one decode step reads: every parameter and prepacked weight once, but
-    of the embedding table only the row it looks up, unless the table is also the output
-    matrix (tied and not prepacked), which the step reads whole."""
+    """Bytes of weights one decode step reads: every parameter, buffer (quantized weights and
+    their scales) and prepacked weight once, but of the embedding table only the row it looks
+    up, unless the table is also the output matrix (tied, not prepacked nor quantized), which
+    the step reads whole."""
     seen, total = set(), 0
-    for tensor in list(model.parameters()) + [m.packed_weight for m in model.modules() if hasattr(m, "packed_weight")]:
+    packed = [m.packed_weight for m in model.modules() if hasattr(m, "packed_weight")]
+    for tensor in list(model.parameters()) + list(model.buffers()) + packed:
         if id(tensor) not in seen:
             seen.add(id(tensor))
             total += tensor.numel() * tensor.element_size()

@@ -50,7 +50,7 @@ def held_out_code_prompts(per_module: int = 2, max_chars: int = 1200) -> list[Pr
     """Up to per_module prompts from each held-out module: the last max_chars characters of the
     file up to the end of a `def` line, starting at a line start."""
     prompts = []
-    for module, source in _held_out_sources():
+    for module, source in held_out_sources():
         for name, cut in _def_line_ends(source)[:per_module]:
             start = 0
             if cut > max_chars:
@@ -64,7 +64,7 @@ def repeated_code_prompts(per_module: int = 1, max_chars: int = 1200) -> list[Pr
     a body of at least MIN_BODY_LINES lines), a comment, and the same signature renamed to
     <name>_copy, ready for the copied body; each prompt at most max_chars long."""
     prompts = []
-    for module, source in _held_out_sources():
+    for module, source in held_out_sources():
         fitting = []
         for span in _function_spans(source):
             text = _repeat_prompt(source, span)
@@ -75,7 +75,7 @@ def repeated_code_prompts(per_module: int = 1, max_chars: int = 1200) -> list[Pr
     return prompts
 
 
-def _held_out_sources():
+def held_out_sources():
     """(module file name, source) of each held-out module this Python has."""
     for module in HELD_OUT_MODULES:
         file = stdlib_path() / module

@@ -52,6 +52,8 @@ def markdown(results: dict, title_level: int = 1) -> str:
         for sampling in results["config"]["samplings"]:
             title = f"{h}# {prompt_set['title']} ({set_name}), {_sampling_words(sampling)}"
             sections.append(f"{title}\n\n{method_table(results, set_name, sampling['name'])}\n")
+    if results.get("quantization_quality"):
+        sections.append(f"{h}# What quantization costs\n\n{quality_table(results['quantization_quality'])}\n")
     sections += [f"{h}# Greedy exactness\n\n{exactness_text(results['exactness'])}\n",
                  f"{h}# Goals (held-out code prompts)\n\n{goals_table(results['goals'])}\n",
                  f"{h}# Where the time goes\n\n{profile_table(results)}\n"]
@@ -76,7 +78,10 @@ def method_table(results: dict, set_name: str, sampling: str) -> str:
              "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|---:|"]
     for r in _rows(results, set_name, sampling):
         by_position = " ".join(_number(a, 2) for a in r["acceptance_by_position"] or [])
-        lines.append(f"| {r['label']} | {_number(r['tokens_per_s'], 1)} | {_times(r['speedup'])} | "
+        label = r["label"]
+        if r.get("rounds_by_k"):  # goodput: how many rounds took each k
+            label += " (rounds by k: " + " ".join(f"{k}:{n}" for k, n in enumerate(r["rounds_by_k"]) if n) + ")"
+        lines.append(f"| {label} | {_number(r['tokens_per_s'], 1)} | {_times(r['speedup'])} | "
                      f"{_times(r['decode_speedup'])} | {_times(r.get('predicted_in_rounds'))} | "
                      f"{_times(r['predicted_speedup'])} | "
                      f"{_times(r['predicted_from_tau'])} | {_times(r.get('predicted_with_verify_cost'))} | "
@@ -105,6 +110,20 @@ def costs_table(results: dict) -> str:
         lines.append(f"| target alone, {r['prompt_set']} greedy, decode tokens/s (fraction of the ceiling) | "
                      f"{_number(r['decode_tokens_per_s'], 1)} ({_number(r['roofline_fraction'], 2)}) |")
     return "\n".join(lines)
+
+
+def quality_table(quality: dict) -> str:
+    """The quantized target against the unquantized one (benchmark/quality.py)."""
+    q = quality["quantization"]
+    return "\n".join([
+        f"| {q} target against the unquantized one | value |", "|---|---:|",
+        f"| greedy outputs identical | {quality['greedy_identical']} of {quality['prompts']} |",
+        f"| greedy agreement (tokens before the first difference ÷ output length) | "
+        f"{_number(quality['greedy_agreement'], 3)} |",
+        f"| perplexity on held-out modules, {q} / unquantized | {_number(quality['perplexity'], 3)} / "
+        f"{_number(quality['reference_perplexity'], 3)} ({quality['perplexity_difference']:+.3f}) |",
+        f"| target alone, greedy tokens/s, {q} / unquantized | {_number(quality['tokens_per_s'], 1)} / "
+        f"{_number(quality['reference_tokens_per_s'], 1)} ({_times(quality['speedup_over_reference'])}) |"])
 
 
 def exactness_text(exactness: dict) -> str:
@@ -167,6 +186,8 @@ def _setup_line(results: dict) -> str:
 
 def _model_words(model: dict) -> str:
     dtype = model["dtype"].replace("torch.", "")
+    if model.get("quantization"):
+        dtype += f", {model['quantization']} weights"
     return f"{Path(model['path']).name} ({model['parameters'] / 1e6:.1f}M parameters, {dtype})"
 
 

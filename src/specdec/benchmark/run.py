@@ -29,7 +29,9 @@ from specdec.benchmark.exactness import compare
 from specdec.benchmark.goals import evaluate_goals
 from specdec.benchmark.machine import decode_weight_bytes, describe_machine, read_bandwidth, step_seconds
 from specdec.benchmark.prompts import Prompt, held_out_code_prompts, repeated_code_prompts
-from specdec.config import SamplingParams, SpeculativeConfig, check, check_device, is_int, is_real
+from specdec.benchmark.quality import quantization_quality
+from specdec.config import (SamplingParams, SpeculativeConfig, check, check_device, check_quantization_name, is_int,
+                            is_real)
 from specdec.drafters import DRAFTERS, LookupThenDraftDrafter
 from specdec.llm import LLM
 from specdec.metrics import SpecStats, expected_tokens_per_round, predicted_speedup
@@ -60,7 +62,8 @@ class BenchConfig:
     """What to measure.
 
     model / draft: Hugging Face directories (draft None: no draft-model rows).
-    dtype / draft_dtype / compile: as LLM's dtype, draft_dtype and compile.
+    dtype / draft_dtype / compile / quantization / draft_quantization: as LLM's. With a
+        quantized target the bench also measures what quantization costs (quality.py).
     adaptive_confidence: > 0 adds a row for the draft model with adaptive k (up to the
         largest of ks; LLM's draft_confidence_threshold).
     ks: the k of each speculative row (draft model and prompt lookup).
@@ -79,6 +82,8 @@ class BenchConfig:
     dtype: str = "auto"
     draft_dtype: str = "auto"
     compile: str = "auto"
+    quantization: str | None = None
+    draft_quantization: str | None = None
     adaptive_confidence: float = 0.0
     ks: tuple[int, ...] = (1, 2, 3, 4, 5, 6, 7, 8)
     transformers_k: int | None = None
@@ -123,6 +128,9 @@ class BenchConfig:
                f"bandwidth_bytes must be an integer >= 1 MiB, got {self.bandwidth_bytes!r}")
         check_device(self.device)
         check_compile_mode(self.compile)
+        check_quantization_name(self.quantization)
+        check_quantization_name(self.draft_quantization, "draft_quantization")
+        check(self.draft is not None or self.draft_quantization is None, "draft_quantization needs a draft model")
 
     @property
     def max_k(self) -> int:
@@ -132,7 +140,8 @@ class BenchConfig:
 @dataclass(frozen=True)
 class Method:
     engine: str  # "specdec" or "transformers"
-    drafter: str  # "none", "draft_model", "draft_model_adaptive" (k at most k), "ngram" or "lookup_then_draft"
+    drafter: str  # "none", "draft_model", "draft_model_adaptive" (k at most k), "draft_model_goodput" (k at most
+    # k, by goodput), "ngram" or "lookup_then_draft"
     k: int = 0
 
     @property
@@ -141,6 +150,8 @@ class Method:
             return "specdec target alone" if self.engine == "specdec" else "transformers generate"
         if self.drafter == "draft_model_adaptive":
             return f"{self.engine} draft model adaptive k<={self.k}"
+        if self.drafter == "draft_model_goodput":
+            return f"{self.engine} draft model goodput k<={self.k}"
         name = {"draft_model": "draft model", "ngram": "prompt lookup",
                 "lookup_then_draft": "prompt lookup, else draft model"}[self.drafter]
         if self.engine == "transformers":
@@ -195,6 +206,10 @@ def run_benchmark(config: BenchConfig, progress: Callable[[str], None] | None = 
     costs = measure_costs(loaded, config)
     roofline = measure_roofline(loaded.target, config)
     rows = summarize(records, loaded.runners, costs, roofline, config)
+    quality = None
+    if config.quantization is not None:
+        say("measuring what quantization costs, against the unquantized target")
+        quality = measure_quantization_quality(loaded.target, prompts, records, config)
     results = {
         "machine": describe_machine(config.device),
         "config": _config_json(config),
@@ -205,6 +220,7 @@ def run_benchmark(config: BenchConfig, progress: Callable[[str], None] | None = 
         "roofline": roofline,
         "rows": rows,
         "exactness": check_greedy_exactness(records),
+        "quantization_quality": quality,
         "notes": loaded.notes + _method_notes(loaded.target.target.model.dtype),
     }
     results["goals"] = evaluate_goals(results)
@@ -216,12 +232,13 @@ def run_benchmark(config: BenchConfig, progress: Callable[[str], None] | None = 
 def load_runners(config: BenchConfig) -> LoadedRunners:
     """The specdec target (loaded once, shared by every specdec method) and its drafters,
     then the transformers baselines where transformers is installed."""
-    target = LLM(config.model, dtype=config.dtype, device=config.device, compile=config.compile)
+    target = LLM(config.model, dtype=config.dtype, device=config.device, compile=config.compile,
+                 quantization=config.quantization)
     runners: dict[Method, Runner] = {TARGET_ALONE: SpecdecRunner(target)}
     draft_model = None
     if config.draft is not None:
         spec = SpeculativeConfig(method="draft_model", model=config.draft, num_speculative_tokens=max(config.ks),
-                                 draft_dtype=config.draft_dtype)
+                                 draft_dtype=config.draft_dtype, draft_quantization=config.draft_quantization)
         drafter = DRAFTERS["draft_model"](spec, target.target, target.runner)
         draft_model = drafter.runner
         for k in config.ks:
@@ -230,6 +247,8 @@ def load_runners(config: BenchConfig) -> LoadedRunners:
             adaptive = drafter.sharing_weights(config.adaptive_confidence)
             runners[Method("specdec", "draft_model_adaptive", max(config.ks))] = SpecdecRunner(
                 target.with_drafter(adaptive, max(config.ks)))
+        runners[Method("specdec", "draft_model_goodput", max(config.ks))] = SpecdecRunner(  # LLM's default policy
+            target.with_drafter(drafter.sharing_weights(), max(config.ks), "goodput"))
     ngram = DRAFTERS["ngram"](SpeculativeConfig(method="ngram"), target.target, target.runner)
     for k in config.ks:
         runners[Method("specdec", "ngram", k)] = SpecdecRunner(target.with_drafter(ngram, k))
@@ -425,6 +444,18 @@ def measure_costs(loaded: LoadedRunners, config: BenchConfig) -> dict:
             "verify_cost_ratio": {str(k): statistics.median(times) / target_step for k, times in verify_steps.items()}}
 
 
+def measure_quantization_quality(target: LLM, prompts: dict, records: list[Record], config: BenchConfig) -> dict:
+    """The quantized target against the same checkpoint unquantized, on the greedy prompts the
+    target alone ran (see quality.py)."""
+    ids_by_name = {(set_name, prompt.name): ids for set_name, pairs in prompts.items() for prompt, ids in pairs}
+    greedy_runs = [(ids_by_name[(r.prompt_set, r.prompt)], r.run.token_ids, r.run.seconds) for r in records
+                   if r.method == TARGET_ALONE and r.sampling == GREEDY.name]
+    if not greedy_runs:
+        return None
+    reference = LLM(config.model, dtype=config.dtype, device=config.device, compile=config.compile)
+    return quantization_quality(target, reference, greedy_runs, config.max_tokens)
+
+
 def measure_roofline(target: LLM, config: BenchConfig) -> dict:
     """Weight bytes a decode step reads ÷ streaming read bandwidth: the fastest a step can be."""
     bandwidth = read_bandwidth(config.bandwidth_bytes, device=config.device)
@@ -462,7 +493,8 @@ def _row_measurements(method: Method, runs: list[Run], costs: dict, roofline: di
     seconds = sum(r.seconds for r in runs)
     row = {"prompts": len(runs), "tokens": sum(len(r.token_ids) for r in runs), "seconds": seconds}
     row["tokens_per_s"] = row["tokens"] / seconds
-    row.update(alpha=None, tau=None, acceptance_by_position=None, cost_ratio=None, predicted_speedup=None,
+    row.update(alpha=None, tau=None, acceptance_by_position=None, rounds_by_k=None, cost_ratio=None,
+               predicted_speedup=None,
                predicted_with_verify_cost=None,
                tokens_per_round=None, predicted_from_tau=None, decode_tokens_per_s=None, roofline_fraction=None,
                profile=None)
@@ -470,7 +502,8 @@ def _row_measurements(method: Method, runs: list[Run], costs: dict, roofline: di
         return row
     stats = SpecStats.merge([r.stats for r in runs])
     alpha = _finite(stats.acceptance_rate)
-    row.update(tau=_finite(stats.tokens_per_forward), alpha=alpha, acceptance_by_position=acceptance_by_position(stats))
+    row.update(tau=_finite(stats.tokens_per_forward), alpha=alpha, acceptance_by_position=acceptance_by_position(stats),
+               rounds_by_k=stats.rounds_by_k if method.drafter == "draft_model_goodput" else None)
     row["cost_ratio"] = {"draft_model": costs["cost_ratio"], "ngram": 0.0}.get(method.drafter)
     if alpha is not None and row["cost_ratio"] is not None:
         row["predicted_speedup"] = predicted_speedup(alpha, method.k, row["cost_ratio"])
@@ -598,7 +631,7 @@ def _models_json(loaded: LoadedRunners, config: BenchConfig) -> dict:
     def describe(path: str, runner) -> dict:
         return {"path": str(Path(path)), "parameters": runner.config.num_parameters, "dtype": str(runner.dtype),
                 "bf16_packed_matrices": _packed_linears(runner.eager_model()), "compile": runner.compile_mode,
-                "compile_seconds": round(runner.compile_seconds, 1)}
+                "compile_seconds": round(runner.compile_seconds, 1), "quantization": runner.quantization}
 
     return {"target": describe(config.model, loaded.target.runner),
             "draft": describe(config.draft, loaded.draft_model) if loaded.draft_model is not None else None}

@@ -31,6 +31,20 @@ class Draft:
         return cls(torch.zeros(batch_size, 0, dtype=torch.long, device=device),
                    torch.zeros(batch_size, dtype=torch.long, device=device))
 
+    def scattered(self, batch_size: int, rows: torch.Tensor) -> "Draft":
+        """This draft of some rows as one of batch_size rows: row i here goes to rows[i] [R];
+        the other rows propose nothing."""
+        B, k = batch_size, self.token_ids.shape[1]
+        token_ids = self.token_ids.new_zeros(B, k)  # [B, k]
+        token_ids[rows] = self.token_ids
+        num_tokens = self.num_tokens.new_zeros(B)  # [B]
+        num_tokens[rows] = self.num_tokens
+        probs = None
+        if self.probs is not None:
+            probs = self.probs.new_zeros(B, k, self.probs.shape[-1])  # [B, k, V]
+            probs[rows] = self.probs
+        return Draft(token_ids, num_tokens, probs)
+
 
 class Drafter(ABC):
     """Proposes up to k tokens per sequence each round.
@@ -46,6 +60,11 @@ class Drafter(ABC):
     @abstractmethod
     def propose(self, batch: list[Sequence], k: int, sampling: SamplingTensors) -> Draft:
         """Draft up to k tokens for each sequence (whose tokens so far are seq.token_ids)."""
+
+    def time_step(self, batch_size: int) -> None:
+        """Run what one draft token costs for batch_size rows, for the engine to time before any
+        round (it runs before sequences arrive: nothing kept may depend on it). A drafter whose
+        steps cost next to nothing (a table lookup) does nothing."""
 
     def observe(self, batch: list[Sequence], num_accepted: torch.Tensor) -> None:
         """Told how many draft tokens each row had accepted; a drafter may adapt."""

@@ -60,7 +60,8 @@ class DraftModelDrafter(Drafter):
         check_same_vocabulary(target, draft)
         warn_if_shorter_context(target, draft)
         runner = ModelRunner(draft.model, target_runner.platform, target_runner.compile_mode,
-                             bf16_pack_min_bytes=LARGE_WEIGHT_BYTES if small_on_cpu else None, name="the draft")
+                             bf16_pack_min_bytes=LARGE_WEIGHT_BYTES if small_on_cpu else None, name="the draft",
+                             quantization=spec.draft_quantization)
         return cls(runner, target.model.config.vocab_size, spec.draft_confidence_threshold)
 
     def sharing_weights(self, confidence_threshold: float | None = None) -> "DraftModelDrafter":
@@ -76,6 +77,14 @@ class DraftModelDrafter(Drafter):
 
     def release(self, seq: Sequence) -> None:
         self.fed.pop(seq.slot, None)
+
+    def time_step(self, batch_size: int) -> None:
+        """One draft step of batch_size rows, at position 0 of slots 0..batch_size-1 (a new
+        sequence's catch-up rewrites it: reserve() forgot what every slot held)."""
+        device = self.model.device
+        self.cache.use_slots(list(range(batch_size)))
+        input_ids = torch.zeros(batch_size, 1, dtype=torch.long, device=device)  # [B, 1]
+        self.runner(input_ids, torch.zeros_like(input_ids), self.cache)
 
     def propose(self, batch: list[Sequence], k: int, sampling: SamplingTensors) -> Draft:
         """Up to k draft tokens per row. With a confidence threshold, a row stops after a draft

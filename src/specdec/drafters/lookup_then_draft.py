@@ -49,6 +49,9 @@ class LookupThenDraftDrafter(Drafter):
     def release(self, seq: Sequence) -> None:
         self.draft_model.release(seq)
 
+    def time_step(self, batch_size: int) -> None:
+        self.draft_model.time_step(batch_size)
+
     def propose(self, batch: list[Sequence], k: int, sampling: SamplingTensors) -> Draft:
         if not sampling.any_greedy:
             return self.draft_model.propose(batch, k, sampling)
