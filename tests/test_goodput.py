@@ -6,12 +6,15 @@ and the output is the target's whatever k each round took.
 
 from __future__ import annotations
 
+import itertools
+import math
+
 import pytest
 import torch
 from helpers import save_tiny_model
 
 from specdec import LLM, SamplingParams
-from specdec.goodput import (MAX_PROBE_INTERVAL, PRIOR_WEIGHT, PROBE_INTERVAL, AcceptanceEstimate, CostCurve,
+from specdec.goodput import (MAX_PROBE_INTERVAL, MIN_GAIN, PRIOR_WEIGHT, PROBE_BUDGET, PROBE_INTERVAL, AcceptanceEstimate, CostCurve,
                              GoodputPolicy, RoundCosts)
 from specdec.cli import main
 
@@ -48,6 +51,7 @@ def test_the_choice_maximises_expected_tokens_per_second(alpha, costs):
     step, per_token = costs.verify.calibrated[1], costs.verify.calibrated[2] - costs.verify.calibrated[1]
     draft_step = costs.draft.calibrated[1]
     goodput = {k: expected_tokens(alpha, k) / (step + k * per_token + k * draft_step) for k in range(K + 1)}
+    goodput[0] *= MIN_GAIN  # drafting must promise MIN_GAIN times plain decoding
     assert policy.choose([0], [100]) == [max(goodput, key=goodput.get)]
 
 
@@ -59,35 +63,53 @@ def test_room_caps_the_expected_tokens():
     assert policy.choose([0], [2]) == [2]
 
 
-def test_a_batch_sums_its_rows_expected_tokens():
-    """One good row among three useless ones does not pay for the batch's drafting; alone, it does."""
-    costs = linear(1.0, 0.2, 0.2)
+def best_plan_by_brute_force(alphas, rooms, costs: RoundCosts):
+    """Every k and every set of drafting rows: (B + sum of their extra tokens) ÷ (verify of
+    k + 1 tokens + the draft's k steps for their share of the batch); plain decoding's counted
+    MIN_GAIN times."""
+    B, best, best_plan = len(alphas), None, None
+    for k in range(K + 1):
+        for drafting in itertools.product([False, True], repeat=B):
+            if (k == 0) != (not any(drafting)) or any(d and room == 0 for d, room in zip(drafting, rooms)):
+                continue
+            tokens = B + sum(expected_tokens(a, min(k, r)) - 1 for a, r, d in zip(alphas, rooms, drafting) if d)
+            seconds = costs.verify.seconds(k + 1) + (costs.draft.seconds(k) * sum(drafting) / B if k else 0)
+            value = tokens / seconds * (MIN_GAIN if k == 0 else 1)  # drafting must promise MIN_GAIN times plain
+            if best is None or value > best + 1e-12:
+                best, best_plan = value, [min(k, r) if d else 0 for r, d in zip(rooms, drafting)]
+    return best_plan
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_the_plan_is_the_best_of_every_k_and_set_of_drafting_rows(seed):
+    """Rows share the verify; each drafting row costs its share of the draft: the plan is the
+    brute-force best over every k and every subset of rows."""
+    g = torch.Generator().manual_seed(seed)
+    alphas = torch.rand(5, generator=g).tolist()
+    rooms = torch.randint(0, 7, (5,), generator=g).tolist()
+    costs = linear(1.0, float(torch.rand(1, generator=g)) * 0.3, float(torch.rand(1, generator=g)) * 0.5)
     policy = policy_with(costs)
-    alphas = [0.0, 0.0, 0.0, 0.95]
     for slot, alpha in enumerate(alphas):
         policy.start(slot)
         policy.estimates[slot].accepted, policy.estimates[slot].judged = alpha * 1e6, 1e6
-    goodput = {k: sum(expected_tokens(a, k) for a in alphas) / costs.seconds(k, k + 1) for k in range(K + 1)}
-    assert max(goodput, key=goodput.get) == 0 and policy.choose([0, 1, 2, 3], [50] * 4) == [0] * 4
-    alone = {k: expected_tokens(0.95, k) / costs.seconds(k, k + 1) for k in range(K + 1)}
+    assert policy.plan(list(range(5)), rooms) == best_plan_by_brute_force(alphas, rooms, costs)
+
+
+def test_one_good_row_among_useless_ones():
+    """Alone, the good row drafts; among three useless rows its drafts do not pay for widening
+    the batch's verify, and nobody drafts."""
+    costs = linear(1.0, 0.2, 0.2)
+    policy = policy_with(costs)
+    for slot, alpha in enumerate([0.0, 0.0, 0.0, 0.95]):
+        policy.start(slot)
+        policy.estimates[slot].accepted, policy.estimates[slot].judged = alpha * 1e6, 1e6
+    assert policy.choose([0, 1, 2, 3], [50] * 4) == [0] * 4
+    alone = {k: expected_tokens(0.95, k) / costs.seconds(k, k + 1) * (MIN_GAIN if k == 0 else 1) for k in range(K + 1)}
     assert policy.choose([3], [50]) == [max(alone, key=alone.get)] and max(alone, key=alone.get) > 0
 
 
-def test_rows_whose_drafts_do_not_pay_their_share_draft_nothing():
-    """cost(k) / cost(0) - 1 is what a row's drafts must add, in tokens, to pay its share."""
-    costs = linear(1.0, 0.02, 0.02)
-    policy = policy_with(costs)
-    for slot, alpha in enumerate([0.0, 0.1, 0.0, 0.95]):
-        policy.start(slot)
-        policy.estimates[slot].accepted, policy.estimates[slot].judged = alpha * 1e6, 1e6
-    ks = policy.choose([0, 1, 2, 3], [50, 50, 50, 2])
-    k = max(ks)
-    threshold = costs.seconds(k, k + 1) / costs.seconds(0, 1) - 1
-    assert k > 0 and ks == [0, k if expected_tokens(0.1, k) - 1 >= threshold else 0, 0, 2]
-
-
 def test_a_probe_drafts_one_row_in_turn():
-    policy = policy_with(linear(1.0, 0.2, 0.2))
+    policy = policy_with(linear(1.0, 0.01, 0.2))
     for slot in range(3):
         policy.start(slot)
         policy.estimates[slot].judged = 1e6  # α = 0
@@ -107,7 +129,7 @@ def test_acceptance_estimate_decays_and_starts_from_the_prior():
 
 
 def test_plain_rounds_probe_with_one_draft_now_and_then():
-    policy = policy_with(linear(1.0, 0.5, 0.5))
+    policy = policy_with(linear(1.0, 0.01, 0.5))  # a probe's wider verify costs little: every PROBE_INTERVAL
     policy.start(0)
     policy.estimates[0].judged = 1e6  # α = 0
     choices = [policy.choose([0], [100])[0] for _ in range(3 * (PROBE_INTERVAL + 1))]
@@ -116,8 +138,17 @@ def test_plain_rounds_probe_with_one_draft_now_and_then():
     assert policy.k_counts == {0: 3 * PROBE_INTERVAL, 1: 3}
 
 
+def test_probes_come_further_apart_where_their_wider_verify_costs_more():
+    policy = policy_with(linear(1.0, 0.5, 0.5))  # a 2-token verify costs 1.5 steps
+    policy.start(0)
+    policy.estimates[0].judged = 1e6
+    choices = [policy.choose([0], [100])[0] for _ in range(60)]
+    floor = math.ceil(0.5 / PROBE_BUDGET)
+    assert floor > PROBE_INTERVAL and choices.index(1) == floor
+
+
 def test_probes_that_find_nothing_come_less_often():
-    policy = policy_with(linear(1.0, 0.2, 0.2))
+    policy = policy_with(linear(1.0, 0.01, 0.2))
     policy.start(0)
     policy.estimates[0].judged = 1e6  # α = 0
     probes_at = []

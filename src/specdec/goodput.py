@@ -13,14 +13,18 @@ Terms:
            of two: a short calibration when the engine first prepares for that batch size, then
            each round's own timing.
 
-Each round takes the k in 0..k_max that maximises  sum_i E(α_i, min(k, room_i)) / cost(k),
-room_i being what row i can still emit. The rows of a batch share the round's target forward,
-padded to its longest row, so the round has one k; a row whose own expected extra tokens do not
-pay its share of the round's extra cost drafts nothing (it spares the drafter a row); at batch 1
-the round's k is the sequence's own.
+Each round takes the plan (k, and the rows that draft) that maximises
+    (B + sum over drafting rows of (E(α_i, min(k, room_i)) - 1)) / (verify(k + 1) + draft(k) * n / B)
+for B rows of which n draft, room_i being what row i can still emit: the rows share the round's
+target forward, padded to k + 1 tokens a row if any row drafts, while the drafter's work is
+per row. So a row whose drafts would not pay their way drafts nothing, the others draft k; at
+batch 1 this is the sequence's own k. A plan that drafts must promise MIN_GAIN (10%) more than
+plain decoding: the costs are measured to a few percent, the acceptance rates estimated, and a
+thin predicted gain is as likely a loss (measured at batches of 16 and 32, sampled).
 A useless draft (α near 0) or a high temperature makes k = 0 win, and the round costs a plain
 decode step. k = 0 rounds teach nothing about α, so after PROBE_INTERVAL of them in a row one
-row of one round drafts a single token (the rows take turns), to see whether drafting pays again; each probe that finds it does
+row of one round drafts a single token (the rows take turns), to see whether drafting pays again
+(further apart in a wide batch, whose forward a probe widens: PROBE_BUDGET); each probe that finds it does
 not doubles the interval (up to MAX_PROBE_INTERVAL), one that finds it does resets it. A probe
 costs more than a draft step: a draft model first catches up on the tokens it skipped. That
 catch-up is not a draft step's cost, so the round after k = 0 rounds teaches the costs nothing
@@ -29,6 +33,7 @@ about drafting.
 
 from __future__ import annotations
 
+import math
 import time
 from collections import Counter
 from dataclasses import dataclass, field
@@ -37,6 +42,8 @@ from specdec.metrics import expected_tokens_per_round
 
 PROBE_INTERVAL = 16  # k = 0 rounds in a row before the first one-token probe
 MAX_PROBE_INTERVAL = 256
+PROBE_BUDGET = 0.02  # at most this share of the time on probes, as far as their verify goes
+MIN_GAIN = 1.1  # a plan that drafts must promise this many times plain decoding's tokens per second
 ESTIMATE_DECAY = 0.9  # per judged round, the weight of a sequence's older observations
 PRIOR_WEIGHT = 2.0  # the prior's weight, in judged draft tokens
 COST_SMOOTHING = 0.2  # weight of each new timing in the running costs
@@ -122,8 +129,7 @@ class GoodputPolicy:
     """Picks each round's k (0..k_max) for the engine; see the module's docstring.
 
     padded_tokens(T): the query length the target runs a T-token forward at (a compiled runner
-    pads to its buckets); draft_cost: whether drafting costs time (False for prompt lookup,
-    whose steps are table lookups)."""
+    pads to its buckets)."""
 
     def __init__(self, k_max: int, padded_tokens=lambda num_tokens: num_tokens):
         self.k_max = k_max
@@ -134,6 +140,7 @@ class GoodputPolicy:
         self.k_counts: Counter[int] = Counter()  # rounds run at each k
         self._plain_rounds_in_a_row = 0
         self._probe_interval = PROBE_INTERVAL
+        self._num_probes = 0  # whose turn a probe is
         self._probing = False  # the round choose() last chose is a probe
         self._after_plain_rounds = True  # ... and follows a k = 0 round (or none)
         self._last_k = 0
@@ -172,66 +179,56 @@ class GoodputPolicy:
             self.estimates[slot].observe(proposed, accepted)
             self.prior.observe(proposed, accepted)
         if self._probing:  # did drafting pay this time? then probe soon again, else later
-            pays = self.choose_without_probe(slots, [self.k_max] * len(slots)) > 0
+            pays = any(self.plan(slots, [self.k_max] * len(slots)))
             self._probe_interval = PROBE_INTERVAL if pays else min(2 * self._probe_interval, MAX_PROBE_INTERVAL)
 
     # --- choosing -----------------------------------------------------------------------------
 
     def choose(self, slots: list[int], rooms: list[int]) -> list[int]:
         """Each row's k this round (rows in slots, each with room draft tokens at most): the
-        batch's k by goodput for the rows worth drafting for, 0 for the others; in a probe, one
-        row (in turn) drafts one token."""
-        k = self.choose_without_probe(slots, rooms)
-        self._probing = k == 0 and min(self.k_max, max(rooms)) > 0 and \
-            self._plain_rounds_in_a_row >= self._probe_interval
+        plan of the most expected tokens per second; in a probe, one row (in turn) drafts one
+        token."""
+        ks = self.plan(slots, rooms)
+        self._probing = not any(ks) and min(self.k_max, max(rooms)) > 0 and \
+            self._plain_rounds_in_a_row >= max(self._probe_interval, self._probe_floor(len(slots)))
         if self._probing:  # see whether drafting pays again, at the price of one row's catch-up
-            ks = [0] * len(slots)
             with_room = [row for row, room in enumerate(rooms) if room > 0]
-            ks[with_room[self.k_counts[1] % len(with_room)]] = 1
-        else:
-            ks = self._rows_worth_drafting(slots, rooms, k)
+            ks[with_room[self._num_probes % len(with_room)]] = 1
+            self._num_probes += 1
         self._chose(max(ks))
         return ks
 
-    def _rows_worth_drafting(self, slots: list[int], rooms: list[int], k: int) -> list[int]:
-        """k (or its room) for each row whose expected extra tokens pay its share of what the
-        round costs beyond a plain step: E(α_i, k) - 1 >= cost(k) / cost(0) - 1, in plain-step
-        tokens; 0 for the others (they spare the drafter a row; the verify is the batch's)."""
-        if k == 0:
-            return [0] * len(slots)
-        costs = self._costs(len(slots))
-        threshold = costs.seconds(k, self.padded_tokens(k + 1)) / costs.seconds(0, 1) - 1
-        prior = self.prior.rate(0.5)
-        ks = []
-        for slot, room in zip(slots, rooms):
-            row_k = min(k, room)
-            gain = expected_tokens_per_round(self.estimates[slot].rate(prior), row_k) - 1
-            ks.append(row_k if row_k and gain >= threshold else 0)
-        return ks
-
-    def choose_without_probe(self, slots: list[int], rooms: list[int]) -> int:
-        """The k of the most expected tokens per second for rows in slots (room: each one's
-        draft tokens at most)."""
-        k_max = min(self.k_max, max(rooms))
-        if k_max == 0:
-            return 0
+    def plan(self, slots: list[int], rooms: list[int]) -> list[int]:
+        """Each row's k for the most expected tokens per second. For each k, the rows that gain
+        most from drafting (E(α_i, min(k, room_i)) - 1 extra tokens) draft first, each adding
+        its share of the draft's cost (rows that do not draft spare the drafter a row; the
+        verify forward is the whole batch's, at k + 1 tokens if anyone drafts)."""
+        B = len(slots)
+        costs = self._costs(B)
         prior = self.prior.rate(0.5)
         alphas = [self.estimates[slot].rate(prior) for slot in slots]
-        costs = self._costs(len(slots))
-        best_k, best = 0, len(slots) / costs.seconds(0, 1)
-        for k in range(1, k_max + 1):
-            tokens = sum(expected_tokens_per_round(alpha, min(k, room)) for alpha, room in zip(alphas, rooms))
-            goodput = tokens / costs.seconds(k, self.padded_tokens(k + 1))
-            if goodput > best:
-                best_k, best = k, goodput
-        return best_k
+        best, best_k, best_rows = MIN_GAIN * B / costs.seconds(0, 1), 0, []
+        for k in range(1, min(self.k_max, max(rooms)) + 1):
+            gains = sorted(((expected_tokens_per_round(alpha, min(k, room)) - 1, row)
+                            for row, (alpha, room) in enumerate(zip(alphas, rooms)) if room > 0), reverse=True)
+            verify, draft = costs.verify.seconds(self.padded_tokens(k + 1)), costs.draft.seconds(k)
+            tokens = float(B)
+            for n, (gain, _) in enumerate(gains, start=1):
+                tokens += gain
+                goodput = tokens / (verify + draft * n / B)
+                if goodput > best:
+                    best, best_k, best_rows = goodput, k, [row for _, row in gains[:n]]
+        ks = [0] * B
+        for row in best_rows:
+            ks[row] = min(best_k, rooms[row])
+        return ks
 
-    def expected_goodput(self, slots: list[int], rooms: list[int], k: int) -> float:
-        """Expected tokens per second of a round at k (for reports and tests)."""
-        prior = self.prior.rate(0.5)
-        tokens = sum(expected_tokens_per_round(self.estimates[slot].rate(prior), min(k, room))
-                     for slot, room in zip(slots, rooms))
-        return tokens / self._costs(len(slots)).seconds(k, self.padded_tokens(k + 1))
+    def _probe_floor(self, batch_size: int) -> int:
+        """The fewest plain rounds between probes for PROBE_BUDGET: a probe widens the whole
+        batch's forward to 2 tokens a row, which costs a wide batch more."""
+        costs = self._costs(batch_size)
+        extra = costs.verify.seconds(self.padded_tokens(2)) / costs.verify.seconds(1) - 1
+        return math.ceil(max(0.0, extra) / PROBE_BUDGET)
 
     def _chose(self, k: int) -> int:
         self._after_plain_rounds = self._last_k == 0

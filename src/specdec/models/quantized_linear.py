@@ -30,7 +30,7 @@ import torch
 from torch import nn
 
 from specdec.config import check_quantization_name
-INT4_GROUP_SIZE = 32  # inputs per int4 scale; see docs/quantization.md for 32 vs 64 vs 128
+INT4_GROUP_SIZE = 32  # inputs per int4 scale; docs/runner.md compares 32, 64 and 128
 KERNEL_DTYPE = torch.bfloat16  # the activations' dtype inside the kernels
 
 
