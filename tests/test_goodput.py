@@ -128,6 +128,22 @@ def test_acceptance_estimate_decays_and_starts_from_the_prior():
     assert estimate.rate(0.3) == pytest.approx((accepted + PRIOR_WEIGHT * 0.3) / (judged + PRIOR_WEIGHT))
 
 
+def test_a_sequence_not_drafting_drifts_back_to_the_prior():
+    """A run of rejections switches a sequence's drafting off; while it drafts nothing its own
+    counts fade, and with a good pooled rate it drafts again."""
+    policy = policy_with(linear(1.0, 0.1, 0.2))
+    policy.prior.accepted, policy.prior.judged = 90.0, 100.0  # the others accept 0.9
+    policy.start(0)
+    for _ in range(5):
+        policy.observe([0], [4], [0])  # rejected at once, five rounds running
+    assert policy.choose([0], [100]) == [0]
+    rounds = 1
+    while policy.choose([0], [100]) == [0]:
+        policy.observe([0], [0], [0])  # a plain round: nothing judged
+        rounds += 1
+    assert 1 < rounds < PROBE_INTERVAL  # back before any probe
+
+
 def test_plain_rounds_probe_with_one_draft_now_and_then():
     policy = policy_with(linear(1.0, 0.01, 0.5))  # a probe's wider verify costs little: every PROBE_INTERVAL
     policy.start(0)

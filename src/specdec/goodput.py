@@ -44,25 +44,33 @@ PROBE_INTERVAL = 16  # k = 0 rounds in a row before the first one-token probe
 MAX_PROBE_INTERVAL = 256
 PROBE_BUDGET = 0.02  # at most this share of the time on probes, as far as their verify goes
 MIN_GAIN = 1.1  # a plan that drafts must promise this many times plain decoding's tokens per second
-ESTIMATE_DECAY = 0.9  # per judged round, the weight of a sequence's older observations
+ESTIMATE_DECAY = 0.9  # per round, the weight of a sequence's older observations
+PRIOR_DECAY = 0.99  # the same for the prior, every sequence's rounds pooled: a long memory
 PRIOR_WEIGHT = 2.0  # the prior's weight, in judged draft tokens
 COST_SMOOTHING = 0.2  # weight of each new timing in the running costs
 CALIBRATION_REPEATS = 2
 
 
 class AcceptanceEstimate:
-    """α of one sequence: accepted ÷ judged draft tokens, each round's counts decayed by
-    ESTIMATE_DECAY, plus PRIOR_WEIGHT judged tokens at the prior's rate."""
+    """α of one sequence: accepted ÷ judged draft tokens, older rounds' counts decayed by
+    `decay` each round that judges some, plus PRIOR_WEIGHT judged tokens at the prior's rate. A
+    round that drafts nothing for the sequence decays its counts too (relax): the estimate drifts
+    back to the prior, so that a run of rejections does not switch a sequence off for good."""
 
-    def __init__(self):
+    def __init__(self, decay: float = ESTIMATE_DECAY):
+        self.decay = decay
         self.accepted = 0.0
         self.judged = 0.0
 
     def observe(self, num_proposed: int, num_accepted: int) -> None:
         judged = num_accepted + (1 if num_accepted < num_proposed else 0)
         if judged:
-            self.accepted = ESTIMATE_DECAY * self.accepted + num_accepted
-            self.judged = ESTIMATE_DECAY * self.judged + judged
+            self.accepted = self.decay * self.accepted + num_accepted
+            self.judged = self.decay * self.judged + judged
+
+    def relax(self) -> None:
+        self.accepted *= self.decay
+        self.judged *= self.decay
 
     def rate(self, prior: float) -> float:
         return (self.accepted + PRIOR_WEIGHT * prior) / (self.judged + PRIOR_WEIGHT)
@@ -136,7 +144,7 @@ class GoodputPolicy:
         self.padded_tokens = padded_tokens
         self.costs: dict[int, RoundCosts] = {}  # by batch bucket
         self.estimates: dict[int, AcceptanceEstimate] = {}  # by slot
-        self.prior = AcceptanceEstimate()  # every sequence's rounds, pooled
+        self.prior = AcceptanceEstimate(PRIOR_DECAY)  # every sequence's rounds, pooled
         self.k_counts: Counter[int] = Counter()  # rounds run at each k
         self._plain_rounds_in_a_row = 0
         self._probe_interval = PROBE_INTERVAL
@@ -176,8 +184,11 @@ class GoodputPolicy:
 
     def observe(self, slots: list[int], num_proposed: list[int], num_accepted: list[int]) -> None:
         for slot, proposed, accepted in zip(slots, num_proposed, num_accepted):
-            self.estimates[slot].observe(proposed, accepted)
-            self.prior.observe(proposed, accepted)
+            if proposed:
+                self.estimates[slot].observe(proposed, accepted)
+                self.prior.observe(proposed, accepted)
+            else:
+                self.estimates[slot].relax()
         if self._probing:  # did drafting pay this time? then probe soon again, else later
             pays = any(self.plan(slots, [self.k_max] * len(slots)))
             self._probe_interval = PROBE_INTERVAL if pays else min(2 * self._probe_interval, MAX_PROBE_INTERVAL)
