@@ -31,6 +31,7 @@ import torch  # noqa: E402
 from specdec import LLM, SamplingParams, SpecStats  # noqa: E402
 from specdec.benchmark.prompts import held_out_code_prompts  # noqa: E402
 from specdec.config import COMPILE_HELP, COMPILE_MODES  # noqa: E402
+from specdec.metrics import rounds_by_k_text  # noqa: E402
 from specdec.drafters import DRAFTERS  # noqa: E402
 from specdec.config import SpeculativeConfig  # noqa: E402
 from specdec.models.checkpoint import save_pretrained  # noqa: E402
@@ -105,7 +106,7 @@ def main() -> None:
                 rate, stats = run(llm, prompts, params, batch)
                 rates[label] = max(rates[label], rate)
                 if label == "goodput":
-                    by_k = " ".join(f"{k}:{n}" for k, n in enumerate(stats.rounds_by_k) if n)
+                    by_k = rounds_by_k_text(stats.rounds_by_k)
         print(f"| {name} | {rates['plain']:.1f} | {rates['fixed']:.1f} | {rates['goodput']:.1f} | "
               f"{rates['goodput'] / rates['plain']:.2f}x | {rates['fixed'] / rates['plain']:.2f}x | {by_k} |",
               flush=True)

@@ -90,6 +90,13 @@ def save_tiny_model(path: Path, arch: str = "llama", seed: int = 0, vocab_size: 
     return path
 
 
+
+def save_tiny_pair(root: Path, target_seed: int, draft_seed: int, draft_arch: str = "qwen2") -> dict[str, Path]:
+    """A tiny random target (llama, 2 layers) and draft (draft_arch, 1 layer) sharing the
+    tokenizer, saved under root: {"target": dir, "draft": dir}."""
+    return {"target": save_tiny_model(root / "target", "llama", seed=target_seed, init_std=0.3),
+            "draft": save_tiny_model(root / "draft", draft_arch, seed=draft_seed, init_std=0.3, num_hidden_layers=1)}
+
 def load_hf(path: Path):
     from transformers import AutoModelForCausalLM
 

@@ -9,7 +9,7 @@ import shutil
 import pytest
 import torch
 
-from helpers import load_hf, make_tokenizer, save_tiny_model
+from helpers import load_hf, make_tokenizer, save_tiny_model, save_tiny_pair
 from specdec import LLM, SamplingParams
 from specdec.models.cpu_linear import Bf16PackedLinear, can_pack
 
@@ -18,10 +18,7 @@ GREEDY = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
 
 @pytest.fixture(scope="module")
 def dirs(tmp_path_factory):
-    root = tmp_path_factory.mktemp("engine")
-    target = save_tiny_model(root / "target", "llama", seed=1, init_std=0.3)
-    draft = save_tiny_model(root / "draft", "qwen2", seed=2, init_std=0.3, num_hidden_layers=1)
-    return {"target": target, "draft": draft}
+    return save_tiny_pair(tmp_path_factory.mktemp("engine"), target_seed=1, draft_seed=2)
 
 
 @pytest.fixture(scope="module")

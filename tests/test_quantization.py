@@ -14,7 +14,7 @@ import math
 
 import pytest
 import torch
-from helpers import load_hf, save_tiny_model
+from helpers import load_hf, save_tiny_pair
 from torch import nn
 
 from specdec import LLM, SamplingParams
@@ -30,9 +30,7 @@ PROMPTS = [[5, 9, 31, 7, 7], list(range(40, 53)), [3] * 30]
 
 @pytest.fixture(scope="module")
 def dirs(tmp_path_factory):
-    root = tmp_path_factory.mktemp("quant")
-    return {"target": save_tiny_model(root / "target", "llama", seed=21, init_std=0.3),
-            "draft": save_tiny_model(root / "draft", "llama", seed=22, init_std=0.3, num_hidden_layers=1)}
+    return save_tiny_pair(tmp_path_factory.mktemp("quant"), target_seed=21, draft_seed=22, draft_arch="llama")
 
 
 def random_linear(out_features: int, in_features: int, seed: int, bias: bool = True) -> nn.Linear:

@@ -13,7 +13,7 @@ import warnings
 
 import pytest
 import torch
-from helpers import save_tiny_model
+from helpers import save_tiny_model, save_tiny_pair
 
 from specdec import LLM, SamplingParams
 from specdec.platform import Platform, auto_dtype, detect_platform
@@ -26,10 +26,7 @@ AVX512_BF16 = Platform("cpu", "AVX512", native_bf16=True, native_fp16=False)
 
 @pytest.fixture(scope="module")
 def dirs(tmp_path_factory):
-    root = tmp_path_factory.mktemp("runner")
-    target = save_tiny_model(root / "target", "llama", seed=11, init_std=0.3)
-    draft = save_tiny_model(root / "draft", "qwen2", seed=12, init_std=0.3, num_hidden_layers=1)
-    return {"target": target, "draft": draft}
+    return save_tiny_pair(tmp_path_factory.mktemp("runner"), target_seed=11, draft_seed=12)
 
 
 @pytest.fixture(scope="module")

@@ -147,13 +147,14 @@ class Engine:
     def _round(self, batch: list[Sequence]) -> None:
         device = self.target.device
         sampling = self._sampling_tensors(batch)
-        ks = self._round_ks(batch)  # each row's k (at most its room)
+        slots = [s.slot for s in batch]
+        ks = self._round_ks(batch, slots)  # each row's k (at most its room)
         t0 = time.perf_counter()
         draft, all_rows_drafted = self._propose(batch, ks, sampling)
         t1 = time.perf_counter()
         num_draft = torch.minimum(draft.num_tokens, torch.tensor(ks, device=device))  # [B]
         input_ids, positions = self._verify_inputs(batch, draft)  # [B, k+1] each
-        self.cache.use_slots([s.slot for s in batch])
+        self.cache.use_slots(slots)
         target_logits = self.target(input_ids, positions, self.cache)  # [B, k+1, V]
         t2 = time.perf_counter()
         output, num_accepted = self._verify(batch, sampling, draft, num_draft, target_logits)
@@ -166,14 +167,14 @@ class Engine:
         if self.drafter is not None:
             self.drafter.observe(batch, num_accepted)
         if self.policy is not None:
-            self.policy.observe([s.slot for s in batch], num_proposed, num_accepted_list)
+            self.policy.observe(slots, num_proposed, num_accepted_list)
             self.policy.observe_round(len(batch), max(ks), input_ids.shape[1], target_seconds=t3 - t1,
                                       draft_seconds=t1 - t0 if all_rows_drafted else None)
         t4 = time.perf_counter()
         for key, seconds in (("draft", t1 - t0), ("target", t2 - t1), ("sampling", t3 - t2), ("bookkeeping", t4 - t3)):
             self.timings[key] += seconds
 
-    def _round_ks(self, batch: list[Sequence]) -> list[int]:
+    def _round_ks(self, batch: list[Sequence], slots: list[int]) -> list[int]:
         """Each row's k this round: the goodput policy's choice, or the fixed k (each row cut to
         its room). A round with a seeded sampled request keeps the fixed k: its tokens depend on
         its rounds' k, which goodput takes from timings, and a seed must give the same tokens
@@ -182,7 +183,7 @@ class Engine:
         if self.policy is None or any(s.params.seed is not None and not s.params.greedy for s in batch):
             k = self._usable_k(batch)
             return [min(k, room) for room in rooms]
-        return self.policy.choose([s.slot for s in batch], rooms)
+        return self.policy.choose(slots, rooms)
 
     def _propose(self, batch: list[Sequence], ks: list[int], sampling: SamplingTensors) -> tuple[Draft, bool]:
         """The drafter's tokens for the rows with k > 0 (up to the largest k); the rest propose

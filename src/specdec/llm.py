@@ -13,8 +13,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from specdec.config import (INT64_MIN, UINT64_MAX, SamplingParams, SpeculativeConfig, check, check_device,
-                            check_quantization_name, is_int)
+from specdec.config import INT64_MIN, UINT64_MAX, SamplingParams, SpeculativeConfig, check, check_device, is_int
 from specdec.drafters import DRAFTERS, Drafter
 from specdec.engine import Engine
 from specdec.metrics import SpecStats
@@ -89,7 +88,6 @@ class LLM:
                  draft_quantization: str | None = None, speculative_k_policy: str | None = None):
         check_arguments(seed=seed, max_num_seqs=max_num_seqs, skip_tokenizer_init=skip_tokenizer_init)
         check_compile_mode(compile)
-        check_quantization_name(quantization)
         self.speculative_config = speculative_config(
             speculative_model, speculative_method, num_speculative_tokens=num_speculative_tokens,
             ngram_min=ngram_prompt_lookup_min, ngram_max=ngram_prompt_lookup_max, draft_dtype=draft_dtype,

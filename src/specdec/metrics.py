@@ -103,8 +103,12 @@ class SpecStats:
 
     def k_summary(self) -> str:
         """"k chosen 0:12 5:40  " (rounds at each k), or "" where every round had the same k."""
-        used = [(k, n) for k, n in enumerate(self.rounds_by_k) if n]
-        return "k chosen " + " ".join(f"{k}:{n}" for k, n in used) + "  " if len(used) > 1 else ""
+        return f"k chosen {rounds_by_k_text(self.rounds_by_k)}  " if sum(n > 0 for n in self.rounds_by_k) > 1 else ""
+
+
+def rounds_by_k_text(rounds_by_k: list[int]) -> str:
+    """Rounds at each k as "0:12 5:40" (the k that ran, each with its count)."""
+    return " ".join(f"{k}:{n}" for k, n in enumerate(rounds_by_k) if n)
 
 
 def expected_tokens_per_round(alpha: float, k: int) -> float:

@@ -18,6 +18,7 @@ import time
 
 import torch
 
+from specdec.benchmark.exactness import first_divergence
 from specdec.benchmark.prompts import held_out_sources
 from specdec.config import SamplingParams
 from specdec.llm import LLM
@@ -38,8 +39,8 @@ def quantization_quality(quantized: LLM, reference: LLM, greedy_runs: list[tuple
         ref_seconds += time.perf_counter() - start
         ref_tokens += len(expected)
         tokens, seconds = tokens + len(output), seconds + run_seconds
-        same = _common_prefix(expected, output)
-        agreements.append(same / max(len(expected), 1))
+        divergence = first_divergence(output, expected)
+        agreements.append((len(expected) if divergence is None else divergence) / max(len(expected), 1))
         identical += expected == output
     quantized_ppl = perplexity(quantized.runner.model, quantized)
     reference_ppl = perplexity(reference.runner.model, reference)
@@ -72,6 +73,3 @@ def perplexity(model, llm: LLM, num_tokens: int = PERPLEXITY_TOKENS) -> float:
             count += inputs.shape[1]
     return math.exp(total / count)
 
-
-def _common_prefix(a: list[int], b: list[int]) -> int:
-    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))

@@ -9,6 +9,8 @@ import math
 import shutil
 from pathlib import Path
 
+from specdec.metrics import rounds_by_k_text
+
 
 PLOTS = ("speedup_vs_k.png", "acceptance_by_position.png", "tokens_per_second.png")
 ROUND_PARTS = ("draft", "target", "sampling", "bookkeeping")
@@ -80,7 +82,7 @@ def method_table(results: dict, set_name: str, sampling: str) -> str:
         by_position = " ".join(_number(a, 2) for a in r["acceptance_by_position"] or [])
         label = r["label"]
         if r.get("rounds_by_k"):  # goodput: how many rounds took each k
-            label += " (rounds by k: " + " ".join(f"{k}:{n}" for k, n in enumerate(r["rounds_by_k"]) if n) + ")"
+            label += f" (rounds by k: {rounds_by_k_text(r['rounds_by_k'])})"
         lines.append(f"| {label} | {_number(r['tokens_per_s'], 1)} | {_times(r['speedup'])} | "
                      f"{_times(r['decode_speedup'])} | {_times(r.get('predicted_in_rounds'))} | "
                      f"{_times(r['predicted_speedup'])} | "

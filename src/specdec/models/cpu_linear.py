@@ -49,7 +49,7 @@ def pack_large_linears_in_bf16(model: nn.Module, min_weight_bytes: int) -> None:
     small matrices run faster in float32, while the big ones (in a small draft, typically only
     the output layer, vocabulary x hidden) are big enough that halving their bytes pays
     (benchmarks/bench_draft.py)."""
-    _replace_linears(model, Bf16PackedLinear,
+    replace_linears(model, Bf16PackedLinear,
                      lambda linear: linear.weight.numel() * linear.weight.element_size() >= min_weight_bytes)
 
 
@@ -66,10 +66,10 @@ def can_pack(dtype: torch.dtype, device: torch.device) -> bool:
 
 def pack_linears(model: nn.Module) -> None:
     """Replace every nn.Linear inside model by a PackedLinear (in place)."""
-    _replace_linears(model, PackedLinear, lambda linear: True)
+    replace_linears(model, PackedLinear)
 
 
-def _replace_linears(model: nn.Module, replacement, chosen) -> None:
+def replace_linears(model: nn.Module, replacement, chosen=lambda linear: True) -> None:
     """Swap each nn.Linear inside model for which chosen(linear) holds by replacement(linear)."""
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):

@@ -26,10 +26,13 @@ speculation stays exact with respect to the quantized model.
 
 from __future__ import annotations
 
+from collections import Counter
+
 import torch
 from torch import nn
 
 from specdec.config import check_quantization_name
+from specdec.models.cpu_linear import replace_linears
 INT4_GROUP_SIZE = 32  # inputs per int4 scale; docs/runner.md compares 32, 64 and 128
 KERNEL_DTYPE = torch.bfloat16  # the activations' dtype inside the kernels
 
@@ -126,16 +129,10 @@ def quantize_linears(model: nn.Module, quantization: str) -> dict[str, int]:
     layers took each form ({"int4": 84, "int8": 1}, say: int4 layers whose shape the kernel
     does not take are int8). A tied output layer gets its own quantized copy; the embedding
     it shared stays as it was."""
-    counts: dict[str, int] = {}
-    for parent in list(model.modules()):
-        for name, child in list(parent.named_children()):
-            if not isinstance(child, nn.Linear):
-                continue
-            form = "int4" if quantization == "int4" and Int4Linear.fits(child) else "int8"
-            setattr(parent, name, Int4Linear(child) if form == "int4" else Int8Linear(child))
-            counts[form] = counts.get(form, 0) + 1
-    return counts
+    def quantized(linear: nn.Linear) -> nn.Module:
+        return Int4Linear(linear) if quantization == "int4" and Int4Linear.fits(linear) else Int8Linear(linear)
 
-
-def quantized_layers(model: nn.Module) -> list[nn.Module]:
-    return [m for m in model.modules() if isinstance(m, (Int8Linear, Int4Linear))]
+    replace_linears(model, quantized)
+    forms = Counter("int4" if isinstance(m, Int4Linear) else "int8" for m in model.modules()
+                    if isinstance(m, (Int8Linear, Int4Linear)))
+    return dict(forms)
