@@ -223,7 +223,8 @@ def chat_llm(model_dir, tmp_path_factory) -> LLM:
     ("hello", "messages must be a non-empty list"),
     ([], "messages must be a non-empty list"),
     (["hi"], r"messages\[0\] must be a dict with 'role' and 'content', got 'hi'"),
-    ([CHAT, CHAT], r"a list of conversations \(batched chat\) is not supported yet"),
+    ([CHAT, []], "messages must be a non-empty list"),
+    ([CHAT, [{"role": "user"}]], r"messages\[0\]\['content'\] must be text"),
     ([{"content": "hi"}], r"messages\[0\] needs a 'role'"),
     ([{"role": "user"}], r"messages\[0\]\['content'\] must be text, got None"),
     ([{"role": "user", "content": "hi"}, {"role": "user", "content": 7}], r"messages\[1\]\['content'\] must be text"),
@@ -231,7 +232,7 @@ def chat_llm(model_dir, tmp_path_factory) -> LLM:
 def test_bad_chat_messages(chat_llm, messages, message):
     with pytest.raises(ValueError, match=message):
         chat_llm.chat(messages)
-    assert chat_llm.chat(CHAT, SamplingParams(max_tokens=2)).outputs[0].token_ids  # and it still chats
+    assert chat_llm.chat(CHAT, SamplingParams(max_tokens=2))[0].outputs[0].token_ids  # and it still chats
 
 
 @pytest.mark.parametrize("template, message", [

@@ -610,12 +610,29 @@ def test_chat_generates_from_the_rendered_template(models, tmp_path):
     path = with_chat_template(models, tmp_path, "string")
     _, hf, _ = models.get("llama", seed=ARCH_SEEDS["llama"])
     llm = LLM(model=str(path), dtype="float32")
-    out = llm.chat(MESSAGES, greedy(10))
+    [out] = llm.chat(MESSAGES, greedy(10))
     reference = RustTokenizer.from_file(str(path / "tokenizer.json"))
     ids = reference.encode(llm.tokenizer.apply_chat_template(MESSAGES), add_special_tokens=False).ids
     assert ids[0] == 0 and ids.count(0) == 1  # the template's <s>, not a second one
     assert out.prompt_token_ids == ids
     assert out.outputs[0].token_ids == hf_generate(hf, ids, 10)
+
+
+def test_chat_takes_a_list_of_conversations_as_vllm_does(models, tmp_path):
+    """One RequestOutput per conversation, in order, each as the conversation alone gives it
+    and as transformers' apply_chat_template renders it."""
+    from transformers import AutoTokenizer
+
+    path = with_chat_template(models, tmp_path, "string")
+    llm = LLM(model=str(path), dtype="float32")
+    conversations = [MESSAGES, [{"role": "user", "content": "print(1)"}], MESSAGES[:1]]
+    outputs = llm.chat(conversations, greedy(6))
+    hf_tokenizer = AutoTokenizer.from_pretrained(str(path))
+    assert len(outputs) == 3
+    for conversation, output in zip(conversations, outputs):
+        rendered = hf_tokenizer.apply_chat_template(conversation, tokenize=False, add_generation_prompt=True)
+        assert output.prompt_token_ids == hf_tokenizer.encode(rendered, add_special_tokens=False)
+        assert output.outputs[0].token_ids == llm.chat(conversation, greedy(6))[0].outputs[0].token_ids
 
 
 def test_no_chat_template_is_a_clear_error(models):

@@ -425,7 +425,7 @@ def test_bench_refuses_its_inputs_and_a_users_folder_before_measuring(tmp_path, 
 
 
 def test_a_model_path_that_is_a_file_says_what_it_is(tmp_path):
-    for name, message in (("model.bin", "a .bin checkpoint is a pickle"), ("model.gguf", "a GGUF file"),
+    for name, message in (("model.bin", "a .bin checkpoint is a pickle"), ("model.gguf", "not a GGUF file"),
                           ("model.safetensors", f"point at the directory holding it, '{tmp_path}'"),
                           ("notes.txt", "point at a Hugging Face model directory")):
         (tmp_path / name).write_bytes(b"\0" * 16)

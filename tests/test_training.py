@@ -330,6 +330,10 @@ def test_held_out_split_of_other_corpora(tmp_path):
     named_like_held_out = [Document("queue.py", "a = 1\n"), Document("glob.py", "b = 2\n")]
     train_docs, held_out = split_held_out(named_like_held_out)  # all of them: not the stdlib rule
     assert [d.name for d in train_docs] == ["queue.py"] and [d.name for d in held_out] == ["glob.py"]
+    with_directory = [Document("train/a.txt", "a\n"), Document("held_out/b.txt", "b\n"), Document("glob.py", "c\n"),
+                      Document("held_outside.txt", "d\n")]
+    train_docs, held_out = split_held_out(with_directory)  # held_out/ wins over the names
+    assert [d.name for d in held_out] == ["held_out/b.txt"] and len(train_docs) == 3
     lines = "".join(f"line {i}\n" for i in range(100))
     (tmp_path / "one.txt").write_text(lines)
     corpus = load_corpus(tmp_path / "one.txt")

@@ -1,9 +1,13 @@
 """specdec's command line.
 
-    specdec generate --model DIR [--draft DIR [--lookup] | --ngram] [-k N] --prompt TEXT [--compare]
+    specdec generate --model DIR|FILE.gguf [--draft DIR [--lookup] | --ngram] [-k N] (--prompt TEXT | --chat TEXT)
+        [--compare]
     specdec train --corpus PATH --out DIR (--preset NAME | size flags)
     specdec distill --target DIR --out DIR
+    specdec chat-data --target DIR --out DIR
     specdec bench [--quick] [--model DIR --draft DIR] [--device cuda] [--out DIR] [--write-docs]
+    specdec convert FILE.gguf OUT_DIR [--dtype auto] [--force]
+    specdec fetch smollm2
 """
 
 from __future__ import annotations
@@ -18,6 +22,8 @@ from specdec.config import (COMPILE_HELP, COMPILE_MODES, K_POLICIES, QUANTIZATIO
 
 def build_parser() -> argparse.ArgumentParser:
     from specdec.benchmark.commands import add_bench_parser  # these import torch: after main's try begins
+    from specdec.models.commands import add_convert_parser, add_fetch_parser
+    from specdec.training.chat_data import add_chat_data_parser
     from specdec.training.commands import add_distill_parser, add_train_parser
 
     parser = argparse.ArgumentParser(prog="specdec", description="Exact speculative decoding for LLMs")
@@ -25,7 +31,10 @@ def build_parser() -> argparse.ArgumentParser:
     add_generate_parser(commands)
     add_train_parser(commands)
     add_distill_parser(commands)
+    add_chat_data_parser(commands)
     add_bench_parser(commands)
+    add_convert_parser(commands)
+    add_fetch_parser(commands)
     return parser
 
 
@@ -56,7 +65,7 @@ def add_generate_parser(commands) -> None:
     p = commands.add_parser("generate", help="generate a completion, speculatively",
                             description="Generate a completion with the target model, verified against "
                                         "a draft model's or prompt lookup's proposals.")
-    p.add_argument("--model", required=True, help="target model directory (Hugging Face format)")
+    p.add_argument("--model", required=True, help="target model: a Hugging Face directory or a .gguf file")
     drafter = p.add_mutually_exclusive_group()
     drafter.add_argument("--draft", help="draft model directory (shares the target's tokenizer)")
     drafter.add_argument("--ngram", action="store_true", help="draft by prompt lookup (no draft model)")
@@ -67,7 +76,10 @@ def add_generate_parser(commands) -> None:
     p.add_argument("--k-policy", choices=K_POLICIES,
                    help="goodput (default): each round picks k from 0 to -k for the most expected tokens per "
                         "second, switching speculation off where it does not pay; fixed: always -k")
-    p.add_argument("--prompt", required=True, help="the prompt text")
+    text = p.add_mutually_exclusive_group(required=True)
+    text.add_argument("--prompt", help="the prompt text, as is")
+    text.add_argument("--chat", metavar="MESSAGE", help="a user message, rendered with the model's chat template "
+                                                        "(the reply is printed alone)")
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
     p.add_argument("--top-p", type=float, default=1.0)
@@ -147,23 +159,25 @@ def run_generate(args) -> int:
               draft_dtype=args.draft_dtype, draft_confidence_threshold=args.draft_confidence, compile=args.compile,
               quantization=quantization_from_arg(args.quantization), speculative_k_policy=args.k_policy,
               draft_quantization=quantization_from_arg(args.draft_quantization))
-    llm.prompt_token_ids(args.prompt, params)  # a bad request is refused as itself, not as the warm-up
+    prompt = args.prompt if args.chat is None else chat_prompt(llm, args.chat)
+    llm.prompt_token_ids(prompt, params)  # a bad request is refused as itself, not as the warm-up
     baseline_llm = llm.target_only() if args.compare else None
     for warming in (llm, baseline_llm):  # first calls are slow
         if warming is not None:
-            warming.warm_up(args.prompt, params)
-    output = llm.generate(args.prompt, params)[0]
-    baseline = baseline_llm.generate(args.prompt, params)[0] if args.compare else None
+            warming.warm_up(prompt, params)
+    output = llm.generate(prompt, params)[0]
+    baseline = baseline_llm.generate(prompt, params)[0] if args.compare else None
     if args.compare:  # timed twice each, interleaved; the faster of each (2-core machines are shared)
-        output = _faster(output, llm.generate(args.prompt, params)[0])
-        baseline = _faster(baseline, baseline_llm.generate(args.prompt, params)[0])
+        output = _faster(output, llm.generate(prompt, params)[0])
+        baseline = _faster(baseline, baseline_llm.generate(prompt, params)[0])
     completion = output.outputs[0]
     color = args.color == "always" or (args.color == "auto" and sys.stdout.isatty())
+    shown_prompt = args.prompt or ""  # a chat's reply is shown alone
     if color and method:
         print(f"{DRAFT_COLOR}accepted draft tokens look like this{RESET}; the target's own tokens are plain\n")
-        print(args.prompt + mark_draft_tokens(llm.tokenizer, output.prompt_token_ids, completion))
+        print(shown_prompt + mark_draft_tokens(llm.tokenizer, output.prompt_token_ids, completion))
     else:
-        print(args.prompt + completion.text)
+        print(shown_prompt + completion.text)
     print()
     label = f"{method} k={llm.speculative_config.num_speculative_tokens}" if method else "target alone"
     print(f"[{label}] {output.metrics.summary()}")
@@ -176,6 +190,15 @@ def run_generate(args) -> int:
         if params.greedy and not same:
             print(divergence_note(baseline.outputs[0].token_ids, output.outputs[0].token_ids, llm.target.model.dtype))
     return 0
+
+
+def chat_prompt(llm, message: str) -> list[int]:
+    """A user message rendered with the model's chat template, as LLM.chat renders it."""
+    if llm.tokenizer is None or not llm.tokenizer.chat_template:
+        raise ValueError("--chat needs a model with a chat template (in tokenizer_config.json or "
+                         "chat_template.jinja); use --prompt for a plain prompt")
+    rendered = llm.tokenizer.apply_chat_template([{"role": "user", "content": message}])
+    return llm.tokenizer.encode(rendered, add_special_tokens=False)
 
 
 def _faster(first, second):

@@ -151,12 +151,19 @@ class LLM:
             self.engine.prepare([self._new_sequence(prompt, params)])
         self.generate(prompt, dataclasses.replace(params, max_tokens=min(2, params.max_tokens)))
 
-    def chat(self, messages: list[dict], sampling_params: SamplingParams | None = None) -> RequestOutput:
-        """Generate a reply to one conversation rendered with the model's chat template."""
+    def chat(self, messages: list[dict] | list[list[dict]],
+             sampling_params: SamplingParams | list[SamplingParams] | None = None,
+             add_generation_prompt: bool = True) -> list[RequestOutput]:
+        """Reply to one conversation (a list of {"role", "content"} dicts) or to a list of them,
+        each rendered with the model's chat template; one RequestOutput per conversation, as
+        vLLM's LLM.chat returns."""
         tokenizer = self._need_tokenizer("chat")
-        check_messages(messages)
-        prompt_ids = tokenizer.encode(tokenizer.apply_chat_template(messages), add_special_tokens=False)
-        return self.generate({"prompt_token_ids": prompt_ids}, sampling_params)[0]
+        conversations = messages if _is_conversation_list(messages) else [messages]
+        for conversation in conversations:
+            check_messages(conversation)
+        prompts = [{"prompt_token_ids": tokenizer.encode(tokenizer.apply_chat_template(c, add_generation_prompt),
+                                                         add_special_tokens=False)} for c in conversations]
+        return self.generate(prompts, sampling_params)
 
     def prompt_token_ids(self, prompt, params: SamplingParams) -> list[int]:
         """The prompt (text or token ids) as token ids, checked as generate checks a request
@@ -251,8 +258,6 @@ def check_messages(messages) -> None:
     """A conversation: a non-empty list of {"role": str, "content": str} dicts."""
     check(isinstance(messages, (list, tuple)) and len(messages) > 0,
           f"messages must be a non-empty list of {{'role': ..., 'content': ...}} dicts, got {_short(messages)}")
-    check(not isinstance(messages[0], (list, tuple)), "a list of conversations (batched chat) is not supported yet: "
-                                                      "call chat once per conversation")
     for i, message in enumerate(messages):
         check(isinstance(message, dict), f"messages[{i}] must be a dict with 'role' and 'content', got "
                                          f"{_short(message)}")
@@ -260,6 +265,10 @@ def check_messages(messages) -> None:
               f"messages[{i}] needs a 'role' (e.g. 'system', 'user', 'assistant'), got {_short(message.get('role'))}")
         check(isinstance(message.get("content"), str),
               f"messages[{i}]['content'] must be text, got {_short(message.get('content'))}")
+
+
+def _is_conversation_list(messages) -> bool:
+    return isinstance(messages, (list, tuple)) and len(messages) > 0 and isinstance(messages[0], (list, tuple))
 
 
 def _short(value) -> str:

@@ -4,6 +4,7 @@ demo, cli and the bench command need not import one another for a path)."""
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]  # the checkout (src/specdec/paths.py -> .)
@@ -11,3 +12,10 @@ SHIPPED_TARGET = ROOT / "models" / "code-target"
 SHIPPED_DRAFT = ROOT / "models" / "code-draft"
 DOCS = ROOT / "docs"
 BUILD = ROOT / "build"  # caches of generated models, apart from bench_out (which `specdec bench` replaces)
+
+# Models fetched from outside (never committed): SPECDEC_CACHE, else ~/.cache/specdec
+CACHE = Path(os.environ.get("SPECDEC_CACHE") or Path.home() / ".cache" / "specdec").expanduser()
+SMOLLM2_DIR = CACHE / "models" / "smollm2"
+SMOLLM2_GGUF = SMOLLM2_DIR / "SmolLM2-135M-Instruct.Q4_1.gguf"  # `specdec fetch smollm2` puts it here
+SMOLLM2_TARGET = SMOLLM2_DIR / "hf"  # ... and converts it to this Hugging Face directory
+SMOLLM2_DRAFT = ROOT / "models" / "smollm2-draft"  # its distilled draft, shipped

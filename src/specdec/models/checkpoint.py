@@ -102,24 +102,44 @@ def save_pretrained(model: LlamaModel, path: str | Path, dtype: torch.dtype = to
         raise ValueError(f"max_shard_bytes must be a positive integer, got {max_shard_bytes!r}")
     state = {name: t.to(dtype) for name, t in to_hf(model).items()}  # checks the model first
     path.mkdir(parents=True, exist_ok=True)
-    _remove_weight_files(path)
-    shards = plan_shards(state, max_shard_bytes)
-    if len(shards) == 1:
-        _save_safetensors(state, path / WEIGHT_FILE)
-    else:
-        weight_map = {}
-        for i, names in enumerate(shards, start=1):
-            file = f"model-{i:05d}-of-{len(shards):05d}.safetensors"
-            _save_safetensors({name: state[name] for name in names}, path / file)
-            weight_map.update(dict.fromkeys(names, file))
-        total = sum(t.numel() * t.element_size() for t in state.values())
-        _write_json(path / INDEX_FILE, {"metadata": {"total_size": total}, "weight_map": weight_map})
+    save_weights(state, path, max_shard_bytes)
     ids = {} if eos_token_id is None else {"bos_token_id": eos_token_id, "eos_token_id": eos_token_id}
     _write_json(path / "config.json", hf_config_dict(model.config, dtype, {**ids, **(extra_config or {})}))
     if ids:
         _write_json(path / "generation_config.json", ids)
     if tokenizer is not None:
         save_tokenizer(tokenizer, path, model.config.max_position_embeddings, eos_token_id)
+    return path
+
+
+def save_weights(state: dict[str, torch.Tensor], path: Path, max_shard_bytes: int = SHARD_BYTES) -> None:
+    """state (Hugging Face names) as model.safetensors, or as shards with an index when it is
+    larger than max_shard_bytes; weight files already in path are removed first."""
+    _remove_weight_files(path)
+    shards = plan_shards(state, max_shard_bytes)
+    if len(shards) == 1:
+        _save_safetensors(state, path / WEIGHT_FILE)
+        return
+    weight_map = {}
+    for i, names in enumerate(shards, start=1):
+        file = f"model-{i:05d}-of-{len(shards):05d}.safetensors"
+        _save_safetensors({name: state[name] for name in names}, path / file)
+        weight_map.update(dict.fromkeys(names, file))
+    total = sum(t.numel() * t.element_size() for t in state.values())
+    _write_json(path / INDEX_FILE, {"metadata": {"total_size": total}, "weight_map": weight_map})
+
+
+def save_hf_directory(path: Path, weights: dict[str, torch.Tensor], config: dict, tokenizer, tokenizer_config: dict,
+                      generation_config: dict, max_shard_bytes: int = 2_000_000_000) -> Path:
+    """A Hugging Face directory from its parts (a GGUF file's, say): config.json, the weights
+    (shards of at most max_shard_bytes), tokenizer.json (a `tokenizers.Tokenizer`),
+    tokenizer_config.json and generation_config.json."""
+    path.mkdir(parents=True, exist_ok=True)
+    save_weights(weights, path, max_shard_bytes)
+    _write_json(path / "config.json", config)
+    _write_json(path / "generation_config.json", generation_config)
+    tokenizer.save(str(path / "tokenizer.json"))
+    _write_json(path / "tokenizer_config.json", tokenizer_config)
     return path
 
 

@@ -55,6 +55,8 @@ def load_pretrained(path: str | Path, dtype: str | torch.dtype = "auto", device:
     """Load a Hugging Face directory in dtype ("auto": see resolve_dtype; platform: the
     device's, detected if None). How the model then runs (weight layouts, compilation) is
     its ModelRunner's business."""
+    if is_gguf_file(path):
+        return _load_gguf(Path(path).expanduser(), dtype, device, load_tokenizer, platform, what)
     path = check_model_path(path)
     hf_config = read_config(path)
     config = model_config_from_hf(hf_config, path / "config.json")
@@ -63,6 +65,27 @@ def load_pretrained(path: str | Path, dtype: str | torch.dtype = "auto", device:
     weights = read_safetensors(path)
     tokenizer = _load_tokenizer(path, config.vocab_size) if load_tokenizer else None
     model = build_model(config, weights, torch_dtype, torch.device(device), path)
+    return LoadedModel(model, tokenizer, eos_ids, path, hf_config)
+
+
+def is_gguf_file(path) -> bool:
+    return isinstance(path, (str, Path)) and str(path).lower().endswith(".gguf") and Path(path).expanduser().is_file()
+
+
+def _load_gguf(path: Path, dtype, device, load_tokenizer: bool, platform: Platform | None, what: str) -> LoadedModel:
+    """A GGUF file, read as the Hugging Face directory `specdec convert` would write from it."""
+    from specdec.models.gguf import read_gguf
+
+    checkpoint = read_gguf(path, weights_dtype=torch.float32)  # cast once, to the dtype it runs in
+    hf_config = checkpoint.hf_config
+    config = model_config_from_hf(hf_config, path)
+    torch_dtype = resolve_dtype(dtype, hf_config, platform or detect_platform(device), what)
+    eos_ids = _eos_ids({"the GGUF metadata": checkpoint.generation_config}, path, config.vocab_size)
+    tokenizer = None
+    if load_tokenizer:
+        tokenizer = Tokenizer.from_backend(checkpoint.tokenizer, checkpoint.tokenizer_config)
+        _check_tokenizer_fits(tokenizer, path, "the GGUF's tokenizer", config.vocab_size, "the model's")
+    model = build_model(config, checkpoint.weights, torch_dtype, torch.device(device), path)
     return LoadedModel(model, tokenizer, eos_ids, path, hf_config)
 
 
@@ -78,7 +101,7 @@ def check_model_path(path) -> Path:
         raise ModelLoadError(f"{str(path)!r} is a file, not a model directory: {_file_hint(path)}")
     if not path.is_dir():
         raise ModelLoadError(f"model directory {str(path)!r} does not exist; point at a Hugging Face model "
-                             "directory holding config.json and *.safetensors")
+                             "directory holding config.json and *.safetensors, or a .gguf file")
     unfinished = unfinished_output_message(path)
     if unfinished is not None:
         raise ModelLoadError(unfinished)
@@ -90,12 +113,9 @@ def _file_hint(path: Path) -> str:
     if suffix in PICKLE_SUFFIXES:
         return (f"a {suffix} checkpoint is a pickle, which specdec never loads (it can run code); use the "
                 "model's safetensors release, a directory with config.json and *.safetensors")
-    if suffix == ".gguf":
-        return ("a GGUF file; specdec loads Hugging Face directories (config.json, *.safetensors, "
-                "tokenizer.json) and does not read GGUF yet")
     if suffix == ".safetensors" or path.name == "config.json":
         return f"point at the directory holding it, {str(path.parent)!r}"
-    return "point at a Hugging Face model directory holding config.json and *.safetensors"
+    return "point at a Hugging Face model directory holding config.json and *.safetensors, or a .gguf file"
 
 
 def read_config(path: Path) -> dict:
@@ -345,19 +365,24 @@ def _some(names: list[str]) -> str:
 def eos_token_ids(path: Path, hf_config: dict, vocab_size: int) -> tuple[int, ...]:
     """EOS ids from generation_config.json and config.json (either may hold an int, a list of
     them, or null); anything else, or an id outside the vocabulary, is a ModelLoadError."""
-    ids: list[int] = []
     sources = {"config.json": hf_config}
     if (path / "generation_config.json").is_file():
         sources = {"generation_config.json": _read_json(path / "generation_config.json",
                                                         what="generation_config.json"), **sources}
+    return _eos_ids(sources, path, vocab_size)
+
+
+def _eos_ids(sources: dict[str, dict], path: Path, vocab_size: int) -> tuple[int, ...]:
+    """The eos_token_id values of sources ({where: config}), first ones first, each once."""
+    ids: list[int] = []
     for name, source in sources.items():
         value = source.get("eos_token_id")
         for token in (value if isinstance(value, list) else [value]):
             if token is None:
                 continue
             if not (is_int(token) and 0 <= token < vocab_size):
-                raise ModelLoadError(f"{path / name}: eos_token_id must be token ids in [0, {vocab_size}) (or null), "
-                                     f"got {value!r}")
+                raise ModelLoadError(f"{path}: {name}'s eos_token_id must be token ids in [0, {vocab_size}) "
+                                     f"(or null), got {value!r}")
             if token not in ids:
                 ids.append(token)
     return tuple(ids)
@@ -373,12 +398,17 @@ def _load_tokenizer(path: Path, vocab_size: int) -> Tokenizer:
         tokenizer = Tokenizer.from_directory(path, config)
     except Exception as e:
         raise ModelLoadError(f"{path}: cannot read the tokenizer ({e})") from e
+    _check_tokenizer_fits(tokenizer, path, "tokenizer.json", vocab_size)
+    return tokenizer
+
+
+def _check_tokenizer_fits(tokenizer: Tokenizer, path: Path, what: str, vocab_size: int,
+                          vocab_source: str = "config.json's") -> None:
     largest = max(tokenizer.backend.get_vocab(with_added_tokens=True).values(), default=-1)
     if largest >= vocab_size:
-        raise ModelLoadError(f"{path}: tokenizer.json has token ids up to {largest}, beyond config.json's vocab_size "
+        raise ModelLoadError(f"{path}: {what} has token ids up to {largest}, beyond {vocab_source} vocab_size "
                              f"{vocab_size}: the tokenizer is not this model's (or tokens were added without "
                              "resizing the model's embedding)")
-    return tokenizer
 
 
 def _read_json(file: Path, what: str) -> dict:

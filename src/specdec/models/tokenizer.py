@@ -25,9 +25,12 @@ class Tokenizer:
         path = Path(path)
         backend = _RustTokenizer.from_file(str(path / "tokenizer.json"))
         config = config or {}
-        special = {name: _token_text(config[name]) for name in ("bos_token", "eos_token", "pad_token", "unk_token")
-                   if config.get(name) is not None}
-        return cls(backend, special, _chat_template(path, config))
+        return cls(backend, _special_tokens(config), _chat_template(path, config))
+
+    @classmethod
+    def from_backend(cls, backend: _RustTokenizer, config: dict) -> "Tokenizer":
+        """A tokenizer already built (a GGUF file's), with the tokenizer_config.json fields config."""
+        return cls(backend, _special_tokens(config), config.get("chat_template"))
 
     @property
     def vocab_size(self) -> int:
@@ -71,6 +74,11 @@ class Tokenizer:
         except Exception as e:  # a template that does not parse, names what is undefined, loops too far, ...
             raise ValueError(f"the model's chat template failed ({type(e).__name__}: {e}); fix chat_template in "
                              "tokenizer_config.json (or chat_template.jinja), or pass a plain prompt") from e
+
+
+def _special_tokens(config: dict) -> dict[str, str]:
+    return {name: _token_text(config[name]) for name in ("bos_token", "eos_token", "pad_token", "unk_token")
+            if config.get(name) is not None}
 
 
 def _chat_template(path: Path, config: dict) -> str | None:

@@ -12,10 +12,11 @@ The default corpus is the Python standard library of the running interpreter: ev
 file under sysconfig's stdlib path, except site-packages, test directories (EXCLUDED_DIRECTORIES)
 and files that are not UTF-8. HELD_OUT_MODULES are held out. Any other directory (all its text
 files, recursively, hidden ones skipped) or a single text file works as a corpus too; there the
-held-out documents are those of HELD_OUT_MODULES if the directory has any and other files
-too (a copy of the standard library), else every tenth file in sorted order (the last file
-when there are fewer than ten), and a single file holds out its last tenth (cut at a line
-break).
+held-out documents are those under a top-level held_out/ directory if it has one (as
+`specdec chat-data` writes), else those of HELD_OUT_MODULES if the directory has any and
+other files too (a copy of the standard library), else every tenth file in sorted order (the
+last file when there are fewer than ten), and a single file holds out its last tenth (cut at
+a line break).
 """
 
 from __future__ import annotations
@@ -39,6 +40,7 @@ HELD_OUT_MODULES = (
 )
 # Directories of the standard library that are not trained on: installed packages and tests.
 EXCLUDED_DIRECTORIES = frozenset({"site-packages", "dist-packages", "test", "tests", "idle_test", "__pycache__"})
+HELD_OUT_DIRECTORY = "held_out"  # a corpus directory's documents under it are held out
 HELD_OUT_EVERY = 10  # outside the standard library: every tenth document is held out
 
 
@@ -92,6 +94,10 @@ def load_corpus(path: str | Path | None = None) -> Corpus:
 
 def split_held_out(documents: list[Document]) -> tuple[list[Document], list[Document]]:
     """(train, held-out) by the rules in the module docstring."""
+    in_held_out_dir = [d.name.startswith(HELD_OUT_DIRECTORY + "/") for d in documents]
+    if any(in_held_out_dir) and not all(in_held_out_dir):
+        return ([d for d, held in zip(documents, in_held_out_dir) if not held],
+                [d for d, held in zip(documents, in_held_out_dir) if held])
     held_names = set(HELD_OUT_MODULES)
     named_held_out = [d.name in held_names for d in documents]
     if any(named_held_out) and not all(named_held_out):  # all of them: nothing would be left to train on

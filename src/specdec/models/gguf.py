@@ -1,0 +1,252 @@
+"""A GGUF file (llama.cpp's format) -> what a Hugging Face directory holds.
+
+Terms:
+  metadata     the file's key/value pairs ("llama.block_count", "tokenizer.ggml.tokens", ...),
+               read with llama.cpp's own `gguf` package
+  tensor type  how a tensor's values are stored: plain (F32, F16, BF16) or in quantized
+               blocks (Q8_0, Q4_0, ... Q6_K); every one is dequantized by the `gguf` package's
+               vectorised numpy code into float32, then cast to the chosen dtype
+  row permutation  llama.cpp's converter reorders the rows of a Llama model's Q and K
+               projections (each head's rotary pairs interleaved instead of split in halves);
+               unpermute() undoes it, so the weights are the Hugging Face checkpoint's again
+
+read_gguf(path) gives a GGUFCheckpoint: config.json's dict, the weights under Hugging Face
+names, the tokenizer (tokenizers library) with its tokenizer_config.json and
+generation_config.json. The loader builds a model from it as from a directory; `specdec
+convert` writes it out as one. Every problem (not a GGUF file, cut short, an architecture or
+tensor type this does not read) is a GGUFError naming the file and the problem.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from specdec.models.loader import ModelLoadError
+
+# general.architecture -> the Hugging Face class (loader.SUPPORTED_ARCHITECTURES reads it)
+ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
+PERMUTED_ARCHITECTURES = ("llama",)  # whose Q and K rows llama.cpp's converter permutes
+TENSOR_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q2_K", "Q3_K", "Q4_K", "Q5_K",
+                "Q6_K")  # the tensor types read (and tested against transformers' own reader)
+FLOAT_TYPES = {"F32": "float32", "F16": "float16", "BF16": "bfloat16"}
+
+# llama.cpp's tensor names -> Hugging Face's ("{i}" is the layer)
+GLOBAL_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
+LAYER_NAMES = {
+    "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
+    "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj", "attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm",
+    "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj",
+}
+LAYER_TENSOR = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
+
+
+class GGUFError(ModelLoadError):
+    """A GGUF file that cannot be read; the message names the file, the problem and what to do."""
+
+
+@dataclass
+class GGUFCheckpoint:
+    hf_config: dict  # config.json
+    weights: dict[str, torch.Tensor]  # Hugging Face names, in the dtype asked for
+    tokenizer: object  # tokenizers.Tokenizer
+    tokenizer_config: dict  # tokenizer_config.json (special tokens, chat template)
+    generation_config: dict  # generation_config.json (bos / eos ids)
+    tensor_types: dict[str, int]  # how many tensors the file held of each type, e.g. {"Q4_1": 210}
+
+
+def read_gguf(path: str | Path, dtype: str | torch.dtype = "auto",
+              weights_dtype: torch.dtype | None = None) -> GGUFCheckpoint:
+    """The checkpoint a GGUF file holds. dtype: the checkpoint's dtype (config.json's
+    torch_dtype); "auto" = the file's float type where all its matrices share one (F32, F16,
+    BF16), else float32, which holds dequantized values exactly. weights_dtype: the dtype the
+    weights are returned in, if not that one (float32 keeps every value as the file has it:
+    a BF16 file's norms are F32)."""
+    from specdec.models.gguf_tokenizer import GGUFTokenizerError, metadata_from_reader, tokenizer_from_gguf
+
+    path = Path(path)
+    reader = _open(path)
+    try:
+        metadata = metadata_from_reader(reader)
+    except Exception as e:  # a field cut short or of a type the reader does not know
+        raise GGUFError(f"{path}: the metadata cannot be read ({type(e).__name__}: {e}); the file is corrupt "
+                        "or cut short: download or convert it again") from e
+    architecture = _architecture(metadata, path)
+    types = _tensor_types(reader, path)
+    torch_dtype = _weight_dtype(dtype, types)
+    hf_config = hf_config_from_metadata(metadata, architecture, path, torch_dtype, reader)
+    weights = {name: tensor.to(weights_dtype or torch_dtype)
+               for name, tensor in _hf_weights(reader, architecture, hf_config, path)}
+    hf_config["tie_word_embeddings"] = "lm_head.weight" not in weights
+    try:
+        tokenizer, tokenizer_config = tokenizer_from_gguf(metadata)
+    except GGUFTokenizerError as e:
+        raise GGUFError(f"{path}: {e}") from e
+    tokenizer_config["model_max_length"] = hf_config["max_position_embeddings"]
+    return GGUFCheckpoint(hf_config, weights, tokenizer, tokenizer_config, _generation_config(metadata, hf_config),
+                          dict(sorted(types.items())))
+
+
+def _open(path: Path):
+    import gguf
+
+    if not path.is_file():
+        raise GGUFError(f"GGUF file {str(path)!r} does not exist")
+    try:
+        return gguf.GGUFReader(str(path))
+    except Exception as e:  # wrong magic, a header cut short, offsets past the end, ...
+        with open(path, "rb") as f:
+            magic = f.read(4)
+        if magic != b"GGUF":
+            raise GGUFError(f"{path}: not a GGUF file (it starts with {magic!r}, not b'GGUF')") from e
+        raise GGUFError(f"{path}: truncated or corrupt GGUF file ({type(e).__name__}: {e}); download or convert "
+                        "it again") from e
+
+
+def _architecture(metadata: dict, path: Path) -> str:
+    architecture = metadata.get("general.architecture")
+    if architecture not in ARCHITECTURES:
+        raise GGUFError(f"{path}: architecture {architecture!r} is not supported; supported: "
+                        f"{', '.join(ARCHITECTURES)}")
+    return architecture
+
+
+def _tensor_types(reader, path: Path) -> dict[str, int]:
+    counts: dict[str, int] = {}
+    for tensor in reader.tensors:
+        counts[tensor.tensor_type.name] = counts.get(tensor.tensor_type.name, 0) + 1
+    unsupported = sorted(set(counts) - set(TENSOR_TYPES))
+    if unsupported:
+        raise GGUFError(f"{path}: tensor type {', '.join(unsupported)} is not supported; supported: "
+                        f"{', '.join(TENSOR_TYPES)} (requantize the file with llama.cpp's llama-quantize)")
+    return counts
+
+
+def _weight_dtype(dtype: str | torch.dtype, types: dict[str, int]) -> torch.dtype:
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype != "auto":
+        from specdec.models.loader import DTYPES
+
+        if dtype not in DTYPES:
+            raise ValueError(f"dtype {dtype!r} is not supported; use 'auto' or one of {sorted(DTYPES)}")
+        return DTYPES[dtype]
+    matrix_types = set(types) - {"F32"} or {"F32"}  # norms are F32 in every file
+    if len(matrix_types) == 1 and next(iter(matrix_types)) in FLOAT_TYPES:
+        return getattr(torch, FLOAT_TYPES[next(iter(matrix_types))])
+    return torch.float32
+
+
+def hf_config_from_metadata(metadata: dict, architecture: str, path: Path, dtype: torch.dtype, reader) -> dict:
+    """config.json's fields from the "<architecture>.*" metadata."""
+
+    def get(key: str, default=None, required: bool = False):
+        value = metadata.get(f"{architecture}.{key}", default)
+        if required and value is None:
+            raise GGUFError(f"{path}: metadata {architecture}.{key} is missing; the file is incomplete")
+        return value
+
+    heads = get("attention.head_count", required=True)
+    hidden = get("embedding_length", required=True)
+    if isinstance(heads, list):
+        raise GGUFError(f"{path}: a head count per layer ({architecture}.attention.head_count) is not supported")
+    head_dim = get("attention.key_length", hidden // heads)
+    rotary_dims = get("rope.dimension_count", head_dim)
+    if rotary_dims != head_dim:
+        raise GGUFError(f"{path}: partial rotary embeddings ({rotary_dims} of {head_dim} dimensions) are not "
+                        "supported")
+    if any(t.name == "rope_freqs.weight" for t in reader.tensors):
+        raise GGUFError(f"{path}: rope frequency factors (rope_freqs.weight, Llama 3.1-style rope scaling) are not "
+                        "supported yet; convert the Hugging Face checkpoint instead")
+    embedding = next((t for t in reader.tensors if t.name == "token_embd.weight"), None)
+    if embedding is None:
+        raise GGUFError(f"{path}: tensor token_embd.weight is missing")
+    return {
+        "architectures": [ARCHITECTURES[architecture]], "model_type": architecture,
+        "vocab_size": int(get("vocab_size", int(embedding.shape[1]))),
+        "hidden_size": int(hidden), "intermediate_size": int(get("feed_forward_length", required=True)),
+        "num_hidden_layers": int(get("block_count", required=True)), "num_attention_heads": int(heads),
+        "num_key_value_heads": int(get("attention.head_count_kv", heads)), "head_dim": int(head_dim),
+        "max_position_embeddings": int(get("context_length", 2048)),
+        "rms_norm_eps": float(get("attention.layer_norm_rms_epsilon", 1e-6)),
+        "rope_theta": float(get("rope.freq_base", 10000.0)), "rope_scaling": _rope_scaling(get, path),
+        "hidden_act": "silu", "torch_dtype": str(dtype).removeprefix("torch."),
+        "attention_bias": any(t.name.endswith("attn_q.bias") for t in reader.tensors),
+        **_special_ids(metadata),
+    }
+
+
+def _rope_scaling(get, path: Path) -> dict | None:
+    kind = get("rope.scaling.type", "none")
+    if kind == "none":
+        return None
+    if kind != "linear":
+        raise GGUFError(f"{path}: rope scaling {kind!r} is not supported (none, linear)")
+    return {"rope_type": "linear", "factor": float(get("rope.scaling.factor", required=True))}
+
+
+def _special_ids(metadata: dict) -> dict:
+    ids = {"bos_token_id": metadata.get("tokenizer.ggml.bos_token_id"),
+           "eos_token_id": metadata.get("tokenizer.ggml.eos_token_id"),
+           "pad_token_id": metadata.get("tokenizer.ggml.padding_token_id")}
+    return {key: int(value) for key, value in ids.items() if value is not None}
+
+
+def _generation_config(metadata: dict, hf_config: dict) -> dict:
+    """BOS and every id that ends a turn: EOS, and end-of-turn / end-of-message where given
+    (Llama 3's <|eot_id|>, <|eom_id|>)."""
+    eos = [metadata.get(f"tokenizer.ggml.{key}") for key in ("eos_token_id", "eot_token_id", "eom_token_id")]
+    eos = list(dict.fromkeys(int(i) for i in eos if i is not None))
+    config = {"bos_token_id": hf_config.get("bos_token_id")} if "bos_token_id" in hf_config else {}
+    if eos:
+        config["eos_token_id"] = eos[0] if len(eos) == 1 else eos
+    return config
+
+
+def _hf_weights(reader, architecture: str, hf_config: dict, path: Path):
+    """(Hugging Face name, float32 tensor) for every tensor of the file."""
+    import gguf
+
+    for tensor in reader.tensors:
+        name = hf_name(tensor.name, path)
+        try:
+            values = gguf.quants.dequantize(tensor.data, tensor.tensor_type)  # [rows, columns], float32
+        except Exception as e:  # data cut short, a shape that is not whole blocks
+            raise GGUFError(f"{path}: tensor {tensor.name} ({tensor.tensor_type.name}) cannot be read "
+                            f"({type(e).__name__}: {e}); the file is corrupt or cut short") from e
+        shape = tuple(int(n) for n in reversed(tensor.shape))  # GGUF lists the fastest dimension first
+        values = values.astype(np.float32, copy=not values.flags.writeable)  # F32 tensors map the file read-only
+        weight = torch.from_numpy(np.ascontiguousarray(values).reshape(shape))
+        if architecture in PERMUTED_ARCHITECTURES and name.endswith(("q_proj.weight", "q_proj.bias")):
+            weight = unpermute(weight, hf_config["num_attention_heads"])
+        elif architecture in PERMUTED_ARCHITECTURES and name.endswith(("k_proj.weight", "k_proj.bias")):
+            weight = unpermute(weight, hf_config["num_key_value_heads"])
+        yield name, weight
+
+
+def hf_name(gguf_name: str, path: Path) -> str:
+    """llama.cpp's tensor name -> Hugging Face's ("blk.3.attn_q.weight" -> "model.layers.3.self_attn.q_proj.weight")."""
+    base, _, kind = gguf_name.rpartition(".")
+    if base in GLOBAL_NAMES and kind == "weight":
+        return f"{GLOBAL_NAMES[base]}.weight"
+    match = LAYER_TENSOR.fullmatch(gguf_name)
+    if match and match.group(2) in LAYER_NAMES:
+        layer, part, kind = match.groups()
+        return f"model.layers.{layer}.{LAYER_NAMES[part]}.{kind}"
+    raise GGUFError(f"{path}: tensor {gguf_name!r} is not one a Llama-family model has; the file is not a plain "
+                    f"{'/'.join(ARCHITECTURES)} model")
+
+
+def unpermute(weight: torch.Tensor, num_heads: int) -> torch.Tensor:
+    """Undo llama.cpp's permutation of a Q or K projection's rows (weight [heads*D, ...] or a
+    bias [heads*D]): within each head it stored rows as pairs (i, i + D/2) interleaved; Hugging
+    Face keeps the two halves apart."""
+    rows = weight.shape[0]
+    head_dim = rows // num_heads
+    pairs = weight.reshape(num_heads, head_dim // 2, 2, *weight.shape[1:])  # [H, D/2, 2, ...]: llama.cpp's order
+    return pairs.transpose(1, 2).reshape(weight.shape)  # [H, 2, D/2, ...] -> [H*D, ...]
