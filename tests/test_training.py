@@ -232,6 +232,36 @@ def test_distill_raises_acceptance(trained_dir, corpus_dir, tmp_path):
     assert not (tmp_path / "x").exists()
 
 
+def test_embeddings_from_target_are_its_best_low_rank_geometry():
+    """The projected embedding P [V, h] keeps the target's embedding E [V, H] where it matters
+    for both lookups and a tied output layer: P Pᵀ is, up to the scale, E Eᵀ's best rank-h
+    approximation, whose error is the discarded singular values (Eckart-Young; numpy's SVD)."""
+    import numpy as np
+
+    from specdec.models.llama import ModelConfig
+    from specdec.training.distill import project_embeddings
+    from specdec.training.train import new_model
+
+    shape = dict(vocab_size=200, num_layers=1, num_kv_heads=1, max_position_embeddings=32, tie_word_embeddings=True)
+    target = new_model(ModelConfig(hidden_size=48, intermediate_size=64, num_heads=2, head_dim=24, **shape), seed=1)
+    draft = new_model(ModelConfig(hidden_size=16, intermediate_size=32, num_heads=2, head_dim=8, **shape), seed=2)
+    with torch.no_grad():
+        target.embed_tokens.weight.mul_(torch.linspace(0.2, 3.0, 48))  # a spread of directions to choose from
+    std_before = float(draft.embed_tokens.weight.std())
+    project_embeddings(target, draft)
+    embedding = target.embed_tokens.weight.detach().double().numpy()
+    projected = draft.embed_tokens.weight.detach().double().numpy()
+    assert draft.lm_head.weight is draft.embed_tokens.weight  # the tied output layer moves with it
+    assert abs(projected.std() - std_before) < 1e-3 * std_before
+    gram, low_rank = embedding @ embedding.T, projected @ projected.T
+    scale = np.sum(gram * low_rank) / np.sum(low_rank * low_rank)  # the least-squares scale
+    singular = np.linalg.svd(embedding, compute_uv=False)
+    best_error = np.sqrt(np.sum(singular[16:] ** 4))
+    assert abs(np.linalg.norm(gram - scale * low_rank) - best_error) < 1e-6 * np.linalg.norm(gram)
+    with pytest.raises(ValueError, match="hidden size 48 is wider"):
+        project_embeddings(draft, target)
+
+
 def test_a_model_trained_then_distilled_gets_a_card_for_both(trained_dir, corpus_dir, tmp_path):
     """--init across kinds: a `train` model distilled further. The train run measured no α, so
     the card's α starts at the distillation's first evaluation."""

@@ -21,7 +21,8 @@ SIZE_FLAGS = {  # flag -> ModelShape field
 }
 TRAIN_FIELDS = ("steps", "batch_size", "grad_accum", "lr", "min_lr_ratio", "warmup", "weight_decay", "grad_clip",
                 "seed", "device", "eval_every", "eval_tokens", "checkpoint_every", "log_every", "stop_after")
-DISTILL_FIELDS = ("temperature", "on_policy_fraction", "sample_temperature", "prompt_tokens", "divergence", "target_dtype")
+DISTILL_FIELDS = ("temperature", "on_policy_fraction", "sample_temperature", "prompt_tokens", "divergence", "target_dtype",
+                  "embeddings_from_target")
 # (TrainConfig and DistillConfig fields, each set by the flag of the same name)
 
 
@@ -64,6 +65,8 @@ def add_distill_parser(commands) -> None:
     p.add_argument("--divergence", choices=("fkl+tv", "tv", "fkl"), help="the loss (default fkl+tv)")
     p.add_argument("--target-dtype", choices=("auto", "float32", "bfloat16"),
                    help="the target's weights while distilling (default auto: as saved)")
+    p.add_argument("--embeddings-from-target", action="store_true", default=None,
+                   help="start the draft's embedding from the target's, projected onto its top principal directions")
     _add_training_flags(p)
     p.set_defaults(run=run_distill)
 
@@ -124,6 +127,8 @@ def run_distill(args) -> int:
     if args.init is not None and (args.untie_embeddings or args.preset != "draft"
                                   or any(getattr(args, flag) is not None for flag in SIZE_FLAGS)):
         raise ValueError("--init takes the draft's size from its config.json; drop --preset and the size flags")
+    if args.init is not None and args.embeddings_from_target:
+        raise ValueError("--embeddings-from-target starts a new draft and --init goes on with a trained one; drop one")
     if args.vocab_size is not None:
         raise ValueError("a draft's vocabulary is its target's (the same tokenizer); drop --vocab-size")
     if not args.on_policy_fraction and (args.sample_temperature is not None or args.prompt_tokens is not None):

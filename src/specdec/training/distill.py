@@ -69,6 +69,10 @@ class DistillConfig:
     prompt_tokens: corpus tokens an on-policy sample continues from.
     divergence: "fkl+tv" (default), "tv" or "fkl".
     target_dtype: the target's weights: "auto" (as saved), "float32" or "bfloat16".
+    embeddings_from_target: a new draft's embedding starts as the target's, projected onto its
+        top principal directions (project_embeddings), instead of random: with a large
+        vocabulary the embedding is most of a small draft, and this one already places
+        tokens as the target does.
     """
 
     temperature: float = 1.0
@@ -77,6 +81,7 @@ class DistillConfig:
     prompt_tokens: int = 32
     divergence: str = "fkl+tv"
     target_dtype: str = "auto"
+    embeddings_from_target: bool = False
 
     def __post_init__(self) -> None:
         check(is_real(self.temperature) and self.temperature > 0,
@@ -89,6 +94,8 @@ class DistillConfig:
               f"prompt_tokens must be an integer >= 1, got {self.prompt_tokens!r}")
         if self.divergence not in DIVERGENCES:
             raise ValueError(f"divergence must be one of {', '.join(DIVERGENCES)}, got {self.divergence!r}")
+        check(isinstance(self.embeddings_from_target, bool),
+              f"embeddings_from_target must be True or False, got {self.embeddings_from_target!r}")
         if self.target_dtype not in ("auto", *SAVE_DTYPES):
             raise ValueError(f"target_dtype must be auto, float32 or bfloat16, got {self.target_dtype!r}")
 
@@ -114,6 +121,8 @@ def distill(target_dir: str | Path, out: str | Path, shape: ModelShape | None, c
         train_stream, held_out_stream = (token_stream(docs, tokenizer, eot_id)
                                          for docs in (corpus.train, corpus.held_out))
         draft = initial_draft(target, shape, init_dir, config.seed).to(config.device)
+        if distill_config.embeddings_from_target and init_dir is None:
+            project_embeddings(target.model, draft)
         context = min(draft.config.max_position_embeddings, target.model.config.max_position_embeddings)
         check_stream_length(train_stream, context, "training", config.batch_size)
         check_prompt_tokens(distill_config, context)
@@ -175,6 +184,23 @@ def initial_draft(target: LoadedModel, shape: ModelShape | None, init_dir, seed:
         raise ValueError(f"--init {init_dir} has vocab_size {loaded.model.config.vocab_size}, the target "
                          f"{target_vocab}; distillation compares distributions over the same vocabulary")
     return loaded.model
+
+
+@torch.no_grad()
+def project_embeddings(target: LlamaModel, draft: LlamaModel) -> None:
+    """Set the draft's embedding (and a tied output layer with it) to the target's embedding
+    E [V, H] projected onto its top h principal directions, h the draft's hidden size:
+    E·W, W [H, h] the leading right singular vectors of E, scaled to the draft's initial
+    standard deviation."""
+    target_embedding = target.embed_tokens.weight.float()  # [V, H]
+    hidden = draft.config.hidden_size
+    if hidden > target_embedding.shape[1]:
+        raise ValueError(f"--embeddings-from-target projects the target's {target_embedding.shape[1]}-wide embedding "
+                         f"down; the draft's hidden size {hidden} is wider")
+    _, _, right = torch.linalg.svd(target_embedding, full_matrices=False)  # right [H, H], rows = directions
+    projected = target_embedding @ right[:hidden].T  # [V, H] @ [H, h] -> [V, h]
+    draft_embedding = draft.embed_tokens.weight
+    draft_embedding.copy_(projected * (draft_embedding.std() / projected.std()))
 
 
 def distillation_task(draft: LlamaModel, target: LlamaModel, train_stream: torch.Tensor,
