@@ -288,6 +288,36 @@ def test_quick_sizes_and_flags_that_override_them(pair):
         ((2, 4), 7, 3, None, False)
     args = parse(["--model", str(target), "--quick", "--ks", "2,4", "--write-docs"])
     assert parse(commands.command_line(args).split()[2:]) == args
+    args = parse(["--model", str(target), "--prompt-sets", "chat,edit"])
+    assert commands.bench_config(args).prompt_sets == ("chat", "edit")
+    assert parse(commands.command_line(args).split()[2:]) == args
+
+
+def test_chat_prompt_sets_are_rendered_with_the_chat_template(pair, tmp_path):
+    """A chat prompt is a held-out module's function in a user message, encoded as the model's
+    template renders it; a model without a template is refused for those sets."""
+    import json
+    import shutil
+
+    from specdec import LLM
+    from specdec.benchmark.prompts import held_out_chat_prompts, held_out_edit_prompts
+    from specdec.benchmark.run import encode_prompts
+    from specdec.training.corpus import HELD_OUT_MODULES
+
+    prompts = held_out_chat_prompts(per_module=1)
+    assert prompts and all(p.chat and p.name.split(":")[0] in HELD_OUT_MODULES for p in prompts)
+    assert {p.name.rsplit("(", 1)[1] for p in held_out_edit_prompts(per_module=1)} == {"edit)"}
+    chat_model = tmp_path / "chat"
+    shutil.copytree(pair[0], chat_model)
+    config = json.loads((chat_model / "tokenizer_config.json").read_text())
+    config["chat_template"] = "{% for m in messages %}<s>{{ m['content'] }}</s>{% endfor %}<s>"
+    (chat_model / "tokenizer_config.json").write_text(json.dumps(config))
+    llm = LLM(str(chat_model), dtype="float32")
+    bench = BenchConfig(model=str(chat_model), prompt_sets=("edit",), ks=KS, **TINY)
+    [(prompt, ids)] = encode_prompts(llm, bench, "edit", [])
+    assert ids == llm.tokenizer.encode(f"<s>{prompt.text}</s><s>", add_special_tokens=False)
+    with pytest.raises(ValueError, match="no chat template"):
+        encode_prompts(LLM(str(pair[0]), dtype="float32"), bench, "chat", [])
 
 
 def test_missing_model_directory_is_a_clear_error(pair, tmp_path):

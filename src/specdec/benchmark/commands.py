@@ -64,6 +64,10 @@ def add_bench_parser(commands) -> None:
                    help="comma-separated k values (default 1..8, --quick 1,3,5)")
     p.add_argument("--prompts", type=int, metavar="N",
                    help=f"prompts per set (default {FULL['prompts']}, --quick {QUICK['prompts']})")
+    p.add_argument("--prompt-sets", type=_name_list, metavar="SET,SET", default=("code", "repeat"),
+                   help="code (held-out code completion), repeat (code repeated from the prompt), chat (held-out "
+                        "chat prompts about functions, for a chat model) and edit (its \"edit this function\" "
+                        "ones); default code,repeat")
     p.add_argument("--seed", type=int, default=0, help="seeds of the sampled runs (prompt i uses seed + i)")
     p.add_argument("--no-transformers", action="store_true", help="skip transformers' generate rows")
     p.add_argument("--write-docs", action="store_true", help="also write docs/benchmarks.md (and its plots)")
@@ -100,7 +104,7 @@ def bench_config(args):
                        draft_quantization=quantization_from_arg(args.draft_quantization),
                        adaptive_confidence=args.adaptive_confidence,
                        ks=_given_or(args.ks, sizes["ks"]), max_tokens=_given_or(args.max_tokens, sizes["max_tokens"]),
-                       prompts_per_set=_given_or(args.prompts, sizes["prompts"]),
+                       prompts_per_set=_given_or(args.prompts, sizes["prompts"]), prompt_sets=args.prompt_sets,
                        with_transformers=not args.no_transformers, seed=args.seed)
 
 
@@ -149,6 +153,8 @@ def command_line(args) -> str:
             words += ["--" + flag.replace("_", "-"), str(value)]
     if args.ks:
         words += ["--ks", ",".join(map(str, args.ks))]
+    if args.prompt_sets != ("code", "repeat"):
+        words += ["--prompt-sets", ",".join(args.prompt_sets)]
     for flag in ("quick", "no_transformers", "write_docs"):
         if getattr(args, flag):
             words.append("--" + flag.replace("_", "-"))
@@ -157,6 +163,10 @@ def command_line(args) -> str:
 
 def _given_or(value, default):
     return default if value is None else value
+
+
+def _name_list(text: str) -> tuple[str, ...]:
+    return tuple(name.strip() for name in text.split(",") if name.strip())
 
 
 def _int_list(text: str) -> tuple[int, ...]:

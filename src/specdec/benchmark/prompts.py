@@ -10,6 +10,11 @@ repeated code prompts: a held-out module's function, whole, then a comment askin
 function under a new name and that renamed function's signature, so the body the model writes
 copies code already in the prompt (editing and refactoring look like this; prompt lookup
 shines here).
+
+held-out chat prompts: a user message about a held-out module's function (training/chat_prompts.py:
+write it from its docstring, edit it, explain it), for a chat model: the bench renders it with
+the model's chat template. edit prompts: only the "edit this function" ones, whose answers
+repeat much of the prompt.
 """
 
 from __future__ import annotations
@@ -28,8 +33,9 @@ MIN_BODY_LINES = 3  # repeated code prompts copy functions with at least this ma
 @dataclass(frozen=True)
 class Prompt:
     name: str  # "module.py:function"
-    text: str
+    text: str  # the prompt; a chat prompt's user message
     before: str = ""  # the file's text before `text`, cut off to keep the prompt short
+    chat: bool = False  # text is a user message, to be rendered with the model's chat template
 
     def lines_that_parse(self, completion: str) -> tuple[int, int]:
         """(parsing, whole): of the completion's whole non-blank lines (its last, unfinished line
@@ -37,7 +43,9 @@ class Prompt:
         from the first, that is valid Python after the file's text up to the prompt's end, either
         complete or valid so far (a block, bracket or string the cut left open, as the parser
         of the interactive prompt judges it). A body written well parses whole; one that is not
-        Python parses none."""
+        Python parses none. A chat prompt's answer is prose around code: (0, 0)."""
+        if self.chat:
+            return 0, 0
         whole_lines = completion[:completion.rfind("\n") + 1].splitlines(keepends=True)
         ends = [i + 1 for i, line in enumerate(whole_lines) if line.strip()]  # just past each non-blank line
         for parsing in range(len(ends), 0, -1):
@@ -73,6 +81,23 @@ def repeated_code_prompts(per_module: int = 1, max_chars: int = 1200) -> list[Pr
         step = max(1, len(fitting) // per_module)
         prompts += fitting[step // 2::step][:per_module]
     return prompts
+
+
+def held_out_chat_prompts(per_module: int = 2, max_chars: int = 1200,
+                          kinds: tuple[str, ...] = ("write", "edit", "explain")) -> list[Prompt]:
+    """per_module chat prompts per held-out module (at most), of these kinds, about functions of
+    at most max_chars characters."""
+    from specdec.training.chat_prompts import chat_prompts
+    from specdec.training.corpus import Corpus, Document
+
+    sources = list(held_out_sources())
+    corpus = Corpus(stdlib_path(), (), tuple(Document(module, source) for module, source in sources))
+    prompts = chat_prompts(corpus, "held_out", kinds, limit=per_module * len(sources), max_source_chars=max_chars)
+    return [Prompt(f"{p.source} ({p.kind})", p.messages[-1]["content"], chat=True) for p in prompts]
+
+
+def held_out_edit_prompts(per_module: int = 2, max_chars: int = 1200) -> list[Prompt]:
+    return held_out_chat_prompts(per_module, max_chars, kinds=("edit",))
 
 
 def held_out_sources():

@@ -28,7 +28,8 @@ import torch
 from specdec.benchmark.exactness import compare
 from specdec.benchmark.goals import evaluate_goals
 from specdec.benchmark.machine import decode_weight_bytes, describe_machine, read_bandwidth, step_seconds
-from specdec.benchmark.prompts import Prompt, held_out_code_prompts, repeated_code_prompts
+from specdec.benchmark.prompts import (Prompt, held_out_chat_prompts, held_out_code_prompts, held_out_edit_prompts,
+                                       repeated_code_prompts)
 from specdec.benchmark.quality import quantization_quality
 from specdec.config import (SamplingParams, SpeculativeConfig, check, check_device, check_quantization_name, is_int,
                             is_real)
@@ -40,6 +41,8 @@ from specdec.runner import check_compile_mode
 PROMPT_SETS = {  # name -> (title, prompt-set function(per_module, max_chars))
     "code": ("held-out code completion", held_out_code_prompts),
     "repeat": ("repeating code already in the prompt", repeated_code_prompts),
+    "chat": ("held-out chat prompts (write, edit or explain a function)", held_out_chat_prompts),
+    "edit": ("held-out \"edit this function\" chat prompts", held_out_edit_prompts),
 }
 
 
@@ -380,15 +383,27 @@ def encode_prompts(target: LLM, config: BenchConfig, set_name: str, notes: list[
     if room < 2:
         raise ValueError(f"the target's context ({target.max_model_len} tokens) leaves no room for a prompt with "
                          f"max_tokens={config.max_tokens} and k up to {config.max_k}; lower --max-tokens")
+    if prompts[0].chat and not target.tokenizer.chat_template:
+        raise ValueError(f"prompt set {set_name!r} is chat prompts, and the target has no chat template; use the "
+                         "code and repeat sets for a model that is not a chat model")
     encoded, num_cut = [], 0
     for prompt in prompts:
-        ids = target.tokenizer.encode(prompt.text)
+        ids = _encode(target.tokenizer, prompt)
         if len(ids) > room:
             ids, num_cut = ids[:1] + ids[len(ids) - room + 1:], num_cut + 1
         encoded.append((prompt, ids))
     if num_cut:
         notes.append(f"{num_cut} {set_name!r} prompts were cut to their last {room} tokens to fit the context.")
     return encoded
+
+
+def _encode(tokenizer, prompt: Prompt) -> list[int]:
+    """A prompt's token ids; a chat prompt rendered with the chat template (which writes its own
+    special tokens) first."""
+    if prompt.chat:
+        return tokenizer.encode(tokenizer.apply_chat_template([{"role": "user", "content": prompt.text}]),
+                                add_special_tokens=False)
+    return tokenizer.encode(prompt.text)
 
 
 def spread(items: list, n: int) -> list:
@@ -645,6 +660,6 @@ def _packed_linears(model) -> int:
 
 
 def _check_model_dir(path: str, what: str) -> None:
-    if not Path(path).is_dir():
+    if not Path(path).is_dir() and not str(path).lower().endswith(".gguf"):
         raise FileNotFoundError(f"{what} directory {str(path)!r} does not exist; pass a Hugging Face model "
                                 "directory (with config.json and *.safetensors)")
