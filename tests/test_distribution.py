@@ -304,6 +304,44 @@ def test_sampled_tokens_follow_the_quantized_target(setup):
     assert_follows(np.ravel_multi_index(tokens.T, (V,) * T), joints[-1], "int8 target: joint")
 
 
+def test_a_draft_scoring_part_of_the_vocabulary_keeps_the_target_distribution(setup, tmp_path):
+    """A draft whose output layer scores 12 of the 32 tokens (FR-Spec style: the others get
+    q = 0 and are never drafted) still gives the target's exact distribution, since the target
+    verifies: tokens outside the draft's 12 come out of recovery and bonus samples."""
+    import dataclasses
+
+    from specdec.models.checkpoint import save_pretrained
+    from specdec.models.llama import LlamaModel
+    from specdec.models.loader import load_pretrained
+
+    full = load_pretrained(setup["draft"], "float32", load_tokenizer=False).model
+    scored = torch.tensor(sorted(set(setup["prompt"]) | set(range(0, VOCAB, 4))))[:12]  # ascending ids
+    config = dataclasses.replace(full.config, output_vocab_size=len(scored), tie_word_embeddings=False)
+    part = LlamaModel(config)
+    state = {name: tensor for name, tensor in full.state_dict().items() if name != "lm_head.weight"}
+    part.load_state_dict({**state, "lm_head.weight": full.lm_head.weight[scored], "output_token_ids": scored})
+    ids = torch.tensor([setup["prompt"]])
+    positions = torch.arange(ids.shape[1])[None]
+    with torch.no_grad():
+        full_logits, part_logits = full(ids, positions, None), part(ids, positions, None)  # [1, T, V] each
+    unscored = torch.ones(VOCAB, dtype=torch.bool).index_fill(0, scored, False)
+    assert torch.allclose(part_logits[..., scored], full_logits[..., scored], atol=1e-5)  # a narrower matmul
+    assert bool((part_logits[..., unscored] == float("-inf")).all())
+    draft_dir = save_pretrained(part, tmp_path / "part_draft", torch.float32)
+    setting = SETTINGS["T1.0"]
+    llm = LLM(setup["target"], speculative_model=str(draft_dir), num_speculative_tokens=K, dtype="float32",
+              skip_tokenizer_init=True, speculative_k_policy="fixed", max_num_seqs=NUM_DRAWS, seed=31)
+    outputs = llm.generate([setup["prompt"]] * NUM_DRAWS, SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True,
+                                                                          **setting))
+    tokens = np.array([out.outputs[0].token_ids for out in outputs])  # [N, T]
+    assert 1000 < sum(out.metrics.num_accepted_tokens for out in outputs)
+    assert not np.isin(tokens[:, 1], scored.numpy()).all()  # the target does emit tokens the draft cannot score
+    joints = exact_distributions(setup["logits"], setting)
+    for t in range(MAX_TOKENS):
+        marginal = joints[-1].sum(axis=tuple(i for i in range(MAX_TOKENS) if i != t))
+        assert_follows(tokens[:, t], marginal, f"draft over part of the vocabulary: token {t + 1}")
+
+
 class LogitsOf:
     """specdec's model called as transformers' is, model(input_ids).logits, for continuation_logits."""
 

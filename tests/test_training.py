@@ -262,6 +262,49 @@ def test_embeddings_from_target_are_its_best_low_rank_geometry():
         project_embeddings(draft, target)
 
 
+def test_frequent_tokens_are_the_most_common_ids():
+    from collections import Counter
+
+    from specdec.training.distill import frequent_share, frequent_tokens
+
+    stream = torch.randint(0, 50, (2000,), generator=torch.Generator().manual_seed(3)) ** 2 % 97  # uneven counts
+    counts = Counter(stream.tolist())
+    expected = sorted(sorted(counts, key=lambda token: (-counts[token], token))[:10])
+    assert frequent_tokens(stream, 97, 10).tolist() == expected
+    with_rare = frequent_tokens(stream, 97, 10, always=(96,))  # 96 never occurs: it displaces the 10th
+    assert 96 in with_rare.tolist() and len(with_rare) == 10 and set(expected) - set(with_rare.tolist())
+    assert abs(frequent_share(stream, torch.tensor(expected)) - sum(counts[t] for t in expected) / 2000) < 1e-12
+    with pytest.raises(ValueError, match="larger than the vocabulary"):
+        frequent_tokens(stream, 97, 98)
+
+
+def test_distill_a_draft_over_part_of_the_vocabulary(trained_dir, corpus_dir, tmp_path):
+    """--output-vocab N: the draft's output layer scores the N most frequent training tokens
+    (EOS among them), distillation raises α, and speculation with it stays exact."""
+    from specdec import LLM, SamplingParams
+    from specdec.models.loader import load_pretrained
+
+    out = tmp_path / "part"
+    assert cli("distill", "--target", trained_dir, "--out", out, "--corpus", corpus_dir, *TINY_RUN,
+               "--hidden-size", "32", "--layers", "1", "--heads", "2", "--kv-heads", "1", "--intermediate-size", "64",
+               "--steps", "30", "--eval-every", "0", "--checkpoint-every", "0", "--output-vocab", "200",
+               "--embeddings-from-target", "--on-policy-fraction", "0.25", "--sample-temperature", "0",
+               "--prompt-tokens", "8") == 0
+    log = json.loads((out / "training_log.json").read_text())
+    assert log["evaluations"][-1]["held_out_alpha"] > log["evaluations"][0]["held_out_alpha"] + 0.05
+    draft = load_pretrained(out, "float32")
+    assert draft.model.config.output_vocab_size == 200 and not draft.model.config.tie_word_embeddings
+    assert draft.eos_token_ids[0] in draft.model.output_token_ids.tolist()
+    llm = LLM(str(trained_dir), speculative_model=str(out), num_speculative_tokens=3, dtype="float32",
+              speculative_k_policy="fixed")
+    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+    speculative = llm.generate("def copy(x):\n", params)[0]
+    assert speculative.outputs[0].token_ids == llm.target_only().generate("def copy(x):\n", params)[0].outputs[0].token_ids
+    assert speculative.metrics.num_accepted_tokens > 0
+    with pytest.raises(ValueError, match="--output-vocab shapes a new draft"):
+        cli("distill", "--target", trained_dir, "--init", out, "--out", tmp_path / "x", "--output-vocab", "10")
+
+
 def test_a_model_trained_then_distilled_gets_a_card_for_both(trained_dir, corpus_dir, tmp_path):
     """--init across kinds: a `train` model distilled further. The train run measured no α, so
     the card's α starts at the distillation's first evaluation."""

@@ -334,17 +334,24 @@ def transformers_runners(config: BenchConfig, target: LLM, draft_model, notes: l
     transformers.logging.disable_progress_bar()
     device, k = target.device, config.transformers_k
     eos = target.target.eos_token_ids
-    try:
-        hf_target = AutoModelForCausalLM.from_pretrained(config.model, dtype=target.target.model.dtype)
-        hf_target = hf_target.to(device).eval()
-        hf_draft = None
-        if draft_model is not None:  # in the dtypes specdec loaded them in
-            hf_draft = AutoModelForCausalLM.from_pretrained(config.draft, dtype=draft_model.dtype).to(device).eval()
-            hf_draft.generation_config.num_assistant_tokens = k
-            hf_draft.generation_config.num_assistant_tokens_schedule = "constant"
+    try:  # in the dtypes specdec loaded them in
+        hf_target = _transformers_model(AutoModelForCausalLM, config.model, target.target.model.dtype, device)
     except Exception as e:  # an optional baseline: report why it is missing, measure the rest
-        notes.append(f"transformers could not load the checkpoints ({type(e).__name__}: {e}); its rows are skipped.")
+        notes.append(f"transformers could not load the target ({type(e).__name__}: {e}); its rows are skipped.")
         return {}
+    hf_draft = None
+    if draft_model is not None and draft_model.config.output_vocab_size:
+        notes.append("the draft's output layer scores part of the vocabulary (output_vocab_size), which transformers' "
+                     "models do not have: transformers' assisted-generation row is skipped.")
+    elif draft_model is not None:
+        try:
+            hf_draft = _transformers_model(AutoModelForCausalLM, config.draft, draft_model.dtype, device)
+        except Exception as e:
+            notes.append(f"transformers could not load the draft ({type(e).__name__}: {e}); its assisted-generation "
+                         "row is skipped.")
+    if hf_draft is not None:
+        hf_draft.generation_config.num_assistant_tokens = k
+        hf_draft.generation_config.num_assistant_tokens_schedule = "constant"
     runners = {TRANSFORMERS_PLAIN: TransformersRunner(hf_target, device, eos)}
     if hf_draft is not None and hf_draft.config.vocab_size != hf_target.config.vocab_size:
         notes.append(f"transformers' assisted generation needs the draft's vocab_size "
@@ -365,6 +372,16 @@ def transformers_runners(config: BenchConfig, target: LLM, draft_model, notes: l
                  "(schedule constant, its default assistant_confidence_threshold), prompt lookup at "
                  f"prompt_lookup_num_tokens={k} (its default max_matching_ngram_size 2).")
     return runners
+
+
+def _transformers_model(auto_class, path: str, dtype: torch.dtype, device):
+    """transformers' model of a directory or a GGUF file (read by its own GGUF loader)."""
+    if str(path).lower().endswith(".gguf"):
+        file = Path(path)
+        model = auto_class.from_pretrained(str(file.parent), gguf_file=file.name, dtype=dtype)
+    else:
+        model = auto_class.from_pretrained(path, dtype=dtype)
+    return model.to(device).eval()
 
 
 # -- prompts -------------------------------------------------------------------------------

@@ -51,6 +51,9 @@ def to_hf(model: LlamaModel) -> dict[str, torch.Tensor]:
     for name, tensor in model.state_dict().items():
         if name == "inv_freq" or (name == "lm_head.weight" and c.tie_word_embeddings):
             continue
+        if "." not in name:  # a buffer of the model itself (output_token_ids)
+            out[f"model.{name}"] = tensor
+            continue
         module, kind = name.rsplit(".", 1)
         fused = next((f for f in FUSED if module.endswith(f)), None)
         if fused is None:
@@ -76,7 +79,8 @@ def hf_config_dict(config: ModelConfig, dtype: torch.dtype, extra: dict | None =
         "rms_norm_eps": config.rms_norm_eps, "rope_theta": config.rope_theta,
         "rope_scaling": scaling or None, "tie_word_embeddings": config.tie_word_embeddings,
         "attention_bias": config.qkv_bias, "mlp_bias": config.mlp_bias, "hidden_act": "silu",
-        "torch_dtype": str(dtype).removeprefix("torch."), **(extra or {}),
+        "torch_dtype": str(dtype).removeprefix("torch."),
+        **({"output_vocab_size": config.output_vocab_size} if config.output_vocab_size else {}), **(extra or {}),
     }
 
 
@@ -100,7 +104,7 @@ def save_pretrained(model: LlamaModel, path: str | Path, dtype: torch.dtype = to
     path = Path(path)
     if not (isinstance(max_shard_bytes, int) and max_shard_bytes > 0):
         raise ValueError(f"max_shard_bytes must be a positive integer, got {max_shard_bytes!r}")
-    state = {name: t.to(dtype) for name, t in to_hf(model).items()}  # checks the model first
+    state = {name: t.to(dtype) if t.is_floating_point() else t for name, t in to_hf(model).items()}  # checks it first
     path.mkdir(parents=True, exist_ok=True)
     save_weights(state, path, max_shard_bytes)
     ids = {} if eos_token_id is None else {"bos_token_id": eos_token_id, "eos_token_id": eos_token_id}

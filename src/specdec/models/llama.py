@@ -45,11 +45,23 @@ class ModelConfig:
     mlp_bias: bool = False
     qk_norm: bool = False
     sliding_windows: tuple[int | None, ...] = ()  # per layer; empty = full attention everywhere
+    output_vocab_size: int = 0  # > 0: the output layer predicts only that many tokens (output_token_ids)
 
     def __post_init__(self) -> None:
         if self.num_heads % self.num_kv_heads:
             raise ValueError(f"num_attention_heads ({self.num_heads}) must be a multiple of "
                              f"num_key_value_heads ({self.num_kv_heads})")
+        if not (0 <= self.output_vocab_size <= self.vocab_size):
+            raise ValueError(f"output_vocab_size must be in [0, vocab_size {self.vocab_size}] (0: the whole "
+                             f"vocabulary), got {self.output_vocab_size}")
+        if self.output_vocab_size and self.tie_word_embeddings:
+            raise ValueError("an output layer over part of the vocabulary (output_vocab_size) cannot be tied to the "
+                             "embedding; set tie_word_embeddings to false")
+
+    @property
+    def head_size(self) -> int:
+        """How many tokens the output layer scores: output_vocab_size, or the whole vocabulary."""
+        return self.output_vocab_size or self.vocab_size
 
     def window(self, layer: int) -> int | None:
         return self.sliding_windows[layer] if self.sliding_windows else None
@@ -59,7 +71,8 @@ class ModelConfig:
         h, i, v = self.hidden_size, self.intermediate_size, self.vocab_size
         q, kv = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         per_layer = h * (q + 2 * kv) + q * h + 3 * h * i + 2 * h
-        return v * h * (1 if self.tie_word_embeddings else 2) + self.num_layers * per_layer + h
+        output = 0 if self.tie_word_embeddings else self.head_size * h
+        return v * h + output + self.num_layers * per_layer + h
 
 
 class RMSNorm(nn.Module):
@@ -199,9 +212,11 @@ class LlamaModel(nn.Module):
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(config, i) for i in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.lm_head = nn.Linear(config.hidden_size, config.head_size, bias=False)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
+        if config.output_vocab_size:  # which vocabulary id each output row scores, ascending
+            self.register_buffer("output_token_ids", torch.arange(config.output_vocab_size))
         self.register_buffer("inv_freq", rope_inverse_frequencies(config), persistent=False)
         self._rope_cache = None  # ((dtype, device), cos [N, D], signed sin [N, D]) for positions 0..N-1
 
@@ -254,8 +269,13 @@ class LlamaModel(nn.Module):
         return self.logits(hidden[rows, last_index.to(hidden.device)])
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """hidden [..., hidden] -> logits [..., V] in float32."""
-        return self.lm_head(hidden).float()
+        """hidden [..., hidden] -> logits [..., V] in float32. An output layer over part of the
+        vocabulary (output_vocab_size) gives the other tokens -inf: probability 0."""
+        logits = self.lm_head(hidden).float()  # [..., head_size]
+        if not self.config.output_vocab_size:
+            return logits
+        every_token = logits.new_full((*logits.shape[:-1], self.config.vocab_size), float("-inf"))  # [..., V]
+        return every_token.index_copy(-1, self.output_token_ids, logits)
 
     def _rope_tables(self, positions: torch.Tensor, num_positions: int) -> tuple[torch.Tensor, torch.Tensor]:
         """positions [B, T] (all < num_positions) -> cos, signed sin [B, T, 1, D] in the model's dtype

@@ -166,11 +166,21 @@ def model_config_from_hf(cfg: dict, where: Path) -> ModelConfig:
             mlp_bias=model_type == "llama" and bool(cfg.get("mlp_bias", False)),
             qk_norm=model_type == "qwen3",
             sliding_windows=_sliding_windows(cfg, model_type, num_layers, where),
+            output_vocab_size=_output_vocab_size(cfg, where),
         )
     except ModelLoadError:
         raise
     except ValueError as e:  # ModelConfig's own checks (heads a multiple of key/value heads)
         raise ModelLoadError(f"{where}: {e}") from e
+
+
+def _output_vocab_size(cfg: dict, where: Path) -> int:
+    """specdec's own field: a draft whose output layer scores only part of the vocabulary (its
+    model.output_token_ids say which ids); 0 or absent: all of it."""
+    value = cfg.get("output_vocab_size") or 0
+    if not (is_int(value) and value >= 0):
+        raise ModelLoadError(f"{where}: output_vocab_size must be an integer >= 0, got {value!r}")
+    return value
 
 
 def _model_type(cfg: dict, where: Path) -> str:
@@ -324,8 +334,11 @@ def build_model(config: ModelConfig, weights: dict[str, torch.Tensor], dtype: to
         if tuple(given[name].shape) != shape:
             raise ModelLoadError(f"{path}: tensor {name!r} has shape {tuple(given[name].shape)}, "
                                  f"config.json implies {shape}")
-    state = {name: t.to(device=device, dtype=dtype) for name, t in from_hf(given).items()}
+    state = {name: t.to(device=device, dtype=dtype) if t.is_floating_point() else t.to(device)
+             for name, t in from_hf(given).items()}
     _check_finite(state, given, dtype, path)
+    if config.output_vocab_size:
+        _check_output_token_ids(state["output_token_ids"], config.vocab_size, path)
     # names checked above; a tied lm_head is re-tied below
     model.load_state_dict(state, strict=False, assign=True)
     if config.tie_word_embeddings:
@@ -348,6 +361,15 @@ def _check_finite(state: dict[str, torch.Tensor], saved: dict[str, torch.Tensor]
                              "or its training diverged: re-save or re-download it")
     raise ModelLoadError(f"{path}: tensors {_some(_non_finite(state))} hold NaN or infinite values once converted "
                          f"to {str(dtype).removeprefix('torch.')} (use a wider dtype)")
+
+
+def _check_output_token_ids(ids: torch.Tensor, vocab_size: int, path: Path) -> None:
+    """The ids an output layer over part of the vocabulary scores: integers, ascending, in range."""
+    if ids.is_floating_point() or ids.is_complex() or ids.dtype == torch.bool:
+        raise ModelLoadError(f"{path}: model.output_token_ids must hold integer token ids, got {ids.dtype}")
+    if len(ids) and (int(ids.min()) < 0 or int(ids.max()) >= vocab_size or not bool((ids[1:] > ids[:-1]).all())):
+        raise ModelLoadError(f"{path}: model.output_token_ids must be distinct token ids in [0, {vocab_size}), "
+                             "ascending")
 
 
 def _non_finite(tensors: dict[str, torch.Tensor]) -> list[str]:

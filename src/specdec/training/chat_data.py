@@ -100,11 +100,19 @@ def write_chat_data(target: str, out: str, config: ChatDataConfig = ChatDataConf
 
 
 def _check_resumable(output: OutputDir, settings: dict) -> None:
-    """A staging directory left by a run with other settings is started afresh."""
+    """A staging directory left by a run that answered differently (another target, dtype,
+    temperature, answer length or seed) is started afresh. Other counts of prompts or batch
+    sizes keep it: the answer in a file depends only on its prompt, which depends on the seed
+    and its index, and on how it is decoded."""
     manifest = output.staging / MANIFEST
-    if manifest.is_file() and json.loads(manifest.read_text()).get("settings") != settings:
+    if manifest.is_file() and _answering(json.loads(manifest.read_text()).get("settings", {})) != _answering(settings):
         output.clear_staging()
     (output.staging / MANIFEST).write_text(json.dumps({"settings": settings, "finished": False}, indent=2) + "\n")
+
+
+def _answering(settings: dict) -> dict:
+    """The settings that decide what an answer file holds."""
+    return {key: settings.get(key) for key in ("target", "dtype", "temperature", "max_tokens", "seed")}
 
 
 def _jobs(split: str, prompts, config: ChatDataConfig) -> list[Job]:

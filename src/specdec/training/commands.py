@@ -22,7 +22,7 @@ SIZE_FLAGS = {  # flag -> ModelShape field
 TRAIN_FIELDS = ("steps", "batch_size", "grad_accum", "lr", "min_lr_ratio", "warmup", "weight_decay", "grad_clip",
                 "seed", "device", "eval_every", "eval_tokens", "checkpoint_every", "log_every", "stop_after")
 DISTILL_FIELDS = ("temperature", "on_policy_fraction", "sample_temperature", "prompt_tokens", "divergence", "target_dtype",
-                  "embeddings_from_target")
+                  "embeddings_from_target", "output_vocab")
 # (TrainConfig and DistillConfig fields, each set by the flag of the same name)
 
 
@@ -65,6 +65,9 @@ def add_distill_parser(commands) -> None:
     p.add_argument("--divergence", choices=("fkl+tv", "tv", "fkl"), help="the loss (default fkl+tv)")
     p.add_argument("--target-dtype", choices=("auto", "float32", "bfloat16"),
                    help="the target's weights while distilling (default auto: as saved)")
+    p.add_argument("--output-vocab", type=int, metavar="N",
+                   help="the draft's output layer scores only the N tokens most frequent in the training text "
+                        "(FR-Spec): a cheaper draft step with a large vocabulary; default 0, all of them")
     p.add_argument("--embeddings-from-target", action="store_true", default=None,
                    help="start the draft's embedding from the target's, projected onto its top principal directions")
     _add_training_flags(p)
@@ -127,6 +130,8 @@ def run_distill(args) -> int:
     if args.init is not None and (args.untie_embeddings or args.preset != "draft"
                                   or any(getattr(args, flag) is not None for flag in SIZE_FLAGS)):
         raise ValueError("--init takes the draft's size from its config.json; drop --preset and the size flags")
+    if args.init is not None and args.output_vocab:
+        raise ValueError("--output-vocab shapes a new draft and --init goes on with a trained one; drop one")
     if args.init is not None and args.embeddings_from_target:
         raise ValueError("--embeddings-from-target starts a new draft and --init goes on with a trained one; drop one")
     if args.vocab_size is not None:

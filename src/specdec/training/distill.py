@@ -73,6 +73,12 @@ class DistillConfig:
         top principal directions (project_embeddings), instead of random: with a large
         vocabulary the embedding is most of a small draft, and this one already places
         tokens as the target does.
+    output_vocab: > 0: a new draft's output layer scores only the output_vocab tokens most
+        frequent in the training text (and the end-of-text token), FR-Spec style (Zhao et al.
+        2025): with a large vocabulary the output layer is most of a small draft's cost per
+        step, and most of its rows score tokens the text never uses. The others get
+        probability 0, so the draft never proposes them; the target, which verifies, still
+        can emit them, so speculation stays exact. 0: the whole vocabulary.
     """
 
     temperature: float = 1.0
@@ -82,6 +88,7 @@ class DistillConfig:
     divergence: str = "fkl+tv"
     target_dtype: str = "auto"
     embeddings_from_target: bool = False
+    output_vocab: int = 0
 
     def __post_init__(self) -> None:
         check(is_real(self.temperature) and self.temperature > 0,
@@ -94,6 +101,8 @@ class DistillConfig:
               f"prompt_tokens must be an integer >= 1, got {self.prompt_tokens!r}")
         if self.divergence not in DIVERGENCES:
             raise ValueError(f"divergence must be one of {', '.join(DIVERGENCES)}, got {self.divergence!r}")
+        check(is_int(self.output_vocab) and self.output_vocab >= 0,
+              f"output_vocab must be an integer >= 0 (0: the whole vocabulary), got {self.output_vocab!r}")
         check(isinstance(self.embeddings_from_target, bool),
               f"embeddings_from_target must be True or False, got {self.embeddings_from_target!r}")
         if self.target_dtype not in ("auto", *SAVE_DTYPES):
@@ -120,7 +129,13 @@ def distill(target_dir: str | Path, out: str | Path, shape: ModelShape | None, c
         tokenizer, eot_id = target.tokenizer.backend, target.eos_token_ids[0]
         train_stream, held_out_stream = (token_stream(docs, tokenizer, eot_id)
                                          for docs in (corpus.train, corpus.held_out))
-        draft = initial_draft(target, shape, init_dir, config.seed).to(config.device)
+        output_ids = None
+        if distill_config.output_vocab and init_dir is None:
+            output_ids = frequent_tokens(train_stream, target.model.config.vocab_size, distill_config.output_vocab,
+                                         always=target.eos_token_ids)
+            log(f"output layer over the {len(output_ids):,} most frequent tokens of the training text: they are "
+                f"{frequent_share(train_stream, output_ids):.1%} of its tokens")
+        draft = initial_draft(target, shape, init_dir, config.seed, output_ids).to(config.device)
         if distill_config.embeddings_from_target and init_dir is None:
             project_embeddings(target.model, draft)
         context = min(draft.config.max_position_embeddings, target.model.config.max_position_embeddings)
@@ -167,15 +182,23 @@ def weights_fingerprint(model_dir: Path) -> str:
     return digest.hexdigest()[:16]
 
 
-def initial_draft(target: LoadedModel, shape: ModelShape | None, init_dir, seed: int) -> LlamaModel:
-    """A random-init draft of `shape` with the target's vocabulary size, or the draft in init_dir."""
+def initial_draft(target: LoadedModel, shape: ModelShape | None, init_dir, seed: int,
+                  output_token_ids: torch.Tensor | None = None) -> LlamaModel:
+    """A random-init draft of `shape` with the target's vocabulary size (its output layer over
+    output_token_ids only, if given), or the draft in init_dir."""
     target_vocab, target_context = target.model.config.vocab_size, target.model.config.max_position_embeddings
     if init_dir is None:
         if shape.context > target_context:
             log(f"note: the draft's context is cut from {shape.context} to the target's, {target_context} tokens "
                 "(distillation needs the target's distribution at every position)")
         shape = dataclasses.replace(shape, vocab_size=target_vocab, context=min(shape.context, target_context))
-        return new_model(shape.model_config(), seed)
+        config = shape.model_config()
+        if output_token_ids is not None:
+            config = dataclasses.replace(config, output_vocab_size=len(output_token_ids), tie_word_embeddings=False)
+        draft = new_model(config, seed)
+        if output_token_ids is not None:
+            draft.output_token_ids.copy_(output_token_ids)
+        return draft
     from specdec.drafters.draft_model import check_same_vocabulary
 
     loaded = load_initial_model(init_dir, load_tokenizer=True)
@@ -186,12 +209,29 @@ def initial_draft(target: LoadedModel, shape: ModelShape | None, init_dir, seed:
     return loaded.model
 
 
+def frequent_tokens(stream: torch.Tensor, vocab_size: int, count: int, always: tuple[int, ...] = ()) -> torch.Tensor:
+    """The `count` ids most frequent in stream [N] (ties: the lower id first), with the ids in
+    `always` among them, ascending: [count] int64."""
+    if count > vocab_size:
+        raise ValueError(f"--output-vocab {count} is larger than the vocabulary ({vocab_size} tokens)")
+    counts = torch.bincount(stream.long(), minlength=vocab_size).double()  # [V]
+    counts[list(always)] = float("inf")
+    order = torch.argsort(-counts, stable=True)  # most frequent first, lower ids first among equals
+    return order[:count].sort().values
+
+
+def frequent_share(stream: torch.Tensor, token_ids: torch.Tensor) -> float:
+    """The fraction of stream's tokens that are among token_ids."""
+    return float(torch.isin(stream.long(), token_ids).double().mean())
+
+
 @torch.no_grad()
 def project_embeddings(target: LlamaModel, draft: LlamaModel) -> None:
     """Set the draft's embedding (and a tied output layer with it) to the target's embedding
     E [V, H] projected onto its top h principal directions, h the draft's hidden size:
     E·W, W [H, h] the leading right singular vectors of E, scaled to the draft's initial
-    standard deviation."""
+    standard deviation. An untied output layer starts from the same rows (those of its
+    output_token_ids, if it scores part of the vocabulary)."""
     target_embedding = target.embed_tokens.weight.float()  # [V, H]
     hidden = draft.config.hidden_size
     if hidden > target_embedding.shape[1]:
@@ -201,6 +241,9 @@ def project_embeddings(target: LlamaModel, draft: LlamaModel) -> None:
     projected = target_embedding @ right[:hidden].T  # [V, H] @ [H, h] -> [V, h]
     draft_embedding = draft.embed_tokens.weight
     draft_embedding.copy_(projected * (draft_embedding.std() / projected.std()))
+    if not draft.config.tie_word_embeddings:
+        rows = draft.output_token_ids if draft.config.output_vocab_size else slice(None)
+        draft.lm_head.weight.copy_(draft_embedding[rows])
 
 
 def distillation_task(draft: LlamaModel, target: LlamaModel, train_stream: torch.Tensor,
@@ -251,8 +294,12 @@ def divergence_loss(draft_logits: torch.Tensor, target_logits: torch.Tensor, tem
     if "tv" in divergence.split("+"):
         loss = loss + total_variation(target_probs, draft_log_probs.exp()).mean()
     if "fkl" in divergence.split("+"):
+        # KL(p || q) over the tokens the draft scores: all of them, but for an output layer over part
+        # of the vocabulary q = 0 elsewhere, where the draft can do nothing about p
         target_entropy_term = torch.special.xlogy(target_probs, target_probs)  # p log p, 0 where p = 0
-        loss = loss + (target_entropy_term - target_probs * draft_log_probs).sum(-1).mean()  # KL(p || q)
+        scored = draft_log_probs.isfinite()  # [B, T, V]
+        kl_terms = torch.where(scored, target_entropy_term - target_probs * draft_log_probs.clamp(min=-1e30), 0.0)
+        loss = loss + kl_terms.sum(-1).mean()
     return loss
 
 
