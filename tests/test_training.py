@@ -538,3 +538,21 @@ def test_save_pretrained_shards_only_when_needed(tmp_path):
             param.copy_(param.bfloat16().float())  # what a bfloat16 save keeps
         expected = model(ids, torch.arange(30)[None], None)
         assert torch.allclose(loaded(ids, torch.arange(30)[None], None), expected, atol=1e-5)
+
+
+def test_bf16_autocast_only_where_bfloat16_is_native(monkeypatch, capsys):
+    """--precision bf16 (the default) trains under bfloat16 autocast on a CPU that runs it
+    natively, and in float32, with a note, where bfloat16 matmuls would be emulated."""
+    import contextlib
+
+    import specdec.platform
+    from specdec.platform import Platform
+    from specdec.training.loop import TrainConfig, _autocast
+
+    for native in (True, False):
+        monkeypatch.setattr(specdec.platform, "detect_platform",
+                            lambda device, native=native: Platform("cpu", "AVX2", native_bf16=native, native_fp16=False))
+        autocast = _autocast(TrainConfig(), torch.device("cpu"))
+        assert isinstance(autocast, torch.autocast) == native
+        assert ("bfloat16 is emulated" in capsys.readouterr().err) == (not native)
+    assert isinstance(_autocast(TrainConfig(bf16=False), torch.device("cpu")), contextlib.nullcontext)

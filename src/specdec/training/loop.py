@@ -141,7 +141,7 @@ def train_loop(task: Task, config: TrainConfig, checkpoint_dir: Path, checkpoint
     state = RunState()
     if checkpoint is not None:
         state = restore(checkpoint, task, config, optimizer, generator)
-    autocast = torch.autocast(device.type, dtype=torch.bfloat16) if config.bf16 else contextlib.nullcontext()
+    autocast = _autocast(config, device)
     if not state.evaluations:
         evaluate(task, state, autocast)
     progress = Progress(config, state)
@@ -289,6 +289,22 @@ def restore(checkpoint: dict, task: Task, config: TrainConfig, optimizer: torch.
     generator.set_state(checkpoint["data_generator"])
     torch.set_rng_state(checkpoint["torch_rng"])
     return RunState(**checkpoint["state"])
+
+
+def _autocast(config: TrainConfig, device: torch.device):
+    """bfloat16 autocast where asked for and native; float32 where the hardware would emulate
+    bfloat16 matmuls (an AVX2-only CPU, where they run far slower), with a note. Autocast
+    changes how steps compute, not the weights, so a run may go on under either."""
+    from specdec.platform import detect_platform
+
+    if not config.bf16:
+        return contextlib.nullcontext()
+    platform = detect_platform(device)
+    if not platform.native_bf16:
+        log(f"note: bfloat16 is emulated on this {platform.describe()}: training in float32 instead (--precision fp32 "
+            "says so)")
+        return contextlib.nullcontext()
+    return torch.autocast(device.type, dtype=torch.bfloat16)
 
 
 def _differing_identity(checkpoint: dict, task: Task) -> list[str]:
