@@ -6,6 +6,10 @@ printed with the accepted draft tokens in color, then the metrics, then the targ
 the same prompt and the measured speedup; last, the speedup with prompt lookup in front of
 the draft model (`specdec generate --lookup`).
 
+When SmolLM2-135M-Instruct is in the cache (`make smollm2`) and its shipped draft
+(models/smollm2-draft) is there, a chat with that real pair follows; without them the demo
+says how to get them and needs no download.
+
 Without the shipped pair (a checkout that lacks models/), it falls back to a stand-in it
 builds once under build/demo-stand-in/: a random-init ~100M-parameter Llama with a tokenizer
 trained on the standard library, drafted by prompt lookup. A random model writes nonsense,
@@ -20,7 +24,7 @@ from pathlib import Path
 
 import torch
 
-from specdec.paths import BUILD, ROOT, SHIPPED_DRAFT, SHIPPED_TARGET
+from specdec.paths import BUILD, ROOT, SHIPPED_DRAFT, SHIPPED_TARGET, SMOLLM2_DRAFT, SMOLLM2_TARGET
 
 DEMO_DIR = BUILD / "demo-stand-in"
 PROMPT = '''def parse_header(line):
@@ -88,6 +92,27 @@ def print_lookup_then_draft_speedup(k: int, max_tokens: int) -> None:
           f"{speculative.outputs[0].token_ids == alone.outputs[0].token_ids}")
 
 
+CHAT = "Edit this function so that it raises ValueError when the line has no colon:\n\n```python\n" + \
+    PROMPT.split("\n\n\n")[0] + "\n```"
+
+
+def chat_with_smollm2() -> int:
+    """The real pair, SmolLM2-135M-Instruct and its distilled draft, on an "edit this function"
+    chat, if both are here; otherwise a line on how to get them (no download here)."""
+    from specdec.cli import main as cli_main
+
+    if not (SMOLLM2_DRAFT / "config.json").is_file():
+        return 0  # not shipped in this checkout
+    if not (SMOLLM2_TARGET / "config.json").is_file():
+        print("\n(a real chat model, SmolLM2-135M-Instruct, with its distilled draft in models/: `make smollm2` "
+              "fetches the model, ~100 MB, and `make demo` then chats with it)")
+        return 0
+    print(f"\nSmolLM2-135M-Instruct ({SMOLLM2_TARGET}), draft {SMOLLM2_DRAFT.relative_to(ROOT)}, prompt lookup "
+          "first, greedy\n")
+    return cli_main(["generate", "--model", str(SMOLLM2_TARGET), "--draft", str(SMOLLM2_DRAFT), "--lookup",
+                     "--chat", CHAT, "--max-tokens", "160", "--compare", "--color", "always"])
+
+
 def main() -> int:
     from specdec.cli import main as cli_main
 
@@ -97,6 +122,7 @@ def main() -> int:
         status = cli_main(["generate", "--model", str(SHIPPED_TARGET), "--draft", str(SHIPPED_DRAFT)] + common)
         if status == 0:
             print_lookup_then_draft_speedup(k=4, max_tokens=128)
+            status = chat_with_smollm2()
         return status
     target = build_stand_in(DEMO_DIR)
     print("no shipped pair in models/: a random-init stand-in target, drafted by prompt lookup\n")
