@@ -556,3 +556,24 @@ def test_bf16_autocast_only_where_bfloat16_is_native(monkeypatch, capsys):
         assert isinstance(autocast, torch.autocast) == native
         assert ("bfloat16 is emulated" in capsys.readouterr().err) == (not native)
     assert isinstance(_autocast(TrainConfig(bf16=False), torch.device("cpu")), contextlib.nullcontext)
+
+
+@pytest.mark.parametrize("divergence", ["fkl+tv", "tv", "fkl"])
+def test_the_scored_tokens_loss_equals_the_full_vocabulary_loss(divergence):
+    """A draft over part of the vocabulary: the loss computed over its scored tokens equals
+    divergence_loss over the whole vocabulary with the other tokens' logits at -inf, and so do
+    their gradients."""
+    from specdec.training.distill import divergence_loss, scored_divergence_loss
+
+    g = torch.Generator().manual_seed(11)
+    V, scored = 300, torch.randperm(300, generator=g)[:40].sort().values
+    target_logits = torch.randn(2, 5, V, generator=g) * 3
+    target_logits[..., scored] += 2  # the scored tokens hold most, not all, of the target's mass
+    draft_scores = (torch.randn(2, 5, 40, generator=g) * 2).requires_grad_(True)
+    full = torch.full((2, 5, V), float("-inf")).index_copy(-1, scored, draft_scores)
+    expected = divergence_loss(full, target_logits, 0.8, divergence)
+    got = scored_divergence_loss(draft_scores, target_logits, scored, 0.8, divergence)
+    assert torch.allclose(got, expected, rtol=1e-5, atol=1e-6)
+    (expected_grad,) = torch.autograd.grad(expected, draft_scores)
+    (got_grad,) = torch.autograd.grad(got, draft_scores)
+    assert torch.allclose(got_grad, expected_grad, rtol=1e-4, atol=1e-7)
