@@ -178,3 +178,14 @@ def test_a_graph_that_computes_wrong_logits_is_caught_and_eager_runs(dirs, eager
     with pytest.warns(UserWarning, match="differ from eager ones"):
         outputs = llm.generate(PROMPTS, GREEDY)
     assert token_ids(outputs) == [eager_outputs[tuple(p)] for p in PROMPTS] and not llm.engine.cache.static
+
+
+def test_the_warm_up_check_compares_finite_logits_and_catches_nan():
+    from specdec.runner import _relative_error
+
+    expected = torch.tensor([[1.0, float("-inf"), -2.0]])
+    assert _relative_error(expected.clone(), expected) == 0.0
+    assert abs(_relative_error(torch.tensor([[1.0, float("-inf"), -2.1]]), expected) - 0.05) < 1e-6
+    assert _relative_error(torch.tensor([[1.0, 0.0, -2.0]]), expected) == float("inf")  # a -inf lost
+    nan = _relative_error(torch.tensor([[float("nan"), float("-inf"), -2.0]]), expected)
+    assert not nan <= 1.0  # NaN fails every threshold

@@ -207,9 +207,9 @@ class ModelRunner:
             return False
         with _using_slots(cache, slots):  # the model's own layers: the same weights the graph froze
             eager = self.model(input_ids, positions, cache)
-        error = float((compiled - eager).abs().max() / eager.abs().max().clamp(min=1e-6))
+        error = _relative_error(compiled, eager)
         exact_float32 = self.dtype == torch.float32 and self.quantization is None  # quantized layers run in bf16
-        if error > (1e-3 if exact_float32 else 5e-2):
+        if not error <= (1e-3 if exact_float32 else 5e-2):  # NaN fails too
             self._fall_back(ArithmeticError(f"its logits differ from eager ones by {error:.1e} of their scale"))
             return False
         return True
@@ -367,6 +367,17 @@ def _sharing_copy(model: LlamaModel) -> LlamaModel:
     """A copy of model's modules that shares its parameters and buffers (no weight is copied)."""
     memo = {id(tensor): tensor for tensor in list(model.parameters()) + list(model.buffers())}
     return copy.deepcopy(model, memo)
+
+
+def _relative_error(got: torch.Tensor, expected: torch.Tensor) -> float:
+    """max |got - expected| over the finite logits ÷ their largest magnitude; infinite where the
+    two disagree on which logits are -inf (a draft's unscored tokens), NaN if got holds NaN."""
+    finite = expected.isfinite()
+    if not torch.equal(finite, got.isfinite()) and not bool(got.isnan().any()):
+        return float("inf")
+    if not bool(finite.any()):
+        return 0.0
+    return float((got[finite] - expected[finite]).abs().max() / expected[finite].abs().max().clamp(min=1e-6))
 
 
 def _batch_bucket(batch: int) -> int:
