@@ -295,6 +295,7 @@ def test_distill_a_draft_over_part_of_the_vocabulary(trained_dir, corpus_dir, tm
     draft = load_pretrained(out, "float32")
     assert draft.model.config.output_vocab_size == 200 and not draft.model.config.tie_word_embeddings
     assert draft.eos_token_ids[0] in draft.model.output_token_ids.tolist()
+    assert "output layer scores the 200 tokens most frequent" in (out / "README.md").read_text()
     llm = LLM(str(trained_dir), speculative_model=str(out), num_speculative_tokens=3, dtype="float32",
               speculative_k_policy="fixed")
     params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)

@@ -144,10 +144,12 @@ def _millions(config: dict) -> str:
 
 def _architecture(c: dict) -> str:
     tied = "tied" if c.get("tie_word_embeddings") else "untied"
+    output = (f"; its output layer scores the {c['output_vocab_size']} tokens most frequent in the training text "
+              "(the others are never drafted; the target still emits them)" if c.get("output_vocab_size") else "")
     return (f"{c['architectures'][0]}: {c['num_hidden_layers']} layers, hidden size {c['hidden_size']}, "
             f"{c['num_attention_heads']} heads ({c['num_key_value_heads']} key/value heads), MLP "
             f"{c['intermediate_size']}, vocabulary {c['vocab_size']} (byte-level BPE), context "
-            f"{c['max_position_embeddings']}, {tied} embeddings")
+            f"{c['max_position_embeddings']}, {tied} embeddings{output}")
 
 
 def _corpus_line(path: str | None) -> str:
