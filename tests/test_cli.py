@@ -140,3 +140,24 @@ def test_compare_speedup_is_a_ratio_of_tokens_per_second(model_dir, capsys):
     rates = [float(line.split(" tok/s")[0].rsplit(" ", 1)[1]) for line in out.splitlines() if "tok/s" in line]
     speedup = float(out.split("speedup ")[1].split("x")[0])
     assert speedup == pytest.approx(rates[0] / rates[1], rel=0.02)
+
+
+def test_generate_chat_renders_the_template_and_prints_the_reply(model_dir, tmp_path, capsys):
+    import json
+    import shutil
+
+    chat_dir = tmp_path / "chat"
+    shutil.copytree(model_dir, chat_dir)
+    config = json.loads((chat_dir / "tokenizer_config.json").read_text())
+    config["chat_template"] = "{% for m in messages %}<s>{{ m['role'] }}: {{ m['content'] }}</s>{% endfor %}<s>"
+    (chat_dir / "tokenizer_config.json").write_text(json.dumps(config))
+    [expected] = LLM(str(chat_dir), dtype="float32").chat([{"role": "user", "content": "def add(a, b):"}],
+                                                          SamplingParams(temperature=0, max_tokens=8))
+    assert main(["generate", "--model", str(chat_dir), "--ngram", "--chat", "def add(a, b):", "--max-tokens", "8",
+                 "--dtype", "float32"]) == 0
+    assert capsys.readouterr().out.startswith(expected.outputs[0].text + "\n")
+    assert main(["generate", "--model", str(model_dir), "--chat", "hi", "--dtype", "float32"]) == 2
+    assert "no chat template" in capsys.readouterr().err
+    with pytest.raises(SystemExit):  # argparse: --prompt or --chat, not both
+        main(["generate", "--model", str(model_dir), "--chat", "hi", "--prompt", "x"])
+    assert "not allowed with argument --chat" in capsys.readouterr().err

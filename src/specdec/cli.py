@@ -159,7 +159,7 @@ def run_generate(args) -> int:
               draft_dtype=args.draft_dtype, draft_confidence_threshold=args.draft_confidence, compile=args.compile,
               quantization=quantization_from_arg(args.quantization), speculative_k_policy=args.k_policy,
               draft_quantization=quantization_from_arg(args.draft_quantization))
-    prompt = args.prompt if args.chat is None else chat_prompt(llm, args.chat)
+    prompt = args.prompt if args.chat is None else llm.chat_token_ids([{"role": "user", "content": args.chat}])
     llm.prompt_token_ids(prompt, params)  # a bad request is refused as itself, not as the warm-up
     baseline_llm = llm.target_only() if args.compare else None
     for warming in (llm, baseline_llm):  # first calls are slow
@@ -190,15 +190,6 @@ def run_generate(args) -> int:
         if params.greedy and not same:
             print(divergence_note(baseline.outputs[0].token_ids, output.outputs[0].token_ids, llm.target.model.dtype))
     return 0
-
-
-def chat_prompt(llm, message: str) -> list[int]:
-    """A user message rendered with the model's chat template, as LLM.chat renders it."""
-    if llm.tokenizer is None or not llm.tokenizer.chat_template:
-        raise ValueError("--chat needs a model with a chat template (in tokenizer_config.json or "
-                         "chat_template.jinja); use --prompt for a plain prompt")
-    rendered = llm.tokenizer.apply_chat_template([{"role": "user", "content": message}])
-    return llm.tokenizer.encode(rendered, add_special_tokens=False)
 
 
 def _faster(first, second):

@@ -157,13 +157,16 @@ class LLM:
         """Reply to one conversation (a list of {"role", "content"} dicts) or to a list of them,
         each rendered with the model's chat template; one RequestOutput per conversation, as
         vLLM's LLM.chat returns."""
-        tokenizer = self._need_tokenizer("chat")
         conversations = messages if _is_conversation_list(messages) else [messages]
-        for conversation in conversations:
-            check_messages(conversation)
-        prompts = [{"prompt_token_ids": tokenizer.encode(tokenizer.apply_chat_template(c, add_generation_prompt),
-                                                         add_special_tokens=False)} for c in conversations]
+        prompts = [{"prompt_token_ids": self.chat_token_ids(c, add_generation_prompt)} for c in conversations]
         return self.generate(prompts, sampling_params)
+
+    def chat_token_ids(self, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
+        """One conversation rendered with the model's chat template, as token ids (the template
+        writes its own special tokens, so none are added)."""
+        tokenizer = self._need_tokenizer("chat")
+        check_messages(messages)
+        return tokenizer.encode(tokenizer.apply_chat_template(messages, add_generation_prompt), add_special_tokens=False)
 
     def prompt_token_ids(self, prompt, params: SamplingParams) -> list[int]:
         """The prompt (text or token ids) as token ids, checked as generate checks a request

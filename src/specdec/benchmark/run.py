@@ -405,22 +405,14 @@ def encode_prompts(target: LLM, config: BenchConfig, set_name: str, notes: list[
                          "code and repeat sets for a model that is not a chat model")
     encoded, num_cut = [], 0
     for prompt in prompts:
-        ids = _encode(target.tokenizer, prompt)
+        ids = target.chat_token_ids([{"role": "user", "content": prompt.text}]) if prompt.chat else \
+            target.tokenizer.encode(prompt.text)
         if len(ids) > room:
             ids, num_cut = ids[:1] + ids[len(ids) - room + 1:], num_cut + 1
         encoded.append((prompt, ids))
     if num_cut:
         notes.append(f"{num_cut} {set_name!r} prompts were cut to their last {room} tokens to fit the context.")
     return encoded
-
-
-def _encode(tokenizer, prompt: Prompt) -> list[int]:
-    """A prompt's token ids; a chat prompt rendered with the chat template (which writes its own
-    special tokens) first."""
-    if prompt.chat:
-        return tokenizer.encode(tokenizer.apply_chat_template([{"role": "user", "content": prompt.text}]),
-                                add_special_tokens=False)
-    return tokenizer.encode(prompt.text)
 
 
 def spread(items: list, n: int) -> list:
