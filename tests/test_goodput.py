@@ -228,7 +228,24 @@ def target_alone(dirs):
     return [o.outputs[0].token_ids for o in llm.generate(PROMPTS, GREEDY)]
 
 
-def test_a_useless_draft_switches_speculation_off(dirs, target_alone):
+def fixed_costs(policy: GoodputPolicy, batch_size: int, k: int, time_target, time_draft) -> None:
+    """GoodputPolicy.calibrate with costs of a typical small target and draft instead of
+    timings: a verify of k+1 tokens 20% dearer than a step, a draft step a fifth of one."""
+    policy.costs[1 << (batch_size - 1).bit_length()] = RoundCosts(CostCurve({1: 1e-3, k + 1: 1.2e-3}),
+                                                                  CostCurve({1: 2e-4, k: k * 2e-4}))
+
+
+@pytest.fixture
+def costs_fixed(monkeypatch):
+    """The policy's costs fixed (fixed_costs; rounds teach nothing), so that its choices rest on
+    acceptance alone: on a loaded machine measured costs can make drafting look cheap for a
+    while, which the cost tests above cover."""
+    monkeypatch.setattr(GoodputPolicy, "calibrate", fixed_costs)
+    monkeypatch.setattr(GoodputPolicy, "observe_round", lambda policy, *args, **kwargs: None)
+
+
+def test_a_useless_draft_switches_speculation_off(dirs, target_alone, costs_fixed):
+    """A random draft (α near 0) makes the policy plain-decode nearly every round."""
     llm = LLM(str(dirs["target"]), speculative_model=str(dirs["random_draft"]), num_speculative_tokens=K,
               dtype="float32", compile="off")
     outputs = llm.generate(PROMPTS, GREEDY)
@@ -272,7 +289,7 @@ def test_bad_k_policy_is_refused(dirs, capsys):
     assert "--k-policy needs a drafter" in capsys.readouterr().err
 
 
-def test_probes_draft_for_one_row_of_a_sampled_batch(dirs):
+def test_probes_draft_for_one_row_of_a_sampled_batch(dirs, costs_fixed):
     """k = 0 rounds, then a probe: one row drafts (its draft distributions placed among rows
     that propose nothing), the batch's output stays whole."""
     params = SamplingParams(temperature=1.0, max_tokens=48, ignore_eos=True)
