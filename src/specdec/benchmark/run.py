@@ -36,6 +36,7 @@ from specdec.config import (SamplingParams, SpeculativeConfig, check, check_devi
 from specdec.drafters import DRAFTERS, LookupThenDraftDrafter
 from specdec.llm import LLM
 from specdec.metrics import SpecStats, expected_tokens_per_round, predicted_speedup
+from specdec.models.loader import is_gguf_file
 from specdec.runner import check_compile_mode
 
 PROMPT_SETS = {  # name -> (title, prompt-set function(per_module, max_chars))
@@ -376,8 +377,8 @@ def transformers_runners(config: BenchConfig, target: LLM, draft_model, notes: l
 
 def _transformers_model(auto_class, path: str, dtype: torch.dtype, device):
     """transformers' model of a directory or a GGUF file (read by its own GGUF loader)."""
-    if str(path).lower().endswith(".gguf"):
-        file = Path(path)
+    if is_gguf_file(path):
+        file = Path(path).expanduser()
         model = auto_class.from_pretrained(str(file.parent), gguf_file=file.name, dtype=dtype)
     else:
         model = auto_class.from_pretrained(path, dtype=dtype)
@@ -669,6 +670,6 @@ def _packed_linears(model) -> int:
 
 
 def _check_model_dir(path: str, what: str) -> None:
-    if not Path(path).is_dir() and not str(path).lower().endswith(".gguf"):
+    if not Path(path).is_dir() and not is_gguf_file(path):
         raise FileNotFoundError(f"{what} directory {str(path)!r} does not exist; pass a Hugging Face model "
-                                "directory (with config.json and *.safetensors)")
+                                "directory (with config.json and *.safetensors) or a .gguf file")
