@@ -64,7 +64,7 @@ CPU_COMPILE_OPTIONS = {"freezing": True, "max_autotune": True, "max_autotune_gem
 # either way, verify of 6 faster without), and prepacked oneDNN weights keep a graph out of
 # inductor's on-disk graph cache, so a second process would compile it again (17 s instead of 5).
 # float32 keeps them: without, its step took 2.5x as long (7.2 ms instead of 2.8, AVX2).
-HALF_PRECISION_COMPILE_OPTIONS = {"cpp.weight_prepack": False}
+HALF_PRECISION_COMPILE_OPTIONS = {**CPU_COMPILE_OPTIONS, "cpp.weight_prepack": False}
 
 
 def check_compile_mode(compile: str) -> str:
@@ -319,9 +319,8 @@ class ModelRunner:
         which the C++ GEMM templates are not used (measured: 6.7 ms a step instead of 2.9)."""
         if self.device.type == "cuda":
             return contextlib.nullcontext()
-        if self.dtype in (torch.bfloat16, torch.float16):
-            return torch._inductor.config.patch({**CPU_COMPILE_OPTIONS, **HALF_PRECISION_COMPILE_OPTIONS})
-        return torch._inductor.config.patch(CPU_COMPILE_OPTIONS)
+        return torch._inductor.config.patch(CPU_COMPILE_OPTIONS if self.dtype == torch.float32
+                                            else HALF_PRECISION_COMPILE_OPTIONS)
 
     def _fall_back(self, error: Exception) -> None:
         message = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
