@@ -128,3 +128,13 @@ def chi_square_p_value(samples, probs, what: str = "samples") -> float:
     if len(exp) < 2:
         return 1.0
     return float(scipy.stats.chisquare(obs, exp).pvalue)
+
+
+def save_random_head(target_dir: Path, out: Path, seed: int = 0) -> Path:
+    """An untrained EAGLE head (default init, seeded) for the model in target_dir, saved in float32."""
+    from specdec.models.eagle import EagleHead, head_config, save_head
+    from specdec.models.loader import load_pretrained
+
+    target_config = load_pretrained(target_dir, "float32", load_tokenizer=False).model.config
+    torch.manual_seed(seed)
+    return save_head(EagleHead(head_config(target_config)), out, torch.float32, target=str(target_dir))

@@ -1,5 +1,5 @@
 """Sampled speculative output follows the target's warped distribution exactly, end to end
-through specdec.LLM, for both drafters; and a seeded request does not depend on its batch.
+through specdec.LLM, for every drafter; and a seeded request does not depend on its batch.
 
 The exact distributions come from outside the engine: transformers' model for the logits and
 a reference warper written here from the definitions in specdec/sampling.py's docstring.
@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 import torch
 
-from helpers import chi_square_p_value, load_hf, save_tiny_model
+from helpers import chi_square_p_value, load_hf, save_random_head, save_tiny_model
 from specdec import LLM, SamplingParams
 
 VOCAB = 32
@@ -44,7 +44,8 @@ SETTINGS = {
 RUNS = {
     "draft_model": ["T0.7-top_k5", "T1.0-min_p0.1", "T0.9-top_k8-top_p0.9-min_p0.05"],
     "ngram": ["T1.0", "T1.3-top_p0.8", "T0.9-top_k8-top_p0.9-min_p0.05"],
-}
+    "eagle": ["T0.9-top_k8-top_p0.9-min_p0.05"],  # an untrained head: its distributions are the target's
+}                                                 # output layer over features it got wrong
 # adaptive k (a row stops drafting after a draft token of draft probability < this): only in
 # the seeded-request test, since the distribution tests' one round proposes a single token
 CONFIDENCE_THRESHOLD = 0.3
@@ -77,7 +78,8 @@ def setup(tmp_path_factory):
     with torch.no_grad():
         for _ in range(7):
             prompt.append(int(target(torch.tensor([prompt])).logits[0, -1].argmax()))
-    return dict(target=str(target_dir), draft=str(draft_dir), prompt=prompt,
+    head_dir = save_random_head(target_dir, root / "head", seed=6)
+    return dict(target=str(target_dir), draft=str(draft_dir), head=str(head_dir), prompt=prompt,
                 logits=continuation_logits(target, prompt, MAX_TOKENS))
 
 
@@ -168,7 +170,9 @@ def assert_follows(samples: np.ndarray, probs: np.ndarray, what: str) -> None:
 
 
 def make_llm(setup, drafter: str, **kwargs) -> LLM:
-    speculative_model = "[ngram]" if drafter == "ngram" else setup["draft"]
+    speculative_model = {"ngram": "[ngram]", "eagle": setup["head"]}.get(drafter, setup["draft"])
+    if drafter == "eagle":
+        kwargs["speculative_method"] = "eagle"
     if drafter == "draft_model_adaptive":
         kwargs["draft_confidence_threshold"] = CONFIDENCE_THRESHOLD
     kwargs.setdefault("speculative_k_policy", "fixed")  # k every round: these tests count what was drafted

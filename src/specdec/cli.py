@@ -67,7 +67,8 @@ def add_generate_parser(commands) -> None:
                                         "a draft model's or prompt lookup's proposals.")
     p.add_argument("--model", required=True, help="target model: a Hugging Face directory or a .gguf file")
     drafter = p.add_mutually_exclusive_group()
-    drafter.add_argument("--draft", help="draft model directory (shares the target's tokenizer)")
+    drafter.add_argument("--draft", help="draft model directory (shares the target's tokenizer), or an EAGLE head's "
+                                         "directory (`specdec train-heads`)")
     drafter.add_argument("--ngram", action="store_true", help="draft by prompt lookup (no draft model)")
     p.add_argument("--lookup", action="store_true",
                    help="with --draft: prompt lookup where the context repeats, the draft model elsewhere")
@@ -145,7 +146,7 @@ def _speculative_method(args) -> str | None:
             raise ValueError(f"{' and '.join(flags)} {'needs' if len(flags) == 1 else 'need'} a drafter: add --draft "
                              "DIR or --ngram, or drop them")
         return None
-    return "lookup_then_draft" if args.lookup else "draft_model"
+    return "lookup_then_draft" if args.lookup else None  # None: a draft model, or an EAGLE head's directory
 
 
 def run_generate(args) -> int:
@@ -159,6 +160,7 @@ def run_generate(args) -> int:
               draft_dtype=args.draft_dtype, draft_confidence_threshold=args.draft_confidence, compile=args.compile,
               quantization=quantization_from_arg(args.quantization), speculative_k_policy=args.k_policy,
               draft_quantization=quantization_from_arg(args.draft_quantization))
+    method = llm.speculative_config.method if llm.speculative_config else None  # as inferred from --draft
     prompt = args.prompt if args.chat is None else llm.chat_token_ids([{"role": "user", "content": args.chat}])
     llm.prompt_token_ids(prompt, params)  # a bad request is refused as itself, not as the warm-up
     baseline_llm = llm.target_only() if args.compare else None

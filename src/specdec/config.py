@@ -106,11 +106,11 @@ def quantization_from_arg(text: str) -> str | None:
     return None if text == "none" else text
 
 
-SPECULATIVE_METHODS = ("draft_model", "ngram", "lookup_then_draft")
-NEEDS_DRAFT_MODEL = ("draft_model", "lookup_then_draft")
+SPECULATIVE_METHODS = ("draft_model", "ngram", "lookup_then_draft", "eagle")
+NEEDS_DRAFT_MODEL = ("draft_model", "lookup_then_draft", "eagle")  # "eagle": the head's directory
 # the shortest n-gram match prompt lookup trusts, by method: with a draft model to fall back
 # on, a one-token match is too weak to use instead of it
-DEFAULT_NGRAM_MIN = {"ngram": 1, "lookup_then_draft": 2, "draft_model": 1}
+DEFAULT_NGRAM_MIN = {"ngram": 1, "lookup_then_draft": 2, "draft_model": 1, "eagle": 1}
 
 
 DRAFT_DTYPES = ("auto", "float32", "bfloat16", "float16")
@@ -136,8 +136,10 @@ class SpeculativeConfig:
     method: "draft_model" (a smaller model with the target's tokenizer), "ngram" (prompt
         lookup: copy what followed the last matching n-gram of the context), or
         "lookup_then_draft" (prompt lookup for the rows where it finds a match, the draft
-        model for the others).
-    model: the draft model's directory, for "draft_model" and "lookup_then_draft".
+        model for the others), or "eagle" (a one-layer head over the target's own features,
+        trained by `specdec train-heads`; see drafters/eagle.py).
+    model: the draft model's directory, for "draft_model" and "lookup_then_draft"; the
+        head's directory for "eagle".
     num_speculative_tokens: k, draft tokens proposed per round (0 = plain decoding).
     ngram_min / ngram_max: the n-gram lengths prompt lookup tries, longest first. ngram_min
         None: 1 for "ngram", 2 for "lookup_then_draft".

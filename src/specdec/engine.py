@@ -43,6 +43,7 @@ class Engine:
         self.target = target
         self.drafter = drafter
         self.k = num_speculative_tokens if drafter is not None else 0
+        self.hands_hidden = drafter is not None and drafter.needs_target_hidden  # the target's features too
         self.eos_token_ids = frozenset(eos_token_ids)
         self.tokenizer = tokenizer
         self.max_num_seqs = max_num_seqs
@@ -94,7 +95,8 @@ class Engine:
         # a fixed k verifies k drafts every round (fewer are padded); goodput may choose k = 0
         query_lengths = (1, self.k + 1) if self.policy is not None else (self.k + 1,)
         try:
-            self.cache = self.target.prepare(max_batch, max_len, query_lengths, num_forwards, self.cache)
+            self.cache = self.target.prepare(max_batch, max_len, query_lengths, num_forwards, self.cache,
+                                             return_hidden=self.hands_hidden)
             if self.drafter is not None:
                 self.drafter.reserve(max_batch, max_len, num_forwards)
         except CacheTooLarge as e:
@@ -114,7 +116,7 @@ class Engine:
         self.cache.use_slots(list(range(batch_size)))
         input_ids = torch.zeros(batch_size, num_tokens, dtype=torch.long, device=device)  # [B, T]
         positions = start + torch.arange(num_tokens, device=device).expand(batch_size, num_tokens)  # [B, T]
-        self.target(input_ids, positions, self.cache)
+        self.target(input_ids, positions, self.cache, return_hidden=self.hands_hidden)
 
     def _retire(self, running: list[Sequence], free_slots: list[int], start: float) -> list[Sequence]:
         still_running = []
@@ -135,7 +137,11 @@ class Engine:
         device = self.target.device
         input_ids, positions, last = ragged_batch([s.prompt_token_ids for s in batch], [0] * len(batch), self.cache)
         self.cache.use_slots([s.slot for s in batch])
-        logits = self.target.last_token_logits(input_ids.to(device), positions.to(device), self.cache, last)  # [B, V]
+        logits = self.target.last_token_logits(input_ids.to(device), positions.to(device), self.cache, last,
+                                               return_hidden=self.hands_hidden)  # [B, V] (, hidden [B, T, H])
+        if self.hands_hidden:
+            logits, hidden = logits
+            self.drafter.observe_hidden(batch, torch.zeros_like(last), hidden, last + 1)
         probs = warp(logits, SamplingTensors.from_params([s.params for s in batch], device))
         first_tokens = sample(probs, [s.generator for s in batch]).tolist()
         for seq, token in zip(batch, first_tokens):
@@ -155,7 +161,9 @@ class Engine:
         num_draft = torch.minimum(draft.num_tokens, torch.tensor(ks, device=device))  # [B]
         input_ids, positions = self._verify_inputs(batch, draft)  # [B, k+1] each
         self.cache.use_slots(slots)
-        target_logits = self.target(input_ids, positions, self.cache)  # [B, k+1, V]
+        target_logits = self.target(input_ids, positions, self.cache, return_hidden=self.hands_hidden)  # [B, k+1, V]
+        if self.hands_hidden:
+            target_logits, target_hidden = target_logits  # and [B, k+1, H]
         t2 = time.perf_counter()
         output, num_accepted = self._verify(batch, sampling, draft, num_draft, target_logits)
         t3 = time.perf_counter()
@@ -166,6 +174,8 @@ class Engine:
             seq.stats.record_round(num_proposed[row], num_accepted_list[row], emitted, k=ks[row])
         if self.drafter is not None:
             self.drafter.observe(batch, num_accepted)
+        if self.hands_hidden:
+            self.drafter.observe_hidden(batch, positions[:, 0], target_hidden, num_accepted + 1)
         if self.policy is not None:
             self.policy.observe(slots, num_proposed, num_accepted_list)
             self.policy.observe_round(len(batch), max(ks), input_ids.shape[1], target_seconds=t3 - t1,

@@ -17,6 +17,7 @@ from specdec.config import INT64_MIN, UINT64_MAX, SamplingParams, SpeculativeCon
 from specdec.drafters import DRAFTERS, Drafter
 from specdec.engine import Engine
 from specdec.metrics import SpecStats
+from specdec.models.eagle import is_head_directory
 from specdec.models.loader import LoadedModel, load_pretrained
 from specdec.models.quantized_linear import check_quantization
 from specdec.platform import Platform, detect_platform
@@ -51,8 +52,9 @@ class LLM:
         "[ngram]" for prompt lookup; None = no speculation unless speculative_method="ngram".
     num_speculative_tokens: k, draft tokens per round (None: 5). Below the target's context
         length; each round drafts no more than a request can still emit.
-    speculative_method: "draft_model", "ngram" or "lookup_then_draft" (prompt lookup where it
-        finds a match, the draft model elsewhere); inferred from speculative_model if None.
+    speculative_method: "draft_model", "ngram", "lookup_then_draft" (prompt lookup where it
+        finds a match, the draft model elsewhere) or "eagle" (speculative_model: a head's
+        directory, from `specdec train-heads`); inferred from speculative_model if None.
     ngram_prompt_lookup_min / _max: the n-gram lengths prompt lookup tries (min None: 1 for
         "ngram", 2 for "lookup_then_draft"; see SpeculativeConfig).
     dtype: "auto" (the checkpoint's, or float32 where the device emulates the checkpoint's half
@@ -230,8 +232,8 @@ def speculative_config(model, method, **options) -> SpeculativeConfig | None:
         check(method in (None, "ngram"), f'speculative_model="[ngram]" means speculative_method="ngram", but '
                                          f'speculative_method={method!r} was given; give one or the other')
         model, method = None, "ngram"
-    if method is None and model is not None:
-        method = "draft_model"
+    if method is None and model is not None:  # a head's directory says what it is
+        method = "eagle" if is_head_directory(model) else "draft_model"
     given = {name: value for name, value in options.items() if value is not None and value != "auto"}
     if method is None:
         check(not given, f"{', '.join(f'{n}={v!r}' for n, v in given.items())} without a drafter: give "

@@ -102,6 +102,7 @@ class ModelRunner:
         self._eager_only = False  # compiling failed, or measured slower: never try again
         self._eager_model: LlamaModel | None = None  # made on first eager use
         self._warm_shapes: set[tuple[int, int, int]] = set()  # (batch, queries, cache length) run compiled
+        self.returns_hidden = False  # whether the work prepared for asks forwards for hidden states too
 
     @property
     def device(self) -> torch.device:
@@ -118,11 +119,15 @@ class ModelRunner:
     # --- preparing a batch of work ---------------------------------------------------------
 
     def prepare(self, max_batch: int, max_len: int, query_lengths: tuple[int, ...], num_forwards: int,
-                cache: KVCache | None = None) -> KVCache:
+                cache: KVCache | None = None, return_hidden: bool = False) -> KVCache:
         """A cache for max_batch rows of up to max_len positions (cache, if it fits and suits the
         way this work runs, is kept). If the work is to run compiled, compile (or load) and run
         once the graphs for forwards of 1..max(query_lengths) tokens per row, bucketed up to
-        query_lengths, and log how long that took."""
+        query_lengths, and log how long that took. return_hidden: the work's forwards will ask
+        for hidden states too (their graphs are the ones compiled)."""
+        if return_hidden != self.returns_hidden:
+            self._warm_shapes.clear()
+        self.returns_hidden = return_hidden
         compiled = self._will_compile(num_forwards) or self._compiled_fits(cache, max_batch, max_len, query_lengths)
         if not compiled:
             self.query_buckets = ()
@@ -202,9 +207,11 @@ class ModelRunner:
         with the plain model's on the same input (not the packed eager copy's: a draft's may
         round its output layer to bfloat16): a compiler bug must not change a result."""
         input_ids, positions, slots = self._probe(cache, queries)
-        compiled = self.forward(input_ids, positions, cache, slots)
+        compiled = self.forward(input_ids, positions, cache, slots, return_hidden=self.returns_hidden)
         if self._compiled is None:  # compiling failed
             return False
+        if self.returns_hidden:
+            compiled = compiled[0]
         with _using_slots(cache, slots):  # the model's own layers: the same weights the graph froze
             eager = self.model(input_ids, positions, cache)
         error = _relative_error(compiled, eager)
@@ -221,10 +228,10 @@ class ModelRunner:
         input_ids, positions, slots = self._probe(cache, queries)
         timings = {}
         for name, run in (("compiled", self.forward), ("eager", self._forward_eager)):
-            run(input_ids, positions, cache, slots)
+            run(input_ids, positions, cache, slots, return_hidden=self.returns_hidden)
             start = time.perf_counter()
             for _ in range(5):
-                run(input_ids, positions, cache, slots)
+                run(input_ids, positions, cache, slots, return_hidden=self.returns_hidden)
             timings[name] = (time.perf_counter() - start) / 5
         log.info("%s: a forward of %d x %d tokens takes %.2f ms compiled, %.2f ms eager: runs %s", self.name, rows,
                  queries, timings["compiled"] * 1e3, timings["eager"] * 1e3, min(timings, key=timings.get))
@@ -234,39 +241,45 @@ class ModelRunner:
     # --- forwards ----------------------------------------------------------------------------
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, cache: KVCache,
-                slots: torch.Tensor | None = None) -> torch.Tensor:
+                slots: torch.Tensor | None = None, return_hidden: bool = False):
         """input_ids, positions [B, T] -> logits [B, T, V] (float32), writing K/V into cache at
-        the rows' slots (slots [B], or cache's current ones)."""
+        the rows' slots (slots [B], or cache's current ones). return_hidden: (logits, the final
+        normed hidden states [B, T, hidden])."""
         if slots is not None:
             with _using_slots(cache, slots):
-                return self.forward(input_ids, positions, cache)
+                return self.forward(input_ids, positions, cache, return_hidden=return_hidden)
         bucket = self._query_bucket(input_ids.shape[1], cache)
         if bucket is None:
-            return self.eager_model()(input_ids, positions, cache)
+            return self.eager_model()(input_ids, positions, cache, return_hidden=return_hidden)
         B, T = input_ids.shape
         padded_ids, padded_positions, restore = self._pad(input_ids, positions, cache, bucket)
         try:
-            logits = self._run_compiled(padded_ids, padded_positions, cache)
+            outputs = self._run_compiled(padded_ids, padded_positions, cache, return_hidden)
         finally:
             cache.slots = restore
-        if logits is None:  # compilation failed just now
-            return self.forward(input_ids, positions, cache)
-        return logits[:B, :T]  # [B, T, V]
+        if outputs is None:  # compilation failed just now
+            return self.forward(input_ids, positions, cache, return_hidden=return_hidden)
+        if return_hidden:
+            return outputs[0][:B, :T], outputs[1][:B, :T]  # [B, T, V], [B, T, hidden]
+        return outputs[:B, :T]  # [B, T, V]
 
-    def _forward_eager(self, input_ids, positions, cache: KVCache, slots: torch.Tensor) -> torch.Tensor:
+    def _forward_eager(self, input_ids, positions, cache: KVCache, slots: torch.Tensor, return_hidden: bool = False):
         with _using_slots(cache, slots):
-            return self.eager_model()(input_ids, positions, cache)
+            return self.eager_model()(input_ids, positions, cache, return_hidden=return_hidden)
 
     __call__ = forward
 
     def last_token_logits(self, input_ids: torch.Tensor, positions: torch.Tensor, cache: KVCache,
-                          last_index: torch.Tensor) -> torch.Tensor:
-        """Forward padded rows; logits after each row's last real token (last_index [B]): [B, V]."""
+                          last_index: torch.Tensor, return_hidden: bool = False):
+        """Forward padded rows; logits after each row's last real token (last_index [B]): [B, V].
+        return_hidden: (those logits, every position's hidden states [B, T, hidden])."""
         if self._query_bucket(input_ids.shape[1], cache) is None:
-            return self.eager_model().last_token_logits(input_ids, positions, cache, last_index)
-        logits = self.forward(input_ids, positions, cache)  # [B, T, V]
+            return self.eager_model().last_token_logits(input_ids, positions, cache, last_index, return_hidden)
+        outputs = self.forward(input_ids, positions, cache, return_hidden=return_hidden)  # [B, T, V] (, hidden)
+        logits = outputs[0] if return_hidden else outputs
         rows = torch.arange(input_ids.shape[0], device=logits.device)
-        return logits[rows, last_index.to(logits.device)]
+        last_logits = logits[rows, last_index.to(logits.device)]
+        return (last_logits, outputs[1]) if return_hidden else last_logits
 
     def padded_queries(self, num_queries: int, cache: KVCache) -> int:
         """The query length a forward of num_queries tokens per row runs at (what it costs)."""
@@ -299,16 +312,16 @@ class ModelRunner:
         cache.slots = torch.cat([row_slots, row_slots.new_full((pad_rows,), scratch)])  # [rows]
         return input_ids, positions, restore
 
-    def _run_compiled(self, input_ids, positions, cache: KVCache) -> torch.Tensor | None:
-        """The compiled forward; None (and eager from now on) if it cannot be compiled."""
+    def _run_compiled(self, input_ids, positions, cache: KVCache, return_hidden: bool = False):
+        """The compiled forward's outputs; None (and eager from now on) if it cannot be compiled."""
         try:
             with self._inductor_config():
-                logits = self._compiled(input_ids, positions, cache)
+                outputs = self._compiled(input_ids, positions, cache, return_hidden)
         except Exception as error:  # noqa: BLE001 - any failure to compile means: run eagerly
             self._fall_back(error)
             return None
         self._warm_shapes.add((input_ids.shape[0], input_ids.shape[1], cache.max_len))
-        return logits
+        return outputs
 
     def _run_eagerly_from_now_on(self) -> None:
         self._compiled, self._eager_only, self.query_buckets = None, True, ()

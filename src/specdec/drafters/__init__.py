@@ -3,6 +3,7 @@ in DRAFTERS: a factory (SpeculativeConfig, the loaded target, the target's Model
 
 from specdec.drafters.base import Draft, Drafter
 from specdec.drafters.draft_model import DraftModelDrafter
+from specdec.drafters.eagle import EagleDrafter
 from specdec.drafters.lookup_then_draft import LookupThenDraftDrafter
 from specdec.drafters.ngram import NgramDrafter
 
@@ -10,6 +11,7 @@ DRAFTERS = {
     "draft_model": DraftModelDrafter.from_config,
     "ngram": NgramDrafter.from_config,
     "lookup_then_draft": LookupThenDraftDrafter.from_config,
+    "eagle": EagleDrafter.from_config,
 }
 
-__all__ = ["DRAFTERS", "Draft", "Drafter", "DraftModelDrafter", "LookupThenDraftDrafter", "NgramDrafter"]
+__all__ = ["DRAFTERS", "Draft", "Drafter", "DraftModelDrafter", "EagleDrafter", "LookupThenDraftDrafter", "NgramDrafter"]

@@ -50,8 +50,13 @@ class Drafter(ABC):
     """Proposes up to k tokens per sequence each round.
 
     The engine calls `reserve` before a batch, `propose` once per round, `observe` with what
-    the target accepted, and `release` when a sequence leaves its slot.
+    the target accepted, and `release` when a sequence leaves its slot. A drafter that drafts
+    from the target's features sets needs_target_hidden: the engine then also hands it, after
+    every target forward, the target's hidden states there (`observe_hidden`), so that features
+    flow from verification to the next round without a forward of their own.
     """
+
+    needs_target_hidden = False
 
     def reserve(self, max_batch: int, max_len: int, num_forwards: int = 0) -> None:
         """Make room for max_batch sequences of up to max_len positions, for work of at most
@@ -68,6 +73,13 @@ class Drafter(ABC):
 
     def observe(self, batch: list[Sequence], num_accepted: torch.Tensor) -> None:
         """Told how many draft tokens each row had accepted; a drafter may adapt."""
+
+    def observe_hidden(self, batch: list[Sequence], first_positions: torch.Tensor, hidden: torch.Tensor,
+                       num_valid: torch.Tensor) -> None:
+        """(needs_target_hidden only) The target's final normed hidden states hidden [B, T, H] of
+        its last forward: row b's entry t is at position first_positions[b] + t, and its first
+        num_valid[b] entries hold tokens the sequence keeps (the prompt after a prefill; the
+        last token and the accepted drafts after a round)."""
 
     def release(self, seq: Sequence) -> None:
         """seq has finished; its slot may be reused."""

@@ -13,14 +13,14 @@ import warnings
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 
 from specdec.config import SMALL_DRAFT_PARAMETERS
 from specdec.drafters.base import Draft, Drafter
+from specdec.drafters.steps import DraftSteps
 from specdec.kv_cache import ragged_batch
 from specdec.models.loader import LoadedModel, ModelLoadError, load_pretrained, model_config_from_hf, read_config
 from specdec.runner import ModelRunner
-from specdec.sampling import SamplingTensors, sample, warp
+from specdec.sampling import SamplingTensors
 from specdec.sequence import Sequence
 
 LARGE_WEIGHT_BYTES = 2_000_000  # float32 matrices at least this big run in bf16 in a small CPU draft
@@ -87,59 +87,22 @@ class DraftModelDrafter(Drafter):
         self.runner(input_ids, torch.zeros_like(input_ids), self.cache)
 
     def propose(self, batch: list[Sequence], k: int, sampling: SamplingTensors) -> Draft:
-        """Up to k draft tokens per row. With a confidence threshold, a row stops after a draft
-        token the draft itself gave less than that probability (the next ones would likely be
-        rejected); a row also stops at its draft_room (what it can still emit), and drafting ends
-        when every row has stopped. A stopped row draws no more random numbers (its later columns
-        hold the draft's argmax, ignored, or 0 padding), so a seeded request consumes its
-        generator the same alone or in any batch."""
+        """Up to k draft tokens per row, drawn as steps.py says (greedy, sampled, stopping early
+        at a row's room or below the confidence threshold)."""
         device = self.model.device
         if k == 0:
             return Draft.empty(len(batch), device)
         self.cache.use_slots([seq.slot for seq in batch])
-        generators = [seq.generator for seq in batch]
-        logits = self._catch_up(batch)  # [B, V]: each row's next-token logits
-        draft_tokens, draft_probs = [], []
-        num_tokens = torch.tensor([min(k, seq.draft_room) for seq in batch], device=device)  # [B]
-        drafting = num_tokens > 0  # [B]: rows not yet stopped
-        for i in range(k):
-            probs = None
-            if sampling.all_greedy:  # a point mass on the argmax: no probabilities kept
-                token = logits.argmax(-1)  # [B]
-            else:
-                probs = warp(logits, sampling)  # [B, V]
-                token = _sample_rows(probs, generators, drafting)  # [B]
-                draft_probs.append(probs)
-            draft_tokens.append(token)
-            if self.confidence_threshold > 0:
-                confidence = self._confidence(logits, token, probs, sampling.greedy)  # [B]
-                stopping = drafting & (confidence < self.confidence_threshold)
-                num_tokens = torch.where(stopping, i + 1, num_tokens)
-                drafting &= ~stopping
-            drafting &= num_tokens > i + 1
-            if not bool(drafting.any()):
-                break
-            if i < k - 1:
-                positions = torch.tensor([seq.num_tokens + i for seq in batch], device=device)[:, None]  # [B, 1]
-                logits = self._logits(self.runner(token[:, None], positions, self.cache)[:, 0])
-        token_ids = torch.stack(draft_tokens, dim=1)  # [B, steps], steps <= k
+        steps = DraftSteps(batch, k, sampling, self.confidence_threshold, device)
+        token = steps.draw(self._catch_up(batch))  # from each row's next-token logits [B, V]
+        while steps.more:
+            step = len(steps.tokens) - 1  # the step whose token is fed
+            positions = torch.tensor([seq.num_tokens + step for seq in batch], device=device)[:, None]  # [B, 1]
+            token = steps.draw(self._logits(self.runner(token[:, None], positions, self.cache)[:, 0]))
+        token_ids = steps.token_ids()  # [B, steps]
         for row, seq in enumerate(batch):  # the cache holds every draft token but the last
             self.fed[seq.slot] = (seq.num_tokens, token_ids[row, :token_ids.shape[1] - 1].tolist())
-        padding = k - token_ids.shape[1]
-        token_ids = F.pad(token_ids, (0, padding))  # [B, k]
-        probs = F.pad(torch.stack(draft_probs, dim=1), (0, 0, 0, padding)) if draft_probs else None  # [B, k, V]
-        return Draft(token_ids, num_tokens, probs)
-
-    @staticmethod
-    def _confidence(logits: torch.Tensor, token: torch.Tensor, probs: torch.Tensor | None,
-                    greedy: torch.Tensor) -> torch.Tensor:
-        """The draft's probability of each row's draft token [B]: under the warped distribution
-        it was sampled from, or, for a greedy row [B] (whose warped distribution is a point mass,
-        certain by construction), under the plain softmax, whatever else is in the batch."""
-        plain = torch.softmax(logits.float(), dim=-1).gather(1, token[:, None])[:, 0]  # [B]
-        if probs is None:  # an all-greedy batch
-            return plain
-        return torch.where(greedy, plain, probs.gather(1, token[:, None])[:, 0])
+        return steps.draft()
 
     def _catch_up(self, batch: list[Sequence]) -> torch.Tensor:
         """Feed each row the tokens its cache lacks (the whole prompt for a new sequence,
@@ -175,18 +138,6 @@ class DraftModelDrafter(Drafter):
             return logits[..., :V]
         pad = logits.new_full((*logits.shape[:-1], V - logits.shape[-1]), float("-inf"))
         return torch.cat([logits, pad], dim=-1)
-
-
-def _sample_rows(probs: torch.Tensor, generators: list[torch.Generator], rows: torch.Tensor) -> torch.Tensor:
-    """A token per row of probs [B, V]: sampled where rows [B] is True (each with its row's
-    generator), the argmax elsewhere, drawing nothing there."""
-    if bool(rows.all()):
-        return sample(probs, generators)
-    token = probs.argmax(-1)  # [B]
-    chosen = rows.nonzero().squeeze(1).tolist()
-    if chosen:
-        token[chosen] = sample(probs[chosen], [generators[r] for r in chosen])
-    return token
 
 
 def _is_small(path: str) -> bool:

@@ -203,44 +203,35 @@ class DecoderLayer(nn.Module):
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
-class LlamaModel(nn.Module):
-    """Decoder-only transformer; parameter names follow Hugging Face's checkpoints."""
+class DecoderStack(nn.Module):
+    """Decoder layers and the final norm over input vectors: what a causal language model
+    and a draft head built from the same layers (models/eagle.py) share. Subclasses make
+    config, layers, norm and inv_freq."""
 
-    def __init__(self, config: ModelConfig):
-        super().__init__()
-        self.config = config
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(config, i) for i in range(config.num_layers))
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.lm_head = nn.Linear(config.hidden_size, config.head_size, bias=False)
-        if config.tie_word_embeddings:
-            self.lm_head.weight = self.embed_tokens.weight
-        if config.output_vocab_size:  # which vocabulary id each output row scores, ascending
-            self.register_buffer("output_token_ids", torch.arange(config.output_vocab_size))
-        self.register_buffer("inv_freq", rope_inverse_frequencies(config), persistent=False)
+    config: ModelConfig
+    layers: nn.ModuleList
+    norm: RMSNorm
+
+    def _init_rope(self) -> None:
+        self.register_buffer("inv_freq", rope_inverse_frequencies(self.config), persistent=False)
         self._rope_cache = None  # ((dtype, device), cos [N, D], signed sin [N, D]) for positions 0..N-1
 
     @property
     def device(self) -> torch.device:
-        return self.embed_tokens.weight.device
+        return self.norm.weight.device
 
     @property
     def dtype(self) -> torch.dtype:
-        return self.embed_tokens.weight.dtype
+        return self.norm.weight.dtype
 
     def new_cache(self, max_batch: int, max_len: int, static: bool = False) -> KVCache:
         c = self.config
-        return KVCache(c.num_layers, max_batch, max_len, c.num_kv_heads, c.head_dim, self.dtype, self.device, static)
+        return KVCache(len(self.layers), max_batch, max_len, c.num_kv_heads, c.head_dim, self.dtype, self.device,
+                       static)
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, cache: KVCache | None) -> torch.Tensor:
-        """input_ids, positions [B, T] -> logits [B, T, V] (float32).
-        cache=None (training) attends causally within input_ids; positions must be 0..T-1."""
-        return self.logits(self.hidden_states(input_ids, positions, cache))
-
-    def hidden_states(self, input_ids: torch.Tensor, positions: torch.Tensor, cache: KVCache | None) -> torch.Tensor:
-        """input_ids, positions [B, T] -> final normed hidden states [B, T, hidden]."""
-        x = self.embed_tokens(input_ids)  # [B, T, hidden]
-        num_keys = cache.num_keys(positions) if cache is not None else input_ids.shape[1]
+    def transform(self, x: torch.Tensor, positions: torch.Tensor, cache: KVCache | None) -> torch.Tensor:
+        """Input vectors x [B, T, hidden] at positions [B, T] -> final normed hidden states [B, T, hidden]."""
+        num_keys = cache.num_keys(positions) if cache is not None else x.shape[1]
         cos, signed_sin = self._rope_tables(positions, num_keys)
         needs_mask = cache is not None and (cache.static or not _reads_every_key(positions, num_keys))
         masks = {}
@@ -260,23 +251,6 @@ class LlamaModel(nn.Module):
             return None
         return attention_mask(positions, num_keys, window)
 
-    def last_token_logits(self, input_ids: torch.Tensor, positions: torch.Tensor, cache: KVCache,
-                          last_index: torch.Tensor) -> torch.Tensor:
-        """Forward padded rows; logits after each row's last real token (index last_index [B]):
-        [B, V]. The output head runs on those positions only."""
-        hidden = self.hidden_states(input_ids, positions, cache)  # [B, T, hidden]
-        rows = torch.arange(input_ids.shape[0], device=hidden.device)
-        return self.logits(hidden[rows, last_index.to(hidden.device)])
-
-    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """hidden [..., hidden] -> logits [..., V] in float32. An output layer over part of the
-        vocabulary (output_vocab_size) gives the other tokens -inf: probability 0."""
-        logits = self.lm_head(hidden).float()  # [..., head_size]
-        if not self.config.output_vocab_size:
-            return logits
-        every_token = logits.new_full((*logits.shape[:-1], self.config.vocab_size), float("-inf"))  # [..., V]
-        return every_token.index_copy(-1, self.output_token_ids, logits)
-
     def _rope_tables(self, positions: torch.Tensor, num_positions: int) -> tuple[torch.Tensor, torch.Tensor]:
         """positions [B, T] (all < num_positions) -> cos, signed sin [B, T, 1, D] in the model's dtype
         (computed in float32), read from tables of every position so far (a decode step then
@@ -295,6 +269,62 @@ class LlamaModel(nn.Module):
             signed_sin = torch.cat((-angles.sin(), angles.sin()), dim=-1)  # [N, D]: see apply_rope
             self._rope_cache = (key, cos.to(self.dtype), signed_sin.to(self.dtype))
         return self._rope_cache
+
+
+class LlamaModel(DecoderStack):
+    """Decoder-only transformer; parameter names follow Hugging Face's checkpoints."""
+
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        self.config = config
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(config, i) for i in range(config.num_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.lm_head = nn.Linear(config.hidden_size, config.head_size, bias=False)
+        if config.tie_word_embeddings:
+            self.lm_head.weight = self.embed_tokens.weight
+        if config.output_vocab_size:  # which vocabulary id each output row scores, ascending
+            self.register_buffer("output_token_ids", torch.arange(config.output_vocab_size))
+        self._init_rope()
+
+    @property
+    def device(self) -> torch.device:
+        return self.embed_tokens.weight.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.embed_tokens.weight.dtype
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, cache: KVCache | None,
+                return_hidden: bool = False):
+        """input_ids, positions [B, T] -> logits [B, T, V] (float32); with return_hidden, also
+        the final normed hidden states [B, T, hidden]: (logits, hidden).
+        cache=None (training) attends causally within input_ids; positions must be 0..T-1."""
+        hidden = self.hidden_states(input_ids, positions, cache)
+        return (self.logits(hidden), hidden) if return_hidden else self.logits(hidden)
+
+    def hidden_states(self, input_ids: torch.Tensor, positions: torch.Tensor, cache: KVCache | None) -> torch.Tensor:
+        """input_ids, positions [B, T] -> final normed hidden states [B, T, hidden]."""
+        return self.transform(self.embed_tokens(input_ids), positions, cache)  # embeddings [B, T, hidden]
+
+    def last_token_logits(self, input_ids: torch.Tensor, positions: torch.Tensor, cache: KVCache,
+                          last_index: torch.Tensor, return_hidden: bool = False):
+        """Forward padded rows; logits after each row's last real token (index last_index [B]):
+        [B, V]. The output head runs on those positions only. With return_hidden, also every
+        position's hidden states [B, T, hidden]: (logits, hidden)."""
+        hidden = self.hidden_states(input_ids, positions, cache)  # [B, T, hidden]
+        rows = torch.arange(input_ids.shape[0], device=hidden.device)
+        logits = self.logits(hidden[rows, last_index.to(hidden.device)])
+        return (logits, hidden) if return_hidden else logits
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden [..., hidden] -> logits [..., V] in float32. An output layer over part of the
+        vocabulary (output_vocab_size) gives the other tokens -inf: probability 0."""
+        logits = self.lm_head(hidden).float()  # [..., head_size]
+        if not self.config.output_vocab_size:
+            return logits
+        every_token = logits.new_full((*logits.shape[:-1], self.config.vocab_size), float("-inf"))  # [..., V]
+        return every_token.index_copy(-1, self.output_token_ids, logits)
 
 
 def _reads_every_key(positions: torch.Tensor, num_keys: int) -> bool:

@@ -1,0 +1,135 @@
+"""EAGLE: draft from the target's own features with a one-layer head (models/eagle.py).
+
+The head's cache entry at position p holds (f_p, token p+1): the target's feature at p and
+the embedding of the token after it. Fed the entries up to p = L-2 of a sequence of L tokens
+(every feature the target has computed: the last token's comes with the next verification),
+it predicts f^_{L-1}, which the target's output layer turns into the first draft token x_1
+(position L). Each further step feeds (f^, x_i) at the next position and draws x_{i+1}.
+
+Features flow from verification: after every target forward the engine hands over the hidden
+states at the positions the sequence keeps (observe_hidden); they wait here, per slot, until
+the row's next proposal feeds them. What the drafting steps wrote past them (entries of
+predicted features) sits at later positions and is overwritten then, as the target's own
+rejected entries are.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from specdec.drafters.base import Draft, Drafter
+from specdec.drafters.steps import DraftSteps
+from specdec.models.eagle import EagleHead, load_head
+from specdec.models.loader import LoadedModel
+from specdec.runner import ModelRunner
+from specdec.sampling import SamplingTensors
+from specdec.sequence import Sequence
+
+
+class EagleDrafter(Drafter):
+    """head: the EAGLE head; target: the model whose embedding and output layer it borrows
+    (the target runner's eager model: the same weights, packed for fast eager calls)."""
+
+    needs_target_hidden = True
+
+    def __init__(self, head: EagleHead, target, confidence_threshold: float = 0.0):
+        self.head = head
+        self.target = target
+        self.confidence_threshold = confidence_threshold
+        self.cache = None
+        # slot -> (position of the first feature not yet fed, those features [n, H])
+        self.waiting: dict[int, tuple[int, torch.Tensor]] = {}
+
+    @classmethod
+    def from_config(cls, spec, target: LoadedModel, target_runner: ModelRunner) -> "EagleDrafter":
+        """Load the head in spec.model for this target, in spec.draft_dtype ("auto": the target's)."""
+        if spec.draft_quantization is not None:
+            raise ValueError("draft_quantization applies to a draft model; an EAGLE head runs unquantized "
+                             "(it is one layer: drop draft_quantization)")
+        dtype = target_runner.dtype if spec.draft_dtype == "auto" else getattr(torch, spec.draft_dtype)
+        if dtype != target_runner.dtype:
+            raise ValueError(f"an EAGLE head runs in its target's dtype ({str(target_runner.dtype).removeprefix('torch.')}"
+                             f"), whose embedding and output layer it uses; got draft_dtype={spec.draft_dtype!r}")
+        head = load_head(spec.model, target.model.config, dtype, target_runner.device)
+        return cls(head, target_runner.eager_model(), spec.draft_confidence_threshold)
+
+    def reserve(self, max_batch: int, max_len: int, num_forwards: int = 0) -> None:
+        c = self.cache
+        if c is None or c.max_batch < max_batch or c.max_len < max_len:
+            self.cache = self.head.new_cache(max_batch, max_len)
+        self.waiting.clear()
+
+    def release(self, seq: Sequence) -> None:
+        self.waiting.pop(seq.slot, None)
+
+    def observe_hidden(self, batch: list[Sequence], first_positions: torch.Tensor, hidden: torch.Tensor,
+                       num_valid: torch.Tensor) -> None:
+        """Keep each row's new features until its next proposal."""
+        firsts, counts = first_positions.tolist(), num_valid.tolist()
+        for row, seq in enumerate(batch):
+            features = hidden[row, :counts[row]]  # [n, H]
+            start, waiting = self.waiting.get(seq.slot, (firsts[row], features[:0]))
+            if start + len(waiting) != firsts[row]:  # never: the engine hands every kept position once
+                raise AssertionError(f"slot {seq.slot}: features up to {start + len(waiting)} kept, next at {firsts[row]}")
+            self.waiting[seq.slot] = (start, torch.cat([waiting, features]))
+
+    def time_step(self, batch_size: int) -> None:
+        """One drafting step of batch_size rows at position 0 of slots 0..batch_size-1."""
+        device = self.head.device
+        self.cache.use_slots(list(range(batch_size)))
+        tokens = torch.zeros(batch_size, 1, dtype=torch.long, device=device)  # [B, 1]
+        features = torch.zeros(batch_size, 1, self.head.config.hidden_size, dtype=self.head.dtype, device=device)
+        self._step(tokens, features, torch.zeros_like(tokens))
+
+    def propose(self, batch: list[Sequence], k: int, sampling: SamplingTensors) -> Draft:
+        device = self.head.device
+        if k == 0:
+            return Draft.empty(len(batch), device)
+        self.cache.use_slots([seq.slot for seq in batch])
+        steps = DraftSteps(batch, k, sampling, self.confidence_threshold, device)
+        feature, logits = self._catch_up(batch)  # f^_{L-1} [B, 1, H], its scores [B, V]
+        token = steps.draw(logits)
+        while steps.more:
+            step = len(steps.tokens) - 1
+            positions = torch.tensor([seq.num_tokens - 1 + step for seq in batch], device=device)[:, None]  # [B, 1]
+            feature, logits = self._step(token[:, None], feature, positions)
+            token = steps.draw(logits[:, 0])
+        return steps.draft()
+
+    def _catch_up(self, batch: list[Sequence]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Feed each row's waiting features with the tokens after them (entries start..L-2);
+        the predicted feature after the last [B, 1, H] and its scores [B, V]."""
+        device, H = self.head.device, self.head.config.hidden_size
+        chunks = [self._waiting_entries(seq) for seq in batch]  # (start, features [n, H], tokens [n])
+        width = max(len(tokens) for _, _, tokens in chunks)
+        features = torch.zeros(len(batch), width, H, dtype=self.head.dtype, device=device)  # [B, W, H]
+        tokens = torch.zeros(len(batch), width, dtype=torch.long, device=device)  # [B, W]
+        positions = torch.zeros(len(batch), width, dtype=torch.long, device=device)  # [B, W]
+        for row, (start, row_features, row_tokens) in enumerate(chunks):
+            n = len(row_tokens)
+            features[row, :n] = row_features
+            tokens[row, :n] = torch.tensor(row_tokens, device=device)
+            # padding continues the row's positions, past its own: overwritten later, never read
+            positions[row] = torch.arange(start, start + width, device=device).clamp(max=self.cache.max_len - 1)
+        last = torch.tensor([len(t) - 1 for _, _, t in chunks], device=device)  # [B]
+        predicted = self.head(self.target.embed_tokens(tokens), features, positions, self.cache)  # [B, W, H]
+        feature = predicted[torch.arange(len(batch), device=device), last][:, None]  # [B, 1, H]
+        for seq in batch:
+            del self.waiting[seq.slot]
+        return feature, self.target.logits(feature[:, 0])
+
+    def _waiting_entries(self, seq: Sequence) -> tuple[int, torch.Tensor, list[int]]:
+        """(first position, features, the token after each) of seq's entries not yet fed."""
+        start, features = self.waiting[seq.slot]
+        tokens = seq.token_ids[start + 1:start + 1 + len(features)]
+        if len(tokens) != len(features) or start + len(features) != seq.num_tokens - 1:
+            raise AssertionError(f"slot {seq.slot}: features for positions {start}..{start + len(features) - 1}, "
+                                 f"but the sequence holds {seq.num_tokens} tokens")
+        return start, features, tokens
+
+    def _step(self, tokens: torch.Tensor, features: torch.Tensor, positions: torch.Tensor
+              ) -> tuple[torch.Tensor, torch.Tensor]:
+        """One drafting step: tokens [B, 1], features [B, 1, H] at positions [B, 1] -> the
+        predicted features [B, 1, H] and their scores [B, 1, V]."""
+        predicted = self.head(self.target.embed_tokens(tokens), features, positions, self.cache)  # [B, 1, H]
+        return predicted, self.target.logits(predicted)

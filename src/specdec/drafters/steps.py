@@ -1,0 +1,89 @@
+"""DraftSteps: the tokens a model-based drafter draws for a batch, one step at a time.
+
+Both the draft model and the EAGLE head draft the same way once they have next-token logits:
+a greedy batch takes the argmax (a point mass: no probabilities kept), otherwise each row
+samples from its warped distribution with its own generator. A row stops at its draft_room
+(what it can still emit) and, with a confidence threshold, after a token the drafter itself
+gave less than that probability (the next ones would likely be rejected). A stopped row
+draws no more random numbers (its later columns hold the argmax, ignored), so a seeded
+request consumes its generator the same alone or in any batch.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from specdec.drafters.base import Draft
+from specdec.sampling import SamplingTensors, sample, warp
+from specdec.sequence import Sequence
+
+
+class DraftSteps:
+    def __init__(self, batch: list[Sequence], k: int, sampling: SamplingTensors, confidence_threshold: float,
+                 device: torch.device):
+        self.k, self.sampling, self.confidence_threshold = k, sampling, confidence_threshold
+        self.generators = [seq.generator for seq in batch]
+        self.num_tokens = torch.tensor([min(k, seq.draft_room) for seq in batch], device=device)  # [B]
+        self.drafting = self.num_tokens > 0  # [B]: rows not yet stopped
+        self.tokens: list[torch.Tensor] = []  # per step [B]
+        self.probs: list[torch.Tensor] = []  # per step [B, V] (sampled batches only)
+
+    @property
+    def more(self) -> bool:
+        """Whether another step is wanted: some row drafts on, and k is not reached."""
+        return len(self.tokens) < self.k and bool(self.drafting.any())
+
+    def draw(self, logits: torch.Tensor) -> torch.Tensor:
+        """The next token of every row [B] from the drafter's logits [B, V]."""
+        step = len(self.tokens)
+        probs = None
+        if self.sampling.all_greedy:
+            token = logits.argmax(-1)  # [B]
+        else:
+            probs = warp(logits, self.sampling)  # [B, V]
+            token = _sample_rows(probs, self.generators, self.drafting)  # [B]
+            self.probs.append(probs)
+        self.tokens.append(token)
+        if self.confidence_threshold > 0:
+            confidence = _confidence(logits, token, probs, self.sampling.greedy)  # [B]
+            stopping = self.drafting & (confidence < self.confidence_threshold)
+            self.num_tokens = torch.where(stopping, step + 1, self.num_tokens)
+            self.drafting &= ~stopping
+        self.drafting &= self.num_tokens > step + 1
+        return token
+
+    def token_ids(self) -> torch.Tensor:
+        """The tokens drawn so far [B, steps]."""
+        return torch.stack(self.tokens, dim=1)
+
+    def draft(self) -> Draft:
+        """What was drawn, padded to k columns."""
+        token_ids = self.token_ids()  # [B, steps], steps <= k
+        padding = self.k - token_ids.shape[1]
+        token_ids = F.pad(token_ids, (0, padding))  # [B, k]
+        probs = F.pad(torch.stack(self.probs, dim=1), (0, 0, 0, padding)) if self.probs else None  # [B, k, V]
+        return Draft(token_ids, self.num_tokens, probs)
+
+
+def _confidence(logits: torch.Tensor, token: torch.Tensor, probs: torch.Tensor | None,
+                greedy: torch.Tensor) -> torch.Tensor:
+    """The drafter's probability of each row's token [B]: under the warped distribution it was
+    sampled from, or, for a greedy row [B] (whose warped distribution is a point mass, certain
+    by construction), under the plain softmax, whatever else is in the batch."""
+    plain = torch.softmax(logits.float(), dim=-1).gather(1, token[:, None])[:, 0]  # [B]
+    if probs is None:  # an all-greedy batch
+        return plain
+    return torch.where(greedy, plain, probs.gather(1, token[:, None])[:, 0])
+
+
+def _sample_rows(probs: torch.Tensor, generators: list[torch.Generator], rows: torch.Tensor) -> torch.Tensor:
+    """A token per row of probs [B, V]: sampled where rows [B] is True (each with its row's
+    generator), the argmax elsewhere, drawing nothing there."""
+    if bool(rows.all()):
+        return sample(probs, generators)
+    token = probs.argmax(-1)  # [B]
+    chosen = rows.nonzero().squeeze(1).tolist()
+    if chosen:
+        token[chosen] = sample(probs[chosen], [generators[r] for r in chosen])
+    return token

@@ -1,0 +1,151 @@
+"""An EAGLE draft head: one decoder layer of its target's own kind, over the target's features.
+
+Terms:
+  feature f_t    the target's final normed hidden state at position t: what its output layer
+                 reads to score token t+1
+  head           fc: [embedding of token t+1 ; f_t] (2 x hidden) -> hidden, one decoder layer,
+                 a norm -> f^_{t+1}, the predicted next feature; the target's own output layer
+                 turns it into scores for token t+2 (EAGLE, Li et al. 2024)
+
+The head owns only fc, its layer and its norm. The target lends its embedding and output
+layer at each use (they are never stored in the head, so a head's checkpoint holds only its
+own weights and always speaks its target's vocabulary exactly). The model knows nothing of
+speculation: drafters/eagle.py runs it, training/heads.py trains it.
+
+A head directory holds head.json (the format, the layer's shape, and which target it was
+trained for) and head.safetensors.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+from torch import nn
+
+from specdec.models.llama import DecoderLayer, DecoderStack, ModelConfig, RMSNorm
+
+HEAD_FORMAT = "specdec-eagle-head"
+HEAD_CONFIG, HEAD_WEIGHTS = "head.json", "head.safetensors"
+# the fields of a target's config its head's layer must share (sizes, vocabulary, layer type)
+MATCHING_FIELDS = ("vocab_size", "hidden_size", "intermediate_size", "num_heads", "num_kv_heads", "head_dim",
+                   "qkv_bias", "o_bias", "mlp_bias", "qk_norm")
+
+
+class HeadLoadError(ValueError):
+    """A head directory that cannot be used (missing, malformed, or made for another target)."""
+
+
+def head_config(target: ModelConfig) -> ModelConfig:
+    """The head's layer shape: one layer of the target's kind, full attention, whole vocabulary."""
+    return dataclasses.replace(target, num_layers=1, sliding_windows=(), output_vocab_size=0,
+                               tie_word_embeddings=False)
+
+
+class EagleHead(DecoderStack):
+    """config: head_config(target config)."""
+
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        self.config = config
+        self.fc = nn.Linear(2 * config.hidden_size, config.hidden_size, bias=True)
+        self.layers = nn.ModuleList([DecoderLayer(config, 0)])
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self._init_rope()
+
+    def forward(self, token_embeddings: torch.Tensor, features: torch.Tensor, positions: torch.Tensor,
+                cache=None) -> torch.Tensor:
+        """token_embeddings of tokens t+1 and features f_t [B, T, hidden], at positions t [B, T]
+        -> predicted features f^_{t+1} [B, T, hidden]. cache=None (training) attends causally."""
+        x = self.fc(torch.cat([token_embeddings, features.to(token_embeddings.dtype)], dim=-1))  # [B, T, 2H] -> [B, T, H]
+        return self.transform(x, positions, cache)
+
+    @property
+    def num_parameters(self) -> int:
+        return sum(p.numel() for p in self.parameters())
+
+
+def save_head(head: EagleHead, path: str | Path, dtype: torch.dtype = torch.bfloat16,
+              target: str | None = None, extra: dict | None = None) -> Path:
+    """Write head.json and head.safetensors into path (created if needed)."""
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    weights = {name: tensor.detach().to(dtype).contiguous() for name, tensor in head.state_dict().items()}
+    save_file(weights, str(path / HEAD_WEIGHTS), metadata={"format": "pt"})
+    config = {"format": HEAD_FORMAT, "version": 1, "model": dataclasses.asdict(head.config),
+              "torch_dtype": str(dtype).removeprefix("torch."), "target": target, **(extra or {})}
+    (path / HEAD_CONFIG).write_text(json.dumps(config, indent=2) + "\n")
+    return path
+
+
+def is_head_directory(path: str | Path) -> bool:
+    return (Path(path) / HEAD_CONFIG).is_file()
+
+
+def load_head(path: str | Path, target: ModelConfig, dtype: torch.dtype, device: str | torch.device = "cpu"
+              ) -> EagleHead:
+    """The head in path, checked to fit target (the config of the model it will draft for)."""
+    path = Path(path)
+    config = read_head_config(path)
+    check_head_fits(config, target, path)
+    head = EagleHead(config)
+    weights = _read_weights(path / HEAD_WEIGHTS)
+    expected = set(head.state_dict())
+    if set(weights) != expected:
+        missing, extra = sorted(expected - set(weights)), sorted(set(weights) - expected)
+        raise HeadLoadError(f"{path / HEAD_WEIGHTS} does not hold an EAGLE head's weights (missing {missing[:3]}, "
+                            f"unexpected {extra[:3]})")
+    for name, tensor in weights.items():
+        if tensor.shape != head.state_dict()[name].shape:
+            raise HeadLoadError(f"{path / HEAD_WEIGHTS}: {name} has shape {tuple(tensor.shape)}, the head's config "
+                                f"says {tuple(head.state_dict()[name].shape)}")
+        if not bool(tensor.float().isfinite().all()):
+            raise HeadLoadError(f"{path / HEAD_WEIGHTS}: {name} holds NaN or infinite values")
+    head.load_state_dict(weights, strict=False)  # the non-persistent inv_freq is not saved
+    return head.to(device=device, dtype=dtype).eval()
+
+
+def read_head_config(path: Path) -> ModelConfig:
+    """head.json's layer shape as a ModelConfig."""
+    file = path / HEAD_CONFIG
+    if not path.is_dir():
+        raise HeadLoadError(f"{path} is not a directory; speculative_method='eagle' needs the directory "
+                            "`specdec train-heads` wrote")
+    if not file.is_file():
+        raise HeadLoadError(f"{path} has no {HEAD_CONFIG}: it is not an EAGLE head (`specdec train-heads` makes one)")
+    try:
+        data = json.loads(file.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise HeadLoadError(f"{file} is not valid JSON ({e})") from None
+    if not isinstance(data, dict) or data.get("format") != HEAD_FORMAT or not isinstance(data.get("model"), dict):
+        raise HeadLoadError(f"{file} is not a specdec EAGLE head config (format {HEAD_FORMAT!r})")
+    fields = dict(data["model"])
+    fields["rope_scaling"] = tuple(tuple(pair) for pair in fields.get("rope_scaling") or ())
+    fields["sliding_windows"] = tuple(fields.get("sliding_windows") or ())
+    try:
+        return ModelConfig(**fields)
+    except (TypeError, ValueError) as e:
+        raise HeadLoadError(f"{file}: its model shape is not valid ({e})") from None
+
+
+def check_head_fits(config: ModelConfig, target: ModelConfig, path: Path) -> None:
+    """A head drafts only for a target of its own sizes, vocabulary and layer type."""
+    differing = [f"{name} {getattr(config, name)} (the target: {getattr(target, name)})"
+                 for name in MATCHING_FIELDS if getattr(config, name) != getattr(target, name)]
+    if differing:
+        raise HeadLoadError(f"the EAGLE head {path} was trained for another target: its " + ", ".join(differing)
+                            + "; train one for this target with `specdec train-heads`")
+
+
+def _read_weights(file: Path) -> dict[str, torch.Tensor]:
+    if not file.is_file():
+        raise HeadLoadError(f"{file.parent} has no {file.name}")
+    try:
+        with safe_open(str(file), framework="pt") as f:
+            return {name: f.get_tensor(name) for name in f.keys()}
+    except Exception as e:  # noqa: BLE001 - a truncated or foreign file
+        raise HeadLoadError(f"{file} is not a readable safetensors file ({e})") from None

@@ -1,0 +1,147 @@
+"""speculative_method="eagle": a one-layer head over the target's own features drafts; greedy
+output is the target's own, token for token; the head reads exactly the target's features of
+the tokens it follows; a head made for another target is refused."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from helpers import load_hf, save_random_head, save_tiny_model
+from specdec import LLM, SamplingParams
+from specdec.drafters.eagle import EagleDrafter
+from specdec.models.eagle import HEAD_CONFIG, HeadLoadError
+
+GREEDY = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def dirs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("eagle")
+    target = save_tiny_model(root / "target", "llama", seed=3, init_std=0.3)
+    return {"target": target, "head": save_random_head(target, root / "head", seed=5)}
+
+
+@pytest.fixture(scope="module")
+def plain(dirs):
+    return LLM(str(dirs["target"]), dtype="float32")
+
+
+def random_prompts(n: int, seed: int, vocab: int = 320) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(2, vocab, (int(torch.randint(2, 25, (1,), generator=g)),), generator=g).tolist()
+            for _ in range(n)]
+
+
+def eagle(dirs, k: int, **kwargs) -> LLM:
+    kwargs.setdefault("speculative_k_policy", "fixed")
+    return LLM(str(dirs["target"]), speculative_model=str(dirs["head"]), speculative_method="eagle",
+               num_speculative_tokens=k, dtype="float32", **kwargs)
+
+
+def token_ids(outputs) -> list[list[int]]:
+    return [o.outputs[0].token_ids for o in outputs]
+
+
+def test_greedy_eagle_equals_target_alone(dirs, plain):
+    prompts = random_prompts(4, seed=11)
+    expected = token_ids(plain.generate(prompts, GREEDY))
+    for k in (1, 2, 4, 7):
+        llm = eagle(dirs, k)
+        assert token_ids(llm.generate(prompts[:1], GREEDY)) == expected[:1], f"k={k} batch 1"
+        outputs = llm.generate(prompts, GREEDY)
+        assert token_ids(outputs) == expected, f"k={k} ragged batch"
+        assert sum(o.metrics.num_draft_tokens for o in outputs) > 0
+    queued = eagle(dirs, 3, max_num_seqs=2).generate(prompts, GREEDY)  # rows leave, slots are reused
+    assert token_ids(queued) == expected
+    chosen = eagle(dirs, 4, speculative_k_policy="goodput").generate(prompts, GREEDY)  # k = 0 rounds too
+    assert token_ids(chosen) == expected
+
+
+def test_the_head_reads_the_targets_features_of_the_tokens_it_follows(dirs, monkeypatch):
+    """Every entry fed to the head as real is (f_p, token p+1) with f_p the target's hidden
+    state at p over the final sequence (computed here by transformers), every position of the
+    sequence but the last is fed exactly once per sequence over its rounds, and drafting steps
+    run at the positions after."""
+    fed: dict[int, list[tuple[int, torch.Tensor, list[int]]]] = {}
+    original = EagleDrafter._waiting_entries
+
+    def recording(self, seq):
+        start, features, tokens = original(self, seq)
+        fed.setdefault(seq.request_id, []).append((start, features.clone(), list(tokens)))
+        return start, features, tokens
+
+    monkeypatch.setattr(EagleDrafter, "_waiting_entries", recording)
+    prompts = random_prompts(3, seed=12)
+    outputs = eagle(dirs, 3).generate(prompts, GREEDY)
+    reference = load_hf(dirs["target"])
+    for prompt, output in zip(prompts, outputs):
+        sequence = prompt + output.outputs[0].token_ids
+        with torch.no_grad():
+            hidden = reference(torch.tensor([sequence]), output_hidden_states=True).hidden_states[-1][0]  # [L, H]
+        entries = fed[int(output.request_id)]
+        covered = []
+        for start, features, tokens in entries:
+            n = len(tokens)
+            assert tokens == sequence[start + 1:start + 1 + n]
+            torch.testing.assert_close(features, hidden[start:start + n], atol=2e-5, rtol=1e-4)
+            covered += range(start, start + n)
+        # the last round's features wait for a proposal that never comes: all but those are fed
+        assert covered == list(range(len(covered))) and len(covered) >= len(prompt) - 1
+
+
+def test_a_head_for_another_target_is_refused(dirs, tmp_path):
+    other = save_tiny_model(tmp_path / "other", "llama", seed=4, hidden_size=32, num_attention_heads=2)
+    with pytest.raises(HeadLoadError, match="trained for another target.*hidden_size 64 .the target: 32."):
+        LLM(str(other), speculative_model=str(dirs["head"]), speculative_method="eagle", dtype="float32")
+    qwen = save_tiny_model(tmp_path / "qwen", "qwen2", seed=4)  # same sizes, another layer type (q/k/v biases)
+    with pytest.raises(HeadLoadError, match="qkv_bias False .the target: True."):
+        LLM(str(qwen), speculative_model=str(dirs["head"]), speculative_method="eagle", dtype="float32")
+
+
+def test_what_is_not_a_head_is_refused_by_name(dirs, tmp_path):
+    with pytest.raises(HeadLoadError, match="no head.json: it is not an EAGLE head"):
+        LLM(str(dirs["target"]), speculative_model=str(dirs["target"]), speculative_method="eagle", dtype="float32")
+    with pytest.raises(HeadLoadError, match="is not a directory"):
+        LLM(str(dirs["target"]), speculative_model=str(tmp_path / "missing"), speculative_method="eagle")
+    broken = tmp_path / "broken"
+    broken.mkdir()
+    (broken / HEAD_CONFIG).write_text("{not json")
+    with pytest.raises(HeadLoadError, match="not valid JSON"):
+        LLM(str(dirs["target"]), speculative_model=str(broken), speculative_method="eagle", dtype="float32")
+    (broken / HEAD_CONFIG).write_text((dirs["head"] / HEAD_CONFIG).read_text())
+    (broken / "head.safetensors").write_bytes((dirs["head"] / "head.safetensors").read_bytes()[:100])
+    with pytest.raises(HeadLoadError, match="not a readable safetensors file"):
+        LLM(str(dirs["target"]), speculative_model=str(broken), speculative_method="eagle", dtype="float32")
+    with pytest.raises(ValueError, match="needs speculative_model"):
+        LLM(str(dirs["target"]), speculative_method="eagle")
+    with pytest.raises(ValueError, match="an EAGLE head runs unquantized"):
+        LLM(str(dirs["target"]), speculative_model=str(dirs["head"]), speculative_method="eagle",
+            draft_quantization="int8", dtype="float32")
+    assert json.loads((dirs["head"] / HEAD_CONFIG).read_text())["format"] == "specdec-eagle-head"
+
+
+def test_a_head_directory_is_recognised_as_eagle(dirs, plain, capsys):
+    """speculative_model= a head's directory (no method) drafts with it, in the API and in
+    `specdec generate --draft HEAD`."""
+    from specdec.cli import main
+
+    prompts = random_prompts(2, seed=13)
+    llm = LLM(str(dirs["target"]), speculative_model=str(dirs["head"]), num_speculative_tokens=3, dtype="float32",
+              speculative_k_policy="fixed")
+    assert isinstance(llm.engine.drafter, EagleDrafter)
+    assert token_ids(llm.generate(prompts, GREEDY)) == token_ids(plain.generate(prompts, GREEDY))
+    assert main(["generate", "--model", str(dirs["target"]), "--draft", str(dirs["head"]), "--k-policy", "fixed",
+                 "-k", "3", "--prompt", "def f(x):", "--max-tokens", "12", "--dtype", "float32"]) == 0
+    assert "[eagle k=3]" in capsys.readouterr().out
+
+
+def test_compiled_target_hands_its_features_to_the_head(dirs, plain):
+    """compile="on": the verify graphs return the hidden states too, and the output is the same."""
+    prompts = random_prompts(3, seed=14)
+    llm = eagle(dirs, 3, compile="on")
+    outputs = llm.generate(prompts, GREEDY)
+    assert llm.runner.returns_hidden and llm.runner.query_buckets  # ran compiled, hidden states included
+    assert token_ids(outputs) == token_ids(plain.generate(prompts, GREEDY))
