@@ -1,10 +1,13 @@
-"""A target/draft pair on held-out code prompts: acceptance, speedup, and sample completions.
+"""A target/draft pair on held-out prompts: acceptance, speedup, and sample completions.
 
     python benchmarks/bench_pair.py [--target DIR --draft DIR] [-k 3 4 5] [--prompts-per-module 2]
+                                    [--prompt-set code|chat|edit] [--prompts N]
                                     [--max-tokens 64] [--lookup] [--k-policy fixed goodput] [--show 3]
 
-Prompts are held-out standard-library modules cut just after a `def` line (see
-specdec.benchmark.prompts). For each prompt, greedy speculative decoding and the target
+Prompts (--prompt-set, as specdec bench's sets; specdec.benchmark.prompts): "code", held-out
+standard-library modules cut just after a `def` line (the default); "chat", user messages about
+held-out functions (write / edit / explain), rendered with the target's chat template; "edit",
+only the "edit this function" ones. --prompts N takes N of them spread through the set. For each prompt, greedy speculative decoding and the target
 alone run back to back (interleaved, so drift hits all alike); the table reports the
 totals: α, τ, tokens/s of each, the measured speedup and the one predicted from α, k and
 the measured cost ratio c; it checks the outputs are identical; and it counts how many of the
@@ -30,7 +33,7 @@ from specdec import LLM, SamplingParams, SpecStats  # noqa: E402
 from specdec.config import COMPILE_HELP, COMPILE_MODES, K_POLICIES  # noqa: E402
 from specdec.benchmark.machine import step_seconds  # noqa: E402
 from specdec.paths import SHIPPED_DRAFT, SHIPPED_TARGET  # noqa: E402
-from specdec.benchmark.prompts import held_out_code_prompts  # noqa: E402
+from specdec.benchmark.run import PROMPT_SETS, spread  # noqa: E402
 from specdec.metrics import predicted_speedup  # noqa: E402
 from specdec.drafters import LookupThenDraftDrafter  # noqa: E402
 
@@ -43,6 +46,8 @@ def main() -> None:
     parser.add_argument("--draft", default=str(SHIPPED_DRAFT))
     parser.add_argument("-k", type=int, nargs="+", default=[5], help="one or more k (default 5)")
     parser.add_argument("--prompts-per-module", type=int, default=2)
+    parser.add_argument("--prompt-set", choices=("code", "chat", "edit"), default="code")
+    parser.add_argument("--prompts", type=int, default=None, help="at most this many prompts, spread through the set")
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--max-chars", type=int, default=800, help="prompt length in characters (at most)")
     parser.add_argument("--dtype", default="auto")
@@ -65,20 +70,24 @@ def main() -> None:
         drafters[LOOKUP] = LookupThenDraftDrafter.sharing_weights(first.engine.drafter)
     speculative = {(name, policy, k): first.with_drafter(drafter, k, policy)
                    for name, drafter in drafters.items() for policy in args.k_policy for k in args.k}
-    prompts = held_out_code_prompts(args.prompts_per_module, max_chars=args.max_chars)
+    title, make_prompts = PROMPT_SETS[args.prompt_set]
+    prompts = make_prompts(args.prompts_per_module, max_chars=args.max_chars)
+    prompts = spread(prompts, args.prompts) if args.prompts else prompts
     params = SamplingParams(temperature=0, max_tokens=args.max_tokens)
-    longest = max(prompts, key=lambda prompt: len(first.prompt_token_ids(prompt.text, params)))
+    inputs = {prompt.name: first.chat_token_ids([{"role": "user", "content": prompt.text}]) if prompt.chat
+              else prompt.text for prompt in prompts}  # what each run is given: text, or a rendered chat
+    longest = max(prompts, key=lambda prompt: len(first.prompt_token_ids(inputs[prompt.name], params)))
     for llm in (plain, *speculative.values()):  # warm-up (and compiling) for the longest prompt
-        llm.warm_up(longest.text, params)
+        llm.warm_up(inputs[longest.name], params)
 
     plain_stats, spec_stats = [], {key: [] for key in speculative}
     mismatches, shown, parsing = {key: [] for key in speculative}, [], []
     for prompt in prompts:  # interleaved: the target alone, then each k, prompt by prompt
-        alone = plain.generate(prompt.text, params)[0]
+        alone = plain.generate(inputs[prompt.name], params)[0]
         plain_stats.append(alone.metrics)
         parsing.append(prompt.lines_that_parse(alone.outputs[0].text))
         for key, llm in speculative.items():
-            ours = llm.generate(prompt.text, params)[0]
+            ours = llm.generate(inputs[prompt.name], params)[0]
             spec_stats[key].append(ours.metrics)
             if ours.outputs[0].token_ids != alone.outputs[0].token_ids:
                 mismatches[key].append(prompt.name)
@@ -91,8 +100,7 @@ def main() -> None:
           f"{str(first.runner.dtype).removeprefix('torch.')}, compile={args.compile}, draft in "
           f"{str(first.engine.drafter.model.dtype).removeprefix('torch.')}"
           + (f", adaptive k: confidence >= {args.draft_confidence}" if args.draft_confidence else "")
-          + f"), greedy, {len(prompts)} held-out code "
-          f"prompts, {args.max_tokens} new tokens each\n")
+          + f"), greedy, {len(prompts)} prompts of the set {title}, {args.max_tokens} new tokens each\n")
     print("| decoder | tokens/s | α (accepted ÷ judged) | accepted ÷ proposed | τ | speedup | predicted "
           "| acceptance by position | identical outputs |")
     print("|---|---:|---:|---:|---:|---:|---:|---|---:|")
@@ -112,10 +120,11 @@ def main() -> None:
     for (name, policy, k), names in mismatches.items():
         if names:
             print(f"{name} {policy} k={k}: outputs differ from the target alone on {', '.join(names)}")
-    valid_lines, whole_lines = (sum(counts) for counts in zip(*parsing))
-    valid_throughout = sum(valid == whole for valid, whole in parsing)
-    print(f"\nthe target's completions: {valid_lines} of their {whole_lines} whole non-blank lines are valid Python "
-          f"after their prompt; {valid_throughout} of {len(prompts)} completions are valid throughout")
+    if args.prompt_set == "code":
+        valid_lines, whole_lines = (sum(counts) for counts in zip(*parsing))
+        valid_throughout = sum(valid == whole for valid, whole in parsing)
+        print(f"\nthe target's completions: {valid_lines} of their {whole_lines} whole non-blank lines are valid "
+              f"Python after their prompt; {valid_throughout} of {len(prompts)} completions are valid throughout")
     for prompt, completion in shown:
         print(f"\n### {prompt.name}\n```python\n{prompt.text[-300:]}{completion}\n```")
 

@@ -230,11 +230,15 @@ def test_report_files(results, report):
 
 
 def test_write_docs(results, report, tmp_path):
-    from specdec.benchmark.report import write_docs
+    from specdec.benchmark.report import KEPT_MARKER, write_docs
 
     page = write_docs(results, report, tmp_path / "docs", "specdec bench --quick").read_text()
     assert "specdec bench --quick" in page and results["machine"]["cpu"] in page and results["machine"]["torch"] in page
     assert all((tmp_path / "docs" / "benchmarks" / name).read_bytes().startswith(PNG_SIGNATURE) for name in PLOTS)
+    hand_written = f"{KEPT_MARKER}\n\n## Another model\n\n| a | b |\n"
+    (tmp_path / "docs" / "benchmarks.md").write_text(page + "\n" + hand_written)
+    rewritten = write_docs(results, report, tmp_path / "docs", "specdec bench --quick --seed 1").read_text()
+    assert rewritten.startswith(page.replace("--quick", "--quick --seed 1", 1)) and rewritten.endswith(hand_written)
 
 
 def goal_rows(greedy: float, sampled: float, theirs: float, decode: float, predicted: float) -> list[dict]:

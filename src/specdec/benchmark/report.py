@@ -28,9 +28,14 @@ def write_report(results: dict, out_dir: str | Path) -> dict[str, Path]:
     return paths
 
 
+# In docs/benchmarks.md, what follows this line is written by hand (other models' results) and
+# kept when --write-docs rewrites the page above it.
+KEPT_MARKER = "<!-- written by hand below: kept by specdec bench --write-docs -->"
+
+
 def write_docs(results: dict, plots: dict[str, Path], docs_dir: str | Path, command: str) -> Path:
     """docs/benchmarks.md: the latest results with the machine they came from; the plots are
-    copied to docs/benchmarks/."""
+    copied to docs/benchmarks/. A part of the old page from KEPT_MARKER on is kept, at the end."""
     docs_dir = Path(docs_dir)
     image_dir = docs_dir / "benchmarks"
     image_dir.mkdir(parents=True, exist_ok=True)
@@ -40,7 +45,9 @@ def write_docs(results: dict, plots: dict[str, Path], docs_dir: str | Path, comm
     page = (f"# Benchmarks\n\nThe latest `specdec bench` results, reproduced with\n\n```\n{command}\n```\n\n"
             f"{markdown(results, title_level=2)}\n## Plots\n\n{images}\n")
     path = docs_dir / "benchmarks.md"
-    path.write_text(page)
+    old = path.read_text() if path.is_file() else ""
+    kept = old[old.index(KEPT_MARKER):] if KEPT_MARKER in old else ""
+    path.write_text(page + ("\n" + kept if kept else ""))
     return path
 
 

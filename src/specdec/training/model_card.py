@@ -46,7 +46,7 @@ def model_card(name: str, log: dict, config: dict, moved: dict[str, str]) -> str
              f"A {_millions(config)}M-parameter Llama-architecture model{' of Python code' if stdlib else ''}, "
              + ((f"trained by `specdec train` in {len(earlier) + 1} runs." if earlier else
                  "trained from scratch by `specdec train`.") if kind == "train" else
-                f"distilled by `specdec distill` to draft for the target `{Path(log['target']).name}`: "
+                f"distilled by `specdec distill` to draft for the target `{_shown_path(log['target'])}`: "
                 "it shares the target's tokenizer and learned the target's next-token distributions."),
              "It writes plausible-looking standard-library Python, but it is a demonstration model: small, "
              "trained on one library, and often wrong." if stdlib else
@@ -56,7 +56,7 @@ def model_card(name: str, log: dict, config: dict, moved: dict[str, str]) -> str
              f"| parameters | {_millions(config)}M |",
              f"| weights | {config.get('torch_dtype', '?')} safetensors |",
              f"| corpus | {log.get('corpus') or _corpus_line(arguments.get('corpus'))} |",
-             f"| held out | {', '.join(log.get('held_out') or _held_out(arguments.get('corpus')))} (never trained on) |",
+             f"| held out | {some_names(log.get('held_out') or _held_out(arguments.get('corpus')))} (never trained on) |",
              f"| training | {steps:,} steps of {train['batch_size'] * train['grad_accum']} windows; {tokens:,} tokens; "
              f"AdamW lr {train['lr']:g} (warm-up {train['warmup']}, cosine to {train['lr'] * train['min_lr_ratio']:g}), "
              f"weight decay {train['weight_decay']:g}, {'bfloat16 autocast' if train['bf16'] else 'float32'}, "
@@ -163,6 +163,19 @@ def _on_policy_sampling(distill: dict) -> str:
     temperature = distill.get("sample_temperature")
     temperature = distill.get("temperature", "?") if temperature is None else temperature
     return " (the target's greedy text)" if temperature == 0 else f" (sampled at temperature {temperature})"
+
+
+def _shown_path(path: str) -> str:
+    """A path as the card shows it: under the home directory as ~/..."""
+    home = str(Path.home())
+    return "~" + path[len(home):] if path.startswith(home + "/") else path
+
+
+def some_names(names: list[str], shown: int = 12) -> str:
+    """Up to `shown` names, then how many there are in all."""
+    if len(names) <= shown:
+        return ", ".join(names)
+    return f"{', '.join(names[:shown])}, ... ({len(names)} in all)"
 
 
 def _held_out(path: str | None) -> list[str]:
