@@ -1,9 +1,10 @@
-"""The `specdec train` and `specdec distill` subcommands (argparse, wired in by cli.py).
+"""The `specdec train`, `specdec distill` and `specdec train-heads` subcommands (argparse, wired in by cli.py).
 
     specdec train --corpus PATH --out DIR (--preset NAME | size flags) [training flags]
     specdec distill --target DIR --out DIR [--preset draft | size flags | --init DIR] [flags]
+    specdec train-heads TARGET --out DIR [--context N] [head flags] [training flags]
 
-Flags left out take the defaults of TrainConfig / DistillConfig / the preset, so each
+Flags left out take the defaults of TrainConfig / DistillConfig / HeadsConfig / the preset, so each
 default lives in one place. Progress goes to stderr, the final summary to stdout.
 """
 
@@ -23,7 +24,9 @@ TRAIN_FIELDS = ("steps", "batch_size", "grad_accum", "lr", "min_lr_ratio", "warm
                 "seed", "device", "eval_every", "eval_tokens", "checkpoint_every", "log_every", "stop_after")
 DISTILL_FIELDS = ("temperature", "on_policy_fraction", "sample_temperature", "prompt_tokens", "divergence", "target_dtype",
                   "embeddings_from_target", "output_vocab")
-# (TrainConfig and DistillConfig fields, each set by the flag of the same name)
+HEADS_FIELDS = ("context", "feature_weight", "token_weight", "feature_noise", "on_policy_fraction",
+                "sample_temperatures", "prompt_tokens", "target_dtype")
+# (TrainConfig, DistillConfig and HeadsConfig fields, each set by the flag of the same name)
 
 
 def add_train_parser(commands) -> None:
@@ -74,6 +77,46 @@ def add_distill_parser(commands) -> None:
     p.set_defaults(run=run_distill)
 
 
+def add_train_heads_parser(commands) -> None:
+    p = commands.add_parser("train-heads", help="train an EAGLE draft head for a target model",
+                            description="Train an EAGLE head (one decoder layer over the target's own features, "
+                                        "Li et al. 2024) on text the target writes; reports the held-out greedy "
+                                        "agreement and α = 1 - TV(p, q) of its first draft token before and after. "
+                                        "Rerunning the same command with the same --out resumes from its "
+                                        "checkpoint.")
+    p.add_argument("target", metavar="TARGET", help="the target's model directory")
+    p.add_argument("--out", required=True, help="output directory for the head (head.json, head.safetensors; "
+                                                "written as OUT.incomplete/ until the run finishes)")
+    p.add_argument("--corpus", help="text whose windows the target continues, and held-out text to evaluate on "
+                                    "(default: this Python's standard library)")
+    h = p.add_argument_group("the head's training (defaults: specdec.training.heads.HeadsConfig)")
+    h.add_argument("--context", type=int, help="tokens per training window (default 512; at most the target's)")
+    h.add_argument("--feature-weight", type=float, help="weight of the smooth L1 loss on the next feature (default 1)")
+    h.add_argument("--token-weight", type=float,
+                   help="weight of the KL(p || q) loss on the token after it (default 0.1)")
+    h.add_argument("--feature-noise", type=float,
+                   help="uniform noise on the features the head reads in training, as a fraction of their root "
+                        "mean square (default 0.1)")
+    h.add_argument("--on-policy-fraction", type=float,
+                   help="fraction of batches of text the target writes; the rest are corpus windows (default 1)")
+    h.add_argument("--sample-temperatures", type=_temperatures, metavar="T[,T...]",
+                   help="temperatures the target's text is sampled at, one chosen at random per batch; 0 is its "
+                        "greedy text (default 0,0.8)")
+    h.add_argument("--prompt-tokens", type=int, help="corpus tokens the target's text continues (default 32)")
+    h.add_argument("--target-dtype", choices=("auto", "float32", "bfloat16"),
+                   help="the target's weights while training (default auto: as saved)")
+    _add_training_flags(p, sharded=False)
+    p.set_defaults(run=run_train_heads)
+
+
+def _temperatures(text: str) -> tuple[float, ...]:
+    """--sample-temperatures: comma-separated numbers."""
+    try:
+        return tuple(float(word) for word in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated numbers such as 0,0.8, got {text!r}") from None
+
+
 def _add_size_flags(p: argparse.ArgumentParser, default_preset: str | None) -> None:
     sizes = p.add_argument_group("model size (a preset, optionally with some sizes replaced)")
     sizes.add_argument("--preset", choices=sorted(PRESETS), default=default_preset,
@@ -83,7 +126,8 @@ def _add_size_flags(p: argparse.ArgumentParser, default_preset: str | None) -> N
     sizes.add_argument("--untie-embeddings", action="store_true", help="a separate output matrix")
 
 
-def _add_training_flags(p: argparse.ArgumentParser) -> None:
+def _add_training_flags(p: argparse.ArgumentParser, sharded: bool = True) -> None:
+    """The shared training flags; sharded: the output is a model whose weights --max-shard-mb splits."""
     t = p.add_argument_group("training (defaults: specdec.training.loop.TrainConfig)")
     for flag in ("steps", "batch_size", "grad_accum", "warmup", "seed", "eval_every", "eval_tokens",
                  "checkpoint_every", "log_every", "stop_after"):
@@ -95,7 +139,8 @@ def _add_training_flags(p: argparse.ArgumentParser) -> None:
                    help="bf16: bfloat16 autocast (default); fp32: plain float32")
     t.add_argument("--save-dtype", choices=("bfloat16", "float32"), default="bfloat16",
                    help="dtype of the saved weights (default bfloat16)")
-    t.add_argument("--max-shard-mb", type=float, default=15.0, help="largest safetensors file, in MB (default 15)")
+    if sharded:
+        t.add_argument("--max-shard-mb", type=float, default=15.0, help="largest safetensors file, in MB (default 15)")
     t.add_argument("--force", action="store_true",
                    help="replace an --out that holds other files (not an earlier run of this command): the whole "
                         "directory, when the run finishes; an input model is never replaced")
@@ -151,6 +196,23 @@ def run_distill(args) -> int:
     return 0
 
 
+def run_train_heads(args) -> int:
+    from specdec.training.heads import HeadsConfig, agreement_summary, train_heads
+
+    if args.on_policy_fraction == 0 and (args.sample_temperatures is not None or args.prompt_tokens is not None):
+        raise ValueError("--sample-temperatures and --prompt-tokens shape the text the target writes, which "
+                         "--on-policy-fraction 0 leaves out; drop them, or raise the fraction")
+    heads_config = HeadsConfig(**_given(args, HEADS_FIELDS))
+    try:
+        result = train_heads(args.target, args.out, _train_config(args), heads_config, corpus_path=args.corpus,
+                             **_output_options(args))
+    except KeyboardInterrupt:
+        return _interrupted(args)
+    print(_summary(result, "held_out_greedy_agreement", args.out, made="head"))
+    print(agreement_summary(result))
+    return 0
+
+
 def _interrupted(args) -> int:
     """Ctrl-C: a line on what was kept and how to go on, instead of a traceback."""
     from specdec.training.loop import CHECKPOINT_FILE
@@ -186,12 +248,15 @@ def _train_config(args):
 
 
 def _output_options(args) -> dict:
-    if not (math.isfinite(args.max_shard_mb) and args.max_shard_mb * 1_000_000 >= 1):
-        raise ValueError(f"--max-shard-mb must be a number of at least 0.000001 (one byte), got {args.max_shard_mb}")
     arguments = {k: v for k, v in sorted(vars(args).items()) if k != "run" and v is not None and v is not False}
-    return {"save_dtype": args.save_dtype, "max_shard_bytes": int(args.max_shard_mb * 1_000_000),
-            "restart": args.restart, "require_checkpoint": args.resume, "force": args.force,
-            "arguments": arguments}
+    options = {"save_dtype": args.save_dtype, "restart": args.restart, "require_checkpoint": args.resume,
+               "force": args.force, "arguments": arguments}
+    if hasattr(args, "max_shard_mb"):  # a model's weights (not a head's single file)
+        if not (math.isfinite(args.max_shard_mb) and args.max_shard_mb * 1_000_000 >= 1):
+            raise ValueError(f"--max-shard-mb must be a number of at least 0.000001 (one byte), got "
+                             f"{args.max_shard_mb}")
+        options["max_shard_bytes"] = int(args.max_shard_mb * 1_000_000)
+    return options
 
 
 def _given(args, names: dict[str, str] | tuple[str, ...]) -> dict:
@@ -201,11 +266,11 @@ def _given(args, names: dict[str, str] | tuple[str, ...]) -> dict:
     return {field: getattr(args, flag) for flag, field in names.items() if getattr(args, flag) is not None}
 
 
-def _summary(result, metric: str, out: str) -> str:
+def _summary(result, metric: str, out: str, made: str = "model") -> str:
     from specdec.output_dir import staging_path
 
     state = result.state
-    where = (f"model written to {out}" if result.out is not None
+    where = (f"{made} written to {out}" if result.out is not None
              else f"stopped at step {state.step} of {result.steps} (--stop-after), its checkpoint in "
                   f"{staging_path(out)}; rerun with a later --stop-after, or without it, to continue")
     return (f"{where}\nsteps {state.step}  train loss {result.train_loss:.4f}  {metric} "

@@ -32,7 +32,6 @@ from typing import Callable
 import torch
 
 from specdec.config import check, check_device, is_int, is_real
-from specdec.models.llama import LlamaModel
 
 CHECKPOINT_FILE = "last.pt"
 CHECKPOINT_FORMAT = 1
@@ -112,10 +111,10 @@ class Task:
     identity: what a checkpoint must match to be resumed (kind, model config, tokenizer, corpus).
     """
 
-    model: LlamaModel
-    next_batch: Callable[[torch.Generator], torch.Tensor]
-    loss: Callable[[LlamaModel, torch.Tensor], torch.Tensor]
-    evaluate: Callable[[LlamaModel], dict[str, float]]
+    model: torch.nn.Module  # a LlamaModel, or an EAGLE head (training/heads.py)
+    next_batch: Callable[[torch.Generator], object]  # token windows, or what the task's loss reads
+    loss: Callable[[torch.nn.Module, object], torch.Tensor]
+    evaluate: Callable[[torch.nn.Module], dict[str, float]]
     tokens_per_batch: int
     identity: dict
 
@@ -190,7 +189,7 @@ def learning_rate(step: int, config: TrainConfig) -> float:
     return floor + (config.lr - floor) * 0.5 * (1 + math.cos(math.pi * progress))
 
 
-def make_optimizer(model: LlamaModel, config: TrainConfig) -> torch.optim.AdamW:
+def make_optimizer(model: torch.nn.Module, config: TrainConfig) -> torch.optim.AdamW:
     """AdamW with weight decay on the matrices (embeddings included) only, not on norms or biases;
     the fused implementation (one kernel over all parameters; CPU and CUDA)."""
     params = list(model.parameters())  # a tied embedding appears once

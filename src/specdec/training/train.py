@@ -213,9 +213,15 @@ def read_training_log(model_dir) -> dict | None:
 
 def new_model(config: ModelConfig, seed: int) -> LlamaModel:
     """A LlamaModel in float32 with its weights initialised as in the module docstring."""
-    model = LlamaModel(config)
+    return initialise(LlamaModel(config), config.num_layers, seed)
+
+
+def initialise(model: torch.nn.Module, num_layers: int, seed: int) -> torch.nn.Module:
+    """model's weights as the module docstring says: normal(0, 0.02) matrices, the projections
+    into the residual stream (o_proj, down_proj) scaled by 1/sqrt(2 * num_layers), norms at 1,
+    biases at 0."""
     generator = torch.Generator().manual_seed(seed)
-    residual_std = 0.02 / math.sqrt(2 * config.num_layers)
+    residual_std = 0.02 / math.sqrt(2 * num_layers)
     for name, param in model.named_parameters():  # a tied lm_head is the embedding, visited once
         if name.endswith("norm.weight"):
             torch.nn.init.ones_(param)
