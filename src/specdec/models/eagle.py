@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 from pathlib import Path
 
 import torch
@@ -82,8 +83,9 @@ def save_head(head: EagleHead, path: str | Path, dtype: torch.dtype = torch.bflo
     return path
 
 
-def is_head_directory(path: str | Path) -> bool:
-    return (Path(path) / HEAD_CONFIG).is_file()
+def is_head_directory(path) -> bool:
+    """Whether path names a directory holding a head's config (False for what is not a path)."""
+    return isinstance(path, (str, os.PathLike)) and (Path(path) / HEAD_CONFIG).is_file()
 
 
 def load_head(path: str | Path, target: ModelConfig, dtype: torch.dtype, device: str | torch.device = "cpu"
