@@ -124,11 +124,8 @@ def distill(target_dir: str | Path, out: str | Path, shape: ModelShape | None, c
         if target.tokenizer is None or not target.eos_token_ids:
             raise ValueError(f"the target {target_dir} needs a tokenizer.json and an eos_token_id to distill from")
         checkpoint = resume_checkpoint(output, restart, require_checkpoint)
-        corpus = load_corpus(corpus_path)
-        log(corpus.describe())
+        corpus, train_stream, held_out_stream = target_streams(target, corpus_path)
         tokenizer, eot_id = target.tokenizer.backend, target.eos_token_ids[0]
-        train_stream, held_out_stream = (token_stream(docs, tokenizer, eot_id)
-                                         for docs in (corpus.train, corpus.held_out))
         output_ids = None
         if distill_config.output_vocab and init_dir is None:
             output_ids = frequent_tokens(train_stream, target.model.config.vocab_size, distill_config.output_vocab,
@@ -160,6 +157,15 @@ def distill(target_dir: str | Path, out: str | Path, shape: ModelShape | None, c
             copy_tokenizer(target, directory)
 
         return finish_run(output, "distill", config, settings, state, arguments, save_model)
+
+
+def target_streams(target: LoadedModel, corpus_path) -> tuple:
+    """The corpus at corpus_path (logged), and its training and held-out text as the target's
+    token ids, documents joined by its end-of-text token: (corpus, train_stream, held_out_stream)."""
+    corpus = load_corpus(corpus_path)
+    log(corpus.describe())
+    tokenizer, eot_id = target.tokenizer.backend, target.eos_token_ids[0]
+    return (corpus, *(token_stream(docs, tokenizer, eot_id) for docs in (corpus.train, corpus.held_out)))
 
 
 def check_prompt_tokens(distill_config: DistillConfig, context: int) -> None:

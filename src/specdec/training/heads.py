@@ -61,14 +61,14 @@ from specdec.models.eagle import HEAD_CONFIG, HEAD_WEIGHTS, EagleHead, head_conf
 from specdec.models.llama import LlamaModel, ModelConfig
 from specdec.models.loader import load_pretrained
 from specdec.output_dir import OutputDir, open_output_dir
-from specdec.training.corpus import (check_stream_length, evaluation_windows, load_corpus, sample_windows,
-                                     stdlib_path, token_stream)
-from specdec.training.distill import acceptance_metrics, divergence_loss, sample_from_target, weights_fingerprint
+from specdec.training.corpus import check_stream_length, evaluation_windows, sample_windows, stdlib_path
+from specdec.training.distill import (acceptance_metrics, divergence_loss, sample_from_target, target_streams,
+                                     weights_fingerprint)
 from specdec.training.loop import RunState, Task, TrainConfig, log, train_loop
 from specdec.training.model_card import some_names
 from specdec.training.train import (CHECKPOINT_DIR, RUN_OUTPUT_ENTRIES, SAVE_DTYPES, TrainResult, check_save_dtype,
                                     corpus_record, initialise, is_run_output, resume_checkpoint, run_identity,
-                                    training_positions)
+                                    training_positions, write_log)
 
 KIND = "train-heads"
 # what a train-heads run writes in its output directory: the head, its log and card, its checkpoint
@@ -146,11 +146,8 @@ def train_heads(target_path: str | Path, out: str | Path, config: TrainConfig,
             raise ValueError(f"the target {target_path} needs a tokenizer.json and an eos_token_id to train a head "
                              "on text")
         checkpoint = resume_checkpoint(output, restart, require_checkpoint)
-        corpus = load_corpus(corpus_path)
-        log(corpus.describe())
-        tokenizer, eot_id = target.tokenizer.backend, target.eos_token_ids[0]
-        train_stream, held_out_stream = (token_stream(docs, tokenizer, eot_id)
-                                         for docs in (corpus.train, corpus.held_out))
+        corpus, train_stream, held_out_stream = target_streams(target, corpus_path)
+        tokenizer = target.tokenizer.backend
         context = fit_context(heads_config.context, target.model.config.max_position_embeddings)
         check_stream_length(train_stream, context, "training", config.batch_size)
         if len(held_out_stream) < 3:
@@ -332,24 +329,13 @@ def finish_heads_run(output: OutputDir, config: TrainConfig, settings: dict, sta
 
 def write_head_log(out: Path, config: TrainConfig, settings: dict, result: TrainResult, arguments: dict | None,
                    name: str) -> None:
-    """training_log.json, as train.write_log writes it (in out when finished, with the card
-    README.md beside it; else in out/checkpoint), with this module's card: train.write_log's
-    reads a model's config.json, which a head directory does not hold."""
-    where = out if result.finished else out / CHECKPOINT_DIR
-    where.mkdir(parents=True, exist_ok=True)
-    state = result.state
-    device = torch.cuda.get_device_name(config.device) if config.device.startswith("cuda") else "cpu"
-    record = {
-        "kind": KIND, "arguments": arguments, "finished": result.finished,
-        "train_config": dataclasses.asdict(config), **settings,
-        "step": state.step, "tokens_seen": state.tokens_seen, "seconds": round(state.seconds, 1),
-        "train_loss": result.train_loss, "evaluations": state.evaluations,
-        "device": device, "cpu": cpu_model(), "torch_threads": torch.get_num_threads(),
-    }
-    (where / "training_log.json").write_text(json.dumps(record, indent=2) + "\n")
-    if result.finished:
-        (out / "README.md").write_text(head_card(name, record, json.loads((out / HEAD_CONFIG).read_text()),
-                                                 (out / HEAD_WEIGHTS).stat().st_size))
+    """training_log.json as train.write_log writes it, with this module's card (a head
+    directory holds no config.json for model_card.py to read)."""
+    def write_card(directory: Path, record: dict) -> None:
+        head = json.loads((directory / HEAD_CONFIG).read_text())
+        (directory / "README.md").write_text(head_card(name, record, head, (directory / HEAD_WEIGHTS).stat().st_size))
+
+    write_log(out, KIND, config, settings, result, arguments, name, write_card)
 
 
 def head_card(name: str, log: dict, head: dict, weight_bytes: int) -> str:

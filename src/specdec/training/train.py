@@ -410,11 +410,13 @@ def corpus_record(corpus: Corpus) -> dict:
 
 
 def write_log(out: Path, kind: str, config: TrainConfig, settings: dict, result: TrainResult,
-              arguments: dict | None, name: str | None = None) -> None:
+              arguments: dict | None, name: str | None = None,
+              write_card: Callable[[Path, dict], None] | None = None) -> None:
     """training_log.json: what was run and how it went. A finished run's goes in out, with the
-    model card out/README.md made from it (model_card.py; name: the model's, default out's);
-    a session that stopped early writes its log beside its checkpoint, in out/checkpoint, so
-    that it never stands beside weights (an earlier run's, or none) that it does not describe."""
+    model card out/README.md made from it (write_card(out, the log's record); default
+    model_card.py's, for a model directory; name: the model's, default out's); a session that
+    stopped early writes its log beside its checkpoint, in out/checkpoint, so that it never
+    stands beside weights (an earlier run's, or none) that it does not describe."""
     where = out if result.finished else out / CHECKPOINT_DIR
     where.mkdir(parents=True, exist_ok=True)
     state = result.state
@@ -428,7 +430,10 @@ def write_log(out: Path, kind: str, config: TrainConfig, settings: dict, result:
     }
     (where / "training_log.json").write_text(json.dumps(record, indent=2) + "\n")
     if result.finished:
-        write_model_card(out, name=name)
+        if write_card is None:
+            write_model_card(out, name=name)
+        else:
+            write_card(out, record)
 
 
 def check_save_dtype(save_dtype: str) -> None:
