@@ -71,6 +71,8 @@ def add_generate_parser(commands) -> None:
     drafter.add_argument("--draft", help="draft model directory (shares the target's tokenizer), or an EAGLE head's "
                                          "directory (`specdec train-heads`)")
     drafter.add_argument("--ngram", action="store_true", help="draft by prompt lookup (no draft model)")
+    drafter.add_argument("--early-exit", type=int, nargs="?", const=DEFAULT_EXIT, metavar="LAYER",
+                         help="self-speculation: the target's first LAYER layers draft (default: half its depth)")
     p.add_argument("--lookup", action="store_true",
                    help="with --draft: prompt lookup where the context repeats, the draft model elsewhere")
     p.add_argument("-k", "--num-speculative-tokens", type=int,
@@ -109,6 +111,8 @@ def add_generate_parser(commands) -> None:
     p.set_defaults(run=run_generate)
 
 
+DEFAULT_EXIT = object()  # --early-exit without a layer: the drafter's default depth
+
 ESCAPES = {"n": "\n", "t": "\t", "r": "\r", "\\": "\\"}
 
 
@@ -134,6 +138,11 @@ def _speculative_method(args) -> str | None:
     draft_flags = [flag for flag, given in (("--draft-confidence", args.draft_confidence is not None),
                                             ("--draft-dtype", args.draft_dtype != "auto"),
                                             ("--draft-quantization", args.draft_quantization != "none")) if given]
+    if args.early_exit is not None:
+        if args.lookup or [flag for flag in draft_flags if flag != "--draft-confidence"]:
+            raise ValueError("--early-exit drafts with the target's own layers: drop --lookup, --draft-dtype and "
+                             "--draft-quantization")
+        return "early_exit"
     if args.ngram:
         if draft_flags:
             raise ValueError(f"{' and '.join(draft_flags)} {'sets' if len(draft_flags) == 1 else 'set'} the draft "
@@ -160,7 +169,8 @@ def run_generate(args) -> int:
               num_speculative_tokens=args.num_speculative_tokens, dtype=args.dtype, device=args.device,
               draft_dtype=args.draft_dtype, draft_confidence_threshold=args.draft_confidence, compile=args.compile,
               quantization=quantization_from_arg(args.quantization), speculative_k_policy=args.k_policy,
-              draft_quantization=quantization_from_arg(args.draft_quantization))
+              draft_quantization=quantization_from_arg(args.draft_quantization),
+              early_exit_layer=None if args.early_exit is DEFAULT_EXIT else args.early_exit)
     method = llm.speculative_config.method if llm.speculative_config else None  # as inferred from --draft
     prompt = args.prompt if args.chat is None else llm.chat_token_ids([{"role": "user", "content": args.chat}])
     llm.prompt_token_ids(prompt, params)  # a bad request is refused as itself, not as the warm-up

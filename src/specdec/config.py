@@ -106,11 +106,11 @@ def quantization_from_arg(text: str) -> str | None:
     return None if text == "none" else text
 
 
-SPECULATIVE_METHODS = ("draft_model", "ngram", "lookup_then_draft", "eagle")
+SPECULATIVE_METHODS = ("draft_model", "ngram", "lookup_then_draft", "eagle", "early_exit")
 NEEDS_DRAFT_MODEL = ("draft_model", "lookup_then_draft", "eagle")  # "eagle": the head's directory
 # the shortest n-gram match prompt lookup trusts, by method: with a draft model to fall back
 # on, a one-token match is too weak to use instead of it
-DEFAULT_NGRAM_MIN = {"ngram": 1, "lookup_then_draft": 2, "draft_model": 1, "eagle": 1}
+DEFAULT_NGRAM_MIN = {"ngram": 1, "lookup_then_draft": 2, "draft_model": 1, "eagle": 1, "early_exit": 1}
 
 
 DRAFT_DTYPES = ("auto", "float32", "bfloat16", "float16")
@@ -137,7 +137,9 @@ class SpeculativeConfig:
         lookup: copy what followed the last matching n-gram of the context), or
         "lookup_then_draft" (prompt lookup for the rows where it finds a match, the draft
         model for the others), or "eagle" (a one-layer head over the target's own features,
-        trained by `specdec train-heads`; see drafters/eagle.py).
+        trained by `specdec train-heads`; see drafters/eagle.py), or "early_exit" (self-
+        speculation: the target's own first early_exit_layer layers, its final norm and output
+        layer draft; see drafters/early_exit.py).
     model: the draft model's directory, for "draft_model" and "lookup_then_draft"; the
         head's directory for "eagle".
     num_speculative_tokens: k, draft tokens proposed per round (0 = plain decoding).
@@ -156,6 +158,8 @@ class SpeculativeConfig:
         calls it assistant_confidence_threshold.)
     draft_quantization: None, "int8" or "int4": the draft's weights quantized (as LLM's
         quantization for the target). Changes the acceptance rate, never the output.
+    early_exit_layer: for "early_exit", how many of the target's layers draft (1 to its depth
+        less one; None: drafters/early_exit.py's default, half its depth).
     k_policy: "goodput" (each round picks its k, 0 to num_speculative_tokens, for the most
         expected tokens per second, from each request's acceptance rate and the measured costs;
         see goodput.py) or "fixed" (every round drafts num_speculative_tokens).
@@ -170,6 +174,7 @@ class SpeculativeConfig:
     draft_confidence_threshold: float = 0.0
     draft_quantization: str | None = None
     k_policy: str = "goodput"
+    early_exit_layer: int | None = None
 
     def __post_init__(self) -> None:
         check(self.method in SPECULATIVE_METHODS,
@@ -195,10 +200,15 @@ class SpeculativeConfig:
                                                 f"{self.draft_dtype!r}")
         check_quantization_name(self.draft_quantization, "draft_quantization")
         check(self.k_policy in K_POLICIES, f"speculative_k_policy must be one of {K_POLICIES}, got {self.k_policy!r}")
+        check(self.early_exit_layer is None or (is_int(self.early_exit_layer) and self.early_exit_layer >= 1),
+              f"early_exit_layer must be an integer >= 1, got {self.early_exit_layer!r}")
+        check(self.early_exit_layer is None or self.method == "early_exit",
+              f"early_exit_layer is for speculative_method='early_exit', not {self.method!r}")
         unused = [f"{name}={value!r}" for name, value, neutral in (
             ("draft_dtype", self.draft_dtype, "auto"),
             ("draft_confidence_threshold", self.draft_confidence_threshold, 0),
-            ("draft_quantization", self.draft_quantization, None)) if value != neutral]
+            ("draft_quantization", self.draft_quantization, None)) if value != neutral
+            and not (name == "draft_confidence_threshold" and self.method == "early_exit")]  # it drafts by model
         check(self.method in NEEDS_DRAFT_MODEL or not unused,
               f"{', '.join(unused)} configure a draft model, and speculative_method={self.method!r} uses none; "
               "drop them, or use 'lookup_then_draft' for prompt lookup with a draft model behind it")

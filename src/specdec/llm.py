@@ -54,7 +54,9 @@ class LLM:
         length; each round drafts no more than a request can still emit.
     speculative_method: "draft_model", "ngram", "lookup_then_draft" (prompt lookup where it
         finds a match, the draft model elsewhere) or "eagle" (speculative_model: a head's
-        directory, from `specdec train-heads`); inferred from speculative_model if None.
+        directory, from `specdec train-heads`) or "early_exit" (the target's own first
+        early_exit_layer layers draft; default half its depth); inferred from speculative_model
+        if None.
     ngram_prompt_lookup_min / _max: the n-gram lengths prompt lookup tries (min None: 1 for
         "ngram", 2 for "lookup_then_draft"; see SpeculativeConfig).
     dtype: "auto" (the checkpoint's, or float32 where the device emulates the checkpoint's half
@@ -87,14 +89,15 @@ class LLM:
                  ngram_prompt_lookup_min: int | None = None, ngram_prompt_lookup_max: int | None = None,
                  draft_dtype: str = "auto", draft_confidence_threshold: float | None = None,
                  compile: str = "auto", platform: Platform | None = None, quantization: str | None = None,
-                 draft_quantization: str | None = None, speculative_k_policy: str | None = None):
+                 draft_quantization: str | None = None, speculative_k_policy: str | None = None,
+                 early_exit_layer: int | None = None):
         check_arguments(seed=seed, max_num_seqs=max_num_seqs, skip_tokenizer_init=skip_tokenizer_init)
         check_compile_mode(compile)
         self.speculative_config = speculative_config(
             speculative_model, speculative_method, num_speculative_tokens=num_speculative_tokens,
             ngram_min=ngram_prompt_lookup_min, ngram_max=ngram_prompt_lookup_max, draft_dtype=draft_dtype,
             draft_confidence_threshold=draft_confidence_threshold, draft_quantization=draft_quantization,
-            k_policy=speculative_k_policy)
+            k_policy=speculative_k_policy, early_exit_layer=early_exit_layer)
         self.device = check_device(device)
         check_quantization(quantization, self.device)
         if self.speculative_config is not None:

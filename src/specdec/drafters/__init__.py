@@ -4,6 +4,7 @@ in DRAFTERS: a factory (SpeculativeConfig, the loaded target, the target's Model
 from specdec.drafters.base import Draft, Drafter
 from specdec.drafters.draft_model import DraftModelDrafter
 from specdec.drafters.eagle import EagleDrafter
+from specdec.drafters.early_exit import early_exit_drafter
 from specdec.drafters.lookup_then_draft import LookupThenDraftDrafter
 from specdec.drafters.ngram import NgramDrafter
 
@@ -12,6 +13,7 @@ DRAFTERS = {
     "ngram": NgramDrafter.from_config,
     "lookup_then_draft": LookupThenDraftDrafter.from_config,
     "eagle": EagleDrafter.from_config,
+    "early_exit": early_exit_drafter,
 }
 
 __all__ = ["DRAFTERS", "Draft", "Drafter", "DraftModelDrafter", "EagleDrafter", "LookupThenDraftDrafter", "NgramDrafter"]

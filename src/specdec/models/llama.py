@@ -16,6 +16,7 @@ rejected draft tokens) sit at later positions, are masked, and are overwritten n
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 
@@ -316,6 +317,20 @@ class LlamaModel(DecoderStack):
         rows = torch.arange(input_ids.shape[0], device=hidden.device)
         logits = self.logits(hidden[rows, last_index.to(hidden.device)])
         return (logits, hidden) if return_hidden else logits
+
+    def first_layers(self, num_layers: int) -> "LlamaModel":
+        """This model cut after its first num_layers layers: the same embedding, layers, final norm
+        and output layer (shared, not copied), the rest left out. Its caches hold those layers only."""
+        if not 1 <= num_layers <= self.config.num_layers:
+            raise ValueError(f"num_layers must be in [1, {self.config.num_layers}], got {num_layers}")
+        windows = self.config.sliding_windows[:num_layers]
+        with torch.device("meta"):  # nothing allocated: every module is replaced by this model's below
+            view = LlamaModel(dataclasses.replace(self.config, num_layers=num_layers, sliding_windows=windows))
+        view.embed_tokens, view.norm, view.lm_head = self.embed_tokens, self.norm, self.lm_head
+        view.layers = nn.ModuleList(self.layers[:num_layers])
+        for name, buffer in self.named_buffers(recurse=False):
+            setattr(view, name, buffer)
+        return view
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [..., hidden] -> logits [..., V] in float32. An output layer over part of the
