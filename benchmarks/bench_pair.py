@@ -7,7 +7,9 @@
 Prompts (--prompt-set, as specdec bench's sets; specdec.benchmark.prompts): "code", held-out
 standard-library modules cut just after a `def` line (the default); "chat", user messages about
 held-out functions (write / edit / explain), rendered with the target's chat template; "edit",
-only the "edit this function" ones. --prompts N takes N of them spread through the set. For each prompt, greedy speculative decoding and the target
+only the "edit this function" ones. --prompts N takes N of them spread through the set.
+--head DIR adds rows for an EAGLE head (speculative_method="eagle"), --early-exit L for the
+target's own first L layers drafting (speculative_method="early_exit"), at the same k and policies. For each prompt, greedy speculative decoding and the target
 alone run back to back (interleaved, so drift hits all alike); the table reports the
 totals: α, τ, tokens/s of each, the measured speedup and the one predicted from α, k and
 the measured cost ratio c; it checks the outputs are identical; and it counts how many of the
@@ -35,9 +37,10 @@ from specdec.benchmark.machine import step_seconds  # noqa: E402
 from specdec.paths import SHIPPED_DRAFT, SHIPPED_TARGET  # noqa: E402
 from specdec.benchmark.run import PROMPT_SETS, spread  # noqa: E402
 from specdec.metrics import predicted_speedup  # noqa: E402
-from specdec.drafters import LookupThenDraftDrafter  # noqa: E402
+from specdec.config import SpeculativeConfig  # noqa: E402
+from specdec.drafters import DRAFTERS, LookupThenDraftDrafter  # noqa: E402
 
-DRAFT_MODEL, LOOKUP = "draft model", "prompt lookup, else draft model"
+DRAFT_MODEL, LOOKUP, EAGLE, EARLY_EXIT = "draft model", "prompt lookup, else draft model", "eagle head", "early exit"
 
 
 def main() -> None:
@@ -60,6 +63,9 @@ def main() -> None:
     parser.add_argument("--k-policy", nargs="+", choices=K_POLICIES, default=["fixed"],
                         help="fixed k, or k by goodput (at most k), or both (default fixed)")
     parser.add_argument("--show", type=int, default=3, help="print this many completions")
+    parser.add_argument("--head", help="also run this EAGLE head (speculative_method='eagle')")
+    parser.add_argument("--early-exit", type=int, metavar="L",
+                        help="also run the target's first L layers as the draft (speculative_method='early_exit')")
     args = parser.parse_args()
 
     first = LLM(args.target, speculative_model=args.draft, num_speculative_tokens=args.k[0], dtype=args.dtype,
@@ -68,6 +74,11 @@ def main() -> None:
     drafters = {DRAFT_MODEL: first.engine.drafter}  # one draft, loaded once
     if args.lookup:
         drafters[LOOKUP] = LookupThenDraftDrafter.sharing_weights(first.engine.drafter)
+    if args.head:  # over the same loaded target
+        drafters[EAGLE] = DRAFTERS["eagle"](SpeculativeConfig("eagle", args.head), first.target, first.runner)
+    if args.early_exit:
+        spec = SpeculativeConfig("early_exit", early_exit_layer=args.early_exit)
+        drafters[f"{EARLY_EXIT} (layer {args.early_exit})"] = DRAFTERS["early_exit"](spec, first.target, first.runner)
     speculative = {(name, policy, k): first.with_drafter(drafter, k, policy)
                    for name, drafter in drafters.items() for policy in args.k_policy for k in args.k}
     title, make_prompts = PROMPT_SETS[args.prompt_set]
