@@ -69,3 +69,28 @@ def test_speculative_greedy_output_is_the_targets_on_held_out_code(draft_dtype):
     valid, whole = (sum(counts) for counts in zip(*(prompt.lines_that_parse(out.outputs[0].text)
                                                     for prompt, out in zip(prompts, alone))))
     assert whole >= len(prompts) and valid >= 0.8 * whole  # the target writes Python
+
+
+def test_the_shipped_eagle_head_fits_its_target_and_drafts_exactly():
+    """models/code-target-eagle: at most 20 MB, made for the shipped target, and greedy output
+    with it is the target's own."""
+    head = MODELS / "code-target-eagle"
+    assert sum(f.stat().st_size for f in head.iterdir() if f.is_file()) <= 20 * MB
+    assert (head / "README.md").is_file() and "specdec train-heads" in (head / "README.md").read_text()
+    params = SamplingParams(temperature=0, max_tokens=24)
+    prompt = "def mean(values):\n    \"\"\"Return the arithmetic mean of values.\"\"\"\n"
+    alone = LLM(str(TARGET), dtype="float32").generate(prompt, params)[0]
+    eagle = LLM(str(TARGET), speculative_model=str(head), dtype="float32", num_speculative_tokens=4,
+                speculative_k_policy="fixed").generate(prompt, params)[0]
+    assert eagle.outputs[0].token_ids == alone.outputs[0].token_ids
+    assert eagle.metrics.num_accepted_tokens > 0  # trained: some of its drafts are the target's
+
+
+def test_the_smollm2_draft_is_small_enough():
+    """models/smollm2-draft: at least 10x fewer parameters than SmolLM2-135M-Instruct's 134.5M,
+    at most 60 MB, with its card; no training state in the repository."""
+    draft_dir = MODELS / "smollm2-draft"
+    draft = load_pretrained(draft_dir, "float32", load_tokenizer=False).model.config
+    assert draft.num_parameters * 10 <= 134_515_008 and draft.output_vocab_size == 8192
+    assert sum(f.stat().st_size for f in draft_dir.iterdir() if f.is_file()) <= 60 * MB
+    assert not (draft_dir / "checkpoint").exists() and "specdec distill" in (draft_dir / "README.md").read_text()
