@@ -19,6 +19,7 @@ import torch
 
 from specdec.drafters.base import Draft, Drafter
 from specdec.drafters.steps import DraftSteps
+from specdec.models.cpu_linear import can_pack, pack_linears
 from specdec.models.eagle import EagleHead, load_head
 from specdec.models.loader import LoadedModel
 from specdec.runner import ModelRunner
@@ -51,6 +52,8 @@ class EagleDrafter(Drafter):
             raise ValueError(f"an EAGLE head runs in its target's dtype ({str(target_runner.dtype).removeprefix('torch.')}"
                              f"), whose embedding and output layer it uses; got draft_dtype={spec.draft_dtype!r}")
         head = load_head(spec.model, target.model.config, dtype, target_runner.device)
+        if can_pack(dtype, target_runner.device):  # bf16 on a CPU that has it: the runner's eager layout
+            pack_linears(head)
         return cls(head, target_runner.eager_model(), spec.draft_confidence_threshold)
 
     def reserve(self, max_batch: int, max_len: int, num_forwards: int = 0) -> None:
