@@ -12,7 +12,7 @@ import torch
 from helpers import load_hf, save_random_head, save_tiny_model
 from specdec import LLM, SamplingParams
 from specdec.drafters.eagle import EagleDrafter
-from specdec.models.eagle import HEAD_CONFIG, HeadLoadError
+from specdec.models.eagle import HEAD_CONFIG, HeadLoadError, load_head
 
 GREEDY = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)
 
@@ -37,8 +37,9 @@ def random_prompts(n: int, seed: int, vocab: int = 320) -> list[list[int]]:
 
 def eagle(dirs, k: int, **kwargs) -> LLM:
     kwargs.setdefault("speculative_k_policy", "fixed")
+    kwargs.setdefault("dtype", "float32")
     return LLM(str(dirs["target"]), speculative_model=str(dirs["head"]), speculative_method="eagle",
-               num_speculative_tokens=k, dtype="float32", **kwargs)
+               num_speculative_tokens=k, **kwargs)
 
 
 def token_ids(outputs) -> list[list[int]]:
@@ -145,3 +146,25 @@ def test_compiled_target_hands_its_features_to_the_head(dirs, plain):
     outputs = llm.generate(prompts, GREEDY)
     assert llm.runner.returns_hidden and llm.runner.query_buckets  # ran compiled, hidden states included
     assert token_ids(outputs) == token_ids(plain.generate(prompts, GREEDY))
+
+
+def test_a_bfloat16_head_runs_prepacked_where_the_cpu_has_bfloat16(dirs):
+    """On a CPU with native bfloat16 the head's linear layers are oneDNN-packed (as the target's
+    eager ones are) and draft what the unpacked head drafts."""
+    from specdec.models.cpu_linear import PackedLinear, can_pack
+
+    if not can_pack(torch.bfloat16, torch.device("cpu")):
+        pytest.skip("this CPU has no native bfloat16: heads run unpacked")
+    llm = eagle(dirs, 3, dtype="bfloat16")
+    head = llm.engine.drafter.head
+    assert isinstance(head.fc, PackedLinear) and isinstance(head.layers[0].mlp.down_proj, PackedLinear)
+    prompts = random_prompts(2, seed=15)
+    outputs = llm.generate(prompts, GREEDY)
+    assert all(len(o.outputs[0].token_ids) == GREEDY.max_tokens for o in outputs)
+    unpacked = load_head(dirs["head"], llm.target.model.config, torch.bfloat16)
+    g = torch.Generator().manual_seed(16)
+    embeddings, features = (torch.randn(2, 5, 64, generator=g).to(torch.bfloat16) for _ in range(2))  # [B, T, H]
+    positions = torch.arange(5).expand(2, 5)
+    with torch.no_grad():
+        got, expected = (h(embeddings, features, positions).float() for h in (head, unpacked))
+    torch.testing.assert_close(got, expected, atol=5e-2, rtol=5e-2)
