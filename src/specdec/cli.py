@@ -62,6 +62,8 @@ def show_log() -> None:
         log.setLevel(logging.INFO)
 
 
+DEFAULT_EXIT = object()  # --early-exit without a layer: the drafter's default depth
+
 def add_generate_parser(commands) -> None:
     p = commands.add_parser("generate", help="generate a completion, speculatively",
                             description="Generate a completion with the target model, verified against "
@@ -110,8 +112,6 @@ def add_generate_parser(commands) -> None:
                    help="mark accepted draft tokens in color (auto: when printing to a terminal)")
     p.set_defaults(run=run_generate)
 
-
-DEFAULT_EXIT = object()  # --early-exit without a layer: the drafter's default depth
 
 ESCAPES = {"n": "\n", "t": "\t", "r": "\r", "\\": "\\"}
 
