@@ -50,7 +50,6 @@ import json
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
 
 import torch
 import torch.nn.functional as F
@@ -60,15 +59,14 @@ from specdec.config import check, is_int, is_real
 from specdec.models.eagle import HEAD_CONFIG, HEAD_WEIGHTS, EagleHead, head_config, save_head
 from specdec.models.llama import LlamaModel, ModelConfig
 from specdec.models.loader import load_pretrained
-from specdec.output_dir import OutputDir, open_output_dir
 from specdec.training.corpus import check_stream_length, evaluation_windows, sample_windows, stdlib_path
 from specdec.training.distill import (acceptance_metrics, divergence_loss, sample_from_target, target_streams,
                                      weights_fingerprint)
 from specdec.training.loop import RunState, Task, TrainConfig, log, train_loop
-from specdec.training.model_card import some_names
+from specdec.training.model_card import command_line, some_names
 from specdec.training.train import (CHECKPOINT_DIR, RUN_OUTPUT_ENTRIES, SAVE_DTYPES, TrainResult, check_save_dtype,
-                                    corpus_record, initialise, is_run_output, resume_checkpoint, run_identity,
-                                    training_positions, write_log)
+                                    corpus_record, finish_run, initialise, open_run_output, resume_checkpoint,
+                                    run_identity, training_positions)
 
 KIND = "train-heads"
 # what a train-heads run writes in its output directory: the head, its log and card, its checkpoint
@@ -140,7 +138,7 @@ def train_heads(target_path: str | Path, out: str | Path, config: TrainConfig,
     target_path, started = Path(target_path), time.perf_counter()
     check_save_dtype(save_dtype)
     inputs = {"TARGET": target_path, "--corpus": corpus_path}
-    with open_heads_output(out, inputs, force) as output:
+    with open_run_output(out, KIND, inputs, force, HEAD_RUN_ENTRIES) as output:
         target = load_pretrained(target_path, heads_config.target_dtype, config.device, what="the target")
         if target.tokenizer is None or not target.eos_token_ids:
             raise ValueError(f"the target {target_path} needs a tokenizer.json and an eos_token_id to train a head "
@@ -172,13 +170,7 @@ def train_heads(target_path: str | Path, out: str | Path, config: TrainConfig,
             save_head(head, directory, SAVE_DTYPES[save_dtype], target=str(target_path.resolve()),
                       extra={"target_sha256": target_sha256, "training": training_summary(state)})
 
-        return finish_heads_run(output, config, settings, state, arguments, save)
-
-
-def open_heads_output(out, inputs: dict, force: bool) -> OutputDir:
-    """The output directory of a train-heads run (output_dir.py), as train.open_run_output opens
-    a train or distill run's, with a head's files in place of a model's."""
-    return open_output_dir(out, KIND, inputs, force, lambda path: is_run_output(path, KIND), HEAD_RUN_ENTRIES)
+        return finish_run(output, KIND, config, settings, state, arguments, save, write_head_card)
 
 
 def fit_context(context: int, target_context: int) -> int:
@@ -312,30 +304,11 @@ def _plain(value):
     return json.loads(json.dumps(value))
 
 
-# ---------------------------------------------------------------------------- the run's end
-
-def finish_heads_run(output: OutputDir, config: TrainConfig, settings: dict, state: RunState,
-                     arguments: dict | None, save: Callable[[Path], None]) -> TrainResult:
-    """As train.finish_run: a finished run saves its head, log and card and moves into --out; a
-    session that stopped early leaves its log beside its checkpoint in the staging directory."""
-    result = TrainResult(None, state, config.steps)
-    if result.finished:
-        save(output.staging)
-    write_head_log(output.staging, config, settings, result, arguments, name=output.final.name)
-    if not result.finished:
-        return result
-    return TrainResult(output.commit(), state, config.steps)
-
-
-def write_head_log(out: Path, config: TrainConfig, settings: dict, result: TrainResult, arguments: dict | None,
-                   name: str) -> None:
-    """training_log.json as train.write_log writes it, with this module's card (a head
-    directory holds no config.json for model_card.py to read)."""
-    def write_card(directory: Path, record: dict) -> None:
-        head = json.loads((directory / HEAD_CONFIG).read_text())
-        (directory / "README.md").write_text(head_card(name, record, head, (directory / HEAD_WEIGHTS).stat().st_size))
-
-    write_log(out, KIND, config, settings, result, arguments, name, write_card)
+def write_head_card(directory: Path, record: dict, name: str) -> None:
+    """README.md beside a finished head, for train.write_log (model_card.py's card reads a
+    model's config.json, which a head directory does not hold)."""
+    head = json.loads((directory / HEAD_CONFIG).read_text())
+    (directory / "README.md").write_text(head_card(name, record, head, (directory / HEAD_WEIGHTS).stat().st_size))
 
 
 def head_card(name: str, log: dict, head: dict, weight_bytes: int) -> str:
@@ -377,7 +350,7 @@ def head_card(name: str, log: dict, head: dict, weight_bytes: int) -> str:
              f"or `LLM(target, speculative_model=\"{head_path}\", speculative_method=\"eagle\")`: the output is the "
              "target's own, the head only proposes.", "",
              "## Made by", "",
-             "```", _command(arguments), "```", "",
+             "```", command_line(KIND, arguments, positional=("target",)), "```", "",
              "Runs are deterministic up to floating-point reduction order: the same command with the same seed on "
              "the same machine and library versions gives the same head.", ""]
     if stdlib:
@@ -406,22 +379,6 @@ def _evaluation_line(evaluations: list[dict]) -> str:
 def _hardware(log: dict) -> str:
     device = log.get("device", "cpu")
     return device if device != "cpu" else f"{log.get('cpu') or cpu_model()}, {log.get('torch_threads', '?')} threads"
-
-
-def _command(arguments: dict) -> str:
-    """The command line of the run: TARGET first, then its flags as given."""
-    words = ["specdec", KIND, str(arguments.get("target", "TARGET"))]
-    for key, value in sorted(arguments.items()):
-        if key in ("command", "target"):
-            continue
-        flag = "--" + key.replace("_", "-")
-        if value is True:
-            words.append(flag)
-        elif isinstance(value, (list, tuple)):
-            words += [flag, ",".join(f"{v:g}" for v in value)]
-        else:
-            words += [flag, str(value)]
-    return " ".join(words)
 
 
 def agreement_summary(result: TrainResult) -> str:

@@ -81,8 +81,8 @@ def model_card(name: str, log: dict, config: dict, moved: dict[str, str]) -> str
                   "before wrote (`--init`).", ""]
         if kind == "distill":
             lines += _target_history(earlier + [log])
-    lines += ["```", *(_command(run["kind"], _moved_arguments(run, moved)) for run in earlier),
-              _command(kind, arguments), "```", ""]
+    lines += ["```", *(command_line(run["kind"], _moved_arguments(run, moved)) for run in earlier),
+              command_line(kind, arguments), "```", ""]
     if moved:
         commands = "the commands above name" if earlier else "the command above names"
         lines += [f"Copied after the run{'s' if earlier else ''}: "
@@ -208,14 +208,18 @@ def _evaluation_line(firsts: list[dict], last: dict) -> str:
     return "; ".join(parts) or "none"
 
 
-def _command(kind: str, arguments: dict) -> str:
-    words = ["specdec", kind]
+def command_line(kind: str, arguments: dict, positional: tuple[str, ...] = ()) -> str:
+    """The command a run was given: `specdec KIND`, the positional arguments named, then the
+    flags in name order (switches bare, a list of numbers comma-separated)."""
+    words = ["specdec", kind, *(str(arguments[name]) for name in positional if name in arguments)]
     for key, value in sorted(arguments.items()):
-        if key == "command":
+        if key == "command" or key in positional:
             continue
         flag = "--" + key.replace("_", "-")
         if value is True or key in SWITCHES:
             words.append(flag)
+        elif isinstance(value, (list, tuple)):
+            words += [flag, ",".join(f"{v:g}" for v in value)]
         else:
             words += [flag, str(value)]
     return " ".join(words)

@@ -337,10 +337,12 @@ RUN_OUTPUT_ENTRIES = ("config.json", "generation_config.json", "model.safetensor
                                                                 "training_log.json")))
 
 
-def open_run_output(out, kind: str, inputs: dict, force: bool) -> OutputDir:
-    """The output directory of a train or distill run (output_dir.py). Its own earlier output
-    is a directory holding this kind of run's checkpoint and log, finished or not."""
-    return open_output_dir(out, kind, inputs, force, lambda path: is_run_output(path, kind), RUN_OUTPUT_ENTRIES)
+def open_run_output(out, kind: str, inputs: dict, force: bool, entries: tuple[str, ...] = RUN_OUTPUT_ENTRIES
+                    ) -> OutputDir:
+    """The output directory of a training run (output_dir.py). Its own earlier output is a
+    directory holding this kind of run's checkpoint and log, finished or not; entries: what the
+    run writes there (a model's files by default)."""
+    return open_output_dir(out, kind, inputs, force, lambda path: is_run_output(path, kind), entries)
 
 
 def is_run_output(path: Path, kind: str) -> bool:
@@ -383,14 +385,16 @@ def checkpoint_dirs(out) -> tuple[Path, Path]:
 
 
 def finish_run(output: OutputDir, kind: str, config: TrainConfig, settings: dict, state: RunState,
-               arguments: dict | None, save_model: Callable[[Path], None]) -> TrainResult:
+               arguments: dict | None, save_model: Callable[[Path], None],
+               write_card: Callable[[Path, dict, str], None] | None = None) -> TrainResult:
     """A session's end: a finished run saves its model and log and moves into --out; a session
-    that stopped early leaves its log beside its checkpoint in the staging directory."""
+    that stopped early leaves its log beside its checkpoint in the staging directory.
+    write_card: as write_log's."""
     finished = state.step >= config.steps
     if finished:
         save_model(output.staging)
     write_log(output.staging, kind, config, settings, TrainResult(None, state, config.steps), arguments,
-              name=output.final.name)
+              name=output.final.name, write_card=write_card)
     if not finished:
         return TrainResult(None, state, config.steps)
     return TrainResult(output.commit(), state, config.steps)
@@ -411,9 +415,9 @@ def corpus_record(corpus: Corpus) -> dict:
 
 def write_log(out: Path, kind: str, config: TrainConfig, settings: dict, result: TrainResult,
               arguments: dict | None, name: str | None = None,
-              write_card: Callable[[Path, dict], None] | None = None) -> None:
+              write_card: Callable[[Path, dict, str], None] | None = None) -> None:
     """training_log.json: what was run and how it went. A finished run's goes in out, with the
-    model card out/README.md made from it (write_card(out, the log's record); default
+    model card out/README.md made from it (write_card(out, the log's record, name); default
     model_card.py's, for a model directory; name: the model's, default out's); a session that
     stopped early writes its log beside its checkpoint, in out/checkpoint, so that it never
     stands beside weights (an earlier run's, or none) that it does not describe."""
@@ -433,7 +437,7 @@ def write_log(out: Path, kind: str, config: TrainConfig, settings: dict, result:
         if write_card is None:
             write_model_card(out, name=name)
         else:
-            write_card(out, record)
+            write_card(out, record, name or out.name)
 
 
 def check_save_dtype(save_dtype: str) -> None:
