@@ -19,6 +19,7 @@ import torch
 
 from specdec.drafters.base import Draft, Drafter
 from specdec.drafters.steps import DraftSteps
+from specdec.kv_cache import ragged_batch
 from specdec.models.cpu_linear import can_pack, pack_linears
 from specdec.models.eagle import EagleHead, load_head
 from specdec.models.loader import LoadedModel
@@ -104,17 +105,12 @@ class EagleDrafter(Drafter):
         the predicted feature after the last [B, 1, H] and its scores [B, V]."""
         device, H = self.head.device, self.head.config.hidden_size
         chunks = [self._waiting_entries(seq) for seq in batch]  # (start, features [n, H], tokens [n])
-        width = max(len(tokens) for _, _, tokens in chunks)
-        features = torch.zeros(len(batch), width, H, dtype=self.head.dtype, device=device)  # [B, W, H]
-        tokens = torch.zeros(len(batch), width, dtype=torch.long, device=device)  # [B, W]
-        positions = torch.zeros(len(batch), width, dtype=torch.long, device=device)  # [B, W]
-        for row, (start, row_features, row_tokens) in enumerate(chunks):
-            n = len(row_tokens)
-            features[row, :n] = row_features
-            tokens[row, :n] = torch.tensor(row_tokens, device=device)
-            # padding continues the row's positions, past its own: overwritten later, never read
-            positions[row] = torch.arange(start, start + width, device=device).clamp(max=self.cache.max_len - 1)
-        last = torch.tensor([len(t) - 1 for _, _, t in chunks], device=device)  # [B]
+        tokens, positions, last = ragged_batch([t for _, _, t in chunks], [start for start, _, _ in chunks],
+                                               self.cache)  # [B, W], [B, W], [B]
+        tokens, positions, last = tokens.to(device), positions.to(device), last.to(device)
+        features = torch.zeros(*tokens.shape, H, dtype=self.head.dtype, device=device)  # [B, W, H]
+        for row, (_, row_features, _) in enumerate(chunks):
+            features[row, :len(row_features)] = row_features
         predicted = self.head(self.target.embed_tokens(tokens), features, positions, self.cache)  # [B, W, H]
         feature = predicted[torch.arange(len(batch), device=device), last][:, None]  # [B, 1, H]
         for seq in batch:
