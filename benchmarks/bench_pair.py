@@ -9,7 +9,9 @@ standard-library modules cut just after a `def` line (the default); "chat", user
 held-out functions (write / edit / explain), rendered with the target's chat template; "edit",
 only the "edit this function" ones. --prompts N takes N of them spread through the set.
 --head DIR adds rows for an EAGLE head (speculative_method="eagle"), --early-exit L for the
-target's own first L layers drafting (speculative_method="early_exit"), at the same k and policies. For each prompt, greedy speculative decoding and the target
+target's own first L layers drafting (speculative_method="early_exit"), at the same k and
+policies; --tree SHAPE... rows for each of those and the draft model growing trees of k nodes
+(speculative_tree). For each prompt, greedy speculative decoding and the target
 alone run back to back (interleaved, so drift hits all alike); the table reports the
 totals: α, τ, tokens/s of each, the measured speedup and the one predicted from α, k and
 the measured cost ratio c; it checks the outputs are identical; and it counts how many of the
@@ -66,6 +68,9 @@ def main() -> None:
     parser.add_argument("--head", help="also run this EAGLE head (speculative_method='eagle')")
     parser.add_argument("--early-exit", type=int, metavar="L",
                         help="also run the target's first L layers as the draft (speculative_method='early_exit')")
+    parser.add_argument("--tree", nargs="+", default=[], metavar="SHAPE",
+                        help="also run each drafter that grows trees with these tree shapes (speculative_tree: "
+                             "'auto' or children per depth like '3,2,1'), k nodes a tree")
     args = parser.parse_args()
 
     first = LLM(args.target, speculative_model=args.draft, num_speculative_tokens=args.k[0], dtype=args.dtype,
@@ -79,8 +84,11 @@ def main() -> None:
     if args.early_exit:
         spec = SpeculativeConfig("early_exit", early_exit_layer=args.early_exit)
         drafters[f"{EARLY_EXIT} (layer {args.early_exit})"] = DRAFTERS["early_exit"](spec, first.target, first.runner)
-    speculative = {(name, policy, k): first.with_drafter(drafter, k, policy)
+    speculative = {(name, policy, k, "chain"): first.with_drafter(drafter, k, policy)
                    for name, drafter in drafters.items() for policy in args.k_policy for k in args.k}
+    speculative.update({(name, "fixed", k, shape): first.with_drafter(drafter, k, "fixed", tree=shape)
+                        for name, drafter in drafters.items() if drafter.grows_trees
+                        for shape in args.tree for k in args.k})
     title, make_prompts = PROMPT_SETS[args.prompt_set]
     prompts = make_prompts(args.prompts_per_module, max_chars=args.max_chars)
     prompts = spread(prompts, args.prompts) if args.prompts else prompts
@@ -116,21 +124,23 @@ def main() -> None:
           "| acceptance by position | identical outputs |")
     print("|---|---:|---:|---:|---:|---:|---:|---|---:|")
     print(f"| target alone | {base.tokens_per_second:.1f} | | | 1.00 | 1.00x | | | |")
-    for (name, policy, k), stats in spec_stats.items():
+    for (name, policy, k, shape), stats in spec_stats.items():
         spec = _totals(stats)
         alpha = spec.acceptance_rate
         by_position = " ".join(f"{a:.2f}" for a in spec.acceptance_by_position)
-        fixed_k = name == DRAFT_MODEL and not args.draft_confidence and policy == "fixed"  # what the formula models
-        predicted = f"{predicted_speedup(alpha, k, cost_ratio):.2f}x" if fixed_k else "–"
-        label = f"{name} k={k}" if policy == "fixed" else f"{name} goodput k<={k} ({spec.k_summary().strip()})"
+        fixed_k = name == DRAFT_MODEL and not args.draft_confidence and policy == "fixed" and shape == "chain"
+        predicted = f"{predicted_speedup(alpha, k, cost_ratio):.2f}x" if fixed_k else "–"  # what the formula models
+        label = _label(name, policy, k, shape, spec)
         print(f"| {label} | {spec.tokens_per_second:.1f} | {alpha:.3f} | "
               f"{spec.proposed_acceptance_rate:.3f} | {spec.tokens_per_forward:.2f} | "
               f"{spec.tokens_per_second / base.tokens_per_second:.2f}x | {predicted} | {by_position} | "
-              f"{len(prompts) - len(mismatches[name, policy, k])}/{len(prompts)} |")
+              f"{len(prompts) - len(mismatches[name, policy, k, shape])}/{len(prompts)} |")
     print(f"\ncost ratio c (one draft step ÷ one target step) = {cost_ratio:.3f}")
-    for (name, policy, k), names in mismatches.items():
+    if args.tree:
+        print("tree rows: accepted ÷ proposed counts every node; acceptance by position is by depth")
+    for (name, policy, k, shape), names in mismatches.items():
         if names:
-            print(f"{name} {policy} k={k}: outputs differ from the target alone on {', '.join(names)}")
+            print(f"{_label(name, policy, k, shape, None)}: outputs differ from the target alone on {', '.join(names)}")
     if args.prompt_set == "code":
         valid_lines, whole_lines = (sum(counts) for counts in zip(*parsing))
         valid_throughout = sum(valid == whole for valid, whole in parsing)
@@ -138,6 +148,14 @@ def main() -> None:
               f"Python after their prompt; {valid_throughout} of {len(prompts)} completions are valid throughout")
     for prompt, completion in shown:
         print(f"\n### {prompt.name}\n```python\n{prompt.text[-300:]}{completion}\n```")
+
+
+def _label(name: str, policy: str, k: int, shape: str, spec: SpecStats | None) -> str:
+    if shape != "chain":
+        return f"{name} tree {shape}, {k} nodes"
+    if policy == "fixed":
+        return f"{name} k={k}"
+    return f"{name} goodput k<={k}" + (f" ({spec.k_summary().strip()})" if spec is not None else "")
 
 
 def _totals(stats: list[SpecStats]) -> SpecStats:

@@ -45,7 +45,10 @@ RUNS = {
     "draft_model": ["T0.7-top_k5", "T1.0-min_p0.1", "T0.9-top_k8-top_p0.9-min_p0.05"],
     "ngram": ["T1.0", "T1.3-top_p0.8", "T0.9-top_k8-top_p0.9-min_p0.05"],
     "eagle": ["T0.9-top_k8-top_p0.9-min_p0.05"],  # an untrained head: its distributions are the target's
-}                                                 # output layer over features it got wrong
+                                                  # output layer over features it got wrong
+    "draft_model_tree": ["T1.3-top_p0.8"],  # a tree: here 3 siblings, judged one after another
+}
+TREE = dict(speculative_tree="3,2", num_speculative_tokens=5)
 # adaptive k (a row stops drafting after a draft token of draft probability < this): only in
 # the seeded-request test, since the distribution tests' one round proposes a single token
 CONFIDENCE_THRESHOLD = 0.3
@@ -175,9 +178,12 @@ def make_llm(setup, drafter: str, **kwargs) -> LLM:
         kwargs["speculative_method"] = "eagle"
     if drafter == "draft_model_adaptive":
         kwargs["draft_confidence_threshold"] = CONFIDENCE_THRESHOLD
+    if drafter == "draft_model_tree":
+        kwargs.update(TREE)
     kwargs.setdefault("speculative_k_policy", "fixed")  # k every round: these tests count what was drafted
-    return LLM(setup["target"], speculative_model=speculative_model, num_speculative_tokens=K, dtype="float32",
-               skip_tokenizer_init=True, **kwargs)
+    kwargs.setdefault("num_speculative_tokens", K)
+    return LLM(setup["target"], speculative_model=speculative_model, dtype="float32", skip_tokenizer_init=True,
+               **kwargs)
 
 
 @pytest.fixture(scope="module")
@@ -285,6 +291,25 @@ def test_two_drafts_in_one_round_follow_the_target(setup, llms):
         marginal = joints[-1].sum(axis=tuple(i for i in range(T) if i != t))
         assert_follows(tokens[:, t], marginal, f"draft_model two drafts: token {t + 1}")
     assert_follows(np.ravel_multi_index(tokens[:, :3].T, (V,) * 3), joints[2], "draft_model two drafts: joint of 3")
+
+
+def test_a_tree_two_deep_follows_the_target(setup, llms):
+    """max_tokens 4: after the prefill's token, one round verifies a tree of 5 nodes, two deep
+    (3 children of the last token, 2 of each of those, the 5 likeliest kept): the second
+    token is a first-level node or the residual after its rejected siblings, the third a
+    second-level node, a residual, or a bonus token. The four tokens follow their exact
+    marginals and the first three their exact joint."""
+    T, V, setting = 4, VOCAB, SETTINGS["T0.7-top_k5"]
+    joints = exact_distributions(continuation_logits(load_hf(setup["target"]), setup["prompt"], T), setting)
+    params = SamplingParams(max_tokens=T, ignore_eos=True, **setting)
+    outputs = llms["draft_model_tree"].generate([setup["prompt"]] * NUM_DRAWS, params)
+    tokens = np.array([out.outputs[0].token_ids for out in outputs])  # [N, 4]
+    two_accepted = sum(out.metrics.num_accepted_tokens == 2 for out in outputs)
+    assert two_accepted > NUM_DRAWS // 50, f"only {two_accepted} rows accepted a second-level node"
+    for t in range(T):
+        marginal = joints[-1].sum(axis=tuple(i for i in range(T) if i != t))
+        assert_follows(tokens[:, t], marginal, f"draft_model tree: token {t + 1}")
+    assert_follows(np.ravel_multi_index(tokens[:, :3].T, (V,) * 3), joints[2], "draft_model tree: joint of 3")
 
 
 def test_sampled_tokens_follow_the_quantized_target(setup):

@@ -82,6 +82,10 @@ def add_generate_parser(commands) -> None:
     p.add_argument("--k-policy", choices=K_POLICIES,
                    help="goodput (default): each round picks k from 0 to -k for the most expected tokens per "
                         "second, switching speculation off where it does not pay; fixed: always -k")
+    p.add_argument("--tree", metavar="SHAPE",
+                   help="draft a tree of -k candidate tokens each round, verified in one forward: 'auto' (EAGLE-2's "
+                        "dynamic tree) or children per depth like '3,2,1'; default 'chain' (with --draft or "
+                        "--early-exit)")
     text = p.add_mutually_exclusive_group(required=True)
     text.add_argument("--prompt", help="the prompt text, as is")
     text.add_argument("--chat", metavar="MESSAGE", help="a user message, rendered with the model's chat template "
@@ -151,7 +155,7 @@ def _speculative_method(args) -> str | None:
         return "ngram"
     if args.draft is None:
         flags = draft_flags + (["-k"] if args.num_speculative_tokens is not None else []) + \
-            (["--k-policy"] if args.k_policy is not None else [])
+            (["--k-policy"] if args.k_policy is not None else []) + (["--tree"] if args.tree is not None else [])
         if flags:
             raise ValueError(f"{' and '.join(flags)} {'needs' if len(flags) == 1 else 'need'} a drafter: add --draft "
                              "DIR or --ngram, or drop them")
@@ -170,7 +174,8 @@ def run_generate(args) -> int:
               draft_dtype=args.draft_dtype, draft_confidence_threshold=args.draft_confidence, compile=args.compile,
               quantization=quantization_from_arg(args.quantization), speculative_k_policy=args.k_policy,
               draft_quantization=quantization_from_arg(args.draft_quantization),
-              early_exit_layer=None if args.early_exit is DEFAULT_EXIT else args.early_exit)
+              early_exit_layer=None if args.early_exit is DEFAULT_EXIT else args.early_exit,
+              speculative_tree=args.tree)
     method = llm.speculative_config.method if llm.speculative_config else None  # as inferred from --draft
     prompt = args.prompt if args.chat is None else llm.chat_token_ids([{"role": "user", "content": args.chat}])
     llm.prompt_token_ids(prompt, params)  # a bad request is refused as itself, not as the warm-up

@@ -11,6 +11,8 @@ import math
 import os
 from dataclasses import dataclass
 
+from specdec.tree import TreeShape
+
 
 GREEDY_TEMPERATURE = 1e-5  # temperatures below this sample greedily
 INT64_MIN, INT64_MAX, UINT64_MAX = -2**63, 2**63 - 1, 2**64 - 1
@@ -107,6 +109,7 @@ def quantization_from_arg(text: str) -> str | None:
 
 
 SPECULATIVE_METHODS = ("draft_model", "ngram", "lookup_then_draft", "eagle", "early_exit")
+TREE_METHODS = ("draft_model", "eagle", "early_exit")  # the drafters that grow trees (Drafter.grows_trees)
 NEEDS_DRAFT_MODEL = ("draft_model", "lookup_then_draft", "eagle")  # "eagle": the head's directory
 # the shortest n-gram match prompt lookup trusts, by method: with a draft model to fall back
 # on, a one-token match is too weak to use instead of it
@@ -163,6 +166,10 @@ class SpeculativeConfig:
     k_policy: "goodput" (each round picks its k, 0 to num_speculative_tokens, for the most
         expected tokens per second, from each request's acceptance rate and the measured costs;
         see goodput.py) or "fixed" (every round drafts num_speculative_tokens).
+    tree: "chain" (k tokens, one after another), "auto" (EAGLE-2's dynamic tree) or branching
+        factors per depth like "3,2,1": a tree of num_speculative_tokens candidate tokens,
+        verified in one forward (tree.py), for a drafter that grows trees (TREE_METHODS).
+        Every round drafts the whole tree (k_policy applies to chains).
     """
 
     method: str = "draft_model"
@@ -175,6 +182,7 @@ class SpeculativeConfig:
     draft_quantization: str | None = None
     k_policy: str = "goodput"
     early_exit_layer: int | None = None
+    tree: str = "chain"
 
     def __post_init__(self) -> None:
         check(self.method in SPECULATIVE_METHODS,
@@ -204,6 +212,10 @@ class SpeculativeConfig:
               f"early_exit_layer must be an integer >= 1, got {self.early_exit_layer!r}")
         check(self.early_exit_layer is None or self.method == "early_exit",
               f"early_exit_layer is for speculative_method='early_exit', not {self.method!r}")
+        TreeShape.parse(self.tree)  # raises ValueError naming the forms it takes
+        check(self.tree == "chain" or self.method in TREE_METHODS,
+              f"speculative_tree={self.tree!r} needs a drafter that grows trees ({', '.join(TREE_METHODS)}); "
+              f"speculative_method={self.method!r} drafts chains: drop speculative_tree")
         unused = [f"{name}={value!r}" for name, value, neutral in (
             ("draft_dtype", self.draft_dtype, "auto"),
             ("draft_confidence_threshold", self.draft_confidence_threshold, 0),

@@ -3,9 +3,11 @@
 A round, for every running sequence at once:
   choose    the round's k: by goodput (goodput.py: expected tokens per second from each
             sequence's acceptance rate and the measured costs; 0 = plain decoding), or fixed
-  propose   the drafter drafts up to k tokens per row
+  propose   the drafter drafts up to k tokens per row (or, with a tree shape, a tree of up to
+            k nodes: tree.py)
   verify    one target forward over [last token, drafts] gives p at every draft position
-            and one past it; rejection sampling keeps a prefix and adds one token
+            and one past it; rejection sampling keeps a prefix (of a tree: a branch, whose
+            K/V entries are then moved into the sequence's next positions) and adds one token
   emit      tokens are appended one by one, stopping at EOS / stop strings / max_tokens even
             inside an accepted run; finished rows leave the batch and free their slot
 
@@ -22,12 +24,13 @@ import torch
 
 from specdec.drafters.base import Draft, Drafter
 from specdec.goodput import GoodputPolicy
-from specdec.kv_cache import CacheTooLarge, ragged_batch
+from specdec.kv_cache import CacheTooLarge, TreeAttention, ragged_batch
 from specdec.models.tokenizer import Tokenizer
 from specdec.runner import ModelRunner
 from specdec.sampling import SamplingTensors, sample, warp
 from specdec.sequence import Sequence
-from specdec.verify import greedy_verify, rejection_sample
+from specdec.tree import TreeShape, branches, depths
+from specdec.verify import greedy_tree_verify, greedy_verify, rejection_sample, tree_rejection_sample
 
 
 CALIBRATION_CONTEXT = 128  # the positions the goodput policy's cost calibration runs at
@@ -35,21 +38,29 @@ CALIBRATION_CONTEXT = 128  # the positions the goodput policy's cost calibration
 
 class Engine:
     """k_policy: "goodput" (num_speculative_tokens is each round's largest k; see goodput.py)
-    or "fixed" (every round drafts num_speculative_tokens, less only where a row has no room)."""
+    or "fixed" (every round drafts num_speculative_tokens, less only where a row has no room).
+    tree: a tree shape (tree.py) other than "chain": every round drafts a tree of
+    num_speculative_tokens nodes (its depth cut to each row's room), from a drafter that
+    grows_trees; the goodput policy, which models chains, is not used."""
 
     def __init__(self, target: ModelRunner, drafter: Drafter | None, num_speculative_tokens: int,
                  eos_token_ids: tuple[int, ...], tokenizer: Tokenizer | None, max_num_seqs: int = 256,
-                 k_policy: str = "goodput"):
+                 k_policy: str = "goodput", tree: TreeShape | None = None):
         self.target = target
         self.drafter = drafter
         self.k = num_speculative_tokens if drafter is not None else 0
+        self.tree = tree if tree is not None and not tree.is_chain and self.k else None
+        if self.tree is not None and not drafter.grows_trees:
+            raise ValueError(f"speculative_tree={str(tree)!r} needs a drafter that grows trees (a draft model, an "
+                             f"EAGLE head or early exit); {type(drafter).__name__} drafts chains only: use "
+                             "speculative_tree='chain'")
         self.hands_hidden = drafter is not None and drafter.needs_target_hidden  # the target's features too
         self.eos_token_ids = frozenset(eos_token_ids)
         self.tokenizer = tokenizer
         self.max_num_seqs = max_num_seqs
         self.cache = None
         self.policy = None
-        if self.k and k_policy == "goodput":
+        if self.k and k_policy == "goodput" and self.tree is None:
             self.policy = GoodputPolicy(self.k, lambda num_tokens: self.target.padded_queries(num_tokens, self.cache))
         self._sampling_key, self._sampling = None, None
         self.timings = {"prefill": 0.0, "draft": 0.0, "target": 0.0, "sampling": 0.0, "bookkeeping": 0.0}
@@ -59,9 +70,11 @@ class Engine:
         returns how many run at once."""
         max_batch = min(self.max_num_seqs, len(seqs))
         # + k + 1: verify positions run k past the last token, and the last position is kept
-        # free for padding (see kv_cache.ragged_batch)
-        k = self._usable_k(seqs)
-        max_len = max(s.num_tokens + s.params.max_tokens for s in seqs) + k + 1
+        # free for padding (see kv_cache.ragged_batch); a drafter growing a tree writes the nodes
+        # it expands past the last token
+        k = self._usable_k(seqs) if self.tree is None else self.k  # a tree's nodes are not cut to the room
+        margin = max(k, self.tree.max_expanded(k)) if self.tree is not None else k
+        max_len = max(s.num_tokens + s.params.max_tokens for s in seqs) + margin + 1
         waves = -(-len(seqs) // max_batch)
         self._reserve(max_batch, max_len, waves * max(s.params.max_tokens for s in seqs), k)
         return max_batch
@@ -158,20 +171,28 @@ class Engine:
         t0 = time.perf_counter()
         draft, all_rows_drafted = self._propose(batch, ks, sampling)
         t1 = time.perf_counter()
-        num_draft = torch.minimum(draft.num_tokens, torch.tensor(ks, device=device))  # [B]
+        num_draft = draft.num_tokens if draft.is_tree else torch.minimum(draft.num_tokens, torch.tensor(ks, device=device))
         input_ids, positions = self._verify_inputs(batch, draft)  # [B, k+1] each
+        tree = _tree_attention(positions[:, 0], draft.parents) if draft.is_tree else None
         self.cache.use_slots(slots)
-        target_logits = self.target(input_ids, positions, self.cache, return_hidden=self.hands_hidden)  # [B, k+1, V]
+        target_logits = self.target(input_ids, positions, self.cache, return_hidden=self.hands_hidden,
+                                    tree=tree)  # [B, k+1, V]
         if self.hands_hidden:
             target_logits, target_hidden = target_logits  # and [B, k+1, H]
         t2 = time.perf_counter()
-        output, num_accepted = self._verify(batch, sampling, draft, num_draft, target_logits)
+        output, num_accepted, path = self._verify(batch, sampling, draft, num_draft, target_logits)
+        if path is not None:  # the accepted branch's entries into place, its features in order
+            self._keep_branch(tree.write_positions, path, num_accepted)
+            if self.hands_hidden:
+                target_hidden = target_hidden.gather(1, path[:, :, None].expand(-1, -1, target_hidden.shape[-1]))
         t3 = time.perf_counter()
         num_proposed, num_accepted_list = num_draft.tolist(), num_accepted.tolist()
+        tree_depths = _tree_depths(positions, num_draft).tolist() if draft.is_tree else [None] * len(batch)
         for row, seq in enumerate(batch):
             tokens = output[row, :num_accepted_list[row] + 1].tolist()
             emitted = self._emit(seq, tokens, num_from_draft=num_accepted_list[row])
-            seq.stats.record_round(num_proposed[row], num_accepted_list[row], emitted, k=ks[row])
+            seq.stats.record_round(num_proposed[row], num_accepted_list[row], emitted, k=ks[row],
+                                   depth=tree_depths[row])
         if self.drafter is not None:
             self.drafter.observe(batch, num_accepted)
         if self.hands_hidden:
@@ -190,6 +211,8 @@ class Engine:
         its rounds' k, which goodput takes from timings, and a seed must give the same tokens
         every run."""
         rooms = [s.draft_room for s in batch]
+        if self.tree is not None:  # a tree of k nodes wherever there is room (its depth cut to it)
+            return [self.k if room > 0 else 0 for room in rooms]
         if self.policy is None or any(s.params.seed is not None and not s.params.greedy for s in batch):
             k = self._usable_k(batch)
             return [min(k, room) for room in rooms]
@@ -203,10 +226,15 @@ class Engine:
         if not rows:
             return Draft.empty(len(batch), device), False
         if len(rows) == len(batch):
-            return self.drafter.propose(batch, max(ks), sampling), True
+            return self._draft(batch, max(ks), sampling), True
         index = torch.tensor(rows, device=device)  # [R]
-        drafted = self.drafter.propose([batch[row] for row in rows], max(ks), sampling.select_rows(index))
+        drafted = self._draft([batch[row] for row in rows], max(ks), sampling.select_rows(index))
         return drafted.scattered(len(batch), index), False
+
+    def _draft(self, batch: list[Sequence], k: int, sampling: SamplingTensors) -> Draft:
+        if self.tree is not None:
+            return self.drafter.propose_tree(batch, k, self.tree)
+        return self.drafter.propose(batch, k, sampling)
 
     def _usable_k(self, seqs: list[Sequence]) -> int:
         """The round's k: no wider than the most drafts any row has room for (a larger k would
@@ -214,14 +242,35 @@ class Engine:
         return min(self.k, max(s.draft_room for s in seqs))
 
     def _verify(self, batch, sampling: SamplingTensors, draft: Draft, num_draft: torch.Tensor,
-                target_logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Rejection sampling (greedy: prefix matching) -> output_token_ids [B, k+1], num_accepted [B]."""
+                target_logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """Rejection sampling (greedy: prefix matching) -> output_token_ids [B, k+1], num_accepted [B],
+        and for a tree the accepted branch's verify columns [B, k+1] (None for a chain)."""
+        greedy = sampling.greedy if sampling.any_greedy else None
+        if draft.is_tree:
+            if sampling.all_greedy:
+                return greedy_tree_verify(draft.token_ids, draft.parents, num_draft, target_logits.argmax(-1))
+            return tree_rejection_sample(draft.token_ids, draft.parents, num_draft, self._warp(target_logits, sampling),
+                                         [s.generator for s in batch], greedy)
         if sampling.all_greedy:  # no probabilities needed
-            return greedy_verify(draft.token_ids, num_draft, target_logits.argmax(-1))
+            return *greedy_verify(draft.token_ids, num_draft, target_logits.argmax(-1)), None
+        return *rejection_sample(draft.token_ids, num_draft, draft.probs, self._warp(target_logits, sampling),
+                                 [s.generator for s in batch], greedy), None
+
+    @staticmethod
+    def _warp(target_logits: torch.Tensor, sampling: SamplingTensors) -> torch.Tensor:
+        """The target's warped distributions [B, T, V] from its logits [B, T, V]."""
         B, T, V = target_logits.shape  # T = k + 1
-        target_probs = warp(target_logits.reshape(B * T, V), sampling.repeat_rows(T)).view(B, T, V)
-        return rejection_sample(draft.token_ids, num_draft, draft.probs, target_probs, [s.generator for s in batch],
-                                sampling.greedy if sampling.any_greedy else None)
+        return warp(target_logits.reshape(B * T, V), sampling.repeat_rows(T)).view(B, T, V)
+
+    def _keep_branch(self, write_positions: torch.Tensor, path: torch.Tensor, num_accepted: torch.Tensor) -> None:
+        """Move the K/V entries of each row's accepted branch (verify columns path [B, k+1],
+        root first) to the positions right after the root's, as a chain's would lie; the rest
+        (rejected nodes) stay past the sequence's length, to be overwritten."""
+        sources = write_positions.gather(1, path[:, 1:])  # [B, k]
+        destinations = write_positions[:, 1:]  # [B, k]: root position + 1..k
+        accepted = torch.arange(sources.shape[1], device=sources.device)[None, :] < num_accepted[:, None]  # [B, k]
+        root = write_positions[:, :1]  # [B, 1]: a no-op pair pads the rest
+        self.cache.move(torch.where(accepted, sources, root), torch.where(accepted, destinations, root))
 
     def _sampling_tensors(self, batch: list[Sequence]) -> SamplingTensors:
         """The batch's settings as tensors, rebuilt only when the batch changes."""
@@ -232,13 +281,14 @@ class Engine:
         return self._sampling
 
     def _verify_inputs(self, batch: list[Sequence], draft: Draft) -> tuple[torch.Tensor, torch.Tensor]:
-        """[last token, d_1..d_k] at positions [L-1 .. L-1+k] per row: [B, k+1] each."""
+        """[last token, d_1..d_k] at positions [L-1 .. L-1+k] per row: [B, k+1] each (a tree's
+        nodes at L-1 + their depth)."""
         device = self.target.device
         last_tokens = torch.tensor([s.last_token_id for s in batch], device=device)[:, None]  # [B, 1]
         input_ids = torch.cat([last_tokens, draft.token_ids], dim=1)  # [B, k+1]
         first_positions = torch.tensor([s.num_tokens - 1 for s in batch], device=device)[:, None]  # [B, 1]
-        positions = first_positions + torch.arange(input_ids.shape[1], device=device)  # [B, k+1]
-        return input_ids, positions
+        offsets = depths(draft.parents) if draft.is_tree else torch.arange(input_ids.shape[1], device=device)
+        return input_ids, first_positions + offsets  # [B, k+1] each
 
     def _emit(self, seq: Sequence, tokens: list[int], num_from_draft: int) -> int:
         """Append tokens to seq until one of them finishes it; returns how many were emitted.
@@ -268,6 +318,21 @@ class Engine:
         if self.tokenizer is None:
             return ""
         return self.tokenizer.decode_after(seq.prompt_token_ids, seq.output_token_ids)
+
+
+def _tree_attention(first_positions: torch.Tensor, parents: torch.Tensor) -> TreeAttention:
+    """A tree verify forward's layout: column t (the root, then node t-1) is written at
+    first_positions [B] + t and reads the sequence before first_positions and its branch."""
+    columns = torch.arange(parents.shape[1] + 1, device=parents.device)  # [k+1]
+    return TreeAttention(first_positions[:, None] + columns, first_positions, branches(parents))
+
+
+def _tree_depths(positions: torch.Tensor, num_nodes: torch.Tensor) -> torch.Tensor:
+    """Each row's tree depth [B] from its verify positions [B, k+1] (root first, nodes at the
+    root's + their depth) and its node count [B]."""
+    columns = torch.arange(positions.shape[1], device=positions.device)[None, :]  # [1, k+1]
+    offsets = (positions - positions[:, :1]).masked_fill(columns > num_nodes[:, None], 0)  # [B, k+1]
+    return offsets.max(dim=1).values
 
 
 def _stop_string_index(text: str, stops: tuple[str, ...]) -> int | None:

@@ -9,6 +9,7 @@ them, and the next round writes over them.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -64,6 +65,48 @@ class KVCache:
         if self.slots is None:
             return keys[:B, :num_keys], values[:B, :num_keys]
         return keys[self.slots, :num_keys], values[self.slots, :num_keys]
+
+    def move(self, sources: torch.Tensor, destinations: torch.Tensor) -> None:
+        """In every layer, copy each row's entries at positions sources [B, M] to destinations
+        [B, M] (of the current slots' rows): what a tree's accepted branch needs to become the
+        sequence's next positions. All are read before any is written; destinations must be
+        distinct within a row (a no-op pair, source = destination, pads a short row)."""
+        B = sources.shape[0]
+        rows = (self._arange[:B] if self.slots is None else self.slots)[:, None]  # [B, 1]
+        for keys, values in zip(self.keys, self.values):
+            keys[rows, destinations] = keys[rows, sources]  # [B, M] entries
+            values[rows, destinations] = values[rows, sources]
+
+
+@dataclass(frozen=True)
+class TreeAttention:
+    """How a forward's tokens are stored and what they read when they are not one run of
+    consecutive positions, each after the one before (a tree of candidate tokens, whose
+    branches share their ancestors).
+
+    write_positions [B, T]  the cache position each token's K/V is stored at (its RoPE
+                            position, the model's `positions`, is its place in its own branch)
+    tree_start [B]          every query reads the row's cache positions before tree_start...
+    visible [B, T, R]       ...and position tree_start + r where visible[b, t, r] (its
+                            branch: its ancestors, and itself, wherever they were written)
+    """
+
+    write_positions: torch.Tensor
+    tree_start: torch.Tensor
+    visible: torch.Tensor
+
+    def mask(self, num_keys: int, positions: torch.Tensor, window: int | None) -> torch.Tensor:
+        """[B, 1, T, num_keys] (True = attend); a sliding window (of more positions than any
+        branch is deep) cuts the keys before tree_start by the query's RoPE position."""
+        B, T, R = self.visible.shape
+        keys = torch.arange(num_keys, device=positions.device)  # [S]
+        before = keys[None, None, :] < self.tree_start[:, None, None]  # [B, 1, S]
+        if window is not None:
+            before = before & (keys[None, None, :] > positions[:, :, None] - window)  # [B, T, S]
+        offset = keys[None, :] - self.tree_start[:, None]  # [B, S]: key position - tree_start
+        in_tree = (offset >= 0) & (offset < R)  # [B, S]
+        region = self.visible.gather(2, offset.clamp(0, R - 1)[:, None, :].expand(B, T, num_keys))  # [B, T, S]
+        return (before | (region & in_tree[:, None, :]))[:, None]  # [B, 1, T, S]
 
 
 def ragged_batch(chunks: list[list[int]], starts: list[int], cache: KVCache

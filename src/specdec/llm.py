@@ -23,6 +23,7 @@ from specdec.models.quantized_linear import check_quantization
 from specdec.platform import Platform, detect_platform
 from specdec.runner import ModelRunner, check_compile_mode
 from specdec.sequence import Sequence
+from specdec.tree import TreeShape
 
 
 @dataclass
@@ -66,6 +67,10 @@ class LLM:
     speculative_k_policy: "goodput" (the default: each round picks its k, from 0, plain
         decoding, to num_speculative_tokens, for the most expected tokens per second; a useless
         draft switches itself off) or "fixed" (every round drafts num_speculative_tokens).
+    speculative_tree: "chain" (None: the default), "auto" (EAGLE-2's dynamic tree) or branching
+        factors per depth like "3,2,1": every round drafts a tree of num_speculative_tokens
+        candidates and the target verifies it in one forward (tree.py); draft models, EAGLE
+        heads and early exit grow trees.
     draft_confidence_threshold: adaptive k: a row stops drafting for the round after a token
         the draft gave less than this probability (0 = always k; see SpeculativeConfig).
     device: "cpu", "cuda", "cuda:1", ...
@@ -90,14 +95,14 @@ class LLM:
                  draft_dtype: str = "auto", draft_confidence_threshold: float | None = None,
                  compile: str = "auto", platform: Platform | None = None, quantization: str | None = None,
                  draft_quantization: str | None = None, speculative_k_policy: str | None = None,
-                 early_exit_layer: int | None = None):
+                 early_exit_layer: int | None = None, speculative_tree: str | None = None):
         check_arguments(seed=seed, max_num_seqs=max_num_seqs, skip_tokenizer_init=skip_tokenizer_init)
         check_compile_mode(compile)
         self.speculative_config = speculative_config(
             speculative_model, speculative_method, num_speculative_tokens=num_speculative_tokens,
             ngram_min=ngram_prompt_lookup_min, ngram_max=ngram_prompt_lookup_max, draft_dtype=draft_dtype,
             draft_confidence_threshold=draft_confidence_threshold, draft_quantization=draft_quantization,
-            k_policy=speculative_k_policy, early_exit_layer=early_exit_layer)
+            k_policy=speculative_k_policy, early_exit_layer=early_exit_layer, tree=speculative_tree)
         self.device = check_device(device)
         check_quantization(quantization, self.device)
         if self.speculative_config is not None:
@@ -114,7 +119,7 @@ class LLM:
         spec = self.speculative_config
         self.max_num_seqs = max_num_seqs
         self.engine = self._engine(drafter, spec.num_speculative_tokens if spec else 0,
-                                   spec.k_policy if spec else "fixed")
+                                   spec.k_policy if spec else "fixed", TreeShape.parse(spec.tree) if spec else None)
         self._shared_generator = torch.Generator(self.device).manual_seed(seed)  # for requests without a seed
         self._next_request_id = 0
 
@@ -122,17 +127,20 @@ class LLM:
         """An LLM over the same loaded target with no drafter: the baseline to compare with."""
         return self.with_drafter(None)
 
-    def with_drafter(self, drafter: Drafter | None, k: int = 0, k_policy: str = "fixed") -> "LLM":
+    def with_drafter(self, drafter: Drafter | None, k: int = 0, k_policy: str = "fixed",
+                     tree: str = "chain") -> "LLM":
         """An LLM over the same loaded target (nothing is reloaded) that speculates with drafter
-        at k (every round, or at most, by goodput: k_policy), or decodes plainly (None). Its
-        speculative_config is None: that field says how an LLM was made from arguments."""
+        at k (every round, or at most, by goodput: k_policy; a tree of k nodes for a tree shape
+        other than "chain"), or decodes plainly (None). Its speculative_config is None: that
+        field says how an LLM was made from arguments."""
         other = copy.copy(self)
         other.speculative_config = None
-        other.engine = self._engine(drafter, k, k_policy)
+        other.engine = self._engine(drafter, k, k_policy, TreeShape.parse(tree))
         return other
 
-    def _engine(self, drafter: Drafter | None, k: int, k_policy: str) -> Engine:
-        return Engine(self.runner, drafter, k, self.target.eos_token_ids, self.tokenizer, self.max_num_seqs, k_policy)
+    def _engine(self, drafter: Drafter | None, k: int, k_policy: str, tree: TreeShape | None = None) -> Engine:
+        return Engine(self.runner, drafter, k, self.target.eos_token_ids, self.tokenizer, self.max_num_seqs, k_policy,
+                      tree)
 
     @property
     def max_model_len(self) -> int:
@@ -237,7 +245,8 @@ def speculative_config(model, method, **options) -> SpeculativeConfig | None:
         model, method = None, "ngram"
     if method is None and model is not None:  # a head's directory says what it is
         method = "eagle" if is_head_directory(model) else "draft_model"
-    given = {name: value for name, value in options.items() if value is not None and value != "auto"}
+    given = {name: value for name, value in options.items()
+             if value is not None and not (name == "draft_dtype" and value == "auto")}
     if method is None:
         check(not given, f"{', '.join(f'{n}={v!r}' for n, v in given.items())} without a drafter: give "
                          "speculative_model=<draft directory> or speculative_method='ngram', or drop them")

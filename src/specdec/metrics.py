@@ -11,7 +11,10 @@
   τ        tokens emitted per target forward, bonus and the prefill's first token included
            (plain decoding: exactly 1.0)
 Acceptance by position i is the fraction of rounds that proposed a draft token at position i
-(0-based) in which it was accepted. Rounds by k counts the rounds at each k the engine chose
+(0-based) in which it was accepted. For a tree draft (tree.py), position i is depth i + 1:
+proposed when the tree reaches that depth, accepted when the accepted branch does; a round's
+judged tokens are its accepted ones, and one more where the branch stops above the tree's
+deepest node. Rounds by k counts the rounds at each k the engine chose
 for the request (index k; 0 = a plain decoding step; see goodput.py).
 """
 
@@ -32,19 +35,22 @@ class SpecStats:
     rounds_by_k: list[int] = field(default_factory=list)
     seconds: float = 0.0  # wall time from the start of generate() to this request's end
 
-    def record_round(self, num_proposed: int, num_accepted: int, num_emitted: int, k: int | None = None) -> None:
-        """One target forward's outcome; k: the round's k for this request (None: the prefill)."""
+    def record_round(self, num_proposed: int, num_accepted: int, num_emitted: int, k: int | None = None,
+                     depth: int | None = None) -> None:
+        """One target forward's outcome; k: the round's k for this request (None: the prefill);
+        depth: a tree draft's depth (None: a chain, as deep as it is long)."""
         self.num_target_forwards += 1
         if k is not None:
             _grow(self.rounds_by_k, k + 1)
             self.rounds_by_k[k] += 1
+        positions = num_proposed if depth is None else depth
         self.num_draft_tokens += num_proposed
-        self.num_judged_tokens += num_accepted + (1 if num_accepted < num_proposed else 0)
+        self.num_judged_tokens += num_accepted + (1 if num_accepted < positions else 0)
         self.num_accepted_tokens += num_accepted
         self.num_emitted_tokens += num_emitted
-        _grow(self.proposed_by_position, num_proposed)
-        _grow(self.accepted_by_position, num_proposed)  # as long: positions never accepted count as 0
-        for i in range(num_proposed):
+        _grow(self.proposed_by_position, positions)
+        _grow(self.accepted_by_position, positions)  # as long: positions never accepted count as 0
+        for i in range(positions):
             self.proposed_by_position[i] += 1
         for i in range(num_accepted):
             self.accepted_by_position[i] += 1

@@ -39,7 +39,7 @@ import torch
 import torch._inductor.config
 
 from specdec.config import COMPILE_MODES
-from specdec.kv_cache import KVCache
+from specdec.kv_cache import KVCache, TreeAttention
 from specdec.models.cpu_linear import can_pack, pack_large_linears_in_bf16, pack_linears
 from specdec.models.llama import LlamaModel
 from specdec.models.quantized_linear import check_quantization, quantize_linears
@@ -241,16 +241,17 @@ class ModelRunner:
     # --- forwards ----------------------------------------------------------------------------
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, cache: KVCache,
-                slots: torch.Tensor | None = None, return_hidden: bool = False):
+                slots: torch.Tensor | None = None, return_hidden: bool = False, tree: TreeAttention | None = None):
         """input_ids, positions [B, T] -> logits [B, T, V] (float32), writing K/V into cache at
         the rows' slots (slots [B], or cache's current ones). return_hidden: (logits, the final
-        normed hidden states [B, T, hidden])."""
+        normed hidden states [B, T, hidden]). tree: a forward over a tree of tokens
+        (kv_cache.TreeAttention), which runs eagerly: graphs are compiled for runs of tokens."""
         if slots is not None:
             with _using_slots(cache, slots):
-                return self.forward(input_ids, positions, cache, return_hidden=return_hidden)
+                return self.forward(input_ids, positions, cache, return_hidden=return_hidden, tree=tree)
         bucket = self._query_bucket(input_ids.shape[1], cache)
-        if bucket is None:
-            return self.eager_model()(input_ids, positions, cache, return_hidden=return_hidden)
+        if bucket is None or tree is not None:
+            return self.eager_model()(input_ids, positions, cache, return_hidden=return_hidden, tree=tree)
         B, T = input_ids.shape
         padded_ids, padded_positions, restore = self._pad(input_ids, positions, cache, bucket)
         try:

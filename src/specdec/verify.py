@@ -112,3 +112,132 @@ def _recovered_or_bonus(num_accepted, num_draft, draft_token_ids, draft_probs, t
     residual_empty = residual.sum(-1, keepdim=True) <= 0  # p <= q everywhere: fall back to p
     residual = torch.where(residual_empty, p, residual)
     return sample_with_uniforms(torch.where(rejected[:, None], residual, p), u_final)
+
+
+# --- trees ------------------------------------------------------------------------------------
+#
+# A tree draft (tree.py) offers several candidates after a token: its children. Greedy takes,
+# from the root down, the child equal to the target's argmax, as long as there is one. Sampled
+# rows take EAGLE's multi-candidate rejection over siblings: the children are a deterministic
+# choice (the drafter's likeliest tokens), so each is a point mass: the first child x_1 is
+# accepted with probability p(x_1); if rejected, x_1's mass is removed from p (p renormalised)
+# and the next child is tested against that; a child accepted moves the test down to its own
+# children under the target's p there; when every child of a node is rejected, the token is
+# drawn from p with the rejected children removed. At every node this emits x with
+# probability p(x) exactly: P(x_j) = (1 - p(x_1) - ... - p(x_{j-1})) * p(x_j) / (same), and a
+# token no child holds keeps its share of the remainder. A row draws num_nodes + 1 uniforms
+# every round, whatever it uses: what a seeded row draws depends on that row alone.
+
+
+def greedy_tree_verify(token_ids: torch.Tensor, parents: torch.Tensor, num_nodes: torch.Tensor,
+                       target_argmax: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """token_ids, parents [B, N], num_nodes [B], target_argmax [B, N+1] (by verify column) ->
+    output_token_ids [B, N+1] (the accepted branch's tokens, then the target's token after it,
+    -1 padding), num_accepted [B], and path [B, N+1]: the verify columns of the root and the
+    accepted nodes, in order (0 padding)."""
+    children = _children(parents, num_nodes)
+    argmax = target_argmax.tolist()
+    tokens = token_ids.tolist()
+    results = []
+    for row in range(len(children)):
+        node, path = -1, [0]
+        while True:
+            wanted = argmax[row][node + 1]
+            node = next((child for child in children[row].get(node, ()) if tokens[row][child] == wanted), None)
+            if node is None:
+                results.append((path, wanted))
+                break
+            path.append(node + 1)
+    return _tree_outputs(token_ids, results)
+
+
+def tree_rejection_sample(token_ids: torch.Tensor, parents: torch.Tensor, num_nodes: torch.Tensor,
+                          target_probs: torch.Tensor, generators: list[torch.Generator],
+                          greedy: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """As greedy_tree_verify, sampled (see above): target_probs [B, N+1, V] are the target's
+    warped distributions by verify column; generators one per row; greedy [B] bool|None:
+    rows decided by greedy_tree_verify instead."""
+    B, N = token_ids.shape
+    device = target_probs.device
+    children = _children(parents, num_nodes)
+    tokens = token_ids.tolist()
+    draws = uniforms(generators, (num_nodes + 1).tolist(), device).tolist()  # [B, <= N+1]
+    # each node's probability under the target at its parent: p_parent(token) [B, N]
+    parent_probs = target_probs.gather(1, (parents.clamp(min=-1) + 1)[:, :, None].expand(B, N, target_probs.shape[-1]))
+    node_probs = parent_probs.gather(2, token_ids.clamp(min=0)[:, :, None]).squeeze(2).double().tolist()  # [B, N]
+    results, final = [], []
+    for row, count in enumerate(num_nodes.tolist()):
+        row_draws = draws[row]
+        node, path, used = -1, [0], 0
+        while True:
+            rejected, left = [], 1.0  # the tokens removed from p, and the mass p has left
+            accepted = None
+            for child in children[row].get(node, ()):
+                p_child = node_probs[row][child] if tokens[row][child] not in rejected else 0.0
+                u = row_draws[used]
+                used += 1
+                if u * left < p_child:
+                    accepted = child
+                    break
+                rejected.append(tokens[row][child])
+                left -= p_child
+            if accepted is None:
+                results.append((path, None))
+                final.append((node + 1, rejected, row_draws[count]))  # the row's last draw
+                break
+            node = accepted
+            path.append(node + 1)
+    final_tokens = _draw_final(target_probs, final)
+    results = [(path, token) for (path, _), token in zip(results, final_tokens)]
+    output, num_accepted, path = _tree_outputs(token_ids, results)
+    if greedy is not None and bool(greedy.any()):
+        greedy_output, greedy_accepted, greedy_path = greedy_tree_verify(token_ids, parents, num_nodes,
+                                                                         target_probs.argmax(-1))
+        output = torch.where(greedy[:, None], greedy_output, output)
+        num_accepted = torch.where(greedy, greedy_accepted, num_accepted)
+        path = torch.where(greedy[:, None], greedy_path, path)
+    return output, num_accepted, path
+
+
+def _children(parents: torch.Tensor, num_nodes: torch.Tensor) -> list[dict[int, list[int]]]:
+    """Per row, each node's children (node -1: the root's) among its first num_nodes, in order."""
+    out = []
+    for row_parents, count in zip(parents.tolist(), num_nodes.tolist()):
+        children: dict[int, list[int]] = {}
+        for node in range(count):
+            children.setdefault(row_parents[node], []).append(node)
+        out.append(children)
+    return out
+
+
+def _draw_final(target_probs: torch.Tensor, final: list[tuple[int, list[int], float]]) -> list[int]:
+    """The token after each row's accepted branch: from p at that row's column with its rejected
+    children's tokens removed (from p itself if that leaves nothing)."""
+    B, _, V = target_probs.shape
+    rows = torch.arange(B, device=target_probs.device)
+    columns = torch.tensor([column for column, _, _ in final], device=target_probs.device)
+    p = target_probs[rows, columns].double()  # [B, V]
+    residual = p.clone()
+    for row, (_, rejected, _) in enumerate(final):
+        if rejected:
+            residual[row, rejected] = 0.0
+    residual = torch.where(residual.sum(-1, keepdim=True) > 0, residual, p)
+    u = torch.tensor([draw for _, _, draw in final], dtype=torch.float64, device=target_probs.device)
+    return sample_with_uniforms(residual, u).tolist()
+
+
+def _tree_outputs(token_ids: torch.Tensor, results: list[tuple[list[int], int]]
+                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Per row (verify columns of the root and accepted nodes, final token) -> output_token_ids
+    [B, N+1], num_accepted [B], path [B, N+1]."""
+    B, N = token_ids.shape
+    tokens = token_ids.tolist()
+    output = torch.full((B, N + 1), -1, dtype=torch.long)
+    path = torch.zeros(B, N + 1, dtype=torch.long)
+    for row, (columns, final_token) in enumerate(results):
+        accepted = [tokens[row][column - 1] for column in columns[1:]]
+        output[row, :len(accepted) + 1] = torch.tensor(accepted + [final_token])
+        path[row, :len(columns)] = torch.tensor(columns)
+    num_accepted = torch.tensor([len(columns) - 1 for columns, _ in results])
+    device = token_ids.device
+    return output.to(device), num_accepted.to(device), path.to(device)

@@ -9,6 +9,7 @@ import torch
 
 from specdec.sampling import SamplingTensors
 from specdec.sequence import Sequence
+from specdec.tree import TreeShape
 
 
 @dataclass
@@ -20,11 +21,20 @@ class Draft:
     num_tokens [B]          how many tokens each row proposes (0..k)
     probs [B, k, V] | None  the warped distributions each token was drawn from, in the
                             target's vocabulary; None = point masses (a deterministic drafter)
+    parents [B, k] | None   a tree draft (tree.py): each token's parent's column in token_ids,
+                            tree.ROOT (-1) for a child of the sequence's last token, every
+                            parent before its children; its tokens are point masses (probs
+                            None). None: a chain, each token after the one before.
     """
 
     token_ids: torch.Tensor
     num_tokens: torch.Tensor
     probs: torch.Tensor | None = None
+    parents: torch.Tensor | None = None
+
+    @property
+    def is_tree(self) -> bool:
+        return self.parents is not None
 
     @classmethod
     def empty(cls, batch_size: int, device: torch.device | str) -> "Draft":
@@ -39,17 +49,21 @@ class Draft:
         token_ids[rows] = self.token_ids
         num_tokens = self.num_tokens.new_zeros(B)  # [B]
         num_tokens[rows] = self.num_tokens
-        probs = None
+        probs = parents = None
         if self.probs is not None:
             probs = self.probs.new_zeros(B, k, self.probs.shape[-1])  # [B, k, V]
             probs[rows] = self.probs
-        return Draft(token_ids, num_tokens, probs)
+        if self.parents is not None:
+            parents = self.parents.new_full((B, k), -1)  # [B, k]: every padding node a child of the root
+            parents[rows] = self.parents
+        return Draft(token_ids, num_tokens, probs, parents)
 
 
 class Drafter(ABC):
     """Proposes up to k tokens per sequence each round.
 
-    The engine calls `reserve` before a batch, `propose` once per round, `observe` with what
+    The engine calls `reserve` before a batch, `propose` (or, for a tree draft from a drafter
+    that grows_trees, `propose_tree`) once per round, `observe` with what
     the target accepted, and `release` when a sequence leaves its slot. A drafter that drafts
     from the target's features sets needs_target_hidden: the engine then also hands it, after
     every target forward, the target's hidden states there (`observe_hidden`), so that features
@@ -57,6 +71,7 @@ class Drafter(ABC):
     """
 
     needs_target_hidden = False
+    grows_trees = False  # whether propose_tree works (a model-based drafter, which has logits to rank)
 
     def reserve(self, max_batch: int, max_len: int, num_forwards: int = 0) -> None:
         """Make room for max_batch sequences of up to max_len positions, for work of at most
@@ -65,6 +80,11 @@ class Drafter(ABC):
     @abstractmethod
     def propose(self, batch: list[Sequence], k: int, sampling: SamplingTensors) -> Draft:
         """Draft up to k tokens for each sequence (whose tokens so far are seq.token_ids)."""
+
+    def propose_tree(self, batch: list[Sequence], budget: int, shape: TreeShape) -> Draft:
+        """(grows_trees only) A tree draft of up to budget nodes per sequence, grown as shape says
+        (tree.py): a Draft with parents."""
+        raise NotImplementedError(f"{type(self).__name__} drafts chains only")
 
     def time_step(self, batch_size: int) -> None:
         """Run what one draft token costs for batch_size rows, for the engine to time before any

@@ -17,17 +17,21 @@ import torch
 from specdec.config import SMALL_DRAFT_PARAMETERS
 from specdec.drafters.base import Draft, Drafter
 from specdec.drafters.steps import DraftSteps
-from specdec.kv_cache import ragged_batch
+from specdec.drafters.tree_growth import TreeGrowth
+from specdec.kv_cache import TreeAttention, ragged_batch
 from specdec.models.loader import LoadedModel, ModelLoadError, load_pretrained, model_config_from_hf, read_config
 from specdec.runner import ModelRunner
 from specdec.sampling import SamplingTensors
 from specdec.sequence import Sequence
+from specdec.tree import TreeShape
 
 LARGE_WEIGHT_BYTES = 2_000_000  # float32 matrices at least this big run in bf16 in a small CPU draft
 
 
 class DraftModelDrafter(Drafter):
     """runner: how the draft model runs (runner.model is the model)."""
+
+    grows_trees = True
 
     def __init__(self, runner: ModelRunner, vocab_size: int, confidence_threshold: float = 0.0):
         self.runner = runner
@@ -103,6 +107,25 @@ class DraftModelDrafter(Drafter):
         for row, seq in enumerate(batch):  # the cache holds every draft token but the last
             self.fed[seq.slot] = (seq.num_tokens, token_ids[row, :token_ids.shape[1] - 1].tolist())
         return steps.draft()
+
+    def propose_tree(self, batch: list[Sequence], budget: int, shape: TreeShape) -> Draft:
+        """A tree grown as tree_growth.py says. After the catch-up the cache holds each row's
+        tokens up to its last (position L-1); the expanded nodes are written from position L on,
+        a node at depth d at RoPE position L-1+d, and forgotten afterwards (the next catch-up
+        feeds the accepted ones again)."""
+        device = self.model.device
+        self.cache.use_slots([seq.slot for seq in batch])
+        growth = TreeGrowth(batch, shape, budget, device)
+        growth.start(self._catch_up(batch))
+        lengths = torch.tensor([seq.num_tokens for seq in batch], device=device)  # [B]: L
+        while (frontier := growth.frontier()) is not None:
+            positions = (lengths - 1 + frontier.depth)[:, None].expand_as(frontier.tokens)  # [B, W]
+            tree = TreeAttention(lengths[:, None] + frontier.fed, lengths, frontier.visible)
+            input_ids = self._in_draft_vocabulary(frontier.tokens)
+            growth.grow(frontier, self._logits(self.runner(input_ids, positions, self.cache, tree=tree)))  # [B, W, V]
+        for seq in batch:
+            self.fed[seq.slot] = (seq.num_tokens, [])
+        return growth.draft()
 
     def _catch_up(self, batch: list[Sequence]) -> torch.Tensor:
         """Feed each row the tokens its cache lacks (the whole prompt for a new sequence,

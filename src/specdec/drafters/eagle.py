@@ -19,13 +19,15 @@ import torch
 
 from specdec.drafters.base import Draft, Drafter
 from specdec.drafters.steps import DraftSteps
-from specdec.kv_cache import ragged_batch
+from specdec.drafters.tree_growth import TreeGrowth
+from specdec.kv_cache import TreeAttention, ragged_batch
 from specdec.models.cpu_linear import can_pack, pack_linears
 from specdec.models.eagle import EagleHead, load_head
 from specdec.models.loader import LoadedModel
 from specdec.runner import ModelRunner
 from specdec.sampling import SamplingTensors
 from specdec.sequence import Sequence
+from specdec.tree import TreeShape
 
 
 class EagleDrafter(Drafter):
@@ -33,6 +35,7 @@ class EagleDrafter(Drafter):
     (the target runner's eager model: the same weights, packed for fast eager calls)."""
 
     needs_target_hidden = True
+    grows_trees = True
 
     def __init__(self, head: EagleHead, target, confidence_threshold: float = 0.0):
         self.head = head
@@ -99,6 +102,28 @@ class EagleDrafter(Drafter):
             feature, logits = self._step(token[:, None], feature, positions)
             token = steps.draw(logits[:, 0])
         return steps.draft()
+
+    def propose_tree(self, batch: list[Sequence], budget: int, shape: TreeShape) -> Draft:
+        """A tree grown as tree_growth.py says. A node at depth d (its token at position L-1+d)
+        is expanded by feeding (its parent's predicted feature, its token) at position L-2+d;
+        the expanded nodes are written from position L-1 on, where the next catch-up writes
+        the target's own features over them."""
+        device, H = self.head.device, self.head.config.hidden_size
+        self.cache.use_slots([seq.slot for seq in batch])
+        growth = TreeGrowth(batch, shape, budget, device)
+        root_feature, logits = self._catch_up(batch)  # f^_{L-1} [B, 1, H], its scores [B, V]
+        growth.start(logits)
+        features = root_feature  # [B, 1 + F, H]: the root's predicted feature, then each expanded node's
+        starts = torch.tensor([seq.num_tokens - 1 for seq in batch], device=device)  # [B]: L-1
+        while (frontier := growth.frontier()) is not None:
+            parent_features = features.gather(1, (frontier.parent_fed + 1)[:, :, None].expand(-1, -1, H))  # [B, W, H]
+            positions = (starts - 1 + frontier.depth)[:, None].expand_as(frontier.tokens)  # [B, W]
+            tree = TreeAttention(starts[:, None] + frontier.fed, starts, frontier.visible)
+            predicted = self.head(self.target.embed_tokens(frontier.tokens), parent_features, positions, self.cache,
+                                  tree=tree)  # [B, W, H]
+            features = torch.cat([features, predicted], dim=1)
+            growth.grow(frontier, self.target.logits(predicted))  # [B, W, V]
+        return growth.draft()
 
     def _catch_up(self, batch: list[Sequence]) -> tuple[torch.Tensor, torch.Tensor]:
         """Feed each row's waiting features with the tokens after them (entries start..L-2);

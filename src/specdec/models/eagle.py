@@ -59,11 +59,12 @@ class EagleHead(DecoderStack):
         self._init_rope()
 
     def forward(self, token_embeddings: torch.Tensor, features: torch.Tensor, positions: torch.Tensor,
-                cache=None) -> torch.Tensor:
+                cache=None, tree=None) -> torch.Tensor:
         """token_embeddings of tokens t+1 and features f_t [B, T, hidden], at positions t [B, T]
-        -> predicted features f^_{t+1} [B, T, hidden]. cache=None (training) attends causally."""
+        -> predicted features f^_{t+1} [B, T, hidden]. cache=None (training) attends causally;
+        tree: see DecoderStack.transform."""
         x = self.fc(torch.cat([token_embeddings, features.to(token_embeddings.dtype)], dim=-1))  # [B, T, 2H] -> [B, T, H]
-        return self.transform(x, positions, cache)
+        return self.transform(x, positions, cache, tree)
 
     @property
     def num_parameters(self) -> int:

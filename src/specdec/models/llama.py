@@ -24,7 +24,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from specdec.kv_cache import KVCache
+from specdec.kv_cache import KVCache, TreeAttention
 
 
 @dataclass(frozen=True)
@@ -230,17 +230,22 @@ class DecoderStack(nn.Module):
         return KVCache(len(self.layers), max_batch, max_len, c.num_kv_heads, c.head_dim, self.dtype, self.device,
                        static)
 
-    def transform(self, x: torch.Tensor, positions: torch.Tensor, cache: KVCache | None) -> torch.Tensor:
-        """Input vectors x [B, T, hidden] at positions [B, T] -> final normed hidden states [B, T, hidden]."""
-        num_keys = cache.num_keys(positions) if cache is not None else x.shape[1]
-        cos, signed_sin = self._rope_tables(positions, num_keys)
+    def transform(self, x: torch.Tensor, positions: torch.Tensor, cache: KVCache | None,
+                  tree: TreeAttention | None = None) -> torch.Tensor:
+        """Input vectors x [B, T, hidden] at positions [B, T] -> final normed hidden states [B, T, hidden].
+        tree (with a cache): where each token's K/V goes and what it reads, when that is not
+        "position p, after everything before p" (kv_cache.TreeAttention)."""
+        write_positions = positions if tree is None else tree.write_positions  # [B, T]
+        num_keys = cache.num_keys(write_positions) if cache is not None else x.shape[1]
+        cos, signed_sin = self._rope_tables(positions, num_keys)  # a tree's positions are <= where it writes
         needs_mask = cache is not None and (cache.static or not _reads_every_key(positions, num_keys))
         masks = {}
         for layer in self.layers:
             window = self.config.window(layer.self_attn.layer_index)
             if window not in masks:
-                masks[window] = self._mask(positions, num_keys, window, needs_mask)
-            x = layer(x, cos, signed_sin, masks[window], positions, cache, num_keys)
+                masks[window] = (self._mask(positions, num_keys, window, needs_mask) if tree is None
+                                 else tree.mask(num_keys, positions, window))
+            x = layer(x, cos, signed_sin, masks[window], write_positions, cache, num_keys)
         return self.norm(x)
 
     @staticmethod
@@ -297,16 +302,18 @@ class LlamaModel(DecoderStack):
         return self.embed_tokens.weight.dtype
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, cache: KVCache | None,
-                return_hidden: bool = False):
+                return_hidden: bool = False, tree: TreeAttention | None = None):
         """input_ids, positions [B, T] -> logits [B, T, V] (float32); with return_hidden, also
         the final normed hidden states [B, T, hidden]: (logits, hidden).
-        cache=None (training) attends causally within input_ids; positions must be 0..T-1."""
-        hidden = self.hidden_states(input_ids, positions, cache)
+        cache=None (training) attends causally within input_ids; positions must be 0..T-1.
+        tree: see transform."""
+        hidden = self.hidden_states(input_ids, positions, cache, tree)
         return (self.logits(hidden), hidden) if return_hidden else self.logits(hidden)
 
-    def hidden_states(self, input_ids: torch.Tensor, positions: torch.Tensor, cache: KVCache | None) -> torch.Tensor:
+    def hidden_states(self, input_ids: torch.Tensor, positions: torch.Tensor, cache: KVCache | None,
+                      tree: TreeAttention | None = None) -> torch.Tensor:
         """input_ids, positions [B, T] -> final normed hidden states [B, T, hidden]."""
-        return self.transform(self.embed_tokens(input_ids), positions, cache)  # embeddings [B, T, hidden]
+        return self.transform(self.embed_tokens(input_ids), positions, cache, tree)  # embeddings [B, T, hidden]
 
     def last_token_logits(self, input_ids: torch.Tensor, positions: torch.Tensor, cache: KVCache,
                           last_index: torch.Tensor, return_hidden: bool = False):

@@ -1,0 +1,156 @@
+"""TreeGrowth: a batch's draft trees, grown depth by depth from a model-based drafter's logits.
+
+Every candidate node has a score: the log of the product of the drafter's probabilities
+along its branch (its plain softmax, whatever the request's temperature: the tree is a
+deterministic choice, verified as such; see verify.py). Growth, for a node budget N:
+  start     the root's children: the likeliest tokens of the drafter's next-token logits
+  expand    of the deepest candidates, those that could still be among the N likeliest
+            nodes (a child never scores above its parent, so a node below the N-th best
+            score so far cannot have a descendant among them either), the likeliest few (the
+            shape's width) are fed to the drafter together, one forward for the depth, each
+            attending to its own branch; their logits give their children
+  finish    the N likeliest candidates form the tree (a parent always scores at least its
+            child and comes first among equals, so every chosen node's parent is chosen)
+A row's nodes never run deeper than its draft_room (what it can still emit).
+
+The drafter feeds the expanded nodes in order into its own cache, from a position it chooses
+(tree_start): expanded node f is written at tree_start + f, which `visible` describes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from specdec.drafters.base import Draft
+from specdec.sequence import Sequence
+from specdec.tree import ROOT, TreeShape
+
+
+@dataclass
+class Frontier:
+    """The nodes one drafting forward feeds, W per row.
+
+    candidates [B, W]   their candidate numbers (invalid entries: any, with valid False)
+    tokens [B, W]       their tokens (0 where invalid)
+    depth               their depth (all the same)
+    parent_fed [B, W]   each one's parent's expanded-node number (-1: the root)
+    fed [B, W]          their own expanded-node numbers: written at tree_start + fed
+    visible [B, W, F]   which expanded nodes 0..F-1 each attends to (its branch)
+    valid [B, W]        False: padding (a row with fewer nodes worth expanding)
+    """
+
+    candidates: torch.Tensor
+    tokens: torch.Tensor
+    depth: int
+    parent_fed: torch.Tensor
+    fed: torch.Tensor
+    visible: torch.Tensor
+    valid: torch.Tensor
+
+
+class TreeGrowth:
+    def __init__(self, batch: list[Sequence], shape: TreeShape, budget: int, device: torch.device):
+        self.shape, self.budget, self.device = shape, budget, device
+        B = len(batch)
+        self.rooms = torch.tensor([seq.draft_room for seq in batch], device=device)  # [B]: the deepest allowed
+        self.max_depth = min(shape.max_depth(budget), max(seq.draft_room for seq in batch))
+        # candidates, as columns, depth by depth
+        self.tokens = torch.zeros(B, 0, dtype=torch.long, device=device)  # [B, M]
+        self.parents = torch.zeros(B, 0, dtype=torch.long, device=device)  # [B, M]: candidate numbers, ROOT
+        self.scores = torch.zeros(B, 0, device=device)  # [B, M]: log-probabilities; -inf = none
+        self.fed_of = torch.zeros(B, 0, dtype=torch.long, device=device)  # [B, M]: expanded-node number, -1
+        self.level_start, self.depth = 0, 0  # the deepest candidates' first column, and their depth
+        self.branch = torch.zeros(B, 0, 0, dtype=torch.bool, device=device)  # [B, F, F]: expanded nodes' branches
+
+    def start(self, logits: torch.Tensor) -> None:
+        """The root's children from the drafter's next-token logits [B, V]."""
+        B = logits.shape[0]
+        root = torch.full((B, 1), ROOT, dtype=torch.long, device=self.device)  # [B, 1]
+        self._add_children(logits[:, None], root, torch.zeros(B, 1, device=self.device))
+
+    def frontier(self) -> Frontier | None:
+        """The next nodes to expand, or None when growth is over."""
+        if self.depth == 0 or self.depth >= self.max_depth:
+            return None
+        B, M = self.scores.shape
+        level_scores = self.scores[:, self.level_start:]  # [B, C]
+        expandable = level_scores >= self._nth_best_score()[:, None]  # [B, C]
+        width = min(self.shape.nodes_to_expand(level_scores.shape[1]), self.budget)
+        ranked, order = torch.where(expandable, level_scores, float("-inf")).topk(width, dim=1)  # [B, W]
+        valid = ranked > float("-inf")  # [B, W]
+        if not bool(valid.any()):
+            return None
+        candidates = self.level_start + order  # [B, W]
+        parent_candidates = self.parents.gather(1, candidates)  # [B, W]
+        parent_fed = torch.where(parent_candidates == ROOT, -1,
+                                 self.fed_of.gather(1, parent_candidates.clamp(min=0)))  # [B, W]
+        F = self.branch.shape[1]
+        fed = F + torch.arange(width, device=self.device).expand(B, width)  # [B, W]
+        self.fed_of = self.fed_of.scatter(1, candidates, torch.where(valid, fed, -1))
+        self._extend_branches(parent_fed)
+        tokens = torch.where(valid, self.tokens.gather(1, candidates), 0)
+        return Frontier(candidates, tokens, self.depth, parent_fed, fed, self.branch[:, F:], valid)
+
+    def grow(self, frontier: Frontier, logits: torch.Tensor) -> None:
+        """The frontier's children from the drafter's logits after each of its nodes [B, W, V]."""
+        parent_scores = torch.where(frontier.valid, self.scores.gather(1, frontier.candidates), float("-inf"))
+        self._add_children(logits, frontier.candidates, parent_scores)
+
+    def draft(self) -> Draft:
+        """The budget's likeliest nodes as a tree draft (tree.py's numbering)."""
+        B, M = self.scores.shape
+        N = min(self.budget, M)
+        # stable: among equal scores the earlier candidate (a parent before its child) ranks first
+        order = self.scores.argsort(dim=1, descending=True, stable=True)[:, :N]  # [B, N]
+        chosen = self.scores.gather(1, order) > float("-inf")  # [B, N]
+        num_nodes = chosen.sum(1)  # [B]
+        chosen_candidates = torch.where(chosen, order, M).sort(dim=1).values  # [B, N]: ascending, parents first
+        valid = chosen_candidates < M
+        candidates = chosen_candidates.clamp(max=M - 1)
+        node_of = torch.full((B, M + 1), ROOT, dtype=torch.long, device=self.device)  # [B, M+1]: last = ROOT's
+        node_of.scatter_(1, torch.where(valid, candidates, M), torch.arange(N, device=self.device).expand(B, N))
+        node_of[:, M] = ROOT
+        parent_candidates = self.parents.gather(1, candidates)  # [B, N]
+        parents = node_of.gather(1, torch.where(parent_candidates == ROOT, M, parent_candidates))
+        token_ids = torch.where(valid, self.tokens.gather(1, candidates), 0)
+        padded = self.budget - N
+        token_ids = torch.nn.functional.pad(token_ids, (0, padded))  # [B, budget]
+        parents = torch.nn.functional.pad(torch.where(valid, parents, ROOT), (0, padded), value=ROOT)
+        return Draft(token_ids, num_nodes, parents=parents)
+
+    def _add_children(self, logits: torch.Tensor, parents: torch.Tensor, parent_scores: torch.Tensor) -> None:
+        """Each parent's likeliest children: logits [B, W, V], parents [B, W] (candidate numbers),
+        parent_scores [B, W] (-inf: no children)."""
+        B, W, _ = logits.shape
+        depth = self.depth + 1
+        top_logprobs, top_tokens = torch.log_softmax(logits.float(), dim=-1).topk(
+            self.shape.children_per_node(self.depth), dim=-1)  # [B, W, b]
+        scores = parent_scores[:, :, None] + top_logprobs  # [B, W, b]
+        scores = torch.where((depth <= self.rooms)[:, None, None], scores, float("-inf"))
+        b = scores.shape[-1]
+        self.level_start, self.depth = self.scores.shape[1], depth
+        self.tokens = torch.cat([self.tokens, top_tokens.reshape(B, W * b)], dim=1)
+        self.parents = torch.cat([self.parents, parents[:, :, None].expand(B, W, b).reshape(B, W * b)], dim=1)
+        self.scores = torch.cat([self.scores, scores.reshape(B, W * b)], dim=1)
+        self.fed_of = torch.cat([self.fed_of, self.fed_of.new_full((B, W * b), -1)], dim=1)
+
+    def _nth_best_score(self) -> torch.Tensor:
+        """Each row's budget-th best candidate score [B] (-inf while it has fewer)."""
+        M = self.scores.shape[1]
+        if M < self.budget:
+            return self.scores.new_full((self.scores.shape[0],), float("-inf"))
+        return self.scores.topk(self.budget, dim=1).values[:, -1]
+
+    def _extend_branches(self, parent_fed: torch.Tensor) -> None:
+        """Add W expanded nodes, children of parent_fed [B, W] (-1: the root), to the branches."""
+        B, W = parent_fed.shape
+        F = self.branch.shape[1]
+        branch = torch.zeros(B, F + W, F + W, dtype=torch.bool, device=self.device)  # [B, F+W, F+W]
+        if F:
+            branch[:, :F, :F] = self.branch
+            rows = torch.arange(B, device=self.device)[:, None]  # [B, 1]
+            branch[:, F:, :F] = self.branch[rows, parent_fed.clamp(min=0)] & (parent_fed >= 0)[:, :, None]  # [B, W, F]
+        branch[:, F:, F:] = torch.eye(W, dtype=torch.bool, device=self.device)
+        self.branch = branch
