@@ -233,7 +233,7 @@ class Engine:
 
     def _draft(self, batch: list[Sequence], k: int, sampling: SamplingTensors) -> Draft:
         if self.tree is not None:
-            return self.drafter.propose_tree(batch, k, self.tree)
+            return self.drafter.propose_tree(batch, k, self.tree, sampling)
         return self.drafter.propose(batch, k, sampling)
 
     def _usable_k(self, seqs: list[Sequence]) -> int:

@@ -81,9 +81,9 @@ class Drafter(ABC):
     def propose(self, batch: list[Sequence], k: int, sampling: SamplingTensors) -> Draft:
         """Draft up to k tokens for each sequence (whose tokens so far are seq.token_ids)."""
 
-    def propose_tree(self, batch: list[Sequence], budget: int, shape: TreeShape) -> Draft:
+    def propose_tree(self, batch: list[Sequence], budget: int, shape: TreeShape, sampling: SamplingTensors) -> Draft:
         """(grows_trees only) A tree draft of up to budget nodes per sequence, grown as shape says
-        (tree.py): a Draft with parents."""
+        (tree.py), its candidates ranked for the batch's sampling settings: a Draft with parents."""
         raise NotImplementedError(f"{type(self).__name__} drafts chains only")
 
     def time_step(self, batch_size: int) -> None:

@@ -108,14 +108,15 @@ class DraftModelDrafter(Drafter):
             self.fed[seq.slot] = (seq.num_tokens, token_ids[row, :token_ids.shape[1] - 1].tolist())
         return steps.draft()
 
-    def propose_tree(self, batch: list[Sequence], budget: int, shape: TreeShape) -> Draft:
+    def propose_tree(self, batch: list[Sequence], budget: int, shape: TreeShape,
+                     sampling: SamplingTensors) -> Draft:
         """A tree grown as tree_growth.py says. After the catch-up the cache holds each row's
         tokens up to its last (position L-1); the expanded nodes are written from position L on,
         a node at depth d at RoPE position L-1+d, and forgotten afterwards (the next catch-up
         feeds the accepted ones again)."""
         device = self.model.device
         self.cache.use_slots([seq.slot for seq in batch])
-        growth = TreeGrowth(batch, shape, budget, device)
+        growth = TreeGrowth(batch, shape, budget, sampling, device)
         growth.start(self._catch_up(batch))
         lengths = torch.tensor([seq.num_tokens for seq in batch], device=device)  # [B]: L
         while (frontier := growth.frontier()) is not None:

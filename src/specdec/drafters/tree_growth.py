@@ -1,8 +1,15 @@
 """TreeGrowth: a batch's draft trees, grown depth by depth from a model-based drafter's logits.
 
 Every candidate node has a score: the log of the product of the drafter's probabilities
-along its branch (its plain softmax, whatever the request's temperature: the tree is a
-deterministic choice, verified as such; see verify.py). Growth, for a node budget N:
+along its branch, a guess at the chance that the target accepts the whole branch. Those
+probabilities are the drafter's softmax at the request's temperature (a sampled child is
+accepted with the target's probability of it: verify.py), and for a greedy request at
+GREEDY_TREE_TEMPERATURE: a greedy target accepts the drafter's likeliest token far more often
+than the drafter's plain probability of it says (a drafter trained on the target's soft
+labels spreads its mass as the target does, while the target's argmax mostly is the
+drafter's). Measured on the shipped pair, held-out code, float32, 8 prompts, the draft model
+growing "auto" trees: tau 3.46 / 4.04 at 5 / 8 nodes with the plain softmax, 4.29 / 5.37 at
+temperature 0.5, 4.39 / 5.53 at 0.25 (a chain: 4.31 / 5.33). Growth, for a node budget N:
   start     the root's children: the likeliest tokens of the drafter's next-token logits
   expand    of the deepest candidates, those that could still be among the N likeliest
             nodes (a child never scores above its parent, so a node below the N-th best
@@ -24,6 +31,7 @@ from dataclasses import dataclass
 import torch
 
 from specdec.drafters.base import Draft
+from specdec.sampling import SamplingTensors
 from specdec.sequence import Sequence
 from specdec.tree import ROOT, TreeShape
 
@@ -50,10 +58,16 @@ class Frontier:
     valid: torch.Tensor
 
 
+GREEDY_TREE_TEMPERATURE = 0.25
+
+
 class TreeGrowth:
-    def __init__(self, batch: list[Sequence], shape: TreeShape, budget: int, device: torch.device):
+    def __init__(self, batch: list[Sequence], shape: TreeShape, budget: int, sampling: SamplingTensors,
+                 device: torch.device):
         self.shape, self.budget, self.device = shape, budget, device
         B = len(batch)
+        self.temperature = torch.where(sampling.greedy, GREEDY_TREE_TEMPERATURE,
+                                       sampling.temperature).to(device)  # [B]: of the scores
         self.rooms = torch.tensor([seq.draft_room for seq in batch], device=device)  # [B]: the deepest allowed
         self.max_depth = min(shape.max_depth(budget), max(seq.draft_room for seq in batch))
         # candidates, as columns, depth by depth
@@ -125,7 +139,7 @@ class TreeGrowth:
         parent_scores [B, W] (-inf: no children)."""
         B, W, _ = logits.shape
         depth = self.depth + 1
-        top_logprobs, top_tokens = torch.log_softmax(logits.float(), dim=-1).topk(
+        top_logprobs, top_tokens = torch.log_softmax(logits.float() / self.temperature[:, None, None], dim=-1).topk(
             self.shape.children_per_node(self.depth), dim=-1)  # [B, W, b]
         scores = parent_scores[:, :, None] + top_logprobs  # [B, W, b]
         scores = torch.where((depth <= self.rooms)[:, None, None], scores, float("-inf"))
