@@ -16,7 +16,7 @@ import sys
 import pytest
 import torch
 
-from helpers import save_tiny_model
+from helpers import save_random_head, save_tiny_model
 from specdec import SamplingParams
 from specdec.benchmark import commands
 from specdec.benchmark.exactness import compare, first_divergence
@@ -45,7 +45,9 @@ def pair(tmp_path_factory):
 @pytest.fixture(scope="module")
 def results(pair):
     target, draft = pair
-    return run_benchmark(BenchConfig(model=str(target), draft=str(draft), ks=KS, adaptive_confidence=0.5, **TINY))
+    head = save_random_head(target, target.parent / "head", seed=2)
+    return run_benchmark(BenchConfig(model=str(target), draft=str(draft), ks=KS, adaptive_confidence=0.5,
+                                     head=str(head), trees=("auto", "2,1"), early_exit_layer=1, **TINY))
 
 
 @pytest.fixture(scope="module")
@@ -58,7 +60,13 @@ def expected_methods() -> set[tuple[str, str, int]]:
                    for k in KS}
     transformers = {("transformers", "none", 0), ("transformers", "draft_model", 2), ("transformers", "ngram", 2)}
     adaptive = {("specdec", "draft_model_adaptive", max(KS)), ("specdec", "draft_model_goodput", max(KS))}
-    return {("specdec", "none", 0)} | speculative | adaptive | transformers
+    # at the comparison k (transformers_k: the largest of KS), the head, the trees and early exit
+    self_drafting = {("specdec", method, max(KS)) for method in SELF_DRAFTING}
+    return {("specdec", "none", 0)} | speculative | adaptive | transformers | self_drafting
+
+
+SELF_DRAFTING = ("eagle", "eagle_tree", "draft_model_tree", "early_exit")
+TREE_ROWS = 2  # of each *_tree method: one per shape
 
 
 def formula(alpha: float, k: int, c: float) -> float:
@@ -72,7 +80,9 @@ def test_every_configuration_has_a_row(results):
         for sampling in ("greedy", "sampled"):
             rows = [r for r in results["rows"] if (r["prompt_set"], r["sampling"]) == (set_name, sampling)]
             assert {(r["engine"], r["method"], r["k"]) for r in rows} == expected_methods()
-            assert len(rows) == len(expected_methods())
+            assert len(rows) == len(expected_methods()) + 2 * (TREE_ROWS - 1)
+            assert {r["label"] for r in rows if r["method"] == "eagle_tree"} == {
+                "specdec eagle head tree auto, 2 nodes", "specdec eagle head tree 2,1, 2 nodes"}
             assert all(r["prompts"] == 1 and r["tokens"] >= 1 and r["tokens_per_s"] > 0 for r in rows)
 
 
@@ -95,7 +105,8 @@ def test_speculative_rows_are_sane(results):
     cost_ratio = results["costs"]["cost_ratio"]
     assert cost_ratio > 0 and results["costs"]["target_step_ms"] > 0
     for r in (r for r in results["rows"] if r["engine"] == "specdec" and r["method"] != "none"):
-        if r["method"] in ("draft_model_adaptive", "draft_model_goodput", "lookup_then_draft"):  # k or c varies
+        if r["method"] in ("draft_model_adaptive", "draft_model_goodput", "lookup_then_draft", *SELF_DRAFTING):
+            # k or c varies, or the formula does not model the drafter (a head, a tree, early exit)
             assert r["cost_ratio"] is None and r["predicted_speedup"] is None and 1 <= r["tau"] <= r["k"] + 1
             assert r["cost_ratio_in_rounds"] is None and r["predicted_in_rounds"] is None
             if r["method"] == "draft_model_goodput":  # how many rounds took each k
@@ -184,8 +195,9 @@ def test_transformers_baseline_ignores_the_checkpoints_generation_settings_and_s
 
 
 def test_greedy_outputs_are_identical(results):
-    per_set = 3 * len(KS) + 3  # each speculative method (adaptive, goodput too) vs the target alone; the target vs
-    # transformers
+    # each speculative method (adaptive, goodput, the head, trees, early exit too) vs the target alone; the
+    # target vs transformers
+    per_set = 3 * len(KS) + 3 + len(SELF_DRAFTING) + 2 * (TREE_ROWS - 1)
     assert results["exactness"] == {"compared": 2 * per_set, "identical": 2 * per_set, "divergences": []}
 
 
@@ -292,6 +304,12 @@ def test_quick_sizes_and_flags_that_override_them(pair):
         ((2, 4), 7, 3, None, False)
     args = parse(["--model", str(target), "--quick", "--ks", "2,4", "--write-docs"])
     assert parse(commands.command_line(args).split()[2:]) == args
+    assert (mine.head, mine.trees, mine.early_exit_layer) == (None, (), None)  # a model of one's own: asked for
+    shipped = commands.bench_config(parse(["--quick"]))  # the shipped pair: its head, auto trees, early exit
+    assert (shipped.head, shipped.trees, shipped.early_exit_layer) == (str(commands.SHIPPED_HEAD), ("auto",), 6)
+    args = parse(["--model", str(target), "--tree", "auto", "--tree", "3,2,1", "--early-exit", "1"])
+    assert (commands.bench_config(args).trees, commands.bench_config(args).early_exit_layer) == (("auto", "3,2,1"), 1)
+    assert parse(commands.command_line(args).split()[2:]) == args
     args = parse(["--model", str(target), "--prompt-sets", "chat,edit"])
     assert commands.bench_config(args).prompt_sets == ("chat", "edit")
     assert parse(commands.command_line(args).split()[2:]) == args
@@ -371,6 +389,10 @@ def test_missing_shipped_pair_says_what_to_do(monkeypatch, tmp_path):
     ({"device": "cpu:x"}, "device must be cpu, cuda or cuda:N"),
     ({"step_repeats": 0}, "step_repeats"),
     ({"bandwidth_bytes": 0}, "bandwidth_bytes"),
+    ({"trees": ("chain",)}, "tree shapes"),
+    ({"trees": ("3,x",)}, "speculative_tree"),
+    ({"head": "."}, "not an EAGLE head directory"),
+    ({"early_exit_layer": 0}, "early_exit_layer"),
 ])
 def test_bad_configuration_values(pair, changes, message):
     with pytest.raises(ValueError, match=message):

@@ -10,6 +10,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]  # the checkout (src/specdec/paths.py -> .)
 SHIPPED_TARGET = ROOT / "models" / "code-target"
 SHIPPED_DRAFT = ROOT / "models" / "code-draft"
+SHIPPED_HEAD = ROOT / "models" / "code-target-eagle"  # the shipped target's EAGLE head
 DOCS = ROOT / "docs"
 BUILD = ROOT / "build"  # caches of generated models, apart from bench_out (which `specdec bench` replaces)
 

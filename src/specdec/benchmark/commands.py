@@ -1,9 +1,11 @@
 """The `specdec bench` subcommand (argparse, wired in by cli.py).
 
-    specdec bench [--model DIR --draft DIR] [--device cpu|cuda] [--quick] [--out DIR]
+    specdec bench [--model DIR --draft DIR] [--head DIR] [--tree SHAPE]... [--early-exit LAYER]
+                  [--device cpu|cuda] [--quick] [--out DIR]
                   [--max-tokens N] [--ks 1,2,...] [--prompts N] [--no-transformers] [--write-docs]
 
-Without --model it benchmarks the shipped pair (models/code-target, models/code-draft).
+Without --model it benchmarks the shipped pair (models/code-target, models/code-draft), with the
+shipped EAGLE head (models/code-target-eagle), "auto" trees and early exit at half the depth.
 Progress goes to stderr, the Markdown report to stdout; files go under --out.
 """
 
@@ -16,7 +18,7 @@ import sys
 from pathlib import Path
 
 from specdec.config import COMPILE_HELP, COMPILE_MODES, QUANTIZATION_ARGS, QUANTIZATION_HELP, quantization_from_arg
-from specdec.paths import DOCS, ROOT, SHIPPED_DRAFT, SHIPPED_TARGET
+from specdec.paths import DOCS, ROOT, SHIPPED_DRAFT, SHIPPED_HEAD, SHIPPED_TARGET
 
 FULL = {"prompts": 8, "max_tokens": 128, "ks": (1, 2, 3, 4, 5, 6, 7, 8)}
 ADAPTIVE_CONFIDENCE = 0.5
@@ -36,6 +38,15 @@ def add_bench_parser(commands) -> None:
     p.add_argument("--draft", metavar="DIR",
                    help="draft model directory sharing the target's tokenizer (optional with --model; "
                         f"default with no --model: {_relative(SHIPPED_DRAFT)})")
+    p.add_argument("--head", metavar="DIR",
+                   help="an EAGLE head for the target: rows for it at the comparison k (5), chain and trees "
+                        f"(default with no --model: {_relative(SHIPPED_HEAD)})")
+    p.add_argument("--tree", action="append", metavar="SHAPE",
+                   help="a tree shape ('auto', or children per depth like '3,2,1') for rows of the draft model and "
+                        "the head growing trees of k = 5 nodes; repeatable (default with no --model: auto)")
+    p.add_argument("--early-exit", type=int, metavar="LAYER",
+                   help="a row for early exit (the target's first LAYER layers drafting) at k = 5 (default with no "
+                        "--model: half the target's depth)")
     p.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N (default cpu)")
     p.add_argument("--dtype", default="auto", help="auto (the checkpoint's), float32, bfloat16 or float16")
     p.add_argument("--adaptive-confidence", type=float, default=ADAPTIVE_CONFIDENCE, metavar="P",
@@ -98,6 +109,10 @@ def bench_config(args):
     from specdec.benchmark.run import BenchConfig
 
     model, draft = resolve_pair(args.model, args.draft)
+    shipped = args.model is None
+    head = args.head if args.head is not None or not shipped else str(SHIPPED_HEAD)
+    trees = tuple(args.tree) if args.tree else (("auto",) if shipped else ())
+    early_exit = args.early_exit if args.early_exit is not None or not shipped else _half_depth(model)
     sizes = QUICK if args.quick else FULL
     return BenchConfig(model=model, draft=draft, device=args.device, dtype=args.dtype, draft_dtype=args.draft_dtype,
                        compile=args.compile, quantization=quantization_from_arg(args.quantization),
@@ -105,7 +120,13 @@ def bench_config(args):
                        adaptive_confidence=args.adaptive_confidence,
                        ks=_given_or(args.ks, sizes["ks"]), max_tokens=_given_or(args.max_tokens, sizes["max_tokens"]),
                        prompts_per_set=_given_or(args.prompts, sizes["prompts"]), prompt_sets=args.prompt_sets,
-                       with_transformers=not args.no_transformers, seed=args.seed)
+                       with_transformers=not args.no_transformers, seed=args.seed, head=head, trees=trees,
+                       early_exit_layer=early_exit)
+
+
+def _half_depth(model: str) -> int:
+    """Half the layers of the target in the directory model (early exit's default depth)."""
+    return max(1, json.loads((Path(model) / "config.json").read_text())["num_hidden_layers"] // 2)
 
 
 def open_bench_output(args, config):
@@ -147,10 +168,12 @@ def command_line(args) -> str:
     """The `specdec bench` command that reproduces this run (the flags given, written out)."""
     words = ["specdec", "bench"]
     for flag in ("model", "draft", "device", "dtype", "draft_dtype", "adaptive_confidence", "out", "max_tokens",
-                 "prompts", "seed"):
+                 "prompts", "seed", "head", "early_exit"):
         value = getattr(args, flag)
         if value is not None:
             words += ["--" + flag.replace("_", "-"), str(value)]
+    for shape in args.tree or ():
+        words += ["--tree", shape]
     if args.ks:
         words += ["--ks", ",".join(map(str, args.ks))]
     if args.prompt_sets != ("code", "repeat"):

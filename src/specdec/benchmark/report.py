@@ -284,6 +284,12 @@ def _plot_speedup_vs_k(axes, rows: list[dict]) -> None:
                   label="specdec draft model, after the prefill")
         axes.plot(ks, [r["predicted_in_rounds"] for r in drafted], "o--", color="C0", alpha=0.3,
                   label="specdec draft model, predicted (c in rounds)")
+    single_k = (("eagle", "*", "C5"), ("eagle_tree", "P", "C6"), ("draft_model_tree", "X", "C7"),
+                ("early_exit", "h", "C8"))  # rows at the comparison k only, each its own point
+    for method, style, color in single_k:
+        for shade, r in enumerate(r for r in rows if r["method"] == method):
+            axes.plot([r["k"]], [r["speedup"]], style, color=color, alpha=1.0 - 0.25 * min(shade, 3),
+                      markersize=9, label=r["label"])
     for r in rows:
         if r["method"] == "none":
             axes.axhline(r["speedup"], linestyle=":" if r["engine"] == "transformers" else "-", color="gray",
@@ -300,9 +306,15 @@ def _plot_acceptance(axes, rows: list[dict]) -> None:
             r = max(chosen, key=lambda row: row["k"])
             values = [math.nan if a is None else a for a in r["acceptance_by_position"]]
             axes.plot(range(1, len(values) + 1), values, "o-", color=color, label=r["label"])
+    for method, style, color in (("eagle", "*-", "C5"), ("eagle_tree", "P--", "C6"), ("draft_model_tree", "X--", "C7"),
+                                 ("early_exit", "h-", "C8")):
+        for r in rows:
+            if r["method"] == method and r["acceptance_by_position"]:
+                values = [math.nan if a is None else a for a in r["acceptance_by_position"]]
+                axes.plot(range(1, len(values) + 1), values, style, color=color, label=r["label"])
     axes.xaxis.get_major_locator().set_params(integer=True)
     axes.set_ylim(0, 1.05)
-    axes.set_xlabel("draft position")
+    axes.set_xlabel("draft position (a tree's: depth)")
     axes.set_ylabel("acceptance (accepted ÷ proposed)")
 
 

@@ -3,7 +3,9 @@
 For each prompt set and each sampling setting, prompt by prompt, every method decodes the
 same prompt tokens back to back (in an order rotated from prompt to prompt), so machine
 drift hits all methods alike. The methods:
-  specdec    the target alone; the draft model at each k; prompt lookup at each k
+  specdec    the target alone; the draft model at each k; prompt lookup at each k; and, at the
+             comparison k (transformers_k), an EAGLE head (chain and trees), the draft model's
+             trees and early exit, where configured
   transformers (optional, imported lazily)  generate: plain, assisted by the draft model
              (assistant_model=draft), prompt lookup (prompt_lookup_num_tokens), at one k
 Then the totals per configuration: tokens/s, speedup over the specdec target alone, α, τ,
@@ -36,8 +38,10 @@ from specdec.config import (SamplingParams, SpeculativeConfig, check, check_devi
 from specdec.drafters import DRAFTERS, LookupThenDraftDrafter
 from specdec.llm import LLM
 from specdec.metrics import SpecStats, expected_tokens_per_round, predicted_speedup
+from specdec.models.eagle import is_head_directory
 from specdec.models.loader import is_gguf_file
 from specdec.runner import check_compile_mode
+from specdec.tree import TreeShape
 
 PROMPT_SETS = {  # name -> (title, prompt-set function(per_module, max_chars))
     "code": ("held-out code completion", held_out_code_prompts),
@@ -78,6 +82,11 @@ class BenchConfig:
         from the left, keeping their first token.
     bandwidth_bytes: the buffer that measures streaming read bandwidth (larger than the
         last-level cache).
+    head: an EAGLE head's directory for the target (speculative_method="eagle"): a row at
+        the comparison k (transformers_k), and one per tree shape.
+    early_exit_layer: a row for early exit from this layer at the comparison k (None: none).
+    trees: tree shapes (speculative_tree, e.g. "auto"): a row for the draft model and one for
+        the head growing each, trees of transformers_k nodes.
     """
 
     model: str
@@ -100,9 +109,21 @@ class BenchConfig:
     seed: int = 0
     bandwidth_bytes: int = 1 << 30
     step_repeats: int = 50
+    head: str | None = None
+    early_exit_layer: int | None = None
+    trees: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "ks", tuple(self.ks))
+        object.__setattr__(self, "trees", tuple(self.trees))
+        for shape in self.trees:
+            check(shape != "chain", "trees lists tree shapes ('auto', '3,2,1'); the chain rows are always there")
+            TreeShape.parse(shape)
+        if self.head is not None:
+            check(is_head_directory(self.head), f"head {str(self.head)!r} is not an EAGLE head directory (with "
+                                                f"head.json, from `specdec train-heads`)")
+        check(self.early_exit_layer is None or (is_int(self.early_exit_layer) and self.early_exit_layer >= 1),
+              f"early_exit_layer must be an integer >= 1, got {self.early_exit_layer!r}")
         object.__setattr__(self, "prompt_sets", tuple(self.prompt_sets))
         object.__setattr__(self, "samplings", tuple(self.samplings))
         _check_model_dir(self.model, "target model")
@@ -145,13 +166,23 @@ class BenchConfig:
 class Method:
     engine: str  # "specdec" or "transformers"
     drafter: str  # "none", "draft_model", "draft_model_adaptive" (k at most k), "draft_model_goodput" (k at most
-    # k, by goodput), "ngram" or "lookup_then_draft"
+    # k, by goodput), "ngram", "lookup_then_draft", "eagle", "early_exit", or "draft_model_tree" / "eagle_tree"
     k: int = 0
+    tree: str = "chain"  # the tree shape of the *_tree drafters
+    layer: int | None = None  # early exit's depth (None: its default)
 
     @property
     def label(self) -> str:
         if self.drafter == "none":
             return "specdec target alone" if self.engine == "specdec" else "transformers generate"
+        if self.drafter.endswith("_tree"):
+            name = {"draft_model_tree": "draft model", "eagle_tree": "eagle head"}[self.drafter]
+            return f"{self.engine} {name} tree {self.tree}, {self.k} nodes"
+        if self.drafter == "eagle":
+            return f"{self.engine} eagle head k={self.k}"
+        if self.drafter == "early_exit":
+            return f"{self.engine} early exit ({'default depth' if self.layer is None else f'layer {self.layer}'}) " \
+                   f"k={self.k}"
         if self.drafter == "draft_model_adaptive":
             return f"{self.engine} draft model adaptive k<={self.k}"
         if self.drafter == "draft_model_goodput":
@@ -260,10 +291,32 @@ def load_runners(config: BenchConfig) -> LoadedRunners:
         hybrid = LookupThenDraftDrafter.sharing_weights(drafter)
         for k in config.ks:
             runners[Method("specdec", "lookup_then_draft", k)] = SpecdecRunner(target.with_drafter(hybrid, k))
+    runners.update(self_drafting_runners(config, target, drafter if config.draft is not None else None))
     loaded = LoadedRunners(runners, target, draft_model)
     if config.with_transformers:
         runners.update(transformers_runners(config, target, draft_model, loaded.notes))
     return loaded
+
+
+def self_drafting_runners(config: BenchConfig, target: LLM, draft_model_drafter) -> dict[Method, Runner]:
+    """The comparison k's rows of the drafters beyond the draft model's k sweep: the head
+    (chain, then each tree shape), the draft model's trees, early exit."""
+    k, runners = config.transformers_k, {}
+    if draft_model_drafter is not None:
+        for shape in config.trees:
+            runners[Method("specdec", "draft_model_tree", k, shape)] = SpecdecRunner(
+                target.with_drafter(draft_model_drafter.sharing_weights(), k, tree=shape))
+    if config.head is not None:
+        head = DRAFTERS["eagle"](SpeculativeConfig(method="eagle", model=config.head), target.target, target.runner)
+        runners[Method("specdec", "eagle", k)] = SpecdecRunner(target.with_drafter(head, k))
+        for shape in config.trees:
+            runners[Method("specdec", "eagle_tree", k, shape)] = SpecdecRunner(target.with_drafter(head, k, tree=shape))
+    if config.early_exit_layer is not None:
+        spec = SpeculativeConfig(method="early_exit", early_exit_layer=config.early_exit_layer)
+        early_exit = DRAFTERS["early_exit"](spec, target.target, target.runner)
+        runners[Method("specdec", "early_exit", k, layer=config.early_exit_layer)] = SpecdecRunner(
+            target.with_drafter(early_exit, k))
+    return runners
 
 
 class SpecdecRunner:
