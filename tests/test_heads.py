@@ -263,3 +263,62 @@ def test_bad_targets_are_refused_and_nothing_is_written(target_dir, corpus_dir, 
                 dict(sample_temperatures=(True,))):
         with pytest.raises(ValueError, match=next(iter(bad))):
             HeadsConfig(**bad)
+
+
+def test_a_head_over_part_of_the_vocabulary(target_dir, corpus_dir, tmp_path):
+    """--output-vocab N: the head scores the N most frequent tokens of the training text (the
+    end-of-text token among them), saved with it; it drafts only those, the output stays the
+    target's, and after training most of its drafts are accepted. Its token loss is the KL over
+    the scored tokens, q renormalised over them."""
+    from specdec import LLM, SamplingParams
+    from specdec.drafters.eagle import EagleDrafter
+
+    out = tmp_path / "head"
+    assert cli("train-heads", target_dir, "--out", out, "--corpus", corpus_dir, *TINY_HEADS, "--steps", "40",
+               "--eval-every", "0", "--checkpoint-every", "0", "--save-dtype", "float32", "--output-vocab", "96") == 0
+    target = load_pretrained(target_dir, "float32")
+    head = load_head(out, target.model.config, torch.float32)
+    ids = head.output_token_ids
+    assert head.config.output_vocab_size == 96 and len(ids) == 96 and bool((ids[1:] > ids[:-1]).all())
+    assert set(target.eos_token_ids) <= set(ids.tolist())
+
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    prompts = ["def copy(x):\n", "class Point:\n    def __init__(self", "import os\n"]
+    expected = [o.outputs[0].token_ids for o in LLM(str(target_dir), dtype="float32").generate(prompts, params)]
+    llm = LLM(str(target_dir), speculative_model=str(out), dtype="float32", num_speculative_tokens=3,
+              speculative_k_policy="fixed")
+    drafted = []
+    original = EagleDrafter.propose
+
+    def recording(self, batch, k, sampling):
+        draft = original(self, batch, k, sampling)
+        drafted.extend(draft.token_ids[:, :1].flatten().tolist())
+        return draft
+
+    EagleDrafter.propose = recording
+    try:
+        outputs = llm.generate(prompts, params)
+    finally:
+        EagleDrafter.propose = original
+    assert [o.outputs[0].token_ids for o in outputs] == expected
+    assert drafted and set(drafted) <= set(ids.tolist())
+    proposed = sum(o.metrics.num_draft_tokens for o in outputs)
+    assert sum(o.metrics.num_accepted_tokens for o in outputs) / proposed > 0.3
+
+    features = torch.randn(2, 5, target.model.config.hidden_size, generator=torch.Generator().manual_seed(1))
+    predicted = features + 0.3 * torch.randn(features.shape, generator=torch.Generator().manual_seed(2))
+    target_probs = target.model.logits(features).softmax(-1)  # [B, T, V]
+    scored = predicted @ target.model.lm_head.weight[ids].T  # [B, T, S]
+    kl = (torch.special.xlogy(target_probs[..., ids], target_probs[..., ids])
+          - target_probs[..., ids] * scored.log_softmax(-1)).sum(-1).mean()
+    heads_config = HeadsConfig(feature_weight=0.0, token_weight=1.0)
+    assert torch.allclose(head_loss(predicted, features, target.model, heads_config, head), kl, rtol=1e-4)
+
+    from safetensors.torch import load_file, save_file
+
+    from specdec.models.eagle import HeadLoadError
+    weights = load_file(str(out / HEAD_WEIGHTS))
+    for bad in (ids.flip(0), torch.cat([ids[:-1], torch.tensor([target.model.config.vocab_size])])):
+        save_file({**weights, "output_token_ids": bad.contiguous()}, str(out / HEAD_WEIGHTS))
+        with pytest.raises(HeadLoadError, match="output_token_ids must be ascending distinct token ids"):
+            load_head(out, target.model.config, torch.float32)

@@ -37,9 +37,12 @@ class EagleDrafter(Drafter):
     needs_target_hidden = True
     grows_trees = True
 
-    def __init__(self, head: EagleHead, target, confidence_threshold: float = 0.0):
+    def __init__(self, head: EagleHead, target, confidence_threshold: float = 0.0, output_layer=None):
+        """output_layer: for a head scoring part of the vocabulary, its rows of the target's output
+        layer (EagleHead.output_layer); None: the target's own output layer scores."""
         self.head = head
         self.target = target
+        self.output_layer = output_layer
         self.confidence_threshold = confidence_threshold
         self.cache = None
         # slot -> (position of the first feature not yet fed, those features [n, H])
@@ -56,9 +59,13 @@ class EagleDrafter(Drafter):
             raise ValueError(f"an EAGLE head runs in its target's dtype ({str(target_runner.dtype).removeprefix('torch.')}"
                              f"), whose embedding and output layer it uses; got draft_dtype={spec.draft_dtype!r}")
         head = load_head(spec.model, target.model.config, dtype, target_runner.device)
+        output_layer = head.output_layer(target.model.lm_head.weight) if head.config.output_vocab_size else None
         if can_pack(dtype, target_runner.device):  # bf16 on a CPU that has it: the runner's eager layout
             pack_linears(head)
-        return cls(head, target_runner.eager_model(), spec.draft_confidence_threshold)
+            if output_layer is not None:
+                output_layer = torch.nn.Sequential(output_layer)
+                pack_linears(output_layer)
+        return cls(head, target_runner.eager_model(), spec.draft_confidence_threshold, output_layer)
 
     def reserve(self, max_batch: int, max_len: int, num_forwards: int = 0) -> None:
         c = self.cache
@@ -123,7 +130,7 @@ class EagleDrafter(Drafter):
             predicted = self.head(self.target.embed_tokens(frontier.tokens), parent_features, positions, self.cache,
                                   tree=tree)  # [B, W, H]
             features = torch.cat([features, predicted], dim=1)
-            growth.grow(frontier, self.target.logits(predicted))  # [B, W, V]
+            growth.grow(frontier, self._logits(predicted))  # [B, W, V]
         return growth.draft()
 
     def _catch_up(self, batch: list[Sequence]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -141,7 +148,7 @@ class EagleDrafter(Drafter):
         feature = predicted[torch.arange(len(batch), device=device), last][:, None]  # [B, 1, H]
         for seq in batch:
             del self.waiting[seq.slot]
-        return feature, self.target.logits(feature[:, 0])
+        return feature, self._logits(feature[:, 0])
 
     def _waiting_entries(self, seq: Sequence) -> tuple[int, torch.Tensor, list[int]]:
         """(first position, features, the token after each) of seq's entries not yet fed."""
@@ -157,4 +164,10 @@ class EagleDrafter(Drafter):
         """One drafting step: tokens [B, 1], features [B, 1, H] at positions [B, 1] -> the
         predicted features [B, 1, H] and their scores [B, 1, V]."""
         predicted = self.head(self.target.embed_tokens(tokens), features, positions, self.cache)  # [B, 1, H]
-        return predicted, self.target.logits(predicted)
+        return predicted, self._logits(predicted)
+
+    def _logits(self, predicted: torch.Tensor) -> torch.Tensor:
+        """Scores of the predicted features [..., H] over the target's vocabulary [..., V]."""
+        if self.output_layer is None:
+            return self.target.logits(predicted)
+        return self.head.logits(self.output_layer(predicted))

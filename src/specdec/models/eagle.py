@@ -9,7 +9,10 @@ Terms:
 
 The head owns only fc, its layer and its norm. The target lends its embedding and output
 layer at each use (they are never stored in the head, so a head's checkpoint holds only its
-own weights and always speaks its target's vocabulary exactly). The model knows nothing of
+own weights and always speaks its target's vocabulary exactly). A head may score part of the
+vocabulary (output_vocab_size > 0: the tokens output_token_ids, FR-Spec style): then it uses
+those rows of the target's output layer only, which for a large vocabulary is most of a
+drafting step's cost saved; the other tokens get probability 0 (never drafted). The model knows nothing of
 speculation: drafters/eagle.py runs it, training/heads.py trains it.
 
 A head directory holds head.json (the format, the layer's shape, and which target it was
@@ -28,7 +31,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 from torch import nn
 
-from specdec.models.llama import DecoderLayer, DecoderStack, ModelConfig, RMSNorm
+from specdec.models.llama import DecoderLayer, DecoderStack, ModelConfig, RMSNorm, scores_over_vocabulary
 
 HEAD_FORMAT = "specdec-eagle-head"
 HEAD_CONFIG, HEAD_WEIGHTS = "head.json", "head.safetensors"
@@ -41,9 +44,10 @@ class HeadLoadError(ValueError):
     """A head directory that cannot be used (missing, malformed, or made for another target)."""
 
 
-def head_config(target: ModelConfig) -> ModelConfig:
-    """The head's layer shape: one layer of the target's kind, full attention, whole vocabulary."""
-    return dataclasses.replace(target, num_layers=1, sliding_windows=(), output_vocab_size=0,
+def head_config(target: ModelConfig, output_vocab_size: int = 0) -> ModelConfig:
+    """The head's layer shape: one layer of the target's kind, full attention, scoring the
+    whole vocabulary (or output_vocab_size tokens of it)."""
+    return dataclasses.replace(target, num_layers=1, sliding_windows=(), output_vocab_size=output_vocab_size,
                                tie_word_embeddings=False)
 
 
@@ -56,6 +60,8 @@ class EagleHead(DecoderStack):
         self.fc = nn.Linear(2 * config.hidden_size, config.hidden_size, bias=True)
         self.layers = nn.ModuleList([DecoderLayer(config, 0)])
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        if config.output_vocab_size:  # which vocabulary id each scored row is, ascending
+            self.register_buffer("output_token_ids", torch.arange(config.output_vocab_size))
         self._init_rope()
 
     def forward(self, token_embeddings: torch.Tensor, features: torch.Tensor, positions: torch.Tensor,
@@ -70,13 +76,31 @@ class EagleHead(DecoderStack):
     def num_parameters(self) -> int:
         return sum(p.numel() for p in self.parameters())
 
+    def output_layer(self, lm_head_weight: torch.Tensor) -> nn.Linear:
+        """The head's output layer from its target's lm_head weight [V, H]: the rows of the tokens
+        it scores (a copy, made once), or all of them (shared): Linear(H -> S), frozen."""
+        rows = lm_head_weight.detach()
+        if self.config.output_vocab_size:
+            rows = rows.index_select(0, self.output_token_ids.to(rows.device))  # [S, H]
+        layer = nn.Linear(rows.shape[1], rows.shape[0], bias=False, device="meta")
+        layer.weight = nn.Parameter(rows, requires_grad=False)
+        return layer
+
+    def logits(self, scores: torch.Tensor) -> torch.Tensor:
+        """What output_layer gave, scores [..., S], as logits over the whole vocabulary [..., V]
+        (float32; -inf for the tokens it does not score)."""
+        if not self.config.output_vocab_size:
+            return scores.float()
+        return scores_over_vocabulary(scores.float(), self.output_token_ids, self.config.vocab_size)
+
 
 def save_head(head: EagleHead, path: str | Path, dtype: torch.dtype = torch.bfloat16,
               target: str | None = None, extra: dict | None = None) -> Path:
     """Write head.json and head.safetensors into path (created if needed)."""
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
-    weights = {name: tensor.detach().to(dtype).contiguous() for name, tensor in head.state_dict().items()}
+    weights = {name: (tensor.detach().to(dtype) if tensor.is_floating_point() else tensor.detach()).contiguous()
+               for name, tensor in head.state_dict().items()}
     save_file(weights, str(path / HEAD_WEIGHTS), metadata={"format": "pt"})
     config = {"format": HEAD_FORMAT, "version": 1, "model": dataclasses.asdict(head.config),
               "torch_dtype": str(dtype).removeprefix("torch."), "target": target, **(extra or {})}
@@ -108,6 +132,12 @@ def load_head(path: str | Path, target: ModelConfig, dtype: torch.dtype, device:
                                 f"says {tuple(head.state_dict()[name].shape)}")
         if not bool(tensor.float().isfinite().all()):
             raise HeadLoadError(f"{path / HEAD_WEIGHTS}: {name} holds NaN or infinite values")
+    if "output_token_ids" in weights:
+        ids = weights["output_token_ids"]
+        if ids.is_floating_point() or not bool((ids[1:] > ids[:-1]).all()) or int(ids.min()) < 0 \
+                or int(ids.max()) >= target.vocab_size:
+            raise HeadLoadError(f"{path / HEAD_WEIGHTS}: output_token_ids must be ascending distinct token ids below "
+                                f"the vocabulary size {target.vocab_size}")
     head.load_state_dict(weights, strict=False)  # the non-persistent inv_freq is not saved
     return head.to(device=device, dtype=dtype).eval()
 

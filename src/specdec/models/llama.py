@@ -345,8 +345,14 @@ class LlamaModel(DecoderStack):
         logits = self.lm_head(hidden).float()  # [..., head_size]
         if not self.config.output_vocab_size:
             return logits
-        every_token = logits.new_full((*logits.shape[:-1], self.config.vocab_size), float("-inf"))  # [..., V]
-        return every_token.index_copy(-1, self.output_token_ids, logits)
+        return scores_over_vocabulary(logits, self.output_token_ids, self.config.vocab_size)
+
+
+def scores_over_vocabulary(scores: torch.Tensor, token_ids: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """Scores [..., S] of the tokens token_ids [S] as logits over the whole vocabulary [..., V]:
+    -inf (probability 0) for every other token."""
+    every_token = scores.new_full((*scores.shape[:-1], vocab_size), float("-inf"))  # [..., V]
+    return every_token.index_copy(-1, token_ids, scores)
 
 
 def _reads_every_key(positions: torch.Tensor, num_keys: int) -> bool:

@@ -25,7 +25,7 @@ TRAIN_FIELDS = ("steps", "batch_size", "grad_accum", "lr", "min_lr_ratio", "warm
 DISTILL_FIELDS = ("temperature", "on_policy_fraction", "sample_temperature", "prompt_tokens", "divergence", "target_dtype",
                   "embeddings_from_target", "output_vocab")
 HEADS_FIELDS = ("context", "feature_weight", "token_weight", "feature_noise", "on_policy_fraction",
-                "sample_temperatures", "prompt_tokens", "target_dtype")
+                "sample_temperatures", "prompt_tokens", "target_dtype", "output_vocab")
 # (TrainConfig, DistillConfig and HeadsConfig fields, each set by the flag of the same name)
 
 
@@ -105,6 +105,10 @@ def add_train_heads_parser(commands) -> None:
     h.add_argument("--prompt-tokens", type=int, help="corpus tokens the target's text continues (default 32)")
     h.add_argument("--target-dtype", choices=("auto", "float32", "bfloat16"),
                    help="the target's weights while training (default auto: as saved)")
+    h.add_argument("--output-vocab", type=int, metavar="N",
+                   help="the head scores only the N tokens most frequent in the training text (FR-Spec), through "
+                        "those rows of the target's output layer: a cheaper step for a large vocabulary; default 0, "
+                        "all of them")
     _add_training_flags(p, sharded=False)
     p.set_defaults(run=run_train_heads)
 

@@ -60,8 +60,8 @@ from specdec.models.eagle import HEAD_CONFIG, HEAD_WEIGHTS, EagleHead, head_conf
 from specdec.models.llama import LlamaModel, ModelConfig
 from specdec.models.loader import load_pretrained
 from specdec.training.corpus import check_stream_length, evaluation_windows, sample_windows, stdlib_path
-from specdec.training.distill import (acceptance_metrics, divergence_loss, sample_from_target, target_streams,
-                                     weights_fingerprint)
+from specdec.training.distill import (acceptance_metrics, divergence_loss, frequent_share, frequent_tokens,
+                                     sample_from_target, scored_divergence_loss, target_streams, weights_fingerprint)
 from specdec.training.loop import RunState, Task, TrainConfig, log, train_loop
 from specdec.training.model_card import command_line, some_names
 from specdec.training.train import (CHECKPOINT_DIR, RUN_OUTPUT_ENTRIES, SAVE_DTYPES, TrainResult, check_save_dtype,
@@ -88,6 +88,10 @@ class HeadsConfig:
         micro-batch (each >= 0; 0 is greedy).
     prompt_tokens: corpus tokens an on-policy sample continues from.
     target_dtype: the target's weights: "auto" (as saved), "float32" or "bfloat16".
+    output_vocab: > 0: the head scores only the output_vocab tokens most frequent in the
+        training text (and the end-of-text tokens), FR-Spec style, through those rows of the
+        target's output layer; its token loss is over those (distill.scored_divergence_loss).
+        0: the whole vocabulary.
     """
 
     context: int = 512
@@ -98,6 +102,7 @@ class HeadsConfig:
     sample_temperatures: tuple[float, ...] = (0.0, 0.8)
     prompt_tokens: int = 32
     target_dtype: str = "auto"
+    output_vocab: int = 0
 
     def __post_init__(self) -> None:
         check(is_int(self.context) and self.context >= 2,
@@ -118,6 +123,16 @@ class HeadsConfig:
               f"prompt_tokens must be an integer >= 1, got {self.prompt_tokens!r}")
         if self.target_dtype not in ("auto", *SAVE_DTYPES):
             raise ValueError(f"target_dtype must be auto, float32 or bfloat16, got {self.target_dtype!r}")
+        check(is_int(self.output_vocab) and self.output_vocab >= 0,
+              f"output_vocab must be an integer >= 0 (0: the whole vocabulary), got {self.output_vocab!r}")
+
+    def identity(self) -> dict:
+        """What a resumed run must share (output_vocab only where set: a run from before it existed
+        resumes)."""
+        fields = _plain(dataclasses.asdict(self))
+        if not self.output_vocab:
+            del fields["output_vocab"]
+        return fields
 
 
 @dataclass(frozen=True)
@@ -152,13 +167,19 @@ def train_heads(target_path: str | Path, out: str | Path, config: TrainConfig,
             raise ValueError(f"the held-out text is only {len(held_out_stream)} tokens; evaluating a head needs at "
                              "least 3 (a feature, the next and the token between): give a larger corpus")
         check_prompt_tokens(heads_config, context)
-        head = new_head(head_config(target.model.config), config.seed).to(config.device)
+        head = new_head(head_config(target.model.config, heads_config.output_vocab), config.seed).to(config.device)
+        if heads_config.output_vocab:
+            ids = frequent_tokens(train_stream, target.model.config.vocab_size, heads_config.output_vocab,
+                                  always=tuple(target.eos_token_ids))
+            head.output_token_ids.copy_(ids)
+            log(f"the head scores the {len(ids):,} most frequent tokens of the training text: they are "
+                f"{frequent_share(train_stream, ids):.1%} of its tokens")
         target_sha256 = weights_fingerprint(target_path) if target_path.is_dir() else None
         log(f"target {target.model.config.num_parameters / 1e6:.2f}M parameters, head "
             f"{head.num_parameters / 1e6:.2f}M; {len(train_stream):,} training tokens; ready in "
             f"{time.perf_counter() - started:.1f}s")
         identity = run_identity(KIND, head.config, tokenizer, corpus, target=str(target_path.resolve()),
-                                target_sha256=target_sha256, heads=_plain(dataclasses.asdict(heads_config)))
+                                target_sha256=target_sha256, heads=heads_config.identity())
         task = head_task(head, target.model, train_stream, held_out_stream, context, config, heads_config, identity)
         state = train_loop(task, config, output.staging / CHECKPOINT_DIR, checkpoint)
         settings = {"target": str(target_path), "target_sha256": target_sha256,
@@ -215,7 +236,7 @@ def head_task(head: EagleHead, target: LlamaModel, train_stream: torch.Tensor, h
         features = target_features(target, batch.token_ids)  # [B, T, H]
         read = add_noise(features[:, :-1], heads_config.feature_noise, batch.noise_seed)  # [B, T-1, H]: f_0..f_{T-2}
         predicted = predict_features(head, target, batch.token_ids, read)  # [B, T-1, H]: f^_1..f^_{T-1}
-        return head_loss(predicted, features[:, 1:], target, heads_config)
+        return head_loss(predicted, features[:, 1:], target, heads_config, head)
 
     def evaluate(head: EagleHead) -> dict[str, float]:
         totals: dict[str, float] = {}
@@ -223,7 +244,7 @@ def head_task(head: EagleHead, target: LlamaModel, train_stream: torch.Tensor, h
             token_ids = windows.to(device)  # [b, T]
             features = target_features(target, token_ids)  # [b, T, H]
             predicted = predict_features(head, target, token_ids, features[:, :-1])  # [b, T-1, H]
-            for name, value in held_out_metrics(predicted, features[:, 1:], target).items():
+            for name, value in held_out_metrics(predicted, features[:, 1:], target, head).items():
                 totals[name] = totals.get(name, 0.0) + value * len(windows)
         return {name: total / len(held_out) for name, total in totals.items()}
 
@@ -258,15 +279,23 @@ def predict_features(head: EagleHead, target: LlamaModel, token_ids: torch.Tenso
 
 
 def head_loss(predicted: torch.Tensor, next_features: torch.Tensor, target: LlamaModel,
-              heads_config: HeadsConfig) -> torch.Tensor:
+              heads_config: HeadsConfig, head: EagleHead | None = None) -> torch.Tensor:
     """feature_weight · smooth L1(f^, f) + token_weight · KL(p ‖ q), means over positions, for
-    predicted and true next features [B, T-1, H]; p from the true features, q from the predicted,
-    both through the target's output layer."""
+    predicted and true next features [B, T-1, H]; p from the true features through the target's
+    output layer, q from the predicted through the head's (the target's, or its rows of the
+    tokens the head scores)."""
     loss = heads_config.feature_weight * feature_loss(predicted, next_features)
-    if heads_config.token_weight > 0:
-        head_logits, target_logits = both_logits(predicted, next_features, target)  # [B, T-1, V] each
-        loss = loss + heads_config.token_weight * divergence_loss(head_logits, target_logits, 1.0, "fkl")
-    return loss
+    if heads_config.token_weight == 0:
+        return loss
+    if head is not None and head.config.output_vocab_size:  # over the scored tokens: no [B, T-1, V] of the head's
+        with torch.no_grad():
+            target_logits = target.logits(next_features)  # [B, T-1, V]
+        rows = target.lm_head.weight.index_select(0, head.output_token_ids)  # [S, H]
+        head_scores = F.linear(predicted.to(rows.dtype), rows).float()  # [B, T-1, S]
+        return loss + heads_config.token_weight * scored_divergence_loss(head_scores, target_logits,
+                                                                         head.output_token_ids, 1.0, "fkl")
+    head_logits, target_logits = both_logits(predicted, next_features, target)  # [B, T-1, V] each
+    return loss + heads_config.token_weight * divergence_loss(head_logits, target_logits, 1.0, "fkl")
 
 
 def feature_loss(predicted: torch.Tensor, next_features: torch.Tensor) -> torch.Tensor:
@@ -274,19 +303,24 @@ def feature_loss(predicted: torch.Tensor, next_features: torch.Tensor) -> torch.
     return F.smooth_l1_loss(predicted.float(), next_features.float())
 
 
-def both_logits(predicted: torch.Tensor, next_features: torch.Tensor, target: LlamaModel
-                ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The target's output layer over the predicted features (with gradients to them) and over
-    the true ones (without): [B, T-1, V] each, float32."""
+def both_logits(predicted: torch.Tensor, next_features: torch.Tensor, target: LlamaModel,
+                head: EagleHead | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The head's logits over the predicted features (with gradients to them: the target's output
+    layer, or for a head scoring part of the vocabulary its rows, -inf elsewhere) and the
+    target's over the true ones (without): [B, T-1, V] each, float32."""
     with torch.no_grad():
         target_logits = target.logits(next_features)  # [B, T-1, V]
+    if head is not None and head.config.output_vocab_size:
+        rows = target.lm_head.weight.index_select(0, head.output_token_ids)  # [S, H]
+        return head.logits(F.linear(predicted.to(rows.dtype), rows)), target_logits
     return target.logits(predicted.to(target.dtype)), target_logits
 
 
-def held_out_metrics(predicted: torch.Tensor, next_features: torch.Tensor, target: LlamaModel) -> dict[str, float]:
+def held_out_metrics(predicted: torch.Tensor, next_features: torch.Tensor, target: LlamaModel,
+                     head: EagleHead | None = None) -> dict[str, float]:
     """Greedy agreement, α = 1 − TV and TV at temperature 1 (distill.acceptance_metrics), and the
     feature loss, means over positions; features [B, T-1, H]."""
-    head_logits, target_logits = both_logits(predicted, next_features, target)  # [B, T-1, V] each
+    head_logits, target_logits = both_logits(predicted, next_features, target, head)  # [B, T-1, V] each
     acceptance = acceptance_metrics(head_logits, target_logits, 1.0)
     return {"held_out_greedy_agreement": acceptance["held_out_greedy_agreement"],
             "held_out_alpha": acceptance["held_out_alpha"], "held_out_tv": acceptance["held_out_tv"],
