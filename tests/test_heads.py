@@ -15,7 +15,7 @@ from helpers import save_tiny_model, stdlib_corpus
 from specdec.models.eagle import (HEAD_CONFIG, HEAD_WEIGHTS, EagleHead, head_config, load_head, read_head_config,
                                   save_head)
 from specdec.models.loader import ModelLoadError, load_pretrained
-from specdec.training.commands import add_train_heads_parser, add_train_parser
+from specdec.training.commands import add_restrict_head_parser, add_train_heads_parser, add_train_parser
 from specdec.training.heads import HeadsConfig, add_noise, head_loss, new_head
 
 TINY_HEADS = ["--context", "32", "--batch-size", "8", "--lr", "3e-3", "--warmup", "4", "--eval-tokens", "1024",
@@ -27,6 +27,7 @@ def cli(*argv) -> int:
     commands = parser.add_subparsers(dest="command", required=True)
     add_train_parser(commands)
     add_train_heads_parser(commands)
+    add_restrict_head_parser(commands)
     args = parser.parse_args([str(a) for a in argv])
     return args.run(args)
 
@@ -322,3 +323,26 @@ def test_a_head_over_part_of_the_vocabulary(target_dir, corpus_dir, tmp_path):
         save_file({**weights, "output_token_ids": bad.contiguous()}, str(out / HEAD_WEIGHTS))
         with pytest.raises(HeadLoadError, match="output_token_ids must be ascending distinct token ids"):
             load_head(out, target.model.config, torch.float32)
+
+
+def test_restrict_head_cuts_the_output_layer_and_keeps_the_weights(head_dir, target_dir, corpus_dir, tmp_path):
+    """specdec restrict-head: the same head weights, the N most frequent tokens of the corpus
+    (end of text among them) scored, a card section saying so; a cut head is not cut again, and
+    N at least the vocabulary is refused."""
+    out = tmp_path / "cut"
+    assert cli("restrict-head", head_dir, "--target", target_dir, "--output-vocab", "64", "--corpus", corpus_dir,
+               "--out", out) == 0
+    target = load_pretrained(target_dir, "float32")
+    full, cut = (load_head(d, target.model.config, torch.float32) for d in (head_dir, out))
+    assert cut.config.output_vocab_size == 64 and set(target.eos_token_ids) <= set(cut.output_token_ids.tolist())
+    for name, tensor in full.state_dict().items():
+        assert torch.equal(tensor, cut.state_dict()[name]), name
+    assert "restrict-head" in (out / "README.md").read_text()
+    assert json.loads((out / HEAD_CONFIG).read_text())["restricted"]["output_vocab"] == 64
+    with pytest.raises(ValueError, match="already scores only 64 tokens"):
+        cli("restrict-head", out, "--target", target_dir, "--output-vocab", "32", "--corpus", corpus_dir,
+            "--out", tmp_path / "again")
+    with pytest.raises(ValueError, match="not below the vocabulary size"):
+        cli("restrict-head", head_dir, "--target", target_dir, "--output-vocab", str(target.model.config.vocab_size),
+            "--corpus", corpus_dir, "--out", tmp_path / "whole")
+    assert not (tmp_path / "again").exists() and not (tmp_path / "whole").exists()

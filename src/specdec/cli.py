@@ -24,7 +24,8 @@ def build_parser() -> argparse.ArgumentParser:
     from specdec.benchmark.commands import add_bench_parser  # these import torch: after main's try begins
     from specdec.models.commands import add_convert_parser, add_fetch_parser
     from specdec.training.chat_data import add_chat_data_parser
-    from specdec.training.commands import add_distill_parser, add_train_heads_parser, add_train_parser
+    from specdec.training.commands import (add_distill_parser, add_restrict_head_parser, add_train_heads_parser,
+                                           add_train_parser)
 
     parser = argparse.ArgumentParser(prog="specdec", description="Exact speculative decoding for LLMs")
     commands = parser.add_subparsers(dest="command", required=True)
@@ -32,6 +33,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_train_parser(commands)
     add_distill_parser(commands)
     add_train_heads_parser(commands)
+    add_restrict_head_parser(commands)
     add_chat_data_parser(commands)
     add_bench_parser(commands)
     add_convert_parser(commands)

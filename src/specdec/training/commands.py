@@ -113,6 +113,31 @@ def add_train_heads_parser(commands) -> None:
     p.set_defaults(run=run_train_heads)
 
 
+def add_restrict_head_parser(commands) -> None:
+    p = commands.add_parser("restrict-head", help="cut an EAGLE head's output layer to the most frequent tokens",
+                            description="Copy an EAGLE head with its output layer cut to the N tokens most frequent "
+                                        "in the corpus (FR-Spec, no training): a cheaper drafting step for a large "
+                                        "vocabulary; the drafts it loses are of rare tokens.")
+    p.add_argument("head", metavar="HEAD", help="the head's directory (from `specdec train-heads`)")
+    p.add_argument("--target", required=True, help="the target's model directory (the head's own)")
+    p.add_argument("--output-vocab", type=int, required=True, metavar="N", help="how many tokens the head scores")
+    p.add_argument("--corpus", help="text whose token counts decide (default: this Python's standard library, as "
+                                    "train-heads reads it)")
+    p.add_argument("--out", required=True, help="output directory for the cut head")
+    p.add_argument("--force", action="store_true", help="replace an --out that holds other files")
+    p.set_defaults(run=run_restrict_head)
+
+
+def run_restrict_head(args) -> int:
+    from specdec.training.heads import restrict_head
+
+    shares = restrict_head(args.head, args.target, args.out, args.output_vocab, args.corpus, args.force)
+    print(f"wrote {args.out}: the head scores {args.output_vocab:,} tokens, "
+          f"{shares['training_tokens_kept']:.1%} of the training text's tokens and "
+          f"{shares['held_out_tokens_kept']:.1%} of the held-out text's")
+    return 0
+
+
 def _temperatures(text: str) -> tuple[float, ...]:
     """--sample-temperatures: comma-separated numbers."""
     try:

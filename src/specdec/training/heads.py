@@ -56,9 +56,10 @@ import torch.nn.functional as F
 
 from specdec.benchmark.machine import cpu_model
 from specdec.config import check, is_int, is_real
-from specdec.models.eagle import HEAD_CONFIG, HEAD_WEIGHTS, EagleHead, head_config, save_head
+from specdec.models.eagle import HEAD_CONFIG, HEAD_WEIGHTS, EagleHead, head_config, load_head, save_head
 from specdec.models.llama import LlamaModel, ModelConfig
 from specdec.models.loader import load_pretrained
+from specdec.output_dir import open_output_dir
 from specdec.training.corpus import check_stream_length, evaluation_windows, sample_windows, stdlib_path
 from specdec.training.distill import (acceptance_metrics, divergence_loss, frequent_share, frequent_tokens,
                                      sample_from_target, scored_divergence_loss, target_streams, weights_fingerprint)
@@ -422,3 +423,57 @@ def agreement_summary(result: TrainResult) -> str:
             f"{last['held_out_greedy_agreement']:.3f}; α (1 − TV) {first['held_out_alpha']:.3f} -> "
             f"{last['held_out_alpha']:.3f}; feature loss {first['held_out_feature_loss']:.4f} -> "
             f"{last['held_out_feature_loss']:.4f}")
+
+
+RESTRICTED_ENTRIES = (HEAD_CONFIG, HEAD_WEIGHTS, "README.md")
+
+
+def restrict_head(head_path: str | Path, target_path: str | Path, out: str | Path, output_vocab: int,
+                  corpus_path: str | Path | None = None, force: bool = False) -> dict:
+    """FR-Spec without training (Zhao et al. 2025): the head in head_path, its output layer cut to
+    the output_vocab tokens most frequent in the corpus the target's text is read from (the
+    end-of-text tokens among them), written to out. The head's own weights are unchanged: it
+    predicts the same features, and only the tokens it may draft shrink, to those rows of the
+    target's output layer (a cheaper drafting step; the drafts it loses are of rare tokens).
+    Returns what it measured: the share of the corpus's training and held-out tokens kept."""
+    check(is_int(output_vocab) and output_vocab >= 1, f"--output-vocab must be an integer >= 1, got {output_vocab!r}")
+    head_path, target_path = Path(head_path), Path(target_path)
+    inputs = {"HEAD": head_path, "--target": target_path, "--corpus": corpus_path}
+    own_output = lambda path: (path / HEAD_CONFIG).is_file()  # noqa: E731 - an earlier head written there
+    with open_output_dir(out, "restrict-head", inputs, force, own_output, RESTRICTED_ENTRIES, resumable=False) as output:
+        output.clear_staging()
+        target = load_pretrained(target_path, "float32", what="the target")
+        head = load_head(head_path, target.model.config, torch.float32)
+        if head.config.output_vocab_size:
+            raise ValueError(f"the head {head_path} already scores only {head.config.output_vocab_size:,} tokens; "
+                             "restrict the head it was made from")
+        vocab_size = target.model.config.vocab_size
+        check(output_vocab < vocab_size, f"--output-vocab {output_vocab} is not below the vocabulary size "
+                                         f"({vocab_size:,}): nothing to cut")
+        _, train_stream, held_out_stream = target_streams(target, corpus_path)
+        ids = frequent_tokens(train_stream, vocab_size, output_vocab, always=tuple(target.eos_token_ids))
+        restricted = EagleHead(head_config(target.model.config, output_vocab))
+        restricted.load_state_dict({**head.state_dict(), "output_token_ids": ids})
+        shares = {"training_tokens_kept": round(frequent_share(train_stream, ids), 4),
+                  "held_out_tokens_kept": round(frequent_share(held_out_stream, ids), 4)}
+        saved = json.loads((head_path / HEAD_CONFIG).read_text())
+        extra = {key: value for key, value in saved.items() if key not in ("format", "version", "model", "torch_dtype",
+                                                                           "target")}
+        extra["restricted"] = {"from": str(head_path), "output_vocab": output_vocab, **shares}
+        save_head(restricted, output.staging, getattr(torch, saved.get("torch_dtype", "bfloat16")),
+                  target=saved.get("target"), extra=extra)
+        card = (head_path / "README.md").read_text() if (head_path / "README.md").is_file() else ""
+        (output.staging / "README.md").write_text(card + _restricted_card(head_path, target_path, output_vocab,
+                                                                           corpus_path, shares))
+        output.commit()
+    return shares
+
+
+def _restricted_card(head_path: Path, target_path: Path, output_vocab: int, corpus_path, shares: dict) -> str:
+    corpus = f" --corpus {corpus_path}" if corpus_path is not None else ""
+    return (f"\n## Output layer cut to {output_vocab:,} tokens\n\n"
+            f"This copy of `{head_path}` scores only the {output_vocab:,} tokens most frequent in the training "
+            f"text (FR-Spec, no training: the head's weights are the same): "
+            f"{shares['training_tokens_kept']:.1%} of the training tokens and {shares['held_out_tokens_kept']:.1%} of "
+            f"the held-out ones. Made by\n\n```\nspecdec restrict-head {head_path} --target {target_path} "
+            f"--output-vocab {output_vocab}{corpus} --out OUT\n```\n")
