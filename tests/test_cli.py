@@ -32,6 +32,16 @@ def test_generate_ngram_sampled(model_dir, capsys):
     assert "[ngram k=5]" in capsys.readouterr().out
 
 
+def test_generate_with_a_tree(model_dir, capsys):
+    prompt = "def add(a, b):"
+    expected = LLM(str(model_dir), dtype="float32").generate(
+        prompt, SamplingParams(temperature=0, max_tokens=12))[0].outputs[0].text
+    assert main(["generate", "--model", str(model_dir), "--draft", str(model_dir), "--tree", "2,1", "-k", "3",
+                 "--prompt", prompt, "--max-tokens", "12", "--dtype", "float32"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith(prompt + expected) and "[draft_model k=3 tree 2,1]" in out
+
+
 def test_generate_lookup_then_draft(model_dir, capsys):
     prompt = "for i in range(10): for i in"
     expected = LLM(str(model_dir), dtype="float32").generate(
@@ -53,6 +63,9 @@ SWITCHES = ("--ngram", "--lookup")
     (["-k", "-1", "--ngram"], "num_speculative_tokens"),
     (["--lookup"], "add --draft DIR"),
     (["--lookup", "--ngram"], "instead of --ngram"),
+    (["--tree", "auto"], "needs a drafter"),
+    (["--tree", "auto", "--ngram"], "grows trees"),
+    (["--tree", "3,x", "--ngram"], "speculative_tree"),
 ])
 def test_bad_input_is_one_clear_line(model_dir, capsys, args, message):
     base = {"--model": str(model_dir), "--prompt": "x"}

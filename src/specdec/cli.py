@@ -200,6 +200,8 @@ def run_generate(args) -> int:
         print(shown_prompt + completion.text)
     print()
     label = f"{method} k={llm.speculative_config.num_speculative_tokens}" if method else "target alone"
+    if method and llm.speculative_config.tree != "chain":  # k nodes of a tree; by position = by depth
+        label += f" tree {llm.speculative_config.tree}"
     print(f"[{label}] {output.metrics.summary()}")
     if args.compare:
         print(f"[target alone] {baseline.metrics.summary()}")
