@@ -29,7 +29,7 @@ from specdec.models.tokenizer import Tokenizer
 from specdec.runner import ModelRunner
 from specdec.sampling import SamplingTensors, sample, warp
 from specdec.sequence import Sequence
-from specdec.tree import TreeShape, branches, depths
+from specdec.tree import TreeShape, branches
 from specdec.verify import greedy_tree_verify, greedy_verify, rejection_sample, tree_rejection_sample
 
 
@@ -105,8 +105,12 @@ class Engine:
     def _reserve(self, max_batch: int, max_len: int, num_forwards: int, k: int) -> None:
         """Caches for the work ahead (at most num_forwards target forwards, k drafts a round at
         most); the runners compile for it if they are to, and the policy measures its costs."""
-        # a fixed k verifies k drafts every round (fewer are padded); goodput may choose k = 0
-        query_lengths = (1, self.k + 1) if self.policy is not None else (self.k + 1,)
+        # a fixed k verifies k drafts every round (fewer are padded); goodput may choose k = 0; a
+        # tree's forwards run eagerly, and only rows without room run compiled (plain steps)
+        if self.tree is not None:
+            query_lengths = (1,)
+        else:
+            query_lengths = (1, self.k + 1) if self.policy is not None else (self.k + 1,)
         try:
             self.cache = self.target.prepare(max_batch, max_len, query_lengths, num_forwards, self.cache,
                                              return_hidden=self.hands_hidden)
@@ -172,8 +176,7 @@ class Engine:
         draft, all_rows_drafted = self._propose(batch, ks, sampling)
         t1 = time.perf_counter()
         num_draft = draft.num_tokens if draft.is_tree else torch.minimum(draft.num_tokens, torch.tensor(ks, device=device))
-        input_ids, positions = self._verify_inputs(batch, draft)  # [B, k+1] each
-        tree = _tree_attention(positions[:, 0], draft.parents) if draft.is_tree else None
+        input_ids, positions, tree = self._verify_inputs(batch, draft)  # [B, k+1] each, and a tree's layout
         self.cache.use_slots(slots)
         target_logits = self.target(input_ids, positions, self.cache, return_hidden=self.hands_hidden,
                                     tree=tree)  # [B, k+1, V]
@@ -280,15 +283,22 @@ class Engine:
             self._sampling = SamplingTensors.from_params([s.params for s in batch], self.target.device)
         return self._sampling
 
-    def _verify_inputs(self, batch: list[Sequence], draft: Draft) -> tuple[torch.Tensor, torch.Tensor]:
-        """[last token, d_1..d_k] at positions [L-1 .. L-1+k] per row: [B, k+1] each (a tree's
-        nodes at L-1 + their depth)."""
+    def _verify_inputs(self, batch: list[Sequence], draft: Draft
+                       ) -> tuple[torch.Tensor, torch.Tensor, TreeAttention | None]:
+        """[last token, d_1..d_k] at positions [L-1 .. L-1+k] per row: [B, k+1] each. For a tree,
+        its nodes sit at L-1 + their depth, and its layout: column t (the root, then node t-1)
+        is written at L-1 + t and reads the sequence before L-1 and its own branch."""
         device = self.target.device
         last_tokens = torch.tensor([s.last_token_id for s in batch], device=device)[:, None]  # [B, 1]
         input_ids = torch.cat([last_tokens, draft.token_ids], dim=1)  # [B, k+1]
-        first_positions = torch.tensor([s.num_tokens - 1 for s in batch], device=device)[:, None]  # [B, 1]
-        offsets = depths(draft.parents) if draft.is_tree else torch.arange(input_ids.shape[1], device=device)
-        return input_ids, first_positions + offsets  # [B, k+1] each
+        first_positions = torch.tensor([s.num_tokens - 1 for s in batch], device=device)  # [B]
+        columns = torch.arange(input_ids.shape[1], device=device)  # [k+1]
+        if not draft.is_tree:
+            return input_ids, first_positions[:, None] + columns, None
+        visible = branches(draft.parents)  # [B, k+1, k+1]
+        depth = visible.sum(-1) - 1  # [B, k+1]: ancestors, the root included
+        tree = TreeAttention(first_positions[:, None] + columns, first_positions, visible)
+        return input_ids, first_positions[:, None] + depth, tree
 
     def _emit(self, seq: Sequence, tokens: list[int], num_from_draft: int) -> int:
         """Append tokens to seq until one of them finishes it; returns how many were emitted.
@@ -318,13 +328,6 @@ class Engine:
         if self.tokenizer is None:
             return ""
         return self.tokenizer.decode_after(seq.prompt_token_ids, seq.output_token_ids)
-
-
-def _tree_attention(first_positions: torch.Tensor, parents: torch.Tensor) -> TreeAttention:
-    """A tree verify forward's layout: column t (the root, then node t-1) is written at
-    first_positions [B] + t and reads the sequence before first_positions and its branch."""
-    columns = torch.arange(parents.shape[1] + 1, device=parents.device)  # [k+1]
-    return TreeAttention(first_positions[:, None] + columns, first_positions, branches(parents))
 
 
 def _tree_depths(positions: torch.Tensor, num_nodes: torch.Tensor) -> torch.Tensor:

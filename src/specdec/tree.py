@@ -78,11 +78,6 @@ class TreeShape:
         return self.kind if self.kind != "static" else ",".join(map(str, self.branching))
 
 
-def chain_parents(batch_size: int, num_nodes: int, device: torch.device | str) -> torch.Tensor:
-    """The parents [B, N] of a chain: node i follows node i - 1."""
-    return (torch.arange(num_nodes, device=device) - 1).expand(batch_size, num_nodes)
-
-
 def branches(parents: torch.Tensor) -> torch.Tensor:
     """Which verify columns each column's token attends to: parents [B, N] -> [B, N+1, N+1]
     bool, entry [b, i, j] True where column j is column i or one of its ancestors (column 0,

@@ -163,7 +163,7 @@ def tree_rejection_sample(token_ids: torch.Tensor, parents: torch.Tensor, num_no
     tokens = token_ids.tolist()
     draws = uniforms(generators, (num_nodes + 1).tolist(), device).tolist()  # [B, <= N+1]
     # each node's probability under the target at its parent: p_parent(token) [B, N]
-    parent_probs = target_probs.gather(1, (parents.clamp(min=-1) + 1)[:, :, None].expand(B, N, target_probs.shape[-1]))
+    parent_probs = target_probs.gather(1, (parents + 1)[:, :, None].expand(B, N, target_probs.shape[-1]))
     node_probs = parent_probs.gather(2, token_ids.clamp(min=0)[:, :, None]).squeeze(2).double().tolist()  # [B, N]
     results, final = [], []
     for row, count in enumerate(num_nodes.tolist()):

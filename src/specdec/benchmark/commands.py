@@ -28,7 +28,8 @@ QUICK = {"prompts": 4, "max_tokens": 32, "ks": (1, 3, 5)}
 def add_bench_parser(commands) -> None:
     p = commands.add_parser("bench", help="benchmark speculative decoding against the target alone and transformers",
                             description="Measure, in one run with the methods interleaved prompt by prompt: the "
-                                        "target alone, the draft model at each k, prompt lookup, and transformers' "
+                                        "target alone, the draft model at each k, prompt lookup, an EAGLE head, "
+                                        "trees and early exit at k = 5, and transformers' "
                                         "generate (plain, assisted, prompt lookup), greedy and sampled, on held-out "
                                         "code prompts and on prompts that repeat code. Reports tokens/s, speedup, "
                                         "α, τ, acceptance by position, the cost ratio c, the predicted speedup, the "

@@ -56,7 +56,8 @@ import torch.nn.functional as F
 
 from specdec.benchmark.machine import cpu_model
 from specdec.config import check, is_int, is_real
-from specdec.models.eagle import HEAD_CONFIG, HEAD_WEIGHTS, EagleHead, head_config, load_head, save_head
+from specdec.models.eagle import (HEAD_CONFIG, HEAD_WEIGHTS, EagleHead, head_config, is_head_directory, load_head,
+                                  save_head)
 from specdec.models.llama import LlamaModel, ModelConfig
 from specdec.models.loader import load_pretrained
 from specdec.output_dir import open_output_dir
@@ -291,10 +292,8 @@ def head_loss(predicted: torch.Tensor, next_features: torch.Tensor, target: Llam
     if head is not None and head.config.output_vocab_size:  # over the scored tokens: no [B, T-1, V] of the head's
         with torch.no_grad():
             target_logits = target.logits(next_features)  # [B, T-1, V]
-        rows = target.lm_head.weight.index_select(0, head.output_token_ids)  # [S, H]
-        head_scores = F.linear(predicted.to(rows.dtype), rows).float()  # [B, T-1, S]
-        return loss + heads_config.token_weight * scored_divergence_loss(head_scores, target_logits,
-                                                                         head.output_token_ids, 1.0, "fkl")
+        return loss + heads_config.token_weight * scored_divergence_loss(
+            scored_head_scores(predicted, target, head), target_logits, head.output_token_ids, 1.0, "fkl")
     head_logits, target_logits = both_logits(predicted, next_features, target)  # [B, T-1, V] each
     return loss + heads_config.token_weight * divergence_loss(head_logits, target_logits, 1.0, "fkl")
 
@@ -312,9 +311,16 @@ def both_logits(predicted: torch.Tensor, next_features: torch.Tensor, target: Ll
     with torch.no_grad():
         target_logits = target.logits(next_features)  # [B, T-1, V]
     if head is not None and head.config.output_vocab_size:
-        rows = target.lm_head.weight.index_select(0, head.output_token_ids)  # [S, H]
-        return head.logits(F.linear(predicted.to(rows.dtype), rows)), target_logits
+        return head.logits(scored_head_scores(predicted, target, head)), target_logits
     return target.logits(predicted.to(target.dtype)), target_logits
+
+
+def scored_head_scores(predicted: torch.Tensor, target: LlamaModel, head: EagleHead) -> torch.Tensor:
+    """A head over part of the vocabulary: its scores of the tokens it scores, [..., S] float32,
+    for predicted features [..., H] (with gradients to them), through its rows of the target's
+    output layer (EagleHead.output_layer, as drafting uses)."""
+    output_layer = head.output_layer(target.lm_head.weight)
+    return output_layer(predicted.to(output_layer.weight.dtype)).float()
 
 
 def held_out_metrics(predicted: torch.Tensor, next_features: torch.Tensor, target: LlamaModel,
@@ -439,8 +445,8 @@ def restrict_head(head_path: str | Path, target_path: str | Path, out: str | Pat
     check(is_int(output_vocab) and output_vocab >= 1, f"--output-vocab must be an integer >= 1, got {output_vocab!r}")
     head_path, target_path = Path(head_path), Path(target_path)
     inputs = {"HEAD": head_path, "--target": target_path, "--corpus": corpus_path}
-    own_output = lambda path: (path / HEAD_CONFIG).is_file()  # noqa: E731 - an earlier head written there
-    with open_output_dir(out, "restrict-head", inputs, force, own_output, RESTRICTED_ENTRIES, resumable=False) as output:
+    with open_output_dir(out, "restrict-head", inputs, force, is_head_directory, RESTRICTED_ENTRIES,
+                         resumable=False) as output:
         output.clear_staging()
         target = load_pretrained(target_path, "float32", what="the target")
         head = load_head(head_path, target.model.config, torch.float32)
