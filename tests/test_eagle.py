@@ -82,7 +82,7 @@ def test_the_head_reads_the_targets_features_of_the_tokens_it_follows(dirs, monk
         sequence = prompt + output.outputs[0].token_ids
         with torch.no_grad():
             hidden = reference(torch.tensor([sequence]), output_hidden_states=True).hidden_states[-1][0]  # [L, H]
-        entries = fed[int(output.request_id)]
+        entries = fed[output.request_id]
         covered = []
         for start, features, tokens in entries:
             n = len(tokens)

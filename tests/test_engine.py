@@ -112,7 +112,7 @@ def test_lookup_then_draft_drafts_by_model_only_where_lookup_finds_nothing(tmp_p
     sampled = SamplingParams(temperature=1.0, max_tokens=40, ignore_eos=True, seed=3)
     rounds.clear()
     outputs = llm.generate(prompts, [GREEDY, sampled] * 3)
-    sampled_ids = {int(out.request_id) for out in outputs[1::2]}
+    sampled_ids = {out.request_id for out in outputs[1::2]}
     early = rounds[:5]  # every row still runs: 40 tokens take at least 8 rounds
     assert all(sampled_ids <= drafted and not (matched - sampled_ids) & drafted for matched, drafted in early)
     assert any(matched - sampled_ids for matched, _ in rounds)  # greedy rows still looked up, beside sampled ones

@@ -38,6 +38,10 @@ class SamplingParams:
         draft the fixed num_speculative_tokens (not the goodput policy's choice, which varies
         with timings), since its tokens depend on how many drafts each round judged.
     ignore_eos: keep generating past the model's end-of-sequence tokens.
+    num_speculative_tokens: this request's most draft tokens a round (specdec's own, not
+        vLLM's): None = the engine's k; 0 = no speculation for it; above the engine's k, the
+        engine's k. Requests with different values share a batch. With a tree shape, a
+        request drafts the engine's whole tree or (0) nothing. Never changes the output.
     """
 
     temperature: float = 1.0
@@ -49,6 +53,7 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
     seed: int | None = None
     ignore_eos: bool = False
+    num_speculative_tokens: int | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -78,6 +83,10 @@ class SamplingParams:
         check(self.seed is None or (is_int(self.seed) and INT64_MIN <= self.seed <= UINT64_MAX),
                f"seed must be an integer from -2**63 to 2**64 - 1, or None, got {self.seed!r}")
         check(isinstance(self.ignore_eos, bool), f"ignore_eos must be True or False, got {self.ignore_eos!r}")
+        check(self.num_speculative_tokens is None or (is_int(self.num_speculative_tokens)
+                                                      and self.num_speculative_tokens >= 0),
+              f"num_speculative_tokens must be an integer >= 0 (0 = no speculation), or None, "
+              f"got {self.num_speculative_tokens!r}")
 
     @property
     def greedy(self) -> bool:

@@ -18,16 +18,19 @@ the last, which is fed first in the next round's verify forward.
 from __future__ import annotations
 
 import time
-from collections import deque
 
 import torch
 
+from specdec.config import SamplingParams
 from specdec.drafters.base import Draft, Drafter
 from specdec.goodput import GoodputPolicy
 from specdec.kv_cache import CacheTooLarge, TreeAttention, ragged_batch
+from specdec.metrics import SpecStats
 from specdec.models.tokenizer import Tokenizer
+from specdec.outputs import CompletionOutput, RequestOutput
 from specdec.runner import ModelRunner
 from specdec.sampling import SamplingTensors, sample, warp
+from specdec.scheduler import Scheduler
 from specdec.sequence import Sequence
 from specdec.tree import TreeShape, branches
 from specdec.verify import greedy_tree_verify, greedy_verify, rejection_sample, tree_rejection_sample
@@ -45,7 +48,7 @@ class Engine:
 
     def __init__(self, target: ModelRunner, drafter: Drafter | None, num_speculative_tokens: int,
                  eos_token_ids: tuple[int, ...], tokenizer: Tokenizer | None, max_num_seqs: int = 256,
-                 k_policy: str = "goodput", tree: TreeShape | None = None):
+                 k_policy: str = "goodput", tree: TreeShape | None = None, generator: torch.Generator | None = None):
         self.target = target
         self.drafter = drafter
         self.k = num_speculative_tokens if drafter is not None else 0
@@ -63,44 +66,132 @@ class Engine:
         if self.k and k_policy == "goodput" and self.tree is None:
             self.policy = GoodputPolicy(self.k, lambda num_tokens: self.target.padded_queries(num_tokens, self.cache))
         self._sampling_key, self._sampling = None, None
+        self.scheduler = Scheduler()
+        self._unfinished: dict[str, Sequence] = {}  # by request id: waiting or running
+        self.stats = SpecStats()  # every request's rounds, merged (the server's metrics read it)
+        # the random stream of requests without a seed of their own
+        self.shared_generator = generator if generator is not None else torch.Generator(target.device).manual_seed(0)
         self.timings = {"prefill": 0.0, "draft": 0.0, "target": 0.0, "sampling": 0.0, "bookkeeping": 0.0}
+
+    # --- the step-based interface ------------------------------------------------------------
+
+    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                    prompt: str | None = None, stream_text: bool = False) -> Sequence:
+        """Queue a request (prompt_token_ids checked by the caller: LLM.prompt_token_ids); it
+        starts at a step with a free slot. stream_text: each step's RequestOutput carries the
+        request's new text too (its whole output is decoded at every step that adds tokens)."""
+        generator = self.shared_generator
+        if params.seed is not None:
+            generator = torch.Generator(self.target.device).manual_seed(params.seed)
+        seq = Sequence(request_id, list(prompt_token_ids), params, generator, prompt=prompt, stream_text=stream_text)
+        self.add_sequence(seq)
+        return seq
+
+    def add_sequence(self, seq: Sequence) -> None:
+        """Queue a sequence made by the caller (LLM.generate makes its own)."""
+        if seq.request_id in self._unfinished:
+            raise ValueError(f"request id {seq.request_id!r} is already running or waiting; give each a new id")
+        if self.cache is not None and self._positions_needed(seq) > self.cache.max_len:
+            raise ValueError(f"a prompt of {len(seq.prompt_token_ids)} tokens + max_tokens={seq.params.max_tokens} "
+                             f"needs {self._positions_needed(seq)} cache positions, and the engine was prepared for "
+                             f"{self.cache.max_len}; shorten the prompt or lower max_tokens")
+        self._unfinished[seq.request_id] = seq
+        self.scheduler.add(seq)
+
+    def step(self) -> list[RequestOutput]:
+        """Admit waiting requests into free slots (their prefill samples each one's first
+        token), run one round over every running request, retire the finished ones. Returns,
+        for every request that moved, what is new since the last step (outputs.py)."""
+        if self.cache is None:
+            self.prepare(list(self.scheduler.waiting))
+        admitted = self.scheduler.admit()
+        if admitted:
+            self._prefill(admitted)
+        running = [seq for seq in self.scheduler.running if not seq.finished]
+        if running:
+            self._round(running)
+        for seq in self.scheduler.retire_finished():
+            self._finish(seq)
+        admitted_ids = {seq.request_id for seq in admitted}
+        moved = admitted + [seq for seq in running if seq.request_id not in admitted_ids]
+        return [output for output in map(self._new_output, moved) if output is not None]
+
+    def abort(self, request_id: str) -> bool:
+        """Stop a request, waiting or running; its slot is free for the next step. False if no
+        such request is unfinished."""
+        seq = self.scheduler.remove(request_id)
+        if seq is None:
+            return False
+        seq.finish_reason = "abort"
+        self._finish(seq, ran=seq.slot >= 0)
+        return True
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    @property
+    def num_running(self) -> int:
+        return self.scheduler.num_running
+
+    @property
+    def num_waiting(self) -> int:
+        return self.scheduler.num_waiting
+
+    # --- sizing --------------------------------------------------------------------------------
 
     def prepare(self, seqs: list[Sequence]) -> int:
         """Size the caches for generating seqs (and compile for it, where the runners are to);
         returns how many run at once."""
         max_batch = min(self.max_num_seqs, len(seqs))
-        # + k + 1: verify positions run k past the last token, and the last position is kept
-        # free for padding (see kv_cache.ragged_batch); a drafter growing a tree writes the nodes
-        # it expands past the last token
         k = self._usable_k(seqs) if self.tree is None else self.k  # a tree's nodes are not cut to the room
-        margin = max(k, self.tree.max_expanded(k)) if self.tree is not None else k
-        max_len = max(s.num_tokens + s.params.max_tokens for s in seqs) + margin + 1
+        max_len = max(s.num_tokens + s.params.max_tokens for s in seqs) + self._margin(k) + 1
         waves = -(-len(seqs) // max_batch)
         self._reserve(max_batch, max_len, waves * max(s.params.max_tokens for s in seqs), k)
+        self._start(max_batch)
         return max_batch
 
-    def run(self, seqs: list[Sequence]) -> None:
-        """Generate every sequence to completion (continuous batching over free slots)."""
-        max_batch = self.prepare(seqs)
+    def prepare_to_serve(self, max_model_len: int, kv_cache_bytes: int | None = None) -> int:
+        """Size the caches for serving requests of up to max_model_len tokens (prompt and
+        output) each, as many at once as max_num_seqs and kv_cache_bytes (the target's cache; None:
+        no limit but the free memory) allow; the goodput policy measures its costs at every batch
+        size a power of two up to that. Compiles only under compile="on" (a compiled forward runs
+        the whole batch of slots, however few requests there are). Returns the slots."""
+        max_len = max_model_len + self._margin(self.k) + 1
+        num_slots = self.max_num_seqs
+        if kv_cache_bytes is not None:
+            per_slot = self.target.model.cache_bytes(1, max_len)
+            num_slots = min(num_slots, kv_cache_bytes // per_slot)
+            if num_slots < 1:
+                raise CacheTooLarge(f"one sequence of {max_len:,} positions needs {per_slot / 1e6:,.1f} MB of key/value "
+                                    f"cache, more than the budget of {kv_cache_bytes / 1e6:,.1f} MB; lower "
+                                    "max_model_len or raise the budget")
+        self._reserve(num_slots, max_len, 0, self.k)
+        if self.policy is not None:
+            for batch_size in (1 << i for i in range(num_slots.bit_length())):
+                self._calibrate(batch_size, max_len)
+        self._start(num_slots)
+        return num_slots
+
+    def _start(self, num_slots: int) -> None:
+        if self.scheduler.has_unfinished():
+            raise RuntimeError("the engine has unfinished requests: finish or abort them before preparing again")
+        self.scheduler.resize(num_slots)
+        self.reset_timings()
+        self._sampling_key = None  # earlier requests may share ids with the next ones
+
+    def reset_timings(self) -> None:
         for key in self.timings:
             self.timings[key] = 0.0
-        self._sampling_key = None  # an earlier call's requests may share ids with these
-        start = time.perf_counter()
-        waiting, running = deque(seqs), []
-        free_slots = list(range(max_batch))[::-1]
-        while waiting or running:
-            admitted = []
-            while waiting and free_slots:
-                seq = waiting.popleft()
-                seq.slot = free_slots.pop()
-                admitted.append(seq)
-            if admitted:
-                self._prefill(admitted)
-                running += admitted
-            running = self._retire(running, free_slots, start)
-            if running:
-                self._round(running)
-                running = self._retire(running, free_slots, start)
+
+    def _margin(self, k: int) -> int:
+        """Positions past a sequence's last token that a round may write: verify runs k past it,
+        and a drafter growing a tree writes the nodes it expands."""
+        return max(k, self.tree.max_expanded(k)) if self.tree is not None else k
+
+    def _positions_needed(self, seq: Sequence) -> int:
+        """Cache positions seq needs (the last one is kept free for padding: kv_cache.ragged_batch)."""
+        k = self.k if self.tree is not None else min(self.k, seq.draft_room)  # a chain is cut to the room
+        return seq.num_tokens + seq.params.max_tokens + self._margin(k) + 1
 
     def _reserve(self, max_batch: int, max_len: int, num_forwards: int, k: int) -> None:
         """Caches for the work ahead (at most num_forwards target forwards, k drafts a round at
@@ -120,8 +211,13 @@ class Engine:
             raise CacheTooLarge(f"{e}: {max_batch} sequences at once, each of up to {max_len:,} positions (prompt + "
                                 "max_tokens + k + 1); lower max_tokens, or max_num_seqs") from None
         if self.policy is not None:
-            self.policy.calibrate(max_batch, k, lambda num_tokens: self._time_target(max_batch, num_tokens, max_len),
-                                  lambda: self.drafter.time_step(max_batch))
+            self._calibrate(max_batch, max_len, k)
+
+    def _calibrate(self, batch_size: int, max_len: int, k: int | None = None) -> None:
+        """The goodput policy's costs at batch_size rows (once per batch bucket: goodput.py)."""
+        self.policy.calibrate(batch_size, self.k if k is None else k,
+                              lambda num_tokens: self._time_target(batch_size, num_tokens, max_len),
+                              lambda: self.drafter.time_step(batch_size))
 
     def _time_target(self, batch_size: int, num_tokens: int, max_len: int) -> None:
         """A target forward of num_tokens tokens per row for batch_size rows, for the policy to
@@ -135,18 +231,14 @@ class Engine:
         positions = start + torch.arange(num_tokens, device=device).expand(batch_size, num_tokens)  # [B, T]
         self.target(input_ids, positions, self.cache, return_hidden=self.hands_hidden)
 
-    def _retire(self, running: list[Sequence], free_slots: list[int], start: float) -> list[Sequence]:
-        still_running = []
-        for seq in running:
-            if seq.finished:
-                seq.stats.seconds = time.perf_counter() - start
-                seq.text = self._final_text(seq)
-                free_slots.append(seq.slot)
-                if self.drafter is not None:
-                    self.drafter.release(seq)
-            else:
-                still_running.append(seq)
-        return still_running
+    def _finish(self, seq: Sequence, ran: bool = True) -> None:
+        """A sequence out of the batch (finished or aborted): its time, its final text; the
+        drafter forgets it."""
+        del self._unfinished[seq.request_id]
+        seq.stats.seconds = time.perf_counter() - seq.arrival_time
+        seq.text = self._final_text(seq)
+        if ran and self.drafter is not None:
+            self.drafter.release(seq)
 
     def _prefill(self, batch: list[Sequence]) -> None:
         """One target forward over the new prompts; samples each one's first token."""
@@ -162,7 +254,9 @@ class Engine:
         probs = warp(logits, SamplingTensors.from_params([s.params for s in batch], device))
         first_tokens = sample(probs, [s.generator for s in batch]).tolist()
         for seq, token in zip(batch, first_tokens):
-            seq.stats.record_round(0, 0, self._emit(seq, [token], num_from_draft=0))
+            emitted = self._emit(seq, [token], num_from_draft=0)
+            seq.stats.record_round(0, 0, emitted)
+            self.stats.record_round(0, 0, emitted)
             if self.policy is not None:
                 self.policy.start(seq.slot)
         self.timings["prefill"] += time.perf_counter() - t0
@@ -194,7 +288,8 @@ class Engine:
         for row, seq in enumerate(batch):
             tokens = output[row, :num_accepted_list[row] + 1].tolist()
             emitted = self._emit(seq, tokens, num_from_draft=num_accepted_list[row])
-            seq.stats.record_round(num_proposed[row], num_accepted_list[row], emitted, k=ks[row],
+            for stats in (seq.stats, self.stats):
+                stats.record_round(num_proposed[row], num_accepted_list[row], emitted, k=ks[row],
                                    depth=tree_depths[row])
         if self.drafter is not None:
             self.drafter.observe(batch, num_accepted)
@@ -317,6 +412,24 @@ class Engine:
                 return count
         return len(tokens)
 
+    def _new_output(self, seq: Sequence) -> RequestOutput | None:
+        """What is new in seq since its last RequestOutput (None: nothing): its new tokens, and,
+        if it streams text, the new text that can no longer change (held back: an unfinished
+        character, and a tail that may be the start of a stop string); all of its text once it
+        finishes."""
+        new_token_ids = seq.output_token_ids[seq.num_tokens_reported:]
+        from_draft = seq.output_from_draft[seq.num_tokens_reported:]
+        if not new_token_ids and not seq.finished:
+            return None
+        seq.num_tokens_reported = len(seq.output_token_ids)
+        text = seq.text if seq.finished else (_settled_text(self._output_text(seq), seq.params.stop)
+                                              if seq.stream_text else seq.text_reported)
+        new_text = text[len(seq.text_reported):] if text.startswith(seq.text_reported) else ""
+        seq.text_reported += new_text
+        completion = CompletionOutput(0, new_text, new_token_ids, seq.finish_reason, from_draft)
+        return RequestOutput(seq.request_id, seq.prompt, seq.prompt_token_ids, [completion], seq.stats,
+                             finished=seq.finished)
+
     def _final_text(self, seq: Sequence) -> str:
         """The decoded output, cut before the first stop string."""
         text = self._output_text(seq)
@@ -336,6 +449,14 @@ def _tree_depths(positions: torch.Tensor, num_nodes: torch.Tensor) -> torch.Tens
     columns = torch.arange(positions.shape[1], device=positions.device)[None, :]  # [1, k+1]
     offsets = (positions - positions[:, :1]).masked_fill(columns > num_nodes[:, None], 0)  # [B, k+1]
     return offsets.max(dim=1).values
+
+
+def _settled_text(text: str, stops: tuple[str, ...]) -> str:
+    """The part of a running request's text that more tokens cannot change: less an unfinished
+    UTF-8 character (decoded as U+FFFD) and less the longest tail that begins a stop string."""
+    text = text.rstrip("\ufffd")
+    hold = max((n for stop in stops for n in range(1, len(stop)) if text.endswith(stop[:n])), default=0)
+    return text[:len(text) - hold]
 
 
 def _stop_string_index(text: str, stops: tuple[str, ...]) -> int | None:

@@ -9,40 +9,20 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-from dataclasses import dataclass, field
 
 import torch
 
 from specdec.config import INT64_MIN, UINT64_MAX, SamplingParams, SpeculativeConfig, check, check_device, is_int
 from specdec.drafters import DRAFTERS, Drafter
 from specdec.engine import Engine
-from specdec.metrics import SpecStats
 from specdec.models.eagle import is_head_directory
 from specdec.models.loader import LoadedModel, load_pretrained
 from specdec.models.quantized_linear import check_quantization
+from specdec.outputs import CompletionOutput, RequestOutput
 from specdec.platform import Platform, detect_platform
 from specdec.runner import ModelRunner, check_compile_mode
 from specdec.sequence import Sequence
 from specdec.tree import TreeShape
-
-
-@dataclass
-class CompletionOutput:
-    index: int
-    text: str
-    token_ids: list[int]
-    finish_reason: str | None
-    from_draft: list[bool] = field(default_factory=list)  # per token id: accepted from the drafter?
-
-
-@dataclass
-class RequestOutput:
-    request_id: str
-    prompt: str | None
-    prompt_token_ids: list[int]
-    outputs: list[CompletionOutput]
-    metrics: SpecStats = field(default_factory=SpecStats)
-    finished: bool = True
 
 
 class LLM:
@@ -118,10 +98,10 @@ class LLM:
             drafter = DRAFTERS[self.speculative_config.method](self.speculative_config, self.target, self.runner)
         spec = self.speculative_config
         self.max_num_seqs = max_num_seqs
-        self.engine = self._engine(drafter, spec.num_speculative_tokens if spec else 0,
-                                   spec.k_policy if spec else "fixed", TreeShape.parse(spec.tree) if spec else None)
         self._shared_generator = torch.Generator(self.device).manual_seed(seed)  # for requests without a seed
         self._next_request_id = 0
+        self.engine = self._engine(drafter, spec.num_speculative_tokens if spec else 0,
+                                   spec.k_policy if spec else "fixed", TreeShape.parse(spec.tree) if spec else None)
 
     def target_only(self) -> "LLM":
         """An LLM over the same loaded target with no drafter: the baseline to compare with."""
@@ -140,7 +120,7 @@ class LLM:
 
     def _engine(self, drafter: Drafter | None, k: int, k_policy: str, tree: TreeShape | None = None) -> Engine:
         return Engine(self.runner, drafter, k, self.target.eos_token_ids, self.tokenizer, self.max_num_seqs, k_policy,
-                      tree)
+                      tree, generator=self._shared_generator)
 
     @property
     def max_model_len(self) -> int:
@@ -154,7 +134,11 @@ class LLM:
         params_list = _as_params_list(sampling_params, len(prompt_list))
         seqs = [self._new_sequence(prompt, params) for prompt, params in zip(prompt_list, params_list)]
         with torch.inference_mode():
-            self.engine.run(seqs)
+            self.engine.prepare(seqs)
+            for seq in seqs:
+                self.engine.add_sequence(seq)
+            while self.engine.has_unfinished_requests():
+                self.engine.step()
         return [self._output(seq) for seq in seqs]
 
     def warm_up(self, prompt, params: SamplingParams) -> None:
@@ -207,7 +191,7 @@ class LLM:
             generator = torch.Generator(self.device).manual_seed(params.seed)
         else:
             generator = self._shared_generator
-        request_id = self._next_request_id
+        request_id = str(self._next_request_id)
         self._next_request_id += 1
         return Sequence(request_id, prompt_ids, params, generator, prompt=prompt_text)
 
@@ -233,7 +217,7 @@ class LLM:
     def _output(self, seq: Sequence) -> RequestOutput:
         completion = CompletionOutput(0, seq.text, list(seq.output_token_ids), seq.finish_reason,
                                       list(seq.output_from_draft))
-        return RequestOutput(str(seq.request_id), seq.prompt, seq.prompt_token_ids, [completion], seq.stats)
+        return RequestOutput(seq.request_id, seq.prompt, seq.prompt_token_ids, [completion], seq.stats)
 
 
 def speculative_config(model, method, **options) -> SpeculativeConfig | None:

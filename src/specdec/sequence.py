@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 
 import torch
@@ -12,7 +13,7 @@ from specdec.metrics import SpecStats
 
 @dataclass
 class Sequence:
-    request_id: int
+    request_id: str
     prompt_token_ids: list[int]
     params: SamplingParams
     generator: torch.Generator  # its own when params.seed is set, else the LLM's shared one
@@ -23,6 +24,10 @@ class Sequence:
     text: str = ""  # filled when finished (cut before a stop string)
     finish_reason: str | None = None  # "stop" (EOS, stop token or stop string) or "length"
     stats: SpecStats = field(default_factory=SpecStats)
+    arrival_time: float = field(default_factory=time.perf_counter)  # when the engine was given it
+    num_tokens_reported: int = 0  # output tokens already returned by Engine.step
+    text_reported: str = ""  # output text already returned by Engine.step (streaming text only)
+    stream_text: bool = False  # Engine.step returns each step's new text (decoding the output each step)
 
     @property
     def token_ids(self) -> list[int]:
@@ -43,8 +48,10 @@ class Sequence:
     @property
     def draft_room(self) -> int:
         """The most draft tokens worth proposing for it in a round: what it can still emit,
-        less the token the round adds itself."""
-        return max(0, self.remaining_tokens - 1)
+        less the token the round adds itself, and no more than its own num_speculative_tokens."""
+        room = max(0, self.remaining_tokens - 1)
+        cap = self.params.num_speculative_tokens
+        return room if cap is None else min(room, cap)
 
     @property
     def finished(self) -> bool:

@@ -225,6 +225,11 @@ class DecoderStack(nn.Module):
     def dtype(self) -> torch.dtype:
         return self.norm.weight.dtype
 
+    def cache_bytes(self, max_batch: int, max_len: int) -> int:
+        """The bytes of new_cache(max_batch, max_len): keys and values of every layer."""
+        c = self.config
+        return 2 * len(self.layers) * max_batch * max_len * c.num_kv_heads * c.head_dim * self.dtype.itemsize
+
     def new_cache(self, max_batch: int, max_len: int, static: bool = False) -> KVCache:
         c = self.config
         return KVCache(len(self.layers), max_batch, max_len, c.num_kv_heads, c.head_dim, self.dtype, self.device,

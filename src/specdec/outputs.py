@@ -1,0 +1,33 @@
+"""What generation returns, in vLLM's shapes: a RequestOutput per request, holding one
+CompletionOutput (specdec samples one completion per request).
+
+LLM.generate returns each request's whole output. Engine.step returns, for each request that
+moved, only what is new since its last RequestOutput (the tokens, and the text where the request
+asked for streaming text), with finished set on the last one: a stream's deltas join into the
+whole output.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from specdec.metrics import SpecStats
+
+
+@dataclass
+class CompletionOutput:
+    index: int
+    text: str
+    token_ids: list[int]
+    finish_reason: str | None  # "stop" (EOS, a stop token or string), "length" (max_tokens), "abort"; None: running
+    from_draft: list[bool] = field(default_factory=list)  # per token id: accepted from the drafter?
+
+
+@dataclass
+class RequestOutput:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
+    metrics: SpecStats = field(default_factory=SpecStats)
+    finished: bool = True
