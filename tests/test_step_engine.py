@@ -1,0 +1,147 @@
+"""The step-based engine: requests join and leave between steps (continuous batching), each
+with its own num_speculative_tokens, and abort frees a slot; the deltas step() returns join
+into exactly what LLM.generate returns for the request alone."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from helpers import save_tiny_pair
+from specdec import LLM, SamplingParams
+
+GREEDY = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def dirs(tmp_path_factory):
+    return save_tiny_pair(tmp_path_factory.mktemp("step"), target_seed=5, draft_seed=6)
+
+
+@pytest.fixture(scope="module")
+def plain(dirs):
+    return LLM(str(dirs["target"]), dtype="float32")
+
+
+def speculative(dirs, k: int = 3, max_num_seqs: int = 256) -> LLM:
+    return LLM(str(dirs["target"]), dtype="float32", speculative_model=str(dirs["target"]), num_speculative_tokens=k,
+               speculative_k_policy="fixed", max_num_seqs=max_num_seqs)
+
+
+def random_prompts(n: int, seed: int) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(2, 320, (int(torch.randint(3, 20, (1,), generator=g)),), generator=g).tolist()
+            for _ in range(n)]
+
+
+def run_to_end(engine, joined: dict, late: list[tuple[int, str, list[int], SamplingParams]] = ()) -> list[int]:
+    """Step until done, joining each request's deltas (token ids, text, finish reason) in joined;
+    late (step, id, prompt, params): requests added before that step. Returns the running
+    counts seen after each step."""
+    running, step = [], 0
+    with torch.inference_mode():
+        while engine.has_unfinished_requests() or any(s >= step for s, *_ in late):
+            for _, request_id, prompt, params in [entry for entry in late if entry[0] == step]:
+                engine.add_request(request_id, prompt, params)
+            for output in engine.step():
+                ids, text, reason = joined.setdefault(output.request_id, ([], [], [None]))
+                ids += output.outputs[0].token_ids
+                text.append(output.outputs[0].text)
+                reason[0] = output.outputs[0].finish_reason
+                assert output.finished == (output.outputs[0].finish_reason is not None)
+            running.append(engine.num_running)
+            step += 1
+    return running
+
+
+def test_requests_joining_between_steps_get_what_they_get_alone(dirs, plain):
+    llm = speculative(dirs, max_num_seqs=2)  # four requests, two slots: two wait
+    prompts = random_prompts(5, seed=1)
+    params = [GREEDY, SamplingParams(temperature=0, max_tokens=9, ignore_eos=True), GREEDY,
+              SamplingParams(temperature=1.0, max_tokens=17, ignore_eos=True, seed=7), GREEDY]
+    expected = [plain.generate(p, sp)[0].outputs[0].token_ids for p, sp in zip(prompts, params)]
+    # a seeded sampled request draws the same numbers whatever runs beside it (not plain decoding's)
+    expected[3] = speculative(dirs).generate(prompts[3], params[3])[0].outputs[0].token_ids
+    llm.engine.prepare_to_serve(max_model_len=64)
+    joined = {}
+    late = [(0, "a", prompts[0], params[0]), (0, "b", prompts[1], params[1]), (0, "c", prompts[2], params[2]),
+            (3, "d", prompts[3], params[3]), (5, "e", prompts[4], params[4])]
+    running = run_to_end(llm.engine, joined, late)
+    assert max(running) == 2 and running[-1] == 0
+    for request_id, want in zip("abcde", expected):
+        ids, _, reason = joined[request_id]
+        assert ids == want, request_id
+        assert reason == ["length"]
+
+
+def test_each_request_speculates_at_most_its_own_k(dirs, plain):
+    llm = speculative(dirs, k=4)
+    prompts = random_prompts(4, seed=2)
+    caps = [0, 1, None, 9]  # none, one a round, the engine's k, more than the engine's k
+    params = [SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, num_speculative_tokens=cap)
+              for cap in caps]
+    outputs = llm.generate(prompts, params)  # one batch, mixed
+    expected = plain.generate(prompts, GREEDY)
+    for cap, output, want in zip(caps, outputs, expected):
+        assert output.outputs[0].token_ids == want.outputs[0].token_ids, cap
+        largest_k = len(output.metrics.rounds_by_k) - 1  # rounds_by_k[k]: rounds at k
+        assert largest_k == min(4, 4 if cap is None else cap), cap
+    assert outputs[0].metrics.num_draft_tokens == 0 and outputs[0].metrics.tokens_per_forward == 1.0
+    assert outputs[2].metrics.num_accepted_tokens > 0  # the target drafting for itself: accepted
+
+
+def test_abort_frees_the_slot_and_drops_a_waiting_request(dirs):
+    llm = speculative(dirs, max_num_seqs=1)
+    engine = llm.engine
+    engine.prepare_to_serve(max_model_len=64)
+    prompts = random_prompts(3, seed=3)
+    long = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    with torch.inference_mode():
+        for request_id, prompt in zip("xyz", prompts):
+            engine.add_request(request_id, prompt, long)
+        engine.step()
+        assert (engine.num_running, engine.num_waiting) == (1, 2)
+        assert engine.abort("y")  # waiting: never runs
+        assert engine.abort("x")  # running: its slot is free at the next step
+        assert not engine.abort("x") and not engine.abort("nobody")
+        assert (engine.num_running, engine.num_waiting) == (0, 1)
+        outputs = engine.step()
+        assert [o.request_id for o in outputs] == ["z"] and engine.num_running == 1
+        while engine.has_unfinished_requests():
+            engine.step()
+    engine.add_request("x", prompts[0], GREEDY)  # a finished or aborted id can be used again
+    assert engine.abort("x")
+
+
+def test_streamed_text_joins_into_the_final_text_and_holds_back_stop_strings(dirs, plain):
+    prompt = "def add(a, b):"
+    free = plain.generate(prompt, SamplingParams(temperature=0, max_tokens=30, ignore_eos=True))[0].outputs[0]
+    stop = free.text[len(free.text) // 2:len(free.text) // 2 + 3]
+    assert len(stop.strip()) >= 2, f"the test needs a visible stop string in {free.text!r}"
+    params = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True, stop=[stop])
+    want = plain.generate(prompt, params)[0].outputs[0]
+    llm = speculative(dirs)
+    llm.engine.prepare_to_serve(max_model_len=64)
+    deltas = []
+    with torch.inference_mode():
+        llm.engine.add_request("s", llm.prompt_token_ids(prompt, params), params, stream_text=True)
+        while llm.engine.has_unfinished_requests():
+            deltas += [o.outputs[0].text for o in llm.engine.step()]
+    assert "".join(deltas) == want.text and want.finish_reason == "stop"
+    assert sum(1 for d in deltas if d) >= 2, deltas  # streamed, not all at the end
+    assert all(stop not in "".join(deltas[:i + 1]) for i in range(len(deltas)))
+
+
+def test_serving_sizes_the_cache_by_budget_and_refuses_what_does_not_fit(dirs):
+    llm = speculative(dirs, max_num_seqs=8)
+    per_slot = llm.runner.model.cache_bytes(1, 64 + 3 + 1)  # max_model_len + k + 1
+    assert llm.engine.prepare_to_serve(max_model_len=64, kv_cache_bytes=3 * per_slot) == 3
+    assert llm.engine.scheduler.num_slots == 3
+    with pytest.raises(ValueError, match="needs .* cache positions"):
+        llm.engine.add_request("long", list(range(2, 60)), SamplingParams(max_tokens=10))
+    llm.engine.add_request("ok", [5, 6, 7], GREEDY)
+    with pytest.raises(ValueError, match="already running or waiting"):
+        llm.engine.add_request("ok", [5, 6, 7], GREEDY)
+    with pytest.raises(ValueError, match="budget"):
+        llm.engine.abort("ok")
+        llm.engine.prepare_to_serve(max_model_len=64, kv_cache_bytes=per_slot - 1)
