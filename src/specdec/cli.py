@@ -8,6 +8,7 @@
     specdec bench [--quick] [--model DIR --draft DIR] [--device cuda] [--out DIR] [--write-docs]
     specdec convert FILE.gguf OUT_DIR [--dtype auto] [--force]
     specdec fetch smollm2
+    specdec serve MODEL [--draft DIR | --ngram] [-k N] [--port 8000] [--api-key KEY]
 """
 
 from __future__ import annotations
@@ -16,13 +17,14 @@ import argparse
 import logging
 import sys
 
-from specdec.config import (COMPILE_HELP, COMPILE_MODES, K_POLICIES, QUANTIZATION_ARGS, QUANTIZATION_HELP, SamplingParams,
-                            quantization_from_arg)
+from specdec.config import (COMPILE_HELP, COMPILE_MODES, K_POLICIES, QUANTIZATION_ARGS, QUANTIZATION_HELP,
+                            SPECULATIVE_METHODS, SamplingParams, quantization_from_arg)
 
 
 def build_parser() -> argparse.ArgumentParser:
     from specdec.benchmark.commands import add_bench_parser  # these import torch: after main's try begins
     from specdec.models.commands import add_convert_parser, add_fetch_parser
+    from specdec.serve.commands import add_serve_parser
     from specdec.training.chat_data import add_chat_data_parser
     from specdec.training.commands import (add_distill_parser, add_restrict_head_parser, add_train_heads_parser,
                                            add_train_parser)
@@ -38,6 +40,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_bench_parser(commands)
     add_convert_parser(commands)
     add_fetch_parser(commands)
+    add_serve_parser(commands)
     return parser
 
 
@@ -71,6 +74,29 @@ def add_generate_parser(commands) -> None:
                             description="Generate a completion with the target model, verified against "
                                         "a draft model's or prompt lookup's proposals.")
     p.add_argument("--model", required=True, help="target model: a Hugging Face directory or a .gguf file")
+    add_model_arguments(p)
+    text = p.add_mutually_exclusive_group(required=True)
+    text.add_argument("--prompt", help="the prompt text, as is")
+    text.add_argument("--chat", metavar="MESSAGE", help="a user message, rendered with the model's chat template "
+                                                        "(the reply is printed alone)")
+    p.add_argument("--max-tokens", type=int, default=128)
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--top-k", type=int, default=-1)
+    p.add_argument("--min-p", type=float, default=0.0)
+    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--stop", action="append", default=[], type=unescape,
+                   help=r"a stop string (repeatable); \n, \t and \\ stand for a newline, a tab and a backslash")
+    p.add_argument("--compare", action="store_true",
+                   help="also run the target alone and print the speedup (each timed twice, the faster kept)")
+    p.add_argument("--color", choices=("auto", "always", "never"), default="auto",
+                   help="mark accepted draft tokens in color (auto: when printing to a terminal)")
+    p.set_defaults(run=run_generate)
+
+
+def add_model_arguments(p) -> None:
+    """The flags that make the LLM, shared by generate and serve: the drafter, k, dtypes,
+    quantization, device, compile (read back by make_llm)."""
     drafter = p.add_mutually_exclusive_group()
     drafter.add_argument("--draft", help="draft model directory (shares the target's tokenizer), or an EAGLE head's "
                                          "directory (`specdec train-heads`)")
@@ -88,18 +114,9 @@ def add_generate_parser(commands) -> None:
                    help="draft a tree of -k candidate tokens each round, verified in one forward: 'auto' (EAGLE-2's "
                         "dynamic tree) or children per depth like '3,2,1'; default 'chain' (with --draft or "
                         "--early-exit)")
-    text = p.add_mutually_exclusive_group(required=True)
-    text.add_argument("--prompt", help="the prompt text, as is")
-    text.add_argument("--chat", metavar="MESSAGE", help="a user message, rendered with the model's chat template "
-                                                        "(the reply is printed alone)")
-    p.add_argument("--max-tokens", type=int, default=128)
-    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
-    p.add_argument("--top-p", type=float, default=1.0)
-    p.add_argument("--top-k", type=int, default=-1)
-    p.add_argument("--min-p", type=float, default=0.0)
-    p.add_argument("--seed", type=int, default=None)
-    p.add_argument("--stop", action="append", default=[], type=unescape,
-                   help=r"a stop string (repeatable); \n, \t and \\ stand for a newline, a tab and a backslash")
+    p.add_argument("--speculative-method", choices=SPECULATIVE_METHODS,
+                   help="the drafter, as LLM's speculative_method; the flags above imply it (--draft: draft_model, "
+                        "or eagle for a head's directory)")
     p.add_argument("--dtype", default="auto", help="auto, float32, bfloat16 or float16")
     p.add_argument("--draft-dtype", default="auto",
                    help="the draft model's dtype: auto (float32 for a small draft on the CPU, else --dtype's), "
@@ -112,11 +129,19 @@ def add_generate_parser(commands) -> None:
                    help="the same for the draft model")
     p.add_argument("--device", default="cpu")
     p.add_argument("--compile", choices=COMPILE_MODES, default="auto", help=COMPILE_HELP)
-    p.add_argument("--compare", action="store_true",
-                   help="also run the target alone and print the speedup (each timed twice, the faster kept)")
-    p.add_argument("--color", choices=("auto", "always", "never"), default="auto",
-                   help="mark accepted draft tokens in color (auto: when printing to a terminal)")
-    p.set_defaults(run=run_generate)
+
+
+def make_llm(args, **options):
+    """The LLM the flags of add_model_arguments describe (options: more of LLM's arguments)."""
+    from specdec.llm import LLM
+
+    return LLM(args.model, speculative_model=args.draft, speculative_method=_speculative_method(args),
+               num_speculative_tokens=args.num_speculative_tokens, dtype=args.dtype, device=args.device,
+               draft_dtype=args.draft_dtype, draft_confidence_threshold=args.draft_confidence, compile=args.compile,
+               quantization=quantization_from_arg(args.quantization), speculative_k_policy=args.k_policy,
+               draft_quantization=quantization_from_arg(args.draft_quantization),
+               early_exit_layer=None if args.early_exit is DEFAULT_EXIT else args.early_exit,
+               speculative_tree=args.tree, **options)
 
 
 ESCAPES = {"n": "\n", "t": "\t", "r": "\r", "\\": "\\"}
@@ -137,7 +162,19 @@ def unescape(text: str) -> str:
 
 
 def _speculative_method(args) -> str | None:
-    """generate's drafter flags -> LLM's speculative_method."""
+    """The drafter flags -> LLM's speculative_method."""
+    implied = _implied_method(args)
+    given = args.speculative_method
+    if given is None or given == implied:
+        return implied
+    if implied is None:
+        return given  # --draft DIR --speculative-method eagle, or a method with no flag of its own
+    raise ValueError(f"--speculative-method {given} contradicts the drafter flags, which say {implied}; "
+                     "give one or the other")
+
+
+def _implied_method(args) -> str | None:
+    """The speculative_method generate's drafter flags imply (None: none, or --draft alone)."""
     if args.lookup and args.draft is None:
         raise ValueError("--lookup falls back to a draft model where prompt lookup finds nothing: add --draft DIR"
                          + (" (instead of --ngram, which is prompt lookup alone)" if args.ngram else ""))
@@ -155,29 +192,20 @@ def _speculative_method(args) -> str | None:
                              "model, and --ngram uses none; drop them, or give --draft DIR --lookup for prompt lookup "
                              "with a draft model behind it")
         return "ngram"
-    if args.draft is None:
+    if args.draft is None and args.speculative_method is None:
         flags = draft_flags + (["-k"] if args.num_speculative_tokens is not None else []) + \
             (["--k-policy"] if args.k_policy is not None else []) + (["--tree"] if args.tree is not None else [])
         if flags:
             raise ValueError(f"{' and '.join(flags)} {'needs' if len(flags) == 1 else 'need'} a drafter: add --draft "
                              "DIR or --ngram, or drop them")
         return None
-    return "lookup_then_draft" if args.lookup else None  # None: a draft model, or an EAGLE head's directory
+    return "lookup_then_draft" if args.lookup else None  # None: a draft model, an EAGLE head's directory, or none
 
 
 def run_generate(args) -> int:
-    from specdec.llm import LLM
-
     params = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, min_p=args.min_p,
                             max_tokens=args.max_tokens, seed=args.seed, stop=tuple(args.stop))
-    method = _speculative_method(args)
-    llm = LLM(args.model, speculative_model=args.draft, speculative_method=method,
-              num_speculative_tokens=args.num_speculative_tokens, dtype=args.dtype, device=args.device,
-              draft_dtype=args.draft_dtype, draft_confidence_threshold=args.draft_confidence, compile=args.compile,
-              quantization=quantization_from_arg(args.quantization), speculative_k_policy=args.k_policy,
-              draft_quantization=quantization_from_arg(args.draft_quantization),
-              early_exit_layer=None if args.early_exit is DEFAULT_EXIT else args.early_exit,
-              speculative_tree=args.tree)
+    llm = make_llm(args)
     method = llm.speculative_config.method if llm.speculative_config else None  # as inferred from --draft
     prompt = args.prompt if args.chat is None else llm.chat_token_ids([{"role": "user", "content": args.chat}])
     llm.prompt_token_ids(prompt, params)  # a bad request is refused as itself, not as the warm-up

@@ -1,0 +1,334 @@
+"""The OpenAI-compatible HTTP server's routes, on FastAPI.
+
+    GET  /v1/models             the served model
+    POST /v1/completions        text completion (one prompt or a list: one choice each)
+    POST /v1/chat/completions   chat, rendered with the model's chat template
+    GET  /health                200 while the engine runs
+    GET  /metrics               Prometheus text (prom.py)
+
+`stream: true` answers with Server-Sent Events, one chunk per engine step that brought new
+text, then (with stream_options.include_usage) a usage chunk, then `data: [DONE]`. Errors
+answer in OpenAI's shape (protocol.APIError), from validation to a full queue (429 with
+Retry-After); nothing a request sends stops the server.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from specdec.outputs import RequestOutput
+from specdec.serve.async_engine import AsyncEngine, EngineStopped, QueueFull
+from specdec.serve.protocol import (APIError, ChatCompletionRequest, CompletionRequest, SamplingFields, chat_chunk,
+                                    chat_response, completion_choice, completion_chunk, completion_response,
+                                    model_list, new_id, usage)
+
+RETRY_AFTER_SECONDS = 1
+DISCONNECT_POLL_SECONDS = 0.25  # how often a non-streaming request checks that its client is still there
+
+
+@dataclass
+class ServerState:
+    async_engine: AsyncEngine
+    model_name: str
+    max_model_len: int
+    api_key: str | None = None
+    created: int = 0
+
+    @property
+    def llm(self):
+        return self.async_engine.llm
+
+
+def build_app(state: ServerState) -> FastAPI:
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI):
+        state.async_engine.start()
+        yield
+        await state.async_engine.stop()
+
+    app = FastAPI(title="specdec", lifespan=lifespan)
+    state.created = state.created or int(time.time())
+    _add_error_handlers(app)
+
+    @app.middleware("http")
+    async def check_api_key(request: Request, call_next):
+        if state.api_key is not None and request.url.path.startswith("/v1"):
+            if request.headers.get("authorization", "") != f"Bearer {state.api_key}":
+                error = APIError(401, "missing or wrong API key: send the header 'Authorization: Bearer <key>'",
+                                 type="authentication_error", code="invalid_api_key")
+                return JSONResponse(error.body(), status_code=401)
+        return await call_next(request)
+
+    @app.get("/health")
+    async def health() -> Response:
+        alive = state.async_engine._thread is not None and state.async_engine._thread.is_alive()
+        return Response(status_code=200 if alive else 503)
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        return Response(generate_latest(state.async_engine.metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+    @app.get("/v1/models")
+    async def models() -> dict:
+        return model_list(state.model_name, state.created, state.max_model_len)
+
+    @app.post("/v1/completions")
+    async def completions(body: CompletionRequest, raw: Request):
+        _check_common(state, body)
+        prompts = _prompt_list(body.prompt)
+        requests = [_prepare(state, body, prompt, body.max_tokens) for prompt in prompts]
+        request_id = new_id("cmpl")
+        streams = [state.async_engine.generate(f"{request_id}-{i}", ids, params, prompt if isinstance(prompt, str)
+                                               else None) for i, (prompt, ids, params) in enumerate(requests)]
+        firsts = await _first_outputs(streams)
+        prompt_tokens = sum(len(ids) for _, ids, _ in requests)
+        if body.stream:
+            return _sse(_completion_events(state, request_id, body, streams, firsts, prompt_tokens))
+        outputs = await _until_finished(raw, streams, firsts)
+        choices = [completion_choice(i, "".join(o.outputs[0].text for o in outs), outs[-1].outputs[0].finish_reason)
+                   for i, outs in enumerate(outputs)]
+        completion_tokens = sum(len(o.outputs[0].token_ids) for outs in outputs for o in outs)
+        return completion_response(request_id, state.model_name, choices, prompt_tokens, completion_tokens)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(body: ChatCompletionRequest, raw: Request):
+        _check_common(state, body)
+        messages = [{"role": m.role, "content": m.text()} for m in body.messages]
+        try:
+            prompt_ids = state.llm.chat_token_ids(messages, body.add_generation_prompt)
+        except ValueError as e:
+            raise APIError(400, str(e), param="messages") from None
+        max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
+        _, ids, params = _prepare(state, body, prompt_ids, max_tokens)
+        request_id = new_id("chatcmpl")
+        stream = state.async_engine.generate(request_id, ids, params)
+        (first,) = await _first_outputs([stream])
+        if body.stream:
+            return _sse(_chat_events(state, request_id, body, stream, first, len(ids)))
+        (outputs,) = await _until_finished(raw, [stream], [first])
+        text = "".join(o.outputs[0].text for o in outputs)
+        completion_tokens = sum(len(o.outputs[0].token_ids) for o in outputs)
+        return chat_response(request_id, state.model_name, text, outputs[-1].outputs[0].finish_reason, len(ids),
+                             completion_tokens)
+
+    return app
+
+
+# --- checking requests -------------------------------------------------------------------------------
+
+def _check_common(state: ServerState, body: SamplingFields) -> None:
+    if body.model != state.model_name:
+        raise APIError(400, f"the model {body.model!r} is not served here; this server serves {state.model_name!r} "
+                            "(GET /v1/models)", param="model", code="model_not_found")
+    if body.n != 1:
+        raise APIError(400, f"n={body.n}: this server returns one completion per prompt (n=1); send the request n "
+                            "times for more", param="n")
+    unsupported = body.unsupported()
+    if unsupported:
+        raise APIError(400, f"{', '.join(unsupported)}: not supported by this server; leave "
+                            f"{'it' if len(unsupported) == 1 else 'them'} out", param=unsupported[0])
+
+
+def _prompt_list(prompt) -> list:
+    """The completions prompt as a list of prompts (text or token ids)."""
+    if isinstance(prompt, str) or (prompt and isinstance(prompt[0], int)):
+        return [prompt]
+    if not prompt:
+        raise APIError(400, "prompt is empty: give text, token ids, or a list of them", param="prompt")
+    return list(prompt)
+
+
+def _prepare(state: ServerState, body: SamplingFields, prompt, max_tokens: int | None):
+    """(prompt, its token ids, SamplingParams) for one prompt of the request; max_tokens None:
+    as many as the context leaves. Bad values raise a 400 that names them."""
+    try:
+        if max_tokens is None:
+            prompt_ids = state.llm.prompt_token_ids(prompt, body.sampling_params(1))
+            max_tokens = max(1, state.max_model_len - len(prompt_ids))
+        params = body.sampling_params(max_tokens)
+        prompt_ids = state.llm.prompt_token_ids(prompt, params)
+    except ValueError as e:
+        raise APIError(400, str(e), param=_named_field(str(e), body)) from None
+    if len(prompt_ids) + params.max_tokens > state.max_model_len:
+        raise APIError(400, f"the prompt's {len(prompt_ids)} tokens + max_tokens={params.max_tokens} exceed this "
+                            f"server's context length of {state.max_model_len} tokens; shorten the prompt or lower "
+                            "max_tokens", param="max_tokens", code="context_length_exceeded")
+    return prompt, prompt_ids, params
+
+
+def _named_field(message: str, body: SamplingFields) -> str | None:
+    """The request field a validation message starts with, if any ("temperature must be ...")."""
+    first = message.split(" ", 1)[0]
+    return first if first in type(body).model_fields else None
+
+
+# --- running requests ---------------------------------------------------------------------------------
+
+async def _first_outputs(streams: list[AsyncIterator[RequestOutput]]) -> list[RequestOutput]:
+    """Each stream's first output: a request the engine refuses, or a full queue, fails here,
+    before any response is sent (the other streams are closed, which aborts them)."""
+    results = await asyncio.gather(*(anext(stream) for stream in streams), return_exceptions=True)
+    errors = [result for result in results if isinstance(result, BaseException)]
+    if not errors:
+        return results
+    for stream in streams:
+        await stream.aclose()
+    error = errors[0]
+    if isinstance(error, QueueFull):
+        raise APIError(429, str(error), type="rate_limit_error", code="queue_full",
+                       headers={"Retry-After": str(RETRY_AFTER_SECONDS)})
+    if isinstance(error, EngineStopped):
+        raise APIError(503, str(error), type="server_error", code="shutting_down")
+    if isinstance(error, ValueError):
+        raise APIError(400, str(error))
+    raise error
+
+
+async def _until_finished(raw: Request, streams, firsts: list[RequestOutput]) -> list[list[RequestOutput]]:
+    """Every output of every stream (each list starting with its first); if the client goes
+    away meanwhile, the requests are aborted."""
+    async def rest(stream, first):
+        outputs = [first]
+        if not first.finished:
+            outputs += [output async for output in stream]
+        return outputs
+
+    task = asyncio.ensure_future(asyncio.gather(*(rest(s, f) for s, f in zip(streams, firsts))))
+    try:
+        while True:
+            done, _ = await asyncio.wait({task}, timeout=DISCONNECT_POLL_SECONDS)
+            if done:
+                return task.result()
+            if await raw.is_disconnected():
+                raise APIError(499, "the client closed the connection")
+    finally:
+        await _cancel([task])
+        for stream in streams:
+            await stream.aclose()
+
+
+async def _cancel(tasks) -> None:
+    """Cancel tasks and wait until they have unwound (a stream a task iterates can then be closed)."""
+    for task in tasks:
+        task.cancel()
+    await asyncio.gather(*tasks, return_exceptions=True)
+
+
+async def _merged(streams, firsts) -> AsyncIterator[tuple[int, RequestOutput]]:
+    """(index, output) from every stream as they come, each stream's first output first."""
+    queue: asyncio.Queue = asyncio.Queue()
+    done = object()
+
+    async def pump(index, stream):
+        try:
+            async for output in stream:
+                await queue.put((index, output))
+        except Exception as e:  # the engine failed, or is stopping: the client hears of it
+            await queue.put((index, e))
+        await queue.put((index, done))
+
+    for index, first in enumerate(firsts):
+        yield index, first
+    tasks = [asyncio.ensure_future(pump(i, s)) for i, (s, f) in enumerate(zip(streams, firsts)) if not f.finished]
+    try:
+        remaining = len(tasks)
+        while remaining:
+            index, item = await queue.get()
+            if item is done:
+                remaining -= 1
+            elif isinstance(item, Exception):
+                raise item
+            else:
+                yield index, item
+    finally:
+        await _cancel(tasks)
+        for stream in streams:
+            await stream.aclose()
+
+
+# --- streaming responses --------------------------------------------------------------------------------
+
+def _sse(events: AsyncIterator[dict]) -> StreamingResponse:
+    async def body():
+        try:
+            async for event in events:
+                yield f"data: {json.dumps(event, ensure_ascii=False)}\n\n"
+        except (EngineStopped, RuntimeError) as e:
+            error = APIError(503 if isinstance(e, EngineStopped) else 500, str(e), type="server_error")
+            yield f"data: {json.dumps(error.body())}\n\n"
+        finally:
+            await events.aclose()
+        yield "data: [DONE]\n\n"
+
+    return StreamingResponse(body(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+
+
+async def _completion_events(state: ServerState, request_id: str, body: CompletionRequest, streams, firsts,
+                             prompt_tokens: int) -> AsyncIterator[dict]:
+    created, completion_tokens = int(time.time()), 0
+    async with contextlib.aclosing(_merged(streams, firsts)) as outputs:
+        async for index, output in outputs:
+            completion = output.outputs[0]
+            completion_tokens += len(completion.token_ids)
+            if completion.text or output.finished:
+                choice = completion_choice(index, completion.text, completion.finish_reason)
+                yield completion_chunk(request_id, state.model_name, created, [choice])
+    if body.include_usage:
+        yield completion_chunk(request_id, state.model_name, created, [], usage(prompt_tokens, completion_tokens))
+
+
+async def _chat_events(state: ServerState, request_id: str, body: ChatCompletionRequest, stream, first,
+                       prompt_tokens: int) -> AsyncIterator[dict]:
+    created, completion_tokens = int(time.time()), 0
+    yield chat_chunk(request_id, state.model_name, created, {"role": "assistant", "content": ""})
+    async with contextlib.aclosing(_merged([stream], [first])) as outputs:
+        async for _, output in outputs:
+            completion = output.outputs[0]
+            completion_tokens += len(completion.token_ids)
+            if completion.text:
+                yield chat_chunk(request_id, state.model_name, created, {"content": completion.text})
+            if output.finished:
+                yield chat_chunk(request_id, state.model_name, created, {}, completion.finish_reason)
+    if body.include_usage:
+        yield chat_chunk(request_id, state.model_name, created, None, usage_=usage(prompt_tokens, completion_tokens))
+
+
+# --- errors ---------------------------------------------------------------------------------------------
+
+def _add_error_handlers(app: FastAPI) -> None:
+    @app.exception_handler(APIError)
+    async def api_error(request: Request, error: APIError) -> JSONResponse:
+        return JSONResponse(error.body(), status_code=error.status, headers=error.headers)
+
+    @app.exception_handler(RequestValidationError)
+    async def validation_error(request: Request, error: RequestValidationError) -> JSONResponse:
+        first = error.errors()[0] if error.errors() else {}
+        location = [str(part) for part in first.get("loc", ()) if part != "body"]
+        if first.get("type") == "json_invalid":
+            message = "the request body is not valid JSON"
+        else:
+            message = f"{'.'.join(location) or 'the request body'}: {first.get('msg', 'invalid')}"
+        body = APIError(400, message, param=".".join(location) or None).body()
+        return JSONResponse(body, status_code=400)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(request: Request, error: StarletteHTTPException) -> JSONResponse:
+        kind = "not_found_error" if error.status_code == 404 else "invalid_request_error"
+        return JSONResponse(APIError(error.status_code, str(error.detail), type=kind).body(),
+                            status_code=error.status_code)
+
+    @app.exception_handler(Exception)
+    async def server_error(request: Request, error: Exception) -> JSONResponse:
+        body = APIError(500, f"internal error: {type(error).__name__}: {error}", type="server_error").body()
+        return JSONResponse(body, status_code=500)

@@ -1,0 +1,171 @@
+"""AsyncEngine: the step-based engine behind an asyncio front, for the server.
+
+One background thread owns the Engine: it takes new requests and aborts from a queue between
+steps, runs a step while any request is unfinished (sleeping otherwise), and hands each step's
+outputs to the event loop, where every request has its own asyncio queue. A request is an async
+iterator of RequestOutput deltas (outputs.py); leaving it early (a client that disconnects, a
+cancelled task) aborts the request, and its slot is free at the next step.
+
+The thread keeps the event loop free while the model runs: PyTorch releases the GIL in its
+kernels, so the server answers /health and /metrics and reads new requests during a step.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+import time
+from collections.abc import AsyncIterator
+
+import torch
+
+from specdec.config import SamplingParams
+from specdec.outputs import RequestOutput
+from specdec.serve.prom import ServerMetrics
+
+log = logging.getLogger("specdec")
+
+
+class QueueFull(Exception):
+    """More requests wait than the server queues."""
+
+
+class EngineStopped(Exception):
+    """The server is shutting down: no new requests."""
+
+
+class AsyncEngine:
+    """llm's engine, prepared to serve (engine.prepare_to_serve) and stepped in a thread.
+    max_waiting: requests that may wait for a slot; one more is refused (QueueFull)."""
+
+    def __init__(self, llm, metrics: ServerMetrics, max_waiting: int):
+        self.llm = llm
+        self.engine = llm.engine
+        self.metrics = metrics
+        self.max_waiting = max_waiting
+        self._commands: queue.SimpleQueue = queue.SimpleQueue()  # ("add", args) / ("abort", request_id)
+        self._wake = threading.Event()
+        self._streams: dict[str, asyncio.Queue] = {}  # read and written on the event loop only
+        self._arrivals: dict[str, float] = {}  # request id -> perf_counter at arrival (the engine thread's)
+        self._num_unfinished = 0  # requests given and not yet finished or aborted (event loop)
+        self._stopping = False
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._thread: threading.Thread | None = None
+        self.step_errors = 0
+
+    @property
+    def num_slots(self) -> int:
+        return self.engine.scheduler.num_slots
+
+    def start(self) -> None:
+        """Start stepping (on the running event loop's behalf)."""
+        self._loop = asyncio.get_running_loop()
+        self._thread = threading.Thread(target=self._run, name="specdec-engine", daemon=True)
+        self._thread.start()
+
+    async def stop(self) -> None:
+        """Abort whatever still runs or waits, and end the thread."""
+        self._stopping = True
+        self._wake.set()
+        if self._thread is not None:
+            await asyncio.to_thread(self._thread.join)
+        for request_id, stream in list(self._streams.items()):
+            stream.put_nowait(EngineStopped("the server is shutting down"))
+
+    async def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                       prompt: str | None = None, stream_text: bool = True) -> AsyncIterator[RequestOutput]:
+        """The request's outputs, step by step, until the one marked finished. Raises QueueFull
+        (nothing queued), EngineStopped, or the engine's ValueError for a request it refuses."""
+        if self._stopping:
+            raise EngineStopped("the server is shutting down")
+        if self._num_unfinished >= self.num_slots + self.max_waiting:
+            raise QueueFull(f"{self._num_unfinished} requests are running or waiting, the most this server takes "
+                            f"({self.num_slots} running + {self.max_waiting} waiting); retry later")
+        stream: asyncio.Queue = asyncio.Queue()
+        self._streams[request_id] = stream
+        self._num_unfinished += 1
+        self._command("add", (request_id, prompt_token_ids, params, prompt, stream_text, time.perf_counter()))
+        finished = False
+        try:
+            while not finished:
+                item = await stream.get()
+                if isinstance(item, Exception):
+                    finished = True  # the engine refused it or failed: nothing left to abort
+                    raise item
+                finished = item.finished
+                yield item
+        finally:
+            del self._streams[request_id]
+            self._num_unfinished -= 1
+            if not finished:  # left early: the client went away, or the task was cancelled
+                self._command("abort", request_id)
+
+    def _command(self, kind: str, argument) -> None:
+        self._commands.put((kind, argument))
+        self._wake.set()
+
+    # --- the engine's thread ---------------------------------------------------------------------
+
+    def _run(self) -> None:
+        with torch.inference_mode():
+            while not self._stopping:
+                self._take_commands()
+                if not self.engine.has_unfinished_requests():
+                    self._wake.wait()
+                    self._wake.clear()
+                    continue
+                self._step()
+            self._take_commands()
+            for seq in list(self.engine.scheduler.waiting) + list(self.engine.scheduler.running):
+                self.engine.abort(seq.request_id)
+
+    def _take_commands(self) -> None:
+        while True:
+            try:
+                kind, argument = self._commands.get_nowait()
+            except queue.Empty:
+                return
+            if kind == "add":
+                request_id, prompt_token_ids, params, prompt, stream_text, arrival = argument
+                try:
+                    self.engine.add_request(request_id, prompt_token_ids, params, prompt=prompt,
+                                            stream_text=stream_text)
+                    self._arrivals[request_id] = arrival
+                except ValueError as e:
+                    self._deliver([e], [request_id])
+            elif self.engine.abort(argument):
+                self._arrivals.pop(argument, None)
+                self.metrics.forget(argument)
+
+    def _step(self) -> None:
+        try:
+            outputs = self.engine.step()
+        except Exception as e:  # a bug or a device error: fail the batch's requests, keep serving
+            self.step_errors += 1
+            log.exception("an engine step failed; its requests are aborted")
+            failed = [seq.request_id for seq in list(self.engine.scheduler.running)]
+            for request_id in failed:
+                self.engine.abort(request_id)
+                self._arrivals.pop(request_id, None)
+                self.metrics.forget(request_id)
+            self._deliver([RuntimeError(f"the engine failed: {type(e).__name__}: {e}")] * len(failed), failed)
+            return
+        self.metrics.observe_step(outputs, self._arrivals, self.engine.num_running, self.engine.num_waiting,
+                                  self.engine.stats)
+        for output in outputs:
+            if output.finished:
+                del self._arrivals[output.request_id]
+        self._deliver(outputs, [output.request_id for output in outputs])
+
+    def _deliver(self, items: list, request_ids: list[str]) -> None:
+        """Hand items to their requests' streams, on the event loop."""
+        if items:
+            self._loop.call_soon_threadsafe(self._put, items, request_ids)
+
+    def _put(self, items: list, request_ids: list[str]) -> None:
+        for item, request_id in zip(items, request_ids):
+            stream = self._streams.get(request_id)
+            if stream is not None:  # gone: aborted, its abort on the way
+                stream.put_nowait(item)

@@ -1,0 +1,107 @@
+"""`specdec serve MODEL`: the OpenAI-compatible server on uvicorn.
+
+    specdec serve models/code-target --draft models/code-draft -k 5 --port 8000
+    curl localhost:8000/v1/completions -H 'Content-Type: application/json' \
+        -d '{"model": "code-target", "prompt": "def fib(n):", "max_tokens": 64, "temperature": 0}'
+
+SIGTERM or Ctrl-C: the server stops taking connections, lets the requests in flight finish for
+up to --shutdown-timeout seconds, aborts the rest, and exits 0.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+from pathlib import Path
+
+log = logging.getLogger("specdec")
+
+DEFAULT_MAX_NUM_SEQS = 64
+
+
+def add_serve_parser(commands) -> None:
+    from specdec.cli import add_model_arguments
+
+    p = commands.add_parser("serve", help="serve a model over an OpenAI-compatible HTTP API",
+                            description="Serve the target (with its drafter) over HTTP: /v1/completions, "
+                                        "/v1/chat/completions, /v1/models, /health, /metrics.")
+    p.add_argument("model_path", nargs="?", metavar="MODEL", help="the target: a Hugging Face directory or a .gguf file")
+    p.add_argument("--model", dest="model_flag", metavar="MODEL", help="the same as MODEL")
+    add_model_arguments(p)
+    p.add_argument("--host", default="127.0.0.1", help="the address to listen on (default 127.0.0.1; 0.0.0.0 for all)")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--api-key", default=os.environ.get("SPECDEC_API_KEY"),
+                   help="clients must send 'Authorization: Bearer KEY' (default: $SPECDEC_API_KEY; none: open)")
+    p.add_argument("--served-model-name", help="the model's name in the API (default: MODEL's directory or file name)")
+    p.add_argument("--max-num-seqs", type=int, default=DEFAULT_MAX_NUM_SEQS,
+                   help=f"the most requests run at once (default {DEFAULT_MAX_NUM_SEQS}); more wait")
+    p.add_argument("--max-waiting", type=int, default=1024,
+                   help="the most requests waiting for a slot; more are answered 429 (default 1024)")
+    p.add_argument("--max-model-len", type=int,
+                   help="the most tokens (prompt + output) of a request (default: the model's context length)")
+    p.add_argument("--kv-cache-memory", type=float, metavar="GB",
+                   help="the target's key/value cache may take at most this many GB: fewer slots than --max-num-seqs "
+                        "if it must (default: no limit but the free memory)")
+    p.add_argument("--shutdown-timeout", type=float, default=10.0,
+                   help="seconds in-flight requests may take to finish after SIGTERM (default 10)")
+    p.add_argument("--log-level", default="warning", choices=("critical", "error", "warning", "info", "debug"),
+                   help="uvicorn's log level (default warning)")
+    p.set_defaults(run=run_serve)
+
+
+def run_serve(args: argparse.Namespace) -> int:
+    import torch
+    import uvicorn
+
+    from specdec.cli import make_llm
+    from specdec.serve.app import ServerState, build_app
+    from specdec.serve.async_engine import AsyncEngine
+    from specdec.serve.prom import ServerMetrics
+
+    args.model = _model_argument(args)
+    _check_arguments(args)
+    llm = make_llm(args, max_num_seqs=args.max_num_seqs)
+    max_model_len = args.max_model_len or llm.max_model_len
+    if max_model_len > llm.max_model_len:
+        raise ValueError(f"--max-model-len {max_model_len} is more than the model's context length "
+                         f"({llm.max_model_len})")
+    budget = None if args.kv_cache_memory is None else int(args.kv_cache_memory * 1e9)
+    with torch.inference_mode():
+        num_slots = llm.engine.prepare_to_serve(max_model_len, budget)
+    name = args.served_model_name or Path(str(args.model).rstrip("/")).name
+    spec = llm.speculative_config
+    log.info("serving %s on http://%s:%d: %s, %d requests at once, %d tokens each", name, args.host, args.port,
+             f"{spec.method} k={spec.num_speculative_tokens} ({spec.k_policy})" if spec else "no speculation",
+             num_slots, max_model_len)
+    metrics = ServerMetrics(name)
+    state = ServerState(AsyncEngine(llm, metrics, args.max_waiting), name, max_model_len, api_key=args.api_key)
+    config = uvicorn.Config(build_app(state), host=args.host, port=args.port, log_level=args.log_level,
+                            timeout_graceful_shutdown=args.shutdown_timeout)
+    uvicorn.Server(config).run()  # returns after SIGTERM / SIGINT, once the app has shut down
+    return 0
+
+
+def _model_argument(args) -> str:
+    if args.model_path and args.model_flag and args.model_path != args.model_flag:
+        raise ValueError(f"two models given: {args.model_path} and --model {args.model_flag}; give one")
+    model = args.model_path or args.model_flag
+    if not model:
+        raise ValueError("serve needs a model: specdec serve MODEL (a Hugging Face directory or a .gguf file)")
+    return model
+
+
+def _check_arguments(args) -> None:
+    if not 0 < args.port < 65536:
+        raise ValueError(f"--port must be in 1..65535, got {args.port}")
+    for flag, value, least in (("--max-num-seqs", args.max_num_seqs, 1), ("--max-waiting", args.max_waiting, 0)):
+        if value < least:
+            raise ValueError(f"{flag} must be at least {least}, got {value}")
+    if args.max_model_len is not None and args.max_model_len < 2:
+        raise ValueError(f"--max-model-len must be at least 2, got {args.max_model_len}")
+    if args.kv_cache_memory is not None and not args.kv_cache_memory > 0:
+        raise ValueError(f"--kv-cache-memory must be a positive number of GB, got {args.kv_cache_memory}")
+    if args.shutdown_timeout < 0:
+        raise ValueError(f"--shutdown-timeout must be >= 0, got {args.shutdown_timeout}")
+    if args.api_key is not None and not args.api_key.strip():
+        raise ValueError("--api-key (or SPECDEC_API_KEY) is empty: give a key, or leave it out for an open server")

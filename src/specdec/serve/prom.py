@@ -1,0 +1,101 @@
+"""The server's Prometheus metrics, named once, in vLLM's names under the `specdec:` prefix.
+
+Every metric has the label model_name (the served model's name), as vLLM's do. Latencies:
+  time_to_first_token_seconds   from a request's arrival at the engine to its first token
+  inter_token_latency_seconds   per output token after the first: a step that brings a request n
+                                tokens (speculation accepts several at once) counts n latencies
+                                of (time since the request's last tokens) / n
+  e2e_request_latency_seconds   from arrival to the last token
+The speculative counters follow vLLM's: a draft is one round in which a request proposed at
+least one token; accepted tokens per position count, for each draft position, the rounds that
+accepted it.
+"""
+
+from __future__ import annotations
+
+import time
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+from specdec.metrics import SpecStats
+from specdec.outputs import RequestOutput
+
+LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5,
+                   10.0, 20.0, 40.0, 80.0)
+
+
+class ServerMetrics:
+    def __init__(self, model_name: str):
+        self.registry = CollectorRegistry()
+        self.model_name = model_name
+        labels = ["model_name"]
+
+        def gauge(name, doc):
+            return Gauge(f"specdec:{name}", doc, labels, registry=self.registry).labels(model_name)
+
+        def counter(name, doc, extra=()):
+            metric = Counter(f"specdec:{name}", doc, labels + list(extra), registry=self.registry)
+            return metric if extra else metric.labels(model_name)
+
+        def histogram(name, doc):
+            return Histogram(f"specdec:{name}", doc, labels, buckets=LATENCY_BUCKETS,
+                             registry=self.registry).labels(model_name)
+
+        self.running = gauge("num_requests_running", "Requests in the batch (holding a cache slot).")
+        self.waiting = gauge("num_requests_waiting", "Requests waiting for a slot.")
+        self.prompt_tokens = counter("prompt_tokens", "Prompt tokens of started requests.")
+        self.generation_tokens = counter("generation_tokens", "Generated tokens.")
+        self.success = counter("request_success", "Finished requests, by finish reason.", ["finished_reason"])
+        self.drafts = counter("spec_decode_num_drafts", "Rounds in which a request proposed draft tokens.")
+        self.draft_tokens = counter("spec_decode_num_draft_tokens", "Draft tokens proposed.")
+        self.accepted_tokens = counter("spec_decode_num_accepted_tokens", "Draft tokens accepted.")
+        self.accepted_per_pos = counter("spec_decode_num_accepted_tokens_per_pos",
+                                        "Draft tokens accepted, by position in the draft (0 = first).", ["position"])
+        self.ttft = histogram("time_to_first_token_seconds", "Seconds from arrival to the first token.")
+        self.itl = histogram("inter_token_latency_seconds", "Seconds per output token after the first.")
+        self.e2e = histogram("e2e_request_latency_seconds", "Seconds from arrival to the last token.")
+        self._last_token_time: dict[str, float] = {}
+        self._seen = SpecStats()  # the engine's totals at the last observation
+
+    def observe_step(self, outputs: list[RequestOutput], arrivals: dict[str, float], num_running: int,
+                     num_waiting: int, totals: SpecStats) -> None:
+        """After an engine step: its outputs (arrival time of each request, perf_counter), the
+        batch's size and queue, and the engine's speculation totals so far."""
+        now = time.perf_counter()
+        for output in outputs:
+            request_id, num_new = output.request_id, len(output.outputs[0].token_ids)
+            last = self._last_token_time.get(request_id)
+            if last is None:
+                self.prompt_tokens.inc(len(output.prompt_token_ids))
+                self.ttft.observe(now - arrivals[request_id])
+                num_later = num_new - 1  # the first token's latency is the TTFT
+                last = now
+            else:
+                num_later = num_new
+            for _ in range(num_later):
+                self.itl.observe((now - last) / num_later)
+            self.generation_tokens.inc(num_new)
+            self._last_token_time[request_id] = now
+            if output.finished:
+                self.e2e.observe(now - arrivals[request_id])
+                self.success.labels(self.model_name, output.outputs[0].finish_reason).inc()
+                del self._last_token_time[request_id]
+        self.running.set(num_running)
+        self.waiting.set(num_waiting)
+        self._observe_speculation(totals)
+
+    def forget(self, request_id: str) -> None:
+        """An aborted request."""
+        self._last_token_time.pop(request_id, None)
+
+    def _observe_speculation(self, totals: SpecStats) -> None:
+        seen = self._seen
+        self.drafts.inc(sum(totals.rounds_by_k[1:]) - sum(seen.rounds_by_k[1:]))
+        self.draft_tokens.inc(totals.num_draft_tokens - seen.num_draft_tokens)
+        self.accepted_tokens.inc(totals.num_accepted_tokens - seen.num_accepted_tokens)
+        for position, accepted in enumerate(totals.accepted_by_position):
+            before = seen.accepted_by_position[position] if position < len(seen.accepted_by_position) else 0
+            self.accepted_per_pos.labels(self.model_name, str(position)).inc(accepted - before)
+        self._seen = SpecStats(num_draft_tokens=totals.num_draft_tokens, num_accepted_tokens=totals.num_accepted_tokens,
+                               accepted_by_position=list(totals.accepted_by_position),
+                               rounds_by_k=list(totals.rounds_by_k))
