@@ -313,14 +313,8 @@ def _add_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(RequestValidationError)
     async def validation_error(request: Request, error: RequestValidationError) -> JSONResponse:
-        first = error.errors()[0] if error.errors() else {}
-        location = [str(part) for part in first.get("loc", ()) if part != "body"]
-        if first.get("type") == "json_invalid":
-            message = "the request body is not valid JSON"
-        else:
-            message = f"{'.'.join(location) or 'the request body'}: {first.get('msg', 'invalid')}"
-        body = APIError(400, message, param=".".join(location) or None).body()
-        return JSONResponse(body, status_code=400)
+        message, param = _validation_message(error.errors())
+        return JSONResponse(APIError(400, message, param=param).body(), status_code=400)
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request: Request, error: StarletteHTTPException) -> JSONResponse:
@@ -332,3 +326,26 @@ def _add_error_handlers(app: FastAPI) -> None:
     async def server_error(request: Request, error: Exception) -> JSONResponse:
         body = APIError(500, f"internal error: {type(error).__name__}: {error}", type="server_error").body()
         return JSONResponse(body, status_code=500)
+
+
+def _validation_message(errors: list[dict]) -> tuple[str, str | None]:
+    """pydantic's errors as one message, and the request field they are about. A field of several
+    accepted types (prompt: text or token ids) fails once per type: they are named together."""
+    if not errors:
+        return "the request is not valid", None
+    first = errors[0]
+    if first.get("type") == "json_invalid":
+        return "the request body is not valid JSON", None
+    location = [str(part) for part in first.get("loc", ()) if part != "body"]
+    if not location:
+        return f"the request body: {first.get('msg', 'invalid')}", None
+    field = location[0]
+    same_field = [e for e in errors if [str(p) for p in e.get("loc", ()) if p != "body"][:1] == [field]]
+    got = repr(first.get("input"))
+    got = got if len(got) <= 60 else got[:57] + "..."
+    if len(same_field) > 1 and first.get("type") != "missing":
+        kinds = sorted({str(e["loc"][-1]) for e in same_field if len(e.get("loc", ())) > 2})
+        return f"{field}: expected {' or '.join(kinds) or 'another value'}, got {got}", field
+    if first.get("type") == "missing":
+        return f"{'.'.join(location)} is required", field
+    return f"{'.'.join(location)}: {first.get('msg', 'invalid')}, got {got}", field

@@ -138,6 +138,7 @@ class AsyncEngine:
             elif self.engine.abort(argument):
                 self._arrivals.pop(argument, None)
                 self.metrics.forget(argument)
+                self.metrics.observe_queue(self.engine.num_running, self.engine.num_waiting)
 
     def _step(self) -> None:
         try:

@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import signal
 from pathlib import Path
 
 log = logging.getLogger("specdec")
@@ -78,8 +79,15 @@ def run_serve(args: argparse.Namespace) -> int:
     state = ServerState(AsyncEngine(llm, metrics, args.max_waiting), name, max_model_len, api_key=args.api_key)
     config = uvicorn.Config(build_app(state), host=args.host, port=args.port, log_level=args.log_level,
                             timeout_graceful_shutdown=args.shutdown_timeout)
+    # uvicorn shuts down gracefully on SIGTERM, then raises the signal again against the handler
+    # that was there before it: a no-op one makes a SIGTERM'd server exit 0, as a finished one
+    signal.signal(signal.SIGTERM, _stopped)
     uvicorn.Server(config).run()  # returns after SIGTERM / SIGINT, once the app has shut down
     return 0
+
+
+def _stopped(signum, frame) -> None:
+    """SIGTERM after uvicorn's graceful shutdown: nothing left to do."""
 
 
 def _model_argument(args) -> str:

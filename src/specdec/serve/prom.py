@@ -80,9 +80,12 @@ class ServerMetrics:
                 self.e2e.observe(now - arrivals[request_id])
                 self.success.labels(self.model_name, output.outputs[0].finish_reason).inc()
                 del self._last_token_time[request_id]
+        self.observe_queue(num_running, num_waiting)
+        self._observe_speculation(totals)
+
+    def observe_queue(self, num_running: int, num_waiting: int) -> None:
         self.running.set(num_running)
         self.waiting.set(num_waiting)
-        self._observe_speculation(totals)
 
     def forget(self, request_id: str) -> None:
         """An aborted request."""
