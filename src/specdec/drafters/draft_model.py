@@ -26,6 +26,7 @@ from specdec.sequence import Sequence
 from specdec.tree import TreeShape
 
 LARGE_WEIGHT_BYTES = 2_000_000  # float32 matrices at least this big run in bf16 in a small CPU draft
+CATCH_UP_WIDTH = 2  # tokens a row the batch's catch-up forward feeds (a round's accepted ones: see _catch_up)
 
 
 class DraftModelDrafter(Drafter):
@@ -130,8 +131,10 @@ class DraftModelDrafter(Drafter):
 
     def _catch_up(self, batch: list[Sequence]) -> torch.Tensor:
         """Feed each row the tokens its cache lacks (the whole prompt for a new sequence,
-        one or two tokens after a round); return the logits after each row's last token."""
-        device = self.model.device
+        one or two tokens after a round); return the logits after each row's last token.
+        The batch's forward feeds at most CATCH_UP_WIDTH tokens a row: a row that lacks more
+        (a sequence that just joined, one back from plain rounds) is fed the rest first, alone
+        with the other such rows, so that one long prompt does not widen every row's forward."""
         chunks, starts = [], []
         for seq in batch:
             tokens = seq.token_ids
@@ -140,6 +143,19 @@ class DraftModelDrafter(Drafter):
             start = min(start, len(tokens) - 1)  # always feed the last token: its logits are needed
             chunks.append(tokens[start:])
             starts.append(start)
+        long_rows = [row for row, chunk in enumerate(chunks) if len(chunk) > CATCH_UP_WIDTH]
+        if long_rows:
+            heads = [chunks[row][:-CATCH_UP_WIDTH] for row in long_rows]
+            self._feed([batch[row] for row in long_rows], heads, [starts[row] for row in long_rows])
+            for row, head in zip(long_rows, heads):
+                chunks[row], starts[row] = chunks[row][len(head):], starts[row] + len(head)
+        return self._feed(batch, chunks, starts)
+
+    def _feed(self, batch: list[Sequence], chunks: list[list[int]], starts: list[int]) -> torch.Tensor:
+        """One forward over each row's chunk of tokens from its start position -> the draft's
+        logits after each row's last token [B, V]."""
+        device = self.model.device
+        self.cache.use_slots([seq.slot for seq in batch])
         input_ids, positions, last = ragged_batch(chunks, starts, self.cache)
         input_ids = self._in_draft_vocabulary(input_ids.to(device))
         return self._logits(self.runner.last_token_logits(input_ids, positions.to(device), self.cache, last))
