@@ -7,11 +7,7 @@ serving; the API key; a full queue answers 429; SIGTERM ends it with exit code 0
 from __future__ import annotations
 
 import json
-import os
 import signal
-import socket
-import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -21,6 +17,7 @@ import pytest
 
 from helpers import save_tiny_model
 from specdec import LLM, SamplingParams
+from specdec.serve.process import ServerProcess
 
 CHAT_TEMPLATE = ("{% for m in messages %}<s>{{ m.role }}: {{ m.content }}\n{% endfor %}"
                  "{% if add_generation_prompt %}<s>assistant:{% endif %}")
@@ -28,65 +25,15 @@ CONTEXT = 2048
 MODEL = "tiny"
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-class Server:
-    """`specdec serve` in a subprocess; its output in log_path."""
+class Server(ServerProcess):
+    """specdec serve on the tiny model, float32, eager, served as MODEL."""
 
     def __init__(self, args: list[str], log_path: Path, env: dict | None = None):
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.log_path = log_path
-        self.log = open(log_path, "w")
-        command = [sys.executable, "-m", "specdec.cli", "serve", *args, "--port", str(self.port),
-                   "--served-model-name", MODEL, "--compile", "off", "--dtype", "float32"]
-        self.process = subprocess.Popen(command, stdout=self.log, stderr=subprocess.STDOUT,
-                                        env={**os.environ, **(env or {})})
-        deadline = time.monotonic() + 180
-        while time.monotonic() < deadline:
-            if self.process.poll() is not None:
-                raise RuntimeError(f"the server exited with {self.process.returncode}:\n{self.output()}")
-            try:
-                if httpx.get(f"{self.url}/health", timeout=1).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.2)
-        self.stop()
-        raise RuntimeError(f"the server did not come up in 180 s:\n{self.output()}")
-
-    def output(self) -> str:
-        if not self.log.closed:
-            self.log.flush()
-        return self.log_path.read_text()
+        super().__init__([*args, "--served-model-name", MODEL, "--compile", "off", "--dtype", "float32"], log_path,
+                         env)
 
     def client(self, api_key: str = "none", **options) -> openai.OpenAI:
         return openai.OpenAI(base_url=f"{self.url}/v1", api_key=api_key, max_retries=0, **options)
-
-    def metric(self, name: str, **labels) -> float:
-        """The value of specdec:<name> (summed over label sets that match labels)."""
-        total = 0.0
-        for line in httpx.get(f"{self.url}/metrics").text.splitlines():
-            if line.startswith(f"specdec:{name}") and not line.startswith("#"):
-                series, value = line.rsplit(" ", 1)
-                if series.split("{")[0] == f"specdec:{name}" and all(f'{k}="{v}"' in series for k, v in labels.items()):
-                    total += float(value)
-        return total
-
-    def stop(self) -> int:
-        if self.process.poll() is None:
-            self.process.send_signal(signal.SIGTERM)
-            try:
-                self.process.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                self.process.kill()
-                self.process.wait()
-        self.log.close()
-        return self.process.returncode
 
 
 @pytest.fixture(scope="module")
