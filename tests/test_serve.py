@@ -163,6 +163,18 @@ def test_a_client_that_disconnects_mid_stream_is_aborted(server):
     assert server.metric("generation_tokens_total") - before < 1900  # stopped, not run to the end
 
 
+def test_a_client_that_gives_up_on_a_whole_completion_is_aborted(server):
+    before = server.metric("generation_tokens_total")
+    body = {"model": MODEL, "prompt": "def add(a, b):", "max_tokens": 1900, "temperature": 0, "ignore_eos": True}
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(f"{server.url}/v1/completions", json=body, timeout=0.5)
+    deadline = time.monotonic() + 10
+    while server.metric("num_requests_running") != 0 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert server.metric("num_requests_running") == 0
+    assert server.metric("generation_tokens_total") - before < 1900
+
+
 BAD_REQUESTS = [
     ("malformed JSON", b'{"model": "tiny", "prompt": ', None),
     ("max_tokens 0", {"model": MODEL, "prompt": "hi", "max_tokens": 0}, "max_tokens"),

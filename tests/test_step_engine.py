@@ -145,3 +145,21 @@ def test_serving_sizes_the_cache_by_budget_and_refuses_what_does_not_fit(dirs):
     with pytest.raises(ValueError, match="budget"):
         llm.engine.abort("ok")
         llm.engine.prepare_to_serve(max_model_len=64, kv_cache_bytes=per_slot - 1)
+
+
+@pytest.mark.parametrize("length", [1, 3])
+def test_a_stop_string_late_in_a_long_output_cuts_it_where_it_first_appears(dirs, plain, length):
+    """The stop check reads only the output's last tokens: a stop string far past the window
+    (4 x its length + 1 tokens) still cuts the text at its first occurrence."""
+    prompt = "class Point:\n"
+    free = plain.generate(prompt, SamplingParams(temperature=0, max_tokens=120, ignore_eos=True))[0].outputs[0]
+    late = next(i for i in range(len(free.text) * 3 // 4, len(free.text) - length)
+                if free.text[i:i + length].isascii() and free.text[i:i + length].isprintable()
+                and free.text[i:i + length].strip())
+    stop = free.text[late:late + length]
+    cut = free.text.find(stop)
+    assert cut > 0
+    for llm in (plain, speculative(dirs)):
+        got = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=120, ignore_eos=True, stop=[stop]))[0]
+        assert got.outputs[0].text == free.text[:cut] and got.outputs[0].finish_reason == "stop"
+        assert len(got.outputs[0].token_ids) > 4 * length + 1  # past the window: the tail alone was read

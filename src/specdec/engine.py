@@ -26,7 +26,7 @@ from specdec.drafters.base import Draft, Drafter
 from specdec.goodput import GoodputPolicy
 from specdec.kv_cache import CacheTooLarge, TreeAttention, ragged_batch
 from specdec.metrics import SpecStats
-from specdec.models.tokenizer import Tokenizer
+from specdec.models.tokenizer import DECODE_CONTEXT_TOKENS, Tokenizer
 from specdec.outputs import CompletionOutput, RequestOutput
 from specdec.runner import ModelRunner
 from specdec.sampling import SamplingTensors, sample, warp
@@ -404,7 +404,7 @@ class Engine:
             seq.output_from_draft.append(count <= num_from_draft)
             if (token in self.eos_token_ids and not params.ignore_eos) or token in params.stop_token_ids:
                 seq.finish_reason = "stop"
-            elif params.stop and _stop_string_index(self._output_text(seq), params.stop) is not None:
+            elif params.stop and _stop_string_index(self._tail_text(seq), params.stop) is not None:
                 seq.finish_reason = "stop"
             elif seq.remaining_tokens <= 0:
                 seq.finish_reason = "length"
@@ -435,6 +435,17 @@ class Engine:
         text = self._output_text(seq)
         cut = _stop_string_index(text, seq.params.stop)
         return text if cut is None else text[:cut]
+
+    def _tail_text(self, seq: Sequence) -> str:
+        """The text of the output's last tokens, enough to hold any stop string that the last one
+        completed (an earlier one would have stopped the output before): a character takes at most
+        4 bytes, and every token at least one, so 4 x the longest stop string + 1 tokens. Checking
+        stop strings in this tail, not the whole output, keeps the check per token constant."""
+        window = 4 * max(len(stop) for stop in seq.params.stop) + 1
+        if len(seq.output_token_ids) <= window or self.tokenizer is None:
+            return self._output_text(seq)
+        before = seq.output_token_ids[-window - DECODE_CONTEXT_TOKENS:-window]  # what the tail reads after
+        return self.tokenizer.decode_after(before, seq.output_token_ids[-window:])
 
     def _output_text(self, seq: Sequence) -> str:
         """The output's text as it reads after the prompt (Tokenizer.decode_after)."""

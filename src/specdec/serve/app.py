@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hmac
 import json
 import time
 from collections.abc import AsyncIterator
@@ -61,14 +62,8 @@ def build_app(state: ServerState) -> FastAPI:
     state.created = state.created or int(time.time())
     _add_error_handlers(app)
 
-    @app.middleware("http")
-    async def check_api_key(request: Request, call_next):
-        if state.api_key is not None and request.url.path.startswith("/v1"):
-            if request.headers.get("authorization", "") != f"Bearer {state.api_key}":
-                error = APIError(401, "missing or wrong API key: send the header 'Authorization: Bearer <key>'",
-                                 type="authentication_error", code="invalid_api_key")
-                return JSONResponse(error.body(), status_code=401)
-        return await call_next(request)
+    if state.api_key is not None:
+        app.add_middleware(APIKeyCheck, api_key=state.api_key)
 
     @app.get("/health")
     async def health() -> Response:
@@ -123,6 +118,25 @@ def build_app(state: ServerState) -> FastAPI:
                              completion_tokens)
 
     return app
+
+
+class APIKeyCheck:
+    """Requests to /v1 must carry 'Authorization: Bearer <api_key>', else 401. Plain ASGI (not
+    BaseHTTPMiddleware, which hides a client's disconnect from the route)."""
+
+    def __init__(self, app, api_key: str):
+        self.app = app
+        self.expected = f"Bearer {api_key}".encode()
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] == "http" and scope["path"].startswith("/v1"):
+            given = dict(scope["headers"]).get(b"authorization", b"")
+            if not hmac.compare_digest(given, self.expected):
+                error = APIError(401, "missing or wrong API key: send the header 'Authorization: Bearer <key>'",
+                                 type="authentication_error", code="invalid_api_key")
+                await JSONResponse(error.body(), status_code=401)(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
 
 
 # --- checking requests -------------------------------------------------------------------------------

@@ -133,8 +133,11 @@ class AsyncEngine:
                     self.engine.add_request(request_id, prompt_token_ids, params, prompt=prompt,
                                             stream_text=stream_text)
                     self._arrivals[request_id] = arrival
-                except ValueError as e:
+                except ValueError as e:  # refused: the client hears why
                     self._deliver([e], [request_id])
+                except Exception as e:  # a bug: this request fails, the server goes on
+                    log.exception("adding request %s failed", request_id)
+                    self._deliver([RuntimeError(f"the engine failed: {type(e).__name__}: {e}")], [request_id])
             elif self.engine.abort(argument):
                 self._arrivals.pop(argument, None)
                 self.metrics.forget(argument)
