@@ -288,7 +288,7 @@ def test_mixed_greedy_and_sampled_batch(dirs, plain):
     outputs = llm.generate(prompts, [GREEDY, GREEDY, sampled, sampled])
     assert token_ids(outputs[:2]) == greedy_expected
     alone = [llm.generate(p, sampled)[0].outputs[0].token_ids for p in prompts[2:]]  # seeded: as alone (float32)
-    assert token_ids(outputs[2:]) == alone and all(len(ids) == 40 or ids[-1] in llm.engine.eos_token_ids
+    assert token_ids(outputs[2:]) == alone and all(len(ids) == 40 or ids[-1] in llm.engine.output.eos_token_ids
                                                    for ids in alone)
 
 

@@ -9,7 +9,8 @@ A round, for every running sequence at once:
             and one past it; rejection sampling keeps a prefix (of a tree: a branch, whose
             K/V entries are then moved into the sequence's next positions) and adds one token
   emit      tokens are appended one by one, stopping at EOS / stop strings / max_tokens even
-            inside an accepted run; finished rows leave the batch and free their slot
+            inside an accepted run (output_processor.py); finished rows leave the batch and free
+            their slot
 
 Invariant between rounds: the target's cache holds K/V for every token of a sequence but
 the last, which is fed first in the next round's verify forward.
@@ -26,8 +27,9 @@ from specdec.drafters.base import Draft, Drafter
 from specdec.goodput import GoodputPolicy
 from specdec.kv_cache import CacheTooLarge, TreeAttention, ragged_batch
 from specdec.metrics import SpecStats
-from specdec.models.tokenizer import DECODE_CONTEXT_TOKENS, Tokenizer
-from specdec.outputs import CompletionOutput, RequestOutput
+from specdec.models.tokenizer import Tokenizer
+from specdec.output_processor import OutputProcessor
+from specdec.outputs import RequestOutput
 from specdec.runner import ModelRunner
 from specdec.sampling import SamplingTensors, sample, warp
 from specdec.scheduler import Scheduler
@@ -58,8 +60,7 @@ class Engine:
                              f"EAGLE head or early exit); {type(drafter).__name__} drafts chains only: use "
                              "speculative_tree='chain'")
         self.hands_hidden = drafter is not None and drafter.needs_target_hidden  # the target's features too
-        self.eos_token_ids = frozenset(eos_token_ids)
-        self.tokenizer = tokenizer
+        self.output = OutputProcessor(tokenizer, eos_token_ids)
         self.max_num_seqs = max_num_seqs
         self.cache = None
         self.policy = None
@@ -114,7 +115,7 @@ class Engine:
             self._finish(seq)
         admitted_ids = {seq.request_id for seq in admitted}
         moved = admitted + [seq for seq in running if seq.request_id not in admitted_ids]
-        return [output for output in map(self._new_output, moved) if output is not None]
+        return [output for output in map(self.output.new_output, moved) if output is not None]
 
     def abort(self, request_id: str) -> bool:
         """Stop a request, waiting or running; its slot is free for the next step. False if no
@@ -236,7 +237,7 @@ class Engine:
         drafter forgets it."""
         del self._unfinished[seq.request_id]
         seq.stats.seconds = time.perf_counter() - seq.arrival_time
-        seq.text = self._final_text(seq)
+        seq.text = self.output.final_text(seq)
         if ran and self.drafter is not None:
             self.drafter.release(seq)
 
@@ -254,7 +255,7 @@ class Engine:
         probs = warp(logits, SamplingTensors.from_params([s.params for s in batch], device))
         first_tokens = sample(probs, [s.generator for s in batch]).tolist()
         for seq, token in zip(batch, first_tokens):
-            emitted = self._emit(seq, [token], num_from_draft=0)
+            emitted = self.output.append(seq, [token], num_from_draft=0)
             seq.stats.record_round(0, 0, emitted)
             self.stats.record_round(0, 0, emitted)
             if self.policy is not None:
@@ -287,7 +288,7 @@ class Engine:
         tree_depths = _tree_depths(positions, num_draft).tolist() if draft.is_tree else [None] * len(batch)
         for row, seq in enumerate(batch):
             tokens = output[row, :num_accepted_list[row] + 1].tolist()
-            emitted = self._emit(seq, tokens, num_from_draft=num_accepted_list[row])
+            emitted = self.output.append(seq, tokens, num_from_draft=num_accepted_list[row])
             for stats in (seq.stats, self.stats):
                 stats.record_round(num_proposed[row], num_accepted_list[row], emitted, k=ks[row],
                                    depth=tree_depths[row])
@@ -395,64 +396,6 @@ class Engine:
         tree = TreeAttention(first_positions[:, None] + columns, first_positions, visible)
         return input_ids, first_positions[:, None] + depth, tree
 
-    def _emit(self, seq: Sequence, tokens: list[int], num_from_draft: int) -> int:
-        """Append tokens to seq until one of them finishes it; returns how many were emitted.
-        The first num_from_draft tokens are accepted drafts, the rest the target's own."""
-        params = seq.params
-        for count, token in enumerate(tokens, start=1):
-            seq.output_token_ids.append(token)
-            seq.output_from_draft.append(count <= num_from_draft)
-            if (token in self.eos_token_ids and not params.ignore_eos) or token in params.stop_token_ids:
-                seq.finish_reason = "stop"
-            elif params.stop and _stop_string_index(self._tail_text(seq), params.stop) is not None:
-                seq.finish_reason = "stop"
-            elif seq.remaining_tokens <= 0:
-                seq.finish_reason = "length"
-            if seq.finished:
-                return count
-        return len(tokens)
-
-    def _new_output(self, seq: Sequence) -> RequestOutput | None:
-        """What is new in seq since its last RequestOutput (None: nothing): its new tokens, and,
-        if it streams text, the new text that can no longer change (held back: an unfinished
-        character, and a tail that may be the start of a stop string); all of its text once it
-        finishes."""
-        new_token_ids = seq.output_token_ids[seq.num_tokens_reported:]
-        from_draft = seq.output_from_draft[seq.num_tokens_reported:]
-        if not new_token_ids and not seq.finished:
-            return None
-        seq.num_tokens_reported = len(seq.output_token_ids)
-        text = seq.text if seq.finished else (_settled_text(self._output_text(seq), seq.params.stop)
-                                              if seq.stream_text else seq.text_reported)
-        new_text = text[len(seq.text_reported):] if text.startswith(seq.text_reported) else ""
-        seq.text_reported += new_text
-        completion = CompletionOutput(0, new_text, new_token_ids, seq.finish_reason, from_draft)
-        return RequestOutput(seq.request_id, seq.prompt, seq.prompt_token_ids, [completion], seq.stats,
-                             finished=seq.finished)
-
-    def _final_text(self, seq: Sequence) -> str:
-        """The decoded output, cut before the first stop string."""
-        text = self._output_text(seq)
-        cut = _stop_string_index(text, seq.params.stop)
-        return text if cut is None else text[:cut]
-
-    def _tail_text(self, seq: Sequence) -> str:
-        """The text of the output's last tokens, enough to hold any stop string that the last one
-        completed (an earlier one would have stopped the output before): a character takes at most
-        4 bytes, and every token at least one, so 4 x the longest stop string + 1 tokens. Checking
-        stop strings in this tail, not the whole output, keeps the check per token constant."""
-        window = 4 * max(len(stop) for stop in seq.params.stop) + 1
-        if len(seq.output_token_ids) <= window or self.tokenizer is None:
-            return self._output_text(seq)
-        before = seq.output_token_ids[-window - DECODE_CONTEXT_TOKENS:-window]  # what the tail reads after
-        return self.tokenizer.decode_after(before, seq.output_token_ids[-window:])
-
-    def _output_text(self, seq: Sequence) -> str:
-        """The output's text as it reads after the prompt (Tokenizer.decode_after)."""
-        if self.tokenizer is None:
-            return ""
-        return self.tokenizer.decode_after(seq.prompt_token_ids, seq.output_token_ids)
-
 
 def _tree_depths(positions: torch.Tensor, num_nodes: torch.Tensor) -> torch.Tensor:
     """Each row's tree depth [B] from its verify positions [B, k+1] (root first, nodes at the
@@ -460,17 +403,3 @@ def _tree_depths(positions: torch.Tensor, num_nodes: torch.Tensor) -> torch.Tens
     columns = torch.arange(positions.shape[1], device=positions.device)[None, :]  # [1, k+1]
     offsets = (positions - positions[:, :1]).masked_fill(columns > num_nodes[:, None], 0)  # [B, k+1]
     return offsets.max(dim=1).values
-
-
-def _settled_text(text: str, stops: tuple[str, ...]) -> str:
-    """The part of a running request's text that more tokens cannot change: less an unfinished
-    UTF-8 character (decoded as U+FFFD) and less the longest tail that begins a stop string."""
-    text = text.rstrip("\ufffd")
-    hold = max((n for stop in stops for n in range(1, len(stop)) if text.endswith(stop[:n])), default=0)
-    return text[:len(text) - hold]
-
-
-def _stop_string_index(text: str, stops: tuple[str, ...]) -> int | None:
-    """Where the first of the stop strings starts in text, or None."""
-    found = [i for i in (text.find(stop) for stop in stops) if i >= 0]
-    return min(found) if found else None

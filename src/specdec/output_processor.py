@@ -1,0 +1,94 @@
+"""The output processor: what the engine's tokens become for the caller.
+
+  append      a round's tokens, one by one, onto a sequence, stopping at EOS, a stop token, a
+              stop string or max_tokens even inside an accepted run: nothing after a stop is kept
+  final_text  the output's text, cut before the first stop string
+  new_output  what is new since the request's last RequestOutput (outputs.py): its tokens, and
+              for a request streaming text, the text that more tokens can no longer change
+
+Text is the output's tokens decoded as they read after the prompt (Tokenizer.decode_after).
+"""
+
+from __future__ import annotations
+
+from specdec.models.tokenizer import DECODE_CONTEXT_TOKENS, Tokenizer
+from specdec.outputs import CompletionOutput, RequestOutput
+from specdec.sequence import Sequence
+
+
+class OutputProcessor:
+    def __init__(self, tokenizer: Tokenizer | None, eos_token_ids: tuple[int, ...]):
+        self.tokenizer = tokenizer
+        self.eos_token_ids = frozenset(eos_token_ids)
+
+    def append(self, seq: Sequence, tokens: list[int], num_from_draft: int) -> int:
+        """Append tokens to seq until one of them finishes it; returns how many were emitted.
+        The first num_from_draft tokens are accepted drafts, the rest the target's own."""
+        params = seq.params
+        for count, token in enumerate(tokens, start=1):
+            seq.output_token_ids.append(token)
+            seq.output_from_draft.append(count <= num_from_draft)
+            if (token in self.eos_token_ids and not params.ignore_eos) or token in params.stop_token_ids:
+                seq.finish_reason = "stop"
+            elif params.stop and _stop_string_index(self._tail_text(seq), params.stop) is not None:
+                seq.finish_reason = "stop"
+            elif seq.remaining_tokens <= 0:
+                seq.finish_reason = "length"
+            if seq.finished:
+                return count
+        return len(tokens)
+
+    def new_output(self, seq: Sequence) -> RequestOutput | None:
+        """What is new in seq since its last RequestOutput (None: nothing): its new tokens, and,
+        if it streams text, the new text that can no longer change (held back: an unfinished
+        character, and a tail that may be the start of a stop string); all of its text once it
+        finishes."""
+        new_token_ids = seq.output_token_ids[seq.num_tokens_reported:]
+        from_draft = seq.output_from_draft[seq.num_tokens_reported:]
+        if not new_token_ids and not seq.finished:
+            return None
+        seq.num_tokens_reported = len(seq.output_token_ids)
+        text = seq.text if seq.finished else (_settled_text(self._output_text(seq), seq.params.stop)
+                                              if seq.stream_text else seq.text_reported)
+        new_text = text[len(seq.text_reported):] if text.startswith(seq.text_reported) else ""
+        seq.text_reported += new_text
+        completion = CompletionOutput(0, new_text, new_token_ids, seq.finish_reason, from_draft)
+        return RequestOutput(seq.request_id, seq.prompt, seq.prompt_token_ids, [completion], seq.stats,
+                             finished=seq.finished)
+
+    def final_text(self, seq: Sequence) -> str:
+        """The decoded output, cut before the first stop string."""
+        text = self._output_text(seq)
+        cut = _stop_string_index(text, seq.params.stop)
+        return text if cut is None else text[:cut]
+
+    def _tail_text(self, seq: Sequence) -> str:
+        """The text of the output's last tokens, enough to hold any stop string that the last one
+        completed (an earlier one would have stopped the output before): a character takes at most
+        4 bytes, and every token at least one, so 4 x the longest stop string + 1 tokens. Checking
+        stop strings in this tail, not the whole output, keeps the check per token constant."""
+        window = 4 * max(len(stop) for stop in seq.params.stop) + 1
+        if len(seq.output_token_ids) <= window or self.tokenizer is None:
+            return self._output_text(seq)
+        before = seq.output_token_ids[-window - DECODE_CONTEXT_TOKENS:-window]  # what the tail reads after
+        return self.tokenizer.decode_after(before, seq.output_token_ids[-window:])
+
+    def _output_text(self, seq: Sequence) -> str:
+        """The output's text as it reads after the prompt (Tokenizer.decode_after)."""
+        if self.tokenizer is None:
+            return ""
+        return self.tokenizer.decode_after(seq.prompt_token_ids, seq.output_token_ids)
+
+
+def _settled_text(text: str, stops: tuple[str, ...]) -> str:
+    """The part of a running request's text that more tokens cannot change: less an unfinished
+    UTF-8 character (decoded as U+FFFD) and less the longest tail that begins a stop string."""
+    text = text.rstrip("\ufffd")
+    hold = max((n for stop in stops for n in range(1, len(stop)) if text.endswith(stop[:n])), default=0)
+    return text[:len(text) - hold]
+
+
+def _stop_string_index(text: str, stops: tuple[str, ...]) -> int | None:
+    """Where the first of the stop strings starts in text, or None."""
+    found = [i for i in (text.find(stop) for stop in stops) if i >= 0]
+    return min(found) if found else None
