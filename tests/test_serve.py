@@ -131,6 +131,32 @@ def test_seeded_sampling_and_per_request_k(server, offline):
     assert plain.choices[0].text == greedy.outputs[0].text
 
 
+def test_logprobs_are_what_generate_gives_offline(server, offline):
+    prompt = "def add(a, b):"
+    want = offline.generate(prompt, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=2))[0]
+    want_logprobs = [entry.logprob for entry in want.outputs[0].logprobs]
+    client = server.client()
+    got = client.completions.create(model=MODEL, prompt=prompt, max_tokens=12, temperature=0, logprobs=2,
+                                    extra_body={"ignore_eos": True}).choices[0].logprobs
+    assert got.token_logprobs == pytest.approx(want_logprobs, abs=1e-5)
+    assert len(got.tokens) == 12 and all(2 <= len(top) <= 3 for top in got.top_logprobs)
+    assert got.text_offset[0] == 0 and got.text_offset == sorted(got.text_offset)
+    chunks = client.completions.create(model=MODEL, prompt=prompt, max_tokens=12, temperature=0, logprobs=2,
+                                       extra_body={"ignore_eos": True}, stream=True)
+    streamed = [value for chunk in chunks for choice in chunk.choices if choice.logprobs
+                for value in choice.logprobs.token_logprobs]
+    assert streamed == pytest.approx(want_logprobs, abs=1e-5)
+
+    messages = [{"role": "user", "content": "add two numbers"}]
+    want = offline.chat(messages, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=2))[0]
+    chat = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=8, temperature=0, logprobs=True,
+                                          top_logprobs=2, extra_body={"ignore_eos": True})
+    content = chat.choices[0].logprobs.content
+    assert [item.logprob for item in content] == pytest.approx([e.logprob for e in want.outputs[0].logprobs], abs=1e-5)
+    assert all(len(item.top_logprobs) == 2 for item in content)
+    assert client.chat.completions.create(model=MODEL, messages=messages, max_tokens=2).choices[0].logprobs is None
+
+
 def test_metrics_count_requests_tokens_and_speculation(server):
     before = {name: server.metric(name) for name in ("generation_tokens_total", "request_success_total",
                                                      "time_to_first_token_seconds_count")}
@@ -185,7 +211,8 @@ BAD_REQUESTS = [
     ("prompt too long", {"model": MODEL, "prompt": "def add(a, b): " * 600, "max_tokens": 4}, None),
     ("max_tokens past the context", {"model": MODEL, "prompt": "hi", "max_tokens": CONTEXT}, None),
     ("n > 1", {"model": MODEL, "prompt": "hi", "n": 2}, "n"),
-    ("logprobs", {"model": MODEL, "prompt": "hi", "logprobs": 3}, "logprobs"),
+    ("logprobs over 20", {"model": MODEL, "prompt": "hi", "logprobs": 21}, "logprobs"),
+    ("penalties", {"model": MODEL, "prompt": "hi", "presence_penalty": 0.5}, "presence_penalty"),
     ("no prompt", {"model": MODEL}, "prompt"),
     ("prompt of wrong type", {"model": MODEL, "prompt": {"text": "hi"}}, "prompt"),
     ("token id outside the vocabulary", {"model": MODEL, "prompt": [5, 99999]}, None),

@@ -16,6 +16,7 @@ from specdec.tree import TreeShape
 
 GREEDY_TEMPERATURE = 1e-5  # temperatures below this sample greedily
 INT64_MIN, INT64_MAX, UINT64_MAX = -2**63, 2**63 - 1, 2**64 - 1
+MAX_LOGPROBS = 20  # the most top tokens a request's logprobs may ask for, as vLLM's default max_logprobs
 
 
 @dataclass(frozen=True)
@@ -38,6 +39,10 @@ class SamplingParams:
         draft the fixed num_speculative_tokens (not the goodput policy's choice, which varies
         with timings), since its tokens depend on how many drafts each round judged.
     ignore_eos: keep generating past the model's end-of-sequence tokens.
+    logprobs: also return each generated token's log-probability under the target, and those of
+        its `logprobs` most likely tokens (0: the generated token's alone; None: none). They are
+        of the target's own distribution, before temperature and the other warps (vLLM's
+        default), so they do not depend on the sampling settings or on speculation.
     num_speculative_tokens: this request's most draft tokens a round (specdec's own, not
         vLLM's): None = the engine's k; 0 = no speculation for it; above the engine's k, the
         engine's k. Requests with different values share a batch. With a tree shape, a
@@ -53,6 +58,7 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
     seed: int | None = None
     ignore_eos: bool = False
+    logprobs: int | None = None
     num_speculative_tokens: int | None = None
 
     def __post_init__(self) -> None:
@@ -83,6 +89,9 @@ class SamplingParams:
         check(self.seed is None or (is_int(self.seed) and INT64_MIN <= self.seed <= UINT64_MAX),
                f"seed must be an integer from -2**63 to 2**64 - 1, or None, got {self.seed!r}")
         check(isinstance(self.ignore_eos, bool), f"ignore_eos must be True or False, got {self.ignore_eos!r}")
+        check(self.logprobs is None or (is_int(self.logprobs) and 0 <= self.logprobs <= MAX_LOGPROBS),
+              f"logprobs must be an integer from 0 to {MAX_LOGPROBS} (the most likely tokens to return with each "
+              f"token's own), or None, got {self.logprobs!r}")
         check(self.num_speculative_tokens is None or (is_int(self.num_speculative_tokens)
                                                       and self.num_speculative_tokens >= 0),
               f"num_speculative_tokens must be an integer >= 0 (0 = no speculation), or None, "

@@ -31,7 +31,7 @@ from specdec.models.tokenizer import Tokenizer
 from specdec.output_processor import OutputProcessor
 from specdec.outputs import RequestOutput
 from specdec.runner import ModelRunner
-from specdec.sampling import SamplingTensors, sample, warp
+from specdec.sampling import SamplingTensors, sample, token_logprobs, warp
 from specdec.scheduler import Scheduler
 from specdec.sequence import Sequence
 from specdec.tree import TreeShape, branches
@@ -253,9 +253,10 @@ class Engine:
             logits, hidden = logits
             self.drafter.observe_hidden(batch, torch.zeros_like(last), hidden, last + 1)
         probs = warp(logits, SamplingTensors.from_params([s.params for s in batch], device))
-        first_tokens = sample(probs, [s.generator for s in batch]).tolist()
-        for seq, token in zip(batch, first_tokens):
-            emitted = self.output.append(seq, [token], num_from_draft=0)
+        first_tokens = sample(probs, [s.generator for s in batch])  # [B]
+        logprobs = _logprobs(batch, logits[:, None], first_tokens[:, None], torch.ones_like(first_tokens))
+        for seq, token, first_logprob in zip(batch, first_tokens.tolist(), logprobs):
+            emitted = self.output.append(seq, [token], num_from_draft=0, logprobs=first_logprob)
             seq.stats.record_round(0, 0, emitted)
             self.stats.record_round(0, 0, emitted)
             if self.policy is not None:
@@ -286,9 +287,10 @@ class Engine:
         t3 = time.perf_counter()
         num_proposed, num_accepted_list = num_draft.tolist(), num_accepted.tolist()
         tree_depths = _tree_depths(positions, num_draft).tolist() if draft.is_tree else [None] * len(batch)
+        logprobs = _logprobs(batch, target_logits, output, num_accepted + 1, path)
         for row, seq in enumerate(batch):
             tokens = output[row, :num_accepted_list[row] + 1].tolist()
-            emitted = self.output.append(seq, tokens, num_from_draft=num_accepted_list[row])
+            emitted = self.output.append(seq, tokens, num_from_draft=num_accepted_list[row], logprobs=logprobs[row])
             for stats in (seq.stats, self.stats):
                 stats.record_round(num_proposed[row], num_accepted_list[row], emitted, k=ks[row],
                                    depth=tree_depths[row])
@@ -395,6 +397,20 @@ class Engine:
         depth = visible.sum(-1) - 1  # [B, k+1]: ancestors, the root included
         tree = TreeAttention(first_positions[:, None] + columns, first_positions, visible)
         return input_ids, first_positions[:, None] + depth, tree
+
+
+def _logprobs(batch: list[Sequence], logits: torch.Tensor, token_ids: torch.Tensor, num_tokens: torch.Tensor,
+              path: torch.Tensor | None = None) -> list[list | None]:
+    """For each row whose request asks for logprobs, its first num_tokens[row] emitted tokens'
+    (token_ids [B, T]; token j drawn from the distribution of logits [B, T, V] at column j, or for
+    a tree at column path[row, j], its branch's): a list of TokenLogprob; None for the other rows."""
+    logprobs: list[list | None] = [None] * len(batch)
+    for row, seq in enumerate(batch):
+        if seq.params.logprobs is not None:
+            n = int(num_tokens[row])
+            columns = path[row, :n] if path is not None else torch.arange(n, device=logits.device)  # [n]
+            logprobs[row] = token_logprobs(logits[row, columns], token_ids[row, :n], seq.params.logprobs)
+    return logprobs
 
 
 def _tree_depths(positions: torch.Tensor, num_nodes: torch.Tensor) -> torch.Tensor:

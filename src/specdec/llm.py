@@ -216,7 +216,8 @@ class LLM:
 
     def _output(self, seq: Sequence) -> RequestOutput:
         completion = CompletionOutput(0, seq.text, list(seq.output_token_ids), seq.finish_reason,
-                                      list(seq.output_from_draft))
+                                      list(seq.output_from_draft),
+                                      list(seq.output_logprobs) if seq.params.logprobs is not None else None)
         return RequestOutput(seq.request_id, seq.prompt, seq.prompt_token_ids, [completion], seq.stats)
 
 

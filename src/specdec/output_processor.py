@@ -12,7 +12,7 @@ Text is the output's tokens decoded as they read after the prompt (Tokenizer.dec
 from __future__ import annotations
 
 from specdec.models.tokenizer import DECODE_CONTEXT_TOKENS, Tokenizer
-from specdec.outputs import CompletionOutput, RequestOutput
+from specdec.outputs import CompletionOutput, RequestOutput, TokenLogprob
 from specdec.sequence import Sequence
 
 
@@ -21,13 +21,17 @@ class OutputProcessor:
         self.tokenizer = tokenizer
         self.eos_token_ids = frozenset(eos_token_ids)
 
-    def append(self, seq: Sequence, tokens: list[int], num_from_draft: int) -> int:
+    def append(self, seq: Sequence, tokens: list[int], num_from_draft: int,
+               logprobs: list[TokenLogprob] | None = None) -> int:
         """Append tokens to seq until one of them finishes it; returns how many were emitted.
-        The first num_from_draft tokens are accepted drafts, the rest the target's own."""
+        The first num_from_draft tokens are accepted drafts, the rest the target's own;
+        logprobs: each token's, kept with it."""
         params = seq.params
         for count, token in enumerate(tokens, start=1):
             seq.output_token_ids.append(token)
             seq.output_from_draft.append(count <= num_from_draft)
+            if logprobs is not None:
+                seq.output_logprobs.append(logprobs[count - 1])
             if (token in self.eos_token_ids and not params.ignore_eos) or token in params.stop_token_ids:
                 seq.finish_reason = "stop"
             elif params.stop and _stop_string_index(self._tail_text(seq), params.stop) is not None:
@@ -45,6 +49,7 @@ class OutputProcessor:
         finishes."""
         new_token_ids = seq.output_token_ids[seq.num_tokens_reported:]
         from_draft = seq.output_from_draft[seq.num_tokens_reported:]
+        logprobs = seq.output_logprobs[seq.num_tokens_reported:] if seq.params.logprobs is not None else None
         if not new_token_ids and not seq.finished:
             return None
         seq.num_tokens_reported = len(seq.output_token_ids)
@@ -52,7 +57,7 @@ class OutputProcessor:
                                               if seq.stream_text else seq.text_reported)
         new_text = text[len(seq.text_reported):] if text.startswith(seq.text_reported) else ""
         seq.text_reported += new_text
-        completion = CompletionOutput(0, new_text, new_token_ids, seq.finish_reason, from_draft)
+        completion = CompletionOutput(0, new_text, new_token_ids, seq.finish_reason, from_draft, logprobs)
         return RequestOutput(seq.request_id, seq.prompt, seq.prompt_token_ids, [completion], seq.stats,
                              finished=seq.finished)
 

@@ -14,6 +14,16 @@ from dataclasses import dataclass, field
 from specdec.metrics import SpecStats
 
 
+@dataclass(frozen=True)
+class TokenLogprob:
+    """A generated token's log-probability under the target, and the most likely tokens' (id,
+    log-probability) pairs, most likely first (SamplingParams.logprobs of them)."""
+
+    token_id: int
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()
+
+
 @dataclass
 class CompletionOutput:
     index: int
@@ -21,6 +31,7 @@ class CompletionOutput:
     token_ids: list[int]
     finish_reason: str | None  # "stop" (EOS, a stop token or string), "length" (max_tokens), "abort"; None: running
     from_draft: list[bool] = field(default_factory=list)  # per token id: accepted from the drafter?
+    logprobs: list[TokenLogprob] | None = None  # per token id, when SamplingParams.logprobs asked for them
 
 
 @dataclass

@@ -24,6 +24,7 @@ import numpy as np
 import torch
 
 from specdec.config import SamplingParams
+from specdec.outputs import TokenLogprob
 
 
 @dataclass(frozen=True)
@@ -187,3 +188,13 @@ def sample_with_uniforms(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
 def sample(probs: torch.Tensor, generators: list[torch.Generator]) -> torch.Tensor:
     """One token per row of probs [N, V], each drawn with its row's generator."""
     return sample_with_uniforms(probs, uniforms(generators, 1, probs.device)[:, 0])
+
+
+def token_logprobs(logits: torch.Tensor, token_ids: torch.Tensor, num_top: int) -> list[TokenLogprob]:
+    """Each row's token's log-probability under log_softmax(logits) (logits [N, V], token_ids
+    [N]), with the num_top most likely tokens' (ids and log-probabilities, most likely first)."""
+    logprobs = torch.log_softmax(logits.float(), dim=-1)  # [N, V]
+    chosen = logprobs.gather(1, token_ids[:, None].to(logprobs.device))[:, 0].tolist()  # [N]
+    top_values, top_ids = logprobs.topk(num_top, dim=-1) if num_top else (logprobs[:, :0], logprobs[:, :0].long())
+    return [TokenLogprob(token, value, tuple(zip(ids, values)))
+            for token, value, ids, values in zip(token_ids.tolist(), chosen, top_ids.tolist(), top_values.tolist())]

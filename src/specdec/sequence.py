@@ -21,6 +21,7 @@ class Sequence:
     slot: int = -1  # its row in the KV caches while running
     output_token_ids: list[int] = field(default_factory=list)
     output_from_draft: list[bool] = field(default_factory=list)  # per output token: an accepted draft token?
+    output_logprobs: list = field(default_factory=list)  # per output token, when params.logprobs asks: TokenLogprob
     text: str = ""  # filled when finished (cut before a stop string)
     finish_reason: str | None = None  # "stop" (EOS, stop token or stop string) or "length"
     stats: SpecStats = field(default_factory=SpecStats)

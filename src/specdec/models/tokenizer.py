@@ -42,6 +42,10 @@ class Tokenizer:
     def token_to_id(self, token: str) -> int | None:
         return self.backend.token_to_id(token)
 
+    def id_to_token(self, token_id: int) -> str | None:
+        """The token's own string in the vocabulary ("Ġthe", "<0x0A>"), as logprobs name tokens."""
+        return self.backend.id_to_token(token_id)
+
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return self.backend.encode(text, add_special_tokens=add_special_tokens).ids
 

@@ -31,8 +31,8 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from specdec.outputs import RequestOutput
 from specdec.serve.async_engine import AsyncEngine, EngineStopped, QueueFull
 from specdec.serve.protocol import (APIError, ChatCompletionRequest, CompletionRequest, SamplingFields, chat_chunk,
-                                    chat_response, completion_choice, completion_chunk, completion_response,
-                                    model_list, new_id, usage)
+                                    chat_logprobs, chat_response, completion_choice, completion_chunk,
+                                    completion_logprobs, completion_response, model_list, new_id, usage)
 
 RETRY_AFTER_SECONDS = 1
 DISCONNECT_POLL_SECONDS = 0.25  # how often a non-streaming request checks that its client is still there
@@ -49,6 +49,13 @@ class ServerState:
     @property
     def llm(self):
         return self.async_engine.llm
+
+    def token_text(self, token_id: int) -> str:
+        """A token as logprobs name it: its string in the vocabulary ("Ġthe", as vLLM returns it:
+        one string per token, where decoded text can give several tokens the same one)."""
+        tokenizer = self.llm.tokenizer
+        token = tokenizer.id_to_token(token_id) if tokenizer is not None else None
+        return token if token is not None else f"<id {token_id}>"
 
 
 def build_app(state: ServerState) -> FastAPI:
@@ -91,7 +98,9 @@ def build_app(state: ServerState) -> FastAPI:
         if body.stream:
             return _sse(_completion_events(state, request_id, body, streams, firsts, prompt_tokens))
         outputs = await _until_finished(raw, streams, firsts)
-        choices = [completion_choice(i, "".join(o.outputs[0].text for o in outs), outs[-1].outputs[0].finish_reason)
+        choices = [completion_choice(i, "".join(o.outputs[0].text for o in outs), outs[-1].outputs[0].finish_reason,
+                                     _joined_logprobs(outs, lambda entries: completion_logprobs(entries,
+                                                                                                state.token_text)))
                    for i, outs in enumerate(outputs)]
         completion_tokens = sum(len(o.outputs[0].token_ids) for outs in outputs for o in outs)
         return completion_response(request_id, state.model_name, choices, prompt_tokens, completion_tokens)
@@ -114,8 +123,9 @@ def build_app(state: ServerState) -> FastAPI:
         (outputs,) = await _until_finished(raw, [stream], [first])
         text = "".join(o.outputs[0].text for o in outputs)
         completion_tokens = sum(len(o.outputs[0].token_ids) for o in outputs)
+        logprobs = _joined_logprobs(outputs, lambda entries: chat_logprobs(entries, state.token_text))
         return chat_response(request_id, state.model_name, text, outputs[-1].outputs[0].finish_reason, len(ids),
-                             completion_tokens)
+                             completion_tokens, logprobs)
 
     return app
 
@@ -232,6 +242,14 @@ async def _until_finished(raw: Request, streams, firsts: list[RequestOutput]) ->
             await stream.aclose()
 
 
+def _joined_logprobs(outputs: list[RequestOutput], shape) -> dict | None:
+    """The logprobs of a request's outputs, all of them, in the API's shape (shape(entries));
+    None where the request asked for none."""
+    if outputs[0].outputs[0].logprobs is None:
+        return None
+    return shape([entry for output in outputs for entry in output.outputs[0].logprobs])
+
+
 async def _cancel(tasks) -> None:
     """Cancel tasks and wait until they have unwound (a stream a task iterates can then be closed)."""
     for task in tasks:
@@ -291,12 +309,17 @@ def _sse(events: AsyncIterator[dict]) -> StreamingResponse:
 async def _completion_events(state: ServerState, request_id: str, body: CompletionRequest, streams, firsts,
                              prompt_tokens: int) -> AsyncIterator[dict]:
     created, completion_tokens = int(time.time()), 0
+    text_offsets = [0] * len(streams)  # where each choice's next text starts, for logprobs' text_offset
     async with contextlib.aclosing(_merged(streams, firsts)) as outputs:
         async for index, output in outputs:
             completion = output.outputs[0]
             completion_tokens += len(completion.token_ids)
-            if completion.text or output.finished:
-                choice = completion_choice(index, completion.text, completion.finish_reason)
+            logprobs = None
+            if completion.logprobs is not None:
+                logprobs = completion_logprobs(completion.logprobs, state.token_text, text_offsets[index])
+            text_offsets[index] += len(completion.text)
+            if completion.text or output.finished or logprobs is not None and completion.token_ids:
+                choice = completion_choice(index, completion.text, completion.finish_reason, logprobs)
                 yield completion_chunk(request_id, state.model_name, created, [choice])
     if body.include_usage:
         yield completion_chunk(request_id, state.model_name, created, [], usage(prompt_tokens, completion_tokens))
@@ -310,8 +333,12 @@ async def _chat_events(state: ServerState, request_id: str, body: ChatCompletion
         async for _, output in outputs:
             completion = output.outputs[0]
             completion_tokens += len(completion.token_ids)
-            if completion.text:
-                yield chat_chunk(request_id, state.model_name, created, {"content": completion.text})
+            logprobs = None
+            if completion.logprobs:
+                logprobs = chat_logprobs(completion.logprobs, state.token_text)
+            if completion.text or logprobs is not None:
+                yield chat_chunk(request_id, state.model_name, created, {"content": completion.text},
+                                 logprobs=logprobs)
             if output.finished:
                 yield chat_chunk(request_id, state.model_name, created, {}, completion.finish_reason)
     if body.include_usage:

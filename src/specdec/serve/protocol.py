@@ -14,6 +14,7 @@ import uuid
 from pydantic import BaseModel, ConfigDict, Field
 
 from specdec.config import SamplingParams
+from specdec.outputs import TokenLogprob
 
 
 class APIError(Exception):
@@ -53,8 +54,6 @@ class SamplingFields(BaseModel):
     ignore_eos: bool = False
     num_speculative_tokens: int | None = Field(default=None, ge=0)
     # in the API, not in specdec: refused when set to anything but their neutral value
-    logprobs: int | bool | None = None
-    top_logprobs: int | None = None
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     logit_bias: dict | None = None
@@ -64,7 +63,7 @@ class SamplingFields(BaseModel):
 
     def unsupported(self) -> list[str]:
         """The fields set to something specdec does not do."""
-        neutral = {"logprobs": (None, False, 0), "top_logprobs": (None, 0), "presence_penalty": (0,),
+        neutral = {"presence_penalty": (0,),
                    "frequency_penalty": (0,), "logit_bias": (None, {}), "best_of": (None, 1), "echo": (False,),
                    "tools": (None, [])}
         return [name for name, allowed in neutral.items() if getattr(self, name) not in allowed]
@@ -73,8 +72,12 @@ class SamplingFields(BaseModel):
         """The request's SamplingParams (a ValueError names a bad value)."""
         return SamplingParams(temperature=self.temperature, top_p=self.top_p, top_k=self.top_k, min_p=self.min_p,
                               max_tokens=max_tokens, stop=self.stop or (), stop_token_ids=self.stop_token_ids or (),
-                              seed=self.seed, ignore_eos=self.ignore_eos,
+                              seed=self.seed, ignore_eos=self.ignore_eos, logprobs=self.logprobs_count(),
                               num_speculative_tokens=self.num_speculative_tokens)
+
+    def logprobs_count(self) -> int | None:
+        """How many top tokens' logprobs to return with each token's own (None: no logprobs)."""
+        return None
 
     @property
     def include_usage(self) -> bool:
@@ -84,6 +87,10 @@ class SamplingFields(BaseModel):
 class CompletionRequest(SamplingFields):
     prompt: str | list[int] | list[str] | list[list[int]]
     max_tokens: int | None = 16
+    logprobs: int | None = None  # the top tokens' logprobs with each token's own
+
+    def logprobs_count(self) -> int | None:
+        return self.logprobs
 
 
 class ChatMessage(BaseModel):
@@ -108,6 +115,36 @@ class ChatCompletionRequest(SamplingFields):
     max_tokens: int | None = None
     max_completion_tokens: int | None = None
     add_generation_prompt: bool = True
+    logprobs: bool = False
+    top_logprobs: int | None = None
+
+    def logprobs_count(self) -> int | None:
+        if self.top_logprobs and not self.logprobs:
+            raise APIError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
+        return (self.top_logprobs or 0) if self.logprobs else None
+
+
+def completion_logprobs(entries: list[TokenLogprob], token_text, offset: int = 0) -> dict:
+    """The completions API's logprobs of entries (each chosen token is also in its top
+    dict, as vLLM returns it); token_text(id) is a token's text; offset: where the first
+    token's text starts in the choice's text."""
+    tokens = [token_text(entry.token_id) for entry in entries]
+    offsets = [offset + sum(len(token) for token in tokens[:i]) for i in range(len(tokens))]
+    tops = [{**{token_text(token_id): value for token_id, value in entry.top}, token: entry.logprob}
+            for entry, token in zip(entries, tokens)]
+    return {"tokens": tokens, "token_logprobs": [entry.logprob for entry in entries], "top_logprobs": tops,
+            "text_offset": offsets}
+
+
+def chat_logprobs(entries: list[TokenLogprob], token_text) -> dict:
+    """The chat API's logprobs of entries: {"content": [{token, logprob, bytes, top_logprobs}]}."""
+    def item(token_id: int, logprob: float) -> dict:
+        text = token_text(token_id)
+        return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8"))}
+
+    return {"content": [{**item(entry.token_id, entry.logprob),
+                         "top_logprobs": [item(token_id, value) for token_id, value in entry.top]}
+                        for entry in entries]}
 
 
 def new_id(prefix: str) -> str:
@@ -125,8 +162,8 @@ def completion_response(request_id: str, model: str, choices: list[dict], prompt
             "choices": choices, "usage": usage(prompt_tokens, completion_tokens)}
 
 
-def completion_choice(index: int, text: str, finish_reason: str | None) -> dict:
-    return {"index": index, "text": text, "logprobs": None, "finish_reason": finish_reason}
+def completion_choice(index: int, text: str, finish_reason: str | None, logprobs: dict | None = None) -> dict:
+    return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
 
 
 def completion_chunk(request_id: str, model: str, created: int, choices: list[dict], usage_: dict | None = None
@@ -138,17 +175,17 @@ def completion_chunk(request_id: str, model: str, created: int, choices: list[di
 
 
 def chat_response(request_id: str, model: str, text: str, finish_reason: str | None, prompt_tokens: int,
-                  completion_tokens: int) -> dict:
-    choice = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
+                  completion_tokens: int, logprobs: dict | None = None) -> dict:
+    choice = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": logprobs,
               "finish_reason": finish_reason}
     return {"id": request_id, "object": "chat.completion", "created": int(time.time()), "model": model,
             "choices": [choice], "usage": usage(prompt_tokens, completion_tokens)}
 
 
 def chat_chunk(request_id: str, model: str, created: int, delta: dict | None, finish_reason: str | None = None,
-               usage_: dict | None = None) -> dict:
+               usage_: dict | None = None, logprobs: dict | None = None) -> dict:
     """A chat.completion.chunk: one choice with delta, or (delta None) none, for the usage chunk."""
-    choices = [] if delta is None else [{"index": 0, "delta": delta, "logprobs": None,
+    choices = [] if delta is None else [{"index": 0, "delta": delta, "logprobs": logprobs,
                                          "finish_reason": finish_reason}]
     chunk = {"id": request_id, "object": "chat.completion.chunk", "created": created, "model": model,
              "choices": choices}
