@@ -173,3 +173,18 @@ def test_a_stop_string_late_in_a_long_output_cuts_it_where_it_first_appears(dirs
         got = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=120, ignore_eos=True, stop=[stop]))[0]
         assert got.outputs[0].text == free.text[:cut] and got.outputs[0].finish_reason == "stop"
         assert len(got.outputs[0].token_ids) > 4 * length + 1  # past the window: the tail alone was read
+
+
+def test_a_prefill_budget_starts_a_burst_over_several_steps():
+    """Admission counts a prefill's tokens as the forward runs them (rows x the longest prompt);
+    a prompt over the budget still starts, alone."""
+    from specdec.scheduler import Scheduler
+    from specdec.sequence import Sequence
+
+    scheduler = Scheduler(num_slots=8, max_prefill_tokens=40)
+    for name, length in zip("abcde", (10, 10, 30, 5, 50)):
+        scheduler.add(Sequence(name, list(range(length)), GREEDY, torch.Generator()))
+    started = []
+    while scheduler.waiting:
+        started.append([seq.request_id for seq in scheduler.admit()])
+    assert started == [["a", "b"], ["c"], ["d"], ["e"]]  # 3 x 30 and 2 x 30 > 40; 2 x 50 > 40

@@ -151,12 +151,14 @@ class Engine:
         self._start(max_batch)
         return max_batch
 
-    def prepare_to_serve(self, max_model_len: int, kv_cache_bytes: int | None = None) -> int:
+    def prepare_to_serve(self, max_model_len: int, kv_cache_bytes: int | None = None,
+                         max_prefill_tokens: int | None = None) -> int:
         """Size the caches for serving requests of up to max_model_len tokens (prompt and
         output) each, as many at once as max_num_seqs and kv_cache_bytes (the target's cache; None:
         no limit but the free memory) allow; the goodput policy measures its costs at every batch
         size a power of two up to that. Compiles only under compile="on" (a compiled forward runs
-        the whole batch of slots, however few requests there are). Returns the slots."""
+        the whole batch of slots, however few requests there are). max_prefill_tokens: one step's
+        prefill budget (scheduler.py). Returns the slots."""
         max_len = max_model_len + self._margin(self.k) + 1
         num_slots = self.max_num_seqs
         if kv_cache_bytes is not None:
@@ -170,13 +172,14 @@ class Engine:
         if self.policy is not None:
             for batch_size in (1 << i for i in range(num_slots.bit_length())):
                 self._calibrate(batch_size, max_len)
-        self._start(num_slots)
+        self._start(num_slots, max_prefill_tokens)
         return num_slots
 
-    def _start(self, num_slots: int) -> None:
+    def _start(self, num_slots: int, max_prefill_tokens: int | None = None) -> None:
         if self.scheduler.has_unfinished():
             raise RuntimeError("the engine has unfinished requests: finish or abort them before preparing again")
         self.scheduler.resize(num_slots)
+        self.scheduler.max_prefill_tokens = max_prefill_tokens
         self.reset_timings()
         self._sampling_key = None  # earlier requests may share ids with the next ones
 

@@ -15,7 +15,13 @@ from specdec.sequence import Sequence
 
 
 class Scheduler:
-    def __init__(self, num_slots: int = 0):
+    """max_prefill_tokens: the most tokens one step's prefill may run, counted as the forward
+    runs them (rows x the longest prompt among them); more waiting requests start at the next
+    steps, so that a burst of prompts does not stall the running requests' decoding for one long
+    prefill. At least one request starts whenever a slot is free. None: no limit."""
+
+    def __init__(self, num_slots: int = 0, max_prefill_tokens: int | None = None):
+        self.max_prefill_tokens = max_prefill_tokens
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.num_slots = 0
@@ -34,8 +40,12 @@ class Scheduler:
 
     def admit(self) -> list[Sequence]:
         """Waiting sequences, in order, into the free slots: the ones that start running now."""
-        admitted = []
+        admitted, longest = [], 0
         while self.waiting and self._free_slots:
+            longest = max(longest, self.waiting[0].num_tokens)
+            if admitted and self.max_prefill_tokens is not None and \
+                    (len(admitted) + 1) * longest > self.max_prefill_tokens:
+                break
             seq = self.waiting.popleft()
             seq.slot = self._free_slots.pop()
             admitted.append(seq)

@@ -19,6 +19,7 @@ from pathlib import Path
 log = logging.getLogger("specdec")
 
 DEFAULT_MAX_NUM_SEQS = 64
+DEFAULT_MAX_PREFILL_TOKENS = 2048  # vLLM's default max_num_batched_tokens
 
 
 def add_serve_parser(commands) -> None:
@@ -39,6 +40,10 @@ def add_serve_parser(commands) -> None:
                    help=f"the most requests run at once (default {DEFAULT_MAX_NUM_SEQS}); more wait")
     p.add_argument("--max-waiting", type=int, default=1024,
                    help="the most requests waiting for a slot; more are answered 429 (default 1024)")
+    p.add_argument("--max-prefill-tokens", type=int, default=DEFAULT_MAX_PREFILL_TOKENS,
+                   help="the most prompt tokens one step prefills (rows x the longest prompt); more new requests "
+                        f"start at the next steps, so that a burst does not stall the running ones "
+                        f"(default {DEFAULT_MAX_PREFILL_TOKENS}; one request always starts)")
     p.add_argument("--max-model-len", type=int,
                    help="the most tokens (prompt + output) of a request (default: the model's context length)")
     p.add_argument("--kv-cache-memory", type=float, metavar="GB",
@@ -69,7 +74,7 @@ def run_serve(args: argparse.Namespace) -> int:
                          f"({llm.max_model_len})")
     budget = None if args.kv_cache_memory is None else int(args.kv_cache_memory * 1e9)
     with torch.inference_mode():
-        num_slots = llm.engine.prepare_to_serve(max_model_len, budget)
+        num_slots = llm.engine.prepare_to_serve(max_model_len, budget, args.max_prefill_tokens)
     name = args.served_model_name or Path(str(args.model).rstrip("/")).name
     spec = llm.speculative_config
     log.info("serving %s on http://%s:%d: %s, %d requests at once, %d tokens each", name, args.host, args.port,
@@ -102,7 +107,8 @@ def _model_argument(args) -> str:
 def _check_arguments(args) -> None:
     if not 0 < args.port < 65536:
         raise ValueError(f"--port must be in 1..65535, got {args.port}")
-    for flag, value, least in (("--max-num-seqs", args.max_num_seqs, 1), ("--max-waiting", args.max_waiting, 0)):
+    for flag, value, least in (("--max-num-seqs", args.max_num_seqs, 1), ("--max-waiting", args.max_waiting, 0),
+                               ("--max-prefill-tokens", args.max_prefill_tokens, 1)):
         if value < least:
             raise ValueError(f"{flag} must be at least {least}, got {value}")
     if args.max_model_len is not None and args.max_model_len < 2:
