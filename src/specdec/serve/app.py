@@ -74,8 +74,7 @@ def build_app(state: ServerState) -> FastAPI:
 
     @app.get("/health")
     async def health() -> Response:
-        alive = state.async_engine._thread is not None and state.async_engine._thread.is_alive()
-        return Response(status_code=200 if alive else 503)
+        return Response(status_code=200 if state.async_engine.is_running else 503)
 
     @app.get("/metrics")
     async def metrics() -> Response:
@@ -92,7 +91,8 @@ def build_app(state: ServerState) -> FastAPI:
         requests = [_prepare(state, body, prompt, body.max_tokens) for prompt in prompts]
         request_id = new_id("cmpl")
         streams = [state.async_engine.generate(f"{request_id}-{i}", ids, params, prompt if isinstance(prompt, str)
-                                               else None) for i, (prompt, ids, params) in enumerate(requests)]
+                                               else None, stream_text=body.stream)
+                   for i, (prompt, ids, params) in enumerate(requests)]
         firsts = await _first_outputs(streams)
         prompt_tokens = sum(len(ids) for _, ids, _ in requests)
         if body.stream:
@@ -116,7 +116,7 @@ def build_app(state: ServerState) -> FastAPI:
         max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
         _, ids, params = _prepare(state, body, prompt_ids, max_tokens)
         request_id = new_id("chatcmpl")
-        stream = state.async_engine.generate(request_id, ids, params)
+        stream = state.async_engine.generate(request_id, ids, params, stream_text=body.stream)
         (first,) = await _first_outputs([stream])
         if body.stream:
             return _sse(_chat_events(state, request_id, body, stream, first, len(ids)))

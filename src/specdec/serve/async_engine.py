@@ -56,6 +56,11 @@ class AsyncEngine:
         self.step_errors = 0
 
     @property
+    def is_running(self) -> bool:
+        """Whether the engine's thread is stepping (or waiting for work)."""
+        return self._thread is not None and self._thread.is_alive()
+
+    @property
     def num_slots(self) -> int:
         return self.engine.scheduler.num_slots
 
@@ -76,8 +81,9 @@ class AsyncEngine:
 
     async def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                        prompt: str | None = None, stream_text: bool = True) -> AsyncIterator[RequestOutput]:
-        """The request's outputs, step by step, until the one marked finished. Raises QueueFull
-        (nothing queued), EngineStopped, or the engine's ValueError for a request it refuses."""
+        """The request's outputs, step by step, until the one marked finished (stream_text: each
+        carries its new text; else the last carries it all). Raises QueueFull (nothing queued),
+        EngineStopped, or the engine's ValueError for a request it refuses."""
         if self._stopping:
             raise EngineStopped("the server is shutting down")
         if self._num_unfinished >= self.num_slots + self.max_waiting:
