@@ -169,6 +169,8 @@ def test_metrics_count_requests_tokens_and_speculation(server):
         "spec_decode_num_draft_tokens_total")
     assert server.metric("spec_decode_num_accepted_tokens_per_pos_total", position="0") == server.metric(
         "spec_decode_num_accepted_tokens_per_pos_total", position="0")  # the series exists
+    rounds = server.metric("spec_decode_rounds_by_k_total")
+    assert rounds > 0 and rounds >= server.metric("spec_decode_num_drafts_total")  # k = 0 rounds count too
     for name in ("num_requests_running", "num_requests_waiting", "inter_token_latency_seconds_count",
                  "e2e_request_latency_seconds_count", "spec_decode_num_drafts_total", "prompt_tokens_total"):
         assert f"specdec:{name}" in httpx.get(f"{server.url}/metrics").text

@@ -6,9 +6,9 @@ Every metric has the label model_name (the served model's name), as vLLM's do. L
                                 tokens (speculation accepts several at once) counts n latencies
                                 of (time since the request's last tokens) / n
   e2e_request_latency_seconds   from arrival to the last token
-The speculative counters follow vLLM's: a draft is one round in which a request proposed at
-least one token; accepted tokens per position count, for each draft position, the rounds that
-accepted it.
+The speculative counters follow vLLM's: a draft is one round in which a request was given a k of
+at least 1; accepted tokens per position count, for each draft position, the rounds that
+accepted it. specdec adds spec_decode_rounds_by_k: request-rounds by the k chosen (0 = plain).
 """
 
 from __future__ import annotations
@@ -51,6 +51,8 @@ class ServerMetrics:
         self.accepted_tokens = counter("spec_decode_num_accepted_tokens", "Draft tokens accepted.")
         self.accepted_per_pos = counter("spec_decode_num_accepted_tokens_per_pos",
                                         "Draft tokens accepted, by position in the draft (0 = first).", ["position"])
+        self.rounds_by_k = counter("spec_decode_rounds_by_k", "Request-rounds by the k chosen for them (0: a plain "
+                                   "decoding step; goodput.py chooses k per round).", ["k"])
         self.ttft = histogram("time_to_first_token_seconds", "Seconds from arrival to the first token.")
         self.itl = histogram("inter_token_latency_seconds", "Seconds per output token after the first.")
         self.e2e = histogram("e2e_request_latency_seconds", "Seconds from arrival to the last token.")
@@ -99,6 +101,10 @@ class ServerMetrics:
         for position, accepted in enumerate(totals.accepted_by_position):
             before = seen.accepted_by_position[position] if position < len(seen.accepted_by_position) else 0
             self.accepted_per_pos.labels(self.model_name, str(position)).inc(accepted - before)
+        for k, rounds in enumerate(totals.rounds_by_k):
+            before = seen.rounds_by_k[k] if k < len(seen.rounds_by_k) else 0
+            if rounds > before:
+                self.rounds_by_k.labels(self.model_name, str(k)).inc(rounds - before)
         self._seen = SpecStats(num_draft_tokens=totals.num_draft_tokens, num_accepted_tokens=totals.num_accepted_tokens,
                                accepted_by_position=list(totals.accepted_by_position),
                                rounds_by_k=list(totals.rounds_by_k))
