@@ -101,7 +101,7 @@ def test_unpermute_inverts_llama_cpp_permutation():
 def test_greedy_generation_from_a_gguf_equals_transformers(files):
     path = files("llama", "Q8_0")
     hf = hf_from_gguf(path)
-    llm = LLM(model=str(path), dtype="float32")
+    llm = LLM(model=str(path), dtype="float32", quantization=None)  # the file's values, dequantized
     prompts = [random_ids(seed, 12) for seed in (5, 6)]
     outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], SamplingParams(temperature=0, max_tokens=20))
     for prompt, output in zip(prompts, outputs):

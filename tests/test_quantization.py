@@ -146,8 +146,8 @@ def test_perplexity_matches_transformers_loss(dirs):
 
 
 @pytest.mark.parametrize("kwargs, message", [
-    (dict(quantization="int3"), r"quantization must be one of None, 'int8', 'int4'; got 'int3'"),
-    (dict(quantization="INT8"), r"quantization must be one of None, 'int8', 'int4'"),
+    (dict(quantization="int3"), r"quantization must be one of None, 'auto', 'int8', 'int4'; got 'int3'"),
+    (dict(quantization="INT8"), r"quantization must be one of None, 'auto', 'int8', 'int4'"),
     (dict(draft_quantization="int8"), r"draft_quantization='int8' without a drafter"),
     (dict(speculative_method="ngram", draft_quantization="int4"), "configure a draft model"),
     (dict(speculative_model="DRAFT", draft_quantization="fp8"), r"draft_quantization must be one of None"),

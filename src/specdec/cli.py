@@ -124,8 +124,8 @@ def add_model_arguments(p) -> None:
     p.add_argument("--draft-confidence", type=float, metavar="P",
                    help="adaptive k: stop a round's drafting after a draft token the draft gave less than P "
                         "(default 0: always k)")
-    p.add_argument("--quantization", choices=QUANTIZATION_ARGS, default="none", help=QUANTIZATION_HELP)
-    p.add_argument("--draft-quantization", choices=QUANTIZATION_ARGS, default="none",
+    p.add_argument("--quantization", choices=QUANTIZATION_ARGS, default="auto", help=QUANTIZATION_HELP)
+    p.add_argument("--draft-quantization", choices=QUANTIZATION_ARGS, default="auto",
                    help="the same for the draft model")
     p.add_argument("--device", default="cpu")
     p.add_argument("--compile", choices=COMPILE_MODES, default="auto", help=COMPILE_HELP)
@@ -180,7 +180,7 @@ def _implied_method(args) -> str | None:
                          + (" (instead of --ngram, which is prompt lookup alone)" if args.ngram else ""))
     draft_flags = [flag for flag, given in (("--draft-confidence", args.draft_confidence is not None),
                                             ("--draft-dtype", args.draft_dtype != "auto"),
-                                            ("--draft-quantization", args.draft_quantization != "none")) if given]
+                                            ("--draft-quantization", args.draft_quantization != "auto")) if given]
     if args.early_exit is not None:
         if args.lookup or [flag for flag in draft_flags if flag != "--draft-confidence"]:
             raise ValueError("--early-exit drafts with the target's own layers: drop --lookup, --draft-dtype and "

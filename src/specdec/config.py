@@ -108,18 +108,32 @@ COMPILE_HELP = ("run the models compiled (torch.compile): on, off, or auto (the 
 
 K_POLICIES = ("goodput", "fixed")  # how each round's k is chosen: see SpeculativeConfig
 QUANTIZATIONS = ("int8", "int4")  # weight-only, see models/quantized_linear.py; None: as loaded
+# "auto": a GGUF file's quantized matrices run as the file holds them (models/gguf_model.py),
+# anything else as loaded; None dequantizes a GGUF file
+QUANTIZATION_CHOICES = ("auto", *QUANTIZATIONS)
 
 
 def check_quantization_name(quantization, what: str = "quantization") -> None:
-    """None, "int8" or "int4", else a ValueError that names the valid choices."""
-    check(quantization is None or quantization in QUANTIZATIONS,
-          f"{what} must be one of None, {', '.join(repr(q) for q in QUANTIZATIONS)}; got {quantization!r}")
+    """None, "auto", "int8" or "int4", else a ValueError that names the valid choices."""
+    check(quantization is None or quantization in QUANTIZATION_CHOICES,
+          f"{what} must be one of None, {', '.join(repr(q) for q in QUANTIZATION_CHOICES)}; got {quantization!r}")
 
 
-QUANTIZATION_HELP = ("weight-only quantization of the model's linear layers: int8 (per output channel) or int4 "
-                     "(groups of 32); CPU only. Default: none")
+def keeps_file_quantization(quantization: str | None) -> bool:
+    """Whether a GGUF file's quantized matrices stay as they are (else they are dequantized)."""
+    return quantization == "auto"
 
-QUANTIZATION_ARGS = ("none", *QUANTIZATIONS)  # on the command line, "none" for None
+
+def requantization(quantization: str | None) -> str | None:
+    """The weight-only quantization the runner applies to a float model: "int8", "int4" or None."""
+    return quantization if quantization in QUANTIZATIONS else None
+
+
+QUANTIZATION_HELP = ("weights: auto (the default: a GGUF file's quantized tensors run as they are, anything else "
+                     "as loaded), none (dequantize a GGUF file), or weight-only int8 (per output channel) / int4 "
+                     "(groups of 32) of the float weights; CPU only")
+
+QUANTIZATION_ARGS = ("auto", "none", *QUANTIZATIONS)  # on the command line, "none" for None
 
 
 def quantization_from_arg(text: str) -> str | None:
@@ -177,7 +191,7 @@ class SpeculativeConfig:
         round after a token the draft gave less than this probability (the tokens after it
         would likely be rejected); 0 = always draft k. (transformers' assisted generation
         calls it assistant_confidence_threshold.)
-    draft_quantization: None, "int8" or "int4": the draft's weights quantized (as LLM's
+    draft_quantization: "auto", None, "int8" or "int4": the draft's weights (as LLM's
         quantization for the target). Changes the acceptance rate, never the output.
     early_exit_layer: for "early_exit", how many of the target's layers draft (1 to its depth
         less one; None: drafters/early_exit.py's default, half its depth).
@@ -197,7 +211,7 @@ class SpeculativeConfig:
     ngram_max: int = 4
     draft_dtype: str = "auto"
     draft_confidence_threshold: float = 0.0
-    draft_quantization: str | None = None
+    draft_quantization: str | None = "auto"
     k_policy: str = "goodput"
     early_exit_layer: int | None = None
     tree: str = "chain"
@@ -237,7 +251,7 @@ class SpeculativeConfig:
         unused = [f"{name}={value!r}" for name, value, neutral in (
             ("draft_dtype", self.draft_dtype, "auto"),
             ("draft_confidence_threshold", self.draft_confidence_threshold, 0),
-            ("draft_quantization", self.draft_quantization, None)) if value != neutral
+            ("draft_quantization", self.draft_quantization, "auto")) if value != neutral
             and not (name == "draft_confidence_threshold" and self.method == "early_exit")]  # it drafts by model
         check(self.method in NEEDS_DRAFT_MODEL or not unused,
               f"{', '.join(unused)} configure a draft model, and speculative_method={self.method!r} uses none; "

@@ -12,7 +12,8 @@ import dataclasses
 
 import torch
 
-from specdec.config import INT64_MIN, UINT64_MAX, SamplingParams, SpeculativeConfig, check, check_device, is_int
+from specdec.config import (INT64_MIN, UINT64_MAX, SamplingParams, SpeculativeConfig, check, check_device, is_int,
+                            keeps_file_quantization, requantization)
 from specdec.drafters import DRAFTERS, Drafter
 from specdec.engine import Engine
 from specdec.models.eagle import is_head_directory
@@ -55,9 +56,12 @@ class LLM:
         the draft gave less than this probability (0 = always k; see SpeculativeConfig).
     device: "cpu", "cuda", "cuda:1", ...
     max_num_seqs: the most sequences run at once; more wait for a free slot.
-    quantization: None, "int8" or "int4": the target's linear layers with weight-only
-        quantized weights (int8 per output channel, int4 in groups of 32; CPU only, see
-        models/quantized_linear.py). Speculation stays exact with respect to the quantized target.
+    quantization: "auto" (the default: a GGUF file's quantized tensors run as the file holds
+        them, through specdec's own kernel: models/gguf_model.py; any other model as loaded),
+        None (a GGUF file dequantized), "int8" or "int4": the target's linear layers with
+        weight-only quantized weights (int8 per output channel, int4 in groups of 32; CPU only,
+        see models/quantized_linear.py). Speculation stays exact with respect to the model as
+        it runs.
     draft_quantization: the same for the draft model.
     compile: "auto", "on" or "off": whether the target and draft models run compiled
         (torch.compile; see runner.py: "auto" compiles for long work only).
@@ -73,8 +77,8 @@ class LLM:
                  max_num_seqs: int = 256, seed: int = 0, skip_tokenizer_init: bool = False,
                  ngram_prompt_lookup_min: int | None = None, ngram_prompt_lookup_max: int | None = None,
                  draft_dtype: str = "auto", draft_confidence_threshold: float | None = None,
-                 compile: str = "auto", platform: Platform | None = None, quantization: str | None = None,
-                 draft_quantization: str | None = None, speculative_k_policy: str | None = None,
+                 compile: str = "auto", platform: Platform | None = None, quantization: str | None = "auto",
+                 draft_quantization: str | None = "auto", speculative_k_policy: str | None = None,
                  early_exit_layer: int | None = None, speculative_tree: str | None = None):
         check_arguments(seed=seed, max_num_seqs=max_num_seqs, skip_tokenizer_init=skip_tokenizer_init)
         check_compile_mode(compile)
@@ -89,8 +93,10 @@ class LLM:
             check_quantization(self.speculative_config.draft_quantization, self.device, "draft_quantization")
         platform = platform or detect_platform(self.device)
         self.target: LoadedModel = load_pretrained(model, dtype, self.device, load_tokenizer=not skip_tokenizer_init,
-                                                   platform=platform, what="the target")
-        self.runner = ModelRunner(self.target.model, platform, compile, name="the target", quantization=quantization)
+                                                   platform=platform, what="the target",
+                                                   keep_quantized=keeps_file_quantization(quantization))
+        self.runner = ModelRunner(self.target.model, platform, compile, name="the target",
+                                  quantization=requantization(quantization))
         self.tokenizer = self.target.tokenizer
         drafter = None
         if self.speculative_config is not None:
@@ -223,7 +229,8 @@ class LLM:
 
 def speculative_config(model, method, **options) -> SpeculativeConfig | None:
     """LLM's speculation arguments as a SpeculativeConfig (None: no drafter). options:
-    SpeculativeConfig's fields; None (or "auto" for draft_dtype) = not given, its default."""
+    SpeculativeConfig's fields; None (or "auto" for draft_dtype and draft_quantization) = not
+    given, its default."""
     if model == "[ngram]":  # vLLM's older spelling of speculative_method="ngram"
         check(method in (None, "ngram"), f'speculative_model="[ngram]" means speculative_method="ngram", but '
                                          f'speculative_method={method!r} was given; give one or the other')
@@ -231,7 +238,7 @@ def speculative_config(model, method, **options) -> SpeculativeConfig | None:
     if method is None and model is not None:  # a head's directory says what it is
         method = "eagle" if is_head_directory(model) else "draft_model"
     given = {name: value for name, value in options.items()
-             if value is not None and not (name == "draft_dtype" and value == "auto")}
+             if value is not None and not (name in ("draft_dtype", "draft_quantization") and value == "auto")}
     if method is None:
         check(not given, f"{', '.join(f'{n}={v!r}' for n, v in given.items())} without a drafter: give "
                          "speculative_model=<draft directory> or speculative_method='ngram', or drop them")

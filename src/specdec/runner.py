@@ -41,6 +41,7 @@ import torch._inductor.config
 from specdec.config import COMPILE_MODES
 from specdec.kv_cache import KVCache, TreeAttention
 from specdec.models.cpu_linear import can_pack, pack_large_linears_in_bf16, pack_linears
+from specdec.models.gguf_linear import runs_gguf_kernels
 from specdec.models.llama import LlamaModel
 from specdec.models.quantized_linear import check_quantization, quantize_linears
 from specdec.platform import Platform, detect_platform
@@ -99,7 +100,8 @@ class ModelRunner:
         self.query_buckets: tuple[int, ...] = ()  # query lengths compiled for (empty: eager)
         self.compile_seconds = 0.0
         self._compiled = None  # the torch.compile'd forward, once compiling was chosen
-        self._eager_only = False  # compiling failed, or measured slower: never try again
+        self._eager_only = runs_gguf_kernels(model)  # compiling failed, or measured slower: never try again;
+        # quantized GGUF layers call specdec's kernel, which the compiler does not trace: eager
         self._eager_model: LlamaModel | None = None  # made on first eager use
         self._warm_shapes: set[tuple[int, int, int]] = set()  # (batch, queries, cache length) run compiled
         self.returns_hidden = False  # whether the work prepared for asks forwards for hidden states too

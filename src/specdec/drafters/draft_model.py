@@ -14,7 +14,7 @@ from pathlib import Path
 
 import torch
 
-from specdec.config import SMALL_DRAFT_PARAMETERS
+from specdec.config import SMALL_DRAFT_PARAMETERS, keeps_file_quantization, requantization
 from specdec.drafters.base import Draft, Drafter
 from specdec.drafters.steps import DraftSteps
 from specdec.drafters.tree_growth import TreeGrowth
@@ -61,12 +61,13 @@ class DraftModelDrafter(Drafter):
         else:
             draft_dtype = target.model.dtype if spec.draft_dtype == "auto" else spec.draft_dtype
         draft = load_pretrained(spec.model, draft_dtype, device, load_tokenizer=target.tokenizer is not None,
-                                platform=target_runner.platform, what="the draft")
+                                platform=target_runner.platform, what="the draft",
+                                keep_quantized=keeps_file_quantization(spec.draft_quantization))
         check_same_vocabulary(target, draft)
         warn_if_shorter_context(target, draft)
         runner = ModelRunner(draft.model, target_runner.platform, target_runner.compile_mode,
                              bf16_pack_min_bytes=LARGE_WEIGHT_BYTES if small_on_cpu else None, name="the draft",
-                             quantization=spec.draft_quantization)
+                             quantization=requantization(spec.draft_quantization))
         return cls(runner, target.model.config.vocab_size, spec.draft_confidence_threshold)
 
     def sharing_weights(self, confidence_threshold: float | None = None) -> "DraftModelDrafter":

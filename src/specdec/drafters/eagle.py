@@ -51,7 +51,7 @@ class EagleDrafter(Drafter):
     @classmethod
     def from_config(cls, spec, target: LoadedModel, target_runner: ModelRunner) -> "EagleDrafter":
         """Load the head in spec.model for this target, in spec.draft_dtype ("auto": the target's)."""
-        if spec.draft_quantization is not None:
+        if spec.draft_quantization not in (None, "auto"):
             raise ValueError("draft_quantization applies to a draft model; an EAGLE head runs unquantized "
                              "(it is one layer: drop draft_quantization)")
         dtype = target_runner.dtype if spec.draft_dtype == "auto" else getattr(torch, spec.draft_dtype)

@@ -20,12 +20,13 @@ tensor type this does not read) is a GGUFError naming the file and the problem.
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
 import torch
 
+from specdec.models.gguf_quants import LAYOUTS, PackedTensor, pack
 from specdec.models.loader import ModelLoadError
 
 # general.architecture -> the Hugging Face class (loader.SUPPORTED_ARCHITECTURES reads it)
@@ -58,15 +59,19 @@ class GGUFCheckpoint:
     tokenizer_config: dict  # tokenizer_config.json (special tokens, chat template)
     generation_config: dict  # generation_config.json (bos / eos ids)
     tensor_types: dict[str, int]  # how many tensors the file held of each type, e.g. {"Q4_1": 210}
+    packed: dict[str, PackedTensor] = field(default_factory=dict)  # quantized matrices kept (keep_quantized)
 
 
 def read_gguf(path: str | Path, dtype: str | torch.dtype = "auto",
-              weights_dtype: torch.dtype | None = None) -> GGUFCheckpoint:
+              weights_dtype: torch.dtype | None = None, keep_quantized: bool = False) -> GGUFCheckpoint:
     """The checkpoint a GGUF file holds. dtype: the checkpoint's dtype (config.json's
     torch_dtype); "auto" = the file's float type where all its matrices share one (F32, F16,
     BF16), else float32, which holds dequantized values exactly. weights_dtype: the dtype the
     weights are returned in, if not that one (float32 keeps every value as the file has it:
-    a BF16 file's norms are F32)."""
+    a BF16 file's norms are F32). keep_quantized: quantized matrices of the types
+    gguf_quants.LAYOUTS maps come back packed for specdec's kernel (checkpoint.packed), never
+    as floats; the checkpoint's dtype is then bfloat16 ("auto" runs it in bfloat16 where that is
+    native, float32 elsewhere: the activations' dtype)."""
     from specdec.models.gguf_tokenizer import GGUFTokenizerError, metadata_from_reader, tokenizer_from_gguf
 
     path = Path(path)
@@ -79,17 +84,24 @@ def read_gguf(path: str | Path, dtype: str | torch.dtype = "auto",
     architecture = _architecture(metadata, path)
     types = _tensor_types(reader, path)
     torch_dtype = _weight_dtype(dtype, types)
+    keep_quantized = keep_quantized and has_packable_tensors(types)
+    if keep_quantized and dtype == "auto":
+        torch_dtype = torch.bfloat16
     hf_config = hf_config_from_metadata(metadata, architecture, path, torch_dtype, reader)
-    weights = {name: tensor.to(weights_dtype or torch_dtype)
-               for name, tensor in _hf_weights(reader, architecture, hf_config, path)}
-    hf_config["tie_word_embeddings"] = "lm_head.weight" not in weights
+    weights, packed = {}, {}
+    for name, tensor in _hf_tensors(reader, architecture, hf_config, path, keep_quantized):
+        if isinstance(tensor, torch.Tensor):
+            weights[name] = tensor.to(weights_dtype or torch_dtype)
+        else:
+            packed[name] = tensor
+    hf_config["tie_word_embeddings"] = "lm_head.weight" not in weights and "lm_head.weight" not in packed
     try:
         tokenizer, tokenizer_config = tokenizer_from_gguf(metadata)
     except GGUFTokenizerError as e:
         raise GGUFError(f"{path}: {e}") from e
     tokenizer_config["model_max_length"] = hf_config["max_position_embeddings"]
     return GGUFCheckpoint(hf_config, weights, tokenizer, tokenizer_config, _generation_config(metadata, hf_config),
-                          dict(sorted(types.items())))
+                          dict(sorted(types.items())), packed)
 
 
 def _open(path: Path):
@@ -208,25 +220,100 @@ def _generation_config(metadata: dict, hf_config: dict) -> dict:
     return config
 
 
-def _hf_weights(reader, architecture: str, hf_config: dict, path: Path):
-    """(Hugging Face name, float32 tensor) for every tensor of the file."""
+def has_packable_tensors(types: dict[str, int]) -> bool:
+    """Whether a file with these tensor types has matrices specdec's kernel runs quantized."""
+    return any(kind in LAYOUTS for kind in types)
+
+
+def _hf_tensors(reader, architecture: str, hf_config: dict, path: Path, keep_quantized: bool = False):
+    """(Hugging Face name, tensor) for every tensor of the file: a float32 torch tensor, or
+    with keep_quantized, a PackedTensor for each matrix of a type the kernel takes. Quantized
+    bytes are read from the file one tensor at a time (never the whole file in memory)."""
     import gguf
 
-    for tensor in reader.tensors:
-        name = hf_name(tensor.name, path)
-        try:
-            values = gguf.quants.dequantize(tensor.data, tensor.tensor_type)  # [rows, columns], float32
-        except Exception as e:  # data cut short, a shape that is not whole blocks
-            raise GGUFError(f"{path}: tensor {tensor.name} ({tensor.tensor_type.name}) cannot be read "
-                            f"({type(e).__name__}: {e}); the file is corrupt or cut short") from e
-        shape = tuple(int(n) for n in reversed(tensor.shape))  # GGUF lists the fastest dimension first
-        values = values.astype(np.float32, copy=not values.flags.writeable)  # F32 tensors map the file read-only
-        weight = torch.from_numpy(np.ascontiguousarray(values).reshape(shape))
-        if architecture in PERMUTED_ARCHITECTURES and name.endswith(("q_proj.weight", "q_proj.bias")):
-            weight = unpermute(weight, hf_config["num_attention_heads"])
-        elif architecture in PERMUTED_ARCHITECTURES and name.endswith(("k_proj.weight", "k_proj.bias")):
-            weight = unpermute(weight, hf_config["num_key_value_heads"])
-        yield name, weight
+    progress = _Progress(path, sum(int(t.n_bytes) for t in reader.tensors)) if keep_quantized else None
+    with open(path, "rb") as file:
+        for tensor in reader.tensors:
+            name = hf_name(tensor.name, path)
+            shape = tuple(int(n) for n in reversed(tensor.shape))  # GGUF lists the fastest dimension first
+            if keep_quantized and tensor.tensor_type.name in LAYOUTS and len(shape) == 2:
+                yield name, _packed(file, tensor, name, shape, architecture, hf_config, path)
+                progress.advance(int(tensor.n_bytes))
+                continue
+            try:
+                values = gguf.quants.dequantize(tensor.data, tensor.tensor_type)  # [rows, columns], float32
+            except Exception as e:  # data cut short, a shape that is not whole blocks
+                raise GGUFError(f"{path}: tensor {tensor.name} ({tensor.tensor_type.name}) cannot be read "
+                                f"({type(e).__name__}: {e}); the file is corrupt or cut short") from e
+            values = values.astype(np.float32, copy=not values.flags.writeable)  # F32 tensors map the file read-only
+            weight = torch.from_numpy(np.ascontiguousarray(values).reshape(shape))
+            yield name, _unpermuted(weight, name, architecture, hf_config)
+            if progress:
+                progress.advance(int(tensor.n_bytes))
+    if progress:
+        progress.done()
+
+
+def _unpermuted(weight, name: str, architecture: str, hf_config: dict):
+    """weight (rows first) with llama.cpp's Q/K row order undone where the architecture has it."""
+    if architecture in PERMUTED_ARCHITECTURES and name.endswith(("q_proj.weight", "q_proj.bias")):
+        return unpermute(weight, hf_config["num_attention_heads"])
+    if architecture in PERMUTED_ARCHITECTURES and name.endswith(("k_proj.weight", "k_proj.bias")):
+        return unpermute(weight, hf_config["num_key_value_heads"])
+    return weight
+
+
+def _packed(file, tensor, name: str, shape: tuple[int, int], architecture: str, hf_config: dict,
+            path: Path) -> PackedTensor:
+    """One quantized matrix read from file and packed for the kernel, rows in Hugging Face's order."""
+    rows, cols = shape
+    file.seek(int(tensor.data_offset))
+    data = np.fromfile(file, dtype=np.uint8, count=int(tensor.n_bytes))
+    layout = LAYOUTS[tensor.tensor_type.name]
+    if data.size != rows * cols // layout.block_size * layout.block_bytes or cols % layout.block_size:
+        raise GGUFError(f"{path}: tensor {tensor.name} ({tensor.tensor_type.name}) is cut short or not whole "
+                        "blocks; the file is corrupt: download or convert it again")
+    data = data.reshape(rows, -1)  # [rows, row bytes]
+    order = _unpermuted(torch.arange(rows), name, architecture, hf_config)
+    if not torch.equal(order, torch.arange(rows)):
+        data = data[order.numpy()]
+    return pack(tensor.tensor_type.name, data, rows, cols)
+
+
+class _Progress:
+    """'reading FILE: 40% (450 / 1117 MB), 12 s left' on stderr, at most twice a second, once
+    the read has taken a second."""
+
+    def __init__(self, path: Path, total: int):
+        import time
+
+        self.path, self.total, self.read = path, max(total, 1), 0
+        self.start = self.last = time.perf_counter()
+        self.shown = False
+
+    def advance(self, nbytes: int) -> None:
+        import time
+
+        self.read += nbytes
+        now = time.perf_counter()
+        if now - self.start > 1 and now - self.last > 0.5:
+            self.last = now
+            left = (now - self.start) * (self.total - self.read) / max(self.read, 1)
+            self._show(f"reading {self.path.name}: {100 * self.read // self.total}% "
+                       f"({self.read >> 20} / {self.total >> 20} MB), {left:.0f} s left")
+
+    def done(self) -> None:
+        import time
+
+        if self.shown:
+            self._show(f"read {self.path.name} ({self.total >> 20} MB) in {time.perf_counter() - self.start:.1f} s\n")
+
+    def _show(self, text: str) -> None:
+        import sys
+
+        self.shown = True
+        sys.stderr.write("\r" + text.ljust(78) if sys.stderr.isatty() else text.rstrip("\n") + "\n")
+        sys.stderr.flush()
 
 
 def hf_name(gguf_name: str, path: Path) -> str:

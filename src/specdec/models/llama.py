@@ -298,13 +298,6 @@ class LlamaModel(DecoderStack):
             self.register_buffer("output_token_ids", torch.arange(config.output_vocab_size))
         self._init_rope()
 
-    @property
-    def device(self) -> torch.device:
-        return self.embed_tokens.weight.device
-
-    @property
-    def dtype(self) -> torch.dtype:
-        return self.embed_tokens.weight.dtype
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, cache: KVCache | None,
                 return_hidden: bool = False, tree: TreeAttention | None = None):

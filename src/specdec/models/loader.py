@@ -52,13 +52,14 @@ class LoadedModel:
 
 def load_pretrained(path: str | Path, dtype: str | torch.dtype = "auto", device: str | torch.device = "cpu",
                     load_tokenizer: bool = True, platform: Platform | None = None,
-                    what: str = "the model") -> LoadedModel:
-    """Load a Hugging Face directory in dtype ("auto": see resolve_dtype; platform: the
-    device's, detected if None). How the model then runs (weight layouts, compilation) is
-    its ModelRunner's business."""
+                    what: str = "the model", keep_quantized: bool = False) -> LoadedModel:
+    """Load a Hugging Face directory (or a GGUF file) in dtype ("auto": see resolve_dtype;
+    platform: the device's, detected if None). keep_quantized: a GGUF file's quantized
+    matrices stay quantized (models/gguf_model.py), on the CPU; otherwise they are dequantized.
+    How the model then runs (weight layouts, compilation) is its ModelRunner's business."""
     path = resolve_model(path, what)  # a registered model's name -> its fetched file or directory
     if is_gguf_file(path):
-        return _load_gguf(Path(path).expanduser(), dtype, device, load_tokenizer, platform, what)
+        return _load_gguf(Path(path).expanduser(), dtype, device, load_tokenizer, platform, what, keep_quantized)
     path = check_model_path(path)
     hf_config = read_config(path)
     config = model_config_from_hf(hf_config, path / "config.json")
@@ -74,11 +75,17 @@ def is_gguf_file(path) -> bool:
     return isinstance(path, (str, Path)) and str(path).lower().endswith(".gguf") and Path(path).expanduser().is_file()
 
 
-def _load_gguf(path: Path, dtype, device, load_tokenizer: bool, platform: Platform | None, what: str) -> LoadedModel:
-    """A GGUF file, read as the Hugging Face directory `specdec convert` would write from it."""
+def _load_gguf(path: Path, dtype, device, load_tokenizer: bool, platform: Platform | None, what: str,
+               keep_quantized: bool = False) -> LoadedModel:
+    """A GGUF file, read as the Hugging Face directory `specdec convert` would write from it,
+    or with keep_quantized, with its quantized matrices as they are."""
     from specdec.models.gguf import read_gguf
 
-    checkpoint = read_gguf(path, weights_dtype=torch.float32)  # cast once, to the dtype it runs in
+    if keep_quantized and torch.device(device).type != "cpu":
+        raise ModelLoadError(f"{path}: quantized GGUF weights run on the CPU only (device {device}); pass "
+                             "quantization=None to dequantize them")
+    # cast once, to the dtype it runs in
+    checkpoint = read_gguf(path, weights_dtype=torch.float32, keep_quantized=keep_quantized)
     hf_config = checkpoint.hf_config
     config = model_config_from_hf(hf_config, path)
     torch_dtype = resolve_dtype(dtype, hf_config, platform or detect_platform(device), what)
@@ -87,7 +94,12 @@ def _load_gguf(path: Path, dtype, device, load_tokenizer: bool, platform: Platfo
     if load_tokenizer:
         tokenizer = Tokenizer.from_backend(checkpoint.tokenizer, checkpoint.tokenizer_config)
         _check_tokenizer_fits(tokenizer, path, "the GGUF's tokenizer", config.vocab_size, "the model's")
-    model = build_model(config, checkpoint.weights, torch_dtype, torch.device(device), path)
+    if checkpoint.packed:
+        from specdec.models.gguf_model import build_quantized_model
+
+        model = build_quantized_model(config, checkpoint.weights, checkpoint.packed, torch_dtype, path)
+    else:
+        model = build_model(config, checkpoint.weights, torch_dtype, torch.device(device), path)
     return LoadedModel(model, tokenizer, eos_ids, path, hf_config)
 
 

@@ -40,8 +40,8 @@ KERNEL_DTYPE = torch.bfloat16  # the activations' dtype inside the kernels
 def check_quantization(quantization: str | None, device: torch.device, what: str = "quantization") -> str | None:
     """quantization if this device has its kernel, else a ValueError naming the valid choices."""
     check_quantization_name(quantization, what)
-    if quantization is None:
-        return None
+    if quantization in (None, "auto"):  # "auto": a GGUF file's own quantization, checked as it loads
+        return quantization
     if device.type != "cpu":
         raise ValueError(f"{what}={quantization!r} runs on the CPU kernels only, and the device is {device}; "
                          "use quantization=None there (CUDA int8/int4 is not built yet)")

@@ -1,0 +1,79 @@
+"""specdec's own CPU kernels (a C++ extension built on first use with torch.utils.cpp_extension).
+
+qmatmul.cpp multiplies activations by GGUF-quantized weights held in their integer codes (see
+its header for the layout). It is compiled for the CPU it runs on, in one of two variants:
+  avx512_vnni  AVX-512 with VNNI (vpdpbusd: 64 unsigned codes x 4 int8 activations a step)
+  avx2         AVX2 + FMA + F16C (maddubs + madd), for every other x86-64 CPU of the last decade
+The variant follows PyTorch's own choice of instruction set (torch.backends.cpu.
+get_cpu_capability(), which ATEN_CPU_CAPABILITY lowers), so a run held to AVX2 runs the AVX2
+kernel. The build (about a minute on 2 cores, once per variant and source) lands in
+SPECDEC_CACHE/extensions; `make test` builds it.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import os
+import time
+from pathlib import Path
+
+log = logging.getLogger("specdec")
+
+SOURCE = Path(__file__).with_name("qmatmul.cpp")
+COMMON_FLAGS = ["-O3", "-std=c++17", "-mavx2", "-mfma", "-mf16c"]
+VARIANT_FLAGS = {
+    "avx512_vnni": COMMON_FLAGS + ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx512vnni"],
+    "avx2": COMMON_FLAGS,
+}
+
+
+class KernelUnavailable(RuntimeError):
+    """This machine cannot run (or build) specdec's quantized kernels; the message says why."""
+
+
+def cpu_flags() -> set[str]:
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return set()
+    line = next((line for line in text.splitlines() if line.startswith("flags")), "")
+    return set(line.partition(":")[2].split())
+
+
+def variant() -> str:
+    """The kernel variant for this CPU and PyTorch's chosen instruction set."""
+    import torch
+
+    capability = torch.backends.cpu.get_cpu_capability()
+    flags = cpu_flags()
+    if capability == "AVX512" and {"avx512_vnni", "avx512bw", "avx512vl"} <= flags:
+        return "avx512_vnni"
+    if capability in ("AVX2", "AVX512") and {"avx2", "fma", "f16c"} <= flags:
+        return "avx2"
+    raise KernelUnavailable(f"quantized GGUF weights need an x86-64 CPU with AVX2, FMA and F16C (PyTorch reports "
+                            f"{capability!r}); load the model with quantization=None to dequantize it instead")
+
+
+@functools.cache
+def qmatmul():
+    """The compiled extension module for this CPU (built on first use)."""
+    from torch.utils import cpp_extension
+
+    from specdec.paths import CACHE
+
+    name = variant()
+    build_dir = CACHE / "extensions" / name
+    build_dir.mkdir(parents=True, exist_ok=True)
+    start = time.perf_counter()
+    try:
+        module = cpp_extension.load(name=f"specdec_qmatmul_{name}", sources=[str(SOURCE)], extra_cflags=VARIANT_FLAGS[name],
+                                    extra_ldflags=["-fopenmp"] if os.name == "posix" else [],
+                                    build_directory=str(build_dir), verbose=False)
+    except Exception as e:  # no compiler, a failed build
+        raise KernelUnavailable(f"building specdec's quantized kernel ({SOURCE.name}, {name}) failed: {e}; "
+                                "install a C++ compiler (gcc) and ninja, or load with quantization=None") from e
+    elapsed = time.perf_counter() - start
+    if elapsed > 1:
+        log.info("built specdec's quantized kernel (%s) in %.0f s", name, elapsed)
+    return module

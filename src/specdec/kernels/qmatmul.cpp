@@ -1,0 +1,358 @@
+// Matrix products with GGUF-quantized weights on the CPU: y = x W^T, W held as integer codes.
+//
+// Terms:
+//   code      a weight's integer value, unsigned: 4-bit codes packed two to a byte, 5-, 6- and
+//             8-bit codes one to a byte
+//   sub-block S consecutive inputs (k) of one output row sharing a scale (S = 16 or 32)
+//   super-block SB inputs sharing the float scales d and dmin (SB = 256 for k-quants; for
+//             the legacy types SB = S = 32)
+//   weight    w = d * sc * (code - z) + dmin * mn, with sc (int8 or uint8) and mn (uint8) per
+//             sub-block (1 where a type has none) and z a constant of the type. Every GGUF type
+//             read here is exactly of this form.
+//   group     16 consecutive output rows n, stored together: the kernel's 16 lanes are 16 rows
+//             of W, so a product never needs a horizontal sum.
+//   chunk     64 bytes of codes of one group: 4-bit: 8 inputs x 16 rows (byte 4n+j holds input
+//             j in its low nibble, input 4+j in its high one); 8-bit: 4 inputs x 16 rows
+//             (byte 4n+j holds input j).
+//
+// Activations are quantized per row to int8 in blocks of 32 inputs (scale dx = max|x| / 127),
+// as llama.cpp does. Each row's result depends on that row alone (the arithmetic per row does
+// not depend on how many rows there are, and threads split output rows, never inputs), so a
+// batch of rows gets the same results as the rows one at a time.
+//
+// The kernel reads every weight chunk once for up to MAX_TILE activation rows: with AVX-512
+// VNNI, one vpdpbusd multiplies 64 codes by 4 broadcast int8 activations per row.
+
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+#include <immintrin.h>
+#include <cstring>
+#include <cmath>
+
+namespace {
+
+constexpr int ACT_BLOCK = 32;   // inputs per activation scale
+constexpr int SUM_BLOCK = 16;   // inputs per activation sum
+
+struct Layout {
+  int64_t N, K;         // output rows (a multiple of 16), inputs
+  int64_t bits;         // 4 or 8: how codes are stored
+  int64_t S, SB;        // sub-block and super-block sizes
+  int64_t z;            // the code offset
+  bool has_sc, sc_signed, has_mn, has_dmin;
+};
+
+inline int32_t load_i32(const int8_t* p) { int32_t v; std::memcpy(&v, p, 4); return v; }
+
+// ---- activations ---------------------------------------------------------------------------
+
+// x [M, K] float32 -> xq [M, K] int8, dx [M, K/32] (scales), xsum [M, K/16] (dx * sum of codes)
+void quantize_rows(const float* x, int64_t M, int64_t K, int8_t* xq, float* dx, float* xsum) {
+  at::parallel_for(0, M, 1, [&](int64_t m0, int64_t m1) {
+    for (int64_t m = m0; m < m1; ++m) {
+      for (int64_t b = 0; b < K / ACT_BLOCK; ++b) {
+        const float* xb = x + m * K + b * ACT_BLOCK;
+        float amax = 0.f;
+        for (int i = 0; i < ACT_BLOCK; ++i) amax = std::max(amax, std::fabs(xb[i]));
+        const float d = amax / 127.f;
+        const float id = d > 0.f ? 1.f / d : 0.f;
+        int8_t* qb = xq + m * K + b * ACT_BLOCK;
+        int32_t sums[ACT_BLOCK / SUM_BLOCK] = {0};
+        for (int i = 0; i < ACT_BLOCK; ++i) {
+          const int q = (int)std::nearbyint(xb[i] * id);
+          qb[i] = (int8_t)q;
+          sums[i / SUM_BLOCK] += q;
+        }
+        dx[m * (K / ACT_BLOCK) + b] = d;
+        for (int s = 0; s < ACT_BLOCK / SUM_BLOCK; ++s)
+          xsum[m * (K / SUM_BLOCK) + b * (ACT_BLOCK / SUM_BLOCK) + s] = d * (float)sums[s];
+      }
+    }
+  });
+}
+
+struct Weights {
+  const uint8_t* codes;   // [G, K*bits/8/64 chunks, 64]
+  const uint8_t* sc;      // [G, K/S, 16] or null
+  const uint8_t* mn;      // [G, K/S, 16] or null
+  const at::Half* d;      // [G, K/SB, 16]
+  const at::Half* dmin;   // [G, K/SB, 16] or null
+};
+
+struct Acts {
+  const int8_t* xq; const float* dx; const float* xsum; int64_t M;
+};
+
+// the activation sum of sub-block s (size S) of row r
+inline float sub_sum(const Acts& a, const Layout& L, int64_t r, int64_t s) {
+  const float* xs = a.xsum + r * (L.K / SUM_BLOCK);
+  return L.S == 32 ? xs[2 * s] + xs[2 * s + 1] : xs[s];
+}
+
+// ---- AVX-512 VNNI ------------------------------------------------------------------------------
+#if defined(__AVX512F__) && defined(__AVX512VNNI__)
+constexpr int LANES = 16;
+constexpr int MAX_TILE = 8;
+
+inline __m512 load_half16(const at::Half* p) {
+  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+}
+inline __m512 load_scale16(const uint8_t* p, bool is_signed) {
+  const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return _mm512_cvtepi32_ps(is_signed ? _mm512_cvtepi8_epi32(v) : _mm512_cvtepu8_epi32(v));
+}
+
+template <int T, int BITS>
+void group_tile(const Layout& L, const Weights& w, int64_t g, const Acts& a, int64_t r0, float* y, int64_t ldy,
+                int64_t col0) {
+  const int64_t nsub = L.K / L.S, subs_per_sb = L.SB / L.S;
+  const int64_t chunk_k = BITS == 4 ? 8 : 4, chunks_per_sub = L.S / chunk_k;
+  const uint8_t* codes = w.codes + g * (L.K / chunk_k) * 64;
+  const __m512i low4 = _mm512_set1_epi8(0x0F);
+  __m512 acc[T];
+  for (int t = 0; t < T; ++t) acc[t] = _mm512_setzero_ps();
+  __m512 d = _mm512_setzero_ps(), dmin = _mm512_setzero_ps();
+  for (int64_t s = 0; s < nsub; ++s) {
+    if (s % subs_per_sb == 0) {
+      const int64_t sb = s / subs_per_sb;
+      d = load_half16(w.d + (g * (L.K / L.SB) + sb) * LANES);
+      if (L.has_dmin) dmin = load_half16(w.dmin + (g * (L.K / L.SB) + sb) * LANES);
+    }
+    const int64_t meta = (g * nsub + s) * LANES;
+    const __m512 scale = L.has_sc ? _mm512_mul_ps(load_scale16(w.sc + meta, L.sc_signed), d) : d;
+    __m512 offset = _mm512_mul_ps(scale, _mm512_set1_ps(-(float)L.z));
+    if (L.has_dmin) offset = L.has_mn ? _mm512_fmadd_ps(load_scale16(w.mn + meta, false), dmin, offset)
+                                      : _mm512_add_ps(offset, dmin);
+    __m512i iacc[T];
+    for (int t = 0; t < T; ++t) iacc[t] = _mm512_setzero_si512();
+    const int64_t k0 = s * L.S;
+    const uint8_t* sub_codes = codes + (k0 / chunk_k) * 64;
+    for (int64_t c = 0; c < chunks_per_sub; ++c) {
+      const __m512i raw = _mm512_loadu_si512(sub_codes + c * 64);
+      const int64_t k = k0 + c * chunk_k;
+      if (BITS == 4) {
+        const __m512i lo = _mm512_and_si512(raw, low4);
+        const __m512i hi = _mm512_and_si512(_mm512_srli_epi16(raw, 4), low4);
+        for (int t = 0; t < T; ++t) {
+          const int8_t* xr = a.xq + (r0 + t) * L.K + k;
+          iacc[t] = _mm512_dpbusd_epi32(iacc[t], lo, _mm512_set1_epi32(load_i32(xr)));
+          iacc[t] = _mm512_dpbusd_epi32(iacc[t], hi, _mm512_set1_epi32(load_i32(xr + 4)));
+        }
+      } else {
+        for (int t = 0; t < T; ++t)
+          iacc[t] = _mm512_dpbusd_epi32(iacc[t], raw, _mm512_set1_epi32(load_i32(a.xq + (r0 + t) * L.K + k)));
+      }
+    }
+    for (int t = 0; t < T; ++t) {
+      const float dx = a.dx[(r0 + t) * (L.K / ACT_BLOCK) + k0 / ACT_BLOCK];
+      acc[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(iacc[t]), _mm512_mul_ps(scale, _mm512_set1_ps(dx)), acc[t]);
+      acc[t] = _mm512_fmadd_ps(offset, _mm512_set1_ps(sub_sum(a, L, r0 + t, s)), acc[t]);
+    }
+  }
+  for (int t = 0; t < T; ++t) _mm512_storeu_ps(y + (r0 + t) * ldy + col0 + g * LANES, acc[t]);
+}
+
+#else  // ---- AVX2 ---------------------------------------------------------------------------------
+constexpr int LANES = 16;    // a group is still 16 rows, done as two halves of 8
+constexpr int MAX_TILE = 4;
+
+inline __m256 load_half8(const at::Half* p) {
+  return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+}
+inline __m256 load_scale8(const uint8_t* p, bool is_signed) {
+  const __m128i v = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p));
+  return _mm256_cvtepi32_ps(is_signed ? _mm256_cvtepi8_epi32(v) : _mm256_cvtepu8_epi32(v));
+}
+// sum of products of 4 consecutive bytes: unsigned codes (<= 127 each after the split below) x int8
+inline __m256i dot4(__m256i acc, __m256i codes, __m256i x) {
+  const __m256i pairs = _mm256_maddubs_epi16(codes, x);
+  return _mm256_add_epi32(acc, _mm256_madd_epi16(pairs, _mm256_set1_epi16(1)));
+}
+
+template <int T, int BITS>
+void group_tile(const Layout& L, const Weights& w, int64_t g, const Acts& a, int64_t r0, float* y, int64_t ldy,
+                int64_t col0) {
+  const int64_t nsub = L.K / L.S, subs_per_sb = L.SB / L.S;
+  const int64_t chunk_k = BITS == 4 ? 8 : 4, chunks_per_sub = L.S / chunk_k;
+  const uint8_t* codes = w.codes + g * (L.K / chunk_k) * 64;
+  const __m256i low4 = _mm256_set1_epi8(0x0F), top = _mm256_set1_epi8((char)0x80);
+  // 8-bit codes above 127 would overflow maddubs' int16 pairs: with z = 128 (Q8_0) the codes
+  // are taken back to signed values and multiplied by |code| with the activation's sign moved
+  const bool signed8 = BITS == 8 && L.z == 128;
+  const float z = signed8 ? 0.f : (float)L.z;
+  for (int half = 0; half < 2; ++half) {
+    __m256 acc[T];
+    for (int t = 0; t < T; ++t) acc[t] = _mm256_setzero_ps();
+    __m256 d = _mm256_setzero_ps(), dmin = _mm256_setzero_ps();
+    for (int64_t s = 0; s < nsub; ++s) {
+      if (s % subs_per_sb == 0) {
+        const int64_t sb = s / subs_per_sb;
+        d = load_half8(w.d + (g * (L.K / L.SB) + sb) * LANES + half * 8);
+        if (L.has_dmin) dmin = load_half8(w.dmin + (g * (L.K / L.SB) + sb) * LANES + half * 8);
+      }
+      const int64_t meta = (g * nsub + s) * LANES + half * 8;
+      const __m256 scale = L.has_sc ? _mm256_mul_ps(load_scale8(w.sc + meta, L.sc_signed), d) : d;
+      __m256 offset = _mm256_mul_ps(scale, _mm256_set1_ps(-z));
+      if (L.has_dmin) offset = L.has_mn ? _mm256_fmadd_ps(load_scale8(w.mn + meta, false), dmin, offset)
+                                        : _mm256_add_ps(offset, dmin);
+      __m256i iacc[T];
+      for (int t = 0; t < T; ++t) iacc[t] = _mm256_setzero_si256();
+      const int64_t k0 = s * L.S;
+      const uint8_t* sub_codes = codes + (k0 / chunk_k) * 64 + half * 32;
+      for (int64_t c = 0; c < chunks_per_sub; ++c) {
+        const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(sub_codes + c * 64));
+        const int64_t k = k0 + c * chunk_k;
+        if (BITS == 4) {
+          const __m256i lo = _mm256_and_si256(raw, low4);
+          const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(raw, 4), low4);
+          for (int t = 0; t < T; ++t) {
+            const int8_t* xr = a.xq + (r0 + t) * L.K + k;
+            iacc[t] = dot4(iacc[t], lo, _mm256_set1_epi32(load_i32(xr)));
+            iacc[t] = dot4(iacc[t], hi, _mm256_set1_epi32(load_i32(xr + 4)));
+          }
+        } else if (signed8) {
+          const __m256i value = _mm256_xor_si256(raw, top);  // code - 128, as int8
+          const __m256i magnitude = _mm256_abs_epi8(value);
+          for (int t = 0; t < T; ++t) {
+            const __m256i x = _mm256_set1_epi32(load_i32(a.xq + (r0 + t) * L.K + k));
+            iacc[t] = dot4(iacc[t], magnitude, _mm256_sign_epi8(x, value));
+          }
+        } else {
+          for (int t = 0; t < T; ++t)
+            iacc[t] = dot4(iacc[t], raw, _mm256_set1_epi32(load_i32(a.xq + (r0 + t) * L.K + k)));
+        }
+      }
+      for (int t = 0; t < T; ++t) {
+        const float dx = a.dx[(r0 + t) * (L.K / ACT_BLOCK) + k0 / ACT_BLOCK];
+        acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(iacc[t]), _mm256_mul_ps(scale, _mm256_set1_ps(dx)), acc[t]);
+        acc[t] = _mm256_fmadd_ps(offset, _mm256_set1_ps(sub_sum(a, L, r0 + t, s)), acc[t]);
+      }
+    }
+    for (int t = 0; t < T; ++t) _mm256_storeu_ps(y + (r0 + t) * ldy + col0 + g * LANES + half * 8, acc[t]);
+  }
+}
+#endif
+
+template <int BITS>
+void run_group(const Layout& L, const Weights& w, int64_t g, const Acts& a, float* y, int64_t ldy, int64_t col0) {
+  int64_t r = 0;
+  for (; r + MAX_TILE <= a.M; r += MAX_TILE) group_tile<MAX_TILE, BITS>(L, w, g, a, r, y, ldy, col0);
+  switch (a.M - r) {
+    case 0: break;
+    case 1: group_tile<1, BITS>(L, w, g, a, r, y, ldy, col0); break;
+    case 2: group_tile<2, BITS>(L, w, g, a, r, y, ldy, col0); break;
+    case 3: group_tile<3, BITS>(L, w, g, a, r, y, ldy, col0); break;
+#if defined(__AVX512F__) && defined(__AVX512VNNI__)
+    case 4: group_tile<4, BITS>(L, w, g, a, r, y, ldy, col0); break;
+    case 5: group_tile<5, BITS>(L, w, g, a, r, y, ldy, col0); break;
+    case 6: group_tile<6, BITS>(L, w, g, a, r, y, ldy, col0); break;
+    case 7: group_tile<7, BITS>(L, w, g, a, r, y, ldy, col0); break;
+#endif
+  }
+}
+
+const uint8_t* bytes_or_null(const c10::optional<at::Tensor>& t) {
+  return t.has_value() && t->defined() ? t->data_ptr<uint8_t>() : nullptr;
+}
+
+}  // namespace
+
+// Quantize activations once for several products: x [M, K] float32 -> (xq, dx, xsum).
+std::vector<at::Tensor> quantize_activations(const at::Tensor& x) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous(), "x: contiguous float32 [M, K]");
+  const int64_t M = x.size(0), K = x.size(1);
+  TORCH_CHECK(K % ACT_BLOCK == 0, "K must be a multiple of 32");
+  auto xq = at::empty({M, K}, x.options().dtype(at::kChar));
+  auto dx = at::empty({M, K / ACT_BLOCK}, x.options());
+  auto xsum = at::empty({M, K / SUM_BLOCK}, x.options());
+  quantize_rows(x.data_ptr<float>(), M, K, xq.data_ptr<int8_t>(), dx.data_ptr<float>(), xsum.data_ptr<float>());
+  return {xq, dx, xsum};
+}
+
+// y[:, col0 : col0 + N] = x W^T for quantized x (from quantize_activations) and W in the layout above.
+void qmatmul_into(const at::Tensor& xq, const at::Tensor& dx, const at::Tensor& xsum, const at::Tensor& codes,
+                  const c10::optional<at::Tensor>& sc, const c10::optional<at::Tensor>& mn, const at::Tensor& d,
+                  const c10::optional<at::Tensor>& dmin, int64_t bits, int64_t S, int64_t SB, int64_t z,
+                  bool sc_signed, at::Tensor& y, int64_t col0) {
+  TORCH_CHECK(xq.dim() == 2 && xq.scalar_type() == at::kChar && xq.is_contiguous(), "xq: contiguous int8 [M, K]");
+  TORCH_CHECK(bits == 4 || bits == 8, "bits must be 4 or 8");
+  TORCH_CHECK(S == 16 || S == 32, "S must be 16 or 32");
+  TORCH_CHECK(codes.scalar_type() == at::kByte && codes.is_contiguous() && d.scalar_type() == at::kHalf,
+              "codes: uint8, d: float16");
+  TORCH_CHECK(y.dim() == 2 && y.scalar_type() == at::kFloat && y.is_contiguous() && y.size(0) == xq.size(0),
+              "y: contiguous float32 [M, N_total]");
+  Layout L;
+  L.K = xq.size(1);
+  L.N = codes.size(0) * LANES;
+  L.bits = bits; L.S = S; L.SB = SB; L.z = z;
+  L.has_sc = sc.has_value() && sc->defined(); L.sc_signed = sc_signed;
+  L.has_mn = mn.has_value() && mn->defined(); L.has_dmin = dmin.has_value() && dmin->defined();
+  TORCH_CHECK(codes.numel() == L.N * L.K * bits / 8, "codes do not hold N x K codes");
+  TORCH_CHECK(L.K % SB == 0 && SB % S == 0 && d.numel() == L.N / LANES * (L.K / SB) * LANES, "d: [G, K/SB, 16]");
+  TORCH_CHECK(col0 >= 0 && col0 + L.N <= y.size(1), "y too narrow");
+  Weights w{codes.data_ptr<uint8_t>(), bytes_or_null(sc), bytes_or_null(mn),
+            reinterpret_cast<const at::Half*>(d.data_ptr()),
+            L.has_dmin ? reinterpret_cast<const at::Half*>(dmin->data_ptr()) : nullptr};
+  Acts a{xq.data_ptr<int8_t>(), dx.data_ptr<float>(), xsum.data_ptr<float>(), xq.size(0)};
+  float* out = y.data_ptr<float>();
+  const int64_t ldy = y.size(1), groups = L.N / LANES;
+  at::parallel_for(0, groups, 1, [&](int64_t g0, int64_t g1) {
+    for (int64_t g = g0; g < g1; ++g) {
+      if (bits == 4) run_group<4>(L, w, g, a, out, ldy, col0);
+      else run_group<8>(L, w, g, a, out, ldy, col0);
+    }
+  });
+}
+
+// Rows `ids` of W as float32 [len(ids), K]: an embedding's lookup (W = d * sc * (code - z) + dmin * mn).
+at::Tensor dequantize_rows(const at::Tensor& ids, const at::Tensor& codes, const c10::optional<at::Tensor>& sc,
+                           const c10::optional<at::Tensor>& mn, const at::Tensor& d,
+                           const c10::optional<at::Tensor>& dmin, int64_t K, int64_t bits, int64_t S, int64_t SB,
+                           int64_t z, bool sc_signed) {
+  TORCH_CHECK(ids.dim() == 1 && ids.scalar_type() == at::kLong, "ids: int64 [n]");
+  TORCH_CHECK(codes.scalar_type() == at::kByte && codes.is_contiguous() && d.scalar_type() == at::kHalf, "codes, d");
+  const int64_t N = codes.size(0) * LANES, n_ids = ids.size(0);
+  auto ids_c = ids.contiguous();
+  const int64_t* id = ids_c.data_ptr<int64_t>();
+  for (int64_t i = 0; i < n_ids; ++i) TORCH_CHECK(id[i] >= 0 && id[i] < N, "token id ", id[i], " out of range");
+  auto out = at::empty({n_ids, K}, d.options().dtype(at::kFloat));
+  const uint8_t* c = codes.data_ptr<uint8_t>();
+  const uint8_t* s = bytes_or_null(sc);
+  const uint8_t* m = bytes_or_null(mn);
+  const at::Half* dp = reinterpret_cast<const at::Half*>(d.data_ptr());
+  const at::Half* dminp = dmin.has_value() && dmin->defined() ? reinterpret_cast<const at::Half*>(dmin->data_ptr()) : nullptr;
+  const int64_t chunk_k = bits == 4 ? 8 : 4;
+  float* o = out.data_ptr<float>();
+  at::parallel_for(0, n_ids, 1, [&](int64_t i0, int64_t i1) {
+    for (int64_t i = i0; i < i1; ++i) {
+      const int64_t g = id[i] / LANES, lane = id[i] % LANES;
+      for (int64_t k = 0; k < K; ++k) {
+        const int64_t j = k % chunk_k;
+        const uint8_t byte = c[(g * (K / chunk_k) + k / chunk_k) * 64 + lane * 4 + j % 4];
+        const int code = bits == 4 ? (j < 4 ? byte & 0x0F : byte >> 4) : byte;
+        const int64_t meta = (g * (K / S) + k / S) * LANES + lane, super = (g * (K / SB) + k / SB) * LANES + lane;
+        float scale = (float)dp[super];
+        if (s) scale *= sc_signed ? (float)(int8_t)s[meta] : (float)s[meta];
+        float w = scale * (float)(code - z);
+        if (dminp) w += (float)dminp[super] * (m ? (float)m[meta] : 1.f);
+        o[i * K + k] = w;
+      }
+    }
+  });
+  return out;
+}
+
+const char* isa() {
+#if defined(__AVX512F__) && defined(__AVX512VNNI__)
+  return "avx512_vnni";
+#else
+  return "avx2";
+#endif
+}
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("quantize_activations", &quantize_activations);
+  m.def("qmatmul_into", &qmatmul_into);
+  m.def("dequantize_rows", &dequantize_rows);
+  m.def("isa", &isa);
+}

@@ -1,0 +1,105 @@
+"""Linear layers and an embedding that run from a GGUF file's quantized tensors as they are.
+
+A GGUFLinear multiplies by one or several packed tensors stacked along its output (a fused
+q/k/v projection whose parts are of different GGUF types, say), quantizing its input to int8
+once for all of them (kernels/qmatmul.cpp). A GGUFEmbedding dequantizes only the rows it
+gathers. Neither ever holds a float copy of its weights.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from specdec.kernels import qmatmul
+from specdec.models.gguf_quants import GROUP, PackedTensor
+
+PART_FIELDS = ("codes", "sc", "mn", "d", "dmin")
+
+
+def _register(module: nn.Module, prefix: str, packed: PackedTensor) -> None:
+    """packed's tensors as buffers of module (so that they count as its state and memory)."""
+    for field in PART_FIELDS:
+        module.register_buffer(f"{prefix}_{field}", getattr(packed, field), persistent=False)
+
+
+class GGUFLinear(nn.Module):
+    """y = x W^T + b, W = the parts stacked by rows ([N1 + N2 + ..., K]), each a PackedTensor."""
+
+    def __init__(self, parts: list[PackedTensor], bias: torch.Tensor | None = None):
+        super().__init__()
+        if len({p.cols for p in parts}) != 1:
+            raise ValueError(f"stacked parts must have one input size, got {[p.cols for p in parts]}")
+        self.parts = list(parts)
+        self.in_features = parts[0].cols
+        self.out_features = sum(p.rows for p in parts)
+        self.padded_out = sum(p.codes.shape[0] * GROUP for p in parts)
+        for i, part in enumerate(parts):
+            _register(self, f"part{i}", part)
+        self.register_buffer("bias", bias, persistent=False)
+        # the output columns to keep where a part's rows were padded up to a whole group
+        keep = None
+        if self.padded_out != self.out_features:
+            starts = torch.tensor([0] + [p.codes.shape[0] * GROUP for p in parts]).cumsum(0)
+            keep = torch.cat([torch.arange(p.rows) + start for p, start in zip(parts, starts.tolist())])
+        self.register_buffer("keep", keep, persistent=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        kernels = qmatmul()
+        x2 = x.reshape(-1, self.in_features).float().contiguous()  # [..., K] -> [M, K]
+        xq, dx, xsum = kernels.quantize_activations(x2)
+        y = torch.empty(x2.shape[0], self.padded_out)  # [M, N padded]
+        column = 0
+        for part in self.parts:
+            layout = part.layout
+            kernels.qmatmul_into(xq, dx, xsum, part.codes, part.sc, part.mn, part.d, part.dmin, layout.bits,
+                                 layout.sub_block, layout.super_block, layout.z, layout.sc_signed, y, column)
+            column += part.codes.shape[0] * GROUP
+        if self.keep is not None:
+            y = y[:, self.keep]
+        y = y.to(x.dtype)
+        if self.bias is not None:
+            y = y + self.bias
+        return y.view(*x.shape[:-1], self.out_features)
+
+    def dequantized_weight(self) -> torch.Tensor:
+        """W as float32 [N, K] (for tests and error measurements)."""
+        return torch.cat([dequantize(p, torch.arange(p.rows)) for p in self.parts])
+
+    def extra_repr(self) -> str:
+        types = "+".join(p.kind for p in self.parts)
+        return f"in_features={self.in_features}, out_features={self.out_features}, types={types}"
+
+
+class GGUFEmbedding(nn.Module):
+    """An embedding table held as a PackedTensor [vocabulary, hidden]; a lookup dequantizes
+    the rows it gathers, in dtype."""
+
+    def __init__(self, packed: PackedTensor, dtype: torch.dtype):
+        super().__init__()
+        self.packed = packed
+        self.num_embeddings, self.embedding_dim = packed.rows, packed.cols
+        self.out_dtype = dtype
+        _register(self, "table", packed)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        rows = dequantize(self.packed, ids.reshape(-1))  # [n, hidden]
+        return rows.to(self.out_dtype).view(*ids.shape, self.embedding_dim)
+
+    def extra_repr(self) -> str:
+        return f"{self.num_embeddings}, {self.embedding_dim}, type={self.packed.kind}"
+
+
+def dequantize(packed: PackedTensor, ids: torch.Tensor) -> torch.Tensor:
+    """Rows ids of a PackedTensor as float32 [len(ids), K], exactly the file's values."""
+    layout = packed.layout
+    if len(ids) and (int(ids.min()) < 0 or int(ids.max()) >= packed.rows):
+        raise IndexError(f"row ids must be in [0, {packed.rows})")
+    return qmatmul().dequantize_rows(ids.long(), packed.codes, packed.sc, packed.mn, packed.d, packed.dmin,
+                                     packed.cols, layout.bits, layout.sub_block, layout.super_block, layout.z,
+                                     layout.sc_signed)
+
+
+def runs_gguf_kernels(model: nn.Module) -> bool:
+    """Whether model holds quantized GGUF layers."""
+    return any(isinstance(m, (GGUFLinear, GGUFEmbedding)) for m in model.modules())

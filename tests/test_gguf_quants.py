@@ -1,0 +1,208 @@
+"""GGUF's quantized tensors held quantized (models/gguf_quants.py, kernels/qmatmul.cpp,
+models/gguf_linear.py, models/gguf_model.py), against the `gguf` package's own
+dequantization (llama.cpp's reference in Python) and plain float products.
+
+- Every type's split into codes and scales holds exactly the values gguf dequantizes to.
+- The kernel computes x W^T with x quantized to int8 per block of 32 (as llama.cpp does): it
+  must equal the float64 product of those quantized activations and W (up to float32
+  summation), and each row must be the same whether run alone or in a batch (so speculation,
+  which verifies several rows at once, stays exact with respect to the model as it runs).
+- The AVX2 kernel (what an AVX2-only CPU runs) is checked the same way, in a process held to AVX2.
+- A whole model loaded quantized matches the dequantized model closely, holds no float copy of
+  a quantized matrix, and decodes speculatively exactly as it decodes alone.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import gguf
+import numpy as np
+import pytest
+import torch
+from gguf_files import encode, tiny_hf_model, write_gguf
+
+from specdec import LLM, SamplingParams
+from specdec.kernels import cpu_flags, qmatmul, variant
+from specdec.models.gguf_linear import GGUFEmbedding, GGUFLinear, dequantize
+from specdec.models.gguf_quants import LAYOUTS, dequantize_split, pack, split_blocks
+from specdec.models.loader import load_pretrained
+
+TYPES = sorted(LAYOUTS)
+
+
+def quantized_matrix(kind: str, rows: int, cols: int, seed: int) -> np.ndarray:
+    """A [rows, cols] matrix stored as kind: [rows, row bytes] uint8 (gguf_files.encode)."""
+    rng = np.random.default_rng(seed)
+    return encode(rng.standard_normal((rows, cols)).astype(np.float32) * 0.05, kind, rng)
+
+
+def reference(kind: str, data: np.ndarray) -> torch.Tensor:
+    return torch.from_numpy(gguf.quants.dequantize(data, gguf.GGMLQuantizationType[kind]).copy())
+
+
+@pytest.mark.parametrize("kind", TYPES)
+def test_split_holds_exactly_the_values_gguf_dequantizes_to(kind):
+    data = quantized_matrix(kind, 8, 512, seed=1)
+    layout = LAYOUTS[kind]
+    parts = split_blocks(kind, data.reshape(-1, layout.block_bytes))
+    values = dequantize_split(kind, parts).reshape(8, 512)
+    assert np.array_equal(values, reference(kind, data).numpy())
+
+
+@pytest.mark.parametrize("kind", TYPES)
+def test_packed_rows_dequantize_to_the_files_values(kind):
+    rows = 40  # not a multiple of the 16-row group: the padding is cut off
+    data = quantized_matrix(kind, rows, 256, seed=2)
+    packed = pack(kind, data, rows, 256)
+    ids = torch.tensor([0, 17, 39, 5, 5])
+    assert torch.equal(dequantize(packed, ids), reference(kind, data)[ids])
+
+
+def kernel_product(packed, x: torch.Tensor) -> torch.Tensor:
+    return GGUFLinear([packed])(x)
+
+
+def quantized_activations(x: torch.Tensor) -> torch.Tensor:
+    """x as the kernel sees it: int8 codes times a scale per 32 inputs, in float64."""
+    xq, dx, _ = qmatmul().quantize_activations(x.float().contiguous())
+    M, K = x.shape
+    return (xq.double().view(M, K // 32, 32) * dx.double()[..., None]).view(M, K)
+
+
+@pytest.mark.parametrize("kind", TYPES)
+def test_kernel_equals_the_product_of_quantized_activations(kind):
+    rows, cols = 48, 512
+    data = quantized_matrix(kind, rows, cols, seed=3)
+    packed = pack(kind, data, rows, cols)
+    weight = reference(kind, data).double()
+    generator = torch.Generator().manual_seed(4)
+    for M in (1, 3, 8, 13):  # a decode step, verify widths, and past the kernel's row tile
+        x = torch.randn(M, cols, generator=generator)
+        got = kernel_product(packed, x).double()
+        expected = quantized_activations(x) @ weight.T
+        assert (got - expected).abs().max() <= 1e-5 * expected.abs().max(), (kind, M)
+        exact = x.double() @ weight.T  # int8 activations: about 1% of the output's scale
+        assert (got - exact).abs().max() <= 0.03 * exact.abs().max(), (kind, M)
+
+
+@pytest.mark.parametrize("kind", ["Q4_K", "Q6_K", "Q8_0", "Q4_1"])
+def test_a_row_gets_the_same_result_alone_and_in_a_batch(kind):
+    data = quantized_matrix(kind, 64, 512, seed=5)
+    packed = pack(kind, data, 64, 512)
+    x = torch.randn(11, 512, generator=torch.Generator().manual_seed(6))
+    batch = kernel_product(packed, x)
+    for row in range(11):
+        assert torch.equal(kernel_product(packed, x[row:row + 1])[0], batch[row])
+
+
+def test_fused_parts_of_different_types_stack_by_rows():
+    parts = [("Q4_K", 32), ("Q6_K", 16), ("Q8_0", 24)]
+    datas = [quantized_matrix(kind, rows, 256, seed=i) for i, (kind, rows) in enumerate(parts)]
+    layer = GGUFLinear([pack(kind, data, rows, 256) for (kind, rows), data in zip(parts, datas)],
+                       bias=torch.randn(72))
+    weight = torch.cat([reference(kind, data) for (kind, _), data in zip(parts, datas)])
+    assert torch.equal(layer.dequantized_weight(), weight)
+    x = torch.randn(2, 3, 256, generator=torch.Generator().manual_seed(7))
+    expected = (quantized_activations(x.view(6, 256)) @ weight.double().T).float().view(2, 3, 72) + layer.bias
+    assert torch.allclose(layer(x), expected, atol=1e-5)
+
+
+@pytest.mark.skipif(not {"avx512_vnni", "avx512bw", "avx512vl"} <= cpu_flags(),
+                    reason="the CPU has no AVX-512 VNNI: the default run already is the AVX2 kernel")
+def test_the_avx2_kernel_computes_what_the_avx512_one_does(tmp_path):
+    """An AVX2-only CPU's kernel, run here in a process that PyTorch holds to AVX2."""
+    products = {}
+    x = torch.randn(9, 512, generator=torch.Generator().manual_seed(8))
+    torch.save(x, tmp_path / "x.pt")
+    for kind in TYPES:
+        data = quantized_matrix(kind, 32, 512, seed=9)
+        np.save(tmp_path / f"{kind}.npy", data)
+        products[kind] = kernel_product(pack(kind, data, 32, 512), x)
+    script = f"""
+import numpy as np, torch
+from specdec.kernels import variant
+from specdec.models.gguf_linear import GGUFLinear
+from specdec.models.gguf_quants import pack
+assert variant() == "avx2", variant()
+x = torch.load({str(tmp_path / 'x.pt')!r})
+out = {{}}
+for kind in {TYPES!r}:
+    out[kind] = GGUFLinear([pack(kind, np.load({str(tmp_path)!r} + f"/{{kind}}.npy"), 32, 512)])(x)
+torch.save(out, {str(tmp_path / 'avx2.pt')!r})
+"""
+    env = {**os.environ, "ATEN_CPU_CAPABILITY": "avx2"}
+    subprocess.run([sys.executable, "-c", script], check=True, env=env, timeout=600)
+    avx2 = torch.load(tmp_path / "avx2.pt")
+    for kind in TYPES:  # the same integer sums; float sums in another order
+        assert torch.allclose(avx2[kind], products[kind], rtol=1e-5, atol=1e-5), kind
+
+
+def test_variant_follows_pytorchs_instruction_set():
+    expected = "avx512_vnni" if torch.backends.cpu.get_cpu_capability() == "AVX512" and \
+        {"avx512_vnni", "avx512bw", "avx512vl"} <= cpu_flags() else "avx2"
+    assert variant() == expected
+    assert qmatmul().isa() == expected
+
+
+# --- whole models ---------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def mixed_file(tmp_path_factory):
+    """A tiny Qwen2 model (vocabulary 300: not a multiple of 16) in the types a Q4_K_M file mixes:
+    Q4_K matrices, Q6_K for v and down projections and the output layer, F32 norms and biases."""
+    types = {f"blk.{i}.{part}.weight": "Q6_K" for i in range(2) for part in ("attn_v", "ffn_down")}
+    types["output.weight"] = "Q6_K"
+    return write_gguf(tmp_path_factory.mktemp("mixed") / "model.gguf", tiny_hf_model("qwen2", tie=False), "Q4_K",
+                      tensor_types=types)
+
+
+def test_a_quantized_file_loads_with_no_float_matrix(mixed_file):
+    model = load_pretrained(mixed_file, dtype="float32", load_tokenizer=False, keep_quantized=True).model
+    assert isinstance(model.embed_tokens, GGUFEmbedding)
+    assert not any(isinstance(m, torch.nn.Linear) for m in model.modules())
+    linears = [m for m in model.modules() if isinstance(m, GGUFLinear)]
+    assert len(linears) == 2 * 4 + 1
+    assert [p.kind for p in model.layers[0].self_attn.qkv_proj.parts] == ["Q4_K", "Q4_K", "Q6_K"]
+    assert all(t.dtype == torch.float32 for t in model.parameters())  # norms, in the model's dtype
+    floats = sum(t.numel() for t in model.parameters()) + model.layers[0].self_attn.qkv_proj.bias.numel() * 2
+    assert floats < 0.01 * sum(p.rows * p.cols for m in linears for p in m.parts)
+
+
+def test_the_quantized_model_matches_the_dequantized_one(mixed_file):
+    quantized = load_pretrained(mixed_file, dtype="float32", load_tokenizer=False, keep_quantized=True).model
+    dense = load_pretrained(mixed_file, dtype="float32", load_tokenizer=False).model
+    for q_layer, d_layer in ((quantized.layers[1].mlp.down_proj, dense.layers[1].mlp.down_proj),
+                             (quantized.lm_head, dense.lm_head)):
+        assert torch.equal(q_layer.dequantized_weight(), d_layer.weight)
+    ids = torch.randint(2, 300, (1, 24), generator=torch.Generator().manual_seed(10))
+    with torch.no_grad():
+        got, expected = quantized(ids, torch.arange(24)[None], None), dense(ids, torch.arange(24)[None], None)
+    assert (got - expected).abs().max() <= 0.05 * expected.abs().max()  # int8 activations
+    assert torch.equal(quantized.embed_tokens(ids), dense.embed_tokens(ids))
+
+
+def test_speculation_is_exact_with_respect_to_the_quantized_model(mixed_file):
+    alone = LLM(model=str(mixed_file), dtype="float32")
+    assert isinstance(alone.target.model.lm_head, GGUFLinear)
+    prompts = [{"prompt_token_ids": torch.randint(2, 300, (8,), generator=torch.Generator().manual_seed(s)).tolist() * 3}
+               for s in (11, 12)]
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    expected = [o.outputs[0].token_ids for o in alone.generate(prompts, params)]
+    for options in ({"speculative_method": "ngram"}, {"speculative_model": str(mixed_file)},
+                    {"speculative_method": "early_exit", "early_exit_layer": 1}):
+        spec = LLM(model=str(mixed_file), dtype="float32", num_speculative_tokens=4, speculative_k_policy="fixed",
+                   **options)
+        outputs = spec.generate(prompts, params)
+        assert [o.outputs[0].token_ids for o in outputs] == expected, options
+        if "speculative_method" not in options or options["speculative_method"] == "ngram":  # drafts that agree
+            assert sum(o.metrics.num_accepted_tokens for o in outputs) > 0, options
+
+
+def test_quantization_none_dequantizes_a_gguf_file(mixed_file):
+    llm = LLM(model=str(mixed_file), dtype="float32", quantization=None)
+    assert isinstance(llm.target.model.lm_head, torch.nn.Linear)
