@@ -3,6 +3,7 @@
     specdec bench [--model DIR --draft DIR] [--head DIR] [--tree SHAPE]... [--early-exit LAYER]
                   [--device cpu|cuda] [--quick] [--out DIR]
                   [--max-tokens N] [--ks 1,2,...] [--prompts N] [--no-transformers] [--write-docs]
+    specdec bench --llama-cpp [--model GGUF --draft GGUF] [--cpu-kinds native|avx2|both] ...  (llama_cpp.py)
 
 Without --model it benchmarks the shipped pair (models/code-target, models/code-draft), with the
 shipped EAGLE head (models/code-target-eagle), "auto" trees and early exit at half the depth.
@@ -76,13 +77,25 @@ def add_bench_parser(commands) -> None:
                    help="comma-separated k values (default 1..8, --quick 1,3,5)")
     p.add_argument("--prompts", type=int, metavar="N",
                    help=f"prompts per set (default {FULL['prompts']}, --quick {QUICK['prompts']})")
-    p.add_argument("--prompt-sets", type=_name_list, metavar="SET,SET", default=("code", "repeat"),
+    p.add_argument("--prompt-sets", type=_name_list, metavar="SET,SET",
                    help="code (held-out code completion), repeat (code repeated from the prompt), chat (held-out "
                         "chat prompts about functions, for a chat model) and edit (its \"edit this function\" "
-                        "ones); default code,repeat")
+                        "ones), and with --llama-cpp write (its \"write a function\" ones); default code,repeat "
+                        "(--llama-cpp: write,edit)")
     p.add_argument("--seed", type=int, default=0, help="seeds of the sampled runs (prompt i uses seed + i)")
     p.add_argument("--no-transformers", action="store_true", help="skip transformers' generate rows")
     p.add_argument("--write-docs", action="store_true", help="also write docs/benchmarks.md (and its plots)")
+    p.add_argument("--llama-cpp", action="store_true",
+                   help="instead, compare with llama.cpp on the same GGUF file (default --model "
+                        "qwen2.5-coder-1.5b-instruct, --draft qwen2.5-coder-0.5b-instruct), prompts (default "
+                        "--prompt-sets write,edit) and threads: llama.cpp plain, prompt lookup and draft model "
+                        "(its own tools, built from source under build/llama-cpp on first use, ~6 minutes) against "
+                        "specdec plain, prompt lookup, draft model and lookup_then_draft, greedy, k = the largest "
+                        "of --ks (default 5); --write-docs writes its section of docs/benchmarks.md only")
+    p.add_argument("--cpu-kinds", choices=("native", "avx2", "both"), default="native",
+                   help="with --llama-cpp: this CPU as it is (native), held to AVX2 (PyTorch and oneDNN held by "
+                        "ATEN_CPU_CAPABILITY / ONEDNN_MAX_CPU_ISA, llama.cpp built for AVX2), or both, one after "
+                        "the other (default native)")
     p.set_defaults(run=run_bench)
 
 
@@ -90,6 +103,10 @@ def run_bench(args) -> int:
     from specdec.benchmark.report import markdown, write_docs, write_report
     from specdec.benchmark.run import run_benchmark
 
+    if args.llama_cpp:
+        from specdec.benchmark.llama_cpp import run_llama_cpp_bench
+
+        return run_llama_cpp_bench(args)
     config = bench_config(args)
     with open_bench_output(args, config) as output:  # before the minutes of measuring, not after
         output.clear_staging()
@@ -120,7 +137,8 @@ def bench_config(args):
                        draft_quantization=quantization_from_arg(args.draft_quantization),
                        adaptive_confidence=args.adaptive_confidence,
                        ks=_given_or(args.ks, sizes["ks"]), max_tokens=_given_or(args.max_tokens, sizes["max_tokens"]),
-                       prompts_per_set=_given_or(args.prompts, sizes["prompts"]), prompt_sets=args.prompt_sets,
+                       prompts_per_set=_given_or(args.prompts, sizes["prompts"]),
+                       prompt_sets=args.prompt_sets or ("code", "repeat"),
                        with_transformers=not args.no_transformers, seed=args.seed, head=head, trees=trees,
                        early_exit_layer=early_exit)
 
@@ -177,7 +195,7 @@ def command_line(args) -> str:
         words += ["--tree", shape]
     if args.ks:
         words += ["--ks", ",".join(map(str, args.ks))]
-    if args.prompt_sets != ("code", "repeat"):
+    if args.prompt_sets and args.prompt_sets != ("code", "repeat"):
         words += ["--prompt-sets", ",".join(args.prompt_sets)]
     for flag in ("quick", "no_transformers", "write_docs"):
         if getattr(args, flag):

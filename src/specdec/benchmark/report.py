@@ -324,3 +324,127 @@ def _plot_tokens_per_second(axes, rows: list[dict]) -> None:
     axes.set_yticks(range(len(rows)), [r["label"] for r in rows], fontsize=7)
     axes.invert_yaxis()
     axes.set_xlabel("tokens/s (blue: specdec, orange: transformers)")
+
+
+# -- against llama.cpp (specdec bench --llama-cpp: llama_cpp.py) ----------------------------
+
+LLAMA_CPP_START = "<!-- against llama.cpp: written by specdec bench --llama-cpp --write-docs -->"
+LLAMA_CPP_END = "<!-- /against llama.cpp -->"
+LLAMA_CPP_DIR = "llama_cpp"  # docs/benchmarks/llama_cpp/<cpu kind>.json: each CPU kind's latest results
+
+
+def write_llama_cpp_report(results: dict, out_dir: str | Path) -> list[Path]:
+    """results.json and results.md of a `specdec bench --llama-cpp` run under out_dir."""
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / "results.json").write_text(json.dumps(_json_safe(results), indent=2) + "\n")
+    (out_dir / "results.md").write_text(llama_cpp_markdown(results))
+    return [out_dir / "results.json", out_dir / "results.md"]
+
+
+def llama_cpp_markdown(results: dict, title_level: int = 1) -> str:
+    """The tables of a `specdec bench --llama-cpp` run, every CPU kind it measured."""
+    kinds = [{**measured, "config": results["config"], "command": results.get("command")}
+             for measured in results["cpu_kinds"]]
+    return llama_cpp_section(kinds, title_level)
+
+
+def llama_cpp_section(kinds: list[dict], title_level: int = 2) -> str:
+    h = "#" * title_level
+    parts = [f"{h} Against llama.cpp\n\n{LLAMA_CPP_INTRO}\n"]
+    for kind in kinds:
+        parts.append(llama_cpp_kind_markdown(kind, h + "#"))
+    return "\n".join(parts)
+
+
+LLAMA_CPP_INTRO = (
+    "specdec and llama.cpp's own tools (built from the source llama-cpp-python 0.3.36 vendors) on the same GGUF "
+    "file, the same prompt text (a chat prompt rendered with the target's chat template by specdec, handed to "
+    "llama.cpp as raw text; the prompt token counts both report are checked), the same threads, greedy, up to "
+    "the same number of new tokens, both stopping at an end-of-sequence token; every system interleaved prompt "
+    "by prompt in one run. Tokens/s: the tokens each generated over its time with the prefill (llama.cpp's own "
+    "timing lines: prompt eval + eval, or its speculative tools' encoded + decoded; model loading left out on "
+    "both sides). Accepted ÷ drafted: llama.cpp's n_accept ÷ n_drafted, specdec's accepted ÷ proposed draft "
+    "tokens, the same measure; τ: tokens per target forward, tokens ÷ (tokens − accepted). specdec runs as "
+    "`LLM` does by default: the file's quantized weights, k chosen by goodput up to k; llama.cpp drafts k "
+    "tokens every round. Same text: outputs that agree with specdec plain's as far as the shorter goes.")
+
+
+def llama_cpp_kind_markdown(kind: dict, h: str) -> str:
+    """One CPU kind's measurement: a table per prompt set, and what a verify forward costs."""
+    parts = [f"{h} {_cpu_kind_title(kind)}\n\n{_llama_cpp_setup(kind)}\n"]
+    for set_name, prompt_set in kind["prompt_sets"].items():
+        parts.append(f"{h}# {prompt_set['title']} ({set_name})\n\n{llama_cpp_table(kind, set_name)}\n")
+    parts.append(f"{h}# What a verify forward costs\n\n{verify_cost_table(kind['verify_cost'])}\n")
+    if kind["notes"]:
+        parts.append("\n".join(f"- {note}" for note in kind["notes"]) + "\n")
+    return "\n".join(parts)
+
+
+def llama_cpp_table(kind: dict, set_name: str) -> str:
+    lines = ["| system | tokens/s | ÷ llama.cpp plain | prompt tokens/s | decode tokens/s | accepted ÷ drafted "
+             "| τ | tokens | same text as specdec plain |", "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    for r in kind["rows"]:
+        if r["prompt_set"] == set_name:
+            lines.append(f"| {r['label']} | {_number(r['tokens_per_s'], 1)} | {_times(r['ratio_to_llama_cpp_plain'])} "
+                         f"| {_number(r['prompt_tokens_per_s'], 1)} | {_number(r['decode_tokens_per_s'], 1)} | "
+                         f"{_number(r['acceptance'], 2)} | {_number(r['tau'], 2)} | {r['tokens']} | "
+                         f"{r['same_text_as_specdec_plain']} of {r['prompts']} |")
+    return "\n".join(lines)
+
+
+def verify_cost_table(costs: dict) -> str:
+    lines = ["| engine | forward of 7 tokens | 1-token step | verify ÷ step |", "|---|---:|---:|---:|"]
+    how = {"llama.cpp": "llama-bench -p 7 -n 32 -d 64: pp7 ÷ tg per token",
+           "specdec": "its runner, median of 3 × 20 forwards each"}
+    for engine, cost in costs.items():
+        lines.append(f"| {engine} ({how.get(engine, '')}; after {cost['depth']} tokens) | "
+                     f"{_number(cost['verify_ms'], 2)} ms | {_number(cost['step_ms'], 2)} ms | "
+                     f"{_number(cost['verify_cost'], 2)} |")
+    return "\n".join(lines)
+
+
+def _cpu_kind_title(kind: dict) -> str:
+    held = "held to AVX2" if kind["cpu_kind"] == "avx2" else "as it is"
+    return f"{kind['machine']['cpu']}, {kind['cpu_capability']} ({held})"
+
+
+def _llama_cpp_setup(kind: dict) -> str:
+    config, m = kind["config"], kind["machine"]
+    model = Path(config["model"]).name + (f", draft {Path(config['draft']).name}" if config["draft"] else "")
+    sets = ", ".join(f"{len(s['prompts'])} {name}" for name, s in kind["prompt_sets"].items())
+    text = (f"{m['date']}; {m['cores']} cores, {kind['threads']} threads each; torch {m['torch']} (instruction set "
+            f"{kind['cpu_capability']}); llama.cpp built with `{' '.join(kind['llama_cpp']['flags'])}`, which reports "
+            f"`{kind['llama_cpp']['system_info']}`. Target {model}; prompts: {sets}; at most {config['max_tokens']} "
+            f"new tokens; k = {config['k']}.")
+    return text + (f" Command: `{kind['command']}`." if kind.get("command") else "")
+
+
+def write_llama_cpp_docs(results: dict, docs_dir: str | Path) -> Path:
+    """docs/benchmarks/llama_cpp/<cpu kind>.json for each CPU kind measured, then the section of
+    docs/benchmarks.md between LLAMA_CPP_START and LLAMA_CPP_END from every kind's latest file
+    (placed after KEPT_MARKER the first time, so the main bench's --write-docs keeps it)."""
+    docs_dir = Path(docs_dir)
+    data_dir = docs_dir / "benchmarks" / LLAMA_CPP_DIR
+    data_dir.mkdir(parents=True, exist_ok=True)
+    for measured in results["cpu_kinds"]:
+        kind = {**measured, "config": results["config"], "command": results.get("command")}
+        (data_dir / f"{measured['cpu_kind']}.json").write_text(json.dumps(_json_safe(kind), indent=2) + "\n")
+    kinds = [json.loads((data_dir / f"{name}.json").read_text()) for name in ("native", "avx2")
+             if (data_dir / f"{name}.json").is_file()]
+    section = f"{LLAMA_CPP_START}\n{llama_cpp_section(kinds)}\n{LLAMA_CPP_END}"
+    path = docs_dir / "benchmarks.md"
+    path.write_text(_with_section(path.read_text() if path.is_file() else "", section))
+    return path
+
+
+def _with_section(page: str, section: str) -> str:
+    """page with its llama.cpp section replaced, or placed just after KEPT_MARKER (at the end
+    when there is none)."""
+    if LLAMA_CPP_START in page and LLAMA_CPP_END in page:
+        before, rest = page.split(LLAMA_CPP_START, 1)
+        return before + section + rest.split(LLAMA_CPP_END, 1)[1]
+    if KEPT_MARKER in page:
+        before, after = page.split(KEPT_MARKER, 1)
+        return before + KEPT_MARKER + "\n\n" + section + "\n" + after
+    return page.rstrip("\n") + ("\n\n" if page else "") + section + "\n"
