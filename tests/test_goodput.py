@@ -1,21 +1,25 @@
 """k by goodput: the policy picks the k that Leviathan et al.'s expected tokens per second
 say is best (written out here, apart from specdec.metrics), a useless draft switches
 speculation off and a perfect one keeps k at its maximum, k = 0 rounds probe now and then,
-and the output is the target's whatever k each round took.
+its costs are calibrated warm and then follow the rounds' timings (against a simulated
+machine: no timing in these tests), and the output is the target's whatever k each round took.
 """
 
 from __future__ import annotations
 
 import itertools
 import math
+import random
+from collections import Counter
 
 import pytest
 import torch
 from helpers import save_tiny_model
 
 from specdec import LLM, SamplingParams
-from specdec.goodput import (MAX_PROBE_INTERVAL, MIN_GAIN, PRIOR_WEIGHT, PROBE_BUDGET, PROBE_INTERVAL, AcceptanceEstimate, CostCurve,
-                             GoodputPolicy, RoundCosts)
+from specdec.goodput import (CALIBRATION_REPEATS, CALIBRATION_WARM_UPS, COST_WINDOW, MAX_PROBE_INTERVAL, MIN_GAIN,
+                             PLAIN_CHECK_INTERVAL, PRIOR_WEIGHT, PROBE_BUDGET, PROBE_INTERVAL, AcceptanceEstimate,
+                             CostCurve, GoodputPolicy, RoundCosts)
 from specdec.cli import main
 
 GREEDY = SamplingParams(temperature=0, max_tokens=48, ignore_eos=True)
@@ -134,18 +138,18 @@ def test_a_sequence_not_drafting_drifts_back_to_the_prior():
     policy = policy_with(linear(1.0, 0.1, 0.2))
     policy.prior.accepted, policy.prior.judged = 90.0, 100.0  # the others accept 0.9
     policy.start(0)
-    for _ in range(5):
-        policy.observe([0], [4], [0])  # rejected at once, five rounds running
-    assert policy.choose([0], [100]) == [0]
+    for _ in range(10):
+        policy.observe([0], [4], [0])  # rejected at once, ten rounds running
+    assert policy.plan([0], [100]) == [0]
     rounds = 1
-    while policy.choose([0], [100]) == [0]:
+    while policy.plan([0], [100]) == [0]:  # the plan, probes aside
         policy.observe([0], [0], [0])  # a plain round: nothing judged
         rounds += 1
-    assert 1 < rounds < PROBE_INTERVAL  # back before any probe
+    assert 1 < rounds < 16
 
 
 def test_plain_rounds_probe_with_one_draft_now_and_then():
-    policy = policy_with(linear(1.0, 0.01, 0.5))  # a probe's wider verify costs little: every PROBE_INTERVAL
+    policy = policy_with(linear(1.0, 0.01, 0.005))  # a probe costs little: one every PROBE_INTERVAL
     policy.start(0)
     policy.estimates[0].judged = 1e6  # α = 0
     choices = [policy.choose([0], [100])[0] for _ in range(3 * (PROBE_INTERVAL + 1))]
@@ -154,65 +158,227 @@ def test_plain_rounds_probe_with_one_draft_now_and_then():
     assert policy.k_counts == {0: 3 * PROBE_INTERVAL, 1: 3}
 
 
-def test_probes_come_further_apart_where_their_wider_verify_costs_more():
-    policy = policy_with(linear(1.0, 0.5, 0.5))  # a 2-token verify costs 1.5 steps
+def test_probes_come_further_apart_where_they_cost_more():
+    """A probe widens the verify to 2 tokens (here 1.5 steps) and drafts a token (0.5 steps):
+    it comes after enough plain rounds that probes take PROBE_BUDGET of the time."""
+    policy = policy_with(linear(1.0, 0.5, 0.5))
     policy.start(0)
     policy.estimates[0].judged = 1e6
-    choices = [policy.choose([0], [100])[0] for _ in range(60)]
-    floor = math.ceil(0.5 / PROBE_BUDGET)
+    choices = [policy.choose([0], [100])[0] for _ in range(80)]
+    floor = math.ceil((0.5 + 0.5) / PROBE_BUDGET)
     assert floor > PROBE_INTERVAL and choices.index(1) == floor
 
 
-def test_probes_that_find_nothing_come_less_often():
-    policy = policy_with(linear(1.0, 0.01, 0.2))
+def test_probes_never_stop_and_keep_to_their_budget():
+    """Where a probe is dear (here it loses 2.5 plain rounds' time), probes come every
+    MAX_PROBE_INTERVAL rounds, never further apart."""
+    policy = policy_with(linear(1.0, 2.0, 0.5))
     policy.start(0)
     policy.estimates[0].judged = 1e6  # α = 0
     probes_at = []
-    for round_index in range(2000):
-        k = policy.choose([0], [100])[0]
-        if k:
+    for round_index in range(1000):
+        if policy.choose([0], [100])[0]:
             probes_at.append(round_index)
             policy.observe([0], [1], [0])  # rejected again
     gaps = [b - a - 1 for a, b in zip([-1] + probes_at, probes_at)]
-    assert gaps[:5] == [PROBE_INTERVAL, 2 * PROBE_INTERVAL, 4 * PROBE_INTERVAL, 8 * PROBE_INTERVAL,
-                        MAX_PROBE_INTERVAL]
-    assert set(gaps[4:]) == {MAX_PROBE_INTERVAL}
-    policy.estimates[0].judged, policy.estimates[0].accepted = 1.0, 1.0
-    policy.prior.judged, policy.prior.accepted = 1e6, 1e6  # drafting pays now: k > 0 straight away
-    assert policy.choose([0], [100])[0] > 0
+    assert math.ceil(2.5 / PROBE_BUDGET) > MAX_PROBE_INTERVAL and set(gaps) == {MAX_PROBE_INTERVAL}
+
+
+def test_probes_come_sooner_the_less_they_are_expected_to_lose():
+    """A probe's expected loss counts the tokens its drafts are expected to add: near the
+    break-even point it costs next to nothing and comes after PROBE_INTERVAL rounds, so that an
+    unlucky round does not switch a good draft off for long."""
+    gaps = {}
+    for alpha in (0.0, 0.2, 0.4):
+        policy = policy_with(linear(1.0, 0.3, 0.05))
+        policy.start(0)
+        policy.estimates[0].accepted, policy.estimates[0].judged = alpha * 1e6, 1e6
+        choices = [policy.choose([0], [100])[0] for _ in range(100)]
+        gaps[alpha] = choices.index(1)
+        loss = 1.3 + 0.05 - expected_tokens(alpha, 1)
+        assert gaps[alpha] == max(PROBE_INTERVAL, math.ceil(max(0.0, loss) / PROBE_BUDGET) if loss > 1e-9 else 0)
+    assert gaps[0.0] > gaps[0.2] > gaps[0.4] == PROBE_INTERVAL
+
+
+# Verify costs of a float32 target on these CPUs (SmolLM2-135M, in steps): a matrix product over
+# 2 or 3 rows costs more than one over 4 or 5, so verify(T) is no line in T.
+BUMPY = {1: 1.0, 2: 1.8, 3: 2.5, 4: 1.6, 5: 1.55, 6: 2.0}
+
+
+def bumpy(draft_step: float = 0.04) -> RoundCosts:
+    return RoundCosts(CostCurve(dict(BUMPY)), CostCurve({1: draft_step, 2: 2 * draft_step}))
+
+
+@pytest.mark.parametrize("alpha", [0.0, 0.3, 0.5, 0.7, 0.9])
+def test_bumpy_verify_costs_are_read_at_every_length(alpha):
+    """The choice is the best k by each length's own cost (k = 3 or 4 over 1 or 2 here)."""
+    policy = policy_with(bumpy(), k_max=5)
+    policy.start(0)
+    policy.estimates[0].accepted, policy.estimates[0].judged = alpha * 1e6, 1e6
+    goodput = {k: expected_tokens(alpha, k) / (BUMPY[k + 1] + k * 0.04) for k in range(1, 6)}
+    goodput[0] = MIN_GAIN * 1.0
+    assert policy.choose([0], [100]) == [max(goodput, key=goodput.get)]
+
+
+def test_a_probe_drafts_at_the_best_drafting_k():
+    """Where a 2-token verify costs more than a 5-token one, a probe drafts 4 tokens, not 1 (at
+    α = 0 every k promises one token: the cheapest round wins)."""
+    policy = policy_with(bumpy(), k_max=5)
+    policy.start(0)
+    policy.estimates[0].judged = 1e6  # α = 0
+    choices = [policy.choose([0], [100])[0] for _ in range(200)]
+    cheapest = min(range(1, 6), key=lambda k: BUMPY[k + 1] + 0.04 * k)
+    assert cheapest == 4 and {k for k in choices if k} == {4}
+
+
+def test_calibration_times_every_length_warm():
+    """Each forward length 1..k + 1 is timed after untimed runs (here the first two calls of a
+    shape cost 50 times more, as a cold one can), the fastest of the timed ones kept; a larger
+    k later times only the lengths it adds; the draft step once."""
+    now = [0.0]
+    calls = Counter()
+    warm = {t: 1.0 + 0.1 * t for t in range(1, 10)}
+
+    def time_target(num_tokens):
+        calls[num_tokens] += 1
+        now[0] += warm[num_tokens] * (50 if calls[num_tokens] <= CALIBRATION_WARM_UPS else 1)
+
+    def time_draft():
+        calls["draft"] += 1
+        now[0] += 0.3 * (50 if calls["draft"] <= CALIBRATION_WARM_UPS else 1)
+
+    policy = GoodputPolicy(5, clock=lambda: now[0])
+    policy.calibrate(1, 2, time_target, time_draft)
+    runs = CALIBRATION_WARM_UPS + CALIBRATION_REPEATS
+    assert policy.costs[1].verify.calibrated == pytest.approx({t: warm[t] for t in (1, 2, 3)})
+    assert policy.costs[1].draft.seconds(1) == pytest.approx(0.3)
+    assert calls == {1: runs, 2: runs, 3: runs, "draft": runs}
+    policy.calibrate(1, 4, time_target, time_draft)
+    assert policy.costs[1].verify.calibrated == pytest.approx({t: warm[t] for t in range(1, 6)})
+    assert calls == {1: runs, 2: runs, 3: runs, 4: runs, 5: runs, "draft": runs}
+    policy.calibrate(1, 4, time_target, time_draft)  # nothing new
+    assert sum(calls.values()) == 6 * runs
+
+
+def test_calibration_of_a_second_batch_size_replaces_what_it_started_from():
+    policy = GoodputPolicy(2, clock=iter(range(10 ** 6)).__next__)  # every timed call lasts 1
+    policy.calibrate(1, 2, lambda num_tokens: None, lambda: None)
+    policy.observe_round(1, k=0, verify_tokens=1, target_seconds=3.0, draft_seconds=None)
+    policy.observe_round(1, k=0, verify_tokens=1, target_seconds=3.0, draft_seconds=None)
+    assert policy.costs[1].verify.seconds(1) == pytest.approx(3.0)
+    policy.observe_round(4, k=0, verify_tokens=1, target_seconds=3.0, draft_seconds=None)  # starts from bucket 1's
+    assert 1 in policy.costs[4].verify.ratios
+    policy.calibrate(4, 2, lambda num_tokens: None, lambda: None)  # measured now: its own
+    assert policy.costs[4].verify.ratios == {} and policy.costs[4].verify.seconds(1) == pytest.approx(1.0)
+    assert policy.costs[1].verify.seconds(1) == pytest.approx(3.0)
+
+
+def test_running_costs_are_the_median_of_recent_rounds():
+    """A size's scale is the median (low) of its last COST_WINDOW timing ÷ calibrated ratios, the
+    calibration counting as a ratio of 1 until the window is full: one disturbed round moves
+    nothing, two agreeing ones do; a size not run yet takes the median of the others' scales."""
+    curve = CostCurve({1: 1.0, 2: 3.0, 6: 4.0})
+    curve.observe(1, 10.0)  # one round disturbed by another process
+    assert curve.seconds(1) == pytest.approx(1.0)
+    curve.observe(1, 2.0)
+    curve.observe(1, 2.0)  # ratios 1, 10, 2, 2: the median (low) is 2
+    assert curve.seconds(1) == pytest.approx(2.0)
+    assert curve.seconds(4) == pytest.approx(2.0 * 3.5)  # interpolated, at the others' scale
+    curve.observe(6, 4.0)
+    curve.observe(6, 4.0)
+    assert curve.seconds(6) == pytest.approx(4.0) and curve.seconds(4) == pytest.approx(3.5 * 1.0)  # median low of 2 and 1
+    for _ in range(COST_WINDOW):
+        curve.observe(2, 1.5)  # the window full of ratio 0.5: the calibration's 1 is gone
+    assert curve.seconds(2) == pytest.approx(1.5)
+    assert curve.seconds(8) == pytest.approx(4.5)  # past the last: the last two's slope (scale of 6: 1)
 
 
 def test_costs_learn_from_each_rounds_timing():
-    """A round's timing rescales its own T's verify cost and its k's draft cost (sizes not run
-    yet take the mean scale)."""
+    """A round's timing is its own T's verify cost and its k's draft cost; after plain rounds
+    (the draft catching up on what it skipped) a draft timing only lowers the estimate."""
     policy = policy_with(linear(1.0, 0.1, 0.2))
     policy.start(0)
     policy.choose([0], [100])  # a first round follows no drafting round
-    policy.observe_round(1, k=0, verify_tokens=1, target_seconds=2.0, draft_seconds=0.0)
+    for _ in range(2):
+        policy.observe_round(1, k=0, verify_tokens=1, target_seconds=2.0, draft_seconds=0.0)
     verify, draft = policy.costs[1].verify, policy.costs[1].draft
-    assert verify.scales == {1: pytest.approx(0.8 + 0.2 * 2.0)}
-    assert verify.seconds(1) == pytest.approx(1.2) and verify.seconds(4) == pytest.approx(1.3 * 1.2)
-    policy.observe_round(1, k=3, verify_tokens=4, target_seconds=2.6, draft_seconds=3 * 0.7)
-    assert verify.scales[4] == pytest.approx(0.8 * 1.2 + 0.2 * 2.0) and verify.scales[1] == pytest.approx(1.2)
-    assert verify.seconds(3) == pytest.approx(1.2 * (verify.scales[1] + verify.scales[4]) / 2)
-    assert draft.scales == {}  # the round after plain rounds: the draft was catching up
+    assert verify.seconds(1) == pytest.approx(2.0) and verify.seconds(4) == pytest.approx(2 * 1.3)
+    for _ in range(2):  # after plain rounds: a dearer draft timing says nothing
+        policy.observe_round(1, k=3, verify_tokens=4, target_seconds=2.6, draft_seconds=3 * 0.7)
+    assert verify.seconds(4) == pytest.approx(2.6) and draft.ratios == {}
+    for _ in range(2):  # ... a cheaper one does
+        policy.observe_round(1, k=3, verify_tokens=4, target_seconds=2.6, draft_seconds=3 * 0.1)
+    assert draft.seconds(3) == pytest.approx(0.3)
     policy.estimates[0].accepted = policy.estimates[0].judged = 1e6
     policy.choose([0], [100])  # a drafting round
-    policy.choose([0], [100])  # ... after a drafting round
-    policy.observe_round(1, k=3, verify_tokens=4, target_seconds=2.6, draft_seconds=3 * 0.7)
-    assert draft.scales == {3: pytest.approx(0.8 + 0.2 * 3.5)}
-    assert policy.costs[1].seconds(3, 4) == pytest.approx(verify.seconds(4) + 0.6 * (0.8 + 0.2 * 3.5))
-    policy.observe_round(3, k=0, verify_tokens=1, target_seconds=2.4, draft_seconds=0.0)  # a new bucket (4 rows)
-    assert policy.costs[4].verify.scales[1] == pytest.approx(0.8 * 1.2 + 0.2 * 2.4)
-    assert verify.scales[1] == pytest.approx(1.2)
+    policy.choose([0], [100])  # ... after a drafting round: every timing counts
+    for _ in range(4):  # ratios 1, 0.5, 0.5 and four of 3.5: their median
+        policy.observe_round(1, k=3, verify_tokens=4, target_seconds=2.6, draft_seconds=3 * 0.7)
+    assert draft.seconds(3) == pytest.approx(3 * 0.7)
 
 
-def test_costs_between_measured_sizes_are_interpolated():
-    curve = CostCurve({1: 1.0, 2: 3.0, 6: 4.0})
-    assert curve.seconds(4) == pytest.approx(3.5)
-    assert curve.seconds(8) == pytest.approx(4.5)  # past the last: the last two's slope
-    curve.scales[4] = 2.0
-    assert curve.seconds(4) == pytest.approx(7.0) and curve.seconds(1) == pytest.approx(2.0)  # the mean scale
+class SimulatedMachine:
+    """A batch-1 decode against known costs: verify[T] seconds for a forward of T tokens, draft
+    seconds a draft token; each draft accepted with probability alpha (seeded). The policy is
+    calibrated on these costs, then told each round's timing, as the engine tells it."""
+
+    def __init__(self, verify: dict[int, float], draft: float, alpha: float, k_max: int = 5, seed: int = 0):
+        self.verify, self.draft, self.alpha = dict(verify), draft, alpha
+        self.random = random.Random(seed)
+        self.policy = GoodputPolicy(k_max)
+        self.policy.costs[1] = RoundCosts(CostCurve(dict(verify)), CostCurve({1: draft, 2: 2 * draft}))
+        self.policy.start(0)
+
+    def run(self, rounds: int) -> Counter:
+        chosen = Counter()
+        for _ in range(rounds):
+            k = self.policy.choose([0], [100])[0]
+            accepted = next((i for i in range(k) if self.random.random() >= self.alpha), k)
+            self.policy.observe([0], [k], [accepted])
+            self.policy.observe_round(1, k, k + 1, target_seconds=self.verify[k + 1], draft_seconds=k * self.draft)
+            chosen[k] += 1
+        return chosen
+
+
+def test_simulated_decoding_settles_on_the_best_k():
+    machine = SimulatedMachine(BUMPY, draft=0.04, alpha=0.8)
+    goodput = {k: expected_tokens(0.8, k) / (BUMPY[k + 1] + k * 0.04) for k in range(1, 6)}
+    machine.run(50)
+    assert machine.run(200).most_common(1)[0][0] == max(goodput, key=goodput.get)
+
+
+def test_one_disturbed_round_changes_nothing():
+    machine = SimulatedMachine(BUMPY, draft=0.04, alpha=0.8)
+    machine.run(50)
+    k = machine.policy.choose([0], [100])[0]
+    machine.policy.observe([0], [k], [k])
+    machine.policy.observe_round(1, k, k + 1, target_seconds=20 * BUMPY[k + 1], draft_seconds=20 * k * 0.04)
+    assert machine.policy.choose([0], [100])[0] == k
+
+
+def test_the_policy_adapts_when_costs_change():
+    """The draft turns 40 times dearer (another process took its core, say): drafting stops;
+    cheap again, the probes find it out and drafting resumes."""
+    machine = SimulatedMachine(BUMPY, draft=0.04, alpha=0.8)
+    assert machine.run(100)[0] < 10
+    machine.draft = 1.6
+    machine.run(20)
+    assert machine.run(100)[0] > 90
+    machine.draft = 0.04
+    machine.run(3 * MAX_PROBE_INTERVAL)
+    assert machine.run(100)[0] < 10
+
+
+def test_a_verify_dearer_than_thought_switches_drafting_off():
+    """Verify forwards of more than one token cost 3 steps, where calibration said 1.1-1.5; a
+    plain step costs what it did. Drafting rounds alone would read this as a machine grown
+    slower (every size dearer): the plain round every PLAIN_CHECK_INTERVAL tells them apart."""
+    calibrated = {t: 1.0 + 0.1 * (t - 1) for t in range(1, 7)}
+    machine = SimulatedMachine(calibrated, draft=0.02, alpha=0.6)
+    assert machine.run(50)[0] < 5
+    machine.verify = {1: 1.0, **{t: 3.0 for t in range(2, 7)}}
+    machine.run(PLAIN_CHECK_INTERVAL + 10)
+    assert machine.run(100)[0] > 95
 
 
 @pytest.fixture(scope="module")

@@ -30,6 +30,7 @@ from specdec.metrics import SpecStats
 from specdec.models.tokenizer import Tokenizer
 from specdec.output_processor import OutputProcessor
 from specdec.outputs import RequestOutput
+from specdec.progress import stage
 from specdec.runner import ModelRunner
 from specdec.sampling import SamplingTensors, sample, token_logprobs, warp
 from specdec.scheduler import Scheduler
@@ -144,10 +145,10 @@ class Engine:
         """Size the caches for generating seqs (and compile for it, where the runners are to);
         returns how many run at once."""
         max_batch = min(self.max_num_seqs, len(seqs))
-        k = self._usable_k(seqs) if self.tree is None else self.k  # a tree's nodes are not cut to the room
-        max_len = max(s.num_tokens + s.params.max_tokens for s in seqs) + self._margin(k) + 1
+        # room for the forwards of every k up to the engine's, which calibration and warm-up run
+        max_len = max(s.num_tokens + s.params.max_tokens for s in seqs) + self._margin(self.k) + 1
         waves = -(-len(seqs) // max_batch)
-        self._reserve(max_batch, max_len, waves * max(s.params.max_tokens for s in seqs), k)
+        self._reserve(max_batch, max_len, waves * max(s.params.max_tokens for s in seqs))
         self._start(max_batch)
         return max_batch
 
@@ -168,7 +169,7 @@ class Engine:
                 raise CacheTooLarge(f"one sequence of {max_len:,} positions needs {per_slot / 1e6:,.1f} MB of key/value "
                                     f"cache, more than the budget of {kv_cache_bytes / 1e6:,.1f} MB; lower "
                                     "max_model_len or raise the budget")
-        self._reserve(num_slots, max_len, 0, self.k)
+        self._reserve(num_slots, max_len, 0)
         if self.policy is not None:
             for batch_size in (1 << i for i in range(num_slots.bit_length())):
                 self._calibrate(batch_size, max_len)
@@ -197,9 +198,9 @@ class Engine:
         k = self.k if self.tree is not None else min(self.k, seq.draft_room)  # a chain is cut to the room
         return seq.num_tokens + seq.params.max_tokens + self._margin(k) + 1
 
-    def _reserve(self, max_batch: int, max_len: int, num_forwards: int, k: int) -> None:
-        """Caches for the work ahead (at most num_forwards target forwards, k drafts a round at
-        most); the runners compile for it if they are to, and the policy measures its costs."""
+    def _reserve(self, max_batch: int, max_len: int, num_forwards: int) -> None:
+        """Caches for the work ahead (at most num_forwards target forwards); the runners compile
+        for it if they are to, and the policy measures its costs."""
         # a fixed k verifies k drafts every round (fewer are padded); goodput may choose k = 0; a
         # tree's forwards run eagerly, and only rows without room run compiled (plain steps)
         if self.tree is not None:
@@ -215,13 +216,29 @@ class Engine:
             raise CacheTooLarge(f"{e}: {max_batch} sequences at once, each of up to {max_len:,} positions (prompt + "
                                 "max_tokens + k + 1); lower max_tokens, or max_num_seqs") from None
         if self.policy is not None:
-            self._calibrate(max_batch, max_len, k)
+            self._calibrate(max_batch, max_len)
 
-    def _calibrate(self, batch_size: int, max_len: int, k: int | None = None) -> None:
-        """The goodput policy's costs at batch_size rows (once per batch bucket: goodput.py)."""
-        self.policy.calibrate(batch_size, self.k if k is None else k,
-                              lambda num_tokens: self._time_target(batch_size, num_tokens, max_len),
-                              lambda: self.drafter.time_step(batch_size))
+    def _calibrate(self, batch_size: int, max_len: int) -> None:
+        """The goodput policy's costs at batch_size rows for every k up to the engine's (once per
+        batch bucket: goodput.py), measured here, before any request runs: never inside a
+        timed generate."""
+        with stage(f"timing the round costs of {batch_size} row{'s' if batch_size > 1 else ''} for k by goodput"):
+            self.policy.calibrate(batch_size, self.k,
+                                  lambda num_tokens: self._time_target(batch_size, num_tokens, max_len),
+                                  lambda: self.drafter.time_step(batch_size))
+
+    def warm_up(self, repeats: int = 2) -> None:
+        """Run, untimed, every target forward this engine's rounds can take (1 to k + 1 tokens a
+        row, all its slots) and a draft step, `repeats` times each: the first calls of a shape
+        allocate, pack weights and pick kernels, which a timed request should not pay. After
+        prepare(), before requests run (it writes where calibration does: _time_target)."""
+        batch_size, max_len = self.scheduler.num_slots, self.cache.max_len
+        with torch.inference_mode():
+            for _ in range(repeats):
+                for num_tokens in range(1, self.k + 2):
+                    self._time_target(batch_size, num_tokens, max_len)
+                if self.drafter is not None:
+                    self.drafter.time_step(batch_size)
 
     def _time_target(self, batch_size: int, num_tokens: int, max_len: int) -> None:
         """A target forward of num_tokens tokens per row for batch_size rows, for the policy to

@@ -10,55 +10,69 @@ Terms:
   cost(k)  the seconds of a round that drafts k tokens for a batch of B rows: the drafter's k
            steps plus the target's forward over k + 1 tokens per row (padded as the runner
            pads it), plus sampling. Measured (RoundCosts), per batch size rounded up to a power
-           of two: a short calibration when the engine first prepares for that batch size, then
-           each round's own timing.
+           of two: a calibration when the engine first prepares for that batch size and k, of
+           every forward length 1..k + 1 (a float32 matrix product over 2 or 3 rows can cost more
+           than one over 4 or 5: the cost is not a line in T), each timed warm (after untimed
+           runs: the first calls of a shape pay for allocation, weight packing and kernel
+           selection); then every round's own timing, by a median of the recent rounds at that
+           size (CostCurve), which one disturbed round does not move.
 
 Each round takes the plan (k, and the rows that draft) that maximises
     (B + sum over drafting rows of (E(α_i, min(k, room_i)) - 1)) / (verify(k + 1) + draft(k) * n / B)
 for B rows of which n draft, room_i being what row i can still emit: the rows share the round's
 target forward, padded to k + 1 tokens a row if any row drafts, while the drafter's work is
 per row. So a row whose drafts would not pay their way drafts nothing, the others draft k; at
-batch 1 this is the sequence's own k. A plan that drafts must promise MIN_GAIN (10%) more than
+batch 1 this is the sequence's own k. A plan that drafts must promise MIN_GAIN (5%) more than
 plain decoding: the costs are measured to a few percent, the acceptance rates estimated, and a
-thin predicted gain is as likely a loss (measured at batches of 16 and 32, sampled).
+thinner predicted gain is as likely a loss.
 A useless draft (α near 0) or a high temperature makes k = 0 win, and the round costs a plain
-decode step. k = 0 rounds teach nothing about α, so after PROBE_INTERVAL of them in a row one
-row of one round drafts a single token (the rows take turns), to see whether drafting pays again
-(further apart in a wide batch, whose forward a probe widens: PROBE_BUDGET); each probe that finds it does
-not doubles the interval (up to MAX_PROBE_INTERVAL), one that finds it does resets it. A probe
-costs more than a draft step: a draft model first catches up on the tokens it skipped. That
-catch-up is not a draft step's cost, so the round after k = 0 rounds teaches the costs nothing
-about drafting.
+decode step. k = 0 rounds teach nothing about α, so after enough of them in a row one row of one
+round drafts (the rows take turns), to see whether drafting pays again: at the k whose plan
+promises the most (usually 1; more where a longer verify costs less). How many is enough: the
+probe's expected loss against a plain round (its wider verify and draft steps, less the tokens
+its drafts are expected to add at the estimated α), in plain rounds, over PROBE_BUDGET, and
+between PROBE_INTERVAL and MAX_PROBE_INTERVAL: a probe near the break-even point costs next to
+nothing and comes soon (one unlucky round does not switch a good draft off for long), one of a
+useless draft comes rarely, and drafting is never off for good. A probe costs more than a draft
+step: a draft model first catches up on the tokens it skipped. That catch-up is not a draft
+step's cost, so the round after k = 0 rounds teaches the draft's cost only where it was less than
+thought.
 """
 
 from __future__ import annotations
 
 import math
+import statistics
 import time
-from collections import Counter
+from collections import Counter, deque
 from dataclasses import dataclass, field
 
 from specdec.metrics import expected_tokens_per_round
 
-PROBE_INTERVAL = 16  # k = 0 rounds in a row before the first one-token probe
-MAX_PROBE_INTERVAL = 256
-PROBE_BUDGET = 0.02  # at most this share of the time on probes, as far as their verify goes
-MIN_GAIN = 1.1  # a plan that drafts must promise this many times plain decoding's tokens per second
+PROBE_INTERVAL = 4  # k = 0 rounds in a row before a probe, at least ...
+MAX_PROBE_INTERVAL = 64  # ... and at most
+PROBE_BUDGET = 0.02  # the probes' expected loss against plain decoding, as a share of the time
+PLAIN_CHECK_INTERVAL = 64  # drafting rounds in a row before a plain one (its cost measured again)
+MIN_GAIN = 1.05  # a plan that drafts must promise this many times plain decoding's tokens per second
 ESTIMATE_DECAY = 0.9  # per round, the weight of a sequence's older observations
 PRIOR_DECAY = 0.99  # the same for the prior, every sequence's rounds pooled: a long memory
-PRIOR_WEIGHT = 2.0  # the prior's weight, in judged draft tokens
-COST_SMOOTHING = 0.2  # weight of each new timing in the running costs
-CALIBRATION_REPEATS = 2
+PRIOR_WEIGHT = 4.0  # the prior's weight in a sequence's estimate, in judged draft tokens
+POOLED_PRIOR = 0.5  # where the prior itself starts, ...
+POOLED_PRIOR_WEIGHT = 8.0  # ... with this weight
+COST_WINDOW = 9  # the recent rounds at a size whose median is its running cost
+CALIBRATION_WARM_UPS = 2  # untimed runs of a shape before it is timed
+CALIBRATION_REPEATS = 3  # timed runs; the fastest counts
 
 
 class AcceptanceEstimate:
     """α of one sequence: accepted ÷ judged draft tokens, older rounds' counts decayed by
-    `decay` each round that judges some, plus PRIOR_WEIGHT judged tokens at the prior's rate. A
+    `decay` each round that judges some, plus prior_weight judged tokens at the prior's rate. A
     round that drafts nothing for the sequence decays its counts too (relax): the estimate drifts
     back to the prior, so that a run of rejections does not switch a sequence off for good."""
 
-    def __init__(self, decay: float = ESTIMATE_DECAY):
+    def __init__(self, decay: float = ESTIMATE_DECAY, prior_weight: float = PRIOR_WEIGHT):
         self.decay = decay
+        self.prior_weight = prior_weight
         self.accepted = 0.0
         self.judged = 0.0
 
@@ -73,7 +87,7 @@ class AcceptanceEstimate:
         self.judged *= self.decay
 
     def rate(self, prior: float) -> float:
-        return (self.accepted + PRIOR_WEIGHT * prior) / (self.judged + PRIOR_WEIGHT)
+        return (self.accepted + self.prior_weight * prior) / (self.judged + self.prior_weight)
 
 
 @dataclass
@@ -81,25 +95,30 @@ class CostCurve:
     """Seconds of something done at size x (the target's forward of x tokens per row; the
     drafter's x draft tokens): scale(x) * calibrated(x). Neither is linear in x (a matmul over
     2 rows per sequence can cost as much as one over 6; a drafter pays a catch-up forward and
-    per-call work before its first token), so calibrated holds a few measured sizes, read off the
-    line through the nearest two between them. The rounds' own timings correct each size's
-    scale (sampling, which calibration leaves out; longer contexts; other batch sizes); a size
-    no round has run yet takes the mean of the others' scales."""
+    per-call work before its first token), so calibrated holds measured sizes, read off the line
+    through the nearest two between them. The rounds' own timings give each size's scale: the
+    median of its last COST_WINDOW ratios (timing ÷ calibrated), the calibration counting as one
+    ratio of 1 until the window is full, so that one disturbed round moves nothing and two
+    agreeing ones move it (median_low). The scale covers what calibration leaves out (sampling,
+    longer contexts, other batch sizes, a machine now busier); a size no round has run yet takes
+    the median of the others' scales."""
 
     calibrated: dict[int, float]
-    scales: dict[int, float] = field(default_factory=dict)
+    ratios: dict[int, deque] = field(default_factory=dict)  # by size: recent timings ÷ calibrated
 
     def seconds(self, x: int) -> float:
         return self.scale(x) * self.calibrated_seconds(x)
 
     def scale(self, x: int) -> float:
-        if x in self.scales:
-            return self.scales[x]
-        return sum(self.scales.values()) / len(self.scales) if self.scales else 1.0
+        if x in self.ratios:
+            return statistics.median_low(self.ratios[x])
+        scales = [statistics.median_low(ratios) for ratios in self.ratios.values()]
+        return statistics.median_low(scales) if scales else 1.0
 
     def observe(self, x: int, seconds: float) -> None:
         """Doing it at size x took seconds."""
-        self.scales[x] = _smooth(self.scale(x), seconds / max(self.calibrated_seconds(x), 1e-9))
+        ratios = self.ratios.setdefault(x, deque([1.0], maxlen=COST_WINDOW))
+        ratios.append(seconds / max(self.calibrated_seconds(x), 1e-9))
 
     def calibrated_seconds(self, x: int) -> float:
         if x in self.calibrated:
@@ -115,7 +134,8 @@ class CostCurve:
         return max(0.0, self.calibrated[below] + slope * (x - below))
 
     def copy(self) -> "CostCurve":
-        return CostCurve(dict(self.calibrated), dict(self.scales))
+        return CostCurve(dict(self.calibrated), {x: deque(ratios, maxlen=COST_WINDOW)
+                                                 for x, ratios in self.ratios.items()})
 
 
 @dataclass
@@ -137,36 +157,43 @@ class GoodputPolicy:
     """Picks each round's k (0..k_max) for the engine; see the module's docstring.
 
     padded_tokens(T): the query length the target runs a T-token forward at (a compiled runner
-    pads to its buckets)."""
+    pads to its buckets). clock: what calibration times with (tests pass their own)."""
 
-    def __init__(self, k_max: int, padded_tokens=lambda num_tokens: num_tokens):
+    def __init__(self, k_max: int, padded_tokens=lambda num_tokens: num_tokens, clock=time.perf_counter):
         self.k_max = k_max
         self.padded_tokens = padded_tokens
+        self.clock = clock
         self.costs: dict[int, RoundCosts] = {}  # by batch bucket
         self.estimates: dict[int, AcceptanceEstimate] = {}  # by slot
-        self.prior = AcceptanceEstimate(PRIOR_DECAY)  # every sequence's rounds, pooled
+        self.prior = AcceptanceEstimate(PRIOR_DECAY, POOLED_PRIOR_WEIGHT)  # every sequence's rounds, pooled
         self.k_counts: Counter[int] = Counter()  # rounds run at each k
         self._plain_rounds_in_a_row = 0
-        self._probe_interval = PROBE_INTERVAL
+        self._drafting_rounds_in_a_row = 0
         self._num_probes = 0  # whose turn a probe is
-        self._probing = False  # the round choose() last chose is a probe
-        self._after_plain_rounds = True  # ... and follows a k = 0 round (or none)
+        self._after_plain_rounds = True  # the round choose() last chose follows a k = 0 round (or none)
         self._last_k = 0
+        self._calibrated: set = set()  # (batch bucket, T or "draft") measured, not copied
 
     # --- measuring --------------------------------------------------------------------------
 
     def calibrate(self, batch_size: int, k: int, time_target, time_draft) -> None:
-        """Costs before any round of batch_size rows and up to k drafts (once per batch bucket):
-        time_target(T) and time_draft() run one forward (batch_size rows of T tokens; one draft
-        step), the fastest of a few kept, at T = 1, 2 and k + 1 (others interpolated). Smaller
-        batches, as requests finish, start from this shape."""
+        """Costs before any round of batch_size rows and up to k drafts: time_target(T) and
+        time_draft() run one forward (batch_size rows of T tokens; one draft step), each timed
+        warm (_warm_seconds). Every forward length 1..k + 1 (as the runner pads it) not yet
+        measured for this batch bucket is (a larger k later measures the lengths it adds); the
+        draft step once. Smaller batches, as requests finish, start from this shape."""
         bucket = _bucket(batch_size)
-        if bucket in self.costs:
-            return
-        lengths = sorted({self.padded_tokens(t) for t in {1, min(2, k + 1), k + 1}})
-        verify = {t: _fastest(lambda: time_target(t)) for t in lengths}
-        draft_step = _fastest(time_draft) if k else 0.0
-        self.costs[bucket] = RoundCosts(CostCurve(verify), CostCurve({1: draft_step, max(k, 2): max(k, 2) * draft_step}))
+        costs = self._costs(batch_size) if self.costs else None
+        if (bucket, "draft") not in self._calibrated:
+            draft_step = _warm_seconds(time_draft, self.clock) if k else 0.0
+            verify = costs.verify if costs is not None else CostCurve({})
+            costs = self.costs[bucket] = RoundCosts(verify, CostCurve({1: draft_step, 2: 2 * draft_step}))
+            self._calibrated.add((bucket, "draft"))
+        for length in sorted({self.padded_tokens(t) for t in range(1, k + 2)}):
+            if (bucket, length) not in self._calibrated:
+                costs.verify.calibrated[length] = _warm_seconds(lambda: time_target(length), self.clock)
+                costs.verify.ratios.pop(length, None)  # ratios to a copied calibration mean nothing now
+                self._calibrated.add((bucket, length))
 
     def observe_round(self, batch_size: int, k: int, verify_tokens: int, target_seconds: float,
                       draft_seconds: float | None) -> None:
@@ -175,8 +202,12 @@ class GoodputPolicy:
         row (None: only some rows drafted, which says little of the whole batch's cost)."""
         costs = self._costs(batch_size)
         costs.verify.observe(self.padded_tokens(verify_tokens), target_seconds)
-        if k and draft_seconds is not None and not self._after_plain_rounds:  # after k = 0: catching up
-            costs.draft.observe(k, draft_seconds)
+        if k and draft_seconds is not None:
+            # after k = 0 rounds the draft also caught up on what it skipped: a timing that can
+            # only say its steps cost less than thought (else a draft once timed dear would
+            # stay so for good: probes follow k = 0 rounds)
+            if not self._after_plain_rounds or draft_seconds < costs.draft.seconds(k):
+                costs.draft.observe(k, draft_seconds)
 
     def start(self, slot: int) -> None:
         """A new sequence in slot: its estimate starts from the prior."""
@@ -189,36 +220,72 @@ class GoodputPolicy:
                 self.prior.observe(proposed, accepted)
             else:
                 self.estimates[slot].relax()
-        if self._probing:  # did drafting pay this time? then probe soon again, else later
-            pays = any(self.plan(slots, [self.k_max] * len(slots)))
-            self._probe_interval = PROBE_INTERVAL if pays else min(2 * self._probe_interval, MAX_PROBE_INTERVAL)
 
     # --- choosing -----------------------------------------------------------------------------
 
     def choose(self, slots: list[int], rooms: list[int]) -> list[int]:
         """Each row's k this round (rows in slots, each with room draft tokens at most): the
-        plan of the most expected tokens per second; in a probe, one row (in turn) drafts one
-        token."""
+        plan of the most expected tokens per second, or a probe (_probe); and after
+        PLAIN_CHECK_INTERVAL drafting rounds in a row a plain one, so that the cost drafting is
+        weighed against stays measured (a busier machine would otherwise show only in the costs
+        of drafting rounds, read as drafting grown dear)."""
         ks = self.plan(slots, rooms)
-        self._probing = not any(ks) and min(self.k_max, max(rooms)) > 0 and \
-            self._plain_rounds_in_a_row >= max(self._probe_interval, self._probe_floor(len(slots)))
-        if self._probing:  # see whether drafting pays again, at the price of one row's catch-up
-            with_room = [row for row, room in enumerate(rooms) if room > 0]
-            ks[with_room[self._num_probes % len(with_room)]] = 1
-            self._num_probes += 1
+        if not any(ks) and min(self.k_max, max(rooms)) > 0:
+            ks = self._probe(slots, rooms, ks)
+        elif self._drafting_rounds_in_a_row >= PLAIN_CHECK_INTERVAL:
+            ks = [0] * len(ks)
         self._chose(max(ks))
         return ks
 
     def plan(self, slots: list[int], rooms: list[int]) -> list[int]:
-        """Each row's k for the most expected tokens per second. For each k, the rows that gain
-        most from drafting (E(α_i, min(k, room_i)) - 1 extra tokens) draft first, each adding
-        its share of the draft's cost (rows that do not draft spare the drafter a row; the
-        verify forward is the whole batch's, at k + 1 tokens if anyone drafts)."""
+        """Each row's k for the most expected tokens per second: the best drafting plan if it
+        promises MIN_GAIN times plain decoding's, else 0 everywhere."""
+        B = len(slots)
+        goodput, k, rows = self._best_drafting_plan(slots, rooms)
+        ks = [0] * B
+        if goodput > MIN_GAIN * B / self._costs(B).seconds(0, 1):
+            for row in rows:
+                ks[row] = min(k, rooms[row])
+        return ks
+
+    def _probe(self, slots: list[int], rooms: list[int], ks: list[int]) -> list[int]:
+        """ks, or, after _probe_gap k = 0 rounds in a row, ks with one row (in turn) drafting at
+        the best drafting plan's k: to see whether drafting pays again."""
+        with_room = [row for row, room in enumerate(rooms) if room > 0]
+        row = with_room[self._num_probes % len(with_room)]
+        k = min(self._best_drafting_plan(slots, rooms)[1], rooms[row])
+        if self._plain_rounds_in_a_row < self._probe_gap(slots, row, k):
+            return ks
+        self._num_probes += 1
+        return [k if r == row else 0 for r in range(len(ks))]
+
+    def _probe_gap(self, slots: list[int], row: int, k: int) -> int:
+        """k = 0 rounds in a row before a probe where row drafts k tokens: the probe's expected
+        loss against a plain round (its forward over k + 1 tokens a row and the row's draft
+        steps, less the tokens its drafts are expected to add), in plain rounds, ÷ PROBE_BUDGET;
+        at least PROBE_INTERVAL, at most MAX_PROBE_INTERVAL."""
         B = len(slots)
         costs = self._costs(B)
-        prior = self.prior.rate(0.5)
-        alphas = [self.estimates[slot].rate(prior) for slot in slots]
-        best, best_k, best_rows = MIN_GAIN * B / costs.seconds(0, 1), 0, []
+        step = costs.verify.seconds(1)
+        tokens = B + expected_tokens_per_round(self._alpha(slots[row]), k) - 1
+        loss = (costs.verify.seconds(self.padded_tokens(k + 1)) + costs.draft.seconds(k) / B) / step - tokens / B
+        return min(MAX_PROBE_INTERVAL, max(PROBE_INTERVAL, math.ceil(max(0.0, loss) / PROBE_BUDGET)))
+
+    def _alpha(self, slot: int) -> float:
+        """The sequence in slot's estimated acceptance rate (from the prior while it has few
+        observations)."""
+        return self.estimates[slot].rate(self.prior.rate(POOLED_PRIOR))
+
+    def _best_drafting_plan(self, slots: list[int], rooms: list[int]) -> tuple[float, int, list[int]]:
+        """(expected tokens per second, k >= 1, the rows that draft) of the best plan that drafts
+        ((0, 0, []) if no row has room). For each k, the rows that gain most from drafting
+        (E(α_i, min(k, room_i)) - 1 extra tokens) draft first, each adding its share of the
+        draft's cost (rows that do not draft spare the drafter a row; the verify forward is the
+        whole batch's, at k + 1 tokens if anyone drafts)."""
+        B = len(slots)
+        costs = self._costs(B)
+        alphas = [self._alpha(slot) for slot in slots]
+        best, best_k, best_rows = 0.0, 0, []
         for k in range(1, min(self.k_max, max(rooms)) + 1):
             gains = sorted(((expected_tokens_per_round(alpha, min(k, room)) - 1, row)
                             for row, (alpha, room) in enumerate(zip(alphas, rooms)) if room > 0), reverse=True)
@@ -229,21 +296,12 @@ class GoodputPolicy:
                 goodput = tokens / (verify + draft * n / B)
                 if goodput > best:
                     best, best_k, best_rows = goodput, k, [row for _, row in gains[:n]]
-        ks = [0] * B
-        for row in best_rows:
-            ks[row] = min(best_k, rooms[row])
-        return ks
-
-    def _probe_floor(self, batch_size: int) -> int:
-        """The fewest plain rounds between probes for PROBE_BUDGET: a probe widens the whole
-        batch's forward to 2 tokens a row, which costs a wide batch more."""
-        costs = self._costs(batch_size)
-        extra = costs.verify.seconds(self.padded_tokens(2)) / costs.verify.seconds(1) - 1
-        return math.ceil(max(0.0, extra) / PROBE_BUDGET)
+        return best, best_k, best_rows
 
     def _chose(self, k: int) -> int:
         self._after_plain_rounds = self._last_k == 0
         self._plain_rounds_in_a_row = self._plain_rounds_in_a_row + 1 if k == 0 else 0
+        self._drafting_rounds_in_a_row = self._drafting_rounds_in_a_row + 1 if k else 0
         self._last_k = k
         self.k_counts[k] += 1
         return k
@@ -262,16 +320,15 @@ def _bucket(batch_size: int) -> int:
     return 1 << (batch_size - 1).bit_length()
 
 
-def _smooth(old: float, new: float) -> float:
-    return (1 - COST_SMOOTHING) * old + COST_SMOOTHING * new
-
-
-def _fastest(run) -> float:
-    """The fastest of CALIBRATION_REPEATS timed calls of run(), after one untimed."""
-    run()
+def _warm_seconds(run, clock) -> float:
+    """The fastest of CALIBRATION_REPEATS timed calls of run(), after CALIBRATION_WARM_UPS
+    untimed ones: a shape's first calls allocate, pack weights and pick kernels, which its
+    later calls (the rounds) do not pay."""
+    for _ in range(CALIBRATION_WARM_UPS):
+        run()
     best = float("inf")
     for _ in range(CALIBRATION_REPEATS):
-        start = time.perf_counter()
+        start = clock()
         run()
-        best = min(best, time.perf_counter() - start)
+        best = min(best, clock() - start)
     return best
