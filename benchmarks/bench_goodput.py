@@ -10,8 +10,8 @@ prompts; smollm2: SmolLM2-135M-Instruct, after `make smollm2`, + models/smollm2-
 rotated from prompt to prompt, it runs: the target alone, the drafter at each fixed k, and the
 drafter with k by goodput (k at most the largest of --ks; LLM's default policy). The goodput rows
 use an LLM made fresh for each drafter, with its own target runner, as a new user's first LLM
-would be: its policy calibrates its costs on its own first call. Every LLM is warmed up first by
-one short call, as `specdec bench` does. Each prompt runs --repeats times by every method in
+would be: its policy calibrates its costs on its own first call. Every LLM is warmed up first
+(LLM.warm_up, on the longest prompt), as `specdec bench` does. Each prompt runs --repeats times by every method in
 turn, and the fastest run of each counts (others share these machines). Printed per row: tokens/s of each (prefill included), the
 ratios goodput ÷ plain and goodput ÷ the best fixed k, and how many rounds goodput ran at each k.
 Goal: goodput >= 0.95x plain where speculation does not pay, >= 0.95x the best fixed k where it
@@ -152,9 +152,8 @@ def run_pair(pair: str, drafters, ks, args) -> None:
             prompts = prompts_for(target, set_name, args.prompts)
             for sampling in args.samplings:
                 params = SamplingParams(max_tokens=args.max_tokens, **SAMPLINGS[sampling])
-                warm_up = SamplingParams(max_tokens=4, **SAMPLINGS[sampling])
                 for llm in methods.values():  # first calls are slow; goodput calibrates here
-                    llm.generate({"prompt_token_ids": prompts[0][-32:]}, warm_up)
+                    llm.warm_up(max(prompts, key=len), params)
                 totals = measure(methods, prompts, params, args.repeats)
                 print(row(pair, drafter_name, set_name, sampling, totals, ks), flush=True)
 

@@ -21,6 +21,7 @@ from specdec.models.loader import LoadedModel, load_pretrained
 from specdec.models.quantized_linear import check_quantization
 from specdec.outputs import CompletionOutput, RequestOutput
 from specdec.platform import Platform, detect_platform
+from specdec.progress import stage
 from specdec.runner import ModelRunner, check_compile_mode
 from specdec.sequence import Sequence
 from specdec.tree import TreeShape
@@ -92,16 +93,19 @@ class LLM:
         if self.speculative_config is not None:
             check_quantization(self.speculative_config.draft_quantization, self.device, "draft_quantization")
         platform = platform or detect_platform(self.device)
-        self.target: LoadedModel = load_pretrained(model, dtype, self.device, load_tokenizer=not skip_tokenizer_init,
-                                                   platform=platform, what="the target",
-                                                   keep_quantized=keeps_file_quantization(quantization))
-        self.runner = ModelRunner(self.target.model, platform, compile, name="the target",
-                                  quantization=requantization(quantization))
+        with stage(f"loading the target {model}"):
+            self.target: LoadedModel = load_pretrained(model, dtype, self.device,
+                                                       load_tokenizer=not skip_tokenizer_init, platform=platform,
+                                                       what="the target",
+                                                       keep_quantized=keeps_file_quantization(quantization))
+            self.runner = ModelRunner(self.target.model, platform, compile, name="the target",
+                                      quantization=requantization(quantization))
         self.tokenizer = self.target.tokenizer
         drafter = None
         if self.speculative_config is not None:
             check_k_fits(self.speculative_config.num_speculative_tokens, self.max_model_len)
-            drafter = DRAFTERS[self.speculative_config.method](self.speculative_config, self.target, self.runner)
+            with stage(f"loading the drafter ({self.speculative_config.method})"):
+                drafter = DRAFTERS[self.speculative_config.method](self.speculative_config, self.target, self.runner)
         spec = self.speculative_config
         self.max_num_seqs = max_num_seqs
         self._shared_generator = torch.Generator(self.device).manual_seed(seed)  # for requests without a seed
@@ -148,11 +152,14 @@ class LLM:
         return [self._output(seq) for seq in seqs]
 
     def warm_up(self, prompt, params: SamplingParams) -> None:
-        """Make the first calls' one-off costs (compiling, allocating) before a request like this
-        one is timed: size (and compile) for it, then generate two tokens."""
-        with torch.inference_mode():
+        """Pay the first calls' one-off costs (compiling, allocating, packing weights, the first
+        call of each forward shape, goodput's cost calibration) before a request like this one is
+        timed: size (and compile) for it, run every forward shape its rounds can take
+        (Engine.warm_up), then generate enough tokens for a round at the full k."""
+        with torch.inference_mode(), stage("warming up"):
             self.engine.prepare([self._new_sequence(prompt, params)])
-        self.generate(prompt, dataclasses.replace(params, max_tokens=min(2, params.max_tokens)))
+            self.engine.warm_up()
+        self.generate(prompt, dataclasses.replace(params, max_tokens=min(self.engine.k + 2, params.max_tokens)))
 
     def chat(self, messages: list[dict] | list[list[dict]],
              sampling_params: SamplingParams | list[SamplingParams] | None = None,

@@ -45,6 +45,7 @@ from specdec.models.gguf_linear import runs_gguf_kernels
 from specdec.models.llama import LlamaModel
 from specdec.models.quantized_linear import check_quantization, quantize_linears
 from specdec.platform import Platform, detect_platform
+from specdec.progress import stage
 
 log = logging.getLogger("specdec")
 
@@ -91,7 +92,8 @@ class ModelRunner:
         self.compile_mode = check_compile_mode(compile)
         self.quantization = check_quantization(quantization, model.device)
         if self.quantization is not None:
-            counts = quantize_linears(model, self.quantization)
+            with stage(f"{name}: quantizing its weights ({self.quantization})"):
+                counts = quantize_linears(model, self.quantization)
             log.info("%s: weights quantized (%s)", name, ", ".join(f"{n} linear layers {form}"
                                                                    for form, n in sorted(counts.items())))
         self.bf16_pack_min_bytes = bf16_pack_min_bytes
@@ -183,8 +185,9 @@ class ModelRunner:
         start = time.perf_counter()
         self.model.rope_tables_for(cache.max_len)  # built before tracing: the graph only reads it
         for _, queries, _ in cold:
-            if not self._check_compiled(cache, queries):
-                return  # eager from now on
+            with stage(f"{self.name}: compiling for {cold[0][0]} rows x {queries} tokens (cached for next time)"):
+                if not self._check_compiled(cache, queries):
+                    return  # eager from now on
         seconds = time.perf_counter() - start
         self.compile_seconds += seconds
         log.info("%s: compiled for %d rows x %s tokens in %.1f s (cache: %s)", self.name, cold[0][0],
@@ -349,7 +352,8 @@ class ModelRunner:
         Under compile="off" the model itself is packed; otherwise a copy that shares its
         parameters (the compiled graphs need the plain layers)."""
         if self._eager_model is None:
-            self._eager_model = self._packed_for_eager()
+            with stage(f"{self.name}: packing its weights for this CPU"):
+                self._eager_model = self._packed_for_eager()
         return self._eager_model
 
     def _packed_for_eager(self) -> LlamaModel:

@@ -235,7 +235,7 @@ def run_benchmark(config: BenchConfig, progress: Callable[[str], None] | None = 
     loaded = load_runners(config)
     prompts = {name: encode_prompts(loaded.target, config, name, loaded.notes) for name in config.prompt_sets}
     say("warming up every method")
-    warm_up(loaded.runners, next(iter(prompts.values()))[0][1], config)
+    warm_up(loaded.runners, max((ids for pairs in prompts.values() for _, ids in pairs), key=len), config)
     records = measure(loaded.runners, prompts, config, say)
     say("measuring step costs and memory bandwidth")
     costs = measure_costs(loaded, config)
@@ -479,10 +479,18 @@ def spread(items: list, n: int) -> list:
 # -- measuring -----------------------------------------------------------------------------
 
 def warm_up(runners: dict[Method, Runner], prompt_ids: list[int], config: BenchConfig) -> None:
-    """A short call of every method and sampling: first calls are slow."""
+    """Every method and sampling pays its first calls' costs (compiling, allocating caches for
+    the longest prompt, packing weights, each forward shape's first call, goodput's cost
+    calibration) before anything is timed: LLM.warm_up for specdec's methods, on the longest
+    prompt (prompt_ids); a call of enough tokens for a round at the largest k for the others."""
     for sampling in config.samplings:
+        params = sampling.params(config.max_tokens, config.seed)
+        short = sampling.params(min(config.max_tokens, config.max_k + 2), config.seed)
         for runner in runners.values():
-            runner(prompt_ids[-32:], sampling.params(4, config.seed))
+            if isinstance(runner, SpecdecRunner):
+                runner.llm.warm_up(prompt_ids, params)
+            else:
+                runner(prompt_ids[-32:], short)
 
 
 def measure(runners: dict[Method, Runner], prompts: dict[str, list[tuple[Prompt, list[int]]]],
