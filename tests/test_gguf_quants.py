@@ -206,3 +206,42 @@ def test_speculation_is_exact_with_respect_to_the_quantized_model(mixed_file):
 def test_quantization_none_dequantizes_a_gguf_file(mixed_file):
     llm = LLM(model=str(mixed_file), dtype="float32", quantization=None)
     assert isinstance(llm.target.model.lm_head, torch.nn.Linear)
+
+
+def test_a_second_load_maps_the_packed_weights_from_the_cache(mixed_file, tmp_path, monkeypatch):
+    from specdec.models import gguf_cache
+
+    monkeypatch.setenv("SPECDEC_PACKED_CACHE", str(tmp_path / "packed"))
+    first = load_pretrained(mixed_file, dtype="float32", load_tokenizer=False, keep_quantized=True).model
+    data_path, index_path, _ = gguf_cache.entry(mixed_file)
+    assert data_path.is_file() and index_path.is_file()
+    calls = []
+    monkeypatch.setattr("specdec.models.gguf._read", lambda *a, **k: calls.append(a))  # the GGUF file is not read
+    second = load_pretrained(mixed_file, dtype="float32", load_tokenizer=True, keep_quantized=True)
+    assert not calls and second.tokenizer is not None
+    ids = torch.randint(2, 300, (1, 12), generator=torch.Generator().manual_seed(13))
+    with torch.no_grad():
+        assert torch.equal(first(ids, torch.arange(12)[None], None), second.model(ids, torch.arange(12)[None], None))
+    codes = second.model.layers[0].mlp.down_proj.parts[0].codes
+    assert codes.untyped_storage().nbytes() < data_path.stat().st_size  # a view of the mapped file, not a copy
+    monkeypatch.undo()
+
+
+def test_a_changed_file_or_a_damaged_entry_is_packed_again(tmp_path, monkeypatch):
+    from specdec.models import gguf_cache
+
+    monkeypatch.setenv("SPECDEC_PACKED_CACHE", str(tmp_path / "packed"))
+    path = write_gguf(tmp_path / "model.gguf", tiny_hf_model("llama", seed=1), "Q8_0")
+    load_pretrained(path, dtype="float32", load_tokenizer=False, keep_quantized=True)
+    first_key = gguf_cache.entry(path)[2]
+    write_gguf(path, tiny_hf_model("llama", seed=2), "Q8_0")  # another model under the same name
+    os.utime(path, ns=(1, 1))
+    model = load_pretrained(path, dtype="float32", load_tokenizer=False, keep_quantized=True).model
+    data_path, index_path, key = gguf_cache.entry(path)
+    assert key != first_key and sorted(p.name for p in (tmp_path / "packed").iterdir()) == sorted(
+        [data_path.name, index_path.name])  # the older entry is gone
+    dense = load_pretrained(path, dtype="float32", load_tokenizer=False).model
+    assert torch.equal(model.lm_head.dequantized_weight(), dense.lm_head.weight)
+    index_path.write_text(index_path.read_text()[:100])  # cut short
+    again = load_pretrained(path, dtype="float32", load_tokenizer=False, keep_quantized=True).model
+    assert torch.equal(again.lm_head.dequantized_weight(), dense.lm_head.weight)

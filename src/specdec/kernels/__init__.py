@@ -76,4 +76,32 @@ def qmatmul():
     elapsed = time.perf_counter() - start
     if elapsed > 1:
         log.info("built specdec's quantized kernel (%s) in %.0f s", name, elapsed)
+    _register_fakes()
     return module
+
+
+def _register_fakes() -> None:
+    """Shapes of torch.ops.specdec.* for torch.compile, which traces with fake tensors."""
+    import torch
+
+    @torch.library.register_fake("specdec::quantize_activations")
+    def _(x):
+        rows, cols = x.shape
+        return (x.new_empty(rows, cols, dtype=torch.int8), x.new_empty(rows, cols // 32),
+                x.new_empty(rows, cols // 16))
+
+    @torch.library.register_fake("specdec::qmatmul")
+    def _(xq, dx, xsum, codes, sc, mn, d, dmin, bits, S, SB, z, sc_signed):
+        return dx.new_empty(xq.shape[0], codes.shape[0] * 16)
+
+    @torch.library.register_fake("specdec::dequantize_rows")
+    def _(ids, codes, sc, mn, d, dmin, K, bits, S, SB, z, sc_signed):
+        return d.new_empty(ids.shape[0], K, dtype=torch.float32)
+
+
+def ops():
+    """torch.ops.specdec, once the extension is loaded."""
+    import torch
+
+    qmatmul()
+    return torch.ops.specdec

@@ -1,8 +1,8 @@
 // Matrix products with GGUF-quantized weights on the CPU: y = x W^T, W held as integer codes.
 //
 // Terms:
-//   code      a weight's integer value, unsigned: 4-bit codes packed two to a byte, 5-, 6- and
-//             8-bit codes one to a byte
+//   code      a weight's integer value, unsigned: stored in 4 bits (two to a byte), 6 bits (5-
+//             and 6-bit codes: a 4-bit part and a 2-bit part) or 8 bits (one to a byte)
 //   sub-block S consecutive inputs (k) of one output row sharing a scale (S = 16 or 32)
 //   super-block SB inputs sharing the float scales d and dmin (SB = 256 for k-quants; for
 //             the legacy types SB = S = 32)
@@ -11,9 +11,12 @@
 //             read here is exactly of this form.
 //   group     16 consecutive output rows n, stored together: the kernel's 16 lanes are 16 rows
 //             of W, so a product never needs a horizontal sum.
-//   chunk     64 bytes of codes of one group: 4-bit: 8 inputs x 16 rows (byte 4n+j holds input
-//             j in its low nibble, input 4+j in its high one); 8-bit: 4 inputs x 16 rows
-//             (byte 4n+j holds input j).
+//   chunk     the codes of one group for a few inputs: 4-bit: 64 bytes for 8 inputs x 16 rows
+//             (byte 4n+j holds input j in its low nibble, input 4+j in its high one); 6-bit: the
+//             same 64 bytes of low 4 bits, then 32 bytes of top 2 bits: for the inputs j (v = 0)
+//             and 4+j (v = 1), the code in byte q = 16L + i of the 4-bit layout has its top bits
+//             at bits 2L, 2L+1 of byte 16v + i; 8-bit: 64 bytes for 4 inputs x 16 rows (byte 4n+j
+//             holds input j).
 //
 // Activations are quantized per row to int8 in blocks of 32 inputs (scale dx = max|x| / 127),
 // as llama.cpp does. Each row's result depends on that row alone (the arithmetic per row does
@@ -106,9 +109,11 @@ template <int T, int BITS>
 void group_tile(const Layout& L, const Weights& w, int64_t g, const Acts& a, int64_t r0, float* y, int64_t ldy,
                 int64_t col0) {
   const int64_t nsub = L.K / L.S, subs_per_sb = L.SB / L.S;
-  const int64_t chunk_k = BITS == 4 ? 8 : 4, chunks_per_sub = L.S / chunk_k;
-  const uint8_t* codes = w.codes + g * (L.K / chunk_k) * 64;
-  const __m512i low4 = _mm512_set1_epi8(0x0F);
+  const int64_t chunk_k = BITS == 8 ? 4 : 8, chunks_per_sub = L.S / chunk_k;
+  constexpr int64_t chunk_bytes = BITS == 6 ? 96 : 64;
+  const uint8_t* codes = w.codes + g * (L.K / chunk_k) * chunk_bytes;
+  const __m512i low4 = _mm512_set1_epi8(0x0F), low2 = _mm512_set1_epi8(0x03);
+  const __m512i top_shift = _mm512_set_epi32(6, 6, 6, 6, 4, 4, 4, 4, 2, 2, 2, 2, 0, 0, 0, 0);  // 2L in lane L
   __m512 acc[T];
   for (int t = 0; t < T; ++t) acc[t] = _mm512_setzero_ps();
   __m512 d = _mm512_setzero_ps(), dmin = _mm512_setzero_ps();
@@ -126,13 +131,20 @@ void group_tile(const Layout& L, const Weights& w, int64_t g, const Acts& a, int
     __m512i iacc[T];
     for (int t = 0; t < T; ++t) iacc[t] = _mm512_setzero_si512();
     const int64_t k0 = s * L.S;
-    const uint8_t* sub_codes = codes + (k0 / chunk_k) * 64;
+    const uint8_t* sub_codes = codes + (k0 / chunk_k) * chunk_bytes;
     for (int64_t c = 0; c < chunks_per_sub; ++c) {
-      const __m512i raw = _mm512_loadu_si512(sub_codes + c * 64);
+      const uint8_t* chunk = sub_codes + c * chunk_bytes;
+      const __m512i raw = _mm512_loadu_si512(chunk);
       const int64_t k = k0 + c * chunk_k;
-      if (BITS == 4) {
-        const __m512i lo = _mm512_and_si512(raw, low4);
-        const __m512i hi = _mm512_and_si512(_mm512_srli_epi16(raw, 4), low4);
+      if (BITS != 8) {
+        __m512i lo = _mm512_and_si512(raw, low4);
+        __m512i hi = _mm512_and_si512(_mm512_srli_epi16(raw, 4), low4);
+        if (BITS == 6) {
+          const __m512i top0 = _mm512_broadcast_i32x4(_mm_loadu_si128(reinterpret_cast<const __m128i*>(chunk + 64)));
+          const __m512i top1 = _mm512_broadcast_i32x4(_mm_loadu_si128(reinterpret_cast<const __m128i*>(chunk + 80)));
+          lo = _mm512_or_si512(lo, _mm512_slli_epi16(_mm512_and_si512(_mm512_srlv_epi32(top0, top_shift), low2), 4));
+          hi = _mm512_or_si512(hi, _mm512_slli_epi16(_mm512_and_si512(_mm512_srlv_epi32(top1, top_shift), low2), 4));
+        }
         for (int t = 0; t < T; ++t) {
           const int8_t* xr = a.xq + (r0 + t) * L.K + k;
           iacc[t] = _mm512_dpbusd_epi32(iacc[t], lo, _mm512_set1_epi32(load_i32(xr)));
@@ -173,9 +185,10 @@ template <int T, int BITS>
 void group_tile(const Layout& L, const Weights& w, int64_t g, const Acts& a, int64_t r0, float* y, int64_t ldy,
                 int64_t col0) {
   const int64_t nsub = L.K / L.S, subs_per_sb = L.SB / L.S;
-  const int64_t chunk_k = BITS == 4 ? 8 : 4, chunks_per_sub = L.S / chunk_k;
-  const uint8_t* codes = w.codes + g * (L.K / chunk_k) * 64;
-  const __m256i low4 = _mm256_set1_epi8(0x0F), top = _mm256_set1_epi8((char)0x80);
+  const int64_t chunk_k = BITS == 8 ? 4 : 8, chunks_per_sub = L.S / chunk_k;
+  constexpr int64_t chunk_bytes = BITS == 6 ? 96 : 64;
+  const uint8_t* codes = w.codes + g * (L.K / chunk_k) * chunk_bytes;
+  const __m256i low4 = _mm256_set1_epi8(0x0F), low2 = _mm256_set1_epi8(0x03), top = _mm256_set1_epi8((char)0x80);
   // 8-bit codes above 127 would overflow maddubs' int16 pairs: with z = 128 (Q8_0) the codes
   // are taken back to signed values and multiplied by |code| with the activation's sign moved
   const bool signed8 = BITS == 8 && L.z == 128;
@@ -198,13 +211,23 @@ void group_tile(const Layout& L, const Weights& w, int64_t g, const Acts& a, int
       __m256i iacc[T];
       for (int t = 0; t < T; ++t) iacc[t] = _mm256_setzero_si256();
       const int64_t k0 = s * L.S;
-      const uint8_t* sub_codes = codes + (k0 / chunk_k) * 64 + half * 32;
+      const uint8_t* sub_codes = codes + (k0 / chunk_k) * chunk_bytes;
+      // bytes 32 half .. 32 half + 31 of a chunk: their top bits sit at 2L, L = 2 half + (0 or 1)
+      const __m256i top_shift = _mm256_set_epi32(2 + 4 * half, 2 + 4 * half, 2 + 4 * half, 2 + 4 * half,
+                                                 4 * half, 4 * half, 4 * half, 4 * half);
       for (int64_t c = 0; c < chunks_per_sub; ++c) {
-        const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(sub_codes + c * 64));
+        const uint8_t* chunk = sub_codes + c * chunk_bytes;
+        const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(chunk + half * 32));
         const int64_t k = k0 + c * chunk_k;
-        if (BITS == 4) {
-          const __m256i lo = _mm256_and_si256(raw, low4);
-          const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(raw, 4), low4);
+        if (BITS != 8) {
+          __m256i lo = _mm256_and_si256(raw, low4);
+          __m256i hi = _mm256_and_si256(_mm256_srli_epi16(raw, 4), low4);
+          if (BITS == 6) {
+            const __m256i top0 = _mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(chunk + 64)));
+            const __m256i top1 = _mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(chunk + 80)));
+            lo = _mm256_or_si256(lo, _mm256_slli_epi16(_mm256_and_si256(_mm256_srlv_epi32(top0, top_shift), low2), 4));
+            hi = _mm256_or_si256(hi, _mm256_slli_epi16(_mm256_and_si256(_mm256_srlv_epi32(top1, top_shift), low2), 4));
+          }
           for (int t = 0; t < T; ++t) {
             const int8_t* xr = a.xq + (r0 + t) * L.K + k;
             iacc[t] = dot4(iacc[t], lo, _mm256_set1_epi32(load_i32(xr)));
@@ -275,7 +298,7 @@ void qmatmul_into(const at::Tensor& xq, const at::Tensor& dx, const at::Tensor& 
                   const c10::optional<at::Tensor>& dmin, int64_t bits, int64_t S, int64_t SB, int64_t z,
                   bool sc_signed, at::Tensor& y, int64_t col0) {
   TORCH_CHECK(xq.dim() == 2 && xq.scalar_type() == at::kChar && xq.is_contiguous(), "xq: contiguous int8 [M, K]");
-  TORCH_CHECK(bits == 4 || bits == 8, "bits must be 4 or 8");
+  TORCH_CHECK(bits == 4 || bits == 6 || bits == 8, "bits must be 4, 6 or 8");
   TORCH_CHECK(S == 16 || S == 32, "S must be 16 or 32");
   TORCH_CHECK(codes.scalar_type() == at::kByte && codes.is_contiguous() && d.scalar_type() == at::kHalf,
               "codes: uint8, d: float16");
@@ -299,6 +322,7 @@ void qmatmul_into(const at::Tensor& xq, const at::Tensor& dx, const at::Tensor& 
   at::parallel_for(0, groups, 1, [&](int64_t g0, int64_t g1) {
     for (int64_t g = g0; g < g1; ++g) {
       if (bits == 4) run_group<4>(L, w, g, a, out, ldy, col0);
+      else if (bits == 6) run_group<6>(L, w, g, a, out, ldy, col0);
       else run_group<8>(L, w, g, a, out, ldy, col0);
     }
   });
@@ -321,15 +345,17 @@ at::Tensor dequantize_rows(const at::Tensor& ids, const at::Tensor& codes, const
   const uint8_t* m = bytes_or_null(mn);
   const at::Half* dp = reinterpret_cast<const at::Half*>(d.data_ptr());
   const at::Half* dminp = dmin.has_value() && dmin->defined() ? reinterpret_cast<const at::Half*>(dmin->data_ptr()) : nullptr;
-  const int64_t chunk_k = bits == 4 ? 8 : 4;
+  const int64_t chunk_k = bits == 8 ? 4 : 8, chunk_bytes = bits == 6 ? 96 : 64;
   float* o = out.data_ptr<float>();
   at::parallel_for(0, n_ids, 1, [&](int64_t i0, int64_t i1) {
     for (int64_t i = i0; i < i1; ++i) {
       const int64_t g = id[i] / LANES, lane = id[i] % LANES;
       for (int64_t k = 0; k < K; ++k) {
         const int64_t j = k % chunk_k;
-        const uint8_t byte = c[(g * (K / chunk_k) + k / chunk_k) * 64 + lane * 4 + j % 4];
-        const int code = bits == 4 ? (j < 4 ? byte & 0x0F : byte >> 4) : byte;
+        const uint8_t* chunk = c + (g * (K / chunk_k) + k / chunk_k) * chunk_bytes;
+        const int64_t q = lane * 4 + j % 4;
+        int code = bits == 8 ? chunk[q] : (j < 4 ? chunk[q] & 0x0F : chunk[q] >> 4);
+        if (bits == 6) code |= ((chunk[64 + 16 * (j / 4) + q % 16] >> (2 * (q / 16))) & 3) << 4;
         const int64_t meta = (g * (K / S) + k / S) * LANES + lane, super = (g * (K / SB) + k / SB) * LANES + lane;
         float scale = (float)dp[super];
         if (s) scale *= sc_signed ? (float)(int8_t)s[meta] : (float)s[meta];
@@ -348,6 +374,36 @@ const char* isa() {
 #else
   return "avx2";
 #endif
+}
+
+// x W^T for x quantized by quantize_activations: [M, N padded to 16] float32.
+at::Tensor qmatmul(const at::Tensor& xq, const at::Tensor& dx, const at::Tensor& xsum, const at::Tensor& codes,
+                   const c10::optional<at::Tensor>& sc, const c10::optional<at::Tensor>& mn, const at::Tensor& d,
+                   const c10::optional<at::Tensor>& dmin, int64_t bits, int64_t S, int64_t SB, int64_t z,
+                   bool sc_signed) {
+  auto y = at::empty({xq.size(0), codes.size(0) * LANES}, dx.options());
+  qmatmul_into(xq, dx, xsum, codes, sc, mn, d, dmin, bits, S, SB, z, sc_signed, y, 0);
+  return y;
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> quantize_activations_op(const at::Tensor& x) {
+  auto parts = quantize_activations(x);
+  return {parts[0], parts[1], parts[2]};
+}
+
+// torch.ops.specdec.*: dispatcher ops, so that torch.compile can put them in a graph
+TORCH_LIBRARY(specdec, m) {
+  m.def("quantize_activations(Tensor x) -> (Tensor, Tensor, Tensor)");
+  m.def("qmatmul(Tensor xq, Tensor dx, Tensor xsum, Tensor codes, Tensor? sc, Tensor? mn, Tensor d, Tensor? dmin, "
+        "int bits, int S, int SB, int z, bool sc_signed) -> Tensor");
+  m.def("dequantize_rows(Tensor ids, Tensor codes, Tensor? sc, Tensor? mn, Tensor d, Tensor? dmin, int K, int bits, "
+        "int S, int SB, int z, bool sc_signed) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(specdec, CPU, m) {
+  m.impl("quantize_activations", &quantize_activations_op);
+  m.impl("qmatmul", &qmatmul);
+  m.impl("dequantize_rows", &dequantize_rows);
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {

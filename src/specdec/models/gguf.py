@@ -19,6 +19,7 @@ tensor type this does not read) is a GGUFError naming the file and the problem.
 
 from __future__ import annotations
 
+import logging
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -29,12 +30,15 @@ import torch
 from specdec.models.gguf_quants import LAYOUTS, PackedTensor, pack
 from specdec.models.loader import ModelLoadError
 
+log = logging.getLogger("specdec")
+
 # general.architecture -> the Hugging Face class (loader.SUPPORTED_ARCHITECTURES reads it)
 ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
 PERMUTED_ARCHITECTURES = ("llama",)  # whose Q and K rows llama.cpp's converter permutes
 TENSOR_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q2_K", "Q3_K", "Q4_K", "Q5_K",
                 "Q6_K")  # the tensor types read (and tested against transformers' own reader)
 FLOAT_TYPES = {"F32": "float32", "F16": "float16", "BF16": "bfloat16"}
+DTYPE_OF = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
 # llama.cpp's tensor names -> Hugging Face's ("{i}" is the layer)
 GLOBAL_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
@@ -72,15 +76,64 @@ def read_gguf(path: str | Path, dtype: str | torch.dtype = "auto",
     gguf_quants.LAYOUTS maps come back packed for specdec's kernel (checkpoint.packed), never
     as floats; the checkpoint's dtype is then bfloat16 ("auto" runs it in bfloat16 where that is
     native, float32 elsewhere: the activations' dtype)."""
+    path = Path(path)
+    if keep_quantized:
+        return _read_quantized(path, dtype, weights_dtype)
+    return _read(path, dtype, weights_dtype, keep_quantized)
+
+
+def _read_quantized(path: Path, dtype, weights_dtype) -> GGUFCheckpoint:
+    """read_gguf with keep_quantized, through the cache of packed files (gguf_cache.py): a file
+    read for the first time is packed into the cache tensor by tensor, and the checkpoint
+    returned maps its tensors from there."""
+    from specdec.models import gguf_cache
+
+    if not path.is_file():
+        raise GGUFError(f"GGUF file {str(path)!r} does not exist")
+    cached = gguf_cache.load(path)
+    if cached is None:
+        try:
+            writer = gguf_cache.Writer(path)
+        except OSError as e:
+            log.warning("cannot cache packed weights in %s (%s): they stay in memory", gguf_cache.cache_dir(), e)
+            return _read(path, dtype, weights_dtype, keep_quantized=True)
+        try:
+            checkpoint = _read(path, "auto", None, keep_quantized=True, sink=writer.add)
+            writer.finish({"hf_config": checkpoint.hf_config, "tokenizer_config": checkpoint.tokenizer_config,
+                           "generation_config": checkpoint.generation_config,
+                           "tensor_types": checkpoint.tensor_types, "tokenizer": checkpoint.tokenizer.to_str()})
+        except BaseException:
+            writer.abandon()
+            raise
+        cached = gguf_cache.load(path)
+        if cached is None:
+            raise GGUFError(f"{path}: the packed weights just written to {gguf_cache.cache_dir()} cannot be read "
+                            "back; is the disk full?")
+    index, weights, packed = cached
+    if not packed:  # nothing quantized: the file is read as floats
+        return _read(path, dtype, weights_dtype, keep_quantized=False)
+    from tokenizers import Tokenizer
+
+    hf_config = dict(index["hf_config"])
+    if dtype != "auto":
+        hf_config["torch_dtype"] = str(_weight_dtype(dtype, {})).removeprefix("torch.")
+    weights = {name: t.to(weights_dtype or DTYPE_OF[hf_config["torch_dtype"]]) for name, t in weights.items()}
+    return GGUFCheckpoint(hf_config, weights, Tokenizer.from_str(index["tokenizer"]), index["tokenizer_config"],
+                          index["generation_config"], index["tensor_types"], packed)
+
+
+def _read(path: Path, dtype, weights_dtype, keep_quantized: bool, sink=None) -> GGUFCheckpoint:
+    """The file read directly; sink(name, tensor): each tensor goes there as it is read, and
+    the checkpoint holds none."""
     from specdec.models.gguf_tokenizer import GGUFTokenizerError, metadata_from_reader, tokenizer_from_gguf
 
-    path = Path(path)
     reader = _open(path)
     try:
         metadata = metadata_from_reader(reader)
     except Exception as e:  # a field cut short or of a type the reader does not know
         raise GGUFError(f"{path}: the metadata cannot be read ({type(e).__name__}: {e}); the file is corrupt "
                         "or cut short: download or convert it again") from e
+    _release_fields(reader)  # its parsed fields (a vocabulary: ~0.5 GB of small arrays) are in metadata now
     architecture = _architecture(metadata, path)
     types = _tensor_types(reader, path)
     torch_dtype = _weight_dtype(dtype, types)
@@ -88,13 +141,16 @@ def read_gguf(path: str | Path, dtype: str | torch.dtype = "auto",
     if keep_quantized and dtype == "auto":
         torch_dtype = torch.bfloat16
     hf_config = hf_config_from_metadata(metadata, architecture, path, torch_dtype, reader)
-    weights, packed = {}, {}
+    weights, packed, names = {}, {}, set()
     for name, tensor in _hf_tensors(reader, architecture, hf_config, path, keep_quantized):
-        if isinstance(tensor, torch.Tensor):
+        if sink is not None:
+            sink(name, tensor)
+            names.add(name)
+        elif isinstance(tensor, torch.Tensor):
             weights[name] = tensor.to(weights_dtype or torch_dtype)
         else:
             packed[name] = tensor
-    hf_config["tie_word_embeddings"] = "lm_head.weight" not in weights and "lm_head.weight" not in packed
+    hf_config["tie_word_embeddings"] = "lm_head.weight" not in {*weights, *packed, *names}
     try:
         tokenizer, tokenizer_config = tokenizer_from_gguf(metadata)
     except GGUFTokenizerError as e:
@@ -102,6 +158,25 @@ def read_gguf(path: str | Path, dtype: str | torch.dtype = "auto",
     tokenizer_config["model_max_length"] = hf_config["max_position_embeddings"]
     return GGUFCheckpoint(hf_config, weights, tokenizer, tokenizer_config, _generation_config(metadata, hf_config),
                           dict(sorted(types.items())), packed)
+
+
+def _release_fields(reader) -> None:
+    """Drop the reader's parsed metadata fields and give the memory back to the system, so that
+    it is not held while the weights are read."""
+    reader.fields.clear()
+    release_freed_memory()
+
+
+def release_freed_memory() -> None:
+    """Collect garbage and hand freed heap memory back to the system (glibc keeps it otherwise)."""
+    import ctypes
+    import gc
+
+    gc.collect()
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):  # not glibc
+        pass
 
 
 def _open(path: Path):
@@ -252,6 +327,7 @@ def _hf_tensors(reader, architecture: str, hf_config: dict, path: Path, keep_qua
                 progress.advance(int(tensor.n_bytes))
     if progress:
         progress.done()
+        release_freed_memory()  # the packing's temporaries
 
 
 def _unpermuted(weight, name: str, architecture: str, hf_config: dict):

@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from specdec.kernels import qmatmul
+from specdec.kernels import ops
 from specdec.models.gguf_quants import GROUP, PackedTensor
 
 PART_FIELDS = ("codes", "sc", "mn", "d", "dmin")
@@ -30,6 +30,7 @@ class GGUFLinear(nn.Module):
         super().__init__()
         if len({p.cols for p in parts}) != 1:
             raise ValueError(f"stacked parts must have one input size, got {[p.cols for p in parts]}")
+        ops()  # the kernel built and loaded: forward calls torch.ops.specdec
         self.parts = list(parts)
         self.in_features = parts[0].cols
         self.out_features = sum(p.rows for p in parts)
@@ -45,16 +46,13 @@ class GGUFLinear(nn.Module):
         self.register_buffer("keep", keep, persistent=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        kernels = qmatmul()
+        kernels = torch.ops.specdec
         x2 = x.reshape(-1, self.in_features).float().contiguous()  # [..., K] -> [M, K]
         xq, dx, xsum = kernels.quantize_activations(x2)
-        y = torch.empty(x2.shape[0], self.padded_out)  # [M, N padded]
-        column = 0
-        for part in self.parts:
-            layout = part.layout
-            kernels.qmatmul_into(xq, dx, xsum, part.codes, part.sc, part.mn, part.d, part.dmin, layout.bits,
-                                 layout.sub_block, layout.super_block, layout.z, layout.sc_signed, y, column)
-            column += part.codes.shape[0] * GROUP
+        products = [kernels.qmatmul(xq, dx, xsum, part.codes, part.sc, part.mn, part.d, part.dmin, part.layout.bits,
+                                    part.layout.sub_block, part.layout.super_block, part.layout.z,
+                                    part.layout.sc_signed) for part in self.parts]  # [M, N_i padded] each
+        y = products[0] if len(products) == 1 else torch.cat(products, dim=1)  # [M, N padded]
         if self.keep is not None:
             y = y[:, self.keep]
         y = y.to(x.dtype)
@@ -77,13 +75,18 @@ class GGUFEmbedding(nn.Module):
 
     def __init__(self, packed: PackedTensor, dtype: torch.dtype):
         super().__init__()
+        ops()  # the kernel built and loaded: forward calls torch.ops.specdec
         self.packed = packed
         self.num_embeddings, self.embedding_dim = packed.rows, packed.cols
         self.out_dtype = dtype
         _register(self, "table", packed)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        rows = dequantize(self.packed, ids.reshape(-1))  # [n, hidden]
+        layout = self.packed.layout
+        rows = torch.ops.specdec.dequantize_rows(ids.reshape(-1).long(), self.packed.codes, self.packed.sc,
+                                                 self.packed.mn, self.packed.d, self.packed.dmin, self.packed.cols,
+                                                 layout.bits, layout.sub_block, layout.super_block, layout.z,
+                                                 layout.sc_signed)  # [n, hidden]
         return rows.to(self.out_dtype).view(*ids.shape, self.embedding_dim)
 
     def extra_repr(self) -> str:
@@ -91,11 +94,10 @@ class GGUFEmbedding(nn.Module):
 
 
 def dequantize(packed: PackedTensor, ids: torch.Tensor) -> torch.Tensor:
-    """Rows ids of a PackedTensor as float32 [len(ids), K], exactly the file's values."""
+    """Rows ids of a PackedTensor as float32 [len(ids), K], exactly the file's values (an id
+    out of range is a RuntimeError)."""
     layout = packed.layout
-    if len(ids) and (int(ids.min()) < 0 or int(ids.max()) >= packed.rows):
-        raise IndexError(f"row ids must be in [0, {packed.rows})")
-    return qmatmul().dequantize_rows(ids.long(), packed.codes, packed.sc, packed.mn, packed.d, packed.dmin,
+    return ops().dequantize_rows(ids.long(), packed.codes, packed.sc, packed.mn, packed.d, packed.dmin,
                                      packed.cols, layout.bits, layout.sub_block, layout.super_block, layout.z,
                                      layout.sc_signed)
 

@@ -13,7 +13,7 @@ Every type read here stores each weight as
 
 so `split` only takes the bits apart (the values are kept exactly; test_gguf_quants.py checks
 them against the `gguf` package's own dequantization). `pack` lays them out for the kernel:
-16 output rows to a group, codes two to a byte for 4-bit types and one to a byte otherwise.
+16 output rows to a group, codes in 4 bits (Q4_x), 6 bits (Q5_x, Q6_K) or 8 bits (Q8_0).
 Large tensors are split and packed a slab of rows at a time, so the temporaries stay small.
 """
 
@@ -34,7 +34,7 @@ class TypeLayout:
 
     block_bytes: int  # bytes of one GGUF block
     block_size: int  # weights in one GGUF block
-    bits: int  # stored code width: 4 or 8
+    bits: int  # stored code width: 4, 6 (5- and 6-bit codes) or 8
     sub_block: int  # S
     z: int
     sc_signed: bool = False
@@ -50,12 +50,12 @@ class TypeLayout:
 LAYOUTS = {
     "Q4_0": TypeLayout(18, 32, 4, 32, 8),
     "Q4_1": TypeLayout(20, 32, 4, 32, 0, has_dmin=True),
-    "Q5_0": TypeLayout(22, 32, 8, 32, 16),
-    "Q5_1": TypeLayout(24, 32, 8, 32, 0, has_dmin=True),
+    "Q5_0": TypeLayout(22, 32, 6, 32, 16),
+    "Q5_1": TypeLayout(24, 32, 6, 32, 0, has_dmin=True),
     "Q8_0": TypeLayout(34, 32, 8, 32, 128),
     "Q4_K": TypeLayout(144, 256, 4, 32, 0, has_sc=True, has_mn=True, has_dmin=True),
-    "Q5_K": TypeLayout(176, 256, 8, 32, 0, has_sc=True, has_mn=True, has_dmin=True),
-    "Q6_K": TypeLayout(210, 256, 8, 16, 32, sc_signed=True, has_sc=True),
+    "Q5_K": TypeLayout(176, 256, 6, 32, 0, has_sc=True, has_mn=True, has_dmin=True),
+    "Q6_K": TypeLayout(210, 256, 6, 16, 32, sc_signed=True, has_sc=True),
 }
 
 
@@ -147,17 +147,14 @@ class PackedTensor:
     """A [N, K] GGUF tensor in the kernel's layout (N padded up to a multiple of GROUP)."""
 
     kind: str
+    layout: TypeLayout
     rows: int  # N before padding
     cols: int  # K
-    codes: torch.Tensor  # uint8 [G, K * bits / 8 / 64, 64]
+    codes: torch.Tensor  # uint8 [G, K / chunk inputs, chunk bytes] (qmatmul.cpp's chunks)
     sc: torch.Tensor | None  # uint8 [G, K/S, 16]
     mn: torch.Tensor | None
     d: torch.Tensor  # float16 [G, K/SB, 16]
     dmin: torch.Tensor | None
-
-    @property
-    def layout(self) -> TypeLayout:
-        return LAYOUTS[self.kind]
 
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in (self.codes, self.sc, self.mn, self.d, self.dmin)
@@ -171,8 +168,8 @@ def pack(kind: str, data: np.ndarray, rows: int, cols: int) -> PackedTensor:
         raise ValueError(f"a {kind} tensor's rows must hold whole blocks of {layout.block_size}, got {cols}")
     groups = -(-rows // GROUP)
     per_row = cols // layout.block_size
-    chunk_k = 8 if layout.bits == 4 else 4
-    codes = torch.empty(groups, cols // chunk_k, 64, dtype=torch.uint8)
+    chunk_k = 4 if layout.bits == 8 else 8
+    codes = torch.empty(groups, cols // chunk_k, 96 if layout.bits == 6 else 64, dtype=torch.uint8)
     sc = torch.empty(groups, cols // layout.sub_block, GROUP, dtype=torch.uint8) if layout.has_sc else None
     mn = torch.empty(groups, cols // layout.sub_block, GROUP, dtype=torch.uint8) if layout.has_mn else None
     d = torch.empty(groups, per_row, GROUP, dtype=torch.float16)
@@ -190,7 +187,7 @@ def pack(kind: str, data: np.ndarray, rows: int, cols: int) -> PackedTensor:
         d[g0:g1] = torch.from_numpy(_by_group(parts.d.reshape(stop - start, per_row)))
         if dmin is not None:
             dmin[g0:g1] = torch.from_numpy(_by_group(parts.dmin.reshape(stop - start, per_row)))
-    return PackedTensor(kind, rows, cols, codes, sc, mn, d, dmin)
+    return PackedTensor(kind, layout, rows, cols, codes, sc, mn, d, dmin)
 
 
 def _padded_rows(data: np.ndarray, start: int, stop: int) -> np.ndarray:
@@ -210,8 +207,15 @@ def _by_group(values: np.ndarray) -> np.ndarray:
 
 
 def _pack_codes(codes: np.ndarray, bits: int) -> np.ndarray:
-    """codes [rows, K] -> chunks [rows/16, K/chunk_k, 64] (see qmatmul.cpp's header)."""
+    """codes [rows, K] -> chunks [rows/16, K/chunk_k, chunk bytes] (see qmatmul.cpp's header)."""
     rows, cols = codes.shape
+    if bits == 6:
+        low = _pack_codes(codes & 0x0F, 4)  # [g, c, 64]
+        top = (codes >> 4).reshape(rows // GROUP, GROUP, cols // 8, 2, 4)  # [g, n, c, v, j]
+        top = top.transpose(0, 2, 3, 1, 4).reshape(rows // GROUP, cols // 8, 2, 4, 16)  # [g, c, v, L, i]: q = 16L + i
+        shifts = (2 * np.arange(4, dtype=np.uint8)).reshape(1, 1, 1, 4, 1)
+        top = np.bitwise_or.reduce(top << shifts, axis=3).reshape(rows // GROUP, cols // 8, 32)  # [g, c, 16v + i]
+        return np.concatenate([low, top.astype(np.uint8)], axis=2)
     if bits == 8:
         return np.ascontiguousarray(codes.reshape(rows // GROUP, GROUP, cols // 4, 4).transpose(0, 2, 1, 3)).reshape(
             rows // GROUP, cols // 4, 64)
