@@ -417,6 +417,7 @@ def test_the_markdown_has_a_table_per_cpu_kind_and_prompt_set():
     assert "| specdec ngram | 30.0 | 1.50x | 90.0 | 33.0 | 0.71 | 2.50 | 256 | 2 of 2 |" in text
     assert "| llama.cpp plain | 20.0 | 1.00x | 90.0 | 22.0 | – | – | 256 | 2 of 2 |" in text
     assert "90.00 ms | 30.00 ms | 3.00 |" in text and "- a note" in text
+    assert "Fastest of each: specdec ngram, 30.0 tokens/s, against llama.cpp plain, 20.0: **1.50x**." in text
 
 
 def test_write_docs_places_the_section_after_the_kept_marker_and_replaces_it_later(tmp_path):

@@ -374,7 +374,8 @@ def llama_cpp_kind_markdown(kind: dict, h: str) -> str:
     """One CPU kind's measurement: a table per prompt set, and what a verify forward costs."""
     parts = [f"{h} {_cpu_kind_title(kind)}\n\n{_llama_cpp_setup(kind)}\n"]
     for set_name, prompt_set in kind["prompt_sets"].items():
-        parts.append(f"{h}# {prompt_set['title']} ({set_name})\n\n{llama_cpp_table(kind, set_name)}\n")
+        parts.append(f"{h}# {prompt_set['title']} ({set_name})\n\n{llama_cpp_table(kind, set_name)}\n\n"
+                     f"{_fastest_line(kind, set_name)}\n")
     parts.append(f"{h}# What a verify forward costs\n\n{verify_cost_table(kind['verify_cost'])}\n")
     if kind["notes"]:
         parts.append("\n".join(f"- {note}" for note in kind["notes"]) + "\n")
@@ -391,6 +392,17 @@ def llama_cpp_table(kind: dict, set_name: str) -> str:
                          f"{_number(r['acceptance'], 2)} | {_number(r['tau'], 2)} | {r['tokens']} | "
                          f"{r['same_text_as_specdec_plain']} of {r['prompts']} |")
     return "\n".join(lines)
+
+
+def _fastest_line(kind: dict, set_name: str) -> str:
+    """specdec's fastest system against llama.cpp's fastest, on the prompt set."""
+    rows = [r for r in kind["rows"] if r["prompt_set"] == set_name]
+    fastest = {engine: max((r for r in rows if r["engine"] == engine), key=lambda r: r["tokens_per_s"])
+               for engine in ("specdec", "llama.cpp")}
+    ours, theirs = fastest["specdec"], fastest["llama.cpp"]
+    return (f"Fastest of each: {ours['label']}, {_number(ours['tokens_per_s'], 1)} tokens/s, against "
+            f"{theirs['label']}, {_number(theirs['tokens_per_s'], 1)}: "
+            f"**{_times(ours['tokens_per_s'] / theirs['tokens_per_s'])}**.")
 
 
 def verify_cost_table(costs: dict) -> str:
