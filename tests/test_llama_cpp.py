@@ -150,7 +150,7 @@ def test_llama_bench_verify_and_step_from_the_medians():
     step_ms = (5382747592 + 8495742700) / 2 / 32 / 1e6
     assert cost["verify_ms"] == pytest.approx(verify_ms) and cost["step_ms"] == pytest.approx(step_ms)
     assert cost["verify_cost"] == pytest.approx(verify_ms / step_ms)
-    assert (cost["verify_tokens"], cost["depth"]) == (7, 64)
+    assert (cost["verify_tokens"], cost["depth"], cost["commit"]) == (7, 64, "0c1e570")
 
 
 @pytest.mark.parametrize("parse, stderr, missing", [
@@ -397,7 +397,8 @@ def _kind(cpu_kind: str) -> dict:
                                                           ("specdec", "ngram", 30.0, 0.71, 2.5))]
     return {"cpu_kind": cpu_kind, "cpu_capability": cpu_kind.upper().replace("NATIVE", "AVX512"),
             "machine": {"cpu": "AMD EPYC", "cores": 2, "torch": "2.13.0", "date": "2026-11-25 16:00 UTC"},
-            "threads": 2, "llama_cpp": {"flags": ["-DGGML_NATIVE=ON"], "system_info": "AVX512 = 1"},
+            "threads": 2,
+            "llama_cpp": {"commit": "0c1e570", "flags": ["-DGGML_NATIVE=ON"], "system_info": "AVX512 = 1"},
             "prompt_sets": {"edit": {"title": "edit prompts", "prompts": ["a", "b"]}},
             "verify_cost": {"llama.cpp": {"depth": 64, "verify_ms": 90.0, "step_ms": 30.0, "verify_cost": 3.0},
                             "specdec": {"depth": 64, "verify_ms": 80.0, "step_ms": 40.0, "verify_cost": 2.0}},

@@ -307,7 +307,7 @@ def parse_llama_bench(output: str) -> dict:
         raise LlamaCppError(f"llama-bench's output is not the JSON expected ({type(e).__name__}: {e}):\n"
                             f"{output[-2000:]}") from None
     return {"verify_tokens": prompt["n_prompt"], "depth": prompt.get("n_depth", 0), "verify_ms": verify_ms,
-            "step_ms": step_ms, "verify_cost": verify_ms / step_ms}
+            "step_ms": step_ms, "verify_cost": verify_ms / step_ms, "commit": prompt.get("build_commit")}
 
 
 def _last(pattern: re.Pattern, text: str, what: str) -> tuple[str, ...]:
@@ -351,8 +351,6 @@ class System:
 LLAMA_PLAIN = System("llama.cpp", "plain")
 SPECDEC_PLAIN = System("specdec", "plain")
 LLAMA_SYSTEMS = (LLAMA_PLAIN, System("llama.cpp", "ngram"), System("llama.cpp", "draft_model"))
-SPECDEC_SYSTEMS = (SPECDEC_PLAIN, System("specdec", "ngram"), System("specdec", "draft_model"),
-                   System("specdec", "lookup_then_draft"))
 DRAFTING = ("draft_model", "lookup_then_draft")  # the systems that need a draft model
 
 
@@ -453,19 +451,19 @@ def measure(config: LlamaCppConfig, say: Say) -> dict:
     warm_up(specdec, max((ids for pairs in prompts.values() for _, ids, _ in pairs), key=len), config)
     records = interleave(runners, prompts, say)
     say("measuring what a verify forward costs (llama-bench, and specdec's runner)")
-    result = {"cpu_kind": process_cpu_kind(), "cpu_capability": torch.backends.cpu.get_cpu_capability(),
-              "machine": describe_machine("cpu"), "threads": options.threads,
-              "llama_cpp": {"version": f"vendored by {SDIST}", "build_dir": str(build.build_dir),
-                            "flags": list(build.flags),
-                            "system_info": parse_system_info(runners[LLAMA_PLAIN].last_stderr)},
-              "prompt_sets": {name: {"title": prompt_sets()[name][0], "prompts": [p.name for p, _, _ in pairs]}
-                              for name, pairs in prompts.items()},
-              "verify_cost": {"llama.cpp": parse_llama_bench(run_tool(bench_command(
-                                  build, config.model, options.threads, config.bench_repetitions))[0]),
-                              "specdec": specdec_verify_cost(target, config)}}
-    result["rows"] = summarize(records, list(runners), config.k, config.prompt_sets)
-    result["notes"] = prompt_token_notes(records, prompts)
-    return result
+    llama_bench = parse_llama_bench(run_tool(bench_command(build, config.model, options.threads,
+                                                           config.bench_repetitions))[0])
+    return {"cpu_kind": process_cpu_kind(), "cpu_capability": torch.backends.cpu.get_cpu_capability(),
+            "machine": describe_machine("cpu"), "threads": options.threads,
+            "llama_cpp": {"commit": llama_bench["commit"], "sdist": SDIST,
+                          "flags": list(build.flags),
+                          "system_info": parse_system_info(runners[LLAMA_PLAIN].last_stderr)},
+            "prompt_sets": {name: {"title": prompt_sets()[name][0], "prompts": [p.name for p, _, _ in pairs]}
+                            for name, pairs in prompts.items()},
+            "verify_cost": {"llama.cpp": llama_bench,
+                            "specdec": specdec_verify_cost(target, config)},
+            "rows": summarize(records, list(runners), config.k, config.prompt_sets),
+            "notes": prompt_token_notes(records, prompts)}
 
 
 def load_specdec(config: LlamaCppConfig):

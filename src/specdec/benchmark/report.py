@@ -426,7 +426,8 @@ def _llama_cpp_setup(kind: dict) -> str:
     model = Path(config["model"]).name + (f", draft {Path(config['draft']).name}" if config["draft"] else "")
     sets = ", ".join(f"{len(s['prompts'])} {name}" for name, s in kind["prompt_sets"].items())
     text = (f"{m['date']}; {m['cores']} cores, {kind['threads']} threads each; torch {m['torch']} (instruction set "
-            f"{kind['cpu_capability']}); llama.cpp built with `{' '.join(kind['llama_cpp']['flags'])}`, which reports "
+            f"{kind['cpu_capability']}); llama.cpp {kind['llama_cpp'].get('commit') or ''} built with "
+            f"`{' '.join(kind['llama_cpp']['flags'])}`, which reports "
             f"`{kind['llama_cpp']['system_info']}`. Target {model}; prompts: {sets}; at most {config['max_tokens']} "
             f"new tokens; k = {config['k']}.")
     return text + (f" Command: `{kind['command']}`." if kind.get("command") else "")
