@@ -88,7 +88,7 @@ def _register_fakes() -> None:
     def _(x):
         rows, cols = x.shape
         return (x.new_empty(rows, cols, dtype=torch.int8), x.new_empty(rows, cols // 32),
-                x.new_empty(rows, cols // 16))
+                x.new_empty(rows, cols // 16 + cols // 32))
 
     @torch.library.register_fake("specdec::qmatmul")
     def _(xq, dx, xsum, codes, sc, mn, d, dmin, bits, S, SB, z, sc_signed):

@@ -34,8 +34,8 @@
 
 namespace {
 
-constexpr int ACT_BLOCK = 32;   // inputs per activation scale
-constexpr int SUM_BLOCK = 16;   // inputs per activation sum
+constexpr int ACT_BLOCK = 32;   // inputs per activation scale (and per sum of a 32-input sub-block)
+constexpr int SUM_BLOCK = 16;   // inputs per activation sum of a 16-input sub-block
 
 struct Layout {
   int64_t N, K;         // output rows (a multiple of 16), inputs
@@ -45,11 +45,14 @@ struct Layout {
   bool has_sc, sc_signed, has_mn, has_dmin;
 };
 
-inline int32_t load_i32(const int8_t* p) { int32_t v; std::memcpy(&v, p, 4); return v; }
+typedef int32_t __attribute__((may_alias, aligned(1))) unaligned_i32;
+// 4 activation codes as one int32 (the compiler folds it into the instruction's broadcast)
+inline int32_t load_i32(const int8_t* p) { return *reinterpret_cast<const unaligned_i32*>(p); }
 
 // ---- activations ---------------------------------------------------------------------------
 
-// x [M, K] float32 -> xq [M, K] int8, dx [M, K/32] (scales), xsum [M, K/16] (dx * sum of codes)
+// x [M, K] float32 -> xq [M, K] int8, dx [M, K/32] (scales), xsum [M, K/16 + K/32] (dx * sum of
+// codes: per 16 inputs, then per 32)
 void quantize_rows(const float* x, int64_t M, int64_t K, int8_t* xq, float* dx, float* xsum) {
   at::parallel_for(0, M, 1, [&](int64_t m0, int64_t m1) {
     for (int64_t m = m0; m < m1; ++m) {
@@ -67,8 +70,9 @@ void quantize_rows(const float* x, int64_t M, int64_t K, int8_t* xq, float* dx, 
           sums[i / SUM_BLOCK] += q;
         }
         dx[m * (K / ACT_BLOCK) + b] = d;
-        for (int s = 0; s < ACT_BLOCK / SUM_BLOCK; ++s)
-          xsum[m * (K / SUM_BLOCK) + b * (ACT_BLOCK / SUM_BLOCK) + s] = d * (float)sums[s];
+        float* row_sums = xsum + m * (K / SUM_BLOCK + K / ACT_BLOCK);
+        for (int s = 0; s < ACT_BLOCK / SUM_BLOCK; ++s) row_sums[b * (ACT_BLOCK / SUM_BLOCK) + s] = d * (float)sums[s];
+        row_sums[K / SUM_BLOCK + b] = d * (float)(sums[0] + sums[1]);
       }
     }
   });
@@ -86,10 +90,10 @@ struct Acts {
   const int8_t* xq; const float* dx; const float* xsum; int64_t M;
 };
 
-// the activation sum of sub-block s (size S) of row r
-inline float sub_sum(const Acts& a, const Layout& L, int64_t r, int64_t s) {
-  const float* xs = a.xsum + r * (L.K / SUM_BLOCK);
-  return L.S == 32 ? xs[2 * s] + xs[2 * s + 1] : xs[s];
+// the activation sums of row r's sub-blocks of size S
+inline const float* sub_sums(const Acts& a, const Layout& L, int64_t r) {
+  const float* row_sums = a.xsum + r * (L.K / SUM_BLOCK + L.K / ACT_BLOCK);
+  return L.S == ACT_BLOCK ? row_sums + L.K / SUM_BLOCK : row_sums;
 }
 
 // ---- AVX-512 VNNI ------------------------------------------------------------------------------
@@ -158,7 +162,7 @@ void group_tile(const Layout& L, const Weights& w, int64_t g, const Acts& a, int
     for (int t = 0; t < T; ++t) {
       const float dx = a.dx[(r0 + t) * (L.K / ACT_BLOCK) + k0 / ACT_BLOCK];
       acc[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(iacc[t]), _mm512_mul_ps(scale, _mm512_set1_ps(dx)), acc[t]);
-      acc[t] = _mm512_fmadd_ps(offset, _mm512_set1_ps(sub_sum(a, L, r0 + t, s)), acc[t]);
+      acc[t] = _mm512_fmadd_ps(offset, _mm512_set1_ps(sub_sums(a, L, r0 + t)[s]), acc[t]);
     }
   }
   for (int t = 0; t < T; ++t) _mm512_storeu_ps(y + (r0 + t) * ldy + col0 + g * LANES, acc[t]);
@@ -248,7 +252,7 @@ void group_tile(const Layout& L, const Weights& w, int64_t g, const Acts& a, int
       for (int t = 0; t < T; ++t) {
         const float dx = a.dx[(r0 + t) * (L.K / ACT_BLOCK) + k0 / ACT_BLOCK];
         acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(iacc[t]), _mm256_mul_ps(scale, _mm256_set1_ps(dx)), acc[t]);
-        acc[t] = _mm256_fmadd_ps(offset, _mm256_set1_ps(sub_sum(a, L, r0 + t, s)), acc[t]);
+        acc[t] = _mm256_fmadd_ps(offset, _mm256_set1_ps(sub_sums(a, L, r0 + t)[s]), acc[t]);
       }
     }
     for (int t = 0; t < T; ++t) _mm256_storeu_ps(y + (r0 + t) * ldy + col0 + g * LANES + half * 8, acc[t]);
@@ -287,7 +291,7 @@ std::vector<at::Tensor> quantize_activations(const at::Tensor& x) {
   TORCH_CHECK(K % ACT_BLOCK == 0, "K must be a multiple of 32");
   auto xq = at::empty({M, K}, x.options().dtype(at::kChar));
   auto dx = at::empty({M, K / ACT_BLOCK}, x.options());
-  auto xsum = at::empty({M, K / SUM_BLOCK}, x.options());
+  auto xsum = at::empty({M, K / SUM_BLOCK + K / ACT_BLOCK}, x.options());
   quantize_rows(x.data_ptr<float>(), M, K, xq.data_ptr<int8_t>(), dx.data_ptr<float>(), xsum.data_ptr<float>());
   return {xq, dx, xsum};
 }
