@@ -196,6 +196,8 @@ void group_tile(const Layout& L, const Weights& w, int64_t g, const Acts& a, int
   // 8-bit codes above 127 would overflow maddubs' int16 pairs: with z = 128 (Q8_0) the codes
   // are taken back to signed values and multiplied by |code| with the activation's sign moved
   const bool signed8 = BITS == 8 && L.z == 128;
+  const __m256i ones16 = _mm256_set1_epi16(1);
+  TORCH_CHECK(BITS != 4 || L.S <= 32, "4-bit codes in sub-blocks of at most 32");  // int16 sums above
   const float z = signed8 ? 0.f : (float)L.z;
   for (int half = 0; half < 2; ++half) {
     __m256 acc[T];
@@ -212,8 +214,8 @@ void group_tile(const Layout& L, const Weights& w, int64_t g, const Acts& a, int
       __m256 offset = _mm256_mul_ps(scale, _mm256_set1_ps(-z));
       if (L.has_dmin) offset = L.has_mn ? _mm256_fmadd_ps(load_scale8(w.mn + meta, false), dmin, offset)
                                         : _mm256_add_ps(offset, dmin);
-      __m256i iacc[T];
-      for (int t = 0; t < T; ++t) iacc[t] = _mm256_setzero_si256();
+      __m256i iacc[T], pairs16[T];
+      for (int t = 0; t < T; ++t) iacc[t] = pairs16[t] = _mm256_setzero_si256();
       const int64_t k0 = s * L.S;
       const uint8_t* sub_codes = codes + (k0 / chunk_k) * chunk_bytes;
       // bytes 32 half .. 32 half + 31 of a chunk: their top bits sit at 2L, L = 2 half + (0 or 1)
@@ -234,8 +236,13 @@ void group_tile(const Layout& L, const Weights& w, int64_t g, const Acts& a, int
           }
           for (int t = 0; t < T; ++t) {
             const int8_t* xr = a.xq + (r0 + t) * L.K + k;
-            iacc[t] = dot4(iacc[t], lo, _mm256_set1_epi32(load_i32(xr)));
-            iacc[t] = dot4(iacc[t], hi, _mm256_set1_epi32(load_i32(xr + 4)));
+            // pairs of products: <= 2 * 15 * 127 for 4-bit codes, 2 * 63 * 127 for 6-bit ones
+            const __m256i pairs = _mm256_add_epi16(_mm256_maddubs_epi16(lo, _mm256_set1_epi32(load_i32(xr))),
+                                                   _mm256_maddubs_epi16(hi, _mm256_set1_epi32(load_i32(xr + 4))));
+            if (BITS == 4)  // a 32-input sub-block's 8 sums of pairs fit int16: widen once, after the loop
+              pairs16[t] = _mm256_add_epi16(pairs16[t], pairs);
+            else
+              iacc[t] = _mm256_add_epi32(iacc[t], _mm256_madd_epi16(pairs, ones16));
           }
         } else if (signed8) {
           const __m256i value = _mm256_xor_si256(raw, top);  // code - 128, as int8
@@ -249,6 +256,8 @@ void group_tile(const Layout& L, const Weights& w, int64_t g, const Acts& a, int
             iacc[t] = dot4(iacc[t], raw, _mm256_set1_epi32(load_i32(a.xq + (r0 + t) * L.K + k)));
         }
       }
+      if (BITS == 4)
+        for (int t = 0; t < T; ++t) iacc[t] = _mm256_madd_epi16(pairs16[t], ones16);
       for (int t = 0; t < T; ++t) {
         const float dx = a.dx[(r0 + t) * (L.K / ACT_BLOCK) + k0 / ACT_BLOCK];
         acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(iacc[t]), _mm256_mul_ps(scale, _mm256_set1_ps(dx)), acc[t]);
