@@ -94,6 +94,10 @@ def _register_fakes() -> None:
     def _(xq, dx, xsum, codes, sc, mn, d, dmin, bits, S, SB, z, sc_signed):
         return dx.new_empty(xq.shape[0], codes.shape[0] * 16)
 
+    @torch.library.register_fake("specdec::qlinear")
+    def _(x, codes, sc, mn, d, dmin, layouts, bias):
+        return x.new_empty(x.shape[0], sum(c.shape[0] for c in codes) * 16, dtype=torch.float32)
+
     @torch.library.register_fake("specdec::dequantize_rows")
     def _(ids, codes, sc, mn, d, dmin, K, bits, S, SB, z, sc_signed):
         return d.new_empty(ids.shape[0], K, dtype=torch.float32)

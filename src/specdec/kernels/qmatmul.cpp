@@ -53,11 +53,13 @@ inline int32_t load_i32(const int8_t* p) { return *reinterpret_cast<const unalig
 
 // x [M, K] float32 -> xq [M, K] int8, dx [M, K/32] (scales), xsum [M, K/16 + K/32] (dx * sum of
 // codes: per 16 inputs, then per 32)
-void quantize_rows(const float* x, int64_t M, int64_t K, int8_t* xq, float* dx, float* xsum) {
-  at::parallel_for(0, M, 1, [&](int64_t m0, int64_t m1) {
+template <typename scalar_t>
+void quantize_rows(const scalar_t* x, int64_t M, int64_t K, int8_t* xq, float* dx, float* xsum) {
+  at::parallel_for(0, M, 16, [&](int64_t m0, int64_t m1) {
     for (int64_t m = m0; m < m1; ++m) {
       for (int64_t b = 0; b < K / ACT_BLOCK; ++b) {
-        const float* xb = x + m * K + b * ACT_BLOCK;
+        float xb[ACT_BLOCK];
+        for (int i = 0; i < ACT_BLOCK; ++i) xb[i] = (float)x[m * K + b * ACT_BLOCK + i];
         float amax = 0.f;
         for (int i = 0; i < ACT_BLOCK; ++i) amax = std::max(amax, std::fabs(xb[i]));
         const float d = amax / 127.f;
@@ -295,13 +297,17 @@ const uint8_t* bytes_or_null(const c10::optional<at::Tensor>& t) {
 
 // Quantize activations once for several products: x [M, K] float32 -> (xq, dx, xsum).
 std::vector<at::Tensor> quantize_activations(const at::Tensor& x) {
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous(), "x: contiguous float32 [M, K]");
+  TORCH_CHECK(x.dim() == 2 && (x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16) && x.is_contiguous(),
+              "x: contiguous float32 or bfloat16 [M, K]");
   const int64_t M = x.size(0), K = x.size(1);
   TORCH_CHECK(K % ACT_BLOCK == 0, "K must be a multiple of 32");
   auto xq = at::empty({M, K}, x.options().dtype(at::kChar));
-  auto dx = at::empty({M, K / ACT_BLOCK}, x.options());
-  auto xsum = at::empty({M, K / SUM_BLOCK + K / ACT_BLOCK}, x.options());
-  quantize_rows(x.data_ptr<float>(), M, K, xq.data_ptr<int8_t>(), dx.data_ptr<float>(), xsum.data_ptr<float>());
+  auto dx = at::empty({M, K / ACT_BLOCK}, x.options().dtype(at::kFloat));
+  auto xsum = at::empty({M, K / SUM_BLOCK + K / ACT_BLOCK}, x.options().dtype(at::kFloat));
+  if (x.scalar_type() == at::kFloat)
+    quantize_rows(x.data_ptr<float>(), M, K, xq.data_ptr<int8_t>(), dx.data_ptr<float>(), xsum.data_ptr<float>());
+  else
+    quantize_rows(x.data_ptr<at::BFloat16>(), M, K, xq.data_ptr<int8_t>(), dx.data_ptr<float>(), xsum.data_ptr<float>());
   return {xq, dx, xsum};
 }
 
@@ -339,6 +345,65 @@ void qmatmul_into(const at::Tensor& xq, const at::Tensor& dx, const at::Tensor& 
       else run_group<8>(L, w, g, a, out, ldy, col0);
     }
   });
+}
+
+// A whole linear layer: x [M, K] (float32 or bfloat16) times the parts stacked by rows, plus the
+// bias (float32 [N padded], or none): [M, N padded] float32. One pass of activation quantization
+// and one parallel loop over every part's groups.
+at::Tensor qlinear(const at::Tensor& x, at::TensorList codes, const c10::List<c10::optional<at::Tensor>>& sc,
+                   const c10::List<c10::optional<at::Tensor>>& mn, at::TensorList d,
+                   const c10::List<c10::optional<at::Tensor>>& dmin, at::IntArrayRef layouts,
+                   const c10::optional<at::Tensor>& bias) {
+  const int64_t parts = (int64_t)codes.size();
+  TORCH_CHECK(parts > 0 && (int64_t)d.size() == parts && (int64_t)sc.size() == parts && (int64_t)mn.size() == parts &&
+              (int64_t)dmin.size() == parts && (int64_t)layouts.size() == 5 * parts,
+              "one codes, sc, mn, d, dmin and 5 layout numbers (bits, S, SB, z, sc_signed) per part");
+  auto acts = quantize_activations(x);
+  const int64_t M = x.size(0), K = x.size(1);
+  std::vector<Layout> L(parts);
+  std::vector<Weights> W(parts);
+  std::vector<int64_t> first_group(parts + 1, 0);
+  for (int64_t p = 0; p < parts; ++p) {
+    const int64_t bits = layouts[5 * p], S = layouts[5 * p + 1], SB = layouts[5 * p + 2];
+    TORCH_CHECK(bits == 4 || bits == 6 || bits == 8, "bits must be 4, 6 or 8");
+    TORCH_CHECK(S == 16 || S == 32, "S must be 16 or 32");
+    TORCH_CHECK(codes[p].scalar_type() == at::kByte && codes[p].is_contiguous() && d[p].scalar_type() == at::kHalf,
+                "codes: uint8, d: float16");
+    L[p].K = K; L[p].N = codes[p].size(0) * LANES; L[p].bits = bits; L[p].S = S; L[p].SB = SB;
+    L[p].z = layouts[5 * p + 3]; L[p].sc_signed = layouts[5 * p + 4] != 0;
+    const c10::optional<at::Tensor> sc_p = sc.get(p), mn_p = mn.get(p), dmin_p = dmin.get(p);
+    L[p].has_sc = sc_p.has_value() && sc_p->defined();
+    L[p].has_mn = mn_p.has_value() && mn_p->defined();
+    L[p].has_dmin = dmin_p.has_value() && dmin_p->defined();
+    TORCH_CHECK(codes[p].numel() == L[p].N * K * bits / 8, "codes do not hold N x K codes for K = ", K);
+    TORCH_CHECK(K % SB == 0 && SB % S == 0 && d[p].numel() == L[p].N / LANES * (K / SB) * LANES, "d: [G, K/SB, 16]");
+    W[p] = Weights{codes[p].data_ptr<uint8_t>(), bytes_or_null(sc_p), bytes_or_null(mn_p),
+                   reinterpret_cast<const at::Half*>(d[p].data_ptr()),
+                   L[p].has_dmin ? reinterpret_cast<const at::Half*>(dmin_p->data_ptr()) : nullptr};
+    first_group[p + 1] = first_group[p] + L[p].N / LANES;
+  }
+  const int64_t ldy = first_group[parts] * LANES;
+  TORCH_CHECK(!bias.has_value() || !bias->defined() ||
+              (bias->scalar_type() == at::kFloat && bias->is_contiguous() && bias->numel() == ldy),
+              "bias: float32 [N padded]");
+  const float* b = bias.has_value() && bias->defined() ? bias->data_ptr<float>() : nullptr;
+  auto y = at::empty({M, ldy}, x.options().dtype(at::kFloat));
+  float* out = y.data_ptr<float>();
+  Acts a{acts[0].data_ptr<int8_t>(), acts[1].data_ptr<float>(), acts[2].data_ptr<float>(), M};
+  at::parallel_for(0, first_group[parts], 1, [&](int64_t g0, int64_t g1) {
+    int64_t p = 0;
+    for (int64_t g = g0; g < g1; ++g) {
+      while (g >= first_group[p + 1]) ++p;
+      const int64_t local = g - first_group[p], col0 = first_group[p] * LANES;
+      if (L[p].bits == 4) run_group<4>(L[p], W[p], local, a, out, ldy, col0);
+      else if (L[p].bits == 6) run_group<6>(L[p], W[p], local, a, out, ldy, col0);
+      else run_group<8>(L[p], W[p], local, a, out, ldy, col0);
+      if (b)
+        for (int64_t m = 0; m < M; ++m)
+          for (int64_t n = g * LANES; n < (g + 1) * LANES; ++n) out[m * ldy + n] += b[n];
+    }
+  });
+  return y;
 }
 
 // Rows `ids` of W as float32 [len(ids), K]: an embedding's lookup (W = d * sc * (code - z) + dmin * mn).
@@ -409,6 +474,8 @@ TORCH_LIBRARY(specdec, m) {
   m.def("quantize_activations(Tensor x) -> (Tensor, Tensor, Tensor)");
   m.def("qmatmul(Tensor xq, Tensor dx, Tensor xsum, Tensor codes, Tensor? sc, Tensor? mn, Tensor d, Tensor? dmin, "
         "int bits, int S, int SB, int z, bool sc_signed) -> Tensor");
+  m.def("qlinear(Tensor x, Tensor[] codes, Tensor?[] sc, Tensor?[] mn, Tensor[] d, Tensor?[] dmin, int[] layouts, "
+        "Tensor? bias) -> Tensor");
   m.def("dequantize_rows(Tensor ids, Tensor codes, Tensor? sc, Tensor? mn, Tensor d, Tensor? dmin, int K, int bits, "
         "int S, int SB, int z, bool sc_signed) -> Tensor");
 }
@@ -417,6 +484,7 @@ TORCH_LIBRARY_IMPL(specdec, CPU, m) {
   m.impl("quantize_activations", &quantize_activations_op);
   m.impl("qmatmul", &qmatmul);
   m.impl("dequantize_rows", &dequantize_rows);
+  m.impl("qlinear", &qlinear);
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {

@@ -44,21 +44,26 @@ class GGUFLinear(nn.Module):
             starts = torch.tensor([0] + [p.codes.shape[0] * GROUP for p in parts]).cumsum(0)
             keep = torch.cat([torch.arange(p.rows) + start for p, start in zip(parts, starts.tolist())])
         self.register_buffer("keep", keep, persistent=False)
+        padded_bias = None  # the bias as the kernel adds it: float32, over the padded columns
+        if bias is not None:
+            padded_bias = torch.zeros(self.padded_out)
+            padded_bias[keep if keep is not None else slice(None)] = bias.float()
+        self.register_buffer("padded_bias", padded_bias, persistent=False)
+        # per part: code bits, sub-block, super-block, code offset, signed sub-block scales
+        self.layouts = [n for p in parts for n in (p.layout.bits, p.layout.sub_block, p.layout.super_block,
+                                                   p.layout.z, int(p.layout.sc_signed))]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        kernels = torch.ops.specdec
-        x2 = x.reshape(-1, self.in_features).float().contiguous()  # [..., K] -> [M, K]
-        xq, dx, xsum = kernels.quantize_activations(x2)
-        products = [kernels.qmatmul(xq, dx, xsum, part.codes, part.sc, part.mn, part.d, part.dmin, part.layout.bits,
-                                    part.layout.sub_block, part.layout.super_block, part.layout.z,
-                                    part.layout.sc_signed) for part in self.parts]  # [M, N_i padded] each
-        y = products[0] if len(products) == 1 else torch.cat(products, dim=1)  # [M, N padded]
+        x2 = x.reshape(-1, self.in_features)  # [..., K] -> [M, K]
+        if x2.dtype not in (torch.float32, torch.bfloat16):
+            x2 = x2.float()
+        parts = self.parts
+        y = torch.ops.specdec.qlinear(x2.contiguous(), [p.codes for p in parts], [p.sc for p in parts],
+                                      [p.mn for p in parts], [p.d for p in parts], [p.dmin for p in parts],
+                                      self.layouts, self.padded_bias)  # [M, N padded], float32, bias added
         if self.keep is not None:
             y = y[:, self.keep]
-        y = y.to(x.dtype)
-        if self.bias is not None:
-            y = y + self.bias
-        return y.view(*x.shape[:-1], self.out_features)
+        return y.to(x.dtype).view(*x.shape[:-1], self.out_features)
 
     def dequantized_weight(self) -> torch.Tensor:
         """W as float32 [N, K] (for tests and error measurements)."""
