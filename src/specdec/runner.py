@@ -103,6 +103,7 @@ class ModelRunner:
         self.compile_seconds = 0.0
         self._compiled = None  # the torch.compile'd forward, once compiling was chosen
         self._eager_only = False  # compiling failed, or measured slower: never try again
+        self._runs_gguf_kernels = runs_gguf_kernels(model)
         self._eager_model: LlamaModel | None = None  # made on first eager use
         self._warm_shapes: set[tuple[int, int, int]] = set()  # (batch, queries, cache length) run compiled
         self.returns_hidden = False  # whether the work prepared for asks forwards for hidden states too
@@ -161,6 +162,8 @@ class ModelRunner:
             return False
         if self.compile_mode == "auto" and num_forwards < AUTO_COMPILE_MIN_FORWARDS:
             return False
+        if self.compile_mode == "auto" and self._runs_gguf_kernels:
+            return False  # measured no faster, and minutes to compile a shape (docs/runner.md, "GGUF weights")
         if self._compiled is None:
             self._compiled = self._compile()
         return self._compiled is not None
@@ -220,7 +223,7 @@ class ModelRunner:
             eager = self.model(input_ids, positions, cache)
         error = _relative_error(compiled, eager)
         # quantized layers run in bf16 (int8, int4) or on int8 activations (GGUF): rounding flips
-        exact_float32 = self.dtype == torch.float32 and self.quantization is None and not runs_gguf_kernels(self.model)
+        exact_float32 = self.dtype == torch.float32 and self.quantization is None and not self._runs_gguf_kernels
         if not error <= (1e-3 if exact_float32 else 5e-2):  # NaN fails too
             self._fall_back(ArithmeticError(f"its logits differ from eager ones by {error:.1e} of their scale"))
             return False
