@@ -11,12 +11,12 @@
 //             read here is exactly of this form.
 //   group     16 consecutive output rows n, stored together: the kernel's 16 lanes are 16 rows
 //             of W, so a product never needs a horizontal sum.
-//   chunk     the codes of one group for a few inputs: 4-bit: 64 bytes for 8 inputs x 16 rows
-//             (byte 4n+j holds input j in its low nibble, input 4+j in its high one); 6-bit: the
-//             same 64 bytes of low 4 bits, then 32 bytes of top 2 bits: for the inputs j (v = 0)
-//             and 4+j (v = 1), the code in byte q = 16L + i of the 4-bit layout has its top bits
-//             at bits 2L, 2L+1 of byte 16v + i; 8-bit: 64 bytes for 4 inputs x 16 rows (byte 4n+j
-//             holds input j).
+//   step      the codes of one group for a few inputs: 4-bit: 64 bytes for 8 inputs x 16 rows
+//             (byte 4n+j holds input j in its low nibble, input 4+j in its high one); 6-bit: 192
+//             bytes for 16 inputs: the low 4 bits of inputs 0-7 and of 8-15, 64 bytes each as in
+//             the 4-bit layout, then 64 bytes of top 2 bits (byte q holds, at bits 2v and 2v+1,
+//             those of byte q's code in vector v: inputs j, 4+j, 8+j, 12+j for v = 0..3);
+//             8-bit: 64 bytes for 4 inputs x 16 rows (byte 4n+j holds input j).
 //
 // Activations are quantized per row to int8 in blocks of 32 inputs (scale dx = max|x| / 127),
 // as llama.cpp does. Each row's result depends on that row alone (the arithmetic per row does
@@ -115,11 +115,10 @@ template <int T, int BITS>
 void group_tile(const Layout& L, const Weights& w, int64_t g, const Acts& a, int64_t r0, float* y, int64_t ldy,
                 int64_t col0) {
   const int64_t nsub = L.K / L.S, subs_per_sb = L.SB / L.S;
-  const int64_t chunk_k = BITS == 8 ? 4 : 8, chunks_per_sub = L.S / chunk_k;
-  constexpr int64_t chunk_bytes = BITS == 6 ? 96 : 64;
-  const uint8_t* codes = w.codes + g * (L.K / chunk_k) * chunk_bytes;
-  const __m512i low4 = _mm512_set1_epi8(0x0F), low2 = _mm512_set1_epi8(0x03);
-  const __m512i top_shift = _mm512_set_epi32(6, 6, 6, 6, 4, 4, 4, 4, 2, 2, 2, 2, 0, 0, 0, 0);  // 2L in lane L
+  constexpr int64_t step_k = BITS == 8 ? 4 : BITS == 4 ? 8 : 16, step_bytes = BITS == 6 ? 192 : 64;
+  const int64_t steps_per_sub = L.S / step_k;
+  const uint8_t* codes = w.codes + g * (L.K / step_k) * step_bytes;
+  const __m512i low4 = _mm512_set1_epi8(0x0F), bits45 = _mm512_set1_epi8(0x30);
   __m512 acc[T];
   for (int t = 0; t < T; ++t) acc[t] = _mm512_setzero_ps();
   __m512 d = _mm512_setzero_ps(), dmin = _mm512_setzero_ps();
@@ -137,20 +136,30 @@ void group_tile(const Layout& L, const Weights& w, int64_t g, const Acts& a, int
     __m512i iacc[T];
     for (int t = 0; t < T; ++t) iacc[t] = _mm512_setzero_si512();
     const int64_t k0 = s * L.S;
-    const uint8_t* sub_codes = codes + (k0 / chunk_k) * chunk_bytes;
-    for (int64_t c = 0; c < chunks_per_sub; ++c) {
-      const uint8_t* chunk = sub_codes + c * chunk_bytes;
+    const uint8_t* sub_codes = codes + (k0 / step_k) * step_bytes;
+    for (int64_t c = 0; c < steps_per_sub; ++c) {
+      const uint8_t* chunk = sub_codes + c * step_bytes;
       const __m512i raw = _mm512_loadu_si512(chunk);
-      const int64_t k = k0 + c * chunk_k;
-      if (BITS != 8) {
-        __m512i lo = _mm512_and_si512(raw, low4);
-        __m512i hi = _mm512_and_si512(_mm512_srli_epi16(raw, 4), low4);
-        if (BITS == 6) {
-          const __m512i top0 = _mm512_broadcast_i32x4(_mm_loadu_si128(reinterpret_cast<const __m128i*>(chunk + 64)));
-          const __m512i top1 = _mm512_broadcast_i32x4(_mm_loadu_si128(reinterpret_cast<const __m128i*>(chunk + 80)));
-          lo = _mm512_or_si512(lo, _mm512_slli_epi16(_mm512_and_si512(_mm512_srlv_epi32(top0, top_shift), low2), 4));
-          hi = _mm512_or_si512(hi, _mm512_slli_epi16(_mm512_and_si512(_mm512_srlv_epi32(top1, top_shift), low2), 4));
+      const int64_t k = k0 + c * step_k;
+      if (BITS == 6) {
+        const __m512i raw2 = _mm512_loadu_si512(chunk + 64), top = _mm512_loadu_si512(chunk + 128);
+        const __m512i v0 = _mm512_or_si512(_mm512_and_si512(raw, low4),
+                                           _mm512_and_si512(_mm512_slli_epi16(top, 4), bits45));
+        const __m512i v1 = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(raw, 4), low4),
+                                           _mm512_and_si512(_mm512_slli_epi16(top, 2), bits45));
+        const __m512i v2 = _mm512_or_si512(_mm512_and_si512(raw2, low4), _mm512_and_si512(top, bits45));
+        const __m512i v3 = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(raw2, 4), low4),
+                                           _mm512_and_si512(_mm512_srli_epi16(top, 2), bits45));
+        for (int t = 0; t < T; ++t) {
+          const int8_t* xr = a.xq + (r0 + t) * L.K + k;
+          iacc[t] = _mm512_dpbusd_epi32(iacc[t], v0, _mm512_set1_epi32(load_i32(xr)));
+          iacc[t] = _mm512_dpbusd_epi32(iacc[t], v1, _mm512_set1_epi32(load_i32(xr + 4)));
+          iacc[t] = _mm512_dpbusd_epi32(iacc[t], v2, _mm512_set1_epi32(load_i32(xr + 8)));
+          iacc[t] = _mm512_dpbusd_epi32(iacc[t], v3, _mm512_set1_epi32(load_i32(xr + 12)));
         }
+      } else if (BITS == 4) {
+        const __m512i lo = _mm512_and_si512(raw, low4);
+        const __m512i hi = _mm512_and_si512(_mm512_srli_epi16(raw, 4), low4);
         for (int t = 0; t < T; ++t) {
           const int8_t* xr = a.xq + (r0 + t) * L.K + k;
           iacc[t] = _mm512_dpbusd_epi32(iacc[t], lo, _mm512_set1_epi32(load_i32(xr)));
@@ -191,10 +200,10 @@ template <int T, int BITS>
 void group_tile(const Layout& L, const Weights& w, int64_t g, const Acts& a, int64_t r0, float* y, int64_t ldy,
                 int64_t col0) {
   const int64_t nsub = L.K / L.S, subs_per_sb = L.SB / L.S;
-  const int64_t chunk_k = BITS == 8 ? 4 : 8, chunks_per_sub = L.S / chunk_k;
-  constexpr int64_t chunk_bytes = BITS == 6 ? 96 : 64;
-  const uint8_t* codes = w.codes + g * (L.K / chunk_k) * chunk_bytes;
-  const __m256i low4 = _mm256_set1_epi8(0x0F), low2 = _mm256_set1_epi8(0x03), top = _mm256_set1_epi8((char)0x80);
+  constexpr int64_t step_k = BITS == 8 ? 4 : BITS == 4 ? 8 : 16, step_bytes = BITS == 6 ? 192 : 64;
+  const int64_t steps_per_sub = L.S / step_k;
+  const uint8_t* codes = w.codes + g * (L.K / step_k) * step_bytes;
+  const __m256i low4 = _mm256_set1_epi8(0x0F), bits45 = _mm256_set1_epi8(0x30), top = _mm256_set1_epi8((char)0x80);
   // 8-bit codes above 127 would overflow maddubs' int16 pairs: with z = 128 (Q8_0) the codes
   // are taken back to signed values and multiplied by |code| with the activation's sign moved
   const bool signed8 = BITS == 8 && L.z == 128;
@@ -219,32 +228,40 @@ void group_tile(const Layout& L, const Weights& w, int64_t g, const Acts& a, int
       __m256i iacc[T], pairs16[T];
       for (int t = 0; t < T; ++t) iacc[t] = pairs16[t] = _mm256_setzero_si256();
       const int64_t k0 = s * L.S;
-      const uint8_t* sub_codes = codes + (k0 / chunk_k) * chunk_bytes;
-      // bytes 32 half .. 32 half + 31 of a chunk: their top bits sit at 2L, L = 2 half + (0 or 1)
-      const __m256i top_shift = _mm256_set_epi32(2 + 4 * half, 2 + 4 * half, 2 + 4 * half, 2 + 4 * half,
-                                                 4 * half, 4 * half, 4 * half, 4 * half);
-      for (int64_t c = 0; c < chunks_per_sub; ++c) {
-        const uint8_t* chunk = sub_codes + c * chunk_bytes;
+      const uint8_t* sub_codes = codes + (k0 / step_k) * step_bytes;
+      for (int64_t c = 0; c < steps_per_sub; ++c) {
+        const uint8_t* chunk = sub_codes + c * step_bytes;
         const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(chunk + half * 32));
-        const int64_t k = k0 + c * chunk_k;
-        if (BITS != 8) {
-          __m256i lo = _mm256_and_si256(raw, low4);
-          __m256i hi = _mm256_and_si256(_mm256_srli_epi16(raw, 4), low4);
-          if (BITS == 6) {
-            const __m256i top0 = _mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(chunk + 64)));
-            const __m256i top1 = _mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(chunk + 80)));
-            lo = _mm256_or_si256(lo, _mm256_slli_epi16(_mm256_and_si256(_mm256_srlv_epi32(top0, top_shift), low2), 4));
-            hi = _mm256_or_si256(hi, _mm256_slli_epi16(_mm256_and_si256(_mm256_srlv_epi32(top1, top_shift), low2), 4));
-          }
+        const int64_t k = k0 + c * step_k;
+        if (BITS == 6) {  // pairs of products <= 2 * 63 * 127: two of them fit int16
+          const __m256i raw2 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(chunk + 64 + half * 32));
+          const __m256i tops = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(chunk + 128 + half * 32));
+          const __m256i v0 = _mm256_or_si256(_mm256_and_si256(raw, low4),
+                                             _mm256_and_si256(_mm256_slli_epi16(tops, 4), bits45));
+          const __m256i v1 = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(raw, 4), low4),
+                                             _mm256_and_si256(_mm256_slli_epi16(tops, 2), bits45));
+          const __m256i v2 = _mm256_or_si256(_mm256_and_si256(raw2, low4), _mm256_and_si256(tops, bits45));
+          const __m256i v3 = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(raw2, 4), low4),
+                                             _mm256_and_si256(_mm256_srli_epi16(tops, 2), bits45));
           for (int t = 0; t < T; ++t) {
             const int8_t* xr = a.xq + (r0 + t) * L.K + k;
-            // pairs of products: <= 2 * 15 * 127 for 4-bit codes, 2 * 63 * 127 for 6-bit ones
-            const __m256i pairs = _mm256_add_epi16(_mm256_maddubs_epi16(lo, _mm256_set1_epi32(load_i32(xr))),
-                                                   _mm256_maddubs_epi16(hi, _mm256_set1_epi32(load_i32(xr + 4))));
-            if (BITS == 4)  // a 32-input sub-block's 8 sums of pairs fit int16: widen once, after the loop
-              pairs16[t] = _mm256_add_epi16(pairs16[t], pairs);
-            else
-              iacc[t] = _mm256_add_epi32(iacc[t], _mm256_madd_epi16(pairs, ones16));
+            const __m256i p01 = _mm256_add_epi16(_mm256_maddubs_epi16(v0, _mm256_set1_epi32(load_i32(xr))),
+                                                 _mm256_maddubs_epi16(v1, _mm256_set1_epi32(load_i32(xr + 4))));
+            const __m256i p23 = _mm256_add_epi16(_mm256_maddubs_epi16(v2, _mm256_set1_epi32(load_i32(xr + 8))),
+                                                 _mm256_maddubs_epi16(v3, _mm256_set1_epi32(load_i32(xr + 12))));
+            iacc[t] = _mm256_add_epi32(iacc[t], _mm256_add_epi32(_mm256_madd_epi16(p01, ones16),
+                                                                 _mm256_madd_epi16(p23, ones16)));
+          }
+        } else if (BITS == 4) {
+          const __m256i lo = _mm256_and_si256(raw, low4);
+          const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(raw, 4), low4);
+          for (int t = 0; t < T; ++t) {
+            const int8_t* xr = a.xq + (r0 + t) * L.K + k;
+            // pairs of products <= 2 * 15 * 127: a 32-input sub-block's 8 of them fit int16,
+            // widened once after the loop
+            pairs16[t] = _mm256_add_epi16(pairs16[t],
+                                          _mm256_add_epi16(_mm256_maddubs_epi16(lo, _mm256_set1_epi32(load_i32(xr))),
+                                                           _mm256_maddubs_epi16(hi, _mm256_set1_epi32(load_i32(xr + 4)))));
           }
         } else if (signed8) {
           const __m256i value = _mm256_xor_si256(raw, top);  // code - 128, as int8
@@ -423,17 +440,16 @@ at::Tensor dequantize_rows(const at::Tensor& ids, const at::Tensor& codes, const
   const uint8_t* m = bytes_or_null(mn);
   const at::Half* dp = reinterpret_cast<const at::Half*>(d.data_ptr());
   const at::Half* dminp = dmin.has_value() && dmin->defined() ? reinterpret_cast<const at::Half*>(dmin->data_ptr()) : nullptr;
-  const int64_t chunk_k = bits == 8 ? 4 : 8, chunk_bytes = bits == 6 ? 96 : 64;
+  const int64_t step_k = bits == 8 ? 4 : bits == 4 ? 8 : 16, step_bytes = bits == 6 ? 192 : 64;
   float* o = out.data_ptr<float>();
   at::parallel_for(0, n_ids, 1, [&](int64_t i0, int64_t i1) {
     for (int64_t i = i0; i < i1; ++i) {
       const int64_t g = id[i] / LANES, lane = id[i] % LANES;
       for (int64_t k = 0; k < K; ++k) {
-        const int64_t j = k % chunk_k;
-        const uint8_t* chunk = c + (g * (K / chunk_k) + k / chunk_k) * chunk_bytes;
-        const int64_t q = lane * 4 + j % 4;
-        int code = bits == 8 ? chunk[q] : (j < 4 ? chunk[q] & 0x0F : chunk[q] >> 4);
-        if (bits == 6) code |= ((chunk[64 + 16 * (j / 4) + q % 16] >> (2 * (q / 16))) & 3) << 4;
+        const int64_t j = k % step_k, q = lane * 4 + j % 4, v = j / 4;  // v: the vector of 4 inputs
+        const uint8_t* step = c + (g * (K / step_k) + k / step_k) * step_bytes;
+        int code = bits == 8 ? step[q] : (v % 2 == 0 ? step[64 * (v / 2) + q] & 0x0F : step[64 * (v / 2) + q] >> 4);
+        if (bits == 6) code |= ((step[128 + q] >> (2 * v)) & 3) << 4;
         const int64_t meta = (g * (K / S) + k / S) * LANES + lane, super = (g * (K / SB) + k / SB) * LANES + lane;
         float scale = (float)dp[super];
         if (s) scale *= sc_signed ? (float)(int8_t)s[meta] : (float)s[meta];

@@ -150,7 +150,7 @@ class PackedTensor:
     layout: TypeLayout
     rows: int  # N before padding
     cols: int  # K
-    codes: torch.Tensor  # uint8 [G, K / chunk inputs, chunk bytes] (qmatmul.cpp's chunks)
+    codes: torch.Tensor  # uint8 [G, K / step inputs, step bytes] (qmatmul.cpp's steps)
     sc: torch.Tensor | None  # uint8 [G, K/S, 16]
     mn: torch.Tensor | None
     d: torch.Tensor  # float16 [G, K/SB, 16]
@@ -168,8 +168,8 @@ def pack(kind: str, data: np.ndarray, rows: int, cols: int) -> PackedTensor:
         raise ValueError(f"a {kind} tensor's rows must hold whole blocks of {layout.block_size}, got {cols}")
     groups = -(-rows // GROUP)
     per_row = cols // layout.block_size
-    chunk_k = 4 if layout.bits == 8 else 8
-    codes = torch.empty(groups, cols // chunk_k, 96 if layout.bits == 6 else 64, dtype=torch.uint8)
+    step_k, step_bytes = {4: (8, 64), 6: (16, 192), 8: (4, 64)}[layout.bits]
+    codes = torch.empty(groups, cols // step_k, step_bytes, dtype=torch.uint8)
     sc = torch.empty(groups, cols // layout.sub_block, GROUP, dtype=torch.uint8) if layout.has_sc else None
     mn = torch.empty(groups, cols // layout.sub_block, GROUP, dtype=torch.uint8) if layout.has_mn else None
     d = torch.empty(groups, per_row, GROUP, dtype=torch.float16)
@@ -207,14 +207,14 @@ def _by_group(values: np.ndarray) -> np.ndarray:
 
 
 def _pack_codes(codes: np.ndarray, bits: int) -> np.ndarray:
-    """codes [rows, K] -> chunks [rows/16, K/chunk_k, chunk bytes] (see qmatmul.cpp's header)."""
+    """codes [rows, K] -> steps [rows/16, K/step inputs, step bytes] (see qmatmul.cpp's header)."""
     rows, cols = codes.shape
-    if bits == 6:
-        low = _pack_codes(codes & 0x0F, 4)  # [g, c, 64]
-        top = (codes >> 4).reshape(rows // GROUP, GROUP, cols // 8, 2, 4)  # [g, n, c, v, j]
-        top = top.transpose(0, 2, 3, 1, 4).reshape(rows // GROUP, cols // 8, 2, 4, 16)  # [g, c, v, L, i]: q = 16L + i
+    if bits == 6:  # per 16 inputs: two 64-byte nibble planes, then 64 bytes of top 2 bits
+        low = _pack_codes(codes & 0x0F, 4).reshape(rows // GROUP, cols // 16, 128)  # [g, step, 2 x 64]
+        top = (codes >> 4).reshape(rows // GROUP, GROUP, cols // 16, 4, 4)  # [g, n, step, v, j]: input 4v + j
         shifts = (2 * np.arange(4, dtype=np.uint8)).reshape(1, 1, 1, 4, 1)
-        top = np.bitwise_or.reduce(top << shifts, axis=3).reshape(rows // GROUP, cols // 8, 32)  # [g, c, 16v + i]
+        top = np.bitwise_or.reduce(top << shifts, axis=3)  # [g, n, step, j]
+        top = np.ascontiguousarray(top.transpose(0, 2, 1, 3)).reshape(rows // GROUP, cols // 16, 64)  # byte 4n + j
         return np.concatenate([low, top.astype(np.uint8)], axis=2)
     if bits == 8:
         return np.ascontiguousarray(codes.reshape(rows // GROUP, GROUP, cols // 4, 4).transpose(0, 2, 1, 3)).reshape(
