@@ -301,33 +301,54 @@ def has_packable_tensors(types: dict[str, int]) -> bool:
 
 
 def _hf_tensors(reader, architecture: str, hf_config: dict, path: Path, keep_quantized: bool = False):
-    """(Hugging Face name, tensor) for every tensor of the file: a float32 torch tensor, or
-    with keep_quantized, a PackedTensor for each matrix of a type the kernel takes. Quantized
-    bytes are read from the file one tensor at a time (never the whole file in memory)."""
-    import gguf
+    """(Hugging Face name, tensor) for every tensor of the file, in the file's order: a float32
+    torch tensor, or with keep_quantized, a PackedTensor for each matrix of a type the kernel
+    takes. Quantized matrices are read and packed a few at a time, on as many threads as
+    PyTorch uses (numpy releases the GIL), never the whole file in memory."""
+    from collections import deque
+    from concurrent.futures import ThreadPoolExecutor
 
     progress = _Progress(path, sum(int(t.n_bytes) for t in reader.tensors)) if keep_quantized else None
-    with open(path, "rb") as file:
+    workers = max(1, torch.get_num_threads())
+    with ThreadPoolExecutor(max_workers=workers) as pool:
+        pending = deque()  # (name, bytes, future or tensor), in the file's order
         for tensor in reader.tensors:
             name = hf_name(tensor.name, path)
             shape = tuple(int(n) for n in reversed(tensor.shape))  # GGUF lists the fastest dimension first
             if keep_quantized and tensor.tensor_type.name in LAYOUTS and len(shape) == 2:
-                yield name, _packed(file, tensor, name, shape, architecture, hf_config, path)
-                progress.advance(int(tensor.n_bytes))
-                continue
-            try:
-                values = gguf.quants.dequantize(tensor.data, tensor.tensor_type)  # [rows, columns], float32
-            except Exception as e:  # data cut short, a shape that is not whole blocks
-                raise GGUFError(f"{path}: tensor {tensor.name} ({tensor.tensor_type.name}) cannot be read "
-                                f"({type(e).__name__}: {e}); the file is corrupt or cut short") from e
-            values = values.astype(np.float32, copy=not values.flags.writeable)  # F32 tensors map the file read-only
-            weight = torch.from_numpy(np.ascontiguousarray(values).reshape(shape))
-            yield name, _unpermuted(weight, name, architecture, hf_config)
-            if progress:
-                progress.advance(int(tensor.n_bytes))
+                item = pool.submit(_packed, tensor, name, shape, architecture, hf_config, path)
+            else:
+                item = _float_tensor(tensor, name, shape, architecture, hf_config, path)
+            pending.append((name, int(tensor.n_bytes), item))
+            while len(pending) > workers:
+                yield _finished(pending.popleft(), progress)
+        while pending:
+            yield _finished(pending.popleft(), progress)
     if progress:
         progress.done()
         release_freed_memory()  # the packing's temporaries
+
+
+def _finished(item, progress) -> tuple[str, object]:
+    name, nbytes, value = item
+    if not isinstance(value, torch.Tensor):
+        value = value.result()  # a PackedTensor being made
+    if progress:
+        progress.advance(nbytes)
+    return name, value
+
+
+def _float_tensor(tensor, name: str, shape: tuple, architecture: str, hf_config: dict, path: Path) -> torch.Tensor:
+    import gguf
+
+    try:
+        values = gguf.quants.dequantize(tensor.data, tensor.tensor_type)  # [rows, columns], float32
+    except Exception as e:  # data cut short, a shape that is not whole blocks
+        raise GGUFError(f"{path}: tensor {tensor.name} ({tensor.tensor_type.name}) cannot be read "
+                        f"({type(e).__name__}: {e}); the file is corrupt or cut short") from e
+    values = values.astype(np.float32, copy=not values.flags.writeable)  # F32 tensors map the file read-only
+    weight = torch.from_numpy(np.ascontiguousarray(values).reshape(shape))
+    return _unpermuted(weight, name, architecture, hf_config)
 
 
 def _unpermuted(weight, name: str, architecture: str, hf_config: dict):
@@ -339,12 +360,11 @@ def _unpermuted(weight, name: str, architecture: str, hf_config: dict):
     return weight
 
 
-def _packed(file, tensor, name: str, shape: tuple[int, int], architecture: str, hf_config: dict,
+def _packed(tensor, name: str, shape: tuple[int, int], architecture: str, hf_config: dict,
             path: Path) -> PackedTensor:
-    """One quantized matrix read from file and packed for the kernel, rows in Hugging Face's order."""
+    """One quantized matrix read from the file and packed for the kernel, rows in Hugging Face's order."""
     rows, cols = shape
-    file.seek(int(tensor.data_offset))
-    data = np.fromfile(file, dtype=np.uint8, count=int(tensor.n_bytes))
+    data = np.fromfile(path, dtype=np.uint8, count=int(tensor.n_bytes), offset=int(tensor.data_offset))
     layout = LAYOUTS[tensor.tensor_type.name]
     if data.size != rows * cols // layout.block_size * layout.block_bytes or cols % layout.block_size:
         raise GGUFError(f"{path}: tensor {tensor.name} ({tensor.tensor_type.name}) is cut short or not whole "

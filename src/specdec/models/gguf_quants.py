@@ -212,8 +212,7 @@ def _pack_codes(codes: np.ndarray, bits: int) -> np.ndarray:
     if bits == 6:  # per 16 inputs: two 64-byte nibble planes, then 64 bytes of top 2 bits
         low = _pack_codes(codes & 0x0F, 4).reshape(rows // GROUP, cols // 16, 128)  # [g, step, 2 x 64]
         top = (codes >> 4).reshape(rows // GROUP, GROUP, cols // 16, 4, 4)  # [g, n, step, v, j]: input 4v + j
-        shifts = (2 * np.arange(4, dtype=np.uint8)).reshape(1, 1, 1, 4, 1)
-        top = np.bitwise_or.reduce(top << shifts, axis=3)  # [g, n, step, j]
+        top = top[:, :, :, 0] | (top[:, :, :, 1] << 2) | (top[:, :, :, 2] << 4) | (top[:, :, :, 3] << 6)  # [g, n, step, j]
         top = np.ascontiguousarray(top.transpose(0, 2, 1, 3)).reshape(rows // GROUP, cols // 16, 64)  # byte 4n + j
         return np.concatenate([low, top.astype(np.uint8)], axis=2)
     if bits == 8:
