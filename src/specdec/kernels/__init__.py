@@ -21,7 +21,7 @@ from pathlib import Path
 log = logging.getLogger("specdec")
 
 SOURCE = Path(__file__).with_name("qmatmul.cpp")
-COMMON_FLAGS = ["-O3", "-std=c++17", "-mavx2", "-mfma", "-mf16c"]
+COMMON_FLAGS = ["-O3", "-std=c++17", "-fopenmp", "-mavx2", "-mfma", "-mf16c"]  # -fopenmp: at::parallel_for is OpenMP inlined here
 VARIANT_FLAGS = {
     "avx512_vnni": COMMON_FLAGS + ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx512vnni"],
     "avx2": COMMON_FLAGS,
