@@ -145,10 +145,12 @@ class Engine:
         """Size the caches for generating seqs (and compile for it, where the runners are to);
         returns how many run at once."""
         max_batch = min(self.max_num_seqs, len(seqs))
-        # room for the forwards of every k up to the engine's, which calibration and warm-up run
-        max_len = max(s.num_tokens + s.params.max_tokens for s in seqs) + self._margin(self.k) + 1
+        # room for the forwards of every k these requests can use, which calibration and warm-up
+        # run (a k far beyond what they can emit is neither allocated nor timed)
+        k = self._usable_k(seqs) if self.tree is None else self.k  # a tree's nodes are not cut to the room
+        max_len = max(s.num_tokens + s.params.max_tokens for s in seqs) + self._margin(k) + 1
         waves = -(-len(seqs) // max_batch)
-        self._reserve(max_batch, max_len, waves * max(s.params.max_tokens for s in seqs))
+        self._reserve(max_batch, max_len, waves * max(s.params.max_tokens for s in seqs), k)
         self._start(max_batch)
         return max_batch
 
@@ -169,10 +171,10 @@ class Engine:
                 raise CacheTooLarge(f"one sequence of {max_len:,} positions needs {per_slot / 1e6:,.1f} MB of key/value "
                                     f"cache, more than the budget of {kv_cache_bytes / 1e6:,.1f} MB; lower "
                                     "max_model_len or raise the budget")
-        self._reserve(num_slots, max_len, 0)
+        self._reserve(num_slots, max_len, 0, self.k)
         if self.policy is not None:
             for batch_size in (1 << i for i in range(num_slots.bit_length())):
-                self._calibrate(batch_size, max_len)
+                self._calibrate(batch_size, max_len, self.k)
         self._start(num_slots, max_prefill_tokens)
         return num_slots
 
@@ -198,9 +200,9 @@ class Engine:
         k = self.k if self.tree is not None else min(self.k, seq.draft_room)  # a chain is cut to the room
         return seq.num_tokens + seq.params.max_tokens + self._margin(k) + 1
 
-    def _reserve(self, max_batch: int, max_len: int, num_forwards: int) -> None:
-        """Caches for the work ahead (at most num_forwards target forwards); the runners compile
-        for it if they are to, and the policy measures its costs."""
+    def _reserve(self, max_batch: int, max_len: int, num_forwards: int, k: int) -> None:
+        """Caches for the work ahead (at most num_forwards target forwards, k drafts a round at
+        most); the runners compile for it if they are to, and the policy measures its costs."""
         # a fixed k verifies k drafts every round (fewer are padded); goodput may choose k = 0; a
         # tree's forwards run eagerly, and only rows without room run compiled (plain steps)
         if self.tree is not None:
@@ -216,14 +218,14 @@ class Engine:
             raise CacheTooLarge(f"{e}: {max_batch} sequences at once, each of up to {max_len:,} positions (prompt + "
                                 "max_tokens + k + 1); lower max_tokens, or max_num_seqs") from None
         if self.policy is not None:
-            self._calibrate(max_batch, max_len)
+            self._calibrate(max_batch, max_len, k)
 
-    def _calibrate(self, batch_size: int, max_len: int) -> None:
-        """The goodput policy's costs at batch_size rows for every k up to the engine's (once per
-        batch bucket: goodput.py), measured here, before any request runs: never inside a
-        timed generate."""
+    def _calibrate(self, batch_size: int, max_len: int, k: int) -> None:
+        """The goodput policy's costs at batch_size rows for every k up to k (once per batch
+        bucket: goodput.py; a larger k later adds its lengths), measured here, before any
+        request runs: never inside a timed generate."""
         with stage(f"timing the round costs of {batch_size} row{'s' if batch_size > 1 else ''} for k by goodput"):
-            self.policy.calibrate(batch_size, self.k,
+            self.policy.calibrate(batch_size, k,
                                   lambda num_tokens: self._time_target(batch_size, num_tokens, max_len),
                                   lambda: self.drafter.time_step(batch_size))
 
@@ -235,7 +237,7 @@ class Engine:
         batch_size, max_len = self.scheduler.num_slots, self.cache.max_len
         with torch.inference_mode():
             for _ in range(repeats):
-                for num_tokens in range(1, self.k + 2):
+                for num_tokens in range(1, min(self.k + 1, max_len - 1) + 1):  # the forwards the cache holds
                     self._time_target(batch_size, num_tokens, max_len)
                 if self.drafter is not None:
                     self.drafter.time_step(batch_size)
