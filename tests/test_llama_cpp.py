@@ -402,7 +402,7 @@ def _kind(cpu_kind: str) -> dict:
             "prompt_sets": {"edit": {"title": "edit prompts", "prompts": ["a", "b"]}},
             "verify_cost": {"llama.cpp": {"depth": 64, "verify_ms": 90.0, "step_ms": 30.0, "verify_cost": 3.0},
                             "specdec": {"depth": 64, "verify_ms": 80.0, "step_ms": 40.0, "verify_cost": 2.0}},
-            "rows": rows, "notes": ["a note"]}
+            "rows": rows, "notes": ["a note"], "load_average": {"before": 3.5, "after": 1.25}}
 
 
 def _results(*kinds: str) -> dict:
@@ -418,6 +418,7 @@ def test_the_markdown_has_a_table_per_cpu_kind_and_prompt_set():
     assert "| specdec ngram | 30.0 | 1.50x | 90.0 | 33.0 | 0.71 | 2.50 | 256 | 2 of 2 |" in text
     assert "| llama.cpp plain | 20.0 | 1.00x | 90.0 | 22.0 | – | – | 256 | 2 of 2 |" in text
     assert "90.00 ms | 30.00 ms | 3.00 |" in text and "- a note" in text
+    assert "load average was 3.5 before the timed runs and 1.2 after them, on 2 cores" in text
     assert "Fastest of each: specdec ngram, 30.0 tokens/s, against llama.cpp plain, 20.0: **1.50x**." in text
 
 
@@ -466,3 +467,5 @@ def test_one_real_prompt_end_to_end():
     assert rows[("llama.cpp", "plain")]["ratio_to_llama_cpp_plain"] == 1.0
     assert all(math.isfinite(cost["verify_cost"]) for cost in result["verify_cost"].values())
     assert result["llama_cpp"]["system_info"] and result["cpu_kind"] == llama_cpp.process_cpu_kind()
+    assert len(result["runs"]) == 4 and {run["prompt_tokens"] for run in result["runs"]} == {rows[("specdec", "plain")][
+        "prompt_tokens"]}

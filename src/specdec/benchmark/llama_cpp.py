@@ -449,12 +449,15 @@ def measure(config: LlamaCppConfig, say: Say) -> dict:
     runners = {**llama_cpp_runners(build, config, options), **specdec}
     say("warming up specdec")
     warm_up(specdec, max((ids for pairs in prompts.values() for _, ids, _ in pairs), key=len), config)
+    load_before = os.getloadavg()[0]
     records = interleave(runners, prompts, say)
+    load_after = os.getloadavg()[0]
     say("measuring what a verify forward costs (llama-bench, and specdec's runner)")
     llama_bench = parse_llama_bench(run_tool(bench_command(build, config.model, options.threads,
                                                            config.bench_repetitions))[0])
     return {"cpu_kind": process_cpu_kind(), "cpu_capability": torch.backends.cpu.get_cpu_capability(),
             "machine": describe_machine("cpu"), "threads": options.threads,
+            "load_average": {"before": load_before, "after": load_after},  # other work on the machine
             "llama_cpp": {"commit": llama_bench["commit"], "sdist": SDIST,
                           "flags": list(build.flags),
                           "system_info": parse_system_info(runners[LLAMA_PLAIN].last_stderr)},
@@ -463,7 +466,7 @@ def measure(config: LlamaCppConfig, say: Say) -> dict:
             "verify_cost": {"llama.cpp": llama_bench,
                             "specdec": specdec_verify_cost(target, config)},
             "rows": summarize(records, list(runners), config.k, config.prompt_sets),
-            "notes": prompt_token_notes(records, prompts)}
+            "notes": prompt_token_notes(records, prompts), "runs": runs_json(records, prompts)}
 
 
 def load_specdec(config: LlamaCppConfig):
@@ -645,6 +648,12 @@ def _agree(text: str | None, reference: str | None) -> bool:
         return False
     text, reference = text.rstrip(), reference.rstrip()
     return text.startswith(reference) or reference.startswith(text)
+
+
+def runs_json(records: list[Record], prompts: dict) -> list[dict]:
+    """Every run's own numbers (the rows pool them), to look into one that stands out."""
+    return [{"prompt_set": r.prompt_set, "prompt": prompts[r.prompt_set][r.index][0].name, "engine": r.system.engine,
+             "method": r.system.method, **{k: v for k, v in asdict(r.timed).items() if k != "text"}} for r in records]
 
 
 def prompt_token_notes(records: list[Record], prompts: dict) -> list[str]:

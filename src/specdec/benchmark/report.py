@@ -430,6 +430,10 @@ def _llama_cpp_setup(kind: dict) -> str:
             f"`{' '.join(kind['llama_cpp']['flags'])}`, which reports "
             f"`{kind['llama_cpp']['system_info']}`. Target {model}; prompts: {sets}; at most {config['max_tokens']} "
             f"new tokens; k = {config['k']}.")
+    load = kind.get("load_average")
+    if load:
+        text += (f" The machine's 1-minute load average was {load['before']:.1f} before the timed runs and "
+                 f"{load['after']:.1f} after them, on {m['cores']} cores.")
     return text + (f" Command: `{kind['command']}`." if kind.get("command") else "")
 
 
