@@ -557,16 +557,11 @@ def encode_prompts(target, config: LlamaCppConfig, set_name: str) -> list[tuple]
 
 def warm_up(runners: dict, ids: list[int], config: LlamaCppConfig) -> None:
     """Each specdec system pays its first calls' costs (allocating for the longest prompt, ids;
-    goodput's calibration) untimed: LLM.warm_up where this specdec has it, else a short call.
-    (Each llama.cpp tool warms up by itself, untimed.)"""
+    goodput's calibration) untimed, with LLM.warm_up. (Each llama.cpp tool warms up by itself.)"""
     from specdec.config import SamplingParams
 
-    params = SamplingParams(temperature=0, max_tokens=config.max_tokens)
     for runner in runners.values():
-        if hasattr(runner.llm, "warm_up"):
-            runner.llm.warm_up(ids, params)
-        else:
-            runner(ids, "", min(config.k + 2, config.max_tokens))
+        runner.llm.warm_up(ids, SamplingParams(temperature=0, max_tokens=config.max_tokens))
 
 
 @dataclass(frozen=True)
