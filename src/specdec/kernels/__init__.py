@@ -1,5 +1,7 @@
 """specdec's own CPU kernels (a C++ extension built on first use with torch.utils.cpp_extension).
 
+attention.cpp attends a few queries (a decode step, a verify forward) over the key/value cache,
+each query alone, so that a verify forward gives bit for bit what the decode steps would.
 qmatmul.cpp multiplies activations by GGUF-quantized weights held in their integer codes (see
 its header for the layout). It is compiled for the CPU it runs on, in one of two variants:
   avx512_vnni  AVX-512 with VNNI (vpdpbusd: 64 unsigned codes x 4 int8 activations a step)
@@ -13,6 +15,7 @@ SPECDEC_CACHE/extensions; `make test` builds it.
 from __future__ import annotations
 
 import functools
+import hashlib
 import logging
 import os
 import time
@@ -20,7 +23,8 @@ from pathlib import Path
 
 log = logging.getLogger("specdec")
 
-SOURCE = Path(__file__).with_name("qmatmul.cpp")
+SOURCE_DIR = Path(__file__).parent
+SOURCES = [SOURCE_DIR / "qmatmul.cpp", SOURCE_DIR / "attention.cpp"]  # and their header, vec16.h
 COMMON_FLAGS = ["-O3", "-std=c++17", "-fopenmp", "-mavx2", "-mfma", "-mf16c"]  # -fopenmp: at::parallel_for is OpenMP inlined here
 VARIANT_FLAGS = {
     "avx512_vnni": COMMON_FLAGS + ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx512vnni"],
@@ -65,13 +69,16 @@ def qmatmul():
     name = variant()
     build_dir = CACHE / "extensions" / name
     build_dir.mkdir(parents=True, exist_ok=True)
+    # the sources' hash in the flags: torch rebuilds when flags or the .cpp files change, not a header
+    digest = hashlib.sha256(b"".join(p.read_bytes() for p in sorted(SOURCE_DIR.glob("*.[ch]*")))).hexdigest()[:16]
     start = time.perf_counter()
     try:
-        module = cpp_extension.load(name=f"specdec_qmatmul_{name}", sources=[str(SOURCE)], extra_cflags=VARIANT_FLAGS[name],
+        module = cpp_extension.load(name=f"specdec_qmatmul_{name}", sources=[str(source) for source in SOURCES],
+                                    extra_cflags=[*VARIANT_FLAGS[name], f"-DSPECDEC_SOURCES={digest}"],
                                     extra_ldflags=["-fopenmp"] if os.name == "posix" else [],
                                     build_directory=str(build_dir), verbose=False)
     except Exception as e:  # no compiler, a failed build
-        raise KernelUnavailable(f"building specdec's quantized kernel ({SOURCE.name}, {name}) failed: {e}; "
+        raise KernelUnavailable(f"building specdec's kernels ({', '.join(s.name for s in SOURCES)}, {name}) failed: {e}; "
                                 "install a C++ compiler (gcc) and ninja, or load with quantization=None") from e
     elapsed = time.perf_counter() - start
     if elapsed > 1:
@@ -87,20 +94,36 @@ def _register_fakes() -> None:
     @torch.library.register_fake("specdec::quantize_activations")
     def _(x):
         rows, cols = x.shape
-        return (x.new_empty(rows, cols, dtype=torch.int8), x.new_empty(rows, cols // 32),
-                x.new_empty(rows, cols // 16 + cols // 32))
+        block = 256 if cols % 256 == 0 else 32  # inputs per activation scale (qmatmul.cpp's act_block)
+        return (x.new_empty(rows, cols, dtype=torch.int8), x.new_empty(rows, cols // block, dtype=torch.float32),
+                x.new_empty(rows, cols // 16 + cols // 32, dtype=torch.int16))
 
     @torch.library.register_fake("specdec::qmatmul")
     def _(xq, dx, xsum, codes, sc, mn, d, dmin, bits, S, SB, z, sc_signed):
         return dx.new_empty(xq.shape[0], codes.shape[0] * 16)
 
     @torch.library.register_fake("specdec::qlinear")
-    def _(x, codes, sc, mn, d, dmin, layouts, bias):
+    def _(x, codes, sc, mn, d, dmin, layouts, bias, norm_weight=None, eps=0.0, gated=False):
         return x.new_empty(x.shape[0], sum(c.shape[0] for c in codes) * 16, dtype=torch.float32)
+
+    @torch.library.register_fake("specdec::attend")
+    def _(q, keys, values, mask, scale):
+        return torch.empty_like(q, memory_format=torch.contiguous_format)
 
     @torch.library.register_fake("specdec::dequantize_rows")
     def _(ids, codes, sc, mn, d, dmin, K, bits, S, SB, z, sc_signed):
         return d.new_empty(ids.shape[0], K, dtype=torch.float32)
+
+
+@functools.cache
+def available() -> bool:
+    """Whether this machine runs (and has built, or can build) specdec's kernels."""
+    try:
+        qmatmul()
+    except KernelUnavailable as e:
+        log.warning("%s", e)
+        return False
+    return True
 
 
 def ops():

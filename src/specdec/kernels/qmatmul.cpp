@@ -18,10 +18,24 @@
 //             those of byte q's code in vector v: inputs j, 4+j, 8+j, 12+j for v = 0..3);
 //             8-bit: 64 bytes for 4 inputs x 16 rows (byte 4n+j holds input j).
 //
-// Activations are quantized per row to int8 in blocks of 32 inputs (scale dx = max|x| / 127),
-// as llama.cpp does. Each row's result depends on that row alone (the arithmetic per row does
-// not depend on how many rows there are, and threads split output rows, never inputs), so a
-// batch of rows gets the same results as the rows one at a time.
+// Activations are quantized per row to int8 in blocks of AB inputs (scale dx = max|x| / 127):
+// AB = 256 where K allows (llama.cpp's Q8_K, what it multiplies its k-quants by), else 32. With
+// one dx per super-block, a k-quant's super-block is
+//   sum_k w x = dx * (d * sum_s sc_s * dot_s  +  cc * sum_s c_s * xs_s)
+// dot_s: the sub-block's codes times activation codes (vpdpbusd; maddubs + madd on AVX2), xs_s:
+// the sub-block's sum of activation codes, and the correction c_s = mn_s with cc = dmin, or
+// c_s = sc_s with cc = -z * d (no k-quant has both), two sub-blocks per vpdpwssd (madd on AVX2).
+// A row pays per sub-block one conversion and one FMA (AVX-512: sc_s * d as a float; an integer
+// vpmulld instead measured 20% slower on Q6_K) or one madd that also widens (AVX2: sc_s as the
+// int16 multiplier), and per super-block one FMA by dx. The legacy types (no sc) sum in floats
+// per sub-block of 32.
+//
+// The prologue (optional) is what a layer did to its input before the product: an RMSNorm, an
+// MLP's gate (silu(gate) * up); the kernel does it in float32 while quantizing the input.
+//
+// Each row's result depends on that row alone (the arithmetic per row does not depend on how many
+// rows there are, and threads split output rows, never inputs), so a batch of rows gets the same
+// results as the rows one at a time.
 //
 // The kernel reads every weight chunk once for up to MAX_TILE activation rows: with AVX-512
 // VNNI, one vpdpbusd multiplies 64 codes by 4 broadcast int8 activations per row.
@@ -31,51 +45,93 @@
 #include <immintrin.h>
 #include <cstring>
 #include <cmath>
+#include <vector>
+
+#include "vec16.h"
 
 namespace {
 
-constexpr int ACT_BLOCK = 32;   // inputs per activation scale (and per sum of a 32-input sub-block)
-constexpr int SUM_BLOCK = 16;   // inputs per activation sum of a 16-input sub-block
+constexpr int SUM_BLOCK = 16;   // inputs per activation sum of a 16-input sub-block (also kept per 32)
+
+// inputs per activation scale for K inputs
+inline int64_t act_block(int64_t K) { return K % 256 == 0 ? 256 : 32; }
 
 struct Layout {
   int64_t N, K;         // output rows (a multiple of 16), inputs
-  int64_t bits;         // 4 or 8: how codes are stored
+  int64_t bits;         // 4, 6 or 8: how codes are stored
   int64_t S, SB;        // sub-block and super-block sizes
   int64_t z;            // the code offset
   bool has_sc, sc_signed, has_mn, has_dmin;
 };
 
 typedef int32_t __attribute__((may_alias, aligned(1))) unaligned_i32;
-// 4 activation codes as one int32 (the compiler folds it into the instruction's broadcast)
-inline int32_t load_i32(const int8_t* p) { return *reinterpret_cast<const unaligned_i32*>(p); }
+// 4 activation codes (or 2 int16 sums) as one int32 (the compiler folds it into the broadcast)
+inline int32_t load_i32(const void* p) { return *reinterpret_cast<const unaligned_i32*>(p); }
 
 // ---- activations ---------------------------------------------------------------------------
 
-// x [M, K] float32 -> xq [M, K] int8, dx [M, K/32] (scales), xsum [M, K/16 + K/32] (dx * sum of
-// codes: per 16 inputs, then per 32)
+// What a layer does to its input before the product (each optional, in this order):
+//   gated  the input is [gate; up] ([M, 2K]) and the activation silu(gate) * up: an MLP's
+//          down projection, fused with the gate
+//   norm   RMSNorm: x * weight / sqrt(mean(x^2) + eps), in float32: the norm before a layer,
+//          fused with it
+struct Prologue {
+  bool gated = false;
+  const float* norm_weight = nullptr;  // [K] float32, or null
+  float eps = 0.f;
+};
+
+// Row m's activation (K inputs, after the prologue) in float32 into out [K].
 template <typename scalar_t>
-void quantize_rows(const scalar_t* x, int64_t M, int64_t K, int8_t* xq, float* dx, float* xsum) {
+void prepare_row(const scalar_t* x, int64_t m, int64_t K, const Prologue& pro, float* out) {
+  using namespace specdec_vec;
+  if (pro.gated) {
+    const scalar_t* gate = x + m * 2 * K;
+    const scalar_t* up = gate + K;
+    float g16[LANES16], u16[LANES16];
+    for (int64_t i0 = 0; i0 < K; i0 += LANES16) {  // K is a multiple of 32
+      for (int l = 0; l < LANES16; ++l) g16[l] = (float)gate[i0 + l], u16[l] = (float)up[i0 + l];
+      const vfloat g = load16(g16);
+      store16(out + i0, g / (1.f + exp16(-g)) * load16(u16));  // silu(gate) * up
+    }
+  } else {
+    for (int64_t i = 0; i < K; ++i) out[i] = (float)x[m * K + i];
+  }
+  if (pro.norm_weight != nullptr) {
+    double squares = 0.0;
+    for (int64_t i = 0; i < K; ++i) squares += (double)out[i] * out[i];
+    const float inverse_rms = 1.f / std::sqrt((float)(squares / K) + pro.eps);
+    for (int64_t i = 0; i < K; ++i) out[i] = out[i] * inverse_rms * pro.norm_weight[i];
+  }
+}
+
+// x [M, K] (or [M, 2K] gated) -> xq [M, K] int8, dx [M, K/AB] (scales), xsum [M, K/16 + K/32] int16
+// (sums of codes: per 16 inputs, then per 32)
+template <typename scalar_t>
+void quantize_rows(const scalar_t* x, int64_t M, int64_t K, const Prologue& pro, int8_t* xq, float* dx,
+                   int16_t* xsum) {
+  const int64_t AB = act_block(K);
   at::parallel_for(0, M, 16, [&](int64_t m0, int64_t m1) {
+    std::vector<float> row(K);
     for (int64_t m = m0; m < m1; ++m) {
-      for (int64_t b = 0; b < K / ACT_BLOCK; ++b) {
-        float xb[ACT_BLOCK];
-        for (int i = 0; i < ACT_BLOCK; ++i) xb[i] = (float)x[m * K + b * ACT_BLOCK + i];
+      prepare_row(x, m, K, pro, row.data());
+      int16_t* row_sums = xsum + m * (K / SUM_BLOCK + K / 32);
+      for (int64_t b = 0; b < K / AB; ++b) {
+        const float* xb = row.data() + b * AB;
         float amax = 0.f;
-        for (int i = 0; i < ACT_BLOCK; ++i) amax = std::max(amax, std::fabs(xb[i]));
+        for (int64_t i = 0; i < AB; ++i) amax = std::max(amax, std::fabs(xb[i]));
         const float d = amax / 127.f;
         const float id = d > 0.f ? 1.f / d : 0.f;
-        int8_t* qb = xq + m * K + b * ACT_BLOCK;
-        int32_t sums[ACT_BLOCK / SUM_BLOCK] = {0};
-        for (int i = 0; i < ACT_BLOCK; ++i) {
-          const int q = (int)std::nearbyint(xb[i] * id);
-          qb[i] = (int8_t)q;
-          sums[i / SUM_BLOCK] += q;
+        int8_t* qb = xq + m * K + b * AB;
+        for (int64_t i = 0; i < AB; ++i) qb[i] = (int8_t)std::nearbyint(xb[i] * id);
+        dx[m * (K / AB) + b] = d;
+        for (int64_t i0 = 0; i0 < AB; i0 += SUM_BLOCK) {
+          int32_t sum = 0;
+          for (int64_t i = i0; i < i0 + SUM_BLOCK; ++i) sum += qb[i];
+          row_sums[(b * AB + i0) / SUM_BLOCK] = (int16_t)sum;
         }
-        dx[m * (K / ACT_BLOCK) + b] = d;
-        float* row_sums = xsum + m * (K / SUM_BLOCK + K / ACT_BLOCK);
-        for (int s = 0; s < ACT_BLOCK / SUM_BLOCK; ++s) row_sums[b * (ACT_BLOCK / SUM_BLOCK) + s] = d * (float)sums[s];
-        row_sums[K / SUM_BLOCK + b] = d * (float)(sums[0] + sums[1]);
       }
+      for (int64_t s = 0; s < K / 32; ++s) row_sums[K / SUM_BLOCK + s] = row_sums[2 * s] + row_sums[2 * s + 1];
     }
   });
 }
@@ -89,14 +145,28 @@ struct Weights {
 };
 
 struct Acts {
-  const int8_t* xq; const float* dx; const float* xsum; int64_t M;
+  const int8_t* xq; const float* dx; const int16_t* xsum; int64_t M, AB;
 };
 
 // the activation sums of row r's sub-blocks of size S
-inline const float* sub_sums(const Acts& a, const Layout& L, int64_t r) {
-  const float* row_sums = a.xsum + r * (L.K / SUM_BLOCK + L.K / ACT_BLOCK);
-  return L.S == ACT_BLOCK ? row_sums + L.K / SUM_BLOCK : row_sums;
+inline const int16_t* sub_sums(const Acts& a, const Layout& L, int64_t r) {
+  const int16_t* row_sums = a.xsum + r * (L.K / SUM_BLOCK + L.K / 32);
+  return L.S == 32 ? row_sums + L.K / SUM_BLOCK : row_sums;
 }
+
+// the scale of row r's activations at input k
+inline float act_scale(const Acts& a, const Layout& L, int64_t r, int64_t k) {
+  return a.dx[r * (L.K / a.AB) + k / a.AB];
+}
+
+// Software prefetch: codes g_prefetch bytes ahead, for tiles of at least g_prefetch_rows rows.
+// With several rows a tile computes long enough between loads that the hardware prefetcher falls
+// behind; a verify forward of 7 rows of the 1.5B model took 84 ms without and 66 ms with it (one
+// decode step ~41 ms either way; 2 threads, AVX-512). set_tuning changes both, for benchmarks.
+int64_t g_prefetch = 4096, g_prefetch_rows = 1;
+
+template <int BITS> constexpr int64_t step_k() { return BITS == 8 ? 4 : BITS == 4 ? 8 : 16; }
+template <int BITS> constexpr int64_t step_bytes() { return BITS == 6 ? 192 : 64; }
 
 // ---- AVX-512 VNNI ------------------------------------------------------------------------------
 #if defined(__AVX512F__) && defined(__AVX512VNNI__)
@@ -106,74 +176,116 @@ constexpr int MAX_TILE = 8;
 inline __m512 load_half16(const at::Half* p) {
   return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
 }
-inline __m512 load_scale16(const uint8_t* p, bool is_signed) {
+inline __m512i load_int16x(const uint8_t* p, bool is_signed) {  // 16 bytes -> 16 int32
   const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
-  return _mm512_cvtepi32_ps(is_signed ? _mm512_cvtepi8_epi32(v) : _mm512_cvtepu8_epi32(v));
+  return is_signed ? _mm512_cvtepi8_epi32(v) : _mm512_cvtepu8_epi32(v);
 }
 
+// iacc[t] += one sub-block's codes (steps of the layout) times row t's activation codes at k0
 template <int T, int BITS>
-void group_tile(const Layout& L, const Weights& w, int64_t g, const Acts& a, int64_t r0, float* y, int64_t ldy,
-                int64_t col0) {
-  const int64_t nsub = L.K / L.S, subs_per_sb = L.SB / L.S;
-  constexpr int64_t step_k = BITS == 8 ? 4 : BITS == 4 ? 8 : 16, step_bytes = BITS == 6 ? 192 : 64;
-  const int64_t steps_per_sub = L.S / step_k;
-  const uint8_t* codes = w.codes + g * (L.K / step_k) * step_bytes;
+inline void dot_sub(const uint8_t* codes, int64_t steps, const int8_t* const* xr, int64_t k0, __m512i* iacc) {
   const __m512i low4 = _mm512_set1_epi8(0x0F), bits45 = _mm512_set1_epi8(0x30);
-  __m512 acc[T];
-  for (int t = 0; t < T; ++t) acc[t] = _mm512_setzero_ps();
-  __m512 d = _mm512_setzero_ps(), dmin = _mm512_setzero_ps();
-  for (int64_t s = 0; s < nsub; ++s) {
-    if (s % subs_per_sb == 0) {
-      const int64_t sb = s / subs_per_sb;
-      d = load_half16(w.d + (g * (L.K / L.SB) + sb) * LANES);
-      if (L.has_dmin) dmin = load_half16(w.dmin + (g * (L.K / L.SB) + sb) * LANES);
-    }
-    const int64_t meta = (g * nsub + s) * LANES;
-    const __m512 scale = L.has_sc ? _mm512_mul_ps(load_scale16(w.sc + meta, L.sc_signed), d) : d;
-    __m512 offset = _mm512_mul_ps(scale, _mm512_set1_ps(-(float)L.z));
-    if (L.has_dmin) offset = L.has_mn ? _mm512_fmadd_ps(load_scale16(w.mn + meta, false), dmin, offset)
-                                      : _mm512_add_ps(offset, dmin);
-    __m512i iacc[T];
-    for (int t = 0; t < T; ++t) iacc[t] = _mm512_setzero_si512();
-    const int64_t k0 = s * L.S;
-    const uint8_t* sub_codes = codes + (k0 / step_k) * step_bytes;
-    for (int64_t c = 0; c < steps_per_sub; ++c) {
-      const uint8_t* chunk = sub_codes + c * step_bytes;
-      const __m512i raw = _mm512_loadu_si512(chunk);
-      const int64_t k = k0 + c * step_k;
-      if (BITS == 6) {
-        const __m512i raw2 = _mm512_loadu_si512(chunk + 64), top = _mm512_loadu_si512(chunk + 128);
-        const __m512i v0 = _mm512_or_si512(_mm512_and_si512(raw, low4),
-                                           _mm512_and_si512(_mm512_slli_epi16(top, 4), bits45));
-        const __m512i v1 = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(raw, 4), low4),
-                                           _mm512_and_si512(_mm512_slli_epi16(top, 2), bits45));
-        const __m512i v2 = _mm512_or_si512(_mm512_and_si512(raw2, low4), _mm512_and_si512(top, bits45));
-        const __m512i v3 = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(raw2, 4), low4),
-                                           _mm512_and_si512(_mm512_srli_epi16(top, 2), bits45));
-        for (int t = 0; t < T; ++t) {
-          const int8_t* xr = a.xq + (r0 + t) * L.K + k;
-          iacc[t] = _mm512_dpbusd_epi32(iacc[t], v0, _mm512_set1_epi32(load_i32(xr)));
-          iacc[t] = _mm512_dpbusd_epi32(iacc[t], v1, _mm512_set1_epi32(load_i32(xr + 4)));
-          iacc[t] = _mm512_dpbusd_epi32(iacc[t], v2, _mm512_set1_epi32(load_i32(xr + 8)));
-          iacc[t] = _mm512_dpbusd_epi32(iacc[t], v3, _mm512_set1_epi32(load_i32(xr + 12)));
-        }
-      } else if (BITS == 4) {
-        const __m512i lo = _mm512_and_si512(raw, low4);
-        const __m512i hi = _mm512_and_si512(_mm512_srli_epi16(raw, 4), low4);
-        for (int t = 0; t < T; ++t) {
-          const int8_t* xr = a.xq + (r0 + t) * L.K + k;
-          iacc[t] = _mm512_dpbusd_epi32(iacc[t], lo, _mm512_set1_epi32(load_i32(xr)));
-          iacc[t] = _mm512_dpbusd_epi32(iacc[t], hi, _mm512_set1_epi32(load_i32(xr + 4)));
-        }
-      } else {
-        for (int t = 0; t < T; ++t)
-          iacc[t] = _mm512_dpbusd_epi32(iacc[t], raw, _mm512_set1_epi32(load_i32(a.xq + (r0 + t) * L.K + k)));
+  for (int64_t c = 0; c < steps; ++c) {
+    const uint8_t* chunk = codes + c * step_bytes<BITS>();
+    const int64_t k = k0 + c * step_k<BITS>();
+    if (T >= g_prefetch_rows)
+      for (int64_t b = 0; b < step_bytes<BITS>(); b += 64) _mm_prefetch((const char*)chunk + g_prefetch + b, _MM_HINT_T0);
+    const __m512i raw = _mm512_loadu_si512(chunk);
+    if (BITS == 6) {
+      const __m512i raw2 = _mm512_loadu_si512(chunk + 64), top = _mm512_loadu_si512(chunk + 128);
+      const __m512i v0 = _mm512_or_si512(_mm512_and_si512(raw, low4), _mm512_and_si512(_mm512_slli_epi16(top, 4), bits45));
+      const __m512i v1 = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(raw, 4), low4),
+                                         _mm512_and_si512(_mm512_slli_epi16(top, 2), bits45));
+      const __m512i v2 = _mm512_or_si512(_mm512_and_si512(raw2, low4), _mm512_and_si512(top, bits45));
+      const __m512i v3 = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(raw2, 4), low4),
+                                         _mm512_and_si512(_mm512_srli_epi16(top, 2), bits45));
+      for (int t = 0; t < T; ++t) {
+        iacc[t] = _mm512_dpbusd_epi32(iacc[t], v0, _mm512_set1_epi32(load_i32(xr[t] + k)));
+        iacc[t] = _mm512_dpbusd_epi32(iacc[t], v1, _mm512_set1_epi32(load_i32(xr[t] + k + 4)));
+        iacc[t] = _mm512_dpbusd_epi32(iacc[t], v2, _mm512_set1_epi32(load_i32(xr[t] + k + 8)));
+        iacc[t] = _mm512_dpbusd_epi32(iacc[t], v3, _mm512_set1_epi32(load_i32(xr[t] + k + 12)));
       }
+    } else if (BITS == 4) {
+      const __m512i lo = _mm512_and_si512(raw, low4), hi = _mm512_and_si512(_mm512_srli_epi16(raw, 4), low4);
+      for (int t = 0; t < T; ++t) {
+        iacc[t] = _mm512_dpbusd_epi32(iacc[t], lo, _mm512_set1_epi32(load_i32(xr[t] + k)));
+        iacc[t] = _mm512_dpbusd_epi32(iacc[t], hi, _mm512_set1_epi32(load_i32(xr[t] + k + 4)));
+      }
+    } else {
+      for (int t = 0; t < T; ++t) iacc[t] = _mm512_dpbusd_epi32(iacc[t], raw, _mm512_set1_epi32(load_i32(xr[t] + k)));
+    }
+  }
+}
+
+// k-quants (sc per sub-block, SB = AB): integer sums per super-block
+template <int T, int BITS>
+void group_tile_k(const Layout& L, const Weights& w, int64_t g, const Acts& a, int64_t r0, float* y, int64_t ldy,
+                  int64_t col0) {
+  const int64_t nsub = L.K / L.S, subs_per_sb = L.SB / L.S, steps_per_sub = L.S / step_k<BITS>();
+  const uint8_t* codes = w.codes + g * (L.K / step_k<BITS>()) * step_bytes<BITS>();
+  const uint8_t* coefs = L.has_mn ? w.mn : w.sc;  // the correction's c_s
+  const bool coef_signed = !L.has_mn && L.sc_signed;
+  const int8_t* xr[T];
+  const int16_t* xs[T];
+  for (int t = 0; t < T; ++t) xr[t] = a.xq + (r0 + t) * L.K, xs[t] = sub_sums(a, L, r0 + t);
+  // the rows' sums so far live in y (a load and a store per super-block), which leaves the
+  // registers to the super-block's sums
+  for (int t = 0; t < T; ++t) _mm512_storeu_ps(y + (r0 + t) * ldy + col0 + g * LANES, _mm512_setzero_ps());
+  for (int64_t sb = 0; sb < L.K / L.SB; ++sb) {
+    const int64_t s0 = sb * subs_per_sb;
+    const __m512 d = load_half16(w.d + (g * (L.K / L.SB) + sb) * LANES);
+    const __m512 cc = L.has_mn ? load_half16(w.dmin + (g * (L.K / L.SB) + sb) * LANES)
+                               : _mm512_mul_ps(d, _mm512_set1_ps(-(float)L.z));
+    // the correction: sum_s c_s xs_s, two sub-blocks per vpdpwssd (int16 pairs c_s, c_s+1 per lane)
+    __m512i icorr[T];
+    for (int t = 0; t < T; ++t) icorr[t] = _mm512_setzero_si512();
+    for (int64_t s = s0; s < s0 + subs_per_sb; s += 2) {
+      const __m128i c0 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(coefs + (g * nsub + s) * LANES));
+      const __m128i c1 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(coefs + (g * nsub + s + 1) * LANES));
+      const __m256i pairs8 = _mm256_set_m128i(_mm_unpackhi_epi8(c0, c1), _mm_unpacklo_epi8(c0, c1));
+      const __m512i pairs = coef_signed ? _mm512_cvtepi8_epi16(pairs8) : _mm512_cvtepu8_epi16(pairs8);
+      for (int t = 0; t < T; ++t)
+        icorr[t] = _mm512_dpwssd_epi32(icorr[t], pairs, _mm512_set1_epi32(load_i32(xs[t] + s)));
+    }
+    __m512 fsum[T];
+    for (int t = 0; t < T; ++t) fsum[t] = _mm512_mul_ps(_mm512_cvtepi32_ps(icorr[t]), cc);
+    for (int64_t s = s0; s < s0 + subs_per_sb; ++s) {
+      const __m512 scale = _mm512_mul_ps(_mm512_cvtepi32_ps(load_int16x(w.sc + (g * nsub + s) * LANES, L.sc_signed)), d);
+      __m512i iacc[T];
+      for (int t = 0; t < T; ++t) iacc[t] = _mm512_setzero_si512();
+      dot_sub<T, BITS>(codes + s * steps_per_sub * step_bytes<BITS>(), steps_per_sub, xr, s * L.S, iacc);
+      for (int t = 0; t < T; ++t) fsum[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(iacc[t]), scale, fsum[t]);
     }
     for (int t = 0; t < T; ++t) {
-      const float dx = a.dx[(r0 + t) * (L.K / ACT_BLOCK) + k0 / ACT_BLOCK];
+      float* out = y + (r0 + t) * ldy + col0 + g * LANES;
+      _mm512_storeu_ps(out, _mm512_fmadd_ps(fsum[t], _mm512_set1_ps(act_scale(a, L, r0 + t, sb * L.SB)),
+                                            _mm512_loadu_ps(out)));
+    }
+  }
+}
+
+// legacy types (no sc; SB = S = 32): float sums per sub-block
+template <int T, int BITS>
+void group_tile_legacy(const Layout& L, const Weights& w, int64_t g, const Acts& a, int64_t r0, float* y,
+                       int64_t ldy, int64_t col0) {
+  const int64_t nsub = L.K / L.S, steps_per_sub = L.S / step_k<BITS>();
+  const uint8_t* codes = w.codes + g * (L.K / step_k<BITS>()) * step_bytes<BITS>();
+  const int8_t* xr[T];
+  const int16_t* xs[T];
+  for (int t = 0; t < T; ++t) xr[t] = a.xq + (r0 + t) * L.K, xs[t] = sub_sums(a, L, r0 + t);
+  __m512 acc[T];
+  for (int t = 0; t < T; ++t) acc[t] = _mm512_setzero_ps();
+  for (int64_t s = 0; s < nsub; ++s) {
+    const __m512 scale = load_half16(w.d + (g * nsub + s) * LANES);
+    __m512 offset = _mm512_mul_ps(scale, _mm512_set1_ps(-(float)L.z));
+    if (L.has_dmin) offset = _mm512_add_ps(offset, load_half16(w.dmin + (g * nsub + s) * LANES));
+    __m512i iacc[T];
+    for (int t = 0; t < T; ++t) iacc[t] = _mm512_setzero_si512();
+    dot_sub<T, BITS>(codes + s * steps_per_sub * step_bytes<BITS>(), steps_per_sub, xr, s * L.S, iacc);
+    for (int t = 0; t < T; ++t) {
+      const float dx = act_scale(a, L, r0 + t, s * L.S);
       acc[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(iacc[t]), _mm512_mul_ps(scale, _mm512_set1_ps(dx)), acc[t]);
-      acc[t] = _mm512_fmadd_ps(offset, _mm512_set1_ps(sub_sums(a, L, r0 + t)[s]), acc[t]);
+      acc[t] = _mm512_fmadd_ps(offset, _mm512_set1_ps(dx * (float)xs[t][s]), acc[t]);
     }
   }
   for (int t = 0; t < T; ++t) _mm512_storeu_ps(y + (r0 + t) * ldy + col0 + g * LANES, acc[t]);
@@ -186,107 +298,161 @@ constexpr int MAX_TILE = 4;
 inline __m256 load_half8(const at::Half* p) {
   return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
 }
-inline __m256 load_scale8(const uint8_t* p, bool is_signed) {
+// 8 bytes -> 8 int32 lanes, each holding the value twice as int16 (a madd_epi16 multiplier per row)
+inline __m256i load_twice16(const uint8_t* p, bool is_signed) {
   const __m128i v = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p));
-  return _mm256_cvtepi32_ps(is_signed ? _mm256_cvtepi8_epi32(v) : _mm256_cvtepu8_epi32(v));
-}
-// sum of products of 4 consecutive bytes: unsigned codes (<= 127 each after the split below) x int8
-inline __m256i dot4(__m256i acc, __m256i codes, __m256i x) {
-  const __m256i pairs = _mm256_maddubs_epi16(codes, x);
-  return _mm256_add_epi32(acc, _mm256_madd_epi16(pairs, _mm256_set1_epi16(1)));
+  const __m256i wide = is_signed ? _mm256_cvtepi8_epi32(v) : _mm256_cvtepu8_epi32(v);
+  return _mm256_or_si256(_mm256_and_si256(wide, _mm256_set1_epi32(0xFFFF)), _mm256_slli_epi32(wide, 16));
 }
 
-template <int T, int BITS>
-void group_tile(const Layout& L, const Weights& w, int64_t g, const Acts& a, int64_t r0, float* y, int64_t ldy,
-                int64_t col0) {
-  const int64_t nsub = L.K / L.S, subs_per_sb = L.SB / L.S;
-  constexpr int64_t step_k = BITS == 8 ? 4 : BITS == 4 ? 8 : 16, step_bytes = BITS == 6 ? 192 : 64;
-  const int64_t steps_per_sub = L.S / step_k;
-  const uint8_t* codes = w.codes + g * (L.K / step_k) * step_bytes;
+// One sub-block's products of half (8 rows) of a group: f(t, pairs) is called with int16 pairs of
+// products (maddubs of codes <= 127 by int8 activations; each int16 pair belongs to one row), each
+// small enough for one more int16 addition of its like. 8-bit codes above 127 (Q8_0's, z = 128)
+// would overflow maddubs: they are taken back to signed values and multiplied by |code| with the
+// activation's sign moved.
+template <int T, int BITS, typename F>
+inline void pairs_sub(const uint8_t* codes, int64_t steps, int half, const int8_t* const* xr, int64_t k0,
+                      bool signed8, F&& f) {
   const __m256i low4 = _mm256_set1_epi8(0x0F), bits45 = _mm256_set1_epi8(0x30), top = _mm256_set1_epi8((char)0x80);
-  // 8-bit codes above 127 would overflow maddubs' int16 pairs: with z = 128 (Q8_0) the codes
-  // are taken back to signed values and multiplied by |code| with the activation's sign moved
-  const bool signed8 = BITS == 8 && L.z == 128;
-  const __m256i ones16 = _mm256_set1_epi16(1);
-  TORCH_CHECK(BITS != 4 || L.S <= 32, "4-bit codes in sub-blocks of at most 32");  // int16 sums above
-  const float z = signed8 ? 0.f : (float)L.z;
+  for (int64_t c = 0; c < steps; ++c) {
+    const uint8_t* chunk = codes + c * step_bytes<BITS>();
+    const int64_t k = k0 + c * step_k<BITS>();
+    if (half == 0 && T >= g_prefetch_rows)
+      for (int64_t b = 0; b < step_bytes<BITS>(); b += 64) _mm_prefetch((const char*)chunk + g_prefetch + b, _MM_HINT_T0);
+    const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(chunk + half * 32));
+    auto x4 = [&](int t, int64_t kk) { return _mm256_set1_epi32(load_i32(xr[t] + kk)); };
+    if (BITS == 6) {  // products <= 63 * 127: two pairs of them fit int16
+      const __m256i raw2 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(chunk + 64 + half * 32));
+      const __m256i tops = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(chunk + 128 + half * 32));
+      const __m256i v0 = _mm256_or_si256(_mm256_and_si256(raw, low4), _mm256_and_si256(_mm256_slli_epi16(tops, 4), bits45));
+      const __m256i v1 = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(raw, 4), low4),
+                                         _mm256_and_si256(_mm256_slli_epi16(tops, 2), bits45));
+      const __m256i v2 = _mm256_or_si256(_mm256_and_si256(raw2, low4), _mm256_and_si256(tops, bits45));
+      const __m256i v3 = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(raw2, 4), low4),
+                                         _mm256_and_si256(_mm256_srli_epi16(tops, 2), bits45));
+      for (int t = 0; t < T; ++t) {
+        f(t, _mm256_add_epi16(_mm256_maddubs_epi16(v0, x4(t, k)), _mm256_maddubs_epi16(v1, x4(t, k + 4))));
+        f(t, _mm256_add_epi16(_mm256_maddubs_epi16(v2, x4(t, k + 8)), _mm256_maddubs_epi16(v3, x4(t, k + 12))));
+      }
+    } else if (BITS == 4) {  // products <= 15 * 127: a 32-input sub-block's 8 pairs of them fit int16
+      const __m256i lo = _mm256_and_si256(raw, low4), hi = _mm256_and_si256(_mm256_srli_epi16(raw, 4), low4);
+      for (int t = 0; t < T; ++t)
+        f(t, _mm256_add_epi16(_mm256_maddubs_epi16(lo, x4(t, k)), _mm256_maddubs_epi16(hi, x4(t, k + 4))));
+    } else if (signed8) {
+      const __m256i value = _mm256_xor_si256(raw, top);  // code - 128, as int8
+      const __m256i magnitude = _mm256_abs_epi8(value);
+      for (int t = 0; t < T; ++t) f(t, _mm256_maddubs_epi16(magnitude, _mm256_sign_epi8(x4(t, k), value)));
+    } else {
+      for (int t = 0; t < T; ++t) f(t, _mm256_maddubs_epi16(raw, x4(t, k)));
+    }
+  }
+}
+
+// k-quants (sc per sub-block, SB = AB): integer sums per super-block, the sub-block scale applied by
+// the madd that widens the int16 pairs
+template <int T, int BITS>
+void group_tile_k(const Layout& L, const Weights& w, int64_t g, const Acts& a, int64_t r0, float* y, int64_t ldy,
+                  int64_t col0) {
+  const int64_t nsub = L.K / L.S, subs_per_sb = L.SB / L.S, steps_per_sub = L.S / step_k<BITS>();
+  const uint8_t* codes = w.codes + g * (L.K / step_k<BITS>()) * step_bytes<BITS>();
+  const uint8_t* coefs = L.has_mn ? w.mn : w.sc;
+  const bool coef_signed = !L.has_mn && L.sc_signed;
+  const int8_t* xr[T];
+  const int16_t* xs[T];
+  for (int t = 0; t < T; ++t) xr[t] = a.xq + (r0 + t) * L.K, xs[t] = sub_sums(a, L, r0 + t);
   for (int half = 0; half < 2; ++half) {
     __m256 acc[T];
     for (int t = 0; t < T; ++t) acc[t] = _mm256_setzero_ps();
-    __m256 d = _mm256_setzero_ps(), dmin = _mm256_setzero_ps();
-    for (int64_t s = 0; s < nsub; ++s) {
-      if (s % subs_per_sb == 0) {
-        const int64_t sb = s / subs_per_sb;
-        d = load_half8(w.d + (g * (L.K / L.SB) + sb) * LANES + half * 8);
-        if (L.has_dmin) dmin = load_half8(w.dmin + (g * (L.K / L.SB) + sb) * LANES + half * 8);
+    for (int64_t sb = 0; sb < L.K / L.SB; ++sb) {
+      const int64_t s0 = sb * subs_per_sb, meta_sb = (g * (L.K / L.SB) + sb) * LANES + half * 8;
+      const __m256 d = load_half8(w.d + meta_sb);
+      const __m256 cc = L.has_mn ? load_half8(w.dmin + meta_sb) : _mm256_mul_ps(d, _mm256_set1_ps(-(float)L.z));
+      __m256i icorr[T], isum[T];
+      for (int t = 0; t < T; ++t) icorr[t] = isum[t] = _mm256_setzero_si256();
+      for (int64_t s = s0; s < s0 + subs_per_sb; s += 2) {
+        const __m128i c0 = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(coefs + (g * nsub + s) * LANES + half * 8));
+        const __m128i c1 = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(coefs + (g * nsub + s + 1) * LANES + half * 8));
+        const __m128i pairs8 = _mm_unpacklo_epi8(c0, c1);
+        const __m256i pairs = coef_signed ? _mm256_cvtepi8_epi16(pairs8) : _mm256_cvtepu8_epi16(pairs8);
+        for (int t = 0; t < T; ++t)
+          icorr[t] = _mm256_add_epi32(icorr[t], _mm256_madd_epi16(pairs, _mm256_set1_epi32(load_i32(xs[t] + s))));
       }
-      const int64_t meta = (g * nsub + s) * LANES + half * 8;
-      const __m256 scale = L.has_sc ? _mm256_mul_ps(load_scale8(w.sc + meta, L.sc_signed), d) : d;
-      __m256 offset = _mm256_mul_ps(scale, _mm256_set1_ps(-z));
-      if (L.has_dmin) offset = L.has_mn ? _mm256_fmadd_ps(load_scale8(w.mn + meta, false), dmin, offset)
-                                        : _mm256_add_ps(offset, dmin);
-      __m256i iacc[T], pairs16[T];
-      for (int t = 0; t < T; ++t) iacc[t] = pairs16[t] = _mm256_setzero_si256();
-      const int64_t k0 = s * L.S;
-      const uint8_t* sub_codes = codes + (k0 / step_k) * step_bytes;
-      for (int64_t c = 0; c < steps_per_sub; ++c) {
-        const uint8_t* chunk = sub_codes + c * step_bytes;
-        const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(chunk + half * 32));
-        const int64_t k = k0 + c * step_k;
-        if (BITS == 6) {  // pairs of products <= 2 * 63 * 127: two of them fit int16
-          const __m256i raw2 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(chunk + 64 + half * 32));
-          const __m256i tops = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(chunk + 128 + half * 32));
-          const __m256i v0 = _mm256_or_si256(_mm256_and_si256(raw, low4),
-                                             _mm256_and_si256(_mm256_slli_epi16(tops, 4), bits45));
-          const __m256i v1 = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(raw, 4), low4),
-                                             _mm256_and_si256(_mm256_slli_epi16(tops, 2), bits45));
-          const __m256i v2 = _mm256_or_si256(_mm256_and_si256(raw2, low4), _mm256_and_si256(tops, bits45));
-          const __m256i v3 = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(raw2, 4), low4),
-                                             _mm256_and_si256(_mm256_srli_epi16(tops, 2), bits45));
-          for (int t = 0; t < T; ++t) {
-            const int8_t* xr = a.xq + (r0 + t) * L.K + k;
-            const __m256i p01 = _mm256_add_epi16(_mm256_maddubs_epi16(v0, _mm256_set1_epi32(load_i32(xr))),
-                                                 _mm256_maddubs_epi16(v1, _mm256_set1_epi32(load_i32(xr + 4))));
-            const __m256i p23 = _mm256_add_epi16(_mm256_maddubs_epi16(v2, _mm256_set1_epi32(load_i32(xr + 8))),
-                                                 _mm256_maddubs_epi16(v3, _mm256_set1_epi32(load_i32(xr + 12))));
-            iacc[t] = _mm256_add_epi32(iacc[t], _mm256_add_epi32(_mm256_madd_epi16(p01, ones16),
-                                                                 _mm256_madd_epi16(p23, ones16)));
-          }
-        } else if (BITS == 4) {
-          const __m256i lo = _mm256_and_si256(raw, low4);
-          const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(raw, 4), low4);
-          for (int t = 0; t < T; ++t) {
-            const int8_t* xr = a.xq + (r0 + t) * L.K + k;
-            // pairs of products <= 2 * 15 * 127: a 32-input sub-block's 8 of them fit int16,
-            // widened once after the loop
-            pairs16[t] = _mm256_add_epi16(pairs16[t],
-                                          _mm256_add_epi16(_mm256_maddubs_epi16(lo, _mm256_set1_epi32(load_i32(xr))),
-                                                           _mm256_maddubs_epi16(hi, _mm256_set1_epi32(load_i32(xr + 4)))));
-          }
-        } else if (signed8) {
-          const __m256i value = _mm256_xor_si256(raw, top);  // code - 128, as int8
-          const __m256i magnitude = _mm256_abs_epi8(value);
-          for (int t = 0; t < T; ++t) {
-            const __m256i x = _mm256_set1_epi32(load_i32(a.xq + (r0 + t) * L.K + k));
-            iacc[t] = dot4(iacc[t], magnitude, _mm256_sign_epi8(x, value));
-          }
+      for (int64_t s = s0; s < s0 + subs_per_sb; ++s) {
+        const __m256i sc = load_twice16(w.sc + (g * nsub + s) * LANES + half * 8, L.sc_signed);
+        const uint8_t* sub_codes = codes + s * steps_per_sub * step_bytes<BITS>();
+        if (BITS == 4) {  // a sub-block's pairs summed in int16, then scaled
+          __m256i pairs16[T];
+          for (int t = 0; t < T; ++t) pairs16[t] = _mm256_setzero_si256();
+          pairs_sub<T, BITS>(sub_codes, steps_per_sub, half, xr, s * L.S, false,
+                             [&](int t, __m256i p) { pairs16[t] = _mm256_add_epi16(pairs16[t], p); });
+          for (int t = 0; t < T; ++t) isum[t] = _mm256_add_epi32(isum[t], _mm256_madd_epi16(pairs16[t], sc));
         } else {
-          for (int t = 0; t < T; ++t)
-            iacc[t] = dot4(iacc[t], raw, _mm256_set1_epi32(load_i32(a.xq + (r0 + t) * L.K + k)));
+          pairs_sub<T, BITS>(sub_codes, steps_per_sub, half, xr, s * L.S, false,
+                             [&](int t, __m256i p) { isum[t] = _mm256_add_epi32(isum[t], _mm256_madd_epi16(p, sc)); });
         }
       }
-      if (BITS == 4)
-        for (int t = 0; t < T; ++t) iacc[t] = _mm256_madd_epi16(pairs16[t], ones16);
       for (int t = 0; t < T; ++t) {
-        const float dx = a.dx[(r0 + t) * (L.K / ACT_BLOCK) + k0 / ACT_BLOCK];
+        const __m256 dx = _mm256_set1_ps(act_scale(a, L, r0 + t, sb * L.SB));
+        acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum[t]), _mm256_mul_ps(d, dx), acc[t]);
+        acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(icorr[t]), _mm256_mul_ps(cc, dx), acc[t]);
+      }
+    }
+    for (int t = 0; t < T; ++t) _mm256_storeu_ps(y + (r0 + t) * ldy + col0 + g * LANES + half * 8, acc[t]);
+  }
+}
+
+// legacy types (no sc; SB = S = 32): float sums per sub-block
+template <int T, int BITS>
+void group_tile_legacy(const Layout& L, const Weights& w, int64_t g, const Acts& a, int64_t r0, float* y,
+                       int64_t ldy, int64_t col0) {
+  const int64_t nsub = L.K / L.S, steps_per_sub = L.S / step_k<BITS>();
+  const uint8_t* codes = w.codes + g * (L.K / step_k<BITS>()) * step_bytes<BITS>();
+  const bool signed8 = BITS == 8 && L.z == 128;
+  const float z = signed8 ? 0.f : (float)L.z;
+  const __m256i ones16 = _mm256_set1_epi16(1);
+  const int8_t* xr[T];
+  const int16_t* xs[T];
+  for (int t = 0; t < T; ++t) xr[t] = a.xq + (r0 + t) * L.K, xs[t] = sub_sums(a, L, r0 + t);
+  for (int half = 0; half < 2; ++half) {
+    __m256 acc[T];
+    for (int t = 0; t < T; ++t) acc[t] = _mm256_setzero_ps();
+    for (int64_t s = 0; s < nsub; ++s) {
+      const __m256 scale = load_half8(w.d + (g * nsub + s) * LANES + half * 8);
+      __m256 offset = _mm256_mul_ps(scale, _mm256_set1_ps(-z));
+      if (L.has_dmin) offset = _mm256_add_ps(offset, load_half8(w.dmin + (g * nsub + s) * LANES + half * 8));
+      __m256i iacc[T];
+      for (int t = 0; t < T; ++t) iacc[t] = _mm256_setzero_si256();
+      if (BITS == 4) {
+        __m256i pairs16[T];
+        for (int t = 0; t < T; ++t) pairs16[t] = _mm256_setzero_si256();
+        pairs_sub<T, BITS>(codes + s * steps_per_sub * step_bytes<BITS>(), steps_per_sub, half, xr, s * L.S, false,
+                           [&](int t, __m256i p) { pairs16[t] = _mm256_add_epi16(pairs16[t], p); });
+        for (int t = 0; t < T; ++t) iacc[t] = _mm256_madd_epi16(pairs16[t], ones16);
+      } else {
+        pairs_sub<T, BITS>(codes + s * steps_per_sub * step_bytes<BITS>(), steps_per_sub, half, xr, s * L.S, signed8,
+                           [&](int t, __m256i p) { iacc[t] = _mm256_add_epi32(iacc[t], _mm256_madd_epi16(p, ones16)); });
+      }
+      for (int t = 0; t < T; ++t) {
+        const float dx = act_scale(a, L, r0 + t, s * L.S);
         acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(iacc[t]), _mm256_mul_ps(scale, _mm256_set1_ps(dx)), acc[t]);
-        acc[t] = _mm256_fmadd_ps(offset, _mm256_set1_ps(sub_sums(a, L, r0 + t)[s]), acc[t]);
+        acc[t] = _mm256_fmadd_ps(offset, _mm256_set1_ps(dx * (float)xs[t][s]), acc[t]);
       }
     }
     for (int t = 0; t < T; ++t) _mm256_storeu_ps(y + (r0 + t) * ldy + col0 + g * LANES + half * 8, acc[t]);
   }
 }
 #endif
+
+template <int T, int BITS>
+void group_tile(const Layout& L, const Weights& w, int64_t g, const Acts& a, int64_t r0, float* y, int64_t ldy,
+                int64_t col0) {
+  if constexpr (BITS == 8) {
+    group_tile_legacy<T, BITS>(L, w, g, a, r0, y, ldy, col0);
+  } else {
+    if (L.has_sc) group_tile_k<T, BITS>(L, w, g, a, r0, y, ldy, col0);
+    else group_tile_legacy<T, BITS>(L, w, g, a, r0, y, ldy, col0);
+  }
+}
 
 template <int BITS>
 void run_group(const Layout& L, const Weights& w, int64_t g, const Acts& a, float* y, int64_t ldy, int64_t col0) {
@@ -312,19 +478,22 @@ const uint8_t* bytes_or_null(const c10::optional<at::Tensor>& t) {
 
 }  // namespace
 
-// Quantize activations once for several products: x [M, K] float32 -> (xq, dx, xsum).
-std::vector<at::Tensor> quantize_activations(const at::Tensor& x) {
+// Quantize activations once for several products: x [M, K] (gated: [M, 2K]) float32 or bfloat16 ->
+// (xq int8 [M, K], dx float32 [M, K/AB], xsum int16 [M, K/16 + K/32]), after the prologue.
+std::vector<at::Tensor> quantize_activations(const at::Tensor& x, const Prologue& pro = Prologue()) {
   TORCH_CHECK(x.dim() == 2 && (x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16) && x.is_contiguous(),
               "x: contiguous float32 or bfloat16 [M, K]");
-  const int64_t M = x.size(0), K = x.size(1);
-  TORCH_CHECK(K % ACT_BLOCK == 0, "K must be a multiple of 32");
+  const int64_t M = x.size(0), K = pro.gated ? x.size(1) / 2 : x.size(1);
+  TORCH_CHECK(K % 32 == 0 && (!pro.gated || x.size(1) % 2 == 0), "K must be a multiple of 32");
+  const int64_t AB = act_block(K);
   auto xq = at::empty({M, K}, x.options().dtype(at::kChar));
-  auto dx = at::empty({M, K / ACT_BLOCK}, x.options().dtype(at::kFloat));
-  auto xsum = at::empty({M, K / SUM_BLOCK + K / ACT_BLOCK}, x.options().dtype(at::kFloat));
+  auto dx = at::empty({M, K / AB}, x.options().dtype(at::kFloat));
+  auto xsum = at::empty({M, K / SUM_BLOCK + K / 32}, x.options().dtype(at::kShort));
   if (x.scalar_type() == at::kFloat)
-    quantize_rows(x.data_ptr<float>(), M, K, xq.data_ptr<int8_t>(), dx.data_ptr<float>(), xsum.data_ptr<float>());
+    quantize_rows(x.data_ptr<float>(), M, K, pro, xq.data_ptr<int8_t>(), dx.data_ptr<float>(), xsum.data_ptr<int16_t>());
   else
-    quantize_rows(x.data_ptr<at::BFloat16>(), M, K, xq.data_ptr<int8_t>(), dx.data_ptr<float>(), xsum.data_ptr<float>());
+    quantize_rows(x.data_ptr<at::BFloat16>(), M, K, pro, xq.data_ptr<int8_t>(), dx.data_ptr<float>(),
+                  xsum.data_ptr<int16_t>());
   return {xq, dx, xsum};
 }
 
@@ -352,7 +521,9 @@ void qmatmul_into(const at::Tensor& xq, const at::Tensor& dx, const at::Tensor& 
   Weights w{codes.data_ptr<uint8_t>(), bytes_or_null(sc), bytes_or_null(mn),
             reinterpret_cast<const at::Half*>(d.data_ptr()),
             L.has_dmin ? reinterpret_cast<const at::Half*>(dmin->data_ptr()) : nullptr};
-  Acts a{xq.data_ptr<int8_t>(), dx.data_ptr<float>(), xsum.data_ptr<float>(), xq.size(0)};
+  TORCH_CHECK(dx.size(1) == L.K / act_block(L.K) && xsum.scalar_type() == at::kShort, "dx, xsum: from quantize_activations");
+  TORCH_CHECK(!L.has_sc || L.SB == act_block(L.K), "k-quants need one activation scale per super-block");
+  Acts a{xq.data_ptr<int8_t>(), dx.data_ptr<float>(), xsum.data_ptr<int16_t>(), xq.size(0), act_block(L.K)};
   float* out = y.data_ptr<float>();
   const int64_t ldy = y.size(1), groups = L.N / LANES;
   at::parallel_for(0, groups, 1, [&](int64_t g0, int64_t g1) {
@@ -364,19 +535,29 @@ void qmatmul_into(const at::Tensor& xq, const at::Tensor& dx, const at::Tensor& 
   });
 }
 
-// A whole linear layer: x [M, K] (float32 or bfloat16) times the parts stacked by rows, plus the
-// bias (float32 [N padded], or none): [M, N padded] float32. One pass of activation quantization
-// and one parallel loop over every part's groups.
+// A whole linear layer: x [M, K] (float32 or bfloat16; gated: [M, 2K]), after the prologue (gated,
+// norm_weight: see Prologue), times the parts stacked by rows, plus the bias (float32 [N padded], or
+// none): [M, N padded] float32. One pass of activation quantization and one parallel loop over every
+// part's groups.
 at::Tensor qlinear(const at::Tensor& x, at::TensorList codes, const c10::List<c10::optional<at::Tensor>>& sc,
                    const c10::List<c10::optional<at::Tensor>>& mn, at::TensorList d,
                    const c10::List<c10::optional<at::Tensor>>& dmin, at::IntArrayRef layouts,
-                   const c10::optional<at::Tensor>& bias) {
+                   const c10::optional<at::Tensor>& bias, const c10::optional<at::Tensor>& norm_weight, double eps,
+                   bool gated) {
   const int64_t parts = (int64_t)codes.size();
   TORCH_CHECK(parts > 0 && (int64_t)d.size() == parts && (int64_t)sc.size() == parts && (int64_t)mn.size() == parts &&
               (int64_t)dmin.size() == parts && (int64_t)layouts.size() == 5 * parts,
               "one codes, sc, mn, d, dmin and 5 layout numbers (bits, S, SB, z, sc_signed) per part");
-  auto acts = quantize_activations(x);
-  const int64_t M = x.size(0), K = x.size(1);
+  Prologue pro;
+  pro.gated = gated;
+  if (norm_weight.has_value() && norm_weight->defined()) {
+    TORCH_CHECK(norm_weight->scalar_type() == at::kFloat && norm_weight->is_contiguous() &&
+                norm_weight->numel() == (gated ? x.size(1) / 2 : x.size(1)), "norm_weight: float32 [K]");
+    pro.norm_weight = norm_weight->data_ptr<float>();
+    pro.eps = (float)eps;
+  }
+  auto acts = quantize_activations(x, pro);
+  const int64_t M = x.size(0), K = acts[0].size(1);
   std::vector<Layout> L(parts);
   std::vector<Weights> W(parts);
   std::vector<int64_t> first_group(parts + 1, 0);
@@ -394,6 +575,8 @@ at::Tensor qlinear(const at::Tensor& x, at::TensorList codes, const c10::List<c1
     L[p].has_dmin = dmin_p.has_value() && dmin_p->defined();
     TORCH_CHECK(codes[p].numel() == L[p].N * K * bits / 8, "codes do not hold N x K codes for K = ", K);
     TORCH_CHECK(K % SB == 0 && SB % S == 0 && d[p].numel() == L[p].N / LANES * (K / SB) * LANES, "d: [G, K/SB, 16]");
+    TORCH_CHECK(!L[p].has_sc || SB == act_block(K), "k-quants need one activation scale per super-block");
+    TORCH_CHECK(!(L[p].has_mn && L[p].z != 0), "a type with both mn and z is not of the kernel's forms");
     W[p] = Weights{codes[p].data_ptr<uint8_t>(), bytes_or_null(sc_p), bytes_or_null(mn_p),
                    reinterpret_cast<const at::Half*>(d[p].data_ptr()),
                    L[p].has_dmin ? reinterpret_cast<const at::Half*>(dmin_p->data_ptr()) : nullptr};
@@ -406,7 +589,7 @@ at::Tensor qlinear(const at::Tensor& x, at::TensorList codes, const c10::List<c1
   const float* b = bias.has_value() && bias->defined() ? bias->data_ptr<float>() : nullptr;
   auto y = at::empty({M, ldy}, x.options().dtype(at::kFloat));
   float* out = y.data_ptr<float>();
-  Acts a{acts[0].data_ptr<int8_t>(), acts[1].data_ptr<float>(), acts[2].data_ptr<float>(), M};
+  Acts a{acts[0].data_ptr<int8_t>(), acts[1].data_ptr<float>(), acts[2].data_ptr<int16_t>(), M, act_block(K)};
   at::parallel_for(0, first_group[parts], 1, [&](int64_t g0, int64_t g1) {
     int64_t p = 0;
     for (int64_t g = g0; g < g1; ++g) {
@@ -491,7 +674,7 @@ TORCH_LIBRARY(specdec, m) {
   m.def("qmatmul(Tensor xq, Tensor dx, Tensor xsum, Tensor codes, Tensor? sc, Tensor? mn, Tensor d, Tensor? dmin, "
         "int bits, int S, int SB, int z, bool sc_signed) -> Tensor");
   m.def("qlinear(Tensor x, Tensor[] codes, Tensor?[] sc, Tensor?[] mn, Tensor[] d, Tensor?[] dmin, int[] layouts, "
-        "Tensor? bias) -> Tensor");
+        "Tensor? bias, Tensor? norm_weight=None, float eps=0.0, bool gated=False) -> Tensor");
   m.def("dequantize_rows(Tensor ids, Tensor codes, Tensor? sc, Tensor? mn, Tensor d, Tensor? dmin, int K, int bits, "
         "int S, int SB, int z, bool sc_signed) -> Tensor");
 }
@@ -504,8 +687,9 @@ TORCH_LIBRARY_IMPL(specdec, CPU, m) {
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("quantize_activations", &quantize_activations);
+  m.def("quantize_activations", [](const at::Tensor& x) { return quantize_activations(x); });
   m.def("qmatmul_into", &qmatmul_into);
   m.def("dequantize_rows", &dequantize_rows);
   m.def("isa", &isa);
+  m.def("set_tuning", [](int64_t prefetch, int64_t prefetch_rows) { g_prefetch = prefetch; g_prefetch_rows = prefetch_rows; });
 }

@@ -52,18 +52,37 @@ class GGUFLinear(nn.Module):
         # per part: code bits, sub-block, super-block, code offset, signed sub-block scales
         self.layouts = [n for p in parts for n in (p.layout.bits, p.layout.sub_block, p.layout.super_block,
                                                    p.layout.z, int(p.layout.sc_signed))]
+        # what the kernel does to the input first (fuse_input): none yet
+        self.gated, self.eps = False, 0.0
+        self.register_buffer("norm_weight", None, persistent=False)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x2 = x.reshape(-1, self.in_features)  # [..., K] -> [M, K]
+    def fuse_input(self, norm: nn.Module | None = None, gated: bool = False) -> None:
+        """Take over what the layer's input went through: an RMSNorm (its weight and eps), and/or
+        the gate of an MLP (the input is then [gate; up], [..., 2K], and the product's input
+        silu(gate) * up). The kernel does it while quantizing the input, in float32: the ops
+        these replace each cost a Python call per layer, per token."""
+        self.gated = gated
+        if norm is not None:
+            self.norm_weight, self.eps = norm.weight.detach().float().contiguous(), float(norm.eps)
+
+    @property
+    def input_size(self) -> int:
+        return 2 * self.in_features if self.gated else self.in_features
+
+    def product(self, x: torch.Tensor) -> torch.Tensor:
+        """x [..., input_size] -> x W^T + b as float32 [M, out_features] (M = the leading dims' product)."""
+        x2 = x.reshape(-1, self.input_size)  # [..., K] -> [M, K]
         if x2.dtype not in (torch.float32, torch.bfloat16):
             x2 = x2.float()
         parts = self.parts
         y = torch.ops.specdec.qlinear(x2.contiguous(), [p.codes for p in parts], [p.sc for p in parts],
                                       [p.mn for p in parts], [p.d for p in parts], [p.dmin for p in parts],
-                                      self.layouts, self.padded_bias)  # [M, N padded], float32, bias added
-        if self.keep is not None:
-            y = y[:, self.keep]
-        return y.to(x.dtype).view(*x.shape[:-1], self.out_features)
+                                      self.layouts, self.padded_bias, self.norm_weight, self.eps,
+                                      self.gated)  # [M, N padded], float32, bias added
+        return y if self.keep is None else y[:, self.keep]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.product(x).to(x.dtype).view(*x.shape[:-1], self.out_features)
 
     def dequantized_weight(self) -> torch.Tensor:
         """W as float32 [N, K] (for tests and error measurements)."""
@@ -72,6 +91,24 @@ class GGUFLinear(nn.Module):
     def extra_repr(self) -> str:
         types = "+".join(p.kind for p in self.parts)
         return f"in_features={self.in_features}, out_features={self.out_features}, types={types}"
+
+
+class GGUFMLP(nn.Module):
+    """A gated MLP, down(silu(gate) * up), of GGUFLinear layers: gate_up_proj's float32 output
+    goes straight to down_proj, which applies the gate while it quantizes its input. The same
+    names and function as llama.MLP."""
+
+    def __init__(self, gate_up_proj: GGUFLinear, down_proj: GGUFLinear):
+        super().__init__()
+        if gate_up_proj.out_features != 2 * down_proj.in_features:
+            raise ValueError(f"gate_up_proj gives {gate_up_proj.out_features} values, down_proj takes "
+                             f"[gate; up] of 2 x {down_proj.in_features}")
+        self.gate_up_proj, self.down_proj = gate_up_proj, down_proj
+        down_proj.fuse_input(gated=True)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate_up = self.gate_up_proj.product(x)  # [M, 2I] float32
+        return self.down_proj.product(gate_up).to(x.dtype).view(*x.shape[:-1], self.down_proj.out_features)
 
 
 class GGUFEmbedding(nn.Module):

@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 from specdec.models.checkpoint import FUSED, to_hf
-from specdec.models.gguf_linear import GGUFEmbedding, GGUFLinear, dequantize
+from specdec.models.gguf_linear import GGUFEmbedding, GGUFLinear, GGUFMLP, dequantize
 from specdec.models.gguf_quants import PackedTensor
 from specdec.models.llama import LlamaModel, ModelConfig, rope_inverse_frequencies
 from specdec.models.loader import ModelLoadError
@@ -42,7 +42,25 @@ def build_quantized_model(config: ModelConfig, weights: dict[str, torch.Tensor],
     left_on_meta = [name for name, t in model.state_dict().items() if t.is_meta]
     if left_on_meta:
         raise ModelLoadError(f"{path}: tensors {left_on_meta[:3]} were not loaded")
+    for layer in model.layers:
+        _fuse_into_kernels(layer)
     return model.eval().requires_grad_(False)
+
+
+def _fuse_into_kernels(layer: nn.Module) -> None:
+    """Give a decoder layer's quantized matrices the work around them: each RMSNorm goes into the
+    one matrix that reads its output (q/k/v after input_layernorm, gate/up after
+    post_attention_layernorm) and the MLP's gate into its down projection. The layer computes the
+    same function (in float32 where it was in the model's dtype) with fewer ops per token."""
+    attention, mlp = layer.self_attn, layer.mlp
+    if isinstance(attention.qkv_proj, GGUFLinear):
+        attention.qkv_proj.fuse_input(norm=layer.input_layernorm)
+        layer.input_layernorm = nn.Identity()
+    if isinstance(mlp.gate_up_proj, GGUFLinear):
+        mlp.gate_up_proj.fuse_input(norm=layer.post_attention_layernorm)
+        layer.post_attention_layernorm = nn.Identity()
+        if isinstance(mlp.down_proj, GGUFLinear):
+            layer.mlp = GGUFMLP(mlp.gate_up_proj, mlp.down_proj)
 
 
 def _check_names(model: LlamaModel, shapes: dict[str, tuple], path: Path) -> None:

@@ -155,6 +155,9 @@ class Attention(nn.Module):
             keys, values = k, v
         else:
             keys, values = cache.write_and_read(self.layer_index, positions, k, v, num_keys)  # [B, S, Hkv, D] each
+        if cache is not None and _attends_by_rows(q, T):  # a decode step or a verify forward on the CPU
+            out = torch.ops.specdec.attend(q, keys, values, mask, self.head_dim ** -0.5)  # [B, T, H, D]
+            return self.o_proj(out.reshape(B, T, -1))  # [B, T, H*D] -> [B, T, hidden]
         q, keys, values = q.transpose(1, 2), keys.transpose(1, 2), values.transpose(1, 2)  # [B, H(kv), T|S, D]
         if _attend_in_float32(q, T):
             q, keys, values = q.float(), keys.float(), values.float()
@@ -166,6 +169,24 @@ class Attention(nn.Module):
 
 
 FLOAT32_ATTENTION_MAX_QUERIES = 16
+
+
+def _attends_by_rows(q: torch.Tensor, num_queries: int) -> bool:
+    """On the CPU, a forward of up to FLOAT32_ATTENTION_MAX_QUERIES queries over the cache (a
+    decode step, a verify forward of k <= 15) attends with specdec's kernel (kernels/
+    attention.cpp), which computes each query alone: a verify forward then gives bit for bit
+    what the decode steps would, which PyTorch's attention does not (it rounds a query by the
+    block it shares), so speculation is exact with respect to the model as it runs. Where the
+    kernel cannot be built (or a head's size is not a multiple of 16), PyTorch's attention."""
+    return (q.device.type == "cpu" and num_queries <= FLOAT32_ATTENTION_MAX_QUERIES and q.shape[-1] % 16 == 0
+            and _attention_kernel_built())
+
+
+@torch._dynamo.assume_constant_result
+def _attention_kernel_built() -> bool:
+    from specdec import kernels
+
+    return kernels.available()
 
 
 def _attend_in_float32(q: torch.Tensor, num_queries: int) -> bool:

@@ -1,0 +1,199 @@
+// Attention of a few queries over a key/value cache, each query computed alone.
+//
+// out[b, t, h] = sum_j p_j v[b, j, h / G]  with  p_j = exp(s_j - max s) / sum exp(s - max s),
+// s_j = scale * q[b, t, h] . k[b, j, h / G], over the keys j that mask[b, t, j] lets the query see
+// (G = query heads per key/value head).
+//
+// Why not PyTorch's scaled_dot_product_attention: its CPU kernels compute the scores of a block
+// of queries as one matrix product, so a query's result depends on how many queries share its
+// forward and how many (masked) keys follow its own; a verify forward of k + 1 tokens then rounds
+// differently from k + 1 decode steps, and a near-tie in the target's greedy choice can flip.
+// Here every sum runs in one fixed order that depends only on the query's own keys: a score is
+// summed over the head dimension in order (16 keys at a time, one to a lane); the softmax's sum
+// in 16 lanes by key index (lane j mod 16) and then a fixed tree; the values in key order. Keys a query cannot see are skipped, never multiplied by zero. So a query's
+// output is bit-identical whatever the batch, the query length or the cache length.
+//
+// The arithmetic is on GCC's 16-float vectors, which the compiler lowers (with FMA contraction)
+// to the variant's instruction set: one AVX-512 register, or two AVX2 ones, the same lanes.
+
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+#include <cmath>
+#include <cstring>
+#include <algorithm>
+#include <array>
+#include <vector>
+
+#include "vec16.h"
+
+namespace {
+
+inline float to_float(float x) { return x; }
+inline float to_float(c10::BFloat16 x) { return static_cast<float>(x); }
+inline float to_float(c10::Half x) { return static_cast<float>(x); }
+
+using namespace specdec_vec;
+constexpr int LANES = LANES16;
+
+// exp(x) for x <= 0 (a score minus its row's maximum; above 0 taken as 0); below -87, 0
+inline vfloat exp_nonpositive(vfloat x) {
+  const vfloat zero = splat(0.f);
+  return x < splat(-87.f) ? zero : exp16(x > zero ? zero : x);
+}
+
+// The work of one (batch row b, key/value head): its R = G x T query rows (query head g of the
+// group, query t: row g * T + t) against the keys and values of that head.
+template <typename scalar_t>
+struct HeadTask {
+  const float* query;        // [R, D], already scaled
+  const scalar_t* keys;      // key j at keys + j * key_stride
+  const scalar_t* values;    // likewise
+  int64_t key_stride, value_stride;
+  const bool* mask;          // visible(t, j) = mask[t * mask_t + j * mask_j]; null: every key
+  int64_t mask_t, mask_j;
+  int64_t G, T, S, S16, D;   // S16: S rounded up to 16
+
+  bool visible(int64_t t, int64_t j) const { return mask == nullptr || mask[t * mask_t + j * mask_j]; }
+
+  // scores [R, S16]: 16 keys at a time, transposed to [D, 16] so that each lane is one key's dot
+  // product summed over d in order (no sum across lanes); keys past S score 0
+  void scores(float* out, float* block) const {
+    const int64_t R = G * T;
+    for (int64_t j0 = 0; j0 < S; j0 += LANES) {
+      const int64_t n = std::min<int64_t>(LANES, S - j0);
+      for (int64_t l = 0; l < LANES; ++l) {
+        const scalar_t* key = keys + (j0 + l) * key_stride;
+        for (int64_t d = 0; d < D; ++d) block[d * LANES + l] = l < n ? to_float(key[d]) : 0.f;
+      }
+      for (int64_t r = 0; r < R; ++r) {
+        vfloat acc = splat(0.f);
+        const float* q = query + r * D;
+        for (int64_t d = 0; d < D; ++d) acc += q[d] * load16(block + d * LANES);
+        store16(out + r * S16 + j0, acc);
+      }
+    }
+  }
+
+  // scores -> exp(score - the row's largest visible score), 0 where not visible or past S
+  void exponentiate(float* s_all) const {
+    for (int64_t r = 0; r < G * T; ++r) {
+      const int64_t t = r % T;
+      float* s = s_all + r * S16;
+      float best = -INFINITY;
+      for (int64_t j = 0; j < S; ++j)
+        if (visible(t, j) && s[j] > best) best = s[j];
+      for (int64_t j0 = 0; j0 < S16; j0 += LANES) store16(s + j0, exp_nonpositive(load16(s + j0) - best));
+      for (int64_t j = 0; j < S16; ++j)
+        if (j >= S || !visible(t, j)) s[j] = 0.f;
+    }
+  }
+
+  // sum of a row's probabilities: lane j mod 16, then a fixed tree across the lanes
+  float denominator(const float* s) const {
+    vfloat lanes = splat(0.f);
+    for (int64_t j0 = 0; j0 < S16; j0 += LANES) lanes += load16(s + j0);
+    float sums[LANES];
+    store16(sums, lanes);
+    for (int width = LANES / 2; width > 0; width /= 2)
+      for (int l = 0; l < width; ++l) sums[l] += sums[l + width];
+    return sums[0];
+  }
+
+  // acc [R, D] = sum over visible j, in key order, of p_j v_j
+  void weigh_values(const float* p, float* acc, float* value) const {
+    const int64_t R = G * T;
+    std::fill(acc, acc + R * D, 0.f);
+    for (int64_t j = 0; j < S; ++j) {
+      const scalar_t* v = values + j * value_stride;
+      for (int64_t d = 0; d < D; ++d) value[d] = to_float(v[d]);
+      for (int64_t r = 0; r < R; ++r) {
+        if (!visible(r % T, j)) continue;
+        const vfloat pj = splat(p[r * S16 + j]);
+        float* a = acc + r * D;
+        for (int64_t d0 = 0; d0 < D; d0 += LANES) store16(a + d0, load16(a + d0) + pj * load16(value + d0));
+      }
+    }
+  }
+};
+
+template <typename scalar_t>
+void attend_heads(const at::Tensor& q, const at::Tensor& keys, const at::Tensor& values, const bool* mask,
+                  std::array<int64_t, 3> mask_strides, double scale, at::Tensor& out) {
+  const int64_t B = q.size(0), T = q.size(1), H = q.size(2), D = q.size(3);
+  const int64_t S = keys.size(1), Hkv = keys.size(2), G = H / Hkv, R = G * T;
+  const scalar_t* qp = q.data_ptr<scalar_t>();
+  scalar_t* op = out.data_ptr<scalar_t>();
+  const float scale_f = static_cast<float>(scale);
+  at::parallel_for(0, B * Hkv, 1, [&](int64_t task0, int64_t task1) {
+    const int64_t S16 = (S + LANES - 1) / LANES * LANES;
+    std::vector<float> query(R * D), probs(R * S16), acc(R * D), scratch(LANES * D);
+    for (int64_t task = task0; task < task1; ++task) {
+      const int64_t b = task / Hkv, hkv = task % Hkv;
+      for (int64_t g = 0; g < G; ++g)
+        for (int64_t t = 0; t < T; ++t) {
+          const scalar_t* qr = qp + b * q.stride(0) + t * q.stride(1) + (hkv * G + g) * q.stride(2);
+          for (int64_t d = 0; d < D; ++d) query[(g * T + t) * D + d] = to_float(qr[d]) * scale_f;
+        }
+      const HeadTask<scalar_t> head{query.data(),
+                                    keys.data_ptr<scalar_t>() + b * keys.stride(0) + hkv * keys.stride(2),
+                                    values.data_ptr<scalar_t>() + b * values.stride(0) + hkv * values.stride(2),
+                                    keys.stride(1), values.stride(1),
+                                    mask == nullptr ? nullptr : mask + b * mask_strides[0], mask_strides[1],
+                                    mask_strides[2], G, T, S, S16, D};
+      head.scores(probs.data(), scratch.data());
+      head.exponentiate(probs.data());
+      head.weigh_values(probs.data(), acc.data(), scratch.data());
+      for (int64_t r = 0; r < R; ++r) {
+        const int64_t g = r / T, t = r % T;
+        const float total = head.denominator(&probs[r * S16]);
+        const float inverse = total > 0.f ? 1.f / total : 0.f;
+        scalar_t* o = op + ((b * T + t) * H + hkv * G + g) * D;
+        for (int64_t d = 0; d < D; ++d) o[d] = static_cast<scalar_t>(acc[r * D + d] * inverse);
+      }
+    }
+  });
+}
+
+}  // namespace
+
+// q [B, T, H, D], keys and values [B, S, Hkv, D] (the last dimension contiguous), mask [B, 1, T, S]
+// bool (True = may attend; broadcastable over B) or none (every key): [B, T, H, D] in q's dtype.
+at::Tensor attend(const at::Tensor& q, const at::Tensor& keys, const at::Tensor& values,
+                  const c10::optional<at::Tensor>& mask, double scale) {
+  TORCH_CHECK(q.dim() == 4 && keys.dim() == 4 && values.dim() == 4, "q, keys, values: [B, T|S, H|Hkv, D]");
+  TORCH_CHECK(q.scalar_type() == keys.scalar_type() && q.scalar_type() == values.scalar_type(),
+              "q, keys and values must share a dtype");
+  TORCH_CHECK(keys.sizes() == values.sizes() && keys.size(0) == q.size(0) && keys.size(3) == q.size(3),
+              "keys and values [B, S, Hkv, D] for q [B, T, H, D]");
+  TORCH_CHECK(q.size(2) % keys.size(2) == 0, "query heads must be a multiple of key/value heads");
+  TORCH_CHECK(q.size(3) % LANES == 0, "head dimension must be a multiple of 16");
+  TORCH_CHECK(q.stride(3) == 1 && keys.stride(3) == 1 && values.stride(3) == 1, "the head dimension must be contiguous");
+  const bool* mask_ptr = nullptr;
+  std::array<int64_t, 3> mask_strides{0, 0, 0};
+  at::Tensor mask_t;
+  if (mask.has_value() && mask->defined()) {
+    mask_t = *mask;
+    TORCH_CHECK(mask_t.scalar_type() == at::kBool && mask_t.dim() == 4 && mask_t.size(1) == 1 &&
+                    mask_t.size(2) == q.size(1) && mask_t.size(3) == keys.size(1) &&
+                    (mask_t.size(0) == q.size(0) || mask_t.size(0) == 1),
+                "mask: bool [B or 1, 1, T, S]");
+    mask_ptr = mask_t.data_ptr<bool>();
+    mask_strides = {mask_t.size(0) == 1 ? 0 : mask_t.stride(0), mask_t.stride(2), mask_t.stride(3)};
+  }
+  auto out = at::empty({q.size(0), q.size(1), q.size(2), q.size(3)}, q.options());
+  switch (q.scalar_type()) {
+    case at::kFloat: attend_heads<float>(q, keys, values, mask_ptr, mask_strides, scale, out); break;
+    case at::kBFloat16: attend_heads<c10::BFloat16>(q, keys, values, mask_ptr, mask_strides, scale, out); break;
+    case at::kHalf: attend_heads<c10::Half>(q, keys, values, mask_ptr, mask_strides, scale, out); break;
+    default: TORCH_CHECK(false, "attend: float32, bfloat16 or float16, got ", q.scalar_type());
+  }
+  return out;
+}
+
+TORCH_LIBRARY_FRAGMENT(specdec, m) {
+  m.def("attend(Tensor q, Tensor keys, Tensor values, Tensor? mask, float scale) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(specdec, CPU, m) {
+  m.impl("attend", &attend);
+}

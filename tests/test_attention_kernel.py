@@ -1,0 +1,69 @@
+"""specdec's attention kernel (kernels/attention.cpp) against PyTorch's attention in float64,
+and each query's result alone against the same query in a batch, a longer forward and a longer
+cache: bit for bit."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from specdec.kernels import ops
+
+
+def reference(q, keys, values, mask):
+    """PyTorch's attention in float64: q [B, T, H, D], keys/values [B, S, Hkv, D], mask [B, 1, T, S]."""
+    q64, k64, v64 = (t.double().transpose(1, 2) for t in (q, keys, values))
+    out = F.scaled_dot_product_attention(q64, k64, v64, attn_mask=mask, enable_gqa=True)
+    return out.transpose(1, 2)  # [B, T, H, D]
+
+
+def random_case(seed: int, B=2, T=5, H=6, Hkv=2, D=32, S=37, dtype=torch.float32):
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(B, T, H, D, generator=g).to(dtype)
+    keys, values = (torch.randn(B, S, Hkv, D, generator=g).to(dtype) for _ in range(2))
+    mask = torch.rand(B, 1, T, S, generator=g) < 0.7  # any pattern: a tree's, a window's
+    mask[..., 0] = True  # every query sees a key
+    return q, keys, values, mask
+
+
+@pytest.mark.parametrize("dtype, tolerance", [(torch.float32, 2e-6), (torch.bfloat16, 1e-2)])
+@pytest.mark.parametrize("heads", [(6, 2), (4, 4), (3, 1)])
+def test_attention_matches_pytorch_in_float64(dtype, tolerance, heads):
+    q, keys, values, mask = random_case(1, H=heads[0], Hkv=heads[1], dtype=dtype)
+    got = ops().attend(q, keys, values, mask, q.shape[-1] ** -0.5)
+    assert got.dtype == dtype and got.shape == q.shape
+    assert (got.double() - reference(q, keys, values, mask)).abs().max() <= tolerance
+
+
+def test_no_mask_reads_every_key_and_a_shared_mask_broadcasts():
+    q, keys, values, _ = random_case(2, D=64)
+    every = torch.ones(1, 1, q.shape[1], keys.shape[1], dtype=torch.bool)
+    scale = q.shape[-1] ** -0.5
+    assert torch.equal(ops().attend(q, keys, values, None, scale), ops().attend(q, keys, values, every, scale))
+    assert (ops().attend(q, keys, values, None, scale).double() - reference(q, keys, values, every)).abs().max() < 2e-6
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_query_alone_gets_what_it_gets_in_a_batch(dtype):
+    """Bit for bit: alone, among more queries, beside another batch row, over a cache with more
+    (hidden) keys after its own, and with keys it cannot see left out altogether."""
+    q, keys, values, mask = random_case(3, S=300, D=128, dtype=dtype)
+    scale = 128 ** -0.5
+    batch = ops().attend(q, keys, values, mask, scale)
+    for b in range(2):
+        for t in range(q.shape[1]):
+            alone = ops().attend(q[b:b + 1, t:t + 1], keys[b:b + 1], values[b:b + 1], mask[b:b + 1, :, t:t + 1], scale)
+            assert torch.equal(alone, batch[b:b + 1, t:t + 1])
+            last = int(mask[b, 0, t].nonzero().max()) + 1  # the cache cut after the query's last key
+            cut = ops().attend(q[b:b + 1, t:t + 1], keys[b:b + 1, :last], values[b:b + 1, :last],
+                               mask[b:b + 1, :, t:t + 1, :last].contiguous(), scale)
+            assert torch.equal(cut, alone)
+
+
+def test_bad_shapes_are_named():
+    q, keys, values, mask = random_case(4)
+    with pytest.raises(RuntimeError, match="mask: bool"):
+        ops().attend(q, keys, values, mask[:, :, :2], 1.0)
+    with pytest.raises(RuntimeError, match="multiple of key/value heads"):
+        ops().attend(q[:, :, :5], keys, values, mask, 1.0)
