@@ -24,7 +24,7 @@ from pathlib import Path
 log = logging.getLogger("specdec")
 
 SOURCE_DIR = Path(__file__).parent
-SOURCES = [SOURCE_DIR / "qmatmul.cpp", SOURCE_DIR / "attention.cpp"]  # and their header, vec16.h
+SOURCES = [SOURCE_DIR / name for name in ("qmatmul.cpp", "attention.cpp", "layer.cpp")]  # and kernels.h, vec16.h
 COMMON_FLAGS = ["-O3", "-std=c++17", "-fopenmp", "-mavx2", "-mfma", "-mf16c"]  # -fopenmp: at::parallel_for is OpenMP inlined here
 VARIANT_FLAGS = {
     "avx512_vnni": COMMON_FLAGS + ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx512vnni"],

@@ -24,6 +24,7 @@
 #include <array>
 #include <vector>
 
+#include "kernels.h"
 #include "vec16.h"
 
 namespace {
@@ -117,29 +118,27 @@ struct HeadTask {
 };
 
 template <typename scalar_t>
-void attend_heads(const at::Tensor& q, const at::Tensor& keys, const at::Tensor& values, const bool* mask,
-                  std::array<int64_t, 3> mask_strides, double scale, at::Tensor& out) {
-  const int64_t B = q.size(0), T = q.size(1), H = q.size(2), D = q.size(3);
-  const int64_t S = keys.size(1), Hkv = keys.size(2), G = H / Hkv, R = G * T;
-  const scalar_t* qp = q.data_ptr<scalar_t>();
-  scalar_t* op = out.data_ptr<scalar_t>();
-  const float scale_f = static_cast<float>(scale);
+void attend_heads(const float* q, int64_t B, int64_t T, int64_t H, const at::Tensor& keys, const at::Tensor& values,
+                  const int64_t* rows, int64_t S, const at::Tensor* mask, float scale, float* out) {
+  const int64_t D = keys.size(3), Hkv = keys.size(2), G = H / Hkv, R = G * T, S16 = (S + LANES - 1) / LANES * LANES;
+  const bool* mask_ptr = mask == nullptr ? nullptr : mask->data_ptr<bool>();
+  const int64_t mask_b = mask == nullptr || mask->size(0) == 1 ? 0 : mask->stride(0);
+  const int64_t mask_t = mask == nullptr ? 0 : mask->stride(2), mask_j = mask == nullptr ? 0 : mask->stride(3);
   at::parallel_for(0, B * Hkv, 1, [&](int64_t task0, int64_t task1) {
-    const int64_t S16 = (S + LANES - 1) / LANES * LANES;
     std::vector<float> query(R * D), probs(R * S16), acc(R * D), scratch(LANES * D);
     for (int64_t task = task0; task < task1; ++task) {
       const int64_t b = task / Hkv, hkv = task % Hkv;
       for (int64_t g = 0; g < G; ++g)
         for (int64_t t = 0; t < T; ++t) {
-          const scalar_t* qr = qp + b * q.stride(0) + t * q.stride(1) + (hkv * G + g) * q.stride(2);
-          for (int64_t d = 0; d < D; ++d) query[(g * T + t) * D + d] = to_float(qr[d]) * scale_f;
+          const float* qr = q + ((b * T + t) * H + hkv * G + g) * D;
+          for (int64_t d = 0; d < D; ++d) query[(g * T + t) * D + d] = qr[d] * scale;
         }
       const HeadTask<scalar_t> head{query.data(),
-                                    keys.data_ptr<scalar_t>() + b * keys.stride(0) + hkv * keys.stride(2),
-                                    values.data_ptr<scalar_t>() + b * values.stride(0) + hkv * values.stride(2),
+                                    keys.data_ptr<scalar_t>() + rows[b] * keys.stride(0) + hkv * keys.stride(2),
+                                    values.data_ptr<scalar_t>() + rows[b] * values.stride(0) + hkv * values.stride(2),
                                     keys.stride(1), values.stride(1),
-                                    mask == nullptr ? nullptr : mask + b * mask_strides[0], mask_strides[1],
-                                    mask_strides[2], G, T, S, S16, D};
+                                    mask_ptr == nullptr ? nullptr : mask_ptr + b * mask_b, mask_t, mask_j,
+                                    G, T, S, S16, D};
       head.scores(probs.data(), scratch.data());
       head.exponentiate(probs.data());
       head.weigh_values(probs.data(), acc.data(), scratch.data());
@@ -147,14 +146,36 @@ void attend_heads(const at::Tensor& q, const at::Tensor& keys, const at::Tensor&
         const int64_t g = r / T, t = r % T;
         const float total = head.denominator(&probs[r * S16]);
         const float inverse = total > 0.f ? 1.f / total : 0.f;
-        scalar_t* o = op + ((b * T + t) * H + hkv * G + g) * D;
-        for (int64_t d = 0; d < D; ++d) o[d] = static_cast<scalar_t>(acc[r * D + d] * inverse);
+        float* o = out + ((b * T + t) * H + hkv * G + g) * D;
+        for (int64_t d = 0; d < D; ++d) o[d] = acc[r * D + d] * inverse;
       }
     }
   });
 }
 
 }  // namespace
+
+void specdec_kernels::attend_cache(const float* q, int64_t B, int64_t T, int64_t H, const at::Tensor& keys,
+                                   const at::Tensor& values, const int64_t* rows, int64_t num_keys,
+                                   const at::Tensor* mask, float scale, float* out) {
+  TORCH_CHECK(keys.dim() == 4 && keys.sizes() == values.sizes() && keys.scalar_type() == values.scalar_type(),
+              "keys and values: [slots, positions, Hkv, D] of one dtype");
+  TORCH_CHECK(H % keys.size(2) == 0, "query heads must be a multiple of key/value heads");
+  TORCH_CHECK(keys.size(3) % LANES == 0, "head dimension must be a multiple of 16");
+  TORCH_CHECK(keys.stride(3) == 1 && values.stride(3) == 1, "the head dimension must be contiguous");
+  TORCH_CHECK(num_keys <= keys.size(1), "position ", num_keys - 1, " is past the cache");
+  for (int64_t b = 0; b < B; ++b) TORCH_CHECK(rows[b] >= 0 && rows[b] < keys.size(0), "cache slot out of range");
+  if (mask != nullptr)
+    TORCH_CHECK(mask->scalar_type() == at::kBool && mask->dim() == 4 && mask->size(1) == 1 && mask->size(2) == T &&
+                    mask->size(3) == num_keys && (mask->size(0) == B || mask->size(0) == 1),
+                "mask: bool [B or 1, 1, T, S]");
+  switch (keys.scalar_type()) {
+    case at::kFloat: attend_heads<float>(q, B, T, H, keys, values, rows, num_keys, mask, scale, out); break;
+    case at::kBFloat16: attend_heads<c10::BFloat16>(q, B, T, H, keys, values, rows, num_keys, mask, scale, out); break;
+    case at::kHalf: attend_heads<c10::Half>(q, B, T, H, keys, values, rows, num_keys, mask, scale, out); break;
+    default: TORCH_CHECK(false, "attend: float32, bfloat16 or float16 keys, got ", keys.scalar_type());
+  }
+}
 
 // q [B, T, H, D], keys and values [B, S, Hkv, D] (the last dimension contiguous), mask [B, 1, T, S]
 // bool (True = may attend; broadcastable over B) or none (every key): [B, T, H, D] in q's dtype.
@@ -165,29 +186,15 @@ at::Tensor attend(const at::Tensor& q, const at::Tensor& keys, const at::Tensor&
               "q, keys and values must share a dtype");
   TORCH_CHECK(keys.sizes() == values.sizes() && keys.size(0) == q.size(0) && keys.size(3) == q.size(3),
               "keys and values [B, S, Hkv, D] for q [B, T, H, D]");
-  TORCH_CHECK(q.size(2) % keys.size(2) == 0, "query heads must be a multiple of key/value heads");
-  TORCH_CHECK(q.size(3) % LANES == 0, "head dimension must be a multiple of 16");
-  TORCH_CHECK(q.stride(3) == 1 && keys.stride(3) == 1 && values.stride(3) == 1, "the head dimension must be contiguous");
-  const bool* mask_ptr = nullptr;
-  std::array<int64_t, 3> mask_strides{0, 0, 0};
-  at::Tensor mask_t;
-  if (mask.has_value() && mask->defined()) {
-    mask_t = *mask;
-    TORCH_CHECK(mask_t.scalar_type() == at::kBool && mask_t.dim() == 4 && mask_t.size(1) == 1 &&
-                    mask_t.size(2) == q.size(1) && mask_t.size(3) == keys.size(1) &&
-                    (mask_t.size(0) == q.size(0) || mask_t.size(0) == 1),
-                "mask: bool [B or 1, 1, T, S]");
-    mask_ptr = mask_t.data_ptr<bool>();
-    mask_strides = {mask_t.size(0) == 1 ? 0 : mask_t.stride(0), mask_t.stride(2), mask_t.stride(3)};
-  }
-  auto out = at::empty({q.size(0), q.size(1), q.size(2), q.size(3)}, q.options());
-  switch (q.scalar_type()) {
-    case at::kFloat: attend_heads<float>(q, keys, values, mask_ptr, mask_strides, scale, out); break;
-    case at::kBFloat16: attend_heads<c10::BFloat16>(q, keys, values, mask_ptr, mask_strides, scale, out); break;
-    case at::kHalf: attend_heads<c10::Half>(q, keys, values, mask_ptr, mask_strides, scale, out); break;
-    default: TORCH_CHECK(false, "attend: float32, bfloat16 or float16, got ", q.scalar_type());
-  }
-  return out;
+  const int64_t B = q.size(0), T = q.size(1), H = q.size(2);
+  auto q32 = q.to(at::kFloat).contiguous();
+  auto out = at::empty({B, T, H, q.size(3)}, q.options().dtype(at::kFloat));
+  std::vector<int64_t> rows(B);
+  for (int64_t b = 0; b < B; ++b) rows[b] = b;
+  const at::Tensor* mask_ptr = mask.has_value() && mask->defined() ? &*mask : nullptr;
+  specdec_kernels::attend_cache(q32.data_ptr<float>(), B, T, H, keys, values, rows.data(), keys.size(1), mask_ptr,
+                                (float)scale, out.data_ptr<float>());
+  return out.to(q.scalar_type());
 }
 
 TORCH_LIBRARY_FRAGMENT(specdec, m) {

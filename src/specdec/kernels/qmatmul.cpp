@@ -47,7 +47,10 @@
 #include <cmath>
 #include <vector>
 
+#include "kernels.h"
 #include "vec16.h"
+
+using namespace specdec_kernels;
 
 namespace {
 
@@ -56,13 +59,6 @@ constexpr int SUM_BLOCK = 16;   // inputs per activation sum of a 16-input sub-b
 // inputs per activation scale for K inputs
 inline int64_t act_block(int64_t K) { return K % 256 == 0 ? 256 : 32; }
 
-struct Layout {
-  int64_t N, K;         // output rows (a multiple of 16), inputs
-  int64_t bits;         // 4, 6 or 8: how codes are stored
-  int64_t S, SB;        // sub-block and super-block sizes
-  int64_t z;            // the code offset
-  bool has_sc, sc_signed, has_mn, has_dmin;
-};
 
 typedef int32_t __attribute__((may_alias, aligned(1))) unaligned_i32;
 // 4 activation codes (or 2 int16 sums) as one int32 (the compiler folds it into the broadcast)
@@ -70,16 +66,6 @@ inline int32_t load_i32(const void* p) { return *reinterpret_cast<const unaligne
 
 // ---- activations ---------------------------------------------------------------------------
 
-// What a layer does to its input before the product (each optional, in this order):
-//   gated  the input is [gate; up] ([M, 2K]) and the activation silu(gate) * up: an MLP's
-//          down projection, fused with the gate
-//   norm   RMSNorm: x * weight / sqrt(mean(x^2) + eps), in float32: the norm before a layer,
-//          fused with it
-struct Prologue {
-  bool gated = false;
-  const float* norm_weight = nullptr;  // [K] float32, or null
-  float eps = 0.f;
-};
 
 // Row m's activation (K inputs, after the prologue) in float32 into out [K].
 template <typename scalar_t>
@@ -110,39 +96,40 @@ void prepare_row(const scalar_t* x, int64_t m, int64_t K, const Prologue& pro, f
 template <typename scalar_t>
 void quantize_rows(const scalar_t* x, int64_t M, int64_t K, const Prologue& pro, int8_t* xq, float* dx,
                    int16_t* xsum) {
+  using namespace specdec_vec;
   const int64_t AB = act_block(K);
-  at::parallel_for(0, M, 16, [&](int64_t m0, int64_t m1) {
+  at::parallel_for(0, M, 1, [&](int64_t m0, int64_t m1) {
     std::vector<float> row(K);
     for (int64_t m = m0; m < m1; ++m) {
       prepare_row(x, m, K, pro, row.data());
       int16_t* row_sums = xsum + m * (K / SUM_BLOCK + K / 32);
       for (int64_t b = 0; b < K / AB; ++b) {
         const float* xb = row.data() + b * AB;
+        vfloat amax16 = splat(0.f);
+        for (int64_t i = 0; i < AB; i += LANES16) {
+          const vfloat v = load16(xb + i);
+          const vfloat magnitude = v < 0.f ? -v : v;
+          amax16 = magnitude > amax16 ? magnitude : amax16;
+        }
         float amax = 0.f;
-        for (int64_t i = 0; i < AB; ++i) amax = std::max(amax, std::fabs(xb[i]));
+        for (int l = 0; l < LANES16; ++l) amax = std::max(amax, amax16[l]);
         const float d = amax / 127.f;
         const float id = d > 0.f ? 1.f / d : 0.f;
         int8_t* qb = xq + m * K + b * AB;
-        for (int64_t i = 0; i < AB; ++i) qb[i] = (int8_t)std::nearbyint(xb[i] * id);
-        dx[m * (K / AB) + b] = d;
-        for (int64_t i0 = 0; i0 < AB; i0 += SUM_BLOCK) {
+        const vfloat rounder = splat(12582912.f);  // 1.5 * 2^23: adding it rounds to the nearest integer (ties even)
+        for (int64_t i = 0; i < AB; i += SUM_BLOCK) {  // SUM_BLOCK = 16 = LANES16
+          const vint q = __builtin_convertvector((load16(xb + i) * id + rounder) - rounder, vint);
           int32_t sum = 0;
-          for (int64_t i = i0; i < i0 + SUM_BLOCK; ++i) sum += qb[i];
-          row_sums[(b * AB + i0) / SUM_BLOCK] = (int16_t)sum;
+          for (int l = 0; l < LANES16; ++l) qb[i + l] = (int8_t)q[l], sum += q[l];
+          row_sums[(b * AB + i) / SUM_BLOCK] = (int16_t)sum;
         }
+        dx[m * (K / AB) + b] = d;
       }
       for (int64_t s = 0; s < K / 32; ++s) row_sums[K / SUM_BLOCK + s] = row_sums[2 * s] + row_sums[2 * s + 1];
     }
   });
 }
 
-struct Weights {
-  const uint8_t* codes;   // [G, K*bits/8/64 chunks, 64]
-  const uint8_t* sc;      // [G, K/S, 16] or null
-  const uint8_t* mn;      // [G, K/S, 16] or null
-  const at::Half* d;      // [G, K/SB, 16]
-  const at::Half* dmin;   // [G, K/SB, 16] or null
-};
 
 struct Acts {
   const int8_t* xq; const float* dx; const int16_t* xsum; int64_t M, AB;
@@ -161,9 +148,11 @@ inline float act_scale(const Acts& a, const Layout& L, int64_t r, int64_t k) {
 
 // Software prefetch: codes g_prefetch bytes ahead, for tiles of at least g_prefetch_rows rows.
 // With several rows a tile computes long enough between loads that the hardware prefetcher falls
-// behind; a verify forward of 7 rows of the 1.5B model took 84 ms without and 66 ms with it (one
-// decode step ~41 ms either way; 2 threads, AVX-512). set_tuning changes both, for benchmarks.
-int64_t g_prefetch = 4096, g_prefetch_rows = 1;
+// behind; a verify forward of 7 rows of the 1.5B model took 84 ms without and 66 ms with it (2
+// threads, AVX-512). A one-row step streams at the memory's pace, where the hardware prefetcher
+// does best alone (a plain read of 1 GB: 34 GB/s without, 22 with prefetching 4 KB ahead), and
+// steps measured the same either way within this machine's noise. set_tuning, for benchmarks.
+int64_t g_prefetch = 4096, g_prefetch_rows = 2;
 
 template <int BITS> constexpr int64_t step_k() { return BITS == 8 ? 4 : BITS == 4 ? 8 : 16; }
 template <int BITS> constexpr int64_t step_bytes() { return BITS == 6 ? 192 : 64; }
@@ -535,6 +524,90 @@ void qmatmul_into(const at::Tensor& xq, const at::Tensor& dx, const at::Tensor& 
   });
 }
 
+specdec_kernels::QLinear::QLinear(const std::vector<at::Tensor>& codes, const Optionals& sc, const Optionals& mn,
+                                   const std::vector<at::Tensor>& d, const Optionals& dmin,
+                                   const std::vector<int64_t>& layouts, const c10::optional<at::Tensor>& bias_) {
+  const int64_t parts = (int64_t)codes.size();
+  TORCH_CHECK(parts > 0 && (int64_t)d.size() == parts && (int64_t)sc.size() == parts && (int64_t)mn.size() == parts &&
+              (int64_t)dmin.size() == parts && (int64_t)layouts.size() == 5 * parts,
+              "one codes, sc, mn, d, dmin and 5 layout numbers (bits, S, SB, z, sc_signed) per part");
+  first_group.assign(parts + 1, 0);
+  for (int64_t p = 0; p < parts; ++p) {
+    const int64_t bits = layouts[5 * p], S = layouts[5 * p + 1], SB = layouts[5 * p + 2];
+    TORCH_CHECK(bits == 4 || bits == 6 || bits == 8, "bits must be 4, 6 or 8");
+    TORCH_CHECK(S == 16 || S == 32, "S must be 16 or 32");
+    TORCH_CHECK(codes[p].scalar_type() == at::kByte && codes[p].is_contiguous() && d[p].scalar_type() == at::kHalf,
+                "codes: uint8, d: float16");
+    Layout l;
+    l.N = codes[p].size(0) * LANES; l.bits = bits; l.S = S; l.SB = SB;
+    l.K = codes[p].numel() * 8 / bits / l.N;
+    l.z = layouts[5 * p + 3]; l.sc_signed = layouts[5 * p + 4] != 0;
+    const c10::optional<at::Tensor> sc_p = sc[p], mn_p = mn[p], dmin_p = dmin[p];
+    l.has_sc = sc_p.has_value() && sc_p->defined();
+    l.has_mn = mn_p.has_value() && mn_p->defined();
+    l.has_dmin = dmin_p.has_value() && dmin_p->defined();
+    TORCH_CHECK(p == 0 || l.K == K, "stacked parts must have one input size");
+    K = l.K;
+    TORCH_CHECK(codes[p].numel() == l.N * K * bits / 8 && K % 32 == 0, "codes do not hold N x K codes");
+    TORCH_CHECK(K % SB == 0 && SB % S == 0 && d[p].numel() == l.N / LANES * (K / SB) * LANES, "d: [G, K/SB, 16]");
+    TORCH_CHECK(!l.has_sc || SB == act_block(K), "k-quants need one activation scale per super-block");
+    TORCH_CHECK(!(l.has_mn && l.z != 0), "a type with both mn and z is not of the kernel's forms");
+    L.push_back(l);
+    W.push_back(Weights{codes[p].data_ptr<uint8_t>(), bytes_or_null(sc_p), bytes_or_null(mn_p),
+                        reinterpret_cast<const at::Half*>(d[p].data_ptr()),
+                        l.has_dmin ? reinterpret_cast<const at::Half*>(dmin_p->data_ptr()) : nullptr});
+    first_group[p + 1] = first_group[p] + l.N / LANES;
+    for (const auto& t : {c10::optional<at::Tensor>(codes[p]), sc_p, mn_p, c10::optional<at::Tensor>(d[p]), dmin_p})
+      if (t.has_value() && t->defined()) keep_alive.push_back(*t);
+  }
+  N = first_group[parts] * LANES;
+  if (bias_.has_value() && bias_->defined()) {
+    TORCH_CHECK(bias_->scalar_type() == at::kFloat && bias_->is_contiguous() && bias_->numel() == N,
+                "bias: float32 [N padded]");
+    keep_alive.push_back(*bias_);
+    bias = bias_->data_ptr<float>();
+  }
+}
+
+void specdec_kernels::QLinear::run_into(const int8_t* xq, const float* dx, const int16_t* xsum, int64_t M, float* out) const {
+  const Acts a{xq, dx, xsum, M, act_block(K)};
+  const int64_t parts = (int64_t)L.size();
+  at::parallel_for(0, first_group[parts], 1, [&](int64_t g0, int64_t g1) {
+    int64_t p = 0;
+    for (int64_t g = g0; g < g1; ++g) {
+      while (g >= first_group[p + 1]) ++p;
+      const int64_t local = g - first_group[p], col0 = first_group[p] * LANES;
+      if (L[p].bits == 4) run_group<4>(L[p], W[p], local, a, out, N, col0);
+      else if (L[p].bits == 6) run_group<6>(L[p], W[p], local, a, out, N, col0);
+      else run_group<8>(L[p], W[p], local, a, out, N, col0);
+      if (bias)
+        for (int64_t m = 0; m < M; ++m)
+          for (int64_t n = g * LANES; n < (g + 1) * LANES; ++n) out[m * N + n] += bias[n];
+    }
+  });
+}
+
+at::Tensor specdec_kernels::QLinear::run(const at::Tensor& x, const Prologue& pro) const {
+  TORCH_CHECK(x.dim() == 2 && x.size(1) == (pro.gated ? 2 * K : K), "x: [M, ", pro.gated ? 2 * K : K, "]");
+  auto acts = quantize_activations(x, pro);
+  auto y = at::empty({x.size(0), N}, x.options().dtype(at::kFloat));
+  run_into(acts[0].data_ptr<int8_t>(), acts[1].data_ptr<float>(), acts[2].data_ptr<int16_t>(), x.size(0),
+           y.data_ptr<float>());
+  return y;
+}
+
+Prologue specdec_kernels::make_prologue(const c10::optional<at::Tensor>& norm_weight, double eps, bool gated, int64_t K) {
+  Prologue pro;
+  pro.gated = gated;
+  if (norm_weight.has_value() && norm_weight->defined()) {
+    TORCH_CHECK(norm_weight->scalar_type() == at::kFloat && norm_weight->is_contiguous() && norm_weight->numel() == K,
+                "norm_weight: float32 [K]");
+    pro.norm_weight = norm_weight->data_ptr<float>();
+    pro.eps = (float)eps;
+  }
+  return pro;
+}
+
 // A whole linear layer: x [M, K] (float32 or bfloat16; gated: [M, 2K]), after the prologue (gated,
 // norm_weight: see Prologue), times the parts stacked by rows, plus the bias (float32 [N padded], or
 // none): [M, N padded] float32. One pass of activation quantization and one parallel loop over every
@@ -544,66 +617,13 @@ at::Tensor qlinear(const at::Tensor& x, at::TensorList codes, const c10::List<c1
                    const c10::List<c10::optional<at::Tensor>>& dmin, at::IntArrayRef layouts,
                    const c10::optional<at::Tensor>& bias, const c10::optional<at::Tensor>& norm_weight, double eps,
                    bool gated) {
-  const int64_t parts = (int64_t)codes.size();
-  TORCH_CHECK(parts > 0 && (int64_t)d.size() == parts && (int64_t)sc.size() == parts && (int64_t)mn.size() == parts &&
-              (int64_t)dmin.size() == parts && (int64_t)layouts.size() == 5 * parts,
-              "one codes, sc, mn, d, dmin and 5 layout numbers (bits, S, SB, z, sc_signed) per part");
-  Prologue pro;
-  pro.gated = gated;
-  if (norm_weight.has_value() && norm_weight->defined()) {
-    TORCH_CHECK(norm_weight->scalar_type() == at::kFloat && norm_weight->is_contiguous() &&
-                norm_weight->numel() == (gated ? x.size(1) / 2 : x.size(1)), "norm_weight: float32 [K]");
-    pro.norm_weight = norm_weight->data_ptr<float>();
-    pro.eps = (float)eps;
-  }
-  auto acts = quantize_activations(x, pro);
-  const int64_t M = x.size(0), K = acts[0].size(1);
-  std::vector<Layout> L(parts);
-  std::vector<Weights> W(parts);
-  std::vector<int64_t> first_group(parts + 1, 0);
-  for (int64_t p = 0; p < parts; ++p) {
-    const int64_t bits = layouts[5 * p], S = layouts[5 * p + 1], SB = layouts[5 * p + 2];
-    TORCH_CHECK(bits == 4 || bits == 6 || bits == 8, "bits must be 4, 6 or 8");
-    TORCH_CHECK(S == 16 || S == 32, "S must be 16 or 32");
-    TORCH_CHECK(codes[p].scalar_type() == at::kByte && codes[p].is_contiguous() && d[p].scalar_type() == at::kHalf,
-                "codes: uint8, d: float16");
-    L[p].K = K; L[p].N = codes[p].size(0) * LANES; L[p].bits = bits; L[p].S = S; L[p].SB = SB;
-    L[p].z = layouts[5 * p + 3]; L[p].sc_signed = layouts[5 * p + 4] != 0;
-    const c10::optional<at::Tensor> sc_p = sc.get(p), mn_p = mn.get(p), dmin_p = dmin.get(p);
-    L[p].has_sc = sc_p.has_value() && sc_p->defined();
-    L[p].has_mn = mn_p.has_value() && mn_p->defined();
-    L[p].has_dmin = dmin_p.has_value() && dmin_p->defined();
-    TORCH_CHECK(codes[p].numel() == L[p].N * K * bits / 8, "codes do not hold N x K codes for K = ", K);
-    TORCH_CHECK(K % SB == 0 && SB % S == 0 && d[p].numel() == L[p].N / LANES * (K / SB) * LANES, "d: [G, K/SB, 16]");
-    TORCH_CHECK(!L[p].has_sc || SB == act_block(K), "k-quants need one activation scale per super-block");
-    TORCH_CHECK(!(L[p].has_mn && L[p].z != 0), "a type with both mn and z is not of the kernel's forms");
-    W[p] = Weights{codes[p].data_ptr<uint8_t>(), bytes_or_null(sc_p), bytes_or_null(mn_p),
-                   reinterpret_cast<const at::Half*>(d[p].data_ptr()),
-                   L[p].has_dmin ? reinterpret_cast<const at::Half*>(dmin_p->data_ptr()) : nullptr};
-    first_group[p + 1] = first_group[p] + L[p].N / LANES;
-  }
-  const int64_t ldy = first_group[parts] * LANES;
-  TORCH_CHECK(!bias.has_value() || !bias->defined() ||
-              (bias->scalar_type() == at::kFloat && bias->is_contiguous() && bias->numel() == ldy),
-              "bias: float32 [N padded]");
-  const float* b = bias.has_value() && bias->defined() ? bias->data_ptr<float>() : nullptr;
-  auto y = at::empty({M, ldy}, x.options().dtype(at::kFloat));
-  float* out = y.data_ptr<float>();
-  Acts a{acts[0].data_ptr<int8_t>(), acts[1].data_ptr<float>(), acts[2].data_ptr<int16_t>(), M, act_block(K)};
-  at::parallel_for(0, first_group[parts], 1, [&](int64_t g0, int64_t g1) {
-    int64_t p = 0;
-    for (int64_t g = g0; g < g1; ++g) {
-      while (g >= first_group[p + 1]) ++p;
-      const int64_t local = g - first_group[p], col0 = first_group[p] * LANES;
-      if (L[p].bits == 4) run_group<4>(L[p], W[p], local, a, out, ldy, col0);
-      else if (L[p].bits == 6) run_group<6>(L[p], W[p], local, a, out, ldy, col0);
-      else run_group<8>(L[p], W[p], local, a, out, ldy, col0);
-      if (b)
-        for (int64_t m = 0; m < M; ++m)
-          for (int64_t n = g * LANES; n < (g + 1) * LANES; ++n) out[m * ldy + n] += b[n];
-    }
-  });
-  return y;
+  auto optionals = [](const c10::List<c10::optional<at::Tensor>>& list) {
+    QLinear::Optionals out;
+    for (size_t i = 0; i < list.size(); ++i) out.push_back(list.get(i));
+    return out;
+  };
+  const QLinear linear(codes.vec(), optionals(sc), optionals(mn), d.vec(), optionals(dmin), layouts.vec(), bias);
+  return linear.run(x, make_prologue(norm_weight, eps, gated, linear.K));
 }
 
 // Rows `ids` of W as float32 [len(ids), K]: an embedding's lookup (W = d * sc * (code - z) + dmin * mn).
@@ -686,7 +706,10 @@ TORCH_LIBRARY_IMPL(specdec, CPU, m) {
   m.impl("qlinear", &qlinear);
 }
 
+void register_decoder_layer(pybind11::module& m);  // layer.cpp
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  register_decoder_layer(m);
   m.def("quantize_activations", [](const at::Tensor& x) { return quantize_activations(x); });
   m.def("qmatmul_into", &qmatmul_into);
   m.def("dequantize_rows", &dequantize_rows);

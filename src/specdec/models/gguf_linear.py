@@ -53,7 +53,7 @@ class GGUFLinear(nn.Module):
         self.layouts = [n for p in parts for n in (p.layout.bits, p.layout.sub_block, p.layout.super_block,
                                                    p.layout.z, int(p.layout.sc_signed))]
         # what the kernel does to the input first (fuse_input): none yet
-        self.gated, self.eps = False, 0.0
+        self.gated, self.eps, self._op_args = False, 0.0, None
         self.register_buffer("norm_weight", None, persistent=False)
 
     def fuse_input(self, norm: nn.Module | None = None, gated: bool = False) -> None:
@@ -61,7 +61,7 @@ class GGUFLinear(nn.Module):
         the gate of an MLP (the input is then [gate; up], [..., 2K], and the product's input
         silu(gate) * up). The kernel does it while quantizing the input, in float32: the ops
         these replace each cost a Python call per layer, per token."""
-        self.gated = gated
+        self.gated, self._op_args = gated, None
         if norm is not None:
             self.norm_weight, self.eps = norm.weight.detach().float().contiguous(), float(norm.eps)
 
@@ -74,12 +74,15 @@ class GGUFLinear(nn.Module):
         x2 = x.reshape(-1, self.input_size)  # [..., K] -> [M, K]
         if x2.dtype not in (torch.float32, torch.bfloat16):
             x2 = x2.float()
-        parts = self.parts
-        y = torch.ops.specdec.qlinear(x2.contiguous(), [p.codes for p in parts], [p.sc for p in parts],
-                                      [p.mn for p in parts], [p.d for p in parts], [p.dmin for p in parts],
-                                      self.layouts, self.padded_bias, self.norm_weight, self.eps,
-                                      self.gated)  # [M, N padded], float32, bias added
+        if self._op_args is None:  # built once: a decode step makes ~110 of these calls
+            fields = [[getattr(self, f"part{i}_{field}") for i in range(len(self.parts))] for field in PART_FIELDS]
+            self._op_args = (*fields, self.layouts, self.padded_bias, self.norm_weight, self.eps, self.gated)
+        y = torch.ops.specdec.qlinear(x2.contiguous(), *self._op_args)  # [M, N padded], float32, bias added
         return y if self.keep is None else y[:, self.keep]
+
+    def _apply(self, fn, recurse=True):
+        self._op_args = None  # the buffers may be new tensors
+        return super()._apply(fn, recurse)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.product(x).to(x.dtype).view(*x.shape[:-1], self.out_features)

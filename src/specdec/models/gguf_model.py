@@ -12,6 +12,7 @@ import torch
 from torch import nn
 
 from specdec.models.checkpoint import FUSED, to_hf
+from specdec.models.gguf_layer import fused_layer
 from specdec.models.gguf_linear import GGUFEmbedding, GGUFLinear, GGUFMLP, dequantize
 from specdec.models.gguf_quants import PackedTensor
 from specdec.models.llama import LlamaModel, ModelConfig, rope_inverse_frequencies
@@ -42,8 +43,9 @@ def build_quantized_model(config: ModelConfig, weights: dict[str, torch.Tensor],
     left_on_meta = [name for name, t in model.state_dict().items() if t.is_meta]
     if left_on_meta:
         raise ModelLoadError(f"{path}: tensors {left_on_meta[:3]} were not loaded")
-    for layer in model.layers:
+    for i, layer in enumerate(model.layers):
         _fuse_into_kernels(layer)
+        model.layers[i] = fused_layer(layer)
     return model.eval().requires_grad_(False)
 
 

@@ -1,0 +1,68 @@
+// What specdec's kernels share across files: a quantized linear layer (qmatmul.cpp), the
+// attention over a cache (attention.cpp), used by the decoder layer (layer.cpp).
+
+#pragma once
+
+#include <torch/extension.h>
+#include <vector>
+
+namespace specdec_kernels {
+
+// One packed part's shape and type (see qmatmul.cpp's header for the terms).
+struct Layout {
+  int64_t N, K;         // output rows (a multiple of 16), inputs
+  int64_t bits;         // 4, 6 or 8: how codes are stored
+  int64_t S, SB;        // sub-block and super-block sizes
+  int64_t z;            // the code offset
+  bool has_sc, sc_signed, has_mn, has_dmin;
+};
+
+struct Weights {
+  const uint8_t* codes;   // [G, K*bits/8/64 chunks, 64]
+  const uint8_t* sc;      // [G, K/S, 16] or null
+  const uint8_t* mn;      // [G, K/S, 16] or null
+  const at::Half* d;      // [G, K/SB, 16]
+  const at::Half* dmin;   // [G, K/SB, 16] or null
+};
+
+// What a layer does to its input before the product (each optional, in this order):
+//   gated  the input is [gate; up] ([M, 2K]) and the activation silu(gate) * up: an MLP's
+//          down projection, fused with the gate
+//   norm   RMSNorm: x * weight / sqrt(mean(x^2) + eps), in float32: the norm before a layer,
+//          fused with it
+struct Prologue {
+  bool gated = false;
+  const float* norm_weight = nullptr;  // [K] float32, or null
+  float eps = 0.f;
+};
+
+// A linear layer of packed parts stacked by rows (a fused q/k/v, say), ready to run.
+struct QLinear {
+  std::vector<Layout> L;
+  std::vector<Weights> W;
+  std::vector<int64_t> first_group;    // part p's groups start at first_group[p]
+  int64_t K = 0, N = 0;                // inputs; outputs (padded to whole groups)
+  const float* bias = nullptr;         // float32 [N] or null
+  std::vector<at::Tensor> keep_alive;  // the tensors the pointers point into
+
+  using Optionals = std::vector<c10::optional<at::Tensor>>;
+  // per part: codes, sc, mn, d, dmin and 5 layout numbers (bits, S, SB, z, sc_signed); the bias
+  QLinear(const std::vector<at::Tensor>& codes, const Optionals& sc, const Optionals& mn,
+          const std::vector<at::Tensor>& d, const Optionals& dmin, const std::vector<int64_t>& layouts,
+          const c10::optional<at::Tensor>& bias);
+  // y [M, N] float32 = prologue(x) W^T + bias, x [M, K] (gated: [M, 2K]) float32 or bfloat16
+  at::Tensor run(const at::Tensor& x, const Prologue& pro) const;
+  // the product of activations quantize_activations made, into out [M, N]
+  void run_into(const int8_t* xq, const float* dx, const int16_t* xsum, int64_t M, float* out) const;
+};
+
+Prologue make_prologue(const c10::optional<at::Tensor>& norm_weight, double eps, bool gated, int64_t K);
+
+// Attention of q [B, T, H, D] float32 (contiguous) over a cache's keys and values [slots, positions,
+// Hkv, D] (float32, bfloat16 or float16): batch row b reads slot rows[b], positions 0..num_keys-1,
+// those mask [B or 1, 1, T, num_keys] lets it (null: all); out [B, T, H, D] float32. Each query is
+// computed alone (see attention.cpp).
+void attend_cache(const float* q, int64_t B, int64_t T, int64_t H, const at::Tensor& keys, const at::Tensor& values,
+                  const int64_t* rows, int64_t num_keys, const at::Tensor* mask, float scale, float* out);
+
+}  // namespace specdec_kernels
