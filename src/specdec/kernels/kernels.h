@@ -4,6 +4,7 @@
 #pragma once
 
 #include <torch/extension.h>
+#include <functional>
 #include <vector>
 
 namespace specdec_kernels {
@@ -52,8 +53,13 @@ struct QLinear {
           const c10::optional<at::Tensor>& bias);
   // y [M, N] float32 = prologue(x) W^T + bias, x [M, K] (gated: [M, 2K]) float32 or bfloat16
   at::Tensor run(const at::Tensor& x, const Prologue& pro) const;
-  // the product of activations quantize_activations made, into out [M, N]
-  void run_into(const int8_t* xq, const float* dx, const int16_t* xsum, int64_t M, float* out) const;
+  // residual [M, N] + prologue(x) W^T + bias, in residual's dtype (float32, bfloat16 or float16): the
+  // sum made by the thread that made each group's columns, in the same parallel loop
+  at::Tensor run_plus(const at::Tensor& x, const Prologue& pro, const at::Tensor& residual) const;
+  // the product of activations quantize_activations made, into out [M, N]; then, per group,
+  // after_group(first column, end column) in the thread that made it (if given)
+  void run_into(const int8_t* xq, const float* dx, const int16_t* xsum, int64_t M, float* out,
+                const std::function<void(int64_t, int64_t)>* after_group = nullptr) const;
 };
 
 Prologue make_prologue(const c10::optional<at::Tensor>& norm_weight, double eps, bool gated, int64_t K);

@@ -97,11 +97,11 @@ struct DecoderLayerPlan {
     const at::Tensor* mask_ptr = mask.has_value() && mask->defined() ? &*mask : nullptr;
     attend_cache(q.data_ptr<float>(), B, T, H, keys, values, row_of, num_keys, mask_ptr, (float)(1.0 / std::sqrt((double)D)),
                  attention.data_ptr<float>());
-    auto h = (o.run(attention, Prologue()) + x2.to(at::kFloat)).to(x.scalar_type());  // [M, hidden]
+    auto h = o.run_plus(attention, Prologue(), x2);  // [M, hidden] in x's dtype
     auto gate_up_out = gate_up.run(h, make_prologue(post_norm, eps, false, hidden));  // [M, 2I] float32
     Prologue gated;
     gated.gated = true;
-    auto out = (down.run(gate_up_out, gated) + h.to(at::kFloat)).to(x.scalar_type());
+    auto out = down.run_plus(gate_up_out, gated, h);
     return out.view({B, T, hidden});
   }
 };

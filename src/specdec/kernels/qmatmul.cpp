@@ -569,7 +569,8 @@ specdec_kernels::QLinear::QLinear(const std::vector<at::Tensor>& codes, const Op
   }
 }
 
-void specdec_kernels::QLinear::run_into(const int8_t* xq, const float* dx, const int16_t* xsum, int64_t M, float* out) const {
+void specdec_kernels::QLinear::run_into(const int8_t* xq, const float* dx, const int16_t* xsum, int64_t M, float* out,
+                                       const std::function<void(int64_t, int64_t)>* after_group) const {
   const Acts a{xq, dx, xsum, M, act_block(K)};
   const int64_t parts = (int64_t)L.size();
   at::parallel_for(0, first_group[parts], 1, [&](int64_t g0, int64_t g1) {
@@ -583,8 +584,30 @@ void specdec_kernels::QLinear::run_into(const int8_t* xq, const float* dx, const
       if (bias)
         for (int64_t m = 0; m < M; ++m)
           for (int64_t n = g * LANES; n < (g + 1) * LANES; ++n) out[m * N + n] += bias[n];
+      if (after_group != nullptr) (*after_group)(g * LANES, (g + 1) * LANES);
     }
   });
+}
+
+at::Tensor specdec_kernels::QLinear::run_plus(const at::Tensor& x, const Prologue& pro, const at::Tensor& residual) const {
+  const int64_t M = x.size(0);
+  TORCH_CHECK(x.dim() == 2 && x.size(1) == (pro.gated ? 2 * K : K), "x: [M, ", pro.gated ? 2 * K : K, "]");
+  TORCH_CHECK(residual.dim() == 2 && residual.size(0) == M && residual.size(1) == N && residual.is_contiguous(),
+              "residual: contiguous [M, N]");
+  auto acts = quantize_activations(x, pro);
+  auto y = at::empty({M, N}, x.options().dtype(at::kFloat));
+  auto sum = at::empty_like(residual);
+  float* yp = y.data_ptr<float>();
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, residual.scalar_type(), "qlinear_plus", [&] {
+    const scalar_t* r = residual.data_ptr<scalar_t>();
+    scalar_t* s = sum.data_ptr<scalar_t>();
+    const std::function<void(int64_t, int64_t)> add = [&](int64_t n0, int64_t n1) {
+      for (int64_t m = 0; m < M; ++m)
+        for (int64_t n = n0; n < n1; ++n) s[m * N + n] = static_cast<scalar_t>(yp[m * N + n] + static_cast<float>(r[m * N + n]));
+    };
+    run_into(acts[0].data_ptr<int8_t>(), acts[1].data_ptr<float>(), acts[2].data_ptr<int16_t>(), M, yp, &add);
+  });
+  return sum;
 }
 
 at::Tensor specdec_kernels::QLinear::run(const at::Tensor& x, const Prologue& pro) const {
