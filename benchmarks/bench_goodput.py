@@ -1,12 +1,13 @@
 """Does k by goodput earn its name? Plain decoding, every fixed k and goodput, interleaved.
 
-    python benchmarks/bench_goodput.py [--pairs toy,smollm2] [--drafters draft_model,ngram]
+    python benchmarks/bench_goodput.py [--pairs toy,smollm2,qwen] [--drafters draft_model,ngram]
                                        [--ks 1,2,3,4,5] [--prompts 3] [--max-tokens 96] [--sampled]
     ../shared/tools/both-cpus .venv/bin/python benchmarks/bench_goodput.py
 
 For each pair (toy: models/code-target + models/code-draft on held-out code and repeating-code
 prompts; smollm2: SmolLM2-135M-Instruct, after `make smollm2`, + models/smollm2-draft on chat and
-"edit this function" prompts), each drafter and each prompt set, prompt by prompt in an order
+"edit this function" prompts; qwen: the Qwen2.5-Coder 1.5B GGUF with the 0.5B as its draft, after
+`make qwen`, on the same prompts), each drafter and each prompt set, prompt by prompt in an order
 rotated from prompt to prompt, it runs: the target alone, the drafter at each fixed k, and the
 drafter with k by goodput (k at most the largest of --ks; LLM's default policy). The goodput rows
 use an LLM made fresh for each drafter, with its own target runner, as a new user's first LLM
@@ -38,11 +39,15 @@ from specdec.config import COMPILE_HELP, COMPILE_MODES, SpeculativeConfig  # noq
 from specdec.drafters import DRAFTERS  # noqa: E402
 from specdec.metrics import rounds_by_k_text  # noqa: E402
 from specdec.paths import SHIPPED_DRAFT, SHIPPED_TARGET, SMOLLM2_DRAFT, SMOLLM2_TARGET  # noqa: E402
+from specdec.models.registry import lookup, model_path  # noqa: E402
 from specdec.platform import detect_platform  # noqa: E402
 
+QWEN_TARGET, QWEN_DRAFT = (model_path(lookup(name)) for name in ("qwen2.5-coder-1.5b-instruct",
+                                                                   "qwen2.5-coder-0.5b-instruct"))
 PAIRS = {  # name -> (target, draft, prompt sets)
     "toy": (SHIPPED_TARGET, SHIPPED_DRAFT, ("code", "repeat")),
     "smollm2": (SMOLLM2_TARGET, SMOLLM2_DRAFT, ("chat", "edit")),
+    "qwen": (QWEN_TARGET, QWEN_DRAFT, ("chat", "edit")),  # GGUF files, after `make qwen`
 }
 SAMPLINGS = {"greedy": dict(temperature=0.0), "sampled": dict(temperature=0.8, top_p=0.95)}
 
@@ -141,8 +146,9 @@ def header(ks) -> str:
 
 def run_pair(pair: str, drafters, ks, args) -> None:
     target_dir, draft_dir, prompt_sets = PAIRS[pair]
-    if not (target_dir / "config.json").is_file():
-        print(f"(pair {pair}: no model at {target_dir}; `make smollm2` fetches it)", flush=True)
+    if not ((target_dir / "config.json").is_file() or target_dir.is_file()) or not draft_dir.exists():
+        print(f"(pair {pair}: no model at {target_dir} or {draft_dir}; `make smollm2` / `make qwen` fetch them)",
+              flush=True)
         return
     target = LLM(str(target_dir), compile=args.compile)
     for drafter_name in drafters:

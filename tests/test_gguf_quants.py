@@ -258,6 +258,38 @@ def test_a_verify_forward_gives_bit_for_bit_what_decode_steps_give(mixed_file, d
     assert torch.equal(alone[0], steps[1, :4])
 
 
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_the_one_call_layer_computes_what_the_layers_ops_do(mixed_file, dtype, monkeypatch):
+    """kernels/layer.cpp (a decode step or verify forward of a whole decoder layer in one call)
+    against the same layer's PyTorch ops, on a prefill and then forwards over the cache: the
+    same function, rounded differently (RoPE and the residual adds in float32)."""
+    from specdec.models import gguf_layer
+
+    model = load_pretrained(mixed_file, dtype=dtype, load_tokenizer=False, keep_quantized=True).model
+    assert all(isinstance(layer, gguf_layer.GGUFDecoderLayer) for layer in model.layers)
+    g = torch.Generator().manual_seed(31)
+    prompt, steps = torch.randint(2, 300, (2, 20), generator=g), torch.randint(2, 300, (2, 5), generator=g)
+
+    def run() -> torch.Tensor:
+        cache = model.new_cache(2, 32)
+        with torch.inference_mode():
+            model(prompt, torch.arange(20).expand(2, 20), cache)
+            return torch.cat([model(steps[:, :1], torch.tensor([[20], [20]]), cache),
+                              model(steps[:, 1:], torch.arange(21, 25).expand(2, 4), cache)], dim=1).float()
+
+    fused = run()
+    monkeypatch.setattr(gguf_layer.GGUFDecoderLayer, "forward", _layer_ops)
+    ops = run()
+    tolerance = 1e-3 if dtype == "float32" else 0.05  # an int8 activation code may round the other way; bfloat16 between ops
+    assert (fused - ops).abs().max() <= tolerance * ops.abs().max()
+
+
+def _layer_ops(self, x, cos, signed_sin, mask, positions, cache, num_keys):
+    """llama.DecoderLayer.forward: the layer as PyTorch ops."""
+    x = x + self.self_attn(self.input_layernorm(x), cos, signed_sin, mask, positions, cache, num_keys)
+    return x + self.mlp(self.post_attention_layernorm(x))
+
+
 def test_quantization_none_dequantizes_a_gguf_file(mixed_file):
     llm = LLM(model=str(mixed_file), dtype="float32", quantization=None)
     assert isinstance(llm.target.model.lm_head, torch.nn.Linear)

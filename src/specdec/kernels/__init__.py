@@ -2,6 +2,8 @@
 
 attention.cpp attends a few queries (a decode step, a verify forward) over the key/value cache,
 each query alone, so that a verify forward gives bit for bit what the decode steps would.
+layer.cpp runs a quantized decoder layer's decode step or verify forward in one call (kernels.h:
+what the three share).
 qmatmul.cpp multiplies activations by GGUF-quantized weights held in their integer codes (see
 its header for the layout). It is compiled for the CPU it runs on, in one of two variants:
   avx512_vnni  AVX-512 with VNNI (vpdpbusd: 64 unsigned codes x 4 int8 activations a step)
