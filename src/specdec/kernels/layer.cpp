@@ -26,9 +26,6 @@ inline void store_row(scalar_t* dst, const float* src, int64_t n) {
   for (int64_t i = 0; i < n; ++i) dst[i] = static_cast<scalar_t>(src[i]);
 }
 
-template <typename scalar_t>
-inline float to_float(scalar_t v) { return static_cast<float>(v); }
-
 }  // namespace
 
 struct DecoderLayerPlan {
@@ -75,11 +72,11 @@ struct DecoderLayerPlan {
     AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "decoder_layer_rope", [&] {
       const float* in = qkv_out.data_ptr<float>();
       float* q_out = q.data_ptr<float>();
+      std::vector<float> rotated(D);
       for (int64_t m = 0; m < M; ++m) {
         const float* c = cos32.data_ptr<float>() + m * D;
         const float* s = sin32.data_ptr<float>() + m * D;
         const float* row = in + m * qkv.N;
-        std::vector<float> rotated(D);
         auto rope = [&](const float* v, float* out) {
           for (int64_t d = 0; d < D; ++d) out[d] = v[d] * c[d] + v[(d + D / 2) % D] * s[d];
         };

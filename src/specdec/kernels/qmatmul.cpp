@@ -146,13 +146,13 @@ inline float act_scale(const Acts& a, const Layout& L, int64_t r, int64_t k) {
   return a.dx[r * (L.K / a.AB) + k / a.AB];
 }
 
-// Software prefetch: codes g_prefetch bytes ahead, for tiles of at least g_prefetch_rows rows.
+// Software prefetch: codes PREFETCH_BYTES ahead, for tiles of at least PREFETCH_ROWS rows.
 // With several rows a tile computes long enough between loads that the hardware prefetcher falls
 // behind; a verify forward of 7 rows of the 1.5B model took 84 ms without and 66 ms with it (2
 // threads, AVX-512). A one-row step streams at the memory's pace, where the hardware prefetcher
 // does best alone (a plain read of 1 GB: 34 GB/s without, 22 with prefetching 4 KB ahead), and
-// steps measured the same either way within this machine's noise. set_tuning, for benchmarks.
-int64_t g_prefetch = 4096, g_prefetch_rows = 2;
+// steps measured the same either way within this machine's noise.
+constexpr int64_t PREFETCH_BYTES = 4096, PREFETCH_ROWS = 2;
 
 template <int BITS> constexpr int64_t step_k() { return BITS == 8 ? 4 : BITS == 4 ? 8 : 16; }
 template <int BITS> constexpr int64_t step_bytes() { return BITS == 6 ? 192 : 64; }
@@ -177,8 +177,8 @@ inline void dot_sub(const uint8_t* codes, int64_t steps, const int8_t* const* xr
   for (int64_t c = 0; c < steps; ++c) {
     const uint8_t* chunk = codes + c * step_bytes<BITS>();
     const int64_t k = k0 + c * step_k<BITS>();
-    if (T >= g_prefetch_rows)
-      for (int64_t b = 0; b < step_bytes<BITS>(); b += 64) _mm_prefetch((const char*)chunk + g_prefetch + b, _MM_HINT_T0);
+    if (T >= PREFETCH_ROWS)
+      for (int64_t b = 0; b < step_bytes<BITS>(); b += 64) _mm_prefetch((const char*)chunk + PREFETCH_BYTES + b, _MM_HINT_T0);
     const __m512i raw = _mm512_loadu_si512(chunk);
     if (BITS == 6) {
       const __m512i raw2 = _mm512_loadu_si512(chunk + 64), top = _mm512_loadu_si512(chunk + 128);
@@ -306,8 +306,8 @@ inline void pairs_sub(const uint8_t* codes, int64_t steps, int half, const int8_
   for (int64_t c = 0; c < steps; ++c) {
     const uint8_t* chunk = codes + c * step_bytes<BITS>();
     const int64_t k = k0 + c * step_k<BITS>();
-    if (half == 0 && T >= g_prefetch_rows)
-      for (int64_t b = 0; b < step_bytes<BITS>(); b += 64) _mm_prefetch((const char*)chunk + g_prefetch + b, _MM_HINT_T0);
+    if (half == 0 && T >= PREFETCH_ROWS)
+      for (int64_t b = 0; b < step_bytes<BITS>(); b += 64) _mm_prefetch((const char*)chunk + PREFETCH_BYTES + b, _MM_HINT_T0);
     const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(chunk + half * 32));
     auto x4 = [&](int t, int64_t kk) { return _mm256_set1_epi32(load_i32(xr[t] + kk)); };
     if (BITS == 6) {  // products <= 63 * 127: two pairs of them fit int16
@@ -737,5 +737,4 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("qmatmul_into", &qmatmul_into);
   m.def("dequantize_rows", &dequantize_rows);
   m.def("isa", &isa);
-  m.def("set_tuning", [](int64_t prefetch, int64_t prefetch_rows) { g_prefetch = prefetch; g_prefetch_rows = prefetch_rows; });
 }
