@@ -13,8 +13,8 @@
 // in 16 lanes by key index (lane j mod 16) and then a fixed tree; the values in key order. Keys a query cannot see are skipped, never multiplied by zero. So a query's
 // output is bit-identical whatever the batch, the query length or the cache length.
 //
-// The arithmetic is on GCC's 16-float vectors, which the compiler lowers (with FMA contraction)
-// to the variant's instruction set: one AVX-512 register, or two AVX2 ones, the same lanes.
+// The arithmetic is on 16-float vectors (vec16.h; FMA contraction by the compiler): one AVX-512
+// register, or two AVX2 ones, the same lanes.
 
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
@@ -39,7 +39,7 @@ constexpr int LANES = LANES16;
 // exp(x) for x <= 0 (a score minus its row's maximum; above 0 taken as 0); below -87, 0
 inline vfloat exp_nonpositive(vfloat x) {
   const vfloat zero = splat(0.f);
-  return x < splat(-87.f) ? zero : exp16(x > zero ? zero : x);
+  return where_less(x, splat(-87.f), zero, exp16(vmin(x, zero)));
 }
 
 // The work of one (batch row b, key/value head): its R = G x T query rows (query head g of the

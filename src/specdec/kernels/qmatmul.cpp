@@ -108,8 +108,7 @@ void quantize_rows(const scalar_t* x, int64_t M, int64_t K, const Prologue& pro,
         vfloat amax16 = splat(0.f);
         for (int64_t i = 0; i < AB; i += LANES16) {
           const vfloat v = load16(xb + i);
-          const vfloat magnitude = v < 0.f ? -v : v;
-          amax16 = magnitude > amax16 ? magnitude : amax16;
+          amax16 = vmax(vabs(v), amax16);
         }
         float amax = 0.f;
         for (int l = 0; l < LANES16; ++l) amax = std::max(amax, amax16[l]);
@@ -118,7 +117,7 @@ void quantize_rows(const scalar_t* x, int64_t M, int64_t K, const Prologue& pro,
         int8_t* qb = xq + m * K + b * AB;
         const vfloat rounder = splat(12582912.f);  // 1.5 * 2^23: adding it rounds to the nearest integer (ties even)
         for (int64_t i = 0; i < AB; i += SUM_BLOCK) {  // SUM_BLOCK = 16 = LANES16
-          const vint q = __builtin_convertvector((load16(xb + i) * id + rounder) - rounder, vint);
+          const vint q = to_int((load16(xb + i) * id + rounder) - rounder);
           int32_t sum = 0;
           for (int l = 0; l < LANES16; ++l) qb[i + l] = (int8_t)q[l], sum += q[l];
           row_sums[(b * AB + i) / SUM_BLOCK] = (int16_t)sum;
