@@ -33,6 +33,19 @@ inline float to_float(float x) { return x; }
 inline float to_float(c10::BFloat16 x) { return static_cast<float>(x); }
 inline float to_float(c10::Half x) { return static_cast<float>(x); }
 
+// 16 consecutive values as float32
+inline specdec_vec::vfloat load16_float(const float* p) { return specdec_vec::load16(p); }
+inline specdec_vec::vfloat load16_float(const c10::BFloat16* p) {  // a bfloat16 is a float32's top 16 bits
+  uint16_t bits[16];
+  std::memcpy(bits, p, sizeof(bits));
+  return specdec_vec::from_top_bits(bits);
+}
+inline specdec_vec::vfloat load16_float(const c10::Half* p) {
+  float f[16];
+  for (int l = 0; l < 16; ++l) f[l] = static_cast<float>(p[l]);
+  return specdec_vec::load16(f);
+}
+
 using namespace specdec_vec;
 constexpr int LANES = LANES16;
 
@@ -66,13 +79,23 @@ struct HeadTask {
         const scalar_t* key = keys + (j0 + l) * key_stride;
         for (int64_t d = 0; d < D; ++d) block[d * LANES + l] = l < n ? to_float(key[d]) : 0.f;
       }
-      for (int64_t r = 0; r < R; ++r) {
-        vfloat acc = splat(0.f);
-        const float* q = query + r * D;
-        for (int64_t d = 0; d < D; ++d) acc += q[d] * load16(block + d * LANES);
-        store16(out + r * S16 + j0, acc);
-      }
+      int64_t r = 0;
+      for (; r + 4 <= R; r += 4) score_rows<4>(query + r * D, block, out + r * S16 + j0);
+      for (; r < R; ++r) score_rows<1>(query + r * D, block, out + r * S16 + j0);
     }
+  }
+
+  // N query rows' scores against a block of 16 transposed keys: N independent sums over d in
+  // order (one row's is the same whatever N; several hide the FMAs' latency)
+  template <int N>
+  void score_rows(const float* q, const float* block, float* out) const {
+    vfloat acc[N];
+    for (int i = 0; i < N; ++i) acc[i] = splat(0.f);
+    for (int64_t d = 0; d < D; ++d) {
+      const vfloat key_lanes = load16(block + d * LANES);
+      for (int i = 0; i < N; ++i) acc[i] += q[i * D + d] * key_lanes;
+    }
+    for (int i = 0; i < N; ++i) store16(out + i * S16, acc[i]);
   }
 
   // scores -> exp(score - the row's largest visible score), 0 where not visible or past S
@@ -100,20 +123,27 @@ struct HeadTask {
     return sums[0];
   }
 
-  // acc [R, D] = sum over visible j, in key order, of p_j v_j
-  void weigh_values(const float* p, float* acc, float* value) const {
-    const int64_t R = G * T;
-    std::fill(acc, acc + R * D, 0.f);
-    for (int64_t j = 0; j < S; ++j) {
-      const scalar_t* v = values + j * value_stride;
-      for (int64_t d = 0; d < D; ++d) value[d] = to_float(v[d]);
-      for (int64_t r = 0; r < R; ++r) {
-        if (!visible(r % T, j)) continue;
-        const vfloat pj = splat(p[r * S16 + j]);
-        float* a = acc + r * D;
-        for (int64_t d0 = 0; d0 < D; d0 += LANES) store16(a + d0, load16(a + d0) + pj * load16(value + d0));
-      }
+  // acc [R, D] = sum over visible j, in key order, of p_j v_j: a row at a time, 64 (then 16)
+  // dimensions of it held in registers over all keys
+  void weigh_values(const float* p, float* acc) const {
+    for (int64_t r = 0; r < G * T; ++r) {
+      int64_t d0 = 0;
+      for (; d0 + 4 * LANES <= D; d0 += 4 * LANES) weigh_dims<4>(p + r * S16, r % T, d0, acc + r * D + d0);
+      for (; d0 < D; d0 += LANES) weigh_dims<1>(p + r * S16, r % T, d0, acc + r * D + d0);
     }
+  }
+
+  // out[0 : 16 N] = sum over visible j of p_j v_j[d0 : d0 + 16 N], for query t
+  template <int N>
+  void weigh_dims(const float* p, int64_t t, int64_t d0, float* out) const {
+    vfloat sum[N];
+    for (int i = 0; i < N; ++i) sum[i] = splat(0.f);
+    for (int64_t j = 0; j < S; ++j) {
+      if (!visible(t, j)) continue;
+      const scalar_t* v = values + j * value_stride + d0;
+      for (int i = 0; i < N; ++i) sum[i] += p[j] * load16_float(v + i * LANES);
+    }
+    for (int i = 0; i < N; ++i) store16(out + i * LANES, sum[i]);
   }
 };
 
@@ -125,7 +155,7 @@ void attend_heads(const float* q, int64_t B, int64_t T, int64_t H, const at::Ten
   const int64_t mask_b = mask == nullptr || mask->size(0) == 1 ? 0 : mask->stride(0);
   const int64_t mask_t = mask == nullptr ? 0 : mask->stride(2), mask_j = mask == nullptr ? 0 : mask->stride(3);
   at::parallel_for(0, B * Hkv, 1, [&](int64_t task0, int64_t task1) {
-    std::vector<float> query(R * D), probs(R * S16), acc(R * D), scratch(LANES * D);
+    std::vector<float> query(R * D), probs(R * S16), acc(R * D), block(LANES * D);
     for (int64_t task = task0; task < task1; ++task) {
       const int64_t b = task / Hkv, hkv = task % Hkv;
       for (int64_t g = 0; g < G; ++g)
@@ -139,9 +169,9 @@ void attend_heads(const float* q, int64_t B, int64_t T, int64_t H, const at::Ten
                                     keys.stride(1), values.stride(1),
                                     mask_ptr == nullptr ? nullptr : mask_ptr + b * mask_b, mask_t, mask_j,
                                     G, T, S, S16, D};
-      head.scores(probs.data(), scratch.data());
+      head.scores(probs.data(), block.data());
       head.exponentiate(probs.data());
-      head.weigh_values(probs.data(), acc.data(), scratch.data());
+      head.weigh_values(probs.data(), acc.data());
       for (int64_t r = 0; r < R; ++r) {
         const int64_t g = r / T, t = r % T;
         const float total = head.denominator(&probs[r * S16]);

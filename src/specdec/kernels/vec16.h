@@ -29,6 +29,13 @@ inline vfloat where_less(vfloat x, vfloat bound, vfloat a, vfloat b) { return x 
 inline vint to_int(vfloat x) { return __builtin_convertvector(x, vint); }
 // int32 lanes' bits as floats
 inline vfloat as_float(vint x) { return (vfloat)x; }
+// floats whose top 16 bits are bits[0..15] (bfloat16 values as float32)
+inline vfloat from_top_bits(const uint16_t* bits) {
+  typedef uint16_t v16u __attribute__((vector_size(32)));
+  v16u b;
+  std::memcpy(&b, bits, sizeof(b));
+  return as_float(__builtin_convertvector(b, vint) << 16);
+}
 inline vfloat load16(const float* p) { vfloat v; std::memcpy(&v, p, sizeof(v)); return v; }
 inline void store16(float* p, vfloat v) { std::memcpy(p, &v, sizeof(v)); }
 #else
@@ -67,6 +74,13 @@ inline vfloat where_less(vfloat x, vfloat bound, vfloat a, vfloat b) {
 }
 inline vint to_int(vfloat x) { return {__builtin_convertvector(x.lo, v8i), __builtin_convertvector(x.hi, v8i)}; }
 inline vfloat as_float(vint x) { return {(v8f)x.lo, (v8f)x.hi}; }
+inline vfloat from_top_bits(const uint16_t* bits) {
+  typedef uint16_t v8u __attribute__((vector_size(16)));
+  v8u lo, hi;
+  std::memcpy(&lo, bits, sizeof(lo));
+  std::memcpy(&hi, bits + 8, sizeof(hi));
+  return as_float(vint{__builtin_convertvector(lo, v8i) << 16, __builtin_convertvector(hi, v8i) << 16});
+}
 // half by half: a copy of the whole struct goes through the stack
 inline vfloat load16(const float* p) {
   vfloat v;
