@@ -4,9 +4,14 @@ memory on every load, and the GGUF file's configuration and tokenizer beside it 
 The first load of a GGUF file parses its metadata (gguf.GGUFReader: seconds for a 150k-token
 vocabulary) and packs every quantized matrix (gguf_quants.pack). Each packed tensor is written
 to SPECDEC_CACHE/packed/<file>-<key>.bin as soon as it is made and then dropped, so a load never
-holds the packed model in its own memory; the model then maps that file (copy-on-write, never
-written): pages it never reads, such as most rows of the embedding table, never become
-resident, and the next load of the same file skips the GGUF file altogether. The key covers
+holds the packed model in its own memory, and the next load of the same file skips the GGUF file
+altogether. A load reads the matrices that every step streams whole into one block of anonymous
+memory in 2 MB pages (where the kernel grants them), and maps the rest of the file (copy-on-write,
+never written): an embedding table that is only gathered from (most of its rows never become
+resident), the norms. Why not map the matrices too: a decode step of Qwen2.5-Coder-1.5B's layers
+took 38.1 ms over weights mapped from the page cache, 30.8 ms in anonymous 4 KB pages and 27.4 ms
+in 2 MB pages (2 threads, AVX-512, interleaved in one process): each 4 KB page is a TLB miss and a
+fresh start for the hardware prefetcher. The key covers
 the file's path, size and modification time and the packing code itself, so a changed file or
 a new layout is packed again. Files are written under temporary names; the JSON index, written
 last, marks a complete entry.
@@ -17,6 +22,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import mmap
 import os
 from pathlib import Path
 
@@ -107,7 +113,10 @@ def load(path: Path) -> tuple[dict, dict[str, torch.Tensor], dict[str, PackedTen
         return None
     try:
         data = np.memmap(data_path, dtype=np.uint8, mode="c")  # copy-on-write: never written back
-        tensors = {name: _view(data, dtype, shape, offset) for name, (dtype, shape, offset) in index["tensors"].items()}
+        streamed = _streamed(index)
+        tensors = {name: _view(data, dtype, shape, offset) for name, (dtype, shape, offset) in index["tensors"].items()
+                   if name not in streamed}
+        tensors.update(_read_into_memory(data_path, {name: index["tensors"][name] for name in streamed}))
         packed = {name: PackedTensor(kind, LAYOUTS[kind], rows, cols,
                                      *(tensors.get(f"packed/{name}/{field}") for field in FIELDS))
                   for name, (kind, rows, cols) in index["packed"].items()}
@@ -118,12 +127,54 @@ def load(path: Path) -> tuple[dict, dict[str, torch.Tensor], dict[str, PackedTen
     return index, weights, packed
 
 
+def _nbytes(dtype: str, shape: list[int]) -> int:
+    return int(np.prod(shape, dtype=np.int64)) * torch.tensor([], dtype=DTYPES[dtype]).element_size()
+
+
 def _view(data: np.memmap, dtype: str, shape: list[int], offset: int) -> torch.Tensor:
-    torch_dtype = DTYPES[dtype]
-    nbytes = int(np.prod(shape, dtype=np.int64)) * torch.tensor([], dtype=torch_dtype).element_size()
+    nbytes = _nbytes(dtype, shape)
     if offset + nbytes > data.size:
         raise ValueError("the data file is shorter than its index says")
-    return torch.from_numpy(data[offset:offset + nbytes]).view(torch_dtype).view(shape)
+    return torch.from_numpy(data[offset:offset + nbytes]).view(DTYPES[dtype]).view(shape)
+
+
+def _streamed(index: dict) -> set[str]:
+    """The stored tensors of the packed matrices every step reads whole: all but an input
+    embedding that has an output layer of its own (only its gathered rows are read)."""
+    names = set(index["packed"])
+    if "lm_head.weight" in names:
+        names -= {name for name in names if name.endswith("embed_tokens.weight")}
+    return {f"packed/{name}/{field}" for name in names for field in FIELDS} & set(index["tensors"])
+
+
+HUGE_PAGE = 2 << 20
+
+
+def _read_into_memory(data_path: Path, entries: dict[str, list]) -> dict[str, torch.Tensor]:
+    """entries (stored name -> [dtype, shape, offset in the file]) read from the file into one
+    block of anonymous memory, asked for in 2 MB pages (madvise; Linux grants them where
+    transparent huge pages are "always" or "madvise"). Read, not copied from a mapping, so the
+    file's pages never count as this process's memory."""
+    if not entries:
+        return {}
+    sizes = {name: _nbytes(dtype, shape) for name, (dtype, shape, _) in entries.items()}
+    total = sum(-(-size // ALIGN) * ALIGN for size in sizes.values())
+    block = mmap.mmap(-1, total + HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    if hasattr(mmap, "MADV_HUGEPAGE"):
+        block.madvise(mmap.MADV_HUGEPAGE)
+    memory = torch.frombuffer(block, dtype=torch.uint8)  # holds block alive: every tensor below is a view
+    start = -memory.data_ptr() % HUGE_PAGE  # the first whole 2 MB page
+    tensors, view = {}, memoryview(block)
+    with open(data_path, "rb") as f:
+        for name, (dtype, shape, offset) in sorted(entries.items(), key=lambda item: item[1][2]):
+            size = sizes[name]
+            f.seek(offset)
+            if f.readinto(view[start:start + size]) != size:
+                raise ValueError("the data file is shorter than its index says")
+            tensors[name] = memory[start:start + size].view(DTYPES[dtype]).view(shape)
+            start += -(-size // ALIGN) * ALIGN
+    view.release()
+    return tensors
 
 
 def _remove_older_entries(path: Path, keep: Path) -> None:

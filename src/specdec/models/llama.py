@@ -182,11 +182,16 @@ def _attends_by_rows(q: torch.Tensor, num_queries: int) -> bool:
             and _attention_kernel_built())
 
 
-@torch._dynamo.assume_constant_result
 def _attention_kernel_built() -> bool:
     from specdec import kernels
 
     return kernels.available()
+
+
+# Functions torch.compile may take as constants (the runner marks them with torch._dynamo.
+# assume_constant_result when it compiles; marking them here would import torch._dynamo, ~80 MB
+# and a second, with every model).
+COMPILE_TIME_CONSTANTS = (_attention_kernel_built,)
 
 
 def _attend_in_float32(q: torch.Tensor, num_queries: int) -> bool:
