@@ -296,49 +296,6 @@ inline __m256i load_twice16(const uint8_t* p, bool is_signed) {
   return _mm256_or_si256(_mm256_and_si256(wide, _mm256_set1_epi32(0xFFFF)), _mm256_slli_epi32(wide, 16));
 }
 
-// One sub-block's products of half (8 rows) of a group: f(t, pairs) is called with int16 pairs of
-// products (maddubs of codes <= 127 by int8 activations; each int16 pair belongs to one row), each
-// small enough for one more int16 addition of its like. 8-bit codes above 127 (Q8_0's, z = 128)
-// would overflow maddubs: they are taken back to signed values and multiplied by |code| with the
-// activation's sign moved.
-template <int T, int BITS, typename F>
-inline void pairs_sub(const uint8_t* codes, int64_t steps, int half, const int8_t* const* xr, int64_t k0,
-                      bool signed8, F&& f) {
-  const __m256i low4 = _mm256_set1_epi8(0x0F), bits45 = _mm256_set1_epi8(0x30), top = _mm256_set1_epi8((char)0x80);
-  for (int64_t c = 0; c < steps; ++c) {
-    const uint8_t* chunk = codes + c * step_bytes<BITS>();
-    const int64_t k = k0 + c * step_k<BITS>();
-    if (half == 0 && T >= PREFETCH_ROWS)
-      for (int64_t b = 0; b < step_bytes<BITS>(); b += 64) _mm_prefetch((const char*)chunk + PREFETCH_BYTES + b, _MM_HINT_T0);
-    const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(chunk + half * 32));
-    auto x4 = [&](int t, int64_t kk) { return _mm256_set1_epi32(load_i32(xr[t] + kk)); };
-    if (BITS == 6) {  // products <= 63 * 127: two pairs of them fit int16
-      const __m256i raw2 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(chunk + 64 + half * 32));
-      const __m256i tops = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(chunk + 128 + half * 32));
-      const __m256i v0 = _mm256_or_si256(_mm256_and_si256(raw, low4), _mm256_and_si256(_mm256_slli_epi16(tops, 4), bits45));
-      const __m256i v1 = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(raw, 4), low4),
-                                         _mm256_and_si256(_mm256_slli_epi16(tops, 2), bits45));
-      const __m256i v2 = _mm256_or_si256(_mm256_and_si256(raw2, low4), _mm256_and_si256(tops, bits45));
-      const __m256i v3 = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(raw2, 4), low4),
-                                         _mm256_and_si256(_mm256_srli_epi16(tops, 2), bits45));
-      for (int t = 0; t < T; ++t) {
-        f(t, _mm256_add_epi16(_mm256_maddubs_epi16(v0, x4(t, k)), _mm256_maddubs_epi16(v1, x4(t, k + 4))));
-        f(t, _mm256_add_epi16(_mm256_maddubs_epi16(v2, x4(t, k + 8)), _mm256_maddubs_epi16(v3, x4(t, k + 12))));
-      }
-    } else if (BITS == 4) {  // products <= 15 * 127: a 32-input sub-block's 8 pairs of them fit int16
-      const __m256i lo = _mm256_and_si256(raw, low4), hi = _mm256_and_si256(_mm256_srli_epi16(raw, 4), low4);
-      for (int t = 0; t < T; ++t)
-        f(t, _mm256_add_epi16(_mm256_maddubs_epi16(lo, x4(t, k)), _mm256_maddubs_epi16(hi, x4(t, k + 4))));
-    } else if (signed8) {
-      const __m256i value = _mm256_xor_si256(raw, top);  // code - 128, as int8
-      const __m256i magnitude = _mm256_abs_epi8(value);
-      for (int t = 0; t < T; ++t) f(t, _mm256_maddubs_epi16(magnitude, _mm256_sign_epi8(x4(t, k), value)));
-    } else {
-      for (int t = 0; t < T; ++t) f(t, _mm256_maddubs_epi16(raw, x4(t, k)));
-    }
-  }
-}
-
 // the 6-bit codes of one step's half group (8 rows): inputs j, 4+j, 8+j, 12+j as v[0..3]
 inline void unpack6_half(const uint8_t* chunk, int half, __m256i* v) {
   const __m256i low4 = _mm256_set1_epi8(0x0F), bits45 = _mm256_set1_epi8(0x30);
@@ -349,6 +306,47 @@ inline void unpack6_half(const uint8_t* chunk, int half, __m256i* v) {
   v[1] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(raw, 4), low4), _mm256_and_si256(_mm256_slli_epi16(tops, 2), bits45));
   v[2] = _mm256_or_si256(_mm256_and_si256(raw2, low4), _mm256_and_si256(tops, bits45));
   v[3] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(raw2, 4), low4), _mm256_and_si256(_mm256_srli_epi16(tops, 2), bits45));
+}
+
+// One 32-input sub-block's products of a group: f(t, h, pairs) is called with int16 pairs of
+// products of row t and half h (rows 8h to 8h + 7) (maddubs of codes <= 127 by int8 activations;
+// each int16 pair belongs to one row), each small enough for one more int16 addition of its like.
+// 8-bit codes above 127 (Q8_0's, z = 128) would overflow maddubs: they are taken back to signed
+// values and multiplied by |code| with the activation's sign moved.
+template <int T, int BITS, typename F>
+inline void pairs_sub(const uint8_t* codes, const int8_t* const* xr, int64_t k0, bool signed8, F&& f) {
+  constexpr int64_t STEPS = 32 / step_k<BITS>();
+  const __m256i low4 = _mm256_set1_epi8(0x0F), top = _mm256_set1_epi8((char)0x80);
+  for (int64_t c = 0; c < STEPS; ++c) {
+    const uint8_t* chunk = codes + c * step_bytes<BITS>();
+    const int64_t k = k0 + c * step_k<BITS>();
+    if (T >= PREFETCH_ROWS)
+      for (int64_t b = 0; b < step_bytes<BITS>(); b += 64) _mm_prefetch((const char*)chunk + PREFETCH_BYTES + b, _MM_HINT_T0);
+    auto x4 = [&](int t, int64_t kk) { return _mm256_set1_epi32(load_i32(xr[t] + kk)); };
+    for (int h = 0; h < 2; ++h) {
+      if (BITS == 6) {  // products <= 63 * 127: two pairs of them fit int16
+        __m256i v[4];
+        unpack6_half(chunk, h, v);
+        for (int t = 0; t < T; ++t) {
+          f(t, h, _mm256_add_epi16(_mm256_maddubs_epi16(v[0], x4(t, k)), _mm256_maddubs_epi16(v[1], x4(t, k + 4))));
+          f(t, h, _mm256_add_epi16(_mm256_maddubs_epi16(v[2], x4(t, k + 8)), _mm256_maddubs_epi16(v[3], x4(t, k + 12))));
+        }
+        continue;
+      }
+      const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(chunk + h * 32));
+      if (BITS == 4) {  // products <= 15 * 127: a 32-input sub-block's 8 pairs of them fit int16
+        const __m256i lo = _mm256_and_si256(raw, low4), hi = _mm256_and_si256(_mm256_srli_epi16(raw, 4), low4);
+        for (int t = 0; t < T; ++t)
+          f(t, h, _mm256_add_epi16(_mm256_maddubs_epi16(lo, x4(t, k)), _mm256_maddubs_epi16(hi, x4(t, k + 4))));
+      } else if (signed8) {
+        const __m256i value = _mm256_xor_si256(raw, top);  // code - 128, as int8
+        const __m256i magnitude = _mm256_abs_epi8(value);
+        for (int t = 0; t < T; ++t) f(t, h, _mm256_maddubs_epi16(magnitude, _mm256_sign_epi8(x4(t, k), value)));
+      } else {
+        for (int t = 0; t < T; ++t) f(t, h, _mm256_maddubs_epi16(raw, x4(t, k)));
+      }
+    }
+  }
 }
 
 // k-quants (sc per sub-block of S inputs, SB = AB): one pass over the group's codes for both halves
@@ -444,11 +442,11 @@ void group_tile_k(const Layout& L, const Weights& w, int64_t g, const Acts& a, i
   }
 }
 
-// legacy types (no sc; SB = S = 32): float sums per sub-block
+// legacy types (no sc; SB = S = 32): float sums per sub-block, both halves in one pass
 template <int T, int BITS>
 void group_tile_legacy(const Layout& L, const Weights& w, int64_t g, const Acts& a, int64_t r0, float* y,
                        int64_t ldy, int64_t col0) {
-  const int64_t nsub = L.K / L.S, steps_per_sub = L.S / step_k<BITS>();
+  const int64_t nsub = L.K / 32, sub_bytes = 32 / step_k<BITS>() * step_bytes<BITS>();
   const uint8_t* codes = w.codes + g * (L.K / step_k<BITS>()) * step_bytes<BITS>();
   const bool signed8 = BITS == 8 && L.z == 128;
   const float z = signed8 ? 0.f : (float)L.z;
@@ -456,33 +454,36 @@ void group_tile_legacy(const Layout& L, const Weights& w, int64_t g, const Acts&
   const int8_t* xr[T];
   const int16_t* xs[T];
   for (int t = 0; t < T; ++t) xr[t] = a.xq + (r0 + t) * L.K, xs[t] = sub_sums(a, L, r0 + t);
-  for (int half = 0; half < 2; ++half) {
-    __m256 acc[T];
-    for (int t = 0; t < T; ++t) acc[t] = _mm256_setzero_ps();
-    for (int64_t s = 0; s < nsub; ++s) {
-      const __m256 scale = load_half8(w.d + (g * nsub + s) * LANES + half * 8);
+  __m256 acc[T][2];
+  for (int t = 0; t < T; ++t) acc[t][0] = acc[t][1] = _mm256_setzero_ps();
+  for (int64_t s = 0; s < nsub; ++s) {
+    __m256i iacc[T][2];
+    for (int t = 0; t < T; ++t) iacc[t][0] = iacc[t][1] = _mm256_setzero_si256();
+    if (BITS == 4) {
+      __m256i pairs16[T][2];
+      for (int t = 0; t < T; ++t) pairs16[t][0] = pairs16[t][1] = _mm256_setzero_si256();
+      pairs_sub<T, BITS>(codes + s * sub_bytes, xr, s * 32, false,
+                         [&](int t, int h, __m256i p) { pairs16[t][h] = _mm256_add_epi16(pairs16[t][h], p); });
+      for (int t = 0; t < T; ++t)
+        for (int h = 0; h < 2; ++h) iacc[t][h] = _mm256_madd_epi16(pairs16[t][h], ones16);
+    } else {
+      pairs_sub<T, BITS>(codes + s * sub_bytes, xr, s * 32, signed8, [&](int t, int h, __m256i p) {
+        iacc[t][h] = _mm256_add_epi32(iacc[t][h], _mm256_madd_epi16(p, ones16));
+      });
+    }
+    for (int h = 0; h < 2; ++h) {
+      const __m256 scale = load_half8(w.d + (g * nsub + s) * LANES + h * 8);
       __m256 offset = _mm256_mul_ps(scale, _mm256_set1_ps(-z));
-      if (L.has_dmin) offset = _mm256_add_ps(offset, load_half8(w.dmin + (g * nsub + s) * LANES + half * 8));
-      __m256i iacc[T];
-      for (int t = 0; t < T; ++t) iacc[t] = _mm256_setzero_si256();
-      if (BITS == 4) {
-        __m256i pairs16[T];
-        for (int t = 0; t < T; ++t) pairs16[t] = _mm256_setzero_si256();
-        pairs_sub<T, BITS>(codes + s * steps_per_sub * step_bytes<BITS>(), steps_per_sub, half, xr, s * L.S, false,
-                           [&](int t, __m256i p) { pairs16[t] = _mm256_add_epi16(pairs16[t], p); });
-        for (int t = 0; t < T; ++t) iacc[t] = _mm256_madd_epi16(pairs16[t], ones16);
-      } else {
-        pairs_sub<T, BITS>(codes + s * steps_per_sub * step_bytes<BITS>(), steps_per_sub, half, xr, s * L.S, signed8,
-                           [&](int t, __m256i p) { iacc[t] = _mm256_add_epi32(iacc[t], _mm256_madd_epi16(p, ones16)); });
-      }
+      if (L.has_dmin) offset = _mm256_add_ps(offset, load_half8(w.dmin + (g * nsub + s) * LANES + h * 8));
       for (int t = 0; t < T; ++t) {
-        const float dx = act_scale(a, L, r0 + t, s * L.S);
-        acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(iacc[t]), _mm256_mul_ps(scale, _mm256_set1_ps(dx)), acc[t]);
-        acc[t] = _mm256_fmadd_ps(offset, _mm256_set1_ps(dx * (float)xs[t][s]), acc[t]);
+        const float dx = act_scale(a, L, r0 + t, s * 32);
+        acc[t][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(iacc[t][h]), _mm256_mul_ps(scale, _mm256_set1_ps(dx)), acc[t][h]);
+        acc[t][h] = _mm256_fmadd_ps(offset, _mm256_set1_ps(dx * (float)xs[t][s]), acc[t][h]);
       }
     }
-    for (int t = 0; t < T; ++t) _mm256_storeu_ps(y + (r0 + t) * ldy + col0 + g * LANES + half * 8, acc[t]);
   }
+  for (int t = 0; t < T; ++t)
+    for (int h = 0; h < 2; ++h) _mm256_storeu_ps(y + (r0 + t) * ldy + col0 + g * LANES + h * 8, acc[t][h]);
 }
 #endif
 
