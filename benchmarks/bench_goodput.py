@@ -2,7 +2,7 @@
 
     python benchmarks/bench_goodput.py [--pairs toy,smollm2,qwen] [--drafters draft_model,ngram]
                                        [--ks 1,2,3,4,5] [--prompts 3] [--max-tokens 96] [--sampled]
-    ../shared/tools/both-cpus .venv/bin/python benchmarks/bench_goodput.py
+    tools/both-cpus .venv/bin/python benchmarks/bench_goodput.py
 
 For each pair (toy: models/code-target + models/code-draft on held-out code and repeating-code
 prompts; smollm2: SmolLM2-135M-Instruct, after `make smollm2`, + models/smollm2-draft on chat and

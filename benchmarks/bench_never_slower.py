@@ -1,7 +1,7 @@
 """Never slower than plain decoding: the cases where speculation does not pay, with k by goodput.
 
     python benchmarks/bench_never_slower.py [--target DIR --draft DIR] [-k 5] [--max-tokens 64]
-    ../shared/tools/both-cpus .venv/bin/python benchmarks/bench_never_slower.py
+    tools/both-cpus .venv/bin/python benchmarks/bench_never_slower.py
 
 Each case runs the target alone, then speculation with k fixed, then with k by goodput (at most
 k; LLM's default), on the same held-out code prompts, back to back, and prints tokens/s and the

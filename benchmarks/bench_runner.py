@@ -3,7 +3,7 @@ unquantized against int8 / int4 weights, and the step against the memory-bandwid
 
     python benchmarks/bench_runner.py [--model DIR | --shape smollm2-135m] [--dtype auto] [-k 5]
         [--compile off,on] [--quantization none,int8,int4]
-    ../shared/tools/both-cpus .venv/bin/python benchmarks/bench_runner.py   # both CPU kinds
+    tools/both-cpus .venv/bin/python benchmarks/bench_runner.py   # both CPU kinds
 
 --shape smollm2-135m builds a random model of SmolLM2-135M's shape (30 layers, hidden 576,
 9 heads, 3 KV heads, vocabulary 49152, tied embeddings; no download), in the dtype "auto"
