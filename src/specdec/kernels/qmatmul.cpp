@@ -348,9 +348,13 @@ inline void pairs_sub(const uint8_t* codes, const int8_t* const* xr, int64_t k0,
   }
 }
 
-// k-quants (sc per sub-block of S inputs, SB = AB): one pass over the group's codes for both halves
-// (rows 0-7 and 8-15, one register each), integer sums per super-block, the sub-block scale applied
-// by the madd that widens the int16 pairs; the rows' sums so far live in y.
+// k-quants (sc per sub-block of S inputs, SB = AB): integer sums per super-block, the sub-block
+// scale applied by the madd that widens the int16 pairs; the rows' sums so far live in y. A
+// super-block is done a half group at a time (rows 0-7, then 8-15: its codes, 2-3 KB, are in L1
+// for the second half), so that a half's 7 row sums, its unpacked codes and the temporaries fit
+// AVX2's 16 registers: with both halves in one pass, GCC kept the 14 int16 pair sums on the stack,
+// a load and a store per step (7 rows, held to AVX2: 94 GMAC/s per core on Q4_K, see docs/runner.md).
+// 4-bit codes are widened every two steps (8 inputs x 2), so that 4 code registers suffice.
 template <int T, int BITS, int S>
 void group_tile_k(const Layout& L, const Weights& w, int64_t g, const Acts& a, int64_t r0, float* y, int64_t ldy,
                   int64_t col0) {
@@ -361,8 +365,8 @@ void group_tile_k(const Layout& L, const Weights& w, int64_t g, const Acts& a, i
   const bool coef_signed = !L.has_mn && L.sc_signed;
   const int8_t* xr[T];
   const int16_t* xs[T];
-  float* out[T];
   const float* dxr[T];
+  float* out[T];
   for (int t = 0; t < T; ++t) {
     xr[t] = a.xq + (r0 + t) * L.K, xs[t] = sub_sums(a, L, r0 + t), out[t] = y + (r0 + t) * ldy + col0 + g * LANES;
     dxr[t] = act_scales(a, L, r0 + t);
@@ -370,57 +374,49 @@ void group_tile_k(const Layout& L, const Weights& w, int64_t g, const Acts& a, i
     _mm256_storeu_ps(out[t] + 8, _mm256_setzero_ps());
   }
   auto x4 = [&](int t, int64_t k) { return _mm256_set1_epi32(load_i32(xr[t] + k)); };
+  const __m256i low4 = _mm256_set1_epi8(0x0F);
   for (int64_t sb = 0; sb < L.K / L.SB; ++sb) {
     const int64_t s0 = sb * subs_per_sb, meta_sb = (g * (L.K / L.SB) + sb) * LANES;
-    float dx[T];
-    for (int t = 0; t < T; ++t) dx[t] = dxr[t][sb];
-    // the correction sum_s c_s xs_s, two sub-blocks per madd, added to y
     for (int h = 0; h < 2; ++h) {
-      const __m256 cc = L.has_mn ? load_half8(w.dmin + meta_sb + 8 * h)
-                                 : _mm256_mul_ps(load_half8(w.d + meta_sb + 8 * h), _mm256_set1_ps(-(float)L.z));
-      __m256i icorr[T];
-      for (int t = 0; t < T; ++t) icorr[t] = _mm256_setzero_si256();
+      // the correction sum_s c_s xs_s, two sub-blocks per madd
+      __m256i isum[T];
+      for (int t = 0; t < T; ++t) isum[t] = _mm256_setzero_si256();
       for (int64_t s = s0; s < s0 + subs_per_sb; s += 2) {
         const __m128i c0 = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(coefs + (g * nsub + s) * LANES + 8 * h));
         const __m128i c1 = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(coefs + (g * nsub + s + 1) * LANES + 8 * h));
         const __m128i pairs8 = _mm_unpacklo_epi8(c0, c1);
         const __m256i pairs = coef_signed ? _mm256_cvtepi8_epi16(pairs8) : _mm256_cvtepu8_epi16(pairs8);
         for (int t = 0; t < T; ++t)
-          icorr[t] = _mm256_add_epi32(icorr[t], _mm256_madd_epi16(pairs, _mm256_set1_epi32(load_i32(xs[t] + s))));
+          isum[t] = _mm256_add_epi32(isum[t], _mm256_madd_epi16(pairs, _mm256_set1_epi32(load_i32(xs[t] + s))));
       }
-      for (int t = 0; t < T; ++t)
-        _mm256_storeu_ps(out[t] + 8 * h, _mm256_fmadd_ps(_mm256_cvtepi32_ps(icorr[t]), _mm256_mul_ps(cc, _mm256_set1_ps(dx[t])),
+      const __m256 d = load_half8(w.d + meta_sb + 8 * h);
+      const __m256 cc = L.has_mn ? load_half8(w.dmin + meta_sb + 8 * h) : _mm256_mul_ps(d, _mm256_set1_ps(-(float)L.z));
+      for (int t = 0; t < T; ++t) {
+        const __m256 dx = _mm256_set1_ps(dxr[t][sb]);
+        _mm256_storeu_ps(out[t] + 8 * h, _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum[t]), _mm256_mul_ps(cc, dx),
                                                          _mm256_loadu_ps(out[t] + 8 * h)));
-    }
-    // the codes: sum_s sc_s dot_s per row and half
-    __m256i isum[T][2];
-    for (int t = 0; t < T; ++t) isum[t][0] = isum[t][1] = _mm256_setzero_si256();
-    for (int64_t s = s0; s < s0 + subs_per_sb; ++s) {
-      const uint8_t* sub_codes = codes + s * STEPS * step_bytes<BITS>();
-      if (T >= PREFETCH_ROWS)
-        for (int64_t b = 0; b < STEPS * step_bytes<BITS>(); b += 64) _mm_prefetch((const char*)sub_codes + PREFETCH_BYTES + b, _MM_HINT_T0);
-      if (BITS == 4) {  // products <= 15 * 127: a 32-input sub-block's 8 pairs of them fit int16
-        const __m256i low4 = _mm256_set1_epi8(0x0F);
-        __m256i pairs16[T][2];
-        for (int t = 0; t < T; ++t) pairs16[t][0] = pairs16[t][1] = _mm256_setzero_si256();
-        for (int64_t c = 0; c < STEPS; ++c) {
-          const uint8_t* chunk = sub_codes + c * 64;
-          const int64_t k = s * S + c * 8;
-          for (int h = 0; h < 2; ++h) {
-            const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(chunk + 32 * h));
-            const __m256i lo = _mm256_and_si256(raw, low4), hi = _mm256_and_si256(_mm256_srli_epi16(raw, 4), low4);
-            for (int t = 0; t < T; ++t)
-              pairs16[t][h] = _mm256_add_epi16(pairs16[t][h], _mm256_add_epi16(_mm256_maddubs_epi16(lo, x4(t, k)),
-                                                                                _mm256_maddubs_epi16(hi, x4(t, k + 4))));
+        isum[t] = _mm256_setzero_si256();
+      }
+      // the codes: sum_s sc_s dot_s per row
+      for (int64_t s = s0; s < s0 + subs_per_sb; ++s) {
+        const uint8_t* sub_codes = codes + s * STEPS * step_bytes<BITS>();
+        if (T >= PREFETCH_ROWS && h == 0)
+          for (int64_t b = 0; b < STEPS * step_bytes<BITS>(); b += 64) _mm_prefetch((const char*)sub_codes + PREFETCH_BYTES + b, _MM_HINT_T0);
+        const __m256i sc = load_twice16(w.sc + (g * nsub + s) * LANES + 8 * h, L.sc_signed);
+        if (BITS == 4) {  // products <= 15 * 127: 4 pairs of them fit int16
+          for (int64_t c = 0; c < STEPS; c += 2) {
+            const __m256i raw0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(sub_codes + c * 64 + 32 * h));
+            const __m256i raw1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(sub_codes + (c + 1) * 64 + 32 * h));
+            const __m256i lo0 = _mm256_and_si256(raw0, low4), hi0 = _mm256_and_si256(_mm256_srli_epi16(raw0, 4), low4);
+            const __m256i lo1 = _mm256_and_si256(raw1, low4), hi1 = _mm256_and_si256(_mm256_srli_epi16(raw1, 4), low4);
+            const int64_t k = s * S + c * 8;
+            for (int t = 0; t < T; ++t) {
+              const __m256i p0 = _mm256_add_epi16(_mm256_maddubs_epi16(lo0, x4(t, k)), _mm256_maddubs_epi16(hi0, x4(t, k + 4)));
+              const __m256i p1 = _mm256_add_epi16(_mm256_maddubs_epi16(lo1, x4(t, k + 8)), _mm256_maddubs_epi16(hi1, x4(t, k + 12)));
+              isum[t] = _mm256_add_epi32(isum[t], _mm256_madd_epi16(_mm256_add_epi16(p0, p1), sc));
+            }
           }
-        }
-        for (int h = 0; h < 2; ++h) {
-          const __m256i sc = load_twice16(w.sc + (g * nsub + s) * LANES + 8 * h, L.sc_signed);
-          for (int t = 0; t < T; ++t) isum[t][h] = _mm256_add_epi32(isum[t][h], _mm256_madd_epi16(pairs16[t][h], sc));
-        }
-      } else {  // 6-bit: products <= 63 * 127, two pairs of them fit int16
-        for (int h = 0; h < 2; ++h) {
-          const __m256i sc = load_twice16(w.sc + (g * nsub + s) * LANES + 8 * h, L.sc_signed);
+        } else {  // 6-bit: products <= 63 * 127, two pairs of them fit int16
           for (int64_t c = 0; c < STEPS; ++c) {
             const int64_t k = s * S + c * 16;
             __m256i v[4];
@@ -428,16 +424,13 @@ void group_tile_k(const Layout& L, const Weights& w, int64_t g, const Acts& a, i
             for (int t = 0; t < T; ++t) {
               const __m256i p01 = _mm256_add_epi16(_mm256_maddubs_epi16(v[0], x4(t, k)), _mm256_maddubs_epi16(v[1], x4(t, k + 4)));
               const __m256i p23 = _mm256_add_epi16(_mm256_maddubs_epi16(v[2], x4(t, k + 8)), _mm256_maddubs_epi16(v[3], x4(t, k + 12)));
-              isum[t][h] = _mm256_add_epi32(isum[t][h], _mm256_add_epi32(_mm256_madd_epi16(p01, sc), _mm256_madd_epi16(p23, sc)));
+              isum[t] = _mm256_add_epi32(isum[t], _mm256_add_epi32(_mm256_madd_epi16(p01, sc), _mm256_madd_epi16(p23, sc)));
             }
           }
         }
       }
-    }
-    for (int h = 0; h < 2; ++h) {
-      const __m256 d = load_half8(w.d + meta_sb + 8 * h);
       for (int t = 0; t < T; ++t)
-        _mm256_storeu_ps(out[t] + 8 * h, _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum[t][h]), _mm256_mul_ps(d, _mm256_set1_ps(dx[t])),
+        _mm256_storeu_ps(out[t] + 8 * h, _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum[t]), _mm256_mul_ps(d, _mm256_set1_ps(dxr[t][sb])),
                                                          _mm256_loadu_ps(out[t] + 8 * h)));
     }
   }
