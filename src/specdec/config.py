@@ -1,6 +1,6 @@
 """Frozen, validated configuration: what a request asks for and how to speculate.
 
-Terms (see DESIGN.md): the *target* is the model whose distribution the output follows
+Terms (see docs/architecture.md): the *target* is the model whose distribution the output follows
 exactly; the *drafter* proposes tokens; *k* (``num_speculative_tokens``) is how many draft
 tokens are proposed per round for one sequence.
 """

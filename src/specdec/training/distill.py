@@ -1,6 +1,6 @@
 """`specdec distill`: train a draft to match its target's next-token distributions.
 
-Terms (DESIGN.md): target_probs (p) is the target's distribution at a position, draft_probs
+Terms (docs/architecture.md): target_probs (p) is the target's distribution at a position, draft_probs
 (q) the draft's, both at the same temperature. A draft token is accepted with probability
 min(1, p/q), so the expected acceptance rate at a position is
 

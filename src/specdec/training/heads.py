@@ -1,6 +1,6 @@
 """`specdec train-heads`: train an EAGLE draft head (models/eagle.py) for a target.
 
-Terms (models/eagle.py, DESIGN.md): the target's feature f_t is its final normed hidden state
+Terms (models/eagle.py, docs/architecture.md): the target's feature f_t is its final normed hidden state
 at position t, what its output layer reads to score token t+1. The head reads the embedding of
 token t+1 (the target's own, frozen) with f_t and predicts the next feature f^_{t+1}; the
 target's own output layer turns f^_{t+1} into draft_probs (q) for token t+2, the
