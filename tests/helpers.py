@@ -138,3 +138,21 @@ def save_random_head(target_dir: Path, out: Path, seed: int = 0) -> Path:
     target_config = load_pretrained(target_dir, "float32", load_tokenizer=False).model.config
     torch.manual_seed(seed)
     return save_head(EagleHead(head_config(target_config)), out, torch.float32, target=str(target_dir))
+
+
+def random_prompts(n: int, seed: int, lengths: tuple[int, int] = (2, 25), vocab: int = 320,
+                   repeat: bool = False) -> list[list[int]]:
+    """n fresh random token prompts (ids 2..vocab-1) of lengths drawn from [lengths[0], lengths[1]);
+    `repeat` tiles each three times, so that prompt lookup finds matches."""
+    g = torch.Generator().manual_seed(seed)
+    prompts = []
+    for _ in range(n):
+        length = int(torch.randint(lengths[0], lengths[1], (1,), generator=g))
+        tokens = torch.randint(2, vocab, (length,), generator=g).tolist()
+        prompts.append(tokens * 3 if repeat else tokens)
+    return prompts
+
+
+def token_ids(outputs) -> list[list[int]]:
+    """The generated token ids of each RequestOutput."""
+    return [o.outputs[0].token_ids for o in outputs]

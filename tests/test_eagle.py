@@ -9,7 +9,7 @@ import json
 import pytest
 import torch
 
-from helpers import load_hf, save_random_head, save_tiny_model
+from helpers import load_hf, save_random_head, save_tiny_model, random_prompts, token_ids
 from specdec import LLM, SamplingParams
 from specdec.drafters.eagle import EagleDrafter
 from specdec.models.eagle import HEAD_CONFIG, HeadLoadError, load_head
@@ -29,21 +29,11 @@ def plain(dirs):
     return LLM(str(dirs["target"]), dtype="float32")
 
 
-def random_prompts(n: int, seed: int, vocab: int = 320) -> list[list[int]]:
-    g = torch.Generator().manual_seed(seed)
-    return [torch.randint(2, vocab, (int(torch.randint(2, 25, (1,), generator=g)),), generator=g).tolist()
-            for _ in range(n)]
-
-
 def eagle(dirs, k: int, **kwargs) -> LLM:
     kwargs.setdefault("speculative_k_policy", "fixed")
     kwargs.setdefault("dtype", "float32")
     return LLM(str(dirs["target"]), speculative_model=str(dirs["head"]), speculative_method="eagle",
                num_speculative_tokens=k, **kwargs)
-
-
-def token_ids(outputs) -> list[list[int]]:
-    return [o.outputs[0].token_ids for o in outputs]
 
 
 def test_greedy_eagle_equals_target_alone(dirs, plain):

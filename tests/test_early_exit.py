@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from helpers import save_tiny_model
+from helpers import save_tiny_model, random_prompts, token_ids
 from specdec import LLM, SamplingParams
 from specdec.drafters.early_exit import default_exit_layer
 from specdec.models.loader import load_pretrained
@@ -18,16 +18,6 @@ GREEDY = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)
 def target(tmp_path_factory):
     return save_tiny_model(tmp_path_factory.mktemp("early_exit") / "target", "llama", seed=8, init_std=0.3,
                            num_hidden_layers=4)
-
-
-def random_prompts(n: int, seed: int, vocab: int = 320) -> list[list[int]]:
-    g = torch.Generator().manual_seed(seed)
-    return [torch.randint(2, vocab, (int(torch.randint(2, 25, (1,), generator=g)),), generator=g).tolist()
-            for _ in range(n)]
-
-
-def token_ids(outputs) -> list[list[int]]:
-    return [o.outputs[0].token_ids for o in outputs]
 
 
 def test_greedy_early_exit_equals_target_alone(target):

@@ -9,9 +9,13 @@ import shutil
 import pytest
 import torch
 
-from helpers import load_hf, make_tokenizer, save_tiny_model, save_tiny_pair
+from helpers import load_hf, make_tokenizer, save_tiny_model, save_tiny_pair, random_prompts as shared_random_prompts, token_ids
 from specdec import LLM, SamplingParams
 from specdec.models.cpu_linear import Bf16PackedLinear, can_pack
+
+def random_prompts(n: int, seed: int, **kwargs) -> list[list[int]]:
+    return shared_random_prompts(n, seed, lengths=(3, 30), **kwargs)
+
 
 GREEDY = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
 
@@ -24,22 +28,6 @@ def dirs(tmp_path_factory):
 @pytest.fixture(scope="module")
 def plain(dirs):
     return LLM(str(dirs["target"]), dtype="float32")
-
-
-def random_prompts(n: int, seed: int, vocab: int = 320, repeat: bool = False) -> list[list[int]]:
-    """Fresh random token prompts of different lengths; `repeat` tiles a chunk so that
-    prompt lookup finds matches."""
-    g = torch.Generator().manual_seed(seed)
-    prompts = []
-    for i in range(n):
-        length = int(torch.randint(3, 30, (1,), generator=g))
-        tokens = torch.randint(2, vocab, (length,), generator=g).tolist()
-        prompts.append(tokens * 3 if repeat else tokens)
-    return prompts
-
-
-def token_ids(outputs) -> list[list[int]]:
-    return [o.outputs[0].token_ids for o in outputs]
 
 
 @pytest.mark.parametrize("method", ["self", "self_adaptive", "random_draft", "ngram", "lookup_then_draft"])

@@ -7,8 +7,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from helpers import load_hf, save_tiny_pair
+from helpers import load_hf, save_tiny_pair, random_prompts as shared_random_prompts
 from specdec import LLM, SamplingParams
+
+
+def random_prompts(n: int, seed: int, **kwargs) -> list[list[int]]:
+    return shared_random_prompts(n, seed, lengths=(4, 16), **kwargs)
 
 
 @pytest.fixture(scope="module")
@@ -27,12 +31,6 @@ def reference(dirs):
         return torch.log_softmax(logits[len(prompt) - 1:-1], dim=-1)
 
     return logprobs_of
-
-
-def random_prompts(n: int, seed: int) -> list[list[int]]:
-    g = torch.Generator().manual_seed(seed)
-    return [torch.randint(2, 320, (int(torch.randint(4, 16, (1,), generator=g)),), generator=g).tolist()
-            for _ in range(n)]
 
 
 DRAFTING = {"target alone": {}, "draft model": {"speculative_model": "target", "speculative_k_policy": "fixed"},

@@ -13,7 +13,7 @@ import warnings
 
 import pytest
 import torch
-from helpers import save_tiny_model, save_tiny_pair
+from helpers import save_tiny_model, save_tiny_pair, token_ids
 
 from specdec import LLM, SamplingParams
 from specdec.platform import Platform, auto_dtype, detect_platform
@@ -37,10 +37,6 @@ def eager_outputs(dirs):
 
 
 PROMPTS = [list(torch.randint(2, 320, (n,), generator=torch.Generator().manual_seed(n)).tolist()) for n in (5, 13, 31)]
-
-
-def token_ids(outputs) -> list[list[int]]:
-    return [o.outputs[0].token_ids for o in outputs]
 
 
 def test_compiled_target_alone_equals_eager(dirs, eager_outputs):

@@ -7,8 +7,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-from helpers import save_random_head, save_tiny_pair
+from helpers import save_random_head, save_tiny_pair, random_prompts as shared_random_prompts
 from specdec import LLM, SamplingParams
+
+
+def random_prompts(n: int, seed: int, **kwargs) -> list[list[int]]:
+    return shared_random_prompts(n, seed, lengths=(3, 20), **kwargs)
+
 
 GREEDY = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
 
@@ -26,12 +31,6 @@ def plain(dirs):
 def speculative(dirs, k: int = 3, max_num_seqs: int = 256) -> LLM:
     return LLM(str(dirs["target"]), dtype="float32", speculative_model=str(dirs["target"]), num_speculative_tokens=k,
                speculative_k_policy="fixed", max_num_seqs=max_num_seqs)
-
-
-def random_prompts(n: int, seed: int) -> list[list[int]]:
-    g = torch.Generator().manual_seed(seed)
-    return [torch.randint(2, 320, (int(torch.randint(3, 20, (1,), generator=g)),), generator=g).tolist()
-            for _ in range(n)]
 
 
 def run_to_end(engine, joined: dict, late: list[tuple[int, str, list[int], SamplingParams]] = ()) -> list[int]:

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 
-from helpers import chi_square_p_value, load_hf, save_random_head, save_tiny_model
+from helpers import chi_square_p_value, load_hf, save_random_head, save_tiny_model, random_prompts, token_ids
 from specdec import LLM, SamplingParams
 from specdec.config import SpeculativeConfig
 from specdec.kv_cache import KVCache, TreeAttention
@@ -154,16 +154,6 @@ def test_a_seeded_row_draws_the_same_whatever_its_neighbours():
 
 
 # --- end to end --------------------------------------------------------------------------
-
-
-def random_prompts(n: int, seed: int) -> list[list[int]]:
-    g = torch.Generator().manual_seed(seed)
-    return [torch.randint(2, 320, (int(torch.randint(2, 25, (1,), generator=g)),), generator=g).tolist()
-            for _ in range(n)]
-
-
-def token_ids(outputs) -> list[list[int]]:
-    return [o.outputs[0].token_ids for o in outputs]
 
 
 @pytest.fixture(scope="module")

@@ -140,8 +140,8 @@ inline const int16_t* sub_sums(const Acts& a, const Layout& L, int64_t r) {
   return L.S == 32 ? row_sums + L.K / SUM_BLOCK : row_sums;
 }
 
-// row r's activation scales: the one at input k is [k >> act_shift(a)] (no division in the loops:
-// an integer division per row and super-block cost the 7-row k-quant tiles 5-20%)
+// row r's activation scales: the one at input k is [k >> act_shift(a)] (no integer division in the
+// tiles: one per row and super-block was a measurable share of a 7-row tile)
 inline const float* act_scales(const Acts& a, const Layout& L, int64_t r) { return a.dx + r * (L.K / a.AB); }
 inline int act_shift(const Acts& a) { return a.AB == 256 ? 8 : 5; }
 
@@ -353,7 +353,7 @@ inline void pairs_sub(const uint8_t* codes, const int8_t* const* xr, int64_t k0,
 // super-block is done a half group at a time (rows 0-7, then 8-15: its codes, 2-3 KB, are in L1
 // for the second half), so that a half's 7 row sums, its unpacked codes and the temporaries fit
 // AVX2's 16 registers: with both halves in one pass, GCC kept the 14 int16 pair sums on the stack,
-// a load and a store per step (7 rows, held to AVX2: 94 GMAC/s per core on Q4_K, see docs/runner.md).
+// a load and a store per step (docs/runner.md has the measurements).
 // 4-bit codes are widened every two steps (8 inputs x 2), so that 4 code registers suffice.
 template <int T, int BITS, int S>
 void group_tile_k(const Layout& L, const Weights& w, int64_t g, const Acts& a, int64_t r0, float* y, int64_t ldy,
