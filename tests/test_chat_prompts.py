@@ -171,6 +171,7 @@ def test_held_out_and_train_never_share_a_document(corpus):
     assert train == {"shapes.py", "copies.py", "more/util.py"}
 
 
+@pytest.mark.slow
 def test_real_standard_library_keeps_held_out_modules_out_of_train():
     corpus = load_corpus()  # the standard library; parsing its ~700 training files takes a few seconds
     train = chat_prompts(corpus, "train")

@@ -252,6 +252,7 @@ def test_top_k_top_p_over_a_realistic_vocabulary(seed):
             np.testing.assert_allclose(warped[row].double().numpy(), expected[0], atol=1e-6)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("drafter,setting", [(d, s) for d, settings in RUNS.items() for s in settings])
 def test_sampled_tokens_follow_the_target(setup, llms, drafter, setting):
     """Over 100,000 copies of one prompt: the first, second and third generated tokens each
@@ -275,6 +276,7 @@ def test_sampled_tokens_follow_the_target(setup, llms, drafter, setting):
     assert_follows(np.ravel_multi_index(tokens.T, (V,) * T), joints[-1], f"{drafter} {setting}: joint")
 
 
+@pytest.mark.slow
 def test_two_drafts_in_one_round_follow_the_target(setup, llms):
     """max_tokens 4: after the prefill's token, one round verifies two draft tokens, the second
     judged with its own draft distribution, then a recovered or bonus token. The four tokens
@@ -293,6 +295,7 @@ def test_two_drafts_in_one_round_follow_the_target(setup, llms):
     assert_follows(np.ravel_multi_index(tokens[:, :3].T, (V,) * 3), joints[2], "draft_model two drafts: joint of 3")
 
 
+@pytest.mark.slow
 def test_a_tree_two_deep_follows_the_target(setup, llms):
     """max_tokens 4: after the prefill's token, one round verifies a tree of 5 nodes, two deep
     (3 children of the last token, 2 of each of those, the 5 likeliest kept): the second
@@ -312,6 +315,7 @@ def test_a_tree_two_deep_follows_the_target(setup, llms):
     assert_follows(np.ravel_multi_index(tokens[:, :3].T, (V,) * 3), joints[2], "draft_model tree: joint of 3")
 
 
+@pytest.mark.slow
 def test_sampled_tokens_follow_the_quantized_target(setup):
     """Lossless with respect to the quantized target: int8 target weights, the draft's int4,
     and the tokens follow the exact distribution of the int8 model (its own plain forward over
@@ -333,6 +337,7 @@ def test_sampled_tokens_follow_the_quantized_target(setup):
     assert_follows(np.ravel_multi_index(tokens.T, (V,) * T), joints[-1], "int8 target: joint")
 
 
+@pytest.mark.slow
 def test_a_draft_scoring_part_of_the_vocabulary_keeps_the_target_distribution(setup, tmp_path):
     """A draft whose output layer scores 12 of the 32 tokens (FR-Spec style: the others get
     q = 0 and are never drafted) still gives the target's exact distribution, since the target

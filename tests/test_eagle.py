@@ -129,6 +129,7 @@ def test_a_head_directory_is_recognised_as_eagle(dirs, plain, capsys):
     assert "[eagle k=3]" in capsys.readouterr().out
 
 
+@pytest.mark.slow
 def test_compiled_target_hands_its_features_to_the_head(dirs, plain):
     """compile="on": the verify graphs return the hidden states too, and the output is the same."""
     prompts = random_prompts(3, seed=14)

@@ -239,6 +239,7 @@ needs_smollm2 = pytest.mark.skipif(not SMOLLM2_GGUF.is_file(),
                                    reason=f"{SMOLLM2_GGUF} is not there: `make smollm2` fetches it (pip, ~100 MB)")
 
 
+@pytest.mark.slow
 @needs_smollm2
 def test_smollm2_logits_and_greedy_output_equal_transformers():
     hf = hf_from_gguf(SMOLLM2_GGUF)

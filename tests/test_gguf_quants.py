@@ -144,6 +144,7 @@ def test_a_fused_norm_and_gate_compute_what_the_ops_they_replace_do(kind):
 
 @pytest.mark.skipif(not {"avx512_vnni", "avx512bw", "avx512vl"} <= cpu_flags(),
                     reason="the CPU has no AVX-512 VNNI: the default run already is the AVX2 kernel")
+@pytest.mark.slow
 def test_the_avx2_kernel_computes_what_the_avx512_one_does(tmp_path):
     """An AVX2-only CPU's kernel, run here in a process that PyTorch holds to AVX2."""
     products = {}

@@ -449,6 +449,7 @@ def _real_models() -> tuple[str, str]:
     return files[0], files[1]
 
 
+@pytest.mark.slow
 def test_one_real_prompt_end_to_end():
     target, _ = _real_models()
     build = LlamaCppBuild(llama_cpp.process_cpu_kind())

@@ -50,6 +50,7 @@ def test_compiled_target_alone_equals_eager(dirs, eager_outputs):
     assert llm.runner.compile_seconds > 0
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("method", ["draft_model", "lookup_then_draft"])
 def test_compiled_speculation_equals_eager_target_alone(dirs, eager_outputs, method):
     """Target and draft compiled, k=3: the verify forward runs at 4 queries (rounds with fewer
@@ -72,6 +73,7 @@ def test_compiled_speculation_equals_eager_target_alone(dirs, eager_outputs, met
                                                                               for o in outputs)
 
 
+@pytest.mark.slow
 def test_two_models_of_one_shape_each_run_their_own_weights(dirs, eager_outputs, tmp_path):
     """Compiled graphs freeze weights as constants: a second model of the same shape must not
     run the first one's."""
@@ -83,6 +85,7 @@ def test_two_models_of_one_shape_each_run_their_own_weights(dirs, eager_outputs,
     assert token_ids(first) != token_ids(second)
 
 
+@pytest.mark.slow
 def test_compiled_sampling_with_a_seed_equals_eager(dirs):
     """A seeded sampled request draws the same random numbers either way; in float32 the
     compiled models' probabilities differ from eager ones by rounding only, so the tokens agree."""

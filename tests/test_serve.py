@@ -19,6 +19,9 @@ from helpers import save_tiny_model
 from specdec import LLM, SamplingParams
 from specdec.serve.process import ServerProcess
 
+pytestmark = pytest.mark.slow  # a server process per module (about a minute)
+
+
 CHAT_TEMPLATE = ("{% for m in messages %}<s>{{ m.role }}: {{ m.content }}\n{% endfor %}"
                  "{% if add_generation_prompt %}<s>assistant:{% endif %}")
 CONTEXT = 2048
