@@ -174,3 +174,12 @@ def test_generate_chat_renders_the_template_and_prints_the_reply(model_dir, tmp_
     with pytest.raises(SystemExit):  # argparse: --prompt or --chat, not both
         main(["generate", "--model", str(model_dir), "--chat", "hi", "--prompt", "x"])
     assert "not allowed with argument --chat" in capsys.readouterr().err
+
+
+def test_version_is_the_packages(capsys):
+    from importlib.metadata import version
+
+    with pytest.raises(SystemExit) as exit_info:
+        main(["--version"])
+    assert exit_info.value.code == 0
+    assert capsys.readouterr().out.strip() == f"specdec {version('specdec')}"

@@ -29,7 +29,10 @@ def build_parser() -> argparse.ArgumentParser:
     from specdec.training.commands import (add_distill_parser, add_restrict_head_parser, add_train_heads_parser,
                                            add_train_parser)
 
+    from specdec import __version__
+
     parser = argparse.ArgumentParser(prog="specdec", description="Exact speculative decoding for LLMs")
+    parser.add_argument("--version", action="version", version=f"specdec {__version__}")
     commands = parser.add_subparsers(dest="command", required=True)
     add_generate_parser(commands)
     add_train_parser(commands)
