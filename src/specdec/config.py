@@ -155,6 +155,15 @@ DTYPE_ALIASES = {"float": "float32", "fp32": "float32", "bf16": "bfloat16", "hal
 SMALL_DRAFT_PARAMETERS = 100_000_000
 
 
+def torch_dtypes() -> dict:
+    """Names (and their aliases) -> the torch dtypes a model can run in."""
+    import torch  # not at the top: the command line reads this module before it needs torch
+
+    dtypes = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+    dtypes.update({alias: dtypes[name] for alias, name in DTYPE_ALIASES.items()})  # "fp16", "bf16", "half", ...
+    return dtypes
+
+
 def dtype_name(dtype):
     """A dtype as its canonical name: torch.bfloat16 or "bf16" -> "bfloat16"; other values as given."""
     if not isinstance(dtype, str):

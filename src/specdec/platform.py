@@ -13,8 +13,10 @@ from __future__ import annotations
 
 import functools
 import logging
+import platform as _platform
 import warnings
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
@@ -102,3 +104,13 @@ def warn_if_emulated(dtype: torch.dtype, platform: Platform, what: str) -> None:
 
 def _name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
+
+
+def cpu_model() -> str:
+    """The CPU's model name from /proc/cpuinfo, else what platform knows."""
+    cpuinfo = Path("/proc/cpuinfo")
+    if cpuinfo.is_file():
+        for line in cpuinfo.read_text(errors="replace").splitlines():
+            if line.startswith("model name") and ":" in line:
+                return line.split(":", 1)[1].strip()
+    return _platform.processor() or _platform.machine() or "unknown"

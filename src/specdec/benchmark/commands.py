@@ -151,7 +151,7 @@ def _half_depth(model: str) -> int:
 def open_bench_output(args, config):
     """--out (output_dir.py): new, empty, or an earlier bench's results (replaced), never an
     input model or the docs --write-docs writes."""
-    from specdec.benchmark.report import PLOTS
+    from specdec.benchmark.report import PLOTS, is_bench_output
     from specdec.output_dir import open_output_dir
 
     inputs = {"--model": config.model, "--draft": config.draft}
@@ -159,14 +159,6 @@ def open_bench_output(args, config):
         inputs["the docs --write-docs updates"] = DOCS
     return open_output_dir(args.out, "bench", inputs, args.force, is_bench_output,
                            own_entries=("results.json", "results.md", *PLOTS), resumable=False)
-
-
-def is_bench_output(path: Path) -> bool:
-    """Whether path holds an earlier `specdec bench`'s results."""
-    try:
-        return "prompt_sets" in json.loads((path / "results.json").read_text())
-    except (OSError, ValueError, TypeError):
-        return False
 
 
 def resolve_pair(model: str | None, draft: str | None) -> tuple[str, str | None]:

@@ -709,8 +709,7 @@ def command_line(args) -> str:
 def run_llama_cpp_bench(args) -> int:
     """specdec bench --llama-cpp: measure, write results.json and results.md under --out (and
     with --write-docs the docs' section), print the tables."""
-    from specdec.benchmark.commands import is_bench_output
-    from specdec.benchmark.report import llama_cpp_markdown, write_llama_cpp_docs, write_llama_cpp_report
+    from specdec.benchmark.report import is_bench_output, llama_cpp_markdown, write_llama_cpp_docs, write_llama_cpp_report
     from specdec.output_dir import open_output_dir
 
     config = llama_cpp_config(args)

@@ -13,9 +13,10 @@ import os
 import platform
 import statistics
 import time
-from pathlib import Path
 
 import torch
+
+from specdec.platform import cpu_model
 
 
 def describe_machine(device: str | torch.device = "cpu") -> dict:
@@ -32,16 +33,6 @@ def describe_machine(device: str | torch.device = "cpu") -> dict:
         "platform": platform.platform(),
         "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
     }
-
-
-def cpu_model() -> str:
-    """The CPU's model name from /proc/cpuinfo, else what platform knows."""
-    cpuinfo = Path("/proc/cpuinfo")
-    if cpuinfo.is_file():
-        for line in cpuinfo.read_text(errors="replace").splitlines():
-            if line.startswith("model name") and ":" in line:
-                return line.split(":", 1)[1].strip()
-    return platform.processor() or platform.machine() or "unknown"
 
 
 def read_bandwidth(num_bytes: int, repeats: int = 5, device: str | torch.device = "cpu") -> float:

@@ -465,3 +465,11 @@ def _with_section(page: str, section: str) -> str:
         before, after = page.split(KEPT_MARKER, 1)
         return before + KEPT_MARKER + "\n\n" + section + "\n" + after
     return page.rstrip("\n") + ("\n\n" if page else "") + section + "\n"
+
+
+def is_bench_output(path: Path) -> bool:
+    """Whether path holds an earlier `specdec bench`'s results."""
+    try:
+        return "prompt_sets" in json.loads((path / "results.json").read_text())
+    except (OSError, ValueError, TypeError):
+        return False

@@ -27,8 +27,9 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from specdec.config import torch_dtypes
+from specdec.models.errors import ModelLoadError
 from specdec.models.gguf_quants import LAYOUTS, PackedTensor, pack
-from specdec.models.loader import ModelLoadError
 
 log = logging.getLogger("specdec")
 
@@ -218,11 +219,10 @@ def _weight_dtype(dtype: str | torch.dtype, types: dict[str, int]) -> torch.dtyp
     if isinstance(dtype, torch.dtype):
         return dtype
     if dtype != "auto":
-        from specdec.models.loader import DTYPES
-
-        if dtype not in DTYPES:
-            raise ValueError(f"dtype {dtype!r} is not supported; use 'auto' or one of {sorted(DTYPES)}")
-        return DTYPES[dtype]
+        dtypes = torch_dtypes()
+        if dtype not in dtypes:
+            raise ValueError(f"dtype {dtype!r} is not supported; use 'auto' or one of {sorted(dtypes)}")
+        return dtypes[dtype]
     matrix_types = set(types) - {"F32"} or {"F32"}  # norms are F32 in every file
     if len(matrix_types) == 1 and next(iter(matrix_types)) in FLOAT_TYPES:
         return getattr(torch, FLOAT_TYPES[next(iter(matrix_types))])

@@ -16,7 +16,7 @@ from specdec.models.gguf_layer import fused_layer
 from specdec.models.gguf_linear import GGUFEmbedding, GGUFLinear, GGUFMLP, dequantize
 from specdec.models.gguf_quants import PackedTensor
 from specdec.models.llama import LlamaModel, ModelConfig, rope_inverse_frequencies
-from specdec.models.loader import ModelLoadError
+from specdec.models.errors import ModelLoadError
 
 log = logging.getLogger("specdec")
 

@@ -16,8 +16,9 @@ from pathlib import Path
 
 import torch
 
-from specdec.config import DTYPE_ALIASES, is_int, is_real
+from specdec.config import is_int, is_real, torch_dtypes
 from specdec.models.checkpoint import from_hf, to_hf
+from specdec.models.errors import ModelLoadError
 from specdec.models.llama import LlamaModel, ModelConfig, rope_inverse_frequencies
 from specdec.models.registry import resolve_model
 from specdec.models.tokenizer import Tokenizer
@@ -33,12 +34,7 @@ SUPPORTED_ARCHITECTURES = {
     "Qwen3ForCausalLM": "qwen3",
 }
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-DTYPES.update({alias: DTYPES[name] for alias, name in DTYPE_ALIASES.items()})  # "fp16", "bf16", "half", ...
-
-
-class ModelLoadError(ValueError):
-    """A model directory that cannot be loaded; the message says why and what to do."""
+DTYPES = torch_dtypes()
 
 
 @dataclass

@@ -23,7 +23,7 @@ DEFAULT_MAX_PREFILL_TOKENS = 2048  # vLLM's default max_num_batched_tokens
 
 
 def add_serve_parser(commands) -> None:
-    from specdec.cli import add_model_arguments
+    from specdec.model_flags import add_model_arguments
 
     p = commands.add_parser("serve", help="serve a model over an OpenAI-compatible HTTP API",
                             description="Serve the target (with its drafter) over HTTP: /v1/completions, "
@@ -60,7 +60,7 @@ def run_serve(args: argparse.Namespace) -> int:
     import torch
     import uvicorn
 
-    from specdec.cli import make_llm
+    from specdec.model_flags import make_llm
     from specdec.serve.app import ServerState, build_app
     from specdec.serve.async_engine import AsyncEngine
     from specdec.serve.prom import ServerMetrics

@@ -54,7 +54,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from specdec.benchmark.machine import cpu_model
+from specdec.platform import cpu_model
 from specdec.config import check, is_int, is_real
 from specdec.models.eagle import (HEAD_CONFIG, HEAD_WEIGHTS, EagleHead, head_config, is_head_directory, load_head,
                                   save_head)

@@ -11,7 +11,7 @@ import json
 import sys
 from pathlib import Path
 
-from specdec.benchmark.machine import cpu_model
+from specdec.platform import cpu_model
 from specdec.training.corpus import HELD_OUT_MODULES, load_corpus
 
 # flags whose value the command line shows as a bare switch

@@ -26,7 +26,7 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
-from specdec.benchmark.machine import cpu_model
+from specdec.platform import cpu_model
 from specdec.models.checkpoint import SHARD_BYTES, save_pretrained
 from specdec.models.llama import LlamaModel, ModelConfig
 from specdec.models.tokenizer import train_byte_level_bpe

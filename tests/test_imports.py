@@ -1,0 +1,102 @@
+"""The house's rules on imports (docs/architecture.md), read from the source: every `import` and
+`from ... import` of a specdec module, at the top of a file or inside a function, is an arrow."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import specdec
+
+SOURCE = Path(specdec.__file__).parent
+TOOLS = ("specdec.training", "specdec.benchmark", "specdec.demo")  # imported by the command line alone
+SPECULATION = ("specdec.drafters", "specdec.verify", "specdec.goodput", "specdec.engine", "specdec.llm",
+               "specdec.scheduler")
+
+
+def module_name(path: Path) -> str:
+    return ".".join(path.with_suffix("").relative_to(SOURCE.parent).parts).removesuffix(".__init__")
+
+
+def arrows() -> dict[str, set[str]]:
+    """module -> the specdec modules it imports (a package's name where a name in it is imported)."""
+    modules = {module_name(path): path for path in SOURCE.rglob("*.py")}
+    graph = {}
+    for name, path in modules.items():
+        targets = set()
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.Import):
+                targets.update(alias.name for alias in node.names)
+            elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+                targets.add(node.module)
+                # `from specdec.models import loader` imports the module specdec.models.loader
+                targets.update(f"{node.module}.{alias.name}" for alias in node.names
+                               if f"{node.module}.{alias.name}" in modules)
+        graph[name] = {t for t in targets if t in modules and t != name}
+    return graph
+
+
+def within(module: str, rooms: tuple[str, ...]) -> bool:
+    return any(module == room or module.startswith(room + ".") for room in rooms)
+
+
+def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components of more than one module (Tarjan's algorithm)."""
+    index, low, stack, on_stack, found = {}, {}, [], set(), []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in graph[v]:
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                component.append(w)
+                if w == v:
+                    break
+            if len(component) > 1:
+                found.append(sorted(component))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return found
+
+
+def test_the_walk_sees_the_arrows_it_should():
+    """The control: arrows known to exist are found, top-level and inside functions."""
+    graph = arrows()
+    assert "specdec.models.llama" in graph["specdec.models.loader"]  # at the top
+    assert "specdec.models.gguf" in graph["specdec.models.loader"]  # inside a function
+    assert "specdec.serve.commands" in graph["specdec.cli"]
+    assert cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+
+
+def test_no_module_imports_itself_back():
+    graph = arrows()
+    graph.pop("specdec")  # the package's lazy re-exports (specdec.LLM, ...) point down from the top
+    graph = {name: targets - {"specdec"} for name, targets in graph.items()}
+    assert cycles(graph) == []
+
+
+def test_the_tools_are_imported_by_the_command_line_alone():
+    offenders = {name: sorted(t for t in targets if within(t, TOOLS))
+                 for name, targets in arrows().items()
+                 if not within(name, TOOLS) and name != "specdec.cli"}
+    assert {name: ts for name, ts in offenders.items() if ts} == {}
+
+
+def test_models_know_nothing_of_speculation_and_the_verifier_nothing_of_models():
+    graph = arrows()
+    models = {name: sorted(t for t in targets if within(t, SPECULATION))
+              for name, targets in graph.items() if within(name, ("specdec.models",))}
+    assert {name: ts for name, ts in models.items() if ts} == {}
+    assert not any(within(t, ("specdec.models", "specdec.runner")) for t in graph["specdec.verify"])
