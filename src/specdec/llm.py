@@ -69,6 +69,12 @@ class LLM:
     platform: what the device can do (platform.Platform); None detects it. Tests pass their own.
     seed: seeds the random stream that requests without a seed of their own share.
 
+    speculative_config: all of speculation in one, as vLLM takes it: a SpeculativeConfig, or a
+        dict of its fields ({"model": DIR, "num_speculative_tokens": 5}, {"method": "ngram",
+        "prompt_lookup_max": 4}; vLLM's prompt_lookup_min / _max name ngram_min / ngram_max).
+        The speculative_* keywords above are the same settings spelled flat; give one or the
+        other.
+
     Options of speculation given without a drafter (no speculative_model or method) are refused,
     not ignored; so are draft-model options given with prompt lookup alone.
     """
@@ -80,14 +86,18 @@ class LLM:
                  draft_dtype: str = "auto", draft_confidence_threshold: float | None = None,
                  compile: str = "auto", platform: Platform | None = None, quantization: str | None = "auto",
                  draft_quantization: str | None = "auto", speculative_k_policy: str | None = None,
-                 early_exit_layer: int | None = None, speculative_tree: str | None = None):
+                 early_exit_layer: int | None = None, speculative_tree: str | None = None,
+                 speculative_config: SpeculativeConfig | dict | None = None):
         check_arguments(seed=seed, max_num_seqs=max_num_seqs, skip_tokenizer_init=skip_tokenizer_init)
         check_compile_mode(compile)
-        self.speculative_config = speculative_config(
-            speculative_model, speculative_method, num_speculative_tokens=num_speculative_tokens,
-            ngram_min=ngram_prompt_lookup_min, ngram_max=ngram_prompt_lookup_max, draft_dtype=draft_dtype,
-            draft_confidence_threshold=draft_confidence_threshold, draft_quantization=draft_quantization,
-            k_policy=speculative_k_policy, early_exit_layer=early_exit_layer, tree=speculative_tree)
+        flat = dict(model=speculative_model, method=speculative_method, num_speculative_tokens=num_speculative_tokens,
+                    ngram_min=ngram_prompt_lookup_min, ngram_max=ngram_prompt_lookup_max, draft_dtype=draft_dtype,
+                    draft_confidence_threshold=draft_confidence_threshold, draft_quantization=draft_quantization,
+                    k_policy=speculative_k_policy, early_exit_layer=early_exit_layer, tree=speculative_tree)
+        check(speculative_config is None or not _given(flat),
+              f"speculative_config and {', '.join(FLAT_NAMES[name] for name in _given(flat))} both say how to "
+              "speculate: give one or the other")
+        self.speculative_config = speculative_config_from(flat if speculative_config is None else speculative_config)
         self.device = check_device(device)
         check_quantization(quantization, self.device)
         if self.speculative_config is not None:
@@ -234,6 +244,35 @@ class LLM:
         return RequestOutput(seq.request_id, seq.prompt, seq.prompt_token_ids, [completion], seq.stats)
 
 
+# LLM's flat keyword for each SpeculativeConfig field
+FLAT_NAMES = {"model": "speculative_model", "method": "speculative_method",
+              "num_speculative_tokens": "num_speculative_tokens", "ngram_min": "ngram_prompt_lookup_min",
+              "ngram_max": "ngram_prompt_lookup_max", "draft_dtype": "draft_dtype",
+              "draft_confidence_threshold": "draft_confidence_threshold", "draft_quantization": "draft_quantization",
+              "k_policy": "speculative_k_policy", "early_exit_layer": "early_exit_layer", "tree": "speculative_tree"}
+VLLM_NAMES = {"prompt_lookup_min": "ngram_min", "prompt_lookup_max": "ngram_max"}  # vLLM's keys -> ours
+
+
+def _given(options: dict) -> list[str]:
+    """The options set to something other than "not given" (None; "auto" for the draft's dtype and quantization)."""
+    return [name for name, value in options.items()
+            if value is not None and not (name in ("draft_dtype", "draft_quantization") and value == "auto")]
+
+
+def speculative_config_from(config: SpeculativeConfig | dict) -> SpeculativeConfig | None:
+    """LLM's speculative_config= as a SpeculativeConfig (a dict: its fields, or vLLM's names for
+    them; the method inferred from the model as for the flat keywords)."""
+    if isinstance(config, SpeculativeConfig):
+        return config
+    check(isinstance(config, dict), f"speculative_config must be a SpeculativeConfig or a dict of its fields, got "
+                                    f"{type(config).__name__}")
+    fields = {VLLM_NAMES.get(key, key): value for key, value in config.items()}
+    unknown = sorted(key for key in config if VLLM_NAMES.get(key, key) not in FLAT_NAMES)
+    check(not unknown, f"speculative_config has no {', '.join(map(repr, unknown))}; its keys are "
+                       f"{', '.join(sorted(FLAT_NAMES))} (and vLLM's {', '.join(VLLM_NAMES)})")
+    return speculative_config(fields.pop("model", None), fields.pop("method", None), **fields)
+
+
 def speculative_config(model, method, **options) -> SpeculativeConfig | None:
     """LLM's speculation arguments as a SpeculativeConfig (None: no drafter). options:
     SpeculativeConfig's fields; None (or "auto" for draft_dtype and draft_quantization) = not
@@ -244,8 +283,7 @@ def speculative_config(model, method, **options) -> SpeculativeConfig | None:
         model, method = None, "ngram"
     if method is None and model is not None:  # a head's directory says what it is
         method = "eagle" if is_head_directory(model) else "draft_model"
-    given = {name: value for name, value in options.items()
-             if value is not None and not (name in ("draft_dtype", "draft_quantization") and value == "auto")}
+    given = {name: options[name] for name in _given(options)}
     if method is None:
         check(not given, f"{', '.join(f'{n}={v!r}' for n, v in given.items())} without a drafter: give "
                          "speculative_model=<draft directory> or speculative_method='ngram', or drop them")

@@ -1,0 +1,64 @@
+"""LLM(speculative_config=...): speculation given in one, as vLLM takes it (a dict of
+SpeculativeConfig's fields or vLLM's names for them, or a SpeculativeConfig), the same engine as
+the flat speculative_* keywords, and exact like them."""
+
+from __future__ import annotations
+
+import pytest
+
+from helpers import random_prompts, save_tiny_pair, token_ids
+from specdec import LLM, SamplingParams
+from specdec.config import SpeculativeConfig
+
+GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def dirs(tmp_path_factory):
+    return save_tiny_pair(tmp_path_factory.mktemp("specconfig"), target_seed=41, draft_seed=42, draft_arch="llama")
+
+
+@pytest.fixture(scope="module")
+def target_alone(dirs):
+    return token_ids(LLM(str(dirs["target"]), dtype="float32").generate(random_prompts(3, seed=43), GREEDY))
+
+
+@pytest.mark.parametrize("given, flat", [
+    ({"model": "draft", "num_speculative_tokens": 3},
+     {"speculative_model": "draft", "num_speculative_tokens": 3}),
+    ({"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2, "prompt_lookup_max": 3},
+     {"speculative_method": "ngram", "num_speculative_tokens": 4, "ngram_prompt_lookup_min": 2,
+      "ngram_prompt_lookup_max": 3}),
+    ({"model": "draft", "method": "lookup_then_draft", "k_policy": "fixed", "draft_dtype": "float32"},
+     {"speculative_model": "draft", "speculative_method": "lookup_then_draft", "speculative_k_policy": "fixed",
+      "draft_dtype": "float32"}),
+])
+def test_a_dict_builds_what_the_flat_keywords_build_and_stays_exact(dirs, target_alone, given, flat):
+    def paths(options: dict) -> dict:
+        return {key: str(dirs["target"]) if value == "draft" else value for key, value in options.items()}
+
+    from_dict = LLM(str(dirs["target"]), dtype="float32", speculative_config=paths(given))
+    from_flat = LLM(str(dirs["target"]), dtype="float32", **paths(flat))
+    assert from_dict.speculative_config == from_flat.speculative_config is not None
+    assert token_ids(from_dict.generate(random_prompts(3, seed=43), GREEDY)) == target_alone
+
+
+def test_a_speculative_config_is_taken_as_it_is(dirs, target_alone):
+    config = SpeculativeConfig(method="ngram", num_speculative_tokens=2, k_policy="fixed")
+    llm = LLM(str(dirs["target"]), dtype="float32", speculative_config=config)
+    assert llm.speculative_config is config
+    assert token_ids(llm.generate(random_prompts(3, seed=43), GREEDY)) == target_alone
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    ({"speculative_config": {"method": "ngram"}, "num_speculative_tokens": 3},
+     "speculative_config and num_speculative_tokens both say how to speculate"),
+    ({"speculative_config": {"method": "ngram", "draft_tensor_parallel_size": 1}},
+     "speculative_config has no 'draft_tensor_parallel_size'; its keys are"),
+    ({"speculative_config": "ngram"}, "speculative_config must be a SpeculativeConfig or a dict"),
+    ({"speculative_config": {"method": "ngram", "num_speculative_tokens": -1}}, "num_speculative_tokens must be"),
+    ({"speculative_config": {"num_speculative_tokens": 3}}, "without a drafter"),
+])
+def test_bad_speculative_configs_are_clear_errors(dirs, kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        LLM(str(dirs["target"]), dtype="float32", **kwargs)
