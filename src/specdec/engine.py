@@ -32,7 +32,7 @@ from specdec.output_processor import OutputProcessor
 from specdec.outputs import RequestOutput
 from specdec.progress import stage
 from specdec.runner import ModelRunner
-from specdec.sampling import SamplingTensors, sample, token_logprobs, warp
+from specdec.sampling import SamplingTensors, request_generator, sample, token_logprobs, warp
 from specdec.scheduler import Scheduler
 from specdec.sequence import Sequence
 from specdec.tree import TreeShape, branches
@@ -82,9 +82,7 @@ class Engine:
         """Queue a request (prompt_token_ids checked by the caller: LLM.prompt_token_ids); it
         starts at a step with a free slot. stream_text: each step's RequestOutput carries the
         request's new text too (its whole output is decoded at every step that adds tokens)."""
-        generator = self.shared_generator
-        if params.seed is not None:
-            generator = torch.Generator(self.target.device).manual_seed(params.seed)
+        generator = request_generator(params.seed, self.shared_generator, self.target.device)
         seq = Sequence(request_id, list(prompt_token_ids), params, generator, prompt=prompt, stream_text=stream_text)
         self.add_sequence(seq)
         return seq

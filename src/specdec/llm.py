@@ -23,6 +23,7 @@ from specdec.outputs import CompletionOutput, RequestOutput
 from specdec.platform import Platform, detect_platform
 from specdec.progress import stage
 from specdec.runner import ModelRunner, check_compile_mode
+from specdec.sampling import request_generator
 from specdec.sequence import Sequence
 from specdec.tree import TreeShape
 
@@ -210,10 +211,7 @@ class LLM:
     def _new_sequence(self, prompt, params: SamplingParams) -> Sequence:
         prompt_ids = self.prompt_token_ids(prompt, params)
         prompt_text = prompt if isinstance(prompt, str) else None
-        if params.seed is not None:
-            generator = torch.Generator(self.device).manual_seed(params.seed)
-        else:
-            generator = self._shared_generator
+        generator = request_generator(params.seed, self._shared_generator, self.device)
         request_id = str(self._next_request_id)
         self._next_request_id += 1
         return Sequence(request_id, prompt_ids, params, generator, prompt=prompt_text)

@@ -147,6 +147,12 @@ def point_mass(token_ids: torch.Tensor, vocab_size: int) -> torch.Tensor:
     return torch.nn.functional.one_hot(token_ids, vocab_size).float()
 
 
+def request_generator(seed: int | None, shared: torch.Generator, device: torch.device | str) -> torch.Generator:
+    """A request's random stream: its own, seeded, when it gives a seed (so that its numbers do not
+    depend on what else is batched), else the stream requests without a seed share."""
+    return shared if seed is None else torch.Generator(device).manual_seed(seed)
+
+
 def uniforms(generators: list[torch.Generator], counts: int | list[int], device: torch.device | str) -> torch.Tensor:
     """counts[i] float64 uniforms in [0, 1) for row i from that row's generator (or n for
     every row): [len(generators), max(counts)], zero past a row's count.
