@@ -76,18 +76,18 @@ def test_lookup_then_draft_drafts_by_model_only_where_lookup_finds_nothing(tmp_p
     assert drafter.lookup.ngram_min == 2  # the method's default: a one-token match is not trusted
     rounds = []  # (rows lookup matched, rows the draft model drafted for), by request id
 
-    def propose(batch, k, sampling):
+    def propose(batch, ks, sampling):
         rounds.append((set(), set()))
-        return type(drafter).propose(drafter, batch, k, sampling)
+        return type(drafter).propose(drafter, batch, ks, sampling)
 
-    def lookup_propose(batch, k, sampling):
-        draft = type(drafter.lookup).propose(drafter.lookup, batch, k, sampling)
+    def lookup_propose(batch, ks, sampling):
+        draft = type(drafter.lookup).propose(drafter.lookup, batch, ks, sampling)
         rounds[-1][0].update(seq.request_id for seq, n in zip(batch, draft.num_tokens.tolist()) if n > 0)
         return draft
 
-    def model_propose(batch, k, sampling):
+    def model_propose(batch, ks, sampling):
         rounds[-1][1].update(seq.request_id for seq in batch)
-        return type(drafter.draft_model).propose(drafter.draft_model, batch, k, sampling)
+        return type(drafter.draft_model).propose(drafter.draft_model, batch, ks, sampling)
 
     drafter.propose, drafter.lookup.propose, drafter.draft_model.propose = propose, lookup_propose, model_propose
     prompts = random_prompts(6, seed=20, vocab=12)

@@ -347,15 +347,15 @@ class Engine:
         if not rows:
             return Draft.empty(len(batch), device), False
         if len(rows) == len(batch):
-            return self._draft(batch, max(ks), sampling), True
+            return self._draft(batch, ks, sampling), True
         index = torch.tensor(rows, device=device)  # [R]
-        drafted = self._draft([batch[row] for row in rows], max(ks), sampling.select_rows(index))
+        drafted = self._draft([batch[row] for row in rows], [ks[row] for row in rows], sampling.select_rows(index))
         return drafted.scattered(len(batch), index), False
 
-    def _draft(self, batch: list[Sequence], k: int, sampling: SamplingTensors) -> Draft:
-        if self.tree is not None:
-            return self.drafter.propose_tree(batch, k, self.tree, sampling)
-        return self.drafter.propose(batch, k, sampling)
+    def _draft(self, batch: list[Sequence], ks: list[int], sampling: SamplingTensors) -> Draft:
+        if self.tree is not None:  # every drafting row grows a tree of k nodes (its depth cut to its room)
+            return self.drafter.propose_tree(batch, max(ks), self.tree, sampling)
+        return self.drafter.propose(batch, ks, sampling)
 
     def _usable_k(self, seqs: list[Sequence]) -> int:
         """The round's k: no wider than the most drafts any row has room for (a larger k would

@@ -60,7 +60,8 @@ class Draft:
 
 
 class Drafter(ABC):
-    """Proposes up to k tokens per sequence each round.
+    """Proposes up to its k tokens per sequence each round (the engine says each row's k: the
+    round's choice, cut to what the row can still emit; a drafter never decides it).
 
     The engine calls `reserve` before a batch, `propose` (or, for a tree draft from a drafter
     that grows_trees, `propose_tree`) once per round, `observe` with what
@@ -78,8 +79,9 @@ class Drafter(ABC):
         num_forwards rounds (a model-based drafter may compile for it)."""
 
     @abstractmethod
-    def propose(self, batch: list[Sequence], k: int, sampling: SamplingTensors) -> Draft:
-        """Draft up to k tokens for each sequence (whose tokens so far are seq.token_ids)."""
+    def propose(self, batch: list[Sequence], ks: list[int], sampling: SamplingTensors) -> Draft:
+        """Draft up to ks[i] tokens for sequence i (whose tokens so far are seq.token_ids): a
+        Draft of max(ks) columns."""
 
     def propose_tree(self, batch: list[Sequence], budget: int, shape: TreeShape, sampling: SamplingTensors) -> Draft:
         """(grows_trees only) A tree draft of up to budget nodes per sequence, grown as shape says

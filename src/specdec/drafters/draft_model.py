@@ -92,14 +92,14 @@ class DraftModelDrafter(Drafter):
         input_ids = torch.zeros(batch_size, 1, dtype=torch.long, device=device)  # [B, 1]
         self.runner(input_ids, torch.zeros_like(input_ids), self.cache)
 
-    def propose(self, batch: list[Sequence], k: int, sampling: SamplingTensors) -> Draft:
-        """Up to k draft tokens per row, drawn as steps.py says (greedy, sampled, stopping early
-        at a row's room or below the confidence threshold)."""
+    def propose(self, batch: list[Sequence], ks: list[int], sampling: SamplingTensors) -> Draft:
+        """Up to ks[i] draft tokens for row i, drawn as steps.py says (greedy, sampled, stopping
+        early below the confidence threshold)."""
         device = self.model.device
-        if k == 0:
+        if max(ks, default=0) == 0:
             return Draft.empty(len(batch), device)
         self.cache.use_slots([seq.slot for seq in batch])
-        steps = DraftSteps(batch, k, sampling, self.confidence_threshold, device)
+        steps = DraftSteps(batch, ks, sampling, self.confidence_threshold, device)
         token = steps.draw(self._catch_up(batch))  # from each row's next-token logits [B, V]
         while steps.more:
             step = len(steps.tokens) - 1  # the step whose token is fed

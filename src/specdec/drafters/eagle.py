@@ -95,12 +95,12 @@ class EagleDrafter(Drafter):
         features = torch.zeros(batch_size, 1, self.head.config.hidden_size, dtype=self.head.dtype, device=device)
         self._step(tokens, features, torch.zeros_like(tokens))
 
-    def propose(self, batch: list[Sequence], k: int, sampling: SamplingTensors) -> Draft:
+    def propose(self, batch: list[Sequence], ks: list[int], sampling: SamplingTensors) -> Draft:
         device = self.head.device
-        if k == 0:
+        if max(ks, default=0) == 0:
             return Draft.empty(len(batch), device)
         self.cache.use_slots([seq.slot for seq in batch])
-        steps = DraftSteps(batch, k, sampling, self.confidence_threshold, device)
+        steps = DraftSteps(batch, ks, sampling, self.confidence_threshold, device)
         feature, logits = self._catch_up(batch)  # f^_{L-1} [B, 1, H], its scores [B, V]
         token = steps.draw(logits)
         while steps.more:

@@ -52,18 +52,19 @@ class LookupThenDraftDrafter(Drafter):
     def time_step(self, batch_size: int) -> None:
         self.draft_model.time_step(batch_size)
 
-    def propose(self, batch: list[Sequence], k: int, sampling: SamplingTensors) -> Draft:
+    def propose(self, batch: list[Sequence], ks: list[int], sampling: SamplingTensors) -> Draft:
         if not sampling.any_greedy:
-            return self.draft_model.propose(batch, k, sampling)
-        looked_up = self.lookup.propose(batch, k, sampling)
+            return self.draft_model.propose(batch, ks, sampling)
+        looked_up = self.lookup.propose(batch, ks, sampling)
         greedy = sampling.greedy.tolist()
         unmatched = [row for row, n in enumerate(looked_up.num_tokens.tolist()) if n == 0 or not greedy[row]]
         if not unmatched:
             return looked_up
         if len(unmatched) == len(batch):
-            return self.draft_model.propose(batch, k, sampling)
+            return self.draft_model.propose(batch, ks, sampling)
         rows = torch.tensor(unmatched, device=looked_up.token_ids.device)  # [R]
-        drafted = self.draft_model.propose([batch[row] for row in unmatched], k, sampling.select_rows(rows))
+        drafted = self.draft_model.propose([batch[row] for row in unmatched], [ks[row] for row in unmatched],
+                                           sampling.select_rows(rows))
         return _merge(looked_up, drafted, rows)
 
 
@@ -71,12 +72,15 @@ def _merge(looked_up: Draft, drafted: Draft, drafted_rows: torch.Tensor) -> Draf
     """looked_up's rows, with drafted's in place of rows drafted_rows [R]. Where drafted has
     distributions, looked-up rows get point masses on their tokens."""
     token_ids = looked_up.token_ids.clone()  # [B, k]
-    token_ids[drafted_rows] = drafted.token_ids
+    width = drafted.token_ids.shape[1]  # at most k: the drafted rows' largest k
+    token_ids[drafted_rows] = 0
+    token_ids[drafted_rows, :width] = drafted.token_ids
     num_tokens = looked_up.num_tokens.clone()  # [B]
     num_tokens[drafted_rows] = drafted.num_tokens
     probs = None
     if drafted.probs is not None:
         B, k = token_ids.shape
         probs = point_mass(looked_up.token_ids.reshape(-1), drafted.probs.shape[-1]).view(B, k, -1)  # [B, k, V]
-        probs[drafted_rows] = drafted.probs
+        probs[drafted_rows] = 0
+        probs[drafted_rows, :width] = drafted.probs
     return Draft(token_ids, num_tokens, probs)

@@ -24,10 +24,10 @@ class NgramDrafter(Drafter):
     def from_config(cls, spec, target, target_runner) -> "NgramDrafter":
         return cls(spec.ngram_min, spec.ngram_max, target_runner.device)
 
-    def propose(self, batch: list[Sequence], k: int, sampling: SamplingTensors) -> Draft:
-        token_ids = torch.zeros(len(batch), k, dtype=torch.long)
+    def propose(self, batch: list[Sequence], ks: list[int], sampling: SamplingTensors) -> Draft:
+        token_ids = torch.zeros(len(batch), max(ks, default=0), dtype=torch.long)
         num_tokens = torch.zeros(len(batch), dtype=torch.long)
-        for row, seq in enumerate(batch):
+        for row, (seq, k) in enumerate(zip(batch, ks)):
             proposal = lookup(np.asarray(seq.token_ids), k, self.ngram_min, self.ngram_max)
             token_ids[row, :len(proposal)] = torch.as_tensor(proposal, dtype=torch.long)
             num_tokens[row] = len(proposal)

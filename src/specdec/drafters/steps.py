@@ -2,8 +2,8 @@
 
 Both the draft model and the EAGLE head draft the same way once they have next-token logits:
 a greedy batch takes the argmax (a point mass: no probabilities kept), otherwise each row
-samples from its warped distribution with its own generator. A row stops at its draft_room
-(what it can still emit) and, with a confidence threshold, after a token the drafter itself
+samples from its warped distribution with its own generator. A row stops at its own k (the
+engine's, cut to what it can still emit) and, with a confidence threshold, after a token the drafter itself
 gave less than that probability (the next ones would likely be rejected). A stopped row
 draws no more random numbers (its later columns hold the argmax, ignored), so a seeded
 request consumes its generator the same alone or in any batch.
@@ -20,11 +20,11 @@ from specdec.sequence import Sequence
 
 
 class DraftSteps:
-    def __init__(self, batch: list[Sequence], k: int, sampling: SamplingTensors, confidence_threshold: float,
+    def __init__(self, batch: list[Sequence], ks: list[int], sampling: SamplingTensors, confidence_threshold: float,
                  device: torch.device):
-        self.k, self.sampling, self.confidence_threshold = k, sampling, confidence_threshold
+        self.k, self.sampling, self.confidence_threshold = max(ks), sampling, confidence_threshold
         self.generators = [seq.generator for seq in batch]
-        self.num_tokens = torch.tensor([min(k, seq.draft_room) for seq in batch], device=device)  # [B]
+        self.num_tokens = torch.tensor(ks, device=device)  # [B]: each row's most
         self.drafting = self.num_tokens > 0  # [B]: rows not yet stopped
         self.tokens: list[torch.Tensor] = []  # per step [B]
         self.probs: list[torch.Tensor] = []  # per step [B, V] (sampled batches only)
