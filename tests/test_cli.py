@@ -183,3 +183,19 @@ def test_version_is_the_packages(capsys):
         main(["--version"])
     assert exit_info.value.code == 0
     assert capsys.readouterr().out.strip() == f"specdec {version('specdec')}"
+
+
+def test_a_known_condition_is_said_in_specdecs_words_without_a_source_line(model_dir, tmp_path, capsys):
+    """A draft with a shorter context than its target: one line on stderr, as specdec's other
+    messages read, not a UserWarning with a file and line number."""
+    import warnings
+
+    short = save_tiny_model(tmp_path / "short", "llama", seed=5, init_std=0.2, max_position_embeddings=16)
+    with warnings.catch_warnings():
+        warnings.simplefilter("always")
+        assert main(["generate", "--model", str(model_dir), "--draft", str(short), "-k", "2", "--prompt", "x = 1",
+                     "--max-tokens", "2"]) == 0
+    err = capsys.readouterr().err
+    said = [line for line in err.splitlines() if "has a context of 16 tokens" in line]
+    assert len(said) == 1 and said[0].startswith("specdec: the draft ")
+    assert "UserWarning" not in err and "draft_model.py" not in err
