@@ -62,3 +62,14 @@ def test_a_speculative_config_is_taken_as_it_is(dirs, target_alone):
 def test_bad_speculative_configs_are_clear_errors(dirs, kwargs, message):
     with pytest.raises(ValueError, match=message):
         LLM(str(dirs["target"]), dtype="float32", **kwargs)
+
+
+def test_with_drafter_defaults_to_the_k_policy_llm_defaults_to(dirs):
+    from specdec.drafters import DRAFTERS
+
+    llm = LLM(str(dirs["target"]), dtype="float32", speculative_method="ngram", num_speculative_tokens=3)
+    ngram = DRAFTERS["ngram"](SpeculativeConfig(method="ngram"), llm.target, llm.runner)
+    same_target = llm.with_drafter(ngram, 3)
+    assert llm.speculative_config.k_policy == "goodput"
+    assert (same_target.engine.policy is None) == (llm.engine.policy is None) is False
+    assert llm.with_drafter(ngram, 3, "fixed").engine.policy is None

@@ -128,12 +128,12 @@ class LLM:
         """An LLM over the same loaded target with no drafter: the baseline to compare with."""
         return self.with_drafter(None)
 
-    def with_drafter(self, drafter: Drafter | None, k: int = 0, k_policy: str = "fixed",
+    def with_drafter(self, drafter: Drafter | None, k: int = 0, k_policy: str = "goodput",
                      tree: str = "chain") -> "LLM":
         """An LLM over the same loaded target (nothing is reloaded) that speculates with drafter
-        at k (every round, or at most, by goodput: k_policy; a tree of k nodes for a tree shape
-        other than "chain"), or decodes plainly (None). Its speculative_config is None: that
-        field says how an LLM was made from arguments."""
+        at k (at most, by goodput, the default as for LLM; or every round: k_policy="fixed"; a
+        tree of k nodes for a tree shape other than "chain"), or decodes plainly (None). Its
+        speculative_config is None: that field says how an LLM was made from arguments."""
         other = copy.copy(self)
         other.speculative_config = None
         other.engine = self._engine(drafter, k, k_policy, TreeShape.parse(tree))

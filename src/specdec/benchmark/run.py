@@ -277,20 +277,20 @@ def load_runners(config: BenchConfig) -> LoadedRunners:
         drafter = DRAFTERS["draft_model"](spec, target.target, target.runner)
         draft_model = drafter.runner
         for k in config.ks:
-            runners[Method("specdec", "draft_model", k)] = SpecdecRunner(target.with_drafter(drafter, k))
+            runners[Method("specdec", "draft_model", k)] = SpecdecRunner(target.with_drafter(drafter, k, "fixed"))
         if config.adaptive_confidence > 0:  # the same draft weights, its own cache
             adaptive = drafter.sharing_weights(config.adaptive_confidence)
             runners[Method("specdec", "draft_model_adaptive", max(config.ks))] = SpecdecRunner(
-                target.with_drafter(adaptive, max(config.ks)))
+                target.with_drafter(adaptive, max(config.ks), "fixed"))
         runners[Method("specdec", "draft_model_goodput", max(config.ks))] = SpecdecRunner(  # LLM's default policy
             target.with_drafter(drafter.sharing_weights(), max(config.ks), "goodput"))
     ngram = DRAFTERS["ngram"](SpeculativeConfig(method="ngram"), target.target, target.runner)
     for k in config.ks:
-        runners[Method("specdec", "ngram", k)] = SpecdecRunner(target.with_drafter(ngram, k))
+        runners[Method("specdec", "ngram", k)] = SpecdecRunner(target.with_drafter(ngram, k, "fixed"))
     if config.draft is not None:  # the same draft weights, with its own cache, behind prompt lookup
         hybrid = LookupThenDraftDrafter.sharing_weights(drafter)
         for k in config.ks:
-            runners[Method("specdec", "lookup_then_draft", k)] = SpecdecRunner(target.with_drafter(hybrid, k))
+            runners[Method("specdec", "lookup_then_draft", k)] = SpecdecRunner(target.with_drafter(hybrid, k, "fixed"))
     runners.update(self_drafting_runners(config, target, drafter if config.draft is not None else None))
     loaded = LoadedRunners(runners, target, draft_model)
     if config.with_transformers:
@@ -308,14 +308,14 @@ def self_drafting_runners(config: BenchConfig, target: LLM, draft_model_drafter)
                 target.with_drafter(draft_model_drafter.sharing_weights(), k, tree=shape))
     if config.head is not None:
         head = DRAFTERS["eagle"](SpeculativeConfig(method="eagle", model=config.head), target.target, target.runner)
-        runners[Method("specdec", "eagle", k)] = SpecdecRunner(target.with_drafter(head, k))
+        runners[Method("specdec", "eagle", k)] = SpecdecRunner(target.with_drafter(head, k, "fixed"))
         for shape in config.trees:
             runners[Method("specdec", "eagle_tree", k, shape)] = SpecdecRunner(target.with_drafter(head, k, tree=shape))
     if config.early_exit_layer is not None:
         spec = SpeculativeConfig(method="early_exit", early_exit_layer=config.early_exit_layer)
         early_exit = DRAFTERS["early_exit"](spec, target.target, target.runner)
         runners[Method("specdec", "early_exit", k, layer=config.early_exit_layer)] = SpecdecRunner(
-            target.with_drafter(early_exit, k))
+            target.with_drafter(early_exit, k, "fixed"))
     return runners
 
 
