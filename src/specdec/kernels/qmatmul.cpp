@@ -359,6 +359,7 @@ template <int T, int BITS, int S>
 void group_tile_k(const Layout& L, const Weights& w, int64_t g, const Acts& a, int64_t r0, float* y, int64_t ldy,
                   int64_t col0) {
   constexpr int64_t STEPS = S / step_k<BITS>();  // steps per sub-block
+  static_assert(BITS != 4 || STEPS % 2 == 0, "4-bit codes are taken two steps at a time");
   const int64_t nsub = L.K / S, subs_per_sb = L.SB / S;
   const uint8_t* codes = w.codes + g * (L.K / step_k<BITS>()) * step_bytes<BITS>();
   const uint8_t* coefs = L.has_mn ? w.mn : w.sc;

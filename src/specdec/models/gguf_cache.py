@@ -8,10 +8,9 @@ holds the packed model in its own memory, and the next load of the same file ski
 altogether. A load reads the matrices that every step streams whole into one block of anonymous
 memory in 2 MB pages (where the kernel grants them), and maps the rest of the file (copy-on-write,
 never written): an embedding table that is only gathered from (most of its rows never become
-resident), the norms. Why not map the matrices too: a decode step of Qwen2.5-Coder-1.5B's layers
-took 38.1 ms over weights mapped from the page cache, 30.8 ms in anonymous 4 KB pages and 27.4 ms
-in 2 MB pages (2 threads, AVX-512, interleaved in one process): each 4 KB page is a TLB miss and a
-fresh start for the hardware prefetcher. The key covers
+resident), the norms. Why not map the matrices too: streamed from mapped 4 KB pages of the page
+cache, each page is a TLB miss and a fresh start for the hardware prefetcher (docs/runner.md has
+the decode steps measured both ways). The key covers
 the file's path, size and modification time and the packing code itself, so a changed file or
 a new layout is packed again. Files are written under temporary names; the JSON index, written
 last, marks a complete entry.
