@@ -353,6 +353,18 @@ def gguf_pair(tmp_path):
     return str(target), str(draft)
 
 
+def test_without_cpu_kinds_the_bench_measures_the_kind_this_process_runs_as(monkeypatch, gguf_pair):
+    """So that a run held to AVX2 by the environment (tools/both-cpus) measures AVX2, llama.cpp's
+    AVX2 build included, and not the native kind in a child."""
+    target, _ = gguf_pair
+    monkeypatch.setenv("ATEN_CPU_CAPABILITY", "avx2")
+    assert llama_cpp.cpu_kinds_arg(parse(["--model", target])) == "avx2"
+    assert llama_cpp.command_line(parse(["--model", target])).endswith("--cpu-kinds avx2")
+    assert llama_cpp.cpu_kinds_arg(parse(["--model", target, "--cpu-kinds", "both"])) == "both"
+    monkeypatch.delenv("ATEN_CPU_CAPABILITY")
+    assert llama_cpp.cpu_kinds_arg(parse(["--model", target])) == "native"
+
+
 def test_flags_make_the_config(gguf_pair):
     target, draft = gguf_pair
     config = llama_cpp.llama_cpp_config(parse(["--model", target, "--draft", draft, "--quick", "--ks", "3,4"]))

@@ -92,10 +92,10 @@ def add_bench_parser(commands) -> None:
                         "(its own tools, built from source under build/llama-cpp on first use, ~6 minutes) against "
                         "specdec plain, prompt lookup, draft model and lookup_then_draft, greedy, k = the largest "
                         "of --ks (default 5); --write-docs writes its section of docs/benchmarks.md only")
-    p.add_argument("--cpu-kinds", choices=("native", "avx2", "both"), default="native",
+    p.add_argument("--cpu-kinds", choices=("native", "avx2", "both"), default=None,
                    help="with --llama-cpp: this CPU as it is (native), held to AVX2 (PyTorch and oneDNN held by "
                         "ATEN_CPU_CAPABILITY / ONEDNN_MAX_CPU_ISA, llama.cpp built for AVX2), or both, one after "
-                        "the other (default native)")
+                        "the other (default: the kind this process runs as, so avx2 where those variables hold it)")
     p.set_defaults(run=run_bench)
 
 

@@ -703,7 +703,12 @@ def command_line(args) -> str:
         words += ["--ks", ",".join(map(str, args.ks))]
     if args.quick:
         words.append("--quick")
-    return " ".join(words + ["--cpu-kinds", args.cpu_kinds] + (["--write-docs"] if args.write_docs else []))
+    return " ".join(words + ["--cpu-kinds", cpu_kinds_arg(args)] + (["--write-docs"] if args.write_docs else []))
+
+
+def cpu_kinds_arg(args) -> str:
+    """--cpu-kinds as given, or the kind this process runs as (held to AVX2 by the environment or not)."""
+    return args.cpu_kinds or process_cpu_kind()
 
 
 def run_llama_cpp_bench(args) -> int:
@@ -713,7 +718,7 @@ def run_llama_cpp_bench(args) -> int:
     from specdec.output_dir import open_output_dir
 
     config = llama_cpp_config(args)
-    kinds = CPU_KINDS if args.cpu_kinds == "both" else (args.cpu_kinds,)
+    kinds = CPU_KINDS if cpu_kinds_arg(args) == "both" else (cpu_kinds_arg(args),)
     inputs = {"--model": config.model, "--draft": config.draft}
     with open_output_dir(args.out, "bench", inputs, args.force, is_bench_output,
                          own_entries=("results.json", "results.md"), resumable=False) as output:
