@@ -253,8 +253,7 @@ def test_a_verify_forward_gives_bit_for_bit_what_decode_steps_give(mixed_file, d
         steps = torch.stack([model(torch.tensor([[xa[i]], [xb[i]]]), torch.tensor([[30 + i], [17 + i]]), cache)[:, 0]
                              for i in range(6)], dim=1)  # [2, 6, vocab]
         verify = model(torch.tensor([xa, xb]), torch.stack([torch.arange(30, 36), torch.arange(17, 23)]), cache)
-        cache.use_slots([1])
-        alone = model(torch.tensor([xb[:4]]), torch.arange(17, 21)[None], cache)  # row 1 by itself
+        alone = model(torch.tensor([xb[:4]]), torch.arange(17, 21)[None], cache.rows([1]))  # row 1 by itself
     assert torch.equal(verify, steps)
     assert torch.equal(alone[0], steps[1, :4])
 

@@ -45,9 +45,23 @@ def test_compiled_target_alone_equals_eager(dirs, eager_outputs):
     llm = LLM(str(dirs["target"]), dtype="float32", compile="on")
     outputs = llm.generate(PROMPTS, GREEDY)  # a ragged batch of 3: padded to 4 rows
     assert token_ids(outputs) == [eager_outputs[tuple(p)] for p in PROMPTS]
-    assert llm.runner.query_buckets == (1,) and llm.engine.cache.static
-    assert llm.engine.cache.max_batch == 4 + 1  # the bucket, and the scratch slot
+    assert llm.runner.query_buckets == (1,) and llm.runner.cache.static
+    assert llm.runner.cache.max_batch == 4 + 1  # the bucket, and the scratch slot
     assert llm.runner.compile_seconds > 0
+
+
+def test_generating_compiles_nothing_after_warm_up(dirs, eager_outputs):
+    """Shapes are static: once the engine is prepared (compiling every forward it will run),
+    a generate of ragged prompts traces no new graph, whichever slots its rows hold."""
+    from torch._dynamo.utils import counters
+
+    llm = LLM(str(dirs["target"]), dtype="float32", compile="on")
+    llm.generate(PROMPTS, GREEDY)  # prepares and compiles
+    graphs_before = counters["stats"]["unique_graphs"]
+    assert graphs_before > 0
+    outputs = llm.generate(PROMPTS[::-1], GREEDY)  # other slots, other lengths
+    assert counters["stats"]["unique_graphs"] == graphs_before
+    assert token_ids(outputs) == [eager_outputs[tuple(p)] for p in PROMPTS[::-1]]
 
 
 @pytest.mark.slow
@@ -111,14 +125,14 @@ def test_a_compilation_that_fails_falls_back_to_eager_with_one_warning(dirs, eag
     assert len(messages) == 1 and "no C compiler found" in messages[0] and "eagerly" in messages[0]
     assert token_ids(first) == [eager_outputs[tuple(p)] for p in PROMPTS]
     assert token_ids(second) == [eager_outputs[tuple(PROMPTS[0])]]
-    assert not llm.engine.cache.static  # eager from then on, on a cache sized to the work
+    assert not llm.runner.cache.static  # eager from then on, on a cache sized to the work
 
 
 def test_auto_compiles_only_long_work(dirs):
     """compile="auto": eager for short work; the decision is the runner's, from the work's size."""
     llm = LLM(str(dirs["target"]), dtype="float32", compile="auto")
     llm.generate(PROMPTS, GREEDY)
-    assert not llm.engine.cache.static and llm.runner.compile_seconds == 0
+    assert not llm.runner.cache.static and llm.runner.compile_seconds == 0
 
 
 def test_compile_mode_is_validated(dirs):
@@ -176,7 +190,7 @@ def test_a_graph_that_computes_wrong_logits_is_caught_and_eager_runs(dirs, eager
     llm = LLM(str(dirs["target"]), dtype="float32", compile="on")
     with pytest.warns(UserWarning, match="differ from eager ones"):
         outputs = llm.generate(PROMPTS, GREEDY)
-    assert token_ids(outputs) == [eager_outputs[tuple(p)] for p in PROMPTS] and not llm.engine.cache.static
+    assert token_ids(outputs) == [eager_outputs[tuple(p)] for p in PROMPTS] and not llm.runner.cache.static
 
 
 def test_the_warm_up_check_compares_finite_logits_and_catches_nan():

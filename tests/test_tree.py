@@ -80,9 +80,7 @@ def test_a_tree_forward_gives_each_node_what_its_branch_gives_alone(dirs):
     cache = KVCache(2, B, 32, model.config.num_kv_heads, model.config.head_dim, torch.float32, "cpu")
     with torch.no_grad():
         for row, prompt in enumerate(prompts):  # all of the prompt but its last token
-            cache.use_slots([row])
-            model(prompt[None, :-1], torch.arange(len(prompt) - 1)[None], cache)
-        cache.use_slots([0, 1])
+            model(prompt[None, :-1], torch.arange(len(prompt) - 1)[None], cache.rows([row]))
         first = torch.tensor([len(p) - 1 for p in prompts])  # [B]: the last token's position
         input_ids = torch.cat([torch.stack([p[-1] for p in prompts])[:, None], nodes], dim=1)  # [B, N+1]
         tree = TreeAttention(first[:, None] + torch.arange(N + 1), first, branches(parents))
@@ -169,9 +167,9 @@ def test_greedy_with_a_tree_equals_the_target_alone(dirs, expected, method, monk
     moved = []
     original = KVCache.move
 
-    def recording(self, sources, destinations):
+    def recording(self, slots, sources, destinations):
         moved.append(bool((sources != destinations).any()))
-        return original(self, sources, destinations)
+        return original(self, slots, sources, destinations)
 
     monkeypatch.setattr(KVCache, "move", recording)
     prompts, target_tokens = expected

@@ -25,13 +25,13 @@ import torch
 from specdec.config import SamplingParams
 from specdec.drafters.base import Draft, Drafter
 from specdec.goodput import GoodputPolicy
-from specdec.kv_cache import CacheTooLarge, TreeAttention, ragged_batch
+from specdec.kv_cache import CacheTooLarge, TreeAttention
 from specdec.metrics import SpecStats
 from specdec.models.tokenizer import Tokenizer
 from specdec.output_processor import OutputProcessor
 from specdec.outputs import RequestOutput
 from specdec.progress import stage
-from specdec.runner import ModelRunner
+from specdec.runner import ForwardBatch, ModelRunner
 from specdec.sampling import SamplingTensors, request_generator, sample, token_logprobs, warp
 from specdec.scheduler import Scheduler
 from specdec.sequence import Sequence
@@ -63,10 +63,10 @@ class Engine:
         self.hands_hidden = drafter is not None and drafter.needs_target_hidden  # the target's features too
         self.output = OutputProcessor(tokenizer, eos_token_ids)
         self.max_num_seqs = max_num_seqs
-        self.cache = None
+        self.max_len: int | None = None  # the positions each sequence may use, once prepared
         self.policy = None
         if self.k and k_policy == "goodput" and self.tree is None:
-            self.policy = GoodputPolicy(self.k, lambda num_tokens: self.target.padded_queries(num_tokens, self.cache))
+            self.policy = GoodputPolicy(self.k, self.target.padded_queries)
         self._sampling_key, self._sampling = None, None
         self.scheduler = Scheduler()
         self._unfinished: dict[str, Sequence] = {}  # by request id: waiting or running
@@ -91,10 +91,10 @@ class Engine:
         """Queue a sequence made by the caller (LLM.generate makes its own)."""
         if seq.request_id in self._unfinished:
             raise ValueError(f"request id {seq.request_id!r} is already running or waiting; give each a new id")
-        if self.cache is not None and self._positions_needed(seq) > self.cache.max_len:
+        if self.max_len is not None and self._positions_needed(seq) > self.max_len:
             raise ValueError(f"a prompt of {len(seq.prompt_token_ids)} tokens + max_tokens={seq.params.max_tokens} "
                              f"needs {self._positions_needed(seq)} cache positions, and the engine was prepared for "
-                             f"{self.cache.max_len}; shorten the prompt or lower max_tokens")
+                             f"{self.max_len}; shorten the prompt or lower max_tokens")
         self._unfinished[seq.request_id] = seq
         self.scheduler.add(seq)
 
@@ -102,7 +102,7 @@ class Engine:
         """Admit waiting requests into free slots (their prefill samples each one's first
         token), run one round over every running request, retire the finished ones. Returns,
         for every request that moved, what is new since the last step (outputs.py)."""
-        if self.cache is None:
+        if self.max_len is None:
             self.prepare(list(self.scheduler.waiting))
         admitted = self.scheduler.admit()
         if admitted:
@@ -208,10 +208,10 @@ class Engine:
         else:
             query_lengths = (1, self.k + 1) if self.policy is not None else (self.k + 1,)
         try:
-            self.cache = self.target.prepare(max_batch, max_len, query_lengths, num_forwards, self.cache,
-                                             return_hidden=self.hands_hidden)
+            self.target.prepare(max_batch, max_len, query_lengths, num_forwards, return_hidden=self.hands_hidden)
             if self.drafter is not None:
                 self.drafter.reserve(max_batch, max_len, num_forwards)
+            self.max_len = self.target.max_len
         except CacheTooLarge as e:
             raise CacheTooLarge(f"{e}: {max_batch} sequences at once, each of up to {max_len:,} positions (prompt + "
                                 "max_tokens + k + 1); lower max_tokens, or max_num_seqs") from None
@@ -232,7 +232,7 @@ class Engine:
         row, all its slots) and a draft step, `repeats` times each: the first calls of a shape
         allocate, pack weights and pick kernels, which a timed request should not pay. After
         prepare(), before requests run (it writes where calibration does: _time_target)."""
-        batch_size, max_len = self.scheduler.num_slots, self.cache.max_len
+        batch_size, max_len = self.scheduler.num_slots, self.max_len
         with torch.inference_mode():
             for _ in range(repeats):
                 for num_tokens in range(1, min(self.k + 1, max_len - 1) + 1):  # the forwards the cache holds
@@ -247,10 +247,9 @@ class Engine:
         writes there sits past every new sequence's length until that sequence overwrites it)."""
         device = self.target.device
         start = max(0, min(CALIBRATION_CONTEXT, max_len - num_tokens - 1))
-        self.cache.use_slots(list(range(batch_size)))
         input_ids = torch.zeros(batch_size, num_tokens, dtype=torch.long, device=device)  # [B, T]
         positions = start + torch.arange(num_tokens, device=device).expand(batch_size, num_tokens)  # [B, T]
-        self.target(input_ids, positions, self.cache, return_hidden=self.hands_hidden)
+        self.target(ForwardBatch.of(input_ids, positions, range(batch_size)), return_hidden=self.hands_hidden)
 
     def _finish(self, seq: Sequence, ran: bool = True) -> None:
         """A sequence out of the batch (finished or aborted): its time, its final text; the
@@ -265,13 +264,13 @@ class Engine:
         """One target forward over the new prompts; samples each one's first token."""
         t0 = time.perf_counter()
         device = self.target.device
-        input_ids, positions, last = ragged_batch([s.prompt_token_ids for s in batch], [0] * len(batch), self.cache)
-        self.cache.use_slots([s.slot for s in batch])
-        logits = self.target.last_token_logits(input_ids.to(device), positions.to(device), self.cache, last,
-                                               return_hidden=self.hands_hidden)  # [B, V] (, hidden [B, T, H])
+        prompts = [s.prompt_token_ids for s in batch]
+        logits = self.target.feed(prompts, [0] * len(batch), [s.slot for s in batch],
+                                  return_hidden=self.hands_hidden)  # [B, V] (, hidden [B, T, H])
         if self.hands_hidden:
             logits, hidden = logits
-            self.drafter.observe_hidden(batch, torch.zeros_like(last), hidden, last + 1)
+            prompt_lengths = torch.tensor([len(prompt) for prompt in prompts], device=device)  # [B]
+            self.drafter.observe_hidden(batch, torch.zeros_like(prompt_lengths), hidden, prompt_lengths)
         probs = warp(logits, SamplingTensors.from_params([s.params for s in batch], device))
         first_tokens = sample(probs, [s.generator for s in batch])  # [B]
         logprobs = _logprobs(batch, logits[:, None], first_tokens[:, None], torch.ones_like(first_tokens))
@@ -293,15 +292,14 @@ class Engine:
         t1 = time.perf_counter()
         num_draft = draft.num_tokens if draft.is_tree else torch.minimum(draft.num_tokens, torch.tensor(ks, device=device))
         input_ids, positions, tree = self._verify_inputs(batch, draft)  # [B, k+1] each, and a tree's layout
-        self.cache.use_slots(slots)
-        target_logits = self.target(input_ids, positions, self.cache, return_hidden=self.hands_hidden,
-                                    tree=tree)  # [B, k+1, V]
+        target_logits = self.target(ForwardBatch.of(input_ids, positions, slots, tree),
+                                    return_hidden=self.hands_hidden)  # [B, k+1, V]
         if self.hands_hidden:
             target_logits, target_hidden = target_logits  # and [B, k+1, H]
         t2 = time.perf_counter()
         output, num_accepted, path = self._verify(batch, sampling, draft, num_draft, target_logits)
         if path is not None:  # the accepted branch's entries into place, its features in order
-            self._keep_branch(tree.write_positions, path, num_accepted)
+            self._keep_branch(slots, tree.write_positions, path, num_accepted)
             if self.hands_hidden:
                 target_hidden = target_hidden.gather(1, path[:, :, None].expand(-1, -1, target_hidden.shape[-1]))
         t3 = time.perf_counter()
@@ -383,7 +381,8 @@ class Engine:
         B, T, V = target_logits.shape  # T = k + 1
         return warp(target_logits.reshape(B * T, V), sampling.repeat_rows(T)).view(B, T, V)
 
-    def _keep_branch(self, write_positions: torch.Tensor, path: torch.Tensor, num_accepted: torch.Tensor) -> None:
+    def _keep_branch(self, slots: list[int], write_positions: torch.Tensor, path: torch.Tensor,
+                     num_accepted: torch.Tensor) -> None:
         """Move the K/V entries of each row's accepted branch (verify columns path [B, k+1],
         root first) to the positions right after the root's, as a chain's would lie; the rest
         (rejected nodes) stay past the sequence's length, to be overwritten."""
@@ -391,7 +390,7 @@ class Engine:
         destinations = write_positions[:, 1:]  # [B, k]: root position + 1..k
         accepted = torch.arange(sources.shape[1], device=sources.device)[None, :] < num_accepted[:, None]  # [B, k]
         root = write_positions[:, :1]  # [B, 1]: a no-op pair pads the rest
-        self.cache.move(torch.where(accepted, sources, root), torch.where(accepted, destinations, root))
+        self.target.move(slots, torch.where(accepted, sources, root), torch.where(accepted, destinations, root))
 
     def _sampling_tensors(self, batch: list[Sequence]) -> SamplingTensors:
         """The batch's settings as tensors, rebuilt only when the batch changes."""

@@ -1,7 +1,9 @@
 """A preallocated key/value cache with one slot per sequence.
 
 Each sequence owns a slot (a row of the cache) for its whole life. A forward pass names the
-slots of the rows it runs (`use_slots`) and writes each token's K/V at the token's position.
+slots of its rows explicitly: it runs on `cache.rows(slots)`, the cache as those rows see it
+(the runner makes it; a model given the cache itself runs rows 0..B-1), and writes each
+token's K/V at the token's position.
 Nothing is ever copied or rolled back: when draft tokens are rejected, their entries stay
 at positions past the row's length, the causal mask (key position <= query position) hides
 them, and the next round writes over them.
@@ -34,48 +36,70 @@ class KVCache:
         self.keys = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
         self.values = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
         self.max_batch, self.max_len, self.static = max_batch, max_len, static
-        self.slots: torch.Tensor | None = None  # slot of each row of the next forward; None = rows 0..B-1
         self._arange = torch.arange(max_batch, device=device)  # [max_batch]: rows 0..B-1 without an op per layer
 
-    def use_slots(self, slots: torch.Tensor | list[int] | None) -> None:
-        """Route the rows of the following forward passes to these cache slots."""
-        if slots is not None:
-            slots = torch.as_tensor(slots, dtype=torch.long, device=self.keys[0].device)
-            if bool((slots < 0).any()) or bool((slots >= self.max_batch).any()):
-                raise ValueError(f"cache slots must be in [0, {self.max_batch}), got {slots.tolist()}")
-            if not self.static and torch.equal(slots, torch.arange(len(slots), device=slots.device)):
-                slots = None  # rows 0..B-1: plain slicing, no gather
-        self.slots = slots
+    def rows(self, slots: torch.Tensor | list[int]) -> "CacheRows":
+        """The cache as a forward whose row i reads and writes slot slots[i] sees it."""
+        slots = torch.as_tensor(slots, dtype=torch.long, device=self.keys[0].device)  # [B]
+        if bool((slots < 0).any()) or bool((slots >= self.max_batch).any()):
+            raise ValueError(f"cache slots must be in [0, {self.max_batch}), got {slots.tolist()}")
+        if not self.static and torch.equal(slots, self._arange[:len(slots)]):
+            return CacheRows(self, None)  # rows 0..B-1: plain slicing, no gather
+        return CacheRows(self, slots)
 
     def num_keys(self, positions: torch.Tensor) -> int:
         """How many cache positions (0..num_keys-1) a forward at positions [B, T] reads."""
         return self.max_len if self.static else int(positions.max()) + 1
 
+    def layer(self, layer: int, batch_size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        return CacheRows(self, None).layer(layer, batch_size)
+
     def write_and_read(self, layer: int, positions: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                        num_keys: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Store k, v [B, T, Hkv, D] at positions [B, T]; return this layer's keys and values
-        for the batch's slots at positions 0..num_keys-1: [B, num_keys, Hkv, D] each."""
+        return CacheRows(self, None).write_and_read(layer, positions, k, v, num_keys)
+
+    def move(self, slots: torch.Tensor | list[int], sources: torch.Tensor, destinations: torch.Tensor) -> None:
+        """In every layer, copy each row's entries at positions sources [B, M] to destinations
+        [B, M] (row i being slot slots[i]): what a tree's accepted branch needs to become the
+        sequence's next positions. All are read before any is written; destinations must be
+        distinct within a row (a no-op pair, source = destination, pads a short row)."""
+        rows = torch.as_tensor(slots, dtype=torch.long, device=self.keys[0].device)[:, None]  # [B, 1]
+        for keys, values in zip(self.keys, self.values):
+            keys[rows, destinations] = keys[rows, sources]  # [B, M] entries
+            values[rows, destinations] = values[rows, sources]
+
+
+class CacheRows:
+    """A KVCache as one forward sees it: its row i reads and writes slot slots[i] (slots None:
+    rows 0..B-1, as a KVCache given to a model directly). A model takes either where it takes a
+    cache."""
+
+    def __init__(self, cache: KVCache, slots: torch.Tensor | None):
+        self.cache, self.slots = cache, slots
+        self.static, self.max_len = cache.static, cache.max_len
+
+    def num_keys(self, positions: torch.Tensor) -> int:
+        return self.cache.num_keys(positions)
+
+    def layer(self, layer: int, batch_size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """This layer's keys and values [slots, positions, Hkv, D] and the slot of each of the
+        forward's batch_size rows [B]."""
+        rows = self.cache._arange[:batch_size] if self.slots is None else self.slots
+        return self.cache.keys[layer], self.cache.values[layer], rows
+
+    def write_and_read(self, layer: int, positions: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                       num_keys: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Store k, v [B, T, Hkv, D] at positions [B, T]; return this layer's keys and values for
+        the rows' slots at positions 0..num_keys-1: [B, num_keys, Hkv, D] each."""
         B = positions.shape[0]
         if num_keys > self.max_len:
             raise ValueError(f"position {num_keys - 1} is past the cache length {self.max_len}")
-        keys, values = self.keys[layer], self.values[layer]
-        rows = self._arange[:B] if self.slots is None else self.slots
+        keys, values, rows = self.layer(layer, B)
         keys[rows[:, None], positions] = k  # rows [B, 1] x positions [B, T] -> [B, T] entries
         values[rows[:, None], positions] = v
         if self.slots is None:
             return keys[:B, :num_keys], values[:B, :num_keys]
         return keys[self.slots, :num_keys], values[self.slots, :num_keys]
-
-    def move(self, sources: torch.Tensor, destinations: torch.Tensor) -> None:
-        """In every layer, copy each row's entries at positions sources [B, M] to destinations
-        [B, M] (of the current slots' rows): what a tree's accepted branch needs to become the
-        sequence's next positions. All are read before any is written; destinations must be
-        distinct within a row (a no-op pair, source = destination, pads a short row)."""
-        B = sources.shape[0]
-        rows = (self._arange[:B] if self.slots is None else self.slots)[:, None]  # [B, 1]
-        for keys, values in zip(self.keys, self.values):
-            keys[rows, destinations] = keys[rows, sources]  # [B, M] entries
-            values[rows, destinations] = values[rows, sources]
 
 
 @dataclass(frozen=True)
@@ -109,14 +133,14 @@ class TreeAttention:
         return (before | (region & in_tree[:, None, :]))[:, None]  # [B, 1, T, S]
 
 
-def ragged_batch(chunks: list[list[int]], starts: list[int], cache: KVCache
+def ragged_batch(chunks: list[list[int]], starts: list[int], max_len: int
                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Pack rows of different lengths for one forward: row i feeds chunks[i] at positions
     starts[i], starts[i]+1, ... Returns input_ids [B, W], positions [B, W] and the index of
     each row's last real token [B].
 
     Padding slots (token 0) take the positions after the row's own, clamped to the cache's
-    last position: past every row's length, so real queries never read what they write,
+    last position (max_len - 1): past every row's length, so real queries never read what they write,
     and the row's next real tokens overwrite it (the engine keeps the last position free).
     """
     width = max(len(chunk) for chunk in chunks)
@@ -124,7 +148,7 @@ def ragged_batch(chunks: list[list[int]], starts: list[int], cache: KVCache
     positions = torch.zeros(len(chunks), width, dtype=torch.long)
     for row, (chunk, start) in enumerate(zip(chunks, starts)):
         input_ids[row, :len(chunk)] = torch.tensor(chunk, dtype=torch.long)
-        positions[row] = torch.arange(start, start + width).clamp(max=cache.max_len - 1)
+        positions[row] = torch.arange(start, start + width).clamp(max=max_len - 1)
     last_index = torch.tensor([len(chunk) - 1 for chunk in chunks])
     return input_ids, positions, last_index
 

@@ -1,8 +1,11 @@
 """ModelRunner: how one model executes (dtype, device, compilation, weight layout, static shapes).
 
-The engine and the drafters call a runner where they would call the model: `forward`
-(logits at every position: a decode step is T = 1, a verify forward T = k + 1) and
-`last_token_logits` (a prefill, or a draft's catch-up). The runner knows nothing of drafts.
+The runner owns its model's key/value cache (made by `prepare`, sized for the work ahead).
+The engine and the drafters hand it a ForwardBatch (tokens, positions and the cache slot of
+each row, all explicit) where they would call the model: `forward` (logits at every position:
+a decode step is T = 1, a verify forward T = k + 1) and `feed` (rows of different lengths, the
+logits after each row's last token: a prefill, or a draft's catch-up). The runner knows nothing
+of drafts.
 
 Two ways to run:
   eager     the model's own forward. On the CPU in bfloat16 the linear layers run from
@@ -33,12 +36,13 @@ import logging
 import os
 import time
 import warnings
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 from specdec.config import COMPILE_MODES
-from specdec.kv_cache import KVCache, TreeAttention
+from specdec.kv_cache import KVCache, TreeAttention, ragged_batch
 from specdec.models.cpu_linear import can_pack, pack_large_linears_in_bf16, pack_linears
 from specdec.models.gguf_linear import runs_gguf_kernels
 from specdec.models.llama import LlamaModel
@@ -74,6 +78,29 @@ def check_compile_mode(compile: str) -> str:
     return compile
 
 
+@dataclass(frozen=True)
+class ForwardBatch:
+    """One forward's work: row i feeds input_ids[i] at positions[i] [B, T] and reads and writes
+    the cache slot slots[i] [B]. tree: a forward over a tree of tokens (kv_cache.TreeAttention:
+    where each token's K/V goes and what it reads), which runs eagerly."""
+
+    input_ids: torch.Tensor
+    positions: torch.Tensor
+    slots: torch.Tensor
+    tree: TreeAttention | None = None
+
+    def __post_init__(self):
+        if self.input_ids.shape != self.positions.shape or self.slots.shape != self.input_ids.shape[:1]:
+            raise ValueError(f"a forward batch needs input_ids and positions [B, T] and slots [B]; got "
+                             f"{tuple(self.input_ids.shape)}, {tuple(self.positions.shape)}, {tuple(self.slots.shape)}")
+
+    @classmethod
+    def of(cls, input_ids: torch.Tensor, positions: torch.Tensor, slots, tree: TreeAttention | None = None
+           ) -> "ForwardBatch":
+        """slots as a tensor on input_ids' device, from a list of ints or a tensor."""
+        return cls(input_ids, positions, torch.as_tensor(slots, dtype=torch.long, device=input_ids.device), tree)
+
+
 class ModelRunner:
     """Runs one model on platform (detected from its device if None).
     bf16_pack_min_bytes: in a float32 model run eagerly on a CPU with native bfloat16, the
@@ -106,6 +133,7 @@ class ModelRunner:
         self._eager_model: LlamaModel | None = None  # made on first eager use
         self._warm_shapes: set[tuple[int, int, int]] = set()  # (batch, queries, cache length) run compiled
         self.returns_hidden = False  # whether the work prepared for asks forwards for hidden states too
+        self.cache: KVCache | None = None  # made by prepare
 
     @property
     def device(self) -> torch.device:
@@ -121,37 +149,47 @@ class ModelRunner:
 
     # --- preparing a batch of work ---------------------------------------------------------
 
+    @property
+    def max_len(self) -> int:
+        """The positions each slot of the cache holds (after prepare)."""
+        return self.cache.max_len
+
     def prepare(self, max_batch: int, max_len: int, query_lengths: tuple[int, ...], num_forwards: int,
-                cache: KVCache | None = None, return_hidden: bool = False) -> KVCache:
-        """A cache for max_batch rows of up to max_len positions (cache, if it fits and suits the
-        way this work runs, is kept). If the work is to run compiled, compile (or load) and run
-        once the graphs for forwards of 1..max(query_lengths) tokens per row, bucketed up to
-        query_lengths, and log how long that took. return_hidden: the work's forwards will ask
-        for hidden states too (their graphs are the ones compiled)."""
+                return_hidden: bool = False) -> None:
+        """Make the cache for max_batch rows of up to max_len positions (the one held is kept if
+        it fits and suits the way this work runs). If the work is to run compiled, compile (or
+        load) and run once the graphs for forwards of 1..max(query_lengths) tokens per row,
+        bucketed up to query_lengths, and log how long that took. return_hidden: the work's
+        forwards will ask for hidden states too (their graphs are the ones compiled)."""
         if return_hidden != self.returns_hidden:
             self._warm_shapes.clear()
         self.returns_hidden = return_hidden
-        compiled = self._will_compile(num_forwards) or self._compiled_fits(cache, max_batch, max_len, query_lengths)
+        compiled = self._will_compile(num_forwards) or self._compiled_fits(max_batch, max_len, query_lengths)
         if not compiled:
             self.query_buckets = ()
-            return self._cache(cache, max_batch, max_len, static=False)
-        cache = self._cache(cache, _batch_bucket(max_batch) + 1, _length_bucket(max_len), static=True)  # + scratch
+            self.cache = self._cache(max_batch, max_len, static=False)
+            return
+        self.cache = self._cache(_batch_bucket(max_batch) + 1, _length_bucket(max_len), static=True)  # + scratch
         self.query_buckets = tuple(sorted(set(query_lengths)))
         with torch.inference_mode():  # as the engine runs: a graph warmed up with autograd on would recompile
-            self._warm_up(cache)
+            self._warm_up()
         if self._compiled is None:  # it fell back to eager: a cache sized to the work
-            return self._cache(None, max_batch, max_len, static=False)
-        return cache
+            self.cache = self._cache(max_batch, max_len, static=False, keep=False)
 
-    def _cache(self, cache: KVCache | None, num_slots: int, max_len: int, static: bool) -> KVCache:
-        """cache if it is of this kind and big enough, else a new one."""
-        if cache is not None and cache.static == static and cache.max_batch >= num_slots and cache.max_len >= max_len:
+    def _cache(self, num_slots: int, max_len: int, static: bool, keep: bool = True) -> KVCache:
+        """The cache held if it is of this kind and big enough (and keep), else a new one (the
+        old one freed first)."""
+        cache = self.cache
+        if keep and cache is not None and cache.static == static and cache.max_batch >= num_slots \
+                and cache.max_len >= max_len:
             return cache
+        self.cache = None
         return self.model.new_cache(num_slots, max_len, static=static)
 
-    def _compiled_fits(self, cache: KVCache | None, max_batch: int, max_len: int, query_lengths) -> bool:
+    def _compiled_fits(self, max_batch: int, max_len: int, query_lengths) -> bool:
         """Whether graphs already compiled run this work as they are (then "auto" uses them
         for short work too: nothing to pay)."""
+        cache = self.cache
         return (self._compiled is not None and cache is not None and cache.static
                 and cache.max_batch > max_batch and cache.max_len >= max_len
                 and set(query_lengths) <= set(self.query_buckets))
@@ -181,10 +219,11 @@ class ModelRunner:
             return torch.compile(self.model.forward, mode="reduce-overhead", dynamic=False, fullgraph=True)
         return torch.compile(self.model.forward, dynamic=False, fullgraph=True)
 
-    def _warm_up(self, cache: KVCache) -> None:
+    def _warm_up(self) -> None:
         """Compile (or fetch from the on-disk cache) every shape this work will run, checking
         each against eager on the scratch slot; under "auto", keep compiled only if it measures
         faster than eager."""
+        cache = self.cache
         shapes = [(cache.max_batch - 1, queries, cache.max_len) for queries in self.query_buckets]
         cold = [shape for shape in shapes if shape not in self._warm_shapes]
         if not cold:
@@ -193,39 +232,37 @@ class ModelRunner:
         self.model.rope_tables_for(cache.max_len)  # built before tracing: the graph only reads it
         for _, queries, _ in cold:
             with stage(f"{self.name}: compiling for {cold[0][0]} rows x {queries} tokens (cached for next time)"):
-                if not self._check_compiled(cache, queries):
+                if not self._check_compiled(queries):
                     return  # eager from now on
         seconds = time.perf_counter() - start
         self.compile_seconds += seconds
         log.info("%s: compiled for %d rows x %s tokens in %.1f s (cache: %s)", self.name, cold[0][0],
                  "/".join(str(q) for _, q, _ in cold), seconds, os.environ["TORCHINDUCTOR_CACHE_DIR"])
         if self.compile_mode == "auto":
-            self._keep_the_faster(cache)
+            self._keep_the_faster()
 
-    def _probe(self, cache: KVCache, queries: int):
-        """A full compiled batch on the scratch slot: input_ids, positions [rows, queries] and
-        slots [rows]. Every row is the same random tokens, so that all write the same keys and
-        values there."""
-        rows = cache.max_batch - 1
+    def _probe(self, queries: int) -> ForwardBatch:
+        """A full compiled batch on the scratch slot (every row the same random tokens, so that
+        all write the same keys and values there)."""
+        rows = scratch = self.cache.max_batch - 1
         g = torch.Generator().manual_seed(queries)
         input_ids = torch.randint(0, self.config.vocab_size, (1, queries), generator=g).to(self.device)
-        input_ids = input_ids.expand(rows, queries)
-        positions = torch.arange(queries, device=self.device).expand(rows, queries)
-        slots = torch.full((rows,), cache.max_batch - 1, device=self.device)
-        return input_ids, positions, slots
+        input_ids = input_ids.expand(rows, queries)  # [rows, queries]
+        positions = torch.arange(queries, device=self.device).expand(rows, queries)  # [rows, queries]
+        return ForwardBatch.of(input_ids, positions, [scratch] * rows)
 
-    def _check_compiled(self, cache: KVCache, queries: int) -> bool:
+    def _check_compiled(self, queries: int) -> bool:
         """Run the graph for `queries` tokens per row once (compiling it) and compare its logits
         with the plain model's on the same input (not the packed eager copy's: a draft's may
         round its output layer to bfloat16): a compiler bug must not change a result."""
-        input_ids, positions, slots = self._probe(cache, queries)
-        compiled = self.forward(input_ids, positions, cache, slots, return_hidden=self.returns_hidden)
+        probe = self._probe(queries)
+        compiled = self.forward(probe, return_hidden=self.returns_hidden)
         if self._compiled is None:  # compiling failed
             return False
         if self.returns_hidden:
             compiled = compiled[0]
-        with _using_slots(cache, slots):  # the model's own layers: the same weights the graph froze
-            eager = self.model(input_ids, positions, cache)
+        # the model's own layers: the same weights the graph froze
+        eager = self.model(probe.input_ids, probe.positions, self.cache.rows(probe.slots))
         error = _relative_error(compiled, eager)
         # quantized layers run in bf16 (int8, int4) or on int8 activations (GGUF): rounding flips
         exact_float32 = self.dtype == torch.float32 and self.quantization is None and not self._runs_gguf_kernels
@@ -234,107 +271,114 @@ class ModelRunner:
             return False
         return True
 
-    def _keep_the_faster(self, cache: KVCache) -> None:
+    def _keep_the_faster(self) -> None:
         """"auto": time the widest forward both ways (padded rows included); eager from now on
         if it is faster."""
-        rows, queries = cache.max_batch - 1, max(self.query_buckets)
-        input_ids, positions, slots = self._probe(cache, queries)
+        probe = self._probe(max(self.query_buckets))
         timings = {}
         for name, run in (("compiled", self.forward), ("eager", self._forward_eager)):
-            run(input_ids, positions, cache, slots, return_hidden=self.returns_hidden)
+            run(probe, return_hidden=self.returns_hidden)
             start = time.perf_counter()
             for _ in range(5):
-                run(input_ids, positions, cache, slots, return_hidden=self.returns_hidden)
+                run(probe, return_hidden=self.returns_hidden)
             timings[name] = (time.perf_counter() - start) / 5
-        log.info("%s: a forward of %d x %d tokens takes %.2f ms compiled, %.2f ms eager: runs %s", self.name, rows,
-                 queries, timings["compiled"] * 1e3, timings["eager"] * 1e3, min(timings, key=timings.get))
+        log.info("%s: a forward of %d x %d tokens takes %.2f ms compiled, %.2f ms eager: runs %s", self.name,
+                 *probe.input_ids.shape, timings["compiled"] * 1e3, timings["eager"] * 1e3,
+                 min(timings, key=timings.get))
         if timings["eager"] < timings["compiled"]:
             self._run_eagerly_from_now_on()
 
     # --- forwards ----------------------------------------------------------------------------
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, cache: KVCache,
-                slots: torch.Tensor | None = None, return_hidden: bool = False, tree: TreeAttention | None = None):
-        """input_ids, positions [B, T] -> logits [B, T, V] (float32), writing K/V into cache at
-        the rows' slots (slots [B], or cache's current ones). return_hidden: (logits, the final
-        normed hidden states [B, T, hidden]). tree: a forward over a tree of tokens
-        (kv_cache.TreeAttention), which runs eagerly: graphs are compiled for runs of tokens."""
-        if slots is not None:
-            with _using_slots(cache, slots):
-                return self.forward(input_ids, positions, cache, return_hidden=return_hidden, tree=tree)
-        bucket = self._query_bucket(input_ids.shape[1], cache)
-        if bucket is None or tree is not None:
-            return self.eager_model()(input_ids, positions, cache, return_hidden=return_hidden, tree=tree)
-        B, T = input_ids.shape
-        padded_ids, padded_positions, restore = self._pad(input_ids, positions, cache, bucket)
-        try:
-            outputs = self._run_compiled(padded_ids, padded_positions, cache, return_hidden)
-        finally:
-            cache.slots = restore
+    def forward(self, batch: ForwardBatch, return_hidden: bool = False):
+        """batch -> logits [B, T, V] (float32) at every position, each row's K/V written into its
+        slot. return_hidden: (logits, the final normed hidden states [B, T, hidden]). A tree's
+        forward runs eagerly: graphs are compiled for runs of tokens."""
+        bucket = self._query_bucket(batch.input_ids.shape[1])
+        if bucket is None or batch.tree is not None:
+            return self._forward_eager(batch, return_hidden)
+        B, T = batch.input_ids.shape
+        outputs = self._run_compiled(self._pad(batch, bucket), return_hidden)
         if outputs is None:  # compilation failed just now
-            return self.forward(input_ids, positions, cache, return_hidden=return_hidden)
+            return self._forward_eager(batch, return_hidden)
         if return_hidden:
             return outputs[0][:B, :T], outputs[1][:B, :T]  # [B, T, V], [B, T, hidden]
         return outputs[:B, :T]  # [B, T, V]
 
-    def _forward_eager(self, input_ids, positions, cache: KVCache, slots: torch.Tensor, return_hidden: bool = False):
-        with _using_slots(cache, slots):
-            return self.eager_model()(input_ids, positions, cache, return_hidden=return_hidden)
-
     __call__ = forward
 
-    def last_token_logits(self, input_ids: torch.Tensor, positions: torch.Tensor, cache: KVCache,
-                          last_index: torch.Tensor, return_hidden: bool = False):
+    def _forward_eager(self, batch: ForwardBatch, return_hidden: bool = False):
+        return self.eager_model()(batch.input_ids, batch.positions, self.cache.rows(batch.slots),
+                                  return_hidden=return_hidden, tree=batch.tree)
+
+    def last_token_logits(self, batch: ForwardBatch, last_index: torch.Tensor, return_hidden: bool = False):
         """Forward padded rows; logits after each row's last real token (last_index [B]): [B, V].
         return_hidden: (those logits, every position's hidden states [B, T, hidden])."""
-        if self._query_bucket(input_ids.shape[1], cache) is None:
-            return self.eager_model().last_token_logits(input_ids, positions, cache, last_index, return_hidden)
-        outputs = self.forward(input_ids, positions, cache, return_hidden=return_hidden)  # [B, T, V] (, hidden)
+        if self._query_bucket(batch.input_ids.shape[1]) is None:
+            return self.eager_model().last_token_logits(batch.input_ids, batch.positions, self.cache.rows(batch.slots),
+                                                        last_index, return_hidden)
+        outputs = self.forward(batch, return_hidden=return_hidden)  # [B, T, V] (, hidden)
         logits = outputs[0] if return_hidden else outputs
-        rows = torch.arange(input_ids.shape[0], device=logits.device)
+        rows = torch.arange(batch.input_ids.shape[0], device=logits.device)
         last_logits = logits[rows, last_index.to(logits.device)]
         return (last_logits, outputs[1]) if return_hidden else last_logits
 
-    def padded_queries(self, num_queries: int, cache: KVCache) -> int:
-        """The query length a forward of num_queries tokens per row runs at (what it costs)."""
-        return self._query_bucket(num_queries, cache) or num_queries
+    def feed(self, chunks: list[list[int]], starts: list[int], slots: list[int], return_hidden: bool = False):
+        """Rows of different lengths in one forward (a prefill): row i feeds chunks[i] from
+        position starts[i] into slot slots[i]. -> the logits after each row's last token [B, V]
+        (return_hidden: and every position's hidden states [B, W, hidden])."""
+        batch, last_index = self.ragged_batch(chunks, starts, slots)
+        return self.last_token_logits(batch, last_index, return_hidden)
 
-    def _query_bucket(self, num_queries: int, cache: KVCache) -> int | None:
+    def ragged_batch(self, chunks: list[list[int]], starts: list[int], slots: list[int]
+                     ) -> tuple[ForwardBatch, torch.Tensor]:
+        """The ForwardBatch of feed(chunks, starts, slots) and each row's last real index [B]."""
+        input_ids, positions, last_index = ragged_batch(chunks, starts, self.cache.max_len)  # [B, W], [B, W], [B]
+        return ForwardBatch.of(input_ids.to(self.device), positions.to(self.device), slots), last_index
+
+    def move(self, slots: list[int], sources: torch.Tensor, destinations: torch.Tensor) -> None:
+        """Copy each row's K/V entries at positions sources [B, M] to destinations [B, M] in the
+        slots [B] (kv_cache.KVCache.move: a tree's accepted branch into the sequence's next positions)."""
+        self.cache.move(slots, sources, destinations)
+
+    def padded_queries(self, num_queries: int) -> int:
+        """The query length a forward of num_queries tokens per row runs at (what it costs)."""
+        return self._query_bucket(num_queries) or num_queries
+
+    def _query_bucket(self, num_queries: int) -> int | None:
         """The compiled query length a forward of num_queries tokens runs at, or None (eager)."""
-        if self._compiled is None or not cache.static or not self.query_buckets:
+        if self._compiled is None or self.cache is None or not self.cache.static or not self.query_buckets:
             return None
         return next((bucket for bucket in self.query_buckets if bucket >= num_queries), None)
 
-    def _pad(self, input_ids, positions, cache: KVCache, num_queries: int):
-        """Pad [B, T] to the compiled shape [cache.max_batch - 1, num_queries]: extra columns
-        continue each row's positions (clamped to the cache's last one, which the engine keeps
-        free), extra rows feed token 0 into the scratch slot (the cache's last). Returns the
-        padded input_ids and positions, and the cache's slots to restore afterwards."""
+    def _pad(self, batch: ForwardBatch, num_queries: int) -> ForwardBatch:
+        """batch [B, T] padded to the compiled shape [cache.max_batch - 1, num_queries]: extra
+        columns continue each row's positions (clamped to the cache's last one, which the engine
+        keeps free), extra rows feed token 0 into the scratch slot (the cache's last)."""
+        input_ids, positions = batch.input_ids, batch.positions
         B, T = input_ids.shape
-        rows, scratch = cache.max_batch - 1, cache.max_batch - 1
-        restore = row_slots = cache.slots
-        if row_slots is None:
-            row_slots = torch.arange(B)
-        row_slots = torch.as_tensor(row_slots, dtype=torch.long, device=self.device)
+        max_batch, max_len = self.cache.max_batch, self.cache.max_len
+        rows = scratch = max_batch - 1
         extra = torch.arange(1, num_queries - T + 1, device=self.device)  # [T_pad - T]
-        positions = torch.cat([positions, (positions[:, -1:] + extra).clamp(max=cache.max_len - 1)], dim=1)
+        positions = torch.cat([positions, (positions[:, -1:] + extra).clamp(max=max_len - 1)], dim=1)
         input_ids = torch.nn.functional.pad(input_ids, (0, num_queries - T))  # [B, T_pad]
         pad_rows = rows - B
         input_ids = torch.cat([input_ids, input_ids.new_zeros(pad_rows, num_queries)])  # [rows, T_pad]
         scratch_positions = torch.arange(num_queries, device=self.device).expand(pad_rows, num_queries)
         positions = torch.cat([positions, scratch_positions])  # [rows, T_pad]
-        cache.slots = torch.cat([row_slots, row_slots.new_full((pad_rows,), scratch)])  # [rows]
-        return input_ids, positions, restore
+        slots = torch.cat([batch.slots, batch.slots.new_full((pad_rows,), scratch)])  # [rows]
+        return ForwardBatch(input_ids, positions, slots)
 
-    def _run_compiled(self, input_ids, positions, cache: KVCache, return_hidden: bool = False):
+    def _run_compiled(self, batch: ForwardBatch, return_hidden: bool = False):
         """The compiled forward's outputs; None (and eager from now on) if it cannot be compiled."""
         try:
             with self._inductor_config():
-                outputs = self._compiled(input_ids, positions, cache, return_hidden)
+                outputs = self._compiled(batch.input_ids, batch.positions, self.cache.rows(batch.slots),
+                                         return_hidden)
         except Exception as error:  # noqa: BLE001 - any failure to compile means: run eagerly
             self._fall_back(error)
             return None
-        self._warm_shapes.add((input_ids.shape[0], input_ids.shape[1], cache.max_len))
+        self._warm_shapes.add((batch.input_ids.shape[0], batch.input_ids.shape[1], self.cache.max_len))
         return outputs
 
     def _run_eagerly_from_now_on(self) -> None:
@@ -380,16 +424,6 @@ class ModelRunner:
         model = self.model if self.compile_mode == "off" else _sharing_copy(self.model)
         pack(model)
         return model
-
-
-@contextlib.contextmanager
-def _using_slots(cache: KVCache, slots: torch.Tensor):
-    """cache routed to slots [B] for the forwards inside, as it was afterwards."""
-    saved, cache.slots = cache.slots, slots
-    try:
-        yield
-    finally:
-        cache.slots = saved
 
 
 def _sharing_copy(model: LlamaModel) -> LlamaModel:

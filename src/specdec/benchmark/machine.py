@@ -73,26 +73,24 @@ def step_seconds(runner, repeats: int = 50, context: int = 64, num_tokens: int =
     """Median time of one forward of num_tokens tokens (1: a decode step; k + 1: a verify
     forward) after a context of `context` tokens, as runner (a ModelRunner, or a model to run
     eagerly) runs it for work of num_forwards forwards (which decides whether "auto" compiles)."""
-    from specdec.runner import ModelRunner
+    from specdec.runner import ForwardBatch, ModelRunner
 
     if not isinstance(runner, ModelRunner):
         runner = ModelRunner(runner, compile="off")
     device = runner.device
-    cache = runner.prepare(1, context + num_tokens + 16, (num_tokens,), num_forwards)
-    cache.use_slots([0])
+    runner.prepare(1, context + num_tokens + 16, (num_tokens,), num_forwards)
     ids = torch.randint(0, runner.config.vocab_size, (1, context), generator=torch.Generator().manual_seed(0))
     ids = ids.to(device)
+    step = ForwardBatch.of(ids[:, -num_tokens:], torch.arange(context, context + num_tokens, device=device)[None], [0])
     with torch.inference_mode():
-        runner(ids, torch.arange(context, device=device)[None], cache)
-        token = ids[:, -num_tokens:]  # [1, num_tokens]
-        position = torch.arange(context, context + num_tokens, device=device)[None]  # [1, num_tokens]
+        runner(ForwardBatch.of(ids, torch.arange(context, device=device)[None], [0]))  # the context
         for _ in range(5):
-            runner(token, position, cache)
+            runner(step)
         times = []
         for _ in range(repeats):
             _synchronize(device)
             start = time.perf_counter()
-            runner(token, position, cache)
+            runner(step)
             _synchronize(device)
             times.append(time.perf_counter() - start)
     return statistics.median(times)

@@ -9,6 +9,7 @@ token, after a full acceptance the last draft token and the bonus token.
 
 from __future__ import annotations
 
+import dataclasses
 import warnings
 from pathlib import Path
 
@@ -18,9 +19,9 @@ from specdec.config import SMALL_DRAFT_PARAMETERS, keeps_file_quantization, requ
 from specdec.drafters.base import Draft, Drafter
 from specdec.drafters.steps import DraftSteps
 from specdec.drafters.tree_growth import TreeGrowth
-from specdec.kv_cache import TreeAttention, ragged_batch
+from specdec.kv_cache import TreeAttention
 from specdec.models.loader import LoadedModel, ModelLoadError, load_pretrained, model_config_from_hf, read_config
-from specdec.runner import ModelRunner
+from specdec.runner import ForwardBatch, ModelRunner
 from specdec.sampling import SamplingTensors
 from specdec.sequence import Sequence
 from specdec.tree import TreeShape
@@ -38,7 +39,6 @@ class DraftModelDrafter(Drafter):
         self.runner = runner
         self.vocab_size = vocab_size  # the target's: draft logits are cut or padded to it
         self.confidence_threshold = confidence_threshold  # 0 = always draft k
-        self.cache = None
         # slot -> (n, drafts): the cache holds the sequence's first n tokens, then these drafts
         self.fed: dict[int, tuple[int, list[int]]] = {}
 
@@ -71,14 +71,15 @@ class DraftModelDrafter(Drafter):
         return cls(runner, target.model.config.vocab_size, spec.draft_confidence_threshold)
 
     def sharing_weights(self, confidence_threshold: float | None = None) -> "DraftModelDrafter":
-        """A drafter over the same draft model and runner, with a cache of its own (for
-        comparisons within one process); confidence_threshold None keeps this one's."""
+        """A drafter over the same draft model and runner (for comparisons within one process:
+        the two share the runner's cache, so they run one generate at a time, each preparing its
+        own); confidence_threshold None keeps this one's."""
         threshold = self.confidence_threshold if confidence_threshold is None else confidence_threshold
         return DraftModelDrafter(self.runner, self.vocab_size, threshold)
 
     def reserve(self, max_batch: int, max_len: int, num_forwards: int = 0) -> None:
         # each round feeds 1 or 2 tokens per row (catch-up), then one per draft step
-        self.cache = self.runner.prepare(max_batch, max_len, (1, 2), num_forwards, self.cache)
+        self.runner.prepare(max_batch, max_len, (1, 2), num_forwards)
         self.fed.clear()
 
     def release(self, seq: Sequence) -> None:
@@ -88,9 +89,8 @@ class DraftModelDrafter(Drafter):
         """One draft step of batch_size rows, at position 0 of slots 0..batch_size-1 (a new
         sequence's catch-up rewrites it: reserve() forgot what every slot held)."""
         device = self.model.device
-        self.cache.use_slots(list(range(batch_size)))
         input_ids = torch.zeros(batch_size, 1, dtype=torch.long, device=device)  # [B, 1]
-        self.runner(input_ids, torch.zeros_like(input_ids), self.cache)
+        self.runner(ForwardBatch.of(input_ids, torch.zeros_like(input_ids), range(batch_size)))
 
     def propose(self, batch: list[Sequence], ks: list[int], sampling: SamplingTensors) -> Draft:
         """Up to ks[i] draft tokens for row i, drawn as steps.py says (greedy, sampled, stopping
@@ -98,13 +98,13 @@ class DraftModelDrafter(Drafter):
         device = self.model.device
         if max(ks, default=0) == 0:
             return Draft.empty(len(batch), device)
-        self.cache.use_slots([seq.slot for seq in batch])
+        slots = [seq.slot for seq in batch]
         steps = DraftSteps(batch, ks, sampling, self.confidence_threshold, device)
         token = steps.draw(self._catch_up(batch))  # from each row's next-token logits [B, V]
         while steps.more:
             step = len(steps.tokens) - 1  # the step whose token is fed
             positions = torch.tensor([seq.num_tokens + step for seq in batch], device=device)[:, None]  # [B, 1]
-            token = steps.draw(self._logits(self.runner(token[:, None], positions, self.cache)[:, 0]))
+            token = steps.draw(self._logits(self.runner(ForwardBatch.of(token[:, None], positions, slots))[:, 0]))
         token_ids = steps.token_ids()  # [B, steps]
         for row, seq in enumerate(batch):  # the cache holds every draft token but the last
             self.fed[seq.slot] = (seq.num_tokens, token_ids[row, :token_ids.shape[1] - 1].tolist())
@@ -117,15 +117,15 @@ class DraftModelDrafter(Drafter):
         a node at depth d at RoPE position L-1+d, and forgotten afterwards (the next catch-up
         feeds the accepted ones again)."""
         device = self.model.device
-        self.cache.use_slots([seq.slot for seq in batch])
+        slots = [seq.slot for seq in batch]
         growth = TreeGrowth(batch, shape, budget, sampling, device)
         growth.start(self._catch_up(batch))
         lengths = torch.tensor([seq.num_tokens for seq in batch], device=device)  # [B]: L
         while (frontier := growth.frontier()) is not None:
             positions = (lengths - 1 + frontier.depth)[:, None].expand_as(frontier.tokens)  # [B, W]
             tree = TreeAttention(lengths[:, None] + frontier.fed, lengths, frontier.visible)
-            input_ids = self._in_draft_vocabulary(frontier.tokens)
-            growth.grow(frontier, self._logits(self.runner(input_ids, positions, self.cache, tree=tree)))  # [B, W, V]
+            forward = ForwardBatch.of(self._in_draft_vocabulary(frontier.tokens), positions, slots, tree)
+            growth.grow(frontier, self._logits(self.runner(forward)))  # [B, W, V]
         for seq in batch:
             self.fed[seq.slot] = (seq.num_tokens, [])
         return growth.draft()
@@ -155,11 +155,9 @@ class DraftModelDrafter(Drafter):
     def _feed(self, batch: list[Sequence], chunks: list[list[int]], starts: list[int]) -> torch.Tensor:
         """One forward over each row's chunk of tokens from its start position -> the draft's
         logits after each row's last token [B, V]."""
-        device = self.model.device
-        self.cache.use_slots([seq.slot for seq in batch])
-        input_ids, positions, last = ragged_batch(chunks, starts, self.cache)
-        input_ids = self._in_draft_vocabulary(input_ids.to(device))
-        return self._logits(self.runner.last_token_logits(input_ids, positions.to(device), self.cache, last))
+        forward, last_index = self.runner.ragged_batch(chunks, starts, [seq.slot for seq in batch])
+        forward = dataclasses.replace(forward, input_ids=self._in_draft_vocabulary(forward.input_ids))
+        return self._logits(self.runner.last_token_logits(forward, last_index))
 
     def _in_draft_vocabulary(self, input_ids: torch.Tensor) -> torch.Tensor:
         """A draft with a smaller embedding than the target's (a padded vocabulary: ids the shared

@@ -20,7 +20,7 @@ import torch
 from specdec.drafters.base import Draft, Drafter
 from specdec.drafters.steps import DraftSteps
 from specdec.drafters.tree_growth import TreeGrowth
-from specdec.kv_cache import TreeAttention, ragged_batch
+from specdec.kv_cache import CacheRows, TreeAttention, ragged_batch
 from specdec.models.cpu_linear import can_pack, pack_linears
 from specdec.models.eagle import EagleHead, load_head
 from specdec.models.loader import LoadedModel
@@ -90,23 +90,22 @@ class EagleDrafter(Drafter):
     def time_step(self, batch_size: int) -> None:
         """One drafting step of batch_size rows at position 0 of slots 0..batch_size-1."""
         device = self.head.device
-        self.cache.use_slots(list(range(batch_size)))
         tokens = torch.zeros(batch_size, 1, dtype=torch.long, device=device)  # [B, 1]
         features = torch.zeros(batch_size, 1, self.head.config.hidden_size, dtype=self.head.dtype, device=device)
-        self._step(tokens, features, torch.zeros_like(tokens))
+        self._step(tokens, features, torch.zeros_like(tokens), self.cache.rows(range(batch_size)))
 
     def propose(self, batch: list[Sequence], ks: list[int], sampling: SamplingTensors) -> Draft:
         device = self.head.device
         if max(ks, default=0) == 0:
             return Draft.empty(len(batch), device)
-        self.cache.use_slots([seq.slot for seq in batch])
+        cache = self.cache.rows([seq.slot for seq in batch])
         steps = DraftSteps(batch, ks, sampling, self.confidence_threshold, device)
-        feature, logits = self._catch_up(batch)  # f^_{L-1} [B, 1, H], its scores [B, V]
+        feature, logits = self._catch_up(batch, cache)  # f^_{L-1} [B, 1, H], its scores [B, V]
         token = steps.draw(logits)
         while steps.more:
             step = len(steps.tokens) - 1
             positions = torch.tensor([seq.num_tokens - 1 + step for seq in batch], device=device)[:, None]  # [B, 1]
-            feature, logits = self._step(token[:, None], feature, positions)
+            feature, logits = self._step(token[:, None], feature, positions, cache)
             token = steps.draw(logits[:, 0])
         return steps.draft()
 
@@ -117,9 +116,9 @@ class EagleDrafter(Drafter):
         the expanded nodes are written from position L-1 on, where the next catch-up writes
         the target's own features over them."""
         device, H = self.head.device, self.head.config.hidden_size
-        self.cache.use_slots([seq.slot for seq in batch])
+        cache = self.cache.rows([seq.slot for seq in batch])
         growth = TreeGrowth(batch, shape, budget, sampling, device)
-        root_feature, logits = self._catch_up(batch)  # f^_{L-1} [B, 1, H], its scores [B, V]
+        root_feature, logits = self._catch_up(batch, cache)  # f^_{L-1} [B, 1, H], its scores [B, V]
         growth.start(logits)
         features = root_feature  # [B, 1 + F, H]: the root's predicted feature, then each expanded node's
         starts = torch.tensor([seq.num_tokens - 1 for seq in batch], device=device)  # [B]: L-1
@@ -127,24 +126,24 @@ class EagleDrafter(Drafter):
             parent_features = features.gather(1, (frontier.parent_fed + 1)[:, :, None].expand(-1, -1, H))  # [B, W, H]
             positions = (starts - 1 + frontier.depth)[:, None].expand_as(frontier.tokens)  # [B, W]
             tree = TreeAttention(starts[:, None] + frontier.fed, starts, frontier.visible)
-            predicted = self.head(self.target.embed_tokens(frontier.tokens), parent_features, positions, self.cache,
+            predicted = self.head(self.target.embed_tokens(frontier.tokens), parent_features, positions, cache,
                                   tree=tree)  # [B, W, H]
             features = torch.cat([features, predicted], dim=1)
             growth.grow(frontier, self._logits(predicted))  # [B, W, V]
         return growth.draft()
 
-    def _catch_up(self, batch: list[Sequence]) -> tuple[torch.Tensor, torch.Tensor]:
+    def _catch_up(self, batch: list[Sequence], cache: CacheRows) -> tuple[torch.Tensor, torch.Tensor]:
         """Feed each row's waiting features with the tokens after them (entries start..L-2);
         the predicted feature after the last [B, 1, H] and its scores [B, V]."""
         device, H = self.head.device, self.head.config.hidden_size
         chunks = [self._waiting_entries(seq) for seq in batch]  # (start, features [n, H], tokens [n])
         tokens, positions, last = ragged_batch([t for _, _, t in chunks], [start for start, _, _ in chunks],
-                                               self.cache)  # [B, W], [B, W], [B]
+                                               cache.max_len)  # [B, W], [B, W], [B]
         tokens, positions, last = tokens.to(device), positions.to(device), last.to(device)
         features = torch.zeros(*tokens.shape, H, dtype=self.head.dtype, device=device)  # [B, W, H]
         for row, (_, row_features, _) in enumerate(chunks):
             features[row, :len(row_features)] = row_features
-        predicted = self.head(self.target.embed_tokens(tokens), features, positions, self.cache)  # [B, W, H]
+        predicted = self.head(self.target.embed_tokens(tokens), features, positions, cache)  # [B, W, H]
         feature = predicted[torch.arange(len(batch), device=device), last][:, None]  # [B, 1, H]
         for seq in batch:
             del self.waiting[seq.slot]
@@ -159,11 +158,11 @@ class EagleDrafter(Drafter):
                                  f"but the sequence holds {seq.num_tokens} tokens")
         return start, features, tokens
 
-    def _step(self, tokens: torch.Tensor, features: torch.Tensor, positions: torch.Tensor
+    def _step(self, tokens: torch.Tensor, features: torch.Tensor, positions: torch.Tensor, cache: CacheRows
               ) -> tuple[torch.Tensor, torch.Tensor]:
         """One drafting step: tokens [B, 1], features [B, 1, H] at positions [B, 1] -> the
         predicted features [B, 1, H] and their scores [B, 1, V]."""
-        predicted = self.head(self.target.embed_tokens(tokens), features, positions, self.cache)  # [B, 1, H]
+        predicted = self.head(self.target.embed_tokens(tokens), features, positions, cache)  # [B, 1, H]
         return predicted, self._logits(predicted)
 
     def _logits(self, predicted: torch.Tensor) -> torch.Tensor:

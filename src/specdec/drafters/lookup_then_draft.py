@@ -39,7 +39,7 @@ class LookupThenDraftDrafter(Drafter):
     @classmethod
     def sharing_weights(cls, draft_model: DraftModelDrafter) -> "LookupThenDraftDrafter":
         """Prompt lookup with this method's default n-gram lengths in front of draft_model's
-        weights, with a cache of its own."""
+        weights (and runner: see DraftModelDrafter.sharing_weights)."""
         return cls(NgramDrafter(DEFAULT_NGRAM_MIN["lookup_then_draft"], device=draft_model.model.device),
                    draft_model.sharing_weights())
 

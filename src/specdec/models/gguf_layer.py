@@ -34,10 +34,8 @@ class GGUFDecoderLayer(nn.Module):
                 and not torch.compiler.is_compiling()):
             if num_keys > cache.max_len:
                 raise ValueError(f"position {num_keys - 1} is past the cache length {cache.max_len}")
-            index = self.self_attn.layer_index
-            rows = cache.slots if cache.slots is not None else cache._arange[:x.shape[0]]
-            return self.plan.forward(x, cos, signed_sin, cache.keys[index], cache.values[index], rows, positions,
-                                     mask, num_keys)
+            keys, values, rows = cache.layer(self.self_attn.layer_index, x.shape[0])  # rows: each row's slot [B]
+            return self.plan.forward(x, cos, signed_sin, keys, values, rows, positions, mask, num_keys)
         x = x + self.self_attn(self.input_layernorm(x), cos, signed_sin, mask, positions, cache, num_keys)
         return x + self.mlp(self.post_attention_layernorm(x))
 

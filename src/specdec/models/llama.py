@@ -24,7 +24,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from specdec.kv_cache import KVCache, TreeAttention
+from specdec.kv_cache import CacheRows, KVCache, TreeAttention
 
 
 @dataclass(frozen=True)
@@ -140,7 +140,7 @@ class Attention(nn.Module):
         else:
             self.q_norm = self.k_norm = None
 
-    def forward(self, x, cos, signed_sin, mask, positions, cache: KVCache | None, num_keys: int) -> torch.Tensor:
+    def forward(self, x, cos, signed_sin, mask, positions, cache: KVCache | CacheRows | None, num_keys: int) -> torch.Tensor:
         """num_keys: the cache positions 0..num_keys-1 this forward reads (cache path only)."""
         B, T, _ = x.shape
         H, Hkv = self.num_heads, self.num_kv_heads
@@ -261,7 +261,7 @@ class DecoderStack(nn.Module):
         return KVCache(len(self.layers), max_batch, max_len, c.num_kv_heads, c.head_dim, self.dtype, self.device,
                        static)
 
-    def transform(self, x: torch.Tensor, positions: torch.Tensor, cache: KVCache | None,
+    def transform(self, x: torch.Tensor, positions: torch.Tensor, cache: KVCache | CacheRows | None,
                   tree: TreeAttention | None = None) -> torch.Tensor:
         """Input vectors x [B, T, hidden] at positions [B, T] -> final normed hidden states [B, T, hidden].
         tree (with a cache): where each token's K/V goes and what it reads, when that is not
@@ -325,7 +325,7 @@ class LlamaModel(DecoderStack):
         self._init_rope()
 
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, cache: KVCache | None,
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, cache: KVCache | CacheRows | None,
                 return_hidden: bool = False, tree: TreeAttention | None = None):
         """input_ids, positions [B, T] -> logits [B, T, V] (float32); with return_hidden, also
         the final normed hidden states [B, T, hidden]: (logits, hidden).
@@ -334,12 +334,12 @@ class LlamaModel(DecoderStack):
         hidden = self.hidden_states(input_ids, positions, cache, tree)
         return (self.logits(hidden), hidden) if return_hidden else self.logits(hidden)
 
-    def hidden_states(self, input_ids: torch.Tensor, positions: torch.Tensor, cache: KVCache | None,
+    def hidden_states(self, input_ids: torch.Tensor, positions: torch.Tensor, cache: KVCache | CacheRows | None,
                       tree: TreeAttention | None = None) -> torch.Tensor:
         """input_ids, positions [B, T] -> final normed hidden states [B, T, hidden]."""
         return self.transform(self.embed_tokens(input_ids), positions, cache, tree)  # embeddings [B, T, hidden]
 
-    def last_token_logits(self, input_ids: torch.Tensor, positions: torch.Tensor, cache: KVCache,
+    def last_token_logits(self, input_ids: torch.Tensor, positions: torch.Tensor, cache: KVCache | CacheRows,
                           last_index: torch.Tensor, return_hidden: bool = False):
         """Forward padded rows; logits after each row's last real token (index last_index [B]):
         [B, V]. The output head runs on those positions only. With return_hidden, also every
