@@ -73,3 +73,31 @@ def test_with_drafter_defaults_to_the_k_policy_llm_defaults_to(dirs):
     assert llm.speculative_config.k_policy == "goodput"
     assert (same_target.engine.policy is None) == (llm.engine.policy is None) is False
     assert llm.with_drafter(ngram, 3, "fixed").engine.policy is None
+
+
+def test_each_field_says_its_help_its_flag_and_the_keyword_llm_takes_it_by():
+    """One vocabulary: a field's metadata names it for each interface; LLM's flat keywords are the same names."""
+    from dataclasses import fields
+
+    from specdec.config import keyword
+    from specdec.llm import FLAT_NAMES
+
+    assert {f.name: keyword(SpeculativeConfig, f.name) for f in fields(SpeculativeConfig)} == FLAT_NAMES
+    for f in fields(SpeculativeConfig):
+        assert f.metadata["help"] and f.metadata["shown"] and f.metadata["flags"][-1].startswith("--"), f.name
+
+
+def test_a_refused_value_is_said_in_the_words_of_the_interface():
+    from specdec.config import ConfigError, Wording
+
+    with pytest.raises(ConfigError) as error:
+        SpeculativeConfig(method="ngram", tree="auto")
+    assert str(error.value) == ("speculative_tree='auto' needs a drafter that grows trees (draft_model, eagle, "
+                                "early_exit); speculative_method='ngram' drafts chains: drop speculative_tree")
+    assert error.value.fields == ("method", "tree") and isinstance(error.value, ValueError)
+    upper = Wording(lambda owner, name: name.upper(), lambda owner, name, value: f"{name.upper()}:{value}",
+                    lambda owner, name, text: f"{name.upper()}:{text}")
+    assert error.value.in_words(upper) == ("TREE:auto needs a drafter that grows trees (draft_model, eagle, "
+                                           "early_exit); METHOD:ngram drafts chains: drop TREE")
+    with pytest.raises(ConfigError, match=r"^top_p must be in \(0, 1\], got 2$"):
+        SamplingParams(top_p=2)
