@@ -1,15 +1,20 @@
-"""specdec's command line.
+"""specdec's command line. Every subcommand names its model first, positionally; the flags of
+speculation are SpeculativeConfig's fields, spelled the same in generate, serve and bench.
 
-    specdec generate --model DIR|FILE.gguf [--draft DIR [--lookup] | --ngram] [-k N] (--prompt TEXT | --chat TEXT)
-        [--compare]
+    specdec generate MODEL [--draft DIR [--lookup] | --ngram | --early-exit [LAYER]] [-k N]
+        (--prompt TEXT | --chat TEXT) [--compare]
+    specdec serve MODEL [--draft DIR | --ngram] [-k N] [--port 8000] [--api-key KEY]
+    specdec bench [MODEL --draft DIR] [--quick] [--device cuda] [--out DIR] [--write-docs]
     specdec train --corpus PATH --out DIR (--preset NAME | size flags)
-    specdec distill --target DIR --out DIR
+    specdec distill TARGET --out DIR
+    specdec train-heads TARGET --out DIR
     specdec chat-data --target DIR --out DIR
-    specdec bench [--quick] [--model DIR --draft DIR] [--device cuda] [--out DIR] [--write-docs]
     specdec convert FILE.gguf OUT_DIR [--dtype auto] [--force]
     specdec fetch smollm2
-    specdec serve MODEL [--draft DIR | --ngram] [-k N] [--port 8000] [--api-key KEY]
-"""
+
+(--model MODEL and distill's --target TARGET, the earlier spellings, are still taken.) A value
+SpeculativeConfig or SamplingParams refuses is said with the flag typed: `error: -k must be an
+integer >= 0, got -1`, where LLM(...) says `num_speculative_tokens must be ...`."""
 
 from __future__ import annotations
 
@@ -19,8 +24,8 @@ import sys
 import warnings
 from pathlib import Path
 
-from specdec.config import SamplingParams
-from specdec.model_flags import add_model_arguments, make_llm
+from specdec.config import ConfigError, SamplingParams
+from specdec.model_flags import add_model_argument, add_model_arguments, flag_words, make_llm, require_model
 
 SOURCE = Path(__file__).parent  # specdec's own source: its warnings are said in its words
 
@@ -38,6 +43,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="specdec", description="Exact speculative decoding for LLMs")
     parser.add_argument("--version", action="version", version=f"specdec {__version__}")
     commands = parser.add_subparsers(dest="command", required=True)
+    parser.commands = commands.choices  # name -> its parser (main says a ConfigError in its flags)
     add_generate_parser(commands)
     add_train_parser(commands)
     add_distill_parser(commands)
@@ -53,9 +59,16 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     show_log()
+    parser = args = None
     try:
-        args = build_parser().parse_args(argv)
+        parser = build_parser()
+        args = parser.parse_args(argv)
         return args.run(args)
+    except ConfigError as e:  # a value SpeculativeConfig or SamplingParams refuses: named by its flag
+        command = parser.commands.get(getattr(args, "command", None)) if parser is not None else None
+        words = flag_words(command, sys.argv[1:] if argv is None else argv) if command is not None else None
+        print(f"error: {e.in_words(words) if words else e}", file=sys.stderr)
+        return 2
     except (ValueError, OSError) as e:  # bad input, a path that cannot be read or written: one clear line
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -97,20 +110,22 @@ def _show_warning(message, category, filename, lineno, file=None, line=None) -> 
 
 def add_generate_parser(commands) -> None:
     p = commands.add_parser("generate", help="generate a completion, speculatively",
+                            usage="%(prog)s MODEL (--prompt TEXT | --chat MESSAGE) [options]",
                             description="Generate a completion with the target model, verified against "
                                         "a draft model's or prompt lookup's proposals.")
-    p.add_argument("--model", required=True, help="target model: a Hugging Face directory or a .gguf file")
+    add_model_argument(p)
     add_model_arguments(p)
     text = p.add_mutually_exclusive_group(required=True)
     text.add_argument("--prompt", help="the prompt text, as is")
     text.add_argument("--chat", metavar="MESSAGE", help="a user message, rendered with the model's chat template "
                                                         "(the reply is printed alone)")
-    p.add_argument("--max-tokens", type=int, default=128)
-    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
-    p.add_argument("--top-p", type=float, default=1.0)
-    p.add_argument("--top-k", type=int, default=-1)
-    p.add_argument("--min-p", type=float, default=0.0)
-    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--max-tokens", type=int, default=128, help="the most tokens to generate (default: 128)")
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default: 0)")
+    p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling's mass (default: 1)")
+    p.add_argument("--top-k", type=int, default=-1, help="sample among the K most likely tokens (default: -1, all)")
+    p.add_argument("--min-p", type=float, default=0.0,
+                   help="drop tokens less likely than P times the most likely one (default: 0)")
+    p.add_argument("--seed", type=int, default=None, help="the request's seed (default: none)")
     p.add_argument("--stop", action="append", default=[], type=unescape,
                    help=r"a stop string (repeatable); \n, \t and \\ stand for a newline, a tab and a backslash")
     p.add_argument("--compare", action="store_true",
@@ -138,6 +153,7 @@ def unescape(text: str) -> str:
 
 
 def run_generate(args) -> int:
+    require_model(args, "generate")
     params = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, min_p=args.min_p,
                             max_tokens=args.max_tokens, seed=args.seed, stop=tuple(args.stop))
     llm = make_llm(args)

@@ -1,13 +1,15 @@
 """The `specdec bench` subcommand (argparse, wired in by cli.py).
 
-    specdec bench [--model DIR --draft DIR] [--head DIR] [--tree SHAPE]... [--early-exit LAYER]
+    specdec bench [MODEL --draft DIR] [--head DIR] [--tree SHAPE]... [--early-exit [LAYER]]
                   [--device cpu|cuda] [--quick] [--out DIR]
-                  [--max-tokens N] [--ks 1,2,...] [--prompts N] [--no-transformers] [--write-docs]
-    specdec bench --llama-cpp [--model GGUF --draft GGUF] [--cpu-kinds native|avx2|both] ...  (llama_cpp.py)
+                  [--max-tokens N] [--ks 1,2,... | -k K] [--prompts N] [--no-transformers] [--write-docs]
+    specdec bench --llama-cpp [GGUF --draft GGUF] [--cpu-kinds native|avx2|both] ...  (llama_cpp.py)
 
-Without --model it benchmarks the shipped pair (models/code-target, models/code-draft), with the
+Without MODEL it benchmarks the shipped pair (models/code-target, models/code-draft), with the
 shipped EAGLE head (models/code-target-eagle), "auto" trees and early exit at half the depth.
-Progress goes to stderr, the Markdown report to stdout; files go under --out.
+Its speculative flags are SpeculativeConfig's, as generate's and serve's, each setting the rows
+it measures; those the bench varies itself (--speculative-method, --k-policy, --ngram-min,
+--ngram-max) are refused. Progress goes to stderr, the Markdown report to stdout; files go under --out.
 """
 
 from __future__ import annotations
@@ -18,16 +20,22 @@ import shlex
 import sys
 from pathlib import Path
 
-from specdec.config import COMPILE_HELP, COMPILE_MODES, QUANTIZATION_ARGS, QUANTIZATION_HELP, quantization_from_arg
+from specdec.config import (COMPILE_HELP, COMPILE_MODES, QUANTIZATION_ARGS, QUANTIZATION_HELP, SpeculativeConfig,
+                            quantization_from_arg)
+from specdec.model_flags import DEFAULT_EXIT, add_model_argument, add_speculative_arguments, flag, given_settings
 from specdec.paths import DOCS, ROOT, SHIPPED_DRAFT, SHIPPED_HEAD, SHIPPED_TARGET
 
 FULL = {"prompts": 8, "max_tokens": 128, "ks": (1, 2, 3, 4, 5, 6, 7, 8)}
 ADAPTIVE_CONFIDENCE = 0.5
 QUICK = {"prompts": 4, "max_tokens": 32, "ks": (1, 3, 5)}
+# SpeculativeConfig's fields the bench does not take: it measures each drafter, fixed k and goodput,
+# prompt lookup with its default n-grams
+VARIED = ("method", "k_policy", "ngram_min", "ngram_max")
 
 
 def add_bench_parser(commands) -> None:
     p = commands.add_parser("bench", help="benchmark speculative decoding against the target alone and transformers",
+                            usage="%(prog)s [MODEL [--draft DIR]] [options]",
                             description="Measure, in one run with the methods interleaved prompt by prompt: the "
                                         "target alone, the draft model at each k, prompt lookup, an EAGLE head, "
                                         "trees and early exit at k = 5, and transformers' "
@@ -35,34 +43,35 @@ def add_bench_parser(commands) -> None:
                                         "code prompts and on prompts that repeat code. Reports tokens/s, speedup, "
                                         "α, τ, acceptance by position, the cost ratio c, the predicted speedup, the "
                                         "memory-bandwidth roofline and a greedy exactness check.")
-    p.add_argument("--model", metavar="DIR",
-                   help=f"target model directory (default: the shipped pair, {_relative(SHIPPED_TARGET)})")
-    p.add_argument("--draft", metavar="DIR",
-                   help="draft model directory sharing the target's tokenizer (optional with --model; "
-                        f"default with no --model: {_relative(SHIPPED_DRAFT)})")
+    add_model_argument(p, help=f"the target's directory (default: the shipped pair, {_relative(SHIPPED_TARGET)}); "
+                               "with --llama-cpp a GGUF file or a model's name")
     p.add_argument("--head", metavar="DIR",
                    help="an EAGLE head for the target: rows for it at the comparison k (5), chain and trees "
-                        f"(default with no --model: {_relative(SHIPPED_HEAD)})")
-    p.add_argument("--tree", action="append", metavar="SHAPE",
-                   help="a tree shape ('auto', or children per depth like '3,2,1') for rows of the draft model and "
-                        "the head growing trees of k = 5 nodes; repeatable (default with no --model: auto)")
-    p.add_argument("--early-exit", type=int, metavar="LAYER",
-                   help="a row for early exit (the target's first LAYER layers drafting) at k = 5 (default with no "
-                        "--model: half the target's depth)")
+                        f"(default with no MODEL: {_relative(SHIPPED_HEAD)})")
+    speculation = p.add_argument_group("speculation (SpeculativeConfig; the same flags as generate's and serve's)")
+    add_speculative_arguments(
+        speculation, hidden=VARIED,
+        notes={"model": "in the bench: rows of it at each k, plain, adaptive, by goodput, behind prompt lookup",
+               "num_speculative_tokens": "in the bench: the one k of the speculative rows, as --ks K",
+               "draft_confidence_threshold": "in the bench: a row of the draft model with adaptive k at P, up to the "
+                                             "largest k (0: no such row)",
+               "early_exit_layer": "in the bench: a row for it at the comparison k (5)",
+               "tree": "in the bench: rows of the draft model and the head growing each shape, of 5 nodes; "
+                       "repeatable"},
+        shown={"model": f"{_relative(SHIPPED_DRAFT)} with no MODEL, else none",
+               "num_speculative_tokens": "--ks's",
+               "draft_confidence_threshold": f"{ADAPTIVE_CONFIDENCE} in the bench",
+               "draft_quantization": "none: as loaded, as auto for the bench's model directories",
+               "early_exit_layer": "half the target's depth with no MODEL, else no such row",
+               "tree": "auto with no MODEL, else none"},
+        options={"draft_confidence_threshold": {"default": ADAPTIVE_CONFIDENCE}, "draft_dtype": {"default": "auto"},
+                 "draft_quantization": {"default": "none"}, "tree": {"action": "append"}})
     p.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N (default cpu)")
     p.add_argument("--dtype", default="auto", help="auto (the checkpoint's), float32, bfloat16 or float16")
-    p.add_argument("--adaptive-confidence", type=float, default=ADAPTIVE_CONFIDENCE, metavar="P",
-                   help=f"add a row for the draft model with adaptive k (LLM's draft_confidence_threshold=P, up "
-                        f"to the largest k; default {ADAPTIVE_CONFIDENCE}, 0 = no such row)")
-    p.add_argument("--draft-dtype", default="auto",
-                   help="the draft's dtype: auto (float32 for a small draft on the CPU, else --dtype's), float32, "
-                        "bfloat16 or float16")
     p.add_argument("--compile", choices=COMPILE_MODES, default="auto", help=COMPILE_HELP)
     p.add_argument("--quantization", choices=QUANTIZATION_ARGS, default="none",
                    help=QUANTIZATION_HELP + "; a quantized target is also compared with the unquantized one "
                                             "(greedy agreement, perplexity, speed)")
-    p.add_argument("--draft-quantization", choices=QUANTIZATION_ARGS, default="none",
-                   help="the same for the draft model")
     p.add_argument("--quick", action="store_true",
                    help=f"a few minutes: {QUICK['prompts']} prompts per set, {QUICK['max_tokens']} tokens, "
                         f"k in {{{','.join(map(str, QUICK['ks']))}}}")
@@ -74,7 +83,7 @@ def add_bench_parser(commands) -> None:
     p.add_argument("--max-tokens", type=int, metavar="N",
                    help=f"new tokens per prompt (default {FULL['max_tokens']}, --quick {QUICK['max_tokens']})")
     p.add_argument("--ks", type=_int_list, metavar="K,K,...",
-                   help="comma-separated k values (default 1..8, --quick 1,3,5)")
+                   help="comma-separated k values of the speculative rows (default 1..8, --quick 1,3,5)")
     p.add_argument("--prompts", type=int, metavar="N",
                    help=f"prompts per set (default {FULL['prompts']}, --quick {QUICK['prompts']})")
     p.add_argument("--prompt-sets", type=_name_list, metavar="SET,SET",
@@ -106,6 +115,8 @@ def run_bench(args) -> int:
     if args.llama_cpp:
         from specdec.benchmark.llama_cpp import run_llama_cpp_bench
 
+        _check_speculative_flags(args, llama_cpp=True)
+        args.ks = _ks(args)
         return run_llama_cpp_bench(args)
     config = bench_config(args)
     with open_bench_output(args, config) as output:  # before the minutes of measuring, not after
@@ -126,21 +137,53 @@ def bench_config(args):
     a flag names its own."""
     from specdec.benchmark.run import BenchConfig
 
+    _check_speculative_flags(args)
     model, draft = resolve_pair(args.model, args.draft)
     shipped = args.model is None
     head = args.head if args.head is not None or not shipped else str(SHIPPED_HEAD)
     trees = tuple(args.tree) if args.tree else (("auto",) if shipped else ())
-    early_exit = args.early_exit if args.early_exit is not None or not shipped else _half_depth(model)
+    early_exit = args.early_exit if args.early_exit is not None or not shipped else DEFAULT_EXIT
+    if early_exit is DEFAULT_EXIT:
+        early_exit = _half_depth(model)
     sizes = QUICK if args.quick else FULL
     return BenchConfig(model=model, draft=draft, device=args.device, dtype=args.dtype, draft_dtype=args.draft_dtype,
                        compile=args.compile, quantization=quantization_from_arg(args.quantization),
                        draft_quantization=quantization_from_arg(args.draft_quantization),
-                       adaptive_confidence=args.adaptive_confidence,
-                       ks=_given_or(args.ks, sizes["ks"]), max_tokens=_given_or(args.max_tokens, sizes["max_tokens"]),
+                       adaptive_confidence=args.draft_confidence,
+                       ks=_given_or(_ks(args), sizes["ks"]), max_tokens=_given_or(args.max_tokens, sizes["max_tokens"]),
                        prompts_per_set=_given_or(args.prompts, sizes["prompts"]),
                        prompt_sets=args.prompt_sets or ("code", "repeat"),
                        with_transformers=not args.no_transformers, seed=args.seed, head=head, trees=trees,
                        early_exit_layer=early_exit)
+
+
+def _ks(args) -> tuple[int, ...] | None:
+    """--ks, or -k's one k (None: neither given)."""
+    if args.num_speculative_tokens is None:
+        return args.ks
+    if args.ks is not None:
+        raise ValueError(f"{flag('num_speculative_tokens')} K is --ks K: give one of them")
+    return (args.num_speculative_tokens,)
+
+
+def _check_speculative_flags(args, llama_cpp: bool = False) -> None:
+    """The speculative flags' values, checked by SpeculativeConfig as generate's are (before
+    anything loads); those the bench varies itself refused."""
+    varied = [flag(name) for name in given_settings(args, VARIED)]
+    if varied:
+        raise ValueError(f"the bench measures every drafter, at fixed k and by goodput, prompt lookup with its default "
+                         f"n-grams: {' and '.join(varied)} {'does' if len(varied) == 1 else 'do'} not apply to it "
+                         "(generate and serve take it)")
+    if llama_cpp and args.draft_confidence != ADAPTIVE_CONFIDENCE:
+        raise ValueError(f"--llama-cpp runs every system as LLM does by default on a GGUF file; "
+                         f"{flag('draft_confidence_threshold')} does not apply to it")
+    given = given_settings(args, ("num_speculative_tokens", "draft_dtype", "draft_confidence_threshold",
+                                  "draft_quantization"))
+    SpeculativeConfig(model=args.draft or "DRAFT", **given)
+    for shape in args.tree or ():
+        SpeculativeConfig(model="DRAFT", tree=shape)
+    if args.early_exit not in (None, DEFAULT_EXIT):
+        SpeculativeConfig(method="early_exit", early_exit_layer=args.early_exit)
 
 
 def _half_depth(model: str) -> int:
@@ -177,21 +220,28 @@ def resolve_pair(model: str | None, draft: str | None) -> tuple[str, str | None]
 
 def command_line(args) -> str:
     """The `specdec bench` command that reproduces this run (the flags given, written out)."""
-    words = ["specdec", "bench"]
-    for flag in ("model", "draft", "device", "dtype", "draft_dtype", "adaptive_confidence", "out", "max_tokens",
-                 "prompts", "seed", "head", "early_exit"):
-        value = getattr(args, flag)
+    words = ["specdec", "bench"] + ([args.model] if args.model is not None else [])
+    for name in ("draft", "device", "dtype", "draft_dtype", "draft_confidence", "out", "max_tokens", "prompts",
+                 "seed", "head"):
+        value = getattr(args, name)
         if value is not None:
-            words += ["--" + flag.replace("_", "-"), str(value)]
+            words += ["--" + name.replace("_", "-"), str(value)]
+    for name, default in (("compile", "auto"), ("quantization", "none"), ("draft_quantization", "none")):
+        if getattr(args, name) != default:
+            words += ["--" + name.replace("_", "-"), getattr(args, name)]
+    if args.num_speculative_tokens is not None:
+        words += [flag("num_speculative_tokens"), str(args.num_speculative_tokens)]
+    if args.early_exit is not None:
+        words += ["--early-exit"] + ([] if args.early_exit is DEFAULT_EXIT else [str(args.early_exit)])
     for shape in args.tree or ():
         words += ["--tree", shape]
     if args.ks:
         words += ["--ks", ",".join(map(str, args.ks))]
     if args.prompt_sets and args.prompt_sets != ("code", "repeat"):
         words += ["--prompt-sets", ",".join(args.prompt_sets)]
-    for flag in ("quick", "no_transformers", "write_docs"):
-        if getattr(args, flag):
-            words.append("--" + flag.replace("_", "-"))
+    for name in ("quick", "no_transformers", "write_docs"):
+        if getattr(args, name):
+            words.append("--" + name.replace("_", "-"))
     return " ".join(shlex.quote(word) for word in words)
 
 

