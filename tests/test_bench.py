@@ -10,6 +10,7 @@ import itertools
 import json
 import math
 import random
+import re
 import shutil
 import sys
 
@@ -232,10 +233,11 @@ def test_report_files(results, report):
     assert len(saved["rows"]) == len(results["rows"]) and saved["machine"]["cores"] >= 1
     assert {g["met"] for g in saved["goals"]} <= {True, False, None} and len(saved["goals"]) == 5
     text = report["markdown"].read_text()
-    for heading in ("Costs and roofline", "held-out code completion", "repeating code", "Greedy exactness",
-                    "Goals", "Where the time goes"):
+    for heading in ("Verdict: the goals", "Costs and roofline", "held-out code completion", "repeating code",
+                    "Greedy exactness", "Where the time goes"):
         assert heading in text
-    assert all(f"| {r['label']} |" in text for r in results["rows"])
+    assert all(re.search(rf"^\| {re.escape(r['label'])} +\|", text, re.MULTILINE) for r in results["rows"])
+    assert all(len(line) <= 100 for line in text.splitlines())
     for name in PLOTS:
         data = report[name].read_bytes()
         assert data.startswith(PNG_SIGNATURE) and len(data) > 1000
@@ -251,6 +253,192 @@ def test_write_docs(results, report, tmp_path):
     (tmp_path / "docs" / "benchmarks.md").write_text(page + "\n" + hand_written)
     rewritten = write_docs(results, report, tmp_path / "docs", "specdec bench --quick --seed 1").read_text()
     assert rewritten.startswith(page.replace("--quick", "--quick --seed 1", 1)) and rewritten.endswith(hand_written)
+
+
+# -- the printed report: 100 columns, units in the headers, the verdict first ------------------------
+
+LONG_DRAFTER = "specdec draft model distilled on-policy from the target with a very long name of its own k=8"
+LONG_MODEL = "Qwen2.5-Coder-32B-Instruct-abliterated-q4_k_m-imatrix-calibrated-on-the-stack-v2-2026-11"
+
+
+def long_results() -> dict:
+    """A results dict as run_benchmark gives, with realistic values and long names: every k up
+    to 8, every drafter (a tree of many levels, early exit at the default depth, a drafter with
+    a long name), long model names, a divergence, quantization quality and the notes."""
+    from specdec.benchmark.run import _method_notes
+
+    methods = ([TARGET_ALONE] + [Method("specdec", "draft_model", k) for k in range(1, 9)]
+               + [Method("specdec", "draft_model_adaptive", 8), Method("specdec", "draft_model_goodput", 8)]
+               + [Method("specdec", "ngram", k) for k in range(1, 9)]
+               + [Method("specdec", "lookup_then_draft", k) for k in range(1, 9)]
+               + [Method("specdec", "eagle", 5), Method("specdec", "eagle_tree", 5, "4,3,3,2,2,1,1,1,1,1"),
+                  Method("specdec", "draft_model_tree", 5, "auto"), Method("specdec", "early_exit", 5)]
+               + [TRANSFORMERS_PLAIN, Method("transformers", "draft_model", 5), Method("transformers", "ngram", 5)])
+    rows = []
+    for set_name in ("code", "repeat"):
+        for sampling in ("greedy", "sampled"):
+            for n, method in enumerate(methods + [Method("specdec", "draft_model_goodput", 8)]):
+                label = LONG_DRAFTER if n == len(methods) else method.label
+                speculative = method.engine == "specdec" and method.drafter != "none"
+                fixed_k = method.engine == "specdec" and method.drafter in ("draft_model", "ngram")
+                k = method.k
+                row = {"prompt_set": set_name, "sampling": sampling, "engine": method.engine,
+                       "method": method.drafter, "k": k, "label": label, "prompts": 8, "tokens": 1024,
+                       "seconds": 1024 / (12345.6 - 97 * n), "tokens_per_s": 12345.6 - 97 * n,
+                       "speedup": 10.25 - 0.1 * n, "decode_speedup": 11.5 - 0.1 * n if method.engine == "specdec"
+                       else None, "alpha": 0.812 if speculative else None, "tau": (4.23 if speculative else 1.0)
+                       if method.engine == "specdec" else None, "acceptance_by_position": [0.78, 0.63, 0.46, 0.39, 0.35, 0.32, 0.27, 0.23][:k]
+                       if speculative else None, "rounds_by_k": [5, 11, 20, 24, 55, 0, 3, 0, 31]
+                       if method.drafter == "draft_model_goodput" else None,
+                       "cost_ratio": 0.092 if fixed_k else None, "predicted_speedup": 12.63 if fixed_k else None,
+                       "predicted_with_verify_cost": 2.32 if fixed_k else None,
+                       "tokens_per_round": 4.2 if fixed_k else None, "predicted_from_tau": 2.5 if fixed_k else None,
+                       "cost_ratio_in_rounds": 10.137 if fixed_k else None,
+                       "predicted_in_rounds": 2.18 if fixed_k else None,
+                       "decode_tokens_per_s": 13456.7 if method.engine == "specdec" else None,
+                       "roofline_fraction": 0.48 if method.engine == "specdec" else None,
+                       "profile": {"rounds": 12345, "seconds": {"prefill": 0.4, "draft": 123.4, "target": 1234.5,
+                                                                "sampling": 12.3, "bookkeeping": 1.2, "other": 0.1}}
+                       if method.engine == "specdec" else None}
+                rows.append(row)
+    model = {"path": f"/home/someone/models/{LONG_MODEL}", "parameters": 32_763_876_352,
+             "dtype": "torch.bfloat16", "quantization": "q4_k_m"}
+    results = {
+        "machine": {"cpu": "AMD EPYC 9654 96-Core Processor", "cores": 192, "torch_threads": 192, "gpu": None,
+                    "torch": "2.13.0+cpu", "python": "3.11.7", "date": "2026-11-26 03:34 UTC"},
+        "config": {"ks": list(range(1, 9)), "transformers_k": 5, "max_tokens": 128, "device": "cpu",
+                   "samplings": [{"name": "greedy", "temperature": 0.0, "top_p": 1.0},
+                                 {"name": "sampled", "temperature": 0.8, "top_p": 0.95}]},
+        "models": {"target": model, "draft": {**model, "path": f"/models/{LONG_MODEL}-draft"}},
+        "prompt_sets": {"code": {"title": "held-out code completion", "prompts": ["a"] * 8},
+                        "repeat": {"title": "repeating code already in the prompt", "prompts": ["b"] * 8}},
+        "costs": {"target_step_ms": 1234.567, "draft_step_ms": 123.456, "cost_ratio": 0.1,
+                  "verify_cost_ratio": {str(k): 1.0 + k / 10 for k in range(1, 9)}},
+        "roofline": {"buffer_bytes": 1 << 30, "read_bandwidth_gb_per_s": 1234.5, "decode_weight_bytes": 19e9,
+                     "step_floor_ms": 15.39, "ceiling_tokens_per_s": 65.0},
+        "rows": rows,
+        "exactness": {"compared": 120, "identical": 119, "divergences": [
+            {"checked": LONG_DRAFTER, "reference": "specdec target alone", "prompt": "_pydecimal.py:_round_half_even",
+             "position": 117, "checked_tokens": [151643, 13, 262, 470, 1131, 7, 87, 1215],
+             "reference_tokens": [151643, 13, 262, 470, 1131, 7, 88, 1215]}]},
+        "quantization_quality": {"quantization": "q4_k_m", "prompts": 16, "greedy_identical": 11,
+                                 "greedy_agreement": 0.912, "perplexity": 3.456, "reference_perplexity": 3.401,
+                                 "perplexity_difference": 0.055, "tokens_per_s": 23.4, "reference_tokens_per_s": 9.8,
+                                 "speedup_over_reference": 2.39},
+        "notes": _method_notes(torch.bfloat16) + [f"A note naming {LONG_MODEL} and {LONG_DRAFTER}."],
+    }
+    results["goals"] = evaluate_goals(results)
+    return results
+
+
+def _long_llama_cpp_results() -> dict:
+    from test_llama_cpp import _results
+
+    results = _results("native", "avx2")
+    results["config"].update(model=f"/models/{LONG_MODEL}.gguf", draft=f"/models/{LONG_MODEL}-draft.gguf")
+    for kind in results["cpu_kinds"]:
+        kind["machine"]["cpu"] = "AMD EPYC 9654 96-Core Processor"
+        for row in kind["rows"]:
+            row["label"] += " (llama-speculative-simple --spec-type draft-simple, k=5)"
+    return results
+
+
+def _renderings():
+    from specdec.benchmark import report
+
+    results = long_results()
+    code = report._rows(results, "code", "greedy")
+    return {
+        "markdown": report.markdown(results),
+        "verdict and goals": report.verdict(results),
+        "speed": report.speed_table(code),
+        "formula": report.formula_table([r for r in code if r["engine"] == "specdec"
+                                         and r["method"] == "draft_model"]),
+        "acceptance": report.acceptance_table([r for r in code if r["engine"] == "specdec"]),
+        "costs": report.costs_table(results),
+        "quality": report.quality_table(results["quantization_quality"]),
+        "exactness": report.exactness_text(results["exactness"]),
+        "profile": report.profile_tables(results),
+        "llama.cpp": report.llama_cpp_markdown(_long_llama_cpp_results()),
+    }
+
+
+@pytest.mark.parametrize("name", ["markdown", "verdict and goals", "speed", "formula", "acceptance", "costs",
+                                  "quality", "exactness", "profile", "llama.cpp"])
+def test_every_table_fits_100_columns_with_long_names(name):
+    text = _renderings()[name]
+    too_wide = [line for line in text.splitlines() if len(line) > 100]
+    assert too_wide == [], "\n".join(too_wide)
+    assert ("|" in text) == (name != "exactness")  # a divergence is a line of its own
+
+
+def test_long_names_are_wrapped_not_cut():
+    """A label too long for its column goes on over continuation rows: all of its words are
+    there, in order, in the first column."""
+    text = _renderings()["speed"]
+    first_column = []
+    for line in text.splitlines():
+        if line.startswith("| ") and LONG_DRAFTER.split()[0] in " ".join(first_column + [line]):
+            first_column.append(line.split("|")[1].strip())
+    assert " ".join(first_column).endswith(LONG_DRAFTER) and len(first_column) >= 2
+
+
+def test_the_verdict_comes_first_and_the_headers_have_units():
+    text = _renderings()["markdown"]
+    lines = text.splitlines()
+    first_table = next(n for n, line in enumerate(lines) if line.startswith("|"))
+    assert lines[first_table].startswith("| goal ") and "verdict" in lines[first_table]  # the goals' table
+    assert lines.index("## Verdict: the goals, on held-out code prompts") < first_table
+    assert "goals met**" in "\n".join(lines[:first_table]) and "not measured" not in lines[2]
+    assert text.index("goals met") < text.index("## Costs and roofline") < text.index("## held-out code")
+    headers = [line for line in lines if line.startswith("|") and lines[lines.index(line) + 1].startswith("|-")]
+    for unit in ("tok/s", "x plain", "decode x plain", "ms/round", "draft ms", "roofline %", "prefill %", "unit"):
+        assert any(unit in header for header in headers), unit
+    llama = _renderings()["llama.cpp"]
+    assert llama.index("## Verdict: the fastest of each") < llama.index("|")
+    assert "x llama.cpp plain" in llama and "prompt tok/s" in llama and "7-token forward ms" in llama
+
+
+def test_a_table_too_wide_is_wrapped_then_split_with_its_first_column_in_each():
+    from specdec.benchmark.report import table
+
+    narrow = table(["method", "tok/s"], [["a", "1.0"], ["bb", "22.0"]])
+    assert narrow.splitlines() == ["| method | tok/s |", "|--------|------:|", "| a      |   1.0 |",
+                                   "| bb     |  22.0 |"]
+    headers = ["method"] + [f"measure {n} in its unit" for n in range(8)]
+    rows = [[f"method number {n} with a name of some length"] + [f"{n}.{m}" for m in range(8)] for n in range(3)]
+    text = table(headers, rows)
+    tables = text.split("\n\n")
+    assert len(tables) == 3 and all(t.startswith("| method ") for t in tables)  # 3 columns in each
+    assert all(len(line) <= 100 for line in text.splitlines())
+    for header in headers[1:]:
+        assert sum(header in t for t in tables) == 1  # each column once
+    for n, row in enumerate(rows):
+        assert all(f" {cell} |" in text for cell in row[1:])
+    assert len({len(line) for line in tables[0].splitlines()}) == 1  # padded into columns
+
+
+@pytest.mark.parametrize("name", PLOTS)
+def test_the_plots_legend_covers_no_data(name):
+    """One legend for all panels, outside every panel, inside the figure."""
+    import matplotlib.pyplot as plt
+
+    from specdec.benchmark.report import plot_figure
+
+    figure = plot_figure(long_results(), name)
+    try:
+        figure.canvas.draw()
+        assert all(axes.get_legend() is None for axes in figure.axes)
+        if name == "tokens_per_second.png":  # bars, no legend
+            assert figure.legends == []
+            return
+        [legend] = figure.legends
+        box = legend.get_window_extent()
+        assert not any(box.overlaps(axes.get_window_extent()) for axes in figure.axes)
+        assert figure.bbox.x0 <= box.x0 and box.x1 <= figure.bbox.x1 and figure.bbox.y0 <= box.y0
+        assert len(legend.get_texts()) >= 7  # every drafter's line
+    finally:
+        plt.close(figure)
 
 
 def goal_rows(greedy: float, sampled: float, theirs: float, decode: float, predicted: float) -> list[dict]:

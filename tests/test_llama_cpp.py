@@ -423,15 +423,35 @@ def _results(*kinds: str) -> dict:
             "cpu_kinds": [_kind(kind) for kind in kinds]}
 
 
-def test_the_markdown_has_a_table_per_cpu_kind_and_prompt_set():
+def table_rows(text: str) -> dict[str, list[str]]:
+    """The rows of the Markdown tables in text by their first cell, each row's cells after it in
+    the order of the tables (a table too wide for the terminal is printed as several)."""
+    rows = {}
+    for line in text.splitlines():
+        cells = [cell.strip() for cell in line.strip("|").split("|")]
+        if line.startswith("|") and not set(line) <= set("|-: "):
+            rows.setdefault(cells[0], []).extend(cells[1:])
+    return rows
+
+
+def test_the_markdown_has_the_verdict_then_a_table_per_cpu_kind_and_prompt_set():
     text = llama_cpp_markdown(_results("native", "avx2"))
     assert text.startswith("# Against llama.cpp")
     assert "## AMD EPYC, AVX512 (as it is)" in text and "## AMD EPYC, AVX2 (held to AVX2)" in text
-    assert "| specdec ngram | 30.0 | 1.50x | 90.0 | 33.0 | 0.71 | 2.50 | 256 | 2 of 2 |" in text
-    assert "| llama.cpp plain | 20.0 | 1.00x | 90.0 | 22.0 | – | – | 256 | 2 of 2 |" in text
-    assert "90.00 ms | 30.00 ms | 3.00 |" in text and "- a note" in text
-    assert "load average was 3.5 before the timed runs and 1.2 after them, on 2 cores" in text
-    assert "Fastest of each: specdec ngram, 30.0 tokens/s, against llama.cpp plain, 20.0: **1.50x**." in text
+    verdict = text[text.index("## Verdict"):text.index("|")]  # before every table
+    fastest = ("specdec's fastest, specdec ngram, 30.0 tok/s, against llama.cpp's fastest, llama.cpp plain, 20.0 "
+               "tok/s: **1.50x**.")
+    for kind in ("AVX512 (as it is)", "AVX2 (held to AVX2)"):
+        assert f"AMD EPYC, {kind}, edit prompts: {fastest}" in " ".join(verdict.split())
+    rows = table_rows(text)
+    assert rows["system"] == ["tok/s", "x llama.cpp plain", "prompt tok/s", "decode tok/s", "accepted ÷ drafted", "τ",
+                              "tokens", "same text"] * 2  # for each CPU kind
+    assert rows["specdec ngram"] == ["30.0", "1.50x", "90.0", "33.0", "0.71", "2.50", "256", "2 of 2"] * 2
+    assert rows["llama.cpp plain"] == ["20.0", "1.00x", "90.0", "22.0", "–", "–", "256", "2 of 2"] * 2
+    assert rows["engine"] == ["7-token forward ms", "1-token step ms", "verify ÷ step"] * 2
+    assert rows["llama.cpp"] == ["90.00", "30.00", "3.00"] * 2 and "- a note" in text
+    assert "load average was 3.5 before the timed runs and 1.2 after them, on 2 cores" in " ".join(text.split())
+    assert all(len(line) <= 100 for line in text.splitlines())
 
 
 def test_write_docs_places_the_section_after_the_kept_marker_and_replaces_it_later(tmp_path):

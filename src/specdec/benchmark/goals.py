@@ -6,7 +6,8 @@ lookup: speculative_method "lookup_then_draft"; the best of either, each reporte
   specdec speculative >= 2x transformers' assisted generation (same pair, prompts and k)
   measured speedup within 15% of the formula's prediction (c as paid in the rounds)
 Each goal says whether it was met and by how much it was missed; a goal that could not be
-measured (no draft, no transformers) says so, with met = None.
+measured (no draft, no transformers) says so, with met = None. Each has a short name and the
+unit of its bar and measure, for the report's table ("x plain", "x transformers", "% off").
 """
 
 from __future__ import annotations
@@ -32,27 +33,30 @@ def _speedup_goal(rows: list[dict], sampling: str, bar: float) -> dict:
     """Judged on the best row that drafts with the draft model, alone or behind prompt lookup;
     the detail gives the best of each."""
     goal = f"{sampling} speculative with the draft model >= {bar}x the tokens/s of the target alone"
+    name, unit = f"{sampling} speedup, draft model", "x plain"
     bests = []
     for method in DRAFT_MODEL_METHODS:
         candidates = _draft_rows(rows, "specdec", sampling, method)
         if candidates:
             bests.append(max(candidates, key=lambda r: r["speedup"]))
     if not bests:
-        return _unmeasured(goal, bar, f"no {sampling} draft-model rows (no --draft, or sampling not run)")
+        return _unmeasured(goal, bar, f"no {sampling} draft-model rows (no --draft, or sampling not run)", name, unit)
     best = max(bests, key=lambda r: r["speedup"])
     detail = "; ".join(f"best {r['label'].removeprefix('specdec ')}: {r['speedup']:.2f}x" for r in bests)
-    return _judged(goal, bar, best["speedup"], detail)
+    return _judged(goal, bar, best["speedup"], detail, name, unit)
 
 
 def _transformers_goal(rows: list[dict], sampling: str, k: int) -> dict:
     bar = VS_TRANSFORMERS
     goal = f"{sampling} specdec speculative >= {bar}x the tokens/s of transformers' assisted generation (k={k})"
+    name, unit = f"{sampling} against transformers, k={k}", "x transformers"
     ours = [r for r in _draft_rows(rows, "specdec", sampling) if r["k"] == k]
     theirs = _draft_rows(rows, "transformers", sampling)
     if not ours or not theirs:
-        return _unmeasured(goal, bar, f"needs a draft model, transformers, and k={k} among --ks")
+        return _unmeasured(goal, bar, f"needs a draft model, transformers, and k={k} among --ks", name, unit)
     ratio = ours[0]["tokens_per_s"] / theirs[0]["tokens_per_s"]
-    return _judged(goal, bar, ratio, f"{ours[0]['tokens_per_s']:.1f} vs {theirs[0]['tokens_per_s']:.1f} tokens/s")
+    return _judged(goal, bar, ratio, f"{ours[0]['tokens_per_s']:.1f} vs {theirs[0]['tokens_per_s']:.1f} tokens/s",
+                   name, unit)
 
 
 def _prediction_goal(rows: list[dict]) -> dict:
@@ -60,9 +64,10 @@ def _prediction_goal(rows: list[dict]) -> dict:
     gives the error with the isolated step's c and with the measured τ."""
     goal = (f"measured speedup after the prefill within {PREDICTION_TOLERANCE:.0%} of the formula's prediction, "
             "c measured in the rounds (draft model, every k; measured: the largest relative error)")
+    goal_name, unit = "decode speedup as predicted", "% off"
     judged = [r for r in _draft_rows(rows, "specdec", None) if r.get("predicted_in_rounds") and r["decode_speedup"]]
     if not judged:
-        return _unmeasured(goal, PREDICTION_TOLERANCE, "no draft-model rows with a prediction")
+        return _unmeasured(goal, PREDICTION_TOLERANCE, "no draft-model rows with a prediction", goal_name, unit)
     errors = [abs(r["decode_speedup"] / r["predicted_in_rounds"] - 1) for r in judged]
     error, worst = max(zip(errors, judged), key=lambda pair: pair[0])
     within = sum(e <= PREDICTION_TOLERANCE for e in errors)
@@ -75,7 +80,8 @@ def _prediction_goal(rows: list[dict]) -> dict:
         others = [abs(r["decode_speedup"] / r[key] - 1) for r in judged if r.get(key)]
         if others:
             detail += f"; {name}: worst {max(others):.0%} off"
-    return {"goal": goal, "bar": PREDICTION_TOLERANCE, "measured": error, "met": met, "detail": detail}
+    return {"goal": goal, "name": goal_name, "unit": unit, "bar": PREDICTION_TOLERANCE, "measured": error, "met": met,
+            "detail": detail}
 
 
 def _draft_rows(rows: list[dict], engine: str, sampling: str | None, method: str = "draft_model") -> list[dict]:
@@ -83,12 +89,13 @@ def _draft_rows(rows: list[dict], engine: str, sampling: str | None, method: str
             and (sampling is None or r["sampling"] == sampling)]
 
 
-def _judged(goal: str, bar: float, measured: float, detail: str) -> dict:
+def _judged(goal: str, bar: float, measured: float, detail: str, name: str, unit: str) -> dict:
     met = measured >= bar
     if not met:
         detail += f"; missed by {bar - measured:.2f}x ({1 - measured / bar:.0%} short)"
-    return {"goal": goal, "bar": bar, "measured": measured, "met": met, "detail": detail}
+    return {"goal": goal, "name": name, "unit": unit, "bar": bar, "measured": measured, "met": met, "detail": detail}
 
 
-def _unmeasured(goal: str, bar: float, why: str) -> dict:
-    return {"goal": goal, "bar": bar, "measured": None, "met": None, "detail": f"not measured: {why}"}
+def _unmeasured(goal: str, bar: float, why: str, name: str, unit: str) -> dict:
+    return {"goal": goal, "name": name, "unit": unit, "bar": bar, "measured": None, "met": None,
+            "detail": f"not measured: {why}"}

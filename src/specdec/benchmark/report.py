@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import math
 import shutil
+import textwrap
 from pathlib import Path
 
 from specdec.metrics import rounds_by_k_text
@@ -52,128 +53,299 @@ def write_docs(results: dict, plots: dict[str, Path], docs_dir: str | Path, comm
 
 
 # -- Markdown ------------------------------------------------------------------------------
+#
+# The report is Markdown that reads as plain text too (specdec bench prints it): every line fits
+# WIDTH columns, tables are padded into columns with their units in the headers, and the verdict
+# (the goals met or missed) comes before the tables it rests on.
+
+WIDTH = 100  # the columns of the terminal the printed report fits
+
 
 def markdown(results: dict, title_level: int = 1) -> str:
     h = "#" * title_level
-    sections = [f"{h} specdec bench\n\n{_machine_line(results)}\n\n{_setup_line(results)}\n",
-                f"{h}# Costs and roofline\n\n{costs_table(results)}\n\n{TABLE_LEGEND}\n"]
+    sections = [f"{h} specdec bench\n",
+                f"{h}# Verdict: the goals, on held-out code prompts\n\n{verdict(results)}\n",
+                f"{_wrap(_machine_line(results))}\n\n{_wrap(_setup_line(results))}\n",
+                f"{h}# Costs and roofline\n\n{costs_table(results)}\n\n{_wrap(TABLE_LEGEND)}\n"]
     for set_name, prompt_set in results["prompt_sets"].items():
         for sampling in results["config"]["samplings"]:
             title = f"{h}# {prompt_set['title']} ({set_name}), {_sampling_words(sampling)}"
-            sections.append(f"{title}\n\n{method_table(results, set_name, sampling['name'])}\n")
+            sections.append(f"{title}\n\n{method_tables(results, set_name, sampling['name'])}\n")
     if results.get("quantization_quality"):
         sections.append(f"{h}# What quantization costs\n\n{quality_table(results['quantization_quality'])}\n")
     sections += [f"{h}# Greedy exactness\n\n{exactness_text(results['exactness'])}\n",
-                 f"{h}# Goals (held-out code prompts)\n\n{goals_table(results['goals'])}\n",
-                 f"{h}# Where the time goes\n\n{profile_table(results)}\n"]
+                 f"{h}# Where the time goes\n\n{profile_tables(results)}\n"]
     if results["notes"]:
-        sections.append(f"{h}# Notes\n\n" + "\n".join(f"- {note}" for note in results["notes"]) + "\n")
+        sections.append(f"{h}# Notes\n\n" + "\n".join(_bullet(note) for note in results["notes"]) + "\n")
     return "\n".join(sections)
 
 
 TABLE_LEGEND = (
-    "Speedup: tokens/s over the target alone's, prefill included; decode speedup: after the prefill, "
-    "what the formula predicts. Predicted: (1 − α^(k+1)) / ((1 − α)(k·c + 1)), with c in rounds (the "
-    "drafter's time per draft step inside the rounds, catch-up and bookkeeping included, ÷ the target "
-    "alone's time per forward in its own decoding) or the isolated c (one draft step ÷ one target step, "
-    "each timed alone, back to back). Predicted from τ: the measured tokens per round ÷ (k·c + 1), "
-    "isolated c; with verify cost: the verify forward's measured cost v_k in place of the formula's 1.")
+    "x plain: times the tokens/s of the specdec target alone (plain decoding) on the same prompts and "
+    "sampling, prefill included; decode x plain: the same after the prefill, what the formula predicts. "
+    "Predicted: (1 − α^(k+1)) / ((1 − α)(k·c + 1)), with c in rounds (the drafter's time per draft step "
+    "inside the rounds, catch-up and bookkeeping included, ÷ the target alone's time per forward in its own "
+    "decoding) or the isolated c (one draft step ÷ one target step, each timed alone, back to back). "
+    "Predicted from τ: the measured tokens per round ÷ (k·c + 1), isolated c; with v_k: the verify "
+    "forward's measured cost v_k in place of the formula's 1. α: accepted ÷ judged draft tokens; τ: tokens "
+    "per target forward.")
 
 
-def method_table(results: dict, set_name: str, sampling: str) -> str:
-    lines = ["| method | tokens/s | speedup | decode speedup | predicted (c in rounds) | predicted (isolated c) "
-             "| predicted from τ | predicted with verify cost | α | τ | c in rounds | isolated c "
-             "| acceptance by position | of roofline |",
-             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|---:|"]
-    for r in _rows(results, set_name, sampling):
-        by_position = " ".join(_number(a, 2) for a in r["acceptance_by_position"] or [])
-        label = r["label"]
-        if r.get("rounds_by_k"):  # goodput: how many rounds took each k
-            label += f" (rounds by k: {rounds_by_k_text(r['rounds_by_k'])})"
-        lines.append(f"| {label} | {_number(r['tokens_per_s'], 1)} | {_times(r['speedup'])} | "
-                     f"{_times(r['decode_speedup'])} | {_times(r.get('predicted_in_rounds'))} | "
-                     f"{_times(r['predicted_speedup'])} | "
-                     f"{_times(r['predicted_from_tau'])} | {_times(r.get('predicted_with_verify_cost'))} | "
-                     f"{_number(r['alpha'], 3)} | {_number(r['tau'], 2)} | "
-                     f"{_number(r.get('cost_ratio_in_rounds'), 3)} | "
-                     f"{_number(r['cost_ratio'], 3)} | {by_position} | {_number(r['roofline_fraction'], 2)} |")
-    return "\n".join(lines)
+def verdict(results: dict) -> str:
+    """How many goals were met, missed or not measured, and the greedy exactness, in a sentence;
+    the goals' table; what each goal is and how it was judged."""
+    goals, exactness = results["goals"], results["exactness"]
+    counts = [sum(g["met"] is value for g in goals) for value in (True, False, None)]
+    words = [f"**{counts[0]} of {len(goals)} goals met**", f"{counts[1]} missed"]
+    if counts[2]:
+        words.append(f"{counts[2]} not measured")
+    line = (", ".join(words) + f"; greedy outputs identical in {exactness['identical']} of "
+            f"{exactness['compared']} comparisons.")
+    details = "\n".join(_bullet(f"{_goal_name(g)}: {g['goal']}. {g['detail']}.") for g in goals)
+    return f"{_wrap(line)}\n\n{goals_table(goals)}\n\n{details}"
+
+
+def goals_table(goals: list[dict]) -> str:
+    rows = [[_goal_name(g), _goal_value(g, g["bar"], bar=True), _goal_value(g, g["measured"]),
+             {True: "met", False: "**missed**", None: "not measured"}[g["met"]]] for g in goals]
+    return table(["goal", "bar", "measured", "verdict"], rows, left=(0, 3))
+
+
+def _goal_name(goal: dict) -> str:
+    return goal.get("name") or goal["goal"]  # results.json written before goals had names
+
+
+def _goal_value(goal: dict, value, bar: bool = False) -> str:
+    if value is None:
+        return "–"
+    unit = goal.get("unit")
+    if unit == "% off":
+        return f"{'≤ ' if bar else ''}{value:.0%} off"
+    return f"{'≥ ' if bar else ''}{value:.2f}{unit or 'x'}"  # unit: "x plain", "x transformers"
+
+
+def method_tables(results: dict, set_name: str, sampling: str) -> str:
+    """A prompt set's tables at one sampling setting: every method's speed; the draft model's and
+    prompt lookup's decode speedup at each k against the formula; acceptance by position."""
+    rows = _rows(results, set_name, sampling)
+    parts = [speed_table(rows)]
+    goodput = [r for r in rows if r.get("rounds_by_k")]
+    if goodput:
+        parts.append("\n".join(_bullet(f"Rounds by k, {r['label']}: {rounds_by_k_text(r['rounds_by_k'])}.")
+                               for r in goodput))
+    for method, name in (("draft_model", "draft model"), ("ngram", "prompt lookup")):
+        swept = [r for r in rows if r["engine"] == "specdec" and r["method"] == method and r["cost_ratio"] is not None]
+        if swept:
+            parts.append(f"specdec {name} at each k, against the formula:\n\n{formula_table(swept)}")
+    speculative = [r for r in rows if r["engine"] == "specdec"]
+    parts.append(acceptance_table(speculative))
+    return "\n\n".join(parts)
+
+
+def speed_table(rows: list[dict]) -> str:
+    """Every method: tokens/s, speedups over the target alone, α and τ."""
+    return table(["method", "tok/s", "x plain", "decode x plain", "α", "τ"],
+                 [[r["label"], _number(r["tokens_per_s"], 1), _times(r["speedup"]), _times(r["decode_speedup"]),
+                   _number(r["alpha"], 3), _number(r["tau"], 2)] for r in rows])
+
+
+FORMULA_ROWS = (  # the formula table's rows: (name, key in a results row, digits; None: a speedup)
+    ("decode x plain, measured", "decode_speedup", None),
+    ("predicted x plain, c in rounds", "predicted_in_rounds", None),
+    ("predicted x plain, isolated c", "predicted_speedup", None),
+    ("predicted x plain, from τ", "predicted_from_tau", None),
+    ("predicted x plain, with v_k", "predicted_with_verify_cost", None),
+    ("c in rounds", "cost_ratio_in_rounds", 3),
+    ("isolated c", "cost_ratio", 3))
+
+
+def formula_table(rows: list[dict]) -> str:
+    """One drafter at each k (a column each): the decode speedup measured and as the formula
+    predicts it, and the cost ratios c it was predicted with."""
+    body = [[name] + [_times(r.get(key)) if digits is None else _number(r.get(key), digits) for r in rows]
+            for name, key, digits in FORMULA_ROWS]
+    return table(["k (draft tokens per round)"] + [str(r["k"]) for r in rows], body)
+
+
+def acceptance_table(rows: list[dict]) -> str:
+    """specdec's methods: decode tokens/s as a share of the roofline's ceiling, and acceptance
+    (accepted ÷ proposed) at each draft position."""
+    body = [[r["label"].removeprefix("specdec "), _percent(r["roofline_fraction"]),
+             " ".join(_number(a, 2) for a in r["acceptance_by_position"] or []) or "–"] for r in rows]
+    return table(["specdec method", "roofline %", "acceptance by draft position 1, 2, …"], body, left=(0, 2))
 
 
 def costs_table(results: dict) -> str:
     costs, roof = results["costs"], results["roofline"]
     greedy_targets = [r for r in results["rows"] if r["engine"] == "specdec" and r["method"] == "none"
                       and r["sampling"] == "greedy"]
-    lines = ["| measure | value |", "|---|---:|",
-             f"| target step (1 token after 64) | {_number(costs['target_step_ms'], 3)} ms |",
-             f"| draft step (1 token after 64) | {_number(costs['draft_step_ms'], 3)} ms |",
-             f"| cost ratio c = draft step ÷ target step | {_number(costs['cost_ratio'], 3)} |",
-             "| verify forward of k+1 tokens ÷ target step, v_k | "
-             + ", ".join(f"k={k}: {_number(v, 2)}" for k, v in costs.get("verify_cost_ratio", {}).items()) + " |",
-             f"| streaming read bandwidth ({roof['buffer_bytes'] / 2**20:.0f} MiB buffer) | "
-             f"{roof['read_bandwidth_gb_per_s']:.1f} GB/s |",
-             f"| target weight bytes read per decode step | {roof['decode_weight_bytes'] / 1e6:.1f} MB |",
-             f"| roofline: step floor / ceiling | {roof['step_floor_ms']:.3f} ms / "
-             f"{roof['ceiling_tokens_per_s']:.0f} tokens/s |"]
+    rows = [["target step (1 token after 64)", _number(costs["target_step_ms"], 3), "ms"],
+            ["draft step (1 token after 64)", _number(costs["draft_step_ms"], 3), "ms"],
+            ["cost ratio c = draft step ÷ target step", _number(costs["cost_ratio"], 3), "ratio"],
+            [f"streaming read bandwidth ({roof['buffer_bytes'] / 2**20:.0f} MiB buffer)",
+             f"{roof['read_bandwidth_gb_per_s']:.1f}", "GB/s"],
+            ["target weight bytes read per decode step", f"{roof['decode_weight_bytes'] / 1e6:.1f}", "MB"],
+            ["roofline: step floor", f"{roof['step_floor_ms']:.3f}", "ms"],
+            ["roofline: ceiling", f"{roof['ceiling_tokens_per_s']:.0f}", "tok/s"]]
     for r in greedy_targets:
-        lines.append(f"| target alone, {r['prompt_set']} greedy, decode tokens/s (fraction of the ceiling) | "
-                     f"{_number(r['decode_tokens_per_s'], 1)} ({_number(r['roofline_fraction'], 2)}) |")
-    return "\n".join(lines)
+        rows += [[f"target alone, {r['prompt_set']} greedy, after the prefill", _number(r["decode_tokens_per_s"], 1),
+                  "tok/s"],
+                 [f"target alone, {r['prompt_set']} greedy, of the ceiling", _percent(r["roofline_fraction"]), "%"]]
+    parts = [table(["measure", "value", "unit"], rows, left=(0, 2))]
+    verify = costs.get("verify_cost_ratio", {})
+    if verify:
+        parts.append(table(["k"] + list(verify), [["v_k: verify of k+1 tokens ÷ target step"]
+                                                  + [_number(v, 2) for v in verify.values()]]))
+    return "\n\n".join(parts)
 
 
 def quality_table(quality: dict) -> str:
     """The quantized target against the unquantized one (benchmark/quality.py)."""
     q = quality["quantization"]
-    return "\n".join([
-        f"| {q} target against the unquantized one | value |", "|---|---:|",
-        f"| greedy outputs identical | {quality['greedy_identical']} of {quality['prompts']} |",
-        f"| greedy agreement (tokens before the first difference ÷ output length) | "
-        f"{_number(quality['greedy_agreement'], 3)} |",
-        f"| perplexity on held-out modules, {q} / unquantized | {_number(quality['perplexity'], 3)} / "
-        f"{_number(quality['reference_perplexity'], 3)} ({quality['perplexity_difference']:+.3f}) |",
-        f"| target alone, greedy tokens/s, {q} / unquantized | {_number(quality['tokens_per_s'], 1)} / "
-        f"{_number(quality['reference_tokens_per_s'], 1)} ({_times(quality['speedup_over_reference'])}) |"])
+    rows = [["greedy outputs identical to the unquantized's", f"{quality['greedy_identical']} of {quality['prompts']}",
+             "", ""],
+            ["greedy agreement (tokens to the first difference ÷ length)", _number(quality["greedy_agreement"], 3),
+             "", ""],
+            ["perplexity on held-out modules", _number(quality["perplexity"], 3),
+             _number(quality["reference_perplexity"], 3), f"{quality['perplexity_difference']:+.3f}"],
+            ["target alone, greedy tok/s", _number(quality["tokens_per_s"], 1),
+             _number(quality["reference_tokens_per_s"], 1), _times(quality["speedup_over_reference"])]]
+    return table(["measure", q, "unquantized", "change"], rows)
 
 
 def exactness_text(exactness: dict) -> str:
-    text = (f"Greedy outputs identical in {exactness['identical']} of {exactness['compared']} comparisons "
-            "(every specdec method against the specdec target alone; the target alone against "
-            "transformers' greedy generate).")
+    text = _wrap(f"Greedy outputs identical in {exactness['identical']} of {exactness['compared']} comparisons "
+                 "(every specdec method against the specdec target alone; the target alone against "
+                 "transformers' greedy generate).")
     if exactness["divergences"]:
-        text += "\n\n| checked | against | prompt | first different token | tokens there |\n|---|---|---|---:|---|"
-        for d in exactness["divergences"]:
-            text += (f"\n| {d['checked']} | {d['reference']} | {d['prompt']} | {d['position']} | "
-                     f"{list(d['checked_tokens'])} vs {list(d['reference_tokens'])} |")
+        text += "\n\nWhere outputs part (the first different token, and the tokens from there):\n\n" + "\n".join(
+            _bullet(f"{d['checked']} against {d['reference']}, {d['prompt']}: token {d['position']}, "
+                    f"{list(d['checked_tokens'])} vs {list(d['reference_tokens'])}.") for d in exactness["divergences"])
     return text
 
 
-def goals_table(goals: list[dict]) -> str:
-    lines = ["| goal | measured | met | detail |", "|---|---:|---|---|"]
-    for g in goals:
-        met = {True: "yes", False: "**no**", None: "–"}[g["met"]]
-        lines.append(f"| {g['goal']} | {_number(g['measured'], 2)} | {met} | {g['detail']} |")
+def profile_tables(results: dict) -> str:
+    """Per round (ms): draft, target forward, sampling/verification, bookkeeping; and the share
+    of the wall time in prefill and outside the engine; for the target alone and the rows at
+    transformers_k, a table per prompt set and sampling."""
+    k = results["config"]["transformers_k"]
+    parts = [_wrap("Milliseconds per round (one propose → verify → accept step) in each part; prefill and other "
+                   "(outside the engine's loop) as shares of the wall time.")]
+    for set_name, sampling in _panel_keys(results):
+        rows = []
+        for r in _rows(results, set_name, sampling):
+            if r["profile"] is None or r["k"] not in (0, k):
+                continue
+            rounds, seconds = r["profile"]["rounds"], r["profile"]["seconds"]
+            per_round = {part: seconds[part] / rounds * 1e3 if rounds else float("nan") for part in ROUND_PARTS}
+            total = sum(seconds.values())
+            rows.append([r["label"].removeprefix("specdec "), str(rounds), _number(sum(per_round.values()), 2)]
+                        + [_number(per_round[part], 2) for part in ROUND_PARTS]
+                        + [f"{seconds['prefill'] / total * 100:.0f}", f"{seconds['other'] / total * 100:.0f}"])
+        if rows:
+            parts.append(f"{set_name}, {sampling}:\n\n" + table(
+                ["specdec method", "rounds", "ms/round"] + [f"{part} ms" for part in ROUND_PARTS]
+                + ["prefill %", "other %"], rows))
+    return "\n\n".join(parts)
+
+
+# -- plain-text tables that are Markdown ---------------------------------------------------
+
+KEY_FLOOR = 16  # a wrapped first column keeps at least this many characters (or its header's)
+TEXT_FLOOR = 10  # and another column of text this many
+
+
+def table(headers: list[str], rows: list[list[str]], left=(0,), width: int = WIDTH, key_width: int | None = None
+          ) -> str:
+    """A Markdown table padded into columns, no line wider than width: the columns of text (the
+    first, and those in left) wrap onto continuation rows where the table is too wide, and where
+    wrapping is not enough the other columns are spread over several tables, each beginning with
+    the first column (as wide in each). key_width: the most the first column takes."""
+    rows = [[str(cell) for cell in row] for row in rows]
+    widths = [max([len(headers[i])] + [len(row[i]) for row in rows]) for i in range(len(headers))]
+    floors = [_floor(headers, rows, i, left) for i in range(len(headers))]
+    if key_width is not None:
+        widths[0], floors[0] = min(widths[0], key_width), min(floors[0], key_width)
+    shrunk = _shrink(widths, floors, left, width)
+    groups = _column_groups(widths, floors, left, width) if shrunk is None else []
+    if len(groups) <= 1:  # it fits (wrapped), or splitting cannot make it fit
+        return _render(headers, rows, shrunk or widths, left)
+    room = min(width - _line_width([0] + [widths[i] for i in group]) for group in groups)
+    key_width = max(floors[0], min(widths[0], room))
+    return "\n\n".join(table([headers[0]] + [headers[i] for i in group], [[row[0]] + [row[i] for i in group]
+                                                                           for row in rows],
+                             left=[0] + [n + 1 for n, i in enumerate(group) if i in left], width=width,
+                             key_width=key_width)
+                       for group in groups)
+
+
+def _line_width(widths: list[int]) -> int:
+    return sum(widths) + 3 * len(widths) + 1
+
+
+def _floor(headers: list[str], rows: list[list[str]], i: int, left) -> int:
+    """The narrowest a column wraps to: its header, and no narrower than its floor (nor than its
+    widest word, up to the floor)."""
+    natural = max([len(headers[i])] + [len(row[i]) for row in rows])
+    if i not in left:
+        return natural
+    return min(natural, max(len(headers[i]), KEY_FLOOR if i == 0 else TEXT_FLOOR))
+
+
+def _shrink(widths: list[int], floors: list[int], left, width: int) -> list[int] | None:
+    """widths with the text columns narrowed, the widest first, until the table fits; None if
+    it does not fit even with them at their floors."""
+    widths = list(widths)
+    while _line_width(widths) > width:
+        wide = [i for i in left if widths[i] > floors[i]]
+        if not wide:
+            return None
+        widths[max(wide, key=lambda i: widths[i])] -= 1
+    return widths
+
+
+def _column_groups(widths: list[int], floors: list[int], left, width: int) -> list[list[int]]:
+    """The columns after the first in as few consecutive groups as fit beside the first column
+    (at its floor), spread as evenly as that many groups allow."""
+    need = [(floors[i] if i in left else widths[i]) + 3 for i in range(len(widths))]
+
+    def pack(room: int) -> list[list[int]]:
+        groups, used = [[]], 0
+        for i in range(1, len(widths)):
+            if groups[-1] and used + need[i] > room:
+                groups.append([])
+                used = 0
+            groups[-1].append(i)
+            used += need[i]
+        return groups
+
+    most = width - _line_width([floors[0]])
+    fewest = len(pack(most))
+    room = next(room for room in range(max(need[1:]), most + 1) if len(pack(room)) <= fewest)
+    return pack(room)
+
+
+def _render(headers: list[str], rows: list[list[str]], widths: list[int], left) -> str:
+    def line(cells: list[str]) -> str:
+        return "| " + " | ".join(cell.ljust(w) if i in left else cell.rjust(w)
+                                 for i, (cell, w) in enumerate(zip(cells, widths))) + " |"
+
+    rule = "|" + "|".join("-" * (w + 2) if i in left else "-" * (w + 1) + ":" for i, w in enumerate(widths)) + "|"
+    lines = [line(headers), rule]
+    for row in rows:
+        wrapped = [textwrap.wrap(cell, w, subsequent_indent="  ", break_on_hyphens=False) or [""]
+                   if len(cell) > w else [cell] for cell, w in zip(row, widths)]
+        for n in range(max(map(len, wrapped))):
+            lines.append(line([cell[n] if n < len(cell) else "" for cell in wrapped]))
     return "\n".join(lines)
 
 
-def profile_table(results: dict) -> str:
-    """Per round (ms): draft, target forward, sampling/verification, bookkeeping; and the share
-    of the wall time in prefill and outside the engine; for the target alone and the rows at
-    transformers_k."""
-    k = results["config"]["transformers_k"]
-    lines = ["| prompts, sampling | method | rounds | ms/round | draft | target | sampling | bookkeeping | "
-             "prefill | other |", "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
-    for r in results["rows"]:
-        if r["profile"] is None or r["k"] not in (0, k):
-            continue
-        rounds, seconds = r["profile"]["rounds"], r["profile"]["seconds"]
-        per_round = {part: seconds[part] / rounds * 1e3 if rounds else float("nan") for part in ROUND_PARTS}
-        total = sum(seconds.values())
-        lines.append(f"| {r['prompt_set']}, {r['sampling']} | {r['label']} | {rounds} | "
-                     f"{_number(sum(per_round.values()), 2)} | "
-                     + " | ".join(_number(per_round[part], 2) for part in ROUND_PARTS)
-                     + f" | {seconds['prefill'] / total:.0%} | {seconds['other'] / total:.0%} |")
-    return ("Milliseconds per round (one propose → verify → accept step) in each part; prefill and other "
-            "(outside the engine's loop) as shares of the wall time.\n\n" + "\n".join(lines))
+def _wrap(text: str) -> str:
+    return textwrap.fill(text, WIDTH, break_on_hyphens=False)
+
+
+def _bullet(text: str) -> str:
+    return textwrap.fill(text, WIDTH, initial_indent="- ", subsequent_indent="  ", break_on_hyphens=False)
 
 
 def _machine_line(results: dict) -> str:
@@ -218,6 +390,10 @@ def _times(x) -> str:
     return "–" if x is None else f"{x:.2f}x"
 
 
+def _percent(x) -> str:
+    return "–" if x is None or (isinstance(x, float) and not math.isfinite(x)) else f"{x * 100:.0f}"
+
+
 def _json_safe(value):
     """NaN and infinity become null (JSON has no such numbers)."""
     if isinstance(value, float) and not math.isfinite(value):
@@ -232,28 +408,48 @@ def _json_safe(value):
 # -- plots ---------------------------------------------------------------------------------
 
 def write_plots(results: dict, out_dir: Path) -> list[Path]:
-    """The three PNGs of PLOTS, one panel per (prompt set, sampling) in each."""
-    import matplotlib
-
-    matplotlib.use("Agg")
+    """The three PNGs of PLOTS, one panel per (prompt set, sampling) in each; the panels share one
+    legend, below them, outside the axes (a legend inside would cover the data)."""
     import matplotlib.pyplot as plt
 
-    rows_per_panel = len(_rows(results, *next(iter(_panel_keys(results)))))
-    heights = (4, 4, max(4, 0.3 * rows_per_panel))  # the bar chart grows with its rows
     paths = []
-    for name, draw, height in zip(PLOTS, (_plot_speedup_vs_k, _plot_acceptance, _plot_tokens_per_second), heights):
-        figure, panels = _panels(plt, results, height)
-        for (set_name, sampling), axes in panels:
-            draw(axes, _rows(results, set_name, sampling))
-            axes.set_title(f"{results['prompt_sets'][set_name]['title']}, {sampling}", fontsize=10)
-            if axes.get_legend_handles_labels()[0]:
-                axes.legend(fontsize=7)
-        figure.tight_layout()
+    for name in PLOTS:
+        figure = plot_figure(results, name)
         path = out_dir / name
         figure.savefig(path, dpi=100)
         plt.close(figure)
         paths.append(path)
     return paths
+
+
+def plot_figure(results: dict, name: str):
+    """The matplotlib figure of the plot PLOTS names (closed by the caller)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    draw = dict(zip(PLOTS, (_plot_speedup_vs_k, _plot_acceptance, _plot_tokens_per_second)))[name]
+    rows_per_panel = len(_rows(results, *next(iter(_panel_keys(results)))))
+    height = max(4, 0.3 * rows_per_panel) if name == "tokens_per_second.png" else 4  # the bars grow with the rows
+    figure, panels = _panels(plt, results, height)
+    for (set_name, sampling), axes in panels:
+        draw(axes, _rows(results, set_name, sampling))
+        axes.set_title(f"{results['prompt_sets'][set_name]['title']}, {sampling}", fontsize=10)
+    _shared_legend(figure, [axes for _, axes in panels])
+    return figure
+
+
+def _shared_legend(figure, panels: list) -> None:
+    """One legend for every panel's lines (each label once, as the first panel drew it), below
+    the panels: constrained layout makes room for it."""
+    entries = {}
+    for axes in panels:
+        for handle, label in zip(*axes.get_legend_handles_labels()):
+            entries.setdefault(label, handle)
+    if entries:
+        figure.legend(list(entries.values()), list(entries), loc="outside lower center", fontsize=8,
+                      ncol=min(3, len(entries)), frameon=False)
 
 
 def _panel_keys(results: dict) -> list[tuple[str, str]]:
@@ -263,7 +459,7 @@ def _panel_keys(results: dict) -> list[tuple[str, str]]:
 def _panels(plt, results: dict, height: float):
     num_sets, num_samplings = len(results["prompt_sets"]), len(results["config"]["samplings"])
     figure, grid = plt.subplots(num_sets, num_samplings, figsize=(6.5 * num_samplings, height * num_sets),
-                                squeeze=False)
+                                squeeze=False, layout="constrained")
     return figure, [(key, grid[i // num_samplings][i % num_samplings]) for i, key in enumerate(_panel_keys(results))]
 
 
@@ -296,7 +492,7 @@ def _plot_speedup_vs_k(axes, rows: list[dict]) -> None:
                          linewidth=1, label=r["label"])
     axes.xaxis.get_major_locator().set_params(integer=True)
     axes.set_xlabel("k (draft tokens per round)")
-    axes.set_ylabel("speedup over the target alone")
+    axes.set_ylabel("speedup, x plain (÷ the target alone's tok/s)")
 
 
 def _plot_acceptance(axes, rows: list[dict]) -> None:
@@ -323,7 +519,7 @@ def _plot_tokens_per_second(axes, rows: list[dict]) -> None:
               color=["C0" if r["engine"] == "specdec" else "C1" for r in rows])
     axes.set_yticks(range(len(rows)), [r["label"] for r in rows], fontsize=7)
     axes.invert_yaxis()
-    axes.set_xlabel("tokens/s (blue: specdec, orange: transformers)")
+    axes.set_xlabel("tok/s (blue: specdec, orange: transformers)")
 
 
 # -- against llama.cpp (specdec bench --llama-cpp: llama_cpp.py) ----------------------------
@@ -350,8 +546,12 @@ def llama_cpp_markdown(results: dict, title_level: int = 1) -> str:
 
 
 def llama_cpp_section(kinds: list[dict], title_level: int = 2) -> str:
+    """The verdict (each CPU kind's and prompt set's fastest of each engine) first, then what was
+    compared, then each kind's tables."""
     h = "#" * title_level
-    parts = [f"{h} Against llama.cpp\n\n{LLAMA_CPP_INTRO}\n"]
+    parts = [f"{h} Against llama.cpp\n",
+             f"{h}# Verdict: the fastest of each\n\n{llama_cpp_verdict(kinds)}\n",
+             f"{_wrap(LLAMA_CPP_INTRO)}\n"]
     for kind in kinds:
         parts.append(llama_cpp_kind_markdown(kind, h + "#"))
     return "\n".join(parts)
@@ -362,36 +562,39 @@ LLAMA_CPP_INTRO = (
     "file, the same prompt text (a chat prompt rendered with the target's chat template by specdec, handed to "
     "llama.cpp as raw text; the prompt token counts both report are checked), the same threads, greedy, up to "
     "the same number of new tokens, both stopping at an end-of-sequence token; every system interleaved prompt "
-    "by prompt in one run. Tokens/s: the tokens each generated over its time with the prefill (llama.cpp's own "
+    "by prompt in one run. tok/s: the tokens each generated over its time with the prefill (llama.cpp's own "
     "timing lines: prompt eval + eval, or its speculative tools' encoded + decoded; model loading left out on "
-    "both sides). Accepted ÷ drafted: llama.cpp's n_accept ÷ n_drafted, specdec's accepted ÷ proposed draft "
-    "tokens, the same measure; τ: tokens per target forward, tokens ÷ (tokens − accepted). specdec runs as "
-    "`LLM` does by default: the file's quantized weights, k chosen by goodput up to k; llama.cpp drafts k "
-    "tokens every round. Same text: outputs that agree with specdec plain's as far as the shorter goes.")
+    "both sides); x llama.cpp plain: times llama.cpp plain's tok/s. Accepted ÷ drafted: llama.cpp's n_accept "
+    "÷ n_drafted, specdec's accepted ÷ proposed draft tokens, the same measure; τ: tokens per target forward, "
+    "tokens ÷ (tokens − accepted). specdec runs as `LLM` does by default: the file's quantized weights, k "
+    "chosen by goodput up to k; llama.cpp drafts k tokens every round. Same text: outputs that agree with "
+    "specdec plain's as far as the shorter goes, of the prompts.")
+
+
+def llama_cpp_verdict(kinds: list[dict]) -> str:
+    """A line per CPU kind and prompt set: specdec's fastest system against llama.cpp's."""
+    return "\n".join(_bullet(f"{_cpu_kind_title(kind)}, {set_name} prompts: {_fastest_line(kind, set_name)}")
+                     for kind in kinds for set_name in kind["prompt_sets"])
 
 
 def llama_cpp_kind_markdown(kind: dict, h: str) -> str:
     """One CPU kind's measurement: a table per prompt set, and what a verify forward costs."""
-    parts = [f"{h} {_cpu_kind_title(kind)}\n\n{_llama_cpp_setup(kind)}\n"]
+    parts = [f"{h} {_cpu_kind_title(kind)}\n\n{_wrap(_llama_cpp_setup(kind))}\n"]
     for set_name, prompt_set in kind["prompt_sets"].items():
-        parts.append(f"{h}# {prompt_set['title']} ({set_name})\n\n{llama_cpp_table(kind, set_name)}\n\n"
-                     f"{_fastest_line(kind, set_name)}\n")
+        parts.append(f"{h}# {prompt_set['title']} ({set_name})\n\n{llama_cpp_table(kind, set_name)}\n")
     parts.append(f"{h}# What a verify forward costs\n\n{verify_cost_table(kind['verify_cost'])}\n")
     if kind["notes"]:
-        parts.append("\n".join(f"- {note}" for note in kind["notes"]) + "\n")
+        parts.append("\n".join(_bullet(note) for note in kind["notes"]) + "\n")
     return "\n".join(parts)
 
 
 def llama_cpp_table(kind: dict, set_name: str) -> str:
-    lines = ["| system | tokens/s | ÷ llama.cpp plain | prompt tokens/s | decode tokens/s | accepted ÷ drafted "
-             "| τ | tokens | same text as specdec plain |", "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
-    for r in kind["rows"]:
-        if r["prompt_set"] == set_name:
-            lines.append(f"| {r['label']} | {_number(r['tokens_per_s'], 1)} | {_times(r['ratio_to_llama_cpp_plain'])} "
-                         f"| {_number(r['prompt_tokens_per_s'], 1)} | {_number(r['decode_tokens_per_s'], 1)} | "
-                         f"{_number(r['acceptance'], 2)} | {_number(r['tau'], 2)} | {r['tokens']} | "
-                         f"{r['same_text_as_specdec_plain']} of {r['prompts']} |")
-    return "\n".join(lines)
+    rows = [[r["label"], _number(r["tokens_per_s"], 1), _times(r["ratio_to_llama_cpp_plain"]),
+             _number(r["prompt_tokens_per_s"], 1), _number(r["decode_tokens_per_s"], 1), _number(r["acceptance"], 2),
+             _number(r["tau"], 2), str(r["tokens"]), f"{r['same_text_as_specdec_plain']} of {r['prompts']}"]
+            for r in kind["rows"] if r["prompt_set"] == set_name]
+    return table(["system", "tok/s", "x llama.cpp plain", "prompt tok/s", "decode tok/s", "accepted ÷ drafted", "τ",
+                  "tokens", "same text"], rows)
 
 
 def _fastest_line(kind: dict, set_name: str) -> str:
@@ -400,20 +603,22 @@ def _fastest_line(kind: dict, set_name: str) -> str:
     fastest = {engine: max((r for r in rows if r["engine"] == engine), key=lambda r: r["tokens_per_s"])
                for engine in ("specdec", "llama.cpp")}
     ours, theirs = fastest["specdec"], fastest["llama.cpp"]
-    return (f"Fastest of each: {ours['label']}, {_number(ours['tokens_per_s'], 1)} tokens/s, against "
-            f"{theirs['label']}, {_number(theirs['tokens_per_s'], 1)}: "
+    return (f"specdec's fastest, {ours['label']}, {_number(ours['tokens_per_s'], 1)} tok/s, against llama.cpp's "
+            f"fastest, {theirs['label']}, {_number(theirs['tokens_per_s'], 1)} tok/s: "
             f"**{_times(ours['tokens_per_s'] / theirs['tokens_per_s'])}**.")
 
 
+VERIFY_HOW = {"llama.cpp": "llama-bench -p 7 -n 32 -d 64, pp7 ÷ tg per token",
+              "specdec": "its runner, median of 3 × 20 forwards each"}
+
+
 def verify_cost_table(costs: dict) -> str:
-    lines = ["| engine | forward of 7 tokens | 1-token step | verify ÷ step |", "|---|---:|---:|---:|"]
-    how = {"llama.cpp": "llama-bench -p 7 -n 32 -d 64: pp7 ÷ tg per token",
-           "specdec": "its runner, median of 3 × 20 forwards each"}
-    for engine, cost in costs.items():
-        lines.append(f"| {engine} ({how.get(engine, '')}; after {cost['depth']} tokens) | "
-                     f"{_number(cost['verify_ms'], 2)} ms | {_number(cost['step_ms'], 2)} ms | "
-                     f"{_number(cost['verify_cost'], 2)} |")
-    return "\n".join(lines)
+    tokens = next(iter(costs.values())).get("verify_tokens", 7) if costs else 7
+    rows = [[engine, _number(cost["verify_ms"], 2), _number(cost["step_ms"], 2), _number(cost["verify_cost"], 2)]
+            for engine, cost in costs.items()]
+    how = "\n".join(_bullet(f"{engine}: {VERIFY_HOW.get(engine, 'measured')}, after {cost['depth']} tokens of "
+                             "context.") for engine, cost in costs.items())
+    return table(["engine", f"{tokens}-token forward ms", "1-token step ms", "verify ÷ step"], rows) + "\n\n" + how
 
 
 def _cpu_kind_title(kind: dict) -> str:
