@@ -676,9 +676,10 @@ def check_greedy_exactness(records: list[Record]) -> dict:
 # -- helpers -------------------------------------------------------------------------------
 
 def _method_notes(target_dtype: torch.dtype) -> list[str]:
-    notes = ["Speedup: tokens/s over the specdec target alone on the same prompts and sampling; tokens/s "
-             "counts every generated token over the wall time of each call, prefill included. Decode speedup: "
-             "the same after the prefill (the first token), which is what the formula models.",
+    notes = ["Speedup (x plain): tokens/s over the specdec target alone's on the same prompts and sampling; "
+             "tokens/s counts every generated token over the wall time of each call, prefill included. Decode "
+             "speedup (decode x plain): the same after the prefill (the first token), which is what the formula "
+             "models.",
              "Predicted: (1 - α^(k+1)) / ((1 - α)(k·c + 1)) from the measured α and c; prompt lookup is taken "
              "as c = 0 and may propose fewer than k tokens a round, which the formula does not model.",
              "Predicted with verify cost: the formula with the measured cost of the (k+1)-token verify forward "
