@@ -118,7 +118,7 @@ def _goal_name(goal: dict) -> str:
 def _goal_value(goal: dict, value, bar: bool = False) -> str:
     if value is None:
         return "–"
-    unit = goal.get("unit")
+    unit = goal.get("unit") or ("% off" if "prediction" in goal["goal"] else None)  # results.json before units
     if unit == "% off":
         return f"{'≤ ' if bar else ''}{value:.0%} off"
     return f"{'≥ ' if bar else ''}{value:.2f}{unit or 'x'}"  # unit: "x plain", "x transformers"
@@ -267,9 +267,10 @@ def table(headers: list[str], rows: list[list[str]], left=(0,), width: int = WID
     if key_width is not None:
         widths[0], floors[0] = min(widths[0], key_width), min(floors[0], key_width)
     shrunk = _shrink(widths, floors, left, width)
-    groups = _column_groups(widths, floors, left, width) if shrunk is None else []
-    if len(groups) <= 1:  # it fits (wrapped), or splitting cannot make it fit
-        return _render(headers, rows, shrunk or widths, left)
+    groups = _column_groups(widths, floors, left, width) if shrunk is None and len(headers) > 2 else []
+    if len(groups) <= 1:  # it fits (wrapped), or splitting cannot make it fit: as narrow as it goes
+        return _render(headers, rows, shrunk or [floors[i] if i in left else widths[i] for i in range(len(widths))],
+                       left)
     room = min(width - _line_width([0] + [widths[i] for i in group]) for group in groups)
     key_width = max(floors[0], min(widths[0], room))
     return "\n\n".join(table([headers[0]] + [headers[i] for i in group], [[row[0]] + [row[i] for i in group]
@@ -321,7 +322,7 @@ def _column_groups(widths: list[int], floors: list[int], left, width: int) -> li
 
     most = width - _line_width([floors[0]])
     fewest = len(pack(most))
-    room = next(room for room in range(max(need[1:]), most + 1) if len(pack(room)) <= fewest)
+    room = next(room for room in range(min(max(need[1:]), most), most + 1) if len(pack(room)) <= fewest)
     return pack(room)
 
 
