@@ -163,7 +163,7 @@ def test_a_k_far_beyond_the_request_drafts_only_what_it_can_use(model_dir, llm, 
     out = fast.generate("def add(a, b):", params)[0]
     assert out.outputs[0].token_ids == llm.generate("def add(a, b):", params)[0].outputs[0].token_ids
     assert out.metrics.num_draft_tokens <= 3  # after the prefill's token, at most 3 more can be emitted
-    assert fast.engine.cache.max_len < 64  # the cache is sized by what is used, not by k
+    assert fast.runner.cache.max_len < 64  # the cache is sized by what is used, not by k
 
 
 def test_a_cache_larger_than_free_memory_is_refused_before_allocating(llm, monkeypatch):
@@ -173,7 +173,7 @@ def test_a_cache_larger_than_free_memory_is_refused_before_allocating(llm, monke
 
     params = SamplingParams(temperature=0, max_tokens=200, ignore_eos=True)
     expected = llm.generate("def add(a, b):", params)[0].outputs[0].token_ids
-    llm.engine.cache = None
+    llm.runner.cache = None  # as a new LLM: the next generate allocates
     with monkeypatch.context() as patch:
         patch.setattr(kv_cache, "free_memory_bytes", lambda device: 100_000)  # 100 kB free
         with pytest.raises(ValueError, match=r"key/value cache of 1 slots x 2\d\d positions needs [\d,]+ bytes, more than "

@@ -46,7 +46,7 @@ def test_a_model_packed_for_onednn_is_not_saved_without_its_weights(tmp_path):
     import pytest
 
     from specdec.models.cpu_linear import can_pack
-    from specdec.runner import ModelRunner
+    from specdec.worker import ModelRunner
 
     path = save_pretrained(random_model(False, seed=5), tmp_path / "saved", dtype=torch.bfloat16)
     packed = load_pretrained(path, "bfloat16", load_tokenizer=False)

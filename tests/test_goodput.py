@@ -17,7 +17,7 @@ import torch
 from helpers import save_tiny_model
 
 from specdec import LLM, SamplingParams
-from specdec.goodput import (CALIBRATION_REPEATS, CALIBRATION_WARM_UPS, COST_WINDOW, MAX_PROBE_INTERVAL, MIN_GAIN,
+from specdec.spec.goodput import (CALIBRATION_REPEATS, CALIBRATION_WARM_UPS, COST_WINDOW, MAX_PROBE_INTERVAL, MIN_GAIN,
                              PLAIN_CHECK_INTERVAL, PRIOR_WEIGHT, PROBE_BUDGET, PROBE_INTERVAL, AcceptanceEstimate,
                              CostCurve, GoodputPolicy, RoundCosts)
 from specdec.cli import main

@@ -10,8 +10,19 @@ import specdec
 
 SOURCE = Path(specdec.__file__).parent
 TOOLS = ("specdec.training", "specdec.benchmark", "specdec.demo")  # imported by the command line alone
-SPECULATION = ("specdec.drafters", "specdec.verify", "specdec.goodput", "specdec.engine", "specdec.llm",
-               "specdec.scheduler")
+SPECULATION = ("specdec.drafters", "specdec.spec", "specdec.engine", "specdec.llm")
+LAYERS = [  # bottom first (docs/architecture.md): a module imports from its own layer and those below only
+    ("ground floor", ("specdec.tree", "specdec.metrics", "specdec.outputs", "specdec.config", "specdec.sequence",
+                      "specdec.sampling", "specdec.platform", "specdec.progress", "specdec.paths", "specdec.output_dir",
+                      "specdec.kv_cache")),
+    ("models", ("specdec.kernels", "specdec.models")),
+    ("worker", ("specdec.worker",)),
+    ("drafters", ("specdec.drafters",)),
+    ("spec", ("specdec.spec",)),
+    ("engine", ("specdec.engine",)),
+    ("entry points", ("specdec.llm", "specdec.model_flags", "specdec.serve")),
+    ("command line and tools", ("specdec.cli", "specdec.demo") + TOOLS),
+]
 
 
 def module_name(path: Path) -> str:
@@ -99,4 +110,32 @@ def test_models_know_nothing_of_speculation_and_the_verifier_nothing_of_models()
     models = {name: sorted(t for t in targets if within(t, SPECULATION))
               for name, targets in graph.items() if within(name, ("specdec.models",))}
     assert {name: ts for name, ts in models.items() if ts} == {}
-    assert not any(within(t, ("specdec.models", "specdec.runner")) for t in graph["specdec.verify"])
+    assert not any(within(t, ("specdec.models", "specdec.worker")) for t in graph["specdec.spec.verify"])
+
+
+def layer_of(module: str) -> int:
+    layers = [number for number, (_, rooms) in enumerate(LAYERS) if within(module, rooms)]
+    assert len(layers) == 1, f"{module} belongs to {len(layers)} layers: add it to exactly one in LAYERS"
+    return layers[0]
+
+
+def test_imports_point_down_the_layers():
+    """Every module sits in one layer; none imports from a layer above its own (the package's
+    root, whose lazy re-exports point down from the top, aside)."""
+    graph = arrows()
+    graph.pop("specdec")
+    upward = {name: sorted(f"{t} ({LAYERS[layer_of(t)][0]})" for t in targets - {"specdec"}
+                           if layer_of(t) > layer_of(name))
+              for name, targets in graph.items()}
+    assert {name: ts for name, ts in upward.items() if ts} == {}
+
+
+def test_only_the_runner_routes_rows_to_cache_slots():
+    """A forward's slots are explicit (runner.ForwardBatch); cache.rows(slots) is called by the
+    runner alone, and by the EAGLE drafter for its head's own cache (a head runs outside a runner)."""
+    callers = set()
+    for path in SOURCE.rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "rows":
+                callers.add(module_name(path))
+    assert callers == {"specdec.worker.runner", "specdec.drafters.eagle"}

@@ -9,7 +9,8 @@ import pytest
 from helpers import save_tiny_model
 
 from specdec import LLM, SamplingParams
-from specdec.goodput import GoodputPolicy
+from specdec.spec.goodput import GoodputPolicy
+from specdec.worker import ModelRunner
 from specdec.progress import stage
 
 
@@ -72,26 +73,20 @@ def test_after_warm_up_a_request_calibrates_nothing(pair, monkeypatch):
     assert set(llm.engine.policy.costs[1].verify.calibrated) == {1, 2, 3, 4, 5}
 
 
-def test_warm_up_runs_every_verify_length(pair):
+def test_warm_up_runs_every_verify_length(pair, monkeypatch):
     """Under a fixed k (no calibration) the warm-up itself runs the target at 1..k+1 tokens a row,
     so no shape is first called inside a timed request."""
     target, draft = pair
     llm = LLM(str(target), speculative_model=str(draft), num_speculative_tokens=3, dtype="float32", compile="off",
               speculative_k_policy="fixed")
-    llm.engine.target = Recording(llm.runner)
+    lengths = set()
+    forward = ModelRunner.forward
+
+    def recording(runner, batch, *args, **kwargs):
+        if runner is llm.runner:  # the target's, not the draft's
+            lengths.add(batch.input_ids.shape[1])
+        return forward(runner, batch, *args, **kwargs)
+
+    monkeypatch.setattr(ModelRunner, "__call__", recording)
     llm.warm_up([5, 6, 7], SamplingParams(temperature=0, max_tokens=16, ignore_eos=True))
-    assert {1, 2, 3, 4} <= llm.engine.target.lengths
-
-
-class Recording:
-    """A runner that notes the query length of every forward the engine calls it for."""
-
-    def __init__(self, runner):
-        self._runner, self.lengths = runner, set()
-
-    def __call__(self, input_ids, *args, **kwargs):
-        self.lengths.add(input_ids.shape[1])
-        return self._runner(input_ids, *args, **kwargs)
-
-    def __getattr__(self, name):
-        return getattr(self._runner, name)
+    assert {1, 2, 3, 4} <= lengths

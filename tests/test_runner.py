@@ -17,7 +17,7 @@ from helpers import save_tiny_model, save_tiny_pair, token_ids
 
 from specdec import LLM, SamplingParams
 from specdec.platform import Platform, auto_dtype, detect_platform
-from specdec.runner import ModelRunner
+from specdec.worker import ModelRunner
 
 GREEDY = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
 AVX2 = Platform("cpu", "AVX2", native_bf16=False, native_fp16=False)
@@ -194,7 +194,7 @@ def test_a_graph_that_computes_wrong_logits_is_caught_and_eager_runs(dirs, eager
 
 
 def test_the_warm_up_check_compares_finite_logits_and_catches_nan():
-    from specdec.runner import _relative_error
+    from specdec.worker.runner import _relative_error
 
     expected = torch.tensor([[1.0, float("-inf"), -2.0]])
     assert _relative_error(expected.clone(), expected) == 0.0

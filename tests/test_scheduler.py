@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from specdec import SamplingParams
-from specdec.scheduler import Scheduler
+from specdec.engine.scheduler import Scheduler
 from specdec.sequence import Sequence
 
 

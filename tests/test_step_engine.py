@@ -177,7 +177,7 @@ def test_a_stop_string_late_in_a_long_output_cuts_it_where_it_first_appears(dirs
 def test_a_prefill_budget_starts_a_burst_over_several_steps():
     """Admission counts a prefill's tokens as the forward runs them (rows x the longest prompt);
     a prompt over the budget still starts, alone."""
-    from specdec.scheduler import Scheduler
+    from specdec.engine.scheduler import Scheduler
     from specdec.sequence import Sequence
 
     scheduler = Scheduler(num_slots=8, max_prefill_tokens=40)

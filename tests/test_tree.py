@@ -17,7 +17,7 @@ from specdec.config import SpeculativeConfig
 from specdec.kv_cache import KVCache, TreeAttention
 from specdec.models.loader import load_pretrained
 from specdec.tree import ROOT, TreeShape, branches, depths
-from specdec.verify import greedy_tree_verify, tree_rejection_sample
+from specdec.spec.verify import greedy_tree_verify, tree_rejection_sample
 
 GREEDY = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
 

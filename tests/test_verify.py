@@ -15,8 +15,8 @@ import scipy.stats
 import torch
 
 from helpers import chi_square_p_value
-from specdec import verify
-from specdec.verify import rejection_sample
+from specdec.spec import verify
+from specdec.spec.verify import rejection_sample
 
 # ---------------------------------------------------------------------------------------------
 # The slow reference: a plain loop per row and per position.
@@ -46,7 +46,7 @@ def argmax(values: list[float]) -> int:
 
 
 def reference_rejection_sample(draft_token_ids, num_draft, draft_probs, target_probs, generators, greedy=None):
-    """Same contract as specdec.verify.rejection_sample, one row and one position at a time.
+    """Same contract as specdec.spec.verify.rejection_sample, one row and one position at a time.
 
     Randomness, per row, from that row's generator: u = rand(n + 1) in float64 for the row's n
     proposed drafts; u[i] decides draft position i, u[n] draws the recovered or bonus token."""

@@ -22,7 +22,7 @@ from specdec.models.quantized_linear import check_quantization
 from specdec.outputs import CompletionOutput, RequestOutput
 from specdec.platform import Platform, detect_platform
 from specdec.progress import stage
-from specdec.runner import ModelRunner, check_compile_mode
+from specdec.worker import ModelRunner, check_compile_mode
 from specdec.sampling import request_generator
 from specdec.sequence import Sequence
 from specdec.tree import TreeShape

@@ -73,7 +73,7 @@ def step_seconds(runner, repeats: int = 50, context: int = 64, num_tokens: int =
     """Median time of one forward of num_tokens tokens (1: a decode step; k + 1: a verify
     forward) after a context of `context` tokens, as runner (a ModelRunner, or a model to run
     eagerly) runs it for work of num_forwards forwards (which decides whether "auto" compiles)."""
-    from specdec.runner import ForwardBatch, ModelRunner
+    from specdec.worker import ForwardBatch, ModelRunner
 
     if not isinstance(runner, ModelRunner):
         runner = ModelRunner(runner, compile="off")

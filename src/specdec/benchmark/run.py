@@ -40,7 +40,7 @@ from specdec.llm import LLM
 from specdec.metrics import SpecStats, expected_tokens_per_round, predicted_speedup
 from specdec.models.eagle import is_head_directory
 from specdec.models.loader import is_gguf_file
-from specdec.runner import check_compile_mode
+from specdec.worker import check_compile_mode
 from specdec.tree import TreeShape
 
 PROMPT_SETS = {  # name -> (title, prompt-set function(per_module, max_chars))

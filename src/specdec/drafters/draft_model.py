@@ -21,7 +21,7 @@ from specdec.drafters.steps import DraftSteps
 from specdec.drafters.tree_growth import TreeGrowth
 from specdec.kv_cache import TreeAttention
 from specdec.models.loader import LoadedModel, ModelLoadError, load_pretrained, model_config_from_hf, read_config
-from specdec.runner import ForwardBatch, ModelRunner
+from specdec.worker import ForwardBatch, ModelRunner
 from specdec.sampling import SamplingTensors
 from specdec.sequence import Sequence
 from specdec.tree import TreeShape

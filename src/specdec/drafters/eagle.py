@@ -24,7 +24,7 @@ from specdec.kv_cache import CacheRows, TreeAttention, ragged_batch
 from specdec.models.cpu_linear import can_pack, pack_linears
 from specdec.models.eagle import EagleHead, load_head
 from specdec.models.loader import LoadedModel
-from specdec.runner import ModelRunner
+from specdec.worker import ModelRunner
 from specdec.sampling import SamplingTensors
 from specdec.sequence import Sequence
 from specdec.tree import TreeShape

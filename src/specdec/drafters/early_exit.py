@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from specdec.drafters.draft_model import DraftModelDrafter
 from specdec.models.loader import LoadedModel
-from specdec.runner import ModelRunner
+from specdec.worker import ModelRunner
 
 DEFAULT_FRACTION = 0.5
 

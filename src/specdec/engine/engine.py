@@ -1,0 +1,174 @@
+"""The engine: requests in, one speculative round per step, outputs out.
+
+A step: admit waiting requests into free cache slots (scheduler.py) and prefill them; run one
+round over every running request (spec/round.py, each row's k from spec/k_choice.py); append
+each row's new tokens, stopping at EOS / stop strings / max_tokens even inside an accepted run
+(output_processor.py); retire the finished requests, freeing their slots. Sizing the caches
+before requests run is capacity.py's.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from specdec.config import SamplingParams
+from specdec.drafters.base import Drafter
+from specdec.engine.capacity import Capacity
+from specdec.engine.output_processor import OutputProcessor
+from specdec.engine.scheduler import Scheduler
+from specdec.metrics import SpecStats
+from specdec.models.tokenizer import Tokenizer
+from specdec.outputs import RequestOutput
+from specdec.sampling import request_generator
+from specdec.sequence import Sequence
+from specdec.spec.k_choice import KChoice
+from specdec.spec.round import RoundResult, SpeculativeRound
+from specdec.tree import TreeShape
+from specdec.worker import ModelRunner
+
+TIMED_PARTS = ("prefill", "draft", "target", "sampling", "bookkeeping")
+
+
+class Engine:
+    """target: the target's runner; drafter: None for plain decoding; num_speculative_tokens:
+    each round's largest k; k_policy "goodput" or "fixed", tree: see spec/k_choice.py.
+    generator: the random stream of requests without a seed of their own."""
+
+    def __init__(self, target: ModelRunner, drafter: Drafter | None, num_speculative_tokens: int,
+                 eos_token_ids: tuple[int, ...], tokenizer: Tokenizer | None, max_num_seqs: int = 256,
+                 k_policy: str = "goodput", tree: TreeShape | None = None, generator: torch.Generator | None = None):
+        self.target, self.drafter, self.max_num_seqs = target, drafter, max_num_seqs
+        k = num_speculative_tokens if drafter is not None else 0
+        self.k_choice = KChoice(k, k_policy, tree, drafter is not None and drafter.grows_trees, target.padded_queries)
+        self.round = SpeculativeRound(target, drafter, self.k_choice.tree)
+        self.capacity = Capacity(target, drafter, self.k_choice, self.round.hands_hidden)
+        self.output = OutputProcessor(tokenizer, eos_token_ids)
+        self.scheduler = Scheduler()
+        self.max_len: int | None = None  # the positions each sequence may use, once prepared
+        self._unfinished: dict[str, Sequence] = {}  # by request id: waiting or running
+        self.stats = SpecStats()  # every request's rounds, merged (the server's metrics read it)
+        self.shared_generator = generator if generator is not None else torch.Generator(target.device).manual_seed(0)
+        self.timings = dict.fromkeys(TIMED_PARTS, 0.0)
+
+    k = property(lambda self: self.k_choice.k)
+    policy = property(lambda self: self.k_choice.policy, doc="The goodput policy, or None (k fixed, a tree, no drafter)")
+
+    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                    prompt: str | None = None, stream_text: bool = False) -> Sequence:
+        """Queue a request (prompt_token_ids checked by the caller: LLM.prompt_token_ids); it
+        starts at a step with a free slot. stream_text: each step's RequestOutput carries the
+        request's new text too (its whole output is decoded at every step that adds tokens)."""
+        generator = request_generator(params.seed, self.shared_generator, self.target.device)
+        seq = Sequence(request_id, list(prompt_token_ids), params, generator, prompt=prompt, stream_text=stream_text)
+        self.add_sequence(seq)
+        return seq
+
+    def add_sequence(self, seq: Sequence) -> None:
+        """Queue a sequence made by the caller (LLM.generate makes its own)."""
+        if seq.request_id in self._unfinished:
+            raise ValueError(f"request id {seq.request_id!r} is already running or waiting; give each a new id")
+        needed = self.k_choice.positions_needed(seq)
+        if self.max_len is not None and needed > self.max_len:
+            raise ValueError(f"a prompt of {len(seq.prompt_token_ids)} tokens + max_tokens={seq.params.max_tokens} "
+                             f"needs {needed} cache positions, and the engine was prepared for {self.max_len}; "
+                             "shorten the prompt or lower max_tokens")
+        self._unfinished[seq.request_id] = seq
+        self.scheduler.add(seq)
+
+    def step(self) -> list[RequestOutput]:
+        """Admit waiting requests into free slots (their prefill samples each one's first
+        token), run one round over every running request, retire the finished ones. Returns,
+        for every request that moved, what is new since the last step (outputs.py)."""
+        if self.max_len is None:
+            self.prepare(list(self.scheduler.waiting))
+        admitted = self.scheduler.admit()
+        if admitted:
+            self._emit(admitted, self.round.prefill(admitted))
+            for seq in admitted:
+                self.k_choice.start(seq)
+        running = [seq for seq in self.scheduler.running if not seq.finished]
+        if running:
+            result = self.round.run(running, self.k_choice.round_ks(running))
+            self._emit(running, result)
+            self.k_choice.observe(running, result)
+        for seq in self.scheduler.retire_finished():
+            self._finish(seq)
+        admitted_ids = {seq.request_id for seq in admitted}
+        moved = admitted + [seq for seq in running if seq.request_id not in admitted_ids]
+        return [output for output in map(self.output.new_output, moved) if output is not None]
+
+    def abort(self, request_id: str) -> bool:
+        """Stop a request, waiting or running; its slot is free for the next step. False if no
+        such request is unfinished."""
+        seq = self.scheduler.remove(request_id)
+        if seq is None:
+            return False
+        seq.finish_reason = "abort"
+        self._finish(seq, ran=seq.slot >= 0)
+        return True
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    @property
+    def num_running(self) -> int:
+        return self.scheduler.num_running
+
+    @property
+    def num_waiting(self) -> int:
+        return self.scheduler.num_waiting
+
+    def prepare(self, seqs: list[Sequence]) -> int:
+        """Size the caches for generating seqs (capacity.py); returns how many run at once."""
+        self._check_idle()
+        num_slots, self.max_len = self.capacity.for_requests(seqs, self.max_num_seqs)
+        return self._start(num_slots)
+
+    def prepare_to_serve(self, max_model_len: int, kv_cache_bytes: int | None = None,
+                         max_prefill_tokens: int | None = None) -> int:
+        """Size the caches for serving requests of up to max_model_len tokens each (capacity.py;
+        compiles only under compile="on": a compiled forward runs the whole batch of slots,
+        however few requests there are). max_prefill_tokens: one step's prefill budget
+        (scheduler.py). Returns the slots."""
+        self._check_idle()
+        num_slots, self.max_len = self.capacity.for_serving(max_model_len, self.max_num_seqs, kv_cache_bytes)
+        return self._start(num_slots, max_prefill_tokens)
+
+    def warm_up(self, repeats: int = 2) -> None:
+        """Every forward the rounds can take, untimed, before requests run (capacity.py)."""
+        self.capacity.warm_up(self.scheduler.num_slots, repeats)
+
+    def _check_idle(self) -> None:
+        if self.scheduler.has_unfinished():
+            raise RuntimeError("the engine has unfinished requests: finish or abort them before preparing again")
+
+    def _start(self, num_slots: int, max_prefill_tokens: int | None = None) -> int:
+        self.scheduler.resize(num_slots)
+        self.scheduler.max_prefill_tokens = max_prefill_tokens
+        self.timings.update(dict.fromkeys(TIMED_PARTS, 0.0))
+        self.round.forget_batches()
+        return num_slots
+
+    def _emit(self, batch: list[Sequence], result: RoundResult) -> None:
+        """Append each row's new tokens (stopping inside an accepted run) and count the round."""
+        start = time.perf_counter()
+        for row, seq in enumerate(batch):
+            emitted = self.output.append(seq, result.tokens[row], num_from_draft=result.num_accepted[row],
+                                         logprobs=result.logprobs[row])
+            for stats in (seq.stats, self.stats):
+                stats.record_round(result.num_proposed[row], result.num_accepted[row], emitted, k=result.ks[row],
+                                   depth=result.tree_depths[row])
+        for part, seconds in result.seconds.items():
+            self.timings[part] += seconds
+        self.timings["bookkeeping"] += time.perf_counter() - start
+
+    def _finish(self, seq: Sequence, ran: bool = True) -> None:
+        """A sequence out of the batch (finished or aborted): its time, its final text; the
+        drafter forgets it."""
+        del self._unfinished[seq.request_id]
+        seq.stats.seconds = time.perf_counter() - seq.arrival_time
+        seq.text = self.output.final_text(seq)
+        if ran and self.drafter is not None:
+            self.drafter.release(seq)

@@ -1,0 +1,87 @@
+"""Each row's k for a round, and what a round may write past a sequence's end.
+
+k (num_speculative_tokens) is the most a round drafts for one row. Each round, each row gets:
+  goodput   the goodput policy's choice (goodput.py: the plan of the most expected tokens per
+            second from each sequence's acceptance rate and the measured costs; 0 = plain)
+  fixed     k, cut to the row's room (what it can still emit: a larger k is drafted and
+            verified for nothing)
+  tree      a tree of k nodes wherever there is room (its depth cut to the room by the drafter)
+A round with a seeded sampled request keeps the fixed k: its tokens depend on its rounds' k,
+which goodput takes from timings, and a seed must give the same tokens every run.
+"""
+
+from __future__ import annotations
+
+from specdec.sequence import Sequence
+from specdec.spec.goodput import GoodputPolicy
+from specdec.spec.round import RoundResult
+from specdec.tree import TreeShape
+
+
+class KChoice:
+    """k: num_speculative_tokens (0: plain decoding). tree: a tree shape (tree.py) other than
+    "chain": every round drafts a tree of k nodes, from a drafter that grows trees (the goodput
+    policy, which models chains, is not used). k_policy: "goodput" or "fixed".
+    padded_tokens(T): the query length a T-token target forward runs at (its cost)."""
+
+    def __init__(self, k: int, k_policy: str, tree: TreeShape | None, drafter_grows_trees: bool,
+                 padded_tokens=lambda num_tokens: num_tokens):
+        self.k = k
+        self.tree = tree if tree is not None and not tree.is_chain and k else None
+        if self.tree is not None and not drafter_grows_trees:
+            raise ValueError(f"speculative_tree={str(tree)!r} needs a drafter that grows trees (a draft model, an "
+                             "EAGLE head or early exit); this drafter drafts chains only: use "
+                             "speculative_tree='chain'")
+        use_goodput = k > 0 and k_policy == "goodput" and self.tree is None
+        self.policy = GoodputPolicy(k, padded_tokens) if use_goodput else None
+
+    def round_ks(self, batch: list[Sequence]) -> list[int]:
+        """Each row's k this round (at most its room, a tree's node budget aside)."""
+        rooms = [s.draft_room for s in batch]
+        if self.tree is not None:
+            return [self.k if room > 0 else 0 for room in rooms]
+        if self.policy is None or any(s.params.seed is not None and not s.params.greedy for s in batch):
+            k = self.usable_k(batch)
+            return [min(k, room) for room in rooms]
+        return self.policy.choose([s.slot for s in batch], rooms)
+
+    def usable_k(self, seqs: list[Sequence]) -> int:
+        """No wider than the most drafts any row has room for."""
+        return min(self.k, max(s.draft_room for s in seqs))
+
+    def sizing_k(self, seqs: list[Sequence]) -> int:
+        """The k to size caches and forwards for, for these requests (a tree's nodes are not
+        cut to the room)."""
+        return self.k if self.tree is not None else self.usable_k(seqs)
+
+    def margin(self, k: int) -> int:
+        """Positions past a sequence's last token that a round may write: verify runs k past it,
+        and a drafter growing a tree writes the nodes it expands."""
+        return max(k, self.tree.max_expanded(k)) if self.tree is not None else k
+
+    def positions_needed(self, seq: Sequence) -> int:
+        """Cache positions seq needs (the last one is kept free for padding: kv_cache.ragged_batch)."""
+        k = self.k if self.tree is not None else min(self.k, seq.draft_room)  # a chain is cut to the room
+        return seq.num_tokens + seq.params.max_tokens + self.margin(k) + 1
+
+    def query_lengths(self) -> tuple[int, ...]:
+        """The target forwards' lengths a round runs (compiled for): a fixed k verifies k drafts
+        every round (fewer are padded), goodput may choose k = 0, a tree's forwards run eagerly
+        and only rows without room run compiled (plain steps)."""
+        if self.tree is not None:
+            return (1,)
+        return (1, self.k + 1) if self.policy is not None else (self.k + 1,)
+
+    def start(self, seq: Sequence) -> None:
+        """A sequence begins (after its prefill): its acceptance estimate starts from the prior."""
+        if self.policy is not None:
+            self.policy.start(seq.slot)
+
+    def observe(self, batch: list[Sequence], result: RoundResult) -> None:
+        """What a round of batch accepted and cost, for the policy's estimates."""
+        if self.policy is None:
+            return
+        self.policy.observe([s.slot for s in batch], result.num_proposed, result.num_accepted)
+        self.policy.observe_round(len(batch), max(result.ks), result.verify_tokens,
+                                  target_seconds=result.seconds["target"] + result.seconds["sampling"],
+                                  draft_seconds=result.seconds["draft"] if result.all_rows_drafted else None)

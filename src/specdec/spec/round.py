@@ -1,0 +1,221 @@
+"""One speculative round over a batch of running sequences, and the prefill that starts them.
+
+A round, for every row at once (each with its own k this round, from k_choice.py):
+  propose   the drafter drafts up to k tokens per row (or, with a tree shape, a tree of up to
+            k nodes: tree.py)
+  verify    one target forward over [last token, drafts] gives the target's distribution at
+            every draft position and one past it; rejection sampling (verify.py) keeps a prefix
+            (of a tree: a branch, whose K/V entries are then moved into the sequence's next
+            positions) and adds one token (recovered or bonus)
+  observe   the drafter learns what was accepted (and, for a head, the target's features)
+The result is each row's new tokens with their counts and logprobs (RoundResult); appending
+them (stop conditions inside an accepted run) is the engine's.
+
+Invariant between rounds: the target's cache holds K/V for every token of a sequence but
+the last, which is fed first in the next round's verify forward.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import torch
+
+from specdec.drafters.base import Draft, Drafter
+from specdec.kv_cache import TreeAttention
+from specdec.sampling import SamplingTensors, sample, token_logprobs, warp
+from specdec.sequence import Sequence
+from specdec.spec.verify import greedy_tree_verify, greedy_verify, rejection_sample, tree_rejection_sample
+from specdec.tree import TreeShape, branches
+from specdec.worker import ForwardBatch, ModelRunner
+
+
+@dataclass(frozen=True)
+class RoundResult:
+    """What a round (or a prefill) gives each row of its batch.
+
+    tokens[i]         row i's new tokens: its accepted drafts, then one recovered or bonus token
+    num_proposed[i]   draft tokens row i proposed (0 in a prefill or a plain round)
+    num_accepted[i]   of those, accepted
+    ks[i]             the k row i was given (None: a prefill)
+    tree_depths[i]    the depth of row i's tree (None for a chain)
+    logprobs[i]       a TokenLogprob per new token where the request asks for logprobs, else None
+    verify_tokens     the verify forward's tokens per row (k + 1; the policy's cost key)
+    all_rows_drafted  whether every row drafted (else the draft's time says little of a batch's)
+    seconds           where the round's time went: {"draft", "target", "sampling", "bookkeeping"}
+                      ({"prefill"} for a prefill)
+    """
+
+    tokens: list[list[int]]
+    num_proposed: list[int]
+    num_accepted: list[int]
+    ks: list[int | None]
+    tree_depths: list[int | None]
+    logprobs: list[list | None]
+    verify_tokens: int = 1
+    all_rows_drafted: bool = False
+    seconds: dict[str, float] | None = None
+
+
+class SpeculativeRound:
+    """The round's parts over one target runner and drafter (None: plain decoding). tree: the
+    shape of every round's draft, or None for chains."""
+
+    def __init__(self, target: ModelRunner, drafter: Drafter | None, tree: TreeShape | None):
+        self.target, self.drafter, self.tree = target, drafter, tree
+        self.hands_hidden = drafter is not None and drafter.needs_target_hidden  # the target's features too
+        self._sampling_key, self._sampling = None, None
+
+    def forget_batches(self) -> None:
+        """Earlier requests may share ids with the next ones: rebuild the sampling tensors."""
+        self._sampling_key = None
+
+    def prefill(self, batch: list[Sequence]) -> RoundResult:
+        """One target forward over the new prompts; samples each one's first token."""
+        device = self.target.device
+        start = time.perf_counter()
+        prompts = [s.prompt_token_ids for s in batch]
+        logits = self.target.feed(prompts, [0] * len(batch), [s.slot for s in batch],
+                                  return_hidden=self.hands_hidden)  # [B, V] (, hidden [B, T, H])
+        if self.hands_hidden:
+            logits, hidden = logits
+            prompt_lengths = torch.tensor([len(prompt) for prompt in prompts], device=device)  # [B]
+            self.drafter.observe_hidden(batch, torch.zeros_like(prompt_lengths), hidden, prompt_lengths)
+        probs = warp(logits, SamplingTensors.from_params([s.params for s in batch], device))
+        first_tokens = sample(probs, [s.generator for s in batch])  # [B]
+        logprobs = _logprobs(batch, logits[:, None], first_tokens[:, None], torch.ones_like(first_tokens))
+        zeros, nones = [0] * len(batch), [None] * len(batch)
+        return RoundResult([[token] for token in first_tokens.tolist()], zeros, zeros, nones, nones, logprobs,
+                           seconds={"prefill": time.perf_counter() - start})
+
+    def run(self, batch: list[Sequence], ks: list[int]) -> RoundResult:
+        """A round over batch, row i drafting at most ks[i] tokens (a tree of ks[i] nodes)."""
+        sampling = self._sampling_tensors(batch)
+        t0 = time.perf_counter()
+        draft, all_rows_drafted = self._propose(batch, ks, sampling)
+        t1 = time.perf_counter()
+        num_draft = draft.num_tokens if draft.is_tree else torch.minimum(draft.num_tokens, torch.tensor(ks, device=draft.num_tokens.device))
+        input_ids, positions, tree = self._verify_inputs(batch, draft)  # [B, k+1] each, and a tree's layout
+        slots = [s.slot for s in batch]
+        target_logits = self.target(ForwardBatch.of(input_ids, positions, slots, tree),
+                                    return_hidden=self.hands_hidden)  # [B, k+1, V]
+        if self.hands_hidden:
+            target_logits, target_hidden = target_logits  # and [B, k+1, H]
+        t2 = time.perf_counter()
+        output, num_accepted, path = self._verify(batch, sampling, draft, num_draft, target_logits)
+        if path is not None:  # the accepted branch's entries into place, its features in order
+            self._keep_branch(slots, tree.write_positions, path, num_accepted)
+            if self.hands_hidden:
+                target_hidden = target_hidden.gather(1, path[:, :, None].expand(-1, -1, target_hidden.shape[-1]))
+        t3 = time.perf_counter()
+        if self.drafter is not None:
+            self.drafter.observe(batch, num_accepted)
+        if self.hands_hidden:
+            self.drafter.observe_hidden(batch, positions[:, 0], target_hidden, num_accepted + 1)
+        num_accepted_list = num_accepted.tolist()
+        tokens = [output[row, :n + 1].tolist() for row, n in enumerate(num_accepted_list)]
+        depths = _tree_depths(positions, num_draft).tolist() if draft.is_tree else [None] * len(batch)
+        logprobs = _logprobs(batch, target_logits, output, num_accepted + 1, path)
+        return RoundResult(tokens, num_draft.tolist(), num_accepted_list, ks, depths, logprobs,
+                           verify_tokens=input_ids.shape[1], all_rows_drafted=all_rows_drafted,
+                           seconds={"draft": t1 - t0, "target": t2 - t1, "sampling": t3 - t2,
+                                    "bookkeeping": time.perf_counter() - t3})
+
+    def _propose(self, batch: list[Sequence], ks: list[int], sampling: SamplingTensors) -> tuple[Draft, bool]:
+        """The drafter's tokens for the rows with k > 0 (up to the largest k); the rest propose
+        nothing. Also whether every row drafted."""
+        device = self.target.device
+        rows = [row for row, k in enumerate(ks) if k > 0]
+        if not rows:
+            return Draft.empty(len(batch), device), False
+        if len(rows) == len(batch):
+            return self._draft(batch, ks, sampling), True
+        index = torch.tensor(rows, device=device)  # [R]
+        drafted = self._draft([batch[row] for row in rows], [ks[row] for row in rows], sampling.select_rows(index))
+        return drafted.scattered(len(batch), index), False
+
+    def _draft(self, batch: list[Sequence], ks: list[int], sampling: SamplingTensors) -> Draft:
+        if self.tree is not None:  # every drafting row grows a tree of k nodes (its depth cut to its room)
+            return self.drafter.propose_tree(batch, max(ks), self.tree, sampling)
+        return self.drafter.propose(batch, ks, sampling)
+
+    def _verify_inputs(self, batch: list[Sequence], draft: Draft
+                       ) -> tuple[torch.Tensor, torch.Tensor, TreeAttention | None]:
+        """[last token, d_1..d_k] at positions [L-1 .. L-1+k] per row: [B, k+1] each. For a tree,
+        its nodes sit at L-1 + their depth, and its layout: column t (the root, then node t-1)
+        is written at L-1 + t and reads the sequence before L-1 and its own branch."""
+        device = self.target.device
+        last_tokens = torch.tensor([s.last_token_id for s in batch], device=device)[:, None]  # [B, 1]
+        input_ids = torch.cat([last_tokens, draft.token_ids], dim=1)  # [B, k+1]
+        first_positions = torch.tensor([s.num_tokens - 1 for s in batch], device=device)  # [B]
+        columns = torch.arange(input_ids.shape[1], device=device)  # [k+1]
+        if not draft.is_tree:
+            return input_ids, first_positions[:, None] + columns, None
+        visible = branches(draft.parents)  # [B, k+1, k+1]
+        depth = visible.sum(-1) - 1  # [B, k+1]: ancestors, the root included
+        tree = TreeAttention(first_positions[:, None] + columns, first_positions, visible)
+        return input_ids, first_positions[:, None] + depth, tree
+
+    def _verify(self, batch: list[Sequence], sampling: SamplingTensors, draft: Draft, num_draft: torch.Tensor,
+                target_logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """Rejection sampling (greedy: prefix matching) -> output_token_ids [B, k+1], num_accepted [B],
+        and for a tree the accepted branch's verify columns [B, k+1] (None for a chain)."""
+        greedy = sampling.greedy if sampling.any_greedy else None
+        generators = [s.generator for s in batch]
+        if draft.is_tree:
+            if sampling.all_greedy:
+                return greedy_tree_verify(draft.token_ids, draft.parents, num_draft, target_logits.argmax(-1))
+            return tree_rejection_sample(draft.token_ids, draft.parents, num_draft, _warp(target_logits, sampling),
+                                         generators, greedy)
+        if sampling.all_greedy:  # no probabilities needed
+            return *greedy_verify(draft.token_ids, num_draft, target_logits.argmax(-1)), None
+        return *rejection_sample(draft.token_ids, num_draft, draft.probs, _warp(target_logits, sampling),
+                                 generators, greedy), None
+
+    def _keep_branch(self, slots: list[int], write_positions: torch.Tensor, path: torch.Tensor,
+                     num_accepted: torch.Tensor) -> None:
+        """Move the K/V entries of each row's accepted branch (verify columns path [B, k+1],
+        root first) to the positions right after the root's, as a chain's would lie; the rest
+        (rejected nodes) stay past the sequence's length, to be overwritten."""
+        sources = write_positions.gather(1, path[:, 1:])  # [B, k]
+        destinations = write_positions[:, 1:]  # [B, k]: root position + 1..k
+        accepted = torch.arange(sources.shape[1], device=sources.device)[None, :] < num_accepted[:, None]  # [B, k]
+        root = write_positions[:, :1]  # [B, 1]: a no-op pair pads the rest
+        self.target.move(slots, torch.where(accepted, sources, root), torch.where(accepted, destinations, root))
+
+    def _sampling_tensors(self, batch: list[Sequence]) -> SamplingTensors:
+        """The batch's settings as tensors, rebuilt only when the batch changes."""
+        key = tuple(seq.request_id for seq in batch)
+        if key != self._sampling_key:
+            self._sampling_key = key
+            self._sampling = SamplingTensors.from_params([s.params for s in batch], self.target.device)
+        return self._sampling
+
+
+def _warp(target_logits: torch.Tensor, sampling: SamplingTensors) -> torch.Tensor:
+    """The target's warped distributions [B, T, V] from its logits [B, T, V]."""
+    B, T, V = target_logits.shape  # T = k + 1
+    return warp(target_logits.reshape(B * T, V), sampling.repeat_rows(T)).view(B, T, V)
+
+
+def _logprobs(batch: list[Sequence], logits: torch.Tensor, token_ids: torch.Tensor, num_tokens: torch.Tensor,
+              path: torch.Tensor | None = None) -> list[list | None]:
+    """For each row whose request asks for logprobs, its first num_tokens[row] emitted tokens'
+    (token_ids [B, T]; token j drawn from the distribution of logits [B, T, V] at column j, or for
+    a tree at column path[row, j], its branch's): a list of TokenLogprob; None for the other rows."""
+    logprobs: list[list | None] = [None] * len(batch)
+    for row, seq in enumerate(batch):
+        if seq.params.logprobs is not None:
+            n = int(num_tokens[row])
+            columns = path[row, :n] if path is not None else torch.arange(n, device=logits.device)  # [n]
+            logprobs[row] = token_logprobs(logits[row, columns], token_ids[row, :n], seq.params.logprobs)
+    return logprobs
+
+
+def _tree_depths(positions: torch.Tensor, num_nodes: torch.Tensor) -> torch.Tensor:
+    """Each row's tree depth [B] from its verify positions [B, k+1] (root first, nodes at the
+    root's + their depth) and its node count [B]."""
+    columns = torch.arange(positions.shape[1], device=positions.device)[None, :]  # [1, k+1]
+    offsets = (positions - positions[:, :1]).masked_fill(columns > num_nodes[:, None], 0)  # [B, k+1]
+    return offsets.max(dim=1).values
