@@ -354,7 +354,7 @@ def test_a_stop_string_on_the_command_line_reads_backslash_n_as_a_newline():
 
 
 def test_generate_with_a_k_beyond_the_context_says_why(model_dir, capsys):
-    """The issue's `-k 1000 --max-tokens 4` on a model with a shorter context."""
+    """The issue's `-k 1000 --max-tokens 4` on a model with a shorter context: said with the flag typed."""
     assert main(["generate", "--model", str(model_dir), "--ngram", "-k", "1000", "--prompt", "x",
                  "--max-tokens", "4"]) == 2
-    assert "num_speculative_tokens=1000 is more than the model's context length" in capsys.readouterr().err
+    assert "error: -k 1000 is more than the model's context length" in capsys.readouterr().err

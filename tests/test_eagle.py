@@ -135,7 +135,7 @@ def test_compiled_target_hands_its_features_to_the_head(dirs, plain):
     prompts = random_prompts(3, seed=14)
     llm = eagle(dirs, 3, compile="on")
     outputs = llm.generate(prompts, GREEDY)
-    assert llm.runner.returns_hidden and llm.runner.query_buckets  # ran compiled, hidden states included
+    assert llm.runner.return_hidden and llm.runner.query_buckets  # ran compiled, hidden states included
     assert token_ids(outputs) == token_ids(plain.generate(prompts, GREEDY))
 
 

@@ -101,3 +101,13 @@ def test_a_refused_value_is_said_in_the_words_of_the_interface():
                                            "early_exit); METHOD:ngram drafts chains: drop TREE")
     with pytest.raises(ConfigError, match=r"^top_p must be in \(0, 1\], got 2$"):
         SamplingParams(top_p=2)
+
+
+def test_a_flat_keyword_set_to_none_where_none_means_something_is_given():
+    """draft_quantization=None (dequantize a GGUF draft) is a setting, not "not given" ("auto" is)."""
+    from specdec.llm import speculative_config
+
+    assert speculative_config("draft_dir", "draft_model", draft_quantization=None).draft_quantization is None
+    assert speculative_config("draft_dir", "draft_model", draft_quantization="auto").draft_quantization == "auto"
+    with pytest.raises(ValueError, match="draft_quantization=None without a drafter"):
+        speculative_config(None, None, draft_quantization=None)

@@ -12,8 +12,8 @@ import dataclasses
 
 import torch
 
-from specdec.config import (INT64_MIN, UINT64_MAX, SamplingParams, SpeculativeConfig, check, check_device, is_int,
-                            keeps_file_quantization, requantization)
+from specdec.config import (INT64_MIN, UINT64_MAX, ConfigError, SamplingParams, SpeculativeConfig, check,
+                            check_device, is_int, keeps_file_quantization, keyword, requantization)
 from specdec.drafters import DRAFTERS, Drafter
 from specdec.engine import Engine
 from specdec.models.eagle import is_head_directory
@@ -114,7 +114,7 @@ class LLM:
         self.tokenizer = self.target.tokenizer
         drafter = None
         if self.speculative_config is not None:
-            check_k_fits(self.speculative_config.num_speculative_tokens, self.max_model_len)
+            check_k_fits(self.speculative_config, self.max_model_len)
             with stage(f"loading the drafter ({self.speculative_config.method})"):
                 drafter = DRAFTERS[self.speculative_config.method](self.speculative_config, self.target, self.runner)
         spec = self.speculative_config
@@ -243,18 +243,15 @@ class LLM:
 
 
 # LLM's flat keyword for each SpeculativeConfig field
-FLAT_NAMES = {"model": "speculative_model", "method": "speculative_method",
-              "num_speculative_tokens": "num_speculative_tokens", "ngram_min": "ngram_prompt_lookup_min",
-              "ngram_max": "ngram_prompt_lookup_max", "draft_dtype": "draft_dtype",
-              "draft_confidence_threshold": "draft_confidence_threshold", "draft_quantization": "draft_quantization",
-              "k_policy": "speculative_k_policy", "early_exit_layer": "early_exit_layer", "tree": "speculative_tree"}
+FLAT_NAMES = {f.name: keyword(SpeculativeConfig, f.name) for f in dataclasses.fields(SpeculativeConfig)}  # field -> LLM's
 VLLM_NAMES = {"prompt_lookup_min": "ngram_min", "prompt_lookup_max": "ngram_max"}  # vLLM's keys -> ours
 
 
 def _given(options: dict) -> list[str]:
-    """The options set to something other than "not given" (None; "auto" for the draft's dtype and quantization)."""
-    return [name for name, value in options.items()
-            if value is not None and not (name in ("draft_dtype", "draft_quantization") and value == "auto")]
+    """The options set to something other than "not given": None, but "auto" for the draft's dtype and
+    quantization (whose None means: dequantize a GGUF draft)."""
+    not_given = {"draft_dtype": "auto", "draft_quantization": "auto"}
+    return [name for name, value in options.items() if value != not_given.get(name)]
 
 
 def speculative_config_from(config: SpeculativeConfig | dict) -> SpeculativeConfig | None:
@@ -297,13 +294,14 @@ def check_arguments(seed, max_num_seqs, skip_tokenizer_init) -> None:
                                                  f"got {skip_tokenizer_init!r}")
 
 
-def check_k_fits(k: int, context_length: int) -> None:
+def check_k_fits(config: SpeculativeConfig, context_length: int) -> None:
     """k (num_speculative_tokens) is at most the context length - 1: a round verifies the last
     token and its k drafts in one forward, which the context must hold. (Each round also drafts
     no more than a request can still emit, so a large k costs nothing it cannot use.)"""
-    check(k < context_length, f"num_speculative_tokens={k} is more than the model's context length "
-                              f"({context_length} tokens) can verify in one round; give at most {context_length - 1} "
-                              "(useful values are 1 to about 10)")
+    if config.num_speculative_tokens >= context_length:  # said in the words of the interface the k came from (a flag: -k)
+        raise ConfigError(config, "{num_speculative_tokens:=} is more than the model's context length ({length} tokens) "
+                          "can verify in one round; give at most {most} (useful values are 1 to about 10)",
+                          {"length": context_length, "most": context_length - 1})
 
 
 def check_messages(messages) -> None:

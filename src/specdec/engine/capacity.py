@@ -23,10 +23,10 @@ CALIBRATION_CONTEXT = 128  # the positions the goodput policy's cost calibration
 
 class Capacity:
     """Sizes the target's and the drafter's caches for the rounds k_choice plans.
-    hands_hidden: the target's forwards return its hidden states too (for the drafter)."""
+    return_hidden: the target's forwards return its hidden states too (for the drafter)."""
 
-    def __init__(self, target: ModelRunner, drafter: Drafter | None, k_choice: KChoice, hands_hidden: bool):
-        self.target, self.drafter, self.k_choice, self.hands_hidden = target, drafter, k_choice, hands_hidden
+    def __init__(self, target: ModelRunner, drafter: Drafter | None, k_choice: KChoice, return_hidden: bool):
+        self.target, self.drafter, self.k_choice, self.return_hidden = target, drafter, k_choice, return_hidden
 
     def for_requests(self, seqs: list[Sequence], max_num_seqs: int) -> tuple[int, int]:
         """Caches for generating seqs, at most max_num_seqs at once; returns (slots, positions
@@ -66,7 +66,7 @@ class Capacity:
         most); the runners compile for it if they are to, and the policy measures its costs."""
         try:
             self.target.prepare(max_batch, max_len, self.k_choice.query_lengths(), num_forwards,
-                                return_hidden=self.hands_hidden)
+                                return_hidden=self.return_hidden)
             if self.drafter is not None:
                 self.drafter.reserve(max_batch, max_len, num_forwards)
         except CacheTooLarge as e:
@@ -105,4 +105,4 @@ class Capacity:
         start = max(0, min(CALIBRATION_CONTEXT, max_len - num_tokens - 1))
         input_ids = torch.zeros(batch_size, num_tokens, dtype=torch.long, device=device)  # [B, T]
         positions = start + torch.arange(num_tokens, device=device).expand(batch_size, num_tokens)  # [B, T]
-        self.target(ForwardBatch.of(input_ids, positions, range(batch_size)), return_hidden=self.hands_hidden)
+        self.target(ForwardBatch.of(input_ids, positions, range(batch_size)), return_hidden=self.return_hidden)

@@ -43,7 +43,7 @@ class Engine:
         k = num_speculative_tokens if drafter is not None else 0
         self.k_choice = KChoice(k, k_policy, tree, drafter is not None and drafter.grows_trees, target.padded_queries)
         self.round = SpeculativeRound(target, drafter, self.k_choice.tree)
-        self.capacity = Capacity(target, drafter, self.k_choice, self.round.hands_hidden)
+        self.capacity = Capacity(target, drafter, self.k_choice, self.round.return_hidden)
         self.output = OutputProcessor(tokenizer, eos_token_ids)
         self.scheduler = Scheduler()
         self.max_len: int | None = None  # the positions each sequence may use, once prepared

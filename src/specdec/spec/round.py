@@ -64,7 +64,7 @@ class SpeculativeRound:
 
     def __init__(self, target: ModelRunner, drafter: Drafter | None, tree: TreeShape | None):
         self.target, self.drafter, self.tree = target, drafter, tree
-        self.hands_hidden = drafter is not None and drafter.needs_target_hidden  # the target's features too
+        self.return_hidden = drafter is not None and drafter.needs_target_hidden  # the target's features too
         self._sampling_key, self._sampling = None, None
 
     def forget_batches(self) -> None:
@@ -77,8 +77,8 @@ class SpeculativeRound:
         start = time.perf_counter()
         prompts = [s.prompt_token_ids for s in batch]
         logits = self.target.feed(prompts, [0] * len(batch), [s.slot for s in batch],
-                                  return_hidden=self.hands_hidden)  # [B, V] (, hidden [B, T, H])
-        if self.hands_hidden:
+                                  return_hidden=self.return_hidden)  # [B, V] (, hidden [B, T, H])
+        if self.return_hidden:
             logits, hidden = logits
             prompt_lengths = torch.tensor([len(prompt) for prompt in prompts], device=device)  # [B]
             self.drafter.observe_hidden(batch, torch.zeros_like(prompt_lengths), hidden, prompt_lengths)
@@ -99,19 +99,19 @@ class SpeculativeRound:
         input_ids, positions, tree = self._verify_inputs(batch, draft)  # [B, k+1] each, and a tree's layout
         slots = [s.slot for s in batch]
         target_logits = self.target(ForwardBatch.of(input_ids, positions, slots, tree),
-                                    return_hidden=self.hands_hidden)  # [B, k+1, V]
-        if self.hands_hidden:
+                                    return_hidden=self.return_hidden)  # [B, k+1, V]
+        if self.return_hidden:
             target_logits, target_hidden = target_logits  # and [B, k+1, H]
         t2 = time.perf_counter()
         output, num_accepted, path = self._verify(batch, sampling, draft, num_draft, target_logits)
         if path is not None:  # the accepted branch's entries into place, its features in order
             self._keep_branch(slots, tree.write_positions, path, num_accepted)
-            if self.hands_hidden:
+            if self.return_hidden:
                 target_hidden = target_hidden.gather(1, path[:, :, None].expand(-1, -1, target_hidden.shape[-1]))
         t3 = time.perf_counter()
         if self.drafter is not None:
             self.drafter.observe(batch, num_accepted)
-        if self.hands_hidden:
+        if self.return_hidden:
             self.drafter.observe_hidden(batch, positions[:, 0], target_hidden, num_accepted + 1)
         num_accepted_list = num_accepted.tolist()
         tokens = [output[row, :n + 1].tolist() for row, n in enumerate(num_accepted_list)]

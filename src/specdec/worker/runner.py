@@ -132,7 +132,7 @@ class ModelRunner:
         self._runs_gguf_kernels = runs_gguf_kernels(model)
         self._eager_model: LlamaModel | None = None  # made on first eager use
         self._warm_shapes: set[tuple[int, int, int]] = set()  # (batch, queries, cache length) run compiled
-        self.returns_hidden = False  # whether the work prepared for asks forwards for hidden states too
+        self.return_hidden = False  # whether the work prepared for asks forwards for hidden states too
         self.cache: KVCache | None = None  # made by prepare
 
     @property
@@ -161,9 +161,9 @@ class ModelRunner:
         load) and run once the graphs for forwards of 1..max(query_lengths) tokens per row,
         bucketed up to query_lengths, and log how long that took. return_hidden: the work's
         forwards will ask for hidden states too (their graphs are the ones compiled)."""
-        if return_hidden != self.returns_hidden:
+        if return_hidden != self.return_hidden:
             self._warm_shapes.clear()
-        self.returns_hidden = return_hidden
+        self.return_hidden = return_hidden
         compiled = self._will_compile(num_forwards) or self._compiled_fits(max_batch, max_len, query_lengths)
         if not compiled:
             self.query_buckets = ()
@@ -256,10 +256,10 @@ class ModelRunner:
         with the plain model's on the same input (not the packed eager copy's: a draft's may
         round its output layer to bfloat16): a compiler bug must not change a result."""
         probe = self._probe(queries)
-        compiled = self.forward(probe, return_hidden=self.returns_hidden)
+        compiled = self.forward(probe, return_hidden=self.return_hidden)
         if self._compiled is None:  # compiling failed
             return False
-        if self.returns_hidden:
+        if self.return_hidden:
             compiled = compiled[0]
         # the model's own layers: the same weights the graph froze
         eager = self.model(probe.input_ids, probe.positions, self.cache.rows(probe.slots))
@@ -277,10 +277,10 @@ class ModelRunner:
         probe = self._probe(max(self.query_buckets))
         timings = {}
         for name, run in (("compiled", self.forward), ("eager", self._forward_eager)):
-            run(probe, return_hidden=self.returns_hidden)
+            run(probe, return_hidden=self.return_hidden)
             start = time.perf_counter()
             for _ in range(5):
-                run(probe, return_hidden=self.returns_hidden)
+                run(probe, return_hidden=self.return_hidden)
             timings[name] = (time.perf_counter() - start) / 5
         log.info("%s: a forward of %d x %d tokens takes %.2f ms compiled, %.2f ms eager: runs %s", self.name,
                  *probe.input_ids.shape, timings["compiled"] * 1e3, timings["eager"] * 1e3,
