@@ -139,3 +139,12 @@ def test_only_the_runner_routes_rows_to_cache_slots():
             if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "rows":
                 callers.add(module_name(path))
     assert callers == {"specdec.worker.runner", "specdec.drafters.eagle"}
+
+
+def test_no_drafter_reads_a_sequences_room():
+    """Each row's k (and a tree's deepest node) comes from the engine's round: a drafter drafts
+    what it is given and never reads Sequence.draft_room itself."""
+    readers = {module_name(path) for path in (SOURCE / "drafters").rglob("*.py")
+               for node in ast.walk(ast.parse(path.read_text(), str(path)))
+               if isinstance(node, ast.Attribute) and node.attr == "draft_room"}
+    assert readers == set()

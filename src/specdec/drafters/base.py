@@ -83,9 +83,11 @@ class Drafter(ABC):
         """Draft up to ks[i] tokens for sequence i (whose tokens so far are seq.token_ids): a
         Draft of max(ks) columns."""
 
-    def propose_tree(self, batch: list[Sequence], budget: int, shape: TreeShape, sampling: SamplingTensors) -> Draft:
+    def propose_tree(self, batch: list[Sequence], budget: int, shape: TreeShape, max_depths: list[int],
+                     sampling: SamplingTensors) -> Draft:
         """(grows_trees only) A tree draft of up to budget nodes per sequence, grown as shape says
-        (tree.py), its candidates ranked for the batch's sampling settings: a Draft with parents."""
+        (tree.py), row i's no deeper than max_depths[i] (the engine's cut: what it can still
+        emit), its candidates ranked for the batch's sampling settings: a Draft with parents."""
         raise NotImplementedError(f"{type(self).__name__} drafts chains only")
 
     def time_step(self, batch_size: int) -> None:

@@ -110,7 +110,7 @@ class DraftModelDrafter(Drafter):
             self.fed[seq.slot] = (seq.num_tokens, token_ids[row, :token_ids.shape[1] - 1].tolist())
         return steps.draft()
 
-    def propose_tree(self, batch: list[Sequence], budget: int, shape: TreeShape,
+    def propose_tree(self, batch: list[Sequence], budget: int, shape: TreeShape, max_depths: list[int],
                      sampling: SamplingTensors) -> Draft:
         """A tree grown as tree_growth.py says. After the catch-up the cache holds each row's
         tokens up to its last (position L-1); the expanded nodes are written from position L on,
@@ -118,7 +118,7 @@ class DraftModelDrafter(Drafter):
         feeds the accepted ones again)."""
         device = self.model.device
         slots = [seq.slot for seq in batch]
-        growth = TreeGrowth(batch, shape, budget, sampling, device)
+        growth = TreeGrowth(batch, shape, budget, max_depths, sampling, device)
         growth.start(self._catch_up(batch))
         lengths = torch.tensor([seq.num_tokens for seq in batch], device=device)  # [B]: L
         while (frontier := growth.frontier()) is not None:

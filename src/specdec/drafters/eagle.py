@@ -109,7 +109,7 @@ class EagleDrafter(Drafter):
             token = steps.draw(logits[:, 0])
         return steps.draft()
 
-    def propose_tree(self, batch: list[Sequence], budget: int, shape: TreeShape,
+    def propose_tree(self, batch: list[Sequence], budget: int, shape: TreeShape, max_depths: list[int],
                      sampling: SamplingTensors) -> Draft:
         """A tree grown as tree_growth.py says. A node at depth d (its token at position L-1+d)
         is expanded by feeding (its parent's predicted feature, its token) at position L-2+d;
@@ -117,7 +117,7 @@ class EagleDrafter(Drafter):
         the target's own features over them."""
         device, H = self.head.device, self.head.config.hidden_size
         cache = self.cache.rows([seq.slot for seq in batch])
-        growth = TreeGrowth(batch, shape, budget, sampling, device)
+        growth = TreeGrowth(batch, shape, budget, max_depths, sampling, device)
         root_feature, logits = self._catch_up(batch, cache)  # f^_{L-1} [B, 1, H], its scores [B, V]
         growth.start(logits)
         features = root_feature  # [B, 1 + F, H]: the root's predicted feature, then each expanded node's

@@ -18,7 +18,7 @@ temperature 0.5, 4.39 / 5.53 at 0.25 (a chain: 4.31 / 5.33). Growth, for a node 
             attending to its own branch; their logits give their children
   finish    the N likeliest candidates form the tree (a parent always scores at least its
             child and comes first among equals, so every chosen node's parent is chosen)
-A row's nodes never run deeper than its draft_room (what it can still emit).
+A row's nodes never run deeper than its max_depth (the engine's: what it can still emit).
 
 The drafter feeds the expanded nodes in order into its own cache, from a position it chooses
 (tree_start): expanded node f is written at tree_start + f, which `visible` describes.
@@ -62,14 +62,14 @@ GREEDY_TREE_TEMPERATURE = 0.25
 
 
 class TreeGrowth:
-    def __init__(self, batch: list[Sequence], shape: TreeShape, budget: int, sampling: SamplingTensors,
-                 device: torch.device):
+    def __init__(self, batch: list[Sequence], shape: TreeShape, budget: int, max_depths: list[int],
+                 sampling: SamplingTensors, device: torch.device):
         self.shape, self.budget, self.device = shape, budget, device
         B = len(batch)
         self.temperature = torch.where(sampling.greedy, GREEDY_TREE_TEMPERATURE,
                                        sampling.temperature).to(device)  # [B]: of the scores
-        self.rooms = torch.tensor([seq.draft_room for seq in batch], device=device)  # [B]: the deepest allowed
-        self.max_depth = min(shape.max_depth(budget), max(seq.draft_room for seq in batch))
+        self.rooms = torch.tensor(max_depths, device=device)  # [B]: the deepest allowed
+        self.max_depth = min(shape.max_depth(budget), max(max_depths))
         # candidates, as columns, depth by depth
         self.tokens = torch.zeros(B, 0, dtype=torch.long, device=device)  # [B, M]
         self.parents = torch.zeros(B, 0, dtype=torch.long, device=device)  # [B, M]: candidate numbers, ROOT

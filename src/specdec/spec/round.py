@@ -136,8 +136,8 @@ class SpeculativeRound:
         return drafted.scattered(len(batch), index), False
 
     def _draft(self, batch: list[Sequence], ks: list[int], sampling: SamplingTensors) -> Draft:
-        if self.tree is not None:  # every drafting row grows a tree of k nodes (its depth cut to its room)
-            return self.drafter.propose_tree(batch, max(ks), self.tree, sampling)
+        if self.tree is not None:  # every drafting row grows a tree of k nodes, no deeper than its room
+            return self.drafter.propose_tree(batch, max(ks), self.tree, [s.draft_room for s in batch], sampling)
         return self.drafter.propose(batch, ks, sampling)
 
     def _verify_inputs(self, batch: list[Sequence], draft: Draft
