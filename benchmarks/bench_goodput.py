@@ -23,18 +23,16 @@ at the fixed k: engine._round_ks).
 from __future__ import annotations
 
 import argparse
-import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "src"))
 
 import torch  # noqa: E402
 
 from specdec import LLM, SamplingParams, SpecStats  # noqa: E402
-from specdec.benchmark.run import PROMPT_SETS, spread  # noqa: E402
+from specdec.tools.benchmark.run import PROMPT_SETS, spread  # noqa: E402
 from specdec.config import COMPILE_HELP, COMPILE_MODES, SpeculativeConfig  # noqa: E402
 from specdec.drafters import DRAFTERS  # noqa: E402
 from specdec.metrics import rounds_by_k_text  # noqa: E402

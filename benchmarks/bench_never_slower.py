@@ -18,18 +18,16 @@ from __future__ import annotations
 
 import argparse
 import shutil
-import sys
 import tempfile
 import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "src"))
 
 import torch  # noqa: E402
 
 from specdec import LLM, SamplingParams, SpecStats  # noqa: E402
-from specdec.benchmark.prompts import held_out_code_prompts  # noqa: E402
+from specdec.tools.benchmark.prompts import held_out_code_prompts  # noqa: E402
 from specdec.config import COMPILE_HELP, COMPILE_MODES  # noqa: E402
 from specdec.metrics import rounds_by_k_text  # noqa: E402
 from specdec.drafters import DRAFTERS  # noqa: E402

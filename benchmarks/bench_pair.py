@@ -4,7 +4,7 @@
                                     [--prompt-set code|chat|edit] [--prompts N]
                                     [--max-tokens 64] [--lookup] [--k-policy fixed goodput] [--show 3]
 
-Prompts (--prompt-set, as specdec bench's sets; specdec.benchmark.prompts): "code", held-out
+Prompts (--prompt-set, as specdec bench's sets; specdec.tools.benchmark.prompts): "code", held-out
 standard-library modules cut just after a `def` line (the default); "chat", user messages about
 held-out functions (write / edit / explain), rendered with the target's chat template; "edit",
 only the "edit this function" ones. --prompts N takes N of them spread through the set.
@@ -27,17 +27,15 @@ how many rounds ran at each k).
 from __future__ import annotations
 
 import argparse
-import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "src"))
 
 from specdec import LLM, SamplingParams, SpecStats  # noqa: E402
 from specdec.config import COMPILE_HELP, COMPILE_MODES, K_POLICIES  # noqa: E402
-from specdec.benchmark.machine import step_seconds  # noqa: E402
+from specdec.tools.benchmark.machine import step_seconds  # noqa: E402
 from specdec.paths import SHIPPED_DRAFT, SHIPPED_TARGET  # noqa: E402
-from specdec.benchmark.run import PROMPT_SETS, spread  # noqa: E402
+from specdec.tools.benchmark.run import PROMPT_SETS, spread  # noqa: E402
 from specdec.metrics import predicted_speedup  # noqa: E402
 from specdec.config import SpeculativeConfig  # noqa: E402
 from specdec.drafters import DRAFTERS, LookupThenDraftDrafter  # noqa: E402

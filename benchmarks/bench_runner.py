@@ -18,15 +18,13 @@ from __future__ import annotations
 
 import argparse
 import logging
-import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "src"))
 
 import torch  # noqa: E402
 
-from specdec.benchmark.machine import decode_weight_bytes, read_bandwidth, step_seconds  # noqa: E402
+from specdec.tools.benchmark.machine import decode_weight_bytes, read_bandwidth, step_seconds  # noqa: E402
 from specdec.models.llama import LlamaModel, ModelConfig  # noqa: E402
 from specdec.models.loader import load_pretrained  # noqa: E402
 from specdec.paths import SHIPPED_TARGET  # noqa: E402

@@ -34,9 +34,8 @@ from pathlib import Path
 import httpx
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "src"))
 
-from specdec.benchmark.prompts import held_out_code_prompts  # noqa: E402
+from specdec.tools.benchmark.prompts import held_out_code_prompts  # noqa: E402
 from specdec.paths import DOCS, ROOT as CHECKOUT, SHIPPED_DRAFT, SHIPPED_TARGET  # noqa: E402
 from specdec.serve.process import ServerProcess  # noqa: E402
 

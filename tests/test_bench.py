@@ -19,15 +19,15 @@ import torch
 
 from helpers import save_random_head, save_tiny_model
 from specdec import SamplingParams
-from specdec.benchmark import commands
-from specdec.benchmark.exactness import compare, first_divergence
-from specdec.benchmark.goals import evaluate_goals
-from specdec.benchmark.prompts import held_out_code_prompts, repeated_code_prompts
-from specdec.benchmark.report import PLOTS, write_report
-from specdec.benchmark.run import (GREEDY, TARGET_ALONE, TRANSFORMERS_PLAIN, BenchConfig, Method, Record, Run,
+from specdec.tools.benchmark import commands
+from specdec.tools.benchmark.exactness import compare, first_divergence
+from specdec.tools.benchmark.goals import evaluate_goals
+from specdec.tools.benchmark.prompts import held_out_code_prompts, repeated_code_prompts
+from specdec.tools.benchmark.report import PLOTS, write_report
+from specdec.tools.benchmark.run import (GREEDY, TARGET_ALONE, TRANSFORMERS_PLAIN, BenchConfig, Method, Record, Run,
                                    check_greedy_exactness, run_benchmark,
                                    transformers_runners)
-from specdec.training.corpus import stdlib_path
+from specdec.tools.training.corpus import stdlib_path
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 KS = (1, 2)
@@ -244,7 +244,7 @@ def test_report_files(results, report):
 
 
 def test_write_docs(results, report, tmp_path):
-    from specdec.benchmark.report import KEPT_MARKER, write_docs
+    from specdec.tools.benchmark.report import KEPT_MARKER, write_docs
 
     page = write_docs(results, report, tmp_path / "docs", "specdec bench --quick").read_text()
     assert "specdec bench --quick" in page and results["machine"]["cpu"] in page and results["machine"]["torch"] in page
@@ -265,7 +265,7 @@ def long_results() -> dict:
     """A results dict as run_benchmark gives, with realistic values and long names: every k up
     to 8, every drafter (a tree of many levels, early exit at the default depth, a drafter with
     a long name), long model names, a divergence, quantization quality and the notes."""
-    from specdec.benchmark.run import _method_notes
+    from specdec.tools.benchmark.run import _method_notes
 
     methods = ([TARGET_ALONE] + [Method("specdec", "draft_model", k) for k in range(1, 9)]
                + [Method("specdec", "draft_model_adaptive", 8), Method("specdec", "draft_model_goodput", 8)]
@@ -344,7 +344,7 @@ def _long_llama_cpp_results() -> dict:
 
 
 def _renderings():
-    from specdec.benchmark import report
+    from specdec.tools.benchmark import report
 
     results = long_results()
     code = report._rows(results, "code", "greedy")
@@ -400,7 +400,7 @@ def test_the_verdict_comes_first_and_the_headers_have_units():
 
 
 def test_a_table_too_wide_is_wrapped_then_split_with_its_first_column_in_each():
-    from specdec.benchmark.report import table
+    from specdec.tools.benchmark.report import table
 
     narrow = table(["method", "tok/s"], [["a", "1.0"], ["bb", "22.0"]])
     assert narrow.splitlines() == ["| method | tok/s |", "|--------|------:|", "| a      |   1.0 |",
@@ -423,7 +423,7 @@ def test_the_plots_legend_covers_no_data(name):
     """One legend for all panels, outside every panel, inside the figure."""
     import matplotlib.pyplot as plt
 
-    from specdec.benchmark.report import plot_figure
+    from specdec.tools.benchmark.report import plot_figure
 
     figure = plot_figure(long_results(), name)
     try:
@@ -510,9 +510,9 @@ def test_chat_prompt_sets_are_rendered_with_the_chat_template(pair, tmp_path):
     import shutil
 
     from specdec import LLM
-    from specdec.benchmark.prompts import held_out_chat_prompts, held_out_edit_prompts
-    from specdec.benchmark.run import encode_prompts
-    from specdec.training.corpus import HELD_OUT_MODULES
+    from specdec.tools.benchmark.prompts import held_out_chat_prompts, held_out_edit_prompts
+    from specdec.tools.benchmark.run import encode_prompts
+    from specdec.tools.training.corpus import HELD_OUT_MODULES
 
     prompts = held_out_chat_prompts(per_module=1)
     assert prompts and all(p.chat and p.name.split(":")[0] in HELD_OUT_MODULES for p in prompts)
@@ -542,7 +542,7 @@ def test_missing_model_directory_is_a_clear_error(pair, tmp_path):
 def test_an_out_that_cannot_be_written_is_refused_before_measuring(pair, tmp_path, monkeypatch):
     (tmp_path / "a_file").write_text("")
     args = parse(["--model", str(pair[0]), "--no-transformers", "--out", str(tmp_path / "a_file")])
-    monkeypatch.setattr("specdec.benchmark.run.run_benchmark", lambda *a, **k: pytest.fail("measured first"))
+    monkeypatch.setattr("specdec.tools.benchmark.run.run_benchmark", lambda *a, **k: pytest.fail("measured first"))
     with pytest.raises(ValueError, match="is a file"):
         args.run(args)
 
@@ -550,7 +550,7 @@ def test_an_out_that_cannot_be_written_is_refused_before_measuring(pair, tmp_pat
 def test_results_are_written_whole_and_an_earlier_benchs_replaced(pair, results, tmp_path, monkeypatch, capsys):
     """--out gets results.json, results.md and the plots only once the run is done (staged in
     OUT.incomplete/ until then); rerunning into it replaces the earlier results."""
-    monkeypatch.setattr("specdec.benchmark.run.run_benchmark", lambda *a, **k: results)
+    monkeypatch.setattr("specdec.tools.benchmark.run.run_benchmark", lambda *a, **k: results)
     out = tmp_path / "out"
     for _ in range(2):
         args = parse(["--model", str(pair[0]), "--no-transformers", "--out", str(out)])

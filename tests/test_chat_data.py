@@ -9,9 +9,9 @@ from helpers import save_tiny_model
 
 from specdec import LLM, SamplingParams
 from specdec.cli import main
-from specdec.training.chat_data import ChatDataConfig, write_chat_data
-from specdec.training.chat_prompts import chat_prompts
-from specdec.training.corpus import HELD_OUT_MODULES, load_corpus
+from specdec.tools.training.chat_data import ChatDataConfig, write_chat_data
+from specdec.tools.training.chat_prompts import chat_prompts
+from specdec.tools.training.corpus import HELD_OUT_MODULES, load_corpus
 
 TEMPLATE = "{% for m in messages %}<s>{{ m['role'] }}: {{ m['content'] }}</s>{% endfor %}" \
            "{% if add_generation_prompt %}<s>assistant: {% endif %}"

@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from specdec.training.chat_prompts import KINDS, ChatPrompt, chat_prompts, describe, find_functions, summary
-from specdec.training.corpus import HELD_OUT_MODULES, load_corpus
+from specdec.tools.training.chat_prompts import KINDS, ChatPrompt, chat_prompts, describe, find_functions, summary
+from specdec.tools.training.corpus import HELD_OUT_MODULES, load_corpus
 
 LONG_DOCSTRING = "Compute something. " * 25  # 475 characters: too long a summary for a write prompt
 HUGE_BODY = "".join(f"    x = x + {i}  # step {i} of a long computation\n" for i in range(60))
@@ -196,7 +196,7 @@ def test_deterministic_for_a_seed_and_different_for_another(corpus):
 
 
 def test_kinds_are_interleaved_evenly():
-    from specdec.training.chat_prompts import _interleave
+    from specdec.tools.training.chat_prompts import _interleave
 
     merged = _interleave([list("aaaaaa"), list("bbb"), list("c")])
     assert "".join(merged) == "abaabcaaba"  # item i of a group of n at (i + 0.5) / n: any prefix keeps the mix

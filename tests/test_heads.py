@@ -15,8 +15,8 @@ from helpers import save_tiny_model, stdlib_corpus
 from specdec.models.eagle import (HEAD_CONFIG, HEAD_WEIGHTS, EagleHead, head_config, load_head, read_head_config,
                                   save_head)
 from specdec.models.loader import ModelLoadError, load_pretrained
-from specdec.training.commands import add_restrict_head_parser, add_train_heads_parser, add_train_parser
-from specdec.training.heads import HeadsConfig, add_noise, head_loss, new_head
+from specdec.tools.training.commands import add_restrict_head_parser, add_train_heads_parser, add_train_parser
+from specdec.tools.training.heads import HeadsConfig, add_noise, head_loss, new_head
 
 TINY_HEADS = ["--context", "32", "--batch-size", "8", "--lr", "3e-3", "--warmup", "4", "--eval-tokens", "1024",
               "--log-every", "10", "--device", "cpu", "--prompt-tokens", "8"]
@@ -123,7 +123,7 @@ def test_training_feeds_the_head_as_drafting_does(target_dir):
     """drafters/eagle.py feeds the head, one entry per position p through its cache, the
     target's feature f_p with the token p+1 after it; training's causal pass over a window reads
     the same entries at the same positions, so it predicts the same features."""
-    from specdec.training.heads import predict_features, target_features
+    from specdec.tools.training.heads import predict_features, target_features
 
     target = load_pretrained(target_dir, "float32", load_tokenizer=False).model
     head = new_head(head_config(target.config), seed=3).eval()
@@ -172,7 +172,7 @@ def test_the_loss_is_eagles_and_the_noise_is_bounded():
     target's output layer; 0 for a perfect prediction. The noise lies within ± feature_noise ×
     the features' root mean square, and a seed draws the same noise again."""
     from specdec.models.llama import ModelConfig
-    from specdec.training.train import new_model
+    from specdec.tools.training.train import new_model
 
     config = ModelConfig(vocab_size=300, hidden_size=32, intermediate_size=64, num_layers=1, num_heads=2,
                          num_kv_heads=1, head_dim=16, max_position_embeddings=64, tie_word_embeddings=False)

@@ -9,7 +9,7 @@ from pathlib import Path
 import specdec
 
 SOURCE = Path(specdec.__file__).parent
-TOOLS = ("specdec.training", "specdec.benchmark", "specdec.demo")  # imported by the command line alone
+TOOLS = ("specdec.tools",)  # imported by the command line alone
 SPECULATION = ("specdec.drafters", "specdec.spec", "specdec.engine", "specdec.llm")
 LAYERS = [  # bottom first (docs/architecture.md): a module imports from its own layer and those below only
     ("ground floor", ("specdec.tree", "specdec.metrics", "specdec.outputs", "specdec.config", "specdec.sequence",
@@ -21,7 +21,7 @@ LAYERS = [  # bottom first (docs/architecture.md): a module imports from its own
     ("spec", ("specdec.spec",)),
     ("engine", ("specdec.engine",)),
     ("entry points", ("specdec.llm", "specdec.model_flags", "specdec.serve")),
-    ("command line and tools", ("specdec.cli", "specdec.demo") + TOOLS),
+    ("command line and tools", ("specdec.cli", "specdec.tools.demo") + TOOLS),
 ]
 
 

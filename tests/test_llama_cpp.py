@@ -13,10 +13,10 @@ from pathlib import Path
 
 import pytest
 
-from specdec.benchmark import commands, llama_cpp
-from specdec.benchmark.llama_cpp import (AVX2_ENV, LLAMA_PLAIN, SPECDEC_PLAIN, LlamaCppBuild, LlamaCppConfig,
+from specdec.tools.benchmark import commands, llama_cpp
+from specdec.tools.benchmark.llama_cpp import (AVX2_ENV, LLAMA_PLAIN, SPECDEC_PLAIN, LlamaCppBuild, LlamaCppConfig,
                                          LlamaCppError, Record, System, Timed, ToolOptions)
-from specdec.benchmark.report import (KEPT_MARKER, LLAMA_CPP_END, LLAMA_CPP_START, llama_cpp_markdown,
+from specdec.tools.benchmark.report import (KEPT_MARKER, LLAMA_CPP_END, LLAMA_CPP_START, llama_cpp_markdown,
                                       write_llama_cpp_docs)
 from specdec.models import registry
 
@@ -327,7 +327,7 @@ def test_rows_pool_the_prompts_and_compare_with_llama_cpp_plain():
 
 
 def test_a_prompt_token_count_that_differs_is_noted():
-    from specdec.benchmark.prompts import Prompt
+    from specdec.tools.benchmark.prompts import Prompt
 
     prompts = {"write": [(Prompt("m.py:f (write)", "x", chat=True), [1, 2, 3], "text")]}
     records = [Record("write", 0, LLAMA_PLAIN, _timed(8, 1.0, prompt_tokens=4)),

@@ -18,8 +18,8 @@ from specdec.cli import main
 from specdec.models.checkpoint import save_pretrained
 from specdec.models.loader import ModelLoadError, load_pretrained
 from specdec.output_dir import STAGING_MARKER, open_output_dir, staging_path
-from specdec.training import loop
-from specdec.training.train import new_model, model_shape
+from specdec.tools.training import loop
+from specdec.tools.training.train import new_model, model_shape
 
 TINY_RUN = ["--preset", "tiny", "--context", "32", "--batch-size", "4", "--warmup", "1", "--eval-tokens", "256",
             "--log-every", "0", "--eval-every", "0", "--device", "cpu"]
@@ -408,7 +408,7 @@ def test_interrupted_before_the_first_checkpoint_says_so_and_keeps_nothing(corpu
 
 
 def test_bench_refuses_its_inputs_and_a_users_folder_before_measuring(tmp_path, capsys, monkeypatch):
-    import specdec.benchmark.run as bench_run
+    import specdec.tools.benchmark.run as bench_run
 
     model = save_tiny_model(tmp_path / "tiny")
     monkeypatch.setattr(bench_run, "run_benchmark", lambda *a, **k: pytest.fail("measured before checking --out"))

@@ -18,8 +18,8 @@ from helpers import load_hf, save_tiny_pair
 from torch import nn
 
 from specdec import LLM, SamplingParams
-from specdec.benchmark.machine import decode_weight_bytes
-from specdec.benchmark.quality import perplexity
+from specdec.tools.benchmark.machine import decode_weight_bytes
+from specdec.tools.benchmark.quality import perplexity
 from specdec.cli import main
 from specdec.models.quantized_linear import (INT4_GROUP_SIZE, Int4Linear, Int8Linear, check_quantization,
                                              quantize_linears)
@@ -130,7 +130,7 @@ def test_perplexity_matches_transformers_loss(dirs):
     llm = LLM(str(dirs["target"]), dtype="float32", compile="off")
     hf = load_hf(dirs["target"])
     ours = perplexity(llm.runner.model, llm, num_tokens=300)
-    from specdec.benchmark.prompts import held_out_sources
+    from specdec.tools.benchmark.prompts import held_out_sources
 
     ids = llm.tokenizer.encode(next(iter(held_out_sources()))[1])[:301]
     window, total, count = llm.max_model_len, 0.0, 0

@@ -12,7 +12,7 @@ import torch
 
 from helpers import load_hf
 from specdec import LLM, SamplingParams
-from specdec.benchmark.prompts import held_out_code_prompts
+from specdec.tools.benchmark.prompts import held_out_code_prompts
 from specdec.models.loader import load_pretrained
 
 MODELS = Path(__file__).resolve().parents[1] / "models"

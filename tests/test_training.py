@@ -18,12 +18,12 @@ from helpers import CORPUS_FILES, stdlib_corpus
 
 from specdec.models.checkpoint import save_pretrained
 from specdec.models.loader import ModelLoadError, load_pretrained
-from specdec.training.commands import add_distill_parser, add_train_parser
-from specdec.training.corpus import (END_OF_TEXT, HELD_OUT_MODULES, Document, evaluation_windows, load_corpus,
+from specdec.tools.training.commands import add_distill_parser, add_train_parser
+from specdec.tools.training.corpus import (END_OF_TEXT, HELD_OUT_MODULES, Document, evaluation_windows, load_corpus,
                                      sample_windows, split_held_out)
-from specdec.training.distill import DistillConfig, acceptance_metrics, divergence_loss, sample_from_target
-from specdec.training.loop import TrainConfig, learning_rate
-from specdec.training.train import PRESETS, ModelShape, model_shape, new_model, next_token_loss
+from specdec.tools.training.distill import DistillConfig, acceptance_metrics, divergence_loss, sample_from_target
+from specdec.tools.training.loop import TrainConfig, learning_rate
+from specdec.tools.training.train import PRESETS, ModelShape, model_shape, new_model, next_token_loss
 
 TINY_RUN = ["--preset", "tiny", "--context", "64", "--batch-size", "8", "--lr", "3e-3", "--warmup", "4",
             "--eval-tokens", "2048", "--log-every", "10", "--device", "cpu"]
@@ -97,7 +97,7 @@ def test_training_loss_fell(trained_dir):
 def test_model_card_states_the_run(trained_dir, corpus_dir):
     """README.md beside the weights: the command that made them, the corpus and its held-out
     files, steps, tokens, hardware and the held-out loss, all as the log recorded them."""
-    from specdec.training.model_card import main as model_card_main
+    from specdec.tools.training.model_card import main as model_card_main
 
     log = json.loads((trained_dir / "training_log.json").read_text())
     card = (trained_dir / "README.md").read_text()
@@ -239,8 +239,8 @@ def test_embeddings_from_target_are_its_best_low_rank_geometry():
     import numpy as np
 
     from specdec.models.llama import ModelConfig
-    from specdec.training.distill import project_embeddings
-    from specdec.training.train import new_model
+    from specdec.tools.training.distill import project_embeddings
+    from specdec.tools.training.train import new_model
 
     shape = dict(vocab_size=200, num_layers=1, num_kv_heads=1, max_position_embeddings=32, tie_word_embeddings=True)
     target = new_model(ModelConfig(hidden_size=48, intermediate_size=64, num_heads=2, head_dim=24, **shape), seed=1)
@@ -265,7 +265,7 @@ def test_embeddings_from_target_are_its_best_low_rank_geometry():
 def test_frequent_tokens_are_the_most_common_ids():
     from collections import Counter
 
-    from specdec.training.distill import frequent_share, frequent_tokens
+    from specdec.tools.training.distill import frequent_share, frequent_tokens
 
     stream = torch.randint(0, 50, (2000,), generator=torch.Generator().manual_seed(3)) ** 2 % 97  # uneven counts
     counts = Counter(stream.tolist())
@@ -322,7 +322,7 @@ def test_a_model_trained_then_distilled_gets_a_card_for_both(trained_dir, corpus
 def test_model_card_names_runs_distilled_from_other_target_weights():
     """A draft continued across a change of its target (the target trained further, say):
     the card says which runs saw other target weights, or did not record them."""
-    from specdec.training.model_card import _target_history
+    from specdec.tools.training.model_card import _target_history
 
     runs = [{}, {"target_sha256": "aa"}, {"target_sha256": "aa"}, {"target_sha256": "bb"}]
     paragraph = _target_history(runs)[0]
@@ -508,7 +508,7 @@ class _GradientRecorder:
 
 def test_gradient_accumulation_averages_like_one_big_batch():
     """grad_accum=2 of 4 windows each: the same loss and gradients as one batch of the same 8."""
-    from specdec.training.loop import Task, train_step
+    from specdec.tools.training.loop import Task, train_step
 
     windows = torch.randint(0, 300, (8, 17), generator=torch.Generator().manual_seed(8))
     losses, gradients = [], []
@@ -548,7 +548,7 @@ def test_bf16_autocast_only_where_bfloat16_is_native(monkeypatch, capsys):
 
     import specdec.platform
     from specdec.platform import Platform
-    from specdec.training.loop import TrainConfig, _autocast
+    from specdec.tools.training.loop import TrainConfig, _autocast
 
     for native in (True, False):
         monkeypatch.setattr(specdec.platform, "detect_platform",
@@ -564,7 +564,7 @@ def test_the_scored_tokens_loss_equals_the_full_vocabulary_loss(divergence):
     """A draft over part of the vocabulary: the loss computed over its scored tokens equals
     divergence_loss over the whole vocabulary with the other tokens' logits at -inf, and so do
     their gradients."""
-    from specdec.training.distill import divergence_loss, scored_divergence_loss
+    from specdec.tools.training.distill import divergence_loss, scored_divergence_loss
 
     g = torch.Generator().manual_seed(11)
     V, scored = 300, torch.randperm(300, generator=g)[:40].sort().values

@@ -39,7 +39,7 @@ import warnings
 from collections import Counter
 from dataclasses import dataclass
 
-from specdec.training.corpus import Corpus, Document
+from specdec.tools.training.corpus import Corpus, Document
 
 KINDS = ("write", "edit", "explain")
 SPLITS = ("train", "held_out")

@@ -27,12 +27,12 @@ from typing import Callable
 
 import torch
 
-from specdec.benchmark.exactness import compare
-from specdec.benchmark.goals import evaluate_goals
-from specdec.benchmark.machine import decode_weight_bytes, describe_machine, read_bandwidth, step_seconds
-from specdec.benchmark.prompts import (Prompt, held_out_chat_prompts, held_out_code_prompts, held_out_edit_prompts,
+from specdec.tools.benchmark.exactness import compare
+from specdec.tools.benchmark.goals import evaluate_goals
+from specdec.tools.benchmark.machine import decode_weight_bytes, describe_machine, read_bandwidth, step_seconds
+from specdec.tools.benchmark.prompts import (Prompt, held_out_chat_prompts, held_out_code_prompts, held_out_edit_prompts,
                                        repeated_code_prompts)
-from specdec.benchmark.quality import quantization_quality
+from specdec.tools.benchmark.quality import quantization_quality
 from specdec.config import (SamplingParams, SpeculativeConfig, check, check_device, check_quantization_name, is_int,
                             is_real)
 from specdec.drafters import DRAFTERS, LookupThenDraftDrafter

@@ -18,7 +18,7 @@ import math
 import sys
 
 from specdec.model_flags import add_model_argument, require_model
-from specdec.training.train import PRESETS, model_shape
+from specdec.tools.training.train import PRESETS, model_shape
 
 SIZE_FLAGS = {  # flag -> ModelShape field
     "vocab_size": "vocab_size", "hidden_size": "hidden_size", "layers": "num_layers", "heads": "num_heads",
@@ -95,7 +95,7 @@ def add_train_heads_parser(commands) -> None:
                                                 "written as OUT.incomplete/ until the run finishes)")
     p.add_argument("--corpus", help="text whose windows the target continues, and held-out text to evaluate on "
                                     "(default: this Python's standard library)")
-    h = p.add_argument_group("the head's training (defaults: specdec.training.heads.HeadsConfig)")
+    h = p.add_argument_group("the head's training (defaults: specdec.tools.training.heads.HeadsConfig)")
     h.add_argument("--context", type=int, help="tokens per training window (default 512; at most the target's)")
     h.add_argument("--feature-weight", type=float, help="weight of the smooth L1 loss on the next feature (default 1)")
     h.add_argument("--token-weight", type=float,
@@ -135,7 +135,7 @@ def add_restrict_head_parser(commands) -> None:
 
 
 def run_restrict_head(args) -> int:
-    from specdec.training.heads import restrict_head
+    from specdec.tools.training.heads import restrict_head
 
     shares = restrict_head(args.head, args.target, args.out, args.output_vocab, args.corpus, args.force)
     print(f"wrote {args.out}: the head scores {args.output_vocab:,} tokens, "
@@ -163,7 +163,7 @@ def _add_size_flags(p: argparse.ArgumentParser, default_preset: str | None) -> N
 
 def _add_training_flags(p: argparse.ArgumentParser, sharded: bool = True) -> None:
     """The shared training flags; sharded: the output is a model whose weights --max-shard-mb splits."""
-    t = p.add_argument_group("training (defaults: specdec.training.loop.TrainConfig)")
+    t = p.add_argument_group("training (defaults: specdec.tools.training.loop.TrainConfig)")
     for flag in ("steps", "batch_size", "grad_accum", "warmup", "seed", "eval_every", "eval_tokens",
                  "checkpoint_every", "log_every", "stop_after"):
         t.add_argument("--" + flag.replace("_", "-"), type=int)
@@ -186,7 +186,7 @@ def _add_training_flags(p: argparse.ArgumentParser, sharded: bool = True) -> Non
 
 
 def run_train(args) -> int:
-    from specdec.training.train import train
+    from specdec.tools.training.train import train
 
     if args.init is not None and (args.preset is not None or args.tokenizer is not None or args.untie_embeddings
                                   or any(getattr(args, flag) is not None for flag in SIZE_FLAGS)):
@@ -205,7 +205,7 @@ def run_train(args) -> int:
 
 
 def run_distill(args) -> int:
-    from specdec.training.distill import DistillConfig, alpha_summary, distill
+    from specdec.tools.training.distill import DistillConfig, alpha_summary, distill
 
     require_model(args, "distill", "target", "the target's model directory")
     if args.init is not None and (args.untie_embeddings or args.preset != "draft"
@@ -233,7 +233,7 @@ def run_distill(args) -> int:
 
 
 def run_train_heads(args) -> int:
-    from specdec.training.heads import HeadsConfig, agreement_summary, train_heads
+    from specdec.tools.training.heads import HeadsConfig, agreement_summary, train_heads
 
     require_model(args, "train-heads", "target", "the target's model directory")
     if args.on_policy_fraction == 0 and (args.sample_temperatures is not None or args.prompt_tokens is not None):
@@ -252,8 +252,8 @@ def run_train_heads(args) -> int:
 
 def _interrupted(args) -> int:
     """Ctrl-C: a line on what was kept and how to go on, instead of a traceback."""
-    from specdec.training.loop import CHECKPOINT_FILE
-    from specdec.training.train import checkpoint_dirs
+    from specdec.tools.training.loop import CHECKPOINT_FILE
+    from specdec.tools.training.train import checkpoint_dirs
 
     found = next((d / CHECKPOINT_FILE for d in checkpoint_dirs(args.out) if (d / CHECKPOINT_FILE).is_file()), None)
     if found is None:
@@ -277,7 +277,7 @@ def _shape(args):
 def _train_config(args):
     import torch
 
-    from specdec.training.loop import TrainConfig
+    from specdec.tools.training.loop import TrainConfig
 
     values = _given(args, TRAIN_FIELDS)
     values.setdefault("device", "cuda" if torch.cuda.is_available() else "cpu")

@@ -31,10 +31,10 @@ from specdec.models.checkpoint import SHARD_BYTES, save_pretrained
 from specdec.models.llama import LlamaModel, ModelConfig
 from specdec.models.tokenizer import train_byte_level_bpe
 from specdec.output_dir import OutputDir, open_output_dir, staging_path
-from specdec.training.corpus import (END_OF_TEXT, Corpus, check_stream_length, evaluation_windows, load_corpus,
+from specdec.tools.training.corpus import (END_OF_TEXT, Corpus, check_stream_length, evaluation_windows, load_corpus,
                                      sample_windows, token_stream)
-from specdec.training.loop import CHECKPOINT_FILE, RunState, Task, TrainConfig, log, read_checkpoint, train_loop
-from specdec.training.model_card import write_model_card
+from specdec.tools.training.loop import CHECKPOINT_FILE, RunState, Task, TrainConfig, log, read_checkpoint, train_loop
+from specdec.tools.training.model_card import write_model_card
 
 SAVE_DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
 

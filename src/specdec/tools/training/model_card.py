@@ -2,7 +2,7 @@
 
 Everything in it comes from the run itself: training_log.json (the command's arguments, the
 optimizer settings, steps, tokens, wall time, device, evaluations) and config.json. Rerun
-`python -m specdec.training.model_card DIR` to write it again for a finished run.
+`python -m specdec.tools.training.model_card DIR` to write it again for a finished run.
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import sys
 from pathlib import Path
 
 from specdec.platform import cpu_model
-from specdec.training.corpus import HELD_OUT_MODULES, load_corpus
+from specdec.tools.training.corpus import HELD_OUT_MODULES, load_corpus
 
 # flags whose value the command line shows as a bare switch
 SWITCHES = ("untie_embeddings", "resume", "restart", "force")
@@ -228,7 +228,7 @@ def command_line(kind: str, arguments: dict, positional: tuple[str, ...] = ()) -
 def main(argv: list[str]) -> int:
     import argparse
 
-    parser = argparse.ArgumentParser(prog="python -m specdec.training.model_card",
+    parser = argparse.ArgumentParser(prog="python -m specdec.tools.training.model_card",
                                      description="write README.md for a finished train or distill run")
     parser.add_argument("model_dir")
     parser.add_argument("--moved", action="append", default=[], metavar="OLD=NEW",

@@ -356,8 +356,8 @@ DRAFTING = ("draft_model", "lookup_then_draft")  # the systems that need a draft
 
 def prompt_sets() -> dict:
     """name -> (title, function(per_module, max_chars)): the bench's sets and "write"."""
-    from specdec.benchmark.prompts import held_out_chat_prompts
-    from specdec.benchmark.run import PROMPT_SETS
+    from specdec.tools.benchmark.prompts import held_out_chat_prompts
+    from specdec.tools.benchmark.run import PROMPT_SETS
 
     def write(per_module: int = 2, max_chars: int = 1200):
         return held_out_chat_prompts(per_module, max_chars, kinds=("write",))
@@ -428,7 +428,7 @@ def measure_in_child(config: LlamaCppConfig, kind: str, say: Say) -> dict:
     with tempfile.TemporaryDirectory(prefix="specdec-llama-cpp-") as scratch:
         config_file, out_file = Path(scratch) / "config.json", Path(scratch) / "result.json"
         config_file.write_text(json.dumps(asdict(config)))
-        command = [sys.executable, "-m", "specdec.benchmark.llama_cpp", "measure", str(config_file), str(out_file)]
+        command = [sys.executable, "-m", "specdec.tools.benchmark.llama_cpp", "measure", str(config_file), str(out_file)]
         if subprocess.run(command, env=cpu_kind_env(kind)).returncode != 0 or not out_file.is_file():
             raise LlamaCppError(f"the measurement for the CPU kind {kind!r} failed (its messages are above)")
         return json.loads(out_file.read_text())
@@ -439,7 +439,7 @@ def measure(config: LlamaCppConfig, say: Say) -> dict:
     every system on every prompt, interleaved, and the verify costs."""
     import torch
 
-    from specdec.benchmark.machine import describe_machine
+    from specdec.tools.benchmark.machine import describe_machine
 
     build = ensure_built(LlamaCppBuild(process_cpu_kind()), say)
     options = ToolOptions(config.threads or torch.get_num_threads(), config.max_tokens, config.k)
@@ -539,7 +539,7 @@ def llama_cpp_runners(build: LlamaCppBuild, config: LlamaCppConfig, options: Too
 def encode_prompts(target, config: LlamaCppConfig, set_name: str) -> list[tuple]:
     """(prompt, token ids, text) for prompts_per_set prompts of the set; a chat prompt's text is
     rendered with the target's chat template, the text llama.cpp gets."""
-    from specdec.benchmark.run import spread
+    from specdec.tools.benchmark.run import spread
 
     prompts = spread(prompt_sets()[set_name][1](per_module=2, max_chars=config.max_prompt_chars),
                      config.prompts_per_set)
@@ -587,7 +587,7 @@ def interleave(runners: dict, prompts: dict, say: Say) -> list[Record]:
 def specdec_verify_cost(target, config: LlamaCppConfig) -> dict:
     """specdec's VERIFY_TOKENS-token forward ÷ its 1-token forward, after BENCH_DEPTH tokens of
     context (the median of three alternations)."""
-    from specdec.benchmark.machine import step_seconds
+    from specdec.tools.benchmark.machine import step_seconds
 
     steps, verifies = [], []
     for _ in range(3):
@@ -714,7 +714,7 @@ def cpu_kinds_arg(args) -> str:
 def run_llama_cpp_bench(args) -> int:
     """specdec bench --llama-cpp: measure, write results.json and results.md under --out (and
     with --write-docs the docs' section), print the tables."""
-    from specdec.benchmark.report import is_bench_output, llama_cpp_markdown, write_llama_cpp_docs, write_llama_cpp_report
+    from specdec.tools.benchmark.report import is_bench_output, llama_cpp_markdown, write_llama_cpp_docs, write_llama_cpp_report
     from specdec.output_dir import open_output_dir
 
     config = llama_cpp_config(args)
@@ -735,11 +735,11 @@ def run_llama_cpp_bench(args) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """python -m specdec.benchmark.llama_cpp build [native|avx2|both]: build llama.cpp's tools;
+    """python -m specdec.tools.benchmark.llama_cpp build [native|avx2|both]: build llama.cpp's tools;
     ... measure CONFIG.json OUT.json: a child process's measurement (run_comparison starts it)."""
     import argparse
 
-    parser = argparse.ArgumentParser(prog="python -m specdec.benchmark.llama_cpp")
+    parser = argparse.ArgumentParser(prog="python -m specdec.tools.benchmark.llama_cpp")
     steps = parser.add_subparsers(dest="step", required=True)
     steps.add_parser("build").add_argument("kind", nargs="?", choices=(*CPU_KINDS, "both"), default="native")
     measuring = steps.add_parser("measure")

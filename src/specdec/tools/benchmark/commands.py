@@ -109,11 +109,11 @@ def add_bench_parser(commands) -> None:
 
 
 def run_bench(args) -> int:
-    from specdec.benchmark.report import markdown, write_docs, write_report
-    from specdec.benchmark.run import run_benchmark
+    from specdec.tools.benchmark.report import markdown, write_docs, write_report
+    from specdec.tools.benchmark.run import run_benchmark
 
     if args.llama_cpp:
-        from specdec.benchmark.llama_cpp import run_llama_cpp_bench
+        from specdec.tools.benchmark.llama_cpp import run_llama_cpp_bench
 
         _check_speculative_flags(args, llama_cpp=True)
         args.ks = _ks(args)
@@ -135,7 +135,7 @@ def run_bench(args) -> int:
 def bench_config(args):
     """BenchConfig from the parsed flags: the shipped pair by default, --quick's sizes unless
     a flag names its own."""
-    from specdec.benchmark.run import BenchConfig
+    from specdec.tools.benchmark.run import BenchConfig
 
     _check_speculative_flags(args)
     model, draft = resolve_pair(args.model, args.draft)
@@ -194,7 +194,7 @@ def _half_depth(model: str) -> int:
 def open_bench_output(args, config):
     """--out (output_dir.py): new, empty, or an earlier bench's results (replaced), never an
     input model or the docs --write-docs writes."""
-    from specdec.benchmark.report import PLOTS, is_bench_output
+    from specdec.tools.benchmark.report import PLOTS, is_bench_output
     from specdec.output_dir import open_output_dir
 
     inputs = {"--model": config.model, "--draft": config.draft}

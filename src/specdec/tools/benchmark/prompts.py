@@ -25,7 +25,7 @@ import textwrap
 import warnings
 from dataclasses import dataclass
 
-from specdec.training.corpus import HELD_OUT_MODULES, stdlib_path
+from specdec.tools.training.corpus import HELD_OUT_MODULES, stdlib_path
 
 MIN_BODY_LINES = 3  # repeated code prompts copy functions with at least this many lines of body
 
@@ -87,8 +87,8 @@ def held_out_chat_prompts(per_module: int = 2, max_chars: int = 1200,
                           kinds: tuple[str, ...] = ("write", "edit", "explain")) -> list[Prompt]:
     """per_module chat prompts per held-out module (at most), of these kinds, about functions of
     at most max_chars characters."""
-    from specdec.training.chat_prompts import chat_prompts
-    from specdec.training.corpus import Corpus, Document
+    from specdec.tools.training.chat_prompts import chat_prompts
+    from specdec.tools.training.corpus import Corpus, Document
 
     sources = list(held_out_sources())
     corpus = Corpus(stdlib_path(), (), tuple(Document(module, source) for module, source in sources))

@@ -28,7 +28,7 @@ from pathlib import Path
 
 from specdec.config import check, is_int, is_real
 from specdec.output_dir import OutputDir, open_output_dir
-from specdec.training.corpus import HELD_OUT_DIRECTORY
+from specdec.tools.training.corpus import HELD_OUT_DIRECTORY
 
 MANIFEST = "chat_data.json"
 SPLIT_DIRECTORIES = {"train": "train", "held_out": HELD_OUT_DIRECTORY}
@@ -76,8 +76,8 @@ def write_chat_data(target: str, out: str, config: ChatDataConfig = ChatDataConf
                     force: bool = False, progress=print) -> Path:
     """Write (or finish writing) the corpus of target's answers to out; returns out."""
     from specdec.llm import LLM
-    from specdec.training.chat_prompts import chat_prompts
-    from specdec.training.corpus import load_corpus
+    from specdec.tools.training.chat_prompts import chat_prompts
+    from specdec.tools.training.corpus import load_corpus
 
     settings = {"target": str(Path(target).expanduser().resolve()), "dtype": dtype, **asdict(config)}
     with open_output_dir(out, "chat-data", inputs={"--target": target}, force=force,

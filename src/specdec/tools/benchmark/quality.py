@@ -18,8 +18,8 @@ import time
 
 import torch
 
-from specdec.benchmark.exactness import first_divergence
-from specdec.benchmark.prompts import held_out_sources
+from specdec.tools.benchmark.exactness import first_divergence
+from specdec.tools.benchmark.prompts import held_out_sources
 from specdec.config import SamplingParams
 from specdec.llm import LLM
 
