@@ -30,7 +30,7 @@ from specdec.tools.benchmark.machine import read_bandwidth  # noqa: E402
 from specdec.engine import Engine  # noqa: E402
 from specdec.models.loader import load_pretrained  # noqa: E402
 from specdec.paths import BUILD  # noqa: E402
-from specdec.runner import ModelRunner  # noqa: E402
+from specdec.worker import ModelRunner  # noqa: E402
 
 MODEL_DIR = BUILD / "llama-100m-random"
 

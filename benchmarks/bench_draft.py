@@ -19,7 +19,7 @@ ROOT = Path(__file__).resolve().parent.parent
 import torch  # noqa: E402
 
 from specdec.tools.benchmark.machine import step_seconds  # noqa: E402
-from specdec.runner import ModelRunner  # noqa: E402
+from specdec.worker import ModelRunner  # noqa: E402
 from specdec.paths import SHIPPED_DRAFT, SHIPPED_TARGET  # noqa: E402
 from specdec.config import DRAFT_DTYPES, SpeculativeConfig  # noqa: E402
 from specdec.drafters import DRAFTERS  # noqa: E402
