@@ -16,6 +16,7 @@ Prints Markdown tables; --out also writes them to a file.
 from __future__ import annotations
 
 import argparse
+import functools
 import platform
 import statistics
 import time
@@ -23,14 +24,14 @@ from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parent.parent
+from specdec import LLM, SamplingParams
+from specdec.engine import Engine
+from specdec.models.loader import load_pretrained
+from specdec.paths import BUILD
+from specdec.tools.benchmark.machine import read_bandwidth
+from specdec.worker import ModelRunner
 
-from specdec import LLM, SamplingParams  # noqa: E402
-from specdec.tools.benchmark.machine import read_bandwidth  # noqa: E402
-from specdec.engine import Engine  # noqa: E402
-from specdec.models.loader import load_pretrained  # noqa: E402
-from specdec.paths import BUILD  # noqa: E402
-from specdec.worker import ModelRunner  # noqa: E402
+ROOT = Path(__file__).resolve().parent.parent
 
 MODEL_DIR = BUILD / "llama-100m-random"
 
@@ -109,7 +110,7 @@ def verify_cost(model, context: int = 128, repeats: int = 30) -> dict:
             positions = torch.arange(context, context + num_tokens)[None]
             for _ in range(3):
                 model(ids, positions, cache)
-            result[num_tokens] = statistics.median(time_call(lambda: model(ids, positions, cache))
+            result[num_tokens] = statistics.median(time_call(functools.partial(model, ids, positions, cache))
                                                    for _ in range(repeats))
     return result
 

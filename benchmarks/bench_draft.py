@@ -14,16 +14,16 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+import torch
+
+from specdec.config import DRAFT_DTYPES, SpeculativeConfig
+from specdec.drafters import DRAFTERS
+from specdec.models.loader import load_pretrained
+from specdec.paths import SHIPPED_DRAFT, SHIPPED_TARGET
+from specdec.tools.benchmark.machine import step_seconds
+from specdec.worker import ModelRunner
+
 ROOT = Path(__file__).resolve().parent.parent
-
-import torch  # noqa: E402
-
-from specdec.tools.benchmark.machine import step_seconds  # noqa: E402
-from specdec.worker import ModelRunner  # noqa: E402
-from specdec.paths import SHIPPED_DRAFT, SHIPPED_TARGET  # noqa: E402
-from specdec.config import DRAFT_DTYPES, SpeculativeConfig  # noqa: E402
-from specdec.drafters import DRAFTERS  # noqa: E402
-from specdec.models.loader import load_pretrained  # noqa: E402
 
 
 def main() -> None:

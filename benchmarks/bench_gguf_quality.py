@@ -25,10 +25,10 @@ import numpy as np
 import torch
 
 from specdec import LLM, SamplingParams
-from specdec.tools.benchmark.prompts import HELD_OUT_MODULES, held_out_chat_prompts, stdlib_path
 from specdec.models.gguf_linear import dequantize
 from specdec.models.gguf_quants import LAYOUTS, pack
 from specdec.models.registry import resolve_model
+from specdec.tools.benchmark.prompts import HELD_OUT_MODULES, held_out_chat_prompts, stdlib_path
 
 HELD_OUT_TEXT = stdlib_path() / HELD_OUT_MODULES[0]  # code the project's own pairs never train on
 

@@ -12,9 +12,9 @@ rotated from prompt to prompt, it runs: the target alone, the drafter at each fi
 drafter with k by goodput (k at most the largest of --ks; LLM's default policy). The goodput rows
 use an LLM made fresh for each drafter, with its own target runner, as a new user's first LLM
 would be: its policy calibrates its costs on its own first call. Every LLM is warmed up first
-(LLM.warm_up, on the longest prompt), as `specdec bench` does. Each prompt runs --repeats times by every method in
-turn, and the fastest run of each counts (others share these machines). Printed per row: tokens/s of each (prefill included), the
-ratios goodput ÷ plain and goodput ÷ the best fixed k, and how many rounds goodput ran at each k.
+(LLM.warm_up, on the longest prompt), as `specdec bench` does. Each prompt runs --repeats times by
+every method in turn, and the fastest run of each counts (others share these machines). Printed per
+row: tokens/s of each (prefill included), the ratios goodput ÷ plain and goodput ÷ the best fixed k, and how many rounds goodput ran at each k.
 Goal: goodput >= 0.95x plain where speculation does not pay, >= 0.95x the best fixed k where it
 does. --sampled adds unseeded sampling at temperature 0.8, top_p 0.95 (a seeded request would run
 at the fixed k: engine._round_ks).
@@ -27,18 +27,18 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+import torch
+
+from specdec import LLM, SamplingParams, SpecStats
+from specdec.config import COMPILE_HELP, COMPILE_MODES, SpeculativeConfig
+from specdec.drafters import DRAFTERS
+from specdec.metrics import rounds_by_k_text
+from specdec.models.registry import lookup, model_path
+from specdec.paths import SHIPPED_DRAFT, SHIPPED_TARGET, SMOLLM2_DRAFT, SMOLLM2_TARGET
+from specdec.platform import detect_platform
+from specdec.tools.benchmark.run import PROMPT_SETS, spread
+
 ROOT = Path(__file__).resolve().parent.parent
-
-import torch  # noqa: E402
-
-from specdec import LLM, SamplingParams, SpecStats  # noqa: E402
-from specdec.tools.benchmark.run import PROMPT_SETS, spread  # noqa: E402
-from specdec.config import COMPILE_HELP, COMPILE_MODES, SpeculativeConfig  # noqa: E402
-from specdec.drafters import DRAFTERS  # noqa: E402
-from specdec.metrics import rounds_by_k_text  # noqa: E402
-from specdec.paths import SHIPPED_DRAFT, SHIPPED_TARGET, SMOLLM2_DRAFT, SMOLLM2_TARGET  # noqa: E402
-from specdec.models.registry import lookup, model_path  # noqa: E402
-from specdec.platform import detect_platform  # noqa: E402
 
 QWEN_TARGET, QWEN_DRAFT = (model_path(lookup(name)) for name in ("qwen2.5-coder-1.5b-instruct",
                                                                    "qwen2.5-coder-0.5b-instruct"))

@@ -22,20 +22,19 @@ import tempfile
 import time
 from pathlib import Path
 
+import torch
+
+from specdec import LLM, SamplingParams, SpecStats
+from specdec.config import COMPILE_HELP, COMPILE_MODES, SpeculativeConfig
+from specdec.drafters import DRAFTERS
+from specdec.metrics import rounds_by_k_text
+from specdec.models.checkpoint import save_pretrained
+from specdec.models.loader import load_pretrained
+from specdec.paths import SHIPPED_DRAFT, SHIPPED_TARGET
+from specdec.platform import detect_platform
+from specdec.tools.benchmark.prompts import held_out_code_prompts
+
 ROOT = Path(__file__).resolve().parent.parent
-
-import torch  # noqa: E402
-
-from specdec import LLM, SamplingParams, SpecStats  # noqa: E402
-from specdec.tools.benchmark.prompts import held_out_code_prompts  # noqa: E402
-from specdec.config import COMPILE_HELP, COMPILE_MODES  # noqa: E402
-from specdec.metrics import rounds_by_k_text  # noqa: E402
-from specdec.drafters import DRAFTERS  # noqa: E402
-from specdec.config import SpeculativeConfig  # noqa: E402
-from specdec.models.checkpoint import save_pretrained  # noqa: E402
-from specdec.models.loader import load_pretrained  # noqa: E402
-from specdec.paths import SHIPPED_DRAFT, SHIPPED_TARGET  # noqa: E402
-from specdec.platform import detect_platform  # noqa: E402
 
 GREEDY = dict(temperature=0.0)
 SAMPLED = dict(temperature=0.8, top_p=0.95)

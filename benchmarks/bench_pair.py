@@ -29,16 +29,15 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+from specdec import LLM, SamplingParams, SpecStats
+from specdec.config import COMPILE_HELP, COMPILE_MODES, K_POLICIES, SpeculativeConfig
+from specdec.drafters import DRAFTERS, LookupThenDraftDrafter
+from specdec.metrics import predicted_speedup
+from specdec.paths import SHIPPED_DRAFT, SHIPPED_TARGET
+from specdec.tools.benchmark.machine import step_seconds
+from specdec.tools.benchmark.run import PROMPT_SETS, spread
 
-from specdec import LLM, SamplingParams, SpecStats  # noqa: E402
-from specdec.config import COMPILE_HELP, COMPILE_MODES, K_POLICIES  # noqa: E402
-from specdec.tools.benchmark.machine import step_seconds  # noqa: E402
-from specdec.paths import SHIPPED_DRAFT, SHIPPED_TARGET  # noqa: E402
-from specdec.tools.benchmark.run import PROMPT_SETS, spread  # noqa: E402
-from specdec.metrics import predicted_speedup  # noqa: E402
-from specdec.config import SpeculativeConfig  # noqa: E402
-from specdec.drafters import DRAFTERS, LookupThenDraftDrafter  # noqa: E402
+ROOT = Path(__file__).resolve().parent.parent
 
 DRAFT_MODEL, LOOKUP, EAGLE, EARLY_EXIT = "draft model", "prompt lookup, else draft model", "eagle head", "early exit"
 

@@ -20,16 +20,16 @@ import argparse
 import logging
 from pathlib import Path
 
+import torch
+
+from specdec.models.llama import LlamaModel, ModelConfig
+from specdec.models.loader import load_pretrained
+from specdec.paths import SHIPPED_TARGET
+from specdec.platform import auto_dtype, detect_platform
+from specdec.tools.benchmark.machine import decode_weight_bytes, read_bandwidth, step_seconds
+from specdec.worker import ModelRunner
+
 ROOT = Path(__file__).resolve().parent.parent
-
-import torch  # noqa: E402
-
-from specdec.tools.benchmark.machine import decode_weight_bytes, read_bandwidth, step_seconds  # noqa: E402
-from specdec.models.llama import LlamaModel, ModelConfig  # noqa: E402
-from specdec.models.loader import load_pretrained  # noqa: E402
-from specdec.paths import SHIPPED_TARGET  # noqa: E402
-from specdec.platform import auto_dtype, detect_platform  # noqa: E402
-from specdec.worker import ModelRunner  # noqa: E402
 
 SHAPES = {
     "smollm2-135m": ModelConfig(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_layers=30, num_heads=9,

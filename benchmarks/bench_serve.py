@@ -33,11 +33,12 @@ from pathlib import Path
 
 import httpx
 
-ROOT = Path(__file__).resolve().parents[1]
+from specdec.paths import DOCS, SHIPPED_DRAFT, SHIPPED_TARGET
+from specdec.paths import ROOT as CHECKOUT
+from specdec.serve.process import ServerProcess
+from specdec.tools.benchmark.prompts import held_out_code_prompts
 
-from specdec.tools.benchmark.prompts import held_out_code_prompts  # noqa: E402
-from specdec.paths import DOCS, ROOT as CHECKOUT, SHIPPED_DRAFT, SHIPPED_TARGET  # noqa: E402
-from specdec.serve.process import ServerProcess  # noqa: E402
+ROOT = Path(__file__).resolve().parents[1]
 
 OUT = DOCS / "benchmarks" / "serving"
 LOGS = CHECKOUT / "bench_out" / "serve-logs"  # the servers' output
@@ -202,7 +203,8 @@ def print_row(row: dict) -> None:
     alpha = s["accepted_tokens"] / s["draft_tokens"] if s["draft_tokens"] else float("nan")
     print(f"C={row['concurrency']:>3}: ITL {s['itl_mean'] * 1e3:6.2f} vs {b['itl_mean'] * 1e3:6.2f} ms "
           f"({b['itl_mean'] / s['itl_mean']:.2f}x), TTFT {s['ttft_mean'] * 1e3:6.1f} vs {b['ttft_mean'] * 1e3:6.1f} ms, "
-          f"throughput {s['throughput']:7.1f} vs {b['throughput']:7.1f} tok/s ({s['throughput'] / b['throughput']:.2f}x), "
+          f"throughput {s['throughput']:7.1f} vs {b['throughput']:7.1f} tok/s "
+          f"({s['throughput'] / b['throughput']:.2f}x), "
           f"accepted/drafted {alpha:.2f}, identical {row['identical_outputs']}", flush=True)
 
 

@@ -10,9 +10,9 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import save_tiny_model, stdlib_corpus
 from safetensors.torch import load_file, save_file
 
+from helpers import save_tiny_model, stdlib_corpus
 from specdec import LLM, ModelLoadError, SamplingParams
 from specdec.cli import main
 

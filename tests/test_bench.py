@@ -24,9 +24,18 @@ from specdec.tools.benchmark.exactness import compare, first_divergence
 from specdec.tools.benchmark.goals import evaluate_goals
 from specdec.tools.benchmark.prompts import held_out_code_prompts, repeated_code_prompts
 from specdec.tools.benchmark.report import PLOTS, write_report
-from specdec.tools.benchmark.run import (GREEDY, TARGET_ALONE, TRANSFORMERS_PLAIN, BenchConfig, Method, Record, Run,
-                                   check_greedy_exactness, run_benchmark,
-                                   transformers_runners)
+from specdec.tools.benchmark.run import (
+    GREEDY,
+    TARGET_ALONE,
+    TRANSFORMERS_PLAIN,
+    BenchConfig,
+    Method,
+    Record,
+    Run,
+    check_greedy_exactness,
+    run_benchmark,
+    transformers_runners,
+)
 from specdec.tools.training.corpus import stdlib_path
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
@@ -413,7 +422,7 @@ def test_a_table_too_wide_is_wrapped_then_split_with_its_first_column_in_each():
     assert all(len(line) <= 100 for line in text.splitlines())
     for header in headers[1:]:
         assert sum(header in t for t in tables) == 1  # each column once
-    for n, row in enumerate(rows):
+    for row in rows:
         assert all(f" {cell} |" in text for cell in row[1:])
     assert len({len(line) for line in tables[0].splitlines()}) == 1  # padded into columns
 

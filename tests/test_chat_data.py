@@ -5,8 +5,8 @@ from __future__ import annotations
 import json
 
 import pytest
-from helpers import save_tiny_model
 
+from helpers import save_tiny_model
 from specdec import LLM, SamplingParams
 from specdec.cli import main
 from specdec.tools.training.chat_data import ChatDataConfig, write_chat_data

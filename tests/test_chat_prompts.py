@@ -179,7 +179,7 @@ def test_real_standard_library_keeps_held_out_modules_out_of_train():
     assert not {p.document for p in train} & set(HELD_OUT_MODULES)
     assert {p.document for p in held_out} == set(HELD_OUT_MODULES)
     assert len(train) > 5000 and len(held_out) > 100 and not train.unparsed
-    for split, prompts, documents in (("train", train, corpus.train), ("held_out", held_out, corpus.held_out)):
+    for prompts, documents in ((train, corpus.train), (held_out, corpus.held_out)):
         for prompt in prompts[:300]:
             check_conversation(prompt, {d.name for d in documents})
         counts = {kind: sum(p.kind == kind for p in prompts) for kind in KINDS}

@@ -357,8 +357,8 @@ def test_the_model_comes_first_in_every_subcommand_and_the_old_flags_are_still_t
 
 
 def test_the_bench_says_its_run_in_the_same_words(model_dir):
-    from specdec.tools.benchmark.commands import bench_config, command_line
     from specdec.cli import build_parser
+    from specdec.tools.benchmark.commands import bench_config, command_line
 
     parser = build_parser()
     args = parser.parse_args(["bench", str(model_dir), "--adaptive-confidence", "0.25", "-k", "3", "--early-exit",

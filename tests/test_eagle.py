@@ -9,7 +9,7 @@ import json
 import pytest
 import torch
 
-from helpers import load_hf, save_random_head, save_tiny_model, random_prompts, token_ids
+from helpers import load_hf, random_prompts, save_random_head, save_tiny_model, token_ids
 from specdec import LLM, SamplingParams
 from specdec.drafters.eagle import EagleDrafter
 from specdec.models.eagle import HEAD_CONFIG, HeadLoadError, load_head

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from helpers import save_tiny_model, random_prompts, token_ids
+from helpers import random_prompts, save_tiny_model, token_ids
 from specdec import LLM, SamplingParams
 from specdec.drafters.early_exit import default_exit_layer
 from specdec.models.loader import load_pretrained

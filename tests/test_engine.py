@@ -9,9 +9,11 @@ import shutil
 import pytest
 import torch
 
-from helpers import load_hf, make_tokenizer, save_tiny_model, save_tiny_pair, random_prompts as shared_random_prompts, token_ids
+from helpers import load_hf, make_tokenizer, save_tiny_model, save_tiny_pair, token_ids
+from helpers import random_prompts as shared_random_prompts
 from specdec import LLM, SamplingParams
 from specdec.models.cpu_linear import Bf16PackedLinear, can_pack
+
 
 def random_prompts(n: int, seed: int, **kwargs) -> list[list[int]]:
     return shared_random_prompts(n, seed, lengths=(3, 30), **kwargs)

@@ -27,8 +27,21 @@ import pytest
 
 from specdec import paths
 from specdec.models import registry
-from specdec.models.registry import (PIP_ARGS_ENV, FetchError, ModelNameError, Part, RegisteredModel, fetch_file,
-                                     is_fetched, list_models, lookup, model_file, model_path, resolve_model, sliced)
+from specdec.models.registry import (
+    PIP_ARGS_ENV,
+    FetchError,
+    ModelNameError,
+    Part,
+    RegisteredModel,
+    fetch_file,
+    is_fetched,
+    list_models,
+    lookup,
+    model_file,
+    model_path,
+    resolve_model,
+    sliced,
+)
 
 SLICES = 12
 SLICE_BYTES = 1000
@@ -297,7 +310,6 @@ def test_a_converted_model_resolves_to_its_directory(index, tmp_path):
 
 def test_names_load_through_load_pretrained_llm_and_the_command_line(tmp_path, monkeypatch, capsys):
     from gguf_files import tiny_hf_model, write_gguf
-
     from specdec import LLM, SamplingParams
     from specdec.cli import main
     from specdec.models.loader import load_pretrained

@@ -14,18 +14,16 @@ dequantization (llama.cpp's reference in Python) and plain float products.
 
 from __future__ import annotations
 
-import json
 import os
 import subprocess
 import sys
-from pathlib import Path
 
 import gguf
 import numpy as np
 import pytest
 import torch
-from gguf_files import encode, tiny_hf_model, write_gguf
 
+from gguf_files import encode, tiny_hf_model, write_gguf
 from specdec import LLM, SamplingParams
 from specdec.kernels import cpu_flags, qmatmul, variant
 from specdec.models.gguf_linear import GGUFEmbedding, GGUFLinear, dequantize

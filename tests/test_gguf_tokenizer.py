@@ -19,8 +19,13 @@ import numpy as np
 import pytest
 from tokenizers import Tokenizer, models, pre_tokenizers, trainers
 
-from specdec.models.gguf_tokenizer import (GGUFTokenizerError, PRE_TYPES, derive_merges, metadata_from_reader,
-                                           tokenizer_from_gguf)
+from specdec.models.gguf_tokenizer import (
+    PRE_TYPES,
+    GGUFTokenizerError,
+    derive_merges,
+    metadata_from_reader,
+    tokenizer_from_gguf,
+)
 
 gguf = pytest.importorskip("gguf")
 transformers = pytest.importorskip("transformers")

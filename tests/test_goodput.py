@@ -14,13 +14,25 @@ from collections import Counter
 
 import pytest
 import torch
-from helpers import save_tiny_model
 
+from helpers import save_tiny_model
 from specdec import LLM, SamplingParams
-from specdec.spec.goodput import (CALIBRATION_REPEATS, CALIBRATION_WARM_UPS, COST_WINDOW, MAX_PROBE_INTERVAL, MIN_GAIN,
-                             PLAIN_CHECK_INTERVAL, PRIOR_WEIGHT, PROBE_BUDGET, PROBE_INTERVAL, AcceptanceEstimate,
-                             CostCurve, GoodputPolicy, RoundCosts)
 from specdec.cli import main
+from specdec.spec.goodput import (
+    CALIBRATION_REPEATS,
+    CALIBRATION_WARM_UPS,
+    COST_WINDOW,
+    MAX_PROBE_INTERVAL,
+    MIN_GAIN,
+    PLAIN_CHECK_INTERVAL,
+    PRIOR_WEIGHT,
+    PROBE_BUDGET,
+    PROBE_INTERVAL,
+    AcceptanceEstimate,
+    CostCurve,
+    GoodputPolicy,
+    RoundCosts,
+)
 
 GREEDY = SamplingParams(temperature=0, max_tokens=48, ignore_eos=True)
 PROMPTS = [[5, 9, 31, 7, 7], list(range(40, 53)), [3] * 30]

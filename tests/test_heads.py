@@ -10,10 +10,17 @@ import json
 
 import pytest
 import torch
-from helpers import save_tiny_model, stdlib_corpus
 
-from specdec.models.eagle import (HEAD_CONFIG, HEAD_WEIGHTS, EagleHead, head_config, load_head, read_head_config,
-                                  save_head)
+from helpers import save_tiny_model, stdlib_corpus
+from specdec.models.eagle import (
+    HEAD_CONFIG,
+    HEAD_WEIGHTS,
+    EagleHead,
+    head_config,
+    load_head,
+    read_head_config,
+    save_head,
+)
 from specdec.models.loader import ModelLoadError, load_pretrained
 from specdec.tools.training.commands import add_restrict_head_parser, add_train_heads_parser, add_train_parser
 from specdec.tools.training.heads import HeadsConfig, add_noise, head_loss, new_head

@@ -13,12 +13,27 @@ from pathlib import Path
 
 import pytest
 
-from specdec.tools.benchmark import commands, llama_cpp
-from specdec.tools.benchmark.llama_cpp import (AVX2_ENV, LLAMA_PLAIN, SPECDEC_PLAIN, LlamaCppBuild, LlamaCppConfig,
-                                         LlamaCppError, Record, System, Timed, ToolOptions)
-from specdec.tools.benchmark.report import (KEPT_MARKER, LLAMA_CPP_END, LLAMA_CPP_START, llama_cpp_markdown,
-                                      write_llama_cpp_docs)
 from specdec.models import registry
+from specdec.tools.benchmark import commands, llama_cpp
+from specdec.tools.benchmark.llama_cpp import (
+    AVX2_ENV,
+    LLAMA_PLAIN,
+    SPECDEC_PLAIN,
+    LlamaCppBuild,
+    LlamaCppConfig,
+    LlamaCppError,
+    Record,
+    System,
+    Timed,
+    ToolOptions,
+)
+from specdec.tools.benchmark.report import (
+    KEPT_MARKER,
+    LLAMA_CPP_END,
+    LLAMA_CPP_START,
+    llama_cpp_markdown,
+    write_llama_cpp_docs,
+)
 
 # -- real output, captured from the tools built from llama-cpp-python 0.3.36's vendored llama.cpp
 # (Qwen2.5-Coder-1.5B-Instruct Q4_K_M, 2 threads, a busy machine: the times are slow), trimmed to

@@ -11,14 +11,14 @@ from __future__ import annotations
 import json
 import shutil
 import struct
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
 
 import pytest
 import torch
-from helpers import TEXT, make_tokenizer, save_tiny_model
 
+from helpers import TEXT, make_tokenizer, save_tiny_model
 from specdec import LLM, ModelLoadError, SamplingParams
 
 VOCAB = 320

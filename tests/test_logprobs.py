@@ -7,7 +7,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from helpers import load_hf, save_tiny_pair, random_prompts as shared_random_prompts
+from helpers import load_hf, save_tiny_pair
+from helpers import random_prompts as shared_random_prompts
 from specdec import LLM, SamplingParams
 
 

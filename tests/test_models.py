@@ -14,12 +14,12 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import ARCHITECTURES, hf_config, load_hf, make_tokenizer
 from tokenizers import Tokenizer as RustTokenizer
 
-from specdec.platform import Platform
+from helpers import ARCHITECTURES, hf_config, load_hf, make_tokenizer
 from specdec import LLM, SamplingParams
 from specdec.models.loader import load_pretrained
+from specdec.platform import Platform
 
 VOCAB = 320
 EOS = 1  # helpers.hf_config: bos 0, eos 1
@@ -497,7 +497,8 @@ def test_output_text_reads_as_it_does_after_the_prompt_with_a_sentencepiece_deco
     """Llama 2 / Mistral style: the decoder strips the first token's leading space, so text
     decoded alone loses the space between prompt and output; decode_after keeps it. The
     reference: the tokenizers library decoding prompt and output together."""
-    from tokenizers import Tokenizer as Backend, decoders, models, pre_tokenizers, trainers
+    from tokenizers import Tokenizer as Backend
+    from tokenizers import decoders, models, pre_tokenizers, trainers
 
     from specdec.models.tokenizer import Tokenizer
 

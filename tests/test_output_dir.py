@@ -12,14 +12,14 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import save_tiny_model, stdlib_corpus
 
+from helpers import save_tiny_model, stdlib_corpus
 from specdec.cli import main
 from specdec.models.checkpoint import save_pretrained
 from specdec.models.loader import ModelLoadError, load_pretrained
 from specdec.output_dir import STAGING_MARKER, open_output_dir, staging_path
 from specdec.tools.training import loop
-from specdec.tools.training.train import new_model, model_shape
+from specdec.tools.training.train import model_shape, new_model
 
 TINY_RUN = ["--preset", "tiny", "--context", "32", "--batch-size", "4", "--warmup", "1", "--eval-tokens", "256",
             "--log-every", "0", "--eval-every", "0", "--device", "cpu"]

@@ -12,8 +12,8 @@ import torch
 
 from helpers import make_tokenizer
 from specdec import SamplingParams
-from specdec.models.tokenizer import Tokenizer
 from specdec.engine.output_processor import OutputProcessor
+from specdec.models.tokenizer import Tokenizer
 from specdec.sequence import Sequence
 
 EOS = 1  # make_tokenizer's "</s>"

@@ -6,12 +6,12 @@ from __future__ import annotations
 import threading
 
 import pytest
-from helpers import save_tiny_model
 
+from helpers import save_tiny_model
 from specdec import LLM, SamplingParams
+from specdec.progress import stage
 from specdec.spec.goodput import GoodputPolicy
 from specdec.worker import ModelRunner
-from specdec.progress import stage
 
 
 def test_a_quick_stage_prints_nothing(capsys):

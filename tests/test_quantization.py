@@ -14,15 +14,20 @@ import math
 
 import pytest
 import torch
-from helpers import load_hf, save_tiny_pair
 from torch import nn
 
+from helpers import load_hf, save_tiny_pair
 from specdec import LLM, SamplingParams
+from specdec.cli import main
+from specdec.models.quantized_linear import (
+    INT4_GROUP_SIZE,
+    Int4Linear,
+    Int8Linear,
+    check_quantization,
+    quantize_linears,
+)
 from specdec.tools.benchmark.machine import decode_weight_bytes
 from specdec.tools.benchmark.quality import perplexity
-from specdec.cli import main
-from specdec.models.quantized_linear import (INT4_GROUP_SIZE, Int4Linear, Int8Linear, check_quantization,
-                                             quantize_linears)
 
 GREEDY = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
 PROMPTS = [[5, 9, 31, 7, 7], list(range(40, 53)), [3] * 30]

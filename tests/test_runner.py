@@ -13,8 +13,8 @@ import warnings
 
 import pytest
 import torch
-from helpers import save_tiny_model, save_tiny_pair, token_ids
 
+from helpers import save_tiny_model, save_tiny_pair, token_ids
 from specdec import LLM, SamplingParams
 from specdec.platform import Platform, auto_dtype, detect_platform
 from specdec.worker import ModelRunner

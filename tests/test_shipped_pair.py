@@ -12,8 +12,8 @@ import torch
 
 from helpers import load_hf
 from specdec import LLM, SamplingParams
-from specdec.tools.benchmark.prompts import held_out_code_prompts
 from specdec.models.loader import load_pretrained
+from specdec.tools.benchmark.prompts import held_out_code_prompts
 
 MODELS = Path(__file__).resolve().parents[1] / "models"
 TARGET, DRAFT = MODELS / "code-target", MODELS / "code-draft"

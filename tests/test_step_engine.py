@@ -7,7 +7,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from helpers import save_random_head, save_tiny_pair, random_prompts as shared_random_prompts
+from helpers import random_prompts as shared_random_prompts
+from helpers import save_random_head, save_tiny_pair
 from specdec import LLM, SamplingParams
 
 

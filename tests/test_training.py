@@ -14,13 +14,20 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import CORPUS_FILES, stdlib_corpus
 
+from helpers import CORPUS_FILES, stdlib_corpus
 from specdec.models.checkpoint import save_pretrained
 from specdec.models.loader import ModelLoadError, load_pretrained
 from specdec.tools.training.commands import add_distill_parser, add_train_parser
-from specdec.tools.training.corpus import (END_OF_TEXT, HELD_OUT_MODULES, Document, evaluation_windows, load_corpus,
-                                     sample_windows, split_held_out)
+from specdec.tools.training.corpus import (
+    END_OF_TEXT,
+    HELD_OUT_MODULES,
+    Document,
+    evaluation_windows,
+    load_corpus,
+    sample_windows,
+    split_held_out,
+)
 from specdec.tools.training.distill import DistillConfig, acceptance_metrics, divergence_loss, sample_from_target
 from specdec.tools.training.loop import TrainConfig, learning_rate
 from specdec.tools.training.train import PRESETS, ModelShape, model_shape, new_model, next_token_loss
@@ -516,7 +523,7 @@ def test_gradient_accumulation_averages_like_one_big_batch():
         config = TrainConfig(steps=10, batch_size=batch_size, grad_accum=grad_accum, bf16=False, grad_clip=1e9)
         model = new_model(PRESETS["tiny"].model_config(), seed=3)
         batches = iter(windows.split(batch_size))
-        task = Task(model, lambda generator: next(batches), next_token_loss, lambda m: {}, batch_size * 16, {})
+        task = Task(model, lambda generator, batches=batches: next(batches), next_token_loss, lambda m: {}, batch_size * 16, {})
         recorder = _GradientRecorder(model)
         losses.append(train_step(task, recorder, config, torch.Generator(), contextlib.nullcontext(), 1e-3))
         gradients.append(recorder.gradients)

@@ -31,14 +31,17 @@ SOURCE = Path(__file__).parent  # specdec's own source: its warnings are said in
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from specdec.tools.benchmark.commands import add_bench_parser  # these import torch: after main's try begins
+    from specdec import __version__
     from specdec.models.commands import add_convert_parser, add_fetch_parser
     from specdec.serve.commands import add_serve_parser
+    from specdec.tools.benchmark.commands import add_bench_parser  # these import torch: after main's try begins
     from specdec.tools.training.chat_data import add_chat_data_parser
-    from specdec.tools.training.commands import (add_distill_parser, add_restrict_head_parser, add_train_heads_parser,
-                                           add_train_parser)
-
-    from specdec import __version__
+    from specdec.tools.training.commands import (
+        add_distill_parser,
+        add_restrict_head_parser,
+        add_train_heads_parser,
+        add_train_parser,
+    )
 
     parser = argparse.ArgumentParser(prog="specdec", description="Exact speculative decoding for LLMs")
     parser.add_argument("--version", action="version", version=f"specdec {__version__}")

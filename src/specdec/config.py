@@ -9,11 +9,11 @@ from __future__ import annotations
 
 import math
 import os
+from collections.abc import Callable
 from dataclasses import dataclass, field, fields
-from typing import Callable, NamedTuple
+from typing import NamedTuple
 
 from specdec.tree import TreeShape
-
 
 GREEDY_TEMPERATURE = 1e-5  # temperatures below this sample greedily
 INT64_MIN, INT64_MAX, UINT64_MAX = -2**63, 2**63 - 1, 2**64 - 1
@@ -400,7 +400,7 @@ class SpeculativeConfig:
                   if getattr(self, name) != neutral
                   and not (name == "draft_confidence_threshold" and self.method == "early_exit")]  # it drafts by model
         need(self.method in NEEDS_DRAFT_MODEL or not unused,
-             ", ".join("{%s:=}" % name for name in unused) + " configure a draft model, and {method:=} uses none; "
+             ", ".join(f"{{{name}:=}}" for name in unused) + " configure a draft model, and {method:=} uses none; "
              "drop them, or use {method:=lookup_then_draft} for prompt lookup with a draft model behind it")
 
 

@@ -12,8 +12,19 @@ import dataclasses
 
 import torch
 
-from specdec.config import (INT64_MIN, UINT64_MAX, ConfigError, SamplingParams, SpeculativeConfig, check,
-                            check_device, is_int, keeps_file_quantization, keyword, requantization)
+from specdec.config import (
+    INT64_MIN,
+    UINT64_MAX,
+    ConfigError,
+    SamplingParams,
+    SpeculativeConfig,
+    check,
+    check_device,
+    is_int,
+    keeps_file_quantization,
+    keyword,
+    requantization,
+)
 from specdec.drafters import DRAFTERS, Drafter
 from specdec.engine import Engine
 from specdec.models.eagle import is_head_directory
@@ -22,10 +33,10 @@ from specdec.models.quantized_linear import check_quantization
 from specdec.outputs import CompletionOutput, RequestOutput
 from specdec.platform import Platform, detect_platform
 from specdec.progress import stage
-from specdec.worker import ModelRunner, check_compile_mode
 from specdec.sampling import request_generator
 from specdec.sequence import Sequence
 from specdec.tree import TreeShape
+from specdec.worker import ModelRunner, check_compile_mode
 
 
 class LLM:
@@ -124,12 +135,12 @@ class LLM:
         self.engine = self._engine(drafter, spec.num_speculative_tokens if spec else 0,
                                    spec.k_policy if spec else "fixed", TreeShape.parse(spec.tree) if spec else None)
 
-    def target_only(self) -> "LLM":
+    def target_only(self) -> LLM:
         """An LLM over the same loaded target with no drafter: the baseline to compare with."""
         return self.with_drafter(None)
 
     def with_drafter(self, drafter: Drafter | None, k: int = 0, k_policy: str = "goodput",
-                     tree: str = "chain") -> "LLM":
+                     tree: str = "chain") -> LLM:
         """An LLM over the same loaded target (nothing is reloaded) that speculates with drafter
         at k (at most, by goodput, the default as for LLM; or every round: k_policy="fixed"; a
         tree of k nodes for a tree shape other than "chain"), or decodes plainly (None). Its

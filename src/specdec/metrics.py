@@ -79,7 +79,7 @@ class SpecStats:
         return self.num_emitted_tokens / self.seconds if self.seconds > 0 else float("nan")
 
     @classmethod
-    def merge(cls, stats: list["SpecStats"]) -> "SpecStats":
+    def merge(cls, stats: list[SpecStats]) -> SpecStats:
         """Totals over requests; seconds is the longest (the requests ran together)."""
         total = cls()
         for s in stats:

@@ -11,8 +11,16 @@ import argparse
 import shlex
 from dataclasses import fields
 
-from specdec.config import (COMPILE_HELP, COMPILE_MODES, QUANTIZATION_ARGS, QUANTIZATION_HELP, SpeculativeConfig,
-                            Wording, keyword, quantization_from_arg)
+from specdec.config import (
+    COMPILE_HELP,
+    COMPILE_MODES,
+    QUANTIZATION_ARGS,
+    QUANTIZATION_HELP,
+    SpeculativeConfig,
+    Wording,
+    keyword,
+    quantization_from_arg,
+)
 
 DEFAULT_EXIT = object()  # --early-exit without a layer: the drafter's default depth
 MODEL_HELP = "the target: a Hugging Face directory, a .gguf file or a model's name (`specdec fetch`)"

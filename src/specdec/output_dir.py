@@ -35,9 +35,10 @@ import fnmatch
 import json
 import os
 import shutil
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import IO, Callable
+from typing import IO
 
 STAGING_SUFFIX = ".incomplete"
 REPLACED_SUFFIX = ".replaced"  # where commit() moves the old final directory until the new one is in place
@@ -87,7 +88,7 @@ class OutputDir:
             _remove(self.replaced)
         return self.final
 
-    def __enter__(self) -> "OutputDir":
+    def __enter__(self) -> OutputDir:
         return self
 
     def __exit__(self, error_type, error, traceback) -> None:

@@ -53,7 +53,7 @@ def detect_platform(device: torch.device | str = "cpu") -> Platform:
     return _detect(device.type, device.index or 0 if device.type == "cuda" else None)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _detect(device_type: str, cuda_index: int | None) -> Platform:
     cpu_capability = torch.backends.cpu.get_cpu_capability()
     if device_type == "cuda":

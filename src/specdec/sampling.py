@@ -43,7 +43,7 @@ class SamplingTensors:
     any_greedy: bool
 
     @classmethod
-    def from_params(cls, params: list[SamplingParams], device: torch.device | str = "cpu") -> "SamplingTensors":
+    def from_params(cls, params: list[SamplingParams], device: torch.device | str = "cpu") -> SamplingTensors:
         greedy = [p.greedy for p in params]
         sampled = [p for p in params if not p.greedy]
         return cls(
@@ -59,15 +59,15 @@ class SamplingTensors:
             any_greedy=any(greedy),
         )
 
-    def select_rows(self, rows: torch.Tensor) -> "SamplingTensors":
+    def select_rows(self, rows: torch.Tensor) -> SamplingTensors:
         """The settings of some rows (the batch-wide flags kept: they only enable checks)."""
         return self._map_rows(lambda t: t[rows])
 
-    def repeat_rows(self, n: int) -> "SamplingTensors":
+    def repeat_rows(self, n: int) -> SamplingTensors:
         """Each row's settings repeated n times in place: [N] -> [N * n], for [N, n, V] logits."""
         return self._map_rows(lambda t: t.repeat_interleave(n))
 
-    def _map_rows(self, f) -> "SamplingTensors":
+    def _map_rows(self, f) -> SamplingTensors:
         """f applied to every per-row tensor; the batch-wide flags unchanged."""
         return dataclasses.replace(self, **{name: f(getattr(self, name)) for name in PER_ROW_FIELDS})
 

@@ -38,7 +38,7 @@ class TreeShape:
     branching: tuple[int, ...] = ()
 
     @classmethod
-    def parse(cls, text: str) -> "TreeShape":
+    def parse(cls, text: str) -> TreeShape:
         """"chain", "auto", or branching factors "b1,b2,..." (each 1..MAX_BRANCHING)."""
         if not isinstance(text, str):
             raise ValueError(f"speculative_tree must be a string: 'chain', 'auto' or branching factors like '3,2,1'; "

@@ -37,11 +37,18 @@ class Draft:
         return self.parents is not None
 
     @classmethod
-    def empty(cls, batch_size: int, device: torch.device | str) -> "Draft":
+    def empty(cls, batch_size: int, device: torch.device | str) -> Draft:
         return cls(torch.zeros(batch_size, 0, dtype=torch.long, device=device),
                    torch.zeros(batch_size, dtype=torch.long, device=device))
 
-    def scattered(self, batch_size: int, rows: torch.Tensor) -> "Draft":
+    def narrowed(self, width: int) -> Draft:
+        """A chain draft cut to its first width columns (at least its longest row's proposal):
+        what the verify forward then feeds, so that a round whose rows proposed less than k (a
+        lookup that found no match, an adaptive draft that stopped) costs no more than that."""
+        probs = self.probs[:, :width] if self.probs is not None else None  # [B, width, V]
+        return Draft(self.token_ids[:, :width], self.num_tokens, probs)  # [B, width]
+
+    def scattered(self, batch_size: int, rows: torch.Tensor) -> Draft:
         """This draft of some rows as one of batch_size rows: row i here goes to rows[i] [R];
         the other rows propose nothing."""
         B, k = batch_size, self.token_ids.shape[1]

@@ -21,10 +21,10 @@ from specdec.drafters.steps import DraftSteps
 from specdec.drafters.tree_growth import TreeGrowth
 from specdec.kv_cache import TreeAttention
 from specdec.models.loader import LoadedModel, ModelLoadError, load_pretrained, model_config_from_hf, read_config
-from specdec.worker import ForwardBatch, ModelRunner
 from specdec.sampling import SamplingTensors
 from specdec.sequence import Sequence
 from specdec.tree import TreeShape
+from specdec.worker import ForwardBatch, ModelRunner
 
 LARGE_WEIGHT_BYTES = 2_000_000  # float32 matrices at least this big run in bf16 in a small CPU draft
 CATCH_UP_WIDTH = 2  # tokens a row the batch's catch-up forward feeds (a round's accepted ones: see _catch_up)
@@ -48,7 +48,7 @@ class DraftModelDrafter(Drafter):
         return self.runner.model
 
     @classmethod
-    def from_config(cls, spec, target: LoadedModel, target_runner: ModelRunner) -> "DraftModelDrafter":
+    def from_config(cls, spec, target: LoadedModel, target_runner: ModelRunner) -> DraftModelDrafter:
         """Load spec.model in spec.draft_dtype, check that it shares the target's vocabulary, and
         run it as the target runs (device, platform, compile). "auto" on the CPU, for a small
         draft: float32, and where it runs eagerly, its matrices of at least LARGE_WEIGHT_BYTES
@@ -70,7 +70,7 @@ class DraftModelDrafter(Drafter):
                              quantization=requantization(spec.draft_quantization))
         return cls(runner, target.model.config.vocab_size, spec.draft_confidence_threshold)
 
-    def sharing_weights(self, confidence_threshold: float | None = None) -> "DraftModelDrafter":
+    def sharing_weights(self, confidence_threshold: float | None = None) -> DraftModelDrafter:
         """A drafter over the same draft model and runner (for comparisons within one process:
         the two share the runner's cache, so they run one generate at a time, each preparing its
         own); confidence_threshold None keeps this one's."""

@@ -24,10 +24,10 @@ from specdec.kv_cache import CacheRows, TreeAttention, ragged_batch
 from specdec.models.cpu_linear import can_pack, pack_linears
 from specdec.models.eagle import EagleHead, load_head
 from specdec.models.loader import LoadedModel
-from specdec.worker import ModelRunner
 from specdec.sampling import SamplingTensors
 from specdec.sequence import Sequence
 from specdec.tree import TreeShape
+from specdec.worker import ModelRunner
 
 
 class EagleDrafter(Drafter):
@@ -49,7 +49,7 @@ class EagleDrafter(Drafter):
         self.waiting: dict[int, tuple[int, torch.Tensor]] = {}
 
     @classmethod
-    def from_config(cls, spec, target: LoadedModel, target_runner: ModelRunner) -> "EagleDrafter":
+    def from_config(cls, spec, target: LoadedModel, target_runner: ModelRunner) -> EagleDrafter:
         """Load the head in spec.model for this target, in spec.draft_dtype ("auto": the target's)."""
         if spec.draft_quantization not in (None, "auto"):
             raise ValueError("draft_quantization applies to a draft model; an EAGLE head runs unquantized "

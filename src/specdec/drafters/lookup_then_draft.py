@@ -32,12 +32,12 @@ class LookupThenDraftDrafter(Drafter):
         self.draft_model = draft_model
 
     @classmethod
-    def from_config(cls, spec, target, target_runner) -> "LookupThenDraftDrafter":
+    def from_config(cls, spec, target, target_runner) -> LookupThenDraftDrafter:
         return cls(NgramDrafter.from_config(spec, target, target_runner),
                    DraftModelDrafter.from_config(spec, target, target_runner))
 
     @classmethod
-    def sharing_weights(cls, draft_model: DraftModelDrafter) -> "LookupThenDraftDrafter":
+    def sharing_weights(cls, draft_model: DraftModelDrafter) -> LookupThenDraftDrafter:
         """Prompt lookup with this method's default n-gram lengths in front of draft_model's
         weights (and runner: see DraftModelDrafter.sharing_weights)."""
         return cls(NgramDrafter(DEFAULT_NGRAM_MIN["lookup_then_draft"], device=draft_model.model.device),

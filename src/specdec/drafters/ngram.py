@@ -21,7 +21,7 @@ class NgramDrafter(Drafter):
         self.ngram_min, self.ngram_max, self.device = ngram_min, ngram_max, device
 
     @classmethod
-    def from_config(cls, spec, target, target_runner) -> "NgramDrafter":
+    def from_config(cls, spec, target, target_runner) -> NgramDrafter:
         return cls(spec.ngram_min, spec.ngram_max, target_runner.device)
 
     def propose(self, batch: list[Sequence], ks: list[int], sampling: SamplingTensors) -> Draft:

@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 from specdec.kernels import qmatmul
-from specdec.models.gguf_linear import GGUFLinear, GGUFMLP
+from specdec.models.gguf_linear import GGUFMLP, GGUFLinear
 from specdec.models.llama import FLOAT32_ATTENTION_MAX_QUERIES, DecoderLayer
 
 

@@ -12,11 +12,11 @@ import torch
 from torch import nn
 
 from specdec.models.checkpoint import FUSED, to_hf
+from specdec.models.errors import ModelLoadError
 from specdec.models.gguf_layer import fused_layer
-from specdec.models.gguf_linear import GGUFEmbedding, GGUFLinear, GGUFMLP, dequantize
+from specdec.models.gguf_linear import GGUFMLP, GGUFEmbedding, GGUFLinear, dequantize
 from specdec.models.gguf_quants import PackedTensor
 from specdec.models.llama import LlamaModel, ModelConfig, rope_inverse_frequencies
-from specdec.models.errors import ModelLoadError
 
 log = logging.getLogger("specdec")
 

@@ -349,7 +349,7 @@ class LlamaModel(DecoderStack):
         logits = self.logits(hidden[rows, last_index.to(hidden.device)])
         return (logits, hidden) if return_hidden else logits
 
-    def first_layers(self, num_layers: int) -> "LlamaModel":
+    def first_layers(self, num_layers: int) -> LlamaModel:
         """This model cut after its first num_layers layers: the same embedding, layers, final norm
         and output layer (shared, not copied), the rest left out. Its caches hold those layers only."""
         if not 1 <= num_layers <= self.config.num_layers:

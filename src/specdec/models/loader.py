@@ -262,8 +262,9 @@ def _sliding_windows(cfg: dict, model_type: str, num_layers: int, where: Path) -
 
 def resolve_dtype(dtype: str | torch.dtype, hf_config: dict, platform: Platform,
                   what: str = "the model") -> torch.dtype:
-    """dtype as a torch dtype; "auto" = the checkpoint's, unless platform would emulate it (platform.auto_dtype). The choice is logged; an explicit half precision
-    the platform emulates runs, with a warning."""
+    """dtype as a torch dtype; "auto" = the checkpoint's, unless platform would emulate it
+    (platform.auto_dtype). The choice is logged; an explicit half precision the platform emulates
+    runs, with a warning."""
     if isinstance(dtype, torch.dtype):
         if dtype not in (torch.float32, torch.bfloat16, torch.float16):
             raise ValueError(f"dtype {dtype} is not supported: the model runs in torch.float32, torch.bfloat16 "

@@ -33,6 +33,7 @@ from torch import nn
 
 from specdec.config import check_quantization_name
 from specdec.models.cpu_linear import replace_linears
+
 INT4_GROUP_SIZE = 32  # inputs per int4 scale; docs/runner.md compares 32, 64 and 128
 KERNEL_DTYPE = torch.bfloat16  # the activations' dtype inside the kernels
 

@@ -8,7 +8,6 @@ from pathlib import Path
 
 from tokenizers import Tokenizer as _RustTokenizer
 
-
 DECODE_CONTEXT_TOKENS = 4  # prompt tokens decoded with an output so that it reads as it does after them
 
 
@@ -20,7 +19,7 @@ class Tokenizer:
         self.chat_template = chat_template
 
     @classmethod
-    def from_directory(cls, path: str | Path, config: dict | None = None) -> "Tokenizer":
+    def from_directory(cls, path: str | Path, config: dict | None = None) -> Tokenizer:
         """tokenizer.json in path; config: the parsed tokenizer_config.json, if there is one."""
         path = Path(path)
         backend = _RustTokenizer.from_file(str(path / "tokenizer.json"))
@@ -28,7 +27,7 @@ class Tokenizer:
         return cls(backend, _special_tokens(config), _chat_template(path, config))
 
     @classmethod
-    def from_backend(cls, backend: _RustTokenizer, config: dict) -> "Tokenizer":
+    def from_backend(cls, backend: _RustTokenizer, config: dict) -> Tokenizer:
         """A tokenizer already built (a GGUF file's), with the tokenizer_config.json fields config."""
         return cls(backend, _special_tokens(config), config.get("chat_template"))
 

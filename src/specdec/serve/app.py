@@ -30,9 +30,22 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from specdec.outputs import RequestOutput
 from specdec.serve.async_engine import AsyncEngine, EngineStopped, QueueFull
-from specdec.serve.protocol import (APIError, ChatCompletionRequest, CompletionRequest, SamplingFields, chat_chunk,
-                                    chat_logprobs, chat_response, completion_choice, completion_chunk,
-                                    completion_logprobs, completion_response, model_list, new_id, usage)
+from specdec.serve.protocol import (
+    APIError,
+    ChatCompletionRequest,
+    CompletionRequest,
+    SamplingFields,
+    chat_chunk,
+    chat_logprobs,
+    chat_response,
+    completion_choice,
+    completion_chunk,
+    completion_logprobs,
+    completion_response,
+    model_list,
+    new_id,
+    usage,
+)
 
 RETRY_AFTER_SECONDS = 1
 DISCONNECT_POLL_SECONDS = 0.25  # how often a non-streaming request checks that its client is still there

@@ -76,7 +76,7 @@ class AsyncEngine:
         self._wake.set()
         if self._thread is not None:
             await asyncio.to_thread(self._thread.join)
-        for request_id, stream in list(self._streams.items()):
+        for stream in list(self._streams.values()):
             stream.put_nowait(EngineStopped("the server is shutting down"))
 
     async def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,

@@ -41,6 +41,7 @@ thought.
 
 from __future__ import annotations
 
+import functools
 import math
 import statistics
 import time
@@ -133,7 +134,7 @@ class CostCurve:
         slope = (self.calibrated[above] - self.calibrated[below]) / (above - below)
         return max(0.0, self.calibrated[below] + slope * (x - below))
 
-    def copy(self) -> "CostCurve":
+    def copy(self) -> CostCurve:
         return CostCurve(dict(self.calibrated), {x: deque(ratios, maxlen=COST_WINDOW)
                                                  for x, ratios in self.ratios.items()})
 
@@ -149,7 +150,7 @@ class RoundCosts:
     def seconds(self, k: int, verify_tokens: int) -> float:
         return self.verify.seconds(verify_tokens) + (self.draft.seconds(k) if k else 0.0)
 
-    def copy(self) -> "RoundCosts":
+    def copy(self) -> RoundCosts:
         return RoundCosts(self.verify.copy(), self.draft.copy())
 
 
@@ -191,7 +192,7 @@ class GoodputPolicy:
             self._calibrated.add((bucket, "draft"))
         for length in sorted({self.padded_tokens(t) for t in range(1, k + 2)}):
             if (bucket, length) not in self._calibrated:
-                costs.verify.calibrated[length] = _warm_seconds(lambda: time_target(length), self.clock)
+                costs.verify.calibrated[length] = _warm_seconds(functools.partial(time_target, length), self.clock)
                 costs.verify.ratios.pop(length, None)  # ratios to a copied calibration mean nothing now
                 self._calibrated.add((bucket, length))
 

@@ -95,7 +95,11 @@ class SpeculativeRound:
         t0 = time.perf_counter()
         draft, all_rows_drafted = self._propose(batch, ks, sampling)
         t1 = time.perf_counter()
-        num_draft = draft.num_tokens if draft.is_tree else torch.minimum(draft.num_tokens, torch.tensor(ks, device=draft.num_tokens.device))
+        if draft.is_tree:
+            num_draft = draft.num_tokens  # [B]
+        else:  # each row cut to its k; the verify forward as wide as the longest proposal (0: a plain step)
+            num_draft = torch.minimum(draft.num_tokens, torch.tensor(ks, device=draft.num_tokens.device))  # [B]
+            draft = draft.narrowed(int(num_draft.max()))
         input_ids, positions, tree = self._verify_inputs(batch, draft)  # [B, k+1] each, and a tree's layout
         slots = [s.slot for s in batch]
         target_logits = self.target(ForwardBatch.of(input_ids, positions, slots, tree),

@@ -96,7 +96,7 @@ class ForwardBatch:
 
     @classmethod
     def of(cls, input_ids: torch.Tensor, positions: torch.Tensor, slots, tree: TreeAttention | None = None
-           ) -> "ForwardBatch":
+           ) -> ForwardBatch:
         """slots as a tensor on input_ids' device, from a list of ints or a tensor."""
         return cls(input_ids, positions, torch.as_tensor(slots, dtype=torch.long, device=input_ids.device), tree)
 

@@ -20,8 +20,14 @@ import shlex
 import sys
 from pathlib import Path
 
-from specdec.config import (COMPILE_HELP, COMPILE_MODES, QUANTIZATION_ARGS, QUANTIZATION_HELP, SpeculativeConfig,
-                            quantization_from_arg)
+from specdec.config import (
+    COMPILE_HELP,
+    COMPILE_MODES,
+    QUANTIZATION_ARGS,
+    QUANTIZATION_HELP,
+    SpeculativeConfig,
+    quantization_from_arg,
+)
 from specdec.model_flags import DEFAULT_EXIT, add_model_argument, add_speculative_arguments, flag, given_settings
 from specdec.paths import DOCS, ROOT, SHIPPED_DRAFT, SHIPPED_HEAD, SHIPPED_TARGET
 
@@ -194,8 +200,8 @@ def _half_depth(model: str) -> int:
 def open_bench_output(args, config):
     """--out (output_dir.py): new, empty, or an earlier bench's results (replaced), never an
     input model or the docs --write-docs writes."""
-    from specdec.tools.benchmark.report import PLOTS, is_bench_output
     from specdec.output_dir import open_output_dir
+    from specdec.tools.benchmark.report import PLOTS, is_bench_output
 
     inputs = {"--model": config.model, "--draft": config.draft}
     if args.write_docs:

@@ -48,9 +48,9 @@ import sys
 import tarfile
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Callable
 
 from specdec import paths
 
@@ -714,8 +714,13 @@ def cpu_kinds_arg(args) -> str:
 def run_llama_cpp_bench(args) -> int:
     """specdec bench --llama-cpp: measure, write results.json and results.md under --out (and
     with --write-docs the docs' section), print the tables."""
-    from specdec.tools.benchmark.report import is_bench_output, llama_cpp_markdown, write_llama_cpp_docs, write_llama_cpp_report
     from specdec.output_dir import open_output_dir
+    from specdec.tools.benchmark.report import (
+        is_bench_output,
+        llama_cpp_markdown,
+        write_llama_cpp_docs,
+        write_llama_cpp_report,
+    )
 
     config = llama_cpp_config(args)
     kinds = CPU_KINDS if cpu_kinds_arg(args) == "both" else (cpu_kinds_arg(args),)

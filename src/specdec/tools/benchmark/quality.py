@@ -18,10 +18,10 @@ import time
 
 import torch
 
-from specdec.tools.benchmark.exactness import first_divergence
-from specdec.tools.benchmark.prompts import held_out_sources
 from specdec.config import SamplingParams
 from specdec.llm import LLM
+from specdec.tools.benchmark.exactness import first_divergence
+from specdec.tools.benchmark.prompts import held_out_sources
 
 PERPLEXITY_TOKENS = 8192  # held-out tokens scored per model
 

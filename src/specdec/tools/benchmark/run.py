@@ -21,27 +21,39 @@ from __future__ import annotations
 import math
 import statistics
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Callable
 
 import torch
 
-from specdec.tools.benchmark.exactness import compare
-from specdec.tools.benchmark.goals import evaluate_goals
-from specdec.tools.benchmark.machine import decode_weight_bytes, describe_machine, read_bandwidth, step_seconds
-from specdec.tools.benchmark.prompts import (Prompt, held_out_chat_prompts, held_out_code_prompts, held_out_edit_prompts,
-                                       repeated_code_prompts)
-from specdec.tools.benchmark.quality import quantization_quality
-from specdec.config import (SamplingParams, SpeculativeConfig, check, check_device, check_quantization_name, is_int,
-                            is_real)
+from specdec.config import (
+    SamplingParams,
+    SpeculativeConfig,
+    check,
+    check_device,
+    check_quantization_name,
+    is_int,
+    is_real,
+)
 from specdec.drafters import DRAFTERS, LookupThenDraftDrafter
 from specdec.llm import LLM
 from specdec.metrics import SpecStats, expected_tokens_per_round, predicted_speedup
 from specdec.models.eagle import is_head_directory
 from specdec.models.loader import is_gguf_file
-from specdec.worker import check_compile_mode
+from specdec.tools.benchmark.exactness import compare
+from specdec.tools.benchmark.goals import evaluate_goals
+from specdec.tools.benchmark.machine import decode_weight_bytes, describe_machine, read_bandwidth, step_seconds
+from specdec.tools.benchmark.prompts import (
+    Prompt,
+    held_out_chat_prompts,
+    held_out_code_prompts,
+    held_out_edit_prompts,
+    repeated_code_prompts,
+)
+from specdec.tools.benchmark.quality import quantization_quality
 from specdec.tree import TreeShape
+from specdec.worker import check_compile_mode
 
 PROMPT_SETS = {  # name -> (title, prompt-set function(per_module, max_chars))
     "code": ("held-out code completion", held_out_code_prompts),

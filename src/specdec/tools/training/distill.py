@@ -48,11 +48,30 @@ from specdec.config import check, is_int, is_real
 from specdec.models.checkpoint import SHARD_BYTES, save_pretrained
 from specdec.models.llama import LlamaModel
 from specdec.models.loader import LoadedModel, load_pretrained
-from specdec.tools.training.corpus import check_stream_length, evaluation_windows, load_corpus, sample_windows, token_stream
+from specdec.tools.training.corpus import (
+    check_stream_length,
+    evaluation_windows,
+    load_corpus,
+    sample_windows,
+    token_stream,
+)
 from specdec.tools.training.loop import Task, TrainConfig, log, train_loop
-from specdec.tools.training.train import (CHECKPOINT_DIR, SAVE_DTYPES, ModelShape, TrainResult, check_save_dtype,
-                                    corpus_record, finish_run, load_initial_model, new_model, open_run_output,
-                                    read_training_log, resume_checkpoint, run_identity, training_positions)
+from specdec.tools.training.train import (
+    CHECKPOINT_DIR,
+    SAVE_DTYPES,
+    ModelShape,
+    TrainResult,
+    check_save_dtype,
+    corpus_record,
+    finish_run,
+    load_initial_model,
+    new_model,
+    open_run_output,
+    read_training_log,
+    resume_checkpoint,
+    run_identity,
+    training_positions,
+)
 
 DIVERGENCES = ("fkl+tv", "tv", "fkl")
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja")

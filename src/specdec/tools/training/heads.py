@@ -54,21 +54,47 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from specdec.platform import cpu_model
 from specdec.config import check, is_int, is_real
-from specdec.models.eagle import (HEAD_CONFIG, HEAD_WEIGHTS, EagleHead, head_config, is_head_directory, load_head,
-                                  save_head)
+from specdec.models.eagle import (
+    HEAD_CONFIG,
+    HEAD_WEIGHTS,
+    EagleHead,
+    head_config,
+    is_head_directory,
+    load_head,
+    save_head,
+)
 from specdec.models.llama import LlamaModel, ModelConfig
 from specdec.models.loader import load_pretrained
 from specdec.output_dir import open_output_dir
+from specdec.platform import cpu_model
 from specdec.tools.training.corpus import check_stream_length, evaluation_windows, sample_windows, stdlib_path
-from specdec.tools.training.distill import (acceptance_metrics, divergence_loss, frequent_share, frequent_tokens,
-                                     sample_from_target, scored_divergence_loss, target_streams, weights_fingerprint)
+from specdec.tools.training.distill import (
+    acceptance_metrics,
+    divergence_loss,
+    frequent_share,
+    frequent_tokens,
+    sample_from_target,
+    scored_divergence_loss,
+    target_streams,
+    weights_fingerprint,
+)
 from specdec.tools.training.loop import RunState, Task, TrainConfig, log, train_loop
 from specdec.tools.training.model_card import command_line, some_names
-from specdec.tools.training.train import (CHECKPOINT_DIR, RUN_OUTPUT_ENTRIES, SAVE_DTYPES, TrainResult, check_save_dtype,
-                                    corpus_record, finish_run, initialise, open_run_output, resume_checkpoint,
-                                    run_identity, training_positions)
+from specdec.tools.training.train import (
+    CHECKPOINT_DIR,
+    RUN_OUTPUT_ENTRIES,
+    SAVE_DTYPES,
+    TrainResult,
+    check_save_dtype,
+    corpus_record,
+    finish_run,
+    initialise,
+    open_run_output,
+    resume_checkpoint,
+    run_identity,
+    training_positions,
+)
 
 KIND = "train-heads"
 # what a train-heads run writes in its output directory: the head, its log and card, its checkpoint

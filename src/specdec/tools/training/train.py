@@ -19,20 +19,27 @@ import hashlib
 import json
 import math
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
 
 import torch
 import torch.nn.functional as F
 
-from specdec.platform import cpu_model
 from specdec.models.checkpoint import SHARD_BYTES, save_pretrained
 from specdec.models.llama import LlamaModel, ModelConfig
 from specdec.models.tokenizer import train_byte_level_bpe
 from specdec.output_dir import OutputDir, open_output_dir, staging_path
-from specdec.tools.training.corpus import (END_OF_TEXT, Corpus, check_stream_length, evaluation_windows, load_corpus,
-                                     sample_windows, token_stream)
+from specdec.platform import cpu_model
+from specdec.tools.training.corpus import (
+    END_OF_TEXT,
+    Corpus,
+    check_stream_length,
+    evaluation_windows,
+    load_corpus,
+    sample_windows,
+    token_stream,
+)
 from specdec.tools.training.loop import CHECKPOINT_FILE, RunState, Task, TrainConfig, log, read_checkpoint, train_loop
 from specdec.tools.training.model_card import write_model_card
 
