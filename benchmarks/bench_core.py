@@ -44,11 +44,22 @@ def make_model(path: Path) -> Path:
 
     if (path / "config.json").is_file():
         return path
-    config = LlamaConfig(vocab_size=32000, hidden_size=768, intermediate_size=2048, num_hidden_layers=12,
-                         num_attention_heads=12, num_key_value_heads=4, max_position_embeddings=2048,
-                         tie_word_embeddings=True, bos_token_id=0, eos_token_id=1)
+    config = LlamaConfig(
+        vocab_size=32000,
+        hidden_size=768,
+        intermediate_size=2048,
+        num_hidden_layers=12,
+        num_attention_heads=12,
+        num_key_value_heads=4,
+        max_position_embeddings=2048,
+        tie_word_embeddings=True,
+        bos_token_id=0,
+        eos_token_id=1,
+    )
     torch.manual_seed(0)
-    with open_output_dir(path, "bench_core", resumable=False) as output:  # an interrupted build leaves nothing that loads
+    with open_output_dir(
+        path, "bench_core", resumable=False
+    ) as output:  # an interrupted build leaves nothing that loads
         output.clear_staging()
         AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16).save_pretrained(output.staging)
         return output.commit()
@@ -69,8 +80,9 @@ def decode_speed(path: Path, num_tokens: int, repeats: int) -> dict:
     unpacked = load_pretrained(path, "bfloat16", "cpu", load_tokenizer=False)
     llm_unpacked = llm.target_only()
     llm_unpacked.target = unpacked
-    llm_unpacked.engine = Engine(ModelRunner(unpacked.model, compile="off", pack_weights=False), None, 0,
-                                 unpacked.eos_token_ids, None)
+    llm_unpacked.engine = Engine(
+        ModelRunner(unpacked.model, compile="off", pack_weights=False), None, 0, unpacked.eos_token_ids, None
+    )
 
     prompt = torch.randint(2, 32000, (1, 32), generator=torch.Generator().manual_seed(0))
     params = SamplingParams(temperature=0, max_tokens=num_tokens, ignore_eos=True)
@@ -79,9 +91,11 @@ def decode_speed(path: Path, num_tokens: int, repeats: int) -> dict:
         with torch.inference_mode():
             hf.generate(prompt, max_new_tokens=num_tokens, min_new_tokens=num_tokens, do_sample=False)
 
-    runs = {"specdec": lambda: llm.generate(prompt[0].tolist(), params),
-            "specdec (weights not prepacked)": lambda: llm_unpacked.generate(prompt[0].tolist(), params),
-            "transformers generate": run_hf}
+    runs = {
+        "specdec": lambda: llm.generate(prompt[0].tolist(), params),
+        "specdec (weights not prepacked)": lambda: llm_unpacked.generate(prompt[0].tolist(), params),
+        "transformers generate": run_hf,
+    }
     for fn in runs.values():  # warm-up
         fn()
     seconds = {name: [] for name in runs}
@@ -90,12 +104,12 @@ def decode_speed(path: Path, num_tokens: int, repeats: int) -> dict:
             seconds[name].append(time_call(fn))
     ours = llm.generate(prompt[0].tolist(), params)[0].outputs[0].token_ids
     with torch.inference_mode():
-        theirs = hf.generate(prompt, max_new_tokens=num_tokens, min_new_tokens=num_tokens,
-                             do_sample=False)[0, 32:].tolist()
+        theirs = hf.generate(prompt, max_new_tokens=num_tokens, min_new_tokens=num_tokens, do_sample=False)[
+            0, 32:
+        ].tolist()
     tokens_per_second = {name: num_tokens / statistics.median(s) for name, s in seconds.items()}
     agree = sum(a == b for a, b in zip(ours, theirs))
-    return {"tokens_per_second": tokens_per_second, "greedy_agreement": (agree, num_tokens),
-            "model": llm.target.model}
+    return {"tokens_per_second": tokens_per_second, "greedy_agreement": (agree, num_tokens), "model": llm.target.model}
 
 
 def verify_cost(model, context: int = 128, repeats: int = 30) -> dict:
@@ -110,8 +124,9 @@ def verify_cost(model, context: int = 128, repeats: int = 30) -> dict:
             positions = torch.arange(context, context + num_tokens)[None]
             for _ in range(3):
                 model(ids, positions, cache)
-            result[num_tokens] = statistics.median(time_call(functools.partial(model, ids, positions, cache))
-                                                   for _ in range(repeats))
+            result[num_tokens] = statistics.median(
+                time_call(functools.partial(model, ids, positions, cache)) for _ in range(repeats)
+            )
     return result
 
 
@@ -130,22 +145,36 @@ def main() -> None:
     big_bandwidth = read_bandwidth(4 << 30)
     warm_bandwidth = read_bandwidth(n_bytes)
     tps = speed["tokens_per_second"]
-    lines = [f"## Core speed ({platform.processor() or platform.machine()}, {torch.get_num_threads()} threads, "
-             f"torch {torch.__version__})", "",
-             f"Random-init Llama, {model.config.num_parameters / 1e6:.0f}M parameters, bfloat16, "
-             f"greedy, {args.tokens} new tokens after a 32-token prompt, median of {args.repeats} interleaved runs.", "",
-             "| decoder | tokens/s | vs transformers |", "|---|---:|---:|"]
+    lines = [
+        f"## Core speed ({platform.processor() or platform.machine()}, {torch.get_num_threads()} threads, "
+        f"torch {torch.__version__})",
+        "",
+        f"Random-init Llama, {model.config.num_parameters / 1e6:.0f}M parameters, bfloat16, "
+        f"greedy, {args.tokens} new tokens after a 32-token prompt, median of {args.repeats} interleaved runs.",
+        "",
+        "| decoder | tokens/s | vs transformers |",
+        "|---|---:|---:|",
+    ]
     base = tps["transformers generate"]
     for name, value in tps.items():
         lines.append(f"| {name} | {value:.1f} | {value / base:.2f}x |")
     agree, total = speed["greedy_agreement"]
-    lines += ["", f"Greedy tokens identical to transformers: {agree}/{total} (bf16 rounding may flip near-ties).", "",
-              "| forward | ms | ratio |", "|---|---:|---:|",
-              f"| 1 token (decode step) | {costs[1] * 1e3:.2f} | 1.00 |",
-              f"| 6 tokens (verify, k=5) | {costs[6] * 1e3:.2f} | {costs[6] / costs[1]:.2f} |", "",
-              "| roofline | read GB/s | ceiling tok/s | specdec tok/s as fraction |", "|---|---:|---:|---:|"]
-    for label, bandwidth in (("4 GiB buffer (DRAM)", big_bandwidth),
-                             (f"{n_bytes / 1e6:.0f} MB buffer (weight-sized, cache-warm)", warm_bandwidth)):
+    lines += [
+        "",
+        f"Greedy tokens identical to transformers: {agree}/{total} (bf16 rounding may flip near-ties).",
+        "",
+        "| forward | ms | ratio |",
+        "|---|---:|---:|",
+        f"| 1 token (decode step) | {costs[1] * 1e3:.2f} | 1.00 |",
+        f"| 6 tokens (verify, k=5) | {costs[6] * 1e3:.2f} | {costs[6] / costs[1]:.2f} |",
+        "",
+        "| roofline | read GB/s | ceiling tok/s | specdec tok/s as fraction |",
+        "|---|---:|---:|---:|",
+    ]
+    for label, bandwidth in (
+        ("4 GiB buffer (DRAM)", big_bandwidth),
+        (f"{n_bytes / 1e6:.0f} MB buffer (weight-sized, cache-warm)", warm_bandwidth),
+    ):
         ceiling = bandwidth / n_bytes
         lines.append(f"| {label} | {bandwidth / 1e9:.1f} | {ceiling:.1f} | {tps['specdec'] / ceiling:.2f} |")
     report = "\n".join(lines)

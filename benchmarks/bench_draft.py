@@ -38,8 +38,10 @@ def main() -> None:
     target = load_pretrained(args.target, args.dtype, args.device)
     target_runner = ModelRunner(target.model, compile="off")
     target_step = min(step_seconds(target_runner) for _ in range(args.repeats))
-    print(f"target {Path(args.target).name} in {args.dtype}: one step {target_step * 1e3:.3f} ms "
-          f"({torch.get_num_threads()} threads, {args.device})\n")
+    print(
+        f"target {Path(args.target).name} in {args.dtype}: one step {target_step * 1e3:.3f} ms "
+        f"({torch.get_num_threads()} threads, {args.device})\n"
+    )
     print("| draft dtype | runs as | one draft step | c |")
     print("|---|---|---:|---:|")
     for draft_dtype in DRAFT_DTYPES:

@@ -48,7 +48,7 @@ def tensor_errors(path: Path) -> dict[str, dict]:
         for start in range(0, rows, 8192):  # a slab at a time: no whole float copy
             ids = torch.arange(start, min(start + 8192, rows))
             ours = dequantize(packed, ids)
-            reference = torch.from_numpy(gguf.quants.dequantize(raw[start:start + len(ids)], tensor.tensor_type))
+            reference = torch.from_numpy(gguf.quants.dequantize(raw[start : start + len(ids)], tensor.tensor_type))
             stats["max_error"] = max(stats["max_error"], float((ours - reference).abs().max()))
         stats["tensors"] += 1
         stats["weights"] += rows * cols
@@ -77,11 +77,13 @@ def main() -> None:
     print(f"per tensor type ({path.name}, {time.perf_counter() - start:.0f} s):")
     print(f"{'type':<6} {'tensors':>8} {'weights':>14} {'exact':>6} {'max |error|':>12}")
     for kind, stats in sorted(errors.items()):
-        print(f"{kind:<6} {stats['tensors']:>8} {stats['weights']:>14,} {str(stats['max_error'] == 0):>6} "
-              f"{stats['max_error']:>12.3g}")
+        print(
+            f"{kind:<6} {stats['tensors']:>8} {stats['weights']:>14,} {str(stats['max_error'] == 0):>6} "
+            f"{stats['max_error']:>12.3g}"
+        )
     reference = LLM(model=str(path), dtype="float32", quantization=None)
     quantized = LLM(model=str(path), dtype="float32")
-    prompts = [[{"role": "user", "content": p.text}] for p in held_out_chat_prompts()[:args.prompts]]
+    prompts = [[{"role": "user", "content": p.text}] for p in held_out_chat_prompts()[: args.prompts]]
     params = SamplingParams(temperature=0, max_tokens=args.tokens)
     agree = total = 0
     for messages in prompts:
@@ -92,12 +94,16 @@ def main() -> None:
         q_next = teacher_forced(quantized, ids)[-n:].argmax(-1)
         agree += int((ref_next == q_next).sum())
         total += n
-    ids = reference.tokenizer.encode(HELD_OUT_TEXT.read_text())[:args.text_tokens]
+    ids = reference.tokenizer.encode(HELD_OUT_TEXT.read_text())[: args.text_tokens]
     targets = torch.tensor(ids[1:])
-    perplexity = {name: math.exp(-float(teacher_forced(llm, ids).gather(1, targets[:, None]).mean()))
-                  for name, llm in (("float32 reference", reference), ("quantized (specdec)", quantized))}
-    print(f"\ngreedy agreement (teacher-forced, {len(prompts)} chat prompts x {args.tokens} tokens): "
-          f"{agree}/{total} = {agree / total:.3f}")
+    perplexity = {
+        name: math.exp(-float(teacher_forced(llm, ids).gather(1, targets[:, None]).mean()))
+        for name, llm in (("float32 reference", reference), ("quantized (specdec)", quantized))
+    }
+    print(
+        f"\ngreedy agreement (teacher-forced, {len(prompts)} chat prompts x {args.tokens} tokens): "
+        f"{agree}/{total} = {agree / total:.3f}"
+    )
     for name, value in perplexity.items():
         print(f"perplexity of {HELD_OUT_TEXT.name} ({len(ids)} tokens), {name}: {value:.4f}")
 

@@ -40,8 +40,9 @@ from specdec.tools.benchmark.run import PROMPT_SETS, spread
 
 ROOT = Path(__file__).resolve().parent.parent
 
-QWEN_TARGET, QWEN_DRAFT = (model_path(lookup(name)) for name in ("qwen2.5-coder-1.5b-instruct",
-                                                                   "qwen2.5-coder-0.5b-instruct"))
+QWEN_TARGET, QWEN_DRAFT = (
+    model_path(lookup(name)) for name in ("qwen2.5-coder-1.5b-instruct", "qwen2.5-coder-0.5b-instruct")
+)
 PAIRS = {  # name -> (target, draft, prompt sets)
     "toy": (SHIPPED_TARGET, SHIPPED_DRAFT, ("code", "repeat")),
     "smollm2": (SMOLLM2_TARGET, SMOLLM2_DRAFT, ("chat", "edit")),
@@ -88,19 +89,27 @@ def fresh_goodput_llm(target_dir: Path, draft_dir: Path, drafter: str, k: int, c
     if drafter == "ngram":
         return LLM(str(target_dir), speculative_method="ngram", num_speculative_tokens=k, compile=compile)
     method = None if drafter == "draft_model" else drafter
-    return LLM(str(target_dir), speculative_model=str(draft_dir), speculative_method=method,
-               num_speculative_tokens=k, compile=compile)
+    return LLM(
+        str(target_dir),
+        speculative_model=str(draft_dir),
+        speculative_method=method,
+        num_speculative_tokens=k,
+        compile=compile,
+    )
 
 
 def prompts_for(llm: LLM, set_name: str, count: int) -> list[list[int]]:
     _, make = PROMPT_SETS[set_name]
     prompts = spread(make(per_module=2, max_chars=800), count)
-    return [llm.chat_token_ids([{"role": "user", "content": p.text}]) if p.chat else llm.tokenizer.encode(p.text)
-            for p in prompts]
+    return [
+        llm.chat_token_ids([{"role": "user", "content": p.text}]) if p.chat else llm.tokenizer.encode(p.text)
+        for p in prompts
+    ]
 
 
-def measure(methods: dict[str, LLM], prompts: list[list[int]], params: SamplingParams,
-            repeats: int) -> dict[str, Totals]:
+def measure(
+    methods: dict[str, LLM], prompts: list[list[int]], params: SamplingParams, repeats: int
+) -> dict[str, Totals]:
     """Every method on every prompt, the order rotated from prompt to prompt, each prompt run
     `repeats` times by every method in turn; of each method's runs of a prompt the fastest
     counts (the 2-core machines are shared: the fastest is the least disturbed)."""
@@ -131,8 +140,13 @@ def row(pair: str, drafter: str, set_name: str, sampling: str, totals: dict[str,
     best_k = max(fixed, key=fixed.get)
     by_k = rounds_by_k_text(SpecStats.merge(totals["goodput"].stats).rounds_by_k)
     cells = [pair, drafter, set_name, sampling, f"{plain:.1f}"] + [f"{fixed[k]:.1f}" for k in ks]
-    cells += [f"{goodput:.1f}", f"{goodput / plain:.2f}x", f"{fixed[best_k] / plain:.2f}x (k={best_k})",
-              f"{goodput / fixed[best_k]:.2f}x", by_k]
+    cells += [
+        f"{goodput:.1f}",
+        f"{goodput / plain:.2f}x",
+        f"{fixed[best_k] / plain:.2f}x (k={best_k})",
+        f"{goodput / fixed[best_k]:.2f}x",
+        by_k,
+    ]
     return "| " + " | ".join(cells) + " |"
 
 
@@ -145,8 +159,10 @@ def header(ks) -> str:
 def run_pair(pair: str, drafters, ks, args) -> None:
     target_dir, draft_dir, prompt_sets = PAIRS[pair]
     if not ((target_dir / "config.json").is_file() or target_dir.is_file()) or not draft_dir.exists():
-        print(f"(pair {pair}: no model at {target_dir} or {draft_dir}; `make smollm2` / `make qwen` fetch them)",
-              flush=True)
+        print(
+            f"(pair {pair}: no model at {target_dir} or {draft_dir}; `make smollm2` / `make qwen` fetch them)",
+            flush=True,
+        )
         return
     target = LLM(str(target_dir), compile=args.compile)
     for drafter_name in drafters:
@@ -176,8 +192,10 @@ def main() -> None:
     args.samplings = ("greedy", "sampled") if args.sampled else ("greedy",)
     ks = tuple(int(k) for k in args.ks.split(","))
     drafters = args.drafters.split(",")
-    print(f"{detect_platform('cpu').describe()}, {torch.get_num_threads()} threads, compile={args.compile}, "
-          f"{args.prompts} prompts per set, {args.max_tokens} tokens each\n")
+    print(
+        f"{detect_platform('cpu').describe()}, {torch.get_num_threads()} threads, compile={args.compile}, "
+        f"{args.prompts} prompts per set, {args.max_tokens} tokens each\n"
+    )
     print(header(ks))
     for pair in args.pairs.split(","):
         run_pair(pair, drafters, ks, args)

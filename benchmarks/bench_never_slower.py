@@ -60,7 +60,7 @@ def run(llm: LLM, prompts: list[str], params: SamplingParams, batch: int) -> tup
     tokens, seconds, stats = 0, 0.0, []
     for start in range(0, len(prompts), batch):
         begin = time.perf_counter()
-        outputs = llm.generate(prompts[start:start + batch], params)
+        outputs = llm.generate(prompts[start : start + batch], params)
         seconds += time.perf_counter() - begin
         tokens += sum(len(o.outputs[0].token_ids) for o in outputs)
         stats += [o.metrics for o in outputs]
@@ -84,13 +84,20 @@ def main() -> None:
         useless = DRAFTERS["draft_model"](SpeculativeConfig(model=str(random_dir)), target.target, target.runner)
     prompts = [p.text for p in held_out_code_prompts(2, max_chars=800)]
     cases = [("random draft, greedy", useless, GREEDY, 1), ("temperature 1.5", shipped, HOT, 1)]
-    cases += [(f"batch {b}, {name}", shipped, sampling, b) for b in (4, 16, 32)
-              for name, sampling in (("greedy", GREEDY), ("sampled", SAMPLED))]
-    print(f"{Path(args.target).name} + {Path(args.draft).name}, {detect_platform('cpu').describe()}, "
-          f"{torch.get_num_threads()} threads, target in {str(target.runner.dtype).removeprefix('torch.')}, "
-          f"compile={args.compile}, {len(prompts)} held-out code prompts, {args.max_tokens} tokens each, k={args.k}\n")
-    print("| case | target alone | fixed k | goodput k | goodput ÷ target alone | fixed ÷ target alone "
-          "| goodput rounds by k |")
+    cases += [
+        (f"batch {b}, {name}", shipped, sampling, b)
+        for b in (4, 16, 32)
+        for name, sampling in (("greedy", GREEDY), ("sampled", SAMPLED))
+    ]
+    print(
+        f"{Path(args.target).name} + {Path(args.draft).name}, {detect_platform('cpu').describe()}, "
+        f"{torch.get_num_threads()} threads, target in {str(target.runner.dtype).removeprefix('torch.')}, "
+        f"compile={args.compile}, {len(prompts)} held-out code prompts, {args.max_tokens} tokens each, k={args.k}\n"
+    )
+    print(
+        "| case | target alone | fixed k | goodput k | goodput ÷ target alone | fixed ÷ target alone "
+        "| goodput rounds by k |"
+    )
     print("|---|---:|---:|---:|---:|---:|---|")
     for name, drafter, sampling, batch in cases:
         params = SamplingParams(max_tokens=args.max_tokens, **sampling)
@@ -104,9 +111,11 @@ def main() -> None:
                 rates[label] = max(rates[label], rate)
                 if label == "goodput":
                     by_k = rounds_by_k_text(stats.rounds_by_k)
-        print(f"| {name} | {rates['plain']:.1f} | {rates['fixed']:.1f} | {rates['goodput']:.1f} | "
-              f"{rates['goodput'] / rates['plain']:.2f}x | {rates['fixed'] / rates['plain']:.2f}x | {by_k} |",
-              flush=True)
+        print(
+            f"| {name} | {rates['plain']:.1f} | {rates['fixed']:.1f} | {rates['goodput']:.1f} | "
+            f"{rates['goodput'] / rates['plain']:.2f}x | {rates['fixed'] / rates['plain']:.2f}x | {by_k} |",
+            flush=True,
+        )
 
 
 if __name__ == "__main__":

@@ -55,23 +55,51 @@ def main() -> None:
     parser.add_argument("--dtype", default="auto")
     parser.add_argument("--draft-dtype", default="auto")
     parser.add_argument("--compile", choices=COMPILE_MODES, default="auto", help=COMPILE_HELP)
-    parser.add_argument("--draft-confidence", type=float, default=0.0,
-                        help="adaptive k: LLM(draft_confidence_threshold=...) (default 0: always k)")
-    parser.add_argument("--lookup", action="store_true",
-                        help="also run speculative_method='lookup_then_draft' (prompt lookup, else the draft) at each k")
-    parser.add_argument("--k-policy", nargs="+", choices=K_POLICIES, default=["fixed"],
-                        help="fixed k, or k by goodput (at most k), or both (default fixed)")
+    parser.add_argument(
+        "--draft-confidence",
+        type=float,
+        default=0.0,
+        help="adaptive k: LLM(draft_confidence_threshold=...) (default 0: always k)",
+    )
+    parser.add_argument(
+        "--lookup",
+        action="store_true",
+        help="also run speculative_method='lookup_then_draft' (prompt lookup, else the draft) at each k",
+    )
+    parser.add_argument(
+        "--k-policy",
+        nargs="+",
+        choices=K_POLICIES,
+        default=["fixed"],
+        help="fixed k, or k by goodput (at most k), or both (default fixed)",
+    )
     parser.add_argument("--show", type=int, default=3, help="print this many completions")
     parser.add_argument("--head", help="also run this EAGLE head (speculative_method='eagle')")
-    parser.add_argument("--early-exit", type=int, metavar="L",
-                        help="also run the target's first L layers as the draft (speculative_method='early_exit')")
-    parser.add_argument("--tree", nargs="+", default=[], metavar="SHAPE",
-                        help="also run each drafter that grows trees with these tree shapes (speculative_tree: "
-                             "'auto' or children per depth like '3,2,1'), k nodes a tree")
+    parser.add_argument(
+        "--early-exit",
+        type=int,
+        metavar="L",
+        help="also run the target's first L layers as the draft (speculative_method='early_exit')",
+    )
+    parser.add_argument(
+        "--tree",
+        nargs="+",
+        default=[],
+        metavar="SHAPE",
+        help="also run each drafter that grows trees with these tree shapes (speculative_tree: "
+        "'auto' or children per depth like '3,2,1'), k nodes a tree",
+    )
     args = parser.parse_args()
 
-    first = LLM(args.target, speculative_model=args.draft, num_speculative_tokens=args.k[0], dtype=args.dtype,
-                draft_dtype=args.draft_dtype, draft_confidence_threshold=args.draft_confidence, compile=args.compile)
+    first = LLM(
+        args.target,
+        speculative_model=args.draft,
+        num_speculative_tokens=args.k[0],
+        dtype=args.dtype,
+        draft_dtype=args.draft_dtype,
+        draft_confidence_threshold=args.draft_confidence,
+        compile=args.compile,
+    )
     plain = first.target_only()
     drafters = {DRAFT_MODEL: first.engine.drafter}  # one draft, loaded once
     if args.lookup:
@@ -81,17 +109,29 @@ def main() -> None:
     if args.early_exit:
         spec = SpeculativeConfig("early_exit", early_exit_layer=args.early_exit)
         drafters[f"{EARLY_EXIT} (layer {args.early_exit})"] = DRAFTERS["early_exit"](spec, first.target, first.runner)
-    speculative = {(name, policy, k, "chain"): first.with_drafter(drafter, k, policy)
-                   for name, drafter in drafters.items() for policy in args.k_policy for k in args.k}
-    speculative.update({(name, "fixed", k, shape): first.with_drafter(drafter, k, "fixed", tree=shape)
-                        for name, drafter in drafters.items() if drafter.grows_trees
-                        for shape in args.tree for k in args.k})
+    speculative = {
+        (name, policy, k, "chain"): first.with_drafter(drafter, k, policy)
+        for name, drafter in drafters.items()
+        for policy in args.k_policy
+        for k in args.k
+    }
+    speculative.update(
+        {
+            (name, "fixed", k, shape): first.with_drafter(drafter, k, "fixed", tree=shape)
+            for name, drafter in drafters.items()
+            if drafter.grows_trees
+            for shape in args.tree
+            for k in args.k
+        }
+    )
     title, make_prompts = PROMPT_SETS[args.prompt_set]
     prompts = make_prompts(args.prompts_per_module, max_chars=args.max_chars)
     prompts = spread(prompts, args.prompts) if args.prompts else prompts
     params = SamplingParams(temperature=0, max_tokens=args.max_tokens)
-    inputs = {prompt.name: first.chat_token_ids([{"role": "user", "content": prompt.text}]) if prompt.chat
-              else prompt.text for prompt in prompts}  # what each run is given: text, or a rendered chat
+    inputs = {
+        prompt.name: first.chat_token_ids([{"role": "user", "content": prompt.text}]) if prompt.chat else prompt.text
+        for prompt in prompts
+    }  # what each run is given: text, or a rendered chat
     longest = max(prompts, key=lambda prompt: len(first.prompt_token_ids(inputs[prompt.name], params)))
     for llm in (plain, *speculative.values()):  # warm-up (and compiling) for the longest prompt
         llm.warm_up(inputs[longest.name], params)
@@ -112,13 +152,17 @@ def main() -> None:
 
     base = _totals(plain_stats)
     cost_ratio = step_seconds(first.engine.drafter.runner) / step_seconds(first.runner)
-    print(f"## {Path(args.target).name} + {Path(args.draft).name} (target in "
-          f"{str(first.runner.dtype).removeprefix('torch.')}, compile={args.compile}, draft in "
-          f"{str(first.engine.drafter.model.dtype).removeprefix('torch.')}"
-          + (f", adaptive k: confidence >= {args.draft_confidence}" if args.draft_confidence else "")
-          + f"), greedy, {len(prompts)} prompts of the set {title}, {args.max_tokens} new tokens each\n")
-    print("| decoder | tokens/s | α (accepted ÷ judged) | accepted ÷ proposed | τ | speedup | predicted "
-          "| acceptance by position | identical outputs |")
+    print(
+        f"## {Path(args.target).name} + {Path(args.draft).name} (target in "
+        f"{str(first.runner.dtype).removeprefix('torch.')}, compile={args.compile}, draft in "
+        f"{str(first.engine.drafter.model.dtype).removeprefix('torch.')}"
+        + (f", adaptive k: confidence >= {args.draft_confidence}" if args.draft_confidence else "")
+        + f"), greedy, {len(prompts)} prompts of the set {title}, {args.max_tokens} new tokens each\n"
+    )
+    print(
+        "| decoder | tokens/s | α (accepted ÷ judged) | accepted ÷ proposed | τ | speedup | predicted "
+        "| acceptance by position | identical outputs |"
+    )
     print("|---|---:|---:|---:|---:|---:|---:|---|---:|")
     print(f"| target alone | {base.tokens_per_second:.1f} | | | 1.00 | 1.00x | | | |")
     for (name, policy, k, shape), stats in spec_stats.items():
@@ -128,10 +172,12 @@ def main() -> None:
         fixed_k = name == DRAFT_MODEL and not args.draft_confidence and policy == "fixed" and shape == "chain"
         predicted = f"{predicted_speedup(alpha, k, cost_ratio):.2f}x" if fixed_k else "–"  # what the formula models
         label = _label(name, policy, k, shape, spec)
-        print(f"| {label} | {spec.tokens_per_second:.1f} | {alpha:.3f} | "
-              f"{spec.proposed_acceptance_rate:.3f} | {spec.tokens_per_forward:.2f} | "
-              f"{spec.tokens_per_second / base.tokens_per_second:.2f}x | {predicted} | {by_position} | "
-              f"{len(prompts) - len(mismatches[name, policy, k, shape])}/{len(prompts)} |")
+        print(
+            f"| {label} | {spec.tokens_per_second:.1f} | {alpha:.3f} | "
+            f"{spec.proposed_acceptance_rate:.3f} | {spec.tokens_per_forward:.2f} | "
+            f"{spec.tokens_per_second / base.tokens_per_second:.2f}x | {predicted} | {by_position} | "
+            f"{len(prompts) - len(mismatches[name, policy, k, shape])}/{len(prompts)} |"
+        )
     print(f"\ncost ratio c (one draft step ÷ one target step) = {cost_ratio:.3f}")
     if args.tree:
         print("tree rows: accepted ÷ proposed counts every node; acceptance by position is by depth")
@@ -141,8 +187,10 @@ def main() -> None:
     if args.prompt_set == "code":
         valid_lines, whole_lines = (sum(counts) for counts in zip(*parsing))
         valid_throughout = sum(valid == whole for valid, whole in parsing)
-        print(f"\nthe target's completions: {valid_lines} of their {whole_lines} whole non-blank lines are valid "
-              f"Python after their prompt; {valid_throughout} of {len(prompts)} completions are valid throughout")
+        print(
+            f"\nthe target's completions: {valid_lines} of their {whole_lines} whole non-blank lines are valid "
+            f"Python after their prompt; {valid_throughout} of {len(prompts)} completions are valid throughout"
+        )
     for prompt, completion in shown:
         print(f"\n### {prompt.name}\n```python\n{prompt.text[-300:]}{completion}\n```")
 

@@ -26,8 +26,13 @@ from specdec.models.gguf_linear import GGUFLinear
 from specdec.models.gguf_quants import LAYOUTS, pack
 from specdec.models.registry import resolve_model
 
-TENSORS = ("blk.0.attn_q.weight", "blk.0.attn_v.weight", "blk.0.ffn_gate.weight", "blk.0.ffn_down.weight",
-           "output.weight")
+TENSORS = (
+    "blk.0.attn_q.weight",
+    "blk.0.attn_v.weight",
+    "blk.0.ffn_gate.weight",
+    "blk.0.ffn_down.weight",
+    "output.weight",
+)
 
 
 def timed(layer: GGUFLinear, x: torch.Tensor, repeats: int) -> float:

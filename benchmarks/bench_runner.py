@@ -32,9 +32,19 @@ from specdec.worker import ModelRunner
 ROOT = Path(__file__).resolve().parent.parent
 
 SHAPES = {
-    "smollm2-135m": ModelConfig(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_layers=30, num_heads=9,
-                                num_kv_heads=3, head_dim=64, max_position_embeddings=8192, rms_norm_eps=1e-5,
-                                rope_theta=100000.0, tie_word_embeddings=True),
+    "smollm2-135m": ModelConfig(
+        vocab_size=49152,
+        hidden_size=576,
+        intermediate_size=1536,
+        num_layers=30,
+        num_heads=9,
+        num_kv_heads=3,
+        head_dim=64,
+        max_position_embeddings=8192,
+        rms_norm_eps=1e-5,
+        rope_theta=100000.0,
+        tie_word_embeddings=True,
+    ),
 }
 
 
@@ -42,7 +52,9 @@ def load(args) -> LlamaModel:
     """A fresh copy of the model (the runner quantizes and packs it in place)."""
     if args.shape is None:
         return load_pretrained(args.model, args.dtype, "cpu", load_tokenizer=False).model
-    dtype = auto_dtype(torch.bfloat16, detect_platform("cpu"))[0] if args.dtype == "auto" else getattr(torch, args.dtype)
+    dtype = (
+        auto_dtype(torch.bfloat16, detect_platform("cpu"))[0] if args.dtype == "auto" else getattr(torch, args.dtype)
+    )
     torch.manual_seed(0)
     model = LlamaModel(SHAPES[args.shape])
     for param in model.parameters():
@@ -63,20 +75,29 @@ def main() -> None:
     logging.basicConfig(level=logging.INFO, format="specdec: %(message)s")
     bandwidth = read_bandwidth(1 << 30)
     name = args.shape or Path(args.model).name
-    print(f"{name} on {detect_platform('cpu').describe()}, {torch.get_num_threads()} threads, "
-          f"read bandwidth {bandwidth / 1e9:.1f} GB/s\n")
-    print(f"| run | dtype | weights | step (1 token) | verify ({args.k + 1} tokens) | v = verify ÷ step "
-          "| weight MB | of roofline |")
+    print(
+        f"{name} on {detect_platform('cpu').describe()}, {torch.get_num_threads()} threads, "
+        f"read bandwidth {bandwidth / 1e9:.1f} GB/s\n"
+    )
+    print(
+        f"| run | dtype | weights | step (1 token) | verify ({args.k + 1} tokens) | v = verify ÷ step "
+        "| weight MB | of roofline |"
+    )
     print("|---|---|---|---:|---:|---:|---:|---:|")
     for quantization in args.quantization.split(","):
         for mode in args.compile.split(","):
-            runner = ModelRunner(load(args), compile=mode, quantization=None if quantization == "none" else quantization)
+            runner = ModelRunner(
+                load(args), compile=mode, quantization=None if quantization == "none" else quantization
+            )
             step = step_seconds(runner, args.repeats)
             verify = step_seconds(runner, args.repeats, num_tokens=args.k + 1)
             weight_bytes = decode_weight_bytes(runner.eager_model())
-            print(f"| {'compiled' if mode == 'on' else 'eager'} | {str(runner.dtype).removeprefix('torch.')} | "
-                  f"{quantization} | {step * 1e3:.2f} ms | {verify * 1e3:.2f} ms | {verify / step:.2f} | "
-                  f"{weight_bytes / 1e6:.0f} | {weight_bytes / bandwidth / step:.2f} |", flush=True)
+            print(
+                f"| {'compiled' if mode == 'on' else 'eager'} | {str(runner.dtype).removeprefix('torch.')} | "
+                f"{quantization} | {step * 1e3:.2f} ms | {verify * 1e3:.2f} ms | {verify / step:.2f} | "
+                f"{weight_bytes / 1e6:.0f} | {weight_bytes / bandwidth / step:.2f} |",
+                flush=True,
+            )
             del runner
 
 

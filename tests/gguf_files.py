@@ -18,10 +18,17 @@ QUANTIZABLE = ("BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1")  # what gguf.quan
 K_QUANT_SCALE_OFFSETS = {"Q2_K": (80, 82), "Q3_K": (108,), "Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,)}
 
 HF_TO_GGUF_LAYER = {
-    "input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm", "self_attn.q_proj": "attn_q",
-    "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output",
-    "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm", "mlp.gate_proj": "ffn_gate",
-    "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down",
+    "input_layernorm": "attn_norm",
+    "post_attention_layernorm": "ffn_norm",
+    "self_attn.q_proj": "attn_q",
+    "self_attn.k_proj": "attn_k",
+    "self_attn.v_proj": "attn_v",
+    "self_attn.o_proj": "attn_output",
+    "self_attn.q_norm": "attn_q_norm",
+    "self_attn.k_norm": "attn_k_norm",
+    "mlp.gate_proj": "ffn_gate",
+    "mlp.up_proj": "ffn_up",
+    "mlp.down_proj": "ffn_down",
 }
 
 
@@ -29,14 +36,27 @@ def tiny_hf_model(arch: str = "llama", seed: int = 0, vocab_size: int = 300, tie
     """A transformers model of a shape every block size divides (hidden 256, intermediate 512)."""
     from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM
 
-    classes = {"llama": (LlamaConfig, LlamaForCausalLM), "qwen2": (Qwen2Config, Qwen2ForCausalLM),
-               "qwen3": (Qwen3Config, Qwen3ForCausalLM)}
+    classes = {
+        "llama": (LlamaConfig, LlamaForCausalLM),
+        "qwen2": (Qwen2Config, Qwen2ForCausalLM),
+        "qwen3": (Qwen3Config, Qwen3ForCausalLM),
+    }
     config_class, model_class = classes[arch]
-    config = config_class(vocab_size=vocab_size, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
-                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
-                          head_dim=128 if arch == "qwen3" else 64,  # transformers reads no head_dim from a qwen3 GGUF
-                          rms_norm_eps=1e-5, rope_theta=10000.0, tie_word_embeddings=tie, bos_token_id=0,
-                          eos_token_id=1)
+    config = config_class(
+        vocab_size=vocab_size,
+        hidden_size=256,
+        intermediate_size=512,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+        head_dim=128 if arch == "qwen3" else 64,  # transformers reads no head_dim from a qwen3 GGUF
+        rms_norm_eps=1e-5,
+        rope_theta=10000.0,
+        tie_word_embeddings=tie,
+        bos_token_id=0,
+        eos_token_id=1,
+    )
     torch.manual_seed(seed)
     model = model_class(config).eval()
     with torch.no_grad():
@@ -48,8 +68,11 @@ def tiny_hf_model(arch: str = "llama", seed: int = 0, vocab_size: int = 300, tie
 def permute(weight: np.ndarray, num_heads: int) -> np.ndarray:
     """llama.cpp's reordering of a Llama Q or K projection's rows (convert_hf_to_gguf.py):
     each head's two halves interleaved."""
-    return (weight.reshape(num_heads, 2, weight.shape[0] // num_heads // 2, *weight.shape[1:])
-            .swapaxes(1, 2).reshape(weight.shape))
+    return (
+        weight.reshape(num_heads, 2, weight.shape[0] // num_heads // 2, *weight.shape[1:])
+        .swapaxes(1, 2)
+        .reshape(weight.shape)
+    )
 
 
 def gguf_name(hf_name: str) -> str:
@@ -58,8 +81,11 @@ def gguf_name(hf_name: str) -> str:
         _, layer, rest = name.split(".", 2)
         module, kind = rest.rsplit(".", 1)
         return f"blk.{layer}.{HF_TO_GGUF_LAYER[module]}.{kind}"
-    return {"embed_tokens.weight": "token_embd.weight", "norm.weight": "output_norm.weight",
-            "lm_head.weight": "output.weight"}[name]
+    return {
+        "embed_tokens.weight": "token_embd.weight",
+        "norm.weight": "output_norm.weight",
+        "lm_head.weight": "output.weight",
+    }[name]
 
 
 def encode(values: np.ndarray, tensor_type: str, rng: np.random.Generator) -> np.ndarray:
@@ -80,13 +106,20 @@ def encode(values: np.ndarray, tensor_type: str, rng: np.random.Generator) -> np
     blocks = rng.integers(0, 256, size=(rows, columns // block_values, block_bytes), dtype=np.uint8)
     for offset in K_QUANT_SCALE_OFFSETS.get(tensor_type, ()):
         scales = rng.uniform(1e-3, 4e-3, size=blocks.shape[:2]).astype(np.float16)
-        blocks[:, :, offset:offset + 2] = scales[..., None].view(np.uint8)
+        blocks[:, :, offset : offset + 2] = scales[..., None].view(np.uint8)
     return blocks.reshape(rows, -1)
 
 
-def write_gguf(path: Path, model, tensor_type: str = "F32", seed: int = 0, tokenizer=None,
-               chat_template: str | None = "{% for m in messages %}<s>{{ m['content'] }}</s>{% endfor %}",
-               metadata: dict | None = None, tensor_types: dict[str, str] | None = None) -> Path:
+def write_gguf(
+    path: Path,
+    model,
+    tensor_type: str = "F32",
+    seed: int = 0,
+    tokenizer=None,
+    chat_template: str | None = "{% for m in messages %}<s>{{ m['content'] }}</s>{% endfor %}",
+    metadata: dict | None = None,
+    tensor_types: dict[str, str] | None = None,
+) -> Path:
     """model (transformers, Llama / Qwen2 / Qwen3) written as llama.cpp writes a GGUF file:
     matrices as tensor_type, norms and biases as F32, the tokenizer (make_tokenizer's by
     default) as gpt2-style metadata; metadata: more key/value pairs; tensor_types: a type for

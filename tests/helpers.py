@@ -9,13 +9,25 @@ import torch
 
 ARCHITECTURES = ("llama", "llama3", "mistral", "qwen2", "qwen3")
 
-TEXT = ("def add(a, b):\n    return a + b\n\nclass Point:\n    def __init__(self, x, y):\n"
-        "        self.x = x\n        self.y = y\n\nfor i in range(10):\n    print(i, add(i, i))\n") * 4
+TEXT = (
+    "def add(a, b):\n    return a + b\n\nclass Point:\n    def __init__(self, x, y):\n"
+    "        self.x = x\n        self.y = y\n\nfor i in range(10):\n    print(i, add(i, i))\n"
+) * 4
 
 
 # Small standard-library files present in Python 3.10-3.13, none of them held out.
-CORPUS_FILES = ("abc.py", "copy.py", "genericpath.py", "keyword.py", "numbers.py", "opcode.py",
-                "operator.py", "stat.py", "string.py", "types.py")
+CORPUS_FILES = (
+    "abc.py",
+    "copy.py",
+    "genericpath.py",
+    "keyword.py",
+    "numbers.py",
+    "opcode.py",
+    "operator.py",
+    "stat.py",
+    "string.py",
+    "types.py",
+)
 
 
 def stdlib_corpus(path: Path, names: tuple[str, ...] = CORPUS_FILES) -> Path:
@@ -38,8 +50,12 @@ def make_tokenizer(vocab_size: int, text: str = TEXT):
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=["<s>", "</s>"],
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=["<s>", "</s>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
     tok.train_from_iterator([text], trainer)
     tok.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", 0)])
     return tok
@@ -48,16 +64,33 @@ def make_tokenizer(vocab_size: int, text: str = TEXT):
 def hf_config(arch: str, vocab_size: int = 320, **overrides):
     from transformers import LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
 
-    common = dict(vocab_size=vocab_size, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
-                  bos_token_id=0, eos_token_id=1, rms_norm_eps=1e-5)
+    common = dict(
+        vocab_size=vocab_size,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+        bos_token_id=0,
+        eos_token_id=1,
+        rms_norm_eps=1e-5,
+    )
     if arch == "llama":
         cls = LlamaConfig
     elif arch == "llama3":
         cls = LlamaConfig
-        common.update(rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
-                                    "high_freq_factor": 4.0, "original_max_position_embeddings": 32},
-                      rope_theta=500000.0, attention_bias=True)
+        common.update(
+            rope_scaling={
+                "rope_type": "llama3",
+                "factor": 8.0,
+                "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 32,
+            },
+            rope_theta=500000.0,
+            attention_bias=True,
+        )
     elif arch == "mistral":
         cls = MistralConfig
         common.update(sliding_window=16)
@@ -72,9 +105,16 @@ def hf_config(arch: str, vocab_size: int = 320, **overrides):
     return cls(**common)
 
 
-def save_tiny_model(path: Path, arch: str = "llama", seed: int = 0, vocab_size: int = 320,
-                    tokenizer: bool = True, max_shard_size: str | None = None, init_std: float = 0.02,
-                    **overrides) -> Path:
+def save_tiny_model(
+    path: Path,
+    arch: str = "llama",
+    seed: int = 0,
+    vocab_size: int = 320,
+    tokenizer: bool = True,
+    max_shard_size: str | None = None,
+    init_std: float = 0.02,
+    **overrides,
+) -> Path:
     """Random-init a transformers model and save it (safetensors) with a tokenizer."""
     from transformers import AutoModelForCausalLM
 
@@ -90,12 +130,14 @@ def save_tiny_model(path: Path, arch: str = "llama", seed: int = 0, vocab_size: 
     return path
 
 
-
 def save_tiny_pair(root: Path, target_seed: int, draft_seed: int, draft_arch: str = "qwen2") -> dict[str, Path]:
     """A tiny random target (llama, 2 layers) and draft (draft_arch, 1 layer) sharing the
     tokenizer, saved under root: {"target": dir, "draft": dir}."""
-    return {"target": save_tiny_model(root / "target", "llama", seed=target_seed, init_std=0.3),
-            "draft": save_tiny_model(root / "draft", draft_arch, seed=draft_seed, init_std=0.3, num_hidden_layers=1)}
+    return {
+        "target": save_tiny_model(root / "target", "llama", seed=target_seed, init_std=0.3),
+        "draft": save_tiny_model(root / "draft", draft_arch, seed=draft_seed, init_std=0.3, num_hidden_layers=1),
+    }
+
 
 def load_hf(path: Path):
     from transformers import AutoModelForCausalLM
@@ -140,8 +182,9 @@ def save_random_head(target_dir: Path, out: Path, seed: int = 0) -> Path:
     return save_head(EagleHead(head_config(target_config)), out, torch.float32, target=str(target_dir))
 
 
-def random_prompts(n: int, seed: int, lengths: tuple[int, int] = (2, 25), vocab: int = 320,
-                   repeat: bool = False) -> list[list[int]]:
+def random_prompts(
+    n: int, seed: int, lengths: tuple[int, int] = (2, 25), vocab: int = 320, repeat: bool = False
+) -> list[list[int]]:
     """n fresh random token prompts (ids 2..vocab-1) of lengths drawn from [lengths[0], lengths[1]);
     `repeat` tiles each three times, so that prompt lookup finds matches."""
     g = torch.Generator().manual_seed(seed)

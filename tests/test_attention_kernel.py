@@ -49,15 +49,22 @@ def test_a_query_alone_gets_what_it_gets_in_a_batch(dtype):
     """Bit for bit: alone, among more queries, beside another batch row, over a cache with more
     (hidden) keys after its own, and with keys it cannot see left out altogether."""
     q, keys, values, mask = random_case(3, S=300, D=128, dtype=dtype)
-    scale = 128 ** -0.5
+    scale = 128**-0.5
     batch = ops().attend(q, keys, values, mask, scale)
     for b in range(2):
         for t in range(q.shape[1]):
-            alone = ops().attend(q[b:b + 1, t:t + 1], keys[b:b + 1], values[b:b + 1], mask[b:b + 1, :, t:t + 1], scale)
-            assert torch.equal(alone, batch[b:b + 1, t:t + 1])
+            alone = ops().attend(
+                q[b : b + 1, t : t + 1], keys[b : b + 1], values[b : b + 1], mask[b : b + 1, :, t : t + 1], scale
+            )
+            assert torch.equal(alone, batch[b : b + 1, t : t + 1])
             last = int(mask[b, 0, t].nonzero().max()) + 1  # the cache cut after the query's last key
-            cut = ops().attend(q[b:b + 1, t:t + 1], keys[b:b + 1, :last], values[b:b + 1, :last],
-                               mask[b:b + 1, :, t:t + 1, :last].contiguous(), scale)
+            cut = ops().attend(
+                q[b : b + 1, t : t + 1],
+                keys[b : b + 1, :last],
+                values[b : b + 1, :last],
+                mask[b : b + 1, :, t : t + 1, :last].contiguous(),
+                scale,
+            )
             assert torch.equal(cut, alone)
 
 

@@ -61,15 +61,20 @@ def test_bad_llm_arguments_are_refused_before_loading(arguments, message, tmp_pa
         LLM(str(tmp_path / "not-loaded-yet"), **arguments)
 
 
-@pytest.mark.parametrize("arguments, message", [
-    ({"num_speculative_tokens": 3}, "num_speculative_tokens=3 without a drafter: give speculative_model"),
-    ({"ngram_prompt_lookup_min": 2}, "ngram_min=2 without a drafter"),
-    ({"draft_confidence_threshold": float("nan")}, "draft_confidence_threshold=nan without a drafter"),
-    ({"draft_dtype": "float16"}, "draft_dtype='float16' without a drafter"),
-    ({"speculative_method": "ngram", "draft_confidence_threshold": 0.5},
-     "draft_confidence_threshold=0.5 configure a draft model, and speculative_method='ngram' uses none"),
-    ({"speculative_method": "ngram", "draft_dtype": "bfloat16"}, "draft_dtype='bfloat16' configure a draft model"),
-])
+@pytest.mark.parametrize(
+    "arguments, message",
+    [
+        ({"num_speculative_tokens": 3}, "num_speculative_tokens=3 without a drafter: give speculative_model"),
+        ({"ngram_prompt_lookup_min": 2}, "ngram_min=2 without a drafter"),
+        ({"draft_confidence_threshold": float("nan")}, "draft_confidence_threshold=nan without a drafter"),
+        ({"draft_dtype": "float16"}, "draft_dtype='float16' without a drafter"),
+        (
+            {"speculative_method": "ngram", "draft_confidence_threshold": 0.5},
+            "draft_confidence_threshold=0.5 configure a draft model, and speculative_method='ngram' uses none",
+        ),
+        ({"speculative_method": "ngram", "draft_dtype": "bfloat16"}, "draft_dtype='bfloat16' configure a draft model"),
+    ],
+)
 def test_speculation_options_that_would_be_ignored_are_refused(arguments, message, tmp_path):
     """Options of a drafter given without one (or of a draft model given to prompt lookup) did
     nothing, silently; they are refused, before loading."""
@@ -77,11 +82,14 @@ def test_speculation_options_that_would_be_ignored_are_refused(arguments, messag
         LLM(str(tmp_path / "not-loaded-yet"), **arguments)
 
 
-@pytest.mark.parametrize("model, message", [
-    (None, "model must be the path of a Hugging Face model directory, got None"),
-    ("", "model must be the path"),
-    (42, "got 42"),
-])
+@pytest.mark.parametrize(
+    "model, message",
+    [
+        (None, "model must be the path of a Hugging Face model directory, got None"),
+        ("", "model must be the path"),
+        (42, "got 42"),
+    ],
+)
 def test_a_model_that_is_not_a_path(model, message):
     with pytest.raises(ModelLoadError, match=message):
         LLM(model)
@@ -102,15 +110,22 @@ def test_a_torch_float_dtype_is_taken(model_dir):
     assert LLM(str(model_dir), dtype=torch.bfloat16).target.model.dtype == torch.bfloat16
 
 
-@pytest.mark.parametrize("alias, dtype", [("fp16", torch.float16), ("bf16", torch.bfloat16), ("fp32", torch.float32),
-                                          ("half", torch.float16)])
+@pytest.mark.parametrize(
+    "alias, dtype",
+    [("fp16", torch.float16), ("bf16", torch.bfloat16), ("fp32", torch.float32), ("half", torch.float16)],
+)
 def test_dtype_aliases_and_torch_dtypes_for_the_draft_too(model_dir, alias, dtype):
     """The spellings vLLM and transformers users write, for the target and for the draft."""
-    llm = LLM(str(model_dir), dtype=alias, speculative_model=str(model_dir), draft_dtype=alias,
-              num_speculative_tokens=2)
+    llm = LLM(
+        str(model_dir), dtype=alias, speculative_model=str(model_dir), draft_dtype=alias, num_speculative_tokens=2
+    )
     assert llm.target.model.dtype == dtype and llm.engine.drafter.model.dtype == dtype
-    assert LLM(str(model_dir), speculative_model=str(model_dir), draft_dtype=dtype,
-               num_speculative_tokens=2).engine.drafter.model.dtype == dtype
+    assert (
+        LLM(
+            str(model_dir), speculative_model=str(model_dir), draft_dtype=dtype, num_speculative_tokens=2
+        ).engine.drafter.model.dtype
+        == dtype
+    )
 
 
 @pytest.mark.parametrize("value", [float("nan"), float("inf"), float("-inf")])
@@ -148,8 +163,11 @@ def test_a_shard_index_pointing_outside_the_model_is_refused(model_dir, tmp_path
 
 
 def test_k_beyond_the_context_is_refused(model_dir):
-    with pytest.raises(ValueError, match=f"num_speculative_tokens=10000000 is more than the model's context "
-                                         f"length \\({CONTEXT} tokens\\).*at most {CONTEXT - 1}"):
+    with pytest.raises(
+        ValueError,
+        match=f"num_speculative_tokens=10000000 is more than the model's context "
+        f"length \\({CONTEXT} tokens\\).*at most {CONTEXT - 1}",
+    ):
         LLM(str(model_dir), speculative_method="ngram", num_speculative_tokens=10_000_000)
 
 
@@ -176,18 +194,28 @@ def test_a_cache_larger_than_free_memory_is_refused_before_allocating(llm, monke
     llm.runner.cache = None  # as a new LLM: the next generate allocates
     with monkeypatch.context() as patch:
         patch.setattr(kv_cache, "free_memory_bytes", lambda device: 100_000)  # 100 kB free
-        with pytest.raises(ValueError, match=r"key/value cache of 1 slots x 2\d\d positions needs [\d,]+ bytes, more than "
-                                             r"the 100,000 bytes free on cpu: 1 sequences at once.*lower max_tokens"):
+        with pytest.raises(
+            ValueError,
+            match=r"key/value cache of 1 slots x 2\d\d positions needs [\d,]+ bytes, more than "
+            r"the 100,000 bytes free on cpu: 1 sequences at once.*lower max_tokens",
+        ):
             llm.generate("def add(a, b):", params)
     assert llm.generate("def add(a, b):", params)[0].outputs[0].token_ids == expected
 
 
-@pytest.mark.parametrize("prompts, params, message", [
-    ("a", 5, "sampling_params must be a SamplingParams or a list of them, got 5"),
-    ({"prompt_token_ids": "abc"}, None, "'prompt_token_ids' must be a list of token ids, got 'abc'"),
-    ({"prompt": [1, 2]}, None, "'prompt' must be text, got \\[1, 2\\]"),
-    ({"prompt": "ab", "prompt_token_ids": [1, 2]}, None, "takes 'prompt' \\(text\\) or 'prompt_token_ids', not both"),
-])
+@pytest.mark.parametrize(
+    "prompts, params, message",
+    [
+        ("a", 5, "sampling_params must be a SamplingParams or a list of them, got 5"),
+        ({"prompt_token_ids": "abc"}, None, "'prompt_token_ids' must be a list of token ids, got 'abc'"),
+        ({"prompt": [1, 2]}, None, "'prompt' must be text, got \\[1, 2\\]"),
+        (
+            {"prompt": "ab", "prompt_token_ids": [1, 2]},
+            None,
+            "takes 'prompt' \\(text\\) or 'prompt_token_ids', not both",
+        ),
+    ],
+)
 def test_bad_generate_arguments(llm, prompts, params, message):
     with pytest.raises(ValueError, match=message):
         llm.generate(prompts, params)
@@ -218,28 +246,37 @@ def chat_llm(model_dir, tmp_path_factory) -> LLM:
     return LLM(str(path), dtype="float32")
 
 
-@pytest.mark.parametrize("messages, message", [
-    (None, "messages must be a non-empty list"),
-    ("hello", "messages must be a non-empty list"),
-    ([], "messages must be a non-empty list"),
-    (["hi"], r"messages\[0\] must be a dict with 'role' and 'content', got 'hi'"),
-    ([CHAT, []], "messages must be a non-empty list"),
-    ([CHAT, [{"role": "user"}]], r"messages\[0\]\['content'\] must be text"),
-    ([{"content": "hi"}], r"messages\[0\] needs a 'role'"),
-    ([{"role": "user"}], r"messages\[0\]\['content'\] must be text, got None"),
-    ([{"role": "user", "content": "hi"}, {"role": "user", "content": 7}], r"messages\[1\]\['content'\] must be text"),
-])
+@pytest.mark.parametrize(
+    "messages, message",
+    [
+        (None, "messages must be a non-empty list"),
+        ("hello", "messages must be a non-empty list"),
+        ([], "messages must be a non-empty list"),
+        (["hi"], r"messages\[0\] must be a dict with 'role' and 'content', got 'hi'"),
+        ([CHAT, []], "messages must be a non-empty list"),
+        ([CHAT, [{"role": "user"}]], r"messages\[0\]\['content'\] must be text"),
+        ([{"content": "hi"}], r"messages\[0\] needs a 'role'"),
+        ([{"role": "user"}], r"messages\[0\]\['content'\] must be text, got None"),
+        (
+            [{"role": "user", "content": "hi"}, {"role": "user", "content": 7}],
+            r"messages\[1\]\['content'\] must be text",
+        ),
+    ],
+)
 def test_bad_chat_messages(chat_llm, messages, message):
     with pytest.raises(ValueError, match=message):
         chat_llm.chat(messages)
     assert chat_llm.chat(CHAT, SamplingParams(max_tokens=2))[0].outputs[0].token_ids  # and it still chats
 
 
-@pytest.mark.parametrize("template, message", [
-    ("{% for m in messages %}", "TemplateSyntaxError"),
-    ("{{ nothing.defined() }}", "UndefinedError"),
-    ("{% for i in range(10**9) %}x{% endfor %}", "OverflowError"),
-])
+@pytest.mark.parametrize(
+    "template, message",
+    [
+        ("{% for m in messages %}", "TemplateSyntaxError"),
+        ("{{ nothing.defined() }}", "UndefinedError"),
+        ("{% for i in range(10**9) %}x{% endfor %}", "OverflowError"),
+    ],
+)
 def test_a_chat_template_that_fails_is_named(chat_llm, template, message, monkeypatch):
     monkeypatch.setattr(chat_llm.tokenizer, "chat_template", template)
     with pytest.raises(ValueError, match=f"the model's chat template failed \\({message}"):
@@ -279,12 +316,19 @@ def test_a_prompt_too_long_for_the_context_quotes_the_users_max_tokens(model_dir
     assert "max_tokens=100 exceeds the model's context length 256" in err and "max_tokens=2 " not in err
 
 
-@pytest.mark.parametrize("command, flags, message", [
-    ("distill", ["--sample-temperature", "0"], "--sample-temperature and --prompt-tokens shape the text the target "
-                                               "writes, which only --on-policy-fraction F > 0 uses"),
-    ("distill", ["--prompt-tokens", "8", "--on-policy-fraction", "0"], "only --on-policy-fraction F > 0 uses"),
-    ("train", ["--tokenizer", "TARGET", "--vocab-size", "1000"], "--tokenizer brings its vocabulary"),
-])
+@pytest.mark.parametrize(
+    "command, flags, message",
+    [
+        (
+            "distill",
+            ["--sample-temperature", "0"],
+            "--sample-temperature and --prompt-tokens shape the text the target "
+            "writes, which only --on-policy-fraction F > 0 uses",
+        ),
+        ("distill", ["--prompt-tokens", "8", "--on-policy-fraction", "0"], "only --on-policy-fraction F > 0 uses"),
+        ("train", ["--tokenizer", "TARGET", "--vocab-size", "1000"], "--tokenizer brings its vocabulary"),
+    ],
+)
 def test_training_flags_that_would_be_ignored(model_dir, tmp_path, capsys, command, flags, message):
     source = ["--target", str(model_dir)] if command == "distill" else ["--preset", "tiny"]
     flags = [str(model_dir) if flag == "TARGET" else flag for flag in flags]
@@ -296,12 +340,29 @@ def test_resuming_with_other_steps_says_how_to_keep_the_warmup(tmp_path, capsys)
     """The default warm-up follows --steps, so resuming with other --steps changes it: the
     refusal says which --warmup keeps the run's."""
     corpus = stdlib_corpus(tmp_path / "corpus", ("abc.py", "copy.py", "stat.py"))
-    run = ["train", "--out", str(tmp_path / "out"), "--preset", "tiny", "--context", "16", "--batch-size", "2",
-           "--eval-tokens", "64", "--log-every", "0", "--corpus", str(corpus)]
+    run = [
+        "train",
+        "--out",
+        str(tmp_path / "out"),
+        "--preset",
+        "tiny",
+        "--context",
+        "16",
+        "--batch-size",
+        "2",
+        "--eval-tokens",
+        "64",
+        "--log-every",
+        "0",
+        "--corpus",
+        str(corpus),
+    ]
     assert main([*run, "--steps", "20", "--stop-after", "1"]) == 0
     assert main([*run, "--steps", "40"]) == 2
-    assert "warmup 2 -> 4) (warm-up defaults to a tenth of --steps, at most 100: pass --warmup 2" in \
-        capsys.readouterr().err
+    assert (
+        "warmup 2 -> 4) (warm-up defaults to a tenth of --steps, at most 100: pass --warmup 2"
+        in capsys.readouterr().err
+    )
     assert main([*run, "--steps", "40", "--warmup", "2", "--stop-after", "2"]) == 0
     capsys.readouterr()
     assert main([*run, "--steps", "40", "--warmup", "2", "--stop-after", "1"]) == 2
@@ -311,34 +372,93 @@ def test_resuming_with_other_steps_says_how_to_keep_the_warmup(tmp_path, capsys)
 def test_prompt_tokens_cut_to_the_context_is_said(model_dir, tmp_path, capsys):
     corpus = stdlib_corpus(tmp_path / "corpus", ("abc.py", "copy.py", "stat.py", "keyword.py"))
     trained = tmp_path / "target"
-    run = ["--batch-size", "2", "--eval-tokens", "128", "--steps", "1", "--warmup", "0", "--log-every", "0",
-           "--eval-every", "0", "--corpus", str(corpus)]
+    run = [
+        "--batch-size",
+        "2",
+        "--eval-tokens",
+        "128",
+        "--steps",
+        "1",
+        "--warmup",
+        "0",
+        "--log-every",
+        "0",
+        "--eval-every",
+        "0",
+        "--corpus",
+        str(corpus),
+    ]
     assert main(["train", "--out", str(trained), "--preset", "tiny", "--context", "16", *run]) == 0
-    assert main(["distill", "--target", str(trained), "--out", str(tmp_path / "draft"), "--hidden-size", "32",
-                 "--heads", "2", "--kv-heads", "1", "--layers", "1", "--on-policy-fraction", "1",
-                 "--prompt-tokens", "40", *run]) == 0
+    assert (
+        main(
+            [
+                "distill",
+                "--target",
+                str(trained),
+                "--out",
+                str(tmp_path / "draft"),
+                "--hidden-size",
+                "32",
+                "--heads",
+                "2",
+                "--kv-heads",
+                "1",
+                "--layers",
+                "1",
+                "--on-policy-fraction",
+                "1",
+                "--prompt-tokens",
+                "40",
+                *run,
+            ]
+        )
+        == 0
+    )
     assert "--prompt-tokens 40 is not below the context (16 tokens)" in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("flags, message", [
-    (["-k", "3"], "-k needs a drafter: add --draft DIR or --ngram"),
-    (["--draft-confidence", "0.5"], "--draft-confidence needs a drafter"),
-    (["--draft-dtype", "float16"], "--draft-dtype needs a drafter"),
-    (["--ngram", "--draft-confidence", "0.5"], "--draft-confidence sets the draft model, and --ngram uses none"),
-])
+@pytest.mark.parametrize(
+    "flags, message",
+    [
+        (["-k", "3"], "-k needs a drafter: add --draft DIR or --ngram"),
+        (["--draft-confidence", "0.5"], "--draft-confidence needs a drafter"),
+        (["--draft-dtype", "float16"], "--draft-dtype needs a drafter"),
+        (["--ngram", "--draft-confidence", "0.5"], "--draft-confidence sets the draft model, and --ngram uses none"),
+    ],
+)
 def test_generate_flags_that_would_be_ignored(model_dir, capsys, flags, message):
     assert main(["generate", "--model", str(model_dir), "--prompt", "x", "--max-tokens", "2", *flags]) == 2
     assert message in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("flags, message", [
-    (["--max-shard-mb", "1e-9"], "--max-shard-mb must be a number of at least 0.000001"),
-    (["--batch-size", "100000000"], "--batch-size 100000000 windows of 17 tokens"),
-])
+@pytest.mark.parametrize(
+    "flags, message",
+    [
+        (["--max-shard-mb", "1e-9"], "--max-shard-mb must be a number of at least 0.000001"),
+        (["--batch-size", "100000000"], "--batch-size 100000000 windows of 17 tokens"),
+    ],
+)
 def test_training_flags_refused_before_training(tmp_path, capsys, flags, message):
     corpus = stdlib_corpus(tmp_path / "corpus", ("abc.py", "copy.py", "stat.py"))
-    assert main(["train", "--out", str(tmp_path / "out"), "--preset", "tiny", "--context", "16", "--steps", "2",
-                 "--corpus", str(corpus), *flags]) == 2
+    assert (
+        main(
+            [
+                "train",
+                "--out",
+                str(tmp_path / "out"),
+                "--preset",
+                "tiny",
+                "--context",
+                "16",
+                "--steps",
+                "2",
+                "--corpus",
+                str(corpus),
+                *flags,
+            ]
+        )
+        == 2
+    )
     assert message in capsys.readouterr().err
     assert sorted(p.name for p in tmp_path.iterdir()) == ["corpus"]  # nothing written
 
@@ -348,13 +468,16 @@ def test_a_stop_string_on_the_command_line_reads_backslash_n_as_a_newline():
     a backslash and an n, and other backslashes stay as they are."""
     from specdec.cli import build_parser
 
-    args = build_parser().parse_args(["generate", "--model", "m", "--prompt", "p", "--stop", "\\n",
-                                      "--stop", "a\\\\n", "--stop", "\\t\\x"])
+    args = build_parser().parse_args(
+        ["generate", "--model", "m", "--prompt", "p", "--stop", "\\n", "--stop", "a\\\\n", "--stop", "\\t\\x"]
+    )
     assert args.stop == ["\n", "a\\n", "\t\\x"]
 
 
 def test_generate_with_a_k_beyond_the_context_says_why(model_dir, capsys):
     """The issue's `-k 1000 --max-tokens 4` on a model with a shorter context: said with the flag typed."""
-    assert main(["generate", "--model", str(model_dir), "--ngram", "-k", "1000", "--prompt", "x",
-                 "--max-tokens", "4"]) == 2
+    assert (
+        main(["generate", "--model", str(model_dir), "--ngram", "-k", "1000", "--prompt", "x", "--max-tokens", "4"])
+        == 2
+    )
     assert "error: -k 1000 is more than the model's context length" in capsys.readouterr().err

@@ -56,8 +56,18 @@ def pair(tmp_path_factory):
 def results(pair):
     target, draft = pair
     head = save_random_head(target, target.parent / "head", seed=2)
-    return run_benchmark(BenchConfig(model=str(target), draft=str(draft), ks=KS, adaptive_confidence=0.5,
-                                     head=str(head), trees=("auto", "2,1"), early_exit_layer=1, **TINY))
+    return run_benchmark(
+        BenchConfig(
+            model=str(target),
+            draft=str(draft),
+            ks=KS,
+            adaptive_confidence=0.5,
+            head=str(head),
+            trees=("auto", "2,1"),
+            early_exit_layer=1,
+            **TINY,
+        )
+    )
 
 
 @pytest.fixture(scope="module")
@@ -66,8 +76,12 @@ def report(results, tmp_path_factory):
 
 
 def expected_methods() -> set[tuple[str, str, int]]:
-    speculative = {(engine, drafter, k) for engine in ("specdec",) for drafter in ("draft_model", "ngram", "lookup_then_draft")
-                   for k in KS}
+    speculative = {
+        (engine, drafter, k)
+        for engine in ("specdec",)
+        for drafter in ("draft_model", "ngram", "lookup_then_draft")
+        for k in KS
+    }
     transformers = {("transformers", "none", 0), ("transformers", "draft_model", 2), ("transformers", "ngram", 2)}
     adaptive = {("specdec", "draft_model_adaptive", max(KS)), ("specdec", "draft_model_goodput", max(KS))}
     # at the comparison k (transformers_k: the largest of KS), the head, the trees and early exit
@@ -92,7 +106,9 @@ def test_every_configuration_has_a_row(results):
             assert {(r["engine"], r["method"], r["k"]) for r in rows} == expected_methods()
             assert len(rows) == len(expected_methods()) + 2 * (TREE_ROWS - 1)
             assert {r["label"] for r in rows if r["method"] == "eagle_tree"} == {
-                "specdec eagle head tree auto, 2 nodes", "specdec eagle head tree 2,1, 2 nodes"}
+                "specdec eagle head tree auto, 2 nodes",
+                "specdec eagle head tree 2,1, 2 nodes",
+            }
             assert all(r["prompts"] == 1 and r["tokens"] >= 1 and r["tokens_per_s"] > 0 for r in rows)
 
 
@@ -102,8 +118,11 @@ def test_speedup_is_relative_to_the_target_alone(results):
             assert r["speedup"] == pytest.approx(1.0, abs=1e-12) and r["tau"] == pytest.approx(1.0)
             assert r["decode_speedup"] == pytest.approx(1.0, abs=1e-12)
             assert r["profile"]["rounds"] == r["tokens"] - r["prompts"]  # one token a round after the prefill
-        base = next(b for b in results["rows"] if b["label"] == TARGET_ALONE.label
-                    and (b["prompt_set"], b["sampling"]) == (r["prompt_set"], r["sampling"]))
+        base = next(
+            b
+            for b in results["rows"]
+            if b["label"] == TARGET_ALONE.label and (b["prompt_set"], b["sampling"]) == (r["prompt_set"], r["sampling"])
+        )
         assert r["speedup"] == pytest.approx(r["tokens_per_s"] / base["tokens_per_s"])
         if r["engine"] == "specdec":
             assert r["decode_speedup"] == pytest.approx(r["decode_tokens_per_s"] / base["decode_tokens_per_s"])
@@ -132,12 +151,18 @@ def test_speculative_rows_are_sane(results):
         if r["method"] == "draft_model":  # the verify forward's measured cost replaces the formula's 1
             v = results["costs"]["verify_cost_ratio"][str(r["k"])]
             assert v > 0.5 and r["predicted_with_verify_cost"] == pytest.approx(
-                formula(r["alpha"], r["k"], r["cost_ratio"]) * (r["k"] * r["cost_ratio"] + 1)
-                / (r["k"] * r["cost_ratio"] + v))
+                formula(r["alpha"], r["k"], r["cost_ratio"])
+                * (r["k"] * r["cost_ratio"] + 1)
+                / (r["k"] * r["cost_ratio"] + v)
+            )
         assert r["tokens_per_round"] == pytest.approx((r["tokens"] - 1) / r["profile"]["rounds"])
         assert r["predicted_from_tau"] == pytest.approx(r["tokens_per_round"] / (r["k"] * r["cost_ratio"] + 1))
-        target_alone = next(t for t in results["rows"] if t["label"] == "specdec target alone"
-                            and (t["prompt_set"], t["sampling"]) == (r["prompt_set"], r["sampling"]))
+        target_alone = next(
+            t
+            for t in results["rows"]
+            if t["label"] == "specdec target alone"
+            and (t["prompt_set"], t["sampling"]) == (r["prompt_set"], r["sampling"])
+        )
         target_step = target_alone["profile"]["seconds"]["target"] / target_alone["profile"]["rounds"]
         draft_step = r["profile"]["seconds"]["draft"] / (r["profile"]["rounds"] * r["k"])
         assert r["cost_ratio_in_rounds"] == pytest.approx(draft_step / target_step) and draft_step > 0
@@ -154,9 +179,18 @@ def test_speculative_rows_are_sane(results):
 
 def test_target_as_its_own_draft_accepts_everything(pair):
     target, _ = pair
-    results = run_benchmark(BenchConfig(model=str(target), draft=str(target), ks=(3,), prompt_sets=("code",),
-                                        samplings=(GREEDY,), with_transformers=False, adaptive_confidence=0.6,
-                                        **TINY))
+    results = run_benchmark(
+        BenchConfig(
+            model=str(target),
+            draft=str(target),
+            ks=(3,),
+            prompt_sets=("code",),
+            samplings=(GREEDY,),
+            with_transformers=False,
+            adaptive_confidence=0.6,
+            **TINY,
+        )
+    )
     row = next(r for r in results["rows"] if r["method"] == "draft_model")
     assert row["alpha"] == 1.0 and row["acceptance_by_position"] == [1.0, 1.0, 1.0] and row["tau"] > 1
     assert row["predicted_speedup"] == pytest.approx(4 / (3 * results["costs"]["cost_ratio"] + 1))
@@ -182,8 +216,9 @@ def test_transformers_baseline_ignores_the_checkpoints_generation_settings_and_s
 
     target = save_tiny_model(tmp_path / "target", "llama", seed=0, init_std=0.3)
     prompt = [5, 9, 14, 3, 8, 21]
-    plain = LLM(str(target), dtype="float32").generate(prompt, SamplingParams(temperature=0, max_tokens=12,
-                                                                               ignore_eos=True))[0]
+    plain = LLM(str(target), dtype="float32").generate(
+        prompt, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    )[0]
     generated = plain.outputs[0].token_ids
     config = json.loads((target / "config.json").read_text())
     config["eos_token_id"] = [1, generated[3]]  # the 4th greedy token ends the output
@@ -242,8 +277,14 @@ def test_report_files(results, report):
     assert len(saved["rows"]) == len(results["rows"]) and saved["machine"]["cores"] >= 1
     assert {g["met"] for g in saved["goals"]} <= {True, False, None} and len(saved["goals"]) == 5
     text = report["markdown"].read_text()
-    for heading in ("Verdict: the goals", "Costs and roofline", "held-out code completion", "repeating code",
-                    "Greedy exactness", "Where the time goes"):
+    for heading in (
+        "Verdict: the goals",
+        "Costs and roofline",
+        "held-out code completion",
+        "repeating code",
+        "Greedy exactness",
+        "Where the time goes",
+    ):
         assert heading in text
     assert all(re.search(rf"^\| {re.escape(r['label'])} +\|", text, re.MULTILINE) for r in results["rows"])
     assert all(len(line) <= 100 for line in text.splitlines())
@@ -276,13 +317,20 @@ def long_results() -> dict:
     a long name), long model names, a divergence, quantization quality and the notes."""
     from specdec.tools.benchmark.run import _method_notes
 
-    methods = ([TARGET_ALONE] + [Method("specdec", "draft_model", k) for k in range(1, 9)]
-               + [Method("specdec", "draft_model_adaptive", 8), Method("specdec", "draft_model_goodput", 8)]
-               + [Method("specdec", "ngram", k) for k in range(1, 9)]
-               + [Method("specdec", "lookup_then_draft", k) for k in range(1, 9)]
-               + [Method("specdec", "eagle", 5), Method("specdec", "eagle_tree", 5, "4,3,3,2,2,1,1,1,1,1"),
-                  Method("specdec", "draft_model_tree", 5, "auto"), Method("specdec", "early_exit", 5)]
-               + [TRANSFORMERS_PLAIN, Method("transformers", "draft_model", 5), Method("transformers", "ngram", 5)])
+    methods = (
+        [TARGET_ALONE]
+        + [Method("specdec", "draft_model", k) for k in range(1, 9)]
+        + [Method("specdec", "draft_model_adaptive", 8), Method("specdec", "draft_model_goodput", 8)]
+        + [Method("specdec", "ngram", k) for k in range(1, 9)]
+        + [Method("specdec", "lookup_then_draft", k) for k in range(1, 9)]
+        + [
+            Method("specdec", "eagle", 5),
+            Method("specdec", "eagle_tree", 5, "4,3,3,2,2,1,1,1,1,1"),
+            Method("specdec", "draft_model_tree", 5, "auto"),
+            Method("specdec", "early_exit", 5),
+        ]
+        + [TRANSFORMERS_PLAIN, Method("transformers", "draft_model", 5), Method("transformers", "ngram", 5)]
+    )
     rows = []
     for set_name in ("code", "repeat"):
         for sampling in ("greedy", "sampled"):
@@ -291,49 +339,122 @@ def long_results() -> dict:
                 speculative = method.engine == "specdec" and method.drafter != "none"
                 fixed_k = method.engine == "specdec" and method.drafter in ("draft_model", "ngram")
                 k = method.k
-                row = {"prompt_set": set_name, "sampling": sampling, "engine": method.engine,
-                       "method": method.drafter, "k": k, "label": label, "prompts": 8, "tokens": 1024,
-                       "seconds": 1024 / (12345.6 - 97 * n), "tokens_per_s": 12345.6 - 97 * n,
-                       "speedup": 10.25 - 0.1 * n, "decode_speedup": 11.5 - 0.1 * n if method.engine == "specdec"
-                       else None, "alpha": 0.812 if speculative else None, "tau": (4.23 if speculative else 1.0)
-                       if method.engine == "specdec" else None, "acceptance_by_position": [0.78, 0.63, 0.46, 0.39, 0.35, 0.32, 0.27, 0.23][:k]
-                       if speculative else None, "rounds_by_k": [5, 11, 20, 24, 55, 0, 3, 0, 31]
-                       if method.drafter == "draft_model_goodput" else None,
-                       "cost_ratio": 0.092 if fixed_k else None, "predicted_speedup": 12.63 if fixed_k else None,
-                       "predicted_with_verify_cost": 2.32 if fixed_k else None,
-                       "tokens_per_round": 4.2 if fixed_k else None, "predicted_from_tau": 2.5 if fixed_k else None,
-                       "cost_ratio_in_rounds": 10.137 if fixed_k else None,
-                       "predicted_in_rounds": 2.18 if fixed_k else None,
-                       "decode_tokens_per_s": 13456.7 if method.engine == "specdec" else None,
-                       "roofline_fraction": 0.48 if method.engine == "specdec" else None,
-                       "profile": {"rounds": 12345, "seconds": {"prefill": 0.4, "draft": 123.4, "target": 1234.5,
-                                                                "sampling": 12.3, "bookkeeping": 1.2, "other": 0.1}}
-                       if method.engine == "specdec" else None}
+                row = {
+                    "prompt_set": set_name,
+                    "sampling": sampling,
+                    "engine": method.engine,
+                    "method": method.drafter,
+                    "k": k,
+                    "label": label,
+                    "prompts": 8,
+                    "tokens": 1024,
+                    "seconds": 1024 / (12345.6 - 97 * n),
+                    "tokens_per_s": 12345.6 - 97 * n,
+                    "speedup": 10.25 - 0.1 * n,
+                    "decode_speedup": 11.5 - 0.1 * n if method.engine == "specdec" else None,
+                    "alpha": 0.812 if speculative else None,
+                    "tau": (4.23 if speculative else 1.0) if method.engine == "specdec" else None,
+                    "acceptance_by_position": [0.78, 0.63, 0.46, 0.39, 0.35, 0.32, 0.27, 0.23][:k]
+                    if speculative
+                    else None,
+                    "rounds_by_k": [5, 11, 20, 24, 55, 0, 3, 0, 31]
+                    if method.drafter == "draft_model_goodput"
+                    else None,
+                    "cost_ratio": 0.092 if fixed_k else None,
+                    "predicted_speedup": 12.63 if fixed_k else None,
+                    "predicted_with_verify_cost": 2.32 if fixed_k else None,
+                    "tokens_per_round": 4.2 if fixed_k else None,
+                    "predicted_from_tau": 2.5 if fixed_k else None,
+                    "cost_ratio_in_rounds": 10.137 if fixed_k else None,
+                    "predicted_in_rounds": 2.18 if fixed_k else None,
+                    "decode_tokens_per_s": 13456.7 if method.engine == "specdec" else None,
+                    "roofline_fraction": 0.48 if method.engine == "specdec" else None,
+                    "profile": {
+                        "rounds": 12345,
+                        "seconds": {
+                            "prefill": 0.4,
+                            "draft": 123.4,
+                            "target": 1234.5,
+                            "sampling": 12.3,
+                            "bookkeeping": 1.2,
+                            "other": 0.1,
+                        },
+                    }
+                    if method.engine == "specdec"
+                    else None,
+                }
                 rows.append(row)
-    model = {"path": f"/home/someone/models/{LONG_MODEL}", "parameters": 32_763_876_352,
-             "dtype": "torch.bfloat16", "quantization": "q4_k_m"}
+    model = {
+        "path": f"/home/someone/models/{LONG_MODEL}",
+        "parameters": 32_763_876_352,
+        "dtype": "torch.bfloat16",
+        "quantization": "q4_k_m",
+    }
     results = {
-        "machine": {"cpu": "AMD EPYC 9654 96-Core Processor", "cores": 192, "torch_threads": 192, "gpu": None,
-                    "torch": "2.13.0+cpu", "python": "3.11.7", "date": "2026-11-26 03:34 UTC"},
-        "config": {"ks": list(range(1, 9)), "transformers_k": 5, "max_tokens": 128, "device": "cpu",
-                   "samplings": [{"name": "greedy", "temperature": 0.0, "top_p": 1.0},
-                                 {"name": "sampled", "temperature": 0.8, "top_p": 0.95}]},
+        "machine": {
+            "cpu": "AMD EPYC 9654 96-Core Processor",
+            "cores": 192,
+            "torch_threads": 192,
+            "gpu": None,
+            "torch": "2.13.0+cpu",
+            "python": "3.11.7",
+            "date": "2026-11-26 03:34 UTC",
+        },
+        "config": {
+            "ks": list(range(1, 9)),
+            "transformers_k": 5,
+            "max_tokens": 128,
+            "device": "cpu",
+            "samplings": [
+                {"name": "greedy", "temperature": 0.0, "top_p": 1.0},
+                {"name": "sampled", "temperature": 0.8, "top_p": 0.95},
+            ],
+        },
         "models": {"target": model, "draft": {**model, "path": f"/models/{LONG_MODEL}-draft"}},
-        "prompt_sets": {"code": {"title": "held-out code completion", "prompts": ["a"] * 8},
-                        "repeat": {"title": "repeating code already in the prompt", "prompts": ["b"] * 8}},
-        "costs": {"target_step_ms": 1234.567, "draft_step_ms": 123.456, "cost_ratio": 0.1,
-                  "verify_cost_ratio": {str(k): 1.0 + k / 10 for k in range(1, 9)}},
-        "roofline": {"buffer_bytes": 1 << 30, "read_bandwidth_gb_per_s": 1234.5, "decode_weight_bytes": 19e9,
-                     "step_floor_ms": 15.39, "ceiling_tokens_per_s": 65.0},
+        "prompt_sets": {
+            "code": {"title": "held-out code completion", "prompts": ["a"] * 8},
+            "repeat": {"title": "repeating code already in the prompt", "prompts": ["b"] * 8},
+        },
+        "costs": {
+            "target_step_ms": 1234.567,
+            "draft_step_ms": 123.456,
+            "cost_ratio": 0.1,
+            "verify_cost_ratio": {str(k): 1.0 + k / 10 for k in range(1, 9)},
+        },
+        "roofline": {
+            "buffer_bytes": 1 << 30,
+            "read_bandwidth_gb_per_s": 1234.5,
+            "decode_weight_bytes": 19e9,
+            "step_floor_ms": 15.39,
+            "ceiling_tokens_per_s": 65.0,
+        },
         "rows": rows,
-        "exactness": {"compared": 120, "identical": 119, "divergences": [
-            {"checked": LONG_DRAFTER, "reference": "specdec target alone", "prompt": "_pydecimal.py:_round_half_even",
-             "position": 117, "checked_tokens": [151643, 13, 262, 470, 1131, 7, 87, 1215],
-             "reference_tokens": [151643, 13, 262, 470, 1131, 7, 88, 1215]}]},
-        "quantization_quality": {"quantization": "q4_k_m", "prompts": 16, "greedy_identical": 11,
-                                 "greedy_agreement": 0.912, "perplexity": 3.456, "reference_perplexity": 3.401,
-                                 "perplexity_difference": 0.055, "tokens_per_s": 23.4, "reference_tokens_per_s": 9.8,
-                                 "speedup_over_reference": 2.39},
+        "exactness": {
+            "compared": 120,
+            "identical": 119,
+            "divergences": [
+                {
+                    "checked": LONG_DRAFTER,
+                    "reference": "specdec target alone",
+                    "prompt": "_pydecimal.py:_round_half_even",
+                    "position": 117,
+                    "checked_tokens": [151643, 13, 262, 470, 1131, 7, 87, 1215],
+                    "reference_tokens": [151643, 13, 262, 470, 1131, 7, 88, 1215],
+                }
+            ],
+        },
+        "quantization_quality": {
+            "quantization": "q4_k_m",
+            "prompts": 16,
+            "greedy_identical": 11,
+            "greedy_agreement": 0.912,
+            "perplexity": 3.456,
+            "reference_perplexity": 3.401,
+            "perplexity_difference": 0.055,
+            "tokens_per_s": 23.4,
+            "reference_tokens_per_s": 9.8,
+            "speedup_over_reference": 2.39,
+        },
         "notes": _method_notes(torch.bfloat16) + [f"A note naming {LONG_MODEL} and {LONG_DRAFTER}."],
     }
     results["goals"] = evaluate_goals(results)
@@ -361,8 +482,7 @@ def _renderings():
         "markdown": report.markdown(results),
         "verdict and goals": report.verdict(results),
         "speed": report.speed_table(code),
-        "formula": report.formula_table([r for r in code if r["engine"] == "specdec"
-                                         and r["method"] == "draft_model"]),
+        "formula": report.formula_table([r for r in code if r["engine"] == "specdec" and r["method"] == "draft_model"]),
         "acceptance": report.acceptance_table([r for r in code if r["engine"] == "specdec"]),
         "costs": report.costs_table(results),
         "quality": report.quality_table(results["quantization_quality"]),
@@ -372,8 +492,21 @@ def _renderings():
     }
 
 
-@pytest.mark.parametrize("name", ["markdown", "verdict and goals", "speed", "formula", "acceptance", "costs",
-                                  "quality", "exactness", "profile", "llama.cpp"])
+@pytest.mark.parametrize(
+    "name",
+    [
+        "markdown",
+        "verdict and goals",
+        "speed",
+        "formula",
+        "acceptance",
+        "costs",
+        "quality",
+        "exactness",
+        "profile",
+        "llama.cpp",
+    ],
+)
 def test_every_table_fits_100_columns_with_long_names(name):
     text = _renderings()[name]
     too_wide = [line for line in text.splitlines() if len(line) > 100]
@@ -412,8 +545,12 @@ def test_a_table_too_wide_is_wrapped_then_split_with_its_first_column_in_each():
     from specdec.tools.benchmark.report import table
 
     narrow = table(["method", "tok/s"], [["a", "1.0"], ["bb", "22.0"]])
-    assert narrow.splitlines() == ["| method | tok/s |", "|--------|------:|", "| a      |   1.0 |",
-                                   "| bb     |  22.0 |"]
+    assert narrow.splitlines() == [
+        "| method | tok/s |",
+        "|--------|------:|",
+        "| a      |   1.0 |",
+        "| bb     |  22.0 |",
+    ]
     headers = ["method"] + [f"measure {n} in its unit" for n in range(8)]
     rows = [[f"method number {n} with a name of some length"] + [f"{n}.{m}" for m in range(8)] for n in range(3)]
     text = table(headers, rows)
@@ -452,13 +589,35 @@ def test_the_plots_legend_covers_no_data(name):
 
 def goal_rows(greedy: float, sampled: float, theirs: float, decode: float, predicted: float) -> list[dict]:
     common = dict(prompt_set="code", k=5, decode_speedup=None, predicted_speedup=None, label="specdec draft model k=5")
-    return [dict(common, engine="specdec", method="draft_model", sampling="greedy", speedup=greedy,
-                 tokens_per_s=100 * greedy, decode_speedup=decode, predicted_in_rounds=predicted,
-                 predicted_speedup=2 * predicted),
-            dict(common, engine="specdec", method="draft_model", sampling="sampled", speedup=sampled,
-                 tokens_per_s=100 * sampled),
-            dict(common, engine="transformers", method="draft_model", sampling="greedy", speedup=theirs,
-                 tokens_per_s=100 * theirs)]
+    return [
+        dict(
+            common,
+            engine="specdec",
+            method="draft_model",
+            sampling="greedy",
+            speedup=greedy,
+            tokens_per_s=100 * greedy,
+            decode_speedup=decode,
+            predicted_in_rounds=predicted,
+            predicted_speedup=2 * predicted,
+        ),
+        dict(
+            common,
+            engine="specdec",
+            method="draft_model",
+            sampling="sampled",
+            speedup=sampled,
+            tokens_per_s=100 * sampled,
+        ),
+        dict(
+            common,
+            engine="transformers",
+            method="draft_model",
+            sampling="greedy",
+            speedup=theirs,
+            tokens_per_s=100 * theirs,
+        ),
+    ]
 
 
 def test_goals_say_met_missed_or_unmeasured():
@@ -476,8 +635,14 @@ def test_goals_say_met_missed_or_unmeasured():
 
 def test_speedup_goals_take_the_best_row_drafting_with_the_draft_model_and_name_each():
     rows = goal_rows(2.0, 1.5, 1.0, 2.0, 2.2)
-    hybrid = dict(rows[0], method="lookup_then_draft", k=4, speedup=2.6, tokens_per_s=260,
-                  label="specdec prompt lookup, else draft model k=4")
+    hybrid = dict(
+        rows[0],
+        method="lookup_then_draft",
+        k=4,
+        speedup=2.6,
+        tokens_per_s=260,
+        label="specdec prompt lookup, else draft model k=4",
+    )
     lookup = dict(rows[0], method="ngram", k=6, speedup=9.0, tokens_per_s=900, label="specdec prompt lookup k=6")
     greedy = evaluate_goals({"config": {"transformers_k": 5}, "rows": rows + [hybrid, lookup]})[0]
     assert greedy["met"] is True and greedy["measured"] == 2.6  # prompt lookup alone does not count
@@ -495,10 +660,29 @@ def test_quick_sizes_and_flags_that_override_them(pair):
     target, draft = pair
     quick = commands.bench_config(parse(["--model", str(target), "--draft", str(draft), "--quick"]))
     assert (quick.ks, quick.max_tokens, quick.prompts_per_set) == ((1, 3, 5), 32, 4)
-    mine = commands.bench_config(parse(["--model", str(target), "--quick", "--ks", "2,4", "--max-tokens", "7",
-                                        "--prompts", "3", "--no-transformers"]))
-    assert (mine.ks, mine.max_tokens, mine.prompts_per_set, mine.draft, mine.with_transformers) == \
-        ((2, 4), 7, 3, None, False)
+    mine = commands.bench_config(
+        parse(
+            [
+                "--model",
+                str(target),
+                "--quick",
+                "--ks",
+                "2,4",
+                "--max-tokens",
+                "7",
+                "--prompts",
+                "3",
+                "--no-transformers",
+            ]
+        )
+    )
+    assert (mine.ks, mine.max_tokens, mine.prompts_per_set, mine.draft, mine.with_transformers) == (
+        (2, 4),
+        7,
+        3,
+        None,
+        False,
+    )
     args = parse(["--model", str(target), "--quick", "--ks", "2,4", "--write-docs"])
     assert parse(commands.command_line(args).split()[2:]) == args
     assert (mine.head, mine.trees, mine.early_exit_layer) == (None, (), None)  # a model of one's own: asked for
@@ -577,20 +761,23 @@ def test_missing_shipped_pair_says_what_to_do(monkeypatch, tmp_path):
         commands.bench_config(parse([]))
 
 
-@pytest.mark.parametrize("changes, message", [
-    ({"ks": (0, 2)}, "ks must be distinct integers >= 1"),
-    ({"ks": (2, 2)}, "ks must be distinct"),
-    ({"max_tokens": 0}, "max_tokens"),
-    ({"prompt_sets": ("code", "poetry")}, "prompt sets must be among"),
-    ({"device": "tpu"}, "device"),
-    ({"device": "cpu:x"}, "device must be cpu, cuda or cuda:N"),
-    ({"step_repeats": 0}, "step_repeats"),
-    ({"bandwidth_bytes": 0}, "bandwidth_bytes"),
-    ({"trees": ("chain",)}, "tree shapes"),
-    ({"trees": ("3,x",)}, "speculative_tree"),
-    ({"head": "."}, "not an EAGLE head directory"),
-    ({"early_exit_layer": 0}, "early_exit_layer"),
-])
+@pytest.mark.parametrize(
+    "changes, message",
+    [
+        ({"ks": (0, 2)}, "ks must be distinct integers >= 1"),
+        ({"ks": (2, 2)}, "ks must be distinct"),
+        ({"max_tokens": 0}, "max_tokens"),
+        ({"prompt_sets": ("code", "poetry")}, "prompt sets must be among"),
+        ({"device": "tpu"}, "device"),
+        ({"device": "cpu:x"}, "device must be cpu, cuda or cuda:N"),
+        ({"step_repeats": 0}, "step_repeats"),
+        ({"bandwidth_bytes": 0}, "bandwidth_bytes"),
+        ({"trees": ("chain",)}, "tree shapes"),
+        ({"trees": ("3,x",)}, "speculative_tree"),
+        ({"head": "."}, "not an EAGLE head directory"),
+        ({"early_exit_layer": 0}, "early_exit_layer"),
+    ],
+)
 def test_bad_configuration_values(pair, changes, message):
     with pytest.raises(ValueError, match=message):
         BenchConfig(model=str(pair[0]), **changes)
@@ -630,11 +817,15 @@ def _original_body(prompt) -> tuple[str, ast.FunctionDef]:
     cut = len(prompt.before + prompt.text)
     assert source[:cut] == prompt.before + prompt.text
     line_ends = list(itertools.accumulate(len(line) for line in source.splitlines(keepends=True)))
-    enclosing = [node for node in ast.walk(ast.parse(source))
-                 if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and node.name == name
-                 and line_ends[node.lineno - 2] < cut < line_ends[node.end_lineno - 1]]
+    enclosing = [
+        node
+        for node in ast.walk(ast.parse(source))
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef))
+        and node.name == name
+        and line_ends[node.lineno - 2] < cut < line_ends[node.end_lineno - 1]
+    ]
     function = max(enclosing, key=lambda node: node.lineno)  # the innermost
-    return source[cut:line_ends[function.end_lineno - 1]], function
+    return source[cut : line_ends[function.end_lineno - 1]], function
 
 
 def test_the_stdlibs_own_bodies_are_valid_python_after_their_prompts_and_a_bad_line_stops_the_count():
@@ -655,7 +846,7 @@ def test_the_stdlibs_own_bodies_are_valid_python_after_their_prompts_and_a_bad_l
         lines = body.splitlines(keepends=True)
         first_body_line = (prompt.before + prompt.text).count("\n") + 1  # 1-based: the signature's last line
         at = statement.lineno - first_body_line  # index into lines: the statement's first line
-        indent = lines[at][:len(lines[at]) - len(lines[at].lstrip())]
+        indent = lines[at][: len(lines[at]) - len(lines[at].lstrip())]
         broken = "".join(lines[:at]) + f"{indent}x = = 1\n" + "".join(lines[at:])
         valid_before = sum(1 for line in lines[:at] if line.strip())
         assert prompt.lines_that_parse(broken) == (valid_before, num_lines + 1), prompt.name

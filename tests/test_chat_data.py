@@ -13,15 +13,18 @@ from specdec.tools.training.chat_data import ChatDataConfig, write_chat_data
 from specdec.tools.training.chat_prompts import chat_prompts
 from specdec.tools.training.corpus import HELD_OUT_MODULES, load_corpus
 
-TEMPLATE = "{% for m in messages %}<s>{{ m['role'] }}: {{ m['content'] }}</s>{% endfor %}" \
-           "{% if add_generation_prompt %}<s>assistant: {% endif %}"
+TEMPLATE = (
+    "{% for m in messages %}<s>{{ m['role'] }}: {{ m['content'] }}</s>{% endfor %}"
+    "{% if add_generation_prompt %}<s>assistant: {% endif %}"
+)
 
 
 @pytest.fixture(scope="module")
 def chat_model(tmp_path_factory):
     path = save_tiny_model(tmp_path_factory.mktemp("chat") / "model", seed=4, init_std=0.3)
-    (path / "tokenizer_config.json").write_text(json.dumps({"bos_token": "<s>", "eos_token": "</s>",
-                                                            "chat_template": TEMPLATE}))
+    (path / "tokenizer_config.json").write_text(
+        json.dumps({"bos_token": "<s>", "eos_token": "</s>", "chat_template": TEMPLATE})
+    )
     return path
 
 
@@ -32,9 +35,17 @@ CONFIG = ChatDataConfig(train_prompts=4, held_out_prompts=2, sampled_fraction=0.
 def test_answers_are_the_targets_and_held_out_prompts_stay_held_out(chat_model, tmp_path):
     out = write_chat_data(str(chat_model), str(tmp_path / "data"), CONFIG, dtype="float32", progress=lambda line: None)
     names = sorted(p.relative_to(out).as_posix() for p in out.rglob("*.txt"))
-    assert names == ["held_out/00000-greedy.txt", "held_out/00000-sampled.txt", "held_out/00001-greedy.txt",
-                     "train/00000-greedy.txt", "train/00000-sampled.txt", "train/00001-greedy.txt",
-                     "train/00001-sampled.txt", "train/00002-greedy.txt", "train/00003-greedy.txt"]
+    assert names == [
+        "held_out/00000-greedy.txt",
+        "held_out/00000-sampled.txt",
+        "held_out/00001-greedy.txt",
+        "train/00000-greedy.txt",
+        "train/00000-sampled.txt",
+        "train/00001-greedy.txt",
+        "train/00001-sampled.txt",
+        "train/00002-greedy.txt",
+        "train/00003-greedy.txt",
+    ]
     corpus = load_corpus(out)
     assert sorted(d.name for d in corpus.held_out) == names[:3]
     llm = LLM(model=str(chat_model), dtype="float32")
@@ -46,7 +57,7 @@ def test_answers_are_the_targets_and_held_out_prompts_stay_held_out(chat_model, 
             [answer] = llm.chat(list(prompt.messages), SamplingParams(temperature=0, max_tokens=6))
             rendered = llm.tokenizer.apply_chat_template(list(prompt.messages))
             text = (out / f"{directory}/{i:05d}-greedy.txt").read_text()
-            assert text.startswith(rendered) and text[len(rendered):].removesuffix("</s>") == answer.outputs[0].text
+            assert text.startswith(rendered) and text[len(rendered) :].removesuffix("</s>") == answer.outputs[0].text
     manifest = json.loads((out / "chat_data.json").read_text())
     assert manifest["finished"] and manifest["answers"] == {"train": 6, "held_out": 3}
 
@@ -71,7 +82,6 @@ def test_a_stopped_run_resumes_where_it_stopped(chat_model, tmp_path):
     write_chat_data(str(chat_model), str(out), more, dtype="float32", progress=lines.append)
     assert "3 already written, 7 to go" in lines[0]  # more prompts and another batch size: the answers stand
     assert all((out / "train" / name).read_text() == text for name, text in first.items() if "train" in name)
-
 
 
 def test_bad_settings_and_a_model_without_a_template_are_refused(tmp_path, capsys):

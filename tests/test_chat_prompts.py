@@ -113,8 +113,13 @@ def shorten(text, width):
 @pytest.fixture(scope="module")
 def corpus(tmp_path_factory):
     root = tmp_path_factory.mktemp("corpus")
-    files = {"shapes.py": SHAPES, "copies.py": COPIES, "textwrap.py": HELD_OUT,
-             "broken.py": "def broken(:\n    pass\n", "more/util.py": COPIES.replace("mean", "median")}
+    files = {
+        "shapes.py": SHAPES,
+        "copies.py": COPIES,
+        "textwrap.py": HELD_OUT,
+        "broken.py": "def broken(:\n    pass\n",
+        "more/util.py": COPIES.replace("mean", "median"),
+    }
     for name, text in files.items():
         (root / name).parent.mkdir(parents=True, exist_ok=True)
         (root / name).write_text(text, encoding="utf-8")
@@ -212,8 +217,14 @@ def test_source_size_and_docstring_bounds(corpus):
         assert len(code_of(prompt)) <= 200
     written = {p.source for p in chat_prompts(corpus, kinds=("write",))}
     # tiny's summary is under 20 characters, verbose's over 400, factorial and mean have none
-    assert written == {"shapes.py:area", "shapes.py:walk", "copies.py:clamp", "shapes.py:Square.describe",
-                       "shapes.py:Square.greet", "shapes.py:Square.fetch"}
+    assert written == {
+        "shapes.py:area",
+        "shapes.py:walk",
+        "copies.py:clamp",
+        "shapes.py:Square.describe",
+        "shapes.py:Square.greet",
+        "shapes.py:Square.fetch",
+    }
     for function in find_functions(corpus.train)[0]:
         text = summary(function.node)
         assert text is None or (20 <= len(text) <= 400 and "\n" not in text)

@@ -13,8 +13,17 @@ from specdec.models.loader import load_pretrained
 
 
 def random_model(tied: bool, seed: int) -> LlamaModel:
-    config = ModelConfig(vocab_size=97, hidden_size=48, intermediate_size=80, num_layers=2, num_heads=4,
-                         num_kv_heads=2, head_dim=12, max_position_embeddings=128, tie_word_embeddings=tied)
+    config = ModelConfig(
+        vocab_size=97,
+        hidden_size=48,
+        intermediate_size=80,
+        num_layers=2,
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=12,
+        max_position_embeddings=128,
+        tie_word_embeddings=tied,
+    )
     torch.manual_seed(seed)
     model = LlamaModel(config)
     for p in model.parameters():

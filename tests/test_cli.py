@@ -16,10 +16,34 @@ def model_dir(tmp_path_factory):
 
 def test_generate_prints_completion_and_metrics(model_dir, capsys):
     prompt = "def add(a, b):"
-    expected = LLM(str(model_dir), dtype="float32").generate(
-        prompt, SamplingParams(temperature=0, max_tokens=12))[0].outputs[0].text
-    assert main(["generate", str(model_dir), "--draft", str(model_dir), "--k-policy", "fixed", "-k", "3",
-                 "--prompt", prompt, "--max-tokens", "12", "--dtype", "float32", "--compare"]) == 0
+    expected = (
+        LLM(str(model_dir), dtype="float32")
+        .generate(prompt, SamplingParams(temperature=0, max_tokens=12))[0]
+        .outputs[0]
+        .text
+    )
+    assert (
+        main(
+            [
+                "generate",
+                str(model_dir),
+                "--draft",
+                str(model_dir),
+                "--k-policy",
+                "fixed",
+                "-k",
+                "3",
+                "--prompt",
+                prompt,
+                "--max-tokens",
+                "12",
+                "--dtype",
+                "float32",
+                "--compare",
+            ]
+        )
+        == 0
+    )
     out = capsys.readouterr().out
     assert out.startswith(prompt + expected)
     assert "[draft_model k=3]" in out and "α 1.000" in out and "τ" in out
@@ -27,27 +51,92 @@ def test_generate_prints_completion_and_metrics(model_dir, capsys):
 
 
 def test_generate_ngram_sampled(model_dir, capsys):
-    assert main(["generate", str(model_dir), "--ngram", "--prompt", "for i in range(10): for i in",
-                 "--max-tokens", "8", "--temperature", "0.8", "--top-p", "0.9", "--seed", "3"]) == 0
+    assert (
+        main(
+            [
+                "generate",
+                str(model_dir),
+                "--ngram",
+                "--prompt",
+                "for i in range(10): for i in",
+                "--max-tokens",
+                "8",
+                "--temperature",
+                "0.8",
+                "--top-p",
+                "0.9",
+                "--seed",
+                "3",
+            ]
+        )
+        == 0
+    )
     assert "[ngram k=5]" in capsys.readouterr().out
 
 
 def test_generate_with_a_tree(model_dir, capsys):
     prompt = "def add(a, b):"
-    expected = LLM(str(model_dir), dtype="float32").generate(
-        prompt, SamplingParams(temperature=0, max_tokens=12))[0].outputs[0].text
-    assert main(["generate", str(model_dir), "--draft", str(model_dir), "--tree", "2,1", "-k", "3",
-                 "--prompt", prompt, "--max-tokens", "12", "--dtype", "float32"]) == 0
+    expected = (
+        LLM(str(model_dir), dtype="float32")
+        .generate(prompt, SamplingParams(temperature=0, max_tokens=12))[0]
+        .outputs[0]
+        .text
+    )
+    assert (
+        main(
+            [
+                "generate",
+                str(model_dir),
+                "--draft",
+                str(model_dir),
+                "--tree",
+                "2,1",
+                "-k",
+                "3",
+                "--prompt",
+                prompt,
+                "--max-tokens",
+                "12",
+                "--dtype",
+                "float32",
+            ]
+        )
+        == 0
+    )
     out = capsys.readouterr().out
     assert out.startswith(prompt + expected) and "[draft_model k=3 tree 2,1]" in out
 
 
 def test_generate_lookup_then_draft(model_dir, capsys):
     prompt = "for i in range(10): for i in"
-    expected = LLM(str(model_dir), dtype="float32").generate(
-        prompt, SamplingParams(temperature=0, max_tokens=12))[0].outputs[0].text
-    assert main(["generate", str(model_dir), "--draft", str(model_dir), "--k-policy", "fixed", "--lookup", "-k", "3",
-                 "--prompt", prompt, "--max-tokens", "12", "--dtype", "float32"]) == 0
+    expected = (
+        LLM(str(model_dir), dtype="float32")
+        .generate(prompt, SamplingParams(temperature=0, max_tokens=12))[0]
+        .outputs[0]
+        .text
+    )
+    assert (
+        main(
+            [
+                "generate",
+                str(model_dir),
+                "--draft",
+                str(model_dir),
+                "--k-policy",
+                "fixed",
+                "--lookup",
+                "-k",
+                "3",
+                "--prompt",
+                prompt,
+                "--max-tokens",
+                "12",
+                "--dtype",
+                "float32",
+            ]
+        )
+        == 0
+    )
     out = capsys.readouterr().out
     assert out.startswith(prompt + expected) and "[lookup_then_draft k=3]" in out
 
@@ -55,18 +144,21 @@ def test_generate_lookup_then_draft(model_dir, capsys):
 SWITCHES = ("--ngram", "--lookup")
 
 
-@pytest.mark.parametrize("args, message", [
-    (["--model", "/nonexistent/dir"], "does not exist"),
-    (["--temperature", "-1"], "--temperature must be a number >= 0"),
-    (["--top-p", "1.5"], "--top-p must be in (0, 1], got 1.5"),
-    (["--max-tokens", "0"], "--max-tokens must be an integer >= 1"),
-    (["-k", "-1", "--ngram"], "-k must be an integer >= 0, got -1"),
-    (["--lookup"], "add --draft DIR"),
-    (["--lookup", "--ngram"], "instead of --ngram"),
-    (["--tree", "auto"], "needs a drafter"),
-    (["--tree", "auto", "--ngram"], "--tree auto needs a drafter that grows trees"),
-    (["--tree", "3,x", "--ngram"], "--tree must be 'chain', 'auto', or branching factors"),
-])
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--model", "/nonexistent/dir"], "does not exist"),
+        (["--temperature", "-1"], "--temperature must be a number >= 0"),
+        (["--top-p", "1.5"], "--top-p must be in (0, 1], got 1.5"),
+        (["--max-tokens", "0"], "--max-tokens must be an integer >= 1"),
+        (["-k", "-1", "--ngram"], "-k must be an integer >= 0, got -1"),
+        (["--lookup"], "add --draft DIR"),
+        (["--lookup", "--ngram"], "instead of --ngram"),
+        (["--tree", "auto"], "needs a drafter"),
+        (["--tree", "auto", "--ngram"], "--tree auto needs a drafter that grows trees"),
+        (["--tree", "3,x", "--ngram"], "--tree must be 'chain', 'auto', or branching factors"),
+    ],
+)
 def test_bad_input_is_one_clear_line(model_dir, capsys, args, message):
     base = {"--model": str(model_dir), "--prompt": "x"}
     options = [a for a in args if a not in SWITCHES]
@@ -81,12 +173,37 @@ def test_bad_input_is_one_clear_line(model_dir, capsys, args, message):
 def test_accepted_draft_tokens_are_marked(model_dir, capsys):
     """With the target as its own draft every token after the first is an accepted draft:
     the colored runs, with the color codes removed, give back the completion exactly."""
-    assert main(["generate", str(model_dir), "--draft", str(model_dir), "--k-policy", "fixed", "-k", "4", "--prompt",
-                 "def add(a, b):", "--max-tokens", "12", "--dtype", "float32", "--color", "always"]) == 0
+    assert (
+        main(
+            [
+                "generate",
+                str(model_dir),
+                "--draft",
+                str(model_dir),
+                "--k-policy",
+                "fixed",
+                "-k",
+                "4",
+                "--prompt",
+                "def add(a, b):",
+                "--max-tokens",
+                "12",
+                "--dtype",
+                "float32",
+                "--color",
+                "always",
+            ]
+        )
+        == 0
+    )
     from specdec.cli import DRAFT_COLOR
+
     body = _marked_body(capsys.readouterr().out)
-    expected = LLM(str(model_dir), dtype="float32").generate(
-        "def add(a, b):", SamplingParams(temperature=0, max_tokens=12))[0].outputs[0]
+    expected = (
+        LLM(str(model_dir), dtype="float32")
+        .generate("def add(a, b):", SamplingParams(temperature=0, max_tokens=12))[0]
+        .outputs[0]
+    )
     assert _strip_colors(body) == "def add(a, b):" + expected.text
     assert body.count(DRAFT_COLOR) >= 1
     plain_first = body.index(DRAFT_COLOR) > len("def add(a, b):")  # the prefill's token is the target's
@@ -135,20 +252,59 @@ def test_marking_keeps_characters_split_across_runs(text):
 
 def test_marking_a_completion_cut_by_a_stop_string(model_dir, capsys):
     """--stop cuts the text: still marked, and cut at the same place."""
-    args = ["generate", str(model_dir), "--draft", str(model_dir), "--k-policy", "fixed", "-k", "4", "--prompt", "def add(a, b):",
-            "--max-tokens", "16", "--dtype", "float32", "--color", "always"]
+    args = [
+        "generate",
+        str(model_dir),
+        "--draft",
+        str(model_dir),
+        "--k-policy",
+        "fixed",
+        "-k",
+        "4",
+        "--prompt",
+        "def add(a, b):",
+        "--max-tokens",
+        "16",
+        "--dtype",
+        "float32",
+        "--color",
+        "always",
+    ]
     assert main(args) == 0
     full = _strip_colors(_marked_body(capsys.readouterr().out))
-    stop = full[len("def add(a, b):") + 6:][:3]  # a stop string a few characters into the completion
+    stop = full[len("def add(a, b):") + 6 :][:3]  # a stop string a few characters into the completion
     assert main(args + ["--stop", stop]) == 0
     marked = _marked_body(capsys.readouterr().out)
     from specdec.cli import DRAFT_COLOR
-    assert DRAFT_COLOR in marked and _strip_colors(marked) == full[:full.index(stop, len("def add(a, b):"))]
+
+    assert DRAFT_COLOR in marked and _strip_colors(marked) == full[: full.index(stop, len("def add(a, b):"))]
 
 
 def test_compare_speedup_is_a_ratio_of_tokens_per_second(model_dir, capsys):
-    assert main(["generate", str(model_dir), "--draft", str(model_dir), "-k", "3", "--prompt", "def f(",
-                 "--max-tokens", "12", "--temperature", "1", "--seed", "2", "--stop", "e", "--compare"]) == 0
+    assert (
+        main(
+            [
+                "generate",
+                str(model_dir),
+                "--draft",
+                str(model_dir),
+                "-k",
+                "3",
+                "--prompt",
+                "def f(",
+                "--max-tokens",
+                "12",
+                "--temperature",
+                "1",
+                "--seed",
+                "2",
+                "--stop",
+                "e",
+                "--compare",
+            ]
+        )
+        == 0
+    )
     out = capsys.readouterr().out
     rates = [float(line.split(" tok/s")[0].rsplit(" ", 1)[1]) for line in out.splitlines() if "tok/s" in line]
     speedup = float(out.split("speedup ")[1].split("x")[0])
@@ -164,10 +320,25 @@ def test_generate_chat_renders_the_template_and_prints_the_reply(model_dir, tmp_
     config = json.loads((chat_dir / "tokenizer_config.json").read_text())
     config["chat_template"] = "{% for m in messages %}<s>{{ m['role'] }}: {{ m['content'] }}</s>{% endfor %}<s>"
     (chat_dir / "tokenizer_config.json").write_text(json.dumps(config))
-    [expected] = LLM(str(chat_dir), dtype="float32").chat([{"role": "user", "content": "def add(a, b):"}],
-                                                          SamplingParams(temperature=0, max_tokens=8))
-    assert main(["generate", str(chat_dir), "--ngram", "--chat", "def add(a, b):", "--max-tokens", "8",
-                 "--dtype", "float32"]) == 0
+    [expected] = LLM(str(chat_dir), dtype="float32").chat(
+        [{"role": "user", "content": "def add(a, b):"}], SamplingParams(temperature=0, max_tokens=8)
+    )
+    assert (
+        main(
+            [
+                "generate",
+                str(chat_dir),
+                "--ngram",
+                "--chat",
+                "def add(a, b):",
+                "--max-tokens",
+                "8",
+                "--dtype",
+                "float32",
+            ]
+        )
+        == 0
+    )
     assert capsys.readouterr().out.startswith(expected.outputs[0].text + "\n")
     assert main(["generate", str(model_dir), "--chat", "hi", "--dtype", "float32"]) == 2
     assert "no chat template" in capsys.readouterr().err
@@ -193,8 +364,12 @@ def test_a_known_condition_is_said_in_specdecs_words_without_a_source_line(model
     short = save_tiny_model(tmp_path / "short", "llama", seed=5, init_std=0.2, max_position_embeddings=16)
     with warnings.catch_warnings():
         warnings.simplefilter("always")
-        assert main(["generate", str(model_dir), "--draft", str(short), "-k", "2", "--prompt", "x = 1",
-                     "--max-tokens", "2"]) == 0
+        assert (
+            main(
+                ["generate", str(model_dir), "--draft", str(short), "-k", "2", "--prompt", "x = 1", "--max-tokens", "2"]
+            )
+            == 0
+        )
     err = capsys.readouterr().err
     said = [line for line in err.splitlines() if "has a context of 16 tokens" in line]
     assert len(said) == 1 and said[0].startswith("specdec: the draft ")
@@ -231,8 +406,9 @@ def test_every_speculative_field_is_a_flag_of_generate_serve_and_bench_spelled_t
             flags = (*f.metadata["flags"], *f.metadata["old_flags"])
             assert f.metadata["help"] and all(flag in options for flag in flags), (command, f.name)
             assert len({options[flag].dest for flag in flags}) == 1  # the old spellings set the same thing
-            spellings.setdefault(f.name, set()).add(tuple(sorted(o for o in options if options[o].dest ==
-                                                                 options[flags[0]].dest)))
+            spellings.setdefault(f.name, set()).add(
+                tuple(sorted(o for o in options if options[o].dest == options[flags[0]].dest))
+            )
     assert {name: len(found) for name, found in spellings.items()} == {name: 1 for name in spellings}
 
 
@@ -244,8 +420,9 @@ def test_a_field_added_to_speculative_config_is_a_flag_of_every_command(monkeypa
 
     @dataclass(frozen=True)
     class Extended(SpeculativeConfig):
-        draft_temperature: float = setting(1.0, "the draft's temperature", "--draft-temperature", metavar="T",
-                                           parse=float)
+        draft_temperature: float = setting(
+            1.0, "the draft's temperature", "--draft-temperature", metavar="T", parse=float
+        )
 
     monkeypatch.setattr(model_flags, "speculative_fields", lambda: {f.name: f for f in fields(Extended)})
     commands = _subcommands()
@@ -267,8 +444,16 @@ def test_help_shows_each_speculative_flags_default(capsys):
         with pytest.raises(SystemExit):
             main([command, "--help"])
         text = " ".join(capsys.readouterr().out.split())  # argparse wraps the lines
-        for shown in ("-k K, --num-speculative-tokens K", "(default: 5)", "(default: goodput)", "(default: chain)",
-                      "(default: auto)", "(default: 4)", "(default: 0)", "(default: half the target's depth)"):
+        for shown in (
+            "-k K, --num-speculative-tokens K",
+            "(default: 5)",
+            "(default: goodput)",
+            "(default: chain)",
+            "(default: auto)",
+            "(default: 4)",
+            "(default: 0)",
+            "(default: half the target's depth)",
+        ):
             assert shown in text, (command, shown)
         assert "--adaptive-confidence" not in text and "--model" not in text  # the old spellings: taken, not shown
     with pytest.raises(SystemExit):
@@ -279,25 +464,56 @@ def test_help_shows_each_speculative_flags_default(capsys):
     assert "--k-policy {goodput,fixed}" not in text  # taken, and refused: the bench measures both policies
 
 
-@pytest.mark.parametrize("flags, said, keywords, python_said", [
-    (["--ngram", "-k", "-1"], "-k must be an integer >= 0, got -1",
-     dict(speculative_method="ngram", num_speculative_tokens=-1), "num_speculative_tokens must be an integer >= 0"),
-    (["--ngram", "--num-speculative-tokens", "-1"], "--num-speculative-tokens must be an integer >= 0, got -1",
-     dict(speculative_config={"method": "ngram", "num_speculative_tokens": -1}), "num_speculative_tokens must be"),
-    (["--draft", "DRAFT", "--draft-confidence", "2"], "--draft-confidence must be in [0, 1], got 2.0",
-     dict(speculative_model="DRAFT", draft_confidence_threshold=2), "draft_confidence_threshold must be in [0, 1]"),
-    (["--ngram", "--ngram-min", "3", "--ngram-max", "2"], "need 1 <= --ngram-min <= --ngram-max, got 3, 2",
-     dict(speculative_method="ngram", ngram_prompt_lookup_min=3, ngram_prompt_lookup_max=2),
-     "need 1 <= ngram_prompt_lookup_min <= ngram_prompt_lookup_max, got 3, 2"),
-    (["--speculative-method", "eagle"], "--speculative-method eagle needs --draft DIR",
-     dict(speculative_method="eagle"), "speculative_method='eagle' needs speculative_model=<draft directory>"),
-    (["--speculative-method", "ngram", "--draft", "DRAFT"], "but --draft DRAFT was given",
-     dict(speculative_method="ngram", speculative_model="DRAFT"), "but speculative_model='DRAFT' was given"),
-    (["--draft", "DRAFT", "--draft-dtype", "fp7"], "--draft-dtype must be one of",
-     dict(speculative_model="DRAFT", draft_dtype="fp7"), "draft_dtype must be one of"),
-])
-def test_a_bad_value_names_the_flag_on_the_command_line_and_the_keyword_in_python(model_dir, capsys, flags, said,
-                                                                                   keywords, python_said):
+@pytest.mark.parametrize(
+    "flags, said, keywords, python_said",
+    [
+        (
+            ["--ngram", "-k", "-1"],
+            "-k must be an integer >= 0, got -1",
+            dict(speculative_method="ngram", num_speculative_tokens=-1),
+            "num_speculative_tokens must be an integer >= 0",
+        ),
+        (
+            ["--ngram", "--num-speculative-tokens", "-1"],
+            "--num-speculative-tokens must be an integer >= 0, got -1",
+            dict(speculative_config={"method": "ngram", "num_speculative_tokens": -1}),
+            "num_speculative_tokens must be",
+        ),
+        (
+            ["--draft", "DRAFT", "--draft-confidence", "2"],
+            "--draft-confidence must be in [0, 1], got 2.0",
+            dict(speculative_model="DRAFT", draft_confidence_threshold=2),
+            "draft_confidence_threshold must be in [0, 1]",
+        ),
+        (
+            ["--ngram", "--ngram-min", "3", "--ngram-max", "2"],
+            "need 1 <= --ngram-min <= --ngram-max, got 3, 2",
+            dict(speculative_method="ngram", ngram_prompt_lookup_min=3, ngram_prompt_lookup_max=2),
+            "need 1 <= ngram_prompt_lookup_min <= ngram_prompt_lookup_max, got 3, 2",
+        ),
+        (
+            ["--speculative-method", "eagle"],
+            "--speculative-method eagle needs --draft DIR",
+            dict(speculative_method="eagle"),
+            "speculative_method='eagle' needs speculative_model=<draft directory>",
+        ),
+        (
+            ["--speculative-method", "ngram", "--draft", "DRAFT"],
+            "but --draft DRAFT was given",
+            dict(speculative_method="ngram", speculative_model="DRAFT"),
+            "but speculative_model='DRAFT' was given",
+        ),
+        (
+            ["--draft", "DRAFT", "--draft-dtype", "fp7"],
+            "--draft-dtype must be one of",
+            dict(speculative_model="DRAFT", draft_dtype="fp7"),
+            "draft_dtype must be one of",
+        ),
+    ],
+)
+def test_a_bad_value_names_the_flag_on_the_command_line_and_the_keyword_in_python(
+    model_dir, capsys, flags, said, keywords, python_said
+):
     """One validation (SpeculativeConfig's), said in the words of the interface it came through."""
     import re
 
@@ -308,8 +524,9 @@ def test_a_bad_value_names_the_flag_on_the_command_line_and_the_keyword_in_pytho
         assert main([command, str(model_dir), *extra, *flags]) == 2
         err = capsys.readouterr().err
         assert err.startswith("error: ") and said in err and "Traceback" not in err, (command, err)
-        assert not re.search(r"\b(speculative_\w+|num_speculative_tokens|draft_confidence_threshold|ngram_prompt)",
-                             err), err
+        assert not re.search(
+            r"\b(speculative_\w+|num_speculative_tokens|draft_confidence_threshold|ngram_prompt)", err
+        ), err
     keywords = {key: str(model_dir) if value == "DRAFT" else value for key, value in keywords.items()}
     python_said = python_said.replace("DRAFT", str(model_dir))
     with pytest.raises(ValueError) as error:
@@ -319,15 +536,19 @@ def test_a_bad_value_names_the_flag_on_the_command_line_and_the_keyword_in_pytho
 
 def test_the_bench_checks_its_speculative_flags_as_generate_does(model_dir, tmp_path, capsys):
     out = str(tmp_path / "out")
-    for flags, said in ((["-k", "-1"], "error: -k must be an integer >= 0, got -1"),
-                        (["--draft-confidence", "2"], "error: --draft-confidence must be in [0, 1], got 2.0"),
-                        (["--adaptive-confidence", "2"], "error: --adaptive-confidence must be in [0, 1], got 2.0"),
-                        (["--tree", "3,x"], "error: --tree must be 'chain', 'auto', or branching factors"),
-                        (["--early-exit", "0"], "error: --early-exit must be an integer >= 1, got 0"),
-                        (["--k-policy", "fixed"], "--k-policy does not apply to it (generate and serve take it)"),
-                        (["--ngram-min", "2", "--speculative-method", "ngram"],
-                         "--speculative-method and --ngram-min do not apply to it"),
-                        (["-k", "3", "--ks", "1,2"], "-k K is --ks K: give one of them")):
+    for flags, said in (
+        (["-k", "-1"], "error: -k must be an integer >= 0, got -1"),
+        (["--draft-confidence", "2"], "error: --draft-confidence must be in [0, 1], got 2.0"),
+        (["--adaptive-confidence", "2"], "error: --adaptive-confidence must be in [0, 1], got 2.0"),
+        (["--tree", "3,x"], "error: --tree must be 'chain', 'auto', or branching factors"),
+        (["--early-exit", "0"], "error: --early-exit must be an integer >= 1, got 0"),
+        (["--k-policy", "fixed"], "--k-policy does not apply to it (generate and serve take it)"),
+        (
+            ["--ngram-min", "2", "--speculative-method", "ngram"],
+            "--speculative-method and --ngram-min do not apply to it",
+        ),
+        (["-k", "3", "--ks", "1,2"], "-k K is --ks K: give one of them"),
+    ):
         assert main(["bench", str(model_dir), "--out", out, *flags]) == 2
         err = capsys.readouterr().err
         assert err.startswith("error: ") and said in err, (flags, err)
@@ -338,12 +559,23 @@ def test_the_model_comes_first_in_every_subcommand_and_the_old_flags_are_still_t
     from specdec.cli import build_parser
 
     parser = build_parser()
-    for argv in (["generate", "M", "--prompt", "x"], ["generate", "--model", "M", "--prompt", "x"],
-                 ["generate", "--prompt", "x", "M"], ["serve", "M"], ["serve", "--model", "M"], ["bench", "M"],
-                 ["bench", "--model", "M", "--quick"], ["generate", "M", "--model", "M", "--prompt", "x"]):
+    for argv in (
+        ["generate", "M", "--prompt", "x"],
+        ["generate", "--model", "M", "--prompt", "x"],
+        ["generate", "--prompt", "x", "M"],
+        ["serve", "M"],
+        ["serve", "--model", "M"],
+        ["bench", "M"],
+        ["bench", "--model", "M", "--quick"],
+        ["generate", "M", "--model", "M", "--prompt", "x"],
+    ):
         assert parser.parse_args(argv).model == "M", argv
-    for argv in (["distill", "T", "--out", "o"], ["distill", "--target", "T", "--out", "o"],
-                 ["train-heads", "T", "--out", "o"], ["train-heads", "--target", "T", "--out", "o"]):
+    for argv in (
+        ["distill", "T", "--out", "o"],
+        ["distill", "--target", "T", "--out", "o"],
+        ["train-heads", "T", "--out", "o"],
+        ["train-heads", "--target", "T", "--out", "o"],
+    ):
         assert parser.parse_args(argv).target == "T", argv
     with pytest.raises(SystemExit):
         parser.parse_args(["serve", "A", "--model", "B"])
@@ -361,15 +593,32 @@ def test_the_bench_says_its_run_in_the_same_words(model_dir):
     from specdec.tools.benchmark.commands import bench_config, command_line
 
     parser = build_parser()
-    args = parser.parse_args(["bench", str(model_dir), "--adaptive-confidence", "0.25", "-k", "3", "--early-exit",
-                              "--draft-quantization", "int8", "--draft", str(model_dir)])
+    args = parser.parse_args(
+        [
+            "bench",
+            str(model_dir),
+            "--adaptive-confidence",
+            "0.25",
+            "-k",
+            "3",
+            "--early-exit",
+            "--draft-quantization",
+            "int8",
+            "--draft",
+            str(model_dir),
+        ]
+    )
     line = command_line(args)
     assert line.startswith(f"specdec bench {model_dir} --draft {model_dir}") and "--draft-confidence 0.25" in line
     assert "-k 3" in line and "--early-exit" in line and "--draft-quantization int8" in line
     assert parser.parse_args(line.split()[1:]) == args
     config = bench_config(args)
-    assert (config.ks, config.adaptive_confidence, config.draft_quantization, config.early_exit_layer) == \
-        ((3,), 0.25, "int8", 1)  # --early-exit alone: half the target's depth
+    assert (config.ks, config.adaptive_confidence, config.draft_quantization, config.early_exit_layer) == (
+        (3,),
+        0.25,
+        "int8",
+        1,
+    )  # --early-exit alone: half the target's depth
 
 
 def test_the_flags_build_the_speculative_config_llm_takes(model_dir):
@@ -385,13 +634,17 @@ def test_the_flags_build_the_speculative_config_llm_takes(model_dir):
 
     assert config() is None
     assert config("--draft", "D", "--draft-quantization", "none", "-k", "3") == SpeculativeConfig(
-        model="D", draft_quantization=None, num_speculative_tokens=3)
+        model="D", draft_quantization=None, num_speculative_tokens=3
+    )
     assert config("--ngram", "--ngram-min", "2", "--ngram-max", "3", "--k-policy", "fixed") == SpeculativeConfig(
-        method="ngram", ngram_min=2, ngram_max=3, k_policy="fixed")
+        method="ngram", ngram_min=2, ngram_max=3, k_policy="fixed"
+    )
     assert config("--draft", "D", "--lookup", "--draft-dtype", "bf16") == SpeculativeConfig(
-        method="lookup_then_draft", model="D", draft_dtype="bfloat16")
+        method="lookup_then_draft", model="D", draft_dtype="bfloat16"
+    )
     assert config("--early-exit") == SpeculativeConfig(method="early_exit")
     assert config("--early-exit", "2", "--draft-confidence", "0.3") == SpeculativeConfig(
-        method="early_exit", early_exit_layer=2, draft_confidence_threshold=0.3)
+        method="early_exit", early_exit_layer=2, draft_confidence_threshold=0.3
+    )
     with pytest.raises(ValueError, match="--ngram-min sets prompt lookup, which --draft alone does not use"):
         config("--draft", "D", "--ngram-min", "2")

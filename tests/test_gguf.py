@@ -50,8 +50,7 @@ def files(tmp_path_factory):
     def get(arch: str = "llama", tensor_type: str = "F32", tie: bool = True) -> Path:
         key = (arch, tensor_type, tie)
         if key not in made:
-            made[key] = write_gguf(root / f"{arch}-{tensor_type}-{tie}.gguf", tiny_hf_model(arch, tie=tie),
-                                   tensor_type)
+            made[key] = write_gguf(root / f"{arch}-{tensor_type}-{tie}.gguf", tiny_hf_model(arch, tie=tie), tensor_type)
         return made[key]
 
     return get
@@ -111,11 +110,19 @@ def test_greedy_generation_from_a_gguf_equals_transformers(files):
 def test_speculation_on_a_gguf_target_is_exact(files):
     path = files("llama", "Q4_1")
     alone = LLM(model=str(path), dtype="float32")
-    lookup = LLM(model=str(path), dtype="float32", speculative_method="ngram", num_speculative_tokens=4,
-                 speculative_k_policy="fixed")
+    lookup = LLM(
+        model=str(path),
+        dtype="float32",
+        speculative_method="ngram",
+        num_speculative_tokens=4,
+        speculative_k_policy="fixed",
+    )
     prompt = {"prompt_token_ids": random_ids(7, 10) * 3}
     params = SamplingParams(temperature=0, max_tokens=24)
-    assert lookup.generate(prompt, params)[0].outputs[0].token_ids == alone.generate(prompt, params)[0].outputs[0].token_ids
+    assert (
+        lookup.generate(prompt, params)[0].outputs[0].token_ids
+        == alone.generate(prompt, params)[0].outputs[0].token_ids
+    )
 
 
 def test_convert_writes_a_directory_transformers_and_specdec_load(files, tmp_path):
@@ -124,8 +131,13 @@ def test_convert_writes_a_directory_transformers_and_specdec_load(files, tmp_pat
     path = files("llama", "Q5_1")
     out = tmp_path / "converted"
     assert main(["convert", str(path), str(out)]) == 0
-    assert sorted(p.name for p in out.iterdir()) == ["config.json", "generation_config.json", "model.safetensors",
-                                                     "tokenizer.json", "tokenizer_config.json"]
+    assert sorted(p.name for p in out.iterdir()) == [
+        "config.json",
+        "generation_config.json",
+        "model.safetensors",
+        "tokenizer.json",
+        "tokenizer_config.json",
+    ]
     ids = random_ids(8, 20)
     expected = hf_logits(hf_from_gguf(path), ids)
     from_dir = AutoModelForCausalLM.from_pretrained(str(out), dtype=torch.float32).eval()
@@ -137,8 +149,9 @@ def test_convert_writes_a_directory_transformers_and_specdec_load(files, tmp_pat
     text = "def f(x):\n    return x + 1  # <s> stays whole </s>"
     hf_tokenizer = AutoTokenizer.from_pretrained(str(out))
     assert ours.tokenizer.encode(text) == hf_tokenizer.encode(text)
-    assert ours.tokenizer.apply_chat_template([{"role": "user", "content": "hi"}]) == \
-        hf_tokenizer.apply_chat_template([{"role": "user", "content": "hi"}], tokenize=False)
+    assert ours.tokenizer.apply_chat_template([{"role": "user", "content": "hi"}]) == hf_tokenizer.apply_chat_template(
+        [{"role": "user", "content": "hi"}], tokenize=False
+    )
 
 
 def test_convert_takes_a_dtype(files, tmp_path):
@@ -206,7 +219,9 @@ def test_an_unsupported_architecture_is_refused(tmp_path, capsys, arch):
 
 
 def test_an_unsupported_tensor_type_is_refused(tmp_path, capsys):
-    path = write_gguf(tmp_path / "iq4.gguf", tiny_hf_model("llama"), "F32", tensor_types={"blk.0.attn_q.weight": "IQ4_NL"})
+    path = write_gguf(
+        tmp_path / "iq4.gguf", tiny_hf_model("llama"), "F32", tensor_types={"blk.0.attn_q.weight": "IQ4_NL"}
+    )
     assert_refused(tmp_path, capsys, path, "tensor type IQ4_NL is not supported", "Q4_K")
 
 
@@ -235,8 +250,9 @@ def test_an_interrupted_convert_leaves_nothing_that_loads(files, tmp_path, monke
 
 # ----------------------------------------------------------------------------- the real file
 
-needs_smollm2 = pytest.mark.skipif(not SMOLLM2_GGUF.is_file(),
-                                   reason=f"{SMOLLM2_GGUF} is not there: `make smollm2` fetches it (pip, ~100 MB)")
+needs_smollm2 = pytest.mark.skipif(
+    not SMOLLM2_GGUF.is_file(), reason=f"{SMOLLM2_GGUF} is not there: `make smollm2` fetches it (pip, ~100 MB)"
+)
 
 
 @pytest.mark.slow
@@ -244,7 +260,7 @@ needs_smollm2 = pytest.mark.skipif(not SMOLLM2_GGUF.is_file(),
 def test_smollm2_logits_and_greedy_output_equal_transformers():
     hf = hf_from_gguf(SMOLLM2_GGUF)
     loaded = load_pretrained(SMOLLM2_GGUF, dtype="float32")
-    ids = loaded.tokenizer.encode("def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n")
+    ids = loaded.tokenizer.encode('def fibonacci(n):\n    """Return the n-th Fibonacci number."""\n')
     expected = hf_logits(hf, ids)
     assert max_diff(specdec_logits(loaded.model, ids), expected) < ATOL * expected.abs().max().item()
     # quantization=None: the file's values in float32, as transformers runs them (kept quantized,

@@ -98,14 +98,13 @@ def test_a_row_gets_the_same_result_alone_and_in_a_batch(kind):
     x = torch.randn(11, 512, generator=torch.Generator().manual_seed(6))
     batch = kernel_product(packed, x)
     for row in range(11):
-        assert torch.equal(kernel_product(packed, x[row:row + 1])[0], batch[row])
+        assert torch.equal(kernel_product(packed, x[row : row + 1])[0], batch[row])
 
 
 def test_fused_parts_of_different_types_stack_by_rows():
     parts = [("Q4_K", 32), ("Q6_K", 16), ("Q8_0", 24)]
     datas = [quantized_matrix(kind, rows, 256, seed=i) for i, (kind, rows) in enumerate(parts)]
-    layer = GGUFLinear([pack(kind, data, rows, 256) for (kind, rows), data in zip(parts, datas)],
-                       bias=torch.randn(72))
+    layer = GGUFLinear([pack(kind, data, rows, 256) for (kind, rows), data in zip(parts, datas)], bias=torch.randn(72))
     weight = torch.cat([reference(kind, data) for (kind, _), data in zip(parts, datas)])
     assert torch.equal(layer.dequantized_weight(), weight)
     x = torch.randn(2, 3, 256, generator=torch.Generator().manual_seed(7))
@@ -140,8 +139,10 @@ def test_a_fused_norm_and_gate_compute_what_the_ops_they_replace_do(kind):
         assert (got - exact).abs().max() <= 0.03 * exact.abs().max()
 
 
-@pytest.mark.skipif(not {"avx512_vnni", "avx512bw", "avx512vl"} <= cpu_flags(),
-                    reason="the CPU has no AVX-512 VNNI: the default run already is the AVX2 kernel")
+@pytest.mark.skipif(
+    not {"avx512_vnni", "avx512bw", "avx512vl"} <= cpu_flags(),
+    reason="the CPU has no AVX-512 VNNI: the default run already is the AVX2 kernel",
+)
 @pytest.mark.slow
 def test_the_avx2_kernel_computes_what_the_avx512_one_does(tmp_path):
     """An AVX2-only CPU's kernel, run here in a process that PyTorch holds to AVX2."""
@@ -158,11 +159,11 @@ from specdec.kernels import variant
 from specdec.models.gguf_linear import GGUFLinear
 from specdec.models.gguf_quants import pack
 assert variant() == "avx2", variant()
-x = torch.load({str(tmp_path / 'x.pt')!r})
+x = torch.load({str(tmp_path / "x.pt")!r})
 out = {{}}
 for kind in {TYPES!r}:
     out[kind] = GGUFLinear([pack(kind, np.load({str(tmp_path)!r} + f"/{{kind}}.npy"), 32, 512)])(x)
-torch.save(out, {str(tmp_path / 'avx2.pt')!r})
+torch.save(out, {str(tmp_path / "avx2.pt")!r})
 """
     env = {**os.environ, "ATEN_CPU_CAPABILITY": "avx2"}
     subprocess.run([sys.executable, "-c", script], check=True, env=env, timeout=600)
@@ -174,13 +175,18 @@ torch.save(out, {str(tmp_path / 'avx2.pt')!r})
 
 
 def test_variant_follows_pytorchs_instruction_set():
-    expected = "avx512_vnni" if torch.backends.cpu.get_cpu_capability() == "AVX512" and \
-        {"avx512_vnni", "avx512bw", "avx512vl"} <= cpu_flags() else "avx2"
+    expected = (
+        "avx512_vnni"
+        if torch.backends.cpu.get_cpu_capability() == "AVX512"
+        and {"avx512_vnni", "avx512bw", "avx512vl"} <= cpu_flags()
+        else "avx2"
+    )
     assert variant() == expected
     assert qmatmul().isa() == expected
 
 
 # --- whole models ---------------------------------------------------------------------------
+
 
 @pytest.fixture(scope="module")
 def mixed_file(tmp_path_factory):
@@ -188,8 +194,9 @@ def mixed_file(tmp_path_factory):
     Q4_K matrices, Q6_K for v and down projections and the output layer, F32 norms and biases."""
     types = {f"blk.{i}.{part}.weight": "Q6_K" for i in range(2) for part in ("attn_v", "ffn_down")}
     types["output.weight"] = "Q6_K"
-    return write_gguf(tmp_path_factory.mktemp("mixed") / "model.gguf", tiny_hf_model("qwen2", tie=False), "Q4_K",
-                      tensor_types=types)
+    return write_gguf(
+        tmp_path_factory.mktemp("mixed") / "model.gguf", tiny_hf_model("qwen2", tie=False), "Q4_K", tensor_types=types
+    )
 
 
 def test_a_quantized_file_loads_with_no_float_matrix(mixed_file):
@@ -207,8 +214,10 @@ def test_a_quantized_file_loads_with_no_float_matrix(mixed_file):
 def test_the_quantized_model_matches_the_dequantized_one(mixed_file):
     quantized = load_pretrained(mixed_file, dtype="float32", load_tokenizer=False, keep_quantized=True).model
     dense = load_pretrained(mixed_file, dtype="float32", load_tokenizer=False).model
-    for q_layer, d_layer in ((quantized.layers[1].mlp.down_proj, dense.layers[1].mlp.down_proj),
-                             (quantized.lm_head, dense.lm_head)):
+    for q_layer, d_layer in (
+        (quantized.layers[1].mlp.down_proj, dense.layers[1].mlp.down_proj),
+        (quantized.lm_head, dense.lm_head),
+    ):
         assert torch.equal(q_layer.dequantized_weight(), d_layer.weight)
     ids = torch.randint(2, 300, (1, 24), generator=torch.Generator().manual_seed(10))
     with torch.no_grad():
@@ -220,14 +229,20 @@ def test_the_quantized_model_matches_the_dequantized_one(mixed_file):
 def test_speculation_is_exact_with_respect_to_the_quantized_model(mixed_file):
     alone = LLM(model=str(mixed_file), dtype="float32")
     assert isinstance(alone.target.model.lm_head, GGUFLinear)
-    prompts = [{"prompt_token_ids": torch.randint(2, 300, (8,), generator=torch.Generator().manual_seed(s)).tolist() * 3}
-               for s in (11, 12)]
+    prompts = [
+        {"prompt_token_ids": torch.randint(2, 300, (8,), generator=torch.Generator().manual_seed(s)).tolist() * 3}
+        for s in (11, 12)
+    ]
     params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
     expected = [o.outputs[0].token_ids for o in alone.generate(prompts, params)]
-    for options in ({"speculative_method": "ngram"}, {"speculative_model": str(mixed_file)},
-                    {"speculative_method": "early_exit", "early_exit_layer": 1}):
-        spec = LLM(model=str(mixed_file), dtype="float32", num_speculative_tokens=4, speculative_k_policy="fixed",
-                   **options)
+    for options in (
+        {"speculative_method": "ngram"},
+        {"speculative_model": str(mixed_file)},
+        {"speculative_method": "early_exit", "early_exit_layer": 1},
+    ):
+        spec = LLM(
+            model=str(mixed_file), dtype="float32", num_speculative_tokens=4, speculative_k_policy="fixed", **options
+        )
         outputs = spec.generate(prompts, params)
         assert [o.outputs[0].token_ids for o in outputs] == expected, options
         if "speculative_method" not in options or options["speculative_method"] == "ngram":  # drafts that agree
@@ -248,8 +263,13 @@ def test_a_verify_forward_gives_bit_for_bit_what_decode_steps_give(mixed_file, d
     cache = model.new_cache(2, 40)
     with torch.inference_mode():
         model(torch.tensor([a, b + a[17:]]), torch.arange(30).expand(2, 30), cache)  # row 1 padded
-        steps = torch.stack([model(torch.tensor([[xa[i]], [xb[i]]]), torch.tensor([[30 + i], [17 + i]]), cache)[:, 0]
-                             for i in range(6)], dim=1)  # [2, 6, vocab]
+        steps = torch.stack(
+            [
+                model(torch.tensor([[xa[i]], [xb[i]]]), torch.tensor([[30 + i], [17 + i]]), cache)[:, 0]
+                for i in range(6)
+            ],
+            dim=1,
+        )  # [2, 6, vocab]
         verify = model(torch.tensor([xa, xb]), torch.stack([torch.arange(30, 36), torch.arange(17, 23)]), cache)
         alone = model(torch.tensor([xb[:4]]), torch.arange(17, 21)[None], cache.rows([1]))  # row 1 by itself
     assert torch.equal(verify, steps)
@@ -272,13 +292,20 @@ def test_the_one_call_layer_computes_what_the_layers_ops_do(mixed_file, dtype, m
         cache = model.new_cache(2, 32)
         with torch.inference_mode():
             model(prompt, torch.arange(20).expand(2, 20), cache)
-            return torch.cat([model(steps[:, :1], torch.tensor([[20], [20]]), cache),
-                              model(steps[:, 1:], torch.arange(21, 25).expand(2, 4), cache)], dim=1).float()
+            return torch.cat(
+                [
+                    model(steps[:, :1], torch.tensor([[20], [20]]), cache),
+                    model(steps[:, 1:], torch.arange(21, 25).expand(2, 4), cache),
+                ],
+                dim=1,
+            ).float()
 
     fused = run()
     monkeypatch.setattr(gguf_layer.GGUFDecoderLayer, "forward", _layer_ops)
     ops = run()
-    tolerance = 1e-3 if dtype == "float32" else 0.05  # an int8 activation code may round the other way; bfloat16 between ops
+    tolerance = (
+        1e-3 if dtype == "float32" else 0.05
+    )  # an int8 activation code may round the other way; bfloat16 between ops
     assert (fused - ops).abs().max() <= tolerance * ops.abs().max()
 
 
@@ -329,7 +356,8 @@ def test_a_changed_file_or_a_damaged_entry_is_packed_again(tmp_path, monkeypatch
     model = load_pretrained(path, dtype="float32", load_tokenizer=False, keep_quantized=True).model
     data_path, index_path, key = gguf_cache.entry(path)
     assert key != first_key and sorted(p.name for p in (tmp_path / "packed").iterdir()) == sorted(
-        [data_path.name, index_path.name])  # the older entry is gone
+        [data_path.name, index_path.name]
+    )  # the older entry is gone
     dense = load_pretrained(path, dtype="float32", load_tokenizer=False).model
     assert torch.equal(model.lm_head.dequantized_weight(), dense.lm_head.weight)
     index_path.write_text(index_path.read_text()[:100])  # cut short

@@ -73,6 +73,7 @@ def has_number(text: str) -> bool:
 # Vocabularies and GGUF files
 # ---------------------------------------------------------------------------------------------
 
+
 @pytest.fixture(scope="module")
 def corpus() -> str:
     stdlib = Path(sysconfig.get_paths()["stdlib"])
@@ -85,8 +86,12 @@ def byte_level_vocab(corpus):
     control tokens first and a user-defined token last."""
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    trainer = trainers.BpeTrainer(vocab_size=1500, special_tokens=["<|endoftext|>", *CONTROL_TOKENS],
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    trainer = trainers.BpeTrainer(
+        vocab_size=1500,
+        special_tokens=["<|endoftext|>", *CONTROL_TOKENS],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
     tok.train_from_iterator([corpus], trainer)
     model = json.loads(tok.to_str())["model"]
     tokens = sorted(model["vocab"], key=model["vocab"].get) + [USER_DEFINED]
@@ -113,10 +118,17 @@ def sentencepiece_vocab(corpus):
 
 def byte_level_metadata(vocab, pre: str | None, **extra) -> dict:
     tokens, types, merges = vocab
-    metadata = {"tokenizer.ggml.model": "gpt2", "tokenizer.ggml.tokens": tokens, "tokenizer.ggml.token_type": types,
-                "tokenizer.ggml.merges": merges, "tokenizer.ggml.bos_token_id": 1, "tokenizer.ggml.eos_token_id": 2,
-                "tokenizer.ggml.unknown_token_id": 0, "tokenizer.ggml.padding_token_id": 2,
-                "tokenizer.chat_template": "{% for m in messages %}{{ m.content }}{% endfor %}"}
+    metadata = {
+        "tokenizer.ggml.model": "gpt2",
+        "tokenizer.ggml.tokens": tokens,
+        "tokenizer.ggml.token_type": types,
+        "tokenizer.ggml.merges": merges,
+        "tokenizer.ggml.bos_token_id": 1,
+        "tokenizer.ggml.eos_token_id": 2,
+        "tokenizer.ggml.unknown_token_id": 0,
+        "tokenizer.ggml.padding_token_id": 2,
+        "tokenizer.chat_template": "{% for m in messages %}{{ m.content }}{% endfor %}",
+    }
     if pre is not None:
         metadata["tokenizer.ggml.pre"] = pre
     return {**metadata, **extra}
@@ -124,10 +136,16 @@ def byte_level_metadata(vocab, pre: str | None, **extra) -> dict:
 
 def sentencepiece_metadata(vocab, **extra) -> dict:
     tokens, types, scores = vocab
-    metadata = {"tokenizer.ggml.model": "llama", "tokenizer.ggml.pre": "default", "tokenizer.ggml.tokens": tokens,
-                "tokenizer.ggml.scores": scores, "tokenizer.ggml.token_type": types,
-                "tokenizer.ggml.bos_token_id": 1, "tokenizer.ggml.eos_token_id": 2,
-                "tokenizer.ggml.unknown_token_id": 0}
+    metadata = {
+        "tokenizer.ggml.model": "llama",
+        "tokenizer.ggml.pre": "default",
+        "tokenizer.ggml.tokens": tokens,
+        "tokenizer.ggml.scores": scores,
+        "tokenizer.ggml.token_type": types,
+        "tokenizer.ggml.bos_token_id": 1,
+        "tokenizer.ggml.eos_token_id": 2,
+        "tokenizer.ggml.unknown_token_id": 0,
+    }
     return {**metadata, **extra}
 
 
@@ -162,8 +180,7 @@ def write_gguf(path: Path, metadata: dict) -> Path:
 def load_both(path: Path):
     """(our tokenizer, its config, transformers' tokenizer) from one GGUF file."""
     ours, config = tokenizer_from_gguf(metadata_from_reader(gguf.GGUFReader(str(path))))
-    reference = transformers.AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name,
-                                                           local_files_only=True)
+    reference = transformers.AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name, local_files_only=True)
     return ours, config, reference
 
 
@@ -175,6 +192,7 @@ def gguf_dir(tmp_path_factory) -> Path:
 # ---------------------------------------------------------------------------------------------
 # Byte-level BPE ("gpt2")
 # ---------------------------------------------------------------------------------------------
+
 
 def assert_same_ids(ours, reference, texts):
     for text in texts:
@@ -207,10 +225,14 @@ def test_byte_level_matches_transformers(pre, byte_level_vocab, gguf_dir):
 def test_llama3_takes_whole_words_that_are_tokens():
     """llama.cpp's ignore_merges for Llama 3's pre types: "abc" is a token, so the word "abc" is
     that token even though no merge builds it; GPT-2's rule applies the merges."""
-    metadata = {"tokenizer.ggml.model": "gpt2", "tokenizer.ggml.tokens": ["a", "b", "c", "ab", "abc"],
-                "tokenizer.ggml.merges": ["a b"]}
-    llama3, _ = tokenizer_from_gguf({**metadata, "tokenizer.ggml.pre": "llama-bpe",
-                                     "tokenizer.ggml.add_bos_token": False})
+    metadata = {
+        "tokenizer.ggml.model": "gpt2",
+        "tokenizer.ggml.tokens": ["a", "b", "c", "ab", "abc"],
+        "tokenizer.ggml.merges": ["a b"],
+    }
+    llama3, _ = tokenizer_from_gguf(
+        {**metadata, "tokenizer.ggml.pre": "llama-bpe", "tokenizer.ggml.add_bos_token": False}
+    )
     gpt2, _ = tokenizer_from_gguf({**metadata, "tokenizer.ggml.pre": "gpt-2"})
     assert llama3.encode("abc").tokens == ["abc"]
     assert gpt2.encode("abc").tokens == ["ab", "c"]
@@ -218,13 +240,18 @@ def test_llama3_takes_whole_words_that_are_tokens():
 
 def test_byte_level_bos_follows_the_file(byte_level_vocab, gguf_dir):
     """add_bos_token decides; without it, BOS only for the pre types llama.cpp adds it for (Llama 3's)."""
-    for pre, flag, expected in [("gpt-2", True, True), ("llama-bpe", False, False), ("gpt-2", None, False),
-                                ("llama-bpe", None, True)]:
+    for pre, flag, expected in [
+        ("gpt-2", True, True),
+        ("llama-bpe", False, False),
+        ("gpt-2", None, False),
+        ("llama-bpe", None, True),
+    ]:
         extra = {} if flag is None else {"tokenizer.ggml.add_bos_token": flag}
         ours, config = tokenizer_from_gguf(byte_level_metadata(byte_level_vocab, pre, **extra))
         assert (ours.encode("hi").ids[0] == 1) is expected and config["add_bos_token"] is expected, (pre, flag)
-    path = write_gguf(gguf_dir / "bos.gguf", byte_level_metadata(byte_level_vocab, "gpt-2",
-                                                                 **{"tokenizer.ggml.add_bos_token": True}))
+    path = write_gguf(
+        gguf_dir / "bos.gguf", byte_level_metadata(byte_level_vocab, "gpt-2", **{"tokenizer.ggml.add_bos_token": True})
+    )
     ours, config, reference = load_both(path)
     assert_same_ids(ours, reference, TEXTS[:4])
 
@@ -244,7 +271,7 @@ def test_smollm_pre_type(byte_level_vocab, gguf_dir):
 
 
 def test_default_pre_type_is_llama_cpps(byte_level_vocab):
-    """"default", and no pre type at all, mean llama.cpp's default rule: punctuation runs, then
+    """ "default", and no pre type at all, mean llama.cpp's default rule: punctuation runs, then
     GPT-2's regex, then number runs, then numbers in threes."""
     ours, _ = tokenizer_from_gguf(byte_level_metadata(byte_level_vocab, "default"))
     missing, _ = tokenizer_from_gguf(byte_level_metadata(byte_level_vocab, None))
@@ -271,21 +298,30 @@ def test_special_by_type_only(byte_level_vocab):
     """A padding id naming an ordinary token ("!", as some Llama 3 files have) does not make it a
     special token; a BOS whose text a post-processor template cannot spell ("a:b") still works."""
     tokens, types, merges = byte_level_vocab
-    ours, config = tokenizer_from_gguf(byte_level_metadata(byte_level_vocab, "gpt-2", **{
-        "tokenizer.ggml.padding_token_id": tokens.index("!")}))
+    ours, config = tokenizer_from_gguf(
+        byte_level_metadata(byte_level_vocab, "gpt-2", **{"tokenizer.ggml.padding_token_id": tokens.index("!")})
+    )
     assert config["pad_token"] == "!"
     assert ours.decode(ours.encode("Hi!").ids) == "Hi!"
     vocab = (tokens + ["<bos:0 x>"], types + [3], merges)
-    ours, config = tokenizer_from_gguf(byte_level_metadata(vocab, "gpt-2", **{
-        "tokenizer.ggml.bos_token_id": len(tokens), "tokenizer.ggml.add_bos_token": True}))
+    ours, config = tokenizer_from_gguf(
+        byte_level_metadata(
+            vocab, "gpt-2", **{"tokenizer.ggml.bos_token_id": len(tokens), "tokenizer.ggml.add_bos_token": True}
+        )
+    )
     assert ours.encode("hi").ids[0] == len(tokens) and config["bos_token"] == "<bos:0 x>"
-    assert ours.encode("a", "b").ids == [len(tokens), *ours.encode("a", add_special_tokens=False).ids,
-                                         len(tokens), *ours.encode("b", add_special_tokens=False).ids]
+    assert ours.encode("a", "b").ids == [
+        len(tokens),
+        *ours.encode("a", add_special_tokens=False).ids,
+        len(tokens),
+        *ours.encode("b", add_special_tokens=False).ids,
+    ]
 
 
 # ---------------------------------------------------------------------------------------------
 # SentencePiece BPE ("llama")
 # ---------------------------------------------------------------------------------------------
+
 
 def llama_cpp_ids(reference, text: str, whole: list[str], bos: int | None) -> list[int]:
     """transformers' ids for text cut as llama.cpp cuts it: around the whole-matched tokens, each
@@ -327,9 +363,16 @@ def test_sentencepiece_space_prefix(sentencepiece_vocab):
     ours, _ = tokenizer_from_gguf(sentencepiece_metadata(sentencepiece_vocab))
     assert ours.normalizer.normalize_str(" hi there") == SPIECE * 2 + "hi" + SPIECE + "there"  # as llama.cpp
     assert ours.decode(ours.encode(" hi there").ids) == " hi there"
-    bare, _ = tokenizer_from_gguf(sentencepiece_metadata(sentencepiece_vocab, **{
-        "tokenizer.ggml.add_space_prefix": False, "tokenizer.ggml.add_bos_token": False,
-        "tokenizer.ggml.add_eos_token": True}))
+    bare, _ = tokenizer_from_gguf(
+        sentencepiece_metadata(
+            sentencepiece_vocab,
+            **{
+                "tokenizer.ggml.add_space_prefix": False,
+                "tokenizer.ggml.add_bos_token": False,
+                "tokenizer.ggml.add_eos_token": True,
+            },
+        )
+    )
     assert bare.normalizer.normalize_str("hi there") == "hi" + SPIECE + "there"
     ids = bare.encode("hi there").ids
     assert ids[-1] == 2 and ids[0] != 1
@@ -340,9 +383,11 @@ def test_sentencepiece_space_prefix(sentencepiece_vocab):
 def test_numpy_values(sentencepiece_vocab):
     """Arrays and numbers may also come as numpy values (another reader's)."""
     metadata = sentencepiece_metadata(sentencepiece_vocab)
-    arrays = {"tokenizer.ggml.scores": np.array(metadata["tokenizer.ggml.scores"], np.float32),
-              "tokenizer.ggml.token_type": np.array(metadata["tokenizer.ggml.token_type"], np.int32),
-              "tokenizer.ggml.bos_token_id": np.uint32(1)}
+    arrays = {
+        "tokenizer.ggml.scores": np.array(metadata["tokenizer.ggml.scores"], np.float32),
+        "tokenizer.ggml.token_type": np.array(metadata["tokenizer.ggml.token_type"], np.int32),
+        "tokenizer.ggml.bos_token_id": np.uint32(1),
+    }
     plain, _ = tokenizer_from_gguf(metadata)
     ours, config = tokenizer_from_gguf({**metadata, **arrays})
     assert config["bos_token"] == "<s>"
@@ -354,8 +399,7 @@ def test_sentencepiece_uses_the_files_merges(sentencepiece_vocab):
     """Where a "llama" file carries merges, they are used, not derived."""
     tokens, _, _ = sentencepiece_vocab
     merges = [f"{SPIECE} t", "h e", f"{SPIECE}t he"]
-    ours, _ = tokenizer_from_gguf(sentencepiece_metadata(sentencepiece_vocab,
-                                                         **{"tokenizer.ggml.merges": merges}))
+    ours, _ = tokenizer_from_gguf(sentencepiece_metadata(sentencepiece_vocab, **{"tokenizer.ggml.merges": merges}))
     assert ours.encode("the", add_special_tokens=False).tokens == [f"{SPIECE}the"]
     assert ours.encode("she", add_special_tokens=False).tokens == [SPIECE, "s", "he"]
 
@@ -370,7 +414,7 @@ def test_derive_merges_order():
 def test_derive_merges_is_fast_on_a_llama_sized_vocabulary():
     rng = random.Random(0)
     text = "".join(rng.choice("abcdefghijklmnopqrstuvwxyz" + SPIECE) for _ in range(20000))
-    tokens = list(dict.fromkeys(text[i:i + n] for n in range(1, 9) for i in range(len(text))))[:32000]
+    tokens = list(dict.fromkeys(text[i : i + n] for n in range(1, 9) for i in range(len(text))))[:32000]
     start = time.perf_counter()
     merges = derive_merges(tokens, [-float(i) for i in range(len(tokens))])
     assert time.perf_counter() - start < 3.0  # about 0.1 s here
@@ -380,6 +424,7 @@ def test_derive_merges_is_fast_on_a_llama_sized_vocabulary():
 # ---------------------------------------------------------------------------------------------
 # Bad metadata
 # ---------------------------------------------------------------------------------------------
+
 
 def _without(metadata: dict, key: str) -> dict:
     return {k: v for k, v in metadata.items() if k != key}
@@ -393,31 +438,49 @@ BAD_CASES = {
     "no tokens": (lambda bl, sp: _without(bl, "tokenizer.ggml.tokens"), ["tokenizer.ggml.tokens"]),
     "empty tokens": (lambda bl, sp: {**sp, "tokenizer.ggml.tokens": []}, ["tokenizer.ggml.tokens", "empty"]),
     "token not a string": (lambda bl, sp: {**sp, "tokenizer.ggml.tokens": ["a", 7]}, ["tokens[1]", "not a string"]),
-    "duplicate token": (lambda bl, sp: {**bl, "tokenizer.ggml.tokens": bl["tokenizer.ggml.tokens"][:-1] + ["Ġ"]},
-                        ["'Ġ'", "twice"]),
-    "unknown pre type": (lambda bl, sp: {**bl, "tokenizer.ggml.pre": "tekken-9000"},
-                         ["'tekken-9000'", "supported", "smollm", "llama-bpe", "qwen2"]),
+    "duplicate token": (
+        lambda bl, sp: {**bl, "tokenizer.ggml.tokens": bl["tokenizer.ggml.tokens"][:-1] + ["Ġ"]},
+        ["'Ġ'", "twice"],
+    ),
+    "unknown pre type": (
+        lambda bl, sp: {**bl, "tokenizer.ggml.pre": "tekken-9000"},
+        ["'tekken-9000'", "supported", "smollm", "llama-bpe", "qwen2"],
+    ),
     "no merges": (lambda bl, sp: _without(bl, "tokenizer.ggml.merges"), ["tokenizer.ggml.merges"]),
-    "merge of unknown tokens": (lambda bl, sp: {**bl, "tokenizer.ggml.merges": ["Ġ t", "q@ zz"]},
-                                ["merges[1]", "'q@'", "not in tokenizer.ggml.tokens"]),
-    "merge makes an unknown token": (lambda bl, sp: {**bl, "tokenizer.ggml.merges": ["Ġ t", "x ~"]},
-                                     ["merges[1]", "'x~'"]),
-    "merge without a space": (lambda bl, sp: {**bl, "tokenizer.ggml.merges": ["Ġt"]},
-                              ["merges[0]", "not two tokens"]),
-    "bos out of range": (lambda bl, sp: {**bl, "tokenizer.ggml.bos_token_id": 10 ** 6},
-                         ["tokenizer.ggml.bos_token_id", "1000000", "not a token id"]),
-    "eos out of range": (lambda bl, sp: {**sp, "tokenizer.ggml.eos_token_id": -1},
-                         ["tokenizer.ggml.eos_token_id", "-1"]),
-    "pad out of range": (lambda bl, sp: {**sp, "tokenizer.ggml.padding_token_id": len(sp["tokenizer.ggml.tokens"])},
-                         ["tokenizer.ggml.padding_token_id"]),
-    "bos asked for, none named": (lambda bl, sp: {**_without(bl, "tokenizer.ggml.bos_token_id"),
-                                                  "tokenizer.ggml.add_bos_token": True},
-                                  ["add_bos_token is true", "bos_token_id"]),
-    "token types cut short": (lambda bl, sp: {**sp, "tokenizer.ggml.token_type": [1, 2]},
-                              ["tokenizer.ggml.token_type", "2 entries"]),
+    "merge of unknown tokens": (
+        lambda bl, sp: {**bl, "tokenizer.ggml.merges": ["Ġ t", "q@ zz"]},
+        ["merges[1]", "'q@'", "not in tokenizer.ggml.tokens"],
+    ),
+    "merge makes an unknown token": (
+        lambda bl, sp: {**bl, "tokenizer.ggml.merges": ["Ġ t", "x ~"]},
+        ["merges[1]", "'x~'"],
+    ),
+    "merge without a space": (lambda bl, sp: {**bl, "tokenizer.ggml.merges": ["Ġt"]}, ["merges[0]", "not two tokens"]),
+    "bos out of range": (
+        lambda bl, sp: {**bl, "tokenizer.ggml.bos_token_id": 10**6},
+        ["tokenizer.ggml.bos_token_id", "1000000", "not a token id"],
+    ),
+    "eos out of range": (
+        lambda bl, sp: {**sp, "tokenizer.ggml.eos_token_id": -1},
+        ["tokenizer.ggml.eos_token_id", "-1"],
+    ),
+    "pad out of range": (
+        lambda bl, sp: {**sp, "tokenizer.ggml.padding_token_id": len(sp["tokenizer.ggml.tokens"])},
+        ["tokenizer.ggml.padding_token_id"],
+    ),
+    "bos asked for, none named": (
+        lambda bl, sp: {**_without(bl, "tokenizer.ggml.bos_token_id"), "tokenizer.ggml.add_bos_token": True},
+        ["add_bos_token is true", "bos_token_id"],
+    ),
+    "token types cut short": (
+        lambda bl, sp: {**sp, "tokenizer.ggml.token_type": [1, 2]},
+        ["tokenizer.ggml.token_type", "2 entries"],
+    ),
     "scores cut short": (lambda bl, sp: {**sp, "tokenizer.ggml.scores": [0.0]}, ["tokenizer.ggml.scores"]),
-    "scores not numbers": (lambda bl, sp: {**sp, "tokenizer.ggml.scores": ["x"] * len(sp["tokenizer.ggml.tokens"])},
-                           ["tokenizer.ggml.scores", "not"]),
+    "scores not numbers": (
+        lambda bl, sp: {**sp, "tokenizer.ggml.scores": ["x"] * len(sp["tokenizer.ggml.tokens"])},
+        ["tokenizer.ggml.scores", "not"],
+    ),
     "template not a string": (lambda bl, sp: {**bl, "tokenizer.chat_template": 3}, ["tokenizer.chat_template"]),
 }
 
@@ -437,6 +500,7 @@ def test_bad_metadata(case, byte_level_vocab, sentencepiece_vocab):
 # The real SmolLM2 file
 # ---------------------------------------------------------------------------------------------
 
+
 @pytest.mark.skipif(not SMOLLM2_GGUF.is_file(), reason=f"{SMOLLM2_GGUF} has not been downloaded")
 def test_smollm2_file():
     reader = gguf.GGUFReader(str(SMOLLM2_GGUF))
@@ -444,8 +508,9 @@ def test_smollm2_file():
     assert set(metadata) == set(reader.fields)
     assert metadata["tokenizer.ggml.pre"] == "smollm"
     ours, config = tokenizer_from_gguf(metadata)
-    reference = transformers.AutoTokenizer.from_pretrained(str(SMOLLM2_GGUF.parent), gguf_file=SMOLLM2_GGUF.name,
-                                                           local_files_only=True)
+    reference = transformers.AutoTokenizer.from_pretrained(
+        str(SMOLLM2_GGUF.parent), gguf_file=SMOLLM2_GGUF.name, local_files_only=True
+    )
     assert_same_ids(ours, reference, [t for t in TEXTS if not has_number(t)])
     assert_round_trip(ours, reference, TEXTS)
     assert ours.get_vocab_size() == 49152

@@ -41,14 +41,16 @@ K = 4
 
 def expected_tokens(alpha: float, k: int) -> float:
     """1 + α + α² + ... + α^k: the round's tokens if each draft is accepted with probability α."""
-    return sum(alpha ** i for i in range(k + 1))
+    return sum(alpha**i for i in range(k + 1))
 
 
 def linear(step: float, per_token: float, draft_step: float) -> RoundCosts:
     """Costs whose verify grows by per_token a token, step + (T - 1) * per_token, and whose
     drafter takes draft_step a token."""
-    return RoundCosts(CostCurve({t: step + (t - 1) * per_token for t in range(1, K + 2)}),
-                      CostCurve({k: k * draft_step for k in range(1, K + 1)}))
+    return RoundCosts(
+        CostCurve({t: step + (t - 1) * per_token for t in range(1, K + 2)}),
+        CostCurve({k: k * draft_step for k in range(1, K + 1)}),
+    )
 
 
 def policy_with(costs: RoundCosts, k_max: int = K) -> GoodputPolicy:
@@ -273,7 +275,7 @@ def test_calibration_times_every_length_warm():
 
 
 def test_calibration_of_a_second_batch_size_replaces_what_it_started_from():
-    policy = GoodputPolicy(2, clock=iter(range(10 ** 6)).__next__)  # every timed call lasts 1
+    policy = GoodputPolicy(2, clock=iter(range(10**6)).__next__)  # every timed call lasts 1
     policy.calibrate(1, 2, lambda num_tokens: None, lambda: None)
     policy.observe_round(1, k=0, verify_tokens=1, target_seconds=3.0, draft_seconds=None)
     policy.observe_round(1, k=0, verify_tokens=1, target_seconds=3.0, draft_seconds=None)
@@ -298,7 +300,9 @@ def test_running_costs_are_the_median_of_recent_rounds():
     assert curve.seconds(4) == pytest.approx(2.0 * 3.5)  # interpolated, at the others' scale
     curve.observe(6, 4.0)
     curve.observe(6, 4.0)
-    assert curve.seconds(6) == pytest.approx(4.0) and curve.seconds(4) == pytest.approx(3.5 * 1.0)  # median low of 2 and 1
+    assert curve.seconds(6) == pytest.approx(4.0) and curve.seconds(4) == pytest.approx(
+        3.5 * 1.0
+    )  # median low of 2 and 1
     for _ in range(COST_WINDOW):
         curve.observe(2, 1.5)  # the window full of ratio 0.5: the calibration's 1 is gone
     assert curve.seconds(2) == pytest.approx(1.5)
@@ -396,8 +400,10 @@ def test_a_verify_dearer_than_thought_switches_drafting_off():
 @pytest.fixture(scope="module")
 def dirs(tmp_path_factory):
     root = tmp_path_factory.mktemp("goodput")
-    return {"target": save_tiny_model(root / "target", "llama", seed=31, init_std=0.3),
-            "random_draft": save_tiny_model(root / "draft", "llama", seed=32, init_std=0.3, num_hidden_layers=1)}
+    return {
+        "target": save_tiny_model(root / "target", "llama", seed=31, init_std=0.3),
+        "random_draft": save_tiny_model(root / "draft", "llama", seed=32, init_std=0.3, num_hidden_layers=1),
+    }
 
 
 @pytest.fixture(scope="module")
@@ -409,8 +415,9 @@ def target_alone(dirs):
 def fixed_costs(policy: GoodputPolicy, batch_size: int, k: int, time_target, time_draft) -> None:
     """GoodputPolicy.calibrate with costs of a typical small target and draft instead of
     timings: a verify of k+1 tokens 20% dearer than a step, a draft step a fifth of one."""
-    policy.costs[1 << (batch_size - 1).bit_length()] = RoundCosts(CostCurve({1: 1e-3, k + 1: 1.2e-3}),
-                                                                  CostCurve({1: 2e-4, k: k * 2e-4}))
+    policy.costs[1 << (batch_size - 1).bit_length()] = RoundCosts(
+        CostCurve({1: 1e-3, k + 1: 1.2e-3}), CostCurve({1: 2e-4, k: k * 2e-4})
+    )
 
 
 @pytest.fixture
@@ -424,8 +431,13 @@ def costs_fixed(monkeypatch):
 
 def test_a_useless_draft_switches_speculation_off(dirs, target_alone, costs_fixed):
     """A random draft (α near 0) makes the policy plain-decode nearly every round."""
-    llm = LLM(str(dirs["target"]), speculative_model=str(dirs["random_draft"]), num_speculative_tokens=K,
-              dtype="float32", compile="off")
+    llm = LLM(
+        str(dirs["target"]),
+        speculative_model=str(dirs["random_draft"]),
+        num_speculative_tokens=K,
+        dtype="float32",
+        compile="off",
+    )
     outputs = llm.generate(PROMPTS, GREEDY)
     assert [o.outputs[0].token_ids for o in outputs] == target_alone
     for output in outputs:
@@ -439,16 +451,28 @@ def test_the_target_as_its_own_draft_is_exact_whatever_k_each_round_takes(dirs, 
     """Every draft accepted, each costing a target step: a round of k drafts costs about k + 1
     steps for k + 1 tokens, so timing noise decides k from round to round; the output is the
     target's whatever it picked."""
-    llm = LLM(str(dirs["target"]), speculative_model=str(dirs["target"]), draft_dtype="float32",
-              num_speculative_tokens=K, dtype="float32", compile="off")
+    llm = LLM(
+        str(dirs["target"]),
+        speculative_model=str(dirs["target"]),
+        draft_dtype="float32",
+        num_speculative_tokens=K,
+        dtype="float32",
+        compile="off",
+    )
     outputs = llm.generate(PROMPTS, GREEDY)
     assert [o.outputs[0].token_ids for o in outputs] == target_alone
     assert all(o.metrics.acceptance_rate == 1.0 for o in outputs if o.metrics.num_judged_tokens)
 
 
 def test_fixed_policy_drafts_k_every_round(dirs, target_alone):
-    llm = LLM(str(dirs["target"]), speculative_model=str(dirs["random_draft"]), num_speculative_tokens=K,
-              dtype="float32", compile="off", speculative_k_policy="fixed")
+    llm = LLM(
+        str(dirs["target"]),
+        speculative_model=str(dirs["random_draft"]),
+        num_speculative_tokens=K,
+        dtype="float32",
+        compile="off",
+        speculative_k_policy="fixed",
+    )
     output = llm.generate(PROMPTS[:1], GREEDY)[0]
     assert output.outputs[0].token_ids == target_alone[0]
     rounds_by_k = output.metrics.rounds_by_k  # k, but less in the last rounds, where the row has no room
@@ -471,8 +495,13 @@ def test_probes_draft_for_one_row_of_a_sampled_batch(dirs, costs_fixed):
     """k = 0 rounds, then a probe: one row drafts (its draft distributions placed among rows
     that propose nothing), the batch's output stays whole."""
     params = SamplingParams(temperature=1.0, max_tokens=48, ignore_eos=True)
-    llm = LLM(str(dirs["target"]), speculative_model=str(dirs["random_draft"]), num_speculative_tokens=K,
-              dtype="float32", compile="off")
+    llm = LLM(
+        str(dirs["target"]),
+        speculative_model=str(dirs["random_draft"]),
+        num_speculative_tokens=K,
+        dtype="float32",
+        compile="off",
+    )
     outputs = llm.generate(PROMPTS, params)
     assert all(len(o.outputs[0].token_ids) == 48 for o in outputs)
     drafting_rounds = [o.metrics.num_target_forwards - 1 - o.metrics.rounds_by_k[0] for o in outputs]
@@ -485,8 +514,7 @@ def test_a_seeded_sampled_request_runs_at_the_fixed_k_and_keeps_its_tokens(dirs)
     fixed policy, so its rounds run at the fixed k."""
     params = SamplingParams(temperature=0.8, max_tokens=24, seed=99, ignore_eos=True)
     unseeded = SamplingParams(temperature=0.8, max_tokens=24, ignore_eos=True)
-    kwargs = dict(speculative_model=str(dirs["random_draft"]), num_speculative_tokens=K, dtype="float32",
-                  compile="off")
+    kwargs = dict(speculative_model=str(dirs["random_draft"]), num_speculative_tokens=K, dtype="float32", compile="off")
     goodput = LLM(str(dirs["target"]), **kwargs)
     fixed = LLM(str(dirs["target"]), speculative_k_policy="fixed", **kwargs)
     expected = fixed.generate(PROMPTS[:1], params)[0].outputs[0].token_ids

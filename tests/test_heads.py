@@ -25,8 +25,24 @@ from specdec.models.loader import ModelLoadError, load_pretrained
 from specdec.tools.training.commands import add_restrict_head_parser, add_train_heads_parser, add_train_parser
 from specdec.tools.training.heads import HeadsConfig, add_noise, head_loss, new_head
 
-TINY_HEADS = ["--context", "32", "--batch-size", "8", "--lr", "3e-3", "--warmup", "4", "--eval-tokens", "1024",
-              "--log-every", "10", "--device", "cpu", "--prompt-tokens", "8"]
+TINY_HEADS = [
+    "--context",
+    "32",
+    "--batch-size",
+    "8",
+    "--lr",
+    "3e-3",
+    "--warmup",
+    "4",
+    "--eval-tokens",
+    "1024",
+    "--log-every",
+    "10",
+    "--device",
+    "cpu",
+    "--prompt-tokens",
+    "8",
+]
 
 
 def cli(*argv) -> int:
@@ -50,9 +66,38 @@ def target_dir(corpus_dir, tmp_path_factory):
     can follow (a random model's next token is a chaotic function of its whole context, which no
     one-layer head predicts, trained or not)."""
     out = tmp_path_factory.mktemp("target") / "target"
-    assert cli("train", "--corpus", corpus_dir, "--out", out, "--preset", "tiny", "--context", "64",
-               "--batch-size", "8", "--lr", "3e-3", "--warmup", "4", "--eval-tokens", "2048", "--device", "cpu",
-               "--steps", "40", "--eval-every", "0", "--checkpoint-every", "0", "--save-dtype", "float32") == 0
+    assert (
+        cli(
+            "train",
+            "--corpus",
+            corpus_dir,
+            "--out",
+            out,
+            "--preset",
+            "tiny",
+            "--context",
+            "64",
+            "--batch-size",
+            "8",
+            "--lr",
+            "3e-3",
+            "--warmup",
+            "4",
+            "--eval-tokens",
+            "2048",
+            "--device",
+            "cpu",
+            "--steps",
+            "40",
+            "--eval-every",
+            "0",
+            "--checkpoint-every",
+            "0",
+            "--save-dtype",
+            "float32",
+        )
+        == 0
+    )
     return out
 
 
@@ -60,8 +105,26 @@ def target_dir(corpus_dir, tmp_path_factory):
 def head_dir(target_dir, corpus_dir, tmp_path_factory):
     """A head trained for 40 steps (the default data: the target's own text, greedy or at 0.8)."""
     out = tmp_path_factory.mktemp("heads") / "head"
-    assert cli("train-heads", target_dir, "--out", out, "--corpus", corpus_dir, *TINY_HEADS, "--steps", "40",
-               "--eval-every", "20", "--checkpoint-every", "0", "--save-dtype", "float32") == 0
+    assert (
+        cli(
+            "train-heads",
+            target_dir,
+            "--out",
+            out,
+            "--corpus",
+            corpus_dir,
+            *TINY_HEADS,
+            "--steps",
+            "40",
+            "--eval-every",
+            "20",
+            "--checkpoint-every",
+            "0",
+            "--save-dtype",
+            "float32",
+        )
+        == 0
+    )
     return out
 
 
@@ -80,14 +143,22 @@ def test_training_raises_the_held_out_greedy_agreement(head_dir, target_dir, cor
     assert head_json["target"] == str(target_dir.resolve()) and head_json["torch_dtype"] == "float32"
     assert head_json["training"]["steps"] == 40 and head_json["training"]["last_evaluation"] == after
     assert head_json["target_sha256"] == log["target_sha256"]
-    assert sorted(p.name for p in head_dir.iterdir()) == ["README.md", "checkpoint", HEAD_CONFIG, HEAD_WEIGHTS,
-                                                         "training_log.json"]
+    assert sorted(p.name for p in head_dir.iterdir()) == [
+        "README.md",
+        "checkpoint",
+        HEAD_CONFIG,
+        HEAD_WEIGHTS,
+        "training_log.json",
+    ]
 
     card = (head_dir / "README.md").read_text()
-    assert f"specdec train-heads {target_dir} --batch-size 8 --checkpoint-every 0 --context 32 --corpus {corpus_dir}" \
+    assert (
+        f"specdec train-heads {target_dir} --batch-size 8 --checkpoint-every 0 --context 32 --corpus {corpus_dir}"
         in card
-    assert (f"greedy agreement {before['held_out_greedy_agreement']:.3f} → {after['held_out_greedy_agreement']:.3f}"
-            in card)
+    )
+    assert (
+        f"greedy agreement {before['held_out_greedy_agreement']:.3f} → {after['held_out_greedy_agreement']:.3f}" in card
+    )
     assert "40 steps of 8 windows" in card and f"sha256 `{log['target_sha256']}`" in card
 
 
@@ -117,8 +188,14 @@ def test_the_head_drafts_for_its_target(head_dir, target_dir, tmp_path):
     expected = [o.outputs[0].token_ids for o in plain.generate(prompts, params)]
     acceptance = {}
     for name, directory in (("trained", head_dir), ("untrained", untrained)):
-        llm = LLM(str(target_dir), speculative_model=str(directory), speculative_method="eagle", dtype="float32",
-                  num_speculative_tokens=3, speculative_k_policy="fixed")
+        llm = LLM(
+            str(target_dir),
+            speculative_model=str(directory),
+            speculative_method="eagle",
+            dtype="float32",
+            num_speculative_tokens=3,
+            speculative_k_policy="fixed",
+        )
         outputs = llm.generate(prompts, params)
         assert [o.outputs[0].token_ids for o in outputs] == expected, name
         proposed = sum(o.metrics.num_draft_tokens for o in outputs)
@@ -143,16 +220,42 @@ def test_training_feeds_the_head_as_drafting_does(target_dir):
         features = target_features(target, token_ids)  # [2, 12, H]
         trained_way = predict_features(head, target, token_ids, features[:, :-1])  # [2, 11, H]
         cache = head.new_cache(2, 12)
-        drafted_way = torch.cat([head(target.embed_tokens(token_ids[:, p + 1:p + 2]), features[:, p:p + 1],
-                                      torch.full((2, 1), p), cache) for p in range(11)], dim=1)  # [2, 11, H]
+        drafted_way = torch.cat(
+            [
+                head(
+                    target.embed_tokens(token_ids[:, p + 1 : p + 2]),
+                    features[:, p : p + 1],
+                    torch.full((2, 1), p),
+                    cache,
+                )
+                for p in range(11)
+            ],
+            dim=1,
+        )  # [2, 11, H]
     torch.testing.assert_close(trained_way, drafted_way, atol=1e-5, rtol=1e-4)
 
 
 def test_an_interrupted_run_resumes_where_it_stopped(target_dir, corpus_dir, tmp_path):
     """Stopped at step 4 and rerun, a run ends with the same weights as one never stopped: the
     same text (half of it the target's, at either temperature) and the same noise."""
-    run = [target_dir, "--corpus", corpus_dir, *TINY_HEADS, "--steps", "8", "--eval-every", "4",
-           "--checkpoint-every", "4", "--on-policy-fraction", "0.5", "--seed", "5", "--save-dtype", "float32"]
+    run = [
+        target_dir,
+        "--corpus",
+        corpus_dir,
+        *TINY_HEADS,
+        "--steps",
+        "8",
+        "--eval-every",
+        "4",
+        "--checkpoint-every",
+        "4",
+        "--on-policy-fraction",
+        "0.5",
+        "--seed",
+        "5",
+        "--save-dtype",
+        "float32",
+    ]
     assert cli("train-heads", *run, "--out", tmp_path / "whole") == 0
     assert cli("train-heads", *run, "--out", tmp_path / "split", "--stop-after", "4") == 0
     staging = tmp_path / "split.incomplete"
@@ -181,8 +284,17 @@ def test_the_loss_is_eagles_and_the_noise_is_bounded():
     from specdec.models.llama import ModelConfig
     from specdec.tools.training.train import new_model
 
-    config = ModelConfig(vocab_size=300, hidden_size=32, intermediate_size=64, num_layers=1, num_heads=2,
-                         num_kv_heads=1, head_dim=16, max_position_embeddings=64, tie_word_embeddings=False)
+    config = ModelConfig(
+        vocab_size=300,
+        hidden_size=32,
+        intermediate_size=64,
+        num_layers=1,
+        num_heads=2,
+        num_kv_heads=1,
+        head_dim=16,
+        max_position_embeddings=64,
+        tie_word_embeddings=False,
+    )
     target = new_model(config, seed=2).requires_grad_(False)
     g = torch.Generator().manual_seed(4)
     features = torch.randn(2, 7, 32, generator=g) * 1.5  # [B, T-1, H]
@@ -192,8 +304,9 @@ def test_the_loss_is_eagles_and_the_noise_is_bounded():
     target_log_probs = target.logits(features).log_softmax(-1)  # [B, T-1, V]
     head_log_probs = target.logits(predicted).log_softmax(-1)
     kl = (target_log_probs.exp() * (target_log_probs - head_log_probs)).sum(-1).mean()
-    smooth_l1 = torch.where((predicted - features).abs() < 1, 0.5 * (predicted - features) ** 2,
-                            (predicted - features).abs() - 0.5).mean()
+    smooth_l1 = torch.where(
+        (predicted - features).abs() < 1, 0.5 * (predicted - features) ** 2, (predicted - features).abs() - 0.5
+    ).mean()
     expected = 0.7 * smooth_l1 + 0.3 * kl
     assert torch.allclose(head_loss(predicted, features, target, heads_config), expected, rtol=1e-5)
     assert float(head_loss(features, features, target, heads_config)) < 1e-6
@@ -210,8 +323,23 @@ def test_the_cli_writes_a_head_and_lengthens_it(target_dir, corpus_dir, tmp_path
     from specdec.cli import main
 
     out = tmp_path / "head"
-    command = ["train-heads", str(target_dir), "--out", str(out), "--corpus", str(corpus_dir), *TINY_HEADS,
-               "--warmup", "1", "--eval-every", "0", "--checkpoint-every", "0", "--sample-temperatures", "0"]
+    command = [
+        "train-heads",
+        str(target_dir),
+        "--out",
+        str(out),
+        "--corpus",
+        str(corpus_dir),
+        *TINY_HEADS,
+        "--warmup",
+        "1",
+        "--eval-every",
+        "0",
+        "--checkpoint-every",
+        "0",
+        "--sample-temperatures",
+        "0",
+    ]
     assert main([*command, "--steps", "3"]) == 0
     printed = capsys.readouterr().out
     assert f"head written to {out}" in printed and "held-out greedy agreement" in printed
@@ -229,16 +357,19 @@ def test_the_cli_writes_a_head_and_lengthens_it(target_dir, corpus_dir, tmp_path
     assert "notes.txt" in capsys.readouterr().err and (out / "notes.txt").read_text() == "mine"
 
 
-@pytest.mark.parametrize("flags, message", [
-    (["--feature-noise", "-1"], "feature_noise must be a number >= 0"),
-    (["--feature-weight", "0", "--token-weight", "0"], "both 0"),
-    (["--on-policy-fraction", "1.5"], "on_policy_fraction must be in"),
-    (["--sample-temperatures", "0,-0.5"], "sample_temperatures must be"),
-    (["--context", "1"], "context must be an integer >= 2"),
-    (["--prompt-tokens", "0"], "prompt_tokens must be"),
-    (["--on-policy-fraction", "0", "--sample-temperatures", "0.5"], "--on-policy-fraction 0 leaves out"),
-    (["--steps", "0"], "steps must be"),
-])
+@pytest.mark.parametrize(
+    "flags, message",
+    [
+        (["--feature-noise", "-1"], "feature_noise must be a number >= 0"),
+        (["--feature-weight", "0", "--token-weight", "0"], "both 0"),
+        (["--on-policy-fraction", "1.5"], "on_policy_fraction must be in"),
+        (["--sample-temperatures", "0,-0.5"], "sample_temperatures must be"),
+        (["--context", "1"], "context must be an integer >= 2"),
+        (["--prompt-tokens", "0"], "prompt_tokens must be"),
+        (["--on-policy-fraction", "0", "--sample-temperatures", "0.5"], "--on-policy-fraction 0 leaves out"),
+        (["--steps", "0"], "steps must be"),
+    ],
+)
 def test_bad_settings_are_one_clear_error(target_dir, tmp_path, capsys, flags, message):
     from specdec.cli import main
 
@@ -251,10 +382,12 @@ def test_bad_settings_are_one_clear_error(target_dir, tmp_path, capsys, flags, m
 def test_bad_targets_are_refused_and_nothing_is_written(target_dir, corpus_dir, head_dir, tmp_path):
     out = tmp_path / "out"
     run = ["--out", out, "--corpus", corpus_dir, *TINY_HEADS, "--steps", "6"]
-    cases = [(tmp_path / "nowhere", "does not exist"),
-             (corpus_dir, "config.json"),  # a directory of text, not a model
-             (head_dir, "config.json"),  # a head is not a target
-             (target_dir / "model.safetensors", "is a file, not a model directory")]
+    cases = [
+        (tmp_path / "nowhere", "does not exist"),
+        (corpus_dir, "config.json"),  # a directory of text, not a model
+        (head_dir, "config.json"),  # a head is not a target
+        (target_dir / "model.safetensors", "is a file, not a model directory"),
+    ]
     for target, message in cases:
         with pytest.raises(ModelLoadError, match=message):
             cli("train-heads", target, *run)
@@ -267,8 +400,12 @@ def test_bad_targets_are_refused_and_nothing_is_written(target_dir, corpus_dir, 
     assert not out.exists() and not (tmp_path / "out.incomplete").exists()
     with pytest.raises(SystemExit):  # a head is one file: no shards to size
         cli("train-heads", target_dir, *run, "--max-shard-mb", "1")
-    for bad in (dict(sample_temperatures=()), dict(token_weight=float("nan")), dict(target_dtype="float16"),
-                dict(sample_temperatures=(True,))):
+    for bad in (
+        dict(sample_temperatures=()),
+        dict(token_weight=float("nan")),
+        dict(target_dtype="float16"),
+        dict(sample_temperatures=(True,)),
+    ):
         with pytest.raises(ValueError, match=next(iter(bad))):
             HeadsConfig(**bad)
 
@@ -282,8 +419,28 @@ def test_a_head_over_part_of_the_vocabulary(target_dir, corpus_dir, tmp_path):
     from specdec.drafters.eagle import EagleDrafter
 
     out = tmp_path / "head"
-    assert cli("train-heads", target_dir, "--out", out, "--corpus", corpus_dir, *TINY_HEADS, "--steps", "40",
-               "--eval-every", "0", "--checkpoint-every", "0", "--save-dtype", "float32", "--output-vocab", "96") == 0
+    assert (
+        cli(
+            "train-heads",
+            target_dir,
+            "--out",
+            out,
+            "--corpus",
+            corpus_dir,
+            *TINY_HEADS,
+            "--steps",
+            "40",
+            "--eval-every",
+            "0",
+            "--checkpoint-every",
+            "0",
+            "--save-dtype",
+            "float32",
+            "--output-vocab",
+            "96",
+        )
+        == 0
+    )
     target = load_pretrained(target_dir, "float32")
     head = load_head(out, target.model.config, torch.float32)
     ids = head.output_token_ids
@@ -293,8 +450,13 @@ def test_a_head_over_part_of_the_vocabulary(target_dir, corpus_dir, tmp_path):
     params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
     prompts = ["def copy(x):\n", "class Point:\n    def __init__(self", "import os\n"]
     expected = [o.outputs[0].token_ids for o in LLM(str(target_dir), dtype="float32").generate(prompts, params)]
-    llm = LLM(str(target_dir), speculative_model=str(out), dtype="float32", num_speculative_tokens=3,
-              speculative_k_policy="fixed")
+    llm = LLM(
+        str(target_dir),
+        speculative_model=str(out),
+        dtype="float32",
+        num_speculative_tokens=3,
+        speculative_k_policy="fixed",
+    )
     drafted = []
     original = EagleDrafter.propose
 
@@ -317,14 +479,21 @@ def test_a_head_over_part_of_the_vocabulary(target_dir, corpus_dir, tmp_path):
     predicted = features + 0.3 * torch.randn(features.shape, generator=torch.Generator().manual_seed(2))
     target_probs = target.model.logits(features).softmax(-1)  # [B, T, V]
     scored = predicted @ target.model.lm_head.weight[ids].T  # [B, T, S]
-    kl = (torch.special.xlogy(target_probs[..., ids], target_probs[..., ids])
-          - target_probs[..., ids] * scored.log_softmax(-1)).sum(-1).mean()
+    kl = (
+        (
+            torch.special.xlogy(target_probs[..., ids], target_probs[..., ids])
+            - target_probs[..., ids] * scored.log_softmax(-1)
+        )
+        .sum(-1)
+        .mean()
+    )
     heads_config = HeadsConfig(feature_weight=0.0, token_weight=1.0)
     assert torch.allclose(head_loss(predicted, features, target.model, heads_config, head), kl, rtol=1e-4)
 
     from safetensors.torch import load_file, save_file
 
     from specdec.models.eagle import HeadLoadError
+
     weights = load_file(str(out / HEAD_WEIGHTS))
     for bad in (ids.flip(0), torch.cat([ids[:-1], torch.tensor([target.model.config.vocab_size])])):
         save_file({**weights, "output_token_ids": bad.contiguous()}, str(out / HEAD_WEIGHTS))
@@ -337,8 +506,21 @@ def test_restrict_head_cuts_the_output_layer_and_keeps_the_weights(head_dir, tar
     (end of text among them) scored, a card section saying so; a cut head is not cut again, and
     N at least the vocabulary is refused."""
     out = tmp_path / "cut"
-    assert cli("restrict-head", head_dir, "--target", target_dir, "--output-vocab", "64", "--corpus", corpus_dir,
-               "--out", out) == 0
+    assert (
+        cli(
+            "restrict-head",
+            head_dir,
+            "--target",
+            target_dir,
+            "--output-vocab",
+            "64",
+            "--corpus",
+            corpus_dir,
+            "--out",
+            out,
+        )
+        == 0
+    )
     target = load_pretrained(target_dir, "float32")
     full, cut = (load_head(d, target.model.config, torch.float32) for d in (head_dir, out))
     assert cut.config.output_vocab_size == 64 and set(target.eos_token_ids) <= set(cut.output_token_ids.tolist())
@@ -347,9 +529,29 @@ def test_restrict_head_cuts_the_output_layer_and_keeps_the_weights(head_dir, tar
     assert "restrict-head" in (out / "README.md").read_text()
     assert json.loads((out / HEAD_CONFIG).read_text())["restricted"]["output_vocab"] == 64
     with pytest.raises(ValueError, match="already scores only 64 tokens"):
-        cli("restrict-head", out, "--target", target_dir, "--output-vocab", "32", "--corpus", corpus_dir,
-            "--out", tmp_path / "again")
+        cli(
+            "restrict-head",
+            out,
+            "--target",
+            target_dir,
+            "--output-vocab",
+            "32",
+            "--corpus",
+            corpus_dir,
+            "--out",
+            tmp_path / "again",
+        )
     with pytest.raises(ValueError, match="not below the vocabulary size"):
-        cli("restrict-head", head_dir, "--target", target_dir, "--output-vocab", str(target.model.config.vocab_size),
-            "--corpus", corpus_dir, "--out", tmp_path / "whole")
+        cli(
+            "restrict-head",
+            head_dir,
+            "--target",
+            target_dir,
+            "--output-vocab",
+            str(target.model.config.vocab_size),
+            "--corpus",
+            corpus_dir,
+            "--out",
+            tmp_path / "whole",
+        )
     assert not (tmp_path / "again").exists() and not (tmp_path / "whole").exists()

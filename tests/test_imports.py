@@ -12,9 +12,22 @@ SOURCE = Path(specdec.__file__).parent
 TOOLS = ("specdec.tools",)  # imported by the command line alone
 SPECULATION = ("specdec.drafters", "specdec.spec", "specdec.engine", "specdec.llm")
 LAYERS = [  # bottom first (docs/architecture.md): a module imports from its own layer and those below only
-    ("ground floor", ("specdec.tree", "specdec.metrics", "specdec.outputs", "specdec.config", "specdec.sequence",
-                      "specdec.sampling", "specdec.platform", "specdec.progress", "specdec.paths", "specdec.output_dir",
-                      "specdec.kv_cache")),
+    (
+        "ground floor",
+        (
+            "specdec.tree",
+            "specdec.metrics",
+            "specdec.outputs",
+            "specdec.config",
+            "specdec.sequence",
+            "specdec.sampling",
+            "specdec.platform",
+            "specdec.progress",
+            "specdec.paths",
+            "specdec.output_dir",
+            "specdec.kv_cache",
+        ),
+    ),
     ("models", ("specdec.kernels", "specdec.models")),
     ("worker", ("specdec.worker",)),
     ("drafters", ("specdec.drafters",)),
@@ -41,8 +54,9 @@ def arrows() -> dict[str, set[str]]:
             elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
                 targets.add(node.module)
                 # `from specdec.models import loader` imports the module specdec.models.loader
-                targets.update(f"{node.module}.{alias.name}" for alias in node.names
-                               if f"{node.module}.{alias.name}" in modules)
+                targets.update(
+                    f"{node.module}.{alias.name}" for alias in node.names if f"{node.module}.{alias.name}" in modules
+                )
         graph[name] = {t for t in targets if t in modules and t != name}
     return graph
 
@@ -99,16 +113,21 @@ def test_no_module_imports_itself_back():
 
 
 def test_the_tools_are_imported_by_the_command_line_alone():
-    offenders = {name: sorted(t for t in targets if within(t, TOOLS))
-                 for name, targets in arrows().items()
-                 if not within(name, TOOLS) and name != "specdec.cli"}
+    offenders = {
+        name: sorted(t for t in targets if within(t, TOOLS))
+        for name, targets in arrows().items()
+        if not within(name, TOOLS) and name != "specdec.cli"
+    }
     assert {name: ts for name, ts in offenders.items() if ts} == {}
 
 
 def test_models_know_nothing_of_speculation_and_the_verifier_nothing_of_models():
     graph = arrows()
-    models = {name: sorted(t for t in targets if within(t, SPECULATION))
-              for name, targets in graph.items() if within(name, ("specdec.models",))}
+    models = {
+        name: sorted(t for t in targets if within(t, SPECULATION))
+        for name, targets in graph.items()
+        if within(name, ("specdec.models",))
+    }
     assert {name: ts for name, ts in models.items() if ts} == {}
     assert not any(within(t, ("specdec.models", "specdec.worker")) for t in graph["specdec.spec.verify"])
 
@@ -124,9 +143,10 @@ def test_imports_point_down_the_layers():
     root, whose lazy re-exports point down from the top, aside)."""
     graph = arrows()
     graph.pop("specdec")
-    upward = {name: sorted(f"{t} ({LAYERS[layer_of(t)][0]})" for t in targets - {"specdec"}
-                           if layer_of(t) > layer_of(name))
-              for name, targets in graph.items()}
+    upward = {
+        name: sorted(f"{t} ({LAYERS[layer_of(t)][0]})" for t in targets - {"specdec"} if layer_of(t) > layer_of(name))
+        for name, targets in graph.items()
+    }
     assert {name: ts for name, ts in upward.items() if ts} == {}
 
 
@@ -144,7 +164,10 @@ def test_only_the_runner_routes_rows_to_cache_slots():
 def test_no_drafter_reads_a_sequences_room():
     """Each row's k (and a tree's deepest node) comes from the engine's round: a drafter drafts
     what it is given and never reads Sequence.draft_room itself."""
-    readers = {module_name(path) for path in (SOURCE / "drafters").rglob("*.py")
-               for node in ast.walk(ast.parse(path.read_text(), str(path)))
-               if isinstance(node, ast.Attribute) and node.attr == "draft_room"}
+    readers = {
+        module_name(path)
+        for path in (SOURCE / "drafters").rglob("*.py")
+        for node in ast.walk(ast.parse(path.read_text(), str(path)))
+        if isinstance(node, ast.Attribute) and node.attr == "draft_room"
+    }
     assert readers == set()

@@ -39,11 +39,15 @@ from specdec.tools.benchmark.report import (
 # (Qwen2.5-Coder-1.5B-Instruct Q4_K_M, 2 threads, a busy machine: the times are slow), trimmed to
 # the lines the bench reads and their neighbours.
 
-PROMPT = ("<|im_start|>system\nYou are Qwen, created by Alibaba Cloud. You are a helpful assistant.<|im_end|>\n"
-          "<|im_start|>user\nWrite a Python function that adds two numbers.<|im_end|>\n<|im_start|>assistant\n")
-EDIT_PROMPT = ("<|im_start|>system\nYou are Qwen, created by Alibaba Cloud. You are a helpful assistant.<|im_end|>\n"
-               "<|im_start|>user\nAdd a docstring to this function:\n\ndef add(a, b):\n    return a + b\n<|im_end|>\n"
-               "<|im_start|>assistant\n")
+PROMPT = (
+    "<|im_start|>system\nYou are Qwen, created by Alibaba Cloud. You are a helpful assistant.<|im_end|>\n"
+    "<|im_start|>user\nWrite a Python function that adds two numbers.<|im_end|>\n<|im_start|>assistant\n"
+)
+EDIT_PROMPT = (
+    "<|im_start|>system\nYou are Qwen, created by Alibaba Cloud. You are a helpful assistant.<|im_end|>\n"
+    "<|im_start|>user\nAdd a docstring to this function:\n\ndef add(a, b):\n    return a + b\n<|im_end|>\n"
+    "<|im_start|>assistant\n"
+)
 
 COMPLETION_STDOUT = "```python\ndef add_numbers(a,\n\n"  # llama-completion -no-cnv --no-display-prompt -n 8
 COMPLETION_STDERR = """\
@@ -107,17 +111,43 @@ SPECULATIVE_STDERR = """\
 """  # noqa: W291
 
 # llama-bench -p 7 -n 32 -d 64 -t 2 -r 2 -o json, its fields of note
-LLAMA_BENCH_JSON = json.dumps([
-    {"build_commit": "0c1e570", "cpu_info": "AMD EPYC", "model_type": "qwen2 1.5B Q4_K - Medium", "n_threads": 2,
-     "n_prompt": 7, "n_gen": 0, "n_depth": 64, "avg_ns": 2435457156, "stddev_ns": 2528515195,
-     "avg_ts": 6.233899, "samples_ns": [4223387397, 647526916], "samples_ts": [1.65744, 10.8104]},
-    {"build_commit": "0c1e570", "cpu_info": "AMD EPYC", "model_type": "qwen2 1.5B Q4_K - Medium", "n_threads": 2,
-     "n_prompt": 0, "n_gen": 32, "n_depth": 64, "avg_ns": 6939245146, "stddev_ns": 2201219950,
-     "avg_ts": 4.855756, "samples_ns": [5382747592, 8495742700], "samples_ts": [5.94492, 3.76659]},
-], indent=2)
+LLAMA_BENCH_JSON = json.dumps(
+    [
+        {
+            "build_commit": "0c1e570",
+            "cpu_info": "AMD EPYC",
+            "model_type": "qwen2 1.5B Q4_K - Medium",
+            "n_threads": 2,
+            "n_prompt": 7,
+            "n_gen": 0,
+            "n_depth": 64,
+            "avg_ns": 2435457156,
+            "stddev_ns": 2528515195,
+            "avg_ts": 6.233899,
+            "samples_ns": [4223387397, 647526916],
+            "samples_ts": [1.65744, 10.8104],
+        },
+        {
+            "build_commit": "0c1e570",
+            "cpu_info": "AMD EPYC",
+            "model_type": "qwen2 1.5B Q4_K - Medium",
+            "n_threads": 2,
+            "n_prompt": 0,
+            "n_gen": 32,
+            "n_depth": 64,
+            "avg_ns": 6939245146,
+            "stddev_ns": 2201219950,
+            "avg_ts": 4.855756,
+            "samples_ns": [5382747592, 8495742700],
+            "samples_ts": [5.94492, 3.76659],
+        },
+    ],
+    indent=2,
+)
 
 
 # -- reading llama.cpp's output ----------------------------------------------------------------
+
 
 def test_completion_timings_tokens_and_text():
     timed = llama_cpp.parse_completion(COMPLETION_STDOUT, COMPLETION_STDERR)
@@ -168,14 +198,23 @@ def test_llama_bench_verify_and_step_from_the_medians():
     assert (cost["verify_tokens"], cost["depth"], cost["commit"]) == (7, 64, "0c1e570")
 
 
-@pytest.mark.parametrize("parse, stderr, missing", [
-    (lambda err: llama_cpp.parse_completion("", err), COMPLETION_STDERR.replace("prompt eval", "prompt"),
-     "prompt eval time"),
-    (lambda err: llama_cpp.parse_completion("", err), "crashed\n", "prompt eval time"),
-    (lambda err: llama_cpp.parse_speculative("", err, ""), LOOKUP_STDERR.replace("n_accept", "n_acc"), "n_accept"),
-    (lambda err: llama_cpp.parse_speculative("", err, ""), SPECULATIVE_STDERR.replace("decoded", "done"),
-     "decoded ... tokens"),
-])
+@pytest.mark.parametrize(
+    "parse, stderr, missing",
+    [
+        (
+            lambda err: llama_cpp.parse_completion("", err),
+            COMPLETION_STDERR.replace("prompt eval", "prompt"),
+            "prompt eval time",
+        ),
+        (lambda err: llama_cpp.parse_completion("", err), "crashed\n", "prompt eval time"),
+        (lambda err: llama_cpp.parse_speculative("", err, ""), LOOKUP_STDERR.replace("n_accept", "n_acc"), "n_accept"),
+        (
+            lambda err: llama_cpp.parse_speculative("", err, ""),
+            SPECULATIVE_STDERR.replace("decoded", "done"),
+            "decoded ... tokens",
+        ),
+    ],
+)
 def test_output_without_a_line_is_a_clear_error(parse, stderr, missing):
     with pytest.raises(LlamaCppError, match=f"no {missing!r} line"):
         parse(stderr)
@@ -208,9 +247,11 @@ def _value(command: list[str], flag: str) -> str:
 
 def test_every_tool_gets_the_text_verbatim_greedy_with_the_same_threads_and_tokens():
     text = 'print("a\\nb")\n'  # a backslash escape llama.cpp must not process
-    commands_ = [llama_cpp.completion_command(BUILD, "t.gguf", text, OPTIONS),
-                 llama_cpp.lookup_command(BUILD, "t.gguf", text, OPTIONS),
-                 llama_cpp.speculative_command(BUILD, "t.gguf", "d.gguf", text, OPTIONS)]
+    commands_ = [
+        llama_cpp.completion_command(BUILD, "t.gguf", text, OPTIONS),
+        llama_cpp.lookup_command(BUILD, "t.gguf", text, OPTIONS),
+        llama_cpp.speculative_command(BUILD, "t.gguf", "d.gguf", text, OPTIONS),
+    ]
     for command in commands_:
         assert _value(command, "-p") == text and "--no-escape" in command
         assert (_value(command, "-m"), _value(command, "-n"), _value(command, "-t")) == ("t.gguf", "128", "2")
@@ -227,8 +268,14 @@ def test_every_tool_gets_the_text_verbatim_greedy_with_the_same_threads_and_toke
 def test_llama_bench_times_a_verify_of_7_and_steps_after_64_tokens():
     command = llama_cpp.bench_command(BUILD, "t.gguf", threads=2, repetitions=3)
     assert command[0] == "/llama/build/bin/llama-bench"
-    assert [_value(command, flag) for flag in ("-p", "-n", "-d", "-t", "-r", "-o")] == ["7", "32", "64", "2", "3",
-                                                                                          "json"]
+    assert [_value(command, flag) for flag in ("-p", "-n", "-d", "-t", "-r", "-o")] == [
+        "7",
+        "32",
+        "64",
+        "2",
+        "3",
+        "json",
+    ]
 
 
 def test_the_flags_given_are_in_the_vendored_llama_cpp():
@@ -237,8 +284,10 @@ def test_the_flags_given_are_in_the_vendored_llama_cpp():
         pytest.skip(f"{arg_cpp} is absent: `specdec bench --llama-cpp` (or `make llama-cpp`) downloads it")
     source = arg_cpp.read_text()
     given = set()
-    for command in (llama_cpp.completion_command(BUILD, "t", "p", OPTIONS),
-                    llama_cpp.speculative_command(BUILD, "t", "d", "p", OPTIONS)):
+    for command in (
+        llama_cpp.completion_command(BUILD, "t", "p", OPTIONS),
+        llama_cpp.speculative_command(BUILD, "t", "d", "p", OPTIONS),
+    ):
         given |= {word for word in command[1:] if word.startswith("-") and not word.lstrip("-").isdigit()}
     assert {f for f in given if f'"{f}"' not in source} == set()
     assert '{"draft-simple",' in (arg_cpp.parent / "speculative.cpp").read_text()
@@ -251,6 +300,7 @@ def test_bad_tool_options(changes):
 
 
 # -- building --------------------------------------------------------------------------------------
+
 
 def test_the_avx2_build_has_no_avx512_and_its_own_directory(tmp_path):
     native, avx2 = LlamaCppBuild("native", tmp_path), LlamaCppBuild("avx2", tmp_path)
@@ -279,8 +329,9 @@ def test_a_build_is_kept_while_its_tools_exist_with_the_same_flags(tmp_path):
 def test_a_failed_build_is_an_error_naming_its_cmake_log(tmp_path):
     build = LlamaCppBuild("native", tmp_path)
     build.source.mkdir(parents=True)
-    (build.source / "CMakeLists.txt").write_text('cmake_minimum_required(VERSION 3.14)\nproject(x NONE)\n'
-                                                 'message(FATAL_ERROR "no compiler here")\n')
+    (build.source / "CMakeLists.txt").write_text(
+        'cmake_minimum_required(VERSION 3.14)\nproject(x NONE)\nmessage(FATAL_ERROR "no compiler here")\n'
+    )
     messages = []
     with pytest.raises(LlamaCppError, match="configuring llama.cpp .native. failed") as error:
         llama_cpp.ensure_built(build, messages.append)
@@ -303,6 +354,7 @@ def test_a_source_archive_without_llama_cpp_is_a_clear_error(tmp_path):
 
 # -- CPU kinds ---------------------------------------------------------------------------------------
 
+
 def test_a_child_for_avx2_is_held_to_avx2_and_one_for_native_is_not(monkeypatch):
     monkeypatch.setenv("ATEN_CPU_CAPABILITY", "avx2")
     monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", "AVX2")
@@ -316,19 +368,25 @@ def test_a_child_for_avx2_is_held_to_avx2_and_one_for_native_is_not(monkeypatch)
 
 # -- summarizing -------------------------------------------------------------------------------------
 
+
 def _timed(tokens, seconds, drafted=None, accepted=None, text="same", prompt_tokens=10):
     return Timed(prompt_tokens, tokens, seconds / 4, seconds * 3 / 4, tokens - 1, drafted, accepted, text)
 
 
 def test_rows_pool_the_prompts_and_compare_with_llama_cpp_plain():
     draft = System("llama.cpp", "draft_model")
-    records = [Record("edit", 0, LLAMA_PLAIN, _timed(100, 10.0)), Record("edit", 1, LLAMA_PLAIN, _timed(50, 10.0)),
-               Record("edit", 0, SPECDEC_PLAIN, _timed(100, 5.0, 0, 0)),
-               Record("edit", 1, SPECDEC_PLAIN, _timed(50, 5.0, 0, 0)),
-               Record("edit", 0, draft, _timed(105, 5.0, 50, 40, text="same, and more")),
-               Record("edit", 1, draft, _timed(50, 5.0, 20, 10, text="other"))]
-    rows = {r["method"] + " " + r["engine"]: r
-            for r in llama_cpp.summarize(records, [LLAMA_PLAIN, draft, SPECDEC_PLAIN], 5, ("edit",))}
+    records = [
+        Record("edit", 0, LLAMA_PLAIN, _timed(100, 10.0)),
+        Record("edit", 1, LLAMA_PLAIN, _timed(50, 10.0)),
+        Record("edit", 0, SPECDEC_PLAIN, _timed(100, 5.0, 0, 0)),
+        Record("edit", 1, SPECDEC_PLAIN, _timed(50, 5.0, 0, 0)),
+        Record("edit", 0, draft, _timed(105, 5.0, 50, 40, text="same, and more")),
+        Record("edit", 1, draft, _timed(50, 5.0, 20, 10, text="other")),
+    ]
+    rows = {
+        r["method"] + " " + r["engine"]: r
+        for r in llama_cpp.summarize(records, [LLAMA_PLAIN, draft, SPECDEC_PLAIN], 5, ("edit",))
+    }
     plain, spec, ours = rows["plain llama.cpp"], rows["draft_model llama.cpp"], rows["plain specdec"]
     assert (plain["tokens"], plain["seconds"], plain["tokens_per_s"]) == (150, 20.0, 7.5)
     assert plain["ratio_to_llama_cpp_plain"] == 1.0 and ours["ratio_to_llama_cpp_plain"] == 2.0
@@ -336,7 +394,8 @@ def test_rows_pool_the_prompts_and_compare_with_llama_cpp_plain():
     assert spec["acceptance"] == pytest.approx(50 / 70) and spec["tau"] == pytest.approx(155 / (155 - 50))
     assert plain["acceptance"] is None and plain["tau"] is None and ours["tau"] == 1.0
     assert spec["prompt_tokens_per_s"] == pytest.approx(20 / 2.5) and spec["decode_tokens_per_s"] == pytest.approx(
-        153 / 7.5)
+        153 / 7.5
+    )
     assert (spec["same_text_as_specdec_plain"], plain["same_text_as_specdec_plain"]) == (1, 2)
     assert spec["label"] == "llama.cpp draft model (llama-speculative-simple, k=5)"
 
@@ -345,14 +404,18 @@ def test_a_prompt_token_count_that_differs_is_noted():
     from specdec.tools.benchmark.prompts import Prompt
 
     prompts = {"write": [(Prompt("m.py:f (write)", "x", chat=True), [1, 2, 3], "text")]}
-    records = [Record("write", 0, LLAMA_PLAIN, _timed(8, 1.0, prompt_tokens=4)),
-               Record("write", 0, SPECDEC_PLAIN, _timed(8, 1.0, prompt_tokens=3)),
-               Record("write", 0, System("llama.cpp", "ngram"), _timed(8, 1.0, prompt_tokens=3))]
+    records = [
+        Record("write", 0, LLAMA_PLAIN, _timed(8, 1.0, prompt_tokens=4)),
+        Record("write", 0, SPECDEC_PLAIN, _timed(8, 1.0, prompt_tokens=3)),
+        Record("write", 0, System("llama.cpp", "ngram"), _timed(8, 1.0, prompt_tokens=3)),
+    ]
     assert llama_cpp.prompt_token_notes(records, prompts) == [
-        "llama.cpp plain read 4 prompt tokens for m.py:f (write) (write), specdec 3."]
+        "llama.cpp plain read 4 prompt tokens for m.py:f (write) (write), specdec 3."
+    ]
 
 
 # -- the command and its report ------------------------------------------------------------------------
+
 
 def parse(argv: list[str]):
     parser = argparse.ArgumentParser(prog="specdec")
@@ -385,19 +448,25 @@ def test_flags_make_the_config(gguf_pair):
     config = llama_cpp.llama_cpp_config(parse(["--model", target, "--draft", draft, "--quick", "--ks", "3,4"]))
     assert (config.model, config.draft, config.prompt_sets) == (target, draft, ("write", "edit"))
     assert (config.prompts_per_set, config.max_tokens, config.k) == (llama_cpp.QUICK_PROMPTS, 128, 4)
-    config = llama_cpp.llama_cpp_config(parse(["--model", target, "--prompt-sets", "edit", "--prompts", "3",
-                                               "--max-tokens", "16"]))
+    config = llama_cpp.llama_cpp_config(
+        parse(["--model", target, "--prompt-sets", "edit", "--prompts", "3", "--max-tokens", "16"])
+    )
     assert (config.draft, config.prompt_sets, config.prompts_per_set, config.max_tokens) == (None, ("edit",), 3, 16)
-    assert llama_cpp.command_line(parse(["--model", target, "--prompts", "3", "--cpu-kinds", "both"])) == \
-        f"specdec bench --llama-cpp --model {target} --prompts 3 --out bench_out --cpu-kinds both"
+    assert (
+        llama_cpp.command_line(parse(["--model", target, "--prompts", "3", "--cpu-kinds", "both"]))
+        == f"specdec bench --llama-cpp --model {target} --prompts 3 --out bench_out --cpu-kinds both"
+    )
 
 
-@pytest.mark.parametrize("argv, message", [
-    (["--head", "h"], "--head do not apply"),
-    (["--quantization", "int8", "--dtype", "float32"], "--dtype, --quantization do not apply"),
-    (["--prompt-sets", "poetry"], "prompt sets must be among"),
-    (["--prompts", "0"], "prompts_per_set must be an integer >= 1"),
-])
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--head", "h"], "--head do not apply"),
+        (["--quantization", "int8", "--dtype", "float32"], "--dtype, --quantization do not apply"),
+        (["--prompt-sets", "poetry"], "prompt sets must be among"),
+        (["--prompts", "0"], "prompts_per_set must be an integer >= 1"),
+    ],
+)
 def test_flags_that_do_not_apply_or_bad_values_are_refused(gguf_pair, argv, message):
     with pytest.raises(ValueError, match=message):
         llama_cpp.llama_cpp_config(parse(["--model", gguf_pair[0]] + argv))
@@ -416,26 +485,51 @@ def test_the_default_pair_not_fetched_says_how_to_fetch_it(tmp_path, monkeypatch
 
 
 def _kind(cpu_kind: str) -> dict:
-    rows = [{"prompt_set": "edit", "engine": engine, "method": method, "label": f"{engine} {method}", "prompts": 2,
-             "tokens": 256, "tokens_per_s": speed, "ratio_to_llama_cpp_plain": speed / 20, "prompt_tokens_per_s": 90.0,
-             "decode_tokens_per_s": speed * 1.1, "acceptance": acceptance, "tau": tau,
-             "same_text_as_specdec_plain": 2}
-            for engine, method, speed, acceptance, tau in (("llama.cpp", "plain", 20.0, None, None),
-                                                          ("specdec", "ngram", 30.0, 0.71, 2.5))]
-    return {"cpu_kind": cpu_kind, "cpu_capability": cpu_kind.upper().replace("NATIVE", "AVX512"),
-            "machine": {"cpu": "AMD EPYC", "cores": 2, "torch": "2.13.0", "date": "2026-11-25 16:00 UTC"},
-            "threads": 2,
-            "llama_cpp": {"commit": "0c1e570", "flags": ["-DGGML_NATIVE=ON"], "system_info": "AVX512 = 1"},
-            "prompt_sets": {"edit": {"title": "edit prompts", "prompts": ["a", "b"]}},
-            "verify_cost": {"llama.cpp": {"depth": 64, "verify_ms": 90.0, "step_ms": 30.0, "verify_cost": 3.0},
-                            "specdec": {"depth": 64, "verify_ms": 80.0, "step_ms": 40.0, "verify_cost": 2.0}},
-            "rows": rows, "notes": ["a note"], "load_average": {"before": 3.5, "after": 1.25}}
+    rows = [
+        {
+            "prompt_set": "edit",
+            "engine": engine,
+            "method": method,
+            "label": f"{engine} {method}",
+            "prompts": 2,
+            "tokens": 256,
+            "tokens_per_s": speed,
+            "ratio_to_llama_cpp_plain": speed / 20,
+            "prompt_tokens_per_s": 90.0,
+            "decode_tokens_per_s": speed * 1.1,
+            "acceptance": acceptance,
+            "tau": tau,
+            "same_text_as_specdec_plain": 2,
+        }
+        for engine, method, speed, acceptance, tau in (
+            ("llama.cpp", "plain", 20.0, None, None),
+            ("specdec", "ngram", 30.0, 0.71, 2.5),
+        )
+    ]
+    return {
+        "cpu_kind": cpu_kind,
+        "cpu_capability": cpu_kind.upper().replace("NATIVE", "AVX512"),
+        "machine": {"cpu": "AMD EPYC", "cores": 2, "torch": "2.13.0", "date": "2026-11-25 16:00 UTC"},
+        "threads": 2,
+        "llama_cpp": {"commit": "0c1e570", "flags": ["-DGGML_NATIVE=ON"], "system_info": "AVX512 = 1"},
+        "prompt_sets": {"edit": {"title": "edit prompts", "prompts": ["a", "b"]}},
+        "verify_cost": {
+            "llama.cpp": {"depth": 64, "verify_ms": 90.0, "step_ms": 30.0, "verify_cost": 3.0},
+            "specdec": {"depth": 64, "verify_ms": 80.0, "step_ms": 40.0, "verify_cost": 2.0},
+        },
+        "rows": rows,
+        "notes": ["a note"],
+        "load_average": {"before": 3.5, "after": 1.25},
+    }
 
 
 def _results(*kinds: str) -> dict:
-    return {"prompt_sets": {"edit": {}}, "command": "specdec bench --llama-cpp",
-            "config": {"model": "/m/t.gguf", "draft": "/m/d.gguf", "max_tokens": 128, "k": 5},
-            "cpu_kinds": [_kind(kind) for kind in kinds]}
+    return {
+        "prompt_sets": {"edit": {}},
+        "command": "specdec bench --llama-cpp",
+        "config": {"model": "/m/t.gguf", "draft": "/m/d.gguf", "max_tokens": 128, "k": 5},
+        "cpu_kinds": [_kind(kind) for kind in kinds],
+    }
 
 
 def table_rows(text: str) -> dict[str, list[str]]:
@@ -453,14 +547,28 @@ def test_the_markdown_has_the_verdict_then_a_table_per_cpu_kind_and_prompt_set()
     text = llama_cpp_markdown(_results("native", "avx2"))
     assert text.startswith("# Against llama.cpp")
     assert "## AMD EPYC, AVX512 (as it is)" in text and "## AMD EPYC, AVX2 (held to AVX2)" in text
-    verdict = text[text.index("## Verdict"):text.index("|")]  # before every table
-    fastest = ("specdec's fastest, specdec ngram, 30.0 tok/s, against llama.cpp's fastest, llama.cpp plain, 20.0 "
-               "tok/s: **1.50x**.")
+    verdict = text[text.index("## Verdict") : text.index("|")]  # before every table
+    fastest = (
+        "specdec's fastest, specdec ngram, 30.0 tok/s, against llama.cpp's fastest, llama.cpp plain, 20.0 "
+        "tok/s: **1.50x**."
+    )
     for kind in ("AVX512 (as it is)", "AVX2 (held to AVX2)"):
         assert f"AMD EPYC, {kind}, edit prompts: {fastest}" in " ".join(verdict.split())
     rows = table_rows(text)
-    assert rows["system"] == ["tok/s", "x llama.cpp plain", "prompt tok/s", "decode tok/s", "accepted ÷ drafted", "τ",
-                              "tokens", "same text"] * 2  # for each CPU kind
+    assert (
+        rows["system"]
+        == [
+            "tok/s",
+            "x llama.cpp plain",
+            "prompt tok/s",
+            "decode tok/s",
+            "accepted ÷ drafted",
+            "τ",
+            "tokens",
+            "same text",
+        ]
+        * 2
+    )  # for each CPU kind
     assert rows["specdec ngram"] == ["30.0", "1.50x", "90.0", "33.0", "0.71", "2.50", "256", "2 of 2"] * 2
     assert rows["llama.cpp plain"] == ["20.0", "1.00x", "90.0", "22.0", "–", "–", "256", "2 of 2"] * 2
     assert rows["engine"] == ["7-token forward ms", "1-token step ms", "verify ÷ step"] * 2
@@ -474,8 +582,9 @@ def test_write_docs_places_the_section_after_the_kept_marker_and_replaces_it_lat
     page.write_text(f"# Benchmarks\n\nthe bench's\n\n{KEPT_MARKER}\n\n## By hand\n\nkept\n")
     write_llama_cpp_docs(_results("native"), tmp_path)
     first = page.read_text()
-    assert first.index(KEPT_MARKER) < first.index(LLAMA_CPP_START) < first.index(LLAMA_CPP_END) < \
-        first.index("## By hand")
+    assert (
+        first.index(KEPT_MARKER) < first.index(LLAMA_CPP_START) < first.index(LLAMA_CPP_END) < first.index("## By hand")
+    )
     assert "## Against llama.cpp" in first and "(held to AVX2)" not in first
     write_llama_cpp_docs(_results("avx2"), tmp_path)  # the native kind's earlier results stay
     second = page.read_text()
@@ -485,6 +594,7 @@ def test_write_docs_places_the_section_after_the_kept_marker_and_replaces_it_lat
 
 
 # -- the real thing, where it is here ------------------------------------------------------------------
+
 
 def _real_models() -> tuple[str, str]:
     files = []
@@ -501,10 +611,12 @@ def test_one_real_prompt_end_to_end():
     target, _ = _real_models()
     build = LlamaCppBuild(llama_cpp.process_cpu_kind())
     if not build.is_built():
-        pytest.skip(f"llama.cpp is not built in {build.build_dir}: `specdec bench --llama-cpp` (or `make "
-                    "llama-cpp`) builds it")
-    config = LlamaCppConfig(model=target, prompt_sets=("edit",), prompts_per_set=1, max_tokens=8,
-                            bench_repetitions=1, step_repeats=2)
+        pytest.skip(
+            f"llama.cpp is not built in {build.build_dir}: `specdec bench --llama-cpp` (or `make llama-cpp`) builds it"
+        )
+    config = LlamaCppConfig(
+        model=target, prompt_sets=("edit",), prompts_per_set=1, max_tokens=8, bench_repetitions=1, step_repeats=2
+    )
     result = llama_cpp.measure(config, lambda message: None)
     rows = {(r["engine"], r["method"]): r for r in result["rows"]}
     assert set(rows) == {("llama.cpp", "plain"), ("llama.cpp", "ngram"), ("specdec", "plain"), ("specdec", "ngram")}
@@ -515,5 +627,6 @@ def test_one_real_prompt_end_to_end():
     assert rows[("llama.cpp", "plain")]["ratio_to_llama_cpp_plain"] == 1.0
     assert all(math.isfinite(cost["verify_cost"]) for cost in result["verify_cost"].values())
     assert result["llama_cpp"]["system_info"] and result["cpu_kind"] == llama_cpp.process_cpu_kind()
-    assert len(result["runs"]) == 4 and {run["prompt_tokens"] for run in result["runs"]} == {rows[("specdec", "plain")][
-        "prompt_tokens"]}
+    assert len(result["runs"]) == 4 and {run["prompt_tokens"] for run in result["runs"]} == {
+        rows[("specdec", "plain")]["prompt_tokens"]
+    }

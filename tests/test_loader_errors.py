@@ -163,7 +163,7 @@ def corrupt_safetensors_header(path: Path, good: Path) -> None:
 def truncate_safetensors(path: Path, good: Path) -> None:
     file = path / "model.safetensors"
     data = file.read_bytes()
-    file.write_bytes(data[:len(data) // 2])
+    file.write_bytes(data[: len(data) // 2])
 
 
 def shards(path: Path) -> list[str]:
@@ -173,7 +173,7 @@ def shards(path: Path) -> list[str]:
 def truncate_last_shard(path: Path, good: Path) -> dict:
     shard = shards(path)[-1]
     data = (path / shard).read_bytes()
-    (path / shard).write_bytes(data[:len(data) - 100])
+    (path / shard).write_bytes(data[: len(data) - 100])
     return {"shard": shard}
 
 
@@ -239,12 +239,15 @@ def save_with_other_tokenizer(path: Path, vocab_size: int, text: str, tokenizer_
     return path
 
 
-OTHER_TEXT = ("The quick brown fox jumps over the lazy dog. Pack my box with five dozen liquor jugs. "
-              "How vexingly quick daft zebras jump! Sphinx of black quartz, judge my vow. ") * 8
+OTHER_TEXT = (
+    "The quick brown fox jumps over the lazy dog. Pack my box with five dozen liquor jugs. "
+    "How vexingly quick daft zebras jump! Sphinx of black quartz, judge my vow. "
+) * 8
 
 
 def other_tokenizer(vocab_size: int | None, text: str, tokenizer_size: int | None) -> Callable:
     """A draft at path whose tokenizer is not the target's; None: as many as the target's tokens."""
+
     def breaks(path: Path, good: Path) -> None:
         from tokenizers import Tokenizer
 
@@ -264,35 +267,65 @@ CONFIG_CHECKED_AT_LOAD = [  # (id, changes, what the message names; LOADS: it lo
     ("hidden_size_a_string", {"hidden_size": "64"}, ("hidden_size",)),
     ("rope_theta_null", {"rope_theta": None, "rope_parameters": ...}, LOADS),  # the default theta
     ("rope_theta_negative", {"rope_parameters": {"rope_type": "default", "rope_theta": -1.0}}, ("rope_theta",)),
-    ("layer_types_too_short", {"architectures": ["MistralForCausalLM"], "model_type": "mistral", "sliding_window": 4,
-                               "layer_types": ["sliding_attention"]}, ("layer_types", "2")),
+    (
+        "layer_types_too_short",
+        {
+            "architectures": ["MistralForCausalLM"],
+            "model_type": "mistral",
+            "sliding_window": 4,
+            "layer_types": ["sliding_attention"],
+        },
+        ("layer_types", "2"),
+    ),
     ("dtype_float64", {"dtype": "float64", "torch_dtype": ...}, ("float64", "config.json")),
     # these were TypeErrors from deep in the loader (found probing)
     ("dtype_a_list", {"dtype": ["float32"], "torch_dtype": ...}, ("['float32']", "config.json")),
     ("architectures_a_number", {"architectures": 5}, ("'architectures' must be a list", "5")),
     ("rope_scaling_a_list", {"rope_scaling": [8.0]}, ("rope_scaling must be an object", "[8.0]")),
     ("rope_parameters_a_string", {"rope_parameters": "linear"}, ("rope_parameters must be an object", "'linear'")),
-    ("max_window_layers_null", {"architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", "sliding_window": 4,
-                                "use_sliding_window": True, "max_window_layers": None}, ("max_window_layers", "None")),
+    (
+        "max_window_layers_null",
+        {
+            "architectures": ["Qwen2ForCausalLM"],
+            "model_type": "qwen2",
+            "sliding_window": 4,
+            "use_sliding_window": True,
+            "max_window_layers": None,
+        },
+        ("max_window_layers", "None"),
+    ),
 ]
 
 UNSUPPORTED_FEATURES = [  # (id, changes, what the message names)
     ("hidden_act_gelu", {"hidden_act": "gelu"}, ("hidden_act", "gelu")),
     # transformers v5 style (rope_parameters) and v4 style (rope_theta + rope_scaling)
     ("rope_yarn", {"rope_parameters": {"rope_type": "yarn", "factor": 4.0, "rope_theta": 1e4}}, ("yarn",)),
-    ("rope_dynamic_v4_style", {"rope_parameters": ..., "rope_theta": 1e4,
-                               "rope_scaling": {"type": "dynamic", "factor": 2.0}}, ("dynamic",)),
-    ("rope_llama3_incomplete", {"rope_parameters": {"rope_type": "llama3", "factor": 8.0, "rope_theta": 1e4}},
-     ("llama3", "low_freq_factor")),
-    ("rope_linear_without_factor", {"rope_parameters": ..., "rope_scaling": {"rope_type": "linear"}},
-     ("linear", "factor")),
+    (
+        "rope_dynamic_v4_style",
+        {"rope_parameters": ..., "rope_theta": 1e4, "rope_scaling": {"type": "dynamic", "factor": 2.0}},
+        ("dynamic",),
+    ),
+    (
+        "rope_llama3_incomplete",
+        {"rope_parameters": {"rope_type": "llama3", "factor": 8.0, "rope_theta": 1e4}},
+        ("llama3", "low_freq_factor"),
+    ),
+    (
+        "rope_linear_without_factor",
+        {"rope_parameters": ..., "rope_scaling": {"rope_type": "linear"}},
+        ("linear", "factor"),
+    ),
 ]
 
 REQUIRED_FIELDS = ("hidden_size", "num_attention_heads", "num_hidden_layers", "vocab_size", "intermediate_size")
 MISSING_TENSORS = ("0.self_attn.k_proj.weight", "1.mlp.up_proj.weight", "0.input_layernorm.weight")
-EOS_IDS = [("eos_true", "generation_config.json", True), ("eos_a_string", "generation_config.json", "</s>"),
-           ("eos_past_the_vocabulary", "generation_config.json", [1, VOCAB]), ("eos_negative", "config.json", -1),
-           ("eos_true_beside_1", "generation_config.json", [1, True])]  # True == 1: not skipped as seen
+EOS_IDS = [
+    ("eos_true", "generation_config.json", True),
+    ("eos_a_string", "generation_config.json", "</s>"),
+    ("eos_past_the_vocabulary", "generation_config.json", [1, VOCAB]),
+    ("eos_negative", "config.json", -1),
+    ("eos_true_beside_1", "generation_config.json", [1, True]),
+]  # True == 1: not skipped as seen
 
 BROKEN = [
     # directory and config
@@ -304,15 +337,23 @@ BROKEN = [
     Broken("config_not_an_object", write("config.json", "[1, 2, 3]"), ("config.json",)),
     *[Broken(f"config_without_{field}", config(**{field: ...}), (field, "config.json")) for field in REQUIRED_FIELDS],
     Broken("config_field_null", config(hidden_size=None), ("hidden_size",)),
-    Broken("unsupported_architecture_lists_supported", config(architectures=["GPT2LMHeadModel"], model_type="gpt2"),
-           ("GPT2LMHeadModel", *SUPPORTED)),
-    Broken("unsupported_model_type_without_architectures", config(architectures=..., model_type="gpt_neox"),
-           ("gpt_neox", *SUPPORTED)),
+    Broken(
+        "unsupported_architecture_lists_supported",
+        config(architectures=["GPT2LMHeadModel"], model_type="gpt2"),
+        ("GPT2LMHeadModel", *SUPPORTED),
+    ),
+    Broken(
+        "unsupported_model_type_without_architectures",
+        config(architectures=..., model_type="gpt_neox"),
+        ("gpt_neox", *SUPPORTED),
+    ),
     Broken("model_type_alone_is_enough", config(architectures=..., model_type="llama"), LOADS),  # the control
     *[Broken(f"unsupported_{id_}", config(**changes), names) for id_, changes, names in UNSUPPORTED_FEATURES],
     Broken("heads_not_a_multiple_of_kv_heads", config(num_key_value_heads=3), ("num_key_value_heads", "config.json")),
-    *[Broken(f"config_{id_}", config(**changes), names if names is LOADS else (*names, "config.json"))
-      for id_, changes, names in CONFIG_CHECKED_AT_LOAD],
+    *[
+        Broken(f"config_{id_}", config(**changes), names if names is LOADS else (*names, "config.json"))
+        for id_, changes, names in CONFIG_CHECKED_AT_LOAD
+    ],
     # weights
     Broken("no_weights", remove("model.safetensors"), ("model.safetensors", "{path}")),
     Broken("pickle_checkpoint_is_not_loaded", pickle_checkpoint, ("pytorch_model.bin", "pickle", "safetensors")),
@@ -321,19 +362,36 @@ BROKEN = [
     Broken("truncated_safetensors", truncate_safetensors, ("model.safetensors", "truncated")),
     Broken("truncated_shard", truncate_last_shard, ("{shard}",), copy="sharded"),
     Broken("shard_listed_in_index_is_missing", remove_a_shard, ("{shard}", "missing"), copy="sharded"),
-    Broken("index_without_weight_map", write("model.safetensors.index.json", json.dumps({"metadata": {}})),
-           ("model.safetensors.index.json", "weight_map"), copy="sharded"),
+    Broken(
+        "index_without_weight_map",
+        write("model.safetensors.index.json", json.dumps({"metadata": {}})),
+        ("model.safetensors.index.json", "weight_map"),
+        copy="sharded",
+    ),
     Broken("index_naming_no_file", index_naming_no_file, ("weight_map",), copy="sharded"),
-    Broken("index_not_json", write("model.safetensors.index.json", "{"), ("model.safetensors.index.json",),
-           copy="sharded"),
-    *[Broken(f"wrong_shape_{id_}", wrong_shapes(shapes),
-             (AnyOf(tuple((f"layers.{name}", str(tuple(shape))) for name, shape in shapes.items())),))
-      for id_, shapes in WRONG_SHAPES.items()],
+    Broken(
+        "index_not_json", write("model.safetensors.index.json", "{"), ("model.safetensors.index.json",), copy="sharded"
+    ),
+    *[
+        Broken(
+            f"wrong_shape_{id_}",
+            wrong_shapes(shapes),
+            (AnyOf(tuple((f"layers.{name}", str(tuple(shape))) for name, shape in shapes.items())),),
+        )
+        for id_, shapes in WRONG_SHAPES.items()
+    ],
     # the same problem from the other side: config.json says intermediate_size 96
-    Broken("config_disagrees_with_weights", config(intermediate_size=96), ("mlp", AnyOf((("(128, 64)",),
-                                                                                         ("(64, 128)",))))),
-    *[Broken(f"missing_tensor_{name}", weights(lambda tensors, name=name: tensors.pop(f"model.layers.{name}")),
-             (f"layers.{name}", "missing")) for name in MISSING_TENSORS],
+    Broken(
+        "config_disagrees_with_weights", config(intermediate_size=96), ("mlp", AnyOf((("(128, 64)",), ("(64, 128)",))))
+    ),
+    *[
+        Broken(
+            f"missing_tensor_{name}",
+            weights(lambda tensors, name=name: tensors.pop(f"model.layers.{name}")),
+            (f"layers.{name}", "missing"),
+        )
+        for name in MISSING_TENSORS
+    ],
     Broken("unexpected_tensor", weights(add_tensor), ("layers.0.self_attn.extra.weight",)),
     # tokenizer and generation config
     Broken("missing_tokenizer_json", remove("tokenizer.json"), ("tokenizer.json", "skip_tokenizer_init")),
@@ -342,17 +400,40 @@ BROKEN = [
     Broken("corrupt_generation_config", write("generation_config.json", "{"), ("generation_config.json", "JSON")),
     # a tokenizer whose ids run past vocab_size is not the model's: said at load, not as an
     # out-of-range prompt when the user gave text
-    Broken("tokenizer_larger_than_the_vocabulary", larger_tokenizer,
-           (f"tokenizer.json has token ids up to {VOCAB + 39}, beyond config.json's vocab_size {VOCAB}",)),
-    *[Broken(id_, eos_ids(file, value), (file, f"eos_token_id must be token ids in [0, {VOCAB})"))
-      for id_, file, value in EOS_IDS],
+    Broken(
+        "tokenizer_larger_than_the_vocabulary",
+        larger_tokenizer,
+        (f"tokenizer.json has token ids up to {VOCAB + 39}, beyond config.json's vocab_size {VOCAB}",),
+    ),
+    *[
+        Broken(id_, eos_ids(file, value), (file, f"eos_token_id must be token ids in [0, {VOCAB})"))
+        for id_, file, value in EOS_IDS
+    ],
     # a draft model (at path) whose vocabulary is not the target's
-    Broken("draft_smaller_vocab", other_tokenizer(300, TEXT, 290), ("vocab", "{path}"), copy=None, name="draft",
-           as_draft={"num_speculative_tokens": 3}),  # the same text, fewer merges: a prefix of the target's
-    Broken("draft_same_size_other_text", other_tokenizer(VOCAB, OTHER_TEXT, None), ("vocab", "{path}"), copy=None,
-           name="draft", as_draft={"num_speculative_tokens": 3}),  # as many tokens, but they mean other things
-    Broken("draft_other_size_no_tokenizers", other_tokenizer(300, OTHER_TEXT, None), ("vocab", "{path}"), copy=None,
-           name="draft", as_draft={"num_speculative_tokens": 3, "skip_tokenizer_init": True}),  # the embeddings
+    Broken(
+        "draft_smaller_vocab",
+        other_tokenizer(300, TEXT, 290),
+        ("vocab", "{path}"),
+        copy=None,
+        name="draft",
+        as_draft={"num_speculative_tokens": 3},
+    ),  # the same text, fewer merges: a prefix of the target's
+    Broken(
+        "draft_same_size_other_text",
+        other_tokenizer(VOCAB, OTHER_TEXT, None),
+        ("vocab", "{path}"),
+        copy=None,
+        name="draft",
+        as_draft={"num_speculative_tokens": 3},
+    ),  # as many tokens, but they mean other things
+    Broken(
+        "draft_other_size_no_tokenizers",
+        other_tokenizer(300, OTHER_TEXT, None),
+        ("vocab", "{path}"),
+        copy=None,
+        name="draft",
+        as_draft={"num_speculative_tokens": 3, "skip_tokenizer_init": True},
+    ),  # the embeddings
     Broken("missing_draft_directory", nothing, ("{path}",), copy=None, name="no_draft_here", as_draft={}),
 ]
 
@@ -371,8 +452,9 @@ def test_a_broken_model_is_a_clear_error(case, good, workdir, request):
     if case.copy is not None:
         shutil.copytree(request.getfixturevalue(case.copy), path)
     names = {"path": str(path), **(case.breaks(path, good) or {})}
-    model, options = (good, {"speculative_model": str(path), **case.as_draft}) if case.as_draft is not None \
-        else (path, {})
+    model, options = (
+        (good, {"speculative_model": str(path), **case.as_draft}) if case.as_draft is not None else (path, {})
+    )
     if case.says is LOADS:
         out = LLM(model=str(model), **options).generate(random_ids(3, 5), SamplingParams(temperature=0, max_tokens=2))
         assert len(out[0].outputs[0].token_ids) == 2
@@ -388,8 +470,10 @@ def test_the_table_names_each_case_once():
 # ----------------------------------------------------------------------------- what is not a broken copy
 
 
-@pytest.mark.parametrize("device, message", [("gpu", "device must be"), ("cuda:x", "device must be"),
-                                             ("cuda", "CUDA is not available|CUDA devices")])
+@pytest.mark.parametrize(
+    "device, message",
+    [("gpu", "device must be"), ("cuda:x", "device must be"), ("cuda", "CUDA is not available|CUDA devices")],
+)
 def test_bad_device_is_a_clear_error(good, device, message):
     if device == "cuda" and torch.cuda.is_available():
         device = f"cuda:{torch.cuda.device_count()}"  # one past the last
@@ -457,24 +541,27 @@ def assert_still_works(llms, name: str) -> None:
     assert [o.outputs[0].token_ids for o in made[name].generate(prompts[:1], params)] == reference[:1]
 
 
-@pytest.mark.parametrize("field, value", [
-    ("temperature", -0.5),
-    ("temperature", float("nan")),
-    ("top_p", 0),
-    ("top_p", 1.5),
-    ("top_k", -2),
-    ("top_k", 2.5),
-    ("max_tokens", 0),
-    ("max_tokens", -3),
-    ("min_p", 2),
-    ("min_p", -0.1),
-    ("top_k", 2**63),
-    ("seed", 2**64),
-    ("seed", -2**63 - 1),
-    ("seed", 1.5),
-    ("stop_token_ids", "7"),
-    ("stop_token_ids", [3, -1]),
-])
+@pytest.mark.parametrize(
+    "field, value",
+    [
+        ("temperature", -0.5),
+        ("temperature", float("nan")),
+        ("top_p", 0),
+        ("top_p", 1.5),
+        ("top_k", -2),
+        ("top_k", 2.5),
+        ("max_tokens", 0),
+        ("max_tokens", -3),
+        ("min_p", 2),
+        ("min_p", -0.1),
+        ("top_k", 2**63),
+        ("seed", 2**64),
+        ("seed", -(2**63) - 1),
+        ("seed", 1.5),
+        ("stop_token_ids", "7"),
+        ("stop_token_ids", [3, -1]),
+    ],
+)
 def test_invalid_sampling_values(llms, field, value):
     made, prompts, _, _ = llms
     with pytest.raises(ValueError, match=field):
@@ -493,7 +580,7 @@ def test_a_top_p_too_small_for_float32_keeps_the_most_likely_token(llms, name):
 
 def test_valid_edge_sampling_values_are_accepted():
     """The boundaries the checks above must not reject."""
-    SamplingParams(temperature=0, top_p=1, top_k=-1, min_p=0, max_tokens=1, seed=-2**63)
+    SamplingParams(temperature=0, top_p=1, top_k=-1, min_p=0, max_tokens=1, seed=-(2**63))
     SamplingParams(temperature=2.0, top_p=1e-6, top_k=2**63 - 1, min_p=1, max_tokens=10_000, seed=2**64 - 1)
     assert SamplingParams(stop_token_ids=7).stop_token_ids == (7,)  # one id, as one stop string is allowed
 
@@ -508,8 +595,9 @@ def test_a_temperature_too_small_to_divide_by_is_greedy(llms, name, temperature)
 
 
 @pytest.mark.parametrize("name", ["target", "draft_model"])
-@pytest.mark.parametrize("bad", ["", [""], ["def f():", ""], [[]], {"prompt_token_ids": []}, [],
-                                 [random_ids(50, 6), []]])
+@pytest.mark.parametrize(
+    "bad", ["", [""], ["def f():", ""], [[]], {"prompt_token_ids": []}, [], [random_ids(50, 6), []]]
+)
 def test_empty_prompt(llms, name, bad):
     made, _, params, _ = llms
     with pytest.raises(ValueError, match="prompt"):

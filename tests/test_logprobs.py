@@ -29,24 +29,30 @@ def reference(dirs):
         """log_softmax of transformers' logits before each output token: [len(output), V]."""
         with torch.no_grad():
             logits = model(torch.tensor([prompt + output])).logits[0].float()  # [T, V]
-        return torch.log_softmax(logits[len(prompt) - 1:-1], dim=-1)
+        return torch.log_softmax(logits[len(prompt) - 1 : -1], dim=-1)
 
     return logprobs_of
 
 
-DRAFTING = {"target alone": {}, "draft model": {"speculative_model": "target", "speculative_k_policy": "fixed"},
-            "draft tree": {"speculative_model": "target", "speculative_tree": "auto"}}  # drafting for itself: accepted
+DRAFTING = {
+    "target alone": {},
+    "draft model": {"speculative_model": "target", "speculative_k_policy": "fixed"},
+    "draft tree": {"speculative_model": "target", "speculative_tree": "auto"},
+}  # drafting for itself: accepted
 
 
 @pytest.mark.parametrize("drafting", DRAFTING)
 @pytest.mark.parametrize("temperature", [0.0, 0.9])
 def test_logprobs_are_the_targets_own(dirs, reference, drafting, temperature):
-    options = {key: str(dirs[value]) if key == "speculative_model" else value
-               for key, value in DRAFTING[drafting].items()}
+    options = {
+        key: str(dirs[value]) if key == "speculative_model" else value for key, value in DRAFTING[drafting].items()
+    }
     llm = LLM(str(dirs["target"]), dtype="float32", num_speculative_tokens=4 if options else None, **options)
     prompts = random_prompts(3, seed=int(temperature * 10) + len(drafting))
-    params = [SamplingParams(temperature=temperature, max_tokens=20, ignore_eos=True, seed=5, logprobs=n)
-              for n in (3, None, 0)]
+    params = [
+        SamplingParams(temperature=temperature, max_tokens=20, ignore_eos=True, seed=5, logprobs=n)
+        for n in (3, None, 0)
+    ]
     outputs = llm.generate(prompts, params)
     assert outputs[1].outputs[0].logprobs is None
     for output, sampling in zip(outputs, params):

@@ -32,8 +32,9 @@ MAX_NEW = 24
 # ----------------------------------------------------------------------------- helpers
 
 
-def save_random_model(path: Path, arch: str, seed: int, max_shard_size: str | None = None,
-                      init_std: float = INIT_STD, **overrides) -> Path:
+def save_random_model(
+    path: Path, arch: str, seed: int, max_shard_size: str | None = None, init_std: float = INIT_STD, **overrides
+) -> Path:
     """helpers.save_tiny_model, but every parameter random: transformers initialises biases
     to 0 and norm weights to 1, which would hide a bias or a norm weight read wrongly."""
     from transformers import AutoModelForCausalLM
@@ -84,9 +85,15 @@ def hf_generate(hf, prompt: list[int], max_new_tokens: int, eos_token_id=EOS) ->
     with torch.no_grad():
         ids = torch.tensor([prompt])
         # an explicit mask: otherwise transformers masks prompt tokens equal to pad_token_id
-        out = hf.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
-                          max_new_tokens=max_new_tokens, eos_token_id=eos_token_id, pad_token_id=0)
-    return truncate_at(out[0, len(prompt):].tolist(), eos_token_id)
+        out = hf.generate(
+            ids,
+            attention_mask=torch.ones_like(ids),
+            do_sample=False,
+            max_new_tokens=max_new_tokens,
+            eos_token_id=eos_token_id,
+            pad_token_id=0,
+        )
+    return truncate_at(out[0, len(prompt) :].tolist(), eos_token_id)
 
 
 def hf_greedy_no_eos(hf, prompt: list[int], n: int) -> list[int]:
@@ -94,14 +101,14 @@ def hf_greedy_no_eos(hf, prompt: list[int], n: int) -> list[int]:
     ids = list(prompt)
     for _ in range(n):
         ids.append(int(hf_logits(hf, ids)[-1].argmax()))
-    return ids[len(prompt):]
+    return ids[len(prompt) :]
 
 
 def truncate_at(tokens: list[int], eos) -> list[int]:
     eos = {eos} if isinstance(eos, int) else set(eos or ())
     for i, t in enumerate(tokens):
         if t in eos:
-            return tokens[:i + 1]
+            return tokens[: i + 1]
     return tokens
 
 
@@ -233,8 +240,9 @@ def test_ragged_batch_rows_match_running_alone(models, arch):
 # ----------------------------------------------------------------------------- greedy generation
 
 
-def assert_generate_matches_transformers(path: Path, hf, prompts: list[list[int]], max_new: int = MAX_NEW,
-                                         **llm_kw) -> list[str]:
+def assert_generate_matches_transformers(
+    path: Path, hf, prompts: list[list[int]], max_new: int = MAX_NEW, **llm_kw
+) -> list[str]:
     llm = LLM(model=str(path), dtype="float32", **llm_kw)
     outputs = llm.generate(prompts, greedy(max_new))
     assert len(outputs) == len(prompts)
@@ -331,11 +339,14 @@ def _edit_checkpoint(src: Path, path: Path, how: str) -> None:
     (path / "config.json").write_text(json.dumps(config))
 
 
-@pytest.mark.parametrize("how, arch, overrides", [
-    ("tied_config_own_head", "llama", {"tie_word_embeddings": True}),
-    ("mistral_bias_flags", "mistral", {}),
-    ("llama3_no_original_context", "llama3", {}),
-])
+@pytest.mark.parametrize(
+    "how, arch, overrides",
+    [
+        ("tied_config_own_head", "llama", {"tie_word_embeddings": True}),
+        ("mistral_bias_flags", "mistral", {}),
+        ("llama3_no_original_context", "llama3", {}),
+    ],
+)
 def test_checkpoints_transformers_reads_its_own_way(models, tmp_path, how, arch, overrides):
     """transformers (loading the same edited directory) is the reference."""
     src, _, _ = models.get(how, arch=arch, seed=40 + len(how), **overrides)
@@ -366,14 +377,34 @@ CONFIG_VARIANTS = {
     "llama_linear_rope_v4": ("llama", {"rope_scaling": {"rope_type": "linear", "factor": 2.0}}, True, True),
     "llama3_v4": ("llama3", {}, True, False),
     # wavelengths on both sides of and between the two cut-offs, so the smooth blend is used
-    "llama3_blend": ("llama3", {"rope_theta": 10000.0, "rope_scaling": {
-        "rope_type": "llama3", "factor": 4.0, "low_freq_factor": 1.0, "high_freq_factor": 8.0,
-        "original_max_position_embeddings": 64}}, False, False),
+    "llama3_blend": (
+        "llama3",
+        {
+            "rope_theta": 10000.0,
+            "rope_scaling": {
+                "rope_type": "llama3",
+                "factor": 4.0,
+                "low_freq_factor": 1.0,
+                "high_freq_factor": 8.0,
+                "original_max_position_embeddings": 64,
+            },
+        },
+        False,
+        False,
+    ),
     "mistral_v4": ("mistral", {}, True, False),
-    "qwen2_sliding": ("qwen2", {"use_sliding_window": True, "sliding_window": 16, "max_window_layers": 1},
-                      False, False),
-    "qwen2_sliding_v4": ("qwen2", {"use_sliding_window": True, "sliding_window": 16, "max_window_layers": 1},
-                         True, False),
+    "qwen2_sliding": (
+        "qwen2",
+        {"use_sliding_window": True, "sliding_window": 16, "max_window_layers": 1},
+        False,
+        False,
+    ),
+    "qwen2_sliding_v4": (
+        "qwen2",
+        {"use_sliding_window": True, "sliding_window": 16, "max_window_layers": 1},
+        True,
+        False,
+    ),
     "qwen3_v4": ("qwen3", {}, True, False),
 }
 
@@ -504,10 +535,13 @@ def test_output_text_reads_as_it_does_after_the_prompt_with_a_sentencepiece_deco
 
     backend = Backend(models.BPE(unk_token="<unk>"))
     backend.pre_tokenizer = pre_tokenizers.Metaspace(replacement="\u2581", prepend_scheme="first")
-    backend.decoder = decoders.Sequence([decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse(),
-                                         decoders.Strip(" ", 1, 0)])
-    backend.train_from_iterator([TEXT_PROMPT * 20 + " for i in range(10): print(i, add(i, i))"],
-                                trainers.BpeTrainer(vocab_size=120, special_tokens=["<unk>", "<s>", "</s>"]))
+    backend.decoder = decoders.Sequence(
+        [decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse(), decoders.Strip(" ", 1, 0)]
+    )
+    backend.train_from_iterator(
+        [TEXT_PROMPT * 20 + " for i in range(10): print(i, add(i, i))"],
+        trainers.BpeTrainer(vocab_size=120, special_tokens=["<unk>", "<s>", "</s>"]),
+    )
     tokenizer = Tokenizer(backend)
     ids = backend.encode("for i in range(10): print(i, add(i, i))").ids
     lost_a_space = 0
@@ -528,10 +562,12 @@ CHAT_TEMPLATE = (
     "{% endfor %}"
     "{% if add_generation_prompt %}<|assistant|>\n{% endif %}"
 )
-MESSAGES = [{"role": "system", "content": "You write Python."},
-            {"role": "user", "content": "def add(a, b):"},
-            {"role": "assistant", "content": "return a + b"},
-            {"role": "user", "content": "and a class?"}]
+MESSAGES = [
+    {"role": "system", "content": "You write Python."},
+    {"role": "user", "content": "def add(a, b):"},
+    {"role": "assistant", "content": "return a + b"},
+    {"role": "user", "content": "and a class?"},
+]
 
 
 def with_chat_template(models, tmp_path, how: str) -> Path:
@@ -542,8 +578,10 @@ def with_chat_template(models, tmp_path, how: str) -> Path:
     if how == "string":
         config["chat_template"] = CHAT_TEMPLATE
     elif how == "list":
-        config["chat_template"] = [{"name": "tool_use", "template": "WRONG {{ messages }}"},
-                                   {"name": "default", "template": CHAT_TEMPLATE}]
+        config["chat_template"] = [
+            {"name": "tool_use", "template": "WRONG {{ messages }}"},
+            {"name": "default", "template": CHAT_TEMPLATE},
+        ]
     elif how == "jinja_file":
         (path / "chat_template.jinja").write_text(CHAT_TEMPLATE)
     (path / "tokenizer_config.json").write_text(json.dumps(config))
@@ -555,11 +593,14 @@ def test_chat_template_renders(models, tmp_path, how):
     path = with_chat_template(models, tmp_path, how)
     llm = LLM(model=str(path), dtype="float32")
     rendered = llm.tokenizer.apply_chat_template(MESSAGES)
-    expected = ("<s><|system|>\nYou write Python.</s>\n<|user|>\ndef add(a, b):</s>\n"
-                "<|assistant|>\nreturn a + b</s>\n<|user|>\nand a class?</s>\n<|assistant|>\n")
+    expected = (
+        "<s><|system|>\nYou write Python.</s>\n<|user|>\ndef add(a, b):</s>\n"
+        "<|assistant|>\nreturn a + b</s>\n<|user|>\nand a class?</s>\n<|assistant|>\n"
+    )
     assert rendered == expected
     assert llm.tokenizer.apply_chat_template(MESSAGES, add_generation_prompt=False) == expected.removesuffix(
-        "<|assistant|>\n")
+        "<|assistant|>\n"
+    )
     if how == "string":  # transformers renders the same template identically
         from transformers import AutoTokenizer
 
@@ -590,11 +631,16 @@ def test_chat_template_features_and_precedence_match_transformers(models, tmp_pa
     else:
         (path / "chat_template.jinja").write_text(FEATURE_TEMPLATE)  # the config keeps CHAT_TEMPLATE
     (path / "tokenizer_config.json").write_text(json.dumps(config))
-    messages = [{"role": "user", "content": "hi <b> & é"}, {"role": "assistant", "content": "ok"},
-                {"role": "stop", "content": ""}, {"role": "user", "content": "never shown"}]
+    messages = [
+        {"role": "user", "content": "hi <b> & é"},
+        {"role": "assistant", "content": "ok"},
+        {"role": "stop", "content": ""},
+        {"role": "user", "content": "never shown"},
+    ]
     ours = LLM(model=str(path), dtype="float32").tokenizer.apply_chat_template(messages)
-    theirs = AutoTokenizer.from_pretrained(path).apply_chat_template(messages, tokenize=False,
-                                                                     add_generation_prompt=True)
+    theirs = AutoTokenizer.from_pretrained(path).apply_chat_template(
+        messages, tokenize=False, add_generation_prompt=True
+    )
     assert ours == theirs and '"content": "hi <b> & é"' in ours and "never shown" not in ours
 
 
@@ -655,7 +701,7 @@ def eos_case(models):
         prompt = random_ids(seed, 12)
         free = hf_greedy_no_eos(hf, prompt, 16)
         firsts = [t for i, t in enumerate(free) if i >= 3 and free.index(t) == i and t != EOS]
-        if len(firsts) >= 2 and EOS not in free[:free.index(firsts[1]) + 1]:
+        if len(firsts) >= 2 and EOS not in free[: free.index(firsts[1]) + 1]:
             return path, hf, prompt, free, firsts[0], firsts[1]
     raise AssertionError("no suitable prompt; change the seeds")
 

@@ -21,8 +21,24 @@ from specdec.output_dir import STAGING_MARKER, open_output_dir, staging_path
 from specdec.tools.training import loop
 from specdec.tools.training.train import model_shape, new_model
 
-TINY_RUN = ["--preset", "tiny", "--context", "32", "--batch-size", "4", "--warmup", "1", "--eval-tokens", "256",
-            "--log-every", "0", "--eval-every", "0", "--device", "cpu"]
+TINY_RUN = [
+    "--preset",
+    "tiny",
+    "--context",
+    "32",
+    "--batch-size",
+    "4",
+    "--warmup",
+    "1",
+    "--eval-tokens",
+    "256",
+    "--log-every",
+    "0",
+    "--eval-every",
+    "0",
+    "--device",
+    "cpu",
+]
 
 
 def snapshot(path: Path) -> dict[str, bytes]:
@@ -63,8 +79,9 @@ def test_an_empty_out_is_refused(out, tmp_path, monkeypatch):
     assert list(tmp_path.iterdir()) == []
 
 
-@pytest.mark.parametrize("where, relation", [("same", "is"), ("inside", "lies inside"), ("parent", "holds"),
-                                             ("link", "is")])
+@pytest.mark.parametrize(
+    "where, relation", [("same", "is"), ("inside", "lies inside"), ("parent", "holds"), ("link", "is")]
+)
 def test_an_out_overlapping_an_input_is_refused_even_with_force(where, relation, tmp_path):
     source = user_folder(tmp_path / "models" / "target")
     out = {"same": source, "inside": source / "sub", "parent": tmp_path / "models", "link": tmp_path / "link"}[where]
@@ -115,8 +132,11 @@ def test_own_output_is_replaced_unless_it_also_holds_the_users_files(tmp_path):
     (earlier / "README.md").write_text("mine")
     (earlier / "notes.txt").write_text("mine too")
     before = snapshot(earlier)
-    with pytest.raises(ValueError, match=r"holds an earlier `specdec bench` run, and also notes.txt, which that run "
-                                         r"did not write .*move them away, or pass --force"):
+    with pytest.raises(
+        ValueError,
+        match=r"holds an earlier `specdec bench` run, and also notes.txt, which that run "
+        r"did not write .*move them away, or pass --force",
+    ):
         open_output_dir(earlier, "bench", **own)
     assert snapshot(earlier) == before and not staging_path(earlier).exists()
 
@@ -131,7 +151,9 @@ def test_the_current_and_home_directories_are_never_replaced(place, tmp_path, mo
     name = "your home directory" if place == "home" else "the current directory"
     with pytest.raises(ValueError, match=f"{'holds' if place == 'parent of cwd' else 'is'} {name}"):
         open_output_dir(out, "train", force=True)
-    assert sorted(p.name for p in (tmp_path / "top").iterdir()) == ["home", "work"] and len(list(tmp_path.iterdir())) == 1
+    assert (
+        sorted(p.name for p in (tmp_path / "top").iterdir()) == ["home", "work"] and len(list(tmp_path.iterdir())) == 1
+    )
 
 
 @pytest.mark.parametrize("name", ["run.incomplete", "run.replaced"])
@@ -211,8 +233,9 @@ def test_a_commit_cut_short_after_its_rename_is_finished_by_the_next_run(tmp_pat
         load_pretrained(output.final)
     with pytest.raises(ValueError, match="output of a `specdec train` run whose last step was cut short"):
         open_output_dir(tmp_path / "run", "bench")
-    with open_output_dir(tmp_path / "run", "train", is_own_output=lambda path: True,
-                         own_entries=("model.safetensors",)):
+    with open_output_dir(
+        tmp_path / "run", "train", is_own_output=lambda path: True, own_entries=("model.safetensors",)
+    ):
         assert snapshot(tmp_path / "run") == {"model.safetensors": b"weights"}
 
 
@@ -280,8 +303,23 @@ def test_saved_weights_get_normal_permissions(tmp_path):
 
 def test_distill_into_its_own_target_is_refused_and_the_target_kept(model_dir, corpus_dir, capsys):
     before = snapshot(model_dir)
-    assert main(["distill", "--target", str(model_dir), "--out", str(model_dir), "--corpus", str(corpus_dir),
-                 *TINY_RUN, "--steps", "2"]) == 2
+    assert (
+        main(
+            [
+                "distill",
+                "--target",
+                str(model_dir),
+                "--out",
+                str(model_dir),
+                "--corpus",
+                str(corpus_dir),
+                *TINY_RUN,
+                "--steps",
+                "2",
+            ]
+        )
+        == 2
+    )
     assert f"is --target '{model_dir}'" in capsys.readouterr().err
     assert snapshot(model_dir) == before
     load_pretrained(model_dir)
@@ -297,8 +335,7 @@ def test_train_over_a_model_or_a_users_folder_is_refused(model_dir, corpus_dir, 
         assert "not an earlier `specdec train` run's" in capsys.readouterr().err
         assert snapshot(out) == before and not staging_path(out).exists()
     # asked to, it replaces the folder, once the new model is complete
-    assert main(["train", "--corpus", str(corpus_dir), "--out", str(folder), *TINY_RUN, "--steps", "2",
-                 "--force"]) == 0
+    assert main(["train", "--corpus", str(corpus_dir), "--out", str(folder), *TINY_RUN, "--steps", "2", "--force"]) == 0
     assert not (folder / "README.md").read_text().startswith("my notes") and load_pretrained(folder)
 
 
@@ -312,8 +349,23 @@ def test_train_with_an_empty_out_writes_nothing(corpus_dir, tmp_path, monkeypatc
 
 def test_train_continuing_a_model_into_itself_is_refused(model_dir, corpus_dir, capsys):
     before = snapshot(model_dir)
-    assert main(["train", "--init", str(model_dir), "--out", str(model_dir), "--corpus", str(corpus_dir),
-                 "--steps", "2", "--force"]) == 2
+    assert (
+        main(
+            [
+                "train",
+                "--init",
+                str(model_dir),
+                "--out",
+                str(model_dir),
+                "--corpus",
+                str(corpus_dir),
+                "--steps",
+                "2",
+                "--force",
+            ]
+        )
+        == 2
+    )
     assert f"is --init '{model_dir}'" in capsys.readouterr().err
     assert snapshot(model_dir) == before
 
@@ -359,8 +411,9 @@ def test_a_folder_with_a_foreign_checkpoint_is_not_an_earlier_run(corpus_dir, tm
     (folder / "checkpoint").mkdir()
     torch.save({"weights": torch.ones(2)}, folder / "checkpoint" / "last.pt")
     before = snapshot(folder)
-    assert main(["train", "--corpus", str(corpus_dir), "--out", str(folder), *TINY_RUN, "--steps", "2",
-                 "--restart"]) == 2
+    assert (
+        main(["train", "--corpus", str(corpus_dir), "--out", str(folder), *TINY_RUN, "--steps", "2", "--restart"]) == 2
+    )
     assert "not an earlier `specdec train` run's" in capsys.readouterr().err
     assert snapshot(folder) == before
 
@@ -380,8 +433,18 @@ def interrupt_at_step(monkeypatch, step: int) -> None:
 
 def test_an_interrupted_run_leaves_nothing_that_loads_and_resumes(corpus_dir, tmp_path, monkeypatch, capsys):
     out = tmp_path / "run"
-    run = ["train", "--corpus", str(corpus_dir), "--out", str(out), *TINY_RUN, "--steps", "4",
-           "--checkpoint-every", "2"]
+    run = [
+        "train",
+        "--corpus",
+        str(corpus_dir),
+        "--out",
+        str(out),
+        *TINY_RUN,
+        "--steps",
+        "4",
+        "--checkpoint-every",
+        "2",
+    ]
     with monkeypatch.context() as patch:
         interrupt_at_step(patch, 3)
         assert main(run) == 130
@@ -397,12 +460,26 @@ def test_an_interrupted_run_leaves_nothing_that_loads_and_resumes(corpus_dir, tm
     assert json.loads((out / "training_log.json").read_text())["step"] == 4 and load_pretrained(out)
 
 
-def test_interrupted_before_the_first_checkpoint_says_so_and_keeps_nothing(corpus_dir, tmp_path, monkeypatch,
-                                                                             capsys):
+def test_interrupted_before_the_first_checkpoint_says_so_and_keeps_nothing(corpus_dir, tmp_path, monkeypatch, capsys):
     out = tmp_path / "run"
     interrupt_at_step(monkeypatch, 1)
-    assert main(["train", "--corpus", str(corpus_dir), "--out", str(out), *TINY_RUN, "--steps", "4",
-                 "--checkpoint-every", "2"]) == 130
+    assert (
+        main(
+            [
+                "train",
+                "--corpus",
+                str(corpus_dir),
+                "--out",
+                str(out),
+                *TINY_RUN,
+                "--steps",
+                "4",
+                "--checkpoint-every",
+                "2",
+            ]
+        )
+        == 130
+    )
     assert "before this run's first checkpoint (--checkpoint-every); nothing was kept" in capsys.readouterr().err
     assert list(tmp_path.iterdir()) == []
 
@@ -416,18 +493,24 @@ def test_bench_refuses_its_inputs_and_a_users_folder_before_measuring(tmp_path, 
     results = user_folder(tmp_path / "docs")
     (results / "results.json").write_text('{"prompt_sets": {}}')  # a bench's results, copied among their own
     before = snapshot(tmp_path)
-    for out, message in ((model, "is --model"), (model / "bench", "lies inside --model"),
-                         (folder, "not an earlier `specdec bench` run's"),
-                         (results, "and also README.md, config.json, tokenizer.json, which that run did not write")):
+    for out, message in (
+        (model, "is --model"),
+        (model / "bench", "lies inside --model"),
+        (folder, "not an earlier `specdec bench` run's"),
+        (results, "and also README.md, config.json, tokenizer.json, which that run did not write"),
+    ):
         assert main(["bench", "--model", str(model), "--out", str(out), "--quick", "--no-transformers"]) == 2
         assert message in capsys.readouterr().err
     assert snapshot(tmp_path) == before
 
 
 def test_a_model_path_that_is_a_file_says_what_it_is(tmp_path):
-    for name, message in (("model.bin", "a .bin checkpoint is a pickle"), ("model.gguf", "not a GGUF file"),
-                          ("model.safetensors", f"point at the directory holding it, '{tmp_path}'"),
-                          ("notes.txt", "point at a Hugging Face model directory")):
+    for name, message in (
+        ("model.bin", "a .bin checkpoint is a pickle"),
+        ("model.gguf", "not a GGUF file"),
+        ("model.safetensors", f"point at the directory holding it, '{tmp_path}'"),
+        ("notes.txt", "point at a Hugging Face model directory"),
+    ):
         (tmp_path / name).write_bytes(b"\0" * 16)
         with pytest.raises(ModelLoadError, match=message):
             load_pretrained(tmp_path / name)
@@ -436,8 +519,10 @@ def test_a_model_path_that_is_a_file_says_what_it_is(tmp_path):
 def test_checkpoint_files_stay_loadable_with_torch_weights_only(corpus_dir, tmp_path):
     """The staged checkpoint is a plain tensors-and-data file (no pickled objects)."""
     out = tmp_path / "run"
-    assert main(["train", "--corpus", str(corpus_dir), "--out", str(out), *TINY_RUN, "--steps", "2",
-                 "--stop-after", "1"]) == 0
+    assert (
+        main(["train", "--corpus", str(corpus_dir), "--out", str(out), *TINY_RUN, "--steps", "2", "--stop-after", "1"])
+        == 0
+    )
     checkpoint = torch.load(staging_path(out) / "checkpoint" / "last.pt", weights_only=True)
     assert checkpoint["state"]["step"] == 1
     assert (staging_path(out) / STAGING_MARKER).is_file()

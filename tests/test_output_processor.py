@@ -69,7 +69,7 @@ def test_a_stop_string_stops_at_the_token_that_completes_it_and_the_text_ends_be
     assert emitted == first and seq.output_token_ids == ids[:first] and seq.finish_reason == "stop"
     finish(processor, seq)
     full = tokenizer.backend.decode(ids[:first])
-    assert seq.text == full[:full.index(stop)]
+    assert seq.text == full[: full.index(stop)]
 
 
 @pytest.mark.parametrize("seed", [0, 1, 2, 3])
@@ -84,7 +84,7 @@ def test_streamed_text_joins_into_the_final_text_and_never_shows_a_stop_string(t
     seq.stream_text = True
     deltas, at = [], 0
     while not seq.finished:
-        run = ids[at:at + rng.randint(1, 6)]
+        run = ids[at : at + rng.randint(1, 6)]
         at += processor.append(seq, run, num_from_draft=rng.randint(0, len(run)))
         if seq.finished:
             finish(processor, seq)

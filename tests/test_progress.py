@@ -50,8 +50,10 @@ def test_a_failing_stage_still_says_how_long_it_took(capsys):
 @pytest.fixture(scope="module")
 def pair(tmp_path_factory):
     root = tmp_path_factory.mktemp("warm")
-    return (save_tiny_model(root / "target", "llama", seed=41, init_std=0.3),
-            save_tiny_model(root / "draft", "llama", seed=42, init_std=0.3, num_hidden_layers=1))
+    return (
+        save_tiny_model(root / "target", "llama", seed=41, init_std=0.3),
+        save_tiny_model(root / "draft", "llama", seed=42, init_std=0.3, num_hidden_layers=1),
+    )
 
 
 def test_after_warm_up_a_request_calibrates_nothing(pair, monkeypatch):
@@ -77,8 +79,14 @@ def test_warm_up_runs_every_verify_length(pair, monkeypatch):
     """Under a fixed k (no calibration) the warm-up itself runs the target at 1..k+1 tokens a row,
     so no shape is first called inside a timed request."""
     target, draft = pair
-    llm = LLM(str(target), speculative_model=str(draft), num_speculative_tokens=3, dtype="float32", compile="off",
-              speculative_k_policy="fixed")
+    llm = LLM(
+        str(target),
+        speculative_model=str(draft),
+        num_speculative_tokens=3,
+        dtype="float32",
+        compile="off",
+        speculative_k_policy="fixed",
+    )
     lengths = set()
     forward = ModelRunner.forward
 

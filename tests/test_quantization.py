@@ -42,7 +42,9 @@ def random_linear(out_features: int, in_features: int, seed: int, bias: bool = T
     g = torch.Generator().manual_seed(seed)
     linear = nn.Linear(in_features, out_features, bias=bias)
     with torch.no_grad():
-        linear.weight.copy_(torch.randn(out_features, in_features, generator=g) * torch.rand(out_features, 1, generator=g))
+        linear.weight.copy_(
+            torch.randn(out_features, in_features, generator=g) * torch.rand(out_features, 1, generator=g)
+        )
         if bias:
             linear.bias.copy_(torch.randn(out_features, generator=g))
     return linear
@@ -54,7 +56,7 @@ def test_int8_layer_follows_its_definition():
     W = linear.weight.detach().double()
     scales = W.abs().amax(dim=1) / 127  # [N]
     stored = layer.scales.double()  # bfloat16, rounded up
-    assert torch.all(stored >= scales) and torch.all(stored <= scales * (1 + 2 ** -6))
+    assert torch.all(stored >= scales) and torch.all(stored <= scales * (1 + 2**-6))
     expected_q = torch.round(W / stored[:, None]).clamp(-127, 127)
     assert torch.equal(layer.weight_int8.double(), expected_q)
     dequantized = layer.dequantized_weight().double()
@@ -74,7 +76,7 @@ def test_int4_layer_follows_its_definition():
     scales = (high - low) / 15
     stored = layer.scales_and_zeros.double()  # [groups, N, 2]: bfloat16 scale (rounded up), zero
     stored_scales, stored_zeros = stored[..., 0].t()[..., None], stored[..., 1].t()[..., None]  # [N, groups, 1]
-    assert torch.all(stored_scales >= scales) and torch.all(stored_scales <= scales * (1 + 2 ** -6))
+    assert torch.all(stored_scales >= scales) and torch.all(stored_scales <= scales * (1 + 2**-6))
     zeros = (low + 8 * stored_scales).to(torch.bfloat16).double()
     assert torch.equal(stored_zeros, zeros)
     q = (torch.round((W - zeros) / stored_scales) + 8).clamp(0, 15)
@@ -110,10 +112,20 @@ def test_greedy_speculation_equals_the_quantized_target_alone(dirs, quantization
     target_alone = LLM(str(dirs["target"]), dtype="float32", compile="off", quantization=quantization)
     expected = [o.outputs[0].token_ids for o in target_alone.generate(PROMPTS, GREEDY)]
     other = {"int8": "int4", "int4": "int8"}[quantization]  # the target as its own draft, quantized the other way
-    drafter = dict(speculative_model=str(dirs["target"]), draft_quantization=other, draft_dtype="float32") \
-        if method == "draft_model" else dict(speculative_method="ngram")
-    llm = LLM(str(dirs["target"]), dtype="float32", compile="off", quantization=quantization,
-              num_speculative_tokens=4, speculative_k_policy="fixed", **drafter)  # drafts judged every round
+    drafter = (
+        dict(speculative_model=str(dirs["target"]), draft_quantization=other, draft_dtype="float32")
+        if method == "draft_model"
+        else dict(speculative_method="ngram")
+    )
+    llm = LLM(
+        str(dirs["target"]),
+        dtype="float32",
+        compile="off",
+        quantization=quantization,
+        num_speculative_tokens=4,
+        speculative_k_policy="fixed",
+        **drafter,
+    )  # drafts judged every round
     outputs = llm.generate(PROMPTS, GREEDY)
     assert [o.outputs[0].token_ids for o in outputs] == expected
     proposed = sum(o.metrics.num_draft_tokens for o in outputs)
@@ -140,7 +152,7 @@ def test_perplexity_matches_transformers_loss(dirs):
     ids = llm.tokenizer.encode(next(iter(held_out_sources()))[1])[:301]
     window, total, count = llm.max_model_len, 0.0, 0
     for start in range(0, 300, window):
-        chunk = torch.tensor(ids[start:start + window + 1])[None]
+        chunk = torch.tensor(ids[start : start + window + 1])[None]
         with torch.no_grad():
             loss = hf(chunk[:, :-1], labels=None).logits[0].log_softmax(-1)
         total -= float(loss.gather(1, chunk[0, 1:, None]).sum())
@@ -150,13 +162,16 @@ def test_perplexity_matches_transformers_loss(dirs):
     assert perplexity(quantized.runner.model, quantized, num_tokens=300) == pytest.approx(ours, rel=0.05)
 
 
-@pytest.mark.parametrize("kwargs, message", [
-    (dict(quantization="int3"), r"quantization must be one of None, 'auto', 'int8', 'int4'; got 'int3'"),
-    (dict(quantization="INT8"), r"quantization must be one of None, 'auto', 'int8', 'int4'"),
-    (dict(draft_quantization="int8"), r"draft_quantization='int8' without a drafter"),
-    (dict(speculative_method="ngram", draft_quantization="int4"), "configure a draft model"),
-    (dict(speculative_model="DRAFT", draft_quantization="fp8"), r"draft_quantization must be one of None"),
-])
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        (dict(quantization="int3"), r"quantization must be one of None, 'auto', 'int8', 'int4'; got 'int3'"),
+        (dict(quantization="INT8"), r"quantization must be one of None, 'auto', 'int8', 'int4'"),
+        (dict(draft_quantization="int8"), r"draft_quantization='int8' without a drafter"),
+        (dict(speculative_method="ngram", draft_quantization="int4"), "configure a draft model"),
+        (dict(speculative_model="DRAFT", draft_quantization="fp8"), r"draft_quantization must be one of None"),
+    ],
+)
 def test_bad_quantization_is_refused(dirs, kwargs, message):
     if kwargs.get("speculative_model") == "DRAFT":
         kwargs["speculative_model"] = str(dirs["draft"])
@@ -170,14 +185,35 @@ def test_quantization_on_a_device_without_the_kernel_is_refused():
 
 
 def test_cli_quantization_flags(dirs, capsys):
-    code = main(["generate", "--model", str(dirs["target"]), "--draft", str(dirs["draft"]), "--quantization", "int4",
-                 "--draft-quantization", "int8", "--dtype", "float32", "--prompt", "def f", "--max-tokens", "8",
-                 "--compile", "off", "--compare"])
+    code = main(
+        [
+            "generate",
+            "--model",
+            str(dirs["target"]),
+            "--draft",
+            str(dirs["draft"]),
+            "--quantization",
+            "int4",
+            "--draft-quantization",
+            "int8",
+            "--dtype",
+            "float32",
+            "--prompt",
+            "def f",
+            "--max-tokens",
+            "8",
+            "--compile",
+            "off",
+            "--compare",
+        ]
+    )
     assert code == 0
     assert "greedy outputs identical: True" in capsys.readouterr().out
     with pytest.raises(SystemExit):
         main(["generate", "--model", str(dirs["target"]), "--quantization", "int3", "--prompt", "x"])
     assert "invalid choice: 'int3' (choose from" in capsys.readouterr().err
-    assert main(["generate", "--model", str(dirs["target"]), "--ngram", "--draft-quantization", "int8",
-                 "--prompt", "x"]) == 2
+    assert (
+        main(["generate", "--model", str(dirs["target"]), "--ngram", "--draft-quantization", "int8", "--prompt", "x"])
+        == 2
+    )
     assert "--draft-quantization sets the draft model, and --ngram uses none" in capsys.readouterr().err

@@ -74,8 +74,15 @@ def test_compiled_speculation_equals_eager_target_alone(dirs, eager_outputs, met
     plain rounds run the target's 1-query graph)."""
     draft = dirs["target"] if method == "draft_model" else dirs["draft"]
     k_policy = "fixed" if method == "draft_model" else "goodput"
-    llm = LLM(str(dirs["target"]), speculative_model=str(draft), speculative_method=method,
-              num_speculative_tokens=3, dtype="float32", compile="on", speculative_k_policy=k_policy)
+    llm = LLM(
+        str(dirs["target"]),
+        speculative_model=str(draft),
+        speculative_method=method,
+        num_speculative_tokens=3,
+        dtype="float32",
+        compile="on",
+        speculative_k_policy=k_policy,
+    )
     assert token_ids(llm.generate(PROMPTS[:1], GREEDY)) == [eager_outputs[tuple(PROMPTS[0])]]  # batch of one
     outputs = llm.generate(PROMPTS, GREEDY)
     assert token_ids(outputs) == [eager_outputs[tuple(p)] for p in PROMPTS]
@@ -83,8 +90,9 @@ def test_compiled_speculation_equals_eager_target_alone(dirs, eager_outputs, met
     assert llm.runner.query_buckets == ((4,) if k_policy == "fixed" else (1, 4))
     assert draft_runner.query_buckets == (1, 2)
     if method == "draft_model":
-        assert sum(o.metrics.num_accepted_tokens for o in outputs) > 0.9 * sum(o.metrics.num_draft_tokens
-                                                                              for o in outputs)
+        assert sum(o.metrics.num_accepted_tokens for o in outputs) > 0.9 * sum(
+            o.metrics.num_draft_tokens for o in outputs
+        )
 
 
 @pytest.mark.slow
@@ -104,8 +112,16 @@ def test_compiled_sampling_with_a_seed_equals_eager(dirs):
     """A seeded sampled request draws the same random numbers either way; in float32 the
     compiled models' probabilities differ from eager ones by rounding only, so the tokens agree."""
     params = SamplingParams(temperature=0.8, top_p=0.95, max_tokens=24, seed=3, ignore_eos=True)
-    runs = [LLM(str(dirs["target"]), speculative_model=str(dirs["draft"]), num_speculative_tokens=3,
-                dtype="float32", compile=mode).generate(PROMPTS, params) for mode in ("off", "on")]
+    runs = [
+        LLM(
+            str(dirs["target"]),
+            speculative_model=str(dirs["draft"]),
+            num_speculative_tokens=3,
+            dtype="float32",
+            compile=mode,
+        ).generate(PROMPTS, params)
+        for mode in ("off", "on")
+    ]
     assert token_ids(runs[0]) == token_ids(runs[1])
 
 
@@ -113,6 +129,7 @@ def test_a_compilation_that_fails_falls_back_to_eager_with_one_warning(dirs, eag
     def broken_compile(fn, **options):
         def compiled(*args, **kwargs):
             raise RuntimeError("no C compiler found")
+
         return compiled
 
     monkeypatch.setattr(torch, "compile", broken_compile)
@@ -140,14 +157,17 @@ def test_compile_mode_is_validated(dirs):
         LLM(str(dirs["target"]), compile="yes")
 
 
-@pytest.mark.parametrize("saved, platform, expected", [
-    (torch.bfloat16, AVX2, torch.float32),
-    (torch.bfloat16, AVX512_BF16, torch.bfloat16),
-    (torch.float16, AVX512_BF16, torch.float32),
-    (torch.float32, AVX512_BF16, torch.float32),
-    (torch.float32, Platform("cuda", "AVX2", True, True, (9, 0)), torch.bfloat16),
-    (torch.bfloat16, Platform("cuda", "AVX2", False, True, (7, 5)), torch.float16),
-])
+@pytest.mark.parametrize(
+    "saved, platform, expected",
+    [
+        (torch.bfloat16, AVX2, torch.float32),
+        (torch.bfloat16, AVX512_BF16, torch.bfloat16),
+        (torch.float16, AVX512_BF16, torch.float32),
+        (torch.float32, AVX512_BF16, torch.float32),
+        (torch.float32, Platform("cuda", "AVX2", True, True, (9, 0)), torch.bfloat16),
+        (torch.bfloat16, Platform("cuda", "AVX2", False, True, (7, 5)), torch.float16),
+    ],
+)
 def test_auto_dtype_follows_what_the_hardware_runs_natively(saved, platform, expected):
     dtype, why = auto_dtype(saved, platform)
     assert dtype == expected and why
@@ -183,6 +203,7 @@ def test_eager_runner_with_auto_leaves_the_model_unpacked(dirs):
 def test_a_graph_that_computes_wrong_logits_is_caught_and_eager_runs(dirs, eager_outputs, monkeypatch):
     """The warm-up compares each compiled shape with eager on the same input: a compiler that
     returns wrong logits (here: doubled) is caught before any request uses it."""
+
     def wrong_compile(fn, **options):
         return lambda *args, **kwargs: 2 * fn(*args, **kwargs)
 

@@ -30,8 +30,14 @@ def test_pair_sizes_and_files():
     assert sum(f.stat().st_size for f in MODELS.glob("code-*/*") if f.is_file()) <= 60 * MB
     for directory in (TARGET, DRAFT):
         assert not (directory / "checkpoint").exists()  # resumable training state stays out of the repo
-        for name in ("config.json", "tokenizer.json", "tokenizer_config.json", "generation_config.json",
-                     "training_log.json", "README.md"):
+        for name in (
+            "config.json",
+            "tokenizer.json",
+            "tokenizer_config.json",
+            "generation_config.json",
+            "training_log.json",
+            "README.md",
+        ):
             assert (directory / name).is_file(), f"{directory.name}/{name} is missing"
 
 
@@ -56,8 +62,14 @@ def test_transformers_reads_the_target_as_specdec_does():
 
 @pytest.mark.parametrize("draft_dtype", ["float32", "bfloat16"])
 def test_speculative_greedy_output_is_the_targets_on_held_out_code(draft_dtype):
-    llm = LLM(str(TARGET), speculative_model=str(DRAFT), num_speculative_tokens=5, dtype="float32",
-              draft_dtype=draft_dtype, speculative_k_policy="fixed")  # judges the draft whatever its speed
+    llm = LLM(
+        str(TARGET),
+        speculative_model=str(DRAFT),
+        num_speculative_tokens=5,
+        dtype="float32",
+        draft_dtype=draft_dtype,
+        speculative_k_policy="fixed",
+    )  # judges the draft whatever its speed
     prompts = held_out_code_prompts(1, max_chars=600)[::4]
     params = SamplingParams(temperature=0, max_tokens=48)
     speculative = llm.generate([p.text for p in prompts], params)
@@ -66,8 +78,10 @@ def test_speculative_greedy_output_is_the_targets_on_held_out_code(draft_dtype):
         assert ours.outputs[0].token_ids == reference.outputs[0].token_ids
     accepted = sum(out.metrics.num_accepted_tokens for out in speculative)
     assert accepted > 0.3 * sum(len(out.outputs[0].token_ids) for out in speculative)  # the draft does help
-    valid, whole = (sum(counts) for counts in zip(*(prompt.lines_that_parse(out.outputs[0].text)
-                                                    for prompt, out in zip(prompts, alone))))
+    valid, whole = (
+        sum(counts)
+        for counts in zip(*(prompt.lines_that_parse(out.outputs[0].text) for prompt, out in zip(prompts, alone)))
+    )
     assert whole >= len(prompts) and valid >= 0.8 * whole  # the target writes Python
 
 
@@ -78,10 +92,15 @@ def test_the_shipped_eagle_head_fits_its_target_and_drafts_exactly():
     assert sum(f.stat().st_size for f in head.iterdir() if f.is_file()) <= 20 * MB
     assert (head / "README.md").is_file() and "specdec train-heads" in (head / "README.md").read_text()
     params = SamplingParams(temperature=0, max_tokens=24)
-    prompt = "def mean(values):\n    \"\"\"Return the arithmetic mean of values.\"\"\"\n"
+    prompt = 'def mean(values):\n    """Return the arithmetic mean of values."""\n'
     alone = LLM(str(TARGET), dtype="float32").generate(prompt, params)[0]
-    eagle = LLM(str(TARGET), speculative_model=str(head), dtype="float32", num_speculative_tokens=4,
-                speculative_k_policy="fixed").generate(prompt, params)[0]
+    eagle = LLM(
+        str(TARGET),
+        speculative_model=str(head),
+        dtype="float32",
+        num_speculative_tokens=4,
+        speculative_k_policy="fixed",
+    ).generate(prompt, params)[0]
     assert eagle.outputs[0].token_ids == alone.outputs[0].token_ids
     assert eagle.metrics.num_accepted_tokens > 0  # trained: some of its drafts are the target's
 

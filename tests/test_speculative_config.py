@@ -23,16 +23,30 @@ def target_alone(dirs):
     return token_ids(LLM(str(dirs["target"]), dtype="float32").generate(random_prompts(3, seed=43), GREEDY))
 
 
-@pytest.mark.parametrize("given, flat", [
-    ({"model": "draft", "num_speculative_tokens": 3},
-     {"speculative_model": "draft", "num_speculative_tokens": 3}),
-    ({"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2, "prompt_lookup_max": 3},
-     {"speculative_method": "ngram", "num_speculative_tokens": 4, "ngram_prompt_lookup_min": 2,
-      "ngram_prompt_lookup_max": 3}),
-    ({"model": "draft", "method": "lookup_then_draft", "k_policy": "fixed", "draft_dtype": "float32"},
-     {"speculative_model": "draft", "speculative_method": "lookup_then_draft", "speculative_k_policy": "fixed",
-      "draft_dtype": "float32"}),
-])
+@pytest.mark.parametrize(
+    "given, flat",
+    [
+        ({"model": "draft", "num_speculative_tokens": 3}, {"speculative_model": "draft", "num_speculative_tokens": 3}),
+        (
+            {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2, "prompt_lookup_max": 3},
+            {
+                "speculative_method": "ngram",
+                "num_speculative_tokens": 4,
+                "ngram_prompt_lookup_min": 2,
+                "ngram_prompt_lookup_max": 3,
+            },
+        ),
+        (
+            {"model": "draft", "method": "lookup_then_draft", "k_policy": "fixed", "draft_dtype": "float32"},
+            {
+                "speculative_model": "draft",
+                "speculative_method": "lookup_then_draft",
+                "speculative_k_policy": "fixed",
+                "draft_dtype": "float32",
+            },
+        ),
+    ],
+)
 def test_a_dict_builds_what_the_flat_keywords_build_and_stays_exact(dirs, target_alone, given, flat):
     def paths(options: dict) -> dict:
         return {key: str(dirs["target"]) if value == "draft" else value for key, value in options.items()}
@@ -50,15 +64,22 @@ def test_a_speculative_config_is_taken_as_it_is(dirs, target_alone):
     assert token_ids(llm.generate(random_prompts(3, seed=43), GREEDY)) == target_alone
 
 
-@pytest.mark.parametrize("kwargs, message", [
-    ({"speculative_config": {"method": "ngram"}, "num_speculative_tokens": 3},
-     "speculative_config and num_speculative_tokens both say how to speculate"),
-    ({"speculative_config": {"method": "ngram", "draft_tensor_parallel_size": 1}},
-     "speculative_config has no 'draft_tensor_parallel_size'; its keys are"),
-    ({"speculative_config": "ngram"}, "speculative_config must be a SpeculativeConfig or a dict"),
-    ({"speculative_config": {"method": "ngram", "num_speculative_tokens": -1}}, "num_speculative_tokens must be"),
-    ({"speculative_config": {"num_speculative_tokens": 3}}, "without a drafter"),
-])
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        (
+            {"speculative_config": {"method": "ngram"}, "num_speculative_tokens": 3},
+            "speculative_config and num_speculative_tokens both say how to speculate",
+        ),
+        (
+            {"speculative_config": {"method": "ngram", "draft_tensor_parallel_size": 1}},
+            "speculative_config has no 'draft_tensor_parallel_size'; its keys are",
+        ),
+        ({"speculative_config": "ngram"}, "speculative_config must be a SpeculativeConfig or a dict"),
+        ({"speculative_config": {"method": "ngram", "num_speculative_tokens": -1}}, "num_speculative_tokens must be"),
+        ({"speculative_config": {"num_speculative_tokens": 3}}, "without a drafter"),
+    ],
+)
 def test_bad_speculative_configs_are_clear_errors(dirs, kwargs, message):
     with pytest.raises(ValueError, match=message):
         LLM(str(dirs["target"]), dtype="float32", **kwargs)
@@ -92,13 +113,20 @@ def test_a_refused_value_is_said_in_the_words_of_the_interface():
 
     with pytest.raises(ConfigError) as error:
         SpeculativeConfig(method="ngram", tree="auto")
-    assert str(error.value) == ("speculative_tree='auto' needs a drafter that grows trees (draft_model, eagle, "
-                                "early_exit); speculative_method='ngram' drafts chains: drop speculative_tree")
+    assert str(error.value) == (
+        "speculative_tree='auto' needs a drafter that grows trees (draft_model, eagle, "
+        "early_exit); speculative_method='ngram' drafts chains: drop speculative_tree"
+    )
     assert error.value.fields == ("method", "tree") and isinstance(error.value, ValueError)
-    upper = Wording(lambda owner, name: name.upper(), lambda owner, name, value: f"{name.upper()}:{value}",
-                    lambda owner, name, text: f"{name.upper()}:{text}")
-    assert error.value.in_words(upper) == ("TREE:auto needs a drafter that grows trees (draft_model, eagle, "
-                                           "early_exit); METHOD:ngram drafts chains: drop TREE")
+    upper = Wording(
+        lambda owner, name: name.upper(),
+        lambda owner, name, value: f"{name.upper()}:{value}",
+        lambda owner, name, text: f"{name.upper()}:{text}",
+    )
+    assert error.value.in_words(upper) == (
+        "TREE:auto needs a drafter that grows trees (draft_model, eagle, "
+        "early_exit); METHOD:ngram drafts chains: drop TREE"
+    )
     with pytest.raises(ConfigError, match=r"^top_p must be in \(0, 1\], got 2$"):
         SamplingParams(top_p=2)
 

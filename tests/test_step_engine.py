@@ -30,8 +30,14 @@ def plain(dirs):
 
 
 def speculative(dirs, k: int = 3, max_num_seqs: int = 256) -> LLM:
-    return LLM(str(dirs["target"]), dtype="float32", speculative_model=str(dirs["target"]), num_speculative_tokens=k,
-               speculative_k_policy="fixed", max_num_seqs=max_num_seqs)
+    return LLM(
+        str(dirs["target"]),
+        dtype="float32",
+        speculative_model=str(dirs["target"]),
+        num_speculative_tokens=k,
+        speculative_k_policy="fixed",
+        max_num_seqs=max_num_seqs,
+    )
 
 
 def run_to_end(engine, joined: dict, late: list[tuple[int, str, list[int], SamplingParams]] = ()) -> list[int]:
@@ -57,15 +63,25 @@ def run_to_end(engine, joined: dict, late: list[tuple[int, str, list[int], Sampl
 def test_requests_joining_between_steps_get_what_they_get_alone(dirs, plain):
     llm = speculative(dirs, max_num_seqs=2)  # four requests, two slots: two wait
     prompts = random_prompts(5, seed=1)
-    params = [GREEDY, SamplingParams(temperature=0, max_tokens=9, ignore_eos=True), GREEDY,
-              SamplingParams(temperature=1.0, max_tokens=17, ignore_eos=True, seed=7), GREEDY]
+    params = [
+        GREEDY,
+        SamplingParams(temperature=0, max_tokens=9, ignore_eos=True),
+        GREEDY,
+        SamplingParams(temperature=1.0, max_tokens=17, ignore_eos=True, seed=7),
+        GREEDY,
+    ]
     expected = [plain.generate(p, sp)[0].outputs[0].token_ids for p, sp in zip(prompts, params)]
     # a seeded sampled request draws the same numbers whatever runs beside it (not plain decoding's)
     expected[3] = speculative(dirs).generate(prompts[3], params[3])[0].outputs[0].token_ids
     llm.engine.prepare_to_serve(max_model_len=64)
     joined = {}
-    late = [(0, "a", prompts[0], params[0]), (0, "b", prompts[1], params[1]), (0, "c", prompts[2], params[2]),
-            (3, "d", prompts[3], params[3]), (5, "e", prompts[4], params[4])]
+    late = [
+        (0, "a", prompts[0], params[0]),
+        (0, "b", prompts[1], params[1]),
+        (0, "c", prompts[2], params[2]),
+        (3, "d", prompts[3], params[3]),
+        (5, "e", prompts[4], params[4]),
+    ]
     running = run_to_end(llm.engine, joined, late)
     assert max(running) == 2 and running[-1] == 0
     for request_id, want in zip("abcde", expected):
@@ -74,21 +90,28 @@ def test_requests_joining_between_steps_get_what_they_get_alone(dirs, plain):
         assert reason == ["length"]
 
 
-DRAFTERS = {"draft_model": lambda dirs: dict(speculative_model=str(dirs["target"])),
-            "ngram": lambda dirs: dict(speculative_method="ngram"),
-            "eagle": lambda dirs: dict(speculative_model=str(save_random_head(dirs["target"], dirs["target"].parent /
-                                                                             "head", seed=3))),
-            "early_exit": lambda dirs: dict(speculative_method="early_exit", early_exit_layer=1)}
+DRAFTERS = {
+    "draft_model": lambda dirs: dict(speculative_model=str(dirs["target"])),
+    "ngram": lambda dirs: dict(speculative_method="ngram"),
+    "eagle": lambda dirs: dict(
+        speculative_model=str(save_random_head(dirs["target"], dirs["target"].parent / "head", seed=3))
+    ),
+    "early_exit": lambda dirs: dict(speculative_method="early_exit", early_exit_layer=1),
+}
 
 
 @pytest.mark.parametrize("method", DRAFTERS)
 def test_each_request_speculates_at_most_its_own_k(dirs, plain, method):
-    llm = LLM(str(dirs["target"]), dtype="float32", num_speculative_tokens=4, speculative_k_policy="fixed",
-              **DRAFTERS[method](dirs))
+    llm = LLM(
+        str(dirs["target"]),
+        dtype="float32",
+        num_speculative_tokens=4,
+        speculative_k_policy="fixed",
+        **DRAFTERS[method](dirs),
+    )
     prompts = [prompt * 3 for prompt in random_prompts(4, seed=2)]  # repeats, for prompt lookup to find
     caps = [0, 1, None, 9]  # none, one a round, the engine's k, more than the engine's k
-    params = [SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, num_speculative_tokens=cap)
-              for cap in caps]
+    params = [SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, num_speculative_tokens=cap) for cap in caps]
     outputs = llm.generate(prompts, params)  # one batch, mixed
     expected = plain.generate(prompts, GREEDY)
     for cap, output, want in zip(caps, outputs, expected):
@@ -126,7 +149,7 @@ def test_abort_frees_the_slot_and_drops_a_waiting_request(dirs):
 def test_streamed_text_joins_into_the_final_text_and_holds_back_stop_strings(dirs, plain):
     prompt = "def add(a, b):"
     free = plain.generate(prompt, SamplingParams(temperature=0, max_tokens=30, ignore_eos=True))[0].outputs[0]
-    stop = free.text[len(free.text) // 2:len(free.text) // 2 + 3]
+    stop = free.text[len(free.text) // 2 : len(free.text) // 2 + 3]
     assert len(stop.strip()) >= 2, f"the test needs a visible stop string in {free.text!r}"
     params = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True, stop=[stop])
     want = plain.generate(prompt, params)[0].outputs[0]
@@ -139,7 +162,7 @@ def test_streamed_text_joins_into_the_final_text_and_holds_back_stop_strings(dir
             deltas += [o.outputs[0].text for o in llm.engine.step()]
     assert "".join(deltas) == want.text and want.finish_reason == "stop"
     assert sum(1 for d in deltas if d) >= 2, deltas  # streamed, not all at the end
-    assert all(stop not in "".join(deltas[:i + 1]) for i in range(len(deltas)))
+    assert all(stop not in "".join(deltas[: i + 1]) for i in range(len(deltas)))
 
 
 def test_serving_sizes_the_cache_by_budget_and_refuses_what_does_not_fit(dirs):
@@ -163,10 +186,14 @@ def test_a_stop_string_late_in_a_long_output_cuts_it_where_it_first_appears(dirs
     (4 x its length + 1 tokens) still cuts the text at its first occurrence."""
     prompt = "class Point:\n"
     free = plain.generate(prompt, SamplingParams(temperature=0, max_tokens=120, ignore_eos=True))[0].outputs[0]
-    late = next(i for i in range(len(free.text) * 3 // 4, len(free.text) - length)
-                if free.text[i:i + length].isascii() and free.text[i:i + length].isprintable()
-                and free.text[i:i + length].strip())
-    stop = free.text[late:late + length]
+    late = next(
+        i
+        for i in range(len(free.text) * 3 // 4, len(free.text) - length)
+        if free.text[i : i + length].isascii()
+        and free.text[i : i + length].isprintable()
+        and free.text[i : i + length].strip()
+    )
+    stop = free.text[late : late + length]
     cut = free.text.find(stop)
     assert cut > 0
     for llm in (plain, speculative(dirs)):

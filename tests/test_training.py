@@ -32,8 +32,24 @@ from specdec.tools.training.distill import DistillConfig, acceptance_metrics, di
 from specdec.tools.training.loop import TrainConfig, learning_rate
 from specdec.tools.training.train import PRESETS, ModelShape, model_shape, new_model, next_token_loss
 
-TINY_RUN = ["--preset", "tiny", "--context", "64", "--batch-size", "8", "--lr", "3e-3", "--warmup", "4",
-            "--eval-tokens", "2048", "--log-every", "10", "--device", "cpu"]
+TINY_RUN = [
+    "--preset",
+    "tiny",
+    "--context",
+    "64",
+    "--batch-size",
+    "8",
+    "--lr",
+    "3e-3",
+    "--warmup",
+    "4",
+    "--eval-tokens",
+    "2048",
+    "--log-every",
+    "10",
+    "--device",
+    "cpu",
+]
 
 
 def cli(*argv: str) -> int:
@@ -54,12 +70,32 @@ def corpus_dir(tmp_path_factory) -> Path:
 def trained_dir(corpus_dir, tmp_path_factory) -> Path:
     """A tiny model trained for 40 steps, saved in float32 in shards of at most 200 kB."""
     out = tmp_path_factory.mktemp("trained")
-    assert cli("train", "--corpus", corpus_dir, "--out", out, *TINY_RUN, "--steps", "40", "--eval-every", "20",
-               "--checkpoint-every", "20", "--save-dtype", "float32", "--max-shard-mb", "0.2") == 0
+    assert (
+        cli(
+            "train",
+            "--corpus",
+            corpus_dir,
+            "--out",
+            out,
+            *TINY_RUN,
+            "--steps",
+            "40",
+            "--eval-every",
+            "20",
+            "--checkpoint-every",
+            "20",
+            "--save-dtype",
+            "float32",
+            "--max-shard-mb",
+            "0.2",
+        )
+        == 0
+    )
     return out
 
 
 # ---------------------------------------------------------------------------- train
+
 
 def test_trained_directory_loads_in_specdec_and_transformers_alike(trained_dir, corpus_dir):
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -124,8 +160,19 @@ def test_model_card_states_the_run(trained_dir, corpus_dir):
 
 
 def test_interrupted_run_resumes_where_it_stopped(corpus_dir, tmp_path):
-    run = ["--corpus", corpus_dir, *TINY_RUN, "--steps", "20", "--eval-every", "10", "--checkpoint-every", "10",
-           "--seed", "5"]
+    run = [
+        "--corpus",
+        corpus_dir,
+        *TINY_RUN,
+        "--steps",
+        "20",
+        "--eval-every",
+        "10",
+        "--checkpoint-every",
+        "10",
+        "--seed",
+        "5",
+    ]
     assert cli("train", *run, "--out", tmp_path / "whole") == 0
     assert cli("train", *run, "--out", tmp_path / "split", "--stop-after", "10") == 0  # the 'interruption'
     staging = tmp_path / "split.incomplete"  # an unfinished run stays beside --out, which it leaves untouched
@@ -154,8 +201,28 @@ def test_train_init_goes_on_from_a_trained_model(trained_dir, corpus_dir, tmp_pa
     """--init: the first evaluation is the trained model's last (float32 weights, the same
     held-out windows), training goes on lowering it, and the card names both runs."""
     out = tmp_path / "continued"
-    run = ["--corpus", corpus_dir, "--batch-size", "8", "--lr", "1e-3", "--warmup", "2", "--eval-tokens", "2048",
-           "--device", "cpu", "--steps", "20", "--eval-every", "0", "--checkpoint-every", "0", "--save-dtype", "float32"]
+    run = [
+        "--corpus",
+        corpus_dir,
+        "--batch-size",
+        "8",
+        "--lr",
+        "1e-3",
+        "--warmup",
+        "2",
+        "--eval-tokens",
+        "2048",
+        "--device",
+        "cpu",
+        "--steps",
+        "20",
+        "--eval-every",
+        "0",
+        "--checkpoint-every",
+        "0",
+        "--save-dtype",
+        "float32",
+    ]
     assert cli("train", "--init", trained_dir, "--out", out, *run) == 0
     first_run = json.loads((trained_dir / "training_log.json").read_text())
     log = json.loads((out / "training_log.json").read_text())
@@ -174,8 +241,29 @@ def test_train_init_goes_on_from_a_trained_model(trained_dir, corpus_dir, tmp_pa
 
 def test_train_reusing_a_tokenizer_shares_its_vocabulary(trained_dir, corpus_dir, tmp_path):
     out = tmp_path / "draft"
-    assert cli("train", "--corpus", corpus_dir, "--out", out, "--tokenizer", trained_dir, *TINY_RUN,
-               "--hidden-size", "32", "--heads", "2", "--kv-heads", "1", "--steps", "2", "--warmup", "1") == 0
+    assert (
+        cli(
+            "train",
+            "--corpus",
+            corpus_dir,
+            "--out",
+            out,
+            "--tokenizer",
+            trained_dir,
+            *TINY_RUN,
+            "--hidden-size",
+            "32",
+            "--heads",
+            "2",
+            "--kv-heads",
+            "1",
+            "--steps",
+            "2",
+            "--warmup",
+            "1",
+        )
+        == 0
+    )
     assert (out / "tokenizer.json").read_text() == (trained_dir / "tokenizer.json").read_text()
     target_config, draft_config = (json.loads((p / "config.json").read_text()) for p in (trained_dir, out))
     assert draft_config["vocab_size"] == target_config["vocab_size"]
@@ -185,14 +273,46 @@ def test_train_reusing_a_tokenizer_shares_its_vocabulary(trained_dir, corpus_dir
 
 # ---------------------------------------------------------------------------- distill
 
+
 def test_distill_raises_acceptance(trained_dir, corpus_dir, tmp_path):
     from specdec import LLM, SamplingParams
 
     out = tmp_path / "distilled"
-    assert cli("distill", "--target", trained_dir, "--out", out, "--corpus", corpus_dir, *TINY_RUN,
-               "--hidden-size", "32", "--layers", "1", "--heads", "2", "--kv-heads", "1",
-               "--intermediate-size", "64", "--steps", "30", "--eval-every", "0", "--checkpoint-every", "0",
-               "--on-policy-fraction", "0.25", "--sample-temperature", "0", "--prompt-tokens", "8") == 0
+    assert (
+        cli(
+            "distill",
+            "--target",
+            trained_dir,
+            "--out",
+            out,
+            "--corpus",
+            corpus_dir,
+            *TINY_RUN,
+            "--hidden-size",
+            "32",
+            "--layers",
+            "1",
+            "--heads",
+            "2",
+            "--kv-heads",
+            "1",
+            "--intermediate-size",
+            "64",
+            "--steps",
+            "30",
+            "--eval-every",
+            "0",
+            "--checkpoint-every",
+            "0",
+            "--on-policy-fraction",
+            "0.25",
+            "--sample-temperature",
+            "0",
+            "--prompt-tokens",
+            "8",
+        )
+        == 0
+    )
     log = json.loads((out / "training_log.json").read_text())
     before, after = log["evaluations"][0], log["evaluations"][-1]
     assert after["step"] == 30
@@ -204,8 +324,13 @@ def test_distill_raises_acceptance(trained_dir, corpus_dir, tmp_path):
     weights = hashlib.sha256(shards).hexdigest()[:16]
     assert log["target_sha256"] == weights and f"sha256 `{weights}`" in (out / "README.md").read_text()
 
-    llm = LLM(str(trained_dir), speculative_model=str(out), num_speculative_tokens=3, dtype="float32",
-              speculative_k_policy="fixed")  # α of every round, whether or not drafting pays
+    llm = LLM(
+        str(trained_dir),
+        speculative_model=str(out),
+        num_speculative_tokens=3,
+        dtype="float32",
+        speculative_k_policy="fixed",
+    )  # α of every round, whether or not drafting pays
     params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
     speculative = llm.generate("def copy(x):\n", params)[0]
     alone = llm.target_only().generate("def copy(x):\n", params)[0]
@@ -214,9 +339,30 @@ def test_distill_raises_acceptance(trained_dir, corpus_dir, tmp_path):
 
     # a second run continuing from this draft (--init): its card names both runs, in order
     continued = tmp_path / "continued"
-    assert cli("distill", "--target", trained_dir, "--init", out, "--out", continued, "--corpus", corpus_dir,
-               "--batch-size", "8", "--eval-tokens", "2048", "--steps", "3", "--eval-every", "0",
-               "--checkpoint-every", "0") == 0
+    assert (
+        cli(
+            "distill",
+            "--target",
+            trained_dir,
+            "--init",
+            out,
+            "--out",
+            continued,
+            "--corpus",
+            corpus_dir,
+            "--batch-size",
+            "8",
+            "--eval-tokens",
+            "2048",
+            "--steps",
+            "3",
+            "--eval-every",
+            "0",
+            "--checkpoint-every",
+            "0",
+        )
+        == 0
+    )
     card = (continued / "README.md").read_text()
     first_command, second_command = f"--out {out} ", f"--init {out} "
     assert first_command in card and second_command in card
@@ -227,8 +373,24 @@ def test_distill_raises_acceptance(trained_dir, corpus_dir, tmp_path):
     # --out the --init draft itself: refused before anything is written, the draft intact
     before_files = {f.name: f.read_bytes() for f in out.iterdir() if f.is_file()}
     with pytest.raises(ValueError, match="is --init .*: writing there would destroy it"):
-        cli("distill", "--target", trained_dir, "--init", out, "--out", out, "--corpus", corpus_dir,
-            "--batch-size", "8", "--eval-tokens", "2048", "--steps", "2", "--force")
+        cli(
+            "distill",
+            "--target",
+            trained_dir,
+            "--init",
+            out,
+            "--out",
+            out,
+            "--corpus",
+            corpus_dir,
+            "--batch-size",
+            "8",
+            "--eval-tokens",
+            "2048",
+            "--steps",
+            "2",
+            "--force",
+        )
     assert {f.name: f.read_bytes() for f in out.iterdir() if f.is_file()} == before_files
     assert not (tmp_path / "distilled.incomplete").exists()
 
@@ -292,22 +454,62 @@ def test_distill_a_draft_over_part_of_the_vocabulary(trained_dir, corpus_dir, tm
     from specdec.models.loader import load_pretrained
 
     out = tmp_path / "part"
-    assert cli("distill", "--target", trained_dir, "--out", out, "--corpus", corpus_dir, *TINY_RUN,
-               "--hidden-size", "32", "--layers", "1", "--heads", "2", "--kv-heads", "1", "--intermediate-size", "64",
-               "--steps", "30", "--eval-every", "0", "--checkpoint-every", "0", "--output-vocab", "200",
-               "--embeddings-from-target", "--on-policy-fraction", "0.25", "--sample-temperature", "0",
-               "--prompt-tokens", "8") == 0
+    assert (
+        cli(
+            "distill",
+            "--target",
+            trained_dir,
+            "--out",
+            out,
+            "--corpus",
+            corpus_dir,
+            *TINY_RUN,
+            "--hidden-size",
+            "32",
+            "--layers",
+            "1",
+            "--heads",
+            "2",
+            "--kv-heads",
+            "1",
+            "--intermediate-size",
+            "64",
+            "--steps",
+            "30",
+            "--eval-every",
+            "0",
+            "--checkpoint-every",
+            "0",
+            "--output-vocab",
+            "200",
+            "--embeddings-from-target",
+            "--on-policy-fraction",
+            "0.25",
+            "--sample-temperature",
+            "0",
+            "--prompt-tokens",
+            "8",
+        )
+        == 0
+    )
     log = json.loads((out / "training_log.json").read_text())
     assert log["evaluations"][-1]["held_out_alpha"] > log["evaluations"][0]["held_out_alpha"] + 0.05
     draft = load_pretrained(out, "float32")
     assert draft.model.config.output_vocab_size == 200 and not draft.model.config.tie_word_embeddings
     assert draft.eos_token_ids[0] in draft.model.output_token_ids.tolist()
     assert "output layer scores the 200 tokens most frequent" in (out / "README.md").read_text()
-    llm = LLM(str(trained_dir), speculative_model=str(out), num_speculative_tokens=3, dtype="float32",
-              speculative_k_policy="fixed")
+    llm = LLM(
+        str(trained_dir),
+        speculative_model=str(out),
+        num_speculative_tokens=3,
+        dtype="float32",
+        speculative_k_policy="fixed",
+    )
     params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
     speculative = llm.generate("def copy(x):\n", params)[0]
-    assert speculative.outputs[0].token_ids == llm.target_only().generate("def copy(x):\n", params)[0].outputs[0].token_ids
+    assert (
+        speculative.outputs[0].token_ids == llm.target_only().generate("def copy(x):\n", params)[0].outputs[0].token_ids
+    )
     assert speculative.metrics.num_accepted_tokens > 0
     with pytest.raises(ValueError, match="--output-vocab shapes a new draft"):
         cli("distill", "--target", trained_dir, "--init", out, "--out", tmp_path / "x", "--output-vocab", "10")
@@ -317,9 +519,30 @@ def test_a_model_trained_then_distilled_gets_a_card_for_both(trained_dir, corpus
     """--init across kinds: a `train` model distilled further. The train run measured no α, so
     the card's α starts at the distillation's first evaluation."""
     out = tmp_path / "distilled"
-    assert cli("distill", "--target", trained_dir, "--init", trained_dir, "--out", out, "--corpus", corpus_dir,
-               "--batch-size", "8", "--eval-tokens", "2048", "--steps", "2", "--eval-every", "0",
-               "--checkpoint-every", "0") == 0
+    assert (
+        cli(
+            "distill",
+            "--target",
+            trained_dir,
+            "--init",
+            trained_dir,
+            "--out",
+            out,
+            "--corpus",
+            corpus_dir,
+            "--batch-size",
+            "8",
+            "--eval-tokens",
+            "2048",
+            "--steps",
+            "2",
+            "--eval-every",
+            "0",
+            "--checkpoint-every",
+            "0",
+        )
+        == 0
+    )
     log, card = json.loads((out / "training_log.json").read_text()), (out / "README.md").read_text()
     first, last = log["evaluations"][0], log["evaluations"][-1]
     assert "2 runs, in this order" in card
@@ -336,8 +559,10 @@ def test_model_card_names_runs_distilled_from_other_target_weights():
     assert paragraph.startswith("Runs 2 and 3 distilled from other weights of the target than the last run's.")
     assert "Run 1 does not record which weights of the target it distilled from" in paragraph
     assert _target_history(runs[3:]) == [] and _target_history(runs[1:3]) == []
-    assert _target_history([{}, {}]) == ["No run records which weights of the target it distilled from "
-                                          "(the record came later).", ""]
+    assert _target_history([{}, {}]) == [
+        "No run records which weights of the target it distilled from (the record came later).",
+        "",
+    ]
 
 
 def test_acceptance_is_one_minus_total_variation():
@@ -361,6 +586,7 @@ def test_acceptance_is_one_minus_total_variation():
 
 
 # ---------------------------------------------------------------------------- corpus
+
 
 def test_default_corpus_is_the_standard_library_with_fixed_held_out_modules():
     corpus = load_corpus()
@@ -411,8 +637,12 @@ def test_held_out_split_of_other_corpora(tmp_path):
     named_like_held_out = [Document("queue.py", "a = 1\n"), Document("glob.py", "b = 2\n")]
     train_docs, held_out = split_held_out(named_like_held_out)  # all of them: not the stdlib rule
     assert [d.name for d in train_docs] == ["queue.py"] and [d.name for d in held_out] == ["glob.py"]
-    with_directory = [Document("train/a.txt", "a\n"), Document("held_out/b.txt", "b\n"), Document("glob.py", "c\n"),
-                      Document("held_outside.txt", "d\n")]
+    with_directory = [
+        Document("train/a.txt", "a\n"),
+        Document("held_out/b.txt", "b\n"),
+        Document("glob.py", "c\n"),
+        Document("held_outside.txt", "d\n"),
+    ]
     train_docs, held_out = split_held_out(with_directory)  # held_out/ wins over the names
     assert [d.name for d in held_out] == ["held_out/b.txt"] and len(train_docs) == 3
     lines = "".join(f"line {i}\n" for i in range(100))
@@ -428,13 +658,14 @@ def test_windows_are_slices_of_the_stream():
     assert windows.shape == (6, 32) and windows.dtype == torch.int64
     for row in windows:
         start = int((stream == row[0]).nonzero())
-        assert torch.equal(row, stream[start:start + 32].long())
+        assert torch.equal(row, stream[start : start + 32].long())
     held = evaluation_windows(stream, 100, max_tokens=450)
     assert held.shape == (4, 101) and torch.equal(held[1], stream[100:201].long())
     assert evaluation_windows(stream[:20], 100, 450).shape == (1, 20)
 
 
 # ---------------------------------------------------------------------------- configuration
+
 
 def test_presets_sizes():
     target, draft, tiny = (PRESETS[name].model_config().num_parameters for name in ("target", "draft", "tiny"))
@@ -459,8 +690,9 @@ def test_configuration_errors_are_clear():
     with pytest.raises(ValueError, match="missing"):
         model_shape(None, hidden_size=64)
     with pytest.raises(ValueError, match="vocab_size"):
-        ModelShape(vocab_size=100, hidden_size=64, num_layers=1, num_heads=2, num_kv_heads=1,
-                   intermediate_size=64, context=32)
+        ModelShape(
+            vocab_size=100, hidden_size=64, num_layers=1, num_heads=2, num_kv_heads=1, intermediate_size=64, context=32
+        )
     with pytest.raises(ValueError, match="on_policy_fraction"):
         DistillConfig(on_policy_fraction=1.5)
     with pytest.raises(ValueError, match="divergence"):
@@ -523,7 +755,9 @@ def test_gradient_accumulation_averages_like_one_big_batch():
         config = TrainConfig(steps=10, batch_size=batch_size, grad_accum=grad_accum, bf16=False, grad_clip=1e9)
         model = new_model(PRESETS["tiny"].model_config(), seed=3)
         batches = iter(windows.split(batch_size))
-        task = Task(model, lambda generator, batches=batches: next(batches), next_token_loss, lambda m: {}, batch_size * 16, {})
+        task = Task(
+            model, lambda generator, batches=batches: next(batches), next_token_loss, lambda m: {}, batch_size * 16, {}
+        )
         recorder = _GradientRecorder(model)
         losses.append(train_step(task, recorder, config, torch.Generator(), contextlib.nullcontext(), 1e-3))
         gradients.append(recorder.gradients)
@@ -558,8 +792,11 @@ def test_bf16_autocast_only_where_bfloat16_is_native(monkeypatch, capsys):
     from specdec.tools.training.loop import TrainConfig, _autocast
 
     for native in (True, False):
-        monkeypatch.setattr(specdec.platform, "detect_platform",
-                            lambda device, native=native: Platform("cpu", "AVX2", native_bf16=native, native_fp16=False))
+        monkeypatch.setattr(
+            specdec.platform,
+            "detect_platform",
+            lambda device, native=native: Platform("cpu", "AVX2", native_bf16=native, native_fp16=False),
+        )
         autocast = _autocast(TrainConfig(), torch.device("cpu"))
         assert isinstance(autocast, torch.autocast) == native
         assert ("bfloat16 is emulated" in capsys.readouterr().err) == (not native)

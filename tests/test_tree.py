@@ -125,8 +125,12 @@ def test_tree_rejection_sampling_follows_the_target_at_the_first_and_second_toke
     B = draws
     generators = [torch.Generator().manual_seed(1)] * B  # rows share one stream, drawn in row order
     output, num_accepted, path = tree_rejection_sample(
-        TREE_TOKENS.expand(B, -1), TREE_PARENTS.expand(B, -1), torch.full((B,), 5), target_probs.expand(B, -1, -1),
-        generators)
+        TREE_TOKENS.expand(B, -1),
+        TREE_PARENTS.expand(B, -1),
+        torch.full((B,), 5),
+        target_probs.expand(B, -1, -1),
+        generators,
+    )
     first = output[:, 0].numpy()
     p_value = chi_square_p_value(first, target_probs[0, 0], "first token")
     assert p_value > 1e-3, p_value
@@ -146,8 +150,13 @@ def test_a_seeded_row_draws_the_same_whatever_its_neighbours():
     seeded = lambda: torch.Generator().manual_seed(42)  # noqa: E731
     alone = tree_rejection_sample(TREE_TOKENS, TREE_PARENTS, torch.tensor([5]), target_probs[:1], [seeded()])
     shared = torch.Generator().manual_seed(7)
-    batch = tree_rejection_sample(TREE_TOKENS.expand(3, -1), TREE_PARENTS.expand(3, -1), torch.tensor([5, 2, 5]),
-                                  target_probs[[0, 1, 2]], [seeded(), shared, shared])
+    batch = tree_rejection_sample(
+        TREE_TOKENS.expand(3, -1),
+        TREE_PARENTS.expand(3, -1),
+        torch.tensor([5, 2, 5]),
+        target_probs[[0, 1, 2]],
+        [seeded(), shared, shared],
+    )
     assert batch[0][0].tolist() == alone[0][0].tolist() and batch[1][0] == alone[1][0]
 
 
@@ -175,8 +184,13 @@ def test_greedy_with_a_tree_equals_the_target_alone(dirs, expected, method, monk
     prompts, target_tokens = expected
     model = {"draft_model": dirs["draft"], "eagle": dirs["head"], "early_exit": None}[method]
     for shape, k in (("auto", 6), ("3,2,1", 8), ("1,1,1,1", 4), ("2,2", 3)):
-        kwargs = dict(speculative_model=None if model is None else str(model), speculative_method=method,
-                      num_speculative_tokens=k, dtype="float32", speculative_tree=shape)
+        kwargs = dict(
+            speculative_model=None if model is None else str(model),
+            speculative_method=method,
+            num_speculative_tokens=k,
+            dtype="float32",
+            speculative_tree=shape,
+        )
         llm = LLM(str(dirs["target"]), **kwargs)
         assert token_ids(llm.generate(prompts[:1], GREEDY)) == target_tokens[:1], f"{shape} batch 1"
         outputs = llm.generate(prompts, GREEDY)

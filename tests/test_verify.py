@@ -133,9 +133,14 @@ def random_batch(seed: int, B: int, k: int, V: int, with_draft_probs: bool, gree
     num_draft[0], num_draft[-1] = 0, k  # ragged, always with an empty row and a full row
     draft_token_ids = torch.where(torch.arange(k)[None, :] < num_draft[:, None], draft_token_ids, -1)
     row_seeds = [seed * 1000 + b for b in range(B)]
-    return dict(draft_token_ids=draft_token_ids, num_draft=num_draft, draft_probs=draft_probs,
-                target_probs=target_probs, row_seeds=row_seeds,
-                greedy=greedy if greedy_fraction > 0 else None)
+    return dict(
+        draft_token_ids=draft_token_ids,
+        num_draft=num_draft,
+        draft_probs=draft_probs,
+        target_probs=target_probs,
+        row_seeds=row_seeds,
+        greedy=greedy if greedy_fraction > 0 else None,
+    )
 
 
 def run_both(batch):
@@ -158,13 +163,19 @@ def check_output_shape(output, num_accepted, num_draft, k):
     assert bool((num_accepted >= 0).all()) and bool((num_accepted <= num_draft).all())
     for b in range(B):
         n = int(num_accepted[b])
-        assert bool((output[b, :n + 1] >= 0).all()), f"row {b}: a -1 inside the emitted tokens"
-        assert bool((output[b, n + 1:] == -1).all()), f"row {b}: not padded with -1 after {n + 1} tokens"
+        assert bool((output[b, : n + 1] >= 0).all()), f"row {b}: a -1 inside the emitted tokens"
+        assert bool((output[b, n + 1 :] == -1).all()), f"row {b}: not padded with -1 after {n + 1} tokens"
 
 
 CASES = [  # (seed, B, k, V, with_draft_probs, greedy_fraction)
-    (seed, 1 + (seed * 7) % 16, 1 + seed % 8, (2, 7, 33, 1000)[(seed // 8) % 4], (seed // 32) % 2 == 0,
-     (0.0, 0.3, 1.0)[(seed // 3) % 3])
+    (
+        seed,
+        1 + (seed * 7) % 16,
+        1 + seed % 8,
+        (2, 7, 33, 1000)[(seed // 8) % 4],
+        (seed // 32) % 2 == 0,
+        (0.0, 0.3, 1.0)[(seed // 3) % 3],
+    )
     for seed in range(1, 97)
 ]
 
@@ -203,8 +214,14 @@ def test_k_zero_samples_from_p():
     g = torch.Generator().manual_seed(11)
     B, V = 12, 9
     target_probs = random_probs((B, 1, V), g, 0.4)
-    batch = dict(draft_token_ids=torch.zeros(B, 0, dtype=torch.long), num_draft=torch.zeros(B, dtype=torch.long),
-                 draft_probs=None, target_probs=target_probs, row_seeds=list(range(100, 100 + B)), greedy=None)
+    batch = dict(
+        draft_token_ids=torch.zeros(B, 0, dtype=torch.long),
+        num_draft=torch.zeros(B, dtype=torch.long),
+        draft_probs=None,
+        target_probs=target_probs,
+        row_seeds=list(range(100, 100 + B)),
+        greedy=None,
+    )
     fast_output, fast_accepted, ref_output, ref_accepted = run_both(batch)
     assert fast_output.shape == (B, 1)
     assert torch.equal(fast_output, ref_output) and not bool(fast_accepted.any())
@@ -218,8 +235,10 @@ def test_k_zero_samples_from_p():
 
 def fixed_uniforms(value: float):
     """A stand-in for specdec.sampling.uniforms that returns `value` for every draw."""
+
     def draw(generators, counts, device):
         return torch.full((len(generators), max(counts)), value, dtype=torch.float64, device=device)
+
     return draw
 
 
@@ -240,18 +259,26 @@ def test_draft_token_with_q_zero_is_accepted_iff_p_positive():
     target_probs = p.expand(B, 2, 4).clone()
     draft_probs = q.expand(B, 1, 4).clone()
     generators = generators_for(range(B))
-    accepted_x1 = rejection_sample(torch.full((B, 1), 1), torch.ones(B, dtype=torch.long), draft_probs,
-                                   target_probs, generators)[1]
+    accepted_x1 = rejection_sample(
+        torch.full((B, 1), 1), torch.ones(B, dtype=torch.long), draft_probs, target_probs, generators
+    )[1]
     assert bool((accepted_x1 == 1).all()), "q(x) = 0 < p(x): must always be accepted"
-    output, accepted_x3 = rejection_sample(torch.full((B, 1), 3), torch.ones(B, dtype=torch.long), draft_probs,
-                                           target_probs, generators)
+    output, accepted_x3 = rejection_sample(
+        torch.full((B, 1), 3), torch.ones(B, dtype=torch.long), draft_probs, target_probs, generators
+    )
     assert not bool(accepted_x3.any()), "q(x) = p(x) = 0: must never be accepted"
     assert set(output[:, 0].tolist()) <= {1}, "residual max(0, p - q) is a point mass on token 1"
     for value in (0.0, 1 - 2.0**-53):  # the extremes of a float64 uniform in [0, 1)
         with pytest.MonkeyPatch.context() as mp:
             mp.setattr(verify, "uniforms", fixed_uniforms(value))
-            assert int(rejection_sample(torch.tensor([[1]]), torch.tensor([1]), draft_probs[:1],
-                                        target_probs[:1], generators[:1])[1]) == 1
+            assert (
+                int(
+                    rejection_sample(
+                        torch.tensor([[1]]), torch.tensor([1]), draft_probs[:1], target_probs[:1], generators[:1]
+                    )[1]
+                )
+                == 1
+            )
 
 
 @pytest.mark.parametrize("with_draft_probs", [True, False])
@@ -266,8 +293,7 @@ def test_p_zero_is_never_accepted_even_with_u_zero(with_draft_probs):
         mp.setattr(verify, "uniforms", fixed_uniforms(0.0))
         for x in range(V):
             draft, num_draft, draft_probs, target_probs = one_row([p, p], [q] if with_draft_probs else None, [x])
-            output, accepted = rejection_sample(draft, num_draft, draft_probs, target_probs,
-                                                generators_for([0]))
+            output, accepted = rejection_sample(draft, num_draft, draft_probs, target_probs, generators_for([0]))
             assert int(accepted[0]) == (1 if p[x] > 0 else 0), f"token {x} (p = {p[x]})"
             if p[x] > 0:  # accepted; the bonus from p at u = 0 is its first positive token
                 assert output[0].tolist() == [x, 2]
@@ -290,8 +316,7 @@ def test_p_zero_never_accepted_over_many_draws():
     draft_probs = random_probs((B, 2, V), g, 0.0)
     draft = torch.full((B, 2), 2)
     for probs in (draft_probs, None):
-        output, accepted = rejection_sample(draft, torch.full((B,), 2), probs, target_probs,
-                                            generators_for(range(B)))
+        output, accepted = rejection_sample(draft, torch.full((B,), 2), probs, target_probs, generators_for(range(B)))
         assert not bool(accepted.any())
         assert not bool((output[:, 0] == 2).any()), "recovered a token of target probability 0"
 
@@ -312,8 +337,14 @@ def test_residual_summing_to_zero_falls_back_to_p(with_draft_probs):
         p = torch.tensor([0.0, 0.0, 0.0, 0.0, 0.5, 0.0])
         draft_token = 4
     target_probs = p.expand(B, 2, V).contiguous()
-    batch = dict(draft_token_ids=torch.full((B, 1), draft_token), num_draft=torch.ones(B, dtype=torch.long),
-                 draft_probs=draft_probs, target_probs=target_probs, row_seeds=list(range(7, 7 + B)), greedy=None)
+    batch = dict(
+        draft_token_ids=torch.full((B, 1), draft_token),
+        num_draft=torch.ones(B, dtype=torch.long),
+        draft_probs=draft_probs,
+        target_probs=target_probs,
+        row_seeds=list(range(7, 7 + B)),
+        greedy=None,
+    )
     fast_output, fast_accepted, ref_output, ref_accepted = run_both(batch)
     assert torch.equal(fast_output, ref_output) and torch.equal(fast_accepted, ref_accepted)
     rejected = fast_accepted == 0
@@ -339,8 +370,16 @@ def test_padding_past_num_draft_does_not_matter(with_draft_probs):
         if draft_probs is not None and fill != -1:
             draft_probs = draft_probs.clone()
             draft_probs[pad] = torch.softmax(torch.randn(int(pad.sum()), V), -1)
-        outputs.append(rejection_sample(draft, batch["num_draft"], draft_probs, batch["target_probs"],
-                                        generators_for(batch["row_seeds"]), batch["greedy"]))
+        outputs.append(
+            rejection_sample(
+                draft,
+                batch["num_draft"],
+                draft_probs,
+                batch["target_probs"],
+                generators_for(batch["row_seeds"]),
+                batch["greedy"],
+            )
+        )
     for output, accepted in outputs[1:]:
         assert torch.equal(output, outputs[0][0]) and torch.equal(accepted, outputs[0][1])
     check_output_shape(outputs[0][0], outputs[0][1], batch["num_draft"], k)
@@ -349,8 +388,13 @@ def test_padding_past_num_draft_does_not_matter(with_draft_probs):
 def test_output_padding_and_accepted_prefix():
     """Emitted tokens are the accepted drafts, in order, then one more; -1 after that."""
     batch = random_batch(77, 48, 6, 20, True, 0.0)
-    output, accepted = rejection_sample(batch["draft_token_ids"], batch["num_draft"], batch["draft_probs"],
-                                        batch["target_probs"], generators_for(batch["row_seeds"]))
+    output, accepted = rejection_sample(
+        batch["draft_token_ids"],
+        batch["num_draft"],
+        batch["draft_probs"],
+        batch["target_probs"],
+        generators_for(batch["row_seeds"]),
+    )
     check_output_shape(output, accepted, batch["num_draft"], 6)
     for b in range(48):
         n = int(accepted[b])
@@ -366,14 +410,22 @@ def test_output_padding_and_accepted_prefix():
 def test_greedy_rows_use_no_randomness():
     """Greedy rows: prefix matching against argmax, then argmax; the same for any generator."""
     batch = random_batch(5, 32, 4, 50, True, 1.0)
-    results = [rejection_sample(batch["draft_token_ids"], batch["num_draft"], batch["draft_probs"],
-                                batch["target_probs"], generators_for([seed + b for b in range(32)]), batch["greedy"])
-               for seed in (0, 999)]
+    results = [
+        rejection_sample(
+            batch["draft_token_ids"],
+            batch["num_draft"],
+            batch["draft_probs"],
+            batch["target_probs"],
+            generators_for([seed + b for b in range(32)]),
+            batch["greedy"],
+        )
+        for seed in (0, 999)
+    ]
     assert torch.equal(results[0][0], results[1][0]) and torch.equal(results[0][1], results[1][1])
     argmax_tokens = batch["target_probs"].argmax(-1)
     for b in range(32):
         n = int(results[0][1][b])
-        assert results[0][0][b, :n + 1].tolist() == argmax_tokens[b, :n + 1].tolist()
+        assert results[0][0][b, : n + 1].tolist() == argmax_tokens[b, : n + 1].tolist()
 
 
 # ---------------------------------------------------------------------------------------------
@@ -408,8 +460,9 @@ def test_rejection_sampling_follows_p_with_draft_probs(p_and_q):
     draft = torch.multinomial(q, B * k, replacement=True, generator=g).view(B, k)  # x_i ~ q, independent
     target_probs = p.expand(B, k + 1, V_SMALL)
     draft_probs = q.expand(B, k, V_SMALL)
-    output, accepted = rejection_sample(draft, torch.full((B,), k), draft_probs, target_probs,
-                                        generators_for(range(10_000, 10_000 + B)))
+    output, accepted = rejection_sample(
+        draft, torch.full((B,), k), draft_probs, target_probs, generators_for(range(10_000, 10_000 + B))
+    )
     assert_follows(output[:, 0], p, "first token")
     assert_follows(output[accepted >= 1, 1], p, "second token, first accepted")
     # acceptance probability is sum min(p, q); the first rejection draws from norm(max(0, p - q))
@@ -430,8 +483,9 @@ def test_rejection_sampling_follows_p_without_draft_probs(p_and_q, draft_kind):
     else:  # proposals from any rule at all, here random and sometimes of p = 0 (token 6)
         draft = torch.multinomial(q, B * k, replacement=True, generator=g).view(B, k)
     target_probs = p.expand(B, k + 1, V_SMALL)
-    output, accepted = rejection_sample(draft, torch.full((B,), k), None, target_probs,
-                                        generators_for(range(20_000, 20_000 + B)))
+    output, accepted = rejection_sample(
+        draft, torch.full((B,), k), None, target_probs, generators_for(range(20_000, 20_000 + B))
+    )
     assert_follows(output[:, 0], p, "first token")
     assert_follows(output[accepted >= 1, 1], p, "second token, first accepted")
     if draft_kind == "fixed token":
@@ -460,5 +514,6 @@ def test_rows_sharing_a_generator_draw_in_row_order(with_draft_probs):
     ref_output, ref_accepted = reference_rejection_sample(*args, ref_generators, batch["greedy"])
     assert torch.equal(fast_output, ref_output) and torch.equal(fast_accepted, ref_accepted)
     for fast_g, ref_g in zip(fast_generators[:3], ref_generators[:3]):
-        assert torch.equal(torch.rand(3, dtype=torch.float64, generator=fast_g),
-                           torch.rand(3, dtype=torch.float64, generator=ref_g))
+        assert torch.equal(
+            torch.rand(3, dtype=torch.float64, generator=fast_g), torch.rand(3, dtype=torch.float64, generator=ref_g)
+        )

@@ -9,12 +9,25 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING
 
-_MODULES = {"SamplingParams": "specdec.config", "SpeculativeConfig": "specdec.config", "LLM": "specdec.llm",
-            "CompletionOutput": "specdec.llm", "RequestOutput": "specdec.llm", "SpecStats": "specdec.metrics",
-            "ModelLoadError": "specdec.models.loader"}
+_MODULES = {
+    "SamplingParams": "specdec.config",
+    "SpeculativeConfig": "specdec.config",
+    "LLM": "specdec.llm",
+    "CompletionOutput": "specdec.llm",
+    "RequestOutput": "specdec.llm",
+    "SpecStats": "specdec.metrics",
+    "ModelLoadError": "specdec.models.loader",
+}
 
-__all__ = ["LLM", "SamplingParams", "SpeculativeConfig", "RequestOutput", "CompletionOutput", "SpecStats",
-           "ModelLoadError"]
+__all__ = [
+    "LLM",
+    "SamplingParams",
+    "SpeculativeConfig",
+    "RequestOutput",
+    "CompletionOutput",
+    "SpecStats",
+    "ModelLoadError",
+]
 __version__ = "0.1.0"
 
 if TYPE_CHECKING:

@@ -112,29 +112,48 @@ def _show_warning(message, category, filename, lineno, file=None, line=None) -> 
 
 
 def add_generate_parser(commands) -> None:
-    p = commands.add_parser("generate", help="generate a completion, speculatively",
-                            usage="%(prog)s MODEL (--prompt TEXT | --chat MESSAGE) [options]",
-                            description="Generate a completion with the target model, verified against "
-                                        "a draft model's or prompt lookup's proposals.")
+    p = commands.add_parser(
+        "generate",
+        help="generate a completion, speculatively",
+        usage="%(prog)s MODEL (--prompt TEXT | --chat MESSAGE) [options]",
+        description="Generate a completion with the target model, verified against "
+        "a draft model's or prompt lookup's proposals.",
+    )
     add_model_argument(p)
     add_model_arguments(p)
     text = p.add_mutually_exclusive_group(required=True)
     text.add_argument("--prompt", help="the prompt text, as is")
-    text.add_argument("--chat", metavar="MESSAGE", help="a user message, rendered with the model's chat template "
-                                                        "(the reply is printed alone)")
+    text.add_argument(
+        "--chat",
+        metavar="MESSAGE",
+        help="a user message, rendered with the model's chat template (the reply is printed alone)",
+    )
     p.add_argument("--max-tokens", type=int, default=128, help="the most tokens to generate (default: 128)")
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default: 0)")
     p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling's mass (default: 1)")
     p.add_argument("--top-k", type=int, default=-1, help="sample among the K most likely tokens (default: -1, all)")
-    p.add_argument("--min-p", type=float, default=0.0,
-                   help="drop tokens less likely than P times the most likely one (default: 0)")
+    p.add_argument(
+        "--min-p", type=float, default=0.0, help="drop tokens less likely than P times the most likely one (default: 0)"
+    )
     p.add_argument("--seed", type=int, default=None, help="the request's seed (default: none)")
-    p.add_argument("--stop", action="append", default=[], type=unescape,
-                   help=r"a stop string (repeatable); \n, \t and \\ stand for a newline, a tab and a backslash")
-    p.add_argument("--compare", action="store_true",
-                   help="also run the target alone and print the speedup (each timed twice, the faster kept)")
-    p.add_argument("--color", choices=("auto", "always", "never"), default="auto",
-                   help="mark accepted draft tokens in color (auto: when printing to a terminal)")
+    p.add_argument(
+        "--stop",
+        action="append",
+        default=[],
+        type=unescape,
+        help=r"a stop string (repeatable); \n, \t and \\ stand for a newline, a tab and a backslash",
+    )
+    p.add_argument(
+        "--compare",
+        action="store_true",
+        help="also run the target alone and print the speedup (each timed twice, the faster kept)",
+    )
+    p.add_argument(
+        "--color",
+        choices=("auto", "always", "never"),
+        default="auto",
+        help="mark accepted draft tokens in color (auto: when printing to a terminal)",
+    )
     p.set_defaults(run=run_generate)
 
 
@@ -157,8 +176,15 @@ def unescape(text: str) -> str:
 
 def run_generate(args) -> int:
     require_model(args, "generate")
-    params = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, min_p=args.min_p,
-                            max_tokens=args.max_tokens, seed=args.seed, stop=tuple(args.stop))
+    params = SamplingParams(
+        temperature=args.temperature,
+        top_p=args.top_p,
+        top_k=args.top_k,
+        min_p=args.min_p,
+        max_tokens=args.max_tokens,
+        seed=args.seed,
+        stop=tuple(args.stop),
+    )
     llm = make_llm(args)
     method = llm.speculative_config.method if llm.speculative_config else None  # as inferred from --draft
     prompt = args.prompt if args.chat is None else llm.chat_token_ids([{"role": "user", "content": args.chat}])
@@ -211,8 +237,10 @@ def divergence_note(expected: list[int], got: list[int], dtype) -> str:
     position = next((i for i, (a, b) in enumerate(zip(expected, got)) if a != b), min(len(expected), len(got)))
     note = f"the outputs first differ at generated token {position}"
     if dtype != torch.float32:
-        note += (f": in {str(dtype).removeprefix('torch.')} a forward over k+1 tokens can round differently from a "
-                 "one-token step and flip a near-tie between two tokens (--dtype float32 is exact)")
+        note += (
+            f": in {str(dtype).removeprefix('torch.')} a forward over k+1 tokens can round differently from a "
+            "one-token step and flip a near-tie between two tokens (--dtype float32 is exact)"
+        )
     return note
 
 
@@ -232,7 +260,7 @@ def mark_draft_tokens(tokenizer, prompt_ids: list[int], completion) -> str:
         text = tokenizer.decode_after(prompt_ids, ids[:end])
         if end < len(ids) and text.endswith("\ufffd"):
             continue  # the run ends inside a character: it takes the rest of it
-        runs.append((text[len(decoded):], draft[start]))
+        runs.append((text[len(decoded) :], draft[start]))
         start, decoded = end, text
     if not decoded.startswith(completion.text):
         return completion.text

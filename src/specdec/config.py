@@ -16,7 +16,7 @@ from typing import NamedTuple
 from specdec.tree import TreeShape
 
 GREEDY_TEMPERATURE = 1e-5  # temperatures below this sample greedily
-INT64_MIN, INT64_MAX, UINT64_MAX = -2**63, 2**63 - 1, 2**64 - 1
+INT64_MIN, INT64_MAX, UINT64_MAX = -(2**63), 2**63 - 1, 2**64 - 1
 MAX_LOGPROBS = 20  # the most top tokens a request's logprobs may ask for, as vLLM's default max_logprobs
 
 
@@ -24,6 +24,7 @@ MAX_LOGPROBS = 20  # the most top tokens a request's logprobs may ask for, as vL
 # (num_speculative_tokens=), a flag on the command line (--num-speculative-tokens). A field's
 # metadata holds its names and its help, once (setting()); a refused value raises ConfigError,
 # whose message names the fields it is about and is said in either set of words (Wording).
+
 
 class Wording(NamedTuple):
     """How an interface names a configuration's fields (owner: the dataclass; field: its name)."""
@@ -39,8 +40,11 @@ def keyword(owner: type, name: str) -> str:
     return _metadata(owner, name).get("keyword", name)
 
 
-PYTHON_WORDS = Wording(keyword, lambda owner, name, value: f"{keyword(owner, name)}={value!r}",
-                       lambda owner, name, text: f"{keyword(owner, name)}={text}")
+PYTHON_WORDS = Wording(
+    keyword,
+    lambda owner, name, value: f"{keyword(owner, name)}={value!r}",
+    lambda owner, name, text: f"{keyword(owner, name)}={text}",
+)
 
 
 def _metadata(owner: type, name: str) -> dict:
@@ -60,8 +64,7 @@ class ConfigError(ValueError):
         self.owner = type(config)
         self.given = {f.name: getattr(config, f.name, None) for f in fields(config)}
         self.template, self.values = template, values
-        self.fields = tuple(name for name in self.given if "{" + name + "}" in template
-                            or "{" + name + ":" in template)
+        self.fields = tuple(name for name in self.given if "{" + name + "}" in template or "{" + name + ":" in template)
         super().__init__(self.in_words(PYTHON_WORDS))
 
     def __reduce__(self):  # pickled (a worker's error), it is the ValueError it says
@@ -99,9 +102,19 @@ class Refusal:
             raise ConfigError(self.config, template, values)
 
 
-def setting(default, help: str, flag: str | tuple[str, ...], keyword: str | None = None, *,
-            old_flags: tuple[str, ...] = (), metavar: str | None = None, parse: Callable[[str], object] = str,
-            choices: tuple[str, ...] | None = None, shown: str | None = None, bare: bool = False):
+def setting(
+    default,
+    help: str,
+    flag: str | tuple[str, ...],
+    keyword: str | None = None,
+    *,
+    old_flags: tuple[str, ...] = (),
+    metavar: str | None = None,
+    parse: Callable[[str], object] = str,
+    choices: tuple[str, ...] | None = None,
+    shown: str | None = None,
+    bare: bool = False,
+):
     """A configuration field with its help and its names: flag (the command line's spelling,
     or spellings, as -k and --num-speculative-tokens: a message names the one typed, else the
     first), old_flags (earlier spellings, still taken, not shown), keyword (LLM's, if not the
@@ -109,8 +122,16 @@ def setting(default, help: str, flag: str | tuple[str, ...], keyword: str | None
     default as --help says it (None: the default itself); bare: the flag may be given without
     a value (it then asks for the default). model_flags.add_speculative_arguments makes the flags."""
     flags = (flag,) if isinstance(flag, str) else tuple(flag)
-    metadata = {"help": help, "flags": flags, "old_flags": old_flags, "metavar": metavar, "parse": parse,
-                "choices": choices, "shown": shown if shown is not None else _shown(default), "bare": bare}
+    metadata = {
+        "help": help,
+        "flags": flags,
+        "old_flags": old_flags,
+        "metavar": metavar,
+        "parse": parse,
+        "choices": choices,
+        "shown": shown if shown is not None else _shown(default),
+        "bare": bare,
+    }
     if keyword is not None:
         metadata["keyword"] = keyword
     return field(default=default, metadata=metadata)
@@ -166,36 +187,66 @@ class SamplingParams:
         need = Refusal(self)
         if isinstance(self.stop, str):
             object.__setattr__(self, "stop", (self.stop,))
-        need(isinstance(self.stop, (tuple, list)) or self.stop is None,
-             "{stop} must be a string or a list of strings, got {got!r}", got=self.stop)
+        need(
+            isinstance(self.stop, (tuple, list)) or self.stop is None,
+            "{stop} must be a string or a list of strings, got {got!r}",
+            got=self.stop,
+        )
         object.__setattr__(self, "stop", tuple(self.stop or ()))
         if is_int(self.stop_token_ids):
             object.__setattr__(self, "stop_token_ids", (self.stop_token_ids,))
-        need(isinstance(self.stop_token_ids, (tuple, list, set, frozenset)) or self.stop_token_ids is None,
-             "{stop_token_ids} must be a list of token ids, got {got!r}", got=self.stop_token_ids)
+        need(
+            isinstance(self.stop_token_ids, (tuple, list, set, frozenset)) or self.stop_token_ids is None,
+            "{stop_token_ids} must be a list of token ids, got {got!r}",
+            got=self.stop_token_ids,
+        )
         object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids or ()))
-        need(is_real(self.temperature) and self.temperature >= 0,
-             "{temperature} must be a number >= 0 (0 = greedy), got {got!r}", got=self.temperature)
+        need(
+            is_real(self.temperature) and self.temperature >= 0,
+            "{temperature} must be a number >= 0 (0 = greedy), got {got!r}",
+            got=self.temperature,
+        )
         need(is_real(self.top_p) and 0 < self.top_p <= 1, "{top_p} must be in (0, 1], got {got!r}", got=self.top_p)
-        need(is_int(self.top_k) and -1 <= self.top_k <= INT64_MAX,
-             "{top_k} must be an integer >= -1 (-1 or 0 = no limit), got {got!r}", got=self.top_k)
+        need(
+            is_int(self.top_k) and -1 <= self.top_k <= INT64_MAX,
+            "{top_k} must be an integer >= -1 (-1 or 0 = no limit), got {got!r}",
+            got=self.top_k,
+        )
         need(is_real(self.min_p) and 0 <= self.min_p <= 1, "{min_p} must be in [0, 1], got {got!r}", got=self.min_p)
-        need(is_int(self.max_tokens) and self.max_tokens >= 1,
-             "{max_tokens} must be an integer >= 1, got {got!r}", got=self.max_tokens)
-        need(all(isinstance(s, str) and s for s in self.stop), "{stop} must be non-empty strings, got {got!r}",
-             got=self.stop)
-        need(all(is_int(t) and t >= 0 for t in self.stop_token_ids),
-             "{stop_token_ids} must be non-negative integers, got {got!r}", got=self.stop_token_ids)
-        need(self.seed is None or (is_int(self.seed) and INT64_MIN <= self.seed <= UINT64_MAX),
-             "{seed} must be an integer from -2**63 to 2**64 - 1, or None, got {got!r}", got=self.seed)
+        need(
+            is_int(self.max_tokens) and self.max_tokens >= 1,
+            "{max_tokens} must be an integer >= 1, got {got!r}",
+            got=self.max_tokens,
+        )
+        need(
+            all(isinstance(s, str) and s for s in self.stop),
+            "{stop} must be non-empty strings, got {got!r}",
+            got=self.stop,
+        )
+        need(
+            all(is_int(t) and t >= 0 for t in self.stop_token_ids),
+            "{stop_token_ids} must be non-negative integers, got {got!r}",
+            got=self.stop_token_ids,
+        )
+        need(
+            self.seed is None or (is_int(self.seed) and INT64_MIN <= self.seed <= UINT64_MAX),
+            "{seed} must be an integer from -2**63 to 2**64 - 1, or None, got {got!r}",
+            got=self.seed,
+        )
         need(isinstance(self.ignore_eos, bool), "{ignore_eos} must be True or False, got {got!r}", got=self.ignore_eos)
-        need(self.logprobs is None or (is_int(self.logprobs) and 0 <= self.logprobs <= MAX_LOGPROBS),
-             "{logprobs} must be an integer from 0 to {most} (the most likely tokens to return with each token's "
-             "own), or None, got {got!r}", most=MAX_LOGPROBS, got=self.logprobs)
-        need(self.num_speculative_tokens is None or (is_int(self.num_speculative_tokens)
-                                                     and self.num_speculative_tokens >= 0),
-             "{num_speculative_tokens} must be an integer >= 0 (0 = no speculation), or None, got {got!r}",
-             got=self.num_speculative_tokens)
+        need(
+            self.logprobs is None or (is_int(self.logprobs) and 0 <= self.logprobs <= MAX_LOGPROBS),
+            "{logprobs} must be an integer from 0 to {most} (the most likely tokens to return with each token's "
+            "own), or None, got {got!r}",
+            most=MAX_LOGPROBS,
+            got=self.logprobs,
+        )
+        need(
+            self.num_speculative_tokens is None
+            or (is_int(self.num_speculative_tokens) and self.num_speculative_tokens >= 0),
+            "{num_speculative_tokens} must be an integer >= 0 (0 = no speculation), or None, got {got!r}",
+            got=self.num_speculative_tokens,
+        )
 
     @property
     def greedy(self) -> bool:
@@ -203,8 +254,10 @@ class SamplingParams:
 
 
 COMPILE_MODES = ("auto", "on", "off")  # how the models run: see runner.py
-COMPILE_HELP = ("run the models compiled (torch.compile): on, off, or auto (the default: only for long work, "
-                "where the compile time pays back)")
+COMPILE_HELP = (
+    "run the models compiled (torch.compile): on, off, or auto (the default: only for long work, "
+    "where the compile time pays back)"
+)
 
 K_POLICIES = ("goodput", "fixed")  # how each round's k is chosen: see SpeculativeConfig
 QUANTIZATIONS = ("int8", "int4")  # weight-only, see models/quantized_linear.py; None: as loaded
@@ -215,8 +268,10 @@ QUANTIZATION_CHOICES = ("auto", *QUANTIZATIONS)
 
 def check_quantization_name(quantization, what: str = "quantization") -> None:
     """None, "auto", "int8" or "int4", else a ValueError that names the valid choices."""
-    check(quantization is None or quantization in QUANTIZATION_CHOICES,
-          f"{what} must be one of None, {', '.join(repr(q) for q in QUANTIZATION_CHOICES)}; got {quantization!r}")
+    check(
+        quantization is None or quantization in QUANTIZATION_CHOICES,
+        f"{what} must be one of None, {', '.join(repr(q) for q in QUANTIZATION_CHOICES)}; got {quantization!r}",
+    )
 
 
 def keeps_file_quantization(quantization: str | None) -> bool:
@@ -229,9 +284,11 @@ def requantization(quantization: str | None) -> str | None:
     return quantization if quantization in QUANTIZATIONS else None
 
 
-QUANTIZATION_HELP = ("weights: auto (the default: a GGUF file's quantized tensors run as they are, anything else "
-                     "as loaded), none (dequantize a GGUF file), or weight-only int8 (per output channel) / int4 "
-                     "(groups of 32) of the float weights; CPU only")
+QUANTIZATION_HELP = (
+    "weights: auto (the default: a GGUF file's quantized tensors run as they are, anything else "
+    "as loaded), none (dequantize a GGUF file), or weight-only int8 (per output channel) / int4 "
+    "(groups of 32) of the float weights; CPU only"
+)
 
 QUANTIZATION_ARGS = ("auto", "none", *QUANTIZATIONS)  # on the command line, "none" for None
 
@@ -318,90 +375,191 @@ class SpeculativeConfig:
     """
 
     method: str = setting(
-        "draft_model", "the drafter: draft_model, ngram (prompt lookup), lookup_then_draft (prompt lookup, the draft "
+        "draft_model",
+        "the drafter: draft_model, ngram (prompt lookup), lookup_then_draft (prompt lookup, the draft "
         "model where it finds nothing), eagle (an EAGLE head) or early_exit (the target's first layers)",
-        "--speculative-method", "speculative_method", choices=SPECULATIVE_METHODS,
+        "--speculative-method",
+        "speculative_method",
+        choices=SPECULATIVE_METHODS,
         shown="what --draft (draft_model, or eagle for a head's directory), --ngram, --lookup or --early-exit "
-              "says; none of them: no speculation")
+        "says; none of them: no speculation",
+    )
     model: str | None = setting(
-        None, "the draft model's directory (sharing the target's tokenizer), or an EAGLE head's (`specdec "
-        "train-heads`)", "--draft", "speculative_model", metavar="DIR", shown="none")
+        None,
+        "the draft model's directory (sharing the target's tokenizer), or an EAGLE head's (`specdec train-heads`)",
+        "--draft",
+        "speculative_model",
+        metavar="DIR",
+        shown="none",
+    )
     num_speculative_tokens: int = setting(
-        5, "k: draft tokens per round (the most, with --k-policy goodput; 0: plain decoding)",
-        ("-k", "--num-speculative-tokens"), metavar="K", parse=int)
+        5,
+        "k: draft tokens per round (the most, with --k-policy goodput; 0: plain decoding)",
+        ("-k", "--num-speculative-tokens"),
+        metavar="K",
+        parse=int,
+    )
     ngram_min: int | None = setting(
-        None, "prompt lookup's shortest n-gram match", "--ngram-min", "ngram_prompt_lookup_min", metavar="N",
-        parse=int, shown="1 for ngram, 2 for lookup_then_draft")
-    ngram_max: int = setting(4, "prompt lookup's longest n-gram match, tried first", "--ngram-max",
-                             "ngram_prompt_lookup_max", metavar="N", parse=int)
+        None,
+        "prompt lookup's shortest n-gram match",
+        "--ngram-min",
+        "ngram_prompt_lookup_min",
+        metavar="N",
+        parse=int,
+        shown="1 for ngram, 2 for lookup_then_draft",
+    )
+    ngram_max: int = setting(
+        4,
+        "prompt lookup's longest n-gram match, tried first",
+        "--ngram-max",
+        "ngram_prompt_lookup_max",
+        metavar="N",
+        parse=int,
+    )
     draft_dtype: str = setting(
-        "auto", "the draft model's dtype: auto (float32 for a small draft on the CPU, else the target's), float32, "
-        "bfloat16 or float16", "--draft-dtype", metavar="DTYPE")
+        "auto",
+        "the draft model's dtype: auto (float32 for a small draft on the CPU, else the target's), float32, "
+        "bfloat16 or float16",
+        "--draft-dtype",
+        metavar="DTYPE",
+    )
     draft_confidence_threshold: float = setting(
-        0.0, "adaptive k: a row stops drafting for the round after a token the draft gave less than P "
-        "(0: always draft k)", "--draft-confidence", old_flags=("--adaptive-confidence",), metavar="P", parse=float)
+        0.0,
+        "adaptive k: a row stops drafting for the round after a token the draft gave less than P (0: always draft k)",
+        "--draft-confidence",
+        old_flags=("--adaptive-confidence",),
+        metavar="P",
+        parse=float,
+    )
     draft_quantization: str | None = setting(
-        "auto", "the draft model's weights: auto (a GGUF file's quantized tensors as they are, anything else as "
-        "loaded), none (dequantize a GGUF file), int8 or int4 (weight-only, CPU only)", "--draft-quantization",
-        parse=quantization_from_arg, choices=QUANTIZATION_ARGS)
+        "auto",
+        "the draft model's weights: auto (a GGUF file's quantized tensors as they are, anything else as "
+        "loaded), none (dequantize a GGUF file), int8 or int4 (weight-only, CPU only)",
+        "--draft-quantization",
+        parse=quantization_from_arg,
+        choices=QUANTIZATION_ARGS,
+    )
     k_policy: str = setting(
-        "goodput", "goodput: each round picks k from 0 to K for the most expected tokens per second, switching "
-        "speculation off where it does not pay; fixed: always K", "--k-policy", "speculative_k_policy",
-        choices=K_POLICIES)
+        "goodput",
+        "goodput: each round picks k from 0 to K for the most expected tokens per second, switching "
+        "speculation off where it does not pay; fixed: always K",
+        "--k-policy",
+        "speculative_k_policy",
+        choices=K_POLICIES,
+    )
     early_exit_layer: int | None = setting(
-        None, "self-speculation: the target's first LAYER layers draft (early_exit)", "--early-exit",
-        metavar="LAYER", parse=int, shown="half the target's depth", bare=True)
+        None,
+        "self-speculation: the target's first LAYER layers draft (early_exit)",
+        "--early-exit",
+        metavar="LAYER",
+        parse=int,
+        shown="half the target's depth",
+        bare=True,
+    )
     tree: str = setting(
-        "chain", "draft a tree of K candidate tokens each round, verified in one forward: chain (one after "
+        "chain",
+        "draft a tree of K candidate tokens each round, verified in one forward: chain (one after "
         "another), auto (EAGLE-2's dynamic tree) or children per depth like 3,2,1 (for a draft model, an EAGLE "
-        "head or early exit)", "--tree", "speculative_tree", metavar="SHAPE")
+        "head or early exit)",
+        "--tree",
+        "speculative_tree",
+        metavar="SHAPE",
+    )
 
     def __post_init__(self) -> None:
         need = Refusal(self)
-        need(self.method in SPECULATIVE_METHODS, "{method} must be one of {methods}, got {got!r}",
-             methods=SPECULATIVE_METHODS, got=self.method)
-        need(is_int(self.num_speculative_tokens) and self.num_speculative_tokens >= 0,
-             "{num_speculative_tokens} must be an integer >= 0, got {got!r}", got=self.num_speculative_tokens)
-        need(self.model is None or (isinstance(self.model, (str, os.PathLike)) and str(self.model).strip()),
-             "{model} must be the path of a draft model directory, got {got!r}", got=self.model)
-        need(self.method not in NEEDS_DRAFT_MODEL or self.model is not None,
-             "{method:=} needs {model:=<draft directory>}")
-        need(self.method in NEEDS_DRAFT_MODEL or self.model is None,
-             "{method:=} uses no draft model, but {model:=} was given; drop it, or use {method:=lookup_then_draft} "
-             "for prompt lookup with the draft behind it")
+        need(
+            self.method in SPECULATIVE_METHODS,
+            "{method} must be one of {methods}, got {got!r}",
+            methods=SPECULATIVE_METHODS,
+            got=self.method,
+        )
+        need(
+            is_int(self.num_speculative_tokens) and self.num_speculative_tokens >= 0,
+            "{num_speculative_tokens} must be an integer >= 0, got {got!r}",
+            got=self.num_speculative_tokens,
+        )
+        need(
+            self.model is None or (isinstance(self.model, (str, os.PathLike)) and str(self.model).strip()),
+            "{model} must be the path of a draft model directory, got {got!r}",
+            got=self.model,
+        )
+        need(
+            self.method not in NEEDS_DRAFT_MODEL or self.model is not None,
+            "{method:=} needs {model:=<draft directory>}",
+        )
+        need(
+            self.method in NEEDS_DRAFT_MODEL or self.model is None,
+            "{method:=} uses no draft model, but {model:=} was given; drop it, or use {method:=lookup_then_draft} "
+            "for prompt lookup with the draft behind it",
+        )
         if self.ngram_min is None:
             default = DEFAULT_NGRAM_MIN[self.method]
             object.__setattr__(self, "ngram_min", min(default, self.ngram_max) if is_int(self.ngram_max) else default)
-        need(is_int(self.ngram_min) and is_int(self.ngram_max) and 1 <= self.ngram_min <= self.ngram_max,
-             "need 1 <= {ngram_min} <= {ngram_max}, got {low}, {high}", low=self.ngram_min, high=self.ngram_max)
-        need(is_real(self.draft_confidence_threshold) and 0 <= self.draft_confidence_threshold <= 1,
-             "{draft_confidence_threshold} must be in [0, 1], got {got!r}", got=self.draft_confidence_threshold)
+        need(
+            is_int(self.ngram_min) and is_int(self.ngram_max) and 1 <= self.ngram_min <= self.ngram_max,
+            "need 1 <= {ngram_min} <= {ngram_max}, got {low}, {high}",
+            low=self.ngram_min,
+            high=self.ngram_max,
+        )
+        need(
+            is_real(self.draft_confidence_threshold) and 0 <= self.draft_confidence_threshold <= 1,
+            "{draft_confidence_threshold} must be in [0, 1], got {got!r}",
+            got=self.draft_confidence_threshold,
+        )
         object.__setattr__(self, "draft_dtype", dtype_name(self.draft_dtype))
-        need(self.draft_dtype in DRAFT_DTYPES, "{draft_dtype} must be one of {dtypes} (or a torch dtype), got {got!r}",
-             dtypes=DRAFT_DTYPES, got=self.draft_dtype)
-        need(self.draft_quantization is None or self.draft_quantization in QUANTIZATION_CHOICES,
-             "{draft_quantization} must be one of None, {choices}; got {got!r}",
-             choices=", ".join(repr(q) for q in QUANTIZATION_CHOICES), got=self.draft_quantization)
-        need(self.k_policy in K_POLICIES, "{k_policy} must be one of {policies}, got {got!r}", policies=K_POLICIES,
-             got=self.k_policy)
-        need(self.early_exit_layer is None or (is_int(self.early_exit_layer) and self.early_exit_layer >= 1),
-             "{early_exit_layer} must be an integer >= 1, got {got!r}", got=self.early_exit_layer)
-        need(self.early_exit_layer is None or self.method == "early_exit",
-             "{early_exit_layer} is for {method:=early_exit}, not {got!r}", got=self.method)
+        need(
+            self.draft_dtype in DRAFT_DTYPES,
+            "{draft_dtype} must be one of {dtypes} (or a torch dtype), got {got!r}",
+            dtypes=DRAFT_DTYPES,
+            got=self.draft_dtype,
+        )
+        need(
+            self.draft_quantization is None or self.draft_quantization in QUANTIZATION_CHOICES,
+            "{draft_quantization} must be one of None, {choices}; got {got!r}",
+            choices=", ".join(repr(q) for q in QUANTIZATION_CHOICES),
+            got=self.draft_quantization,
+        )
+        need(
+            self.k_policy in K_POLICIES,
+            "{k_policy} must be one of {policies}, got {got!r}",
+            policies=K_POLICIES,
+            got=self.k_policy,
+        )
+        need(
+            self.early_exit_layer is None or (is_int(self.early_exit_layer) and self.early_exit_layer >= 1),
+            "{early_exit_layer} must be an integer >= 1, got {got!r}",
+            got=self.early_exit_layer,
+        )
+        need(
+            self.early_exit_layer is None or self.method == "early_exit",
+            "{early_exit_layer} is for {method:=early_exit}, not {got!r}",
+            got=self.method,
+        )
         try:
             TreeShape.parse(self.tree)
         except ValueError as e:  # tree.py says what shapes it takes, naming speculative_tree
             raise ConfigError(self, "{tree}" + _escaped(str(e).removeprefix("speculative_tree")), {}) from None
-        need(self.tree == "chain" or self.method in TREE_METHODS,
-             "{tree:=} needs a drafter that grows trees ({methods}); {method:=} drafts chains: drop {tree}",
-             methods=", ".join(TREE_METHODS))
-        unused = [name for name, neutral in (("draft_dtype", "auto"), ("draft_confidence_threshold", 0),
-                                             ("draft_quantization", "auto"))
-                  if getattr(self, name) != neutral
-                  and not (name == "draft_confidence_threshold" and self.method == "early_exit")]  # it drafts by model
-        need(self.method in NEEDS_DRAFT_MODEL or not unused,
-             ", ".join(f"{{{name}:=}}" for name in unused) + " configure a draft model, and {method:=} uses none; "
-             "drop them, or use {method:=lookup_then_draft} for prompt lookup with a draft model behind it")
+        need(
+            self.tree == "chain" or self.method in TREE_METHODS,
+            "{tree:=} needs a drafter that grows trees ({methods}); {method:=} drafts chains: drop {tree}",
+            methods=", ".join(TREE_METHODS),
+        )
+        unused = [
+            name
+            for name, neutral in (
+                ("draft_dtype", "auto"),
+                ("draft_confidence_threshold", 0),
+                ("draft_quantization", "auto"),
+            )
+            if getattr(self, name) != neutral
+            and not (name == "draft_confidence_threshold" and self.method == "early_exit")
+        ]  # it drafts by model
+        need(
+            self.method in NEEDS_DRAFT_MODEL or not unused,
+            ", ".join(f"{{{name}:=}}" for name in unused) + " configure a draft model, and {method:=} uses none; "
+            "drop them, or use {method:=lookup_then_draft} for prompt lookup with a draft model behind it",
+        )
 
 
 def _escaped(text: str) -> str:
@@ -410,6 +568,7 @@ def _escaped(text: str) -> str:
 
 
 # Validation of configuration values, shared by every frozen configuration dataclass.
+
 
 def is_real(x) -> bool:
     """A finite int or float (not a bool)."""
@@ -430,13 +589,15 @@ def check_device(device):
         parsed = torch.device(device)
     except (RuntimeError, TypeError):
         parsed = None
-    check(parsed is not None and parsed.type in ("cpu", "cuda"),
-          f"device must be cpu, cuda or cuda:N, got {device!r}")
-    check(parsed.type != "cuda" or torch.cuda.is_available(),
-          f"device {str(device)!r}: CUDA is not available on this machine (no GPU, or a CPU build of PyTorch); "
-          "use cpu")
-    check(parsed.type != "cuda" or (parsed.index or 0) < torch.cuda.device_count(),
-          f"device {str(device)!r}: this machine has {torch.cuda.device_count()} CUDA devices")
+    check(parsed is not None and parsed.type in ("cpu", "cuda"), f"device must be cpu, cuda or cuda:N, got {device!r}")
+    check(
+        parsed.type != "cuda" or torch.cuda.is_available(),
+        f"device {str(device)!r}: CUDA is not available on this machine (no GPU, or a CPU build of PyTorch); use cpu",
+    )
+    check(
+        parsed.type != "cuda" or (parsed.index or 0) < torch.cuda.device_count(),
+        f"device {str(device)!r}: this machine has {torch.cuda.device_count()} CUDA devices",
+    )
     return parsed
 
 

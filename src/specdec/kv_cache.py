@@ -22,15 +22,27 @@ class CacheTooLarge(ValueError):
 
 
 class KVCache:
-    def __init__(self, num_layers: int, max_batch: int, max_len: int, num_kv_heads: int,
-                 head_dim: int, dtype: torch.dtype, device: torch.device | str, static: bool = False):
+    def __init__(
+        self,
+        num_layers: int,
+        max_batch: int,
+        max_len: int,
+        num_kv_heads: int,
+        head_dim: int,
+        dtype: torch.dtype,
+        device: torch.device | str,
+        static: bool = False,
+    ):
         """static: every forward reads all max_len positions (masked past each query), and the
         slots are always gathered, so a forward's shapes depend on its batch and query length
         only, never on how long the sequences are: what a compiled graph needs. Otherwise a
         forward reads positions 0..max(positions) (fewer keys, but a new shape each step)."""
         shape = (max_batch, max_len, num_kv_heads, head_dim)  # [slots, positions, Hkv, D]
-        check_fits(2 * num_layers * max_batch * max_len * num_kv_heads * head_dim * dtype.itemsize,
-                   torch.device(device), f"a key/value cache of {max_batch} slots x {max_len:,} positions")
+        check_fits(
+            2 * num_layers * max_batch * max_len * num_kv_heads * head_dim * dtype.itemsize,
+            torch.device(device),
+            f"a key/value cache of {max_batch} slots x {max_len:,} positions",
+        )
         # Zeros, not empty: masked entries still meet the value matmul with weight 0, and
         # uninitialised memory could hold NaN (0 * NaN = NaN).
         self.keys = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
@@ -43,7 +55,7 @@ class KVCache:
         slots = torch.as_tensor(slots, dtype=torch.long, device=self.keys[0].device)  # [B]
         if bool((slots < 0).any()) or bool((slots >= self.max_batch).any()):
             raise ValueError(f"cache slots must be in [0, {self.max_batch}), got {slots.tolist()}")
-        if not self.static and torch.equal(slots, self._arange[:len(slots)]):
+        if not self.static and torch.equal(slots, self._arange[: len(slots)]):
             return CacheRows(self, None)  # rows 0..B-1: plain slicing, no gather
         return CacheRows(self, slots)
 
@@ -54,8 +66,9 @@ class KVCache:
     def layer(self, layer: int, batch_size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         return CacheRows(self, None).layer(layer, batch_size)
 
-    def write_and_read(self, layer: int, positions: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                       num_keys: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def write_and_read(
+        self, layer: int, positions: torch.Tensor, k: torch.Tensor, v: torch.Tensor, num_keys: int
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         return CacheRows(self, None).write_and_read(layer, positions, k, v, num_keys)
 
     def move(self, slots: torch.Tensor | list[int], sources: torch.Tensor, destinations: torch.Tensor) -> None:
@@ -87,8 +100,9 @@ class CacheRows:
         rows = self.cache._arange[:batch_size] if self.slots is None else self.slots
         return self.cache.keys[layer], self.cache.values[layer], rows
 
-    def write_and_read(self, layer: int, positions: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                       num_keys: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def write_and_read(
+        self, layer: int, positions: torch.Tensor, k: torch.Tensor, v: torch.Tensor, num_keys: int
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """Store k, v [B, T, Hkv, D] at positions [B, T]; return this layer's keys and values for
         the rows' slots at positions 0..num_keys-1: [B, num_keys, Hkv, D] each."""
         B = positions.shape[0]
@@ -133,8 +147,9 @@ class TreeAttention:
         return (before | (region & in_tree[:, None, :]))[:, None]  # [B, 1, T, S]
 
 
-def ragged_batch(chunks: list[list[int]], starts: list[int], max_len: int
-                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def ragged_batch(
+    chunks: list[list[int]], starts: list[int], max_len: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Pack rows of different lengths for one forward: row i feeds chunks[i] at positions
     starts[i], starts[i]+1, ... Returns input_ids [B, W], positions [B, W] and the index of
     each row's last real token [B].
@@ -147,7 +162,7 @@ def ragged_batch(chunks: list[list[int]], starts: list[int], max_len: int
     input_ids = torch.zeros(len(chunks), width, dtype=torch.long)
     positions = torch.zeros(len(chunks), width, dtype=torch.long)
     for row, (chunk, start) in enumerate(zip(chunks, starts)):
-        input_ids[row, :len(chunk)] = torch.tensor(chunk, dtype=torch.long)
+        input_ids[row, : len(chunk)] = torch.tensor(chunk, dtype=torch.long)
         positions[row] = torch.arange(start, start + width).clamp(max=max_len - 1)
     last_index = torch.tensor([len(chunk) - 1 for chunk in chunks])
     return input_ids, positions, last_index

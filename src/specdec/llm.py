@@ -1,8 +1,8 @@
 """LLM: the user-facing entry point, in the names vLLM users know.
 
-    llm = LLM(model="target_dir", speculative_model="draft_dir", num_speculative_tokens=5)
-    outputs = llm.generate(["def fib(n):"], SamplingParams(temperature=0, max_tokens=64))
-    print(outputs[0].outputs[0].text, outputs[0].metrics.acceptance_rate)
+llm = LLM(model="target_dir", speculative_model="draft_dir", num_speculative_tokens=5)
+outputs = llm.generate(["def fib(n):"], SamplingParams(temperature=0, max_tokens=64))
+print(outputs[0].outputs[0].text, outputs[0].metrics.acceptance_rate)
 """
 
 from __future__ import annotations
@@ -91,24 +91,50 @@ class LLM:
     not ignored; so are draft-model options given with prompt lookup alone.
     """
 
-    def __init__(self, model: str, speculative_model: str | None = None, num_speculative_tokens: int | None = None,
-                 speculative_method: str | None = None, dtype: str = "auto", device: str = "cpu",
-                 max_num_seqs: int = 256, seed: int = 0, skip_tokenizer_init: bool = False,
-                 ngram_prompt_lookup_min: int | None = None, ngram_prompt_lookup_max: int | None = None,
-                 draft_dtype: str = "auto", draft_confidence_threshold: float | None = None,
-                 compile: str = "auto", platform: Platform | None = None, quantization: str | None = "auto",
-                 draft_quantization: str | None = "auto", speculative_k_policy: str | None = None,
-                 early_exit_layer: int | None = None, speculative_tree: str | None = None,
-                 speculative_config: SpeculativeConfig | dict | None = None):
+    def __init__(
+        self,
+        model: str,
+        speculative_model: str | None = None,
+        num_speculative_tokens: int | None = None,
+        speculative_method: str | None = None,
+        dtype: str = "auto",
+        device: str = "cpu",
+        max_num_seqs: int = 256,
+        seed: int = 0,
+        skip_tokenizer_init: bool = False,
+        ngram_prompt_lookup_min: int | None = None,
+        ngram_prompt_lookup_max: int | None = None,
+        draft_dtype: str = "auto",
+        draft_confidence_threshold: float | None = None,
+        compile: str = "auto",
+        platform: Platform | None = None,
+        quantization: str | None = "auto",
+        draft_quantization: str | None = "auto",
+        speculative_k_policy: str | None = None,
+        early_exit_layer: int | None = None,
+        speculative_tree: str | None = None,
+        speculative_config: SpeculativeConfig | dict | None = None,
+    ):
         check_arguments(seed=seed, max_num_seqs=max_num_seqs, skip_tokenizer_init=skip_tokenizer_init)
         check_compile_mode(compile)
-        flat = dict(model=speculative_model, method=speculative_method, num_speculative_tokens=num_speculative_tokens,
-                    ngram_min=ngram_prompt_lookup_min, ngram_max=ngram_prompt_lookup_max, draft_dtype=draft_dtype,
-                    draft_confidence_threshold=draft_confidence_threshold, draft_quantization=draft_quantization,
-                    k_policy=speculative_k_policy, early_exit_layer=early_exit_layer, tree=speculative_tree)
-        check(speculative_config is None or not _given(flat),
-              f"speculative_config and {', '.join(FLAT_NAMES[name] for name in _given(flat))} both say how to "
-              "speculate: give one or the other")
+        flat = dict(
+            model=speculative_model,
+            method=speculative_method,
+            num_speculative_tokens=num_speculative_tokens,
+            ngram_min=ngram_prompt_lookup_min,
+            ngram_max=ngram_prompt_lookup_max,
+            draft_dtype=draft_dtype,
+            draft_confidence_threshold=draft_confidence_threshold,
+            draft_quantization=draft_quantization,
+            k_policy=speculative_k_policy,
+            early_exit_layer=early_exit_layer,
+            tree=speculative_tree,
+        )
+        check(
+            speculative_config is None or not _given(flat),
+            f"speculative_config and {', '.join(FLAT_NAMES[name] for name in _given(flat))} both say how to "
+            "speculate: give one or the other",
+        )
         self.speculative_config = speculative_config_from(flat if speculative_config is None else speculative_config)
         self.device = check_device(device)
         check_quantization(quantization, self.device)
@@ -116,12 +142,18 @@ class LLM:
             check_quantization(self.speculative_config.draft_quantization, self.device, "draft_quantization")
         platform = platform or detect_platform(self.device)
         with stage(f"loading the target {model}"):
-            self.target: LoadedModel = load_pretrained(model, dtype, self.device,
-                                                       load_tokenizer=not skip_tokenizer_init, platform=platform,
-                                                       what="the target",
-                                                       keep_quantized=keeps_file_quantization(quantization))
-            self.runner = ModelRunner(self.target.model, platform, compile, name="the target",
-                                      quantization=requantization(quantization))
+            self.target: LoadedModel = load_pretrained(
+                model,
+                dtype,
+                self.device,
+                load_tokenizer=not skip_tokenizer_init,
+                platform=platform,
+                what="the target",
+                keep_quantized=keeps_file_quantization(quantization),
+            )
+            self.runner = ModelRunner(
+                self.target.model, platform, compile, name="the target", quantization=requantization(quantization)
+            )
         self.tokenizer = self.target.tokenizer
         drafter = None
         if self.speculative_config is not None:
@@ -132,15 +164,18 @@ class LLM:
         self.max_num_seqs = max_num_seqs
         self._shared_generator = torch.Generator(self.device).manual_seed(seed)  # for requests without a seed
         self._next_request_id = 0
-        self.engine = self._engine(drafter, spec.num_speculative_tokens if spec else 0,
-                                   spec.k_policy if spec else "fixed", TreeShape.parse(spec.tree) if spec else None)
+        self.engine = self._engine(
+            drafter,
+            spec.num_speculative_tokens if spec else 0,
+            spec.k_policy if spec else "fixed",
+            TreeShape.parse(spec.tree) if spec else None,
+        )
 
     def target_only(self) -> LLM:
         """An LLM over the same loaded target with no drafter: the baseline to compare with."""
         return self.with_drafter(None)
 
-    def with_drafter(self, drafter: Drafter | None, k: int = 0, k_policy: str = "goodput",
-                     tree: str = "chain") -> LLM:
+    def with_drafter(self, drafter: Drafter | None, k: int = 0, k_policy: str = "goodput", tree: str = "chain") -> LLM:
         """An LLM over the same loaded target (nothing is reloaded) that speculates with drafter
         at k (at most, by goodput, the default as for LLM; or every round: k_policy="fixed"; a
         tree of k nodes for a tree shape other than "chain"), or decodes plainly (None). Its
@@ -151,15 +186,25 @@ class LLM:
         return other
 
     def _engine(self, drafter: Drafter | None, k: int, k_policy: str, tree: TreeShape | None = None) -> Engine:
-        return Engine(self.runner, drafter, k, self.target.eos_token_ids, self.tokenizer, self.max_num_seqs, k_policy,
-                      tree, generator=self._shared_generator)
+        return Engine(
+            self.runner,
+            drafter,
+            k,
+            self.target.eos_token_ids,
+            self.tokenizer,
+            self.max_num_seqs,
+            k_policy,
+            tree,
+            generator=self._shared_generator,
+        )
 
     @property
     def max_model_len(self) -> int:
         return self.target.model.config.max_position_embeddings
 
-    def generate(self, prompts, sampling_params: SamplingParams | list[SamplingParams] | None = None
-                 ) -> list[RequestOutput]:
+    def generate(
+        self, prompts, sampling_params: SamplingParams | list[SamplingParams] | None = None
+    ) -> list[RequestOutput]:
         """Generate for one prompt or a list of prompts (text, token ids, or
         {"prompt_token_ids": [...]}); returns one RequestOutput per prompt, in order."""
         prompt_list = _as_prompt_list(prompts)
@@ -183,9 +228,12 @@ class LLM:
             self.engine.warm_up()
         self.generate(prompt, dataclasses.replace(params, max_tokens=min(self.engine.k + 2, params.max_tokens)))
 
-    def chat(self, messages: list[dict] | list[list[dict]],
-             sampling_params: SamplingParams | list[SamplingParams] | None = None,
-             add_generation_prompt: bool = True) -> list[RequestOutput]:
+    def chat(
+        self,
+        messages: list[dict] | list[list[dict]],
+        sampling_params: SamplingParams | list[SamplingParams] | None = None,
+        add_generation_prompt: bool = True,
+    ) -> list[RequestOutput]:
         """Reply to one conversation (a list of {"role", "content"} dicts) or to a list of them,
         each rendered with the model's chat template; one RequestOutput per conversation, as
         vLLM's LLM.chat returns."""
@@ -198,7 +246,9 @@ class LLM:
         writes its own special tokens, so none are added)."""
         tokenizer = self._need_tokenizer("chat")
         check_messages(messages)
-        return tokenizer.encode(tokenizer.apply_chat_template(messages, add_generation_prompt), add_special_tokens=False)
+        return tokenizer.encode(
+            tokenizer.apply_chat_template(messages, add_generation_prompt), add_special_tokens=False
+        )
 
     def prompt_token_ids(self, prompt, params: SamplingParams) -> list[int]:
         """The prompt (text or token ids) as token ids, checked as generate checks a request
@@ -209,8 +259,9 @@ class LLM:
             try:
                 prompt.encode("utf-8")
             except UnicodeEncodeError as e:  # lone surrogates, as bytes that were not UTF-8 arrive in sys.argv
-                raise ValueError(f"the prompt is not valid UTF-8 text (at character {e.start}); "
-                                 "give it as UTF-8") from e
+                raise ValueError(
+                    f"the prompt is not valid UTF-8 text (at character {e.start}); give it as UTF-8"
+                ) from e
             prompt_ids = self._need_tokenizer("text prompts").encode(prompt)
         else:
             prompt_ids = list(prompt)
@@ -234,27 +285,40 @@ class LLM:
         if not all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < vocab_size for t in prompt_ids):
             raise ValueError(f"prompt token ids must be integers in [0, {vocab_size})")
         outside = [t for t in params.stop_token_ids if t >= vocab_size]
-        check(not outside, f"stop_token_ids {outside} are outside the vocabulary [0, {vocab_size}): they could never "
-                           "be generated")
+        check(
+            not outside,
+            f"stop_token_ids {outside} are outside the vocabulary [0, {vocab_size}): they could never be generated",
+        )
         if len(prompt_ids) + params.max_tokens > self.max_model_len:
-            raise ValueError(f"prompt of {len(prompt_ids)} tokens + max_tokens={params.max_tokens} exceeds the "
-                             f"model's context length {self.max_model_len}; shorten the prompt or lower max_tokens")
+            raise ValueError(
+                f"prompt of {len(prompt_ids)} tokens + max_tokens={params.max_tokens} exceeds the "
+                f"model's context length {self.max_model_len}; shorten the prompt or lower max_tokens"
+            )
 
     def _need_tokenizer(self, what: str):
         if self.tokenizer is None:
-            raise ValueError(f"{what} need a tokenizer, but this LLM was made with skip_tokenizer_init=True "
-                             "(or the model has none); give prompts as token ids")
+            raise ValueError(
+                f"{what} need a tokenizer, but this LLM was made with skip_tokenizer_init=True "
+                "(or the model has none); give prompts as token ids"
+            )
         return self.tokenizer
 
     def _output(self, seq: Sequence) -> RequestOutput:
-        completion = CompletionOutput(0, seq.text, list(seq.output_token_ids), seq.finish_reason,
-                                      list(seq.output_from_draft),
-                                      list(seq.output_logprobs) if seq.params.logprobs is not None else None)
+        completion = CompletionOutput(
+            0,
+            seq.text,
+            list(seq.output_token_ids),
+            seq.finish_reason,
+            list(seq.output_from_draft),
+            list(seq.output_logprobs) if seq.params.logprobs is not None else None,
+        )
         return RequestOutput(seq.request_id, seq.prompt, seq.prompt_token_ids, [completion], seq.stats)
 
 
 # LLM's flat keyword for each SpeculativeConfig field
-FLAT_NAMES = {f.name: keyword(SpeculativeConfig, f.name) for f in dataclasses.fields(SpeculativeConfig)}  # field -> LLM's
+FLAT_NAMES = {
+    f.name: keyword(SpeculativeConfig, f.name) for f in dataclasses.fields(SpeculativeConfig)
+}  # field -> LLM's
 VLLM_NAMES = {"prompt_lookup_min": "ngram_min", "prompt_lookup_max": "ngram_max"}  # vLLM's keys -> ours
 
 
@@ -270,12 +334,17 @@ def speculative_config_from(config: SpeculativeConfig | dict) -> SpeculativeConf
     them; the method inferred from the model as for the flat keywords)."""
     if isinstance(config, SpeculativeConfig):
         return config
-    check(isinstance(config, dict), f"speculative_config must be a SpeculativeConfig or a dict of its fields, got "
-                                    f"{type(config).__name__}")
+    check(
+        isinstance(config, dict),
+        f"speculative_config must be a SpeculativeConfig or a dict of its fields, got {type(config).__name__}",
+    )
     fields = {VLLM_NAMES.get(key, key): value for key, value in config.items()}
     unknown = sorted(key for key in config if VLLM_NAMES.get(key, key) not in FLAT_NAMES)
-    check(not unknown, f"speculative_config has no {', '.join(map(repr, unknown))}; its keys are "
-                       f"{', '.join(sorted(FLAT_NAMES))} (and vLLM's {', '.join(VLLM_NAMES)})")
+    check(
+        not unknown,
+        f"speculative_config has no {', '.join(map(repr, unknown))}; its keys are "
+        f"{', '.join(sorted(FLAT_NAMES))} (and vLLM's {', '.join(VLLM_NAMES)})",
+    )
     return speculative_config(fields.pop("model", None), fields.pop("method", None), **fields)
 
 
@@ -284,15 +353,21 @@ def speculative_config(model, method, **options) -> SpeculativeConfig | None:
     SpeculativeConfig's fields; None (or "auto" for draft_dtype and draft_quantization) = not
     given, its default."""
     if model == "[ngram]":  # vLLM's older spelling of speculative_method="ngram"
-        check(method in (None, "ngram"), f'speculative_model="[ngram]" means speculative_method="ngram", but '
-                                         f'speculative_method={method!r} was given; give one or the other')
+        check(
+            method in (None, "ngram"),
+            f'speculative_model="[ngram]" means speculative_method="ngram", but '
+            f"speculative_method={method!r} was given; give one or the other",
+        )
         model, method = None, "ngram"
     if method is None and model is not None:  # a head's directory says what it is
         method = "eagle" if is_head_directory(model) else "draft_model"
     given = {name: options[name] for name in _given(options)}
     if method is None:
-        check(not given, f"{', '.join(f'{n}={v!r}' for n, v in given.items())} without a drafter: give "
-                         "speculative_model=<draft directory> or speculative_method='ngram', or drop them")
+        check(
+            not given,
+            f"{', '.join(f'{n}={v!r}' for n, v in given.items())} without a drafter: give "
+            "speculative_model=<draft directory> or speculative_method='ngram', or drop them",
+        )
         return None
     return SpeculativeConfig(method=method, model=model, **given)
 
@@ -301,31 +376,44 @@ def check_arguments(seed, max_num_seqs, skip_tokenizer_init) -> None:
     """LLM's plain arguments, checked before any model is loaded."""
     check(is_int(seed) and INT64_MIN <= seed <= UINT64_MAX, f"seed must be an integer, got {seed!r}")
     check(is_int(max_num_seqs) and max_num_seqs >= 1, f"max_num_seqs must be an integer >= 1, got {max_num_seqs!r}")
-    check(isinstance(skip_tokenizer_init, bool), f"skip_tokenizer_init must be True or False, "
-                                                 f"got {skip_tokenizer_init!r}")
+    check(
+        isinstance(skip_tokenizer_init, bool), f"skip_tokenizer_init must be True or False, got {skip_tokenizer_init!r}"
+    )
 
 
 def check_k_fits(config: SpeculativeConfig, context_length: int) -> None:
     """k (num_speculative_tokens) is at most the context length - 1: a round verifies the last
     token and its k drafts in one forward, which the context must hold. (Each round also drafts
     no more than a request can still emit, so a large k costs nothing it cannot use.)"""
-    if config.num_speculative_tokens >= context_length:  # said in the words of the interface the k came from (a flag: -k)
-        raise ConfigError(config, "{num_speculative_tokens:=} is more than the model's context length ({length} tokens) "
-                          "can verify in one round; give at most {most} (useful values are 1 to about 10)",
-                          {"length": context_length, "most": context_length - 1})
+    if (
+        config.num_speculative_tokens >= context_length
+    ):  # said in the words of the interface the k came from (a flag: -k)
+        raise ConfigError(
+            config,
+            "{num_speculative_tokens:=} is more than the model's context length ({length} tokens) "
+            "can verify in one round; give at most {most} (useful values are 1 to about 10)",
+            {"length": context_length, "most": context_length - 1},
+        )
 
 
 def check_messages(messages) -> None:
     """A conversation: a non-empty list of {"role": str, "content": str} dicts."""
-    check(isinstance(messages, (list, tuple)) and len(messages) > 0,
-          f"messages must be a non-empty list of {{'role': ..., 'content': ...}} dicts, got {_short(messages)}")
+    check(
+        isinstance(messages, (list, tuple)) and len(messages) > 0,
+        f"messages must be a non-empty list of {{'role': ..., 'content': ...}} dicts, got {_short(messages)}",
+    )
     for i, message in enumerate(messages):
-        check(isinstance(message, dict), f"messages[{i}] must be a dict with 'role' and 'content', got "
-                                         f"{_short(message)}")
-        check(isinstance(message.get("role"), str) and message["role"],
-              f"messages[{i}] needs a 'role' (e.g. 'system', 'user', 'assistant'), got {_short(message.get('role'))}")
-        check(isinstance(message.get("content"), str),
-              f"messages[{i}]['content'] must be text, got {_short(message.get('content'))}")
+        check(
+            isinstance(message, dict), f"messages[{i}] must be a dict with 'role' and 'content', got {_short(message)}"
+        )
+        check(
+            isinstance(message.get("role"), str) and message["role"],
+            f"messages[{i}] needs a 'role' (e.g. 'system', 'user', 'assistant'), got {_short(message.get('role'))}",
+        )
+        check(
+            isinstance(message.get("content"), str),
+            f"messages[{i}]['content'] must be text, got {_short(message.get('content'))}",
+        )
 
 
 def _is_conversation_list(messages) -> bool:
@@ -338,20 +426,25 @@ def _short(value) -> str:
 
 
 def _as_prompt_list(prompts) -> list:
-    if isinstance(prompts, (str, dict)) or (isinstance(prompts, (list, tuple)) and prompts
-                                            and isinstance(prompts[0], int)):  # one prompt of token ids
+    if isinstance(prompts, (str, dict)) or (
+        isinstance(prompts, (list, tuple)) and prompts and isinstance(prompts[0], int)
+    ):  # one prompt of token ids
         prompts = [prompts]
     if not isinstance(prompts, (list, tuple)) or not prompts:
         raise ValueError("prompts must be a string, a list of token ids, or a non-empty list of those")
     out = []
     for prompt in prompts:
         if isinstance(prompt, dict):
-            check(not {"prompt", "prompt_token_ids"} <= prompt.keys(),
-                  "a dict prompt takes 'prompt' (text) or 'prompt_token_ids', not both")
+            check(
+                not {"prompt", "prompt_token_ids"} <= prompt.keys(),
+                "a dict prompt takes 'prompt' (text) or 'prompt_token_ids', not both",
+            )
             if "prompt_token_ids" in prompt:
                 prompt = prompt["prompt_token_ids"]
-                check(isinstance(prompt, (list, tuple)), "'prompt_token_ids' must be a list of token ids, got "
-                                                         f"{_short(prompt)}")
+                check(
+                    isinstance(prompt, (list, tuple)),
+                    f"'prompt_token_ids' must be a list of token ids, got {_short(prompt)}",
+                )
             elif "prompt" in prompt:
                 prompt = prompt["prompt"]
                 check(isinstance(prompt, str), f"'prompt' must be text, got {_short(prompt)}")
@@ -368,8 +461,10 @@ def _as_params_list(params, n: int) -> list[SamplingParams]:
         return [SamplingParams()] * n
     if isinstance(params, SamplingParams):
         return [params] * n
-    check(isinstance(params, (list, tuple)), f"sampling_params must be a SamplingParams or a list of them, got "
-                                             f"{_short(params)}")
+    check(
+        isinstance(params, (list, tuple)),
+        f"sampling_params must be a SamplingParams or a list of them, got {_short(params)}",
+    )
     params = list(params)
     if len(params) != n or not all(isinstance(p, SamplingParams) for p in params):
         raise ValueError(f"give one SamplingParams, or a list of {n} (one per prompt)")

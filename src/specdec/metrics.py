@@ -35,8 +35,9 @@ class SpecStats:
     rounds_by_k: list[int] = field(default_factory=list)
     seconds: float = 0.0  # wall time from the start of generate() to this request's end
 
-    def record_round(self, num_proposed: int, num_accepted: int, num_emitted: int, k: int | None = None,
-                     depth: int | None = None) -> None:
+    def record_round(
+        self, num_proposed: int, num_accepted: int, num_emitted: int, k: int | None = None, depth: int | None = None
+    ) -> None:
         """One target forward's outcome; k: the round's k for this request (None: the prefill);
         depth: a tree draft's depth (None: a chain, as deep as it is long)."""
         self.num_target_forwards += 1
@@ -88,9 +89,11 @@ class SpecStats:
             total.num_accepted_tokens += s.num_accepted_tokens
             total.num_emitted_tokens += s.num_emitted_tokens
             total.num_target_forwards += s.num_target_forwards
-            for mine, theirs in ((total.proposed_by_position, s.proposed_by_position),
-                                 (total.accepted_by_position, s.accepted_by_position),
-                                 (total.rounds_by_k, s.rounds_by_k)):
+            for mine, theirs in (
+                (total.proposed_by_position, s.proposed_by_position),
+                (total.accepted_by_position, s.accepted_by_position),
+                (total.rounds_by_k, s.rounds_by_k),
+            ):
                 _grow(mine, len(theirs))
                 for i, n in enumerate(theirs):
                     mine[i] += n
@@ -100,15 +103,20 @@ class SpecStats:
     def summary(self) -> str:
         """One line; the acceptance figures only where something was drafted."""
         by_position = " ".join(f"{a:.2f}" for a in self.acceptance_by_position)
-        drafted = (f"α {self.acceptance_rate:.3f} ({self.num_accepted_tokens} accepted/{self.num_judged_tokens} "
-                   f"judged/{self.num_draft_tokens} proposed)  by position [{by_position}]  "
-                   if self.num_draft_tokens else "")
-        return (f"tokens {self.num_emitted_tokens}  target forwards {self.num_target_forwards}  "
-                f"τ {self.tokens_per_forward:.2f}  {drafted}{self.k_summary()}{self.seconds:.2f}s  "
-                f"{self.tokens_per_second:.1f} tok/s")
+        drafted = (
+            f"α {self.acceptance_rate:.3f} ({self.num_accepted_tokens} accepted/{self.num_judged_tokens} "
+            f"judged/{self.num_draft_tokens} proposed)  by position [{by_position}]  "
+            if self.num_draft_tokens
+            else ""
+        )
+        return (
+            f"tokens {self.num_emitted_tokens}  target forwards {self.num_target_forwards}  "
+            f"τ {self.tokens_per_forward:.2f}  {drafted}{self.k_summary()}{self.seconds:.2f}s  "
+            f"{self.tokens_per_second:.1f} tok/s"
+        )
 
     def k_summary(self) -> str:
-        """"k chosen 0:12 5:40  " (rounds at each k), or "" where every round had the same k."""
+        """ "k chosen 0:12 5:40  " (rounds at each k), or "" where every round had the same k."""
         return f"k chosen {rounds_by_k_text(self.rounds_by_k)}  " if sum(n > 0 for n in self.rounds_by_k) > 1 else ""
 
 

@@ -28,6 +28,7 @@ MODEL_HELP = "the target: a Hugging Face directory, a .gguf file or a model's na
 
 # The model, first and positional in every subcommand (--model, the older spelling, still taken)
 
+
 def add_model_argument(p, dest: str = "model", help: str = MODEL_HELP, old_flag: str = "--model") -> None:
     """MODEL (or another dest, e.g. TARGET), positional; old_flag gives it too, as before."""
     p.add_argument(dest, nargs="?", metavar=dest.upper(), action=_OneModel, help=help)
@@ -56,6 +57,7 @@ def require_model(args, command: str, dest: str = "model", what: str = MODEL_HEL
 
 # SpeculativeConfig's fields as flags, the same in every subcommand
 
+
 def speculative_fields() -> dict:
     """SpeculativeConfig's fields by name (their metadata: help, flags, old_flags, metavar, ...)."""
     return {f.name: f for f in fields(SpeculativeConfig)}
@@ -71,9 +73,15 @@ def flag(name: str) -> str:
     return speculative_fields()[name].metadata["flags"][0]
 
 
-def add_speculative_arguments(p, group=None, grouped: tuple[str, ...] = (), notes: dict | None = None,
-                              shown: dict | None = None, options: dict | None = None,
-                              hidden: tuple[str, ...] = ()) -> None:
+def add_speculative_arguments(
+    p,
+    group=None,
+    grouped: tuple[str, ...] = (),
+    notes: dict | None = None,
+    shown: dict | None = None,
+    options: dict | None = None,
+    hidden: tuple[str, ...] = (),
+) -> None:
     """One flag per SpeculativeConfig field: its spellings, help and default as its metadata says
     (setting() in config.py), its older spellings taken but not shown. Not given, a flag is None
     (its field's default applies), unless options give a default. A command says what differs
@@ -84,8 +92,13 @@ def add_speculative_arguments(p, group=None, grouped: tuple[str, ...] = (), note
     for name, f in speculative_fields().items():
         meta = f.metadata
         where = group if name in grouped else p
-        kwargs = dict(dest=dest(name), default=None, metavar=meta["metavar"],
-                      type=meta["parse"] if meta["choices"] is None else str, choices=meta["choices"])
+        kwargs = dict(
+            dest=dest(name),
+            default=None,
+            metavar=meta["metavar"],
+            type=meta["parse"] if meta["choices"] is None else str,
+            choices=meta["choices"],
+        )
         if meta["bare"]:
             kwargs.update(nargs="?", const=DEFAULT_EXIT)
         kwargs.update(options.get(name, {}))
@@ -119,13 +132,18 @@ def flag_words(parser: argparse.ArgumentParser, argv: list[str] | None = None) -
 
     def spellings(owner, name):
         meta = next((f.metadata for f in fields(owner) if f.name == name), {})
-        return [s for s in (*meta.get("flags", ("--" + name.replace("_", "-"),)), *meta.get("old_flags", ()))
-                if s in options]
+        return [
+            s
+            for s in (*meta.get("flags", ("--" + name.replace("_", "-"),)), *meta.get("old_flags", ()))
+            if s in options
+        ]
 
     def name_of(owner, name):
         known = spellings(owner, name)
-        return next((s for s in known if s in typed or any(a.startswith(s + "=") for a in typed)),
-                    known[0] if known else keyword(owner, name))
+        return next(
+            (s for s in known if s in typed or any(a.startswith(s + "=") for a in typed)),
+            known[0] if known else keyword(owner, name),
+        )
 
     def value_of(owner, name, value):
         if not spellings(owner, name):
@@ -148,6 +166,7 @@ def _typed(value) -> str:
 
 # The flags that build an LLM: generate and serve
 
+
 def add_model_arguments(p) -> None:
     """The flags that make the LLM, shared by generate and serve: the drafter (SpeculativeConfig's
     fields, and --ngram / --lookup / --early-exit, which imply its method), dtypes, quantization,
@@ -155,11 +174,17 @@ def add_model_arguments(p) -> None:
     speculation = p.add_argument_group("speculation (SpeculativeConfig; the same flags in generate, serve and bench)")
     drafter = speculation.add_mutually_exclusive_group()
     drafter.add_argument("--ngram", action="store_true", help="draft by prompt lookup (no draft model)")
-    speculation.add_argument("--lookup", action="store_true",
-                             help="with --draft: prompt lookup where the context repeats, the draft model elsewhere")
+    speculation.add_argument(
+        "--lookup",
+        action="store_true",
+        help="with --draft: prompt lookup where the context repeats, the draft model elsewhere",
+    )
     add_speculative_arguments(speculation, group=drafter, grouped=("model", "early_exit_layer"))
-    p.add_argument("--dtype", default="auto", help="the target's dtype: auto (the checkpoint's), float32, bfloat16 "
-                                                   "or float16 (default: auto)")
+    p.add_argument(
+        "--dtype",
+        default="auto",
+        help="the target's dtype: auto (the checkpoint's), float32, bfloat16 or float16 (default: auto)",
+    )
     p.add_argument("--quantization", choices=QUANTIZATION_ARGS, default="auto", help=QUANTIZATION_HELP)
     p.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N (default: cpu)")
     p.add_argument("--compile", choices=COMPILE_MODES, default="auto", help=COMPILE_HELP)
@@ -169,9 +194,15 @@ def make_llm(args, **options):
     """The LLM the flags of add_model_arguments describe (options: more of LLM's arguments)."""
     from specdec.llm import LLM
 
-    return LLM(args.model, dtype=args.dtype, device=args.device, compile=args.compile,
-               quantization=quantization_from_arg(args.quantization),
-               speculative_config=speculative_config_from_flags(args), **options)
+    return LLM(
+        args.model,
+        dtype=args.dtype,
+        device=args.device,
+        compile=args.compile,
+        quantization=quantization_from_arg(args.quantization),
+        speculative_config=speculative_config_from_flags(args),
+        **options,
+    )
 
 
 def speculative_config_from_flags(args) -> SpeculativeConfig | None:
@@ -200,8 +231,9 @@ def _speculative_method(args) -> str | None:
         return implied
     if implied is None:
         return given  # --draft DIR --speculative-method eagle, or a method with no flag of its own
-    raise ValueError(f"--speculative-method {given} contradicts the drafter flags, which say {implied}; "
-                     "give one or the other")
+    raise ValueError(
+        f"--speculative-method {given} contradicts the drafter flags, which say {implied}; give one or the other"
+    )
 
 
 DRAFT_MODEL_FIELDS = ("draft_confidence_threshold", "draft_dtype", "draft_quantization")  # set the draft model
@@ -211,31 +243,41 @@ LOOKUP_FIELDS = ("ngram_min", "ngram_max")  # set prompt lookup
 def _implied_method(args) -> str | None:
     """The method generate's drafter flags imply (None: none, or --draft alone)."""
     if args.lookup and args.draft is None:
-        raise ValueError("--lookup falls back to a draft model where prompt lookup finds nothing: add --draft DIR"
-                         + (" (instead of --ngram, which is prompt lookup alone)" if args.ngram else ""))
+        raise ValueError(
+            "--lookup falls back to a draft model where prompt lookup finds nothing: add --draft DIR"
+            + (" (instead of --ngram, which is prompt lookup alone)" if args.ngram else "")
+        )
     given = given_settings(args)
     draft_flags = [flag(name) for name in DRAFT_MODEL_FIELDS if name in given]
     lookup_flags = [flag(name) for name in LOOKUP_FIELDS if name in given]
     if args.early_exit is not None:
         if args.lookup or lookup_flags or [f for f in draft_flags if f != flag("draft_confidence_threshold")]:
-            raise ValueError("--early-exit drafts with the target's own layers: drop --lookup, --draft-dtype, "
-                             "--draft-quantization, --ngram-min and --ngram-max")
+            raise ValueError(
+                "--early-exit drafts with the target's own layers: drop --lookup, --draft-dtype, "
+                "--draft-quantization, --ngram-min and --ngram-max"
+            )
         return "early_exit"
     if args.ngram:
         if draft_flags:
-            raise ValueError(f"{_listed(draft_flags)} {'sets' if len(draft_flags) == 1 else 'set'} the draft "
-                             "model, and --ngram uses none; drop them, or give --draft DIR --lookup for prompt lookup "
-                             "with a draft model behind it")
+            raise ValueError(
+                f"{_listed(draft_flags)} {'sets' if len(draft_flags) == 1 else 'set'} the draft "
+                "model, and --ngram uses none; drop them, or give --draft DIR --lookup for prompt lookup "
+                "with a draft model behind it"
+            )
         return "ngram"
     if args.draft is None and args.speculative_method is None:
         flags = [flag(name) for name in given]
         if flags:
-            raise ValueError(f"{_listed(flags)} {'needs' if len(flags) == 1 else 'need'} a drafter: add --draft "
-                             "DIR or --ngram, or drop them")
+            raise ValueError(
+                f"{_listed(flags)} {'needs' if len(flags) == 1 else 'need'} a drafter: add --draft "
+                "DIR or --ngram, or drop them"
+            )
         return None
     if lookup_flags and not args.lookup and args.speculative_method not in ("ngram", "lookup_then_draft"):
-        raise ValueError(f"{_listed(lookup_flags)} {'sets' if len(lookup_flags) == 1 else 'set'} prompt lookup, "
-                         "which --draft alone does not use: add --lookup (or use --ngram), or drop them")
+        raise ValueError(
+            f"{_listed(lookup_flags)} {'sets' if len(lookup_flags) == 1 else 'set'} prompt lookup, "
+            "which --draft alone does not use: add --lookup (or use --ngram), or drop them"
+        )
     return "lookup_then_draft" if args.lookup else None  # None: a draft model, an EAGLE head's directory, or none
 
 

@@ -71,17 +71,21 @@ class OutputDir:
         """Put the staging directory in place as the final one (replacing what was there) and
         return the final directory."""
         if self.replaced.exists():  # made since the run began: whose it is, is not known
-            raise ValueError(f"{self.replaced} appeared while this run wrote; move it away and rerun the command to "
-                             f"finish (the finished output waits in {self.staging})")
+            raise ValueError(
+                f"{self.replaced} appeared while this run wrote; move it away and rerun the command to "
+                f"finish (the finished output waits in {self.staging})"
+            )
         replacing = self.final.exists()
         try:
             if replacing:
                 os.replace(self.final, self.replaced)
             os.replace(self.staging, self.final)
         except OSError as e:
-            raise ValueError(f"the finished output could not be moved into place ({e.strerror}: {e.filename}); it is "
-                             f"complete in {self.staging}, and {self.given!r} is "
-                             f"{'in ' + str(self.replaced) if self.replaced.exists() else 'untouched'}") from e
+            raise ValueError(
+                f"the finished output could not be moved into place ({e.strerror}: {e.filename}); it is "
+                f"complete in {self.staging}, and {self.given!r} is "
+                f"{'in ' + str(self.replaced) if self.replaced.exists() else 'untouched'}"
+            ) from e
         (self.final / STAGING_MARKER).unlink()
         self.lock.close()
         if replacing:
@@ -115,9 +119,15 @@ class OutputDir:
                 _remove(entry)
 
 
-def open_output_dir(out, command: str, inputs: dict[str, object] | None = None, force: bool = False,
-                    is_own_output: Callable[[Path], bool] = lambda path: False,
-                    own_entries: tuple[str, ...] = (), resumable: bool = True) -> OutputDir:
+def open_output_dir(
+    out,
+    command: str,
+    inputs: dict[str, object] | None = None,
+    force: bool = False,
+    is_own_output: Callable[[Path], bool] = lambda path: False,
+    own_entries: tuple[str, ...] = (),
+    resumable: bool = True,
+) -> OutputDir:
     """Check --out and make (and lock) its staging directory; raise ValueError naming the problem.
 
     inputs: {flag: path or None} of what the command reads (models, tokenizers, corpora) or
@@ -136,16 +146,21 @@ def open_output_dir(out, command: str, inputs: dict[str, object] | None = None, 
     _check_name(given, final)
     if final.exists() and not final.is_dir():
         raise ValueError(f"--out {given!r} is a file; give a directory")
-    for place, label in ((final, ""), (staging, f"'s staging directory {staging}"),
-                         (replaced, f"'s replacement directory {replaced}")):
+    for place, label in (
+        (final, ""),
+        (staging, f"'s staging directory {staging}"),
+        (replaced, f"'s replacement directory {replaced}"),
+    ):
         _check_apart_from_inputs(f"--out {given!r}{label}", place, inputs or {})
     _check_not_a_system_place(given, final)
     _finish_interrupted_commit(given, final, staging, command)
     if final.is_dir() and any(final.iterdir()):
         _check_replaceable(given, final, command, force, is_own_output, own_entries)
     if replaced.exists():
-        raise ValueError(f"{replaced} exists (a replacement of --out {given!r} cut short, or a directory of yours); "
-                         "move or remove it before writing --out")
+        raise ValueError(
+            f"{replaced} exists (a replacement of --out {given!r} cut short, or a directory of yours); "
+            "move or remove it before writing --out"
+        )
     lock = _make_staging(given, staging, command, final, resumable)
     return OutputDir(given, final, staging, command, resumable, lock)
 
@@ -164,17 +179,23 @@ def unfinished_output_message(path: Path) -> str | None:
     marker = Path(path) / STAGING_MARKER
     if not marker.is_file():
         return None
-    return (f"{path} is the unfinished output of a `specdec {_read_marker(marker).get('command')}` run (interrupted "
-            "or failed before it finished); rerun that command to finish it, then use its --out directory")
+    return (
+        f"{path} is the unfinished output of a `specdec {_read_marker(marker).get('command')}` run (interrupted "
+        "or failed before it finished); rerun that command to finish it, then use its --out directory"
+    )
 
 
 def _check_name(given: str, final: Path) -> None:
     if final.name.endswith((STAGING_SUFFIX, REPLACED_SUFFIX)):
-        raise ValueError(f"--out {given!r}: names ending in {STAGING_SUFFIX} or {REPLACED_SUFFIX} are specdec's "
-                         "working directories; give the directory's own name")
+        raise ValueError(
+            f"--out {given!r}: names ending in {STAGING_SUFFIX} or {REPLACED_SUFFIX} are specdec's "
+            "working directories; give the directory's own name"
+        )
     if len(os.fsencode(final.name + STAGING_SUFFIX)) > NAME_MAX:
-        raise ValueError(f"--out {given!r}: its name is too long to stage beside it as {final.name[:20]}..."
-                         f"{STAGING_SUFFIX}; give a name of at most {NAME_MAX - len(STAGING_SUFFIX)} bytes")
+        raise ValueError(
+            f"--out {given!r}: its name is too long to stage beside it as {final.name[:20]}..."
+            f"{STAGING_SUFFIX}; give a name of at most {NAME_MAX - len(STAGING_SUFFIX)} bytes"
+        )
 
 
 def _finish_interrupted_commit(given: str, final: Path, staging: Path, command: str) -> None:
@@ -185,8 +206,10 @@ def _finish_interrupted_commit(given: str, final: Path, staging: Path, command: 
         return
     earlier = _read_marker(marker).get("command")
     if earlier != command:
-        raise ValueError(f"--out {given!r} is the output of a `specdec {earlier}` run whose last step was cut short; "
-                         f"rerun that command to finish it")
+        raise ValueError(
+            f"--out {given!r} is the output of a `specdec {earlier}` run whose last step was cut short; "
+            f"rerun that command to finish it"
+        )
     marker.unlink()
 
 
@@ -203,45 +226,67 @@ def _check_apart_from_inputs(what: str, place: Path, inputs: dict[str, object]) 
             relation = "holds"
         else:
             continue
-        raise ValueError(f"{what} {relation} {flag} {str(path)!r}: writing there would destroy it. Give another "
-                         "--out (and move the result afterwards if you mean to replace it)")
+        raise ValueError(
+            f"{what} {relation} {flag} {str(path)!r}: writing there would destroy it. Give another "
+            "--out (and move the result afterwards if you mean to replace it)"
+        )
 
 
 def _check_not_a_system_place(given: str, final: Path) -> None:
     """Refuse to replace the current or home directory, a directory holding either, the root
     or a non-empty directory right under it; and a mount point, which a rename cannot move."""
-    for name, place in (("the current directory", Path.cwd().resolve()), ("your home directory",
-                                                                          Path.home().resolve())):
+    for name, place in (
+        ("the current directory", Path.cwd().resolve()),
+        ("your home directory", Path.home().resolve()),
+    ):
         if final == place or final in place.parents:
-            raise ValueError(f"--out {given!r} {'is' if final == place else 'holds'} {name}, which an output "
-                             "directory would replace; give a new directory for the output")
+            raise ValueError(
+                f"--out {given!r} {'is' if final == place else 'holds'} {name}, which an output "
+                "directory would replace; give a new directory for the output"
+            )
     if len(final.parts) <= 2 and final.is_dir() and any(final.iterdir()):
-        raise ValueError(f"--out {given!r} is {final}, a system directory an output would replace; give a new "
-                         "directory for the output")
+        raise ValueError(
+            f"--out {given!r} is {final}, a system directory an output would replace; give a new "
+            "directory for the output"
+        )
     if final.is_dir() and os.path.ismount(final):
-        raise ValueError(f"--out {given!r} is a mount point, which cannot be renamed into place when the run "
-                         f"finishes; give a directory inside it, e.g. {final / 'out'}")
+        raise ValueError(
+            f"--out {given!r} is a mount point, which cannot be renamed into place when the run "
+            f"finishes; give a directory inside it, e.g. {final / 'out'}"
+        )
 
 
-def _check_replaceable(given: str, final: Path, command: str, force: bool, is_own_output: Callable[[Path], bool],
-                       own_entries: tuple[str, ...]) -> None:
+def _check_replaceable(
+    given: str,
+    final: Path,
+    command: str,
+    force: bool,
+    is_own_output: Callable[[Path], bool],
+    own_entries: tuple[str, ...],
+) -> None:
     """A non-empty --out may be replaced without force only when it is this command's own
     output and holds nothing else; with force, never when it is a repository."""
     if force:
         if (final / ".git").exists():
-            raise ValueError(f"--out {given!r} is a repository (it holds .git); --force never replaces one: give a "
-                             "new directory for the output")
+            raise ValueError(
+                f"--out {given!r} is a repository (it holds .git); --force never replaces one: give a "
+                "new directory for the output"
+            )
         return
     names = sorted(p.name for p in final.iterdir())
     if not is_own_output(final):
-        raise ValueError(f"--out {given!r} already holds files ({_some(names)}) that are not an earlier "
-                         f"`specdec {command}` run's; give a new or empty directory, or pass --force to replace "
-                         "the whole directory when this run finishes")
+        raise ValueError(
+            f"--out {given!r} already holds files ({_some(names)}) that are not an earlier "
+            f"`specdec {command}` run's; give a new or empty directory, or pass --force to replace "
+            "the whole directory when this run finishes"
+        )
     files = sorted(p.relative_to(final).as_posix() for p in final.rglob("*") if not p.is_dir() or p.is_symlink())
     others = [name for name in files if not any(fnmatch.fnmatch(name, pattern) for pattern in own_entries)]
     if others:
-        raise ValueError(f"--out {given!r} holds an earlier `specdec {command}` run, and also {_some(others)}, which "
-                         "that run did not write and this one would replace; move them away, or pass --force")
+        raise ValueError(
+            f"--out {given!r} holds an earlier `specdec {command}` run, and also {_some(others)}, which "
+            "that run did not write and this one would replace; move them away, or pass --force"
+        )
 
 
 def _make_staging(given: str, staging: Path, command: str, final: Path, resumable: bool) -> IO:
@@ -252,22 +297,27 @@ def _make_staging(given: str, staging: Path, command: str, final: Path, resumabl
         raise ValueError(f"{staging} exists and was not made by specdec; move it away to write --out {given!r}")
     earlier = _read_marker(marker) if marker.is_file() else {"command": command}
     if earlier.get("command") != command:
-        what = ("could be resumed" if earlier.get("resumable", True) else "cannot be resumed: remove it")
-        raise ValueError(f"{staging} holds an unfinished `specdec {earlier.get('command')}` run ({what}); finish it "
-                         f"with that command, or remove {staging}, before writing --out {given!r} with "
-                         f"`specdec {command}`")
+        what = "could be resumed" if earlier.get("resumable", True) else "cannot be resumed: remove it"
+        raise ValueError(
+            f"{staging} holds an unfinished `specdec {earlier.get('command')}` run ({what}); finish it "
+            f"with that command, or remove {staging}, before writing --out {given!r} with "
+            f"`specdec {command}`"
+        )
     try:
         staging.mkdir(parents=True, exist_ok=True)
         lock = open(marker, "a+")
     except OSError as e:
-        raise ValueError(f"--out {given!r} cannot be written ({e.strerror}: {e.filename}); give a directory you "
-                         "can write") from e
+        raise ValueError(
+            f"--out {given!r} cannot be written ({e.strerror}: {e.filename}); give a directory you can write"
+        ) from e
     try:
         fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except OSError:
         lock.close()
-        raise ValueError(f"another specdec run is writing --out {given!r} (in {staging}); wait for it to finish, or "
-                         "give another --out") from None
+        raise ValueError(
+            f"another specdec run is writing --out {given!r} (in {staging}); wait for it to finish, or "
+            "give another --out"
+        ) from None
     if os.path.getsize(marker) == 0:
         lock.write(json.dumps({"command": command, "out": str(final), "resumable": resumable}) + "\n")
         lock.flush()

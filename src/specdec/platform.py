@@ -43,8 +43,9 @@ class Platform:
             major, minor = self.cuda_capability
             return f"CUDA capability {major}.{minor}" + (", native bfloat16" if self.native_bf16 else "")
         half = [name for name, native in (("bfloat16", self.native_bf16), ("float16", self.native_fp16)) if native]
-        return f"CPU with {self.cpu_capability} and " + (f"native {' and '.join(half)}" if half
-                                                         else "no native half precision")
+        return f"CPU with {self.cpu_capability} and " + (
+            f"native {' and '.join(half)}" if half else "no native half precision"
+        )
 
 
 def detect_platform(device: torch.device | str = "cpu") -> Platform:
@@ -58,8 +59,9 @@ def _detect(device_type: str, cuda_index: int | None) -> Platform:
     cpu_capability = torch.backends.cpu.get_cpu_capability()
     if device_type == "cuda":
         capability = torch.cuda.get_device_capability(cuda_index)
-        return Platform("cuda", cpu_capability, native_bf16=capability >= (8, 0), native_fp16=True,
-                        cuda_capability=capability)
+        return Platform(
+            "cuda", cpu_capability, native_bf16=capability >= (8, 0), native_fp16=True, cuda_capability=capability
+        )
     return Platform("cpu", cpu_capability, native_bf16=_mkldnn_supports("bf16"), native_fp16=_mkldnn_supports("fp16"))
 
 
@@ -86,8 +88,10 @@ def auto_dtype(saved: torch.dtype, platform: Platform) -> tuple[torch.dtype, str
         return saved, "the checkpoint's float32"
     if is_native(saved, platform):
         return saved, f"the checkpoint's {_name(saved)}, native on this {platform.describe()}"
-    return torch.float32, (f"the checkpoint is {_name(saved)}, but this {platform.describe()} emulates "
-                           f"{_name(saved)} matmuls, which run far slower than float32")
+    return torch.float32, (
+        f"the checkpoint is {_name(saved)}, but this {platform.describe()} emulates "
+        f"{_name(saved)} matmuls, which run far slower than float32"
+    )
 
 
 def is_native(dtype: torch.dtype, platform: Platform) -> bool:
@@ -98,8 +102,11 @@ def is_native(dtype: torch.dtype, platform: Platform) -> bool:
 def warn_if_emulated(dtype: torch.dtype, platform: Platform, what: str) -> None:
     """An explicitly asked half precision that this platform emulates runs, with a warning."""
     if not is_native(dtype, platform):
-        warnings.warn(f"{what} runs in {_name(dtype)}, which this {platform.describe()} emulates: expect it to be "
-                      "much slower than float32 (dtype='auto' picks float32 here)", stacklevel=3)
+        warnings.warn(
+            f"{what} runs in {_name(dtype)}, which this {platform.describe()} emulates: expect it to be "
+            "much slower than float32 (dtype='auto' picks float32 here)",
+            stacklevel=3,
+        )
 
 
 def _name(dtype: torch.dtype) -> str:

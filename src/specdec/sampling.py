@@ -172,7 +172,7 @@ def uniforms(generators: list[torch.Generator], counts: int | list[int], device:
         row_counts = [counts[row] for row in rows]
         drawn = torch.rand(sum(row_counts), generator=generators[rows[0]], dtype=torch.float64, device=device)
         if len(rows) == 1:
-            out[rows[0], :row_counts[0]] = drawn
+            out[rows[0], : row_counts[0]] = drawn
             continue
         block = torch.zeros(len(rows), width, dtype=torch.float64, device=device)  # [R, width]
         block[torch.arange(width, device=device)[None, :] < torch.tensor(row_counts, device=device)[:, None]] = drawn
@@ -202,5 +202,7 @@ def token_logprobs(logits: torch.Tensor, token_ids: torch.Tensor, num_top: int) 
     logprobs = torch.log_softmax(logits.float(), dim=-1)  # [N, V]
     chosen = logprobs.gather(1, token_ids[:, None].to(logprobs.device))[:, 0].tolist()  # [N]
     top_values, top_ids = logprobs.topk(num_top, dim=-1) if num_top else (logprobs[:, :0], logprobs[:, :0].long())
-    return [TokenLogprob(token, value, tuple(zip(ids, values)))
-            for token, value, ids, values in zip(token_ids.tolist(), chosen, top_ids.tolist(), top_values.tolist())]
+    return [
+        TokenLogprob(token, value, tuple(zip(ids, values)))
+        for token, value, ids, values in zip(token_ids.tolist(), chosen, top_ids.tolist(), top_values.tolist())
+    ]

@@ -39,17 +39,20 @@ class TreeShape:
 
     @classmethod
     def parse(cls, text: str) -> TreeShape:
-        """"chain", "auto", or branching factors "b1,b2,..." (each 1..MAX_BRANCHING)."""
+        """ "chain", "auto", or branching factors "b1,b2,..." (each 1..MAX_BRANCHING)."""
         if not isinstance(text, str):
-            raise ValueError(f"speculative_tree must be a string: 'chain', 'auto' or branching factors like '3,2,1'; "
-                             f"got {text!r}")
+            raise ValueError(
+                f"speculative_tree must be a string: 'chain', 'auto' or branching factors like '3,2,1'; got {text!r}"
+            )
         if text in ("chain", "auto"):
             return cls(text)
         parts = [part.strip() for part in text.split(",")]
         if not all(part.isdigit() and 1 <= int(part) <= MAX_BRANCHING for part in parts):
-            raise ValueError(f"speculative_tree must be 'chain', 'auto', or branching factors per depth, each 1 to "
-                             f"{MAX_BRANCHING}, like '3,2,1' (3 children of the last token, 2 of each of those, "
-                             f"...); got {text!r}")
+            raise ValueError(
+                f"speculative_tree must be 'chain', 'auto', or branching factors per depth, each 1 to "
+                f"{MAX_BRANCHING}, like '3,2,1' (3 children of the last token, 2 of each of those, "
+                f"...); got {text!r}"
+            )
         return cls("static", tuple(int(part) for part in parts))
 
     @property

@@ -16,4 +16,12 @@ DRAFTERS = {
     "early_exit": early_exit_drafter,
 }
 
-__all__ = ["DRAFTERS", "Draft", "Drafter", "DraftModelDrafter", "EagleDrafter", "LookupThenDraftDrafter", "NgramDrafter"]
+__all__ = [
+    "DRAFTERS",
+    "Draft",
+    "Drafter",
+    "DraftModelDrafter",
+    "EagleDrafter",
+    "LookupThenDraftDrafter",
+    "NgramDrafter",
+]

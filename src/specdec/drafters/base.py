@@ -38,8 +38,10 @@ class Draft:
 
     @classmethod
     def empty(cls, batch_size: int, device: torch.device | str) -> Draft:
-        return cls(torch.zeros(batch_size, 0, dtype=torch.long, device=device),
-                   torch.zeros(batch_size, dtype=torch.long, device=device))
+        return cls(
+            torch.zeros(batch_size, 0, dtype=torch.long, device=device),
+            torch.zeros(batch_size, dtype=torch.long, device=device),
+        )
 
     def narrowed(self, width: int) -> Draft:
         """A chain draft cut to its first width columns (at least its longest row's proposal):
@@ -90,8 +92,9 @@ class Drafter(ABC):
         """Draft up to ks[i] tokens for sequence i (whose tokens so far are seq.token_ids): a
         Draft of max(ks) columns."""
 
-    def propose_tree(self, batch: list[Sequence], budget: int, shape: TreeShape, max_depths: list[int],
-                     sampling: SamplingTensors) -> Draft:
+    def propose_tree(
+        self, batch: list[Sequence], budget: int, shape: TreeShape, max_depths: list[int], sampling: SamplingTensors
+    ) -> Draft:
         """(grows_trees only) A tree draft of up to budget nodes per sequence, grown as shape says
         (tree.py), row i's no deeper than max_depths[i] (the engine's cut: what it can still
         emit), its candidates ranked for the batch's sampling settings: a Draft with parents."""
@@ -105,8 +108,9 @@ class Drafter(ABC):
     def observe(self, batch: list[Sequence], num_accepted: torch.Tensor) -> None:
         """Told how many draft tokens each row had accepted; a drafter may adapt."""
 
-    def observe_hidden(self, batch: list[Sequence], first_positions: torch.Tensor, hidden: torch.Tensor,
-                       num_valid: torch.Tensor) -> None:
+    def observe_hidden(
+        self, batch: list[Sequence], first_positions: torch.Tensor, hidden: torch.Tensor, num_valid: torch.Tensor
+    ) -> None:
         """(needs_target_hidden only) The target's final normed hidden states hidden [B, T, H] of
         its last forward: row b's entry t is at position first_positions[b] + t, and its first
         num_valid[b] entries hold tokens the sequence keeps (the prompt after a prefill; the

@@ -60,14 +60,25 @@ class DraftModelDrafter(Drafter):
             draft_dtype = torch.float32
         else:
             draft_dtype = target.model.dtype if spec.draft_dtype == "auto" else spec.draft_dtype
-        draft = load_pretrained(spec.model, draft_dtype, device, load_tokenizer=target.tokenizer is not None,
-                                platform=target_runner.platform, what="the draft",
-                                keep_quantized=keeps_file_quantization(spec.draft_quantization))
+        draft = load_pretrained(
+            spec.model,
+            draft_dtype,
+            device,
+            load_tokenizer=target.tokenizer is not None,
+            platform=target_runner.platform,
+            what="the draft",
+            keep_quantized=keeps_file_quantization(spec.draft_quantization),
+        )
         check_same_vocabulary(target, draft)
         warn_if_shorter_context(target, draft)
-        runner = ModelRunner(draft.model, target_runner.platform, target_runner.compile_mode,
-                             bf16_pack_min_bytes=LARGE_WEIGHT_BYTES if small_on_cpu else None, name="the draft",
-                             quantization=requantization(spec.draft_quantization))
+        runner = ModelRunner(
+            draft.model,
+            target_runner.platform,
+            target_runner.compile_mode,
+            bf16_pack_min_bytes=LARGE_WEIGHT_BYTES if small_on_cpu else None,
+            name="the draft",
+            quantization=requantization(spec.draft_quantization),
+        )
         return cls(runner, target.model.config.vocab_size, spec.draft_confidence_threshold)
 
     def sharing_weights(self, confidence_threshold: float | None = None) -> DraftModelDrafter:
@@ -107,11 +118,12 @@ class DraftModelDrafter(Drafter):
             token = steps.draw(self._logits(self.runner(ForwardBatch.of(token[:, None], positions, slots))[:, 0]))
         token_ids = steps.token_ids()  # [B, steps]
         for row, seq in enumerate(batch):  # the cache holds every draft token but the last
-            self.fed[seq.slot] = (seq.num_tokens, token_ids[row, :token_ids.shape[1] - 1].tolist())
+            self.fed[seq.slot] = (seq.num_tokens, token_ids[row, : token_ids.shape[1] - 1].tolist())
         return steps.draft()
 
-    def propose_tree(self, batch: list[Sequence], budget: int, shape: TreeShape, max_depths: list[int],
-                     sampling: SamplingTensors) -> Draft:
+    def propose_tree(
+        self, batch: list[Sequence], budget: int, shape: TreeShape, max_depths: list[int], sampling: SamplingTensors
+    ) -> Draft:
         """A tree grown as tree_growth.py says. After the catch-up the cache holds each row's
         tokens up to its last (position L-1); the expanded nodes are written from position L on,
         a node at depth d at RoPE position L-1+d, and forgotten afterwards (the next catch-up
@@ -149,7 +161,7 @@ class DraftModelDrafter(Drafter):
             heads = [chunks[row][:-CATCH_UP_WIDTH] for row in long_rows]
             self._feed([batch[row] for row in long_rows], heads, [starts[row] for row in long_rows])
             for row, head in zip(long_rows, heads):
-                chunks[row], starts[row] = chunks[row][len(head):], starts[row] + len(head)
+                chunks[row], starts[row] = chunks[row][len(head) :], starts[row] + len(head)
         return self._feed(batch, chunks, starts)
 
     def _feed(self, batch: list[Sequence], chunks: list[list[int]], starts: list[int]) -> torch.Tensor:
@@ -201,9 +213,12 @@ def warn_if_shorter_context(target: LoadedModel, draft: LoadedModel) -> None:
     requests: say so once (its proposals may fall off there; the output stays the target's)."""
     draft_context, target_context = (m.model.config.max_position_embeddings for m in (draft, target))
     if draft_context < target_context:
-        warnings.warn(f"the draft {draft.path} has a context of {draft_context} tokens, the target {target_context}: "
-                      f"past {draft_context} tokens it drafts beyond what it was trained on, and fewer of its "
-                      "tokens may be accepted (the output is still the target's)", stacklevel=2)
+        warnings.warn(
+            f"the draft {draft.path} has a context of {draft_context} tokens, the target {target_context}: "
+            f"past {draft_context} tokens it drafts beyond what it was trained on, and fewer of its "
+            "tokens may be accepted (the output is still the target's)",
+            stacklevel=2,
+        )
 
 
 def check_same_vocabulary(target: LoadedModel, draft: LoadedModel) -> None:
@@ -216,7 +231,10 @@ def check_same_vocabulary(target: LoadedModel, draft: LoadedModel) -> None:
             raise ModelLoadError(
                 f"the draft {draft.path} has a different vocabulary from the target {target.path} "
                 f"({len(draft_vocab)} vs {len(target_vocab)} tokens; e.g. {differing}); "
-                "a draft must share the target's tokenizer")
+                "a draft must share the target's tokenizer"
+            )
     elif target.model.config.vocab_size != draft.model.config.vocab_size:
-        raise ModelLoadError(f"the draft {draft.path} has vocab_size {draft.model.config.vocab_size}, the target "
-                             f"{target.path} has {target.model.config.vocab_size}; a draft must share the target's vocabulary")
+        raise ModelLoadError(
+            f"the draft {draft.path} has vocab_size {draft.model.config.vocab_size}, the target "
+            f"{target.path} has {target.model.config.vocab_size}; a draft must share the target's vocabulary"
+        )

@@ -52,12 +52,16 @@ class EagleDrafter(Drafter):
     def from_config(cls, spec, target: LoadedModel, target_runner: ModelRunner) -> EagleDrafter:
         """Load the head in spec.model for this target, in spec.draft_dtype ("auto": the target's)."""
         if spec.draft_quantization not in (None, "auto"):
-            raise ValueError("draft_quantization applies to a draft model; an EAGLE head runs unquantized "
-                             "(it is one layer: drop draft_quantization)")
+            raise ValueError(
+                "draft_quantization applies to a draft model; an EAGLE head runs unquantized "
+                "(it is one layer: drop draft_quantization)"
+            )
         dtype = target_runner.dtype if spec.draft_dtype == "auto" else getattr(torch, spec.draft_dtype)
         if dtype != target_runner.dtype:
-            raise ValueError(f"an EAGLE head runs in its target's dtype ({str(target_runner.dtype).removeprefix('torch.')}"
-                             f"), whose embedding and output layer it uses; got draft_dtype={spec.draft_dtype!r}")
+            raise ValueError(
+                f"an EAGLE head runs in its target's dtype ({str(target_runner.dtype).removeprefix('torch.')}"
+                f"), whose embedding and output layer it uses; got draft_dtype={spec.draft_dtype!r}"
+            )
         head = load_head(spec.model, target.model.config, dtype, target_runner.device)
         output_layer = head.output_layer(target.model.lm_head.weight) if head.config.output_vocab_size else None
         if can_pack(dtype, target_runner.device):  # bf16 on a CPU that has it: the runner's eager layout
@@ -76,15 +80,18 @@ class EagleDrafter(Drafter):
     def release(self, seq: Sequence) -> None:
         self.waiting.pop(seq.slot, None)
 
-    def observe_hidden(self, batch: list[Sequence], first_positions: torch.Tensor, hidden: torch.Tensor,
-                       num_valid: torch.Tensor) -> None:
+    def observe_hidden(
+        self, batch: list[Sequence], first_positions: torch.Tensor, hidden: torch.Tensor, num_valid: torch.Tensor
+    ) -> None:
         """Keep each row's new features until its next proposal."""
         firsts, counts = first_positions.tolist(), num_valid.tolist()
         for row, seq in enumerate(batch):
-            features = hidden[row, :counts[row]]  # [n, H]
+            features = hidden[row, : counts[row]]  # [n, H]
             start, waiting = self.waiting.get(seq.slot, (firsts[row], features[:0]))
             if start + len(waiting) != firsts[row]:  # never: the engine hands every kept position once
-                raise AssertionError(f"slot {seq.slot}: features up to {start + len(waiting)} kept, next at {firsts[row]}")
+                raise AssertionError(
+                    f"slot {seq.slot}: features up to {start + len(waiting)} kept, next at {firsts[row]}"
+                )
             self.waiting[seq.slot] = (start, torch.cat([waiting, features]))
 
     def time_step(self, batch_size: int) -> None:
@@ -109,8 +116,9 @@ class EagleDrafter(Drafter):
             token = steps.draw(logits[:, 0])
         return steps.draft()
 
-    def propose_tree(self, batch: list[Sequence], budget: int, shape: TreeShape, max_depths: list[int],
-                     sampling: SamplingTensors) -> Draft:
+    def propose_tree(
+        self, batch: list[Sequence], budget: int, shape: TreeShape, max_depths: list[int], sampling: SamplingTensors
+    ) -> Draft:
         """A tree grown as tree_growth.py says. A node at depth d (its token at position L-1+d)
         is expanded by feeding (its parent's predicted feature, its token) at position L-2+d;
         the expanded nodes are written from position L-1 on, where the next catch-up writes
@@ -126,8 +134,9 @@ class EagleDrafter(Drafter):
             parent_features = features.gather(1, (frontier.parent_fed + 1)[:, :, None].expand(-1, -1, H))  # [B, W, H]
             positions = (starts - 1 + frontier.depth)[:, None].expand_as(frontier.tokens)  # [B, W]
             tree = TreeAttention(starts[:, None] + frontier.fed, starts, frontier.visible)
-            predicted = self.head(self.target.embed_tokens(frontier.tokens), parent_features, positions, cache,
-                                  tree=tree)  # [B, W, H]
+            predicted = self.head(
+                self.target.embed_tokens(frontier.tokens), parent_features, positions, cache, tree=tree
+            )  # [B, W, H]
             features = torch.cat([features, predicted], dim=1)
             growth.grow(frontier, self._logits(predicted))  # [B, W, V]
         return growth.draft()
@@ -137,12 +146,13 @@ class EagleDrafter(Drafter):
         the predicted feature after the last [B, 1, H] and its scores [B, V]."""
         device, H = self.head.device, self.head.config.hidden_size
         chunks = [self._waiting_entries(seq) for seq in batch]  # (start, features [n, H], tokens [n])
-        tokens, positions, last = ragged_batch([t for _, _, t in chunks], [start for start, _, _ in chunks],
-                                               cache.max_len)  # [B, W], [B, W], [B]
+        tokens, positions, last = ragged_batch(
+            [t for _, _, t in chunks], [start for start, _, _ in chunks], cache.max_len
+        )  # [B, W], [B, W], [B]
         tokens, positions, last = tokens.to(device), positions.to(device), last.to(device)
         features = torch.zeros(*tokens.shape, H, dtype=self.head.dtype, device=device)  # [B, W, H]
         for row, (_, row_features, _) in enumerate(chunks):
-            features[row, :len(row_features)] = row_features
+            features[row, : len(row_features)] = row_features
         predicted = self.head(self.target.embed_tokens(tokens), features, positions, cache)  # [B, W, H]
         feature = predicted[torch.arange(len(batch), device=device), last][:, None]  # [B, 1, H]
         for seq in batch:
@@ -152,14 +162,17 @@ class EagleDrafter(Drafter):
     def _waiting_entries(self, seq: Sequence) -> tuple[int, torch.Tensor, list[int]]:
         """(first position, features, the token after each) of seq's entries not yet fed."""
         start, features = self.waiting[seq.slot]
-        tokens = seq.token_ids[start + 1:start + 1 + len(features)]
+        tokens = seq.token_ids[start + 1 : start + 1 + len(features)]
         if len(tokens) != len(features) or start + len(features) != seq.num_tokens - 1:
-            raise AssertionError(f"slot {seq.slot}: features for positions {start}..{start + len(features) - 1}, "
-                                 f"but the sequence holds {seq.num_tokens} tokens")
+            raise AssertionError(
+                f"slot {seq.slot}: features for positions {start}..{start + len(features) - 1}, "
+                f"but the sequence holds {seq.num_tokens} tokens"
+            )
         return start, features, tokens
 
-    def _step(self, tokens: torch.Tensor, features: torch.Tensor, positions: torch.Tensor, cache: CacheRows
-              ) -> tuple[torch.Tensor, torch.Tensor]:
+    def _step(
+        self, tokens: torch.Tensor, features: torch.Tensor, positions: torch.Tensor, cache: CacheRows
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """One drafting step: tokens [B, 1], features [B, 1, H] at positions [B, 1] -> the
         predicted features [B, 1, H] and their scores [B, 1, V]."""
         predicted = self.head(self.target.embed_tokens(tokens), features, positions, cache)  # [B, 1, H]

@@ -34,12 +34,15 @@ def early_exit_drafter(spec, target: LoadedModel, target_runner: ModelRunner) ->
     """A draft-model drafter over the target's first spec.early_exit_layer layers (see above)."""
     num_layers = target.model.config.num_layers
     if num_layers < 2:
-        raise ValueError(f"speculative_method='early_exit' needs a target of 2 or more layers; {target.path} has "
-                         f"{num_layers}")
+        raise ValueError(
+            f"speculative_method='early_exit' needs a target of 2 or more layers; {target.path} has {num_layers}"
+        )
     layer = default_exit_layer(num_layers) if spec.early_exit_layer is None else spec.early_exit_layer
     if not 1 <= layer < num_layers:
-        raise ValueError(f"early_exit_layer must be in [1, {num_layers - 1}] for this target of {num_layers} layers "
-                         f"(the draft is its first early_exit_layer layers), got {layer}")
+        raise ValueError(
+            f"early_exit_layer must be in [1, {num_layers - 1}] for this target of {num_layers} layers "
+            f"(the draft is its first early_exit_layer layers), got {layer}"
+        )
     draft = target_runner.model.first_layers(layer)
     runner = ModelRunner(draft, target_runner.platform, target_runner.compile_mode, name="the early-exit draft")
     return DraftModelDrafter(runner, target.model.config.vocab_size, spec.draft_confidence_threshold)

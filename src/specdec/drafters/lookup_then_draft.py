@@ -33,15 +33,19 @@ class LookupThenDraftDrafter(Drafter):
 
     @classmethod
     def from_config(cls, spec, target, target_runner) -> LookupThenDraftDrafter:
-        return cls(NgramDrafter.from_config(spec, target, target_runner),
-                   DraftModelDrafter.from_config(spec, target, target_runner))
+        return cls(
+            NgramDrafter.from_config(spec, target, target_runner),
+            DraftModelDrafter.from_config(spec, target, target_runner),
+        )
 
     @classmethod
     def sharing_weights(cls, draft_model: DraftModelDrafter) -> LookupThenDraftDrafter:
         """Prompt lookup with this method's default n-gram lengths in front of draft_model's
         weights (and runner: see DraftModelDrafter.sharing_weights)."""
-        return cls(NgramDrafter(DEFAULT_NGRAM_MIN["lookup_then_draft"], device=draft_model.model.device),
-                   draft_model.sharing_weights())
+        return cls(
+            NgramDrafter(DEFAULT_NGRAM_MIN["lookup_then_draft"], device=draft_model.model.device),
+            draft_model.sharing_weights(),
+        )
 
     def reserve(self, max_batch: int, max_len: int, num_forwards: int = 0) -> None:
         self.draft_model.reserve(max_batch, max_len, num_forwards)
@@ -63,8 +67,9 @@ class LookupThenDraftDrafter(Drafter):
         if len(unmatched) == len(batch):
             return self.draft_model.propose(batch, ks, sampling)
         rows = torch.tensor(unmatched, device=looked_up.token_ids.device)  # [R]
-        drafted = self.draft_model.propose([batch[row] for row in unmatched], [ks[row] for row in unmatched],
-                                           sampling.select_rows(rows))
+        drafted = self.draft_model.propose(
+            [batch[row] for row in unmatched], [ks[row] for row in unmatched], sampling.select_rows(rows)
+        )
         return _merge(looked_up, drafted, rows)
 
 

@@ -29,7 +29,7 @@ class NgramDrafter(Drafter):
         num_tokens = torch.zeros(len(batch), dtype=torch.long)
         for row, (seq, k) in enumerate(zip(batch, ks)):
             proposal = lookup(np.asarray(seq.token_ids), k, self.ngram_min, self.ngram_max)
-            token_ids[row, :len(proposal)] = torch.as_tensor(proposal, dtype=torch.long)
+            token_ids[row, : len(proposal)] = torch.as_tensor(proposal, dtype=torch.long)
             num_tokens[row] = len(proposal)
         return Draft(token_ids.to(self.device), num_tokens.to(self.device), None)
 
@@ -38,7 +38,7 @@ def lookup(context: np.ndarray, k: int, ngram_min: int, ngram_max: int) -> np.nd
     """Up to k tokens that followed the latest earlier match of the context's last n tokens,
     trying the longest n first; empty when nothing matches."""
     L = len(context)
-    ends = np.flatnonzero(context[:L - 1] == context[L - 1])  # earlier places where a match could end
+    ends = np.flatnonzero(context[: L - 1] == context[L - 1])  # earlier places where a match could end
     if L < 2 or not len(ends):
         return context[:0]
     match_len = np.ones(len(ends), dtype=np.int64)  # how far back each candidate keeps matching
@@ -54,5 +54,5 @@ def lookup(context: np.ndarray, k: int, ngram_min: int, ngram_max: int) -> np.nd
             extended = np.concatenate([context, np.empty(k, dtype=context.dtype)])
             for i in range(k):  # overlapping copy: start + i < L + i, always already written
                 extended[L + i] = extended[start + i]
-            return extended[L:L + k]
+            return extended[L : L + k]
     return context[:0]

@@ -20,8 +20,14 @@ from specdec.sequence import Sequence
 
 
 class DraftSteps:
-    def __init__(self, batch: list[Sequence], ks: list[int], sampling: SamplingTensors, confidence_threshold: float,
-                 device: torch.device):
+    def __init__(
+        self,
+        batch: list[Sequence],
+        ks: list[int],
+        sampling: SamplingTensors,
+        confidence_threshold: float,
+        device: torch.device,
+    ):
         self.k, self.sampling, self.confidence_threshold = max(ks), sampling, confidence_threshold
         self.generators = [seq.generator for seq in batch]
         self.num_tokens = torch.tensor(ks, device=device)  # [B]: each row's most
@@ -66,8 +72,9 @@ class DraftSteps:
         return Draft(token_ids, self.num_tokens, probs)
 
 
-def _confidence(logits: torch.Tensor, token: torch.Tensor, probs: torch.Tensor | None,
-                greedy: torch.Tensor) -> torch.Tensor:
+def _confidence(
+    logits: torch.Tensor, token: torch.Tensor, probs: torch.Tensor | None, greedy: torch.Tensor
+) -> torch.Tensor:
     """The drafter's probability of each row's token [B]: under the warped distribution it was
     sampled from, or, for a greedy row [B] (whose warped distribution is a point mass, certain
     by construction), under the plain softmax, whatever else is in the batch."""

@@ -62,12 +62,20 @@ GREEDY_TREE_TEMPERATURE = 0.25
 
 
 class TreeGrowth:
-    def __init__(self, batch: list[Sequence], shape: TreeShape, budget: int, max_depths: list[int],
-                 sampling: SamplingTensors, device: torch.device):
+    def __init__(
+        self,
+        batch: list[Sequence],
+        shape: TreeShape,
+        budget: int,
+        max_depths: list[int],
+        sampling: SamplingTensors,
+        device: torch.device,
+    ):
         self.shape, self.budget, self.device = shape, budget, device
         B = len(batch)
-        self.temperature = torch.where(sampling.greedy, GREEDY_TREE_TEMPERATURE,
-                                       sampling.temperature).to(device)  # [B]: of the scores
+        self.temperature = torch.where(sampling.greedy, GREEDY_TREE_TEMPERATURE, sampling.temperature).to(
+            device
+        )  # [B]: of the scores
         self.rooms = torch.tensor(max_depths, device=device)  # [B]: the deepest allowed
         self.max_depth = min(shape.max_depth(budget), max(max_depths))
         # candidates, as columns, depth by depth
@@ -89,7 +97,7 @@ class TreeGrowth:
         if self.depth == 0 or self.depth >= self.max_depth:
             return None
         B, M = self.scores.shape
-        level_scores = self.scores[:, self.level_start:]  # [B, C]
+        level_scores = self.scores[:, self.level_start :]  # [B, C]
         expandable = level_scores >= self._nth_best_score()[:, None]  # [B, C]
         width = min(self.shape.nodes_to_expand(level_scores.shape[1]), self.budget)
         ranked, order = torch.where(expandable, level_scores, float("-inf")).topk(width, dim=1)  # [B, W]
@@ -98,8 +106,9 @@ class TreeGrowth:
             return None
         candidates = self.level_start + order  # [B, W]
         parent_candidates = self.parents.gather(1, candidates)  # [B, W]
-        parent_fed = torch.where(parent_candidates == ROOT, -1,
-                                 self.fed_of.gather(1, parent_candidates.clamp(min=0)))  # [B, W]
+        parent_fed = torch.where(
+            parent_candidates == ROOT, -1, self.fed_of.gather(1, parent_candidates.clamp(min=0))
+        )  # [B, W]
         F = self.branch.shape[1]
         fed = F + torch.arange(width, device=self.device).expand(B, width)  # [B, W]
         self.fed_of = self.fed_of.scatter(1, candidates, torch.where(valid, fed, -1))
@@ -140,7 +149,8 @@ class TreeGrowth:
         B, W, _ = logits.shape
         depth = self.depth + 1
         top_logprobs, top_tokens = torch.log_softmax(logits.float() / self.temperature[:, None, None], dim=-1).topk(
-            self.shape.children_per_node(self.depth), dim=-1)  # [B, W, b]
+            self.shape.children_per_node(self.depth), dim=-1
+        )  # [B, W, b]
         scores = parent_scores[:, :, None] + top_logprobs  # [B, W, b]
         scores = torch.where((depth <= self.rooms)[:, None, None], scores, float("-inf"))
         b = scores.shape[-1]

@@ -52,9 +52,11 @@ class Capacity:
             per_slot = self.target.model.cache_bytes(1, max_len)
             num_slots = min(num_slots, kv_cache_bytes // per_slot)
             if num_slots < 1:
-                raise CacheTooLarge(f"one sequence of {max_len:,} positions needs {per_slot / 1e6:,.1f} MB of key/value "
-                                    f"cache, more than the budget of {kv_cache_bytes / 1e6:,.1f} MB; lower "
-                                    "max_model_len or raise the budget")
+                raise CacheTooLarge(
+                    f"one sequence of {max_len:,} positions needs {per_slot / 1e6:,.1f} MB of key/value "
+                    f"cache, more than the budget of {kv_cache_bytes / 1e6:,.1f} MB; lower "
+                    "max_model_len or raise the budget"
+                )
         self._reserve(num_slots, max_len, 0, k)
         if self.k_choice.policy is not None:
             for batch_size in (1 << i for i in range(num_slots.bit_length())):
@@ -65,13 +67,16 @@ class Capacity:
         """Caches for the work ahead (at most num_forwards target forwards, k drafts a round at
         most); the runners compile for it if they are to, and the policy measures its costs."""
         try:
-            self.target.prepare(max_batch, max_len, self.k_choice.query_lengths(), num_forwards,
-                                return_hidden=self.return_hidden)
+            self.target.prepare(
+                max_batch, max_len, self.k_choice.query_lengths(), num_forwards, return_hidden=self.return_hidden
+            )
             if self.drafter is not None:
                 self.drafter.reserve(max_batch, max_len, num_forwards)
         except CacheTooLarge as e:
-            raise CacheTooLarge(f"{e}: {max_batch} sequences at once, each of up to {max_len:,} positions (prompt + "
-                                "max_tokens + k + 1); lower max_tokens, or max_num_seqs") from None
+            raise CacheTooLarge(
+                f"{e}: {max_batch} sequences at once, each of up to {max_len:,} positions (prompt + "
+                "max_tokens + k + 1); lower max_tokens, or max_num_seqs"
+            ) from None
         if self.k_choice.policy is not None:
             self._calibrate(max_batch, max_len, k)
 
@@ -79,9 +84,12 @@ class Capacity:
         """The goodput policy's costs at batch_size rows for every k up to k (once per batch
         bucket: goodput.py; a larger k later adds its lengths)."""
         with stage(f"timing the round costs of {batch_size} row{'s' if batch_size > 1 else ''} for k by goodput"):
-            self.k_choice.policy.calibrate(batch_size, k,
-                                           lambda num_tokens: self._time_target(batch_size, num_tokens, max_len),
-                                           lambda: self.drafter.time_step(batch_size))
+            self.k_choice.policy.calibrate(
+                batch_size,
+                k,
+                lambda num_tokens: self._time_target(batch_size, num_tokens, max_len),
+                lambda: self.drafter.time_step(batch_size),
+            )
 
     def warm_up(self, num_slots: int, repeats: int = 2) -> None:
         """Run, untimed, every target forward the rounds can take (1 to k + 1 tokens a row, all

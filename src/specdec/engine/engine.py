@@ -36,9 +36,18 @@ class Engine:
     each round's largest k; k_policy "goodput" or "fixed", tree: see spec/k_choice.py.
     generator: the random stream of requests without a seed of their own."""
 
-    def __init__(self, target: ModelRunner, drafter: Drafter | None, num_speculative_tokens: int,
-                 eos_token_ids: tuple[int, ...], tokenizer: Tokenizer | None, max_num_seqs: int = 256,
-                 k_policy: str = "goodput", tree: TreeShape | None = None, generator: torch.Generator | None = None):
+    def __init__(
+        self,
+        target: ModelRunner,
+        drafter: Drafter | None,
+        num_speculative_tokens: int,
+        eos_token_ids: tuple[int, ...],
+        tokenizer: Tokenizer | None,
+        max_num_seqs: int = 256,
+        k_policy: str = "goodput",
+        tree: TreeShape | None = None,
+        generator: torch.Generator | None = None,
+    ):
         self.target, self.drafter, self.max_num_seqs = target, drafter, max_num_seqs
         k = num_speculative_tokens if drafter is not None else 0
         self.k_choice = KChoice(k, k_policy, tree, drafter is not None and drafter.grows_trees, target.padded_queries)
@@ -53,10 +62,18 @@ class Engine:
         self.timings = dict.fromkeys(TIMED_PARTS, 0.0)
 
     k = property(lambda self: self.k_choice.k)
-    policy = property(lambda self: self.k_choice.policy, doc="The goodput policy, or None (k fixed, a tree, no drafter)")
+    policy = property(
+        lambda self: self.k_choice.policy, doc="The goodput policy, or None (k fixed, a tree, no drafter)"
+    )
 
-    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                    prompt: str | None = None, stream_text: bool = False) -> Sequence:
+    def add_request(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        prompt: str | None = None,
+        stream_text: bool = False,
+    ) -> Sequence:
         """Queue a request (prompt_token_ids checked by the caller: LLM.prompt_token_ids); it
         starts at a step with a free slot. stream_text: each step's RequestOutput carries the
         request's new text too (its whole output is decoded at every step that adds tokens)."""
@@ -71,9 +88,11 @@ class Engine:
             raise ValueError(f"request id {seq.request_id!r} is already running or waiting; give each a new id")
         needed = self.k_choice.positions_needed(seq)
         if self.max_len is not None and needed > self.max_len:
-            raise ValueError(f"a prompt of {len(seq.prompt_token_ids)} tokens + max_tokens={seq.params.max_tokens} "
-                             f"needs {needed} cache positions, and the engine was prepared for {self.max_len}; "
-                             "shorten the prompt or lower max_tokens")
+            raise ValueError(
+                f"a prompt of {len(seq.prompt_token_ids)} tokens + max_tokens={seq.params.max_tokens} "
+                f"needs {needed} cache positions, and the engine was prepared for {self.max_len}; "
+                "shorten the prompt or lower max_tokens"
+            )
         self._unfinished[seq.request_id] = seq
         self.scheduler.add(seq)
 
@@ -126,8 +145,9 @@ class Engine:
         num_slots, self.max_len = self.capacity.for_requests(seqs, self.max_num_seqs)
         return self._start(num_slots)
 
-    def prepare_to_serve(self, max_model_len: int, kv_cache_bytes: int | None = None,
-                         max_prefill_tokens: int | None = None) -> int:
+    def prepare_to_serve(
+        self, max_model_len: int, kv_cache_bytes: int | None = None, max_prefill_tokens: int | None = None
+    ) -> int:
         """Size the caches for serving requests of up to max_model_len tokens each (capacity.py;
         compiles only under compile="on": a compiled forward runs the whole batch of slots,
         however few requests there are). max_prefill_tokens: one step's prefill budget
@@ -155,11 +175,17 @@ class Engine:
         """Append each row's new tokens (stopping inside an accepted run) and count the round."""
         start = time.perf_counter()
         for row, seq in enumerate(batch):
-            emitted = self.output.append(seq, result.tokens[row], num_from_draft=result.num_accepted[row],
-                                         logprobs=result.logprobs[row])
+            emitted = self.output.append(
+                seq, result.tokens[row], num_from_draft=result.num_accepted[row], logprobs=result.logprobs[row]
+            )
             for stats in (seq.stats, self.stats):
-                stats.record_round(result.num_proposed[row], result.num_accepted[row], emitted, k=result.ks[row],
-                                   depth=result.tree_depths[row])
+                stats.record_round(
+                    result.num_proposed[row],
+                    result.num_accepted[row],
+                    emitted,
+                    k=result.ks[row],
+                    depth=result.tree_depths[row],
+                )
         for part, seconds in result.seconds.items():
             self.timings[part] += seconds
         self.timings["bookkeeping"] += time.perf_counter() - start

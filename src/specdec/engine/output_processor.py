@@ -21,8 +21,9 @@ class OutputProcessor:
         self.tokenizer = tokenizer
         self.eos_token_ids = frozenset(eos_token_ids)
 
-    def append(self, seq: Sequence, tokens: list[int], num_from_draft: int,
-               logprobs: list[TokenLogprob] | None = None) -> int:
+    def append(
+        self, seq: Sequence, tokens: list[int], num_from_draft: int, logprobs: list[TokenLogprob] | None = None
+    ) -> int:
         """Append tokens to seq until one of them finishes it; returns how many were emitted.
         The first num_from_draft tokens are accepted drafts, the rest the target's own;
         logprobs: each token's, kept with it."""
@@ -47,19 +48,23 @@ class OutputProcessor:
         if it streams text, the new text that can no longer change (held back: an unfinished
         character, and a tail that may be the start of a stop string); all of its text once it
         finishes."""
-        new_token_ids = seq.output_token_ids[seq.num_tokens_reported:]
-        from_draft = seq.output_from_draft[seq.num_tokens_reported:]
-        logprobs = seq.output_logprobs[seq.num_tokens_reported:] if seq.params.logprobs is not None else None
+        new_token_ids = seq.output_token_ids[seq.num_tokens_reported :]
+        from_draft = seq.output_from_draft[seq.num_tokens_reported :]
+        logprobs = seq.output_logprobs[seq.num_tokens_reported :] if seq.params.logprobs is not None else None
         if not new_token_ids and not seq.finished:
             return None
         seq.num_tokens_reported = len(seq.output_token_ids)
-        text = seq.text if seq.finished else (_settled_text(self._output_text(seq), seq.params.stop)
-                                              if seq.stream_text else seq.text_reported)
-        new_text = text[len(seq.text_reported):] if text.startswith(seq.text_reported) else ""
+        text = (
+            seq.text
+            if seq.finished
+            else (_settled_text(self._output_text(seq), seq.params.stop) if seq.stream_text else seq.text_reported)
+        )
+        new_text = text[len(seq.text_reported) :] if text.startswith(seq.text_reported) else ""
         seq.text_reported += new_text
         completion = CompletionOutput(0, new_text, new_token_ids, seq.finish_reason, from_draft, logprobs)
-        return RequestOutput(seq.request_id, seq.prompt, seq.prompt_token_ids, [completion], seq.stats,
-                             finished=seq.finished)
+        return RequestOutput(
+            seq.request_id, seq.prompt, seq.prompt_token_ids, [completion], seq.stats, finished=seq.finished
+        )
 
     def final_text(self, seq: Sequence) -> str:
         """The decoded output, cut before the first stop string."""
@@ -75,7 +80,7 @@ class OutputProcessor:
         window = 4 * max(len(stop) for stop in seq.params.stop) + 1
         if len(seq.output_token_ids) <= window or self.tokenizer is None:
             return self._output_text(seq)
-        before = seq.output_token_ids[-window - DECODE_CONTEXT_TOKENS:-window]  # what the tail reads after
+        before = seq.output_token_ids[-window - DECODE_CONTEXT_TOKENS : -window]  # what the tail reads after
         return self.tokenizer.decode_after(before, seq.output_token_ids[-window:])
 
     def _output_text(self, seq: Sequence) -> str:
@@ -90,7 +95,7 @@ def _settled_text(text: str, stops: tuple[str, ...]) -> str:
     UTF-8 character (decoded as U+FFFD) and less the longest tail that begins a stop string."""
     text = text.rstrip("\ufffd")
     hold = max((n for stop in stops for n in range(1, len(stop)) if text.endswith(stop[:n])), default=0)
-    return text[:len(text) - hold]
+    return text[: len(text) - hold]
 
 
 def _stop_string_index(text: str, stops: tuple[str, ...]) -> int | None:

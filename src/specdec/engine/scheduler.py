@@ -43,8 +43,11 @@ class Scheduler:
         admitted, longest = [], 0
         while self.waiting and self._free_slots:
             longest = max(longest, self.waiting[0].num_tokens)
-            if admitted and self.max_prefill_tokens is not None and \
-                    (len(admitted) + 1) * longest > self.max_prefill_tokens:
+            if (
+                admitted
+                and self.max_prefill_tokens is not None
+                and (len(admitted) + 1) * longest > self.max_prefill_tokens
+            ):
                 break
             seq = self.waiting.popleft()
             seq.slot = self._free_slots.pop()

@@ -27,7 +27,14 @@ log = logging.getLogger("specdec")
 
 SOURCE_DIR = Path(__file__).parent
 SOURCES = [SOURCE_DIR / name for name in ("qmatmul.cpp", "attention.cpp", "layer.cpp")]  # and kernels.h, vec16.h
-COMMON_FLAGS = ["-O3", "-std=c++17", "-fopenmp", "-mavx2", "-mfma", "-mf16c"]  # -fopenmp: at::parallel_for is OpenMP inlined here
+COMMON_FLAGS = [
+    "-O3",
+    "-std=c++17",
+    "-fopenmp",
+    "-mavx2",
+    "-mfma",
+    "-mf16c",
+]  # -fopenmp: at::parallel_for is OpenMP inlined here
 VARIANT_FLAGS = {
     "avx512_vnni": COMMON_FLAGS + ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx512vnni"],
     "avx2": COMMON_FLAGS,
@@ -57,8 +64,10 @@ def variant() -> str:
         return "avx512_vnni"
     if capability in ("AVX2", "AVX512") and {"avx2", "fma", "f16c"} <= flags:
         return "avx2"
-    raise KernelUnavailable(f"quantized GGUF weights need an x86-64 CPU with AVX2, FMA and F16C (PyTorch reports "
-                            f"{capability!r}); load the model with quantization=None to dequantize it instead")
+    raise KernelUnavailable(
+        f"quantized GGUF weights need an x86-64 CPU with AVX2, FMA and F16C (PyTorch reports "
+        f"{capability!r}); load the model with quantization=None to dequantize it instead"
+    )
 
 
 @functools.cache
@@ -75,13 +84,19 @@ def qmatmul():
     digest = hashlib.sha256(b"".join(p.read_bytes() for p in sorted(SOURCE_DIR.glob("*.[ch]*")))).hexdigest()[:16]
     start = time.perf_counter()
     try:
-        module = cpp_extension.load(name=f"specdec_qmatmul_{name}", sources=[str(source) for source in SOURCES],
-                                    extra_cflags=[*VARIANT_FLAGS[name], f"-DSPECDEC_SOURCES={digest}"],
-                                    extra_ldflags=["-fopenmp"] if os.name == "posix" else [],
-                                    build_directory=str(build_dir), verbose=False)
+        module = cpp_extension.load(
+            name=f"specdec_qmatmul_{name}",
+            sources=[str(source) for source in SOURCES],
+            extra_cflags=[*VARIANT_FLAGS[name], f"-DSPECDEC_SOURCES={digest}"],
+            extra_ldflags=["-fopenmp"] if os.name == "posix" else [],
+            build_directory=str(build_dir),
+            verbose=False,
+        )
     except Exception as e:  # no compiler, a failed build
-        raise KernelUnavailable(f"building specdec's kernels ({', '.join(s.name for s in SOURCES)}, {name}) failed: {e}; "
-                                "install a C++ compiler (gcc) and ninja, or load with quantization=None") from e
+        raise KernelUnavailable(
+            f"building specdec's kernels ({', '.join(s.name for s in SOURCES)}, {name}) failed: {e}; "
+            "install a C++ compiler (gcc) and ninja, or load with quantization=None"
+        ) from e
     elapsed = time.perf_counter() - start
     if elapsed > 1:
         log.info("built specdec's quantized kernel (%s) in %.0f s", name, elapsed)
@@ -97,8 +112,11 @@ def _register_fakes() -> None:
     def _(x):
         rows, cols = x.shape
         block = 256 if cols % 256 == 0 else 32  # inputs per activation scale (qmatmul.cpp's act_block)
-        return (x.new_empty(rows, cols, dtype=torch.int8), x.new_empty(rows, cols // block, dtype=torch.float32),
-                x.new_empty(rows, cols // 16 + cols // 32, dtype=torch.int16))
+        return (
+            x.new_empty(rows, cols, dtype=torch.int8),
+            x.new_empty(rows, cols // block, dtype=torch.float32),
+            x.new_empty(rows, cols // 16 + cols // 32, dtype=torch.int16),
+        )
 
     @torch.library.register_fake("specdec::qmatmul")
     def _(xq, dx, xsum, codes, sc, mn, d, dmin, bits, S, SB, z, sc_signed):

@@ -41,12 +41,16 @@ def to_hf(model: LlamaModel) -> dict[str, torch.Tensor]:
 
     packed = [name for name, module in model.named_modules() if isinstance(module, PackedLinear)]
     if packed:  # their weights live in oneDNN's layout, outside the state dict
-        raise ValueError(f"the model's linear layers are packed for oneDNN ({packed[:2]}...), and their weights "
-                         "cannot be saved; save a model load_pretrained gave, before a ModelRunner runs it eagerly "
-                         "(which packs it)")
+        raise ValueError(
+            f"the model's linear layers are packed for oneDNN ({packed[:2]}...), and their weights "
+            "cannot be saved; save a model load_pretrained gave, before a ModelRunner runs it eagerly "
+            "(which packs it)"
+        )
     c = model.config
-    split_sizes = {"self_attn.qkv_proj": [c.num_heads * c.head_dim] + [c.num_kv_heads * c.head_dim] * 2,
-                   "mlp.gate_up_proj": [c.intermediate_size] * 2}
+    split_sizes = {
+        "self_attn.qkv_proj": [c.num_heads * c.head_dim] + [c.num_kv_heads * c.head_dim] * 2,
+        "mlp.gate_up_proj": [c.intermediate_size] * 2,
+    }
     out = {}
     for name, tensor in model.state_dict().items():
         if name == "inv_freq" or (name == "lm_head.weight" and c.tie_word_embeddings):
@@ -71,16 +75,26 @@ def hf_config_dict(config: ModelConfig, dtype: torch.dtype, extra: dict | None =
         raise ValueError("hf_config_dict writes plain Llama configs only")
     scaling = dict(config.rope_scaling)
     return {
-        "architectures": ["LlamaForCausalLM"], "model_type": "llama",
-        "vocab_size": config.vocab_size, "hidden_size": config.hidden_size,
-        "intermediate_size": config.intermediate_size, "num_hidden_layers": config.num_layers,
-        "num_attention_heads": config.num_heads, "num_key_value_heads": config.num_kv_heads,
-        "head_dim": config.head_dim, "max_position_embeddings": config.max_position_embeddings,
-        "rms_norm_eps": config.rms_norm_eps, "rope_theta": config.rope_theta,
-        "rope_scaling": scaling or None, "tie_word_embeddings": config.tie_word_embeddings,
-        "attention_bias": config.qkv_bias, "mlp_bias": config.mlp_bias, "hidden_act": "silu",
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "vocab_size": config.vocab_size,
+        "hidden_size": config.hidden_size,
+        "intermediate_size": config.intermediate_size,
+        "num_hidden_layers": config.num_layers,
+        "num_attention_heads": config.num_heads,
+        "num_key_value_heads": config.num_kv_heads,
+        "head_dim": config.head_dim,
+        "max_position_embeddings": config.max_position_embeddings,
+        "rms_norm_eps": config.rms_norm_eps,
+        "rope_theta": config.rope_theta,
+        "rope_scaling": scaling or None,
+        "tie_word_embeddings": config.tie_word_embeddings,
+        "attention_bias": config.qkv_bias,
+        "mlp_bias": config.mlp_bias,
+        "hidden_act": "silu",
         "torch_dtype": str(dtype).removeprefix("torch."),
-        **({"output_vocab_size": config.output_vocab_size} if config.output_vocab_size else {}), **(extra or {}),
+        **({"output_vocab_size": config.output_vocab_size} if config.output_vocab_size else {}),
+        **(extra or {}),
     }
 
 
@@ -88,9 +102,16 @@ SHARD_BYTES = 15_000_000  # the largest safetensors file save_pretrained writes 
 WEIGHT_FILE, INDEX_FILE = "model.safetensors", "model.safetensors.index.json"
 
 
-def save_pretrained(model: LlamaModel, path: str | Path, dtype: torch.dtype = torch.bfloat16,
-                    extra_config: dict | None = None, *, max_shard_bytes: int = SHARD_BYTES,
-                    tokenizer=None, eos_token_id: int | None = None) -> Path:
+def save_pretrained(
+    model: LlamaModel,
+    path: str | Path,
+    dtype: torch.dtype = torch.bfloat16,
+    extra_config: dict | None = None,
+    *,
+    max_shard_bytes: int = SHARD_BYTES,
+    tokenizer=None,
+    eos_token_id: int | None = None,
+) -> Path:
     """Write a Hugging Face directory for a plain-Llama LlamaModel that transformers loads too.
 
     Weights: model.safetensors if they fit in max_shard_bytes, else shards
@@ -133,8 +154,15 @@ def save_weights(state: dict[str, torch.Tensor], path: Path, max_shard_bytes: in
     _write_json(path / INDEX_FILE, {"metadata": {"total_size": total}, "weight_map": weight_map})
 
 
-def save_hf_directory(path: Path, weights: dict[str, torch.Tensor], config: dict, tokenizer, tokenizer_config: dict,
-                      generation_config: dict, max_shard_bytes: int = 2_000_000_000) -> Path:
+def save_hf_directory(
+    path: Path,
+    weights: dict[str, torch.Tensor],
+    config: dict,
+    tokenizer,
+    tokenizer_config: dict,
+    generation_config: dict,
+    max_shard_bytes: int = 2_000_000_000,
+) -> Path:
     """A Hugging Face directory from its parts (a GGUF file's, say): config.json, the weights
     (shards of at most max_shard_bytes), tokenizer.json (a `tokenizers.Tokenizer`),
     tokenizer_config.json and generation_config.json."""
@@ -175,8 +203,11 @@ def save_tokenizer(tokenizer, path: Path, model_max_length: int, eos_token_id: i
     """tokenizer.json plus a tokenizer_config.json that transformers' AutoTokenizer reads as
     the same tokenizer (PreTrainedTokenizerFast over tokenizer.json, no text clean-up)."""
     tokenizer.save(str(path / "tokenizer.json"))
-    config = {"tokenizer_class": "PreTrainedTokenizerFast", "model_max_length": model_max_length,
-              "clean_up_tokenization_spaces": False}
+    config = {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "model_max_length": model_max_length,
+        "clean_up_tokenization_spaces": False,
+    }
     if eos_token_id is not None:
         config["eos_token"] = tokenizer.id_to_token(eos_token_id)
     _write_json(path / "tokenizer_config.json", config)

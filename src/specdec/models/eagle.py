@@ -36,8 +36,18 @@ from specdec.models.llama import DecoderLayer, DecoderStack, ModelConfig, RMSNor
 HEAD_FORMAT = "specdec-eagle-head"
 HEAD_CONFIG, HEAD_WEIGHTS = "head.json", "head.safetensors"
 # the fields of a target's config its head's layer must share (sizes, vocabulary, layer type)
-MATCHING_FIELDS = ("vocab_size", "hidden_size", "intermediate_size", "num_heads", "num_kv_heads", "head_dim",
-                   "qkv_bias", "o_bias", "mlp_bias", "qk_norm")
+MATCHING_FIELDS = (
+    "vocab_size",
+    "hidden_size",
+    "intermediate_size",
+    "num_heads",
+    "num_kv_heads",
+    "head_dim",
+    "qkv_bias",
+    "o_bias",
+    "mlp_bias",
+    "qk_norm",
+)
 
 
 class HeadLoadError(ValueError):
@@ -47,8 +57,9 @@ class HeadLoadError(ValueError):
 def head_config(target: ModelConfig, output_vocab_size: int = 0) -> ModelConfig:
     """The head's layer shape: one layer of the target's kind, full attention, scoring the
     whole vocabulary (or output_vocab_size tokens of it)."""
-    return dataclasses.replace(target, num_layers=1, sliding_windows=(), output_vocab_size=output_vocab_size,
-                               tie_word_embeddings=False)
+    return dataclasses.replace(
+        target, num_layers=1, sliding_windows=(), output_vocab_size=output_vocab_size, tie_word_embeddings=False
+    )
 
 
 class EagleHead(DecoderStack):
@@ -64,12 +75,15 @@ class EagleHead(DecoderStack):
             self.register_buffer("output_token_ids", torch.arange(config.output_vocab_size))
         self._init_rope()
 
-    def forward(self, token_embeddings: torch.Tensor, features: torch.Tensor, positions: torch.Tensor,
-                cache=None, tree=None) -> torch.Tensor:
+    def forward(
+        self, token_embeddings: torch.Tensor, features: torch.Tensor, positions: torch.Tensor, cache=None, tree=None
+    ) -> torch.Tensor:
         """token_embeddings of tokens t+1 and features f_t [B, T, hidden], at positions t [B, T]
         -> predicted features f^_{t+1} [B, T, hidden]. cache=None (training) attends causally;
         tree: see DecoderStack.transform."""
-        x = self.fc(torch.cat([token_embeddings, features.to(token_embeddings.dtype)], dim=-1))  # [B, T, 2H] -> [B, T, H]
+        x = self.fc(
+            torch.cat([token_embeddings, features.to(token_embeddings.dtype)], dim=-1)
+        )  # [B, T, 2H] -> [B, T, H]
         return self.transform(x, positions, cache, tree)
 
     @property
@@ -94,16 +108,29 @@ class EagleHead(DecoderStack):
         return scores_over_vocabulary(scores.float(), self.output_token_ids, self.config.vocab_size)
 
 
-def save_head(head: EagleHead, path: str | Path, dtype: torch.dtype = torch.bfloat16,
-              target: str | None = None, extra: dict | None = None) -> Path:
+def save_head(
+    head: EagleHead,
+    path: str | Path,
+    dtype: torch.dtype = torch.bfloat16,
+    target: str | None = None,
+    extra: dict | None = None,
+) -> Path:
     """Write head.json and head.safetensors into path (created if needed)."""
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
-    weights = {name: (tensor.detach().to(dtype) if tensor.is_floating_point() else tensor.detach()).contiguous()
-               for name, tensor in head.state_dict().items()}
+    weights = {
+        name: (tensor.detach().to(dtype) if tensor.is_floating_point() else tensor.detach()).contiguous()
+        for name, tensor in head.state_dict().items()
+    }
     save_file(weights, str(path / HEAD_WEIGHTS), metadata={"format": "pt"})
-    config = {"format": HEAD_FORMAT, "version": 1, "model": dataclasses.asdict(head.config),
-              "torch_dtype": str(dtype).removeprefix("torch."), "target": target, **(extra or {})}
+    config = {
+        "format": HEAD_FORMAT,
+        "version": 1,
+        "model": dataclasses.asdict(head.config),
+        "torch_dtype": str(dtype).removeprefix("torch."),
+        "target": target,
+        **(extra or {}),
+    }
     (path / HEAD_CONFIG).write_text(json.dumps(config, indent=2) + "\n")
     return path
 
@@ -113,8 +140,9 @@ def is_head_directory(path) -> bool:
     return isinstance(path, (str, os.PathLike)) and (Path(path) / HEAD_CONFIG).is_file()
 
 
-def load_head(path: str | Path, target: ModelConfig, dtype: torch.dtype, device: str | torch.device = "cpu"
-              ) -> EagleHead:
+def load_head(
+    path: str | Path, target: ModelConfig, dtype: torch.dtype, device: str | torch.device = "cpu"
+) -> EagleHead:
     """The head in path, checked to fit target (the config of the model it will draft for)."""
     path = Path(path)
     config = read_head_config(path)
@@ -124,20 +152,30 @@ def load_head(path: str | Path, target: ModelConfig, dtype: torch.dtype, device:
     expected = set(head.state_dict())
     if set(weights) != expected:
         missing, extra = sorted(expected - set(weights)), sorted(set(weights) - expected)
-        raise HeadLoadError(f"{path / HEAD_WEIGHTS} does not hold an EAGLE head's weights (missing {missing[:3]}, "
-                            f"unexpected {extra[:3]})")
+        raise HeadLoadError(
+            f"{path / HEAD_WEIGHTS} does not hold an EAGLE head's weights (missing {missing[:3]}, "
+            f"unexpected {extra[:3]})"
+        )
     for name, tensor in weights.items():
         if tensor.shape != head.state_dict()[name].shape:
-            raise HeadLoadError(f"{path / HEAD_WEIGHTS}: {name} has shape {tuple(tensor.shape)}, the head's config "
-                                f"says {tuple(head.state_dict()[name].shape)}")
+            raise HeadLoadError(
+                f"{path / HEAD_WEIGHTS}: {name} has shape {tuple(tensor.shape)}, the head's config "
+                f"says {tuple(head.state_dict()[name].shape)}"
+            )
         if not bool(tensor.float().isfinite().all()):
             raise HeadLoadError(f"{path / HEAD_WEIGHTS}: {name} holds NaN or infinite values")
     if "output_token_ids" in weights:
         ids = weights["output_token_ids"]
-        if ids.is_floating_point() or not bool((ids[1:] > ids[:-1]).all()) or int(ids.min()) < 0 \
-                or int(ids.max()) >= target.vocab_size:
-            raise HeadLoadError(f"{path / HEAD_WEIGHTS}: output_token_ids must be ascending distinct token ids below "
-                                f"the vocabulary size {target.vocab_size}")
+        if (
+            ids.is_floating_point()
+            or not bool((ids[1:] > ids[:-1]).all())
+            or int(ids.min()) < 0
+            or int(ids.max()) >= target.vocab_size
+        ):
+            raise HeadLoadError(
+                f"{path / HEAD_WEIGHTS}: output_token_ids must be ascending distinct token ids below "
+                f"the vocabulary size {target.vocab_size}"
+            )
     head.load_state_dict(weights, strict=False)  # the non-persistent inv_freq is not saved
     return head.to(device=device, dtype=dtype).eval()
 
@@ -146,8 +184,9 @@ def read_head_config(path: Path) -> ModelConfig:
     """head.json's layer shape as a ModelConfig."""
     file = path / HEAD_CONFIG
     if not path.is_dir():
-        raise HeadLoadError(f"{path} is not a directory; speculative_method='eagle' needs the directory "
-                            "`specdec train-heads` wrote")
+        raise HeadLoadError(
+            f"{path} is not a directory; speculative_method='eagle' needs the directory `specdec train-heads` wrote"
+        )
     if not file.is_file():
         raise HeadLoadError(f"{path} has no {HEAD_CONFIG}: it is not an EAGLE head (`specdec train-heads` makes one)")
     try:
@@ -167,11 +206,17 @@ def read_head_config(path: Path) -> ModelConfig:
 
 def check_head_fits(config: ModelConfig, target: ModelConfig, path: Path) -> None:
     """A head drafts only for a target of its own sizes, vocabulary and layer type."""
-    differing = [f"{name} {getattr(config, name)} (the target: {getattr(target, name)})"
-                 for name in MATCHING_FIELDS if getattr(config, name) != getattr(target, name)]
+    differing = [
+        f"{name} {getattr(config, name)} (the target: {getattr(target, name)})"
+        for name in MATCHING_FIELDS
+        if getattr(config, name) != getattr(target, name)
+    ]
     if differing:
-        raise HeadLoadError(f"the EAGLE head {path} was trained for another target: its " + ", ".join(differing)
-                            + "; train one for this target with `specdec train-heads`")
+        raise HeadLoadError(
+            f"the EAGLE head {path} was trained for another target: its "
+            + ", ".join(differing)
+            + "; train one for this target with `specdec train-heads`"
+        )
 
 
 def _read_weights(file: Path) -> dict[str, torch.Tensor]:

@@ -36,18 +36,38 @@ log = logging.getLogger("specdec")
 # general.architecture -> the Hugging Face class (loader.SUPPORTED_ARCHITECTURES reads it)
 ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
 PERMUTED_ARCHITECTURES = ("llama",)  # whose Q and K rows llama.cpp's converter permutes
-TENSOR_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q2_K", "Q3_K", "Q4_K", "Q5_K",
-                "Q6_K")  # the tensor types read (and tested against transformers' own reader)
+TENSOR_TYPES = (
+    "F32",
+    "F16",
+    "BF16",
+    "Q8_0",
+    "Q4_0",
+    "Q4_1",
+    "Q5_0",
+    "Q5_1",
+    "Q2_K",
+    "Q3_K",
+    "Q4_K",
+    "Q5_K",
+    "Q6_K",
+)  # the tensor types read (and tested against transformers' own reader)
 FLOAT_TYPES = {"F32": "float32", "F16": "float16", "BF16": "bfloat16"}
 DTYPE_OF = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
 # llama.cpp's tensor names -> Hugging Face's ("{i}" is the layer)
 GLOBAL_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
 LAYER_NAMES = {
-    "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
-    "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
-    "attn_output": "self_attn.o_proj", "attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm",
-    "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj",
+    "attn_norm": "input_layernorm",
+    "ffn_norm": "post_attention_layernorm",
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
 }
 LAYER_TENSOR = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
 
@@ -67,8 +87,12 @@ class GGUFCheckpoint:
     packed: dict[str, PackedTensor] = field(default_factory=dict)  # quantized matrices kept (keep_quantized)
 
 
-def read_gguf(path: str | Path, dtype: str | torch.dtype = "auto",
-              weights_dtype: torch.dtype | None = None, keep_quantized: bool = False) -> GGUFCheckpoint:
+def read_gguf(
+    path: str | Path,
+    dtype: str | torch.dtype = "auto",
+    weights_dtype: torch.dtype | None = None,
+    keep_quantized: bool = False,
+) -> GGUFCheckpoint:
     """The checkpoint a GGUF file holds. dtype: the checkpoint's dtype (config.json's
     torch_dtype); "auto" = the file's float type where all its matrices share one (F32, F16,
     BF16), else float32, which holds dequantized values exactly. weights_dtype: the dtype the
@@ -100,16 +124,24 @@ def _read_quantized(path: Path, dtype, weights_dtype) -> GGUFCheckpoint:
             return _read(path, dtype, weights_dtype, keep_quantized=True)
         try:
             checkpoint = _read(path, "auto", None, keep_quantized=True, sink=writer.add)
-            writer.finish({"hf_config": checkpoint.hf_config, "tokenizer_config": checkpoint.tokenizer_config,
-                           "generation_config": checkpoint.generation_config,
-                           "tensor_types": checkpoint.tensor_types, "tokenizer": checkpoint.tokenizer.to_str()})
+            writer.finish(
+                {
+                    "hf_config": checkpoint.hf_config,
+                    "tokenizer_config": checkpoint.tokenizer_config,
+                    "generation_config": checkpoint.generation_config,
+                    "tensor_types": checkpoint.tensor_types,
+                    "tokenizer": checkpoint.tokenizer.to_str(),
+                }
+            )
         except BaseException:
             writer.abandon()
             raise
         cached = gguf_cache.load(path)
         if cached is None:
-            raise GGUFError(f"{path}: the packed weights just written to {gguf_cache.cache_dir()} cannot be read "
-                            "back; is the disk full?")
+            raise GGUFError(
+                f"{path}: the packed weights just written to {gguf_cache.cache_dir()} cannot be read "
+                "back; is the disk full?"
+            )
     index, weights, packed = cached
     if not packed:  # nothing quantized: the file is read as floats
         return _read(path, dtype, weights_dtype, keep_quantized=False)
@@ -119,8 +151,15 @@ def _read_quantized(path: Path, dtype, weights_dtype) -> GGUFCheckpoint:
     if dtype != "auto":
         hf_config["torch_dtype"] = str(_weight_dtype(dtype, {})).removeprefix("torch.")
     weights = {name: t.to(weights_dtype or DTYPE_OF[hf_config["torch_dtype"]]) for name, t in weights.items()}
-    return GGUFCheckpoint(hf_config, weights, Tokenizer.from_str(index["tokenizer"]), index["tokenizer_config"],
-                          index["generation_config"], index["tensor_types"], packed)
+    return GGUFCheckpoint(
+        hf_config,
+        weights,
+        Tokenizer.from_str(index["tokenizer"]),
+        index["tokenizer_config"],
+        index["generation_config"],
+        index["tensor_types"],
+        packed,
+    )
 
 
 def _read(path: Path, dtype, weights_dtype, keep_quantized: bool, sink=None) -> GGUFCheckpoint:
@@ -132,8 +171,10 @@ def _read(path: Path, dtype, weights_dtype, keep_quantized: bool, sink=None) -> 
     try:
         metadata = metadata_from_reader(reader)
     except Exception as e:  # a field cut short or of a type the reader does not know
-        raise GGUFError(f"{path}: the metadata cannot be read ({type(e).__name__}: {e}); the file is corrupt "
-                        "or cut short: download or convert it again") from e
+        raise GGUFError(
+            f"{path}: the metadata cannot be read ({type(e).__name__}: {e}); the file is corrupt "
+            "or cut short: download or convert it again"
+        ) from e
     _release_fields(reader)  # its parsed fields (a vocabulary: ~0.5 GB of small arrays) are in metadata now
     architecture = _architecture(metadata, path)
     types = _tensor_types(reader, path)
@@ -157,8 +198,15 @@ def _read(path: Path, dtype, weights_dtype, keep_quantized: bool, sink=None) -> 
     except GGUFTokenizerError as e:
         raise GGUFError(f"{path}: {e}") from e
     tokenizer_config["model_max_length"] = hf_config["max_position_embeddings"]
-    return GGUFCheckpoint(hf_config, weights, tokenizer, tokenizer_config, _generation_config(metadata, hf_config),
-                          dict(sorted(types.items())), packed)
+    return GGUFCheckpoint(
+        hf_config,
+        weights,
+        tokenizer,
+        tokenizer_config,
+        _generation_config(metadata, hf_config),
+        dict(sorted(types.items())),
+        packed,
+    )
 
 
 def _release_fields(reader) -> None:
@@ -192,15 +240,17 @@ def _open(path: Path):
             magic = f.read(4)
         if magic != b"GGUF":
             raise GGUFError(f"{path}: not a GGUF file (it starts with {magic!r}, not b'GGUF')") from e
-        raise GGUFError(f"{path}: truncated or corrupt GGUF file ({type(e).__name__}: {e}); download or convert "
-                        "it again") from e
+        raise GGUFError(
+            f"{path}: truncated or corrupt GGUF file ({type(e).__name__}: {e}); download or convert it again"
+        ) from e
 
 
 def _architecture(metadata: dict, path: Path) -> str:
     architecture = metadata.get("general.architecture")
     if architecture not in ARCHITECTURES:
-        raise GGUFError(f"{path}: architecture {architecture!r} is not supported; supported: "
-                        f"{', '.join(ARCHITECTURES)}")
+        raise GGUFError(
+            f"{path}: architecture {architecture!r} is not supported; supported: {', '.join(ARCHITECTURES)}"
+        )
     return architecture
 
 
@@ -210,8 +260,10 @@ def _tensor_types(reader, path: Path) -> dict[str, int]:
         counts[tensor.tensor_type.name] = counts.get(tensor.tensor_type.name, 0) + 1
     unsupported = sorted(set(counts) - set(TENSOR_TYPES))
     if unsupported:
-        raise GGUFError(f"{path}: tensor type {', '.join(unsupported)} is not supported; supported: "
-                        f"{', '.join(TENSOR_TYPES)} (requantize the file with llama.cpp's llama-quantize)")
+        raise GGUFError(
+            f"{path}: tensor type {', '.join(unsupported)} is not supported; supported: "
+            f"{', '.join(TENSOR_TYPES)} (requantize the file with llama.cpp's llama-quantize)"
+        )
     return counts
 
 
@@ -245,24 +297,31 @@ def hf_config_from_metadata(metadata: dict, architecture: str, path: Path, dtype
     head_dim = get("attention.key_length", hidden // heads)
     rotary_dims = get("rope.dimension_count", head_dim)
     if rotary_dims != head_dim:
-        raise GGUFError(f"{path}: partial rotary embeddings ({rotary_dims} of {head_dim} dimensions) are not "
-                        "supported")
+        raise GGUFError(f"{path}: partial rotary embeddings ({rotary_dims} of {head_dim} dimensions) are not supported")
     if any(t.name == "rope_freqs.weight" for t in reader.tensors):
-        raise GGUFError(f"{path}: rope frequency factors (rope_freqs.weight, Llama 3.1-style rope scaling) are not "
-                        "supported yet; convert the Hugging Face checkpoint instead")
+        raise GGUFError(
+            f"{path}: rope frequency factors (rope_freqs.weight, Llama 3.1-style rope scaling) are not "
+            "supported yet; convert the Hugging Face checkpoint instead"
+        )
     embedding = next((t for t in reader.tensors if t.name == "token_embd.weight"), None)
     if embedding is None:
         raise GGUFError(f"{path}: tensor token_embd.weight is missing")
     return {
-        "architectures": [ARCHITECTURES[architecture]], "model_type": architecture,
+        "architectures": [ARCHITECTURES[architecture]],
+        "model_type": architecture,
         "vocab_size": int(get("vocab_size", int(embedding.shape[1]))),
-        "hidden_size": int(hidden), "intermediate_size": int(get("feed_forward_length", required=True)),
-        "num_hidden_layers": int(get("block_count", required=True)), "num_attention_heads": int(heads),
-        "num_key_value_heads": int(get("attention.head_count_kv", heads)), "head_dim": int(head_dim),
+        "hidden_size": int(hidden),
+        "intermediate_size": int(get("feed_forward_length", required=True)),
+        "num_hidden_layers": int(get("block_count", required=True)),
+        "num_attention_heads": int(heads),
+        "num_key_value_heads": int(get("attention.head_count_kv", heads)),
+        "head_dim": int(head_dim),
         "max_position_embeddings": int(get("context_length", 2048)),
         "rms_norm_eps": float(get("attention.layer_norm_rms_epsilon", 1e-6)),
-        "rope_theta": float(get("rope.freq_base", 10000.0)), "rope_scaling": _rope_scaling(get, path),
-        "hidden_act": "silu", "torch_dtype": str(dtype).removeprefix("torch."),
+        "rope_theta": float(get("rope.freq_base", 10000.0)),
+        "rope_scaling": _rope_scaling(get, path),
+        "hidden_act": "silu",
+        "torch_dtype": str(dtype).removeprefix("torch."),
         "attention_bias": any(t.name.endswith("attn_q.bias") for t in reader.tensors),
         **_special_ids(metadata),
     }
@@ -278,9 +337,11 @@ def _rope_scaling(get, path: Path) -> dict | None:
 
 
 def _special_ids(metadata: dict) -> dict:
-    ids = {"bos_token_id": metadata.get("tokenizer.ggml.bos_token_id"),
-           "eos_token_id": metadata.get("tokenizer.ggml.eos_token_id"),
-           "pad_token_id": metadata.get("tokenizer.ggml.padding_token_id")}
+    ids = {
+        "bos_token_id": metadata.get("tokenizer.ggml.bos_token_id"),
+        "eos_token_id": metadata.get("tokenizer.ggml.eos_token_id"),
+        "pad_token_id": metadata.get("tokenizer.ggml.padding_token_id"),
+    }
     return {key: int(value) for key, value in ids.items() if value is not None}
 
 
@@ -344,8 +405,10 @@ def _float_tensor(tensor, name: str, shape: tuple, architecture: str, hf_config:
     try:
         values = gguf.quants.dequantize(tensor.data, tensor.tensor_type)  # [rows, columns], float32
     except Exception as e:  # data cut short, a shape that is not whole blocks
-        raise GGUFError(f"{path}: tensor {tensor.name} ({tensor.tensor_type.name}) cannot be read "
-                        f"({type(e).__name__}: {e}); the file is corrupt or cut short") from e
+        raise GGUFError(
+            f"{path}: tensor {tensor.name} ({tensor.tensor_type.name}) cannot be read "
+            f"({type(e).__name__}: {e}); the file is corrupt or cut short"
+        ) from e
     values = values.astype(np.float32, copy=not values.flags.writeable)  # F32 tensors map the file read-only
     weight = torch.from_numpy(np.ascontiguousarray(values).reshape(shape))
     return _unpermuted(weight, name, architecture, hf_config)
@@ -360,15 +423,16 @@ def _unpermuted(weight, name: str, architecture: str, hf_config: dict):
     return weight
 
 
-def _packed(tensor, name: str, shape: tuple[int, int], architecture: str, hf_config: dict,
-            path: Path) -> PackedTensor:
+def _packed(tensor, name: str, shape: tuple[int, int], architecture: str, hf_config: dict, path: Path) -> PackedTensor:
     """One quantized matrix read from the file and packed for the kernel, rows in Hugging Face's order."""
     rows, cols = shape
     data = np.fromfile(path, dtype=np.uint8, count=int(tensor.n_bytes), offset=int(tensor.data_offset))
     layout = LAYOUTS[tensor.tensor_type.name]
     if data.size != rows * cols // layout.block_size * layout.block_bytes or cols % layout.block_size:
-        raise GGUFError(f"{path}: tensor {tensor.name} ({tensor.tensor_type.name}) is cut short or not whole "
-                        "blocks; the file is corrupt: download or convert it again")
+        raise GGUFError(
+            f"{path}: tensor {tensor.name} ({tensor.tensor_type.name}) is cut short or not whole "
+            "blocks; the file is corrupt: download or convert it again"
+        )
     data = data.reshape(rows, -1)  # [rows, row bytes]
     order = _unpermuted(torch.arange(rows), name, architecture, hf_config)
     if not torch.equal(order, torch.arange(rows)):
@@ -395,8 +459,10 @@ class _Progress:
         if now - self.start > 1 and now - self.last > 0.5:
             self.last = now
             left = (now - self.start) * (self.total - self.read) / max(self.read, 1)
-            self._show(f"reading {self.path.name}: {100 * self.read // self.total}% "
-                       f"({self.read >> 20} / {self.total >> 20} MB), {left:.0f} s left")
+            self._show(
+                f"reading {self.path.name}: {100 * self.read // self.total}% "
+                f"({self.read >> 20} / {self.total >> 20} MB), {left:.0f} s left"
+            )
 
     def done(self) -> None:
         import time
@@ -421,8 +487,10 @@ def hf_name(gguf_name: str, path: Path) -> str:
     if match and match.group(2) in LAYER_NAMES:
         layer, part, kind = match.groups()
         return f"model.layers.{layer}.{LAYER_NAMES[part]}.{kind}"
-    raise GGUFError(f"{path}: tensor {gguf_name!r} is not one a Llama-family model has; the file is not a plain "
-                    f"{'/'.join(ARCHITECTURES)} model")
+    raise GGUFError(
+        f"{path}: tensor {gguf_name!r} is not one a Llama-family model has; the file is not a plain "
+        f"{'/'.join(ARCHITECTURES)} model"
+    )
 
 
 def unpermute(weight: torch.Tensor, num_heads: int) -> torch.Tensor:

@@ -89,8 +89,14 @@ class Writer:
         self.file.close()
         self.partial.replace(self.data_path)
         _remove_older_entries(self.source, keep=self.index_path)
-        index = {**info, "key": self.key, "source": str(self.source.resolve()), "tensors": self.tensors,
-                 "packed": self.packed, "weights": self.weights}
+        index = {
+            **info,
+            "key": self.key,
+            "source": str(self.source.resolve()),
+            "tensors": self.tensors,
+            "packed": self.packed,
+            "weights": self.weights,
+        }
         partial = self.index_path.with_name(f"{self.index_path.name}.{os.getpid()}.part")
         partial.write_text(json.dumps(index))
         partial.replace(self.index_path)
@@ -113,12 +119,18 @@ def load(path: Path) -> tuple[dict, dict[str, torch.Tensor], dict[str, PackedTen
     try:
         data = np.memmap(data_path, dtype=np.uint8, mode="c")  # copy-on-write: never written back
         streamed = _streamed(index)
-        tensors = {name: _view(data, dtype, shape, offset) for name, (dtype, shape, offset) in index["tensors"].items()
-                   if name not in streamed}
+        tensors = {
+            name: _view(data, dtype, shape, offset)
+            for name, (dtype, shape, offset) in index["tensors"].items()
+            if name not in streamed
+        }
         tensors.update(_read_into_memory(data_path, {name: index["tensors"][name] for name in streamed}))
-        packed = {name: PackedTensor(kind, LAYOUTS[kind], rows, cols,
-                                     *(tensors.get(f"packed/{name}/{field}") for field in FIELDS))
-                  for name, (kind, rows, cols) in index["packed"].items()}
+        packed = {
+            name: PackedTensor(
+                kind, LAYOUTS[kind], rows, cols, *(tensors.get(f"packed/{name}/{field}") for field in FIELDS)
+            )
+            for name, (kind, rows, cols) in index["packed"].items()
+        }
         weights = {name: tensors[f"weights/{name}"] for name in index["weights"]}
     except (KeyError, ValueError, TypeError) as e:  # a cut or damaged entry: read the GGUF file again
         log.warning("the packed cache of %s is damaged (%s); reading the file again", path, e)
@@ -134,7 +146,7 @@ def _view(data: np.memmap, dtype: str, shape: list[int], offset: int) -> torch.T
     nbytes = _nbytes(dtype, shape)
     if offset + nbytes > data.size:
         raise ValueError("the data file is shorter than its index says")
-    return torch.from_numpy(data[offset:offset + nbytes]).view(DTYPES[dtype]).view(shape)
+    return torch.from_numpy(data[offset : offset + nbytes]).view(DTYPES[dtype]).view(shape)
 
 
 def _streamed(index: dict) -> set[str]:
@@ -168,9 +180,9 @@ def _read_into_memory(data_path: Path, entries: dict[str, list]) -> dict[str, to
         for name, (dtype, shape, offset) in sorted(entries.items(), key=lambda item: item[1][2]):
             size = sizes[name]
             f.seek(offset)
-            if f.readinto(view[start:start + size]) != size:
+            if f.readinto(view[start : start + size]) != size:
                 raise ValueError("the data file is shorter than its index says")
-            tensors[name] = memory[start:start + size].view(DTYPES[dtype]).view(shape)
+            tensors[name] = memory[start : start + size].view(DTYPES[dtype]).view(shape)
             start += -(-size // ALIGN) * ALIGN
     view.release()
     return tensors

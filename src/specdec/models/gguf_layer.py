@@ -30,8 +30,12 @@ class GGUFDecoderLayer(nn.Module):
 
     def forward(self, x, cos, signed_sin, mask, positions, cache, num_keys) -> torch.Tensor:
         """As DecoderLayer.forward; positions are where the tokens' keys and values go."""
-        if (cache is not None and x.device.type == "cpu" and x.shape[1] <= FLOAT32_ATTENTION_MAX_QUERIES
-                and not torch.compiler.is_compiling()):
+        if (
+            cache is not None
+            and x.device.type == "cpu"
+            and x.shape[1] <= FLOAT32_ATTENTION_MAX_QUERIES
+            and not torch.compiler.is_compiling()
+        ):
             if num_keys > cache.max_len:
                 raise ValueError(f"position {num_keys - 1} is past the cache length {cache.max_len}")
             keys, values, rows = cache.layer(self.self_attn.layer_index, x.shape[0])  # rows: each row's slot [B]
@@ -53,23 +57,48 @@ class _Shared:
 
 def _q_linear(linear: GGUFLinear):
     parts = linear.parts
-    return qmatmul().QLinear([p.codes for p in parts], [p.sc for p in parts], [p.mn for p in parts],
-                             [p.d for p in parts], [p.dmin for p in parts], linear.layouts, linear.padded_bias)
+    return qmatmul().QLinear(
+        [p.codes for p in parts],
+        [p.sc for p in parts],
+        [p.mn for p in parts],
+        [p.d for p in parts],
+        [p.dmin for p in parts],
+        linear.layouts,
+        linear.padded_bias,
+    )
 
 
 def fused_layer(layer: DecoderLayer) -> nn.Module:
     """layer as a GGUFDecoderLayer where its parts allow (quantized products with fused norms and
     gate, no padded rows, no q/k norms, a head size of a multiple of 16), else layer itself."""
     attention, mlp = layer.self_attn, layer.mlp
-    linears = (attention.qkv_proj, attention.o_proj, getattr(mlp, "gate_up_proj", None),
-               getattr(mlp, "down_proj", None))
-    if not (isinstance(mlp, GGUFMLP) and all(isinstance(m, GGUFLinear) and m.keep is None for m in linears)
-            and attention.q_norm is None and attention.head_dim % 16 == 0
-            and attention.qkv_proj.norm_weight is not None and mlp.gate_up_proj.norm_weight is not None
-            and attention.qkv_proj.eps == mlp.gate_up_proj.eps):
+    linears = (
+        attention.qkv_proj,
+        attention.o_proj,
+        getattr(mlp, "gate_up_proj", None),
+        getattr(mlp, "down_proj", None),
+    )
+    if not (
+        isinstance(mlp, GGUFMLP)
+        and all(isinstance(m, GGUFLinear) and m.keep is None for m in linears)
+        and attention.q_norm is None
+        and attention.head_dim % 16 == 0
+        and attention.qkv_proj.norm_weight is not None
+        and mlp.gate_up_proj.norm_weight is not None
+        and attention.qkv_proj.eps == mlp.gate_up_proj.eps
+    ):
         return layer
     qkv, o, gate_up, down = (_q_linear(m) for m in linears)
-    plan = qmatmul().DecoderLayerPlan(qkv, o, gate_up, down, attention.qkv_proj.norm_weight,
-                                      mlp.gate_up_proj.norm_weight, attention.qkv_proj.eps, attention.num_heads,
-                                      attention.num_kv_heads, attention.head_dim)
+    plan = qmatmul().DecoderLayerPlan(
+        qkv,
+        o,
+        gate_up,
+        down,
+        attention.qkv_proj.norm_weight,
+        mlp.gate_up_proj.norm_weight,
+        attention.qkv_proj.eps,
+        attention.num_heads,
+        attention.num_kv_heads,
+        attention.head_dim,
+    )
     return GGUFDecoderLayer(layer, plan)

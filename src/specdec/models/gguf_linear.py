@@ -50,8 +50,11 @@ class GGUFLinear(nn.Module):
             padded_bias[keep if keep is not None else slice(None)] = bias.float()
         self.register_buffer("padded_bias", padded_bias, persistent=False)
         # per part: code bits, sub-block, super-block, code offset, signed sub-block scales
-        self.layouts = [n for p in parts for n in (p.layout.bits, p.layout.sub_block, p.layout.super_block,
-                                                   p.layout.z, int(p.layout.sc_signed))]
+        self.layouts = [
+            n
+            for p in parts
+            for n in (p.layout.bits, p.layout.sub_block, p.layout.super_block, p.layout.z, int(p.layout.sc_signed))
+        ]
         # what the kernel does to the input first (fuse_input): none yet
         self.gated, self.eps, self._op_args = False, 0.0, None
         self.register_buffer("norm_weight", None, persistent=False)
@@ -104,8 +107,10 @@ class GGUFMLP(nn.Module):
     def __init__(self, gate_up_proj: GGUFLinear, down_proj: GGUFLinear):
         super().__init__()
         if gate_up_proj.out_features != 2 * down_proj.in_features:
-            raise ValueError(f"gate_up_proj gives {gate_up_proj.out_features} values, down_proj takes "
-                             f"[gate; up] of 2 x {down_proj.in_features}")
+            raise ValueError(
+                f"gate_up_proj gives {gate_up_proj.out_features} values, down_proj takes "
+                f"[gate; up] of 2 x {down_proj.in_features}"
+            )
         self.gate_up_proj, self.down_proj = gate_up_proj, down_proj
         down_proj.fuse_input(gated=True)
 
@@ -128,10 +133,20 @@ class GGUFEmbedding(nn.Module):
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         layout = self.packed.layout
-        rows = torch.ops.specdec.dequantize_rows(ids.reshape(-1).long(), self.packed.codes, self.packed.sc,
-                                                 self.packed.mn, self.packed.d, self.packed.dmin, self.packed.cols,
-                                                 layout.bits, layout.sub_block, layout.super_block, layout.z,
-                                                 layout.sc_signed)  # [n, hidden]
+        rows = torch.ops.specdec.dequantize_rows(
+            ids.reshape(-1).long(),
+            self.packed.codes,
+            self.packed.sc,
+            self.packed.mn,
+            self.packed.d,
+            self.packed.dmin,
+            self.packed.cols,
+            layout.bits,
+            layout.sub_block,
+            layout.super_block,
+            layout.z,
+            layout.sc_signed,
+        )  # [n, hidden]
         return rows.to(self.out_dtype).view(*ids.shape, self.embedding_dim)
 
     def extra_repr(self) -> str:
@@ -142,9 +157,20 @@ def dequantize(packed: PackedTensor, ids: torch.Tensor) -> torch.Tensor:
     """Rows ids of a PackedTensor as float32 [len(ids), K], exactly the file's values (an id
     out of range is a RuntimeError)."""
     layout = packed.layout
-    return ops().dequantize_rows(ids.long(), packed.codes, packed.sc, packed.mn, packed.d, packed.dmin,
-                                     packed.cols, layout.bits, layout.sub_block, layout.super_block, layout.z,
-                                     layout.sc_signed)
+    return ops().dequantize_rows(
+        ids.long(),
+        packed.codes,
+        packed.sc,
+        packed.mn,
+        packed.d,
+        packed.dmin,
+        packed.cols,
+        layout.bits,
+        layout.sub_block,
+        layout.super_block,
+        layout.z,
+        layout.sc_signed,
+    )
 
 
 def runs_gguf_kernels(model: nn.Module) -> bool:

@@ -21,11 +21,18 @@ from specdec.models.llama import LlamaModel, ModelConfig, rope_inverse_frequenci
 log = logging.getLogger("specdec")
 
 
-def build_quantized_model(config: ModelConfig, weights: dict[str, torch.Tensor], packed: dict[str, PackedTensor],
-                          dtype: torch.dtype, path: Path) -> LlamaModel:
+def build_quantized_model(
+    config: ModelConfig,
+    weights: dict[str, torch.Tensor],
+    packed: dict[str, PackedTensor],
+    dtype: torch.dtype,
+    path: Path,
+) -> LlamaModel:
     """A LlamaModel (CPU) from Hugging Face names: weights (float) and packed (quantized)."""
-    shapes = {**{name: tuple(t.shape) for name, t in weights.items()},
-              **{name: (p.rows, p.cols) for name, p in packed.items()}}
+    shapes = {
+        **{name: tuple(t.shape) for name, t in weights.items()},
+        **{name: (p.rows, p.cols) for name, p in packed.items()},
+    }
     with torch.device("meta"):
         model = LlamaModel(config)
     _check_names(model, shapes, path)
@@ -34,10 +41,16 @@ def build_quantized_model(config: ModelConfig, weights: dict[str, torch.Tensor],
         if isinstance(module, nn.Linear):
             _set_module(model, module_name, _linear(module_name, tensors, dtype, config))
     embedding = tensors["model.embed_tokens.weight"]
-    model.embed_tokens = (GGUFEmbedding(embedding, dtype) if isinstance(embedding, PackedTensor)
-                          else nn.Embedding.from_pretrained(embedding.to(dtype), freeze=True))
-    rest = {name.removeprefix("model."): t.to(dtype) for name, t in weights.items()
-            if not _is_matrix_name(name) and name != "model.embed_tokens.weight"}
+    model.embed_tokens = (
+        GGUFEmbedding(embedding, dtype)
+        if isinstance(embedding, PackedTensor)
+        else nn.Embedding.from_pretrained(embedding.to(dtype), freeze=True)
+    )
+    rest = {
+        name.removeprefix("model."): t.to(dtype)
+        for name, t in weights.items()
+        if not _is_matrix_name(name) and name != "model.embed_tokens.weight"
+    }
     model.load_state_dict(rest, strict=False, assign=True)
     model.inv_freq = rope_inverse_frequencies(config)
     left_on_meta = [name for name, t in model.state_dict().items() if t.is_meta]
@@ -71,8 +84,9 @@ def _check_names(model: LlamaModel, shapes: dict[str, tuple], path: Path) -> Non
         shapes = {name: shape for name, shape in shapes.items() if name != "lm_head.weight"}
     missing, unexpected = sorted(set(expected) - set(shapes)), sorted(set(shapes) - set(expected))
     if missing or unexpected:
-        raise ModelLoadError(f"{path}: the file's tensors do not match its metadata: missing {missing[:3]}, "
-                             f"unexpected {unexpected[:3]}")
+        raise ModelLoadError(
+            f"{path}: the file's tensors do not match its metadata: missing {missing[:3]}, unexpected {unexpected[:3]}"
+        )
     for name, shape in expected.items():
         if shapes[name] != shape:
             raise ModelLoadError(f"{path}: tensor {name!r} has shape {shapes[name]}, the metadata implies {shape}")

@@ -157,8 +157,9 @@ class PackedTensor:
     dmin: torch.Tensor | None
 
     def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in (self.codes, self.sc, self.mn, self.d, self.dmin)
-                   if t is not None)
+        return sum(
+            t.numel() * t.element_size() for t in (self.codes, self.sc, self.mn, self.d, self.dmin) if t is not None
+        )
 
 
 def pack(kind: str, data: np.ndarray, rows: int, cols: int) -> PackedTensor:
@@ -193,7 +194,7 @@ def pack(kind: str, data: np.ndarray, rows: int, cols: int) -> PackedTensor:
 def _padded_rows(data: np.ndarray, start: int, stop: int) -> np.ndarray:
     """data[start:stop], with all-zero rows past the end (a zero block is the value 0... times
     zero scales: padding rows come out as 0 and are cut off after the product)."""
-    rows = data[start:min(stop, data.shape[0])]
+    rows = data[start : min(stop, data.shape[0])]
     if rows.shape[0] == stop - start:
         return np.ascontiguousarray(rows)
     padding = np.zeros((stop - start - rows.shape[0], data.shape[1]), np.uint8)
@@ -212,12 +213,15 @@ def _pack_codes(codes: np.ndarray, bits: int) -> np.ndarray:
     if bits == 6:  # per 16 inputs: two 64-byte nibble planes, then 64 bytes of top 2 bits
         low = _pack_codes(codes & 0x0F, 4).reshape(rows // GROUP, cols // 16, 128)  # [g, step, 2 x 64]
         top = (codes >> 4).reshape(rows // GROUP, GROUP, cols // 16, 4, 4)  # [g, n, step, v, j]: input 4v + j
-        top = top[:, :, :, 0] | (top[:, :, :, 1] << 2) | (top[:, :, :, 2] << 4) | (top[:, :, :, 3] << 6)  # [g, n, step, j]
+        top = (
+            top[:, :, :, 0] | (top[:, :, :, 1] << 2) | (top[:, :, :, 2] << 4) | (top[:, :, :, 3] << 6)
+        )  # [g, n, step, j]
         top = np.ascontiguousarray(top.transpose(0, 2, 1, 3)).reshape(rows // GROUP, cols // 16, 64)  # byte 4n + j
         return np.concatenate([low, top.astype(np.uint8)], axis=2)
     if bits == 8:
         return np.ascontiguousarray(codes.reshape(rows // GROUP, GROUP, cols // 4, 4).transpose(0, 2, 1, 3)).reshape(
-            rows // GROUP, cols // 4, 64)
+            rows // GROUP, cols // 4, 64
+        )
     halves = codes.reshape(rows // GROUP, GROUP, cols // 8, 2, 4)  # [g, n, chunk, lo/hi, j]
     packed = halves[:, :, :, 0, :] | (halves[:, :, :, 1, :] << 4)  # [g, n, chunk, j]
     return np.ascontiguousarray(packed.transpose(0, 2, 1, 3)).reshape(rows // GROUP, cols // 8, 64)

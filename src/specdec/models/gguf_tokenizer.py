@@ -56,15 +56,21 @@ class GGUFTokenizerError(ValueError):
 # GPT-2's regex (also what pre_tokenizers.ByteLevel(use_regex=True) splits on)
 GPT2_SPLIT = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"
 # Llama 3's tokenizer.json regex
-LLAMA3_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
-                r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+LLAMA3_SPLIT = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
+    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
 # Qwen2's tokenizer.json regex: Llama 3's with digits one by one
-QWEN2_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
-               r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+QWEN2_SPLIT = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
+    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
 # Mistral's Tekken tokenizer.json regex (Mistral Nemo): words split before capitals, digits one by one
-TEKKEN_SPLIT = (r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+"
-                r"|[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*"
-                r"|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+TEKKEN_SPLIT = (
+    r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+"
+    r"|[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*"
+    r"|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
 
 
 @dataclass(frozen=True)
@@ -100,13 +106,17 @@ _LLAMA_CPP_DEFAULT = PreType((r"[\p{P}\$\+<=>\^~\|]+", GPT2_SPLIT, r"\p{N}+", r"
 PRE_TYPES: dict[str, PreType] = {
     "default": _LLAMA_CPP_DEFAULT,
     **dict.fromkeys(("gpt-2", "gpt2", "phi-2", "mpt", "olmo", "exaone4", "trillion", "granite-docling"), _GPT2),
-    **dict.fromkeys(("smollm", "starcoder", "refact", "codeshell", "command-r", "exaone", "minerva-7b",
-                     "mellum2"), _DIGITS_THEN_GPT2),
-    **dict.fromkeys(("llama3", "llama-v3", "llama-bpe", "falcon3", "falcon-h1", "pixtral", "midm-2.0", "lfm2"),
-                    _LLAMA3),
+    **dict.fromkeys(
+        ("smollm", "starcoder", "refact", "codeshell", "command-r", "exaone", "minerva-7b", "mellum2"),
+        _DIGITS_THEN_GPT2,
+    ),
+    **dict.fromkeys(
+        ("llama3", "llama-v3", "llama-bpe", "falcon3", "falcon-h1", "pixtral", "midm-2.0", "lfm2"), _LLAMA3
+    ),
     **dict.fromkeys(("dbrx", "smaug-bpe"), _LLAMA3_REGEX_ONLY),
-    **dict.fromkeys(("qwen2", "deepseek-r1-qwen", "kormo", "f2llmv2", "megrez", "stablelm2", "hunyuan",
-                     "solar-open"), _QWEN2),
+    **dict.fromkeys(
+        ("qwen2", "deepseek-r1-qwen", "kormo", "f2llmv2", "megrez", "stablelm2", "hunyuan", "solar-open"), _QWEN2
+    ),
     "tekken": _TEKKEN,
 }
 MISSING_PRE_TYPE = "default"  # what llama.cpp uses for a gpt2-type file without tokenizer.ggml.pre
@@ -117,6 +127,7 @@ MODEL_TYPES = ("gpt2", "llama")
 # ---------------------------------------------------------------------------------------------
 # Entry points
 # ---------------------------------------------------------------------------------------------
+
 
 def metadata_from_reader(reader: Any) -> dict[str, Any]:
     """Every metadata field of a `gguf.GGUFReader`, as a plain Python value (`field.contents()`):
@@ -151,16 +162,20 @@ def tokenizer_from_gguf(metadata: dict[str, Any]) -> tuple[Tokenizer, dict[str, 
 # Reading and checking the metadata
 # ---------------------------------------------------------------------------------------------
 
+
 def _model_type(metadata: dict[str, Any]) -> str:
     model_type = metadata.get(_KEY + "model")
     if model_type is None:
-        raise GGUFTokenizerError(f"the file has no {_KEY}model, so its tokenizer is unknown; convert the model "
-                                 "again with llama.cpp's convert_hf_to_gguf.py")
+        raise GGUFTokenizerError(
+            f"the file has no {_KEY}model, so its tokenizer is unknown; convert the model "
+            "again with llama.cpp's convert_hf_to_gguf.py"
+        )
     if model_type not in MODEL_TYPES:
         raise GGUFTokenizerError(
             f"{_KEY}model {model_type!r} is not supported: only 'gpt2' (byte-level BPE) and 'llama' "
             "(SentencePiece BPE) tokenizers are read; use the model's Hugging Face checkpoint "
-            "(tokenizer.json) instead")
+            "(tokenizer.json) instead"
+        )
     return model_type
 
 
@@ -179,18 +194,24 @@ def _tokens(metadata: dict[str, Any]) -> list[str]:
     tokens = _as_list(value)
     if not tokens:
         what = "no" if value is None else "an empty or malformed"
-        raise GGUFTokenizerError(f"the file has {what} {_KEY}tokens (the vocabulary); without it there is no "
-                                 "tokenizer: convert the model again with llama.cpp's convert_hf_to_gguf.py")
+        raise GGUFTokenizerError(
+            f"the file has {what} {_KEY}tokens (the vocabulary); without it there is no "
+            "tokenizer: convert the model again with llama.cpp's convert_hf_to_gguf.py"
+        )
     first_id: dict[str, int] = {}
     for token_id, token in enumerate(tokens):
         if not isinstance(token, str):
-            raise GGUFTokenizerError(f"{_KEY}tokens[{token_id}] is {type(token).__name__}, not a string; "
-                                     "the file is corrupt: convert the model again")
+            raise GGUFTokenizerError(
+                f"{_KEY}tokens[{token_id}] is {type(token).__name__}, not a string; "
+                "the file is corrupt: convert the model again"
+            )
         if token == "":
             token = tokens[token_id] = f"[EMPTY_{token_id}]"
         if token in first_id:
-            raise GGUFTokenizerError(f"{_KEY}tokens holds {token!r} twice (ids {first_id[token]} and {token_id}); "
-                                     "llama.cpp refuses such a vocabulary too: convert the model again")
+            raise GGUFTokenizerError(
+                f"{_KEY}tokens holds {token!r} twice (ids {first_id[token]} and {token_id}); "
+                "llama.cpp refuses such a vocabulary too: convert the model again"
+            )
         first_id[token] = token_id
     return tokens
 
@@ -203,11 +224,13 @@ def _per_token(metadata: dict[str, Any], name: str, count: int, kind: type) -> l
     values = _as_list(value)
     if values is None or len(values) < count:
         size = f"{len(values)} entries" if values is not None else f"a {type(value).__name__}"
-        raise GGUFTokenizerError(f"{_KEY}{name} has {size} for {count} tokens; the file is corrupt: "
-                                 "convert the model again")
+        raise GGUFTokenizerError(
+            f"{_KEY}{name} has {size} for {count} tokens; the file is corrupt: convert the model again"
+        )
     if not all(isinstance(v, kind) and not isinstance(v, bool) for v in values[:count]):
-        raise GGUFTokenizerError(f"{_KEY}{name} holds values that are not {kind.__name__}s; the file is corrupt: "
-                                 "convert the model again")
+        raise GGUFTokenizerError(
+            f"{_KEY}{name} holds values that are not {kind.__name__}s; the file is corrupt: convert the model again"
+        )
     return values[:count]
 
 
@@ -217,8 +240,12 @@ def _token_types(metadata: dict[str, Any], count: int) -> list[int]:
     return [int(t) for t in types] if types is not None else [NORMAL] * count
 
 
-_SPECIAL_ID_KEYS = {"bos_token": "bos_token_id", "eos_token": "eos_token_id", "unk_token": "unknown_token_id",
-                    "pad_token": "padding_token_id"}
+_SPECIAL_ID_KEYS = {
+    "bos_token": "bos_token_id",
+    "eos_token": "eos_token_id",
+    "unk_token": "unknown_token_id",
+    "pad_token": "padding_token_id",
+}
 _SENTENCEPIECE_DEFAULT_IDS = {"bos_token": 1, "eos_token": 2, "unk_token": 0}  # llama.cpp's, for "llama"
 
 
@@ -234,9 +261,11 @@ def _special_ids(metadata: dict[str, Any], tokens: list[str], model_type: str) -
                 ids[name] = default
             continue
         if not isinstance(value, Integral) or isinstance(value, bool) or not 0 <= value < len(tokens):
-            raise GGUFTokenizerError(f"{_KEY}{key} is {value!r}, not a token id (0 to {len(tokens) - 1}); the "
-                                     "file is corrupt or was edited wrongly: fix the id (gguf's "
-                                     "gguf_set_metadata.py) or convert the model again")
+            raise GGUFTokenizerError(
+                f"{_KEY}{key} is {value!r}, not a token id (0 to {len(tokens) - 1}); the "
+                "file is corrupt or was edited wrongly: fix the id (gguf's "
+                "gguf_set_metadata.py) or convert the model again"
+            )
         ids[name] = int(value)
     return ids
 
@@ -256,20 +285,26 @@ def _file_merges(metadata: dict[str, Any], vocab: dict[str, int]) -> list[tuple[
         return None
     merges = _as_list(value)
     if merges is None:
-        raise GGUFTokenizerError(f"{_KEY}merges is a {type(value).__name__}, not a list of strings; the file "
-                                 "is corrupt: convert the model again")
+        raise GGUFTokenizerError(
+            f"{_KEY}merges is a {type(value).__name__}, not a list of strings; the file "
+            "is corrupt: convert the model again"
+        )
     pairs = []
     for index, merge in enumerate(merges):
         cut = merge.find(" ", 1) if isinstance(merge, str) else -1
         if cut < 0:
-            raise GGUFTokenizerError(f"{_KEY}merges[{index}] is {merge!r}, not two tokens joined by a space; "
-                                     "the file is corrupt: convert the model again")
-        left, right = merge[:cut], merge[cut + 1:]
+            raise GGUFTokenizerError(
+                f"{_KEY}merges[{index}] is {merge!r}, not two tokens joined by a space; "
+                "the file is corrupt: convert the model again"
+            )
+        left, right = merge[:cut], merge[cut + 1 :]
         missing = [t for t in (left, right, left + right) if t not in vocab]
         if missing:
-            raise GGUFTokenizerError(f"{_KEY}merges[{index}] ({merge!r}) refers to {missing[0]!r}, which is not "
-                                     f"in {_KEY}tokens; the merges do not belong to this vocabulary: convert "
-                                     "the model again")
+            raise GGUFTokenizerError(
+                f"{_KEY}merges[{index}] ({merge!r}) refers to {missing[0]!r}, which is not "
+                f"in {_KEY}tokens; the merges do not belong to this vocabulary: convert "
+                "the model again"
+            )
         pairs.append((left, right))
     return pairs
 
@@ -278,13 +313,15 @@ def _file_merges(metadata: dict[str, Any], vocab: dict[str, int]) -> list[tuple[
 # The two tokenizers
 # ---------------------------------------------------------------------------------------------
 
+
 def _pre_type(metadata: dict[str, Any]) -> PreType:
     name = metadata.get(_KEY + "pre", MISSING_PRE_TYPE)
     if not isinstance(name, str) or name not in PRE_TYPES:
         raise GGUFTokenizerError(
             f"{_KEY}pre {name!r} is not a pre-tokenizer this reader knows (llama.cpp refuses unknown ones "
             f"too); supported: {', '.join(sorted(PRE_TYPES))}. Use the model's Hugging Face checkpoint "
-            "(tokenizer.json) instead")
+            "(tokenizer.json) instead"
+        )
     return PRE_TYPES[name]
 
 
@@ -295,13 +332,19 @@ def _byte_level_tokenizer(metadata: dict[str, Any], tokens: list[str]) -> tuple[
     vocab = {token: token_id for token_id, token in enumerate(tokens)}
     merges = _file_merges(metadata, vocab)
     if merges is None:
-        raise GGUFTokenizerError(f"the file has no {_KEY}merges, which a 'gpt2' (byte-level BPE) tokenizer needs "
-                                 "(llama.cpp refuses it too): convert the model again")
-    tokenizer = Tokenizer(models.BPE(vocab=vocab, merges=merges, ignore_merges=pre_type.ignore_merges,
-                                     fuse_unk=False, byte_fallback=False))
+        raise GGUFTokenizerError(
+            f"the file has no {_KEY}merges, which a 'gpt2' (byte-level BPE) tokenizer needs "
+            "(llama.cpp refuses it too): convert the model again"
+        )
+    tokenizer = Tokenizer(
+        models.BPE(
+            vocab=vocab, merges=merges, ignore_merges=pre_type.ignore_merges, fuse_unk=False, byte_fallback=False
+        )
+    )
     splits = [pre_tokenizers.Split(Regex(pattern), behavior="isolated") for pattern in pre_type.splits]
     tokenizer.pre_tokenizer = pre_tokenizers.Sequence(
-        [*splits, pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+        [*splits, pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)]
+    )
     tokenizer.decoder = decoders.ByteLevel()
     return tokenizer, pre_type.add_bos
 
@@ -350,6 +393,7 @@ def derive_merges(tokens: list[str], scores: list[float]) -> list[tuple[str, str
 # Added tokens, BOS / EOS, tokenizer_config.json
 # ---------------------------------------------------------------------------------------------
 
+
 def _add_whole_tokens(tokenizer: Tokenizer, tokens: list[str], token_types: list[int]) -> None:
     """Control and unknown tokens as special added tokens, user-defined ones as plain added
     tokens: matched in the raw text, not normalized, so "<|im_start|>" is one token, as in
@@ -367,8 +411,10 @@ def _bos_eos_processor(tokens: list[str], special_ids: dict[str, int], add_bos: 
     added = [name for name, wanted in (("bos_token", add_bos), ("eos_token", add_eos)) if wanted]
     for name in added:
         if name not in special_ids:
-            raise GGUFTokenizerError(f"{_KEY}add_{name} is true, but {_KEY}{_SPECIAL_ID_KEYS[name]} is not set; "
-                                     f"set one of them (gguf's gguf_set_metadata.py) or convert the model again")
+            raise GGUFTokenizerError(
+                f"{_KEY}add_{name} is true, but {_KEY}{_SPECIAL_ID_KEYS[name]} is not set; "
+                f"set one of them (gguf's gguf_set_metadata.py) or convert the model again"
+            )
     if not added:
         return None
     # the template names each token by its text, or BOS / EOS where the text would not parse ("a:b", "$A")
@@ -379,10 +425,13 @@ def _bos_eos_processor(tokens: list[str], special_ids: dict[str, int], add_bos: 
         eos = [f"{names['eos_token']}:{type_id}"] if add_eos else []
         return [*bos, f"{piece}:{type_id}", *eos]
 
-    special = {names[name]: {"id": names[name], "ids": [special_ids[name]], "tokens": [tokens[special_ids[name]]]}
-               for name in added}
-    return processors.TemplateProcessing(single=sequence("$A", 0), pair=sequence("$A", 0) + sequence("$B", 1),
-                                         special_tokens=list(special.values()))
+    special = {
+        names[name]: {"id": names[name], "ids": [special_ids[name]], "tokens": [tokens[special_ids[name]]]}
+        for name in added
+    }
+    return processors.TemplateProcessing(
+        single=sequence("$A", 0), pair=sequence("$A", 0) + sequence("$B", 1), special_tokens=list(special.values())
+    )
 
 
 def _template_name(token: str, fallback: str) -> str:
@@ -390,15 +439,18 @@ def _template_name(token: str, fallback: str) -> str:
     return token if readable else fallback
 
 
-def _tokenizer_config(metadata: dict[str, Any], tokens: list[str], special_ids: dict[str, int],
-                      add_bos: bool, add_eos: bool) -> dict[str, Any]:
+def _tokenizer_config(
+    metadata: dict[str, Any], tokens: list[str], special_ids: dict[str, int], add_bos: bool, add_eos: bool
+) -> dict[str, Any]:
     config: dict[str, Any] = {"tokenizer_class": "PreTrainedTokenizerFast", "clean_up_tokenization_spaces": False}
     config.update({name: tokens[token_id] for name, token_id in special_ids.items()})
     config.update(add_bos_token=add_bos, add_eos_token=add_eos)
     template = metadata.get("tokenizer.chat_template")
     if template is not None:
         if not isinstance(template, str):
-            raise GGUFTokenizerError(f"tokenizer.chat_template is a {type(template).__name__}, not a string; "
-                                     "fix it or convert the model again")
+            raise GGUFTokenizerError(
+                f"tokenizer.chat_template is a {type(template).__name__}, not a string; "
+                "fix it or convert the model again"
+            )
         config["chat_template"] = template
     return config

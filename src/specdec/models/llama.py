@@ -50,14 +50,20 @@ class ModelConfig:
 
     def __post_init__(self) -> None:
         if self.num_heads % self.num_kv_heads:
-            raise ValueError(f"num_attention_heads ({self.num_heads}) must be a multiple of "
-                             f"num_key_value_heads ({self.num_kv_heads})")
+            raise ValueError(
+                f"num_attention_heads ({self.num_heads}) must be a multiple of "
+                f"num_key_value_heads ({self.num_kv_heads})"
+            )
         if not (0 <= self.output_vocab_size <= self.vocab_size):
-            raise ValueError(f"output_vocab_size must be in [0, vocab_size {self.vocab_size}] (0: the whole "
-                             f"vocabulary), got {self.output_vocab_size}")
+            raise ValueError(
+                f"output_vocab_size must be in [0, vocab_size {self.vocab_size}] (0: the whole "
+                f"vocabulary), got {self.output_vocab_size}"
+            )
         if self.output_vocab_size and self.tie_word_embeddings:
-            raise ValueError("an output layer over part of the vocabulary (output_vocab_size) cannot be tied to the "
-                             "embedding; set tie_word_embeddings to false")
+            raise ValueError(
+                "an output layer over part of the vocabulary (output_vocab_size) cannot be tied to the "
+                "embedding; set tie_word_embeddings to false"
+            )
 
     @property
     def head_size(self) -> int:
@@ -140,29 +146,35 @@ class Attention(nn.Module):
         else:
             self.q_norm = self.k_norm = None
 
-    def forward(self, x, cos, signed_sin, mask, positions, cache: KVCache | CacheRows | None, num_keys: int) -> torch.Tensor:
+    def forward(
+        self, x, cos, signed_sin, mask, positions, cache: KVCache | CacheRows | None, num_keys: int
+    ) -> torch.Tensor:
         """num_keys: the cache positions 0..num_keys-1 this forward reads (cache path only)."""
         B, T, _ = x.shape
         H, Hkv = self.num_heads, self.num_kv_heads
         qkv = self.qkv_proj(x).view(B, T, H + 2 * Hkv, self.head_dim)  # [B, T, H+2Hkv, D]
         if self.q_norm is None:  # q and k rotated together
-            q, k = apply_rope(qkv[:, :, :H + Hkv], cos, signed_sin).split([H, Hkv], dim=2)  # [B, T, H|Hkv, D]
+            q, k = apply_rope(qkv[:, :, : H + Hkv], cos, signed_sin).split([H, Hkv], dim=2)  # [B, T, H|Hkv, D]
         else:
-            q, k = self.q_norm(qkv[:, :, :H]), self.k_norm(qkv[:, :, H:H + Hkv])
+            q, k = self.q_norm(qkv[:, :, :H]), self.k_norm(qkv[:, :, H : H + Hkv])
             q, k = apply_rope(q, cos, signed_sin), apply_rope(k, cos, signed_sin)
-        v = qkv[:, :, H + Hkv:]  # [B, T, Hkv, D]
+        v = qkv[:, :, H + Hkv :]  # [B, T, Hkv, D]
         if cache is None:  # training: the keys are this sequence's own, causal by construction
             keys, values = k, v
         else:
             keys, values = cache.write_and_read(self.layer_index, positions, k, v, num_keys)  # [B, S, Hkv, D] each
         if cache is not None and _attends_by_rows(q, T):  # a decode step or a verify forward on the CPU
-            out = torch.ops.specdec.attend(q, keys, values, mask, self.head_dim ** -0.5)  # [B, T, H, D]
+            out = torch.ops.specdec.attend(q, keys, values, mask, self.head_dim**-0.5)  # [B, T, H, D]
             return self.o_proj(out.reshape(B, T, -1))  # [B, T, H*D] -> [B, T, hidden]
         q, keys, values = q.transpose(1, 2), keys.transpose(1, 2), values.transpose(1, 2)  # [B, H(kv), T|S, D]
         if _attend_in_float32(q, T):
             q, keys, values = q.float(), keys.float(), values.float()
         out = F.scaled_dot_product_attention(
-            q, keys, values, attn_mask=mask, is_causal=mask is None and cache is None,
+            q,
+            keys,
+            values,
+            attn_mask=mask,
+            is_causal=mask is None and cache is None,
             enable_gqa=self.num_heads != self.num_kv_heads,
         ).to(x.dtype)  # [B, H, T, D]
         return self.o_proj(out.transpose(1, 2).reshape(B, T, -1))  # [B, T, H*D] -> [B, T, hidden]
@@ -178,8 +190,12 @@ def _attends_by_rows(q: torch.Tensor, num_queries: int) -> bool:
     what the decode steps would, which PyTorch's attention does not (it rounds a query by the
     block it shares), so speculation is exact with respect to the model as it runs. Where the
     kernel cannot be built (or a head's size is not a multiple of 16), PyTorch's attention."""
-    return (q.device.type == "cpu" and num_queries <= FLOAT32_ATTENTION_MAX_QUERIES and q.shape[-1] % 16 == 0
-            and _attention_kernel_built())
+    return (
+        q.device.type == "cpu"
+        and num_queries <= FLOAT32_ATTENTION_MAX_QUERIES
+        and q.shape[-1] % 16 == 0
+        and _attention_kernel_built()
+    )
 
 
 def _attention_kernel_built() -> bool:
@@ -258,11 +274,17 @@ class DecoderStack(nn.Module):
 
     def new_cache(self, max_batch: int, max_len: int, static: bool = False) -> KVCache:
         c = self.config
-        return KVCache(len(self.layers), max_batch, max_len, c.num_kv_heads, c.head_dim, self.dtype, self.device,
-                       static)
+        return KVCache(
+            len(self.layers), max_batch, max_len, c.num_kv_heads, c.head_dim, self.dtype, self.device, static
+        )
 
-    def transform(self, x: torch.Tensor, positions: torch.Tensor, cache: KVCache | CacheRows | None,
-                  tree: TreeAttention | None = None) -> torch.Tensor:
+    def transform(
+        self,
+        x: torch.Tensor,
+        positions: torch.Tensor,
+        cache: KVCache | CacheRows | None,
+        tree: TreeAttention | None = None,
+    ) -> torch.Tensor:
         """Input vectors x [B, T, hidden] at positions [B, T] -> final normed hidden states [B, T, hidden].
         tree (with a cache): where each token's K/V goes and what it reads, when that is not
         "position p, after everything before p" (kv_cache.TreeAttention)."""
@@ -274,8 +296,11 @@ class DecoderStack(nn.Module):
         for layer in self.layers:
             window = self.config.window(layer.self_attn.layer_index)
             if window not in masks:
-                masks[window] = (self._mask(positions, num_keys, window, needs_mask) if tree is None
-                                 else tree.mask(num_keys, positions, window))
+                masks[window] = (
+                    self._mask(positions, num_keys, window, needs_mask)
+                    if tree is None
+                    else tree.mask(num_keys, positions, window)
+                )
             x = layer(x, cos, signed_sin, masks[window], write_positions, cache, num_keys)
         return self.norm(x)
 
@@ -324,9 +349,14 @@ class LlamaModel(DecoderStack):
             self.register_buffer("output_token_ids", torch.arange(config.output_vocab_size))
         self._init_rope()
 
-
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, cache: KVCache | CacheRows | None,
-                return_hidden: bool = False, tree: TreeAttention | None = None):
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        cache: KVCache | CacheRows | None,
+        return_hidden: bool = False,
+        tree: TreeAttention | None = None,
+    ):
         """input_ids, positions [B, T] -> logits [B, T, V] (float32); with return_hidden, also
         the final normed hidden states [B, T, hidden]: (logits, hidden).
         cache=None (training) attends causally within input_ids; positions must be 0..T-1.
@@ -334,13 +364,24 @@ class LlamaModel(DecoderStack):
         hidden = self.hidden_states(input_ids, positions, cache, tree)
         return (self.logits(hidden), hidden) if return_hidden else self.logits(hidden)
 
-    def hidden_states(self, input_ids: torch.Tensor, positions: torch.Tensor, cache: KVCache | CacheRows | None,
-                      tree: TreeAttention | None = None) -> torch.Tensor:
+    def hidden_states(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        cache: KVCache | CacheRows | None,
+        tree: TreeAttention | None = None,
+    ) -> torch.Tensor:
         """input_ids, positions [B, T] -> final normed hidden states [B, T, hidden]."""
         return self.transform(self.embed_tokens(input_ids), positions, cache, tree)  # embeddings [B, T, hidden]
 
-    def last_token_logits(self, input_ids: torch.Tensor, positions: torch.Tensor, cache: KVCache | CacheRows,
-                          last_index: torch.Tensor, return_hidden: bool = False):
+    def last_token_logits(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        cache: KVCache | CacheRows,
+        last_index: torch.Tensor,
+        return_hidden: bool = False,
+    ):
         """Forward padded rows; logits after each row's last real token (index last_index [B]):
         [B, V]. The output head runs on those positions only. With return_hidden, also every
         position's hidden states [B, T, hidden]: (logits, hidden)."""

@@ -46,9 +46,15 @@ class LoadedModel:
     hf_config: dict
 
 
-def load_pretrained(path: str | Path, dtype: str | torch.dtype = "auto", device: str | torch.device = "cpu",
-                    load_tokenizer: bool = True, platform: Platform | None = None,
-                    what: str = "the model", keep_quantized: bool = False) -> LoadedModel:
+def load_pretrained(
+    path: str | Path,
+    dtype: str | torch.dtype = "auto",
+    device: str | torch.device = "cpu",
+    load_tokenizer: bool = True,
+    platform: Platform | None = None,
+    what: str = "the model",
+    keep_quantized: bool = False,
+) -> LoadedModel:
     """Load a Hugging Face directory (or a GGUF file) in dtype ("auto": see resolve_dtype;
     platform: the device's, detected if None). keep_quantized: a GGUF file's quantized
     matrices stay quantized (models/gguf_model.py), on the CPU; otherwise they are dequantized.
@@ -71,15 +77,18 @@ def is_gguf_file(path) -> bool:
     return isinstance(path, (str, Path)) and str(path).lower().endswith(".gguf") and Path(path).expanduser().is_file()
 
 
-def _load_gguf(path: Path, dtype, device, load_tokenizer: bool, platform: Platform | None, what: str,
-               keep_quantized: bool = False) -> LoadedModel:
+def _load_gguf(
+    path: Path, dtype, device, load_tokenizer: bool, platform: Platform | None, what: str, keep_quantized: bool = False
+) -> LoadedModel:
     """A GGUF file, read as the Hugging Face directory `specdec convert` would write from it,
     or with keep_quantized, with its quantized matrices as they are."""
     from specdec.models.gguf import read_gguf
 
     if keep_quantized and torch.device(device).type != "cpu":
-        raise ModelLoadError(f"{path}: quantized GGUF weights run on the CPU only (device {device}); pass "
-                             "quantization=None to dequantize them")
+        raise ModelLoadError(
+            f"{path}: quantized GGUF weights run on the CPU only (device {device}); pass "
+            "quantization=None to dequantize them"
+        )
     # cast once, to the dtype it runs in
     checkpoint = read_gguf(path, weights_dtype=torch.float32, keep_quantized=keep_quantized)
     hf_config = checkpoint.hf_config
@@ -110,8 +119,10 @@ def check_model_path(path) -> Path:
     if path.is_file():
         raise ModelLoadError(f"{str(path)!r} is a file, not a model directory: {_file_hint(path)}")
     if not path.is_dir():
-        raise ModelLoadError(f"model directory {str(path)!r} does not exist; point at a Hugging Face model "
-                             "directory holding config.json and *.safetensors, or a .gguf file")
+        raise ModelLoadError(
+            f"model directory {str(path)!r} does not exist; point at a Hugging Face model "
+            "directory holding config.json and *.safetensors, or a .gguf file"
+        )
     unfinished = unfinished_output_message(path)
     if unfinished is not None:
         raise ModelLoadError(unfinished)
@@ -121,8 +132,10 @@ def check_model_path(path) -> Path:
 def _file_hint(path: Path) -> str:
     suffix = path.suffix.lower()
     if suffix in PICKLE_SUFFIXES:
-        return (f"a {suffix} checkpoint is a pickle, which specdec never loads (it can run code); use the "
-                "model's safetensors release, a directory with config.json and *.safetensors")
+        return (
+            f"a {suffix} checkpoint is a pickle, which specdec never loads (it can run code); use the "
+            "model's safetensors release, a directory with config.json and *.safetensors"
+        )
     if suffix == ".safetensors" or path.name == "config.json":
         return f"point at the directory holding it, {str(path.parent)!r}"
     return "point at a Hugging Face model directory holding config.json and *.safetensors, or a .gguf file"
@@ -138,8 +151,10 @@ def model_config_from_hf(cfg: dict, where: Path) -> ModelConfig:
 
     def need(key: str):
         if key not in cfg or cfg[key] is None:
-            raise ModelLoadError(f"{where}: required field {key!r} is missing; "
-                                 "the config must come from a complete Hugging Face checkpoint")
+            raise ModelLoadError(
+                f"{where}: required field {key!r} is missing; "
+                "the config must come from a complete Hugging Face checkpoint"
+            )
         return cfg[key]
 
     def positive_int(key: str, value):
@@ -205,8 +220,10 @@ def _model_type(cfg: dict, where: Path) -> str:
         raise ModelLoadError(f"{where}: unsupported architecture {architectures}; supported: {supported}")
     if cfg.get("model_type") in SUPPORTED_ARCHITECTURES.values():
         return cfg["model_type"]
-    raise ModelLoadError(f"{where}: unsupported or missing model_type {cfg.get('model_type')!r} "
-                         f"(no 'architectures' field); supported: {supported}")
+    raise ModelLoadError(
+        f"{where}: unsupported or missing model_type {cfg.get('model_type')!r} "
+        f"(no 'architectures' field); supported: {supported}"
+    )
 
 
 def _rope(cfg: dict, where: Path) -> tuple[float, tuple]:
@@ -222,8 +239,10 @@ def _rope(cfg: dict, where: Path) -> tuple[float, tuple]:
     rope_type = merged.pop("rope_type", merged.pop("type", "default"))
     if rope_type not in SUPPORTED_ROPE_TYPES:
         raise ModelLoadError(f"{where}: rope type {rope_type!r} is not supported; supported: {SUPPORTED_ROPE_TYPES}")
-    needed = {"linear": ["factor"], "llama3": ["factor", "low_freq_factor", "high_freq_factor",
-                                                "original_max_position_embeddings"]}.get(rope_type, [])
+    needed = {
+        "linear": ["factor"],
+        "llama3": ["factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"],
+    }.get(rope_type, [])
     if rope_type == "llama3" and merged.get("original_max_position_embeddings") is None:
         merged["original_max_position_embeddings"] = cfg.get("max_position_embeddings")  # as transformers v5 does
     missing = [key for key in needed if merged.get(key) is None]
@@ -231,8 +250,9 @@ def _rope(cfg: dict, where: Path) -> tuple[float, tuple]:
         raise ModelLoadError(f"{where}: rope type {rope_type!r} needs {missing} in rope_scaling")
     values = [theta] + [merged[k] for k in needed]
     if not all(is_real(v) and v > 0 for v in values):
-        raise ModelLoadError(f"{where}: rope_theta and the rope scaling values {needed} must be numbers > 0, "
-                             f"got {values}")
+        raise ModelLoadError(
+            f"{where}: rope_theta and the rope scaling values {needed} must be numbers > 0, got {values}"
+        )
     pairs = tuple(sorted((k, float(merged[k])) for k in needed))
     return float(theta), (("rope_type", rope_type),) + pairs if rope_type != "default" else ()
 
@@ -246,29 +266,34 @@ def _sliding_windows(cfg: dict, model_type: str, num_layers: int, where: Path) -
     layer_types = cfg.get("layer_types")
     if layer_types:
         if not isinstance(layer_types, list) or len(layer_types) != num_layers:
-            raise ModelLoadError(f"{where}: layer_types must list one type per layer ({num_layers}), "
-                                 f"got {layer_types!r}")
+            raise ModelLoadError(
+                f"{where}: layer_types must list one type per layer ({num_layers}), got {layer_types!r}"
+            )
         return tuple(window if t == "sliding_attention" else None for t in layer_types)
     if model_type == "mistral":
         return (window,) * num_layers
     if cfg.get("use_sliding_window"):
         first = cfg.get("max_window_layers", num_layers)
         if not (is_int(first) and first >= 0):
-            raise ModelLoadError(f"{where}: max_window_layers must be an integer >= 0 with use_sliding_window, "
-                                 f"got {first!r}")
+            raise ModelLoadError(
+                f"{where}: max_window_layers must be an integer >= 0 with use_sliding_window, got {first!r}"
+            )
         return tuple(window if i >= first else None for i in range(num_layers))
     return ()
 
 
-def resolve_dtype(dtype: str | torch.dtype, hf_config: dict, platform: Platform,
-                  what: str = "the model") -> torch.dtype:
+def resolve_dtype(
+    dtype: str | torch.dtype, hf_config: dict, platform: Platform, what: str = "the model"
+) -> torch.dtype:
     """dtype as a torch dtype; "auto" = the checkpoint's, unless platform would emulate it
     (platform.auto_dtype). The choice is logged; an explicit half precision the platform emulates
     runs, with a warning."""
     if isinstance(dtype, torch.dtype):
         if dtype not in (torch.float32, torch.bfloat16, torch.float16):
-            raise ValueError(f"dtype {dtype} is not supported: the model runs in torch.float32, torch.bfloat16 "
-                             "or torch.float16 ('auto' takes the checkpoint's)")
+            raise ValueError(
+                f"dtype {dtype} is not supported: the model runs in torch.float32, torch.bfloat16 "
+                "or torch.float16 ('auto' takes the checkpoint's)"
+            )
     elif not isinstance(dtype, str):
         raise ValueError(f"dtype must be 'auto', one of {sorted(DTYPES)} or a torch dtype, got {dtype!r}")
     elif dtype != "auto" and dtype not in DTYPES:
@@ -279,8 +304,10 @@ def resolve_dtype(dtype: str | torch.dtype, hf_config: dict, platform: Platform,
         return chosen
     saved = hf_config.get("dtype") or hf_config.get("torch_dtype") or "float32"
     if not isinstance(saved, str) or saved not in DTYPES:
-        raise ModelLoadError(f"config.json says the weights are {saved!r}, which is not supported; pass "
-                             f"dtype= one of {sorted(DTYPES)} instead of 'auto'")
+        raise ModelLoadError(
+            f"config.json says the weights are {saved!r}, which is not supported; pass "
+            f"dtype= one of {sorted(DTYPES)} instead of 'auto'"
+        )
     chosen, why = auto_dtype(DTYPES[saved], platform)
     log.info("%s runs in %s: %s", what, str(chosen).removeprefix("torch."), why)
     return chosen
@@ -300,14 +327,15 @@ def read_safetensors(path: Path) -> dict[str, torch.Tensor]:
         files = sorted(set(weight_map.values()))
         outside = [file for file in files if Path(file).is_absolute() or ".." in Path(file).parts]
         if outside:
-            raise ModelLoadError(f"{index}: shard paths must stay inside the model directory, got {_some(outside)}; "
-                                 "an index naming files elsewhere is refused")
+            raise ModelLoadError(
+                f"{index}: shard paths must stay inside the model directory, got {_some(outside)}; "
+                "an index naming files elsewhere is refused"
+            )
     elif (path / "model.safetensors").is_file():
         files = ["model.safetensors"]
     else:
         found = sorted(p.name for p in path.glob("*.bin")) + sorted(p.name for p in path.glob("*.pt"))
-        hint = (f" (found {found}: pickle checkpoints are not loaded; convert them to safetensors)"
-                if found else "")
+        hint = f" (found {found}: pickle checkpoints are not loaded; convert them to safetensors)" if found else ""
         raise ModelLoadError(f"{path}: no model.safetensors or model.safetensors.index.json{hint}")
     tensors = {}
     for name in files:
@@ -319,13 +347,15 @@ def read_safetensors(path: Path) -> dict[str, torch.Tensor]:
                 for key in f.keys():
                     tensors[key] = f.get_tensor(key)
         except Exception as e:  # safetensors raises its own error types for bad headers and short files
-            raise ModelLoadError(f"{file}: corrupt or truncated safetensors file ({e}); "
-                                 "re-save or re-download it") from e
+            raise ModelLoadError(
+                f"{file}: corrupt or truncated safetensors file ({e}); re-save or re-download it"
+            ) from e
     return tensors
 
 
-def build_model(config: ModelConfig, weights: dict[str, torch.Tensor], dtype: torch.dtype,
-                device: torch.device, path: Path) -> LlamaModel:
+def build_model(
+    config: ModelConfig, weights: dict[str, torch.Tensor], dtype: torch.dtype, device: torch.device, path: Path
+) -> LlamaModel:
     """A LlamaModel holding exactly the checkpoint's weights, checked by name and shape in
     the checkpoint's own (Hugging Face) names before the projections are fused."""
     given = {name: t for name, t in weights.items() if not name.endswith("rotary_emb.inv_freq")}
@@ -339,14 +369,19 @@ def build_model(config: ModelConfig, weights: dict[str, torch.Tensor], dtype: to
     expected = {name: tuple(t.shape) for name, t in to_hf(model).items()}
     missing, unexpected = sorted(set(expected) - set(given)), sorted(set(given) - set(expected))
     if missing or unexpected:
-        raise ModelLoadError(f"{path}: checkpoint does not match its config.json: "
-                             f"missing tensors {_some(missing)}, unexpected tensors {_some(unexpected)}")
+        raise ModelLoadError(
+            f"{path}: checkpoint does not match its config.json: "
+            f"missing tensors {_some(missing)}, unexpected tensors {_some(unexpected)}"
+        )
     for name, shape in expected.items():
         if tuple(given[name].shape) != shape:
-            raise ModelLoadError(f"{path}: tensor {name!r} has shape {tuple(given[name].shape)}, "
-                                 f"config.json implies {shape}")
-    state = {name: t.to(device=device, dtype=dtype) if t.is_floating_point() else t.to(device)
-             for name, t in from_hf(given).items()}
+            raise ModelLoadError(
+                f"{path}: tensor {name!r} has shape {tuple(given[name].shape)}, config.json implies {shape}"
+            )
+    state = {
+        name: t.to(device=device, dtype=dtype) if t.is_floating_point() else t.to(device)
+        for name, t in from_hf(given).items()
+    }
     _check_finite(state, given, dtype, path)
     if config.output_vocab_size:
         _check_output_token_ids(state["output_token_ids"], config.vocab_size, path)
@@ -358,8 +393,9 @@ def build_model(config: ModelConfig, weights: dict[str, torch.Tensor], dtype: to
     return model.eval().requires_grad_(False)
 
 
-def _check_finite(state: dict[str, torch.Tensor], saved: dict[str, torch.Tensor], dtype: torch.dtype,
-                  path: Path) -> None:
+def _check_finite(
+    state: dict[str, torch.Tensor], saved: dict[str, torch.Tensor], dtype: torch.dtype, path: Path
+) -> None:
     """Refuse weights holding NaN or infinity, which would otherwise decode to empty or garbled
     text: one pass over the weights as they will run (state); only when that finds some, the
     checkpoint's own (saved, Hugging Face names) tell a corrupt or diverged checkpoint from
@@ -368,10 +404,14 @@ def _check_finite(state: dict[str, torch.Tensor], saved: dict[str, torch.Tensor]
         return
     bad = _non_finite(saved)
     if bad:
-        raise ModelLoadError(f"{path}: tensors {_some(bad)} hold NaN or infinite values; the checkpoint is corrupt "
-                             "or its training diverged: re-save or re-download it")
-    raise ModelLoadError(f"{path}: tensors {_some(_non_finite(state))} hold NaN or infinite values once converted "
-                         f"to {str(dtype).removeprefix('torch.')} (use a wider dtype)")
+        raise ModelLoadError(
+            f"{path}: tensors {_some(bad)} hold NaN or infinite values; the checkpoint is corrupt "
+            "or its training diverged: re-save or re-download it"
+        )
+    raise ModelLoadError(
+        f"{path}: tensors {_some(_non_finite(state))} hold NaN or infinite values once converted "
+        f"to {str(dtype).removeprefix('torch.')} (use a wider dtype)"
+    )
 
 
 def _check_output_token_ids(ids: torch.Tensor, vocab_size: int, path: Path) -> None:
@@ -379,8 +419,9 @@ def _check_output_token_ids(ids: torch.Tensor, vocab_size: int, path: Path) -> N
     if ids.is_floating_point() or ids.is_complex() or ids.dtype == torch.bool:
         raise ModelLoadError(f"{path}: model.output_token_ids must hold integer token ids, got {ids.dtype}")
     if len(ids) and (int(ids.min()) < 0 or int(ids.max()) >= vocab_size or not bool((ids[1:] > ids[:-1]).all())):
-        raise ModelLoadError(f"{path}: model.output_token_ids must be distinct token ids in [0, {vocab_size}), "
-                             "ascending")
+        raise ModelLoadError(
+            f"{path}: model.output_token_ids must be distinct token ids in [0, {vocab_size}), ascending"
+        )
 
 
 def _non_finite(tensors: dict[str, torch.Tensor]) -> list[str]:
@@ -400,8 +441,10 @@ def eos_token_ids(path: Path, hf_config: dict, vocab_size: int) -> tuple[int, ..
     them, or null); anything else, or an id outside the vocabulary, is a ModelLoadError."""
     sources = {"config.json": hf_config}
     if (path / "generation_config.json").is_file():
-        sources = {"generation_config.json": _read_json(path / "generation_config.json",
-                                                        what="generation_config.json"), **sources}
+        sources = {
+            "generation_config.json": _read_json(path / "generation_config.json", what="generation_config.json"),
+            **sources,
+        }
     return _eos_ids(sources, path, vocab_size)
 
 
@@ -410,12 +453,13 @@ def _eos_ids(sources: dict[str, dict], path: Path, vocab_size: int) -> tuple[int
     ids: list[int] = []
     for name, source in sources.items():
         value = source.get("eos_token_id")
-        for token in (value if isinstance(value, list) else [value]):
+        for token in value if isinstance(value, list) else [value]:
             if token is None:
                 continue
             if not (is_int(token) and 0 <= token < vocab_size):
-                raise ModelLoadError(f"{path}: {name}'s eos_token_id must be token ids in [0, {vocab_size}) "
-                                     f"(or null), got {value!r}")
+                raise ModelLoadError(
+                    f"{path}: {name}'s eos_token_id must be token ids in [0, {vocab_size}) (or null), got {value!r}"
+                )
             if token not in ids:
                 ids.append(token)
     return tuple(ids)
@@ -423,8 +467,10 @@ def _eos_ids(sources: dict[str, dict], path: Path, vocab_size: int) -> tuple[int
 
 def _load_tokenizer(path: Path, vocab_size: int) -> Tokenizer:
     if not (path / "tokenizer.json").is_file():
-        raise ModelLoadError(f"{path}: tokenizer.json is missing; save the tokenizer with the model "
-                             "(tokenizer.save_pretrained) or pass skip_tokenizer_init=True and give token ids")
+        raise ModelLoadError(
+            f"{path}: tokenizer.json is missing; save the tokenizer with the model "
+            "(tokenizer.save_pretrained) or pass skip_tokenizer_init=True and give token ids"
+        )
     config_file = path / "tokenizer_config.json"
     config = _read_json(config_file, what="tokenizer_config.json") if config_file.is_file() else None
     try:
@@ -435,13 +481,16 @@ def _load_tokenizer(path: Path, vocab_size: int) -> Tokenizer:
     return tokenizer
 
 
-def _check_tokenizer_fits(tokenizer: Tokenizer, path: Path, what: str, vocab_size: int,
-                          vocab_source: str = "config.json's") -> None:
+def _check_tokenizer_fits(
+    tokenizer: Tokenizer, path: Path, what: str, vocab_size: int, vocab_source: str = "config.json's"
+) -> None:
     largest = max(tokenizer.backend.get_vocab(with_added_tokens=True).values(), default=-1)
     if largest >= vocab_size:
-        raise ModelLoadError(f"{path}: {what} has token ids up to {largest}, beyond {vocab_source} vocab_size "
-                             f"{vocab_size}: the tokenizer is not this model's (or tokens were added without "
-                             "resizing the model's embedding)")
+        raise ModelLoadError(
+            f"{path}: {what} has token ids up to {largest}, beyond {vocab_source} vocab_size "
+            f"{vocab_size}: the tokenizer is not this model's (or tokens were added without "
+            "resizing the model's embedding)"
+        )
 
 
 def _read_json(file: Path, what: str) -> dict:

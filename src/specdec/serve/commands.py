@@ -25,34 +25,67 @@ DEFAULT_MAX_PREFILL_TOKENS = 2048  # vLLM's default max_num_batched_tokens
 def add_serve_parser(commands) -> None:
     from specdec.model_flags import add_model_argument, add_model_arguments
 
-    p = commands.add_parser("serve", help="serve a model over an OpenAI-compatible HTTP API",
-                            usage="%(prog)s MODEL [options]",
-                            description="Serve the target (with its drafter) over HTTP: /v1/completions, "
-                                        "/v1/chat/completions, /v1/models, /health, /metrics.")
+    p = commands.add_parser(
+        "serve",
+        help="serve a model over an OpenAI-compatible HTTP API",
+        usage="%(prog)s MODEL [options]",
+        description="Serve the target (with its drafter) over HTTP: /v1/completions, "
+        "/v1/chat/completions, /v1/models, /health, /metrics.",
+    )
     add_model_argument(p)
     add_model_arguments(p)
     p.add_argument("--host", default="127.0.0.1", help="the address to listen on (default 127.0.0.1; 0.0.0.0 for all)")
     p.add_argument("--port", type=int, default=8000, help="the port to listen on (default 8000)")
-    p.add_argument("--api-key", default=os.environ.get("SPECDEC_API_KEY"),
-                   help="clients must send 'Authorization: Bearer KEY' (default: $SPECDEC_API_KEY; none: open)")
+    p.add_argument(
+        "--api-key",
+        default=os.environ.get("SPECDEC_API_KEY"),
+        help="clients must send 'Authorization: Bearer KEY' (default: $SPECDEC_API_KEY; none: open)",
+    )
     p.add_argument("--served-model-name", help="the model's name in the API (default: MODEL's directory or file name)")
-    p.add_argument("--max-num-seqs", type=int, default=DEFAULT_MAX_NUM_SEQS,
-                   help=f"the most requests run at once (default {DEFAULT_MAX_NUM_SEQS}); more wait")
-    p.add_argument("--max-waiting", type=int, default=1024,
-                   help="the most requests waiting for a slot; more are answered 429 (default 1024)")
-    p.add_argument("--max-prefill-tokens", type=int, default=DEFAULT_MAX_PREFILL_TOKENS,
-                   help="the most prompt tokens one step prefills (rows x the longest prompt); more new requests "
-                        f"start at the next steps, so that a burst does not stall the running ones "
-                        f"(default {DEFAULT_MAX_PREFILL_TOKENS}; one request always starts)")
-    p.add_argument("--max-model-len", type=int,
-                   help="the most tokens (prompt + output) of a request (default: the model's context length)")
-    p.add_argument("--kv-cache-memory", type=float, metavar="GB",
-                   help="the target's key/value cache may take at most this many GB: fewer slots than --max-num-seqs "
-                        "if it must (default: no limit but the free memory)")
-    p.add_argument("--shutdown-timeout", type=float, default=10.0,
-                   help="seconds in-flight requests may take to finish after SIGTERM (default 10)")
-    p.add_argument("--log-level", default="warning", choices=("critical", "error", "warning", "info", "debug"),
-                   help="uvicorn's log level (default warning)")
+    p.add_argument(
+        "--max-num-seqs",
+        type=int,
+        default=DEFAULT_MAX_NUM_SEQS,
+        help=f"the most requests run at once (default {DEFAULT_MAX_NUM_SEQS}); more wait",
+    )
+    p.add_argument(
+        "--max-waiting",
+        type=int,
+        default=1024,
+        help="the most requests waiting for a slot; more are answered 429 (default 1024)",
+    )
+    p.add_argument(
+        "--max-prefill-tokens",
+        type=int,
+        default=DEFAULT_MAX_PREFILL_TOKENS,
+        help="the most prompt tokens one step prefills (rows x the longest prompt); more new requests "
+        f"start at the next steps, so that a burst does not stall the running ones "
+        f"(default {DEFAULT_MAX_PREFILL_TOKENS}; one request always starts)",
+    )
+    p.add_argument(
+        "--max-model-len",
+        type=int,
+        help="the most tokens (prompt + output) of a request (default: the model's context length)",
+    )
+    p.add_argument(
+        "--kv-cache-memory",
+        type=float,
+        metavar="GB",
+        help="the target's key/value cache may take at most this many GB: fewer slots than --max-num-seqs "
+        "if it must (default: no limit but the free memory)",
+    )
+    p.add_argument(
+        "--shutdown-timeout",
+        type=float,
+        default=10.0,
+        help="seconds in-flight requests may take to finish after SIGTERM (default 10)",
+    )
+    p.add_argument(
+        "--log-level",
+        default="warning",
+        choices=("critical", "error", "warning", "info", "debug"),
+        help="uvicorn's log level (default warning)",
+    )
     p.set_defaults(run=run_serve)
 
 
@@ -70,20 +103,32 @@ def run_serve(args: argparse.Namespace) -> int:
     llm = make_llm(args, max_num_seqs=args.max_num_seqs)
     max_model_len = args.max_model_len or llm.max_model_len
     if max_model_len > llm.max_model_len:
-        raise ValueError(f"--max-model-len {max_model_len} is more than the model's context length "
-                         f"({llm.max_model_len})")
+        raise ValueError(
+            f"--max-model-len {max_model_len} is more than the model's context length ({llm.max_model_len})"
+        )
     budget = None if args.kv_cache_memory is None else int(args.kv_cache_memory * 1e9)
     with torch.inference_mode():
         num_slots = llm.engine.prepare_to_serve(max_model_len, budget, args.max_prefill_tokens)
     name = args.served_model_name or Path(str(args.model).rstrip("/")).name
     spec = llm.speculative_config
-    log.info("serving %s on http://%s:%d: %s, %d requests at once, %d tokens each", name, args.host, args.port,
-             f"{spec.method} k={spec.num_speculative_tokens} ({spec.k_policy})" if spec else "no speculation",
-             num_slots, max_model_len)
+    log.info(
+        "serving %s on http://%s:%d: %s, %d requests at once, %d tokens each",
+        name,
+        args.host,
+        args.port,
+        f"{spec.method} k={spec.num_speculative_tokens} ({spec.k_policy})" if spec else "no speculation",
+        num_slots,
+        max_model_len,
+    )
     metrics = ServerMetrics(name)
     state = ServerState(AsyncEngine(llm, metrics, args.max_waiting), name, max_model_len, api_key=args.api_key)
-    config = uvicorn.Config(build_app(state), host=args.host, port=args.port, log_level=args.log_level,
-                            timeout_graceful_shutdown=args.shutdown_timeout)
+    config = uvicorn.Config(
+        build_app(state),
+        host=args.host,
+        port=args.port,
+        log_level=args.log_level,
+        timeout_graceful_shutdown=args.shutdown_timeout,
+    )
     # uvicorn shuts down gracefully on SIGTERM, then raises the signal again against the handler
     # that was there before it: a no-op one makes a SIGTERM'd server exit 0, as a finished one
     signal.signal(signal.SIGTERM, _stopped)
@@ -98,8 +143,11 @@ def _stopped(signum, frame) -> None:
 def _check_arguments(args) -> None:
     if not 0 < args.port < 65536:
         raise ValueError(f"--port must be in 1..65535, got {args.port}")
-    for flag, value, least in (("--max-num-seqs", args.max_num_seqs, 1), ("--max-waiting", args.max_waiting, 0),
-                               ("--max-prefill-tokens", args.max_prefill_tokens, 1)):
+    for flag, value, least in (
+        ("--max-num-seqs", args.max_num_seqs, 1),
+        ("--max-waiting", args.max_waiting, 0),
+        ("--max-prefill-tokens", args.max_prefill_tokens, 1),
+    ):
         if value < least:
             raise ValueError(f"{flag} must be at least {least}, got {value}")
     if args.max_model_len is not None and args.max_model_len < 2:

@@ -31,8 +31,9 @@ class ServerProcess:
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         self._log = open(self.log_path, "w")
         command = [sys.executable, "-m", "specdec.cli", "serve", *args, "--port", str(self.port)]
-        self.process = subprocess.Popen(command, stdout=self._log, stderr=subprocess.STDOUT,
-                                        env={**os.environ, **(env or {})})
+        self.process = subprocess.Popen(
+            command, stdout=self._log, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})}
+        )
         self._wait(timeout)
 
     def _wait(self, timeout: float) -> None:
@@ -68,9 +69,12 @@ class ServerProcess:
 
     def metric(self, name: str, **labels) -> float:
         """The sum of specdec:<name> over the series whose labels include labels."""
-        return sum(value for series, value in self.metrics().items()
-                   if series.split("{")[0] == f"specdec:{name}"
-                   and all(f'{key}="{label}"' in series for key, label in labels.items()))
+        return sum(
+            value
+            for series, value in self.metrics().items()
+            if series.split("{")[0] == f"specdec:{name}"
+            and all(f'{key}="{label}"' in series for key, label in labels.items())
+        )
 
     def stop(self, timeout: float = 60) -> int:
         """SIGTERM, then the exit code (killed, if it does not exit in timeout s)."""

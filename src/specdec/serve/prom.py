@@ -20,8 +20,28 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from specdec.metrics import SpecStats
 from specdec.outputs import RequestOutput
 
-LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5,
-                   10.0, 20.0, 40.0, 80.0)
+LATENCY_BUCKETS = (
+    0.001,
+    0.0025,
+    0.005,
+    0.01,
+    0.02,
+    0.04,
+    0.06,
+    0.08,
+    0.1,
+    0.25,
+    0.5,
+    0.75,
+    1.0,
+    2.5,
+    5.0,
+    7.5,
+    10.0,
+    20.0,
+    40.0,
+    80.0,
+)
 
 
 class ServerMetrics:
@@ -38,8 +58,9 @@ class ServerMetrics:
             return metric if extra else metric.labels(model_name)
 
         def histogram(name, doc):
-            return Histogram(f"specdec:{name}", doc, labels, buckets=LATENCY_BUCKETS,
-                             registry=self.registry).labels(model_name)
+            return Histogram(f"specdec:{name}", doc, labels, buckets=LATENCY_BUCKETS, registry=self.registry).labels(
+                model_name
+            )
 
         self.running = gauge("num_requests_running", "Requests in the batch (holding a cache slot).")
         self.waiting = gauge("num_requests_waiting", "Requests waiting for a slot.")
@@ -49,18 +70,30 @@ class ServerMetrics:
         self.drafts = counter("spec_decode_num_drafts", "Rounds in which a request proposed draft tokens.")
         self.draft_tokens = counter("spec_decode_num_draft_tokens", "Draft tokens proposed.")
         self.accepted_tokens = counter("spec_decode_num_accepted_tokens", "Draft tokens accepted.")
-        self.accepted_per_pos = counter("spec_decode_num_accepted_tokens_per_pos",
-                                        "Draft tokens accepted, by position in the draft (0 = first).", ["position"])
-        self.rounds_by_k = counter("spec_decode_rounds_by_k", "Request-rounds by the k chosen for them (0: a plain "
-                                   "decoding step; goodput.py chooses k per round).", ["k"])
+        self.accepted_per_pos = counter(
+            "spec_decode_num_accepted_tokens_per_pos",
+            "Draft tokens accepted, by position in the draft (0 = first).",
+            ["position"],
+        )
+        self.rounds_by_k = counter(
+            "spec_decode_rounds_by_k",
+            "Request-rounds by the k chosen for them (0: a plain decoding step; goodput.py chooses k per round).",
+            ["k"],
+        )
         self.ttft = histogram("time_to_first_token_seconds", "Seconds from arrival to the first token.")
         self.itl = histogram("inter_token_latency_seconds", "Seconds per output token after the first.")
         self.e2e = histogram("e2e_request_latency_seconds", "Seconds from arrival to the last token.")
         self._last_token_time: dict[str, float] = {}
         self._seen = SpecStats()  # the engine's totals at the last observation
 
-    def observe_step(self, outputs: list[RequestOutput], arrivals: dict[str, float], num_running: int,
-                     num_waiting: int, totals: SpecStats) -> None:
+    def observe_step(
+        self,
+        outputs: list[RequestOutput],
+        arrivals: dict[str, float],
+        num_running: int,
+        num_waiting: int,
+        totals: SpecStats,
+    ) -> None:
         """After an engine step: its outputs (arrival time of each request, perf_counter), the
         batch's size and queue, and the engine's speculation totals so far."""
         now = time.perf_counter()
@@ -105,6 +138,9 @@ class ServerMetrics:
             before = seen.rounds_by_k[k] if k < len(seen.rounds_by_k) else 0
             if rounds > before:
                 self.rounds_by_k.labels(self.model_name, str(k)).inc(rounds - before)
-        self._seen = SpecStats(num_draft_tokens=totals.num_draft_tokens, num_accepted_tokens=totals.num_accepted_tokens,
-                               accepted_by_position=list(totals.accepted_by_position),
-                               rounds_by_k=list(totals.rounds_by_k))
+        self._seen = SpecStats(
+            num_draft_tokens=totals.num_draft_tokens,
+            num_accepted_tokens=totals.num_accepted_tokens,
+            accepted_by_position=list(totals.accepted_by_position),
+            rounds_by_k=list(totals.rounds_by_k),
+        )

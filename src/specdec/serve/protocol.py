@@ -20,8 +20,15 @@ from specdec.outputs import TokenLogprob
 class APIError(Exception):
     """An error the client gets as an OpenAI-style error body, with this HTTP status."""
 
-    def __init__(self, status: int, message: str, type: str = "invalid_request_error", param: str | None = None,
-                 code: str | None = None, headers: dict[str, str] | None = None):
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        type: str = "invalid_request_error",
+        param: str | None = None,
+        code: str | None = None,
+        headers: dict[str, str] | None = None,
+    ):
         super().__init__(message)
         self.status, self.message, self.type, self.param, self.code = status, message, type, param, code
         self.headers = headers
@@ -63,17 +70,31 @@ class SamplingFields(BaseModel):
 
     def unsupported(self) -> list[str]:
         """The fields set to something specdec does not do."""
-        neutral = {"presence_penalty": (0,),
-                   "frequency_penalty": (0,), "logit_bias": (None, {}), "best_of": (None, 1), "echo": (False,),
-                   "tools": (None, [])}
+        neutral = {
+            "presence_penalty": (0,),
+            "frequency_penalty": (0,),
+            "logit_bias": (None, {}),
+            "best_of": (None, 1),
+            "echo": (False,),
+            "tools": (None, []),
+        }
         return [name for name, allowed in neutral.items() if getattr(self, name) not in allowed]
 
     def sampling_params(self, max_tokens: int) -> SamplingParams:
         """The request's SamplingParams (a ValueError names a bad value)."""
-        return SamplingParams(temperature=self.temperature, top_p=self.top_p, top_k=self.top_k, min_p=self.min_p,
-                              max_tokens=max_tokens, stop=self.stop or (), stop_token_ids=self.stop_token_ids or (),
-                              seed=self.seed, ignore_eos=self.ignore_eos, logprobs=self.logprobs_count(),
-                              num_speculative_tokens=self.num_speculative_tokens)
+        return SamplingParams(
+            temperature=self.temperature,
+            top_p=self.top_p,
+            top_k=self.top_k,
+            min_p=self.min_p,
+            max_tokens=max_tokens,
+            stop=self.stop or (),
+            stop_token_ids=self.stop_token_ids or (),
+            seed=self.seed,
+            ignore_eos=self.ignore_eos,
+            logprobs=self.logprobs_count(),
+            num_speculative_tokens=self.num_speculative_tokens,
+        )
 
     def logprobs_count(self) -> int | None:
         """How many top tokens' logprobs to return with each token's own (None: no logprobs)."""
@@ -105,8 +126,12 @@ class ChatMessage(BaseModel):
             return self.content or ""
         kinds = {part.get("type") for part in self.content}
         if kinds - {"text"}:
-            raise APIError(400, f"message content parts of type {sorted(map(str, kinds - {'text'}))} are not "
-                                "supported: this server takes text", param="messages")
+            raise APIError(
+                400,
+                f"message content parts of type {sorted(map(str, kinds - {'text'}))} are not "
+                "supported: this server takes text",
+                param="messages",
+            )
         return "".join(str(part.get("text", "")) for part in self.content)
 
 
@@ -130,21 +155,34 @@ def completion_logprobs(entries: list[TokenLogprob], token_text, offset: int = 0
     token's text starts in the choice's text."""
     tokens = [token_text(entry.token_id) for entry in entries]
     offsets = [offset + sum(len(token) for token in tokens[:i]) for i in range(len(tokens))]
-    tops = [{**{token_text(token_id): value for token_id, value in entry.top}, token: entry.logprob}
-            for entry, token in zip(entries, tokens)]
-    return {"tokens": tokens, "token_logprobs": [entry.logprob for entry in entries], "top_logprobs": tops,
-            "text_offset": offsets}
+    tops = [
+        {**{token_text(token_id): value for token_id, value in entry.top}, token: entry.logprob}
+        for entry, token in zip(entries, tokens)
+    ]
+    return {
+        "tokens": tokens,
+        "token_logprobs": [entry.logprob for entry in entries],
+        "top_logprobs": tops,
+        "text_offset": offsets,
+    }
 
 
 def chat_logprobs(entries: list[TokenLogprob], token_text) -> dict:
     """The chat API's logprobs of entries: {"content": [{token, logprob, bytes, top_logprobs}]}."""
+
     def item(token_id: int, logprob: float) -> dict:
         text = token_text(token_id)
         return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8"))}
 
-    return {"content": [{**item(entry.token_id, entry.logprob),
-                         "top_logprobs": [item(token_id, value) for token_id, value in entry.top]}
-                        for entry in entries]}
+    return {
+        "content": [
+            {
+                **item(entry.token_id, entry.logprob),
+                "top_logprobs": [item(token_id, value) for token_id, value in entry.top],
+            }
+            for entry in entries
+        ]
+    }
 
 
 def new_id(prefix: str) -> str:
@@ -152,48 +190,100 @@ def new_id(prefix: str) -> str:
 
 
 def usage(prompt_tokens: int, completion_tokens: int) -> dict:
-    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens}
+    return {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
+    }
 
 
-def completion_response(request_id: str, model: str, choices: list[dict], prompt_tokens: int,
-                        completion_tokens: int) -> dict:
-    return {"id": request_id, "object": "text_completion", "created": int(time.time()), "model": model,
-            "choices": choices, "usage": usage(prompt_tokens, completion_tokens)}
+def completion_response(
+    request_id: str, model: str, choices: list[dict], prompt_tokens: int, completion_tokens: int
+) -> dict:
+    return {
+        "id": request_id,
+        "object": "text_completion",
+        "created": int(time.time()),
+        "model": model,
+        "choices": choices,
+        "usage": usage(prompt_tokens, completion_tokens),
+    }
 
 
 def completion_choice(index: int, text: str, finish_reason: str | None, logprobs: dict | None = None) -> dict:
     return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
 
 
-def completion_chunk(request_id: str, model: str, created: int, choices: list[dict], usage_: dict | None = None
-                     ) -> dict:
+def completion_chunk(
+    request_id: str, model: str, created: int, choices: list[dict], usage_: dict | None = None
+) -> dict:
     chunk = {"id": request_id, "object": "text_completion", "created": created, "model": model, "choices": choices}
     if usage_ is not None:
         chunk["usage"] = usage_
     return chunk
 
 
-def chat_response(request_id: str, model: str, text: str, finish_reason: str | None, prompt_tokens: int,
-                  completion_tokens: int, logprobs: dict | None = None) -> dict:
-    choice = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": logprobs,
-              "finish_reason": finish_reason}
-    return {"id": request_id, "object": "chat.completion", "created": int(time.time()), "model": model,
-            "choices": [choice], "usage": usage(prompt_tokens, completion_tokens)}
+def chat_response(
+    request_id: str,
+    model: str,
+    text: str,
+    finish_reason: str | None,
+    prompt_tokens: int,
+    completion_tokens: int,
+    logprobs: dict | None = None,
+) -> dict:
+    choice = {
+        "index": 0,
+        "message": {"role": "assistant", "content": text},
+        "logprobs": logprobs,
+        "finish_reason": finish_reason,
+    }
+    return {
+        "id": request_id,
+        "object": "chat.completion",
+        "created": int(time.time()),
+        "model": model,
+        "choices": [choice],
+        "usage": usage(prompt_tokens, completion_tokens),
+    }
 
 
-def chat_chunk(request_id: str, model: str, created: int, delta: dict | None, finish_reason: str | None = None,
-               usage_: dict | None = None, logprobs: dict | None = None) -> dict:
+def chat_chunk(
+    request_id: str,
+    model: str,
+    created: int,
+    delta: dict | None,
+    finish_reason: str | None = None,
+    usage_: dict | None = None,
+    logprobs: dict | None = None,
+) -> dict:
     """A chat.completion.chunk: one choice with delta, or (delta None) none, for the usage chunk."""
-    choices = [] if delta is None else [{"index": 0, "delta": delta, "logprobs": logprobs,
-                                         "finish_reason": finish_reason}]
-    chunk = {"id": request_id, "object": "chat.completion.chunk", "created": created, "model": model,
-             "choices": choices}
+    choices = (
+        [] if delta is None else [{"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}]
+    )
+    chunk = {
+        "id": request_id,
+        "object": "chat.completion.chunk",
+        "created": created,
+        "model": model,
+        "choices": choices,
+    }
     if usage_ is not None:
         chunk["usage"] = usage_
     return chunk
 
 
 def model_list(model: str, created: int, max_model_len: int) -> dict:
-    return {"object": "list", "data": [{"id": model, "object": "model", "created": created, "owned_by": "specdec",
-                                        "root": model, "max_model_len": max_model_len}]}
+    return {
+        "object": "list",
+        "data": [
+            {
+                "id": model,
+                "object": "model",
+                "created": created,
+                "owned_by": "specdec",
+                "root": model,
+                "max_model_len": max_model_len,
+            }
+        ],
+    }

@@ -135,8 +135,9 @@ class CostCurve:
         return max(0.0, self.calibrated[below] + slope * (x - below))
 
     def copy(self) -> CostCurve:
-        return CostCurve(dict(self.calibrated), {x: deque(ratios, maxlen=COST_WINDOW)
-                                                 for x, ratios in self.ratios.items()})
+        return CostCurve(
+            dict(self.calibrated), {x: deque(ratios, maxlen=COST_WINDOW) for x, ratios in self.ratios.items()}
+        )
 
 
 @dataclass
@@ -196,8 +197,9 @@ class GoodputPolicy:
                 costs.verify.ratios.pop(length, None)  # ratios to a copied calibration mean nothing now
                 self._calibrated.add((bucket, length))
 
-    def observe_round(self, batch_size: int, k: int, verify_tokens: int, target_seconds: float,
-                      draft_seconds: float | None) -> None:
+    def observe_round(
+        self, batch_size: int, k: int, verify_tokens: int, target_seconds: float, draft_seconds: float | None
+    ) -> None:
         """A round's own timings (the round choose() was last asked for): the target's forward
         (with sampling) over verify_tokens tokens per row, and the drafter's k steps for every
         row (None: only some rows drafted, which says little of the whole batch's cost)."""
@@ -288,8 +290,14 @@ class GoodputPolicy:
         alphas = [self._alpha(slot) for slot in slots]
         best, best_k, best_rows = 0.0, 0, []
         for k in range(1, min(self.k_max, max(rooms)) + 1):
-            gains = sorted(((expected_tokens_per_round(alpha, min(k, room)) - 1, row)
-                            for row, (alpha, room) in enumerate(zip(alphas, rooms)) if room > 0), reverse=True)
+            gains = sorted(
+                (
+                    (expected_tokens_per_round(alpha, min(k, room)) - 1, row)
+                    for row, (alpha, room) in enumerate(zip(alphas, rooms))
+                    if room > 0
+                ),
+                reverse=True,
+            )
             verify, draft = costs.verify.seconds(self.padded_tokens(k + 1)), costs.draft.seconds(k)
             tokens = float(B)
             for n, (gain, _) in enumerate(gains, start=1):

@@ -24,14 +24,22 @@ class KChoice:
     policy, which models chains, is not used). k_policy: "goodput" or "fixed".
     padded_tokens(T): the query length a T-token target forward runs at (its cost)."""
 
-    def __init__(self, k: int, k_policy: str, tree: TreeShape | None, drafter_grows_trees: bool,
-                 padded_tokens=lambda num_tokens: num_tokens):
+    def __init__(
+        self,
+        k: int,
+        k_policy: str,
+        tree: TreeShape | None,
+        drafter_grows_trees: bool,
+        padded_tokens=lambda num_tokens: num_tokens,
+    ):
         self.k = k
         self.tree = tree if tree is not None and not tree.is_chain and k else None
         if self.tree is not None and not drafter_grows_trees:
-            raise ValueError(f"speculative_tree={str(tree)!r} needs a drafter that grows trees (a draft model, an "
-                             "EAGLE head or early exit); this drafter drafts chains only: use "
-                             "speculative_tree='chain'")
+            raise ValueError(
+                f"speculative_tree={str(tree)!r} needs a drafter that grows trees (a draft model, an "
+                "EAGLE head or early exit); this drafter drafts chains only: use "
+                "speculative_tree='chain'"
+            )
         use_goodput = k > 0 and k_policy == "goodput" and self.tree is None
         self.policy = GoodputPolicy(k, padded_tokens) if use_goodput else None
 
@@ -82,6 +90,10 @@ class KChoice:
         if self.policy is None:
             return
         self.policy.observe([s.slot for s in batch], result.num_proposed, result.num_accepted)
-        self.policy.observe_round(len(batch), max(result.ks), result.verify_tokens,
-                                  target_seconds=result.seconds["target"] + result.seconds["sampling"],
-                                  draft_seconds=result.seconds["draft"] if result.all_rows_drafted else None)
+        self.policy.observe_round(
+            len(batch),
+            max(result.ks),
+            result.verify_tokens,
+            target_seconds=result.seconds["target"] + result.seconds["sampling"],
+            draft_seconds=result.seconds["draft"] if result.all_rows_drafted else None,
+        )

@@ -76,8 +76,9 @@ class SpeculativeRound:
         device = self.target.device
         start = time.perf_counter()
         prompts = [s.prompt_token_ids for s in batch]
-        logits = self.target.feed(prompts, [0] * len(batch), [s.slot for s in batch],
-                                  return_hidden=self.return_hidden)  # [B, V] (, hidden [B, T, H])
+        logits = self.target.feed(
+            prompts, [0] * len(batch), [s.slot for s in batch], return_hidden=self.return_hidden
+        )  # [B, V] (, hidden [B, T, H])
         if self.return_hidden:
             logits, hidden = logits
             prompt_lengths = torch.tensor([len(prompt) for prompt in prompts], device=device)  # [B]
@@ -86,8 +87,15 @@ class SpeculativeRound:
         first_tokens = sample(probs, [s.generator for s in batch])  # [B]
         logprobs = _logprobs(batch, logits[:, None], first_tokens[:, None], torch.ones_like(first_tokens))
         zeros, nones = [0] * len(batch), [None] * len(batch)
-        return RoundResult([[token] for token in first_tokens.tolist()], zeros, zeros, nones, nones, logprobs,
-                           seconds={"prefill": time.perf_counter() - start})
+        return RoundResult(
+            [[token] for token in first_tokens.tolist()],
+            zeros,
+            zeros,
+            nones,
+            nones,
+            logprobs,
+            seconds={"prefill": time.perf_counter() - start},
+        )
 
     def run(self, batch: list[Sequence], ks: list[int]) -> RoundResult:
         """A round over batch, row i drafting at most ks[i] tokens (a tree of ks[i] nodes)."""
@@ -102,8 +110,9 @@ class SpeculativeRound:
             draft = draft.narrowed(int(num_draft.max()))
         input_ids, positions, tree = self._verify_inputs(batch, draft)  # [B, k+1] each, and a tree's layout
         slots = [s.slot for s in batch]
-        target_logits = self.target(ForwardBatch.of(input_ids, positions, slots, tree),
-                                    return_hidden=self.return_hidden)  # [B, k+1, V]
+        target_logits = self.target(
+            ForwardBatch.of(input_ids, positions, slots, tree), return_hidden=self.return_hidden
+        )  # [B, k+1, V]
         if self.return_hidden:
             target_logits, target_hidden = target_logits  # and [B, k+1, H]
         t2 = time.perf_counter()
@@ -118,13 +127,20 @@ class SpeculativeRound:
         if self.return_hidden:
             self.drafter.observe_hidden(batch, positions[:, 0], target_hidden, num_accepted + 1)
         num_accepted_list = num_accepted.tolist()
-        tokens = [output[row, :n + 1].tolist() for row, n in enumerate(num_accepted_list)]
+        tokens = [output[row, : n + 1].tolist() for row, n in enumerate(num_accepted_list)]
         depths = _tree_depths(positions, num_draft).tolist() if draft.is_tree else [None] * len(batch)
         logprobs = _logprobs(batch, target_logits, output, num_accepted + 1, path)
-        return RoundResult(tokens, num_draft.tolist(), num_accepted_list, ks, depths, logprobs,
-                           verify_tokens=input_ids.shape[1], all_rows_drafted=all_rows_drafted,
-                           seconds={"draft": t1 - t0, "target": t2 - t1, "sampling": t3 - t2,
-                                    "bookkeeping": time.perf_counter() - t3})
+        return RoundResult(
+            tokens,
+            num_draft.tolist(),
+            num_accepted_list,
+            ks,
+            depths,
+            logprobs,
+            verify_tokens=input_ids.shape[1],
+            all_rows_drafted=all_rows_drafted,
+            seconds={"draft": t1 - t0, "target": t2 - t1, "sampling": t3 - t2, "bookkeeping": time.perf_counter() - t3},
+        )
 
     def _propose(self, batch: list[Sequence], ks: list[int], sampling: SamplingTensors) -> tuple[Draft, bool]:
         """The drafter's tokens for the rows with k > 0 (up to the largest k); the rest propose
@@ -144,8 +160,9 @@ class SpeculativeRound:
             return self.drafter.propose_tree(batch, max(ks), self.tree, [s.draft_room for s in batch], sampling)
         return self.drafter.propose(batch, ks, sampling)
 
-    def _verify_inputs(self, batch: list[Sequence], draft: Draft
-                       ) -> tuple[torch.Tensor, torch.Tensor, TreeAttention | None]:
+    def _verify_inputs(
+        self, batch: list[Sequence], draft: Draft
+    ) -> tuple[torch.Tensor, torch.Tensor, TreeAttention | None]:
         """[last token, d_1..d_k] at positions [L-1 .. L-1+k] per row: [B, k+1] each. For a tree,
         its nodes sit at L-1 + their depth, and its layout: column t (the root, then node t-1)
         is written at L-1 + t and reads the sequence before L-1 and its own branch."""
@@ -161,8 +178,14 @@ class SpeculativeRound:
         tree = TreeAttention(first_positions[:, None] + columns, first_positions, visible)
         return input_ids, first_positions[:, None] + depth, tree
 
-    def _verify(self, batch: list[Sequence], sampling: SamplingTensors, draft: Draft, num_draft: torch.Tensor,
-                target_logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    def _verify(
+        self,
+        batch: list[Sequence],
+        sampling: SamplingTensors,
+        draft: Draft,
+        num_draft: torch.Tensor,
+        target_logits: torch.Tensor,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
         """Rejection sampling (greedy: prefix matching) -> output_token_ids [B, k+1], num_accepted [B],
         and for a tree the accepted branch's verify columns [B, k+1] (None for a chain)."""
         greedy = sampling.greedy if sampling.any_greedy else None
@@ -170,15 +193,18 @@ class SpeculativeRound:
         if draft.is_tree:
             if sampling.all_greedy:
                 return greedy_tree_verify(draft.token_ids, draft.parents, num_draft, target_logits.argmax(-1))
-            return tree_rejection_sample(draft.token_ids, draft.parents, num_draft, _warp(target_logits, sampling),
-                                         generators, greedy)
+            return tree_rejection_sample(
+                draft.token_ids, draft.parents, num_draft, _warp(target_logits, sampling), generators, greedy
+            )
         if sampling.all_greedy:  # no probabilities needed
             return *greedy_verify(draft.token_ids, num_draft, target_logits.argmax(-1)), None
-        return *rejection_sample(draft.token_ids, num_draft, draft.probs, _warp(target_logits, sampling),
-                                 generators, greedy), None
+        return *rejection_sample(
+            draft.token_ids, num_draft, draft.probs, _warp(target_logits, sampling), generators, greedy
+        ), None
 
-    def _keep_branch(self, slots: list[int], write_positions: torch.Tensor, path: torch.Tensor,
-                     num_accepted: torch.Tensor) -> None:
+    def _keep_branch(
+        self, slots: list[int], write_positions: torch.Tensor, path: torch.Tensor, num_accepted: torch.Tensor
+    ) -> None:
         """Move the K/V entries of each row's accepted branch (verify columns path [B, k+1],
         root first) to the positions right after the root's, as a chain's would lie; the rest
         (rejected nodes) stay past the sequence's length, to be overwritten."""
@@ -203,8 +229,13 @@ def _warp(target_logits: torch.Tensor, sampling: SamplingTensors) -> torch.Tenso
     return warp(target_logits.reshape(B * T, V), sampling.repeat_rows(T)).view(B, T, V)
 
 
-def _logprobs(batch: list[Sequence], logits: torch.Tensor, token_ids: torch.Tensor, num_tokens: torch.Tensor,
-              path: torch.Tensor | None = None) -> list[list | None]:
+def _logprobs(
+    batch: list[Sequence],
+    logits: torch.Tensor,
+    token_ids: torch.Tensor,
+    num_tokens: torch.Tensor,
+    path: torch.Tensor | None = None,
+) -> list[list | None]:
     """For each row whose request asks for logprobs, its first num_tokens[row] emitted tokens'
     (token_ids [B, T]; token j drawn from the distribution of logits [B, T, V] at column j, or for
     a tree at column path[row, j], its branch's): a list of TokenLogprob; None for the other rows."""

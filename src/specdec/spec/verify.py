@@ -56,13 +56,13 @@ def rejection_sample(
 
     draft_ids = draft_token_ids.clamp(min=0)[..., None]  # [B, k, 1]: padding (even -1) is a valid index
     p_draft_token = target_probs[:, :k].gather(2, draft_ids).squeeze(2).double()  # [B, k]
-    q_draft_token = (torch.ones_like(p_draft_token) if draft_probs is None
-                     else draft_probs.gather(2, draft_ids).squeeze(2).double())  # [B, k]
+    q_draft_token = (
+        torch.ones_like(p_draft_token) if draft_probs is None else draft_probs.gather(2, draft_ids).squeeze(2).double()
+    )  # [B, k]
     accept = (u[:, :k] * q_draft_token < p_draft_token) & proposed  # [B, k]
     num_accepted = accept.long().cumprod(dim=1).sum(dim=1)  # [B]: length of the accepted prefix
     u_final = u.gather(1, num_draft[:, None]).squeeze(1)  # [B]: each row's last draw
-    final_token = _recovered_or_bonus(num_accepted, num_draft, draft_token_ids, draft_probs,
-                                      target_probs, u_final)
+    final_token = _recovered_or_bonus(num_accepted, num_draft, draft_token_ids, draft_probs, target_probs, u_final)
     output = _assemble(draft_token_ids, num_accepted, final_token)
     if greedy is not None:
         greedy_output, greedy_accepted = greedy_verify(draft_token_ids, num_draft, target_probs.argmax(-1))
@@ -71,8 +71,9 @@ def rejection_sample(
     return output, num_accepted
 
 
-def greedy_verify(draft_token_ids: torch.Tensor, num_draft: torch.Tensor, target_argmax: torch.Tensor
-                  ) -> tuple[torch.Tensor, torch.Tensor]:
+def greedy_verify(
+    draft_token_ids: torch.Tensor, num_draft: torch.Tensor, target_argmax: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Greedy verification, no randomness: drafts are kept while they equal the target's
     argmax, and the token after them is the argmax there. draft_token_ids [B, k],
     num_draft [B], target_argmax [B, k+1] -> (output_token_ids [B, k+1], num_accepted [B])."""
@@ -129,8 +130,9 @@ def _recovered_or_bonus(num_accepted, num_draft, draft_token_ids, draft_probs, t
 # every round, whatever it uses: what a seeded row draws depends on that row alone.
 
 
-def greedy_tree_verify(token_ids: torch.Tensor, parents: torch.Tensor, num_nodes: torch.Tensor,
-                       target_argmax: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def greedy_tree_verify(
+    token_ids: torch.Tensor, parents: torch.Tensor, num_nodes: torch.Tensor, target_argmax: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """token_ids, parents [B, N], num_nodes [B], target_argmax [B, N+1] (by verify column) ->
     output_token_ids [B, N+1] (the accepted branch's tokens, then the target's token after it,
     -1 padding), num_accepted [B], and path [B, N+1]: the verify columns of the root and the
@@ -151,9 +153,14 @@ def greedy_tree_verify(token_ids: torch.Tensor, parents: torch.Tensor, num_nodes
     return _tree_outputs(token_ids, results)
 
 
-def tree_rejection_sample(token_ids: torch.Tensor, parents: torch.Tensor, num_nodes: torch.Tensor,
-                          target_probs: torch.Tensor, generators: list[torch.Generator],
-                          greedy: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def tree_rejection_sample(
+    token_ids: torch.Tensor,
+    parents: torch.Tensor,
+    num_nodes: torch.Tensor,
+    target_probs: torch.Tensor,
+    generators: list[torch.Generator],
+    greedy: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """As greedy_tree_verify, sampled (see above): target_probs [B, N+1, V] are the target's
     warped distributions by verify column; generators one per row; greedy [B] bool|None:
     rows decided by greedy_tree_verify instead."""
@@ -191,8 +198,9 @@ def tree_rejection_sample(token_ids: torch.Tensor, parents: torch.Tensor, num_no
     results = [(path, token) for (path, _), token in zip(results, final_tokens)]
     output, num_accepted, path = _tree_outputs(token_ids, results)
     if greedy is not None and bool(greedy.any()):
-        greedy_output, greedy_accepted, greedy_path = greedy_tree_verify(token_ids, parents, num_nodes,
-                                                                         target_probs.argmax(-1))
+        greedy_output, greedy_accepted, greedy_path = greedy_tree_verify(
+            token_ids, parents, num_nodes, target_probs.argmax(-1)
+        )
         output = torch.where(greedy[:, None], greedy_output, output)
         num_accepted = torch.where(greedy, greedy_accepted, num_accepted)
         path = torch.where(greedy[:, None], greedy_path, path)
@@ -226,8 +234,9 @@ def _draw_final(target_probs: torch.Tensor, final: list[tuple[int, list[int], fl
     return sample_with_uniforms(residual, u).tolist()
 
 
-def _tree_outputs(token_ids: torch.Tensor, results: list[tuple[list[int], int]]
-                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def _tree_outputs(
+    token_ids: torch.Tensor, results: list[tuple[list[int], int]]
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Per row (verify columns of the root and accepted nodes, final token) -> output_token_ids
     [B, N+1], num_accepted [B], path [B, N+1]."""
     B, N = token_ids.shape
@@ -236,8 +245,8 @@ def _tree_outputs(token_ids: torch.Tensor, results: list[tuple[list[int], int]]
     path = torch.zeros(B, N + 1, dtype=torch.long)
     for row, (columns, final_token) in enumerate(results):
         accepted = [tokens[row][column - 1] for column in columns[1:]]
-        output[row, :len(accepted) + 1] = torch.tensor(accepted + [final_token])
-        path[row, :len(columns)] = torch.tensor(columns)
+        output[row, : len(accepted) + 1] = torch.tensor(accepted + [final_token])
+        path[row, : len(columns)] = torch.tensor(columns)
     num_accepted = torch.tensor([len(columns) - 1 for columns, _ in results])
     device = token_ids.device
     return output.to(device), num_accepted.to(device), path.to(device)

@@ -48,21 +48,45 @@ def build_stand_in(path: Path) -> Path:
         stdlib = Path(sysconfig.get_paths()["stdlib"])
         files = sorted(stdlib.glob("*.py"))[:200]
         tokenizer = train_byte_level_bpe((f.read_text(errors="replace") for f in files), vocab_size=32000)
-        save_random_llama(output.staging, vocab_size=tokenizer.get_vocab_size(), hidden_size=768,
-                          intermediate_size=2048, num_layers=12, num_heads=12, num_kv_heads=4, seed=0)
+        save_random_llama(
+            output.staging,
+            vocab_size=tokenizer.get_vocab_size(),
+            hidden_size=768,
+            intermediate_size=2048,
+            num_layers=12,
+            num_heads=12,
+            num_kv_heads=4,
+            seed=0,
+        )
         tokenizer.save(str(output.staging / "tokenizer.json"))
         return output.commit()
 
 
-def save_random_llama(path: Path, vocab_size: int, hidden_size: int, intermediate_size: int, num_layers: int,
-                      num_heads: int, num_kv_heads: int, seed: int) -> None:
+def save_random_llama(
+    path: Path,
+    vocab_size: int,
+    hidden_size: int,
+    intermediate_size: int,
+    num_layers: int,
+    num_heads: int,
+    num_kv_heads: int,
+    seed: int,
+) -> None:
     """A random-init Llama (normal(0, 0.02) matrices) saved as a Hugging Face directory."""
     from specdec.models.checkpoint import save_pretrained
     from specdec.models.llama import LlamaModel, ModelConfig
 
-    config = ModelConfig(vocab_size=vocab_size, hidden_size=hidden_size, intermediate_size=intermediate_size,
-                         num_layers=num_layers, num_heads=num_heads, num_kv_heads=num_kv_heads,
-                         head_dim=hidden_size // num_heads, max_position_embeddings=2048, tie_word_embeddings=True)
+    config = ModelConfig(
+        vocab_size=vocab_size,
+        hidden_size=hidden_size,
+        intermediate_size=intermediate_size,
+        num_layers=num_layers,
+        num_heads=num_heads,
+        num_kv_heads=num_kv_heads,
+        head_dim=hidden_size // num_heads,
+        max_position_embeddings=2048,
+        tie_word_embeddings=True,
+    )
     torch.manual_seed(seed)
     model = LlamaModel(config)
     for p in model.parameters():
@@ -77,8 +101,12 @@ def print_lookup_then_draft_speedup(k: int, max_tokens: int) -> None:
     each timed twice (interleaved), the faster kept."""
     from specdec import LLM, SamplingParams
 
-    llm = LLM(str(SHIPPED_TARGET), speculative_model=str(SHIPPED_DRAFT), speculative_method="lookup_then_draft",
-              num_speculative_tokens=k)
+    llm = LLM(
+        str(SHIPPED_TARGET),
+        speculative_model=str(SHIPPED_DRAFT),
+        speculative_method="lookup_then_draft",
+        num_speculative_tokens=k,
+    )
     plain = llm.target_only()
     params = SamplingParams(temperature=0, max_tokens=max_tokens)
     for warming in (llm, plain):  # nothing one-off (compiling, allocating, first calls) in the timed runs
@@ -87,13 +115,18 @@ def print_lookup_then_draft_speedup(k: int, max_tokens: int) -> None:
     speculative = max((run[0] for run in runs), key=lambda out: out.metrics.tokens_per_second)
     alone = max((run[1] for run in runs), key=lambda out: out.metrics.tokens_per_second)
     rate, base = speculative.metrics.tokens_per_second, alone.metrics.tokens_per_second
-    print(f"\nprompt lookup first, the draft model where it finds nothing (--lookup), k={k}: {rate:.1f} tokens/s "
-          f"against {base:.1f} for the target alone: speedup {rate / base:.2f}x; greedy outputs identical: "
-          f"{speculative.outputs[0].token_ids == alone.outputs[0].token_ids}")
+    print(
+        f"\nprompt lookup first, the draft model where it finds nothing (--lookup), k={k}: {rate:.1f} tokens/s "
+        f"against {base:.1f} for the target alone: speedup {rate / base:.2f}x; greedy outputs identical: "
+        f"{speculative.outputs[0].token_ids == alone.outputs[0].token_ids}"
+    )
 
 
-CHAT = "Edit this function so that it raises ValueError when the line has no colon:\n\n```python\n" + \
-    PROMPT.split("\n\n\n")[0] + "\n```"
+CHAT = (
+    "Edit this function so that it raises ValueError when the line has no colon:\n\n```python\n"
+    + PROMPT.split("\n\n\n")[0]
+    + "\n```"
+)
 
 
 def chat_with_smollm2() -> int:
@@ -104,13 +137,32 @@ def chat_with_smollm2() -> int:
     if not (SMOLLM2_DRAFT / "config.json").is_file():
         return 0  # not shipped in this checkout
     if not (SMOLLM2_TARGET / "config.json").is_file():
-        print("\n(a real chat model, SmolLM2-135M-Instruct, with its distilled draft in models/: `make smollm2` "
-              "fetches the model, ~100 MB, and `make demo` then chats with it)")
+        print(
+            "\n(a real chat model, SmolLM2-135M-Instruct, with its distilled draft in models/: `make smollm2` "
+            "fetches the model, ~100 MB, and `make demo` then chats with it)"
+        )
         return 0
-    print(f"\nSmolLM2-135M-Instruct ({SMOLLM2_TARGET}), draft {SMOLLM2_DRAFT.relative_to(ROOT)}, prompt lookup "
-          "first, greedy\n")
-    return cli_main(["generate", "--model", str(SMOLLM2_TARGET), "--draft", str(SMOLLM2_DRAFT), "--lookup",
-                     "--chat", CHAT, "--max-tokens", "160", "--compare", "--color", "always"])
+    print(
+        f"\nSmolLM2-135M-Instruct ({SMOLLM2_TARGET}), draft {SMOLLM2_DRAFT.relative_to(ROOT)}, prompt lookup "
+        "first, greedy\n"
+    )
+    return cli_main(
+        [
+            "generate",
+            "--model",
+            str(SMOLLM2_TARGET),
+            "--draft",
+            str(SMOLLM2_DRAFT),
+            "--lookup",
+            "--chat",
+            CHAT,
+            "--max-tokens",
+            "160",
+            "--compare",
+            "--color",
+            "always",
+        ]
+    )
 
 
 def main() -> int:

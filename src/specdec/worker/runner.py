@@ -61,9 +61,14 @@ DYNAMO_RECOMPILE_LIMIT = 256  # each shape is one compile of LlamaModel.forward,
 # inductor reads this once, at its first compile (or first cache lookup) in the process
 os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(INDUCTOR_CACHE_DIR))
 
-CPU_COMPILE_OPTIONS = {"freezing": True, "max_autotune": True, "max_autotune_gemm_backends": "CPP,ATEN",
-                       # autotuning's tables of timings on stderr: compiling says how long it took, once
-                       "autotune_num_choices_displayed": 0, "max_autotune_report_choices_stats": False}
+CPU_COMPILE_OPTIONS = {
+    "freezing": True,
+    "max_autotune": True,
+    "max_autotune_gemm_backends": "CPP,ATEN",
+    # autotuning's tables of timings on stderr: compiling says how long it took, once
+    "autotune_num_choices_displayed": 0,
+    "max_autotune_report_choices_stats": False,
+}
 # Half-precision graphs skip the weight prepacking (and with it the C++ GEMM templates, which need
 # it): oneDNN's native bf16 matmuls are as fast (measured: 3.8 ms a step of the shipped target
 # either way, verify of 6 faster without), and prepacked oneDNN weights keep a graph out of
@@ -91,12 +96,15 @@ class ForwardBatch:
 
     def __post_init__(self):
         if self.input_ids.shape != self.positions.shape or self.slots.shape != self.input_ids.shape[:1]:
-            raise ValueError(f"a forward batch needs input_ids and positions [B, T] and slots [B]; got "
-                             f"{tuple(self.input_ids.shape)}, {tuple(self.positions.shape)}, {tuple(self.slots.shape)}")
+            raise ValueError(
+                f"a forward batch needs input_ids and positions [B, T] and slots [B]; got "
+                f"{tuple(self.input_ids.shape)}, {tuple(self.positions.shape)}, {tuple(self.slots.shape)}"
+            )
 
     @classmethod
-    def of(cls, input_ids: torch.Tensor, positions: torch.Tensor, slots, tree: TreeAttention | None = None
-           ) -> ForwardBatch:
+    def of(
+        cls, input_ids: torch.Tensor, positions: torch.Tensor, slots, tree: TreeAttention | None = None
+    ) -> ForwardBatch:
         """slots as a tensor on input_ids' device, from a list of ints or a tensor."""
         return cls(input_ids, positions, torch.as_tensor(slots, dtype=torch.long, device=input_ids.device), tree)
 
@@ -110,9 +118,16 @@ class ModelRunner:
     quantization: None, "int8" or "int4": the model's linear layers are replaced, in place, by
         weight-only quantized ones (models/quantized_linear.py) before anything runs."""
 
-    def __init__(self, model: LlamaModel, platform: Platform | None = None, compile: str = "off",
-                 bf16_pack_min_bytes: int | None = None, name: str = "the model", pack_weights: bool = True,
-                 quantization: str | None = None):
+    def __init__(
+        self,
+        model: LlamaModel,
+        platform: Platform | None = None,
+        compile: str = "off",
+        bf16_pack_min_bytes: int | None = None,
+        name: str = "the model",
+        pack_weights: bool = True,
+        quantization: str | None = None,
+    ):
         self.model = model
         self.platform = platform or detect_platform(model.device)
         self.compile_mode = check_compile_mode(compile)
@@ -120,8 +135,11 @@ class ModelRunner:
         if self.quantization is not None:
             with stage(f"{name}: quantizing its weights ({self.quantization})"):
                 counts = quantize_linears(model, self.quantization)
-            log.info("%s: weights quantized (%s)", name, ", ".join(f"{n} linear layers {form}"
-                                                                   for form, n in sorted(counts.items())))
+            log.info(
+                "%s: weights quantized (%s)",
+                name,
+                ", ".join(f"{n} linear layers {form}" for form, n in sorted(counts.items())),
+            )
         self.bf16_pack_min_bytes = bf16_pack_min_bytes
         self.pack_weights = pack_weights  # False: eager runs the model's own layers (to measure what packing is worth)
         self.name = name
@@ -154,8 +172,14 @@ class ModelRunner:
         """The positions each slot of the cache holds (after prepare)."""
         return self.cache.max_len
 
-    def prepare(self, max_batch: int, max_len: int, query_lengths: tuple[int, ...], num_forwards: int,
-                return_hidden: bool = False) -> None:
+    def prepare(
+        self,
+        max_batch: int,
+        max_len: int,
+        query_lengths: tuple[int, ...],
+        num_forwards: int,
+        return_hidden: bool = False,
+    ) -> None:
         """Make the cache for max_batch rows of up to max_len positions (the one held is kept if
         it fits and suits the way this work runs). If the work is to run compiled, compile (or
         load) and run once the graphs for forwards of 1..max(query_lengths) tokens per row,
@@ -180,8 +204,13 @@ class ModelRunner:
         """The cache held if it is of this kind and big enough (and keep), else a new one (the
         old one freed first)."""
         cache = self.cache
-        if keep and cache is not None and cache.static == static and cache.max_batch >= num_slots \
-                and cache.max_len >= max_len:
+        if (
+            keep
+            and cache is not None
+            and cache.static == static
+            and cache.max_batch >= num_slots
+            and cache.max_len >= max_len
+        ):
             return cache
         self.cache = None
         return self.model.new_cache(num_slots, max_len, static=static)
@@ -190,9 +219,14 @@ class ModelRunner:
         """Whether graphs already compiled run this work as they are (then "auto" uses them
         for short work too: nothing to pay)."""
         cache = self.cache
-        return (self._compiled is not None and cache is not None and cache.static
-                and cache.max_batch > max_batch and cache.max_len >= max_len
-                and set(query_lengths) <= set(self.query_buckets))
+        return (
+            self._compiled is not None
+            and cache is not None
+            and cache.static
+            and cache.max_batch > max_batch
+            and cache.max_len >= max_len
+            and set(query_lengths) <= set(self.query_buckets)
+        )
 
     def _will_compile(self, num_forwards: int) -> bool:
         if self._eager_only or self.compile_mode == "off":
@@ -214,7 +248,8 @@ class ModelRunner:
             torch._dynamo.assume_constant_result(function)
         torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, DYNAMO_RECOMPILE_LIMIT)
         torch._dynamo.config.accumulated_recompile_limit = max(
-            torch._dynamo.config.accumulated_recompile_limit, 4 * DYNAMO_RECOMPILE_LIMIT)
+            torch._dynamo.config.accumulated_recompile_limit, 4 * DYNAMO_RECOMPILE_LIMIT
+        )
         if self.device.type == "cuda":
             return torch.compile(self.model.forward, mode="reduce-overhead", dynamic=False, fullgraph=True)
         return torch.compile(self.model.forward, dynamic=False, fullgraph=True)
@@ -236,8 +271,14 @@ class ModelRunner:
                     return  # eager from now on
         seconds = time.perf_counter() - start
         self.compile_seconds += seconds
-        log.info("%s: compiled for %d rows x %s tokens in %.1f s (cache: %s)", self.name, cold[0][0],
-                 "/".join(str(q) for _, q, _ in cold), seconds, os.environ["TORCHINDUCTOR_CACHE_DIR"])
+        log.info(
+            "%s: compiled for %d rows x %s tokens in %.1f s (cache: %s)",
+            self.name,
+            cold[0][0],
+            "/".join(str(q) for _, q, _ in cold),
+            seconds,
+            os.environ["TORCHINDUCTOR_CACHE_DIR"],
+        )
         if self.compile_mode == "auto":
             self._keep_the_faster()
 
@@ -272,7 +313,7 @@ class ModelRunner:
         return True
 
     def _keep_the_faster(self) -> None:
-        """"auto": time the widest forward both ways (padded rows included); eager from now on
+        """ "auto": time the widest forward both ways (padded rows included); eager from now on
         if it is faster."""
         probe = self._probe(max(self.query_buckets))
         timings = {}
@@ -282,9 +323,14 @@ class ModelRunner:
             for _ in range(5):
                 run(probe, return_hidden=self.return_hidden)
             timings[name] = (time.perf_counter() - start) / 5
-        log.info("%s: a forward of %d x %d tokens takes %.2f ms compiled, %.2f ms eager: runs %s", self.name,
-                 *probe.input_ids.shape, timings["compiled"] * 1e3, timings["eager"] * 1e3,
-                 min(timings, key=timings.get))
+        log.info(
+            "%s: a forward of %d x %d tokens takes %.2f ms compiled, %.2f ms eager: runs %s",
+            self.name,
+            *probe.input_ids.shape,
+            timings["compiled"] * 1e3,
+            timings["eager"] * 1e3,
+            min(timings, key=timings.get),
+        )
         if timings["eager"] < timings["compiled"]:
             self._run_eagerly_from_now_on()
 
@@ -308,15 +354,17 @@ class ModelRunner:
     __call__ = forward
 
     def _forward_eager(self, batch: ForwardBatch, return_hidden: bool = False):
-        return self.eager_model()(batch.input_ids, batch.positions, self.cache.rows(batch.slots),
-                                  return_hidden=return_hidden, tree=batch.tree)
+        return self.eager_model()(
+            batch.input_ids, batch.positions, self.cache.rows(batch.slots), return_hidden=return_hidden, tree=batch.tree
+        )
 
     def last_token_logits(self, batch: ForwardBatch, last_index: torch.Tensor, return_hidden: bool = False):
         """Forward padded rows; logits after each row's last real token (last_index [B]): [B, V].
         return_hidden: (those logits, every position's hidden states [B, T, hidden])."""
         if self._query_bucket(batch.input_ids.shape[1]) is None:
-            return self.eager_model().last_token_logits(batch.input_ids, batch.positions, self.cache.rows(batch.slots),
-                                                        last_index, return_hidden)
+            return self.eager_model().last_token_logits(
+                batch.input_ids, batch.positions, self.cache.rows(batch.slots), last_index, return_hidden
+            )
         outputs = self.forward(batch, return_hidden=return_hidden)  # [B, T, V] (, hidden)
         logits = outputs[0] if return_hidden else outputs
         rows = torch.arange(batch.input_ids.shape[0], device=logits.device)
@@ -330,8 +378,9 @@ class ModelRunner:
         batch, last_index = self.ragged_batch(chunks, starts, slots)
         return self.last_token_logits(batch, last_index, return_hidden)
 
-    def ragged_batch(self, chunks: list[list[int]], starts: list[int], slots: list[int]
-                     ) -> tuple[ForwardBatch, torch.Tensor]:
+    def ragged_batch(
+        self, chunks: list[list[int]], starts: list[int], slots: list[int]
+    ) -> tuple[ForwardBatch, torch.Tensor]:
         """The ForwardBatch of feed(chunks, starts, slots) and each row's last real index [B]."""
         input_ids, positions, last_index = ragged_batch(chunks, starts, self.cache.max_len)  # [B, W], [B, W], [B]
         return ForwardBatch.of(input_ids.to(self.device), positions.to(self.device), slots), last_index
@@ -373,8 +422,7 @@ class ModelRunner:
         """The compiled forward's outputs; None (and eager from now on) if it cannot be compiled."""
         try:
             with self._inductor_config():
-                outputs = self._compiled(batch.input_ids, batch.positions, self.cache.rows(batch.slots),
-                                         return_hidden)
+                outputs = self._compiled(batch.input_ids, batch.positions, self.cache.rows(batch.slots), return_hidden)
         except Exception as error:  # noqa: BLE001 - any failure to compile means: run eagerly
             self._fall_back(error)
             return None
@@ -392,13 +440,17 @@ class ModelRunner:
             return contextlib.nullcontext()
         import torch._inductor.config
 
-        return torch._inductor.config.patch(CPU_COMPILE_OPTIONS if self.dtype == torch.float32
-                                            else HALF_PRECISION_COMPILE_OPTIONS)
+        return torch._inductor.config.patch(
+            CPU_COMPILE_OPTIONS if self.dtype == torch.float32 else HALF_PRECISION_COMPILE_OPTIONS
+        )
 
     def _fall_back(self, error: Exception) -> None:
         message = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
-        warnings.warn(f"{self.name} could not be compiled ({type(error).__name__}: {message[:300]}); it runs "
-                      "eagerly instead (compile='off' skips the attempt)", stacklevel=4)
+        warnings.warn(
+            f"{self.name} could not be compiled ({type(error).__name__}: {message[:300]}); it runs "
+            "eagerly instead (compile='off' skips the attempt)",
+            stacklevel=4,
+        )
         self._run_eagerly_from_now_on()
 
     def eager_model(self) -> LlamaModel:
@@ -417,6 +469,7 @@ class ModelRunner:
         if can_pack(self.dtype, device):
             pack = pack_linears
         elif self.dtype == torch.float32 and self.bf16_pack_min_bytes is not None and can_pack(torch.bfloat16, device):
+
             def pack(model):
                 pack_large_linears_in_bf16(model, self.bf16_pack_min_bytes)
         else:

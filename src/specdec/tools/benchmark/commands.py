@@ -40,77 +40,132 @@ VARIED = ("method", "k_policy", "ngram_min", "ngram_max")
 
 
 def add_bench_parser(commands) -> None:
-    p = commands.add_parser("bench", help="benchmark speculative decoding against the target alone and transformers",
-                            usage="%(prog)s [MODEL [--draft DIR]] [options]",
-                            description="Measure, in one run with the methods interleaved prompt by prompt: the "
-                                        "target alone, the draft model at each k, prompt lookup, an EAGLE head, "
-                                        "trees and early exit at k = 5, and transformers' "
-                                        "generate (plain, assisted, prompt lookup), greedy and sampled, on held-out "
-                                        "code prompts and on prompts that repeat code. Reports tokens/s, speedup, "
-                                        "α, τ, acceptance by position, the cost ratio c, the predicted speedup, the "
-                                        "memory-bandwidth roofline and a greedy exactness check.")
-    add_model_argument(p, help=f"the target's directory (default: the shipped pair, {_relative(SHIPPED_TARGET)}); "
-                               "with --llama-cpp a GGUF file or a model's name")
-    p.add_argument("--head", metavar="DIR",
-                   help="an EAGLE head for the target: rows for it at the comparison k (5), chain and trees "
-                        f"(default with no MODEL: {_relative(SHIPPED_HEAD)})")
+    p = commands.add_parser(
+        "bench",
+        help="benchmark speculative decoding against the target alone and transformers",
+        usage="%(prog)s [MODEL [--draft DIR]] [options]",
+        description="Measure, in one run with the methods interleaved prompt by prompt: the "
+        "target alone, the draft model at each k, prompt lookup, an EAGLE head, "
+        "trees and early exit at k = 5, and transformers' "
+        "generate (plain, assisted, prompt lookup), greedy and sampled, on held-out "
+        "code prompts and on prompts that repeat code. Reports tokens/s, speedup, "
+        "α, τ, acceptance by position, the cost ratio c, the predicted speedup, the "
+        "memory-bandwidth roofline and a greedy exactness check.",
+    )
+    add_model_argument(
+        p,
+        help=f"the target's directory (default: the shipped pair, {_relative(SHIPPED_TARGET)}); "
+        "with --llama-cpp a GGUF file or a model's name",
+    )
+    p.add_argument(
+        "--head",
+        metavar="DIR",
+        help="an EAGLE head for the target: rows for it at the comparison k (5), chain and trees "
+        f"(default with no MODEL: {_relative(SHIPPED_HEAD)})",
+    )
     speculation = p.add_argument_group("speculation (SpeculativeConfig; the same flags as generate's and serve's)")
     add_speculative_arguments(
-        speculation, hidden=VARIED,
-        notes={"model": "in the bench: rows of it at each k, plain, adaptive, by goodput, behind prompt lookup",
-               "num_speculative_tokens": "in the bench: the one k of the speculative rows, as --ks K",
-               "draft_confidence_threshold": "in the bench: a row of the draft model with adaptive k at P, up to the "
-                                             "largest k (0: no such row)",
-               "early_exit_layer": "in the bench: a row for it at the comparison k (5)",
-               "tree": "in the bench: rows of the draft model and the head growing each shape, of 5 nodes; "
-                       "repeatable"},
-        shown={"model": f"{_relative(SHIPPED_DRAFT)} with no MODEL, else none",
-               "num_speculative_tokens": "--ks's",
-               "draft_confidence_threshold": f"{ADAPTIVE_CONFIDENCE} in the bench",
-               "draft_quantization": "none: as loaded, as auto for the bench's model directories",
-               "early_exit_layer": "half the target's depth with no MODEL, else no such row",
-               "tree": "auto with no MODEL, else none"},
-        options={"draft_confidence_threshold": {"default": ADAPTIVE_CONFIDENCE}, "draft_dtype": {"default": "auto"},
-                 "draft_quantization": {"default": "none"}, "tree": {"action": "append"}})
+        speculation,
+        hidden=VARIED,
+        notes={
+            "model": "in the bench: rows of it at each k, plain, adaptive, by goodput, behind prompt lookup",
+            "num_speculative_tokens": "in the bench: the one k of the speculative rows, as --ks K",
+            "draft_confidence_threshold": "in the bench: a row of the draft model with adaptive k at P, up to the "
+            "largest k (0: no such row)",
+            "early_exit_layer": "in the bench: a row for it at the comparison k (5)",
+            "tree": "in the bench: rows of the draft model and the head growing each shape, of 5 nodes; repeatable",
+        },
+        shown={
+            "model": f"{_relative(SHIPPED_DRAFT)} with no MODEL, else none",
+            "num_speculative_tokens": "--ks's",
+            "draft_confidence_threshold": f"{ADAPTIVE_CONFIDENCE} in the bench",
+            "draft_quantization": "none: as loaded, as auto for the bench's model directories",
+            "early_exit_layer": "half the target's depth with no MODEL, else no such row",
+            "tree": "auto with no MODEL, else none",
+        },
+        options={
+            "draft_confidence_threshold": {"default": ADAPTIVE_CONFIDENCE},
+            "draft_dtype": {"default": "auto"},
+            "draft_quantization": {"default": "none"},
+            "tree": {"action": "append"},
+        },
+    )
     p.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N (default cpu)")
     p.add_argument("--dtype", default="auto", help="auto (the checkpoint's), float32, bfloat16 or float16")
     p.add_argument("--compile", choices=COMPILE_MODES, default="auto", help=COMPILE_HELP)
-    p.add_argument("--quantization", choices=QUANTIZATION_ARGS, default="none",
-                   help=QUANTIZATION_HELP + "; a quantized target is also compared with the unquantized one "
-                                            "(greedy agreement, perplexity, speed)")
-    p.add_argument("--quick", action="store_true",
-                   help=f"a few minutes: {QUICK['prompts']} prompts per set, {QUICK['max_tokens']} tokens, "
-                        f"k in {{{','.join(map(str, QUICK['ks']))}}}")
-    p.add_argument("--out", metavar="DIR", default="bench_out",
-                   help="directory for results.json, results.md and the plots (default bench_out); an earlier "
-                        "bench's is replaced, a directory of other files refused")
-    p.add_argument("--force", action="store_true",
-                   help="replace an --out that holds other files: the whole directory, once the results are written")
-    p.add_argument("--max-tokens", type=int, metavar="N",
-                   help=f"new tokens per prompt (default {FULL['max_tokens']}, --quick {QUICK['max_tokens']})")
-    p.add_argument("--ks", type=_int_list, metavar="K,K,...",
-                   help="comma-separated k values of the speculative rows (default 1..8, --quick 1,3,5)")
-    p.add_argument("--prompts", type=int, metavar="N",
-                   help=f"prompts per set (default {FULL['prompts']}, --quick {QUICK['prompts']})")
-    p.add_argument("--prompt-sets", type=_name_list, metavar="SET,SET",
-                   help="code (held-out code completion), repeat (code repeated from the prompt), chat (held-out "
-                        "chat prompts about functions, for a chat model) and edit (its \"edit this function\" "
-                        "ones), and with --llama-cpp write (its \"write a function\" ones); default code,repeat "
-                        "(--llama-cpp: write,edit)")
+    p.add_argument(
+        "--quantization",
+        choices=QUANTIZATION_ARGS,
+        default="none",
+        help=QUANTIZATION_HELP + "; a quantized target is also compared with the unquantized one "
+        "(greedy agreement, perplexity, speed)",
+    )
+    p.add_argument(
+        "--quick",
+        action="store_true",
+        help=f"a few minutes: {QUICK['prompts']} prompts per set, {QUICK['max_tokens']} tokens, "
+        f"k in {{{','.join(map(str, QUICK['ks']))}}}",
+    )
+    p.add_argument(
+        "--out",
+        metavar="DIR",
+        default="bench_out",
+        help="directory for results.json, results.md and the plots (default bench_out); an earlier "
+        "bench's is replaced, a directory of other files refused",
+    )
+    p.add_argument(
+        "--force",
+        action="store_true",
+        help="replace an --out that holds other files: the whole directory, once the results are written",
+    )
+    p.add_argument(
+        "--max-tokens",
+        type=int,
+        metavar="N",
+        help=f"new tokens per prompt (default {FULL['max_tokens']}, --quick {QUICK['max_tokens']})",
+    )
+    p.add_argument(
+        "--ks",
+        type=_int_list,
+        metavar="K,K,...",
+        help="comma-separated k values of the speculative rows (default 1..8, --quick 1,3,5)",
+    )
+    p.add_argument(
+        "--prompts",
+        type=int,
+        metavar="N",
+        help=f"prompts per set (default {FULL['prompts']}, --quick {QUICK['prompts']})",
+    )
+    p.add_argument(
+        "--prompt-sets",
+        type=_name_list,
+        metavar="SET,SET",
+        help="code (held-out code completion), repeat (code repeated from the prompt), chat (held-out "
+        'chat prompts about functions, for a chat model) and edit (its "edit this function" '
+        'ones), and with --llama-cpp write (its "write a function" ones); default code,repeat '
+        "(--llama-cpp: write,edit)",
+    )
     p.add_argument("--seed", type=int, default=0, help="seeds of the sampled runs (prompt i uses seed + i)")
     p.add_argument("--no-transformers", action="store_true", help="skip transformers' generate rows")
     p.add_argument("--write-docs", action="store_true", help="also write docs/benchmarks.md (and its plots)")
-    p.add_argument("--llama-cpp", action="store_true",
-                   help="instead, compare with llama.cpp on the same GGUF file (default --model "
-                        "qwen2.5-coder-1.5b-instruct, --draft qwen2.5-coder-0.5b-instruct), prompts (default "
-                        "--prompt-sets write,edit) and threads: llama.cpp plain, prompt lookup and draft model "
-                        "(its own tools, built from source under build/llama-cpp on first use, ~6 minutes) against "
-                        "specdec plain, prompt lookup, draft model and lookup_then_draft, greedy, k = the largest "
-                        "of --ks (default 5); --write-docs writes its section of docs/benchmarks.md only")
-    p.add_argument("--cpu-kinds", choices=("native", "avx2", "both"), default=None,
-                   help="with --llama-cpp: this CPU as it is (native), held to AVX2 (PyTorch and oneDNN held by "
-                        "ATEN_CPU_CAPABILITY / ONEDNN_MAX_CPU_ISA, llama.cpp built for AVX2), or both, one after "
-                        "the other (default: the kind this process runs as, so avx2 where those variables hold it)")
+    p.add_argument(
+        "--llama-cpp",
+        action="store_true",
+        help="instead, compare with llama.cpp on the same GGUF file (default --model "
+        "qwen2.5-coder-1.5b-instruct, --draft qwen2.5-coder-0.5b-instruct), prompts (default "
+        "--prompt-sets write,edit) and threads: llama.cpp plain, prompt lookup and draft model "
+        "(its own tools, built from source under build/llama-cpp on first use, ~6 minutes) against "
+        "specdec plain, prompt lookup, draft model and lookup_then_draft, greedy, k = the largest "
+        "of --ks (default 5); --write-docs writes its section of docs/benchmarks.md only",
+    )
+    p.add_argument(
+        "--cpu-kinds",
+        choices=("native", "avx2", "both"),
+        default=None,
+        help="with --llama-cpp: this CPU as it is (native), held to AVX2 (PyTorch and oneDNN held by "
+        "ATEN_CPU_CAPABILITY / ONEDNN_MAX_CPU_ISA, llama.cpp built for AVX2), or both, one after "
+        "the other (default: the kind this process runs as, so avx2 where those variables hold it)",
+    )
     p.set_defaults(run=run_bench)
 
 
@@ -152,15 +207,26 @@ def bench_config(args):
     if early_exit is DEFAULT_EXIT:
         early_exit = _half_depth(model)
     sizes = QUICK if args.quick else FULL
-    return BenchConfig(model=model, draft=draft, device=args.device, dtype=args.dtype, draft_dtype=args.draft_dtype,
-                       compile=args.compile, quantization=quantization_from_arg(args.quantization),
-                       draft_quantization=quantization_from_arg(args.draft_quantization),
-                       adaptive_confidence=args.draft_confidence,
-                       ks=_given_or(_ks(args), sizes["ks"]), max_tokens=_given_or(args.max_tokens, sizes["max_tokens"]),
-                       prompts_per_set=_given_or(args.prompts, sizes["prompts"]),
-                       prompt_sets=args.prompt_sets or ("code", "repeat"),
-                       with_transformers=not args.no_transformers, seed=args.seed, head=head, trees=trees,
-                       early_exit_layer=early_exit)
+    return BenchConfig(
+        model=model,
+        draft=draft,
+        device=args.device,
+        dtype=args.dtype,
+        draft_dtype=args.draft_dtype,
+        compile=args.compile,
+        quantization=quantization_from_arg(args.quantization),
+        draft_quantization=quantization_from_arg(args.draft_quantization),
+        adaptive_confidence=args.draft_confidence,
+        ks=_given_or(_ks(args), sizes["ks"]),
+        max_tokens=_given_or(args.max_tokens, sizes["max_tokens"]),
+        prompts_per_set=_given_or(args.prompts, sizes["prompts"]),
+        prompt_sets=args.prompt_sets or ("code", "repeat"),
+        with_transformers=not args.no_transformers,
+        seed=args.seed,
+        head=head,
+        trees=trees,
+        early_exit_layer=early_exit,
+    )
 
 
 def _ks(args) -> tuple[int, ...] | None:
@@ -177,14 +243,19 @@ def _check_speculative_flags(args, llama_cpp: bool = False) -> None:
     anything loads); those the bench varies itself refused."""
     varied = [flag(name) for name in given_settings(args, VARIED)]
     if varied:
-        raise ValueError(f"the bench measures every drafter, at fixed k and by goodput, prompt lookup with its default "
-                         f"n-grams: {' and '.join(varied)} {'does' if len(varied) == 1 else 'do'} not apply to it "
-                         "(generate and serve take it)")
+        raise ValueError(
+            f"the bench measures every drafter, at fixed k and by goodput, prompt lookup with its default "
+            f"n-grams: {' and '.join(varied)} {'does' if len(varied) == 1 else 'do'} not apply to it "
+            "(generate and serve take it)"
+        )
     if llama_cpp and args.draft_confidence != ADAPTIVE_CONFIDENCE:
-        raise ValueError(f"--llama-cpp runs every system as LLM does by default on a GGUF file; "
-                         f"{flag('draft_confidence_threshold')} does not apply to it")
-    given = given_settings(args, ("num_speculative_tokens", "draft_dtype", "draft_confidence_threshold",
-                                  "draft_quantization"))
+        raise ValueError(
+            f"--llama-cpp runs every system as LLM does by default on a GGUF file; "
+            f"{flag('draft_confidence_threshold')} does not apply to it"
+        )
+    given = given_settings(
+        args, ("num_speculative_tokens", "draft_dtype", "draft_confidence_threshold", "draft_quantization")
+    )
     SpeculativeConfig(model=args.draft or "DRAFT", **given)
     for shape in args.tree or ():
         SpeculativeConfig(model="DRAFT", tree=shape)
@@ -206,8 +277,15 @@ def open_bench_output(args, config):
     inputs = {"--model": config.model, "--draft": config.draft}
     if args.write_docs:
         inputs["the docs --write-docs updates"] = DOCS
-    return open_output_dir(args.out, "bench", inputs, args.force, is_bench_output,
-                           own_entries=("results.json", "results.md", *PLOTS), resumable=False)
+    return open_output_dir(
+        args.out,
+        "bench",
+        inputs,
+        args.force,
+        is_bench_output,
+        own_entries=("results.json", "results.md", *PLOTS),
+        resumable=False,
+    )
 
 
 def resolve_pair(model: str | None, draft: str | None) -> tuple[str, str | None]:
@@ -220,15 +298,26 @@ def resolve_pair(model: str | None, draft: str | None) -> tuple[str, str | None]
     if missing:
         raise FileNotFoundError(
             f"the shipped model pair is missing ({', '.join(_relative(p) for p in missing)}): pass --model DIR "
-            "[--draft DIR], or train the pair with `specdec train` and `specdec distill` (see the README)")
+            "[--draft DIR], or train the pair with `specdec train` and `specdec distill` (see the README)"
+        )
     return str(SHIPPED_TARGET), str(SHIPPED_DRAFT)
 
 
 def command_line(args) -> str:
     """The `specdec bench` command that reproduces this run (the flags given, written out)."""
     words = ["specdec", "bench"] + ([args.model] if args.model is not None else [])
-    for name in ("draft", "device", "dtype", "draft_dtype", "draft_confidence", "out", "max_tokens", "prompts",
-                 "seed", "head"):
+    for name in (
+        "draft",
+        "device",
+        "dtype",
+        "draft_dtype",
+        "draft_confidence",
+        "out",
+        "max_tokens",
+        "prompts",
+        "seed",
+        "head",
+    ):
         value = getattr(args, name)
         if value is not None:
             words += ["--" + name.replace("_", "-"), str(value)]

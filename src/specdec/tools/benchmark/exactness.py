@@ -18,8 +18,10 @@ class Divergence:
     reference_tokens: tuple[int, ...]
 
     def describe(self) -> str:
-        return (f"{self.checked} vs {self.reference} on {self.prompt}: first differs at token {self.position} "
-                f"({list(self.checked_tokens)} vs {list(self.reference_tokens)})")
+        return (
+            f"{self.checked} vs {self.reference} on {self.prompt}: first differs at token {self.position} "
+            f"({list(self.checked_tokens)} vs {list(self.reference_tokens)})"
+        )
 
     def to_json(self) -> dict:
         return asdict(self)
@@ -34,12 +36,18 @@ def first_divergence(checked: list[int], reference: list[int]) -> int | None:
     return None if len(checked) == len(reference) else min(len(checked), len(reference))
 
 
-def compare(prompt: str, checked_name: str, checked: list[int], reference_name: str,
-            reference: list[int]) -> Divergence | None:
+def compare(
+    prompt: str, checked_name: str, checked: list[int], reference_name: str, reference: list[int]
+) -> Divergence | None:
     """A Divergence where checked differs from reference, else None."""
     position = first_divergence(checked, reference)
     if position is None:
         return None
-    return Divergence(prompt, checked_name, reference_name, position,
-                      tuple(checked[position:position + SHOWN_TOKENS]),
-                      tuple(reference[position:position + SHOWN_TOKENS]))
+    return Divergence(
+        prompt,
+        checked_name,
+        reference_name,
+        position,
+        tuple(checked[position : position + SHOWN_TOKENS]),
+        tuple(reference[position : position + SHOWN_TOKENS]),
+    )

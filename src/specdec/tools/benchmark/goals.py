@@ -55,15 +55,18 @@ def _transformers_goal(rows: list[dict], sampling: str, k: int) -> dict:
     if not ours or not theirs:
         return _unmeasured(goal, bar, f"needs a draft model, transformers, and k={k} among --ks", name, unit)
     ratio = ours[0]["tokens_per_s"] / theirs[0]["tokens_per_s"]
-    return _judged(goal, bar, ratio, f"{ours[0]['tokens_per_s']:.1f} vs {theirs[0]['tokens_per_s']:.1f} tokens/s",
-                   name, unit)
+    return _judged(
+        goal, bar, ratio, f"{ours[0]['tokens_per_s']:.1f} vs {theirs[0]['tokens_per_s']:.1f} tokens/s", name, unit
+    )
 
 
 def _prediction_goal(rows: list[dict]) -> dict:
     """Judged with c as paid inside the rounds (see run._add_in_round_costs); the detail also
     gives the error with the isolated step's c and with the measured τ."""
-    goal = (f"measured speedup after the prefill within {PREDICTION_TOLERANCE:.0%} of the formula's prediction, "
-            "c measured in the rounds (draft model, every k; measured: the largest relative error)")
+    goal = (
+        f"measured speedup after the prefill within {PREDICTION_TOLERANCE:.0%} of the formula's prediction, "
+        "c measured in the rounds (draft model, every k; measured: the largest relative error)"
+    )
     goal_name, unit = "decode speedup as predicted", "% off"
     judged = [r for r in _draft_rows(rows, "specdec", None) if r.get("predicted_in_rounds") and r["decode_speedup"]]
     if not judged:
@@ -72,21 +75,33 @@ def _prediction_goal(rows: list[dict]) -> dict:
     error, worst = max(zip(errors, judged), key=lambda pair: pair[0])
     within = sum(e <= PREDICTION_TOLERANCE for e in errors)
     met = error <= PREDICTION_TOLERANCE
-    detail = (f"{within}/{len(judged)} within; worst {worst['sampling']} k={worst['k']}: measured "
-              f"{worst['decode_speedup']:.2f}x vs predicted {worst['predicted_in_rounds']:.2f}x ({error:.0%} off)")
+    detail = (
+        f"{within}/{len(judged)} within; worst {worst['sampling']} k={worst['k']}: measured "
+        f"{worst['decode_speedup']:.2f}x vs predicted {worst['predicted_in_rounds']:.2f}x ({error:.0%} off)"
+    )
     if not met:
         detail += f"; missed by {error - PREDICTION_TOLERANCE:.0%} points"
     for name, key in (("with the isolated step's c", "predicted_speedup"), ("predicted from τ", "predicted_from_tau")):
         others = [abs(r["decode_speedup"] / r[key] - 1) for r in judged if r.get(key)]
         if others:
             detail += f"; {name}: worst {max(others):.0%} off"
-    return {"goal": goal, "name": goal_name, "unit": unit, "bar": PREDICTION_TOLERANCE, "measured": error, "met": met,
-            "detail": detail}
+    return {
+        "goal": goal,
+        "name": goal_name,
+        "unit": unit,
+        "bar": PREDICTION_TOLERANCE,
+        "measured": error,
+        "met": met,
+        "detail": detail,
+    }
 
 
 def _draft_rows(rows: list[dict], engine: str, sampling: str | None, method: str = "draft_model") -> list[dict]:
-    return [r for r in rows if r["engine"] == engine and r["method"] == method
-            and (sampling is None or r["sampling"] == sampling)]
+    return [
+        r
+        for r in rows
+        if r["engine"] == engine and r["method"] == method and (sampling is None or r["sampling"] == sampling)
+    ]
 
 
 def _judged(goal: str, bar: float, measured: float, detail: str, name: str, unit: str) -> dict:
@@ -97,5 +112,12 @@ def _judged(goal: str, bar: float, measured: float, detail: str, name: str, unit
 
 
 def _unmeasured(goal: str, bar: float, why: str, name: str, unit: str) -> dict:
-    return {"goal": goal, "name": name, "unit": unit, "bar": bar, "measured": None, "met": None,
-            "detail": f"not measured: {why}"}
+    return {
+        "goal": goal,
+        "name": name,
+        "unit": unit,
+        "bar": bar,
+        "measured": None,
+        "met": None,
+        "detail": f"not measured: {why}",
+    }

@@ -66,10 +66,22 @@ BUILD_DIRS = {"native": "build", "avx2": "build-avx2"}
 COMMON_FLAGS = ("-DCMAKE_BUILD_TYPE=Release", "-DLLAMA_CURL=OFF")
 CPU_FLAGS = {  # ggml/CMakeLists.txt's instruction-set options
     "native": ("-DGGML_NATIVE=ON",),
-    "avx2": ("-DGGML_NATIVE=OFF", "-DGGML_AVX=ON", "-DGGML_AVX2=ON", "-DGGML_FMA=ON", "-DGGML_F16C=ON",
-             "-DGGML_BMI2=ON", "-DGGML_AVX_VNNI=OFF", "-DGGML_AVX512=OFF", "-DGGML_AVX512_VBMI=OFF",
-             "-DGGML_AVX512_VNNI=OFF", "-DGGML_AVX512_BF16=OFF", "-DGGML_AMX_TILE=OFF", "-DGGML_AMX_INT8=OFF",
-             "-DGGML_AMX_BF16=OFF"),
+    "avx2": (
+        "-DGGML_NATIVE=OFF",
+        "-DGGML_AVX=ON",
+        "-DGGML_AVX2=ON",
+        "-DGGML_FMA=ON",
+        "-DGGML_F16C=ON",
+        "-DGGML_BMI2=ON",
+        "-DGGML_AVX_VNNI=OFF",
+        "-DGGML_AVX512=OFF",
+        "-DGGML_AVX512_VBMI=OFF",
+        "-DGGML_AVX512_VNNI=OFF",
+        "-DGGML_AVX512_BF16=OFF",
+        "-DGGML_AMX_TILE=OFF",
+        "-DGGML_AMX_INT8=OFF",
+        "-DGGML_AMX_BF16=OFF",
+    ),
 }
 STAMP = "specdec-build-flags.txt"  # in a build directory: the flags its binaries were built with
 DEFAULT_TARGET = "qwen2.5-coder-1.5b-instruct"
@@ -86,6 +98,7 @@ class LlamaCppError(RuntimeError):
 
 
 # -- building --------------------------------------------------------------------------------
+
 
 @dataclass(frozen=True)
 class LlamaCppBuild:
@@ -120,8 +133,11 @@ class LlamaCppBuild:
 
     def is_built(self) -> bool:
         stamp = self.build_dir / STAMP
-        return (all(self.tool(name).is_file() for name in TOOLS) and stamp.is_file()
-                and stamp.read_text().split() == list(self.flags))
+        return (
+            all(self.tool(name).is_file() for name in TOOLS)
+            and stamp.is_file()
+            and stamp.read_text().split() == list(self.flags)
+        )
 
 
 def ensure_built(build: LlamaCppBuild, say: Say, jobs: int = 2) -> LlamaCppBuild:
@@ -135,14 +151,24 @@ def ensure_built(build: LlamaCppBuild, say: Say, jobs: int = 2) -> LlamaCppBuild
         raise LlamaCppError("building llama.cpp needs cmake and a C++ compiler (e.g. apt-get install cmake g++)")
     build.build_dir.mkdir(parents=True, exist_ok=True)
     say(f"building llama.cpp ({build.kind}) in {build.build_dir}: {' '.join(build.flags)}")
-    _run_logged(["cmake", "-S", str(build.source), "-B", str(build.build_dir), *build.flags],
-                build.build_dir / "cmake-configure.log", say, f"configuring llama.cpp ({build.kind})")
-    _run_logged(["cmake", "--build", str(build.build_dir), "--config", "Release", "-j", str(jobs),
-                 "--target", *TOOLS], build.build_dir / "cmake-build.log", say, f"building llama.cpp ({build.kind})")
+    _run_logged(
+        ["cmake", "-S", str(build.source), "-B", str(build.build_dir), *build.flags],
+        build.build_dir / "cmake-configure.log",
+        say,
+        f"configuring llama.cpp ({build.kind})",
+    )
+    _run_logged(
+        ["cmake", "--build", str(build.build_dir), "--config", "Release", "-j", str(jobs), "--target", *TOOLS],
+        build.build_dir / "cmake-build.log",
+        say,
+        f"building llama.cpp ({build.kind})",
+    )
     missing = [name for name in TOOLS if not build.tool(name).is_file()]
     if missing:
-        raise LlamaCppError(f"the llama.cpp build finished without {', '.join(missing)} in {build.build_dir / 'bin'}; "
-                            f"see {build.build_dir / 'cmake-build.log'}")
+        raise LlamaCppError(
+            f"the llama.cpp build finished without {', '.join(missing)} in {build.build_dir / 'bin'}; "
+            f"see {build.build_dir / 'cmake-build.log'}"
+        )
     (build.build_dir / STAMP).write_text("\n".join(build.flags) + "\n")
     return build
 
@@ -153,11 +179,23 @@ def fetch_source(build: LlamaCppBuild, say: Say) -> None:
     archive = build.home / f"llama_cpp_python-{SDIST_VERSION}.tar.gz"
     if not archive.is_file():
         say(f"downloading the {SDIST} sdist into {build.home}")
-        command = [sys.executable, "-m", "pip", "download", "--no-binary", ":all:", "--no-deps", SDIST,
-                   "-d", str(build.home)]
+        command = [
+            sys.executable,
+            "-m",
+            "pip",
+            "download",
+            "--no-binary",
+            ":all:",
+            "--no-deps",
+            SDIST,
+            "-d",
+            str(build.home),
+        ]
         if subprocess.run(command).returncode != 0 or not archive.is_file():
-            raise LlamaCppError(f"`{' '.join(command)}` did not give {archive}; download it by hand into "
-                                f"{build.home}, or check the network and pip's settings")
+            raise LlamaCppError(
+                f"`{' '.join(command)}` did not give {archive}; download it by hand into "
+                f"{build.home}, or check the network and pip's settings"
+            )
     say(f"extracting {archive.name}")
     with tarfile.open(archive) as tar:
         tar.extractall(build.home, filter="data")
@@ -185,6 +223,7 @@ def _run_logged(command: list[str], log: Path, say: Say, what: str) -> None:
 
 # -- command lines ---------------------------------------------------------------------------
 
+
 @dataclass(frozen=True)
 class ToolOptions:
     """What every llama.cpp tool is given: threads, new tokens, draft tokens per round (k)."""
@@ -204,37 +243,88 @@ class ToolOptions:
 
 def _generation_args(model: str | Path, prompt: str, options: ToolOptions) -> list[str]:
     """The prompt as raw text (no escapes processed: code holds backslashes), greedy."""
-    return ["-m", str(model), "-p", prompt, "--no-escape", "-n", str(options.max_tokens),
-            "-t", str(options.threads), "--temp", "0", "--top-k", "1", "-c", str(options.context),
-            "-s", str(options.seed)]
+    return [
+        "-m",
+        str(model),
+        "-p",
+        prompt,
+        "--no-escape",
+        "-n",
+        str(options.max_tokens),
+        "-t",
+        str(options.threads),
+        "--temp",
+        "0",
+        "--top-k",
+        "1",
+        "-c",
+        str(options.context),
+        "-s",
+        str(options.seed),
+    ]
 
 
 def completion_command(build: LlamaCppBuild, model, prompt: str, options: ToolOptions) -> list[str]:
     """Plain decoding; -no-cnv: the prompt as given, without a chat template of llama.cpp's."""
-    return [str(build.tool("llama-completion")), *_generation_args(model, prompt, options), "-no-cnv",
-            "--no-display-prompt"]
+    return [
+        str(build.tool("llama-completion")),
+        *_generation_args(model, prompt, options),
+        "-no-cnv",
+        "--no-display-prompt",
+    ]
 
 
 def lookup_command(build: LlamaCppBuild, model, prompt: str, options: ToolOptions) -> list[str]:
     """Prompt lookup decoding, drafting up to k tokens a round."""
-    return [str(build.tool("llama-lookup")), *_generation_args(model, prompt, options),
-            "--spec-draft-n-max", str(options.k)]
+    return [
+        str(build.tool("llama-lookup")),
+        *_generation_args(model, prompt, options),
+        "--spec-draft-n-max",
+        str(options.k),
+    ]
 
 
 def speculative_command(build: LlamaCppBuild, model, draft, prompt: str, options: ToolOptions) -> list[str]:
     """A draft model drafting k tokens a round (draft-simple), on the same threads."""
-    return [str(build.tool("llama-speculative-simple")), *_generation_args(model, prompt, options),
-            "-md", str(draft), "--spec-type", "draft-simple", "--spec-draft-n-max", str(options.k),
-            "--spec-draft-n-min", "0", "-td", str(options.threads)]
+    return [
+        str(build.tool("llama-speculative-simple")),
+        *_generation_args(model, prompt, options),
+        "-md",
+        str(draft),
+        "--spec-type",
+        "draft-simple",
+        "--spec-draft-n-max",
+        str(options.k),
+        "--spec-draft-n-min",
+        "0",
+        "-td",
+        str(options.threads),
+    ]
 
 
 def bench_command(build: LlamaCppBuild, model, threads: int, repetitions: int = 5) -> list[str]:
     """llama-bench: a VERIFY_TOKENS-token forward and BENCH_GEN generated tokens after BENCH_DEPTH."""
-    return [str(build.tool("llama-bench")), "-m", str(model), "-p", str(VERIFY_TOKENS), "-n", str(BENCH_GEN),
-            "-d", str(BENCH_DEPTH), "-t", str(threads), "-r", str(repetitions), "-o", "json"]
+    return [
+        str(build.tool("llama-bench")),
+        "-m",
+        str(model),
+        "-p",
+        str(VERIFY_TOKENS),
+        "-n",
+        str(BENCH_GEN),
+        "-d",
+        str(BENCH_DEPTH),
+        "-t",
+        str(threads),
+        "-r",
+        str(repetitions),
+        "-o",
+        "json",
+    ]
 
 
 # -- reading llama.cpp's output --------------------------------------------------------------
+
 
 @dataclass(frozen=True)
 class Timed:
@@ -271,8 +361,7 @@ def parse_completion(stdout: str, stderr: str) -> Timed:
     prompt_ms, prompt_tokens = _last(_PROMPT_EVAL, stderr, "prompt eval time")
     eval_ms, runs = _last(_EVAL, stderr, "eval time")
     text = stdout.rstrip("\n").removesuffix(END_OF_TEXT)
-    return Timed(int(prompt_tokens), int(runs) + 1, float(prompt_ms) / 1e3, float(eval_ms) / 1e3, int(runs),
-                 text=text)
+    return Timed(int(prompt_tokens), int(runs) + 1, float(prompt_ms) / 1e3, float(eval_ms) / 1e3, int(runs), text=text)
 
 
 def parse_speculative(stdout: str, stderr: str, prompt: str) -> Timed:
@@ -283,9 +372,17 @@ def parse_speculative(stdout: str, stderr: str, prompt: str) -> Timed:
     tokens, decode_seconds = _last(_DECODED, stderr, "decoded ... tokens")
     (drafted,), (accepted,) = _last(_DRAFTED, stderr, "n_drafted"), _last(_ACCEPTED, stderr, "n_accept")
     text = stdout.removeprefix("\n\n")  # the tools print two line breaks, the prompt, then the tokens
-    text = text[len(prompt):].rstrip("\n") if text.startswith(prompt) else None
-    return Timed(int(prompt_tokens), int(tokens), float(encode_seconds), float(decode_seconds), int(tokens),
-                 int(drafted), int(accepted), text)
+    text = text[len(prompt) :].rstrip("\n") if text.startswith(prompt) else None
+    return Timed(
+        int(prompt_tokens),
+        int(tokens),
+        float(encode_seconds),
+        float(decode_seconds),
+        int(tokens),
+        int(drafted),
+        int(accepted),
+        text,
+    )
 
 
 def parse_system_info(stderr: str) -> str | None:
@@ -304,10 +401,17 @@ def parse_llama_bench(output: str) -> dict:
         verify_ms = statistics.median(prompt["samples_ns"]) / 1e6
         step_ms = statistics.median(generate["samples_ns"]) / generate["n_gen"] / 1e6
     except (ValueError, KeyError, TypeError, StopIteration) as e:
-        raise LlamaCppError(f"llama-bench's output is not the JSON expected ({type(e).__name__}: {e}):\n"
-                            f"{output[-2000:]}") from None
-    return {"verify_tokens": prompt["n_prompt"], "depth": prompt.get("n_depth", 0), "verify_ms": verify_ms,
-            "step_ms": step_ms, "verify_cost": verify_ms / step_ms, "commit": prompt.get("build_commit")}
+        raise LlamaCppError(
+            f"llama-bench's output is not the JSON expected ({type(e).__name__}: {e}):\n{output[-2000:]}"
+        ) from None
+    return {
+        "verify_tokens": prompt["n_prompt"],
+        "depth": prompt.get("n_depth", 0),
+        "verify_ms": verify_ms,
+        "step_ms": step_ms,
+        "verify_cost": verify_ms / step_ms,
+        "commit": prompt.get("build_commit"),
+    }
 
 
 def _last(pattern: re.Pattern, text: str, what: str) -> tuple[str, ...]:
@@ -333,6 +437,7 @@ def run_tool(command: list[str]) -> tuple[str, str]:
 
 # -- what is compared ------------------------------------------------------------------------
 
+
 @dataclass(frozen=True)
 class System:
     engine: str  # "llama.cpp" or "specdec"
@@ -340,12 +445,17 @@ class System:
 
     def label(self, k: int) -> str:
         if self.engine == "llama.cpp":
-            return {"plain": "llama.cpp plain (llama-completion)",
-                    "ngram": f"llama.cpp prompt lookup (llama-lookup, k={k})",
-                    "draft_model": f"llama.cpp draft model (llama-speculative-simple, k={k})"}[self.method]
-        return {"plain": "specdec plain", "ngram": f"specdec prompt lookup (goodput k≤{k})",
-                "draft_model": f"specdec draft model (goodput k≤{k})",
-                "lookup_then_draft": f"specdec lookup, else draft (goodput k≤{k})"}[self.method]
+            return {
+                "plain": "llama.cpp plain (llama-completion)",
+                "ngram": f"llama.cpp prompt lookup (llama-lookup, k={k})",
+                "draft_model": f"llama.cpp draft model (llama-speculative-simple, k={k})",
+            }[self.method]
+        return {
+            "plain": "specdec plain",
+            "ngram": f"specdec prompt lookup (goodput k≤{k})",
+            "draft_model": f"specdec draft model (goodput k≤{k})",
+            "lookup_then_draft": f"specdec lookup, else draft (goodput k≤{k})",
+        }[self.method]
 
 
 LLAMA_PLAIN = System("llama.cpp", "plain")
@@ -362,7 +472,7 @@ def prompt_sets() -> dict:
     def write(per_module: int = 2, max_chars: int = 1200):
         return held_out_chat_prompts(per_module, max_chars, kinds=("write",))
 
-    return {"write": ("held-out \"write a function\" chat prompts", write), **PROMPT_SETS}
+    return {"write": ('held-out "write a function" chat prompts', write), **PROMPT_SETS}
 
 
 @dataclass(frozen=True)
@@ -386,8 +496,9 @@ class LlamaCppConfig:
         object.__setattr__(self, "prompt_sets", tuple(self.prompt_sets))
         for what, path in (("target", self.model), ("draft", self.draft)):
             if path is not None and not (str(path).endswith(".gguf") and Path(path).is_file()):
-                raise ValueError(f"the {what} for --llama-cpp must be a GGUF file (llama.cpp reads no other), got "
-                                 f"{str(path)!r}")
+                raise ValueError(
+                    f"the {what} for --llama-cpp must be a GGUF file (llama.cpp reads no other), got {str(path)!r}"
+                )
         unknown = set(self.prompt_sets) - set(prompt_sets())
         if not self.prompt_sets or unknown:
             raise ValueError(f"prompt sets must be among {sorted(prompt_sets())}, got {self.prompt_sets!r}")
@@ -401,18 +512,22 @@ class LlamaCppConfig:
 
 # -- measuring -------------------------------------------------------------------------------
 
+
 def run_comparison(config: LlamaCppConfig, cpu_kinds: tuple[str, ...], say: Say) -> dict:
     """Every CPU kind's measurement (this process's kind here, another in a child process),
     JSON-ready: {"prompt_sets", "config", "cpu_kinds": [one per kind]}."""
     measured = []
     for kind in cpu_kinds:
         measured.append(measure(config, say) if kind == process_cpu_kind() else measure_in_child(config, kind, say))
-    return {"prompt_sets": {name: measured[0]["prompt_sets"][name] for name in config.prompt_sets},
-            "config": asdict(config), "cpu_kinds": measured}
+    return {
+        "prompt_sets": {name: measured[0]["prompt_sets"][name] for name in config.prompt_sets},
+        "config": asdict(config),
+        "cpu_kinds": measured,
+    }
 
 
 def process_cpu_kind() -> str:
-    """"avx2" where this process holds PyTorch to AVX2, else "native"."""
+    """ "avx2" where this process holds PyTorch to AVX2, else "native"."""
     return "avx2" if os.environ.get("ATEN_CPU_CAPABILITY", "").lower() == "avx2" else "native"
 
 
@@ -428,7 +543,14 @@ def measure_in_child(config: LlamaCppConfig, kind: str, say: Say) -> dict:
     with tempfile.TemporaryDirectory(prefix="specdec-llama-cpp-") as scratch:
         config_file, out_file = Path(scratch) / "config.json", Path(scratch) / "result.json"
         config_file.write_text(json.dumps(asdict(config)))
-        command = [sys.executable, "-m", "specdec.tools.benchmark.llama_cpp", "measure", str(config_file), str(out_file)]
+        command = [
+            sys.executable,
+            "-m",
+            "specdec.tools.benchmark.llama_cpp",
+            "measure",
+            str(config_file),
+            str(out_file),
+        ]
         if subprocess.run(command, env=cpu_kind_env(kind)).returncode != 0 or not out_file.is_file():
             raise LlamaCppError(f"the measurement for the CPU kind {kind!r} failed (its messages are above)")
         return json.loads(out_file.read_text())
@@ -453,20 +575,30 @@ def measure(config: LlamaCppConfig, say: Say) -> dict:
     records = interleave(runners, prompts, say)
     load_after = os.getloadavg()[0]
     say("measuring what a verify forward costs (llama-bench, and specdec's runner)")
-    llama_bench = parse_llama_bench(run_tool(bench_command(build, config.model, options.threads,
-                                                           config.bench_repetitions))[0])
-    return {"cpu_kind": process_cpu_kind(), "cpu_capability": torch.backends.cpu.get_cpu_capability(),
-            "machine": describe_machine("cpu"), "threads": options.threads,
-            "load_average": {"before": load_before, "after": load_after},  # other work on the machine
-            "llama_cpp": {"commit": llama_bench["commit"], "sdist": SDIST,
-                          "flags": list(build.flags),
-                          "system_info": parse_system_info(runners[LLAMA_PLAIN].last_stderr)},
-            "prompt_sets": {name: {"title": prompt_sets()[name][0], "prompts": [p.name for p, _, _ in pairs]}
-                            for name, pairs in prompts.items()},
-            "verify_cost": {"llama.cpp": llama_bench,
-                            "specdec": specdec_verify_cost(target, config)},
-            "rows": summarize(records, list(runners), config.k, config.prompt_sets),
-            "notes": prompt_token_notes(records, prompts), "runs": runs_json(records, prompts)}
+    llama_bench = parse_llama_bench(
+        run_tool(bench_command(build, config.model, options.threads, config.bench_repetitions))[0]
+    )
+    return {
+        "cpu_kind": process_cpu_kind(),
+        "cpu_capability": torch.backends.cpu.get_cpu_capability(),
+        "machine": describe_machine("cpu"),
+        "threads": options.threads,
+        "load_average": {"before": load_before, "after": load_after},  # other work on the machine
+        "llama_cpp": {
+            "commit": llama_bench["commit"],
+            "sdist": SDIST,
+            "flags": list(build.flags),
+            "system_info": parse_system_info(runners[LLAMA_PLAIN].last_stderr),
+        },
+        "prompt_sets": {
+            name: {"title": prompt_sets()[name][0], "prompts": [p.name for p, _, _ in pairs]}
+            for name, pairs in prompts.items()
+        },
+        "verify_cost": {"llama.cpp": llama_bench, "specdec": specdec_verify_cost(target, config)},
+        "rows": summarize(records, list(runners), config.k, config.prompt_sets),
+        "notes": prompt_token_notes(records, prompts),
+        "runs": runs_json(records, prompts),
+    }
 
 
 def load_specdec(config: LlamaCppConfig):
@@ -479,16 +611,19 @@ def load_specdec(config: LlamaCppConfig):
     runners = {SPECDEC_PLAIN: SpecdecRunner(target, config.max_tokens)}
     ngram_spec = speculative_config(None, "ngram", num_speculative_tokens=config.k)
     ngram = DRAFTERS["ngram"](ngram_spec, target.target, target.runner)
-    runners[System("specdec", "ngram")] = SpecdecRunner(target.with_drafter(ngram, config.k, ngram_spec.k_policy),
-                                                         config.max_tokens)
+    runners[System("specdec", "ngram")] = SpecdecRunner(
+        target.with_drafter(ngram, config.k, ngram_spec.k_policy), config.max_tokens
+    )
     if config.draft is not None:
         spec = speculative_config(config.draft, "draft_model", num_speculative_tokens=config.k)
         drafter = DRAFTERS["draft_model"](spec, target.target, target.runner)
         runners[System("specdec", "draft_model")] = SpecdecRunner(
-            target.with_drafter(drafter, config.k, spec.k_policy), config.max_tokens)
+            target.with_drafter(drafter, config.k, spec.k_policy), config.max_tokens
+        )
         hybrid = LookupThenDraftDrafter.sharing_weights(drafter)
         runners[System("specdec", "lookup_then_draft")] = SpecdecRunner(
-            target.with_drafter(hybrid, config.k, spec.k_policy), config.max_tokens)
+            target.with_drafter(hybrid, config.k, spec.k_policy), config.max_tokens
+        )
     return target, runners
 
 
@@ -506,8 +641,16 @@ class SpecdecRunner:
         output = self.llm.generate({"prompt_token_ids": ids}, params)[0]
         seconds = time.perf_counter() - start
         prefill, stats, tokens = self.llm.engine.timings["prefill"], output.metrics, len(output.outputs[0].token_ids)
-        return Timed(len(ids), tokens, prefill, seconds - prefill, tokens - 1, stats.num_draft_tokens,
-                     stats.num_accepted_tokens, output.outputs[0].text)
+        return Timed(
+            len(ids),
+            tokens,
+            prefill,
+            seconds - prefill,
+            tokens - 1,
+            stats.num_draft_tokens,
+            stats.num_accepted_tokens,
+            output.outputs[0].text,
+        )
 
 
 class ToolRunner:
@@ -532,8 +675,11 @@ class ToolRunner:
 
 
 def llama_cpp_runners(build: LlamaCppBuild, config: LlamaCppConfig, options: ToolOptions) -> dict:
-    return {system: ToolRunner(build, system, config, options) for system in LLAMA_SYSTEMS
-            if config.draft is not None or system.method not in DRAFTING}
+    return {
+        system: ToolRunner(build, system, config, options)
+        for system in LLAMA_SYSTEMS
+        if config.draft is not None or system.method not in DRAFTING
+    }
 
 
 def encode_prompts(target, config: LlamaCppConfig, set_name: str) -> list[tuple]:
@@ -541,8 +687,9 @@ def encode_prompts(target, config: LlamaCppConfig, set_name: str) -> list[tuple]
     rendered with the target's chat template, the text llama.cpp gets."""
     from specdec.tools.benchmark.run import spread
 
-    prompts = spread(prompt_sets()[set_name][1](per_module=2, max_chars=config.max_prompt_chars),
-                     config.prompts_per_set)
+    prompts = spread(
+        prompt_sets()[set_name][1](per_module=2, max_chars=config.max_prompt_chars), config.prompts_per_set
+    )
     if not prompts:
         raise ValueError(f"prompt set {set_name!r} is empty: the held-out standard-library modules are missing")
     encoded = []
@@ -594,11 +741,17 @@ def specdec_verify_cost(target, config: LlamaCppConfig) -> dict:
         steps.append(step_seconds(target.runner, config.step_repeats, BENCH_DEPTH, 1, config.max_tokens))
         verifies.append(step_seconds(target.runner, config.step_repeats, BENCH_DEPTH, VERIFY_TOKENS, config.max_tokens))
     step, verify = statistics.median(steps), statistics.median(verifies)
-    return {"verify_tokens": VERIFY_TOKENS, "depth": BENCH_DEPTH, "verify_ms": verify * 1e3, "step_ms": step * 1e3,
-            "verify_cost": verify / step}
+    return {
+        "verify_tokens": VERIFY_TOKENS,
+        "depth": BENCH_DEPTH,
+        "verify_ms": verify * 1e3,
+        "step_ms": step * 1e3,
+        "verify_cost": verify / step,
+    }
 
 
 # -- summarizing -----------------------------------------------------------------------------
+
 
 def summarize(records: list[Record], systems: list[System], k: int, set_names) -> list[dict]:
     """A row per (prompt set, system): tokens/s with the prefill, its ratio to llama.cpp plain,
@@ -609,8 +762,13 @@ def summarize(records: list[Record], systems: list[System], k: int, set_names) -
         plain_texts = {r.index: r.timed.text for r in records if (r.prompt_set, r.system) == (set_name, SPECDEC_PLAIN)}
         for system in systems:
             runs = [(r.index, r.timed) for r in records if (r.prompt_set, r.system) == (set_name, system)]
-            row = {"prompt_set": set_name, "engine": system.engine, "method": system.method,
-                   "label": system.label(k), **pooled([t for _, t in runs])}
+            row = {
+                "prompt_set": set_name,
+                "engine": system.engine,
+                "method": system.method,
+                "label": system.label(k),
+                **pooled([t for _, t in runs]),
+            }
             row["same_text_as_specdec_plain"] = sum(_agree(t.text, plain_texts.get(i)) for i, t in runs)
             group.append(row)
         baseline = next(row for row in group if row["engine"] == "llama.cpp" and row["method"] == "plain")
@@ -626,14 +784,19 @@ def pooled(runs: list[Timed]) -> dict:
     prompt_seconds, decode_seconds = sum(t.prompt_seconds for t in runs), sum(t.decode_seconds for t in runs)
     drafted = sum(t.drafted for t in runs) if all(t.drafted is not None for t in runs) else None
     accepted = sum(t.accepted for t in runs) if drafted is not None else None
-    return {"prompts": len(runs), "tokens": tokens, "seconds": seconds,
-            "prompt_tokens": sum(t.prompt_tokens for t in runs),
-            "tokens_per_s": tokens / seconds if seconds else math.nan,
-            "prompt_tokens_per_s": sum(t.prompt_tokens for t in runs) / prompt_seconds if prompt_seconds else None,
-            "decode_tokens_per_s": sum(t.decode_tokens for t in runs) / decode_seconds if decode_seconds else None,
-            "drafted": drafted, "accepted": accepted,
-            "acceptance": accepted / drafted if drafted else None,
-            "tau": tokens / (tokens - accepted) if accepted is not None and tokens > accepted else None}
+    return {
+        "prompts": len(runs),
+        "tokens": tokens,
+        "seconds": seconds,
+        "prompt_tokens": sum(t.prompt_tokens for t in runs),
+        "tokens_per_s": tokens / seconds if seconds else math.nan,
+        "prompt_tokens_per_s": sum(t.prompt_tokens for t in runs) / prompt_seconds if prompt_seconds else None,
+        "decode_tokens_per_s": sum(t.decode_tokens for t in runs) / decode_seconds if decode_seconds else None,
+        "drafted": drafted,
+        "accepted": accepted,
+        "acceptance": accepted / drafted if drafted else None,
+        "tau": tokens / (tokens - accepted) if accepted is not None and tokens > accepted else None,
+    }
 
 
 def _agree(text: str | None, reference: str | None) -> bool:
@@ -647,8 +810,16 @@ def _agree(text: str | None, reference: str | None) -> bool:
 
 def runs_json(records: list[Record], prompts: dict) -> list[dict]:
     """Every run's own numbers (the rows pool them), to look into one that stands out."""
-    return [{"prompt_set": r.prompt_set, "prompt": prompts[r.prompt_set][r.index][0].name, "engine": r.system.engine,
-             "method": r.system.method, **{k: v for k, v in asdict(r.timed).items() if k != "text"}} for r in records]
+    return [
+        {
+            "prompt_set": r.prompt_set,
+            "prompt": prompts[r.prompt_set][r.index][0].name,
+            "engine": r.system.engine,
+            "method": r.system.method,
+            **{k: v for k, v in asdict(r.timed).items() if k != "text"},
+        }
+        for r in records
+    ]
 
 
 def prompt_token_notes(records: list[Record], prompts: dict) -> list[str]:
@@ -657,8 +828,10 @@ def prompt_token_notes(records: list[Record], prompts: dict) -> list[str]:
     for r in records:
         prompt, ids, _ = prompts[r.prompt_set][r.index]
         if r.system.engine == "llama.cpp" and r.timed.prompt_tokens != len(ids):
-            notes.append(f"llama.cpp {r.system.method} read {r.timed.prompt_tokens} prompt tokens for "
-                         f"{prompt.name} ({r.prompt_set}), specdec {len(ids)}.")
+            notes.append(
+                f"llama.cpp {r.system.method} read {r.timed.prompt_tokens} prompt tokens for "
+                f"{prompt.name} ({r.prompt_set}), specdec {len(ids)}."
+            )
     return notes
 
 
@@ -667,8 +840,17 @@ def prompt_token_notes(records: list[Record], prompts: dict) -> list[str]:
 QUICK_PROMPTS = 2  # --quick: prompts per set (new tokens stay at the goal's 128)
 FULL_PROMPTS = 8
 UNUSED_FLAGS = {  # `specdec bench` flags of the specdec-only bench: refused with --llama-cpp, not ignored
-    "head": None, "tree": None, "early_exit": None, "device": "cpu", "dtype": "auto", "draft_dtype": "auto",
-    "compile": "auto", "quantization": "none", "draft_quantization": "none", "no_transformers": False}
+    "head": None,
+    "tree": None,
+    "early_exit": None,
+    "device": "cpu",
+    "dtype": "auto",
+    "draft_dtype": "auto",
+    "compile": "auto",
+    "quantization": "none",
+    "draft_quantization": "none",
+    "no_transformers": False,
+}
 
 
 def llama_cpp_config(args) -> LlamaCppConfig:
@@ -677,14 +859,20 @@ def llama_cpp_config(args) -> LlamaCppConfig:
 
     given = [name for name, default in UNUSED_FLAGS.items() if getattr(args, name) != default]
     if given:
-        raise ValueError(f"--llama-cpp runs every system as LLM does by default on a GGUF file; "
-                         f"{', '.join('--' + n.replace('_', '-') for n in given)} do not apply to it")
+        raise ValueError(
+            f"--llama-cpp runs every system as LLM does by default on a GGUF file; "
+            f"{', '.join('--' + n.replace('_', '-') for n in given)} do not apply to it"
+        )
     model = str(resolve_model(args.model or DEFAULT_TARGET, "the target"))
     draft = args.draft if args.draft is not None or args.model is not None else DEFAULT_DRAFT
-    return LlamaCppConfig(model=model, draft=None if draft is None else str(resolve_model(draft, "the draft")),
-                          prompt_sets=args.prompt_sets or ("write", "edit"),
-                          prompts_per_set=_given_or(args.prompts, QUICK_PROMPTS if args.quick else FULL_PROMPTS),
-                          max_tokens=_given_or(args.max_tokens, 128), k=max(args.ks) if args.ks else 5)
+    return LlamaCppConfig(
+        model=model,
+        draft=None if draft is None else str(resolve_model(draft, "the draft")),
+        prompt_sets=args.prompt_sets or ("write", "edit"),
+        prompts_per_set=_given_or(args.prompts, QUICK_PROMPTS if args.quick else FULL_PROMPTS),
+        max_tokens=_given_or(args.max_tokens, 128),
+        k=max(args.ks) if args.ks else 5,
+    )
 
 
 def _given_or(value, default):
@@ -725,8 +913,15 @@ def run_llama_cpp_bench(args) -> int:
     config = llama_cpp_config(args)
     kinds = CPU_KINDS if cpu_kinds_arg(args) == "both" else (cpu_kinds_arg(args),)
     inputs = {"--model": config.model, "--draft": config.draft}
-    with open_output_dir(args.out, "bench", inputs, args.force, is_bench_output,
-                         own_entries=("results.json", "results.md"), resumable=False) as output:
+    with open_output_dir(
+        args.out,
+        "bench",
+        inputs,
+        args.force,
+        is_bench_output,
+        own_entries=("results.json", "results.md"),
+        resumable=False,
+    ) as output:
         output.clear_staging()
         results = run_comparison(config, kinds, lambda message: print(message, file=sys.stderr, flush=True))
         results["command"] = command_line(args)

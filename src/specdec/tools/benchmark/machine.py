@@ -68,8 +68,7 @@ def decode_weight_bytes(model) -> int:
     return total
 
 
-def step_seconds(runner, repeats: int = 50, context: int = 64, num_tokens: int = 1,
-                 num_forwards: int = 0) -> float:
+def step_seconds(runner, repeats: int = 50, context: int = 64, num_tokens: int = 1, num_forwards: int = 0) -> float:
     """Median time of one forward of num_tokens tokens (1: a decode step; k + 1: a verify
     forward) after a context of `context` tokens, as runner (a ModelRunner, or a model to run
     eagerly) runs it for work of num_forwards forwards (which decides whether "auto" compiles)."""

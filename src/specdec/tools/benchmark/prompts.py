@@ -46,10 +46,10 @@ class Prompt:
         Python parses none. A chat prompt's answer is prose around code: (0, 0)."""
         if self.chat:
             return 0, 0
-        whole_lines = completion[:completion.rfind("\n") + 1].splitlines(keepends=True)
+        whole_lines = completion[: completion.rfind("\n") + 1].splitlines(keepends=True)
         ends = [i + 1 for i, line in enumerate(whole_lines) if line.strip()]  # just past each non-blank line
         for parsing in range(len(ends), 0, -1):
-            if _valid_so_far(self.before + self.text + "".join(whole_lines[:ends[parsing - 1]])):
+            if _valid_so_far(self.before + self.text + "".join(whole_lines[: ends[parsing - 1]])):
                 return parsing, len(ends)
         return 0, len(ends)
 
@@ -79,12 +79,13 @@ def repeated_code_prompts(per_module: int = 1, max_chars: int = 1200) -> list[Pr
             if text is not None and len(text) <= max_chars:
                 fitting.append(Prompt(f"{module}:{span.name} (repeat)", text))
         step = max(1, len(fitting) // per_module)
-        prompts += fitting[step // 2::step][:per_module]
+        prompts += fitting[step // 2 :: step][:per_module]
     return prompts
 
 
-def held_out_chat_prompts(per_module: int = 2, max_chars: int = 1200,
-                          kinds: tuple[str, ...] = ("write", "edit", "explain")) -> list[Prompt]:
+def held_out_chat_prompts(
+    per_module: int = 2, max_chars: int = 1200, kinds: tuple[str, ...] = ("write", "edit", "explain")
+) -> list[Prompt]:
     """per_module chat prompts per held-out module (at most), of these kinds, about functions of
     at most max_chars characters."""
     from specdec.tools.training.chat_prompts import chat_prompts
@@ -119,8 +120,8 @@ class _FunctionSpan:
 
 def _repeat_prompt(source: str, span: _FunctionSpan) -> str | None:
     """The function, a comment, and its signature renamed; None for a body too short to copy."""
-    lines = textwrap.dedent(source[span.start:span.end]).splitlines(keepends=True)
-    num_signature_lines = source[span.start:span.signature_end].count("\n")
+    lines = textwrap.dedent(source[span.start : span.end]).splitlines(keepends=True)
+    num_signature_lines = source[span.start : span.signature_end].count("\n")
     if len(lines) - num_signature_lines < MIN_BODY_LINES or lines[0][:1].isspace():
         return None  # too short, or a string inside is less indented than the def
     new_name = f"{span.name}_copy"
@@ -152,8 +153,15 @@ def _function_spans(source: str) -> list[_FunctionSpan]:
             last = node.body[0].lineno - 2  # 0-based: the line before the body
             while last > node.lineno - 1 and (not lines[last].strip() or lines[last].lstrip().startswith("#")):
                 last -= 1  # comments and blank lines between the signature and the body
-            found.append(_FunctionSpan(node.lineno, node.name, line_starts[node.lineno - 1], line_starts[last + 1],
-                                       line_starts[node.end_lineno]))
+            found.append(
+                _FunctionSpan(
+                    node.lineno,
+                    node.name,
+                    line_starts[node.lineno - 1],
+                    line_starts[last + 1],
+                    line_starts[node.end_lineno],
+                )
+            )
     return sorted(found, key=lambda span: span.lineno)
 
 
@@ -162,4 +170,4 @@ def _def_line_ends(source: str) -> list[tuple[str, int]]:
     starts on a later line, spread evenly through the file."""
     found = _function_spans(source)
     step = max(1, len(found) // 4)
-    return [(span.name, len(source[:span.signature_end].rstrip("\r\n"))) for span in found[step // 2::step]]
+    return [(span.name, len(source[: span.signature_end].rstrip("\r\n"))) for span in found[step // 2 :: step]]

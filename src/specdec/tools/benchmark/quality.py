@@ -26,8 +26,9 @@ from specdec.tools.benchmark.prompts import held_out_sources
 PERPLEXITY_TOKENS = 8192  # held-out tokens scored per model
 
 
-def quantization_quality(quantized: LLM, reference: LLM, greedy_runs: list[tuple[list[int], list[int], float]],
-                         max_tokens: int) -> dict:
+def quantization_quality(
+    quantized: LLM, reference: LLM, greedy_runs: list[tuple[list[int], list[int], float]], max_tokens: int
+) -> dict:
     """greedy_runs: (prompt ids, the quantized target alone's greedy output, its seconds) per
     prompt. reference: the same checkpoint, unquantized."""
     agreements, identical, tokens, seconds, ref_tokens, ref_seconds = [], 0, 0, 0.0, 0, 0.0
@@ -44,12 +45,18 @@ def quantization_quality(quantized: LLM, reference: LLM, greedy_runs: list[tuple
         identical += expected == output
     quantized_ppl = perplexity(quantized.runner.model, quantized)
     reference_ppl = perplexity(reference.runner.model, reference)
-    return {"quantization": quantized.runner.quantization, "prompts": len(greedy_runs),
-            "greedy_identical": identical, "greedy_agreement": sum(agreements) / len(agreements),
-            "perplexity": quantized_ppl, "reference_perplexity": reference_ppl,
-            "perplexity_difference": quantized_ppl - reference_ppl,
-            "tokens_per_s": tokens / seconds, "reference_tokens_per_s": ref_tokens / ref_seconds,
-            "speedup_over_reference": (tokens / seconds) / (ref_tokens / ref_seconds)}
+    return {
+        "quantization": quantized.runner.quantization,
+        "prompts": len(greedy_runs),
+        "greedy_identical": identical,
+        "greedy_agreement": sum(agreements) / len(agreements),
+        "perplexity": quantized_ppl,
+        "reference_perplexity": reference_ppl,
+        "perplexity_difference": quantized_ppl - reference_ppl,
+        "tokens_per_s": tokens / seconds,
+        "reference_tokens_per_s": ref_tokens / ref_seconds,
+        "speedup_over_reference": (tokens / seconds) / (ref_tokens / ref_seconds),
+    }
 
 
 def perplexity(model, llm: LLM, num_tokens: int = PERPLEXITY_TOKENS) -> float:
@@ -60,16 +67,15 @@ def perplexity(model, llm: LLM, num_tokens: int = PERPLEXITY_TOKENS) -> float:
         ids += llm.tokenizer.encode(source)
         if len(ids) >= num_tokens + 1:
             break
-    ids = torch.tensor(ids[:num_tokens + 1], device=llm.device)
+    ids = torch.tensor(ids[: num_tokens + 1], device=llm.device)
     window = llm.max_model_len
     total, count = 0.0, 0
     with torch.inference_mode():
         for start in range(0, len(ids) - 1, window):
-            chunk = ids[start:start + window + 1]  # [n + 1]: n inputs, each with its next token
+            chunk = ids[start : start + window + 1]  # [n + 1]: n inputs, each with its next token
             inputs = chunk[:-1][None]  # [1, n]
             positions = torch.arange(inputs.shape[1], device=llm.device)[None]  # [1, n]
             logits = model(inputs, positions, None)[0]  # [n, V]
             total += float(torch.nn.functional.cross_entropy(logits, chunk[1:], reduction="sum"))
             count += inputs.shape[1]
     return math.exp(total / count)
-

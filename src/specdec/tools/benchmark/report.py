@@ -42,11 +42,13 @@ def write_docs(results: dict, plots: dict[str, Path], docs_dir: str | Path, comm
     for name in PLOTS:
         shutil.copyfile(plots[name], image_dir / name)
     images = "\n".join(f"![{name[:-4].replace('_', ' ')}](benchmarks/{name})" for name in PLOTS)
-    page = (f"# Benchmarks\n\nThe latest `specdec bench` results, reproduced with\n\n```\n{command}\n```\n\n"
-            f"{markdown(results, title_level=2)}\n## Plots\n\n{images}\n")
+    page = (
+        f"# Benchmarks\n\nThe latest `specdec bench` results, reproduced with\n\n```\n{command}\n```\n\n"
+        f"{markdown(results, title_level=2)}\n## Plots\n\n{images}\n"
+    )
     path = docs_dir / "benchmarks.md"
     old = path.read_text() if path.is_file() else ""
-    kept = old[old.index(KEPT_MARKER):] if KEPT_MARKER in old else ""
+    kept = old[old.index(KEPT_MARKER) :] if KEPT_MARKER in old else ""
     path.write_text(page + ("\n" + kept if kept else ""))
     return path
 
@@ -62,18 +64,22 @@ WIDTH = 100  # the columns of the terminal the printed report fits
 
 def markdown(results: dict, title_level: int = 1) -> str:
     h = "#" * title_level
-    sections = [f"{h} specdec bench\n",
-                f"{h}# Verdict: the goals, on held-out code prompts\n\n{verdict(results)}\n",
-                f"{_wrap(_machine_line(results))}\n\n{_wrap(_setup_line(results))}\n",
-                f"{h}# Costs and roofline\n\n{costs_table(results)}\n\n{_wrap(TABLE_LEGEND)}\n"]
+    sections = [
+        f"{h} specdec bench\n",
+        f"{h}# Verdict: the goals, on held-out code prompts\n\n{verdict(results)}\n",
+        f"{_wrap(_machine_line(results))}\n\n{_wrap(_setup_line(results))}\n",
+        f"{h}# Costs and roofline\n\n{costs_table(results)}\n\n{_wrap(TABLE_LEGEND)}\n",
+    ]
     for set_name, prompt_set in results["prompt_sets"].items():
         for sampling in results["config"]["samplings"]:
             title = f"{h}# {prompt_set['title']} ({set_name}), {_sampling_words(sampling)}"
             sections.append(f"{title}\n\n{method_tables(results, set_name, sampling['name'])}\n")
     if results.get("quantization_quality"):
         sections.append(f"{h}# What quantization costs\n\n{quality_table(results['quantization_quality'])}\n")
-    sections += [f"{h}# Greedy exactness\n\n{exactness_text(results['exactness'])}\n",
-                 f"{h}# Where the time goes\n\n{profile_tables(results)}\n"]
+    sections += [
+        f"{h}# Greedy exactness\n\n{exactness_text(results['exactness'])}\n",
+        f"{h}# Where the time goes\n\n{profile_tables(results)}\n",
+    ]
     if results["notes"]:
         sections.append(f"{h}# Notes\n\n" + "\n".join(_bullet(note) for note in results["notes"]) + "\n")
     return "\n".join(sections)
@@ -87,7 +93,8 @@ TABLE_LEGEND = (
     "decoding) or the isolated c (one draft step ÷ one target step, each timed alone, back to back). "
     "Predicted from τ: the measured tokens per round ÷ (k·c + 1), isolated c; with v_k: the verify "
     "forward's measured cost v_k in place of the formula's 1. α: accepted ÷ judged draft tokens; τ: tokens "
-    "per target forward.")
+    "per target forward."
+)
 
 
 def verdict(results: dict) -> str:
@@ -98,15 +105,24 @@ def verdict(results: dict) -> str:
     words = [f"**{counts[0]} of {len(goals)} goals met**", f"{counts[1]} missed"]
     if counts[2]:
         words.append(f"{counts[2]} not measured")
-    line = (", ".join(words) + f"; greedy outputs identical in {exactness['identical']} of "
-            f"{exactness['compared']} comparisons.")
+    line = (
+        ", ".join(words) + f"; greedy outputs identical in {exactness['identical']} of "
+        f"{exactness['compared']} comparisons."
+    )
     details = "\n".join(_bullet(f"{_goal_name(g)}: {g['goal']}. {g['detail']}.") for g in goals)
     return f"{_wrap(line)}\n\n{goals_table(goals)}\n\n{details}"
 
 
 def goals_table(goals: list[dict]) -> str:
-    rows = [[_goal_name(g), _goal_value(g, g["bar"], bar=True), _goal_value(g, g["measured"]),
-             {True: "met", False: "**missed**", None: "not measured"}[g["met"]]] for g in goals]
+    rows = [
+        [
+            _goal_name(g),
+            _goal_value(g, g["bar"], bar=True),
+            _goal_value(g, g["measured"]),
+            {True: "met", False: "**missed**", None: "not measured"}[g["met"]],
+        ]
+        for g in goals
+    ]
     return table(["goal", "bar", "measured", "verdict"], rows, left=(0, 3))
 
 
@@ -130,8 +146,9 @@ def method_tables(results: dict, set_name: str, sampling: str) -> str:
     parts = [speed_table(rows)]
     goodput = [r for r in rows if r.get("rounds_by_k")]
     if goodput:
-        parts.append("\n".join(_bullet(f"Rounds by k, {r['label']}: {rounds_by_k_text(r['rounds_by_k'])}.")
-                               for r in goodput))
+        parts.append(
+            "\n".join(_bullet(f"Rounds by k, {r['label']}: {rounds_by_k_text(r['rounds_by_k'])}.") for r in goodput)
+        )
     for method, name in (("draft_model", "draft model"), ("ngram", "prompt lookup")):
         swept = [r for r in rows if r["engine"] == "specdec" and r["method"] == method and r["cost_ratio"] is not None]
         if swept:
@@ -143,9 +160,20 @@ def method_tables(results: dict, set_name: str, sampling: str) -> str:
 
 def speed_table(rows: list[dict]) -> str:
     """Every method: tokens/s, speedups over the target alone, α and τ."""
-    return table(["method", "tok/s", "x plain", "decode x plain", "α", "τ"],
-                 [[r["label"], _number(r["tokens_per_s"], 1), _times(r["speedup"]), _times(r["decode_speedup"]),
-                   _number(r["alpha"], 3), _number(r["tau"], 2)] for r in rows])
+    return table(
+        ["method", "tok/s", "x plain", "decode x plain", "α", "τ"],
+        [
+            [
+                r["label"],
+                _number(r["tokens_per_s"], 1),
+                _times(r["speedup"]),
+                _times(r["decode_speedup"]),
+                _number(r["alpha"], 3),
+                _number(r["tau"], 2),
+            ]
+            for r in rows
+        ],
+    )
 
 
 FORMULA_ROWS = (  # the formula table's rows: (name, key in a results row, digits; None: a speedup)
@@ -155,71 +183,114 @@ FORMULA_ROWS = (  # the formula table's rows: (name, key in a results row, digit
     ("predicted x plain, from τ", "predicted_from_tau", None),
     ("predicted x plain, with v_k", "predicted_with_verify_cost", None),
     ("c in rounds", "cost_ratio_in_rounds", 3),
-    ("isolated c", "cost_ratio", 3))
+    ("isolated c", "cost_ratio", 3),
+)
 
 
 def formula_table(rows: list[dict]) -> str:
     """One drafter at each k (a column each): the decode speedup measured and as the formula
     predicts it, and the cost ratios c it was predicted with."""
-    body = [[name] + [_times(r.get(key)) if digits is None else _number(r.get(key), digits) for r in rows]
-            for name, key, digits in FORMULA_ROWS]
+    body = [
+        [name] + [_times(r.get(key)) if digits is None else _number(r.get(key), digits) for r in rows]
+        for name, key, digits in FORMULA_ROWS
+    ]
     return table(["k (draft tokens per round)"] + [str(r["k"]) for r in rows], body)
 
 
 def acceptance_table(rows: list[dict]) -> str:
     """specdec's methods: decode tokens/s as a share of the roofline's ceiling, and acceptance
     (accepted ÷ proposed) at each draft position."""
-    body = [[r["label"].removeprefix("specdec "), _percent(r["roofline_fraction"]),
-             " ".join(_number(a, 2) for a in r["acceptance_by_position"] or []) or "–"] for r in rows]
+    body = [
+        [
+            r["label"].removeprefix("specdec "),
+            _percent(r["roofline_fraction"]),
+            " ".join(_number(a, 2) for a in r["acceptance_by_position"] or []) or "–",
+        ]
+        for r in rows
+    ]
     return table(["specdec method", "roofline %", "acceptance by draft position 1, 2, …"], body, left=(0, 2))
 
 
 def costs_table(results: dict) -> str:
     costs, roof = results["costs"], results["roofline"]
-    greedy_targets = [r for r in results["rows"] if r["engine"] == "specdec" and r["method"] == "none"
-                      and r["sampling"] == "greedy"]
-    rows = [["target step (1 token after 64)", _number(costs["target_step_ms"], 3), "ms"],
-            ["draft step (1 token after 64)", _number(costs["draft_step_ms"], 3), "ms"],
-            ["cost ratio c = draft step ÷ target step", _number(costs["cost_ratio"], 3), "ratio"],
-            [f"streaming read bandwidth ({roof['buffer_bytes'] / 2**20:.0f} MiB buffer)",
-             f"{roof['read_bandwidth_gb_per_s']:.1f}", "GB/s"],
-            ["target weight bytes read per decode step", f"{roof['decode_weight_bytes'] / 1e6:.1f}", "MB"],
-            ["roofline: step floor", f"{roof['step_floor_ms']:.3f}", "ms"],
-            ["roofline: ceiling", f"{roof['ceiling_tokens_per_s']:.0f}", "tok/s"]]
+    greedy_targets = [
+        r for r in results["rows"] if r["engine"] == "specdec" and r["method"] == "none" and r["sampling"] == "greedy"
+    ]
+    rows = [
+        ["target step (1 token after 64)", _number(costs["target_step_ms"], 3), "ms"],
+        ["draft step (1 token after 64)", _number(costs["draft_step_ms"], 3), "ms"],
+        ["cost ratio c = draft step ÷ target step", _number(costs["cost_ratio"], 3), "ratio"],
+        [
+            f"streaming read bandwidth ({roof['buffer_bytes'] / 2**20:.0f} MiB buffer)",
+            f"{roof['read_bandwidth_gb_per_s']:.1f}",
+            "GB/s",
+        ],
+        ["target weight bytes read per decode step", f"{roof['decode_weight_bytes'] / 1e6:.1f}", "MB"],
+        ["roofline: step floor", f"{roof['step_floor_ms']:.3f}", "ms"],
+        ["roofline: ceiling", f"{roof['ceiling_tokens_per_s']:.0f}", "tok/s"],
+    ]
     for r in greedy_targets:
-        rows += [[f"target alone, {r['prompt_set']} greedy, after the prefill", _number(r["decode_tokens_per_s"], 1),
-                  "tok/s"],
-                 [f"target alone, {r['prompt_set']} greedy, of the ceiling", _percent(r["roofline_fraction"]), "%"]]
+        rows += [
+            [
+                f"target alone, {r['prompt_set']} greedy, after the prefill",
+                _number(r["decode_tokens_per_s"], 1),
+                "tok/s",
+            ],
+            [f"target alone, {r['prompt_set']} greedy, of the ceiling", _percent(r["roofline_fraction"]), "%"],
+        ]
     parts = [table(["measure", "value", "unit"], rows, left=(0, 2))]
     verify = costs.get("verify_cost_ratio", {})
     if verify:
-        parts.append(table(["k"] + list(verify), [["v_k: verify of k+1 tokens ÷ target step"]
-                                                  + [_number(v, 2) for v in verify.values()]]))
+        parts.append(
+            table(
+                ["k"] + list(verify),
+                [["v_k: verify of k+1 tokens ÷ target step"] + [_number(v, 2) for v in verify.values()]],
+            )
+        )
     return "\n\n".join(parts)
 
 
 def quality_table(quality: dict) -> str:
     """The quantized target against the unquantized one (benchmark/quality.py)."""
     q = quality["quantization"]
-    rows = [["greedy outputs identical to the unquantized's", f"{quality['greedy_identical']} of {quality['prompts']}",
-             "", ""],
-            ["greedy agreement (tokens to the first difference ÷ length)", _number(quality["greedy_agreement"], 3),
-             "", ""],
-            ["perplexity on held-out modules", _number(quality["perplexity"], 3),
-             _number(quality["reference_perplexity"], 3), f"{quality['perplexity_difference']:+.3f}"],
-            ["target alone, greedy tok/s", _number(quality["tokens_per_s"], 1),
-             _number(quality["reference_tokens_per_s"], 1), _times(quality["speedup_over_reference"])]]
+    rows = [
+        [
+            "greedy outputs identical to the unquantized's",
+            f"{quality['greedy_identical']} of {quality['prompts']}",
+            "",
+            "",
+        ],
+        ["greedy agreement (tokens to the first difference ÷ length)", _number(quality["greedy_agreement"], 3), "", ""],
+        [
+            "perplexity on held-out modules",
+            _number(quality["perplexity"], 3),
+            _number(quality["reference_perplexity"], 3),
+            f"{quality['perplexity_difference']:+.3f}",
+        ],
+        [
+            "target alone, greedy tok/s",
+            _number(quality["tokens_per_s"], 1),
+            _number(quality["reference_tokens_per_s"], 1),
+            _times(quality["speedup_over_reference"]),
+        ],
+    ]
     return table(["measure", q, "unquantized", "change"], rows)
 
 
 def exactness_text(exactness: dict) -> str:
-    text = _wrap(f"Greedy outputs identical in {exactness['identical']} of {exactness['compared']} comparisons "
-                 "(every specdec method against the specdec target alone; the target alone against "
-                 "transformers' greedy generate).")
+    text = _wrap(
+        f"Greedy outputs identical in {exactness['identical']} of {exactness['compared']} comparisons "
+        "(every specdec method against the specdec target alone; the target alone against "
+        "transformers' greedy generate)."
+    )
     if exactness["divergences"]:
         text += "\n\nWhere outputs part (the first different token, and the tokens from there):\n\n" + "\n".join(
-            _bullet(f"{d['checked']} against {d['reference']}, {d['prompt']}: token {d['position']}, "
-                    f"{list(d['checked_tokens'])} vs {list(d['reference_tokens'])}.") for d in exactness["divergences"])
+            _bullet(
+                f"{d['checked']} against {d['reference']}, {d['prompt']}: token {d['position']}, "
+                f"{list(d['checked_tokens'])} vs {list(d['reference_tokens'])}."
+            )
+            for d in exactness["divergences"]
+        )
     return text
 
 
@@ -228,8 +299,12 @@ def profile_tables(results: dict) -> str:
     of the wall time in prefill and outside the engine; for the target alone and the rows at
     transformers_k, a table per prompt set and sampling."""
     k = results["config"]["transformers_k"]
-    parts = [_wrap("Milliseconds per round (one propose → verify → accept step) in each part; prefill and other "
-                   "(outside the engine's loop) as shares of the wall time.")]
+    parts = [
+        _wrap(
+            "Milliseconds per round (one propose → verify → accept step) in each part; prefill and other "
+            "(outside the engine's loop) as shares of the wall time."
+        )
+    ]
     for set_name, sampling in _panel_keys(results):
         rows = []
         for r in _rows(results, set_name, sampling):
@@ -238,13 +313,21 @@ def profile_tables(results: dict) -> str:
             rounds, seconds = r["profile"]["rounds"], r["profile"]["seconds"]
             per_round = {part: seconds[part] / rounds * 1e3 if rounds else float("nan") for part in ROUND_PARTS}
             total = sum(seconds.values())
-            rows.append([r["label"].removeprefix("specdec "), str(rounds), _number(sum(per_round.values()), 2)]
-                        + [_number(per_round[part], 2) for part in ROUND_PARTS]
-                        + [f"{seconds['prefill'] / total * 100:.0f}", f"{seconds['other'] / total * 100:.0f}"])
+            rows.append(
+                [r["label"].removeprefix("specdec "), str(rounds), _number(sum(per_round.values()), 2)]
+                + [_number(per_round[part], 2) for part in ROUND_PARTS]
+                + [f"{seconds['prefill'] / total * 100:.0f}", f"{seconds['other'] / total * 100:.0f}"]
+            )
         if rows:
-            parts.append(f"{set_name}, {sampling}:\n\n" + table(
-                ["specdec method", "rounds", "ms/round"] + [f"{part} ms" for part in ROUND_PARTS]
-                + ["prefill %", "other %"], rows))
+            parts.append(
+                f"{set_name}, {sampling}:\n\n"
+                + table(
+                    ["specdec method", "rounds", "ms/round"]
+                    + [f"{part} ms" for part in ROUND_PARTS]
+                    + ["prefill %", "other %"],
+                    rows,
+                )
+            )
     return "\n\n".join(parts)
 
 
@@ -254,8 +337,9 @@ KEY_FLOOR = 16  # a wrapped first column keeps at least this many characters (or
 TEXT_FLOOR = 10  # and another column of text this many
 
 
-def table(headers: list[str], rows: list[list[str]], left=(0,), width: int = WIDTH, key_width: int | None = None
-          ) -> str:
+def table(
+    headers: list[str], rows: list[list[str]], left=(0,), width: int = WIDTH, key_width: int | None = None
+) -> str:
     """A Markdown table padded into columns, no line wider than width: the columns of text (the
     first, and those in left) wrap onto continuation rows where the table is too wide, and where
     wrapping is not enough the other columns are spread over several tables, each beginning with
@@ -268,15 +352,21 @@ def table(headers: list[str], rows: list[list[str]], left=(0,), width: int = WID
     shrunk = _shrink(widths, floors, left, width)
     groups = _column_groups(widths, floors, left, width) if shrunk is None and len(headers) > 2 else []
     if len(groups) <= 1:  # it fits (wrapped), or splitting cannot make it fit: as narrow as it goes
-        return _render(headers, rows, shrunk or [floors[i] if i in left else widths[i] for i in range(len(widths))],
-                       left)
+        return _render(
+            headers, rows, shrunk or [floors[i] if i in left else widths[i] for i in range(len(widths))], left
+        )
     room = min(width - _line_width([0] + [widths[i] for i in group]) for group in groups)
     key_width = max(floors[0], min(widths[0], room))
-    return "\n\n".join(table([headers[0]] + [headers[i] for i in group], [[row[0]] + [row[i] for i in group]
-                                                                           for row in rows],
-                             left=[0] + [n + 1 for n, i in enumerate(group) if i in left], width=width,
-                             key_width=key_width)
-                       for group in groups)
+    return "\n\n".join(
+        table(
+            [headers[0]] + [headers[i] for i in group],
+            [[row[0]] + [row[i] for i in group] for row in rows],
+            left=[0] + [n + 1 for n, i in enumerate(group) if i in left],
+            width=width,
+            key_width=key_width,
+        )
+        for group in groups
+    )
 
 
 def _line_width(widths: list[int]) -> int:
@@ -327,14 +417,21 @@ def _column_groups(widths: list[int], floors: list[int], left, width: int) -> li
 
 def _render(headers: list[str], rows: list[list[str]], widths: list[int], left) -> str:
     def line(cells: list[str]) -> str:
-        return "| " + " | ".join(cell.ljust(w) if i in left else cell.rjust(w)
-                                 for i, (cell, w) in enumerate(zip(cells, widths))) + " |"
+        return (
+            "| "
+            + " | ".join(
+                cell.ljust(w) if i in left else cell.rjust(w) for i, (cell, w) in enumerate(zip(cells, widths))
+            )
+            + " |"
+        )
 
     rule = "|" + "|".join("-" * (w + 2) if i in left else "-" * (w + 1) + ":" for i, w in enumerate(widths)) + "|"
     lines = [line(headers), rule]
     for row in rows:
-        wrapped = [textwrap.wrap(cell, w, subsequent_indent="  ", break_on_hyphens=False) or [""]
-                   if len(cell) > w else [cell] for cell, w in zip(row, widths)]
+        wrapped = [
+            textwrap.wrap(cell, w, subsequent_indent="  ", break_on_hyphens=False) or [""] if len(cell) > w else [cell]
+            for cell, w in zip(row, widths)
+        ]
         for n in range(max(map(len, wrapped))):
             lines.append(line([cell[n] if n < len(cell) else "" for cell in wrapped]))
     return "\n".join(lines)
@@ -360,9 +457,11 @@ def _setup_line(results: dict) -> str:
     if models["draft"]:
         pair += f", draft {_model_words(models['draft'])}"
     sets = ", ".join(f"{len(s['prompts'])} {name}" for name, s in results["prompt_sets"].items())
-    return (f"Models: {pair}. Prompts: {sets}; {config['max_tokens']} new tokens each; k in "
-            f"{{{', '.join(map(str, config['ks']))}}}; transformers at k={config['transformers_k']}; "
-            f"device {config['device']}; every method interleaved prompt by prompt in one run.")
+    return (
+        f"Models: {pair}. Prompts: {sets}; {config['max_tokens']} new tokens each; k in "
+        f"{{{', '.join(map(str, config['ks']))}}}; transformers at k={config['transformers_k']}; "
+        f"device {config['device']}; every method interleaved prompt by prompt in one run."
+    )
 
 
 def _model_words(model: dict) -> str:
@@ -407,6 +506,7 @@ def _json_safe(value):
 
 # -- plots ---------------------------------------------------------------------------------
 
+
 def write_plots(results: dict, out_dir: Path) -> list[Path]:
     """The three PNGs of PLOTS, one panel per (prompt set, sampling) in each; the panels share one
     legend, below them, outside the axes (a legend inside would cover the data)."""
@@ -448,8 +548,14 @@ def _shared_legend(figure, panels: list) -> None:
         for handle, label in zip(*axes.get_legend_handles_labels()):
             entries.setdefault(label, handle)
     if entries:
-        figure.legend(list(entries.values()), list(entries), loc="outside lower center", fontsize=8,
-                      ncol=min(3, len(entries)), frameon=False)
+        figure.legend(
+            list(entries.values()),
+            list(entries),
+            loc="outside lower center",
+            fontsize=8,
+            ncol=min(3, len(entries)),
+            frameon=False,
+        )
 
 
 def _panel_keys(results: dict) -> list[tuple[str, str]]:
@@ -458,38 +564,82 @@ def _panel_keys(results: dict) -> list[tuple[str, str]]:
 
 def _panels(plt, results: dict, height: float):
     num_sets, num_samplings = len(results["prompt_sets"]), len(results["config"]["samplings"])
-    figure, grid = plt.subplots(num_sets, num_samplings, figsize=(6.5 * num_samplings, height * num_sets),
-                                squeeze=False, layout="constrained")
+    figure, grid = plt.subplots(
+        num_sets, num_samplings, figsize=(6.5 * num_samplings, height * num_sets), squeeze=False, layout="constrained"
+    )
     return figure, [(key, grid[i // num_samplings][i % num_samplings]) for i, key in enumerate(_panel_keys(results))]
 
 
 def _plot_speedup_vs_k(axes, rows: list[dict]) -> None:
-    lines = (("specdec", "draft_model", "o-", "C0"), ("specdec", "ngram", "s-", "C1"),
-             ("specdec", "lookup_then_draft", "v-", "C4"),
-             ("transformers", "draft_model", "D", "C2"), ("transformers", "ngram", "^", "C3"))
+    lines = (
+        ("specdec", "draft_model", "o-", "C0"),
+        ("specdec", "ngram", "s-", "C1"),
+        ("specdec", "lookup_then_draft", "v-", "C4"),
+        ("transformers", "draft_model", "D", "C2"),
+        ("transformers", "ngram", "^", "C3"),
+    )
     for engine, method, style, color in lines:
         chosen = [r for r in rows if r["engine"] == engine and r["method"] == method]
         if chosen:
-            axes.plot([r["k"] for r in chosen], [r["speedup"] for r in chosen], style, color=color,
-                      label=chosen[0]["label"].rsplit(" k=", 1)[0])
-    drafted = [r for r in rows if r["engine"] == "specdec" and r["method"] == "draft_model"
-               and r.get("predicted_in_rounds") and r["decode_speedup"]]
+            axes.plot(
+                [r["k"] for r in chosen],
+                [r["speedup"] for r in chosen],
+                style,
+                color=color,
+                label=chosen[0]["label"].rsplit(" k=", 1)[0],
+            )
+    drafted = [
+        r
+        for r in rows
+        if r["engine"] == "specdec"
+        and r["method"] == "draft_model"
+        and r.get("predicted_in_rounds")
+        and r["decode_speedup"]
+    ]
     if drafted:
         ks = [r["k"] for r in drafted]
-        axes.plot(ks, [r["decode_speedup"] for r in drafted], "o-.", color="C0", alpha=0.6,
-                  label="specdec draft model, after the prefill")
-        axes.plot(ks, [r["predicted_in_rounds"] for r in drafted], "o--", color="C0", alpha=0.3,
-                  label="specdec draft model, predicted (c in rounds)")
-    single_k = (("eagle", "*", "C5"), ("eagle_tree", "P", "C6"), ("draft_model_tree", "X", "C7"),
-                ("early_exit", "h", "C8"))  # rows at the comparison k only, each its own point
+        axes.plot(
+            ks,
+            [r["decode_speedup"] for r in drafted],
+            "o-.",
+            color="C0",
+            alpha=0.6,
+            label="specdec draft model, after the prefill",
+        )
+        axes.plot(
+            ks,
+            [r["predicted_in_rounds"] for r in drafted],
+            "o--",
+            color="C0",
+            alpha=0.3,
+            label="specdec draft model, predicted (c in rounds)",
+        )
+    single_k = (
+        ("eagle", "*", "C5"),
+        ("eagle_tree", "P", "C6"),
+        ("draft_model_tree", "X", "C7"),
+        ("early_exit", "h", "C8"),
+    )  # rows at the comparison k only, each its own point
     for method, style, color in single_k:
         for shade, r in enumerate(r for r in rows if r["method"] == method):
-            axes.plot([r["k"]], [r["speedup"]], style, color=color, alpha=1.0 - 0.25 * min(shade, 3),
-                      markersize=9, label=r["label"])
+            axes.plot(
+                [r["k"]],
+                [r["speedup"]],
+                style,
+                color=color,
+                alpha=1.0 - 0.25 * min(shade, 3),
+                markersize=9,
+                label=r["label"],
+            )
     for r in rows:
         if r["method"] == "none":
-            axes.axhline(r["speedup"], linestyle=":" if r["engine"] == "transformers" else "-", color="gray",
-                         linewidth=1, label=r["label"])
+            axes.axhline(
+                r["speedup"],
+                linestyle=":" if r["engine"] == "transformers" else "-",
+                color="gray",
+                linewidth=1,
+                label=r["label"],
+            )
     axes.xaxis.get_major_locator().set_params(integer=True)
     axes.set_xlabel("k (draft tokens per round)")
     axes.set_ylabel("speedup, x plain (÷ the target alone's tok/s)")
@@ -502,8 +652,12 @@ def _plot_acceptance(axes, rows: list[dict]) -> None:
             r = max(chosen, key=lambda row: row["k"])
             values = [math.nan if a is None else a for a in r["acceptance_by_position"]]
             axes.plot(range(1, len(values) + 1), values, "o-", color=color, label=r["label"])
-    for method, style, color in (("eagle", "*-", "C5"), ("eagle_tree", "P--", "C6"), ("draft_model_tree", "X--", "C7"),
-                                 ("early_exit", "h-", "C8")):
+    for method, style, color in (
+        ("eagle", "*-", "C5"),
+        ("eagle_tree", "P--", "C6"),
+        ("draft_model_tree", "X--", "C7"),
+        ("early_exit", "h-", "C8"),
+    ):
         for r in rows:
             if r["method"] == method and r["acceptance_by_position"]:
                 values = [math.nan if a is None else a for a in r["acceptance_by_position"]]
@@ -515,8 +669,11 @@ def _plot_acceptance(axes, rows: list[dict]) -> None:
 
 
 def _plot_tokens_per_second(axes, rows: list[dict]) -> None:
-    axes.barh(range(len(rows)), [r["tokens_per_s"] for r in rows],
-              color=["C0" if r["engine"] == "specdec" else "C1" for r in rows])
+    axes.barh(
+        range(len(rows)),
+        [r["tokens_per_s"] for r in rows],
+        color=["C0" if r["engine"] == "specdec" else "C1" for r in rows],
+    )
     axes.set_yticks(range(len(rows)), [r["label"] for r in rows], fontsize=7)
     axes.invert_yaxis()
     axes.set_xlabel("tok/s (blue: specdec, orange: transformers)")
@@ -540,8 +697,10 @@ def write_llama_cpp_report(results: dict, out_dir: str | Path) -> list[Path]:
 
 def llama_cpp_markdown(results: dict, title_level: int = 1) -> str:
     """The tables of a `specdec bench --llama-cpp` run, every CPU kind it measured."""
-    kinds = [{**measured, "config": results["config"], "command": results.get("command")}
-             for measured in results["cpu_kinds"]]
+    kinds = [
+        {**measured, "config": results["config"], "command": results.get("command")}
+        for measured in results["cpu_kinds"]
+    ]
     return llama_cpp_section(kinds, title_level)
 
 
@@ -549,9 +708,11 @@ def llama_cpp_section(kinds: list[dict], title_level: int = 2) -> str:
     """The verdict (each CPU kind's and prompt set's fastest of each engine) first, then what was
     compared, then each kind's tables."""
     h = "#" * title_level
-    parts = [f"{h} Against llama.cpp\n",
-             f"{h}# Verdict: the fastest of each\n\n{llama_cpp_verdict(kinds)}\n",
-             f"{_wrap(LLAMA_CPP_INTRO)}\n"]
+    parts = [
+        f"{h} Against llama.cpp\n",
+        f"{h}# Verdict: the fastest of each\n\n{llama_cpp_verdict(kinds)}\n",
+        f"{_wrap(LLAMA_CPP_INTRO)}\n",
+    ]
     for kind in kinds:
         parts.append(llama_cpp_kind_markdown(kind, h + "#"))
     return "\n".join(parts)
@@ -568,13 +729,17 @@ LLAMA_CPP_INTRO = (
     "÷ n_drafted, specdec's accepted ÷ proposed draft tokens, the same measure; τ: tokens per target forward, "
     "tokens ÷ (tokens − accepted). specdec runs as `LLM` does by default: the file's quantized weights, k "
     "chosen by goodput up to k; llama.cpp drafts k tokens every round. Same text: outputs that agree with "
-    "specdec plain's as far as the shorter goes, of the prompts.")
+    "specdec plain's as far as the shorter goes, of the prompts."
+)
 
 
 def llama_cpp_verdict(kinds: list[dict]) -> str:
     """A line per CPU kind and prompt set: specdec's fastest system against llama.cpp's."""
-    return "\n".join(_bullet(f"{_cpu_kind_title(kind)}, {set_name} prompts: {_fastest_line(kind, set_name)}")
-                     for kind in kinds for set_name in kind["prompt_sets"])
+    return "\n".join(
+        _bullet(f"{_cpu_kind_title(kind)}, {set_name} prompts: {_fastest_line(kind, set_name)}")
+        for kind in kinds
+        for set_name in kind["prompt_sets"]
+    )
 
 
 def llama_cpp_kind_markdown(kind: dict, h: str) -> str:
@@ -589,35 +754,68 @@ def llama_cpp_kind_markdown(kind: dict, h: str) -> str:
 
 
 def llama_cpp_table(kind: dict, set_name: str) -> str:
-    rows = [[r["label"], _number(r["tokens_per_s"], 1), _times(r["ratio_to_llama_cpp_plain"]),
-             _number(r["prompt_tokens_per_s"], 1), _number(r["decode_tokens_per_s"], 1), _number(r["acceptance"], 2),
-             _number(r["tau"], 2), str(r["tokens"]), f"{r['same_text_as_specdec_plain']} of {r['prompts']}"]
-            for r in kind["rows"] if r["prompt_set"] == set_name]
-    return table(["system", "tok/s", "x llama.cpp plain", "prompt tok/s", "decode tok/s", "accepted ÷ drafted", "τ",
-                  "tokens", "same text"], rows)
+    rows = [
+        [
+            r["label"],
+            _number(r["tokens_per_s"], 1),
+            _times(r["ratio_to_llama_cpp_plain"]),
+            _number(r["prompt_tokens_per_s"], 1),
+            _number(r["decode_tokens_per_s"], 1),
+            _number(r["acceptance"], 2),
+            _number(r["tau"], 2),
+            str(r["tokens"]),
+            f"{r['same_text_as_specdec_plain']} of {r['prompts']}",
+        ]
+        for r in kind["rows"]
+        if r["prompt_set"] == set_name
+    ]
+    return table(
+        [
+            "system",
+            "tok/s",
+            "x llama.cpp plain",
+            "prompt tok/s",
+            "decode tok/s",
+            "accepted ÷ drafted",
+            "τ",
+            "tokens",
+            "same text",
+        ],
+        rows,
+    )
 
 
 def _fastest_line(kind: dict, set_name: str) -> str:
     """specdec's fastest system against llama.cpp's fastest, on the prompt set."""
     rows = [r for r in kind["rows"] if r["prompt_set"] == set_name]
-    fastest = {engine: max((r for r in rows if r["engine"] == engine), key=lambda r: r["tokens_per_s"])
-               for engine in ("specdec", "llama.cpp")}
+    fastest = {
+        engine: max((r for r in rows if r["engine"] == engine), key=lambda r: r["tokens_per_s"])
+        for engine in ("specdec", "llama.cpp")
+    }
     ours, theirs = fastest["specdec"], fastest["llama.cpp"]
-    return (f"specdec's fastest, {ours['label']}, {_number(ours['tokens_per_s'], 1)} tok/s, against llama.cpp's "
-            f"fastest, {theirs['label']}, {_number(theirs['tokens_per_s'], 1)} tok/s: "
-            f"**{_times(ours['tokens_per_s'] / theirs['tokens_per_s'])}**.")
+    return (
+        f"specdec's fastest, {ours['label']}, {_number(ours['tokens_per_s'], 1)} tok/s, against llama.cpp's "
+        f"fastest, {theirs['label']}, {_number(theirs['tokens_per_s'], 1)} tok/s: "
+        f"**{_times(ours['tokens_per_s'] / theirs['tokens_per_s'])}**."
+    )
 
 
-VERIFY_HOW = {"llama.cpp": "llama-bench -p 7 -n 32 -d 64, pp7 ÷ tg per token",
-              "specdec": "its runner, median of 3 × 20 forwards each"}
+VERIFY_HOW = {
+    "llama.cpp": "llama-bench -p 7 -n 32 -d 64, pp7 ÷ tg per token",
+    "specdec": "its runner, median of 3 × 20 forwards each",
+}
 
 
 def verify_cost_table(costs: dict) -> str:
     tokens = next(iter(costs.values())).get("verify_tokens", 7) if costs else 7
-    rows = [[engine, _number(cost["verify_ms"], 2), _number(cost["step_ms"], 2), _number(cost["verify_cost"], 2)]
-            for engine, cost in costs.items()]
-    how = "\n".join(_bullet(f"{engine}: {VERIFY_HOW.get(engine, 'measured')}, after {cost['depth']} tokens of "
-                             "context.") for engine, cost in costs.items())
+    rows = [
+        [engine, _number(cost["verify_ms"], 2), _number(cost["step_ms"], 2), _number(cost["verify_cost"], 2)]
+        for engine, cost in costs.items()
+    ]
+    how = "\n".join(
+        _bullet(f"{engine}: {VERIFY_HOW.get(engine, 'measured')}, after {cost['depth']} tokens of context.")
+        for engine, cost in costs.items()
+    )
     return table(["engine", f"{tokens}-token forward ms", "1-token step ms", "verify ÷ step"], rows) + "\n\n" + how
 
 
@@ -630,15 +828,19 @@ def _llama_cpp_setup(kind: dict) -> str:
     config, m = kind["config"], kind["machine"]
     model = Path(config["model"]).name + (f", draft {Path(config['draft']).name}" if config["draft"] else "")
     sets = ", ".join(f"{len(s['prompts'])} {name}" for name, s in kind["prompt_sets"].items())
-    text = (f"{m['date']}; {m['cores']} cores, {kind['threads']} threads each; torch {m['torch']} (instruction set "
-            f"{kind['cpu_capability']}); llama.cpp {kind['llama_cpp'].get('commit') or ''} built with "
-            f"`{' '.join(kind['llama_cpp']['flags'])}`, which reports "
-            f"`{kind['llama_cpp']['system_info']}`. Target {model}; prompts: {sets}; at most {config['max_tokens']} "
-            f"new tokens; k = {config['k']}.")
+    text = (
+        f"{m['date']}; {m['cores']} cores, {kind['threads']} threads each; torch {m['torch']} (instruction set "
+        f"{kind['cpu_capability']}); llama.cpp {kind['llama_cpp'].get('commit') or ''} built with "
+        f"`{' '.join(kind['llama_cpp']['flags'])}`, which reports "
+        f"`{kind['llama_cpp']['system_info']}`. Target {model}; prompts: {sets}; at most {config['max_tokens']} "
+        f"new tokens; k = {config['k']}."
+    )
     load = kind.get("load_average")
     if load:
-        text += (f" The machine's 1-minute load average was {load['before']:.1f} before the timed runs and "
-                 f"{load['after']:.1f} after them, on {m['cores']} cores.")
+        text += (
+            f" The machine's 1-minute load average was {load['before']:.1f} before the timed runs and "
+            f"{load['after']:.1f} after them, on {m['cores']} cores."
+        )
     return text + (f" Command: `{kind['command']}`." if kind.get("command") else "")
 
 
@@ -652,8 +854,11 @@ def write_llama_cpp_docs(results: dict, docs_dir: str | Path) -> Path:
     for measured in results["cpu_kinds"]:
         kind = {**measured, "config": results["config"], "command": results.get("command")}
         (data_dir / f"{measured['cpu_kind']}.json").write_text(json.dumps(_json_safe(kind), indent=2) + "\n")
-    kinds = [json.loads((data_dir / f"{name}.json").read_text()) for name in ("native", "avx2")
-             if (data_dir / f"{name}.json").is_file()]
+    kinds = [
+        json.loads((data_dir / f"{name}.json").read_text())
+        for name in ("native", "avx2")
+        if (data_dir / f"{name}.json").is_file()
+    ]
     section = f"{LLAMA_CPP_START}\n{llama_cpp_section(kinds)}\n{LLAMA_CPP_END}"
     path = docs_dir / "benchmarks.md"
     path.write_text(_with_section(path.read_text() if path.is_file() else "", section))

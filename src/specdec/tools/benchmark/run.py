@@ -59,7 +59,7 @@ PROMPT_SETS = {  # name -> (title, prompt-set function(per_module, max_chars))
     "code": ("held-out code completion", held_out_code_prompts),
     "repeat": ("repeating code already in the prompt", repeated_code_prompts),
     "chat": ("held-out chat prompts (write, edit or explain a function)", held_out_chat_prompts),
-    "edit": ("held-out \"edit this function\" chat prompts", held_out_edit_prompts),
+    "edit": ('held-out "edit this function" chat prompts', held_out_edit_prompts),
 }
 
 
@@ -132,37 +132,59 @@ class BenchConfig:
             check(shape != "chain", "trees lists tree shapes ('auto', '3,2,1'); the chain rows are always there")
             TreeShape.parse(shape)
         if self.head is not None:
-            check(is_head_directory(self.head), f"head {str(self.head)!r} is not an EAGLE head directory (with "
-                                                f"head.json, from `specdec train-heads`)")
-        check(self.early_exit_layer is None or (is_int(self.early_exit_layer) and self.early_exit_layer >= 1),
-              f"early_exit_layer must be an integer >= 1, got {self.early_exit_layer!r}")
+            check(
+                is_head_directory(self.head),
+                f"head {str(self.head)!r} is not an EAGLE head directory (with head.json, from `specdec train-heads`)",
+            )
+        check(
+            self.early_exit_layer is None or (is_int(self.early_exit_layer) and self.early_exit_layer >= 1),
+            f"early_exit_layer must be an integer >= 1, got {self.early_exit_layer!r}",
+        )
         object.__setattr__(self, "prompt_sets", tuple(self.prompt_sets))
         object.__setattr__(self, "samplings", tuple(self.samplings))
         _check_model_dir(self.model, "target model")
         if self.draft is not None:
             _check_model_dir(self.draft, "draft model")
-        check(self.ks and all(is_int(k) and k >= 1 for k in self.ks) and len(set(self.ks)) == len(self.ks),
-               f"ks must be distinct integers >= 1, got {self.ks!r}")
+        check(
+            self.ks and all(is_int(k) and k >= 1 for k in self.ks) and len(set(self.ks)) == len(self.ks),
+            f"ks must be distinct integers >= 1, got {self.ks!r}",
+        )
         object.__setattr__(self, "ks", tuple(sorted(self.ks)))
         if self.transformers_k is None:
             object.__setattr__(self, "transformers_k", 5 if 5 in self.ks else max(self.ks))
-        check(is_int(self.transformers_k) and self.transformers_k >= 1,
-               f"transformers_k must be an integer >= 1, got {self.transformers_k!r}")
-        check(is_real(self.adaptive_confidence) and 0 <= self.adaptive_confidence < 1,
-               f"adaptive_confidence must be in [0, 1), got {self.adaptive_confidence!r}")
+        check(
+            is_int(self.transformers_k) and self.transformers_k >= 1,
+            f"transformers_k must be an integer >= 1, got {self.transformers_k!r}",
+        )
+        check(
+            is_real(self.adaptive_confidence) and 0 <= self.adaptive_confidence < 1,
+            f"adaptive_confidence must be in [0, 1), got {self.adaptive_confidence!r}",
+        )
         check(is_int(self.max_tokens) and self.max_tokens >= 1, f"max_tokens must be >= 1, got {self.max_tokens!r}")
-        check(is_int(self.prompts_per_set) and self.prompts_per_set >= 1,
-               f"prompts per set must be >= 1, got {self.prompts_per_set!r}")
-        check(is_int(self.max_prompt_chars) and self.max_prompt_chars >= 16,
-               f"max_prompt_chars must be >= 16, got {self.max_prompt_chars!r}")
-        check(self.prompt_sets and set(self.prompt_sets) <= set(PROMPT_SETS),
-               f"prompt sets must be among {sorted(PROMPT_SETS)}, got {self.prompt_sets!r}")
-        check(self.samplings and len({s.name for s in self.samplings}) == len(self.samplings),
-               "samplings must be non-empty with distinct names")
-        check(is_int(self.step_repeats) and self.step_repeats >= 1,
-               f"step_repeats must be an integer >= 1, got {self.step_repeats!r}")
-        check(is_int(self.bandwidth_bytes) and self.bandwidth_bytes >= 1 << 20,
-               f"bandwidth_bytes must be an integer >= 1 MiB, got {self.bandwidth_bytes!r}")
+        check(
+            is_int(self.prompts_per_set) and self.prompts_per_set >= 1,
+            f"prompts per set must be >= 1, got {self.prompts_per_set!r}",
+        )
+        check(
+            is_int(self.max_prompt_chars) and self.max_prompt_chars >= 16,
+            f"max_prompt_chars must be >= 16, got {self.max_prompt_chars!r}",
+        )
+        check(
+            self.prompt_sets and set(self.prompt_sets) <= set(PROMPT_SETS),
+            f"prompt sets must be among {sorted(PROMPT_SETS)}, got {self.prompt_sets!r}",
+        )
+        check(
+            self.samplings and len({s.name for s in self.samplings}) == len(self.samplings),
+            "samplings must be non-empty with distinct names",
+        )
+        check(
+            is_int(self.step_repeats) and self.step_repeats >= 1,
+            f"step_repeats must be an integer >= 1, got {self.step_repeats!r}",
+        )
+        check(
+            is_int(self.bandwidth_bytes) and self.bandwidth_bytes >= 1 << 20,
+            f"bandwidth_bytes must be an integer >= 1 MiB, got {self.bandwidth_bytes!r}",
+        )
         check_device(self.device)
         check_compile_mode(self.compile)
         check_quantization_name(self.quantization)
@@ -193,14 +215,19 @@ class Method:
         if self.drafter == "eagle":
             return f"{self.engine} eagle head k={self.k}"
         if self.drafter == "early_exit":
-            return f"{self.engine} early exit ({'default depth' if self.layer is None else f'layer {self.layer}'}) " \
-                   f"k={self.k}"
+            return (
+                f"{self.engine} early exit ({'default depth' if self.layer is None else f'layer {self.layer}'}) "
+                f"k={self.k}"
+            )
         if self.drafter == "draft_model_adaptive":
             return f"{self.engine} draft model adaptive k<={self.k}"
         if self.drafter == "draft_model_goodput":
             return f"{self.engine} draft model goodput k<={self.k}"
-        name = {"draft_model": "draft model", "ngram": "prompt lookup",
-                "lookup_then_draft": "prompt lookup, else draft model"}[self.drafter]
+        name = {
+            "draft_model": "draft model",
+            "ngram": "prompt lookup",
+            "lookup_then_draft": "prompt lookup, else draft model",
+        }[self.drafter]
         if self.engine == "transformers":
             name = {"draft_model": "assisted (draft model)", "ngram": "prompt lookup"}[self.drafter]
         return f"{self.engine} {name} k={self.k}"
@@ -261,8 +288,10 @@ def run_benchmark(config: BenchConfig, progress: Callable[[str], None] | None = 
         "machine": describe_machine(config.device),
         "config": _config_json(config),
         "models": _models_json(loaded, config),
-        "prompt_sets": {name: {"title": PROMPT_SETS[name][0], "prompts": [p.name for p, _ in prompts[name]]}
-                        for name in config.prompt_sets},
+        "prompt_sets": {
+            name: {"title": PROMPT_SETS[name][0], "prompts": [p.name for p, _ in prompts[name]]}
+            for name in config.prompt_sets
+        },
         "costs": costs,
         "roofline": roofline,
         "rows": rows,
@@ -276,16 +305,23 @@ def run_benchmark(config: BenchConfig, progress: Callable[[str], None] | None = 
 
 # -- loading -------------------------------------------------------------------------------
 
+
 def load_runners(config: BenchConfig) -> LoadedRunners:
     """The specdec target (loaded once, shared by every specdec method) and its drafters,
     then the transformers baselines where transformers is installed."""
-    target = LLM(config.model, dtype=config.dtype, device=config.device, compile=config.compile,
-                 quantization=config.quantization)
+    target = LLM(
+        config.model, dtype=config.dtype, device=config.device, compile=config.compile, quantization=config.quantization
+    )
     runners: dict[Method, Runner] = {TARGET_ALONE: SpecdecRunner(target)}
     draft_model = None
     if config.draft is not None:
-        spec = SpeculativeConfig(method="draft_model", model=config.draft, num_speculative_tokens=max(config.ks),
-                                 draft_dtype=config.draft_dtype, draft_quantization=config.draft_quantization)
+        spec = SpeculativeConfig(
+            method="draft_model",
+            model=config.draft,
+            num_speculative_tokens=max(config.ks),
+            draft_dtype=config.draft_dtype,
+            draft_quantization=config.draft_quantization,
+        )
         drafter = DRAFTERS["draft_model"](spec, target.target, target.runner)
         draft_model = drafter.runner
         for k in config.ks:
@@ -293,9 +329,11 @@ def load_runners(config: BenchConfig) -> LoadedRunners:
         if config.adaptive_confidence > 0:  # the same draft weights, its own cache
             adaptive = drafter.sharing_weights(config.adaptive_confidence)
             runners[Method("specdec", "draft_model_adaptive", max(config.ks))] = SpecdecRunner(
-                target.with_drafter(adaptive, max(config.ks), "fixed"))
+                target.with_drafter(adaptive, max(config.ks), "fixed")
+            )
         runners[Method("specdec", "draft_model_goodput", max(config.ks))] = SpecdecRunner(  # LLM's default policy
-            target.with_drafter(drafter.sharing_weights(), max(config.ks), "goodput"))
+            target.with_drafter(drafter.sharing_weights(), max(config.ks), "goodput")
+        )
     ngram = DRAFTERS["ngram"](SpeculativeConfig(method="ngram"), target.target, target.runner)
     for k in config.ks:
         runners[Method("specdec", "ngram", k)] = SpecdecRunner(target.with_drafter(ngram, k, "fixed"))
@@ -317,7 +355,8 @@ def self_drafting_runners(config: BenchConfig, target: LLM, draft_model_drafter)
     if draft_model_drafter is not None:
         for shape in config.trees:
             runners[Method("specdec", "draft_model_tree", k, shape)] = SpecdecRunner(
-                target.with_drafter(draft_model_drafter.sharing_weights(), k, tree=shape))
+                target.with_drafter(draft_model_drafter.sharing_weights(), k, tree=shape)
+            )
     if config.head is not None:
         head = DRAFTERS["eagle"](SpeculativeConfig(method="eagle", model=config.head), target.target, target.runner)
         runners[Method("specdec", "eagle", k)] = SpecdecRunner(target.with_drafter(head, k, "fixed"))
@@ -327,7 +366,8 @@ def self_drafting_runners(config: BenchConfig, target: LLM, draft_model_drafter)
         spec = SpeculativeConfig(method="early_exit", early_exit_layer=config.early_exit_layer)
         early_exit = DRAFTERS["early_exit"](spec, target.target, target.runner)
         runners[Method("specdec", "early_exit", k, layer=config.early_exit_layer)] = SpecdecRunner(
-            target.with_drafter(early_exit, k, "fixed"))
+            target.with_drafter(early_exit, k, "fixed")
+        )
     return runners
 
 
@@ -351,11 +391,18 @@ class TransformersRunner:
     work and other tokens. It stops at the same EOS ids as specdec (config.json's and
     generation_config.json's)."""
 
-    NEUTRAL = dict(repetition_penalty=1.0, no_repeat_ngram_size=0, min_new_tokens=0, typical_p=1.0,
-                   epsilon_cutoff=0.0, eta_cutoff=0.0)
+    NEUTRAL = dict(
+        repetition_penalty=1.0,
+        no_repeat_ngram_size=0,
+        min_new_tokens=0,
+        typical_p=1.0,
+        epsilon_cutoff=0.0,
+        eta_cutoff=0.0,
+    )
 
-    def __init__(self, model, device: torch.device, eos_token_ids: tuple[int, ...], assistant_model=None,
-                 **generation_options):
+    def __init__(
+        self, model, device: torch.device, eos_token_ids: tuple[int, ...], assistant_model=None, **generation_options
+    ):
         self.model, self.device, self.eos_token_ids = model, device, list(eos_token_ids)
         self.assistant_model, self.generation_options = assistant_model, generation_options
 
@@ -363,11 +410,21 @@ class TransformersRunner:
         from transformers import GenerationConfig
 
         eos = self.eos_token_ids or None
-        sampling = (dict(do_sample=False) if params.greedy else
-                    dict(do_sample=True, temperature=params.temperature, top_p=params.top_p, top_k=0,
-                         min_p=self._min_p(params)))
-        return GenerationConfig(max_new_tokens=params.max_tokens, eos_token_id=eos, pad_token_id=eos[0] if eos else None,
-                                **self.NEUTRAL, **sampling, **self.generation_options)
+        sampling = (
+            dict(do_sample=False)
+            if params.greedy
+            else dict(
+                do_sample=True, temperature=params.temperature, top_p=params.top_p, top_k=0, min_p=self._min_p(params)
+            )
+        )
+        return GenerationConfig(
+            max_new_tokens=params.max_tokens,
+            eos_token_id=eos,
+            pad_token_id=eos[0] if eos else None,
+            **self.NEUTRAL,
+            **sampling,
+            **self.generation_options,
+        )
 
     def _min_p(self, params: SamplingParams) -> float | None:
         """params.min_p; None (no warper at all) for 0 unless the checkpoint's config sets one."""
@@ -383,7 +440,7 @@ class TransformersRunner:
         start = time.perf_counter()
         with torch.inference_mode():
             output = self.model.generate(input_ids, **kwargs)
-        token_ids = output[0, len(prompt_ids):].tolist()
+        token_ids = output[0, len(prompt_ids) :].tolist()
         return Run(token_ids, time.perf_counter() - start)
 
 
@@ -407,36 +464,46 @@ def transformers_runners(config: BenchConfig, target: LLM, draft_model, notes: l
         return {}
     hf_draft = None
     if draft_model is not None and draft_model.config.output_vocab_size:
-        notes.append("the draft's output layer scores part of the vocabulary (output_vocab_size), which transformers' "
-                     "models do not have: transformers' assisted-generation row is skipped.")
+        notes.append(
+            "the draft's output layer scores part of the vocabulary (output_vocab_size), which transformers' "
+            "models do not have: transformers' assisted-generation row is skipped."
+        )
     elif draft_model is not None:
         try:
             hf_draft = _transformers_model(AutoModelForCausalLM, config.draft, draft_model.dtype, device)
         except Exception as e:
-            notes.append(f"transformers could not load the draft ({type(e).__name__}: {e}); its assisted-generation "
-                         "row is skipped.")
+            notes.append(
+                f"transformers could not load the draft ({type(e).__name__}: {e}); its assisted-generation "
+                "row is skipped."
+            )
     if hf_draft is not None:
         hf_draft.generation_config.num_assistant_tokens = k
         hf_draft.generation_config.num_assistant_tokens_schedule = "constant"
     runners = {TRANSFORMERS_PLAIN: TransformersRunner(hf_target, device, eos)}
     if hf_draft is not None and hf_draft.config.vocab_size != hf_target.config.vocab_size:
-        notes.append(f"transformers' assisted generation needs the draft's vocab_size "
-                     f"({hf_draft.config.vocab_size}) to equal the target's ({hf_target.config.vocab_size}); "
-                     "its row is skipped (specdec drafts with a padded vocabulary like this).")
+        notes.append(
+            f"transformers' assisted generation needs the draft's vocab_size "
+            f"({hf_draft.config.vocab_size}) to equal the target's ({hf_target.config.vocab_size}); "
+            "its row is skipped (specdec drafts with a padded vocabulary like this)."
+        )
     elif hf_draft is not None:
-        runners[Method("transformers", "draft_model", k)] = TransformersRunner(hf_target, device, eos,
-                                                                               assistant_model=hf_draft)
+        runners[Method("transformers", "draft_model", k)] = TransformersRunner(
+            hf_target, device, eos, assistant_model=hf_draft
+        )
         packed = _packed_linears(draft_model.eager_model())
         if packed:
-            notes.append(f"specdec runs the draft in {str(draft_model.dtype).removeprefix('torch.')} with "
-                         f"{packed} of its matrices (those of 2 MB or more) prepacked in bfloat16 "
-                         "(draft_dtype=\"auto\"); transformers' assistant runs wholly in "
-                         f"{str(hf_draft.dtype).removeprefix('torch.')}, reading more bytes a step.")
-    runners[Method("transformers", "ngram", k)] = TransformersRunner(hf_target, device, eos,
-                                                                     prompt_lookup_num_tokens=k)
-    notes.append(f"transformers {transformers.__version__}: assisted generation at num_assistant_tokens={k} "
-                 "(schedule constant, its default assistant_confidence_threshold), prompt lookup at "
-                 f"prompt_lookup_num_tokens={k} (its default max_matching_ngram_size 2).")
+            notes.append(
+                f"specdec runs the draft in {str(draft_model.dtype).removeprefix('torch.')} with "
+                f"{packed} of its matrices (those of 2 MB or more) prepacked in bfloat16 "
+                '(draft_dtype="auto"); transformers\' assistant runs wholly in '
+                f"{str(hf_draft.dtype).removeprefix('torch.')}, reading more bytes a step."
+            )
+    runners[Method("transformers", "ngram", k)] = TransformersRunner(hf_target, device, eos, prompt_lookup_num_tokens=k)
+    notes.append(
+        f"transformers {transformers.__version__}: assisted generation at num_assistant_tokens={k} "
+        "(schedule constant, its default assistant_confidence_threshold), prompt lookup at "
+        f"prompt_lookup_num_tokens={k} (its default max_matching_ngram_size 2)."
+    )
     return runners
 
 
@@ -452,6 +519,7 @@ def _transformers_model(auto_class, path: str, dtype: torch.dtype, device):
 
 # -- prompts -------------------------------------------------------------------------------
 
+
 def encode_prompts(target: LLM, config: BenchConfig, set_name: str, notes: list[str]) -> list[tuple[Prompt, list[int]]]:
     """prompts_per_set prompts spread over the set, as token ids that fit the context."""
     _, make_prompts = PROMPT_SETS[set_name]
@@ -460,21 +528,30 @@ def encode_prompts(target: LLM, config: BenchConfig, set_name: str, notes: list[
     if not prompts:
         raise ValueError(f"prompt set {set_name!r} is empty: the held-out standard-library modules are missing")
     if len(prompts) < config.prompts_per_set:
-        notes.append(f"the {set_name!r} set has {len(prompts)} prompts, fewer than the {config.prompts_per_set} "
-                     "asked for: all of them were run.")
+        notes.append(
+            f"the {set_name!r} set has {len(prompts)} prompts, fewer than the {config.prompts_per_set} "
+            "asked for: all of them were run."
+        )
     room = target.max_model_len - config.max_tokens - config.max_k - 1
     if room < 2:
-        raise ValueError(f"the target's context ({target.max_model_len} tokens) leaves no room for a prompt with "
-                         f"max_tokens={config.max_tokens} and k up to {config.max_k}; lower --max-tokens")
+        raise ValueError(
+            f"the target's context ({target.max_model_len} tokens) leaves no room for a prompt with "
+            f"max_tokens={config.max_tokens} and k up to {config.max_k}; lower --max-tokens"
+        )
     if prompts[0].chat and not target.tokenizer.chat_template:
-        raise ValueError(f"prompt set {set_name!r} is chat prompts, and the target has no chat template; use the "
-                         "code and repeat sets for a model that is not a chat model")
+        raise ValueError(
+            f"prompt set {set_name!r} is chat prompts, and the target has no chat template; use the "
+            "code and repeat sets for a model that is not a chat model"
+        )
     encoded, num_cut = [], 0
     for prompt in prompts:
-        ids = target.chat_token_ids([{"role": "user", "content": prompt.text}]) if prompt.chat else \
-            target.tokenizer.encode(prompt.text)
+        ids = (
+            target.chat_token_ids([{"role": "user", "content": prompt.text}])
+            if prompt.chat
+            else target.tokenizer.encode(prompt.text)
+        )
         if len(ids) > room:
-            ids, num_cut = ids[:1] + ids[len(ids) - room + 1:], num_cut + 1
+            ids, num_cut = ids[:1] + ids[len(ids) - room + 1 :], num_cut + 1
         encoded.append((prompt, ids))
     if num_cut:
         notes.append(f"{num_cut} {set_name!r} prompts were cut to their last {room} tokens to fit the context.")
@@ -489,6 +566,7 @@ def spread(items: list, n: int) -> list:
 
 
 # -- measuring -----------------------------------------------------------------------------
+
 
 def warm_up(runners: dict[Method, Runner], prompt_ids: list[int], config: BenchConfig) -> None:
     """Every method and sampling pays its first calls' costs (compiling, allocating caches for
@@ -505,8 +583,12 @@ def warm_up(runners: dict[Method, Runner], prompt_ids: list[int], config: BenchC
                 runner(prompt_ids[-32:], short)
 
 
-def measure(runners: dict[Method, Runner], prompts: dict[str, list[tuple[Prompt, list[int]]]],
-            config: BenchConfig, say: Callable[[str], None]) -> list[Record]:
+def measure(
+    runners: dict[Method, Runner],
+    prompts: dict[str, list[tuple[Prompt, list[int]]]],
+    config: BenchConfig,
+    say: Callable[[str], None],
+) -> list[Record]:
     """Every method on every prompt, prompt by prompt, the order rotated each prompt."""
     methods, records = list(runners), []
     for set_name, set_prompts in prompts.items():
@@ -532,22 +614,28 @@ def measure_costs(loaded: LoadedRunners, config: BenchConfig) -> dict:
         if loaded.draft_model is not None:
             draft_steps.append(step_seconds(loaded.draft_model, config.step_repeats, num_forwards=work))
         for k in config.ks:
-            verify_steps[k].append(step_seconds(target_runner, config.step_repeats, num_tokens=k + 1,
-                                                num_forwards=work))
+            verify_steps[k].append(
+                step_seconds(target_runner, config.step_repeats, num_tokens=k + 1, num_forwards=work)
+            )
     target_step = statistics.median(target_steps)
     draft_step = statistics.median(draft_steps) if draft_steps else None
-    return {"target_step_ms": target_step * 1e3,
-            "draft_step_ms": draft_step * 1e3 if draft_step is not None else None,
-            "cost_ratio": draft_step / target_step if draft_step is not None else None,
-            "verify_cost_ratio": {str(k): statistics.median(times) / target_step for k, times in verify_steps.items()}}
+    return {
+        "target_step_ms": target_step * 1e3,
+        "draft_step_ms": draft_step * 1e3 if draft_step is not None else None,
+        "cost_ratio": draft_step / target_step if draft_step is not None else None,
+        "verify_cost_ratio": {str(k): statistics.median(times) / target_step for k, times in verify_steps.items()},
+    }
 
 
 def measure_quantization_quality(target: LLM, prompts: dict, records: list[Record], config: BenchConfig) -> dict:
     """The quantized target against the same checkpoint unquantized, on the greedy prompts the
     target alone ran (see quality.py)."""
     ids_by_name = {(set_name, prompt.name): ids for set_name, pairs in prompts.items() for prompt, ids in pairs}
-    greedy_runs = [(ids_by_name[(r.prompt_set, r.prompt)], r.run.token_ids, r.run.seconds) for r in records
-                   if r.method == TARGET_ALONE and r.sampling == GREEDY.name]
+    greedy_runs = [
+        (ids_by_name[(r.prompt_set, r.prompt)], r.run.token_ids, r.run.seconds)
+        for r in records
+        if r.method == TARGET_ALONE and r.sampling == GREEDY.name
+    ]
     if not greedy_runs:
         return None
     reference = LLM(config.model, dtype=config.dtype, device=config.device, compile=config.compile)
@@ -558,15 +646,21 @@ def measure_roofline(target: LLM, config: BenchConfig) -> dict:
     """Weight bytes a decode step reads ÷ streaming read bandwidth: the fastest a step can be."""
     bandwidth = read_bandwidth(config.bandwidth_bytes, device=config.device)
     weight_bytes = decode_weight_bytes(target.target.model)
-    return {"buffer_bytes": config.bandwidth_bytes, "read_bandwidth_gb_per_s": bandwidth / 1e9,
-            "decode_weight_bytes": weight_bytes, "step_floor_ms": weight_bytes / bandwidth * 1e3,
-            "ceiling_tokens_per_s": bandwidth / weight_bytes}
+    return {
+        "buffer_bytes": config.bandwidth_bytes,
+        "read_bandwidth_gb_per_s": bandwidth / 1e9,
+        "decode_weight_bytes": weight_bytes,
+        "step_floor_ms": weight_bytes / bandwidth * 1e3,
+        "ceiling_tokens_per_s": bandwidth / weight_bytes,
+    }
 
 
 # -- summarizing ---------------------------------------------------------------------------
 
-def summarize(records: list[Record], runners: dict[Method, Runner], costs: dict, roofline: dict,
-              config: BenchConfig) -> list[dict]:
+
+def summarize(
+    records: list[Record], runners: dict[Method, Runner], costs: dict, roofline: dict, config: BenchConfig
+) -> list[dict]:
     """One row per (prompt set, sampling, method), in the order of runners; speedups are over
     the specdec target alone in the same prompt set and sampling."""
     rows = []
@@ -576,8 +670,14 @@ def summarize(records: list[Record], runners: dict[Method, Runner], costs: dict,
             for method in runners:
                 key = (set_name, sampling.name, method)
                 runs = [r.run for r in records if (r.prompt_set, r.sampling, r.method) == key]
-                row = {"prompt_set": set_name, "sampling": sampling.name, "engine": method.engine,
-                       "method": method.drafter, "k": method.k, "label": method.label}
+                row = {
+                    "prompt_set": set_name,
+                    "sampling": sampling.name,
+                    "engine": method.engine,
+                    "method": method.drafter,
+                    "k": method.k,
+                    "label": method.label,
+                }
                 row.update(_row_measurements(method, runs, costs, roofline))
                 group.append(row)
             baseline = next(row for row in group if row["label"] == TARGET_ALONE.label)
@@ -591,24 +691,38 @@ def _row_measurements(method: Method, runs: list[Run], costs: dict, roofline: di
     seconds = sum(r.seconds for r in runs)
     row = {"prompts": len(runs), "tokens": sum(len(r.token_ids) for r in runs), "seconds": seconds}
     row["tokens_per_s"] = row["tokens"] / seconds
-    row.update(alpha=None, tau=None, acceptance_by_position=None, rounds_by_k=None, cost_ratio=None,
-               predicted_speedup=None,
-               predicted_with_verify_cost=None,
-               tokens_per_round=None, predicted_from_tau=None, decode_tokens_per_s=None, roofline_fraction=None,
-               profile=None)
+    row.update(
+        alpha=None,
+        tau=None,
+        acceptance_by_position=None,
+        rounds_by_k=None,
+        cost_ratio=None,
+        predicted_speedup=None,
+        predicted_with_verify_cost=None,
+        tokens_per_round=None,
+        predicted_from_tau=None,
+        decode_tokens_per_s=None,
+        roofline_fraction=None,
+        profile=None,
+    )
     if method.engine != "specdec":
         return row
     stats = SpecStats.merge([r.stats for r in runs])
     alpha = _finite(stats.acceptance_rate)
-    row.update(tau=_finite(stats.tokens_per_forward), alpha=alpha, acceptance_by_position=acceptance_by_position(stats),
-               rounds_by_k=stats.rounds_by_k if method.drafter == "draft_model_goodput" else None)
+    row.update(
+        tau=_finite(stats.tokens_per_forward),
+        alpha=alpha,
+        acceptance_by_position=acceptance_by_position(stats),
+        rounds_by_k=stats.rounds_by_k if method.drafter == "draft_model_goodput" else None,
+    )
     row["cost_ratio"] = {"draft_model": costs["cost_ratio"], "ngram": 0.0}.get(method.drafter)
     if alpha is not None and row["cost_ratio"] is not None:
         row["predicted_speedup"] = predicted_speedup(alpha, method.k, row["cost_ratio"])
         verify_cost = costs["verify_cost_ratio"].get(str(method.k))
         if verify_cost is not None:  # the formula with the verify forward's measured cost instead of 1
-            row["predicted_with_verify_cost"] = (expected_tokens_per_round(alpha, method.k)
-                                                 / (method.k * row["cost_ratio"] + verify_cost))
+            row["predicted_with_verify_cost"] = expected_tokens_per_round(alpha, method.k) / (
+                method.k * row["cost_ratio"] + verify_cost
+            )
     row["profile"] = profile(runs, stats)
     if row["profile"]["rounds"] and row["cost_ratio"] is not None:
         row["tokens_per_round"] = (row["tokens"] - len(runs)) / row["profile"]["rounds"]  # after the prefill's
@@ -660,8 +774,10 @@ def profile(runs: list[Run], stats: SpecStats) -> dict:
     the wall time: creating requests and outputs, the final decode), with the rounds counted."""
     parts = {key: sum(r.timings[key] for r in runs) for key in runs[0].timings}
     parts["other"] = max(0.0, sum(r.seconds for r in runs) - sum(parts.values()))
-    return {"rounds": stats.num_target_forwards - len(runs),  # a prefill forward per run is not a round
-            "seconds": parts}
+    return {
+        "rounds": stats.num_target_forwards - len(runs),  # a prefill forward per run is not a round
+        "seconds": parts,
+    }
 
 
 def check_greedy_exactness(records: list[Record]) -> dict:
@@ -678,8 +794,7 @@ def check_greedy_exactness(records: list[Record]) -> dict:
             pairs.append((TARGET_ALONE, TRANSFORMERS_PLAIN))
         for checked, against in pairs:
             compared += 1
-            divergence = compare(prompt, checked.label, runs[checked].token_ids, against.label,
-                                 runs[against].token_ids)
+            divergence = compare(prompt, checked.label, runs[checked].token_ids, against.label, runs[against].token_ids)
             if divergence is not None:
                 divergences.append(divergence.to_json())
     return {"compared": compared, "identical": compared - len(divergences), "divergences": divergences}
@@ -687,32 +802,37 @@ def check_greedy_exactness(records: list[Record]) -> dict:
 
 # -- helpers -------------------------------------------------------------------------------
 
+
 def _method_notes(target_dtype: torch.dtype) -> list[str]:
-    notes = ["Speedup (x plain): tokens/s over the specdec target alone's on the same prompts and sampling; "
-             "tokens/s counts every generated token over the wall time of each call, prefill included. Decode "
-             "speedup (decode x plain): the same after the prefill (the first token), which is what the formula "
-             "models.",
-             "Predicted: (1 - α^(k+1)) / ((1 - α)(k·c + 1)) from the measured α and c; prompt lookup is taken "
-             "as c = 0 and may propose fewer than k tokens a round, which the formula does not model.",
-             "Predicted with verify cost: the formula with the measured cost of the (k+1)-token verify forward "
-             "(v_k target steps) in place of 1: (1 - α^(k+1)) / ((1 - α)(k·c + v_k)).",
-             "Predicted from τ: the measured tokens per round (after the prefill) ÷ (k·c + 1), the formula with "
-             "the α that gives the measured tokens per round. α = accepted ÷ judged (a draft token is judged when "
-             "every draft before it in its round was accepted), the α the formula assumes; the two predictions "
-             "differ where acceptance is not the same at every position. What remains between them and the "
-             "measured speedup is cost the formula leaves out (sampling, bookkeeping, a verify forward dearer "
-             "than one step).",
-             "Adaptive k: the draft model up to the largest k, a row stopping its drafting after a token the draft "
-             "gave less than the --adaptive-confidence probability (LLM's draft_confidence_threshold); the "
-             "formula's fixed k does not apply to it.",
-             "Prompt lookup, else draft model (speculative_method lookup_then_draft): prompt lookup for the rows "
-             "whose last 2 or more tokens occurred earlier, at no cost, and the draft model for the others; its "
-             "cost per draft token varies by round, so no formula."]
+    notes = [
+        "Speedup (x plain): tokens/s over the specdec target alone's on the same prompts and sampling; "
+        "tokens/s counts every generated token over the wall time of each call, prefill included. Decode "
+        "speedup (decode x plain): the same after the prefill (the first token), which is what the formula "
+        "models.",
+        "Predicted: (1 - α^(k+1)) / ((1 - α)(k·c + 1)) from the measured α and c; prompt lookup is taken "
+        "as c = 0 and may propose fewer than k tokens a round, which the formula does not model.",
+        "Predicted with verify cost: the formula with the measured cost of the (k+1)-token verify forward "
+        "(v_k target steps) in place of 1: (1 - α^(k+1)) / ((1 - α)(k·c + v_k)).",
+        "Predicted from τ: the measured tokens per round (after the prefill) ÷ (k·c + 1), the formula with "
+        "the α that gives the measured tokens per round. α = accepted ÷ judged (a draft token is judged when "
+        "every draft before it in its round was accepted), the α the formula assumes; the two predictions "
+        "differ where acceptance is not the same at every position. What remains between them and the "
+        "measured speedup is cost the formula leaves out (sampling, bookkeeping, a verify forward dearer "
+        "than one step).",
+        "Adaptive k: the draft model up to the largest k, a row stopping its drafting after a token the draft "
+        "gave less than the --adaptive-confidence probability (LLM's draft_confidence_threshold); the "
+        "formula's fixed k does not apply to it.",
+        "Prompt lookup, else draft model (speculative_method lookup_then_draft): prompt lookup for the rows "
+        "whose last 2 or more tokens occurred earlier, at no cost, and the draft model for the others; its "
+        "cost per draft token varies by round, so no formula.",
+    ]
     if target_dtype != torch.float32:
-        notes.append(f"The target runs in {str(target_dtype).replace('torch.', '')}: greedy outputs are exact in "
-                     "float32; in lower precision a forward over k+1 tokens can round differently from a "
-                     "one-token step and flip a near-tie, which the exactness check would show (--dtype float32 "
-                     "rules that out).")
+        notes.append(
+            f"The target runs in {str(target_dtype).replace('torch.', '')}: greedy outputs are exact in "
+            "float32; in lower precision a forward over k+1 tokens can round differently from a "
+            "one-token step and flip a near-tie, which the exactness check would show (--dtype float32 "
+            "rules that out)."
+        )
     return notes
 
 
@@ -728,12 +848,20 @@ def _config_json(config: BenchConfig) -> dict:
 
 def _models_json(loaded: LoadedRunners, config: BenchConfig) -> dict:
     def describe(path: str, runner) -> dict:
-        return {"path": str(Path(path)), "parameters": runner.config.num_parameters, "dtype": str(runner.dtype),
-                "bf16_packed_matrices": _packed_linears(runner.eager_model()), "compile": runner.compile_mode,
-                "compile_seconds": round(runner.compile_seconds, 1), "quantization": runner.quantization}
+        return {
+            "path": str(Path(path)),
+            "parameters": runner.config.num_parameters,
+            "dtype": str(runner.dtype),
+            "bf16_packed_matrices": _packed_linears(runner.eager_model()),
+            "compile": runner.compile_mode,
+            "compile_seconds": round(runner.compile_seconds, 1),
+            "quantization": runner.quantization,
+        }
 
-    return {"target": describe(config.model, loaded.target.runner),
-            "draft": describe(config.draft, loaded.draft_model) if loaded.draft_model is not None else None}
+    return {
+        "target": describe(config.model, loaded.target.runner),
+        "draft": describe(config.draft, loaded.draft_model) if loaded.draft_model is not None else None,
+    }
 
 
 def _packed_linears(model) -> int:
@@ -745,5 +873,7 @@ def _packed_linears(model) -> int:
 
 def _check_model_dir(path: str, what: str) -> None:
     if not Path(path).is_dir() and not is_gguf_file(path):
-        raise FileNotFoundError(f"{what} directory {str(path)!r} does not exist; pass a Hugging Face model "
-                                "directory (with config.json and *.safetensors) or a .gguf file")
+        raise FileNotFoundError(
+            f"{what} directory {str(path)!r} does not exist; pass a Hugging Face model "
+            "directory (with config.json and *.safetensors) or a .gguf file"
+        )

@@ -50,10 +50,14 @@ class ChatDataConfig:
     def __post_init__(self) -> None:
         for name in ("train_prompts", "held_out_prompts", "max_tokens", "batch_size"):
             value = getattr(self, name)
-            check(is_int(value) and value >= (0 if name.endswith("prompts") else 1),
-                  f"{name} must be an integer >= {0 if name.endswith('prompts') else 1}, got {value!r}")
-        check(is_real(self.sampled_fraction) and 0 <= self.sampled_fraction <= 1,
-              f"sampled_fraction must be in [0, 1], got {self.sampled_fraction!r}")
+            check(
+                is_int(value) and value >= (0 if name.endswith("prompts") else 1),
+                f"{name} must be an integer >= {0 if name.endswith('prompts') else 1}, got {value!r}",
+            )
+        check(
+            is_real(self.sampled_fraction) and 0 <= self.sampled_fraction <= 1,
+            f"sampled_fraction must be in [0, 1], got {self.sampled_fraction!r}",
+        )
         check(is_real(self.temperature) and self.temperature > 0, f"temperature must be > 0, got {self.temperature!r}")
         check(is_int(self.seed), f"seed must be an integer, got {self.seed!r}")
 
@@ -72,17 +76,29 @@ class Job:
         return f"{SPLIT_DIRECTORIES[self.split]}/{self.index:05d}-{'sampled' if self.sampled else 'greedy'}.txt"
 
 
-def write_chat_data(target: str, out: str, config: ChatDataConfig = ChatDataConfig(), dtype: str = "auto",
-                    force: bool = False, progress=print) -> Path:
+def write_chat_data(
+    target: str,
+    out: str,
+    config: ChatDataConfig = ChatDataConfig(),
+    dtype: str = "auto",
+    force: bool = False,
+    progress=print,
+) -> Path:
     """Write (or finish writing) the corpus of target's answers to out; returns out."""
     from specdec.llm import LLM
     from specdec.tools.training.chat_prompts import chat_prompts
     from specdec.tools.training.corpus import load_corpus
 
     settings = {"target": str(Path(target).expanduser().resolve()), "dtype": dtype, **asdict(config)}
-    with open_output_dir(out, "chat-data", inputs={"--target": target}, force=force,
-                         is_own_output=lambda path: (path / MANIFEST).is_file(),
-                         own_entries=(MANIFEST, "train/*", f"{HELD_OUT_DIRECTORY}/*"), resumable=True) as output:
+    with open_output_dir(
+        out,
+        "chat-data",
+        inputs={"--target": target},
+        force=force,
+        is_own_output=lambda path: (path / MANIFEST).is_file(),
+        own_entries=(MANIFEST, "train/*", f"{HELD_OUT_DIRECTORY}/*"),
+        resumable=True,
+    ) as output:
         llm = LLM(model=target, dtype=dtype)
         if llm.tokenizer is None or not llm.tokenizer.chat_template:
             raise ValueError(f"--target {target!r} has no chat template: chat-data needs a chat model")
@@ -92,8 +108,10 @@ def write_chat_data(target: str, out: str, config: ChatDataConfig = ChatDataConf
         for split, count in (("train", config.train_prompts), ("held_out", config.held_out_prompts)):
             jobs += _jobs(split, chat_prompts(stdlib, split, limit=count, seed=config.seed), config)
         todo = [job for job in jobs if not (output.staging / job.file).is_file()]
-        progress(f"chat-data: {len(jobs)} answers to {config.train_prompts} + {config.held_out_prompts} prompts; "
-                 f"{len(jobs) - len(todo)} already written, {len(todo)} to go")
+        progress(
+            f"chat-data: {len(jobs)} answers to {config.train_prompts} + {config.held_out_prompts} prompts; "
+            f"{len(jobs) - len(todo)} already written, {len(todo)} to go"
+        )
         tokens, seconds = _answer(llm, todo, config, output.staging, progress)
         _write_manifest(output.staging, settings, jobs, tokens, seconds)
         return output.commit()
@@ -119,8 +137,9 @@ def _jobs(split: str, prompts, config: ChatDataConfig) -> list[Job]:
     """A greedy answer for every prompt; a sampled one for the first sampled_fraction of them
     (the prompts come shuffled)."""
     sampled = round(len(prompts) * config.sampled_fraction)
-    return ([Job(split, i, prompt, False) for i, prompt in enumerate(prompts)]
-            + [Job(split, i, prompt, True) for i, prompt in enumerate(prompts[:sampled])])
+    return [Job(split, i, prompt, False) for i, prompt in enumerate(prompts)] + [
+        Job(split, i, prompt, True) for i, prompt in enumerate(prompts[:sampled])
+    ]
 
 
 def _answer(llm, jobs: list[Job], config: ChatDataConfig, staging: Path, progress) -> tuple[int, float]:
@@ -129,10 +148,18 @@ def _answer(llm, jobs: list[Job], config: ChatDataConfig, staging: Path, progres
 
     tokens, start = 0, time.perf_counter()
     for first in range(0, len(jobs), config.batch_size):
-        batch = jobs[first:first + config.batch_size]
-        params = [SamplingParams(temperature=config.temperature, top_p=TOP_P, seed=config.seed * 1_000_003 + job.index,
-                                 max_tokens=config.max_tokens) if job.sampled
-                  else SamplingParams(temperature=0, max_tokens=config.max_tokens) for job in batch]
+        batch = jobs[first : first + config.batch_size]
+        params = [
+            SamplingParams(
+                temperature=config.temperature,
+                top_p=TOP_P,
+                seed=config.seed * 1_000_003 + job.index,
+                max_tokens=config.max_tokens,
+            )
+            if job.sampled
+            else SamplingParams(temperature=0, max_tokens=config.max_tokens)
+            for job in batch
+        ]
         outputs = llm.chat([list(job.prompt.messages) for job in batch], params)
         for job, output in zip(batch, outputs):
             _write_document(staging / job.file, llm.tokenizer, job.prompt.messages, output)
@@ -157,30 +184,42 @@ def _write_document(file: Path, tokenizer, messages, output) -> None:
 def _report(progress, done: int, total: int, tokens: int, seconds: float) -> None:
     rate = tokens / seconds if seconds > 0 else 0.0
     left = (total - done) * seconds / done if done else 0.0
-    progress(f"chat-data: {done}/{total} answers, {tokens:,} tokens, {rate:.0f} tokens/s, "
-             f"{left / 60:.0f} min left")
+    progress(f"chat-data: {done}/{total} answers, {tokens:,} tokens, {rate:.0f} tokens/s, {left / 60:.0f} min left")
 
 
 def _write_manifest(staging: Path, settings: dict, jobs: list[Job], tokens: int, seconds: float) -> None:
     counts = {split: sum(1 for job in jobs if job.split == split) for split in SPLIT_DIRECTORIES}
     kinds = {kind: sum(1 for job in jobs if job.prompt.kind == kind) for kind in ("write", "edit", "explain")}
-    manifest = {"settings": settings, "finished": True, "answers": counts, "kinds": kinds,
-                "tokens_this_session": tokens, "seconds_this_session": round(seconds, 1)}
+    manifest = {
+        "settings": settings,
+        "finished": True,
+        "answers": counts,
+        "kinds": kinds,
+        "tokens_this_session": tokens,
+        "seconds_this_session": round(seconds, 1),
+    }
     (staging / MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n")
 
 
 def add_chat_data_parser(commands) -> None:
-    p = commands.add_parser("chat-data", help="write a corpus of a chat target's answers (for distill)",
-                            description="Ask a chat target questions about the Python standard library's functions "
-                                        "(write / edit / explain) and write its answers as a corpus directory "
-                                        "with train/ and held_out/ parts, for `specdec distill --corpus`.")
+    p = commands.add_parser(
+        "chat-data",
+        help="write a corpus of a chat target's answers (for distill)",
+        description="Ask a chat target questions about the Python standard library's functions "
+        "(write / edit / explain) and write its answers as a corpus directory "
+        "with train/ and held_out/ parts, for `specdec distill --corpus`.",
+    )
     p.add_argument("--target", required=True, help="the chat target: a model directory or .gguf file")
     p.add_argument("--out", required=True, help="the corpus directory to write (resumed if a run was stopped)")
     defaults = ChatDataConfig()
     p.add_argument("--train-prompts", type=int, default=defaults.train_prompts)
     p.add_argument("--held-out-prompts", type=int, default=defaults.held_out_prompts)
-    p.add_argument("--sampled-fraction", type=float, default=defaults.sampled_fraction,
-                   help="the fraction of prompts answered a second time, sampled (default 0.5)")
+    p.add_argument(
+        "--sampled-fraction",
+        type=float,
+        default=defaults.sampled_fraction,
+        help="the fraction of prompts answered a second time, sampled (default 0.5)",
+    )
     p.add_argument("--temperature", type=float, default=defaults.temperature, help="of the sampled answers")
     p.add_argument("--max-tokens", type=int, default=defaults.max_tokens, help="the longest answer")
     p.add_argument("--batch-size", type=int, default=defaults.batch_size, help="answers generated together")
@@ -191,8 +230,15 @@ def add_chat_data_parser(commands) -> None:
 
 
 def run_chat_data(args) -> int:
-    config = ChatDataConfig(args.train_prompts, args.held_out_prompts, args.sampled_fraction, args.temperature,
-                            args.max_tokens, args.batch_size, args.seed)
+    config = ChatDataConfig(
+        args.train_prompts,
+        args.held_out_prompts,
+        args.sampled_fraction,
+        args.temperature,
+        args.max_tokens,
+        args.batch_size,
+        args.seed,
+    )
     out = write_chat_data(args.target, args.out, config, args.dtype, args.force, progress=_print_flushed)
     print(f"wrote {out}")
     return 0

@@ -80,8 +80,14 @@ class Function:
         return f"{self.document}:{self.qualname}"
 
 
-def chat_prompts(corpus: Corpus, split: str = "train", kinds=KINDS, limit: int | None = None,
-                 seed: int = 0, max_source_chars: int = 1200) -> PromptList:
+def chat_prompts(
+    corpus: Corpus,
+    split: str = "train",
+    kinds=KINDS,
+    limit: int | None = None,
+    seed: int = 0,
+    max_source_chars: int = 1200,
+) -> PromptList:
     """The prompts of one split of the corpus, in a deterministic order for the seed."""
     documents = _split_documents(corpus, split)
     kinds = _check_kinds(kinds)
@@ -121,12 +127,16 @@ def _check_kinds(kinds) -> tuple[str, ...]:
     kinds = (kinds,) if isinstance(kinds, str) else tuple(kinds)
     unknown = [kind for kind in kinds if kind not in KINDS]
     if unknown or not kinds:
-        raise ValueError(f"unknown prompt kinds {unknown}; choose one or more of {', '.join(KINDS)}"
-                         if unknown else f"no prompt kinds asked for; choose one or more of {', '.join(KINDS)}")
+        raise ValueError(
+            f"unknown prompt kinds {unknown}; choose one or more of {', '.join(KINDS)}"
+            if unknown
+            else f"no prompt kinds asked for; choose one or more of {', '.join(KINDS)}"
+        )
     return tuple(dict.fromkeys(kinds))
 
 
 # --- functions ---------------------------------------------------------------------------------
+
 
 def find_functions(documents, max_source_chars: int = 1200) -> tuple[list[Function], list[str]]:
     """(the functions of the documents, in document and source order, each distinct source
@@ -190,11 +200,11 @@ def _source(lines: list[str], node: ast.AST) -> str:
     has a line less indented.)"""
     first, last = lines[node.lineno - 1].encode(), lines[node.end_lineno - 1].encode()
     if node.lineno == node.end_lineno:
-        return first[node.col_offset:node.end_col_offset].decode()
-    indent = first[:node.col_offset].decode()  # whitespace: a def statement starts its line
-    rest = "".join(lines[node.lineno:node.end_lineno - 1]) + last[:node.end_col_offset].decode()
-    rest = "".join(line[len(indent):] if line.startswith(indent) else line for line in _split_lines(rest))
-    return _unix_newlines(first[node.col_offset:].decode() + rest)
+        return first[node.col_offset : node.end_col_offset].decode()
+    indent = first[: node.col_offset].decode()  # whitespace: a def statement starts its line
+    rest = "".join(lines[node.lineno : node.end_lineno - 1]) + last[: node.end_col_offset].decode()
+    rest = "".join(line[len(indent) :] if line.startswith(indent) else line for line in _split_lines(rest))
+    return _unix_newlines(first[node.col_offset :].decode() + rest)
 
 
 def _unix_newlines(text: str) -> str:
@@ -233,6 +243,7 @@ def summary(node: FunctionNode) -> str | None:
 
 # --- prompts -----------------------------------------------------------------------------------
 
+
 def _prompt(function: Function, kinds: tuple[str, ...], rng: random.Random) -> ChatPrompt | None:
     text = summary(function.node) if "write" in kinds else None
     fitting = [kind for kind in kinds if kind != "write" or text is not None]
@@ -266,7 +277,8 @@ DESCRIPTION_TEMPLATES = (  # for any other summary, quoted as it is
 )
 # Verbs docstring summaries start with ("Return the ...", "Returns the ..."): these read on after
 # "that" and "to"; any other first word is quoted in a description template.
-VERBS = frozenset("""
+VERBS = frozenset(
+    """
     acquire activate add adjust append apply ask assert bind build calculate call cancel change check
     clean clear close collect compare compile compute configure connect construct convert copy count create
     decode define delegate delete describe determine display do dump emit encode ensure escape evaluate execute
@@ -276,7 +288,8 @@ VERBS = frozenset("""
     release remove render replace report reset resolve restore retrieve return reverse run save schedule
     search select send set show skip sort split start stop store strip take test toggle transform translate
     try turn unbind unquote unregister update validate verify wait wake walk wrap write yield
-""".split())
+""".split()
+)
 _IRREGULAR = {"do": "does", "have": "has", "go": "goes", "be": "is"}
 
 
@@ -293,12 +306,13 @@ def _write_request(function: Function, text: str, rng: random.Random) -> str:
     if base is None:
         return rng.choice(DESCRIPTION_TEMPLATES).format(callable=callable_, text=text)
     rest = rest.rstrip(".")
-    return rng.choice(VERB_TEMPLATES).format(callable=callable_, third=f"{_third_person(base)} {rest}".rstrip(),
-                                             base=f"{base} {rest}".rstrip())
+    return rng.choice(VERB_TEMPLATES).format(
+        callable=callable_, third=f"{_third_person(base)} {rest}".rstrip(), base=f"{base} {rest}".rstrip()
+    )
 
 
 def _base_form(word: str) -> str | None:
-    """"Return" or "Returns" -> "return"; None for a word that is not a capitalized verb of VERBS."""
+    """ "Return" or "Returns" -> "return"; None for a word that is not a capitalized verb of VERBS."""
     if not (word[:1].isupper() and word[1:].islower() and word.isalpha()):
         return None  # "URL", "True", "sys.path", "Internal:": keep as written
     word = word.lower()
@@ -334,11 +348,39 @@ EDIT_INSTRUCTIONS = {
     "early return": "returns early instead of nesting its conditions",
     "comments": "has comments explaining each step",
 }
-RENAMES = {"s": "text", "n": "count", "x": "value", "v": "value", "i": "index", "k": "key", "f": "file",
-           "fn": "func", "func": "callback", "cb": "callback", "d": "mapping", "l": "items", "lst": "items",
-           "seq": "sequence", "obj": "target", "o": "obj", "c": "char", "p": "path", "m": "match", "a": "first",
-           "b": "second", "e": "error", "t": "value", "fp": "stream", "buf": "buffer", "msg": "message",
-           "val": "value", "num": "number", "sep": "separator", "name": "label", "data": "payload"}
+RENAMES = {
+    "s": "text",
+    "n": "count",
+    "x": "value",
+    "v": "value",
+    "i": "index",
+    "k": "key",
+    "f": "file",
+    "fn": "func",
+    "func": "callback",
+    "cb": "callback",
+    "d": "mapping",
+    "l": "items",
+    "lst": "items",
+    "seq": "sequence",
+    "obj": "target",
+    "o": "obj",
+    "c": "char",
+    "p": "path",
+    "m": "match",
+    "a": "first",
+    "b": "second",
+    "e": "error",
+    "t": "value",
+    "fp": "stream",
+    "buf": "buffer",
+    "msg": "message",
+    "val": "value",
+    "num": "number",
+    "sep": "separator",
+    "name": "label",
+    "data": "payload",
+}
 
 
 def _edit_instruction(function: Function, rng: random.Random) -> str:
@@ -364,8 +406,9 @@ def _fitting_edits(function: Function) -> list[str]:
         "f-strings": any(_old_formatting(n) for n in own),
         "none": has_parameters,
         "iterative": any(_calls_itself(n, node.name) for n in own),
-        "early return": any(isinstance(n, ast.If) and (n.orelse or any(isinstance(b, ast.If) for b in n.body))
-                            for n in own),
+        "early return": any(
+            isinstance(n, ast.If) and (n.orelse or any(isinstance(b, ast.If) for b in n.body)) for n in own
+        ),
         "comments": "#" not in function.source,
     }
     return [key for key in EDIT_INSTRUCTIONS if fits[key]]
@@ -377,11 +420,16 @@ def _all_arguments(node: FunctionNode) -> list[ast.arg]:
 
 
 def _old_formatting(node: ast.AST) -> bool:
-    """"..." % args or "...".format(...)."""
+    """ "..." % args or "...".format(...)."""
     if isinstance(node, ast.BinOp) and isinstance(node.op, ast.Mod):
         return isinstance(node.left, ast.Constant) and isinstance(node.left.value, str)
-    return (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "format"
-            and isinstance(node.func.value, ast.Constant) and isinstance(node.func.value.value, str))
+    return (
+        isinstance(node, ast.Call)
+        and isinstance(node.func, ast.Attribute)
+        and node.func.attr == "format"
+        and isinstance(node.func.value, ast.Constant)
+        and isinstance(node.func.value.value, str)
+    )
 
 
 def _calls_itself(node: ast.AST, name: str) -> bool:
@@ -391,8 +439,12 @@ def _calls_itself(node: ast.AST, name: str) -> bool:
     func = node.func
     if isinstance(func, ast.Name):
         return func.id == name
-    return (isinstance(func, ast.Attribute) and func.attr == name and isinstance(func.value, ast.Name)
-            and func.value.id in ("self", "cls"))
+    return (
+        isinstance(func, ast.Attribute)
+        and func.attr == name
+        and isinstance(func.value, ast.Name)
+        and func.value.id in ("self", "cls")
+    )
 
 
 def _new_name(node: FunctionNode, old: str) -> str:

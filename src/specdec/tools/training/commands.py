@@ -21,114 +21,221 @@ from specdec.model_flags import add_model_argument, require_model
 from specdec.tools.training.train import PRESETS, model_shape
 
 SIZE_FLAGS = {  # flag -> ModelShape field
-    "vocab_size": "vocab_size", "hidden_size": "hidden_size", "layers": "num_layers", "heads": "num_heads",
-    "kv_heads": "num_kv_heads", "intermediate_size": "intermediate_size", "context": "context",
+    "vocab_size": "vocab_size",
+    "hidden_size": "hidden_size",
+    "layers": "num_layers",
+    "heads": "num_heads",
+    "kv_heads": "num_kv_heads",
+    "intermediate_size": "intermediate_size",
+    "context": "context",
 }
-TRAIN_FIELDS = ("steps", "batch_size", "grad_accum", "lr", "min_lr_ratio", "warmup", "weight_decay", "grad_clip",
-                "seed", "device", "eval_every", "eval_tokens", "checkpoint_every", "log_every", "stop_after")
-DISTILL_FIELDS = ("temperature", "on_policy_fraction", "sample_temperature", "prompt_tokens", "divergence", "target_dtype",
-                  "embeddings_from_target", "output_vocab")
-HEADS_FIELDS = ("context", "feature_weight", "token_weight", "feature_noise", "on_policy_fraction",
-                "sample_temperatures", "prompt_tokens", "target_dtype", "output_vocab")
+TRAIN_FIELDS = (
+    "steps",
+    "batch_size",
+    "grad_accum",
+    "lr",
+    "min_lr_ratio",
+    "warmup",
+    "weight_decay",
+    "grad_clip",
+    "seed",
+    "device",
+    "eval_every",
+    "eval_tokens",
+    "checkpoint_every",
+    "log_every",
+    "stop_after",
+)
+DISTILL_FIELDS = (
+    "temperature",
+    "on_policy_fraction",
+    "sample_temperature",
+    "prompt_tokens",
+    "divergence",
+    "target_dtype",
+    "embeddings_from_target",
+    "output_vocab",
+)
+HEADS_FIELDS = (
+    "context",
+    "feature_weight",
+    "token_weight",
+    "feature_noise",
+    "on_policy_fraction",
+    "sample_temperatures",
+    "prompt_tokens",
+    "target_dtype",
+    "output_vocab",
+)
 # (TrainConfig, DistillConfig and HeadsConfig fields, each set by the flag of the same name)
 
 
 def add_train_parser(commands) -> None:
-    p = commands.add_parser("train", help="train a tokenizer and a Llama model on a text corpus",
-                            description="Train a byte-level BPE tokenizer and a Llama-architecture model on a "
-                                        "corpus, writing a Hugging Face model directory. Rerunning the same "
-                                        "command with the same --out resumes from its checkpoint.")
-    p.add_argument("--corpus", help="a text file or a directory of text files (default: this Python's "
-                                    "standard library, with fixed modules held out)")
-    p.add_argument("--out", required=True, help="output directory for the model (written as OUT.incomplete/ "
-                                                "until the run finishes; OUT/checkpoint/ resumes or lengthens it)")
-    p.add_argument("--tokenizer", metavar="DIR", help="reuse the tokenizer.json in DIR (e.g. the target's, to "
-                                                      "train a draft that shares it) instead of training one")
-    p.add_argument("--init", metavar="DIR", help="go on training the model in DIR (its weights, size and "
-                                                 "tokenizer) with a new schedule")
+    p = commands.add_parser(
+        "train",
+        help="train a tokenizer and a Llama model on a text corpus",
+        description="Train a byte-level BPE tokenizer and a Llama-architecture model on a "
+        "corpus, writing a Hugging Face model directory. Rerunning the same "
+        "command with the same --out resumes from its checkpoint.",
+    )
+    p.add_argument(
+        "--corpus",
+        help="a text file or a directory of text files (default: this Python's "
+        "standard library, with fixed modules held out)",
+    )
+    p.add_argument(
+        "--out",
+        required=True,
+        help="output directory for the model (written as OUT.incomplete/ "
+        "until the run finishes; OUT/checkpoint/ resumes or lengthens it)",
+    )
+    p.add_argument(
+        "--tokenizer",
+        metavar="DIR",
+        help="reuse the tokenizer.json in DIR (e.g. the target's, to "
+        "train a draft that shares it) instead of training one",
+    )
+    p.add_argument(
+        "--init",
+        metavar="DIR",
+        help="go on training the model in DIR (its weights, size and tokenizer) with a new schedule",
+    )
     _add_size_flags(p, default_preset=None)
     _add_training_flags(p)
     p.set_defaults(run=run_train)
 
 
 def add_distill_parser(commands) -> None:
-    p = commands.add_parser("distill", help="distill a draft model from a target model",
-                            usage="%(prog)s TARGET --out DIR [options]",
-                            description="Train a draft that shares the target's tokenizer to match the target's "
-                                        "next-token distributions; reports the acceptance rate α = 1 - TV(p, q) "
-                                        "on held-out text before and after.")
+    p = commands.add_parser(
+        "distill",
+        help="distill a draft model from a target model",
+        usage="%(prog)s TARGET --out DIR [options]",
+        description="Train a draft that shares the target's tokenizer to match the target's "
+        "next-token distributions; reports the acceptance rate α = 1 - TV(p, q) "
+        "on held-out text before and after.",
+    )
     add_model_argument(p, "target", "the target's model directory", old_flag="--target")
-    p.add_argument("--out", required=True, help="output directory for the draft (written as OUT.incomplete/ "
-                                                "until the run finishes)")
+    p.add_argument(
+        "--out",
+        required=True,
+        help="output directory for the draft (written as OUT.incomplete/ until the run finishes)",
+    )
     p.add_argument("--corpus", help="text to distill on (default: this Python's standard library)")
     p.add_argument("--init", metavar="DIR", help="start from this trained draft instead of a random one")
     _add_size_flags(p, default_preset="draft")
     p.add_argument("--temperature", type=float, help="temperature of both distributions (default 1)")
-    p.add_argument("--on-policy-fraction", type=float,
-                   help="fraction of batches of text sampled from the target (default 0)")
-    p.add_argument("--sample-temperature", type=float,
-                   help="temperature on-policy text is sampled at; 0 is the target's greedy text "
-                        "(default: --temperature)")
+    p.add_argument(
+        "--on-policy-fraction", type=float, help="fraction of batches of text sampled from the target (default 0)"
+    )
+    p.add_argument(
+        "--sample-temperature",
+        type=float,
+        help="temperature on-policy text is sampled at; 0 is the target's greedy text (default: --temperature)",
+    )
     p.add_argument("--prompt-tokens", type=int, help="corpus tokens an on-policy sample continues (default 32)")
     p.add_argument("--divergence", choices=("fkl+tv", "tv", "fkl"), help="the loss (default fkl+tv)")
-    p.add_argument("--target-dtype", choices=("auto", "float32", "bfloat16"),
-                   help="the target's weights while distilling (default auto: as saved)")
-    p.add_argument("--output-vocab", type=int, metavar="N",
-                   help="the draft's output layer scores only the N tokens most frequent in the training text "
-                        "(FR-Spec): a cheaper draft step with a large vocabulary; default 0, all of them")
-    p.add_argument("--embeddings-from-target", action="store_true", default=None,
-                   help="start the draft's embedding from the target's, projected onto its top principal directions")
+    p.add_argument(
+        "--target-dtype",
+        choices=("auto", "float32", "bfloat16"),
+        help="the target's weights while distilling (default auto: as saved)",
+    )
+    p.add_argument(
+        "--output-vocab",
+        type=int,
+        metavar="N",
+        help="the draft's output layer scores only the N tokens most frequent in the training text "
+        "(FR-Spec): a cheaper draft step with a large vocabulary; default 0, all of them",
+    )
+    p.add_argument(
+        "--embeddings-from-target",
+        action="store_true",
+        default=None,
+        help="start the draft's embedding from the target's, projected onto its top principal directions",
+    )
     _add_training_flags(p)
     p.set_defaults(run=run_distill)
 
 
 def add_train_heads_parser(commands) -> None:
-    p = commands.add_parser("train-heads", help="train an EAGLE draft head for a target model",
-                            usage="%(prog)s TARGET --out DIR [options]",
-                            description="Train an EAGLE head (one decoder layer over the target's own features, "
-                                        "Li et al. 2024) on text the target writes; reports the held-out greedy "
-                                        "agreement and α = 1 - TV(p, q) of its first draft token before and after. "
-                                        "Rerunning the same command with the same --out resumes from its "
-                                        "checkpoint.")
+    p = commands.add_parser(
+        "train-heads",
+        help="train an EAGLE draft head for a target model",
+        usage="%(prog)s TARGET --out DIR [options]",
+        description="Train an EAGLE head (one decoder layer over the target's own features, "
+        "Li et al. 2024) on text the target writes; reports the held-out greedy "
+        "agreement and α = 1 - TV(p, q) of its first draft token before and after. "
+        "Rerunning the same command with the same --out resumes from its "
+        "checkpoint.",
+    )
     add_model_argument(p, "target", "the target's model directory", old_flag="--target")
-    p.add_argument("--out", required=True, help="output directory for the head (head.json, head.safetensors; "
-                                                "written as OUT.incomplete/ until the run finishes)")
-    p.add_argument("--corpus", help="text whose windows the target continues, and held-out text to evaluate on "
-                                    "(default: this Python's standard library)")
+    p.add_argument(
+        "--out",
+        required=True,
+        help="output directory for the head (head.json, head.safetensors; "
+        "written as OUT.incomplete/ until the run finishes)",
+    )
+    p.add_argument(
+        "--corpus",
+        help="text whose windows the target continues, and held-out text to evaluate on "
+        "(default: this Python's standard library)",
+    )
     h = p.add_argument_group("the head's training (defaults: specdec.tools.training.heads.HeadsConfig)")
     h.add_argument("--context", type=int, help="tokens per training window (default 512; at most the target's)")
     h.add_argument("--feature-weight", type=float, help="weight of the smooth L1 loss on the next feature (default 1)")
-    h.add_argument("--token-weight", type=float,
-                   help="weight of the KL(p || q) loss on the token after it (default 0.1)")
-    h.add_argument("--feature-noise", type=float,
-                   help="uniform noise on the features the head reads in training, as a fraction of their root "
-                        "mean square (default 0.1)")
-    h.add_argument("--on-policy-fraction", type=float,
-                   help="fraction of batches of text the target writes; the rest are corpus windows (default 1)")
-    h.add_argument("--sample-temperatures", type=_temperatures, metavar="T[,T...]",
-                   help="temperatures the target's text is sampled at, one chosen at random per batch; 0 is its "
-                        "greedy text (default 0,0.8)")
+    h.add_argument(
+        "--token-weight", type=float, help="weight of the KL(p || q) loss on the token after it (default 0.1)"
+    )
+    h.add_argument(
+        "--feature-noise",
+        type=float,
+        help="uniform noise on the features the head reads in training, as a fraction of their root "
+        "mean square (default 0.1)",
+    )
+    h.add_argument(
+        "--on-policy-fraction",
+        type=float,
+        help="fraction of batches of text the target writes; the rest are corpus windows (default 1)",
+    )
+    h.add_argument(
+        "--sample-temperatures",
+        type=_temperatures,
+        metavar="T[,T...]",
+        help="temperatures the target's text is sampled at, one chosen at random per batch; 0 is its "
+        "greedy text (default 0,0.8)",
+    )
     h.add_argument("--prompt-tokens", type=int, help="corpus tokens the target's text continues (default 32)")
-    h.add_argument("--target-dtype", choices=("auto", "float32", "bfloat16"),
-                   help="the target's weights while training (default auto: as saved)")
-    h.add_argument("--output-vocab", type=int, metavar="N",
-                   help="the head scores only the N tokens most frequent in the training text (FR-Spec), through "
-                        "those rows of the target's output layer: a cheaper step for a large vocabulary; default 0, "
-                        "all of them")
+    h.add_argument(
+        "--target-dtype",
+        choices=("auto", "float32", "bfloat16"),
+        help="the target's weights while training (default auto: as saved)",
+    )
+    h.add_argument(
+        "--output-vocab",
+        type=int,
+        metavar="N",
+        help="the head scores only the N tokens most frequent in the training text (FR-Spec), through "
+        "those rows of the target's output layer: a cheaper step for a large vocabulary; default 0, "
+        "all of them",
+    )
     _add_training_flags(p, sharded=False)
     p.set_defaults(run=run_train_heads)
 
 
 def add_restrict_head_parser(commands) -> None:
-    p = commands.add_parser("restrict-head", help="cut an EAGLE head's output layer to the most frequent tokens",
-                            description="Copy an EAGLE head with its output layer cut to the N tokens most frequent "
-                                        "in the corpus (FR-Spec, no training): a cheaper drafting step for a large "
-                                        "vocabulary; the drafts it loses are of rare tokens.")
+    p = commands.add_parser(
+        "restrict-head",
+        help="cut an EAGLE head's output layer to the most frequent tokens",
+        description="Copy an EAGLE head with its output layer cut to the N tokens most frequent "
+        "in the corpus (FR-Spec, no training): a cheaper drafting step for a large "
+        "vocabulary; the drafts it loses are of rare tokens.",
+    )
     p.add_argument("head", metavar="HEAD", help="the head's directory (from `specdec train-heads`)")
     p.add_argument("--target", required=True, help="the target's model directory (the head's own)")
     p.add_argument("--output-vocab", type=int, required=True, metavar="N", help="how many tokens the head scores")
-    p.add_argument("--corpus", help="text whose token counts decide (default: this Python's standard library, as "
-                                    "train-heads reads it)")
+    p.add_argument(
+        "--corpus",
+        help="text whose token counts decide (default: this Python's standard library, as train-heads reads it)",
+    )
     p.add_argument("--out", required=True, help="output directory for the cut head")
     p.add_argument("--force", action="store_true", help="replace an --out that holds other files")
     p.set_defaults(run=run_restrict_head)
@@ -138,9 +245,11 @@ def run_restrict_head(args) -> int:
     from specdec.tools.training.heads import restrict_head
 
     shares = restrict_head(args.head, args.target, args.out, args.output_vocab, args.corpus, args.force)
-    print(f"wrote {args.out}: the head scores {args.output_vocab:,} tokens, "
-          f"{shares['training_tokens_kept']:.1%} of the training text's tokens and "
-          f"{shares['held_out_tokens_kept']:.1%} of the held-out text's")
+    print(
+        f"wrote {args.out}: the head scores {args.output_vocab:,} tokens, "
+        f"{shares['training_tokens_kept']:.1%} of the training text's tokens and "
+        f"{shares['held_out_tokens_kept']:.1%} of the held-out text's"
+    )
     return 0
 
 
@@ -154,8 +263,12 @@ def _temperatures(text: str) -> tuple[float, ...]:
 
 def _add_size_flags(p: argparse.ArgumentParser, default_preset: str | None) -> None:
     sizes = p.add_argument_group("model size (a preset, optionally with some sizes replaced)")
-    sizes.add_argument("--preset", choices=sorted(PRESETS), default=default_preset,
-                       help=f"target ~22M, draft ~2M, tiny ~0.25M parameters (default {default_preset})")
+    sizes.add_argument(
+        "--preset",
+        choices=sorted(PRESETS),
+        default=default_preset,
+        help=f"target ~22M, draft ~2M, tiny ~0.25M parameters (default {default_preset})",
+    )
     for flag in SIZE_FLAGS:
         sizes.add_argument("--" + flag.replace("_", "-"), type=int)
     sizes.add_argument("--untie-embeddings", action="store_true", help="a separate output matrix")
@@ -164,40 +277,77 @@ def _add_size_flags(p: argparse.ArgumentParser, default_preset: str | None) -> N
 def _add_training_flags(p: argparse.ArgumentParser, sharded: bool = True) -> None:
     """The shared training flags; sharded: the output is a model whose weights --max-shard-mb splits."""
     t = p.add_argument_group("training (defaults: specdec.tools.training.loop.TrainConfig)")
-    for flag in ("steps", "batch_size", "grad_accum", "warmup", "seed", "eval_every", "eval_tokens",
-                 "checkpoint_every", "log_every", "stop_after"):
+    for flag in (
+        "steps",
+        "batch_size",
+        "grad_accum",
+        "warmup",
+        "seed",
+        "eval_every",
+        "eval_tokens",
+        "checkpoint_every",
+        "log_every",
+        "stop_after",
+    ):
         t.add_argument("--" + flag.replace("_", "-"), type=int)
     for flag in ("lr", "min_lr_ratio", "weight_decay", "grad_clip"):
         t.add_argument("--" + flag.replace("_", "-"), type=float)
     t.add_argument("--device", help="cpu, cuda or cuda:N (default: cuda if available, else cpu)")
-    t.add_argument("--precision", choices=("bf16", "fp32"), default="bf16",
-                   help="bf16: bfloat16 autocast (default); fp32: plain float32")
-    t.add_argument("--save-dtype", choices=("bfloat16", "float32"), default="bfloat16",
-                   help="dtype of the saved weights (default bfloat16)")
+    t.add_argument(
+        "--precision",
+        choices=("bf16", "fp32"),
+        default="bf16",
+        help="bf16: bfloat16 autocast (default); fp32: plain float32",
+    )
+    t.add_argument(
+        "--save-dtype",
+        choices=("bfloat16", "float32"),
+        default="bfloat16",
+        help="dtype of the saved weights (default bfloat16)",
+    )
     if sharded:
         t.add_argument("--max-shard-mb", type=float, default=15.0, help="largest safetensors file, in MB (default 15)")
-    t.add_argument("--force", action="store_true",
-                   help="replace an --out that holds other files (not an earlier run of this command): the whole "
-                        "directory, when the run finishes; an input model is never replaced")
+    t.add_argument(
+        "--force",
+        action="store_true",
+        help="replace an --out that holds other files (not an earlier run of this command): the whole "
+        "directory, when the run finishes; an input model is never replaced",
+    )
     resume = t.add_mutually_exclusive_group()
-    resume.add_argument("--resume", action="store_true",
-                        help="require a checkpoint in --out to resume from (resuming is automatic when one exists)")
+    resume.add_argument(
+        "--resume",
+        action="store_true",
+        help="require a checkpoint in --out to resume from (resuming is automatic when one exists)",
+    )
     resume.add_argument("--restart", action="store_true", help="ignore a checkpoint in --out and start over")
 
 
 def run_train(args) -> int:
     from specdec.tools.training.train import train
 
-    if args.init is not None and (args.preset is not None or args.tokenizer is not None or args.untie_embeddings
-                                  or any(getattr(args, flag) is not None for flag in SIZE_FLAGS)):
-        raise ValueError("--init takes the model's size and tokenizer from its directory; drop --preset, "
-                         "the size flags and --tokenizer")
+    if args.init is not None and (
+        args.preset is not None
+        or args.tokenizer is not None
+        or args.untie_embeddings
+        or any(getattr(args, flag) is not None for flag in SIZE_FLAGS)
+    ):
+        raise ValueError(
+            "--init takes the model's size and tokenizer from its directory; drop --preset, "
+            "the size flags and --tokenizer"
+        )
     if args.tokenizer is not None and args.vocab_size is not None:
         raise ValueError("--tokenizer brings its vocabulary (and its model's vocab_size); drop --vocab-size")
     shape = None if args.init is not None else _shape(args)
     try:
-        result = train(args.out, shape, _train_config(args), corpus_path=args.corpus,
-                       tokenizer_dir=args.tokenizer, init_dir=args.init, **_output_options(args))
+        result = train(
+            args.out,
+            shape,
+            _train_config(args),
+            corpus_path=args.corpus,
+            tokenizer_dir=args.tokenizer,
+            init_dir=args.init,
+            **_output_options(args),
+        )
     except KeyboardInterrupt:
         return _interrupted(args)
     print(_summary(result, "held_out_loss", args.out))
@@ -208,8 +358,9 @@ def run_distill(args) -> int:
     from specdec.tools.training.distill import DistillConfig, alpha_summary, distill
 
     require_model(args, "distill", "target", "the target's model directory")
-    if args.init is not None and (args.untie_embeddings or args.preset != "draft"
-                                  or any(getattr(args, flag) is not None for flag in SIZE_FLAGS)):
+    if args.init is not None and (
+        args.untie_embeddings or args.preset != "draft" or any(getattr(args, flag) is not None for flag in SIZE_FLAGS)
+    ):
         raise ValueError("--init takes the draft's size from its config.json; drop --preset and the size flags")
     if args.init is not None and args.output_vocab:
         raise ValueError("--output-vocab shapes a new draft and --init goes on with a trained one; drop one")
@@ -218,13 +369,23 @@ def run_distill(args) -> int:
     if args.vocab_size is not None:
         raise ValueError("a draft's vocabulary is its target's (the same tokenizer); drop --vocab-size")
     if not args.on_policy_fraction and (args.sample_temperature is not None or args.prompt_tokens is not None):
-        raise ValueError("--sample-temperature and --prompt-tokens shape the text the target writes, which only "
-                         "--on-policy-fraction F > 0 uses; add it, or drop them")
+        raise ValueError(
+            "--sample-temperature and --prompt-tokens shape the text the target writes, which only "
+            "--on-policy-fraction F > 0 uses; add it, or drop them"
+        )
     distill_config = DistillConfig(**_given(args, DISTILL_FIELDS))
     shape = None if args.init is not None else _shape(args)
     try:
-        result = distill(args.target, args.out, shape, _train_config(args), distill_config,
-                         corpus_path=args.corpus, init_dir=args.init, **_output_options(args))
+        result = distill(
+            args.target,
+            args.out,
+            shape,
+            _train_config(args),
+            distill_config,
+            corpus_path=args.corpus,
+            init_dir=args.init,
+            **_output_options(args),
+        )
     except KeyboardInterrupt:
         return _interrupted(args)
     print(_summary(result, "held_out_alpha", args.out))
@@ -237,12 +398,15 @@ def run_train_heads(args) -> int:
 
     require_model(args, "train-heads", "target", "the target's model directory")
     if args.on_policy_fraction == 0 and (args.sample_temperatures is not None or args.prompt_tokens is not None):
-        raise ValueError("--sample-temperatures and --prompt-tokens shape the text the target writes, which "
-                         "--on-policy-fraction 0 leaves out; drop them, or raise the fraction")
+        raise ValueError(
+            "--sample-temperatures and --prompt-tokens shape the text the target writes, which "
+            "--on-policy-fraction 0 leaves out; drop them, or raise the fraction"
+        )
     heads_config = HeadsConfig(**_given(args, HEADS_FIELDS))
     try:
-        result = train_heads(args.target, args.out, _train_config(args), heads_config, corpus_path=args.corpus,
-                             **_output_options(args))
+        result = train_heads(
+            args.target, args.out, _train_config(args), heads_config, corpus_path=args.corpus, **_output_options(args)
+        )
     except KeyboardInterrupt:
         return _interrupted(args)
     print(_summary(result, "held_out_greedy_agreement", args.out, made="head"))
@@ -257,8 +421,10 @@ def _interrupted(args) -> int:
 
     found = next((d / CHECKPOINT_FILE for d in checkpoint_dirs(args.out) if (d / CHECKPOINT_FILE).is_file()), None)
     if found is None:
-        message = ("interrupted before this run's first checkpoint (--checkpoint-every); nothing was kept, and "
-                   "rerunning the command starts over")
+        message = (
+            "interrupted before this run's first checkpoint (--checkpoint-every); nothing was kept, and "
+            "rerunning the command starts over"
+        )
     elif args.restart:
         message = f"interrupted; rerun without --restart to resume from the last checkpoint, {found}"
     else:
@@ -286,12 +452,18 @@ def _train_config(args):
 
 def _output_options(args) -> dict:
     arguments = {k: v for k, v in sorted(vars(args).items()) if k != "run" and v is not None and v is not False}
-    options = {"save_dtype": args.save_dtype, "restart": args.restart, "require_checkpoint": args.resume,
-               "force": args.force, "arguments": arguments}
+    options = {
+        "save_dtype": args.save_dtype,
+        "restart": args.restart,
+        "require_checkpoint": args.resume,
+        "force": args.force,
+        "arguments": arguments,
+    }
     if hasattr(args, "max_shard_mb"):  # a model's weights (not a head's single file)
         if not (math.isfinite(args.max_shard_mb) and args.max_shard_mb * 1_000_000 >= 1):
-            raise ValueError(f"--max-shard-mb must be a number of at least 0.000001 (one byte), got "
-                             f"{args.max_shard_mb}")
+            raise ValueError(
+                f"--max-shard-mb must be a number of at least 0.000001 (one byte), got {args.max_shard_mb}"
+            )
         options["max_shard_bytes"] = int(args.max_shard_mb * 1_000_000)
     return options
 
@@ -307,9 +479,14 @@ def _summary(result, metric: str, out: str, made: str = "model") -> str:
     from specdec.output_dir import staging_path
 
     state = result.state
-    where = (f"{made} written to {out}" if result.out is not None
-             else f"stopped at step {state.step} of {result.steps} (--stop-after), its checkpoint in "
-                  f"{staging_path(out)}; rerun with a later --stop-after, or without it, to continue")
-    return (f"{where}\nsteps {state.step}  train loss {result.train_loss:.4f}  {metric} "
-            f"{result.first_evaluation[metric]:.4f} (step 0) -> {result.last_evaluation[metric]:.4f}  "
-            f"tokens seen {state.tokens_seen:,}  wall time {state.seconds / 60:.1f} min")
+    where = (
+        f"{made} written to {out}"
+        if result.out is not None
+        else f"stopped at step {state.step} of {result.steps} (--stop-after), its checkpoint in "
+        f"{staging_path(out)}; rerun with a later --stop-after, or without it, to continue"
+    )
+    return (
+        f"{where}\nsteps {state.step}  train loss {result.train_loss:.4f}  {metric} "
+        f"{result.first_evaluation[metric]:.4f} (step 0) -> {result.last_evaluation[metric]:.4f}  "
+        f"tokens seen {state.tokens_seen:,}  wall time {state.seconds / 60:.1f} min"
+    )

@@ -34,9 +34,22 @@ END_OF_TEXT = "<|endoftext|>"
 # graphlib, fractions), text handling (textwrap, shlex, fnmatch, glob, pprint, reprlib),
 # small applications (calendar, getopt, netrc, sched, queue) and numeric helpers (colorsys).
 HELD_OUT_MODULES = (
-    "bisect.py", "calendar.py", "colorsys.py", "fnmatch.py", "fractions.py", "getopt.py",
-    "glob.py", "graphlib.py", "heapq.py", "netrc.py", "pprint.py", "queue.py",
-    "reprlib.py", "sched.py", "shlex.py", "textwrap.py",
+    "bisect.py",
+    "calendar.py",
+    "colorsys.py",
+    "fnmatch.py",
+    "fractions.py",
+    "getopt.py",
+    "glob.py",
+    "graphlib.py",
+    "heapq.py",
+    "netrc.py",
+    "pprint.py",
+    "queue.py",
+    "reprlib.py",
+    "sched.py",
+    "shlex.py",
+    "textwrap.py",
 )
 # Directories of the standard library that are not trained on: installed packages and tests.
 EXCLUDED_DIRECTORIES = frozenset({"site-packages", "dist-packages", "test", "tests", "idle_test", "__pycache__"})
@@ -59,9 +72,11 @@ class Corpus:
 
     def describe(self) -> str:
         chars = sum(len(d.text) for d in self.train)
-        line = (f"corpus {self.root}: {len(self.train)} training documents ({chars / 1e6:.2f}M characters), "
-                f"{len(self.held_out)} held out ({', '.join(d.name for d in self.held_out[:6])}"
-                f"{', ...' if len(self.held_out) > 6 else ''})")
+        line = (
+            f"corpus {self.root}: {len(self.train)} training documents ({chars / 1e6:.2f}M characters), "
+            f"{len(self.held_out)} held out ({', '.join(d.name for d in self.held_out[:6])}"
+            f"{', ...' if len(self.held_out) > 6 else ''})"
+        )
         return line + (f"; {len(self.skipped)} files skipped as not text" if self.skipped else "")
 
 
@@ -77,8 +92,10 @@ def load_corpus(path: str | Path | None = None) -> Corpus:
     else:
         root = Path(path).expanduser()
         if not root.exists():
-            raise ValueError(f"corpus {str(root)!r} does not exist; give a text file or a directory of text "
-                             "files (or no --corpus for the Python standard library)")
+            raise ValueError(
+                f"corpus {str(root)!r} does not exist; give a text file or a directory of text "
+                "files (or no --corpus for the Python standard library)"
+            )
         if root.is_file():
             documents, skipped = [Document(root.name, _read_text_file(root))], []
         else:
@@ -86,8 +103,10 @@ def load_corpus(path: str | Path | None = None) -> Corpus:
     documents = [d for d in documents if d.text.strip()]
     if not documents:
         found = f" ({len(skipped)} files skipped as binary or not UTF-8)" if skipped else ""
-        raise ValueError(f"corpus {str(root)!r} is empty: it holds no non-blank text{found}; "
-                         "give a text file or a directory holding text files")
+        raise ValueError(
+            f"corpus {str(root)!r} is empty: it holds no non-blank text{found}; "
+            "give a text file or a directory holding text files"
+        )
     train, held_out = split_held_out(documents)
     return Corpus(root, tuple(train), tuple(held_out), tuple(skipped))
 
@@ -96,8 +115,10 @@ def split_held_out(documents: list[Document]) -> tuple[list[Document], list[Docu
     """(train, held-out) by the rules in the module docstring."""
     in_held_out_dir = [d.name.startswith(HELD_OUT_DIRECTORY + "/") for d in documents]
     if any(in_held_out_dir) and not all(in_held_out_dir):
-        return ([d for d, held in zip(documents, in_held_out_dir) if not held],
-                [d for d, held in zip(documents, in_held_out_dir) if held])
+        return (
+            [d for d, held in zip(documents, in_held_out_dir) if not held],
+            [d for d, held in zip(documents, in_held_out_dir) if held],
+        )
     held_names = set(HELD_OUT_MODULES)
     named_held_out = [d.name in held_names for d in documents]
     if any(named_held_out) and not all(named_held_out):  # all of them: nothing would be left to train on
@@ -118,13 +139,17 @@ def _split_one(document: Document) -> tuple[list[Document], list[Document]]:
 
 
 def _stdlib_files(root: Path) -> list[Path]:
-    return sorted(f for f in root.rglob("*.py")
-                  if f.is_file() and not EXCLUDED_DIRECTORIES & set(f.relative_to(root).parts[:-1]))
+    return sorted(
+        f for f in root.rglob("*.py") if f.is_file() and not EXCLUDED_DIRECTORIES & set(f.relative_to(root).parts[:-1])
+    )
 
 
 def _all_files(root: Path) -> list[Path]:
-    return sorted(f for f in root.rglob("*")
-                  if f.is_file() and not any(part.startswith(".") for part in f.relative_to(root).parts))
+    return sorted(
+        f
+        for f in root.rglob("*")
+        if f.is_file() and not any(part.startswith(".") for part in f.relative_to(root).parts)
+    )
 
 
 def _read_directory(root: Path, files: list[Path]) -> tuple[list[Document], list[str]]:
@@ -142,8 +167,10 @@ def _read_directory(root: Path, files: list[Path]) -> tuple[list[Document], list
 def _read_text_file(file: Path) -> str:
     text = _decode(file.read_bytes())
     if text is None:
-        raise ValueError(f"corpus file {str(file)!r} is not text (binary or not UTF-8); "
-                         "give a UTF-8 text file or a directory of them")
+        raise ValueError(
+            f"corpus file {str(file)!r} is not text (binary or not UTF-8); "
+            "give a UTF-8 text file or a directory of them"
+        )
     return text
 
 
@@ -172,12 +199,16 @@ def check_stream_length(stream: torch.Tensor, window: int, what: str, batch_size
     """The text must hold one window of window + 1 tokens, and a micro-batch of batch_size
     windows must not exceed the whole text (it would only repeat it, at the memory's expense)."""
     if len(stream) < window + 1:
-        raise ValueError(f"the {what} text is only {len(stream)} tokens, fewer than one window of "
-                         f"{window + 1} (context + 1); use a shorter --context or a larger corpus")
+        raise ValueError(
+            f"the {what} text is only {len(stream)} tokens, fewer than one window of "
+            f"{window + 1} (context + 1); use a shorter --context or a larger corpus"
+        )
     if batch_size * (window + 1) > len(stream):
-        raise ValueError(f"--batch-size {batch_size} windows of {window + 1} tokens (context + 1) is "
-                         f"{batch_size * (window + 1):,} tokens a micro-batch, more than the {len(stream):,} tokens of "
-                         f"{what} text; give --batch-size {len(stream) // (window + 1)} or less (or more text)")
+        raise ValueError(
+            f"--batch-size {batch_size} windows of {window + 1} tokens (context + 1) is "
+            f"{batch_size * (window + 1):,} tokens a micro-batch, more than the {len(stream):,} tokens of "
+            f"{what} text; give --batch-size {len(stream) // (window + 1)} or less (or more text)"
+        )
 
 
 def sample_windows(stream: torch.Tensor, batch_size: int, window: int, generator: torch.Generator) -> torch.Tensor:

@@ -110,29 +110,51 @@ class DistillConfig:
     output_vocab: int = 0
 
     def __post_init__(self) -> None:
-        check(is_real(self.temperature) and self.temperature > 0,
-              f"temperature must be a number > 0, got {self.temperature!r}")
-        check(is_real(self.on_policy_fraction) and 0 <= self.on_policy_fraction <= 1,
-              f"on_policy_fraction must be in [0, 1], got {self.on_policy_fraction!r}")
-        check(self.sample_temperature is None or (is_real(self.sample_temperature) and self.sample_temperature >= 0),
-              f"sample_temperature must be a number >= 0 (0 is greedy), got {self.sample_temperature!r}")
-        check(is_int(self.prompt_tokens) and self.prompt_tokens >= 1,
-              f"prompt_tokens must be an integer >= 1, got {self.prompt_tokens!r}")
+        check(
+            is_real(self.temperature) and self.temperature > 0,
+            f"temperature must be a number > 0, got {self.temperature!r}",
+        )
+        check(
+            is_real(self.on_policy_fraction) and 0 <= self.on_policy_fraction <= 1,
+            f"on_policy_fraction must be in [0, 1], got {self.on_policy_fraction!r}",
+        )
+        check(
+            self.sample_temperature is None or (is_real(self.sample_temperature) and self.sample_temperature >= 0),
+            f"sample_temperature must be a number >= 0 (0 is greedy), got {self.sample_temperature!r}",
+        )
+        check(
+            is_int(self.prompt_tokens) and self.prompt_tokens >= 1,
+            f"prompt_tokens must be an integer >= 1, got {self.prompt_tokens!r}",
+        )
         if self.divergence not in DIVERGENCES:
             raise ValueError(f"divergence must be one of {', '.join(DIVERGENCES)}, got {self.divergence!r}")
-        check(is_int(self.output_vocab) and self.output_vocab >= 0,
-              f"output_vocab must be an integer >= 0 (0: the whole vocabulary), got {self.output_vocab!r}")
-        check(isinstance(self.embeddings_from_target, bool),
-              f"embeddings_from_target must be True or False, got {self.embeddings_from_target!r}")
+        check(
+            is_int(self.output_vocab) and self.output_vocab >= 0,
+            f"output_vocab must be an integer >= 0 (0: the whole vocabulary), got {self.output_vocab!r}",
+        )
+        check(
+            isinstance(self.embeddings_from_target, bool),
+            f"embeddings_from_target must be True or False, got {self.embeddings_from_target!r}",
+        )
         if self.target_dtype not in ("auto", *SAVE_DTYPES):
             raise ValueError(f"target_dtype must be auto, float32 or bfloat16, got {self.target_dtype!r}")
 
 
-def distill(target_dir: str | Path, out: str | Path, shape: ModelShape | None, config: TrainConfig,
-            distill_config: DistillConfig = DistillConfig(), corpus_path: str | Path | None = None,
-            init_dir: str | Path | None = None, save_dtype: str = "bfloat16", max_shard_bytes: int = SHARD_BYTES,
-            restart: bool = False, require_checkpoint: bool = False, arguments: dict | None = None,
-            force: bool = False) -> TrainResult:
+def distill(
+    target_dir: str | Path,
+    out: str | Path,
+    shape: ModelShape | None,
+    config: TrainConfig,
+    distill_config: DistillConfig = DistillConfig(),
+    corpus_path: str | Path | None = None,
+    init_dir: str | Path | None = None,
+    save_dtype: str = "bfloat16",
+    max_shard_bytes: int = SHARD_BYTES,
+    restart: bool = False,
+    require_checkpoint: bool = False,
+    arguments: dict | None = None,
+    force: bool = False,
+) -> TrainResult:
     """Distill a draft of `shape` (or the trained draft in init_dir) from the target into `out`
     (see output_dir.py: out must not be an input, nor a directory of other files unless force)."""
     target_dir, started = Path(target_dir), time.perf_counter()
@@ -147,32 +169,51 @@ def distill(target_dir: str | Path, out: str | Path, shape: ModelShape | None, c
         tokenizer, eot_id = target.tokenizer.backend, target.eos_token_ids[0]
         output_ids = None
         if distill_config.output_vocab and init_dir is None:
-            output_ids = frequent_tokens(train_stream, target.model.config.vocab_size, distill_config.output_vocab,
-                                         always=target.eos_token_ids)
-            log(f"output layer over the {len(output_ids):,} most frequent tokens of the training text: they are "
-                f"{frequent_share(train_stream, output_ids):.1%} of its tokens")
+            output_ids = frequent_tokens(
+                train_stream, target.model.config.vocab_size, distill_config.output_vocab, always=target.eos_token_ids
+            )
+            log(
+                f"output layer over the {len(output_ids):,} most frequent tokens of the training text: they are "
+                f"{frequent_share(train_stream, output_ids):.1%} of its tokens"
+            )
         draft = initial_draft(target, shape, init_dir, config.seed, output_ids).to(config.device)
         if distill_config.embeddings_from_target and init_dir is None:
             project_embeddings(target.model, draft)
         context = min(draft.config.max_position_embeddings, target.model.config.max_position_embeddings)
         check_stream_length(train_stream, context, "training", config.batch_size)
         check_prompt_tokens(distill_config, context)
-        log(f"target {target.model.config.num_parameters / 1e6:.2f}M parameters, draft "
+        log(
+            f"target {target.model.config.num_parameters / 1e6:.2f}M parameters, draft "
             f"{draft.config.num_parameters / 1e6:.2f}M; {len(train_stream):,} training tokens; ready in "
-            f"{time.perf_counter() - started:.1f}s")
-        identity = run_identity("distill", draft.config, tokenizer, corpus, target=str(target_dir.resolve()),
-                                distill=dataclasses.asdict(distill_config), init=str(init_dir))
-        task = distillation_task(draft, target.model, train_stream, held_out_stream, context, config,
-                                 distill_config, identity)
+            f"{time.perf_counter() - started:.1f}s"
+        )
+        identity = run_identity(
+            "distill",
+            draft.config,
+            tokenizer,
+            corpus,
+            target=str(target_dir.resolve()),
+            distill=dataclasses.asdict(distill_config),
+            init=str(init_dir),
+        )
+        task = distillation_task(
+            draft, target.model, train_stream, held_out_stream, context, config, distill_config, identity
+        )
         state = train_loop(task, config, output.staging / CHECKPOINT_DIR, checkpoint)
-        settings = {"target": str(target_dir), "target_sha256": weights_fingerprint(target_dir),
-                    "init": str(init_dir), "init_log": read_training_log(init_dir),
-                    "distill": dataclasses.asdict(distill_config), "model": dataclasses.asdict(draft.config),
-                    **corpus_record(corpus)}
+        settings = {
+            "target": str(target_dir),
+            "target_sha256": weights_fingerprint(target_dir),
+            "init": str(init_dir),
+            "init_log": read_training_log(init_dir),
+            "distill": dataclasses.asdict(distill_config),
+            "model": dataclasses.asdict(draft.config),
+            **corpus_record(corpus),
+        }
 
         def save_model(directory: Path) -> None:
-            save_pretrained(draft, directory, SAVE_DTYPES[save_dtype], max_shard_bytes=max_shard_bytes,
-                            eos_token_id=eot_id)
+            save_pretrained(
+                draft, directory, SAVE_DTYPES[save_dtype], max_shard_bytes=max_shard_bytes, eos_token_id=eot_id
+            )
             copy_tokenizer(target, directory)
 
         return finish_run(output, "distill", config, settings, state, arguments, save_model)
@@ -191,9 +232,11 @@ def check_prompt_tokens(distill_config: DistillConfig, context: int) -> None:
     """On-policy samples continue --prompt-tokens corpus tokens up to the context: say so when
     the context leaves them fewer than asked for."""
     if distill_config.on_policy_fraction > 0 and distill_config.prompt_tokens >= context:
-        log(f"note: --prompt-tokens {distill_config.prompt_tokens} is not below the context ({context} tokens): "
+        log(
+            f"note: --prompt-tokens {distill_config.prompt_tokens} is not below the context ({context} tokens): "
             f"on-policy samples continue the first {context} corpus tokens of a window by one sampled token; "
-            f"give --prompt-tokens below {context} for more of the target's own text")
+            f"give --prompt-tokens below {context} for more of the target's own text"
+        )
 
 
 def weights_fingerprint(model_dir: Path) -> str:
@@ -207,15 +250,18 @@ def weights_fingerprint(model_dir: Path) -> str:
     return digest.hexdigest()[:16]
 
 
-def initial_draft(target: LoadedModel, shape: ModelShape | None, init_dir, seed: int,
-                  output_token_ids: torch.Tensor | None = None) -> LlamaModel:
+def initial_draft(
+    target: LoadedModel, shape: ModelShape | None, init_dir, seed: int, output_token_ids: torch.Tensor | None = None
+) -> LlamaModel:
     """A random-init draft of `shape` with the target's vocabulary size (its output layer over
     output_token_ids only, if given), or the draft in init_dir."""
     target_vocab, target_context = target.model.config.vocab_size, target.model.config.max_position_embeddings
     if init_dir is None:
         if shape.context > target_context:
-            log(f"note: the draft's context is cut from {shape.context} to the target's, {target_context} tokens "
-                "(distillation needs the target's distribution at every position)")
+            log(
+                f"note: the draft's context is cut from {shape.context} to the target's, {target_context} tokens "
+                "(distillation needs the target's distribution at every position)"
+            )
         shape = dataclasses.replace(shape, vocab_size=target_vocab, context=min(shape.context, target_context))
         config = shape.model_config()
         if output_token_ids is not None:
@@ -229,8 +275,10 @@ def initial_draft(target: LoadedModel, shape: ModelShape | None, init_dir, seed:
     loaded = load_initial_model(init_dir, load_tokenizer=True)
     check_same_vocabulary(target, loaded)
     if loaded.model.config.vocab_size != target_vocab:
-        raise ValueError(f"--init {init_dir} has vocab_size {loaded.model.config.vocab_size}, the target "
-                         f"{target_vocab}; distillation compares distributions over the same vocabulary")
+        raise ValueError(
+            f"--init {init_dir} has vocab_size {loaded.model.config.vocab_size}, the target "
+            f"{target_vocab}; distillation compares distributions over the same vocabulary"
+        )
     return loaded.model
 
 
@@ -260,8 +308,10 @@ def project_embeddings(target: LlamaModel, draft: LlamaModel) -> None:
     target_embedding = target.embed_tokens.weight.float()  # [V, H]
     hidden = draft.config.hidden_size
     if hidden > target_embedding.shape[1]:
-        raise ValueError(f"--embeddings-from-target projects the target's {target_embedding.shape[1]}-wide embedding "
-                         f"down; the draft's hidden size {hidden} is wider")
+        raise ValueError(
+            f"--embeddings-from-target projects the target's {target_embedding.shape[1]}-wide embedding "
+            f"down; the draft's hidden size {hidden} is wider"
+        )
     _, _, right = torch.linalg.svd(target_embedding, full_matrices=False)  # right [H, H], rows = directions
     projected = target_embedding @ right[:hidden].T  # [V, H] @ [H, h] -> [V, h]
     draft_embedding = draft.embed_tokens.weight
@@ -271,9 +321,16 @@ def project_embeddings(target: LlamaModel, draft: LlamaModel) -> None:
         draft.lm_head.weight.copy_(draft_embedding[rows])
 
 
-def distillation_task(draft: LlamaModel, target: LlamaModel, train_stream: torch.Tensor,
-                      held_out_stream: torch.Tensor, context: int, config: TrainConfig,
-                      distill_config: DistillConfig, identity: dict) -> Task:
+def distillation_task(
+    draft: LlamaModel,
+    target: LlamaModel,
+    train_stream: torch.Tensor,
+    held_out_stream: torch.Tensor,
+    context: int,
+    config: TrainConfig,
+    distill_config: DistillConfig,
+    identity: dict,
+) -> Task:
     device, temperature = torch.device(config.device), distill_config.temperature
     sample_temperature = temperature if distill_config.sample_temperature is None else distill_config.sample_temperature
     held_out = evaluation_windows(held_out_stream, context, config.eval_tokens)
@@ -282,15 +339,16 @@ def distillation_task(draft: LlamaModel, target: LlamaModel, train_stream: torch
         windows = sample_windows(train_stream, config.batch_size, context, generator)  # [B, T+1]
         on_policy = float(torch.rand((), generator=generator)) < distill_config.on_policy_fraction
         if on_policy:
-            prompt = windows[:, :min(distill_config.prompt_tokens, context)].to(device)  # [B, P]
+            prompt = windows[:, : min(distill_config.prompt_tokens, context)].to(device)  # [B, P]
             return sample_from_target(target, prompt, context + 1, sample_temperature, generator)
         return windows.to(device)
 
     def loss(draft: LlamaModel, windows: torch.Tensor) -> torch.Tensor:
         if draft.config.output_vocab_size:  # the same loss over the scored tokens only: a sixth of the memory
             draft_scores, target_logits = both_logits(draft, target, windows[:, :-1], scored_only=True)
-            return scored_divergence_loss(draft_scores, target_logits, draft.output_token_ids, temperature,
-                                          distill_config.divergence)
+            return scored_divergence_loss(
+                draft_scores, target_logits, draft.output_token_ids, temperature, distill_config.divergence
+            )
         draft_logits, target_logits = both_logits(draft, target, windows[:, :-1])
         return divergence_loss(draft_logits, target_logits, temperature, distill_config.divergence)
 
@@ -305,8 +363,9 @@ def distillation_task(draft: LlamaModel, target: LlamaModel, train_stream: torch
     return Task(draft, next_batch, loss, evaluate, config.batch_size * context, identity)
 
 
-def both_logits(draft: LlamaModel, target: LlamaModel, inputs: torch.Tensor, scored_only: bool = False
-                ) -> tuple[torch.Tensor, torch.Tensor]:
+def both_logits(
+    draft: LlamaModel, target: LlamaModel, inputs: torch.Tensor, scored_only: bool = False
+) -> tuple[torch.Tensor, torch.Tensor]:
     """The draft's logits (with gradients) and the frozen target's, [B, T, V] each, float32.
     scored_only: the draft's logits over the tokens its output layer scores only, [B, T, S]."""
     positions = training_positions(inputs)
@@ -317,8 +376,9 @@ def both_logits(draft: LlamaModel, target: LlamaModel, inputs: torch.Tensor, sco
     return draft(inputs, positions, None), target_logits
 
 
-def divergence_loss(draft_logits: torch.Tensor, target_logits: torch.Tensor, temperature: float,
-                    divergence: str) -> torch.Tensor:
+def divergence_loss(
+    draft_logits: torch.Tensor, target_logits: torch.Tensor, temperature: float, divergence: str
+) -> torch.Tensor:
     """Mean over positions of the chosen divergence between the target's and the draft's
     distributions at `temperature`; logits [B, T, V]."""
     target_probs = torch.softmax(target_logits.float() / temperature, dim=-1)  # [B, T, V]
@@ -336,8 +396,13 @@ def divergence_loss(draft_logits: torch.Tensor, target_logits: torch.Tensor, tem
     return loss
 
 
-def scored_divergence_loss(draft_scores: torch.Tensor, target_logits: torch.Tensor, scored_ids: torch.Tensor,
-                           temperature: float, divergence: str) -> torch.Tensor:
+def scored_divergence_loss(
+    draft_scores: torch.Tensor,
+    target_logits: torch.Tensor,
+    scored_ids: torch.Tensor,
+    temperature: float,
+    divergence: str,
+) -> torch.Tensor:
     """divergence_loss for a draft whose output layer scores only scored_ids [S]: the same
     value, computed over those S tokens (draft_scores [B, T, S]) and the target's mass outside
     them, without [B, T, V] tensors beyond the target's logits. There q = 0: TV adds half the
@@ -361,20 +426,23 @@ def total_variation(target_probs: torch.Tensor, draft_probs: torch.Tensor) -> to
     return 0.5 * (target_probs - draft_probs).abs().sum(-1)
 
 
-def acceptance_metrics(draft_logits: torch.Tensor, target_logits: torch.Tensor, temperature: float
-                       ) -> dict[str, float]:
+def acceptance_metrics(draft_logits: torch.Tensor, target_logits: torch.Tensor, temperature: float) -> dict[str, float]:
     """Mean over positions of α = 1 − TV(p, q), of TV, and of greedy agreement (argmax q = argmax p)."""
     target_probs = torch.softmax(target_logits.float() / temperature, dim=-1)  # [B, T, V]
     draft_probs = torch.softmax(draft_logits.float() / temperature, dim=-1)  # [B, T, V]
     tv = total_variation(target_probs, draft_probs)  # [B, T]
     agreement = (draft_logits.argmax(-1) == target_logits.argmax(-1)).float()  # [B, T]
-    return {"held_out_alpha": float(1 - tv.mean()), "held_out_greedy_agreement": float(agreement.mean()),
-            "held_out_tv": float(tv.mean())}
+    return {
+        "held_out_alpha": float(1 - tv.mean()),
+        "held_out_greedy_agreement": float(agreement.mean()),
+        "held_out_tv": float(tv.mean()),
+    }
 
 
 @torch.no_grad()
-def sample_from_target(target: LlamaModel, prompt: torch.Tensor, length: int, temperature: float,
-                       generator: torch.Generator) -> torch.Tensor:
+def sample_from_target(
+    target: LlamaModel, prompt: torch.Tensor, length: int, temperature: float, generator: torch.Generator
+) -> torch.Tensor:
     """Continue prompt [B, P] by sampling from the target at `temperature` (0: its most likely
     token) up to `length` tokens: [B, length]. Draws use `generator` (on the CPU), so a resumed
     run samples the same text."""
@@ -408,6 +476,7 @@ def copy_tokenizer(target: LoadedModel, out: Path) -> None:
 
 def alpha_summary(result: TrainResult) -> str:
     first, last = result.first_evaluation, result.last_evaluation
-    return (f"held-out α (1 − TV) {first['held_out_alpha']:.3f} -> {last['held_out_alpha']:.3f}; "
-            f"greedy agreement {first['held_out_greedy_agreement']:.3f} -> {last['held_out_greedy_agreement']:.3f}")
-
+    return (
+        f"held-out α (1 − TV) {first['held_out_alpha']:.3f} -> {last['held_out_alpha']:.3f}; "
+        f"greedy agreement {first['held_out_greedy_agreement']:.3f} -> {last['held_out_greedy_agreement']:.3f}"
+    )

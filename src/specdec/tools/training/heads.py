@@ -98,8 +98,13 @@ from specdec.tools.training.train import (
 
 KIND = "train-heads"
 # what a train-heads run writes in its output directory: the head, its log and card, its checkpoint
-HEAD_RUN_ENTRIES = (HEAD_CONFIG, HEAD_WEIGHTS, "README.md", "training_log.json",
-                    *(name for name in RUN_OUTPUT_ENTRIES if name.startswith(CHECKPOINT_DIR + "/")))
+HEAD_RUN_ENTRIES = (
+    HEAD_CONFIG,
+    HEAD_WEIGHTS,
+    "README.md",
+    "training_log.json",
+    *(name for name in RUN_OUTPUT_ENTRIES if name.startswith(CHECKPOINT_DIR + "/")),
+)
 
 
 @dataclass(frozen=True)
@@ -133,26 +138,39 @@ class HeadsConfig:
     output_vocab: int = 0
 
     def __post_init__(self) -> None:
-        check(is_int(self.context) and self.context >= 2,
-              f"context must be an integer >= 2 (a feature and the one after it), got {self.context!r}")
+        check(
+            is_int(self.context) and self.context >= 2,
+            f"context must be an integer >= 2 (a feature and the one after it), got {self.context!r}",
+        )
         for name in ("feature_weight", "token_weight", "feature_noise"):
             value = getattr(self, name)
             check(is_real(value) and value >= 0, f"{name} must be a number >= 0, got {value!r}")
-        check(self.feature_weight > 0 or self.token_weight > 0,
-              "feature_weight and token_weight are both 0: the loss would be 0 and the head learn nothing")
-        check(is_real(self.on_policy_fraction) and 0 <= self.on_policy_fraction <= 1,
-              f"on_policy_fraction must be in [0, 1], got {self.on_policy_fraction!r}")
+        check(
+            self.feature_weight > 0 or self.token_weight > 0,
+            "feature_weight and token_weight are both 0: the loss would be 0 and the head learn nothing",
+        )
+        check(
+            is_real(self.on_policy_fraction) and 0 <= self.on_policy_fraction <= 1,
+            f"on_policy_fraction must be in [0, 1], got {self.on_policy_fraction!r}",
+        )
         temperatures = self.sample_temperatures
-        check(isinstance(temperatures, (tuple, list)) and len(temperatures) >= 1
-              and all(is_real(t) and t >= 0 for t in temperatures),
-              f"sample_temperatures must be one or more numbers >= 0 (0 is greedy), got {temperatures!r}")
+        check(
+            isinstance(temperatures, (tuple, list))
+            and len(temperatures) >= 1
+            and all(is_real(t) and t >= 0 for t in temperatures),
+            f"sample_temperatures must be one or more numbers >= 0 (0 is greedy), got {temperatures!r}",
+        )
         object.__setattr__(self, "sample_temperatures", tuple(float(t) for t in temperatures))
-        check(is_int(self.prompt_tokens) and self.prompt_tokens >= 1,
-              f"prompt_tokens must be an integer >= 1, got {self.prompt_tokens!r}")
+        check(
+            is_int(self.prompt_tokens) and self.prompt_tokens >= 1,
+            f"prompt_tokens must be an integer >= 1, got {self.prompt_tokens!r}",
+        )
         if self.target_dtype not in ("auto", *SAVE_DTYPES):
             raise ValueError(f"target_dtype must be auto, float32 or bfloat16, got {self.target_dtype!r}")
-        check(is_int(self.output_vocab) and self.output_vocab >= 0,
-              f"output_vocab must be an integer >= 0 (0: the whole vocabulary), got {self.output_vocab!r}")
+        check(
+            is_int(self.output_vocab) and self.output_vocab >= 0,
+            f"output_vocab must be an integer >= 0 (0: the whole vocabulary), got {self.output_vocab!r}",
+        )
 
     def identity(self) -> dict:
         """What a resumed run must share (output_vocab only where set: a run from before it existed
@@ -172,10 +190,18 @@ class MicroBatch:
     noise_seed: int
 
 
-def train_heads(target_path: str | Path, out: str | Path, config: TrainConfig,
-                heads_config: HeadsConfig = HeadsConfig(), corpus_path: str | Path | None = None,
-                save_dtype: str = "bfloat16", restart: bool = False, require_checkpoint: bool = False,
-                arguments: dict | None = None, force: bool = False) -> TrainResult:
+def train_heads(
+    target_path: str | Path,
+    out: str | Path,
+    config: TrainConfig,
+    heads_config: HeadsConfig = HeadsConfig(),
+    corpus_path: str | Path | None = None,
+    save_dtype: str = "bfloat16",
+    restart: bool = False,
+    require_checkpoint: bool = False,
+    arguments: dict | None = None,
+    force: bool = False,
+) -> TrainResult:
     """Train (or resume training) an EAGLE head for the target at target_path and write it to
     `out` (see output_dir.py: out must not be an input, nor a directory of other files unless force)."""
     target_path, started = Path(target_path), time.perf_counter()
@@ -184,40 +210,68 @@ def train_heads(target_path: str | Path, out: str | Path, config: TrainConfig,
     with open_run_output(out, KIND, inputs, force, HEAD_RUN_ENTRIES) as output:
         target = load_pretrained(target_path, heads_config.target_dtype, config.device, what="the target")
         if target.tokenizer is None or not target.eos_token_ids:
-            raise ValueError(f"the target {target_path} needs a tokenizer.json and an eos_token_id to train a head "
-                             "on text")
+            raise ValueError(
+                f"the target {target_path} needs a tokenizer.json and an eos_token_id to train a head on text"
+            )
         checkpoint = resume_checkpoint(output, restart, require_checkpoint)
         corpus, train_stream, held_out_stream = target_streams(target, corpus_path)
         tokenizer = target.tokenizer.backend
         context = fit_context(heads_config.context, target.model.config.max_position_embeddings)
         check_stream_length(train_stream, context, "training", config.batch_size)
         if len(held_out_stream) < 3:
-            raise ValueError(f"the held-out text is only {len(held_out_stream)} tokens; evaluating a head needs at "
-                             "least 3 (a feature, the next and the token between): give a larger corpus")
+            raise ValueError(
+                f"the held-out text is only {len(held_out_stream)} tokens; evaluating a head needs at "
+                "least 3 (a feature, the next and the token between): give a larger corpus"
+            )
         check_prompt_tokens(heads_config, context)
         head = new_head(head_config(target.model.config, heads_config.output_vocab), config.seed).to(config.device)
         if heads_config.output_vocab:
-            ids = frequent_tokens(train_stream, target.model.config.vocab_size, heads_config.output_vocab,
-                                  always=tuple(target.eos_token_ids))
+            ids = frequent_tokens(
+                train_stream,
+                target.model.config.vocab_size,
+                heads_config.output_vocab,
+                always=tuple(target.eos_token_ids),
+            )
             head.output_token_ids.copy_(ids)
-            log(f"the head scores the {len(ids):,} most frequent tokens of the training text: they are "
-                f"{frequent_share(train_stream, ids):.1%} of its tokens")
+            log(
+                f"the head scores the {len(ids):,} most frequent tokens of the training text: they are "
+                f"{frequent_share(train_stream, ids):.1%} of its tokens"
+            )
         target_sha256 = weights_fingerprint(target_path) if target_path.is_dir() else None
-        log(f"target {target.model.config.num_parameters / 1e6:.2f}M parameters, head "
+        log(
+            f"target {target.model.config.num_parameters / 1e6:.2f}M parameters, head "
             f"{head.num_parameters / 1e6:.2f}M; {len(train_stream):,} training tokens; ready in "
-            f"{time.perf_counter() - started:.1f}s")
-        identity = run_identity(KIND, head.config, tokenizer, corpus, target=str(target_path.resolve()),
-                                target_sha256=target_sha256, heads=heads_config.identity())
+            f"{time.perf_counter() - started:.1f}s"
+        )
+        identity = run_identity(
+            KIND,
+            head.config,
+            tokenizer,
+            corpus,
+            target=str(target_path.resolve()),
+            target_sha256=target_sha256,
+            heads=heads_config.identity(),
+        )
         task = head_task(head, target.model, train_stream, held_out_stream, context, config, heads_config, identity)
         state = train_loop(task, config, output.staging / CHECKPOINT_DIR, checkpoint)
-        settings = {"target": str(target_path), "target_sha256": target_sha256,
-                    "heads": dataclasses.asdict(heads_config), "context": context,
-                    "model": dataclasses.asdict(head.config), "head_parameters": head.num_parameters,
-                    **corpus_record(corpus)}
+        settings = {
+            "target": str(target_path),
+            "target_sha256": target_sha256,
+            "heads": dataclasses.asdict(heads_config),
+            "context": context,
+            "model": dataclasses.asdict(head.config),
+            "head_parameters": head.num_parameters,
+            **corpus_record(corpus),
+        }
 
         def save(directory: Path) -> None:
-            save_head(head, directory, SAVE_DTYPES[save_dtype], target=str(target_path.resolve()),
-                      extra={"target_sha256": target_sha256, "training": training_summary(state)})
+            save_head(
+                head,
+                directory,
+                SAVE_DTYPES[save_dtype],
+                target=str(target_path.resolve()),
+                extra={"target_sha256": target_sha256, "training": training_summary(state)},
+            )
 
         return finish_run(output, KIND, config, settings, state, arguments, save, write_head_card)
 
@@ -233,9 +287,11 @@ def check_prompt_tokens(heads_config: HeadsConfig, context: int) -> None:
     """On-policy samples continue at most context - 1 corpus tokens (the target writes at least
     one): say so when --prompt-tokens leaves the target little or nothing of its own to write."""
     if heads_config.on_policy_fraction > 0 and heads_config.prompt_tokens >= context - 1:
-        log(f"note: --prompt-tokens {heads_config.prompt_tokens} is not below the context ({context} tokens) less "
+        log(
+            f"note: --prompt-tokens {heads_config.prompt_tokens} is not below the context ({context} tokens) less "
             f"one: on-policy samples continue the first {context - 1} corpus tokens of a window by one token the "
-            f"target writes; give --prompt-tokens below {context - 1} for more of the target's own text")
+            f"target writes; give --prompt-tokens below {context - 1} for more of the target's own text"
+        )
 
 
 def new_head(config: ModelConfig, seed: int) -> EagleHead:
@@ -243,8 +299,16 @@ def new_head(config: ModelConfig, seed: int) -> EagleHead:
     return initialise(EagleHead(config), config.num_layers, seed)
 
 
-def head_task(head: EagleHead, target: LlamaModel, train_stream: torch.Tensor, held_out_stream: torch.Tensor,
-              context: int, config: TrainConfig, heads_config: HeadsConfig, identity: dict) -> Task:
+def head_task(
+    head: EagleHead,
+    target: LlamaModel,
+    train_stream: torch.Tensor,
+    held_out_stream: torch.Tensor,
+    context: int,
+    config: TrainConfig,
+    heads_config: HeadsConfig,
+    identity: dict,
+) -> Task:
     """The head's Task for the shared loop: micro-batches of the target's text (or the corpus),
     the EAGLE loss with noisy features, the teacher-forced held-out evaluation."""
     device = torch.device(config.device)
@@ -258,7 +322,7 @@ def head_task(head: EagleHead, target: LlamaModel, train_stream: torch.Tensor, h
             temperature = temperatures[int(torch.randint(len(temperatures), (), generator=generator))]
             prompt = token_ids[:, :prompt_tokens]  # [B, P]
             token_ids = sample_from_target(target, prompt, context, temperature, generator)  # [B, T]
-        return MicroBatch(token_ids, int(torch.randint(2 ** 62, (), generator=generator)))
+        return MicroBatch(token_ids, int(torch.randint(2**62, (), generator=generator)))
 
     def loss(head: EagleHead, batch: MicroBatch) -> torch.Tensor:
         features = target_features(target, batch.token_ids)  # [B, T, H]
@@ -296,8 +360,9 @@ def add_noise(features: torch.Tensor, feature_noise: float, seed: int) -> torch.
     return features + (unit * half_width).to(features.dtype)
 
 
-def predict_features(head: EagleHead, target: LlamaModel, token_ids: torch.Tensor, features: torch.Tensor
-                     ) -> torch.Tensor:
+def predict_features(
+    head: EagleHead, target: LlamaModel, token_ids: torch.Tensor, features: torch.Tensor
+) -> torch.Tensor:
     """The head's predictions f^_{t+1} for t = 0..T-2, from the embeddings of tokens 1..T-1 of
     token_ids [B, T] and the features f_0..f_{T-2} [B, T-1, H] at positions 0..T-2: [B, T-1, H]."""
     next_ids = token_ids[:, 1:]  # [B, T-1]: token t+1 beside feature t
@@ -306,8 +371,13 @@ def predict_features(head: EagleHead, target: LlamaModel, token_ids: torch.Tenso
     return head(token_embeddings.to(head.dtype), features.to(head.dtype), training_positions(next_ids))
 
 
-def head_loss(predicted: torch.Tensor, next_features: torch.Tensor, target: LlamaModel,
-              heads_config: HeadsConfig, head: EagleHead | None = None) -> torch.Tensor:
+def head_loss(
+    predicted: torch.Tensor,
+    next_features: torch.Tensor,
+    target: LlamaModel,
+    heads_config: HeadsConfig,
+    head: EagleHead | None = None,
+) -> torch.Tensor:
     """feature_weight · smooth L1(f^, f) + token_weight · KL(p ‖ q), means over positions, for
     predicted and true next features [B, T-1, H]; p from the true features through the target's
     output layer, q from the predicted through the head's (the target's, or its rows of the
@@ -319,7 +389,8 @@ def head_loss(predicted: torch.Tensor, next_features: torch.Tensor, target: Llam
         with torch.no_grad():
             target_logits = target.logits(next_features)  # [B, T-1, V]
         return loss + heads_config.token_weight * scored_divergence_loss(
-            scored_head_scores(predicted, target, head), target_logits, head.output_token_ids, 1.0, "fkl")
+            scored_head_scores(predicted, target, head), target_logits, head.output_token_ids, 1.0, "fkl"
+        )
     head_logits, target_logits = both_logits(predicted, next_features, target)  # [B, T-1, V] each
     return loss + heads_config.token_weight * divergence_loss(head_logits, target_logits, 1.0, "fkl")
 
@@ -329,8 +400,9 @@ def feature_loss(predicted: torch.Tensor, next_features: torch.Tensor) -> torch.
     return F.smooth_l1_loss(predicted.float(), next_features.float())
 
 
-def both_logits(predicted: torch.Tensor, next_features: torch.Tensor, target: LlamaModel,
-                head: EagleHead | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+def both_logits(
+    predicted: torch.Tensor, next_features: torch.Tensor, target: LlamaModel, head: EagleHead | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
     """The head's logits over the predicted features (with gradients to them: the target's output
     layer, or for a head scoring part of the vocabulary its rows, -inf elsewhere) and the
     target's over the true ones (without): [B, T-1, V] each, float32."""
@@ -349,21 +421,30 @@ def scored_head_scores(predicted: torch.Tensor, target: LlamaModel, head: EagleH
     return output_layer(predicted.to(output_layer.weight.dtype)).float()
 
 
-def held_out_metrics(predicted: torch.Tensor, next_features: torch.Tensor, target: LlamaModel,
-                     head: EagleHead | None = None) -> dict[str, float]:
+def held_out_metrics(
+    predicted: torch.Tensor, next_features: torch.Tensor, target: LlamaModel, head: EagleHead | None = None
+) -> dict[str, float]:
     """Greedy agreement, α = 1 − TV and TV at temperature 1 (distill.acceptance_metrics), and the
     feature loss, means over positions; features [B, T-1, H]."""
     head_logits, target_logits = both_logits(predicted, next_features, target, head)  # [B, T-1, V] each
     acceptance = acceptance_metrics(head_logits, target_logits, 1.0)
-    return {"held_out_greedy_agreement": acceptance["held_out_greedy_agreement"],
-            "held_out_alpha": acceptance["held_out_alpha"], "held_out_tv": acceptance["held_out_tv"],
-            "held_out_feature_loss": float(feature_loss(predicted, next_features))}
+    return {
+        "held_out_greedy_agreement": acceptance["held_out_greedy_agreement"],
+        "held_out_alpha": acceptance["held_out_alpha"],
+        "held_out_tv": acceptance["held_out_tv"],
+        "held_out_feature_loss": float(feature_loss(predicted, next_features)),
+    }
 
 
 def training_summary(state: RunState) -> dict:
     """What head.json keeps of the training: steps, tokens, time, the first and last held-out evaluations."""
-    return {"steps": state.step, "tokens_seen": state.tokens_seen, "seconds": round(state.seconds, 1),
-            "first_evaluation": state.evaluations[0], "last_evaluation": state.evaluations[-1]}
+    return {
+        "steps": state.step,
+        "tokens_seen": state.tokens_seen,
+        "seconds": round(state.seconds, 1),
+        "first_evaluation": state.evaluations[0],
+        "last_evaluation": state.evaluations[-1],
+    }
 
 
 def _plain(value):
@@ -385,41 +466,56 @@ def head_card(name: str, log: dict, head: dict, weight_bytes: int) -> str:
     arguments = log.get("arguments") or {}
     stdlib = log["corpus"].startswith(str(stdlib_path()))
     head_path = arguments.get("out", name)
-    target_weights = f" (weights sha256 `{log['target_sha256']}`, over its safetensors files)" if log.get(
-        "target_sha256") else ""
-    lines = [f"# {name}", "",
-             f"An EAGLE draft head (Li et al. 2024) for the target `{log['target']}`, trained by "
-             "`specdec train-heads`: one decoder layer of the target's own kind that predicts the target's next "
-             "feature (its final hidden state) from the current one and the next token. It borrows the target's "
-             "embedding and output layer, so it drafts for that target only.", "",
-             "| | |", "|---|---|",
-             f"| head | fc {2 * model['hidden_size']} → {model['hidden_size']}, 1 decoder layer "
-             f"({model['num_heads']} heads, {model['num_kv_heads']} key/value heads, MLP "
-             f"{model['intermediate_size']}), a norm; {millions:.2f}M parameters |",
-             f"| weights | {head.get('torch_dtype', '?')} safetensors, {weight_bytes / 1e6:.2f} MB |",
-             f"| target | `{log['target']}`{target_weights} |",
-             f"| corpus | {log['corpus']} |",
-             f"| held out | {some_names(log.get('held_out') or [])} (never trained on) |",
-             f"| data | windows of {log['context']} tokens; {_data_line(heads)} |",
-             f"| loss | {heads['feature_weight']:g} · smooth L1 on the next feature + {heads['token_weight']:g} · "
-             f"KL(p ‖ q) on the token after it; feature noise ±{heads['feature_noise']:g} × their root mean "
-             "square |",
-             f"| training | {log['step']:,} steps of {train['batch_size'] * train['grad_accum']} windows; "
-             f"{log['tokens_seen']:,} tokens; AdamW lr {train['lr']:g} (warm-up {train['warmup']}, cosine to "
-             f"{train['lr'] * train['min_lr_ratio']:g}), weight decay {train['weight_decay']:g}, "
-             f"{'bfloat16 autocast' if train['bf16'] else 'float32'}, seed {train['seed']} |",
-             f"| time and hardware | {log['seconds'] / 60:.1f} min on {_hardware(log)} |",
-             f"| held-out evaluation | {_evaluation_line(log['evaluations'])} |", "",
-             "## Use", "",
-             "```",
-             f"specdec generate --model {log['target']} --draft {head_path} --prompt 'def f(x):'",
-             "```", "",
-             f"or `LLM(target, speculative_model=\"{head_path}\", speculative_method=\"eagle\")`: the output is the "
-             "target's own, the head only proposes.", "",
-             "## Made by", "",
-             "```", command_line(KIND, arguments, positional=("target",)), "```", "",
-             "Runs are deterministic up to floating-point reduction order: the same command with the same seed on "
-             "the same machine and library versions gives the same head.", ""]
+    target_weights = (
+        f" (weights sha256 `{log['target_sha256']}`, over its safetensors files)" if log.get("target_sha256") else ""
+    )
+    lines = [
+        f"# {name}",
+        "",
+        f"An EAGLE draft head (Li et al. 2024) for the target `{log['target']}`, trained by "
+        "`specdec train-heads`: one decoder layer of the target's own kind that predicts the target's next "
+        "feature (its final hidden state) from the current one and the next token. It borrows the target's "
+        "embedding and output layer, so it drafts for that target only.",
+        "",
+        "| | |",
+        "|---|---|",
+        f"| head | fc {2 * model['hidden_size']} → {model['hidden_size']}, 1 decoder layer "
+        f"({model['num_heads']} heads, {model['num_kv_heads']} key/value heads, MLP "
+        f"{model['intermediate_size']}), a norm; {millions:.2f}M parameters |",
+        f"| weights | {head.get('torch_dtype', '?')} safetensors, {weight_bytes / 1e6:.2f} MB |",
+        f"| target | `{log['target']}`{target_weights} |",
+        f"| corpus | {log['corpus']} |",
+        f"| held out | {some_names(log.get('held_out') or [])} (never trained on) |",
+        f"| data | windows of {log['context']} tokens; {_data_line(heads)} |",
+        f"| loss | {heads['feature_weight']:g} · smooth L1 on the next feature + {heads['token_weight']:g} · "
+        f"KL(p ‖ q) on the token after it; feature noise ±{heads['feature_noise']:g} × their root mean "
+        "square |",
+        f"| training | {log['step']:,} steps of {train['batch_size'] * train['grad_accum']} windows; "
+        f"{log['tokens_seen']:,} tokens; AdamW lr {train['lr']:g} (warm-up {train['warmup']}, cosine to "
+        f"{train['lr'] * train['min_lr_ratio']:g}), weight decay {train['weight_decay']:g}, "
+        f"{'bfloat16 autocast' if train['bf16'] else 'float32'}, seed {train['seed']} |",
+        f"| time and hardware | {log['seconds'] / 60:.1f} min on {_hardware(log)} |",
+        f"| held-out evaluation | {_evaluation_line(log['evaluations'])} |",
+        "",
+        "## Use",
+        "",
+        "```",
+        f"specdec generate --model {log['target']} --draft {head_path} --prompt 'def f(x):'",
+        "```",
+        "",
+        f'or `LLM(target, speculative_model="{head_path}", speculative_method="eagle")`: the output is the '
+        "target's own, the head only proposes.",
+        "",
+        "## Made by",
+        "",
+        "```",
+        command_line(KIND, arguments, positional=("target",)),
+        "```",
+        "",
+        "Runs are deterministic up to floating-point reduction order: the same command with the same seed on "
+        "the same machine and library versions gives the same head.",
+        "",
+    ]
     if stdlib:
         lines += ["The corpus is Python's standard library, under the Python Software Foundation License.", ""]
     return "\n".join(lines)
@@ -430,16 +526,24 @@ def _data_line(heads: dict) -> str:
     if fraction == 0:
         return "corpus windows"
     temperatures = " or ".join("greedy" if t == 0 else f"temperature {t:g}" for t in heads["sample_temperatures"])
-    own = (f"the target's own continuation of {heads['prompt_tokens']} corpus tokens ({temperatures}, one chosen "
-           "at random per micro-batch)")
+    own = (
+        f"the target's own continuation of {heads['prompt_tokens']} corpus tokens ({temperatures}, one chosen "
+        "at random per micro-batch)"
+    )
     return own if fraction == 1 else f"a fraction {fraction:g} {own}, the rest corpus windows"
 
 
 def _evaluation_line(evaluations: list[dict]) -> str:
     first, last = evaluations[0], evaluations[-1]
-    parts = [f"{label} {first[key]:.3f} → {last[key]:.3f}" for key, label in (
-        ("held_out_greedy_agreement", "greedy agreement"), ("held_out_alpha", "α = 1 − TV"),
-        ("held_out_feature_loss", "feature loss")) if key in last]
+    parts = [
+        f"{label} {first[key]:.3f} → {last[key]:.3f}"
+        for key, label in (
+            ("held_out_greedy_agreement", "greedy agreement"),
+            ("held_out_alpha", "α = 1 − TV"),
+            ("held_out_feature_loss", "feature loss"),
+        )
+        if key in last
+    ]
     return "; ".join(parts) + f" (step {first['step']} → step {last['step']}; teacher-forced, the first draft token)"
 
 
@@ -451,17 +555,25 @@ def _hardware(log: dict) -> str:
 def agreement_summary(result: TrainResult) -> str:
     """The held-out greedy agreement and α before and after (as distill.alpha_summary)."""
     first, last = result.first_evaluation, result.last_evaluation
-    return (f"held-out greedy agreement {first['held_out_greedy_agreement']:.3f} -> "
-            f"{last['held_out_greedy_agreement']:.3f}; α (1 − TV) {first['held_out_alpha']:.3f} -> "
-            f"{last['held_out_alpha']:.3f}; feature loss {first['held_out_feature_loss']:.4f} -> "
-            f"{last['held_out_feature_loss']:.4f}")
+    return (
+        f"held-out greedy agreement {first['held_out_greedy_agreement']:.3f} -> "
+        f"{last['held_out_greedy_agreement']:.3f}; α (1 − TV) {first['held_out_alpha']:.3f} -> "
+        f"{last['held_out_alpha']:.3f}; feature loss {first['held_out_feature_loss']:.4f} -> "
+        f"{last['held_out_feature_loss']:.4f}"
+    )
 
 
 RESTRICTED_ENTRIES = (HEAD_CONFIG, HEAD_WEIGHTS, "README.md")
 
 
-def restrict_head(head_path: str | Path, target_path: str | Path, out: str | Path, output_vocab: int,
-                  corpus_path: str | Path | None = None, force: bool = False) -> dict:
+def restrict_head(
+    head_path: str | Path,
+    target_path: str | Path,
+    out: str | Path,
+    output_vocab: int,
+    corpus_path: str | Path | None = None,
+    force: bool = False,
+) -> dict:
     """FR-Spec without training (Zhao et al. 2025): the head in head_path, its output layer cut to
     the output_vocab tokens most frequent in the corpus the target's text is read from (the
     end-of-text tokens among them), written to out. The head's own weights are unchanged: it
@@ -471,41 +583,59 @@ def restrict_head(head_path: str | Path, target_path: str | Path, out: str | Pat
     check(is_int(output_vocab) and output_vocab >= 1, f"--output-vocab must be an integer >= 1, got {output_vocab!r}")
     head_path, target_path = Path(head_path), Path(target_path)
     inputs = {"HEAD": head_path, "--target": target_path, "--corpus": corpus_path}
-    with open_output_dir(out, "restrict-head", inputs, force, is_head_directory, RESTRICTED_ENTRIES,
-                         resumable=False) as output:
+    with open_output_dir(
+        out, "restrict-head", inputs, force, is_head_directory, RESTRICTED_ENTRIES, resumable=False
+    ) as output:
         output.clear_staging()
         target = load_pretrained(target_path, "float32", what="the target")
         head = load_head(head_path, target.model.config, torch.float32)
         if head.config.output_vocab_size:
-            raise ValueError(f"the head {head_path} already scores only {head.config.output_vocab_size:,} tokens; "
-                             "restrict the head it was made from")
+            raise ValueError(
+                f"the head {head_path} already scores only {head.config.output_vocab_size:,} tokens; "
+                "restrict the head it was made from"
+            )
         vocab_size = target.model.config.vocab_size
-        check(output_vocab < vocab_size, f"--output-vocab {output_vocab} is not below the vocabulary size "
-                                         f"({vocab_size:,}): nothing to cut")
+        check(
+            output_vocab < vocab_size,
+            f"--output-vocab {output_vocab} is not below the vocabulary size ({vocab_size:,}): nothing to cut",
+        )
         _, train_stream, held_out_stream = target_streams(target, corpus_path)
         ids = frequent_tokens(train_stream, vocab_size, output_vocab, always=tuple(target.eos_token_ids))
         restricted = EagleHead(head_config(target.model.config, output_vocab))
         restricted.load_state_dict({**head.state_dict(), "output_token_ids": ids})
-        shares = {"training_tokens_kept": round(frequent_share(train_stream, ids), 4),
-                  "held_out_tokens_kept": round(frequent_share(held_out_stream, ids), 4)}
+        shares = {
+            "training_tokens_kept": round(frequent_share(train_stream, ids), 4),
+            "held_out_tokens_kept": round(frequent_share(held_out_stream, ids), 4),
+        }
         saved = json.loads((head_path / HEAD_CONFIG).read_text())
-        extra = {key: value for key, value in saved.items() if key not in ("format", "version", "model", "torch_dtype",
-                                                                           "target")}
+        extra = {
+            key: value
+            for key, value in saved.items()
+            if key not in ("format", "version", "model", "torch_dtype", "target")
+        }
         extra["restricted"] = {"from": str(head_path), "output_vocab": output_vocab, **shares}
-        save_head(restricted, output.staging, getattr(torch, saved.get("torch_dtype", "bfloat16")),
-                  target=saved.get("target"), extra=extra)
+        save_head(
+            restricted,
+            output.staging,
+            getattr(torch, saved.get("torch_dtype", "bfloat16")),
+            target=saved.get("target"),
+            extra=extra,
+        )
         card = (head_path / "README.md").read_text() if (head_path / "README.md").is_file() else ""
-        (output.staging / "README.md").write_text(card + _restricted_card(head_path, target_path, output_vocab,
-                                                                           corpus_path, shares))
+        (output.staging / "README.md").write_text(
+            card + _restricted_card(head_path, target_path, output_vocab, corpus_path, shares)
+        )
         output.commit()
     return shares
 
 
 def _restricted_card(head_path: Path, target_path: Path, output_vocab: int, corpus_path, shares: dict) -> str:
     corpus = f" --corpus {corpus_path}" if corpus_path is not None else ""
-    return (f"\n## Output layer cut to {output_vocab:,} tokens\n\n"
-            f"This copy of `{head_path}` scores only the {output_vocab:,} tokens most frequent in the training "
-            f"text (FR-Spec, no training: the head's weights are the same): "
-            f"{shares['training_tokens_kept']:.1%} of the training tokens and {shares['held_out_tokens_kept']:.1%} of "
-            f"the held-out ones. Made by\n\n```\nspecdec restrict-head {head_path} --target {target_path} "
-            f"--output-vocab {output_vocab}{corpus} --out OUT\n```\n")
+    return (
+        f"\n## Output layer cut to {output_vocab:,} tokens\n\n"
+        f"This copy of `{head_path}` scores only the {output_vocab:,} tokens most frequent in the training "
+        f"text (FR-Spec, no training: the head's weights are the same): "
+        f"{shares['training_tokens_kept']:.1%} of the training tokens and {shares['held_out_tokens_kept']:.1%} of "
+        f"the held-out ones. Made by\n\n```\nspecdec restrict-head {head_path} --target {target_path} "
+        f"--output-vocab {output_vocab}{corpus} --out OUT\n```\n"
+    )

@@ -75,23 +75,36 @@ class TrainConfig:
 
     def __post_init__(self) -> None:
         for name in ("steps", "batch_size", "grad_accum", "eval_tokens"):
-            check(is_int(getattr(self, name)) and getattr(self, name) >= 1,
-                   f"{name} must be an integer >= 1, got {getattr(self, name)!r}")
+            check(
+                is_int(getattr(self, name)) and getattr(self, name) >= 1,
+                f"{name} must be an integer >= 1, got {getattr(self, name)!r}",
+            )
         if self.warmup is None:
             object.__setattr__(self, "warmup", min(DEFAULT_WARMUP, self.steps // 10))
         for name in ("warmup", "eval_every", "checkpoint_every", "log_every", "seed"):
-            check(is_int(getattr(self, name)) and getattr(self, name) >= 0,
-                   f"{name} must be an integer >= 0, got {getattr(self, name)!r}")
+            check(
+                is_int(getattr(self, name)) and getattr(self, name) >= 0,
+                f"{name} must be an integer >= 0, got {getattr(self, name)!r}",
+            )
         check(is_real(self.lr) and self.lr > 0, f"lr must be a number > 0, got {self.lr!r}")
-        check(is_real(self.min_lr_ratio) and 0 <= self.min_lr_ratio <= 1,
-               f"min_lr_ratio must be in [0, 1], got {self.min_lr_ratio!r}")
-        check(is_real(self.weight_decay) and self.weight_decay >= 0,
-               f"weight_decay must be >= 0, got {self.weight_decay!r}")
+        check(
+            is_real(self.min_lr_ratio) and 0 <= self.min_lr_ratio <= 1,
+            f"min_lr_ratio must be in [0, 1], got {self.min_lr_ratio!r}",
+        )
+        check(
+            is_real(self.weight_decay) and self.weight_decay >= 0,
+            f"weight_decay must be >= 0, got {self.weight_decay!r}",
+        )
         check(is_real(self.grad_clip) and self.grad_clip > 0, f"grad_clip must be > 0, got {self.grad_clip!r}")
-        check(self.stop_after is None or (is_int(self.stop_after) and self.stop_after >= 1),
-               f"stop_after must be an integer >= 1 or None, got {self.stop_after!r}")
-        check(self.warmup < self.steps, f"warmup {self.warmup} must be fewer steps than steps {self.steps}: the "
-                                        f"learning rate would never reach lr nor decay; lower --warmup")
+        check(
+            self.stop_after is None or (is_int(self.stop_after) and self.stop_after >= 1),
+            f"stop_after must be an integer >= 1 or None, got {self.stop_after!r}",
+        )
+        check(
+            self.warmup < self.steps,
+            f"warmup {self.warmup} must be fewer steps than steps {self.steps}: the "
+            f"learning rate would never reach lr nor decay; lower --warmup",
+        )
         check_device(self.device)
 
     @property
@@ -161,8 +174,9 @@ def train_loop(task: Task, config: TrainConfig, checkpoint_dir: Path, checkpoint
     return state
 
 
-def train_step(task: Task, optimizer: torch.optim.Optimizer, config: TrainConfig, generator: torch.Generator,
-               autocast, lr: float) -> float:
+def train_step(
+    task: Task, optimizer: torch.optim.Optimizer, config: TrainConfig, generator: torch.Generator, autocast, lr: float
+) -> float:
     """One optimizer update over grad_accum micro-batches; returns the step's mean loss."""
     for group in optimizer.param_groups:
         group["lr"] = lr
@@ -228,10 +242,12 @@ class Progress:
         steps_done = state.step - self.start_step
         tokens_per_second = (state.tokens_seen - self.start_tokens) / max(elapsed, 1e-9)
         left = elapsed / steps_done * (self.config.last_step - state.step)
-        recent = state.losses[-max(1, every):]
-        log(f"step {state.step}/{self.config.steps}  loss {sum(recent) / len(recent):.4f}  "
+        recent = state.losses[-max(1, every) :]
+        log(
+            f"step {state.step}/{self.config.steps}  loss {sum(recent) / len(recent):.4f}  "
             f"lr {learning_rate(state.step - 1, self.config):.2e}  {tokens_per_second:,.0f} tok/s  "
-            f"elapsed {format_seconds(state.seconds)}  left {format_seconds(left)}")
+            f"elapsed {format_seconds(state.seconds)}  left {format_seconds(left)}"
+        )
 
 
 def format_seconds(seconds: float) -> str:
@@ -245,6 +261,7 @@ def log(line: str) -> None:
 
 # ---------------------------------------------------------------------------- checkpoints
 
+
 def read_checkpoint(checkpoint_dir: Path) -> dict | None:
     """The checkpoint in checkpoint_dir, or None if there is none."""
     file = checkpoint_dir / CHECKPOINT_FILE
@@ -255,13 +272,20 @@ def read_checkpoint(checkpoint_dir: Path) -> dict | None:
     except Exception as e:  # a truncated or foreign file
         raise ValueError(f"{file} is not a readable checkpoint ({e}); delete it or pass --restart") from e
     if not isinstance(checkpoint, dict) or checkpoint.get("format") != CHECKPOINT_FORMAT:
-        raise ValueError(f"{file} is not a specdec training checkpoint (format {CHECKPOINT_FORMAT}); "
-                         "delete it or pass --restart")
+        raise ValueError(
+            f"{file} is not a specdec training checkpoint (format {CHECKPOINT_FORMAT}); delete it or pass --restart"
+        )
     return checkpoint
 
 
-def save_checkpoint(checkpoint_dir: Path, task: Task, config: TrainConfig, optimizer: torch.optim.Optimizer,
-                    generator: torch.Generator, state: RunState) -> None:
+def save_checkpoint(
+    checkpoint_dir: Path,
+    task: Task,
+    config: TrainConfig,
+    optimizer: torch.optim.Optimizer,
+    generator: torch.Generator,
+    state: RunState,
+) -> None:
     """Write checkpoint_dir/last.pt atomically (a temporary file, then a rename)."""
     checkpoint_dir.mkdir(parents=True, exist_ok=True)
     checkpoint = {
@@ -279,8 +303,9 @@ def save_checkpoint(checkpoint_dir: Path, task: Task, config: TrainConfig, optim
     os.replace(temporary, checkpoint_dir / CHECKPOINT_FILE)
 
 
-def restore(checkpoint: dict, task: Task, config: TrainConfig, optimizer: torch.optim.Optimizer,
-            generator: torch.Generator) -> RunState:
+def restore(
+    checkpoint: dict, task: Task, config: TrainConfig, optimizer: torch.optim.Optimizer, generator: torch.Generator
+) -> RunState:
     """Load the checkpoint into the model, optimizer and generator, after checking it is this run's."""
     check_resumable(checkpoint, task, config)
     task.model.load_state_dict(checkpoint["model"], strict=False)  # the non-persistent inv_freq is not saved
@@ -300,40 +325,59 @@ def _autocast(config: TrainConfig, device: torch.device):
         return contextlib.nullcontext()
     platform = detect_platform(device)
     if not platform.native_bf16:
-        log(f"note: bfloat16 is emulated on this {platform.describe()}: training in float32 instead (--precision fp32 "
-            "says so)")
+        log(
+            f"note: bfloat16 is emulated on this {platform.describe()}: training in float32 instead (--precision fp32 "
+            "says so)"
+        )
         return contextlib.nullcontext()
     return torch.autocast(device.type, dtype=torch.bfloat16)
 
 
 def _differing_identity(checkpoint: dict, task: Task) -> list[str]:
-    return sorted(k for k in set(task.identity) | set(checkpoint["identity"])
-                  if task.identity.get(k) != checkpoint["identity"].get(k))
+    return sorted(
+        k
+        for k in set(task.identity) | set(checkpoint["identity"])
+        if task.identity.get(k) != checkpoint["identity"].get(k)
+    )
 
 
 def _changed_settings(checkpoint: dict, config: TrainConfig) -> list[str]:
     saved = checkpoint["train_config"]
-    return sorted(f.name for f in fields(config)
-                  if f.name not in RESUMABLE_CHANGES and saved.get(f.name) != getattr(config, f.name))
+    return sorted(
+        f.name
+        for f in fields(config)
+        if f.name not in RESUMABLE_CHANGES and saved.get(f.name) != getattr(config, f.name)
+    )
 
 
 def check_resumable(checkpoint: dict, task: Task, config: TrainConfig) -> None:
     hint = "use another --out, or pass --restart to start over"
     differing = _differing_identity(checkpoint, task)
     if differing:
-        raise ValueError(f"the checkpoint in the output directory is of a different run (it differs in "
-                         f"{', '.join(differing)}); {hint}")
+        raise ValueError(
+            f"the checkpoint in the output directory is of a different run (it differs in "
+            f"{', '.join(differing)}); {hint}"
+        )
     saved = checkpoint["train_config"]
     changed = _changed_settings(checkpoint, config)
     if changed:
         details = ", ".join(f"{name} {saved.get(name)!r} -> {getattr(config, name)!r}" for name in changed)
-        warmup = (f" (warm-up defaults to a tenth of --steps, at most {DEFAULT_WARMUP}: pass --warmup "
-                  f"{saved.get('warmup')} to keep the run's with other --steps)" if "warmup" in changed else "")
-        raise ValueError(f"the checkpoint was made with other training settings ({details}){warmup}; "
-                         f"rerun with the same settings to resume, or {hint}")
+        warmup = (
+            f" (warm-up defaults to a tenth of --steps, at most {DEFAULT_WARMUP}: pass --warmup "
+            f"{saved.get('warmup')} to keep the run's with other --steps)"
+            if "warmup" in changed
+            else ""
+        )
+        raise ValueError(
+            f"the checkpoint was made with other training settings ({details}){warmup}; "
+            f"rerun with the same settings to resume, or {hint}"
+        )
     if config.stop_after is not None and checkpoint["state"]["step"] > config.stop_after:
-        raise ValueError(f"the checkpoint is at step {checkpoint['state']['step']}, past --stop-after "
-                         f"{config.stop_after}; give a later --stop-after (or none) to go on")
+        raise ValueError(
+            f"the checkpoint is at step {checkpoint['state']['step']}, past --stop-after "
+            f"{config.stop_after}; give a later --stop-after (or none) to go on"
+        )
     if checkpoint["state"]["step"] > config.steps:
-        raise ValueError(f"the checkpoint is at step {checkpoint['state']['step']}, past --steps {config.steps}; "
-                         f"{hint}")
+        raise ValueError(
+            f"the checkpoint is at step {checkpoint['state']['step']}, past --steps {config.steps}; {hint}"
+        )

@@ -42,57 +42,95 @@ def model_card(name: str, log: dict, config: dict, moved: dict[str, str]) -> str
     steps, tokens = log["step"], log["tokens_seen"]
     train = log["train_config"]
     stdlib = "corpus" not in (log.get("arguments") or {})  # the default corpus: the standard library
-    lines = [f"# {name}", "",
-             f"A {_millions(config)}M-parameter Llama-architecture model{' of Python code' if stdlib else ''}, "
-             + ((f"trained by `specdec train` in {len(earlier) + 1} runs." if earlier else
-                 "trained from scratch by `specdec train`.") if kind == "train" else
-                f"distilled by `specdec distill` to draft for the target `{_shown_path(log['target'])}`: "
-                "it shares the target's tokenizer and learned the target's next-token distributions."),
-             "It writes plausible-looking standard-library Python, but it is a demonstration model: small, "
-             "trained on one library, and often wrong." if stdlib else
-             "It is small and trained on one corpus (below): check what it writes before relying on it.", "",
-             "| | |", "|---|---|",
-             f"| architecture | {_architecture(config)} |",
-             f"| parameters | {_millions(config)}M |",
-             f"| weights | {config.get('torch_dtype', '?')} safetensors |",
-             f"| corpus | {log.get('corpus') or _corpus_line(arguments.get('corpus'))} |",
-             f"| held out | {some_names(log.get('held_out') or _held_out(arguments.get('corpus')))} (never trained on) |",
-             f"| training | {steps:,} steps of {train['batch_size'] * train['grad_accum']} windows; {tokens:,} tokens; "
-             f"AdamW lr {train['lr']:g} (warm-up {train['warmup']}, cosine to {train['lr'] * train['min_lr_ratio']:g}), "
-             f"weight decay {train['weight_decay']:g}, {'bfloat16 autocast' if train['bf16'] else 'float32'}, "
-             f"seed {train['seed']} |"]
+    lines = [
+        f"# {name}",
+        "",
+        f"A {_millions(config)}M-parameter Llama-architecture model{' of Python code' if stdlib else ''}, "
+        + (
+            (
+                f"trained by `specdec train` in {len(earlier) + 1} runs."
+                if earlier
+                else "trained from scratch by `specdec train`."
+            )
+            if kind == "train"
+            else f"distilled by `specdec distill` to draft for the target `{_shown_path(log['target'])}`: "
+            "it shares the target's tokenizer and learned the target's next-token distributions."
+        ),
+        "It writes plausible-looking standard-library Python, but it is a demonstration model: small, "
+        "trained on one library, and often wrong."
+        if stdlib
+        else "It is small and trained on one corpus (below): check what it writes before relying on it.",
+        "",
+        "| | |",
+        "|---|---|",
+        f"| architecture | {_architecture(config)} |",
+        f"| parameters | {_millions(config)}M |",
+        f"| weights | {config.get('torch_dtype', '?')} safetensors |",
+        f"| corpus | {log.get('corpus') or _corpus_line(arguments.get('corpus'))} |",
+        f"| held out | {some_names(log.get('held_out') or _held_out(arguments.get('corpus')))} (never trained on) |",
+        f"| training | {steps:,} steps of {train['batch_size'] * train['grad_accum']} windows; {tokens:,} tokens; "
+        f"AdamW lr {train['lr']:g} (warm-up {train['warmup']}, cosine to {train['lr'] * train['min_lr_ratio']:g}), "
+        f"weight decay {train['weight_decay']:g}, {'bfloat16 autocast' if train['bf16'] else 'float32'}, "
+        f"seed {train['seed']} |",
+    ]
     if kind == "distill":
         distill = log.get("distill", {})
-        lines.append(f"| distillation | loss {distill.get('divergence', '?')} on the target's soft labels at "
-                     f"temperature {distill.get('temperature', '?')}, on-policy fraction "
-                     f"{distill.get('on_policy_fraction', 0)}{_on_policy_sampling(distill)} |")
+        lines.append(
+            f"| distillation | loss {distill.get('divergence', '?')} on the target's soft labels at "
+            f"temperature {distill.get('temperature', '?')}, on-policy fraction "
+            f"{distill.get('on_policy_fraction', 0)}{_on_policy_sampling(distill)} |"
+        )
         if log.get("target_sha256"):
-            lines.append(f"| target weights | sha256 `{log['target_sha256']}` (the first 16 hex digits, over its "
-                         "safetensors files) |")
+            lines.append(
+                f"| target weights | sha256 `{log['target_sha256']}` (the first 16 hex digits, over its "
+                "safetensors files) |"
+            )
     for run in earlier:
-        lines.append(f"| started from | the {made} of an earlier run: {run['step']:,} steps, {run['tokens_seen']:,} "
-                     f"tokens, lr {run['train_config']['lr']:g}, {run['seconds'] / 60:.1f} min |")
+        lines.append(
+            f"| started from | the {made} of an earlier run: {run['step']:,} steps, {run['tokens_seen']:,} "
+            f"tokens, lr {run['train_config']['lr']:g}, {run['seconds'] / 60:.1f} min |"
+        )
     minutes = [run["seconds"] / 60 for run in earlier + [log]]
-    lines += [f"| time and hardware | {' + '.join(f'{m:.1f}' for m in minutes)} min on {_hardware(log)} |",
-              f"| held-out evaluation | {_evaluation_line(firsts, last)} |", "",
-              "## Made by", ""]
+    lines += [
+        f"| time and hardware | {' + '.join(f'{m:.1f}' for m in minutes)} min on {_hardware(log)} |",
+        f"| held-out evaluation | {_evaluation_line(firsts, last)} |",
+        "",
+        "## Made by",
+        "",
+    ]
     if earlier:
-        lines += [f"{len(earlier) + 1} runs, in this order; each after the first starts from the {made} the one "
-                  "before wrote (`--init`).", ""]
+        lines += [
+            f"{len(earlier) + 1} runs, in this order; each after the first starts from the {made} the one "
+            "before wrote (`--init`).",
+            "",
+        ]
         if kind == "distill":
             lines += _target_history(earlier + [log])
-    lines += ["```", *(command_line(run["kind"], _moved_arguments(run, moved)) for run in earlier),
-              command_line(kind, arguments), "```", ""]
+    lines += [
+        "```",
+        *(command_line(run["kind"], _moved_arguments(run, moved)) for run in earlier),
+        command_line(kind, arguments),
+        "```",
+        "",
+    ]
     if moved:
         commands = "the commands above name" if earlier else "the command above names"
-        lines += [f"Copied after the run{'s' if earlier else ''}: "
-                  + ", ".join(f"`{old}` to `{new}`" for old, new in moved.items())
-                  + f" ({commands} the new places).", ""]
+        lines += [
+            f"Copied after the run{'s' if earlier else ''}: "
+            + ", ".join(f"`{old}` to `{new}`" for old, new in moved.items())
+            + f" ({commands} the new places).",
+            "",
+        ]
     lines += [
-              "Runs are deterministic up to floating-point reduction order: the same command with the same "
-              "seed on the same machine and library versions gives the same model.", "",
-              *(["The corpus is Python's standard library, under the Python Software Foundation License.", ""]
-                if stdlib else [])]
+        "Runs are deterministic up to floating-point reduction order: the same command with the same "
+        "seed on the same machine and library versions gives the same model.",
+        "",
+        *(
+            ["The corpus is Python's standard library, under the Python Software Foundation License.", ""]
+            if stdlib
+            else []
+        ),
+    ]
     return "\n".join(lines)
 
 
@@ -123,9 +161,11 @@ def _target_history(runs: list[dict]) -> list[str]:
     if len(unrecorded) == len(runs):
         sentences.append("No run records which weights of the target it distilled from (the record came later).")
     elif unrecorded:
-        sentences.append(f"{_runs(unrecorded)} {'does' if len(unrecorded) == 1 else 'do'} not record which "
-                         f"weights of the target {'it' if len(unrecorded) == 1 else 'they'} distilled from "
-                         "(the record came later).")
+        sentences.append(
+            f"{_runs(unrecorded)} {'does' if len(unrecorded) == 1 else 'do'} not record which "
+            f"weights of the target {'it' if len(unrecorded) == 1 else 'they'} distilled from "
+            "(the record came later)."
+        )
     return [" ".join(sentences), ""] if sentences else []
 
 
@@ -144,12 +184,18 @@ def _millions(config: dict) -> str:
 
 def _architecture(c: dict) -> str:
     tied = "tied" if c.get("tie_word_embeddings") else "untied"
-    output = (f"; its output layer scores the {c['output_vocab_size']} tokens most frequent in the training text "
-              "(the others are never drafted; the target still emits them)" if c.get("output_vocab_size") else "")
-    return (f"{c['architectures'][0]}: {c['num_hidden_layers']} layers, hidden size {c['hidden_size']}, "
-            f"{c['num_attention_heads']} heads ({c['num_key_value_heads']} key/value heads), MLP "
-            f"{c['intermediate_size']}, vocabulary {c['vocab_size']} (byte-level BPE), context "
-            f"{c['max_position_embeddings']}, {tied} embeddings{output}")
+    output = (
+        f"; its output layer scores the {c['output_vocab_size']} tokens most frequent in the training text "
+        "(the others are never drafted; the target still emits them)"
+        if c.get("output_vocab_size")
+        else ""
+    )
+    return (
+        f"{c['architectures'][0]}: {c['num_hidden_layers']} layers, hidden size {c['hidden_size']}, "
+        f"{c['num_attention_heads']} heads ({c['num_key_value_heads']} key/value heads), MLP "
+        f"{c['intermediate_size']}, vocabulary {c['vocab_size']} (byte-level BPE), context "
+        f"{c['max_position_embeddings']}, {tied} embeddings{output}"
+    )
 
 
 def _corpus_line(path: str | None) -> str:
@@ -168,7 +214,7 @@ def _on_policy_sampling(distill: dict) -> str:
 def _shown_path(path: str) -> str:
     """A path as the card shows it: under the home directory as ~/..."""
     home = str(Path.home())
-    return "~" + path[len(home):] if path.startswith(home + "/") else path
+    return "~" + path[len(home) :] if path.startswith(home + "/") else path
 
 
 def some_names(names: list[str], shown: int = 12) -> str:
@@ -195,16 +241,26 @@ def _evaluation_line(firsts: list[dict], last: dict) -> str:
     distillation) to the last run's last. firsts: each run's first evaluation, oldest first."""
     parts = []
     several = len(firsts) > 1
-    for key, label in (("held_out_loss", "loss (nats/token)"), ("held_out_alpha", "α = 1 − TV"),
-                       ("held_out_greedy_agreement", "greedy agreement")):
+    for key, label in (
+        ("held_out_loss", "loss (nats/token)"),
+        ("held_out_alpha", "α = 1 − TV"),
+        ("held_out_greedy_agreement", "greedy agreement"),
+    ):
         if key not in last:
             continue
         run = next((i for i, first in enumerate(firsts) if key in first), len(firsts) - 1)
         first = firsts[run] if key in firsts[run] else last
-        where = "" if not several else (" of the first run" if run == 0 else
-                                        " of the last" if run == len(firsts) - 1 else f" of run {run + 1}")
-        parts.append(f"{label} {first[key]:.3f} (step {first['step']}{where}) → {last[key]:.3f} "
-                     f"(step {last['step']}{' of the last' if several else ''})")
+        where = (
+            ""
+            if not several
+            else (
+                " of the first run" if run == 0 else " of the last" if run == len(firsts) - 1 else f" of run {run + 1}"
+            )
+        )
+        parts.append(
+            f"{label} {first[key]:.3f} (step {first['step']}{where}) → {last[key]:.3f} "
+            f"(step {last['step']}{' of the last' if several else ''})"
+        )
     return "; ".join(parts) or "none"
 
 
@@ -228,11 +284,18 @@ def command_line(kind: str, arguments: dict, positional: tuple[str, ...] = ()) -
 def main(argv: list[str]) -> int:
     import argparse
 
-    parser = argparse.ArgumentParser(prog="python -m specdec.tools.training.model_card",
-                                     description="write README.md for a finished train or distill run")
+    parser = argparse.ArgumentParser(
+        prog="python -m specdec.tools.training.model_card",
+        description="write README.md for a finished train or distill run",
+    )
     parser.add_argument("model_dir")
-    parser.add_argument("--moved", action="append", default=[], metavar="OLD=NEW",
-                        help="a directory the run used and where it is now (repeatable)")
+    parser.add_argument(
+        "--moved",
+        action="append",
+        default=[],
+        metavar="OLD=NEW",
+        help="a directory the run used and where it is now (repeatable)",
+    )
     args = parser.parse_args(argv)
     pairs = [m.split("=", 1) for m in args.moved]
     if any(len(pair) != 2 for pair in pairs):

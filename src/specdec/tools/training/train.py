@@ -61,41 +61,67 @@ class ModelShape:
     tie_word_embeddings: bool = True
 
     def __post_init__(self) -> None:
-        for name in ("vocab_size", "hidden_size", "num_layers", "num_heads", "num_kv_heads", "intermediate_size",
-                     "context"):
+        for name in (
+            "vocab_size",
+            "hidden_size",
+            "num_layers",
+            "num_heads",
+            "num_kv_heads",
+            "intermediate_size",
+            "context",
+        ):
             value = getattr(self, name)
             if not (isinstance(value, int) and not isinstance(value, bool) and value >= 1):
                 raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
         if self.vocab_size < 258:
-            raise ValueError(f"vocab_size must be >= 258 (256 bytes, the end-of-text token and a merge), "
-                             f"got {self.vocab_size}")
+            raise ValueError(
+                f"vocab_size must be >= 258 (256 bytes, the end-of-text token and a merge), got {self.vocab_size}"
+            )
         if self.hidden_size % self.num_heads or (self.hidden_size // self.num_heads) % 2:
-            raise ValueError(f"hidden_size ({self.hidden_size}) must be num_heads ({self.num_heads}) times "
-                             "an even head size (rotary embeddings rotate pairs)")
+            raise ValueError(
+                f"hidden_size ({self.hidden_size}) must be num_heads ({self.num_heads}) times "
+                "an even head size (rotary embeddings rotate pairs)"
+            )
         if self.num_heads % self.num_kv_heads:
             raise ValueError(f"num_heads ({self.num_heads}) must be a multiple of num_kv_heads ({self.num_kv_heads})")
         if self.context < 2:
             raise ValueError(f"context must be >= 2, got {self.context}")
 
     def model_config(self) -> ModelConfig:
-        return ModelConfig(vocab_size=self.vocab_size, hidden_size=self.hidden_size,
-                           intermediate_size=self.intermediate_size, num_layers=self.num_layers,
-                           num_heads=self.num_heads, num_kv_heads=self.num_kv_heads,
-                           head_dim=self.hidden_size // self.num_heads, max_position_embeddings=self.context,
-                           rms_norm_eps=1e-5, tie_word_embeddings=self.tie_word_embeddings)
+        return ModelConfig(
+            vocab_size=self.vocab_size,
+            hidden_size=self.hidden_size,
+            intermediate_size=self.intermediate_size,
+            num_layers=self.num_layers,
+            num_heads=self.num_heads,
+            num_kv_heads=self.num_kv_heads,
+            head_dim=self.hidden_size // self.num_heads,
+            max_position_embeddings=self.context,
+            rms_norm_eps=1e-5,
+            tie_word_embeddings=self.tie_word_embeddings,
+        )
 
 
 PRESETS = {
     # ~22.0M parameters (3.1M of them the tied embedding). Deep and narrow, like the large
     # models speculative decoding is for: decoding cost grows with depth, not only with bytes.
-    "target": ModelShape(vocab_size=8192, hidden_size=384, num_layers=12, num_heads=6, num_kv_heads=2,
-                         intermediate_size=1024, context=512),
+    "target": ModelShape(
+        vocab_size=8192,
+        hidden_size=384,
+        num_layers=12,
+        num_heads=6,
+        num_kv_heads=2,
+        intermediate_size=1024,
+        context=512,
+    ),
     # ~1.9M parameters, 11x fewer than "target", same vocabulary
-    "draft": ModelShape(vocab_size=8192, hidden_size=160, num_layers=2, num_heads=4, num_kv_heads=2,
-                        intermediate_size=448, context=512),
+    "draft": ModelShape(
+        vocab_size=8192, hidden_size=160, num_layers=2, num_heads=4, num_kv_heads=2, intermediate_size=448, context=512
+    ),
     # ~0.25M parameters: for tests
-    "tiny": ModelShape(vocab_size=512, hidden_size=96, num_layers=2, num_heads=4, num_kv_heads=2,
-                       intermediate_size=256, context=128),
+    "tiny": ModelShape(
+        vocab_size=512, hidden_size=96, num_layers=2, num_heads=4, num_kv_heads=2, intermediate_size=256, context=128
+    ),
 }
 
 
@@ -103,8 +129,9 @@ def model_shape(preset: str | None, **sizes) -> ModelShape:
     """A preset with some sizes replaced (None values ignored); without a preset, all sizes."""
     sizes = {k: v for k, v in sizes.items() if v is not None}
     if preset is None:
-        missing = [f.name for f in dataclasses.fields(ModelShape) if f.name not in sizes
-                   and f.default is dataclasses.MISSING]
+        missing = [
+            f.name for f in dataclasses.fields(ModelShape) if f.name not in sizes and f.default is dataclasses.MISSING
+        ]
         if missing:
             raise ValueError(f"give a --preset ({', '.join(PRESETS)}) or every size: missing {', '.join(missing)}")
         return ModelShape(**sizes)
@@ -128,7 +155,7 @@ class TrainResult:
     @property
     def train_loss(self) -> float:
         """Mean train loss over the last 5% of steps (at least 1, at most 50)."""
-        recent = self.state.losses[-max(1, min(50, len(self.state.losses) // 20)):]
+        recent = self.state.losses[-max(1, min(50, len(self.state.losses) // 20)) :]
         return sum(recent) / len(recent) if recent else float("nan")
 
     @property
@@ -140,10 +167,20 @@ class TrainResult:
         return self.state.evaluations[-1]
 
 
-def train(out: str | Path, shape: ModelShape | None, config: TrainConfig, corpus_path: str | Path | None = None,
-          tokenizer_dir: str | Path | None = None, save_dtype: str = "bfloat16",
-          max_shard_bytes: int = SHARD_BYTES, restart: bool = False, require_checkpoint: bool = False,
-          arguments: dict | None = None, init_dir: str | Path | None = None, force: bool = False) -> TrainResult:
+def train(
+    out: str | Path,
+    shape: ModelShape | None,
+    config: TrainConfig,
+    corpus_path: str | Path | None = None,
+    tokenizer_dir: str | Path | None = None,
+    save_dtype: str = "bfloat16",
+    max_shard_bytes: int = SHARD_BYTES,
+    restart: bool = False,
+    require_checkpoint: bool = False,
+    arguments: dict | None = None,
+    init_dir: str | Path | None = None,
+    force: bool = False,
+) -> TrainResult:
     """Train (or resume training) a model on the corpus and write it to `out` (see
     output_dir.py: out must not be an input, nor a directory of other files unless force).
     init_dir: go on training the model there (its weights, size and tokenizer; shape and
@@ -151,8 +188,9 @@ def train(out: str | Path, shape: ModelShape | None, config: TrainConfig, corpus
     started = time.perf_counter()
     check_save_dtype(save_dtype)
     if init_dir is not None and (shape is not None or tokenizer_dir is not None):
-        raise ValueError("--init takes the model's size and tokenizer from its directory; drop the size flags "
-                         "and --tokenizer")
+        raise ValueError(
+            "--init takes the model's size and tokenizer from its directory; drop the size flags and --tokenizer"
+        )
     inputs = {"--init": init_dir, "--tokenizer": tokenizer_dir, "--corpus": corpus_path}
     with open_run_output(out, "train", inputs, force) as output:
         checkpoint = resume_checkpoint(output, restart, require_checkpoint)
@@ -163,15 +201,19 @@ def train(out: str | Path, shape: ModelShape | None, config: TrainConfig, corpus
             shape, tokenizer_dir = shape_of(initial.config), init_dir
         tokenizer, eot_id = prepare_tokenizer(corpus, shape, tokenizer_dir, checkpoint)
         shape = _fit_vocabulary(shape, tokenizer, tokenizer_dir)
-        train_stream, held_out_stream = (token_stream(docs, tokenizer, eot_id)
-                                         for docs in (corpus.train, corpus.held_out))
+        train_stream, held_out_stream = (
+            token_stream(docs, tokenizer, eot_id) for docs in (corpus.train, corpus.held_out)
+        )
         check_stream_length(train_stream, shape.context, "training", config.batch_size)
-        log(f"{len(train_stream):,} training tokens, {len(held_out_stream):,} held-out tokens; model of "
+        log(
+            f"{len(train_stream):,} training tokens, {len(held_out_stream):,} held-out tokens; model of "
             f"{shape.model_config().num_parameters / 1e6:.2f}M parameters; tokenizer ready in "
-            f"{time.perf_counter() - started:.1f}s")
+            f"{time.perf_counter() - started:.1f}s"
+        )
         model = (initial if initial is not None else new_model(shape.model_config(), config.seed)).to(config.device)
-        identity = run_identity("train", model.config, tokenizer, corpus,
-                                **({"init": str(init_dir)} if init_dir else {}))
+        identity = run_identity(
+            "train", model.config, tokenizer, corpus, **({"init": str(init_dir)} if init_dir else {})
+        )
         task = language_model_task(model, train_stream, held_out_stream, shape.context, config, identity)
         state = train_loop(task, config, output.staging / CHECKPOINT_DIR, checkpoint)
         settings = {"model": dataclasses.asdict(shape), **corpus_record(corpus)}
@@ -179,8 +221,14 @@ def train(out: str | Path, shape: ModelShape | None, config: TrainConfig, corpus
             settings.update(init=str(init_dir), init_log=read_training_log(init_dir))
 
         def save_model(directory: Path) -> None:
-            save_pretrained(model, directory, SAVE_DTYPES[save_dtype], max_shard_bytes=max_shard_bytes,
-                            tokenizer=tokenizer, eos_token_id=eot_id)
+            save_pretrained(
+                model,
+                directory,
+                SAVE_DTYPES[save_dtype],
+                max_shard_bytes=max_shard_bytes,
+                tokenizer=tokenizer,
+                eos_token_id=eot_id,
+            )
 
         return finish_run(output, "train", config, settings, state, arguments, save_model)
 
@@ -198,12 +246,20 @@ def load_initial_model(init_dir: str | Path, load_tokenizer: bool = False):
 def shape_of(config: ModelConfig) -> ModelShape:
     """The ModelShape of a loaded model's config (rejects shapes `specdec train` cannot make)."""
     if config.head_dim * config.num_heads != config.hidden_size:
-        raise ValueError(f"--init: head_dim {config.head_dim} x {config.num_heads} heads is not the hidden size "
-                         f"{config.hidden_size}; specdec train makes (and continues) only models where it is")
-    return ModelShape(vocab_size=config.vocab_size, hidden_size=config.hidden_size, num_layers=config.num_layers,
-                      num_heads=config.num_heads, num_kv_heads=config.num_kv_heads,
-                      intermediate_size=config.intermediate_size, context=config.max_position_embeddings,
-                      tie_word_embeddings=config.tie_word_embeddings)
+        raise ValueError(
+            f"--init: head_dim {config.head_dim} x {config.num_heads} heads is not the hidden size "
+            f"{config.hidden_size}; specdec train makes (and continues) only models where it is"
+        )
+    return ModelShape(
+        vocab_size=config.vocab_size,
+        hidden_size=config.hidden_size,
+        num_layers=config.num_layers,
+        num_heads=config.num_heads,
+        num_kv_heads=config.num_kv_heads,
+        intermediate_size=config.intermediate_size,
+        context=config.max_position_embeddings,
+        tie_word_embeddings=config.tie_word_embeddings,
+    )
 
 
 def read_training_log(model_dir) -> dict | None:
@@ -240,8 +296,14 @@ def initialise(model: torch.nn.Module, num_layers: int, seed: int) -> torch.nn.M
     return model
 
 
-def language_model_task(model: LlamaModel, train_stream: torch.Tensor, held_out_stream: torch.Tensor,
-                        context: int, config: TrainConfig, identity: dict) -> Task:
+def language_model_task(
+    model: LlamaModel,
+    train_stream: torch.Tensor,
+    held_out_stream: torch.Tensor,
+    context: int,
+    config: TrainConfig,
+    identity: dict,
+) -> Task:
     """Next-token prediction on random windows of the training stream; held-out loss."""
     device = torch.device(config.device)
     held_out = evaluation_windows(held_out_stream, context, config.eval_tokens)
@@ -272,6 +334,7 @@ def training_positions(input_ids: torch.Tensor) -> torch.Tensor:
 
 # ---------------------------------------------------------------------------- tokenizer
 
+
 def prepare_tokenizer(corpus: Corpus, shape: ModelShape, tokenizer_dir, checkpoint: dict | None):
     """(tokenizer, end-of-text id): the checkpoint's when resuming, else the one in tokenizer_dir,
     else a byte-level BPE of shape.vocab_size trained on the training documents."""
@@ -285,9 +348,11 @@ def prepare_tokenizer(corpus: Corpus, shape: ModelShape, tokenizer_dir, checkpoi
         log(f"training a byte-level BPE tokenizer of {shape.vocab_size} tokens ...")
         tokenizer = train_byte_level_bpe((d.text for d in corpus.train), shape.vocab_size, (END_OF_TEXT,))
         if tokenizer.get_vocab_size() < shape.vocab_size:
-            log(f"note: the corpus yields only {tokenizer.get_vocab_size():,} tokens, not {shape.vocab_size:,}; the "
+            log(
+                f"note: the corpus yields only {tokenizer.get_vocab_size():,} tokens, not {shape.vocab_size:,}; the "
                 f"model's other {shape.vocab_size - tokenizer.get_vocab_size():,} embedding rows will never be used "
-                "(give a smaller --vocab-size, or more text)")
+                "(give a smaller --vocab-size, or more text)"
+            )
     return tokenizer, end_of_text_id(tokenizer, tokenizer_dir)
 
 
@@ -296,8 +361,10 @@ def read_tokenizer(path: Path):
 
     file = path / "tokenizer.json"
     if not file.is_file():
-        raise ValueError(f"--tokenizer {str(path)!r}: no tokenizer.json there; point at a model directory "
-                         "(e.g. the target's) holding one")
+        raise ValueError(
+            f"--tokenizer {str(path)!r}: no tokenizer.json there; point at a model directory "
+            "(e.g. the target's) holding one"
+        )
     try:
         return Tokenizer.from_file(str(file))
     except Exception as e:
@@ -337,15 +404,25 @@ CHECKPOINT_DIR = "checkpoint"  # in a run's output directory: the checkpoint to 
 
 
 # what a train or distill run writes in its output directory (beside nothing of the user's)
-RUN_OUTPUT_ENTRIES = ("config.json", "generation_config.json", "model.safetensors", "model-*-of-*.safetensors",
-                      "model.safetensors.index.json", "tokenizer.json", "tokenizer_config.json",
-                      "special_tokens_map.json", "chat_template.jinja", "README.md", "training_log.json",
-                      *(f"{CHECKPOINT_DIR}/{name}" for name in (CHECKPOINT_FILE, CHECKPOINT_FILE + ".tmp",
-                                                                "training_log.json")))
+RUN_OUTPUT_ENTRIES = (
+    "config.json",
+    "generation_config.json",
+    "model.safetensors",
+    "model-*-of-*.safetensors",
+    "model.safetensors.index.json",
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "chat_template.jinja",
+    "README.md",
+    "training_log.json",
+    *(f"{CHECKPOINT_DIR}/{name}" for name in (CHECKPOINT_FILE, CHECKPOINT_FILE + ".tmp", "training_log.json")),
+)
 
 
-def open_run_output(out, kind: str, inputs: dict, force: bool, entries: tuple[str, ...] = RUN_OUTPUT_ENTRIES
-                    ) -> OutputDir:
+def open_run_output(
+    out, kind: str, inputs: dict, force: bool, entries: tuple[str, ...] = RUN_OUTPUT_ENTRIES
+) -> OutputDir:
     """The output directory of a training run (output_dir.py). Its own earlier output is a
     directory holding this kind of run's checkpoint and log, finished or not; entries: what the
     run writes there (a model's files by default)."""
@@ -379,8 +456,10 @@ def resume_checkpoint(output: OutputDir, restart: bool, require_checkpoint: bool
             log(f"resuming from {directory / CHECKPOINT_FILE} (step {checkpoint['state']['step']})")
             return checkpoint
     if require_checkpoint:
-        raise ValueError(f"--resume: no checkpoint in {output.staging / CHECKPOINT_DIR} or "
-                         f"{output.final / CHECKPOINT_DIR}; drop --resume to start a new run")
+        raise ValueError(
+            f"--resume: no checkpoint in {output.staging / CHECKPOINT_DIR} or "
+            f"{output.final / CHECKPOINT_DIR}; drop --resume to start a new run"
+        )
     return None
 
 
@@ -391,17 +470,32 @@ def checkpoint_dirs(out) -> tuple[Path, Path]:
     return staging_path(final) / CHECKPOINT_DIR, final / CHECKPOINT_DIR
 
 
-def finish_run(output: OutputDir, kind: str, config: TrainConfig, settings: dict, state: RunState,
-               arguments: dict | None, save_model: Callable[[Path], None],
-               write_card: Callable[[Path, dict, str], None] | None = None) -> TrainResult:
+def finish_run(
+    output: OutputDir,
+    kind: str,
+    config: TrainConfig,
+    settings: dict,
+    state: RunState,
+    arguments: dict | None,
+    save_model: Callable[[Path], None],
+    write_card: Callable[[Path, dict, str], None] | None = None,
+) -> TrainResult:
     """A session's end: a finished run saves its model and log and moves into --out; a session
     that stopped early leaves its log beside its checkpoint in the staging directory.
     write_card: as write_log's."""
     finished = state.step >= config.steps
     if finished:
         save_model(output.staging)
-    write_log(output.staging, kind, config, settings, TrainResult(None, state, config.steps), arguments,
-              name=output.final.name, write_card=write_card)
+    write_log(
+        output.staging,
+        kind,
+        config,
+        settings,
+        TrainResult(None, state, config.steps),
+        arguments,
+        name=output.final.name,
+        write_card=write_card,
+    )
     if not finished:
         return TrainResult(None, state, config.steps)
     return TrainResult(output.commit(), state, config.steps)
@@ -411,8 +505,13 @@ def run_identity(kind: str, model_config: ModelConfig, tokenizer, corpus: Corpus
     """What a checkpoint must match to be resumed by this run."""
     tokenizer_json = tokenizer.to_str()
     corpus_fingerprint = hashlib.sha256("\0".join(f"{d.name}\0{len(d.text)}" for d in corpus.train).encode())
-    return {"kind": kind, "model": dataclasses.asdict(model_config), "tokenizer": tokenizer_json,
-            "corpus": f"{corpus.root}:{corpus_fingerprint.hexdigest()[:16]}", **extra}
+    return {
+        "kind": kind,
+        "model": dataclasses.asdict(model_config),
+        "tokenizer": tokenizer_json,
+        "corpus": f"{corpus.root}:{corpus_fingerprint.hexdigest()[:16]}",
+        **extra,
+    }
 
 
 def corpus_record(corpus: Corpus) -> dict:
@@ -420,9 +519,16 @@ def corpus_record(corpus: Corpus) -> dict:
     return {"corpus": corpus.describe().removeprefix("corpus "), "held_out": [d.name for d in corpus.held_out]}
 
 
-def write_log(out: Path, kind: str, config: TrainConfig, settings: dict, result: TrainResult,
-              arguments: dict | None, name: str | None = None,
-              write_card: Callable[[Path, dict, str], None] | None = None) -> None:
+def write_log(
+    out: Path,
+    kind: str,
+    config: TrainConfig,
+    settings: dict,
+    result: TrainResult,
+    arguments: dict | None,
+    name: str | None = None,
+    write_card: Callable[[Path, dict, str], None] | None = None,
+) -> None:
     """training_log.json: what was run and how it went. A finished run's goes in out, with the
     model card out/README.md made from it (write_card(out, the log's record, name); default
     model_card.py's, for a model directory; name: the model's, default out's); a session that
@@ -433,11 +539,19 @@ def write_log(out: Path, kind: str, config: TrainConfig, settings: dict, result:
     state = result.state
     device = torch.cuda.get_device_name(config.device) if config.device.startswith("cuda") else "cpu"
     record = {
-        "kind": kind, "arguments": arguments, "finished": result.finished,
-        "train_config": dataclasses.asdict(config), **settings,
-        "step": state.step, "tokens_seen": state.tokens_seen, "seconds": round(state.seconds, 1),
-        "train_loss": result.train_loss, "evaluations": state.evaluations,
-        "device": device, "cpu": cpu_model(), "torch_threads": torch.get_num_threads(),
+        "kind": kind,
+        "arguments": arguments,
+        "finished": result.finished,
+        "train_config": dataclasses.asdict(config),
+        **settings,
+        "step": state.step,
+        "tokens_seen": state.tokens_seen,
+        "seconds": round(state.seconds, 1),
+        "train_loss": result.train_loss,
+        "evaluations": state.evaluations,
+        "device": device,
+        "cpu": cpu_model(),
+        "torch_threads": torch.get_num_threads(),
     }
     (where / "training_log.json").write_text(json.dumps(record, indent=2) + "\n")
     if result.finished:
