@@ -14,7 +14,8 @@ use an LLM made fresh for each drafter, with its own target runner, as a new use
 would be: its policy calibrates its costs on its own first call. Every LLM is warmed up first
 (LLM.warm_up, on the longest prompt), as `specdec bench` does. Each prompt runs --repeats times by
 every method in turn, and the fastest run of each counts (others share these machines). Printed per
-row: tokens/s of each (prefill included), the ratios goodput ÷ plain and goodput ÷ the best fixed k, and how many rounds goodput ran at each k.
+row: tokens/s of each (prefill included), the ratios goodput ÷ plain and goodput ÷ the best fixed k,
+and how many rounds goodput ran at each k.
 Goal: goodput >= 0.95x plain where speculation does not pay, >= 0.95x the best fixed k where it
 does. --sampled adds unseeded sampling at temperature 0.8, top_p 0.95 (a seeded request would run
 at the fixed k: engine._round_ks).

@@ -1,8 +1,10 @@
-"""LLM: the user-facing entry point, in the names vLLM users know.
+"""LLM: the user-facing entry point, in the names vLLM users know. For example:
 
-llm = LLM(model="target_dir", speculative_model="draft_dir", num_speculative_tokens=5)
-outputs = llm.generate(["def fib(n):"], SamplingParams(temperature=0, max_tokens=64))
-print(outputs[0].outputs[0].text, outputs[0].metrics.acceptance_rate)
+    llm = LLM(model="target_dir", speculative_model="draft_dir", num_speculative_tokens=5)
+    outputs = llm.generate(["def fib(n):"], SamplingParams(temperature=0, max_tokens=64))
+    print(outputs[0].outputs[0].text, outputs[0].metrics.acceptance_rate)
+
+(see README.md for more).
 """
 
 from __future__ import annotations
