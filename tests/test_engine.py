@@ -460,3 +460,45 @@ def test_summary_shows_acceptance_only_where_something_was_drafted():
     drafted = SpecStats()
     drafted.record_round(3, 1, 2)
     assert "α 0.500 (1 accepted/2 judged/3 proposed)  by position [1.00 0.00 0.00]" in drafted.summary()
+
+
+def test_a_round_verifies_only_as_wide_as_its_longest_proposal(dirs, plain, monkeypatch):
+    """Prompt lookup at k = 6 proposes fewer tokens, or none, where its match is short or
+    missing: the verify forward then feeds the last token and the longest row's proposal only
+    (no match anywhere: a plain one-token step), and the output is still the target's."""
+    from specdec.drafters.ngram import NgramDrafter
+    from specdec.worker import ModelRunner
+
+    llm = LLM(
+        str(dirs["target"]),
+        dtype="float32",
+        speculative_method="ngram",
+        num_speculative_tokens=6,
+        speculative_k_policy="fixed",
+    )
+    events = []  # ("proposed", longest proposal) and ("forward", tokens per row), in order
+    propose, forward = NgramDrafter.propose, ModelRunner.forward
+
+    def recording_propose(self, batch, ks, sampling):
+        draft = propose(self, batch, ks, sampling)
+        events.append(("proposed", int(draft.num_tokens.max())))
+        return draft
+
+    def recording_forward(runner, batch, *args, **kwargs):
+        events.append(("forward", batch.input_ids.shape[1]))
+        return forward(runner, batch, *args, **kwargs)
+
+    prompts = random_prompts(3, seed=31, repeat=True)
+    expected = token_ids(plain.generate(prompts, GREEDY))
+    monkeypatch.setattr(NgramDrafter, "propose", recording_propose)
+    monkeypatch.setattr(ModelRunner, "__call__", recording_forward)
+    assert token_ids(llm.generate(prompts, GREEDY)) == expected
+    rounds = [
+        (events[i][1], events[i + 1][1])
+        for i in range(len(events) - 1)
+        if events[i][0] == "proposed" and events[i + 1][0] == "forward"
+    ]  # (longest proposal, width)
+    assert len(rounds) == sum(kind == "proposed" for kind, _ in events)
+    assert all(width == 1 + longest for longest, width in rounds)
+    assert {0, 6} <= {longest for longest, _ in rounds}  # rounds with no match and with a full one
+    assert any(0 < longest < 6 for longest, _ in rounds)  # and with a short one
