@@ -46,7 +46,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="specdec", description="Exact speculative decoding for LLMs")
     parser.add_argument("--version", action="version", version=f"specdec {__version__}")
     commands = parser.add_subparsers(dest="command", required=True)
-    parser.commands = commands.choices  # name -> its parser (main says a ConfigError in its flags)
+    parser.commands = commands.choices  # pyright: ignore[reportAttributeAccessIssue]  # name -> its parser (main says a ConfigError in its flags)
     add_generate_parser(commands)
     add_train_parser(commands)
     add_distill_parser(commands)
@@ -68,7 +68,7 @@ def main(argv: list[str] | None = None) -> int:
         args = parser.parse_args(argv)
         return args.run(args)
     except ConfigError as e:  # a value SpeculativeConfig or SamplingParams refuses: named by its flag
-        command = parser.commands.get(getattr(args, "command", None)) if parser is not None else None
+        command = parser.commands.get(getattr(args, "command", None)) if parser is not None else None  # pyright: ignore[reportAttributeAccessIssue]
         words = flag_words(command, sys.argv[1:] if argv is None else argv) if command is not None else None
         print(f"error: {e.in_words(words) if words else e}", file=sys.stderr)
         return 2
@@ -186,7 +186,8 @@ def run_generate(args) -> int:
         stop=tuple(args.stop),
     )
     llm = make_llm(args)
-    method = llm.speculative_config.method if llm.speculative_config else None  # as inferred from --draft
+    spec = llm.speculative_config
+    method = spec.method if spec else None  # as inferred from --draft
     prompt = args.prompt if args.chat is None else llm.chat_token_ids([{"role": "user", "content": args.chat}])
     llm.prompt_token_ids(prompt, params)  # a bad request is refused as itself, not as the warm-up
     baseline_llm = llm.target_only() if args.compare else None
@@ -194,8 +195,9 @@ def run_generate(args) -> int:
         if warming is not None:
             warming.warm_up(prompt, params)
     output = llm.generate(prompt, params)[0]
-    baseline = baseline_llm.generate(prompt, params)[0] if args.compare else None
-    if args.compare:  # timed twice each, interleaved; the faster of each (2-core machines are shared)
+    baseline = None
+    if baseline_llm is not None:  # --compare: timed twice each, interleaved; the faster of each (shared machines)
+        baseline = baseline_llm.generate(prompt, params)[0]
         output = _faster(output, llm.generate(prompt, params)[0])
         baseline = _faster(baseline, baseline_llm.generate(prompt, params)[0])
     completion = output.outputs[0]
@@ -207,11 +209,11 @@ def run_generate(args) -> int:
     else:
         print(shown_prompt + completion.text)
     print()
-    label = f"{method} k={llm.speculative_config.num_speculative_tokens}" if method else "target alone"
-    if method and llm.speculative_config.tree != "chain":  # k nodes of a tree; by position = by depth
-        label += f" tree {llm.speculative_config.tree}"
+    label = f"{method} k={spec.num_speculative_tokens}" if spec and method else "target alone"
+    if spec and method and spec.tree != "chain":  # k nodes of a tree; by position = by depth
+        label += f" tree {spec.tree}"
     print(f"[{label}] {output.metrics.summary()}")
-    if args.compare:
+    if baseline is not None:  # --compare
         print(f"[target alone] {baseline.metrics.summary()}")
         # tokens/s, not seconds: sampled or stopped, the two outputs differ in length
         speedup = output.metrics.tokens_per_second / baseline.metrics.tokens_per_second

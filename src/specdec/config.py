@@ -9,9 +9,9 @@ from __future__ import annotations
 
 import math
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, fields
-from typing import NamedTuple
+from typing import Any, NamedTuple, TypeGuard
 
 from specdec.tree import TreeShape
 
@@ -47,7 +47,7 @@ PYTHON_WORDS = Wording(
 )
 
 
-def _metadata(owner: type, name: str) -> dict:
+def _metadata(owner: type, name: str) -> Mapping[str, Any]:
     return next((f.metadata for f in fields(owner) if f.name == name), {})
 
 
@@ -97,7 +97,7 @@ class Refusal:
     def __init__(self, config):
         self.config = config
 
-    def __call__(self, ok: bool, template: str, **values) -> None:
+    def __call__(self, ok: object, template: str, **values) -> None:
         if not ok:
             raise ConfigError(self.config, template, values)
 
@@ -193,8 +193,9 @@ class SamplingParams:
             got=self.stop,
         )
         object.__setattr__(self, "stop", tuple(self.stop or ()))
-        if is_int(self.stop_token_ids):
-            object.__setattr__(self, "stop_token_ids", (self.stop_token_ids,))
+        stop_token_ids = self.stop_token_ids
+        if is_int(stop_token_ids):
+            object.__setattr__(self, "stop_token_ids", (stop_token_ids,))
         need(
             isinstance(self.stop_token_ids, (tuple, list, set, frozenset)) or self.stop_token_ids is None,
             "{stop_token_ids} must be a list of token ids, got {got!r}",
@@ -570,12 +571,12 @@ def _escaped(text: str) -> str:
 # Validation of configuration values, shared by every frozen configuration dataclass.
 
 
-def is_real(x) -> bool:
+def is_real(x) -> TypeGuard[float]:
     """A finite int or float (not a bool)."""
     return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
 
 
-def is_int(x) -> bool:
+def is_int(x) -> TypeGuard[int]:
     """An int (not a bool)."""
     return isinstance(x, int) and not isinstance(x, bool)
 
@@ -589,7 +590,8 @@ def check_device(device):
         parsed = torch.device(device)
     except (RuntimeError, TypeError):
         parsed = None
-    check(parsed is not None and parsed.type in ("cpu", "cuda"), f"device must be cpu, cuda or cuda:N, got {device!r}")
+    if parsed is None or parsed.type not in ("cpu", "cuda"):
+        raise ValueError(f"device must be cpu, cuda or cuda:N, got {device!r}")
     check(
         parsed.type != "cuda" or torch.cuda.is_available(),
         f"device {str(device)!r}: CUDA is not available on this machine (no GPU, or a CPU build of PyTorch); use cpu",
@@ -601,7 +603,7 @@ def check_device(device):
     return parsed
 
 
-def check(ok: bool, message: str) -> None:
+def check(ok: object, message: str) -> None:
     """Raise ValueError(message) unless ok."""
     if not ok:
         raise ValueError(message)

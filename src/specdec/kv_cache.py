@@ -11,6 +11,7 @@ them, and the next round writes over them.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -50,7 +51,7 @@ class KVCache:
         self.max_batch, self.max_len, self.static = max_batch, max_len, static
         self._arange = torch.arange(max_batch, device=device)  # [max_batch]: rows 0..B-1 without an op per layer
 
-    def rows(self, slots: torch.Tensor | list[int]) -> CacheRows:
+    def rows(self, slots: torch.Tensor | Sequence[int]) -> CacheRows:
         """The cache as a forward whose row i reads and writes slot slots[i] sees it."""
         slots = torch.as_tensor(slots, dtype=torch.long, device=self.keys[0].device)  # [B]
         if bool((slots < 0).any()) or bool((slots >= self.max_batch).any()):

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+from typing import Any, cast
 
 import torch
 
@@ -239,7 +240,7 @@ class LLM:
         """Reply to one conversation (a list of {"role", "content"} dicts) or to a list of them,
         each rendered with the model's chat template; one RequestOutput per conversation, as
         vLLM's LLM.chat returns."""
-        conversations = messages if _is_conversation_list(messages) else [messages]
+        conversations = cast("list[list[dict]]", messages if _is_conversation_list(messages) else [messages])
         prompts = [{"prompt_token_ids": self.chat_token_ids(c, add_generation_prompt)} for c in conversations]
         return self.generate(prompts, sampling_params)
 
@@ -340,7 +341,7 @@ def speculative_config_from(config: SpeculativeConfig | dict) -> SpeculativeConf
         isinstance(config, dict),
         f"speculative_config must be a SpeculativeConfig or a dict of its fields, got {type(config).__name__}",
     )
-    fields = {VLLM_NAMES.get(key, key): value for key, value in config.items()}
+    fields = cast("dict[str, Any]", {VLLM_NAMES.get(key, key): value for key, value in config.items()})
     unknown = sorted(key for key in config if VLLM_NAMES.get(key, key) not in FLAT_NAMES)
     check(
         not unknown,

@@ -92,6 +92,7 @@ def add_speculative_arguments(
     for name, f in speculative_fields().items():
         meta = f.metadata
         where = group if name in grouped else p
+        assert where is not None, "grouped fields need a group"
         kwargs = dict(
             dest=dest(name),
             default=None,
@@ -103,7 +104,8 @@ def add_speculative_arguments(
             kwargs.update(nargs="?", const=DEFAULT_EXIT)
         kwargs.update(options.get(name, {}))
         if kwargs.get("action") == "append":
-            kwargs.pop("const", None), kwargs.pop("nargs", None)
+            kwargs.pop("const", None)
+            kwargs.pop("nargs", None)
         note = f"; {notes[name]}" if name in notes else ""
         help = f"{meta['help']}{note} (default: {shown.get(name, meta['shown'])})".replace("%", "%%")
         where.add_argument(*meta["flags"], help=argparse.SUPPRESS if name in hidden else help, **kwargs)

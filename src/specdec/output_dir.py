@@ -122,7 +122,7 @@ class OutputDir:
 def open_output_dir(
     out,
     command: str,
-    inputs: dict[str, object] | None = None,
+    inputs: dict[str, str | os.PathLike | None] | None = None,
     force: bool = False,
     is_own_output: Callable[[Path], bool] = lambda path: False,
     own_entries: tuple[str, ...] = (),
@@ -213,7 +213,7 @@ def _finish_interrupted_commit(given: str, final: Path, staging: Path, command: 
     marker.unlink()
 
 
-def _check_apart_from_inputs(what: str, place: Path, inputs: dict[str, object]) -> None:
+def _check_apart_from_inputs(what: str, place: Path, inputs: dict[str, str | os.PathLike | None]) -> None:
     for flag, path in inputs.items():
         if path is None or not str(path).strip():
             continue

@@ -40,6 +40,7 @@ class Platform:
 
     def describe(self) -> str:
         if self.device_type == "cuda":
+            assert self.cuda_capability is not None  # detect_platform sets it for CUDA
             major, minor = self.cuda_capability
             return f"CUDA capability {major}.{minor}" + (", native bfloat16" if self.native_bf16 else "")
         half = [name for name, native in (("bfloat16", self.native_bf16), ("float16", self.native_fp16)) if native]

@@ -119,6 +119,7 @@ def _kept_prefix(values: torch.Tensor, settings: SamplingTensors) -> torch.Tenso
         within = cumulative - kept_values < top_p  # [N, V]: the mass before each token
         within[:, 0] = True  # the most likely always: a top_p too small for float32 rounds to 0
         keep = within if keep is None else keep & within
+    assert keep is not None  # the caller asks only where top_k or top_p is set
     return keep
 
 

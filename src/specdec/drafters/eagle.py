@@ -20,7 +20,7 @@ import torch
 from specdec.drafters.base import Draft, Drafter
 from specdec.drafters.steps import DraftSteps
 from specdec.drafters.tree_growth import TreeGrowth
-from specdec.kv_cache import CacheRows, TreeAttention, ragged_batch
+from specdec.kv_cache import CacheRows, KVCache, TreeAttention, ragged_batch
 from specdec.models.cpu_linear import can_pack, pack_linears
 from specdec.models.eagle import EagleHead, load_head
 from specdec.models.loader import LoadedModel
@@ -44,7 +44,7 @@ class EagleDrafter(Drafter):
         self.target = target
         self.output_layer = output_layer
         self.confidence_threshold = confidence_threshold
-        self.cache = None
+        self.cache: KVCache | None = None  # the head's own, made by reserve
         # slot -> (position of the first feature not yet fed, those features [n, H])
         self.waiting: dict[int, tuple[int, torch.Tensor]] = {}
 
@@ -99,13 +99,13 @@ class EagleDrafter(Drafter):
         device = self.head.device
         tokens = torch.zeros(batch_size, 1, dtype=torch.long, device=device)  # [B, 1]
         features = torch.zeros(batch_size, 1, self.head.config.hidden_size, dtype=self.head.dtype, device=device)
-        self._step(tokens, features, torch.zeros_like(tokens), self.cache.rows(range(batch_size)))
+        self._step(tokens, features, torch.zeros_like(tokens), self._rows(range(batch_size)))
 
     def propose(self, batch: list[Sequence], ks: list[int], sampling: SamplingTensors) -> Draft:
         device = self.head.device
         if max(ks, default=0) == 0:
             return Draft.empty(len(batch), device)
-        cache = self.cache.rows([seq.slot for seq in batch])
+        cache = self._rows([seq.slot for seq in batch])
         steps = DraftSteps(batch, ks, sampling, self.confidence_threshold, device)
         feature, logits = self._catch_up(batch, cache)  # f^_{L-1} [B, 1, H], its scores [B, V]
         token = steps.draw(logits)
@@ -124,7 +124,7 @@ class EagleDrafter(Drafter):
         the expanded nodes are written from position L-1 on, where the next catch-up writes
         the target's own features over them."""
         device, H = self.head.device, self.head.config.hidden_size
-        cache = self.cache.rows([seq.slot for seq in batch])
+        cache = self._rows([seq.slot for seq in batch])
         growth = TreeGrowth(batch, shape, budget, max_depths, sampling, device)
         root_feature, logits = self._catch_up(batch, cache)  # f^_{L-1} [B, 1, H], its scores [B, V]
         growth.start(logits)
@@ -140,6 +140,11 @@ class EagleDrafter(Drafter):
             features = torch.cat([features, predicted], dim=1)
             growth.grow(frontier, self._logits(predicted))  # [B, W, V]
         return growth.draft()
+
+    def _rows(self, slots) -> CacheRows:
+        """The head's cache (made by reserve) as row i -> slot slots[i]."""
+        assert self.cache is not None, "reserve() makes the head's cache first"
+        return self.cache.rows(slots)
 
     def _catch_up(self, batch: list[Sequence], cache: CacheRows) -> tuple[torch.Tensor, torch.Tensor]:
         """Feed each row's waiting features with the tokens after them (entries start..L-2);

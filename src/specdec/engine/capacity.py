@@ -83,12 +83,14 @@ class Capacity:
     def _calibrate(self, batch_size: int, max_len: int, k: int) -> None:
         """The goodput policy's costs at batch_size rows for every k up to k (once per batch
         bucket: goodput.py; a larger k later adds its lengths)."""
+        policy, drafter = self.k_choice.policy, self.drafter
+        assert policy is not None and drafter is not None  # goodput's k > 0: there is a drafter
         with stage(f"timing the round costs of {batch_size} row{'s' if batch_size > 1 else ''} for k by goodput"):
-            self.k_choice.policy.calibrate(
+            policy.calibrate(
                 batch_size,
                 k,
                 lambda num_tokens: self._time_target(batch_size, num_tokens, max_len),
-                lambda: self.drafter.time_step(batch_size),
+                lambda: drafter.time_step(batch_size),
             )
 
     def warm_up(self, num_slots: int, repeats: int = 2) -> None:

@@ -59,7 +59,7 @@ class Engine:
         self._unfinished: dict[str, Sequence] = {}  # by request id: waiting or running
         self.stats = SpecStats()  # every request's rounds, merged (the server's metrics read it)
         self.shared_generator = generator if generator is not None else torch.Generator(target.device).manual_seed(0)
-        self.timings = dict.fromkeys(TIMED_PARTS, 0.0)
+        self.timings: dict[str, float] = dict.fromkeys(TIMED_PARTS, 0.0)
 
     k = property(lambda self: self.k_choice.k)
     policy = property(

@@ -22,6 +22,7 @@ import logging
 import os
 import time
 from pathlib import Path
+from typing import Any
 
 log = logging.getLogger("specdec")
 
@@ -71,7 +72,7 @@ def variant() -> str:
 
 
 @functools.cache
-def qmatmul():
+def qmatmul() -> Any:  # a C++ extension module: its attributes are unknown to type checkers
     """The compiled extension module for this CPU (built on first use)."""
     from torch.utils import cpp_extension
 

@@ -65,6 +65,8 @@ def head_config(target: ModelConfig, output_vocab_size: int = 0) -> ModelConfig:
 class EagleHead(DecoderStack):
     """config: head_config(target config)."""
 
+    output_token_ids: torch.Tensor  # a buffer, where config.output_vocab_size
+
     def __init__(self, config: ModelConfig):
         super().__init__()
         self.config = config

@@ -23,6 +23,7 @@ import logging
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
@@ -30,6 +31,9 @@ import torch
 from specdec.config import torch_dtypes
 from specdec.models.errors import ModelLoadError
 from specdec.models.gguf_quants import LAYOUTS, PackedTensor, pack
+
+if TYPE_CHECKING:
+    from tokenizers import Tokenizer as RustTokenizer
 
 log = logging.getLogger("specdec")
 
@@ -80,7 +84,7 @@ class GGUFError(ModelLoadError):
 class GGUFCheckpoint:
     hf_config: dict  # config.json
     weights: dict[str, torch.Tensor]  # Hugging Face names, in the dtype asked for
-    tokenizer: object  # tokenizers.Tokenizer
+    tokenizer: RustTokenizer
     tokenizer_config: dict  # tokenizer_config.json (special tokens, chat template)
     generation_config: dict  # generation_config.json (bos / eos ids)
     tensor_types: dict[str, int]  # how many tensors the file held of each type, e.g. {"Q4_1": 210}
@@ -284,7 +288,7 @@ def _weight_dtype(dtype: str | torch.dtype, types: dict[str, int]) -> torch.dtyp
 def hf_config_from_metadata(metadata: dict, architecture: str, path: Path, dtype: torch.dtype, reader) -> dict:
     """config.json's fields from the "<architecture>.*" metadata."""
 
-    def get(key: str, default=None, required: bool = False):
+    def get(key: str, default=None, required: bool = False) -> Any:  # a metadata value, of the file's type
         value = metadata.get(f"{architecture}.{key}", default)
         if required and value is None:
             raise GGUFError(f"{path}: metadata {architecture}.{key} is missing; the file is incomplete")

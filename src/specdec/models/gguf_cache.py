@@ -82,7 +82,8 @@ class Writer:
         offset = self.file.tell()
         self.file.write(b"\0" * (-offset % ALIGN))
         offset = self.file.tell()
-        self.file.write(memoryview(tensor.contiguous().view(torch.uint8).numpy()))
+        # numpy's stubs give ndarray the buffer protocol only from Python 3.12
+        self.file.write(memoryview(tensor.contiguous().view(torch.uint8).numpy()))  # pyright: ignore[reportArgumentType]
         self.tensors[stored] = [str(tensor.dtype).removeprefix("torch."), list(tensor.shape), offset]
 
     def finish(self, info: dict) -> None:
@@ -125,9 +126,13 @@ def load(path: Path) -> tuple[dict, dict[str, torch.Tensor], dict[str, PackedTen
             if name not in streamed
         }
         tensors.update(_read_into_memory(data_path, {name: index["tensors"][name] for name in streamed}))
-        packed = {
+        packed = {  # codes and d are always stored; sc, mn, dmin by kind
             name: PackedTensor(
-                kind, LAYOUTS[kind], rows, cols, *(tensors.get(f"packed/{name}/{field}") for field in FIELDS)
+                kind,
+                LAYOUTS[kind],
+                rows,
+                cols,
+                *(tensors.get(f"packed/{name}/{field}") for field in FIELDS),  # pyright: ignore[reportArgumentType]
             )
             for name, (kind, rows, cols) in index["packed"].items()
         }

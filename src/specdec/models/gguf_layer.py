@@ -88,7 +88,7 @@ def fused_layer(layer: DecoderLayer) -> nn.Module:
         and attention.qkv_proj.eps == mlp.gate_up_proj.eps
     ):
         return layer
-    qkv, o, gate_up, down = (_q_linear(m) for m in linears)
+    qkv, o, gate_up, down = (_q_linear(m) for m in linears)  # pyright: ignore[reportArgumentType]  # GGUFLinear: checked above
     plan = qmatmul().DecoderLayerPlan(
         qkv,
         o,

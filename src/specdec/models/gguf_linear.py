@@ -8,11 +8,16 @@ gathers. Neither ever holds a float copy of its weights.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 from torch import nn
 
 from specdec.kernels import ops
 from specdec.models.gguf_quants import GROUP, PackedTensor
+
+if TYPE_CHECKING:
+    from specdec.models.llama import RMSNorm
 
 PART_FIELDS = ("codes", "sc", "mn", "d", "dmin")
 
@@ -59,7 +64,7 @@ class GGUFLinear(nn.Module):
         self.gated, self.eps, self._op_args = False, 0.0, None
         self.register_buffer("norm_weight", None, persistent=False)
 
-    def fuse_input(self, norm: nn.Module | None = None, gated: bool = False) -> None:
+    def fuse_input(self, norm: RMSNorm | None = None, gated: bool = False) -> None:
         """Take over what the layer's input went through: an RMSNorm (its weight and eps), and/or
         the gate of an MLP (the input is then [gate; up], [..., 2K], and the product's input
         silu(gate) * up). The kernel does it while quantizing the input, in float32: the ops

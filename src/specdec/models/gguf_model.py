@@ -16,7 +16,7 @@ from specdec.models.errors import ModelLoadError
 from specdec.models.gguf_layer import fused_layer
 from specdec.models.gguf_linear import GGUFMLP, GGUFEmbedding, GGUFLinear, dequantize
 from specdec.models.gguf_quants import PackedTensor
-from specdec.models.llama import LlamaModel, ModelConfig, rope_inverse_frequencies
+from specdec.models.llama import DecoderLayer, LlamaModel, ModelConfig, rope_inverse_frequencies
 
 log = logging.getLogger("specdec")
 
@@ -41,7 +41,7 @@ def build_quantized_model(
         if isinstance(module, nn.Linear):
             _set_module(model, module_name, _linear(module_name, tensors, dtype, config))
     embedding = tensors["model.embed_tokens.weight"]
-    model.embed_tokens = (
+    model.embed_tokens = (  # pyright: ignore[reportAttributeAccessIssue]  # a GGUFEmbedding where quantized
         GGUFEmbedding(embedding, dtype)
         if isinstance(embedding, PackedTensor)
         else nn.Embedding.from_pretrained(embedding.to(dtype), freeze=True)
@@ -56,13 +56,13 @@ def build_quantized_model(
     left_on_meta = [name for name, t in model.state_dict().items() if t.is_meta]
     if left_on_meta:
         raise ModelLoadError(f"{path}: tensors {left_on_meta[:3]} were not loaded")
-    for i, layer in enumerate(model.layers):
-        _fuse_into_kernels(layer)
-        model.layers[i] = fused_layer(layer)
+    for i, layer in enumerate(model.layers):  # DecoderLayers (ModuleList yields Modules)
+        _fuse_into_kernels(layer)  # pyright: ignore[reportArgumentType]
+        model.layers[i] = fused_layer(layer)  # pyright: ignore[reportArgumentType]
     return model.eval().requires_grad_(False)
 
 
-def _fuse_into_kernels(layer: nn.Module) -> None:
+def _fuse_into_kernels(layer: DecoderLayer) -> None:
     """Give a decoder layer's quantized matrices the work around them: each RMSNorm goes into the
     one matrix that reads its output (q/k/v after input_layernorm, gate/up after
     post_attention_layernorm) and the MLP's gate into its down projection. The layer computes the
@@ -70,12 +70,12 @@ def _fuse_into_kernels(layer: nn.Module) -> None:
     attention, mlp = layer.self_attn, layer.mlp
     if isinstance(attention.qkv_proj, GGUFLinear):
         attention.qkv_proj.fuse_input(norm=layer.input_layernorm)
-        layer.input_layernorm = nn.Identity()
+        layer.input_layernorm = nn.Identity()  # pyright: ignore[reportAttributeAccessIssue]  # fused into the matrix
     if isinstance(mlp.gate_up_proj, GGUFLinear):
         mlp.gate_up_proj.fuse_input(norm=layer.post_attention_layernorm)
-        layer.post_attention_layernorm = nn.Identity()
+        layer.post_attention_layernorm = nn.Identity()  # pyright: ignore[reportAttributeAccessIssue]
         if isinstance(mlp.down_proj, GGUFLinear):
-            layer.mlp = GGUFMLP(mlp.gate_up_proj, mlp.down_proj)
+            layer.mlp = GGUFMLP(mlp.gate_up_proj, mlp.down_proj)  # pyright: ignore[reportAttributeAccessIssue]
 
 
 def _check_names(model: LlamaModel, shapes: dict[str, tuple], path: Path) -> None:
@@ -113,7 +113,7 @@ def _linear(module_name: str, tensors: dict, dtype: torch.dtype, config: ModelCo
         names = ["model.embed_tokens"]
     parts = [tensors[f"{name}.weight"] for name in names]
     biases = [tensors.get(f"{name}.bias") for name in names]
-    bias = torch.cat(biases).to(dtype) if all(b is not None for b in biases) else None
+    bias = torch.cat(biases).to(dtype) if all(b is not None for b in biases) else None  # pyright: ignore[reportArgumentType]
     if all(isinstance(p, PackedTensor) for p in parts):
         return GGUFLinear(parts, bias)
     if any(isinstance(p, PackedTensor) for p in parts):  # a fused layer of quantized and float parts

@@ -132,12 +132,13 @@ def dequantize_split(kind: str, parts: Split) -> np.ndarray:
     subs = layout.block_size // layout.sub_block
     scale = parts.d.astype(np.float32)[:, None]  # [n, 1]
     if layout.has_sc:
-        sc = parts.sc.view(np.int8) if layout.sc_signed else parts.sc
-        scale = scale * sc.astype(np.float32)  # [n, subs]
+        sc = parts.sc.view(np.int8) if layout.sc_signed else parts.sc  # pyright: ignore[reportOptionalMemberAccess]
+        scale = scale * sc.astype(np.float32)  # pyright: ignore[reportOptionalMemberAccess]  # [n, subs]
     codes = parts.codes.astype(np.float32).reshape(n, subs, layout.sub_block) - layout.z
     values = codes * np.broadcast_to(scale, (n, subs))[..., None]
     if layout.has_dmin:
-        offset = parts.dmin.astype(np.float32)[:, None] * (parts.mn.astype(np.float32) if layout.has_mn else 1.0)
+        # sc, mn, dmin: there where the layout has them
+        offset = parts.dmin.astype(np.float32)[:, None] * (parts.mn.astype(np.float32) if layout.has_mn else 1.0)  # pyright: ignore[reportOptionalMemberAccess]
         values = values + np.broadcast_to(offset, (n, subs))[..., None]
     return values.reshape(n, layout.block_size)
 
@@ -183,11 +184,11 @@ def pack(kind: str, data: np.ndarray, rows: int, cols: int) -> PackedTensor:
         g0, g1 = start // GROUP, stop // GROUP
         codes[g0:g1] = torch.from_numpy(_pack_codes(parts.codes.reshape(stop - start, cols), layout.bits))
         for target, values in ((sc, parts.sc), (mn, parts.mn)):
-            if target is not None:
-                target[g0:g1] = torch.from_numpy(_by_group(values.reshape(stop - start, -1)))
+            if target is not None:  # and values: the layout has them
+                target[g0:g1] = torch.from_numpy(_by_group(values.reshape(stop - start, -1)))  # pyright: ignore[reportOptionalMemberAccess]
         d[g0:g1] = torch.from_numpy(_by_group(parts.d.reshape(stop - start, per_row)))
         if dmin is not None:
-            dmin[g0:g1] = torch.from_numpy(_by_group(parts.dmin.reshape(stop - start, per_row)))
+            dmin[g0:g1] = torch.from_numpy(_by_group(parts.dmin.reshape(stop - start, per_row)))  # pyright: ignore[reportOptionalMemberAccess]
     return PackedTensor(kind, layout, rows, cols, codes, sc, mn, d, dmin)
 
 

@@ -260,7 +260,8 @@ def _special_ids(metadata: dict[str, Any], tokens: list[str], model_type: str) -
             if default is not None and default < len(tokens):
                 ids[name] = default
             continue
-        if not isinstance(value, Integral) or isinstance(value, bool) or not 0 <= value < len(tokens):
+        # numbers.Integral's stub lacks the reflected comparisons
+        if not isinstance(value, Integral) or isinstance(value, bool) or not 0 <= value < len(tokens):  # pyright: ignore[reportOperatorIssue]
             raise GGUFTokenizerError(
                 f"{_KEY}{key} is {value!r}, not a token id (0 to {len(tokens) - 1}); the "
                 "file is corrupt or was edited wrongly: fix the id (gguf's "

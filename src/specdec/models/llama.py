@@ -153,7 +153,7 @@ class Attention(nn.Module):
         B, T, _ = x.shape
         H, Hkv = self.num_heads, self.num_kv_heads
         qkv = self.qkv_proj(x).view(B, T, H + 2 * Hkv, self.head_dim)  # [B, T, H+2Hkv, D]
-        if self.q_norm is None:  # q and k rotated together
+        if self.q_norm is None or self.k_norm is None:  # no q/k norms (both or neither): q and k rotated together
             q, k = apply_rope(qkv[:, :, : H + Hkv], cos, signed_sin).split([H, Hkv], dim=2)  # [B, T, H|Hkv, D]
         else:
             q, k = self.q_norm(qkv[:, :, :H]), self.k_norm(qkv[:, :, H : H + Hkv])
@@ -254,6 +254,7 @@ class DecoderStack(nn.Module):
     config: ModelConfig
     layers: nn.ModuleList
     norm: RMSNorm
+    inv_freq: torch.Tensor  # a buffer (_init_rope)
 
     def _init_rope(self) -> None:
         self.register_buffer("inv_freq", rope_inverse_frequencies(self.config), persistent=False)
@@ -294,7 +295,7 @@ class DecoderStack(nn.Module):
         needs_mask = cache is not None and (cache.static or not _reads_every_key(positions, num_keys))
         masks = {}
         for layer in self.layers:
-            window = self.config.window(layer.self_attn.layer_index)
+            window = self.config.window(layer.self_attn.layer_index)  # pyright: ignore[reportAttributeAccessIssue, reportArgumentType]
             if window not in masks:
                 masks[window] = (
                     self._mask(positions, num_keys, window, needs_mask)
@@ -335,6 +336,8 @@ class DecoderStack(nn.Module):
 
 class LlamaModel(DecoderStack):
     """Decoder-only transformer; parameter names follow Hugging Face's checkpoints."""
+
+    output_token_ids: torch.Tensor  # a buffer, where config.output_vocab_size
 
     def __init__(self, config: ModelConfig):
         super().__init__()

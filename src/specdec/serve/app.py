@@ -19,8 +19,9 @@ import contextlib
 import hmac
 import json
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, Sequence
 from dataclasses import dataclass
+from typing import cast
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -249,13 +250,13 @@ def _named_field(message: str, body: SamplingFields) -> str | None:
 # --- running requests ---------------------------------------------------------------------------------
 
 
-async def _first_outputs(streams: list[AsyncIterator[RequestOutput]]) -> list[RequestOutput]:
+async def _first_outputs(streams: list[AsyncGenerator[RequestOutput, None]]) -> list[RequestOutput]:
     """Each stream's first output: a request the engine refuses, or a full queue, fails here,
     before any response is sent (the other streams are closed, which aborts them)."""
     results = await asyncio.gather(*(anext(stream) for stream in streams), return_exceptions=True)
     errors = [result for result in results if isinstance(result, BaseException)]
     if not errors:
-        return results
+        return cast("list[RequestOutput]", results)
     for stream in streams:
         await stream.aclose()
     error = errors[0]
@@ -303,7 +304,8 @@ def _joined_logprobs(outputs: list[RequestOutput], shape) -> dict | None:
     None where the request asked for none."""
     if outputs[0].outputs[0].logprobs is None:
         return None
-    return shape([entry for output in outputs for entry in output.outputs[0].logprobs])
+    # every output has them where the first has
+    return shape([entry for output in outputs for entry in output.outputs[0].logprobs])  # pyright: ignore[reportOptionalIterable]
 
 
 async def _cancel(tasks) -> None:
@@ -313,7 +315,7 @@ async def _cancel(tasks) -> None:
     await asyncio.gather(*tasks, return_exceptions=True)
 
 
-async def _merged(streams, firsts) -> AsyncIterator[tuple[int, RequestOutput]]:
+async def _merged(streams, firsts) -> AsyncGenerator[tuple[int, RequestOutput], None]:
     """(index, output) from every stream as they come, each stream's first output first."""
     queue: asyncio.Queue = asyncio.Queue()
     done = object()
@@ -348,7 +350,7 @@ async def _merged(streams, firsts) -> AsyncIterator[tuple[int, RequestOutput]]:
 # --- streaming responses --------------------------------------------------------------------------------
 
 
-def _sse(events: AsyncIterator[dict]) -> StreamingResponse:
+def _sse(events: AsyncGenerator[dict, None]) -> StreamingResponse:
     async def body():
         try:
             async for event in events:
@@ -365,7 +367,7 @@ def _sse(events: AsyncIterator[dict]) -> StreamingResponse:
 
 async def _completion_events(
     state: ServerState, request_id: str, body: CompletionRequest, streams, firsts, prompt_tokens: int
-) -> AsyncIterator[dict]:
+) -> AsyncGenerator[dict, None]:
     created, completion_tokens = int(time.time()), 0
     text_offsets = [0] * len(streams)  # where each choice's next text starts, for logprobs' text_offset
     async with contextlib.aclosing(_merged(streams, firsts)) as outputs:
@@ -385,7 +387,7 @@ async def _completion_events(
 
 async def _chat_events(
     state: ServerState, request_id: str, body: ChatCompletionRequest, stream, first, prompt_tokens: int
-) -> AsyncIterator[dict]:
+) -> AsyncGenerator[dict, None]:
     created, completion_tokens = int(time.time()), 0
     yield chat_chunk(request_id, state.model_name, created, {"role": "assistant", "content": ""})
     async with contextlib.aclosing(_merged([stream], [first])) as outputs:
@@ -429,7 +431,7 @@ def _add_error_handlers(app: FastAPI) -> None:
         return JSONResponse(body, status_code=500)
 
 
-def _validation_message(errors: list[dict]) -> tuple[str, str | None]:
+def _validation_message(errors: Sequence[dict]) -> tuple[str, str | None]:
     """pydantic's errors as one message, and the request field they are about. A field of several
     accepted types (prompt: text or token ids) fails once per type: they are named together."""
     if not errors:

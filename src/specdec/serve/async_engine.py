@@ -17,7 +17,7 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 
 import torch
 
@@ -86,7 +86,7 @@ class AsyncEngine:
         params: SamplingParams,
         prompt: str | None = None,
         stream_text: bool = True,
-    ) -> AsyncIterator[RequestOutput]:
+    ) -> AsyncGenerator[RequestOutput, None]:
         """The request's outputs, step by step, until the one marked finished (stream_text: each
         carries its new text; else the last carries it all). Raises QueueFull (nothing queued),
         EngineStopped, or the engine's ValueError for a request it refuses."""
@@ -182,6 +182,7 @@ class AsyncEngine:
     def _deliver(self, items: list, request_ids: list[str]) -> None:
         """Hand items to their requests' streams, on the event loop."""
         if items:
+            assert self._loop is not None  # start() set it before the engine thread runs
             self._loop.call_soon_threadsafe(self._put, items, request_ids)
 
     def _put(self, items: list, request_ids: list[str]) -> None:

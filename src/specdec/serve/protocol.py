@@ -88,8 +88,9 @@ class SamplingFields(BaseModel):
             top_k=self.top_k,
             min_p=self.min_p,
             max_tokens=max_tokens,
-            stop=self.stop or (),
-            stop_token_ids=self.stop_token_ids or (),
+            # SamplingParams takes a string or a list and keeps a tuple
+            stop=self.stop or (),  # pyright: ignore[reportArgumentType]
+            stop_token_ids=self.stop_token_ids or (),  # pyright: ignore[reportArgumentType]
             seed=self.seed,
             ignore_eos=self.ignore_eos,
             logprobs=self.logprobs_count(),

@@ -191,6 +191,7 @@ class GoodputPolicy:
             verify = costs.verify if costs is not None else CostCurve({})
             costs = self.costs[bucket] = RoundCosts(verify, CostCurve({1: draft_step, 2: 2 * draft_step}))
             self._calibrated.add((bucket, "draft"))
+        assert costs is not None  # made with the draft step's calibration
         for length in sorted({self.padded_tokens(t) for t in range(1, k + 2)}):
             if (bucket, length) not in self._calibrated:
                 costs.verify.calibrated[length] = _warm_seconds(functools.partial(time_target, length), self.clock)

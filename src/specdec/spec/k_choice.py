@@ -92,7 +92,7 @@ class KChoice:
         self.policy.observe([s.slot for s in batch], result.num_proposed, result.num_accepted)
         self.policy.observe_round(
             len(batch),
-            max(result.ks),
+            max(k or 0 for k in result.ks),  # a round's ks are ints (None is a prefill's)
             result.verify_tokens,
             target_seconds=result.seconds["target"] + result.seconds["sampling"],
             draft_seconds=result.seconds["draft"] if result.all_rows_drafted else None,

@@ -17,8 +17,9 @@ the last, which is fed first in the next round's verify forward.
 
 from __future__ import annotations
 
+import collections.abc
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -50,12 +51,12 @@ class RoundResult:
     tokens: list[list[int]]
     num_proposed: list[int]
     num_accepted: list[int]
-    ks: list[int | None]
-    tree_depths: list[int | None]
+    ks: collections.abc.Sequence[int | None]
+    tree_depths: collections.abc.Sequence[int | None]
     logprobs: list[list | None]
     verify_tokens: int = 1
     all_rows_drafted: bool = False
-    seconds: dict[str, float] | None = None
+    seconds: dict[str, float] = field(default_factory=dict)
 
 
 class SpeculativeRound:
@@ -65,7 +66,8 @@ class SpeculativeRound:
     def __init__(self, target: ModelRunner, drafter: Drafter | None, tree: TreeShape | None):
         self.target, self.drafter, self.tree = target, drafter, tree
         self.return_hidden = drafter is not None and drafter.needs_target_hidden  # the target's features too
-        self._sampling_key, self._sampling = None, None
+        self._sampling_key: tuple | None = None
+        self._sampling: SamplingTensors | None = None
 
     def forget_batches(self) -> None:
         """Earlier requests may share ids with the next ones: rebuild the sampling tensors."""
@@ -79,9 +81,10 @@ class SpeculativeRound:
         logits = self.target.feed(
             prompts, [0] * len(batch), [s.slot for s in batch], return_hidden=self.return_hidden
         )  # [B, V] (, hidden [B, T, H])
-        if self.return_hidden:
+        if isinstance(logits, tuple):  # return_hidden: the drafter reads the target's features
             logits, hidden = logits
             prompt_lengths = torch.tensor([len(prompt) for prompt in prompts], device=device)  # [B]
+            assert self.drafter is not None
             self.drafter.observe_hidden(batch, torch.zeros_like(prompt_lengths), hidden, prompt_lengths)
         probs = warp(logits, SamplingTensors.from_params([s.params for s in batch], device))
         first_tokens = sample(probs, [s.generator for s in batch])  # [B]
@@ -110,21 +113,22 @@ class SpeculativeRound:
             draft = draft.narrowed(int(num_draft.max()))
         input_ids, positions, tree = self._verify_inputs(batch, draft)  # [B, k+1] each, and a tree's layout
         slots = [s.slot for s in batch]
-        target_logits = self.target(
+        outputs = self.target(
             ForwardBatch.of(input_ids, positions, slots, tree), return_hidden=self.return_hidden
-        )  # [B, k+1, V]
-        if self.return_hidden:
-            target_logits, target_hidden = target_logits  # and [B, k+1, H]
+        )  # [B, k+1, V] (return_hidden: and [B, k+1, H])
+        target_logits, target_hidden = outputs if isinstance(outputs, tuple) else (outputs, None)
         t2 = time.perf_counter()
         output, num_accepted, path = self._verify(batch, sampling, draft, num_draft, target_logits)
         if path is not None:  # the accepted branch's entries into place, its features in order
+            assert tree is not None  # a tree's draft
             self._keep_branch(slots, tree.write_positions, path, num_accepted)
-            if self.return_hidden:
+            if target_hidden is not None:
                 target_hidden = target_hidden.gather(1, path[:, :, None].expand(-1, -1, target_hidden.shape[-1]))
         t3 = time.perf_counter()
         if self.drafter is not None:
             self.drafter.observe(batch, num_accepted)
-        if self.return_hidden:
+        if target_hidden is not None:
+            assert self.drafter is not None  # return_hidden is a drafter's need
             self.drafter.observe_hidden(batch, positions[:, 0], target_hidden, num_accepted + 1)
         num_accepted_list = num_accepted.tolist()
         tokens = [output[row, : n + 1].tolist() for row, n in enumerate(num_accepted_list)]
@@ -156,6 +160,7 @@ class SpeculativeRound:
         return drafted.scattered(len(batch), index), False
 
     def _draft(self, batch: list[Sequence], ks: list[int], sampling: SamplingTensors) -> Draft:
+        assert self.drafter is not None  # a row has k > 0
         if self.tree is not None:  # every drafting row grows a tree of k nodes, no deeper than its room
             return self.drafter.propose_tree(batch, max(ks), self.tree, [s.draft_room for s in batch], sampling)
         return self.drafter.propose(batch, ks, sampling)
@@ -171,7 +176,7 @@ class SpeculativeRound:
         input_ids = torch.cat([last_tokens, draft.token_ids], dim=1)  # [B, k+1]
         first_positions = torch.tensor([s.num_tokens - 1 for s in batch], device=device)  # [B]
         columns = torch.arange(input_ids.shape[1], device=device)  # [k+1]
-        if not draft.is_tree:
+        if draft.parents is None:  # a chain
             return input_ids, first_positions[:, None] + columns, None
         visible = branches(draft.parents)  # [B, k+1, k+1]
         depth = visible.sum(-1) - 1  # [B, k+1]: ancestors, the root included
@@ -190,7 +195,7 @@ class SpeculativeRound:
         and for a tree the accepted branch's verify columns [B, k+1] (None for a chain)."""
         greedy = sampling.greedy if sampling.any_greedy else None
         generators = [s.generator for s in batch]
-        if draft.is_tree:
+        if draft.parents is not None:  # a tree
             if sampling.all_greedy:
                 return greedy_tree_verify(draft.token_ids, draft.parents, num_draft, target_logits.argmax(-1))
             return tree_rejection_sample(
@@ -217,7 +222,7 @@ class SpeculativeRound:
     def _sampling_tensors(self, batch: list[Sequence]) -> SamplingTensors:
         """The batch's settings as tensors, rebuilt only when the batch changes."""
         key = tuple(seq.request_id for seq in batch)
-        if key != self._sampling_key:
+        if key != self._sampling_key or self._sampling is None:
             self._sampling_key = key
             self._sampling = SamplingTensors.from_params([s.params for s in batch], self.target.device)
         return self._sampling

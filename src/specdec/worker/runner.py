@@ -36,8 +36,10 @@ import logging
 import os
 import time
 import warnings
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any, Literal, overload
 
 import torch
 
@@ -145,7 +147,7 @@ class ModelRunner:
         self.name = name
         self.query_buckets: tuple[int, ...] = ()  # query lengths compiled for (empty: eager)
         self.compile_seconds = 0.0
-        self._compiled = None  # the torch.compile'd forward, once compiling was chosen
+        self._compiled: Callable[..., Any] | None = None  # the torch.compile'd forward, once compiling was chosen
         self._eager_only = False  # compiling failed, or measured slower: never try again
         self._runs_gguf_kernels = runs_gguf_kernels(model)
         self._eager_model: LlamaModel | None = None  # made on first eager use
@@ -168,9 +170,15 @@ class ModelRunner:
     # --- preparing a batch of work ---------------------------------------------------------
 
     @property
+    def _kv(self) -> KVCache:
+        """The cache, which prepare makes before any forward."""
+        assert self.cache is not None, f"{self.name}: prepare() makes the cache first"
+        return self.cache
+
+    @property
     def max_len(self) -> int:
         """The positions each slot of the cache holds (after prepare)."""
-        return self.cache.max_len
+        return self._kv.max_len
 
     def prepare(
         self,
@@ -258,7 +266,7 @@ class ModelRunner:
         """Compile (or fetch from the on-disk cache) every shape this work will run, checking
         each against eager on the scratch slot; under "auto", keep compiled only if it measures
         faster than eager."""
-        cache = self.cache
+        cache = self._kv
         shapes = [(cache.max_batch - 1, queries, cache.max_len) for queries in self.query_buckets]
         cold = [shape for shape in shapes if shape not in self._warm_shapes]
         if not cold:
@@ -285,7 +293,7 @@ class ModelRunner:
     def _probe(self, queries: int) -> ForwardBatch:
         """A full compiled batch on the scratch slot (every row the same random tokens, so that
         all write the same keys and values there)."""
-        rows = scratch = self.cache.max_batch - 1
+        rows = scratch = self._kv.max_batch - 1
         g = torch.Generator().manual_seed(queries)
         input_ids = torch.randint(0, self.config.vocab_size, (1, queries), generator=g).to(self.device)
         input_ids = input_ids.expand(rows, queries)  # [rows, queries]
@@ -297,13 +305,12 @@ class ModelRunner:
         with the plain model's on the same input (not the packed eager copy's: a draft's may
         round its output layer to bfloat16): a compiler bug must not change a result."""
         probe = self._probe(queries)
-        compiled = self.forward(probe, return_hidden=self.return_hidden)
+        outputs = self.forward(probe, return_hidden=self.return_hidden)
         if self._compiled is None:  # compiling failed
             return False
-        if self.return_hidden:
-            compiled = compiled[0]
+        compiled = outputs[0] if isinstance(outputs, tuple) else outputs  # (logits, hidden) with return_hidden
         # the model's own layers: the same weights the graph froze
-        eager = self.model(probe.input_ids, probe.positions, self.cache.rows(probe.slots))
+        eager = self.model(probe.input_ids, probe.positions, self._kv.rows(probe.slots))
         error = _relative_error(compiled, eager)
         # quantized layers run in bf16 (int8, int4) or on int8 activations (GGUF): rounding flips
         exact_float32 = self.dtype == torch.float32 and self.quantization is None and not self._runs_gguf_kernels
@@ -316,7 +323,7 @@ class ModelRunner:
         """ "auto": time the widest forward both ways (padded rows included); eager from now on
         if it is faster."""
         probe = self._probe(max(self.query_buckets))
-        timings = {}
+        timings: dict[str, float] = {}
         for name, run in (("compiled", self.forward), ("eager", self._forward_eager)):
             run(probe, return_hidden=self.return_hidden)
             start = time.perf_counter()
@@ -329,12 +336,19 @@ class ModelRunner:
             *probe.input_ids.shape,
             timings["compiled"] * 1e3,
             timings["eager"] * 1e3,
-            min(timings, key=timings.get),
+            min(timings, key=timings.__getitem__),
         )
         if timings["eager"] < timings["compiled"]:
             self._run_eagerly_from_now_on()
 
     # --- forwards ----------------------------------------------------------------------------
+
+    @overload
+    def forward(self, batch: ForwardBatch, return_hidden: Literal[False] = False) -> torch.Tensor: ...
+    @overload
+    def forward(self, batch: ForwardBatch, return_hidden: Literal[True]) -> tuple[torch.Tensor, torch.Tensor]: ...
+    @overload
+    def forward(self, batch: ForwardBatch, return_hidden: bool) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]: ...
 
     def forward(self, batch: ForwardBatch, return_hidden: bool = False):
         """batch -> logits [B, T, V] (float32) at every position, each row's K/V written into its
@@ -355,21 +369,47 @@ class ModelRunner:
 
     def _forward_eager(self, batch: ForwardBatch, return_hidden: bool = False):
         return self.eager_model()(
-            batch.input_ids, batch.positions, self.cache.rows(batch.slots), return_hidden=return_hidden, tree=batch.tree
+            batch.input_ids, batch.positions, self._kv.rows(batch.slots), return_hidden=return_hidden, tree=batch.tree
         )
+
+    @overload
+    def last_token_logits(
+        self, batch: ForwardBatch, last_index: torch.Tensor, return_hidden: Literal[False] = False
+    ) -> torch.Tensor: ...
+    @overload
+    def last_token_logits(
+        self, batch: ForwardBatch, last_index: torch.Tensor, return_hidden: Literal[True]
+    ) -> tuple[torch.Tensor, torch.Tensor]: ...
+    @overload
+    def last_token_logits(
+        self, batch: ForwardBatch, last_index: torch.Tensor, return_hidden: bool
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]: ...
 
     def last_token_logits(self, batch: ForwardBatch, last_index: torch.Tensor, return_hidden: bool = False):
         """Forward padded rows; logits after each row's last real token (last_index [B]): [B, V].
         return_hidden: (those logits, every position's hidden states [B, T, hidden])."""
         if self._query_bucket(batch.input_ids.shape[1]) is None:
             return self.eager_model().last_token_logits(
-                batch.input_ids, batch.positions, self.cache.rows(batch.slots), last_index, return_hidden
+                batch.input_ids, batch.positions, self._kv.rows(batch.slots), last_index, return_hidden
             )
         outputs = self.forward(batch, return_hidden=return_hidden)  # [B, T, V] (, hidden)
-        logits = outputs[0] if return_hidden else outputs
+        logits, hidden = outputs if isinstance(outputs, tuple) else (outputs, None)
         rows = torch.arange(batch.input_ids.shape[0], device=logits.device)
         last_logits = logits[rows, last_index.to(logits.device)]
-        return (last_logits, outputs[1]) if return_hidden else last_logits
+        return (last_logits, hidden) if return_hidden else last_logits
+
+    @overload
+    def feed(
+        self, chunks: list[list[int]], starts: list[int], slots: list[int], return_hidden: Literal[False] = False
+    ) -> torch.Tensor: ...
+    @overload
+    def feed(
+        self, chunks: list[list[int]], starts: list[int], slots: list[int], return_hidden: Literal[True]
+    ) -> tuple[torch.Tensor, torch.Tensor]: ...
+    @overload
+    def feed(
+        self, chunks: list[list[int]], starts: list[int], slots: list[int], return_hidden: bool
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]: ...
 
     def feed(self, chunks: list[list[int]], starts: list[int], slots: list[int], return_hidden: bool = False):
         """Rows of different lengths in one forward (a prefill): row i feeds chunks[i] from
@@ -382,13 +422,13 @@ class ModelRunner:
         self, chunks: list[list[int]], starts: list[int], slots: list[int]
     ) -> tuple[ForwardBatch, torch.Tensor]:
         """The ForwardBatch of feed(chunks, starts, slots) and each row's last real index [B]."""
-        input_ids, positions, last_index = ragged_batch(chunks, starts, self.cache.max_len)  # [B, W], [B, W], [B]
+        input_ids, positions, last_index = ragged_batch(chunks, starts, self._kv.max_len)  # [B, W], [B, W], [B]
         return ForwardBatch.of(input_ids.to(self.device), positions.to(self.device), slots), last_index
 
     def move(self, slots: list[int], sources: torch.Tensor, destinations: torch.Tensor) -> None:
         """Copy each row's K/V entries at positions sources [B, M] to destinations [B, M] in the
         slots [B] (kv_cache.KVCache.move: a tree's accepted branch into the sequence's next positions)."""
-        self.cache.move(slots, sources, destinations)
+        self._kv.move(slots, sources, destinations)
 
     def padded_queries(self, num_queries: int) -> int:
         """The query length a forward of num_queries tokens per row runs at (what it costs)."""
@@ -406,7 +446,7 @@ class ModelRunner:
         keeps free), extra rows feed token 0 into the scratch slot (the cache's last)."""
         input_ids, positions = batch.input_ids, batch.positions
         B, T = input_ids.shape
-        max_batch, max_len = self.cache.max_batch, self.cache.max_len
+        max_batch, max_len = self._kv.max_batch, self._kv.max_len
         rows = scratch = max_batch - 1
         extra = torch.arange(1, num_queries - T + 1, device=self.device)  # [T_pad - T]
         positions = torch.cat([positions, (positions[:, -1:] + extra).clamp(max=max_len - 1)], dim=1)
@@ -418,15 +458,17 @@ class ModelRunner:
         slots = torch.cat([batch.slots, batch.slots.new_full((pad_rows,), scratch)])  # [rows]
         return ForwardBatch(input_ids, positions, slots)
 
-    def _run_compiled(self, batch: ForwardBatch, return_hidden: bool = False):
+    def _run_compiled(self, batch: ForwardBatch, return_hidden: bool = False) -> Any:
         """The compiled forward's outputs; None (and eager from now on) if it cannot be compiled."""
+        compiled = self._compiled
+        assert compiled is not None, "a compiled query bucket without a compiled forward"
         try:
             with self._inductor_config():
-                outputs = self._compiled(batch.input_ids, batch.positions, self.cache.rows(batch.slots), return_hidden)
+                outputs = compiled(batch.input_ids, batch.positions, self._kv.rows(batch.slots), return_hidden)
         except Exception as error:  # noqa: BLE001 - any failure to compile means: run eagerly
             self._fall_back(error)
             return None
-        self._warm_shapes.add((batch.input_ids.shape[0], batch.input_ids.shape[1], self.cache.max_len))
+        self._warm_shapes.add((batch.input_ids.shape[0], batch.input_ids.shape[1], self._kv.max_len))
         return outputs
 
     def _run_eagerly_from_now_on(self) -> None:
@@ -466,12 +508,13 @@ class ModelRunner:
         device = self.device
         if not self.pack_weights:
             return self.model
+        min_bytes = self.bf16_pack_min_bytes
         if can_pack(self.dtype, device):
             pack = pack_linears
-        elif self.dtype == torch.float32 and self.bf16_pack_min_bytes is not None and can_pack(torch.bfloat16, device):
+        elif self.dtype == torch.float32 and min_bytes is not None and can_pack(torch.bfloat16, device):
 
             def pack(model):
-                pack_large_linears_in_bf16(model, self.bf16_pack_min_bytes)
+                pack_large_linears_in_bf16(model, min_bytes)
         else:
             return self.model
         model = self.model if self.compile_mode == "off" else _sharing_copy(self.model)

@@ -225,7 +225,7 @@ def bench_config(args):
         seed=args.seed,
         head=head,
         trees=trees,
-        early_exit_layer=early_exit,
+        early_exit_layer=early_exit,  # pyright: ignore[reportArgumentType]  # DEFAULT_EXIT is replaced above
     )
 
 

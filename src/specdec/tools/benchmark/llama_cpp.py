@@ -209,6 +209,7 @@ def _run_logged(command: list[str], log: Path, say: Say, what: str) -> None:
     with open(log, "w") as out:
         out.write(" ".join(command) + "\n")
         process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        assert process.stdout is not None  # stdout=PIPE
         for line in process.stdout:
             out.write(line)
             match = pattern.match(line)
@@ -610,12 +611,14 @@ def load_specdec(config: LlamaCppConfig):
     target = LLM(config.model)
     runners = {SPECDEC_PLAIN: SpecdecRunner(target, config.max_tokens)}
     ngram_spec = speculative_config(None, "ngram", num_speculative_tokens=config.k)
+    assert ngram_spec is not None  # a method given: a config
     ngram = DRAFTERS["ngram"](ngram_spec, target.target, target.runner)
     runners[System("specdec", "ngram")] = SpecdecRunner(
         target.with_drafter(ngram, config.k, ngram_spec.k_policy), config.max_tokens
     )
     if config.draft is not None:
         spec = speculative_config(config.draft, "draft_model", num_speculative_tokens=config.k)
+        assert spec is not None  # a method given: a config
         drafter = DRAFTERS["draft_model"](spec, target.target, target.runner)
         runners[System("specdec", "draft_model")] = SpecdecRunner(
             target.with_drafter(drafter, config.k, spec.k_policy), config.max_tokens
@@ -782,8 +785,9 @@ def pooled(runs: list[Timed]) -> dict:
     """Totals over runs: rates are total tokens ÷ total seconds."""
     tokens, seconds = sum(t.tokens for t in runs), sum(t.seconds for t in runs)
     prompt_seconds, decode_seconds = sum(t.prompt_seconds for t in runs), sum(t.decode_seconds for t in runs)
-    drafted = sum(t.drafted for t in runs) if all(t.drafted is not None for t in runs) else None
-    accepted = sum(t.accepted for t in runs) if drafted is not None else None
+    # summed where every run counted them (pyright does not follow the all() check)
+    drafted = sum(t.drafted for t in runs) if all(t.drafted is not None for t in runs) else None  # pyright: ignore[reportCallIssue, reportArgumentType]
+    accepted = sum(t.accepted for t in runs) if drafted is not None else None  # pyright: ignore[reportCallIssue, reportArgumentType]
     return {
         "prompts": len(runs),
         "tokens": tokens,

@@ -159,7 +159,7 @@ def _function_spans(source: str) -> list[_FunctionSpan]:
                     node.name,
                     line_starts[node.lineno - 1],
                     line_starts[last + 1],
-                    line_starts[node.end_lineno],
+                    line_starts[node.end_lineno],  # pyright: ignore[reportCallIssue, reportArgumentType]  # parsed: set
                 )
             )
     return sorted(found, key=lambda span: span.lineno)

@@ -63,8 +63,10 @@ def perplexity(model, llm: LLM, num_tokens: int = PERPLEXITY_TOKENS) -> float:
     """exp(mean negative log-likelihood of each next token) over the first num_tokens tokens
     of the held-out modules, in windows of the model's context length."""
     ids = []
+    tokenizer = llm.tokenizer
+    assert tokenizer is not None  # loaded with the model
     for _, source in held_out_sources():
-        ids += llm.tokenizer.encode(source)
+        ids += tokenizer.encode(source)
         if len(ids) >= num_tokens + 1:
             break
     ids = torch.tensor(ids[: num_tokens + 1], device=llm.device)

@@ -12,7 +12,7 @@ from pathlib import Path
 
 from specdec.metrics import rounds_by_k_text
 
-PLOTS = ("speedup_vs_k.png", "acceptance_by_position.png", "tokens_per_second.png")
+PLOTS: tuple[str, ...] = ("speedup_vs_k.png", "acceptance_by_position.png", "tokens_per_second.png")
 ROUND_PARTS = ("draft", "target", "sampling", "bookkeeping")
 
 

@@ -193,6 +193,7 @@ class BenchConfig:
 
     @property
     def max_k(self) -> int:
+        assert self.transformers_k is not None  # __post_init__ resolves None
         return max(max(self.ks), self.transformers_k)
 
 
@@ -352,6 +353,7 @@ def self_drafting_runners(config: BenchConfig, target: LLM, draft_model_drafter)
     """The comparison k's rows of the drafters beyond the draft model's k sweep: the head
     (chain, then each tree shape), the draft model's trees, early exit."""
     k, runners = config.transformers_k, {}
+    assert k is not None  # BenchConfig resolves None
     if draft_model_drafter is not None:
         for shape in config.trees:
             runners[Method("specdec", "draft_model_tree", k, shape)] = SpecdecRunner(
@@ -456,6 +458,7 @@ def transformers_runners(config: BenchConfig, target: LLM, draft_model, notes: l
     transformers.logging.set_verbosity_error()
     transformers.logging.disable_progress_bar()
     device, k = target.device, config.transformers_k
+    assert k is not None  # BenchConfig resolves None
     eos = target.target.eos_token_ids
     try:  # in the dtypes specdec loaded them in
         hf_target = _transformers_model(AutoModelForCausalLM, config.model, target.target.model.dtype, device)
@@ -469,6 +472,7 @@ def transformers_runners(config: BenchConfig, target: LLM, draft_model, notes: l
             "models do not have: transformers' assisted-generation row is skipped."
         )
     elif draft_model is not None:
+        assert config.draft is not None  # draft_model was loaded from it
         try:
             hf_draft = _transformers_model(AutoModelForCausalLM, config.draft, draft_model.dtype, device)
         except Exception as e:
@@ -487,6 +491,7 @@ def transformers_runners(config: BenchConfig, target: LLM, draft_model, notes: l
             "its row is skipped (specdec drafts with a padded vocabulary like this)."
         )
     elif hf_draft is not None:
+        assert draft_model is not None  # hf_draft is its copy
         runners[Method("transformers", "draft_model", k)] = TransformersRunner(
             hf_target, device, eos, assistant_model=hf_draft
         )
@@ -523,6 +528,8 @@ def _transformers_model(auto_class, path: str, dtype: torch.dtype, device):
 def encode_prompts(target: LLM, config: BenchConfig, set_name: str, notes: list[str]) -> list[tuple[Prompt, list[int]]]:
     """prompts_per_set prompts spread over the set, as token ids that fit the context."""
     _, make_prompts = PROMPT_SETS[set_name]
+    tokenizer = target.tokenizer
+    assert tokenizer is not None  # the bench loads the target with its tokenizer
     available = make_prompts(per_module=2, max_chars=config.max_prompt_chars)
     prompts = spread(available, config.prompts_per_set)
     if not prompts:
@@ -538,7 +545,7 @@ def encode_prompts(target: LLM, config: BenchConfig, set_name: str, notes: list[
             f"the target's context ({target.max_model_len} tokens) leaves no room for a prompt with "
             f"max_tokens={config.max_tokens} and k up to {config.max_k}; lower --max-tokens"
         )
-    if prompts[0].chat and not target.tokenizer.chat_template:
+    if prompts[0].chat and not tokenizer.chat_template:
         raise ValueError(
             f"prompt set {set_name!r} is chat prompts, and the target has no chat template; use the "
             "code and repeat sets for a model that is not a chat model"
@@ -548,7 +555,7 @@ def encode_prompts(target: LLM, config: BenchConfig, set_name: str, notes: list[
         ids = (
             target.chat_token_ids([{"role": "user", "content": prompt.text}])
             if prompt.chat
-            else target.tokenizer.encode(prompt.text)
+            else tokenizer.encode(prompt.text)
         )
         if len(ids) > room:
             ids, num_cut = ids[:1] + ids[len(ids) - room + 1 :], num_cut + 1
@@ -627,7 +634,7 @@ def measure_costs(loaded: LoadedRunners, config: BenchConfig) -> dict:
     }
 
 
-def measure_quantization_quality(target: LLM, prompts: dict, records: list[Record], config: BenchConfig) -> dict:
+def measure_quantization_quality(target: LLM, prompts: dict, records: list[Record], config: BenchConfig) -> dict | None:
     """The quantized target against the same checkpoint unquantized, on the greedy prompts the
     target alone ran (see quality.py)."""
     ids_by_name = {(set_name, prompt.name): ids for set_name, pairs in prompts.items() for prompt, ids in pairs}
@@ -707,7 +714,7 @@ def _row_measurements(method: Method, runs: list[Run], costs: dict, roofline: di
     )
     if method.engine != "specdec":
         return row
-    stats = SpecStats.merge([r.stats for r in runs])
+    stats = SpecStats.merge([r.stats for r in runs])  # pyright: ignore[reportArgumentType]  # specdec runs have stats
     alpha = _finite(stats.acceptance_rate)
     row.update(
         tau=_finite(stats.tokens_per_forward),
@@ -772,7 +779,8 @@ def acceptance_by_position(stats: SpecStats) -> list[float | None]:
 def profile(runs: list[Run], stats: SpecStats) -> dict:
     """Where the time went, summed over runs: Engine.timings' parts, and "other" (the rest of
     the wall time: creating requests and outputs, the final decode), with the rounds counted."""
-    parts = {key: sum(r.timings[key] for r in runs) for key in runs[0].timings}
+    # specdec runs have timings
+    parts = {key: sum(r.timings[key] for r in runs) for key in runs[0].timings}  # pyright: ignore[reportOptionalSubscript, reportOptionalIterable]
     parts["other"] = max(0.0, sum(r.seconds for r in runs) - sum(parts.values()))
     return {
         "rounds": stats.num_target_forwards - len(runs),  # a prefill forward per run is not a round
@@ -860,7 +868,7 @@ def _models_json(loaded: LoadedRunners, config: BenchConfig) -> dict:
 
     return {
         "target": describe(config.model, loaded.target.runner),
-        "draft": describe(config.draft, loaded.draft_model) if loaded.draft_model is not None else None,
+        "draft": describe(config.draft, loaded.draft_model) if loaded.draft_model is not None else None,  # pyright: ignore[reportArgumentType]  # loaded from config.draft
     }
 
 

@@ -25,10 +25,14 @@ import json
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from specdec.config import check, is_int, is_real
 from specdec.output_dir import OutputDir, open_output_dir
 from specdec.tools.training.corpus import HELD_OUT_DIRECTORY
+
+if TYPE_CHECKING:
+    from specdec.tools.training.chat_prompts import ChatPrompt
 
 MANIFEST = "chat_data.json"
 SPLIT_DIRECTORIES = {"train": "train", "held_out": HELD_OUT_DIRECTORY}
@@ -68,7 +72,7 @@ class Job:
 
     split: str
     index: int
-    prompt: object  # ChatPrompt
+    prompt: ChatPrompt
     sampled: bool
 
     @property

@@ -173,7 +173,7 @@ def _functions_in(document: Document, tree: ast.Module, max_chars: int) -> list[
                 visit(child, f"{prefix}{child.name}.", child.name)
             elif isinstance(child, FunctionNode):
                 qualname = prefix + child.name
-                if child.end_lineno - child.lineno + 1 >= MIN_LINES:
+                if child.end_lineno - child.lineno + 1 >= MIN_LINES:  # pyright: ignore[reportOptionalOperand]  # parsed: set
                     source = _source(lines, child)
                     if len(source) <= max_chars:
                         found.append(Function(document.name, qualname, class_name, child, source))
@@ -193,18 +193,20 @@ def _split_lines(text: str) -> list[str]:
     return [match[0] for match in _LINE.finditer(text)]
 
 
-def _source(lines: list[str], node: ast.AST) -> str:
+def _source(lines: list[str], node: ast.stmt) -> str:
     """ast.get_source_segment(text, node) (which would split the whole text into lines once per
     function; column offsets count UTF-8 bytes), less the def line's indentation on every line
     that starts with it. (textwrap.dedent would leave a method indented when a string in it
     has a line less indented.)"""
-    first, last = lines[node.lineno - 1].encode(), lines[node.end_lineno - 1].encode()
-    if node.lineno == node.end_lineno:
-        return first[node.col_offset : node.end_col_offset].decode()
-    indent = first[: node.col_offset].decode()  # whitespace: a def statement starts its line
-    rest = "".join(lines[node.lineno : node.end_lineno - 1]) + last[: node.end_col_offset].decode()
+    start, end, start_col, end_col = node.lineno, node.end_lineno, node.col_offset, node.end_col_offset
+    assert end is not None and end_col is not None  # ast.parse sets them
+    first, last = lines[start - 1].encode(), lines[end - 1].encode()
+    if start == end:
+        return first[start_col:end_col].decode()
+    indent = first[:start_col].decode()  # whitespace: a def statement starts its line
+    rest = "".join(lines[start : end - 1]) + last[:end_col].decode()
     rest = "".join(line[len(indent) :] if line.startswith(indent) else line for line in _split_lines(rest))
-    return _unix_newlines(first[node.col_offset :].decode() + rest)
+    return _unix_newlines(first[start_col:].decode() + rest)
 
 
 def _unix_newlines(text: str) -> str:
@@ -251,6 +253,7 @@ def _prompt(function: Function, kinds: tuple[str, ...], rng: random.Random) -> C
         return None
     kind = rng.choices(fitting, weights=[KIND_WEIGHTS[k] for k in fitting])[0]
     if kind == "write":
+        assert text is not None  # "write" fits only with a summary
         content = _write_request(function, text, rng)
     elif kind == "edit":
         content = f"Edit this function so that it {_edit_instruction(function, rng)}:\n\n{_code(function)}"

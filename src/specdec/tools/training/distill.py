@@ -224,6 +224,7 @@ def target_streams(target: LoadedModel, corpus_path) -> tuple:
     token ids, documents joined by its end-of-text token: (corpus, train_stream, held_out_stream)."""
     corpus = load_corpus(corpus_path)
     log(corpus.describe())
+    assert target.tokenizer is not None  # loaded with its tokenizer: the corpus is text
     tokenizer, eot_id = target.tokenizer.backend, target.eos_token_ids[0]
     return (corpus, *(token_stream(docs, tokenizer, eot_id) for docs in (corpus.train, corpus.held_out)))
 
@@ -257,6 +258,7 @@ def initial_draft(
     output_token_ids only, if given), or the draft in init_dir."""
     target_vocab, target_context = target.model.config.vocab_size, target.model.config.max_position_embeddings
     if init_dir is None:
+        assert shape is not None  # given where there is no init_dir
         if shape.context > target_context:
             log(
                 f"note: the draft's context is cut from {shape.context} to the target's, {target_context} tokens "

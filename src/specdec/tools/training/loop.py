@@ -28,6 +28,7 @@ import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -101,7 +102,7 @@ class TrainConfig:
             f"stop_after must be an integer >= 1 or None, got {self.stop_after!r}",
         )
         check(
-            self.warmup < self.steps,
+            self.warmup < self.steps,  # pyright: ignore[reportOptionalOperand]  # an int from above
             f"warmup {self.warmup} must be fewer steps than steps {self.steps}: the "
             f"learning rate would never reach lr nor decay; lower --warmup",
         )
@@ -126,8 +127,8 @@ class Task:
 
     model: torch.nn.Module  # a LlamaModel, or an EAGLE head (training/heads.py)
     next_batch: Callable[[torch.Generator], object]  # token windows, or what the task's loss reads
-    loss: Callable[[torch.nn.Module, object], torch.Tensor]
-    evaluate: Callable[[torch.nn.Module], dict[str, float]]
+    loss: Callable[[Any, Any], torch.Tensor]  # (the task's model, a batch of next_batch's)
+    evaluate: Callable[[Any], dict[str, float]]
     tokens_per_batch: int
     identity: dict
 
@@ -196,9 +197,11 @@ def train_step(
 
 def learning_rate(step: int, config: TrainConfig) -> float:
     """Linear warm-up to config.lr, then cosine decay to lr * min_lr_ratio at config.steps."""
-    if step < config.warmup:
-        return config.lr * (step + 1) / config.warmup
-    progress = min(1.0, (step - config.warmup) / max(1, config.steps - config.warmup))
+    warmup = config.warmup
+    assert warmup is not None  # TrainConfig makes None its default
+    if step < warmup:
+        return config.lr * (step + 1) / warmup
+    progress = min(1.0, (step - warmup) / max(1, config.steps - warmup))
     floor = config.lr * config.min_lr_ratio
     return floor + (config.lr - floor) * 0.5 * (1 + math.cos(math.pi * progress))
 

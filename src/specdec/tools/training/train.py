@@ -22,6 +22,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TypeVar
 
 import torch
 import torch.nn.functional as F
@@ -199,6 +200,7 @@ def train(
         initial = load_initial_model(init_dir).model if init_dir is not None else None
         if initial is not None:
             shape, tokenizer_dir = shape_of(initial.config), init_dir
+        assert shape is not None  # given, or the initial model's
         tokenizer, eot_id = prepare_tokenizer(corpus, shape, tokenizer_dir, checkpoint)
         shape = _fit_vocabulary(shape, tokenizer, tokenizer_dir)
         train_stream, held_out_stream = (
@@ -279,7 +281,10 @@ def new_model(config: ModelConfig, seed: int) -> LlamaModel:
     return initialise(LlamaModel(config), config.num_layers, seed)
 
 
-def initialise(model: torch.nn.Module, num_layers: int, seed: int) -> torch.nn.Module:
+ModuleT = TypeVar("ModuleT", bound=torch.nn.Module)
+
+
+def initialise(model: ModuleT, num_layers: int, seed: int) -> ModuleT:
     """model's weights as the module docstring says: normal(0, 0.02) matrices, the projections
     into the residual stream (o_proj, down_proj) scaled by 1/sqrt(2 * num_layers), norms at 1,
     biases at 0."""
