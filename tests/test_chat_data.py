@@ -88,6 +88,7 @@ def test_bad_settings_and_a_model_without_a_template_are_refused(tmp_path, capsy
     with pytest.raises(ValueError, match="sampled_fraction must be in"):
         ChatDataConfig(sampled_fraction=1.5)
     plain = save_tiny_model(tmp_path / "plain")
-    assert main(["chat-data", "--target", str(plain), "--out", str(tmp_path / "out"), "--train-prompts", "1"]) == 2
-    assert "has no chat template" in capsys.readouterr().err
-    assert not (tmp_path / "out").exists() and not (tmp_path / "out.incomplete").exists()
+    for target in (["--target", str(plain)], [str(plain)]):  # the old flag, and TARGET first as everywhere
+        assert main(["chat-data", *target, "--out", str(tmp_path / "out"), "--train-prompts", "1"]) == 2
+        assert "has no chat template" in capsys.readouterr().err
+        assert not (tmp_path / "out").exists() and not (tmp_path / "out.incomplete").exists()

@@ -1,6 +1,6 @@
 """`specdec chat-data`: the text a chat target writes, as a corpus a draft is distilled on.
 
-    specdec chat-data --target DIR --out DIR [--train-prompts 4000] [--held-out-prompts 200]
+    specdec chat-data TARGET --out DIR [--train-prompts 4000] [--held-out-prompts 200]
         [--sampled-fraction 0.5] [--temperature 0.8] [--max-tokens 320] [--batch-size 16]
 
 Terms:
@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from specdec.config import check, is_int, is_real
+from specdec.model_flags import add_model_argument, require_model
 from specdec.output_dir import OutputDir, open_output_dir
 from specdec.tools.training.corpus import HELD_OUT_DIRECTORY
 
@@ -97,7 +98,7 @@ def write_chat_data(
     with open_output_dir(
         out,
         "chat-data",
-        inputs={"--target": target},
+        inputs={"TARGET": target},
         force=force,
         is_own_output=lambda path: (path / MANIFEST).is_file(),
         own_entries=(MANIFEST, "train/*", f"{HELD_OUT_DIRECTORY}/*"),
@@ -105,7 +106,7 @@ def write_chat_data(
     ) as output:
         llm = LLM(model=target, dtype=dtype)
         if llm.tokenizer is None or not llm.tokenizer.chat_template:
-            raise ValueError(f"--target {target!r} has no chat template: chat-data needs a chat model")
+            raise ValueError(f"the target {target!r} has no chat template: chat-data needs a chat model")
         _check_resumable(output, settings)
         stdlib = load_corpus()
         jobs = []
@@ -209,11 +210,14 @@ def add_chat_data_parser(commands) -> None:
     p = commands.add_parser(
         "chat-data",
         help="write a corpus of a chat target's answers (for distill)",
+        usage="%(prog)s TARGET --out DIR [options]",
         description="Ask a chat target questions about the Python standard library's functions "
         "(write / edit / explain) and write its answers as a corpus directory "
         "with train/ and held_out/ parts, for `specdec distill --corpus`.",
     )
-    p.add_argument("--target", required=True, help="the chat target: a model directory or .gguf file")
+    add_model_argument(
+        p, "target", "the chat target: a model directory, .gguf file or fetched name", old_flag="--target"
+    )
     p.add_argument("--out", required=True, help="the corpus directory to write (resumed if a run was stopped)")
     defaults = ChatDataConfig()
     p.add_argument("--train-prompts", type=int, default=defaults.train_prompts)
@@ -243,7 +247,8 @@ def run_chat_data(args) -> int:
         args.batch_size,
         args.seed,
     )
-    out = write_chat_data(args.target, args.out, config, args.dtype, args.force, progress=_print_flushed)
+    target = require_model(args, "chat-data", "target", "the chat target")
+    out = write_chat_data(target, args.out, config, args.dtype, args.force, progress=_print_flushed)
     print(f"wrote {out}")
     return 0
 

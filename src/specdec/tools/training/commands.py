@@ -105,20 +105,25 @@ def add_train_parser(commands) -> None:
     p.set_defaults(run=run_train)
 
 
+def _target_command(commands, name: str, help: str, description: str, out: str):
+    """A subcommand that trains something for a TARGET model into --out DIR (out: what DIR holds)."""
+    p = commands.add_parser(name, help=help, usage="%(prog)s TARGET --out DIR [options]", description=description)
+    add_model_argument(p, "target", "the target's model directory", old_flag="--target")
+    p.add_argument(
+        "--out", required=True, help=f"output directory for {out} (written as OUT.incomplete/ until the run finishes)"
+    )
+    return p
+
+
 def add_distill_parser(commands) -> None:
-    p = commands.add_parser(
+    p = _target_command(
+        commands,
         "distill",
         help="distill a draft model from a target model",
-        usage="%(prog)s TARGET --out DIR [options]",
         description="Train a draft that shares the target's tokenizer to match the target's "
         "next-token distributions; reports the acceptance rate α = 1 - TV(p, q) "
         "on held-out text before and after.",
-    )
-    add_model_argument(p, "target", "the target's model directory", old_flag="--target")
-    p.add_argument(
-        "--out",
-        required=True,
-        help="output directory for the draft (written as OUT.incomplete/ until the run finishes)",
+        out="the draft",
     )
     p.add_argument("--corpus", help="text to distill on (default: this Python's standard library)")
     p.add_argument("--init", metavar="DIR", help="start from this trained draft instead of a random one")
@@ -157,22 +162,16 @@ def add_distill_parser(commands) -> None:
 
 
 def add_train_heads_parser(commands) -> None:
-    p = commands.add_parser(
+    p = _target_command(
+        commands,
         "train-heads",
         help="train an EAGLE draft head for a target model",
-        usage="%(prog)s TARGET --out DIR [options]",
         description="Train an EAGLE head (one decoder layer over the target's own features, "
         "Li et al. 2024) on text the target writes; reports the held-out greedy "
         "agreement and α = 1 - TV(p, q) of its first draft token before and after. "
         "Rerunning the same command with the same --out resumes from its "
         "checkpoint.",
-    )
-    add_model_argument(p, "target", "the target's model directory", old_flag="--target")
-    p.add_argument(
-        "--out",
-        required=True,
-        help="output directory for the head (head.json, head.safetensors; "
-        "written as OUT.incomplete/ until the run finishes)",
+        out="the head (head.json, head.safetensors)",
     )
     p.add_argument(
         "--corpus",
