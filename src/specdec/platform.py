@@ -2,8 +2,8 @@
 
 Half-precision matmuls pay only where the hardware runs them natively. On a CPU with
 AVX-512-bf16 or AMX, bfloat16 halves the bytes a decode step reads; on an AVX2-only CPU
-PyTorch emulates them (a 1024^3 bfloat16 matmul ran ~100x slower than float32 on this
-project's AVX2 machines). `auto_dtype` turns that into the dtype "auto" picks.
+PyTorch emulates them, far slower than float32 (docs/runner.md, 'dtype "auto"'). `auto_dtype`
+turns that into the dtype "auto" picks.
 
 Tests (and users who know better) pass a Platform of their own wherever one is taken;
 nothing here is global except the cache of what was detected.

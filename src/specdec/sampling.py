@@ -127,9 +127,9 @@ def sorted_descending(probs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """probs [N, V] (>= 0) sorted in descending order, ties in token-id order: values and
     token ids [N, V], exactly as a stable sort gives them.
 
-    On the CPU, PyTorch's sort (which always also sorts indices) takes ~500 us for 8,192
-    probabilities on this project's machine, and numpy's argsort as long, while numpy sorts
-    plain int64 keys in ~25 us. So each probability and its id are packed into one key:
+    On the CPU, PyTorch's sort (which always also sorts indices) and numpy's argsort are many
+    times slower than numpy's sort of plain int64 keys (docs/runner.md, "Sampling on the CPU").
+    So each probability and its id are packed into one key:
     non-negative float32s order like their bit patterns, and the id goes in the low bits,
     reversed so that among equal probabilities the smaller id sorts first."""
     if probs.device.type != "cpu":

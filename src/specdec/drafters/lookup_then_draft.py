@@ -7,8 +7,9 @@ on code many rounds need no draft model at all, and the rest still get its draft
 model's cache catches up on the tokens it skipped the next time it drafts for the row.
 
 Sampled rows always take the draft model: a looked-up token is a point mass, which a sampled
-row keeps only with the target's probability of it (on the shipped pair's code prompts at
-temperature 0.8, prompt lookup's α is 0.15-0.27, the draft model's ~0.75).
+row keeps only with the target's probability of it (on the shipped pair's sampled code prompts
+prompt lookup's α is a fraction of the draft model's: docs/runner.md, "Prompt lookup on sampled
+rows").
 
 Per row, the draft is a point mass (a looked-up row) or the draft model's distributions:
 rejection sampling keeps the output exactly the target's either way.

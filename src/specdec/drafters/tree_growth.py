@@ -7,9 +7,8 @@ accepted with the target's probability of it: verify.py), and for a greedy reque
 GREEDY_TREE_TEMPERATURE: a greedy target accepts the drafter's likeliest token far more often
 than the drafter's plain probability of it says (a drafter trained on the target's soft
 labels spreads its mass as the target does, while the target's argmax mostly is the
-drafter's). Measured on the shipped pair, held-out code, float32, 8 prompts, the draft model
-growing "auto" trees: tau 3.46 / 4.04 at 5 / 8 nodes with the plain softmax, 4.29 / 5.37 at
-temperature 0.5, 4.39 / 5.53 at 0.25 (a chain: 4.31 / 5.33). Growth, for a node budget N:
+drafter's). On the shipped pair the sharpened probabilities grew trees that emit more tokens
+per round than the plain softmax's (docs/runner.md, "Draft trees"). Growth, for a node budget N:
   start     the root's children: the likeliest tokens of the drafter's next-token logits
   expand    of the deepest candidates, those that could still be among the N likeliest
             nodes (a child never scores above its parent, so a node below the N-th best

@@ -10,8 +10,8 @@ its header for the layout). It is compiled for the CPU it runs on, in one of two
   avx2         AVX2 + FMA + F16C (maddubs + madd), for every other x86-64 CPU of the last decade
 The variant follows PyTorch's own choice of instruction set (torch.backends.cpu.
 get_cpu_capability(), which ATEN_CPU_CAPABILITY lowers), so a run held to AVX2 runs the AVX2
-kernel. The build (about a minute on 2 cores, once per variant and source) lands in
-SPECDEC_CACHE/extensions; `make test` builds it.
+kernel. The build (once per variant and source; docs/runner.md, "GGUF weights, run quantized",
+says how long) lands in SPECDEC_CACHE/extensions; `make test` builds it.
 """
 
 from __future__ import annotations

@@ -26,9 +26,9 @@
 // the sub-block's sum of activation codes, and the correction c_s = mn_s with cc = dmin, or
 // c_s = sc_s with cc = -z * d (no k-quant has both), two sub-blocks per vpdpwssd (madd on AVX2).
 // A row pays per sub-block one conversion and one FMA (AVX-512: sc_s * d as a float; an integer
-// vpmulld instead measured 20% slower on Q6_K) or one madd that also widens (AVX2: sc_s as the
-// int16 multiplier), and per super-block one FMA by dx. The legacy types (no sc) sum in floats
-// per sub-block of 32.
+// vpmulld instead measured slower on Q6_K: docs/runner.md) or one madd that also widens (AVX2:
+// sc_s as the int16 multiplier), and per super-block one FMA by dx. The legacy types (no sc) sum
+// in floats per sub-block of 32.
 //
 // The prologue (optional) is what a layer did to its input before the product: an RMSNorm, an
 // MLP's gate (silu(gate) * up); the kernel does it in float32 while quantizing the input.
@@ -141,23 +141,24 @@ inline const int16_t* sub_sums(const Acts& a, const Layout& L, int64_t r) {
 }
 
 // row r's activation scales: the one at input k is [k >> act_shift(a)] (no integer division in the
-// tiles: one per row and super-block was a measurable share of a 7-row tile)
+// tiles: one per row and super-block was a measurable share of a 7-row tile, docs/runner.md)
 inline const float* act_scales(const Acts& a, const Layout& L, int64_t r) { return a.dx + r * (L.K / a.AB); }
 inline int act_shift(const Acts& a) { return a.AB == 256 ? 8 : 5; }
 
 // Software prefetch: codes PREFETCH_BYTES ahead, for tiles of at least PREFETCH_ROWS rows.
 // With several rows a tile computes long enough between loads that the hardware prefetcher falls
-// behind; a verify forward of 7 rows of the 1.5B model took 84 ms without and 66 ms with it (2
-// threads, AVX-512). A one-row step streams at the memory's pace, where the hardware prefetcher
-// does best alone (a plain read of 1 GB: 34 GB/s without, 22 with prefetching 4 KB ahead), and
-// steps measured the same either way within this machine's noise.
+// behind, and a 7-row verify forward is faster with it. A one-row step streams at the memory's
+// pace, where the hardware prefetcher does best alone (a plain streaming read is slower with
+// software prefetches ahead of it), and steps measured the same either way within this machine's
+// noise (docs/runner.md, "GGUF weights, run quantized", has the measurements).
 constexpr int64_t PREFETCH_BYTES = 4096, PREFETCH_ROWS = 2;
 
 template <int BITS> constexpr int64_t step_k() { return BITS == 8 ? 4 : BITS == 4 ? 8 : 16; }
 template <int BITS> constexpr int64_t step_bytes() { return BITS == 6 ? 192 : 64; }
 
 // Rows of activations a tile reads each weight chunk once for. A verify forward's 7 rows in one tile
-// of AVX2 took 5-20% less time than tiles of 4 and 3, spilled registers and all (AVX2 has 16).
+// of AVX2 took less time than tiles of 4 and 3, spilled registers and all (AVX2 has 16 registers;
+// docs/runner.md has the measurements).
 constexpr int MAX_TILE = 8;
 
 // ---- AVX-512 VNNI ------------------------------------------------------------------------------

@@ -2,9 +2,10 @@
 // or two AVX2 ones holding the same lanes (0-7 and 8-15).
 //
 // Why two types: GCC lowers its 64-byte vector extension without AVX-512 by keeping every value
-// in memory and moving it through general registers between operations. The attention of a
-// verify forward over 320 cached tokens took 36 ms of a 126 ms step that way (perf: stack
-// stores and reloads); a pair of native 8-float vectors keeps the values in registers.
+// in memory and moving it through general registers between operations: the attention of a
+// verify forward held to AVX2 took a large share of the forward that way (perf: stack stores and
+// reloads; docs/runner.md, "GGUF weights, run quantized"); a pair of native 8-float vectors keeps
+// the values in registers.
 
 #pragma once
 

@@ -5,10 +5,10 @@ DecoderLayer, with its norms and the MLP's gate fused into the quantized product
 _fuse_into_kernels). A forward of up to FLOAT32_ATTENTION_MAX_QUERIES tokens over the cache on
 the CPU (a decode step, a verify forward) goes to kernels/layer.cpp's DecoderLayerPlan: norm,
 q/k/v, RoPE, the cache write, attention (each query alone, as Attention does for such forwards),
-the output projection, the MLP and both residual adds, with no Python op between them. Measured
-on Qwen2.5-Coder-1.5B (2 threads), the ops between a step's products cost ~9 ms in the model
-against ~3 ms alone: each runs after a product has streamed tens of megabytes of weights through
-the CPU's caches. Prefills and longer forwards take the layer's ordinary path.
+the output projection, the MLP and both residual adds, with no Python op between them. In the
+model the ops between a step's products cost several times what they cost timed alone: each runs
+after a product has streamed tens of megabytes of weights through the CPU's caches (docs/runner.md,
+"GGUF weights, run quantized"). Prefills and longer forwards take the layer's ordinary path.
 """
 
 from __future__ import annotations

@@ -205,17 +205,18 @@ def _attention_kernel_built() -> bool:
 
 
 # Functions torch.compile may take as constants (the runner marks them with torch._dynamo.
-# assume_constant_result when it compiles; marking them here would import torch._dynamo, ~80 MB
-# and a second, with every model).
+# assume_constant_result when it compiles; marking them here would import torch._dynamo with
+# every model, which costs memory and time: docs/runner.md, "Compiling: what, when, and where the
+# cache lives").
 COMPILE_TIME_CONSTANTS = (_attention_kernel_built,)
 
 
 def _attend_in_float32(q: torch.Tensor, num_queries: int) -> bool:
     """On the CPU, half-precision attention over a few queries (a decode step or a verify
-    forward) runs in float32: PyTorch's bf16 CPU kernel takes ~90 us for one query over 300
-    keys where float32 takes ~25 us (timed on this project's 2-core machine; the decode step
-    it gives is in docs/core_speed.md, from benchmarks/bench_core.py). Decode steps and verify
-    forwards of up to FLOAT32_ATTENTION_MAX_QUERIES tokens (k <= 15) both do, so they round
+    forward) runs in float32: PyTorch's bf16 CPU kernel is several times slower there
+    (docs/runner.md, "Attention"; the decode step it gives is in docs/core_speed.md, from
+    benchmarks/bench_core.py). Decode steps and verify forwards of up to
+    FLOAT32_ATTENTION_MAX_QUERIES tokens (k <= 15) both do, so they round
     alike; longer forwards (prefills, and verifying k >= 16) keep the half-precision kernel,
     which is as fast there."""
     return q.device.type == "cpu" and q.dtype != torch.float32 and num_queries <= FLOAT32_ATTENTION_MAX_QUERIES

@@ -6,11 +6,11 @@ weights are quantized; activations, attention, norms and the KV cache keep the m
 
 Kernels: PyTorch's own, `aten._weight_int8pack_mm` and `aten._weight_int4pack_mm_for_cpu`.
 They are fast with bfloat16 activations on AVX-512 and on AVX2 alike (they widen to float32
-inside), and ~10x slower with float32 ones (a scalar path), so a quantized layer of a float32
-model casts its input to bfloat16 and its output back (benchmarks/bench_quant.py). torchao's
-int8 weight-only layer was measured too (0.18.0): in eager mode it dequantizes the whole
-weight every call (38 ms for a 49152 x 576 output layer where _weight_int8pack_mm takes
-0.8 ms), so it pays only under torch.compile; these kernels pay in both modes.
+inside), and an order of magnitude slower with float32 ones (a scalar path), so a quantized layer
+of a float32 model casts its input to bfloat16 and its output back (benchmarks/bench_quant.py).
+torchao's int8 weight-only layer was measured too (0.18.0): in eager mode it dequantizes the
+whole weight every call, far slower than _weight_int8pack_mm, so it pays only under
+torch.compile; these kernels pay in both modes (docs/runner.md, "Weight-only quantization").
 
 Numbers (the kernels hold scales and zeros in bfloat16: each is rounded first, a scale
 upwards so that no weight falls outside the range, and q is rounded against the stored values):

