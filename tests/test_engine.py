@@ -9,7 +9,7 @@ import shutil
 import pytest
 import torch
 
-from helpers import load_hf, make_tokenizer, save_tiny_model, save_tiny_pair, token_ids
+from helpers import load_hf, make_tokenizer, save_tiny_model, token_ids
 from helpers import random_prompts as shared_random_prompts
 from specdec import LLM, SamplingParams
 from specdec.models.cpu_linear import Bf16PackedLinear, can_pack
@@ -23,29 +23,24 @@ GREEDY = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
 
 
 @pytest.fixture(scope="module")
-def dirs(tmp_path_factory):
-    return save_tiny_pair(tmp_path_factory.mktemp("engine"), target_seed=1, draft_seed=2)
-
-
-@pytest.fixture(scope="module")
-def plain(dirs):
-    return LLM(str(dirs["target"]), dtype="float32")
+def plain(tiny_pair):
+    return LLM(str(tiny_pair["target"]), dtype="float32")
 
 
 @pytest.mark.parametrize("method", ["self", "self_adaptive", "random_draft", "ngram", "lookup_then_draft"])
-def test_greedy_speculative_equals_target_alone(dirs, plain, method):
+def test_greedy_speculative_equals_target_alone(tiny_pair, plain, method):
     speculative = {
-        "self": dict(speculative_model=str(dirs["target"])),
-        "self_adaptive": dict(speculative_model=str(dirs["target"]), draft_confidence_threshold=0.3),
-        "random_draft": dict(speculative_model=str(dirs["draft"])),
+        "self": dict(speculative_model=str(tiny_pair["target"])),
+        "self_adaptive": dict(speculative_model=str(tiny_pair["target"]), draft_confidence_threshold=0.3),
+        "random_draft": dict(speculative_model=str(tiny_pair["draft"])),
         "ngram": dict(speculative_method="ngram"),
-        "lookup_then_draft": dict(speculative_model=str(dirs["draft"]), speculative_method="lookup_then_draft"),
+        "lookup_then_draft": dict(speculative_model=str(tiny_pair["draft"]), speculative_method="lookup_then_draft"),
     }[method]
     speculative["speculative_k_policy"] = "fixed"
     prompts = random_prompts(4, seed=10, repeat=method == "ngram")
     expected = token_ids(plain.generate(prompts, GREEDY))
     for k in range(1, 9):  # at a fixed k: goodput would choose k by timings (tests/test_goodput.py)
-        llm = LLM(str(dirs["target"]), dtype="float32", num_speculative_tokens=k, **speculative)
+        llm = LLM(str(tiny_pair["target"]), dtype="float32", num_speculative_tokens=k, **speculative)
         for prompt, want in zip(prompts[:1], expected[:1]):  # batch of one
             assert token_ids(llm.generate(prompt, GREEDY)) == [want], f"k={k} batch 1"
         outputs = llm.generate(prompts, GREEDY)  # ragged batch: prompts of different lengths
@@ -132,10 +127,12 @@ def test_lookup_then_draft_merges_point_masses_with_the_draft_models_distributio
     assert greedy.probs is None and greedy.token_ids.tolist() == merged.token_ids.tolist()
 
 
-def test_transformers_greedy_reference(dirs):
+def test_transformers_greedy_reference(tiny_pair):
     """The speculative output also equals transformers' own greedy generate."""
-    hf = load_hf(dirs["target"])
-    llm = LLM(str(dirs["target"]), speculative_model=str(dirs["draft"]), num_speculative_tokens=3, dtype="float32")
+    hf = load_hf(tiny_pair["target"])
+    llm = LLM(
+        str(tiny_pair["target"]), speculative_model=str(tiny_pair["draft"]), num_speculative_tokens=3, dtype="float32"
+    )
     for prompt in random_prompts(3, seed=11):
         out = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=25))[0]
         ref = hf.generate(torch.tensor([prompt]), max_new_tokens=25, do_sample=False)[0, len(prompt) :].tolist()
@@ -144,15 +141,15 @@ def test_transformers_greedy_reference(dirs):
         assert out.outputs[0].token_ids == ref
 
 
-def test_metrics_plain_and_self_draft(dirs, plain):
+def test_metrics_plain_and_self_draft(tiny_pair, plain):
     prompt = random_prompts(1, seed=12)[0]
     out = plain.generate(prompt, GREEDY)[0]
     assert out.metrics.tokens_per_forward == 1.0
     assert out.metrics.num_target_forwards == GREEDY.max_tokens
     assert out.metrics.num_draft_tokens == 0
     llm = LLM(
-        str(dirs["target"]),
-        speculative_model=str(dirs["target"]),
+        str(tiny_pair["target"]),
+        speculative_model=str(tiny_pair["target"]),
         num_speculative_tokens=4,
         dtype="float32",
         speculative_k_policy="fixed",
@@ -168,22 +165,24 @@ def test_metrics_plain_and_self_draft(dirs, plain):
     assert out.metrics.tokens_per_second > 0
 
 
-def test_zero_speculative_tokens_is_plain_decoding(dirs, plain):
+def test_zero_speculative_tokens_is_plain_decoding(tiny_pair, plain):
     prompts = random_prompts(3, seed=13)
-    llm = LLM(str(dirs["target"]), speculative_model=str(dirs["draft"]), num_speculative_tokens=0, dtype="float32")
+    llm = LLM(
+        str(tiny_pair["target"]), speculative_model=str(tiny_pair["draft"]), num_speculative_tokens=0, dtype="float32"
+    )
     outputs = llm.generate(prompts, GREEDY)
     assert token_ids(outputs) == token_ids(plain.generate(prompts, GREEDY))
     assert all(o.metrics.tokens_per_forward == 1.0 for o in outputs)
 
 
-def test_stop_token_inside_accepted_run(dirs, plain):
+def test_stop_token_inside_accepted_run(tiny_pair, plain):
     """With the target as its own draft every round accepts all k; a stop token in the
     middle of such a run must end the output right there."""
     prompt = random_prompts(1, seed=14)[0]
     reference = plain.generate(prompt, GREEDY)[0].outputs[0].token_ids
     llm = LLM(
-        str(dirs["target"]),
-        speculative_model=str(dirs["target"]),
+        str(tiny_pair["target"]),
+        speculative_model=str(tiny_pair["target"]),
         num_speculative_tokens=6,
         dtype="float32",
         speculative_k_policy="fixed",
@@ -197,12 +196,12 @@ def test_stop_token_inside_accepted_run(dirs, plain):
         assert out.finish_reason == "stop"
 
 
-def test_eos_inside_accepted_run(dirs, plain, tmp_path):
+def test_eos_inside_accepted_run(tiny_pair, plain, tmp_path):
     prompt = random_prompts(1, seed=15)[0]
     reference = plain.generate(prompt, GREEDY)[0].outputs[0].token_ids
     eos = reference[7]
     model_dir = tmp_path / "with_eos"
-    shutil.copytree(dirs["target"], model_dir)
+    shutil.copytree(tiny_pair["target"], model_dir)
     (model_dir / "generation_config.json").write_text(json.dumps({"eos_token_id": [eos, 1]}))
     llm = LLM(
         str(model_dir),
@@ -221,12 +220,12 @@ def test_eos_inside_accepted_run(dirs, plain, tmp_path):
     assert at_limit.token_ids == reference[:last_allowed] and at_limit.finish_reason == "stop"
 
 
-def test_max_tokens_inside_accepted_run(dirs, plain):
+def test_max_tokens_inside_accepted_run(tiny_pair, plain):
     prompt = random_prompts(1, seed=16)[0]
     reference = plain.generate(prompt, GREEDY)[0].outputs[0].token_ids
     llm = LLM(
-        str(dirs["target"]),
-        speculative_model=str(dirs["target"]),
+        str(tiny_pair["target"]),
+        speculative_model=str(tiny_pair["target"]),
         num_speculative_tokens=7,
         dtype="float32",
         speculative_k_policy="fixed",
@@ -238,7 +237,7 @@ def test_max_tokens_inside_accepted_run(dirs, plain):
         assert out.metrics.num_emitted_tokens == max_tokens
 
 
-def test_stop_string_cuts_text_and_tokens(dirs, plain):
+def test_stop_string_cuts_text_and_tokens(tiny_pair, plain):
     prompt = "def add(a, b):"
     params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
     reference = plain.generate(prompt, params)[0].outputs[0]
@@ -247,8 +246,8 @@ def test_stop_string_cuts_text_and_tokens(dirs, plain):
     stop = text[8:11]
     cut = text.index(stop)
     llm = LLM(
-        str(dirs["target"]),
-        speculative_model=str(dirs["target"]),
+        str(tiny_pair["target"]),
+        speculative_model=str(tiny_pair["target"]),
         num_speculative_tokens=5,
         dtype="float32",
         speculative_k_policy="fixed",
@@ -266,27 +265,27 @@ def test_stop_string_cuts_text_and_tokens(dirs, plain):
     assert both[0].outputs[0].text == text[:cut]  # cut at the earliest in the text, whatever the list order
 
 
-def test_rows_leave_and_slots_are_reused(dirs, plain):
+def test_rows_leave_and_slots_are_reused(tiny_pair, plain):
     """Different max_tokens per request, more requests than slots: each output is what the
     request gives alone."""
     prompts = random_prompts(5, seed=17)
     params = [SamplingParams(temperature=0, max_tokens=m, ignore_eos=True) for m in (3, 30, 8, 1, 17)]
     expected = [plain.generate(p, sp)[0].outputs[0].token_ids for p, sp in zip(prompts, params)]
     for kwargs in (
-        dict(speculative_model=str(dirs["draft"]), num_speculative_tokens=4),
+        dict(speculative_model=str(tiny_pair["draft"]), num_speculative_tokens=4),
         dict(speculative_method="ngram", num_speculative_tokens=4),
         {},
     ):
-        llm = LLM(str(dirs["target"]), max_num_seqs=2, dtype="float32", **kwargs)
+        llm = LLM(str(tiny_pair["target"]), max_num_seqs=2, dtype="float32", **kwargs)
         assert token_ids(llm.generate(prompts, params)) == expected
 
 
-def test_a_reused_slot_starts_its_draft_cache_afresh(dirs):
+def test_a_reused_slot_starts_its_draft_cache_afresh(tiny_pair):
     """One slot, three requests in turn, the target as its own draft: every draft is accepted
     only if the draft's cache state left by one request is dropped for the next."""
     llm = LLM(
-        str(dirs["target"]),
-        speculative_model=str(dirs["target"]),
+        str(tiny_pair["target"]),
+        speculative_model=str(tiny_pair["target"]),
         num_speculative_tokens=3,
         speculative_k_policy="fixed",
         max_num_seqs=1,
@@ -296,13 +295,13 @@ def test_a_reused_slot_starts_its_draft_cache_afresh(dirs):
     assert [o.metrics.acceptance_rate for o in outputs] == [1.0, 1.0, 1.0]
 
 
-def test_no_draft_is_verified_past_max_tokens(dirs):
+def test_no_draft_is_verified_past_max_tokens(tiny_pair):
     """A row with r tokens left verifies at most r - 1 drafts (the last token is the bonus).
     The target as its own draft has every draft accepted, so each round emits its drafts and
     a bonus: after the prefill's token, drafts + rounds = max_tokens - 1 exactly."""
     llm = LLM(
-        str(dirs["target"]),
-        speculative_model=str(dirs["target"]),
+        str(tiny_pair["target"]),
+        speculative_model=str(tiny_pair["target"]),
         num_speculative_tokens=4,
         dtype="float32",
         speculative_k_policy="fixed",
@@ -315,12 +314,14 @@ def test_no_draft_is_verified_past_max_tokens(dirs):
         assert out.metrics.num_draft_tokens + rounds == max_tokens - 1 and len(out.outputs[0].token_ids) == max_tokens
 
 
-def test_mixed_greedy_and_sampled_batch(dirs, plain):
+def test_mixed_greedy_and_sampled_batch(tiny_pair, plain):
     """Greedy rows stay exact while sampled rows share their batch."""
     prompts = random_prompts(4, seed=18)
     greedy_expected = token_ids(plain.generate(prompts[:2], GREEDY))
     sampled = SamplingParams(temperature=1.0, max_tokens=40, seed=5)
-    llm = LLM(str(dirs["target"]), speculative_model=str(dirs["draft"]), num_speculative_tokens=3, dtype="float32")
+    llm = LLM(
+        str(tiny_pair["target"]), speculative_model=str(tiny_pair["draft"]), num_speculative_tokens=3, dtype="float32"
+    )
     outputs = llm.generate(prompts, [GREEDY, GREEDY, sampled, sampled])
     assert token_ids(outputs[:2]) == greedy_expected
     alone = [llm.generate(p, sampled)[0].outputs[0].token_ids for p in prompts[2:]]  # seeded: as alone (float32)
@@ -329,7 +330,7 @@ def test_mixed_greedy_and_sampled_batch(dirs, plain):
     )
 
 
-def test_late_admission_next_to_a_long_row(dirs, plain):
+def test_late_admission_next_to_a_long_row(tiny_pair, plain):
     """A long prompt admitted while another row is near its end: the draft's catch-up pads
     the old row far past its length, which must stay inside the cache."""
     g = torch.Generator().manual_seed(19)
@@ -337,8 +338,8 @@ def test_late_admission_next_to_a_long_row(dirs, plain):
     params = [SamplingParams(temperature=0, max_tokens=m, ignore_eos=True) for m in (40, 25, 10)]
     expected = [plain.generate(p, sp)[0].outputs[0].token_ids for p, sp in zip(prompts, params)]
     llm = LLM(
-        str(dirs["target"]),
-        speculative_model=str(dirs["draft"]),
+        str(tiny_pair["target"]),
+        speculative_model=str(tiny_pair["draft"]),
         num_speculative_tokens=2,
         max_num_seqs=2,
         dtype="float32",
@@ -384,15 +385,15 @@ def test_alpha_recovers_iid_acceptance_that_the_formula_assumes():
 
 @pytest.mark.parametrize("draft_dtype, expected", [("auto", torch.float32), ("bfloat16", torch.bfloat16)])
 def test_draft_dtype_is_independent_of_the_target_and_never_changes_greedy_output(
-    dirs, draft_dtype, expected, monkeypatch
+    tiny_pair, draft_dtype, expected, monkeypatch
 ):
     """A small draft runs in float32 on the CPU by default (its big output layer in bfloat16),
     or in the dtype asked for; the target's greedy output stays its own either way."""
     monkeypatch.setattr("specdec.drafters.draft_model.LARGE_WEIGHT_BYTES", 70_000)  # the tiny draft's lm_head: 82 kB
-    plain_bf16 = LLM(str(dirs["target"]), dtype="bfloat16")
+    plain_bf16 = LLM(str(tiny_pair["target"]), dtype="bfloat16")
     llm = LLM(
-        str(dirs["target"]),
-        speculative_model=str(dirs["draft"]),
+        str(tiny_pair["target"]),
+        speculative_model=str(tiny_pair["draft"]),
         num_speculative_tokens=3,
         dtype="bfloat16",
         draft_dtype=draft_dtype,
@@ -425,12 +426,12 @@ def test_a_draft_lacking_the_targets_padded_ids_still_drafts(tmp_path):
     assert all(len(out.outputs[0].token_ids) == 20 for out in sampled)
 
 
-def test_adaptive_k_stops_a_greedy_row_alike_alone_or_beside_sampled_rows(dirs):
+def test_adaptive_k_stops_a_greedy_row_alike_alone_or_beside_sampled_rows(tiny_pair):
     """A greedy row's confidence is the draft's plain softmax, not the point mass it is sampled
     from, also in a batch with sampled rows: it proposes as many draft tokens either way."""
     llm = LLM(
-        str(dirs["target"]),
-        speculative_model=str(dirs["draft"]),
+        str(tiny_pair["target"]),
+        speculative_model=str(tiny_pair["draft"]),
         num_speculative_tokens=4,
         dtype="float32",
         speculative_k_policy="fixed",
@@ -446,9 +447,9 @@ def test_adaptive_k_stops_a_greedy_row_alike_alone_or_beside_sampled_rows(dirs):
     assert beside.metrics.num_draft_tokens == alone.metrics.num_draft_tokens
 
 
-def test_bad_draft_dtype_is_refused_by_name(dirs):
+def test_bad_draft_dtype_is_refused_by_name(tiny_pair):
     with pytest.raises(ValueError, match="draft_dtype must be one of"):
-        LLM(str(dirs["target"]), speculative_model=str(dirs["draft"]), draft_dtype="float64")
+        LLM(str(tiny_pair["target"]), speculative_model=str(tiny_pair["draft"]), draft_dtype="float64")
 
 
 def test_summary_shows_acceptance_only_where_something_was_drafted():
@@ -462,7 +463,7 @@ def test_summary_shows_acceptance_only_where_something_was_drafted():
     assert "α 0.500 (1 accepted/2 judged/3 proposed)  by position [1.00 0.00 0.00]" in drafted.summary()
 
 
-def test_a_round_verifies_only_as_wide_as_its_longest_proposal(dirs, plain, monkeypatch):
+def test_a_round_verifies_only_as_wide_as_its_longest_proposal(tiny_pair, plain, monkeypatch):
     """Prompt lookup at k = 6 proposes fewer tokens, or none, where its match is short or
     missing: the verify forward then feeds the last token and the longest row's proposal only
     (no match anywhere: a plain one-token step), and the output is still the target's."""
@@ -470,7 +471,7 @@ def test_a_round_verifies_only_as_wide_as_its_longest_proposal(dirs, plain, monk
     from specdec.worker import ModelRunner
 
     llm = LLM(
-        str(dirs["target"]),
+        str(tiny_pair["target"]),
         dtype="float32",
         speculative_method="ngram",
         num_speculative_tokens=6,

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from helpers import load_hf, save_tiny_pair
+from helpers import load_hf
 from helpers import random_prompts as shared_random_prompts
 from specdec import LLM, SamplingParams
 
@@ -17,13 +17,8 @@ def random_prompts(n: int, seed: int, **kwargs) -> list[list[int]]:
 
 
 @pytest.fixture(scope="module")
-def dirs(tmp_path_factory):
-    return save_tiny_pair(tmp_path_factory.mktemp("logprobs"), target_seed=21, draft_seed=22)
-
-
-@pytest.fixture(scope="module")
-def reference(dirs):
-    model = load_hf(dirs["target"])
+def reference(tiny_pair):
+    model = load_hf(tiny_pair["target"])
 
     def logprobs_of(prompt: list[int], output: list[int]) -> torch.Tensor:
         """log_softmax of transformers' logits before each output token: [len(output), V]."""
@@ -43,11 +38,11 @@ DRAFTING = {
 
 @pytest.mark.parametrize("drafting", DRAFTING)
 @pytest.mark.parametrize("temperature", [0.0, 0.9])
-def test_logprobs_are_the_targets_own(dirs, reference, drafting, temperature):
+def test_logprobs_are_the_targets_own(tiny_pair, reference, drafting, temperature):
     options = {
-        key: str(dirs[value]) if key == "speculative_model" else value for key, value in DRAFTING[drafting].items()
+        key: str(tiny_pair[value]) if key == "speculative_model" else value for key, value in DRAFTING[drafting].items()
     }
-    llm = LLM(str(dirs["target"]), dtype="float32", num_speculative_tokens=4 if options else None, **options)
+    llm = LLM(str(tiny_pair["target"]), dtype="float32", num_speculative_tokens=4 if options else None, **options)
     prompts = random_prompts(3, seed=int(temperature * 10) + len(drafting))
     params = [
         SamplingParams(temperature=temperature, max_tokens=20, ignore_eos=True, seed=5, logprobs=n)
@@ -73,7 +68,7 @@ def test_logprobs_are_the_targets_own(dirs, reference, drafting, temperature):
             assert output.metrics.num_accepted_tokens > 0  # accepted drafts have logprobs too
 
 
-def test_logprobs_are_checked(dirs):
+def test_logprobs_are_checked(tiny_pair):
     with pytest.raises(ValueError, match="logprobs must be an integer from 0 to 20"):
         SamplingParams(logprobs=21)
     with pytest.raises(ValueError, match="logprobs"):

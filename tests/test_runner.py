@@ -14,7 +14,7 @@ import warnings
 import pytest
 import torch
 
-from helpers import save_tiny_model, save_tiny_pair, token_ids
+from helpers import save_tiny_model, token_ids
 from specdec import LLM, SamplingParams
 from specdec.platform import Platform, auto_dtype, detect_platform
 from specdec.worker import ModelRunner
@@ -25,24 +25,19 @@ AVX512_BF16 = Platform("cpu", "AVX512", native_bf16=True, native_fp16=False)
 
 
 @pytest.fixture(scope="module")
-def dirs(tmp_path_factory):
-    return save_tiny_pair(tmp_path_factory.mktemp("runner"), target_seed=11, draft_seed=12)
-
-
-@pytest.fixture(scope="module")
-def eager_outputs(dirs):
+def eager_outputs(tiny_pair):
     """Greedy token ids of the eager target alone for three ragged prompts."""
-    llm = LLM(str(dirs["target"]), dtype="float32", compile="off")
+    llm = LLM(str(tiny_pair["target"]), dtype="float32", compile="off")
     return {tuple(p): llm.generate(p, GREEDY)[0].outputs[0].token_ids for p in PROMPTS}
 
 
 PROMPTS = [list(torch.randint(2, 320, (n,), generator=torch.Generator().manual_seed(n)).tolist()) for n in (5, 13, 31)]
 
 
-def test_compiled_target_alone_equals_eager(dirs, eager_outputs):
+def test_compiled_target_alone_equals_eager(tiny_pair, eager_outputs):
     """float32 greedy, compiled (static cache, batch padded to its bucket, prompts of 5 and
     13 tokens through the compiled query bucket or eagerly): token for token the eager output."""
-    llm = LLM(str(dirs["target"]), dtype="float32", compile="on")
+    llm = LLM(str(tiny_pair["target"]), dtype="float32", compile="on")
     outputs = llm.generate(PROMPTS, GREEDY)  # a ragged batch of 3: padded to 4 rows
     assert token_ids(outputs) == [eager_outputs[tuple(p)] for p in PROMPTS]
     assert llm.runner.query_buckets == (1,) and llm.runner.cache.static
@@ -50,12 +45,12 @@ def test_compiled_target_alone_equals_eager(dirs, eager_outputs):
     assert llm.runner.compile_seconds > 0
 
 
-def test_generating_compiles_nothing_after_warm_up(dirs, eager_outputs):
+def test_generating_compiles_nothing_after_warm_up(tiny_pair, eager_outputs):
     """Shapes are static: once the engine is prepared (compiling every forward it will run),
     a generate of ragged prompts traces no new graph, whichever slots its rows hold."""
     from torch._dynamo.utils import counters
 
-    llm = LLM(str(dirs["target"]), dtype="float32", compile="on")
+    llm = LLM(str(tiny_pair["target"]), dtype="float32", compile="on")
     llm.generate(PROMPTS, GREEDY)  # prepares and compiles
     graphs_before = counters["stats"]["unique_graphs"]
     assert graphs_before > 0
@@ -66,16 +61,16 @@ def test_generating_compiles_nothing_after_warm_up(dirs, eager_outputs):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("method", ["draft_model", "lookup_then_draft"])
-def test_compiled_speculation_equals_eager_target_alone(dirs, eager_outputs, method):
+def test_compiled_speculation_equals_eager_target_alone(tiny_pair, eager_outputs, method):
     """Target and draft compiled, k=3: the verify forward runs at 4 queries (rounds with fewer
     drafts padded to it), the draft at 1 and 2; the output is the eager target's. The draft
     model is the target itself (compiled at other shapes: its drafts are nearly all accepted)
     at a fixed k, or a different random model behind prompt lookup with k by goodput (whose
     plain rounds run the target's 1-query graph)."""
-    draft = dirs["target"] if method == "draft_model" else dirs["draft"]
+    draft = tiny_pair["target"] if method == "draft_model" else tiny_pair["draft"]
     k_policy = "fixed" if method == "draft_model" else "goodput"
     llm = LLM(
-        str(dirs["target"]),
+        str(tiny_pair["target"]),
         speculative_model=str(draft),
         speculative_method=method,
         num_speculative_tokens=3,
@@ -96,11 +91,11 @@ def test_compiled_speculation_equals_eager_target_alone(dirs, eager_outputs, met
 
 
 @pytest.mark.slow
-def test_two_models_of_one_shape_each_run_their_own_weights(dirs, eager_outputs, tmp_path):
+def test_two_models_of_one_shape_each_run_their_own_weights(tiny_pair, eager_outputs, tmp_path):
     """Compiled graphs freeze weights as constants: a second model of the same shape must not
     run the first one's."""
     other = save_tiny_model(tmp_path / "other", "llama", seed=14, init_std=0.3)
-    first = LLM(str(dirs["target"]), dtype="float32", compile="on").generate(PROMPTS[:1], GREEDY)
+    first = LLM(str(tiny_pair["target"]), dtype="float32", compile="on").generate(PROMPTS[:1], GREEDY)
     second = LLM(str(other), dtype="float32", compile="on").generate(PROMPTS[:1], GREEDY)
     eager_second = LLM(str(other), dtype="float32", compile="off").generate(PROMPTS[:1], GREEDY)
     assert token_ids(first) == [eager_outputs[tuple(PROMPTS[0])]] and token_ids(second) == token_ids(eager_second)
@@ -108,14 +103,14 @@ def test_two_models_of_one_shape_each_run_their_own_weights(dirs, eager_outputs,
 
 
 @pytest.mark.slow
-def test_compiled_sampling_with_a_seed_equals_eager(dirs):
+def test_compiled_sampling_with_a_seed_equals_eager(tiny_pair):
     """A seeded sampled request draws the same random numbers either way; in float32 the
     compiled models' probabilities differ from eager ones by rounding only, so the tokens agree."""
     params = SamplingParams(temperature=0.8, top_p=0.95, max_tokens=24, seed=3, ignore_eos=True)
     runs = [
         LLM(
-            str(dirs["target"]),
-            speculative_model=str(dirs["draft"]),
+            str(tiny_pair["target"]),
+            speculative_model=str(tiny_pair["draft"]),
             num_speculative_tokens=3,
             dtype="float32",
             compile=mode,
@@ -125,7 +120,7 @@ def test_compiled_sampling_with_a_seed_equals_eager(dirs):
     assert token_ids(runs[0]) == token_ids(runs[1])
 
 
-def test_a_compilation_that_fails_falls_back_to_eager_with_one_warning(dirs, eager_outputs, monkeypatch):
+def test_a_compilation_that_fails_falls_back_to_eager_with_one_warning(tiny_pair, eager_outputs, monkeypatch):
     def broken_compile(fn, **options):
         def compiled(*args, **kwargs):
             raise RuntimeError("no C compiler found")
@@ -133,7 +128,7 @@ def test_a_compilation_that_fails_falls_back_to_eager_with_one_warning(dirs, eag
         return compiled
 
     monkeypatch.setattr(torch, "compile", broken_compile)
-    llm = LLM(str(dirs["target"]), dtype="float32", compile="on")
+    llm = LLM(str(tiny_pair["target"]), dtype="float32", compile="on")
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         first = llm.generate(PROMPTS, GREEDY)
@@ -145,16 +140,16 @@ def test_a_compilation_that_fails_falls_back_to_eager_with_one_warning(dirs, eag
     assert not llm.runner.cache.static  # eager from then on, on a cache sized to the work
 
 
-def test_auto_compiles_only_long_work(dirs):
+def test_auto_compiles_only_long_work(tiny_pair):
     """compile="auto": eager for short work; the decision is the runner's, from the work's size."""
-    llm = LLM(str(dirs["target"]), dtype="float32", compile="auto")
+    llm = LLM(str(tiny_pair["target"]), dtype="float32", compile="auto")
     llm.generate(PROMPTS, GREEDY)
     assert not llm.runner.cache.static and llm.runner.compile_seconds == 0
 
 
-def test_compile_mode_is_validated(dirs):
+def test_compile_mode_is_validated(tiny_pair):
     with pytest.raises(ValueError, match="compile must be one of"):
-        LLM(str(dirs["target"]), compile="yes")
+        LLM(str(tiny_pair["target"]), compile="yes")
 
 
 @pytest.mark.parametrize(
@@ -190,17 +185,17 @@ def test_the_platform_is_detected_once():
     assert platform.cpu_capability == torch.backends.cpu.get_cpu_capability()
 
 
-def test_eager_runner_with_auto_leaves_the_model_unpacked(dirs):
+def test_eager_runner_with_auto_leaves_the_model_unpacked(tiny_pair):
     """Under "auto" the eager path packs a copy sharing the weights; the model itself stays
     plain for the compiler."""
-    llm = LLM(str(dirs["target"]), dtype="bfloat16", compile="auto")
+    llm = LLM(str(tiny_pair["target"]), dtype="bfloat16", compile="auto")
     eager = llm.runner.eager_model()
     assert all(type(m) is torch.nn.Linear for m in llm.target.model.modules() if "Linear" in type(m).__name__)
     assert eager.embed_tokens.weight is llm.target.model.embed_tokens.weight
     assert isinstance(llm.runner, ModelRunner)
 
 
-def test_a_graph_that_computes_wrong_logits_is_caught_and_eager_runs(dirs, eager_outputs, monkeypatch):
+def test_a_graph_that_computes_wrong_logits_is_caught_and_eager_runs(tiny_pair, eager_outputs, monkeypatch):
     """The warm-up compares each compiled shape with eager on the same input: a compiler that
     returns wrong logits (here: doubled) is caught before any request uses it."""
 
@@ -208,7 +203,7 @@ def test_a_graph_that_computes_wrong_logits_is_caught_and_eager_runs(dirs, eager
         return lambda *args, **kwargs: 2 * fn(*args, **kwargs)
 
     monkeypatch.setattr(torch, "compile", wrong_compile)
-    llm = LLM(str(dirs["target"]), dtype="float32", compile="on")
+    llm = LLM(str(tiny_pair["target"]), dtype="float32", compile="on")
     with pytest.warns(UserWarning, match="differ from eager ones"):
         outputs = llm.generate(PROMPTS, GREEDY)
     assert token_ids(outputs) == [eager_outputs[tuple(p)] for p in PROMPTS] and not llm.runner.cache.static
