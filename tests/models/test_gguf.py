@@ -15,6 +15,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from test_models import hf_generate, hf_logits, max_diff, specdec_logits
 
 from gguf_files import tiny_hf_model, write_gguf
 from specdec import LLM, SamplingParams
@@ -22,7 +23,6 @@ from specdec.cli import main
 from specdec.models.gguf import TENSOR_TYPES, GGUFError, read_gguf, unpermute
 from specdec.models.loader import load_pretrained
 from specdec.paths import SMOLLM2_GGUF
-from test_models import hf_generate, hf_logits, max_diff, specdec_logits
 
 ATOL = 1e-4
 
