@@ -34,6 +34,7 @@ def eager_outputs(tiny_pair):
 PROMPTS = [list(torch.randint(2, 320, (n,), generator=torch.Generator().manual_seed(n)).tolist()) for n in (5, 13, 31)]
 
 
+@pytest.mark.slow
 def test_compiled_target_alone_equals_eager(tiny_pair, eager_outputs):
     """float32 greedy, compiled (static cache, batch padded to its bucket, prompts of 5 and
     13 tokens through the compiled query bucket or eagerly): token for token the eager output."""
@@ -45,6 +46,7 @@ def test_compiled_target_alone_equals_eager(tiny_pair, eager_outputs):
     assert llm.runner.compile_seconds > 0
 
 
+@pytest.mark.slow
 def test_generating_compiles_nothing_after_warm_up(tiny_pair, eager_outputs):
     """Shapes are static: once the engine is prepared (compiling every forward it will run),
     a generate of ragged prompts traces no new graph, whichever slots its rows hold."""
