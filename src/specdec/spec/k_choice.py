@@ -69,8 +69,7 @@ class KChoice:
 
     def positions_needed(self, seq: Sequence) -> int:
         """Cache positions seq needs (the last one is kept free for padding: kv_cache.ragged_batch)."""
-        k = self.k if self.tree is not None else min(self.k, seq.draft_room)  # a chain is cut to the room
-        return seq.num_tokens + seq.params.max_tokens + self.margin(k) + 1
+        return seq.num_tokens + seq.params.max_tokens + self.margin(self.sizing_k([seq])) + 1
 
     def query_lengths(self) -> tuple[int, ...]:
         """The target forwards' lengths a round runs (compiled for): a fixed k verifies k drafts
