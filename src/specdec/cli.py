@@ -212,7 +212,11 @@ def run_generate(args) -> int:
     label = f"{method} k={spec.num_speculative_tokens}" if spec and method else "target alone"
     if spec and method and spec.tree != "chain":  # k nodes of a tree; by position = by depth
         label += f" tree {spec.tree}"
+    if spec and isinstance(spec.model, tuple):  # staged: the stages, first to last
+        label = f"{method} {' -> '.join(Path(stage).name for stage in spec.model)} k={spec.num_speculative_tokens}"
     print(f"[{label}] {output.metrics.summary()}")
+    for line in stage_summaries(llm.engine.drafter):
+        print(line)
     if baseline is not None:  # --compare
         print(f"[target alone] {baseline.metrics.summary()}")
         # tokens/s, not seconds: sampled or stopped, the two outputs differ in length
@@ -222,6 +226,29 @@ def run_generate(args) -> int:
         if params.greedy and not same:
             print(divergence_note(baseline.outputs[0].token_ids, output.outputs[0].token_ids, llm.target.model.dtype))
     return 0
+
+
+def stage_summaries(drafter) -> list[str]:
+    """For staged drafts, a line per stage drafted for, last first: its inner rounds in the last
+    generate, their τ (tokens per forward of the stage's model) and α; nothing for other drafters."""
+    from specdec.spec.staged import StagedDrafter
+
+    lines = []
+    while isinstance(drafter, StagedDrafter):
+        stats = drafter.stats
+        model, inner = (Path(stage).name for stage in drafter.stages[-2:][::-1])
+        judged = (
+            f"α {stats.acceptance_rate:.3f} ({stats.num_accepted_tokens} accepted/{stats.num_judged_tokens} judged/"
+            f"{stats.num_draft_tokens} proposed)  "
+            if stats.num_draft_tokens
+            else ""
+        )
+        lines.append(
+            f"[{model} drafted for by {inner}] tokens {stats.num_emitted_tokens}  forwards "
+            f"{stats.num_target_forwards}  τ {stats.tokens_per_forward:.2f}  {judged}{stats.k_summary()}".rstrip()
+        )
+        drafter = drafter.inner
+    return lines
 
 
 def _faster(first, second):

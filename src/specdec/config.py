@@ -114,13 +114,16 @@ def setting(
     choices: tuple[str, ...] | None = None,
     shown: str | None = None,
     bare: bool = False,
+    repeat: bool = False,
 ):
     """A configuration field with its help and its names: flag (the command line's spelling,
     or spellings, as -k and --num-speculative-tokens: a message names the one typed, else the
     first), old_flags (earlier spellings, still taken, not shown), keyword (LLM's, if not the
     field's name). parse: the flag's text -> the value; choices: the texts it takes; shown: the
     default as --help says it (None: the default itself); bare: the flag may be given without
-    a value (it then asks for the default). model_flags.add_speculative_arguments makes the flags."""
+    a value (it then asks for the default); repeat: the flag may be given more than once, each
+    adding an entry to a list (--draft A --draft B). model_flags.add_speculative_arguments
+    makes the flags."""
     flags = (flag,) if isinstance(flag, str) else tuple(flag)
     metadata = {
         "help": help,
@@ -131,6 +134,7 @@ def setting(
         "choices": choices,
         "shown": shown if shown is not None else _shown(default),
         "bare": bare,
+        "repeat": repeat,
     }
     if keyword is not None:
         metadata["keyword"] = keyword
@@ -298,12 +302,24 @@ def quantization_from_arg(text: str) -> str | None:
     return None if text == "none" else text
 
 
-SPECULATIVE_METHODS = ("draft_model", "ngram", "lookup_then_draft", "eagle", "early_exit")
+SPECULATIVE_METHODS = ("draft_model", "ngram", "lookup_then_draft", "eagle", "early_exit", "staged")
 TREE_METHODS = ("draft_model", "eagle", "early_exit")  # the drafters that grow trees (Drafter.grows_trees)
-NEEDS_DRAFT_MODEL = ("draft_model", "lookup_then_draft", "eagle")  # "eagle": the head's directory
+NEEDS_DRAFT_MODEL = ("draft_model", "lookup_then_draft", "eagle", "staged")  # "eagle": the head's directory
 # the shortest n-gram match prompt lookup trusts, by method: with a draft model to fall back
-# on, a one-token match is too weak to use instead of it
-DEFAULT_NGRAM_MIN = {"ngram": 1, "lookup_then_draft": 2, "draft_model": 1, "eagle": 1, "early_exit": 1}
+# on, a one-token match is too weak to use instead of it; as the first stage of staged drafts,
+# a draft model checks its proposals, and a wrong one costs only a slightly wider draft forward
+DEFAULT_NGRAM_MIN = {"ngram": 1, "lookup_then_draft": 2, "draft_model": 1, "eagle": 1, "early_exit": 1, "staged": 1}
+NGRAM_STAGE = "[ngram]"  # prompt lookup as a stage of staged drafts (vLLM's spelling of prompt lookup as a model)
+
+
+def as_stages(model):
+    """speculative_model as given, a directory or a list of stages, as SpeculativeConfig's model
+    takes it: a list of one stage is that stage; a longer list a tuple of stages (str; os.PathLike
+    as its path); anything else as it is (SpeculativeConfig judges it)."""
+    if not isinstance(model, (list, tuple)):
+        return model
+    stages = tuple(os.fspath(stage) if isinstance(stage, os.PathLike) else stage for stage in model)
+    return stages[0] if len(stages) == 1 else stages
 
 
 DRAFT_DTYPES = ("auto", "float32", "bfloat16", "float16")
@@ -341,9 +357,15 @@ class SpeculativeConfig:
         model for the others), or "eagle" (a one-layer head over the target's own features,
         trained by `specdec train-heads`; see drafters/eagle.py), or "early_exit" (self-
         speculation: the target's own first early_exit_layer layers, its final norm and output
-        layer draft; see drafters/early_exit.py).
+        layer draft; see drafters/early_exit.py), or "staged" (staged drafts: a list of stages
+        in model, each drafting for the next by speculative decoding, the last for the target;
+        see spec/staged.py).
     model: the draft model's directory, for "draft_model" and "lookup_then_draft"; the
-        head's directory for "eagle".
+        head's directory for "eagle"; for "staged", the stages, first (cheapest) to last, at
+        least two: the first a draft model's directory or "[ngram]" (NGRAM_STAGE: prompt
+        lookup, with ngram_min / ngram_max), every later one a draft model's directory (a list
+        is kept as a tuple). Every model stage shares the target's vocabulary and is no larger
+        than the model it drafts for; draft_dtype and draft_quantization apply to each.
     num_speculative_tokens: k, draft tokens proposed per round (0 = plain decoding).
     ngram_min / ngram_max: the n-gram lengths prompt lookup tries, longest first. ngram_min
         None: 1 for "ngram", 2 for "lookup_then_draft".
@@ -378,20 +400,24 @@ class SpeculativeConfig:
     method: str = setting(
         "draft_model",
         "the drafter: draft_model, ngram (prompt lookup), lookup_then_draft (prompt lookup, the draft "
-        "model where it finds nothing), eagle (an EAGLE head) or early_exit (the target's first layers)",
+        "model where it finds nothing), eagle (an EAGLE head), early_exit (the target's first layers) or "
+        "staged (each --draft drafting for the next)",
         "--speculative-method",
         "speculative_method",
         choices=SPECULATIVE_METHODS,
-        shown="what --draft (draft_model, or eagle for a head's directory), --ngram, --lookup or --early-exit "
-        "says; none of them: no speculation",
+        shown="what --draft (draft_model, eagle for a head's directory, staged when given twice or more), "
+        "--ngram, --lookup or --early-exit says; none of them: no speculation",
     )
-    model: str | None = setting(
+    model: str | tuple[str, ...] | None = setting(
         None,
-        "the draft model's directory (sharing the target's tokenizer), or an EAGLE head's (`specdec train-heads`)",
+        "the draft model's directory (sharing the target's tokenizer), or an EAGLE head's (`specdec train-heads`); "
+        "given more than once, staged drafts: each stage drafts for the next by speculative decoding, the last "
+        "for the target, the first a draft model or '[ngram]' (prompt lookup), e.g. --draft '[ngram]' --draft DIR",
         "--draft",
         "speculative_model",
         metavar="DIR",
         shown="none",
+        repeat=True,
     )
     num_speculative_tokens: int = setting(
         5,
@@ -480,8 +506,16 @@ class SpeculativeConfig:
             "{num_speculative_tokens} must be an integer >= 0, got {got!r}",
             got=self.num_speculative_tokens,
         )
+        if isinstance(self.model, (list, tuple)):  # stages, kept as a tuple of texts
+            object.__setattr__(
+                self, "model", tuple(os.fspath(s) if isinstance(s, os.PathLike) else s for s in self.model)
+            )
+        if isinstance(self.model, tuple) or self.method == "staged":
+            self._check_stages(need)
         need(
-            self.model is None or (isinstance(self.model, (str, os.PathLike)) and str(self.model).strip()),
+            self.model is None
+            or isinstance(self.model, tuple)
+            or (isinstance(self.model, (str, os.PathLike)) and str(self.model).strip()),
             "{model} must be the path of a draft model directory, got {got!r}",
             got=self.model,
         )
@@ -560,6 +594,55 @@ class SpeculativeConfig:
             self.method in NEEDS_DRAFT_MODEL or not unused,
             ", ".join(f"{{{name}:=}}" for name in unused) + " configure a draft model, and {method:=} uses none; "
             "drop them, or use {method:=lookup_then_draft} for prompt lookup with a draft model behind it",
+        )
+
+    def _check_stages(self, need: Refusal) -> None:
+        """Staged drafts: method "staged" with a tuple of at least two stages in model, prompt
+        lookup first if anywhere, every stage a non-empty text; no adaptive k (each stage's k is
+        the round's: goodput or fixed)."""
+        stages = self.model
+        example = f"['{NGRAM_STAGE}', '<draft directory>']"
+        need(
+            self.method == "staged",
+            "{model:=} lists stages, which {method:=} does not take: give {method:=staged} (each stage drafts "
+            "for the next, the last for the target), or one directory",
+        )
+        need(
+            isinstance(stages, tuple),
+            "{method:=} needs a list of stages in {model}, got {got!r}: give at least two, e.g. {example} "
+            "(prompt lookup drafting for a draft model), or {method:=draft_model} for one draft model",
+            got=stages,
+            example=example,
+        )
+        assert isinstance(stages, tuple)
+        need(
+            len(stages) >= 2,
+            "{model:=} holds {count} stage{s}; staged drafts need at least two, e.g. {example}; give one draft "
+            "model as {method:=draft_model}, or '{ngram}' alone as {method:=ngram}",
+            count=len(stages),
+            s="" if len(stages) == 1 else "s",
+            example=example,
+            ngram=NGRAM_STAGE,
+        )
+        bad = [stage for stage in stages if not (isinstance(stage, str) and stage.strip())]
+        need(
+            not bad,
+            "{model}: every stage is a draft model's directory or '{ngram}' (prompt lookup), got {bad}",
+            ngram=NGRAM_STAGE,
+            bad=", ".join(map(repr, bad)),
+        )
+        later = [number for number, stage in enumerate(stages, start=1) if stage == NGRAM_STAGE and number > 1]
+        need(
+            not later,
+            "{model:=}: '{ngram}' (prompt lookup) can only be the first stage, not stage {number}: every later "
+            "stage checks the tokens of the one before it against its own distribution, which takes a model",
+            ngram=NGRAM_STAGE,
+            number=later[0] if later else 0,
+        )
+        need(
+            self.draft_confidence_threshold == 0,
+            "{draft_confidence_threshold:=} stops a draft model's steps early; {method:=staged} draws each stage's "
+            "tokens by speculative decoding with the round's k (by goodput, or fixed): drop it",
         )
 
 

@@ -17,10 +17,12 @@ import torch
 
 from specdec.config import (
     INT64_MIN,
+    NGRAM_STAGE,
     UINT64_MAX,
     ConfigError,
     SamplingParams,
     SpeculativeConfig,
+    as_stages,
     check,
     check_device,
     is_int,
@@ -38,6 +40,7 @@ from specdec.platform import Platform, detect_platform
 from specdec.progress import stage
 from specdec.sampling import request_generator
 from specdec.sequence import Sequence
+from specdec.spec.staged import StagedDrafter
 from specdec.tree import TreeShape
 from specdec.worker import ModelRunner, check_compile_mode
 
@@ -48,13 +51,17 @@ class LLM:
     model: the target's Hugging Face directory.
     speculative_model: the draft's directory (methods "draft_model", "lookup_then_draft"), or
         "[ngram]" for prompt lookup; None = no speculation unless speculative_method="ngram".
+        A list of stages, first (cheapest) to last, is staged drafts (method "staged"): each
+        stage drafts for the next by speculative decoding, the last for the target, e.g.
+        ["[ngram]", "qwen2.5-coder-0.5b-instruct"] (prompt lookup drafting for the 0.5B model)
+        or [smaller draft, larger draft]; "[ngram]" may only be first (spec/staged.py).
     num_speculative_tokens: k, draft tokens per round (None: 5). Below the target's context
         length; each round drafts no more than a request can still emit.
     speculative_method: "draft_model", "ngram", "lookup_then_draft" (prompt lookup where it
         finds a match, the draft model elsewhere) or "eagle" (speculative_model: a head's
         directory, from `specdec train-heads`) or "early_exit" (the target's own first
-        early_exit_layer layers draft; default half its depth); inferred from speculative_model
-        if None.
+        early_exit_layer layers draft; default half its depth) or "staged" (a list of stages in
+        speculative_model); inferred from speculative_model if None.
     ngram_prompt_lookup_min / _max: the n-gram lengths prompt lookup tries (min None: 1 for
         "ngram", 2 for "lookup_then_draft"; see SpeculativeConfig).
     dtype: "auto" (the checkpoint's, or float32 where the device emulates the checkpoint's half
@@ -97,7 +104,7 @@ class LLM:
     def __init__(
         self,
         model: str,
-        speculative_model: str | None = None,
+        speculative_model: str | list[str] | tuple[str, ...] | None = None,
         num_speculative_tokens: int | None = None,
         speculative_method: str | None = None,
         dtype: str = "auto",
@@ -162,7 +169,9 @@ class LLM:
         if self.speculative_config is not None:
             check_k_fits(self.speculative_config, self.max_model_len)
             with stage(f"loading the drafter ({self.speculative_config.method})"):
-                drafter = DRAFTERS[self.speculative_config.method](self.speculative_config, self.target, self.runner)
+                drafter = ALL_DRAFTERS[self.speculative_config.method](
+                    self.speculative_config, self.target, self.runner
+                )
         spec = self.speculative_config
         self.max_num_seqs = max_num_seqs
         self._shared_generator = torch.Generator(self.device).manual_seed(seed)  # for requests without a seed
@@ -318,6 +327,10 @@ class LLM:
         return RequestOutput(seq.request_id, seq.prompt, seq.prompt_token_ids, [completion], seq.stats)
 
 
+# Every method's drafter: drafters/'s, and staged drafts, whose stages verify one another with
+# the rejection sampler (spec/), a layer above drafters/
+ALL_DRAFTERS = {**DRAFTERS, "staged": StagedDrafter.from_config}
+
 # LLM's flat keyword for each SpeculativeConfig field
 FLAT_NAMES = {
     f.name: keyword(SpeculativeConfig, f.name) for f in dataclasses.fields(SpeculativeConfig)
@@ -355,15 +368,16 @@ def speculative_config(model, method, **options) -> SpeculativeConfig | None:
     """LLM's speculation arguments as a SpeculativeConfig (None: no drafter). options:
     SpeculativeConfig's fields; None (or "auto" for draft_dtype and draft_quantization) = not
     given, its default."""
-    if model == "[ngram]":  # vLLM's older spelling of speculative_method="ngram"
+    model = as_stages(model)  # a list of stages (a tuple), or of one stage (that stage)
+    if model == NGRAM_STAGE:  # vLLM's older spelling of speculative_method="ngram"
         check(
             method in (None, "ngram"),
             f'speculative_model="[ngram]" means speculative_method="ngram", but '
             f"speculative_method={method!r} was given; give one or the other",
         )
         model, method = None, "ngram"
-    if method is None and model is not None:  # a head's directory says what it is
-        method = "eagle" if is_head_directory(model) else "draft_model"
+    if method is None and model is not None:  # stages, or a directory: a head's says what it is
+        method = "staged" if isinstance(model, tuple) else "eagle" if is_head_directory(model) else "draft_model"
     given = {name: options[name] for name in _given(options)}
     if method is None:
         check(

@@ -14,10 +14,12 @@ from dataclasses import fields
 from specdec.config import (
     COMPILE_HELP,
     COMPILE_MODES,
+    NGRAM_STAGE,
     QUANTIZATION_ARGS,
     QUANTIZATION_HELP,
     SpeculativeConfig,
     Wording,
+    as_stages,
     keyword,
     quantization_from_arg,
 )
@@ -102,6 +104,8 @@ def add_speculative_arguments(
         )
         if meta["bare"]:
             kwargs.update(nargs="?", const=DEFAULT_EXIT)
+        if meta["repeat"]:  # each use adds an entry: --draft A --draft B
+            kwargs.update(action="append")
         kwargs.update(options.get(name, {}))
         if kwargs.get("action") == "append":
             kwargs.pop("const", None)
@@ -150,6 +154,8 @@ def flag_words(parser: argparse.ArgumentParser, argv: list[str] | None = None) -
     def value_of(owner, name, value):
         if not spellings(owner, name):
             return f"{keyword(owner, name)}={value!r}"
+        if isinstance(value, tuple):  # a repeated flag's entries: --draft A --draft B
+            return " ".join(f"{name_of(owner, name)} {_typed(entry)}" for entry in value) or name_of(owner, name)
         return f"{name_of(owner, name)} {_typed(value)}"
 
     def placeholder(owner, name, text):
@@ -212,16 +218,18 @@ def speculative_config_from_flags(args) -> SpeculativeConfig | None:
     alone; what it refuses is said in the flags' words by the command line (flag_words)."""
     method = _speculative_method(args)
     given = given_settings(args)
-    model = given.pop("model", None)
+    model = as_stages(given.pop("model", None))  # --draft given once: a directory; more: the stages
     given.pop("method", None)
     if given.get("early_exit_layer") is DEFAULT_EXIT:
         del given["early_exit_layer"]
     if method is None and model is None:
         return None
-    if method is None:  # a head's directory says what it is
+    if method is None and model == NGRAM_STAGE:  # --draft '[ngram]', as LLM(speculative_model="[ngram]")
+        method, model = "ngram", None
+    if method is None:  # stages, or a directory: a head's says what it is
         from specdec.models.eagle import is_head_directory
 
-        method = "eagle" if is_head_directory(model) else "draft_model"
+        method = "staged" if isinstance(model, tuple) else "eagle" if is_head_directory(model) else "draft_model"
     return SpeculativeConfig(method=method, model=model, **given)
 
 
@@ -244,6 +252,11 @@ LOOKUP_FIELDS = ("ngram_min", "ngram_max")  # set prompt lookup
 
 def _implied_method(args) -> str | None:
     """The method generate's drafter flags imply (None: none, or --draft alone)."""
+    if args.lookup and args.draft is not None and len(args.draft) > 1:
+        raise ValueError(
+            "--lookup puts prompt lookup in front of one draft model; with stages, give prompt lookup as the "
+            f"first of them: --draft '{NGRAM_STAGE}' --draft DIR ..."
+        )
     if args.lookup and args.draft is None:
         raise ValueError(
             "--lookup falls back to a draft model where prompt lookup finds nothing: add --draft DIR"

@@ -173,6 +173,7 @@ def run_bench(args) -> int:
     from specdec.tools.benchmark.report import markdown, write_docs, write_report
     from specdec.tools.benchmark.run import run_benchmark
 
+    args.draft = _one_draft(args.draft)
     if args.llama_cpp:
         from specdec.tools.benchmark.llama_cpp import run_llama_cpp_bench
 
@@ -199,7 +200,7 @@ def bench_config(args):
     from specdec.tools.benchmark.run import BenchConfig
 
     _check_speculative_flags(args)
-    model, draft = resolve_pair(args.model, args.draft)
+    model, draft = resolve_pair(args.model, _one_draft(args.draft))
     shipped = args.model is None
     head = args.head if args.head is not None or not shipped else str(SHIPPED_HEAD)
     trees = tuple(args.tree) if args.tree else (("auto",) if shipped else ())
@@ -256,7 +257,7 @@ def _check_speculative_flags(args, llama_cpp: bool = False) -> None:
     given = given_settings(
         args, ("num_speculative_tokens", "draft_dtype", "draft_confidence_threshold", "draft_quantization")
     )
-    SpeculativeConfig(model=args.draft or "DRAFT", **given)
+    SpeculativeConfig(model=_one_draft(args.draft) or "DRAFT", **given)
     for shape in args.tree or ():
         SpeculativeConfig(model="DRAFT", tree=shape)
     if args.early_exit not in (None, DEFAULT_EXIT):
@@ -288,6 +289,19 @@ def open_bench_output(args, config):
     )
 
 
+def _one_draft(drafts: list[str] | str | None) -> str | None:
+    """--draft's directory: the bench measures one draft model (its rows at each k, adaptive, by
+    goodput, behind prompt lookup, trees); --draft given more than once (staged drafts) is refused."""
+    if drafts is None or isinstance(drafts, str):
+        return drafts
+    if len(drafts) > 1:
+        raise ValueError(
+            "the bench measures one draft model (--draft DIR); staged drafts (--draft given "
+            f"{len(drafts)} times) run in generate (--compare: against the target alone) and serve"
+        )
+    return drafts[0]
+
+
 def resolve_pair(model: str | None, draft: str | None) -> tuple[str, str | None]:
     """(target, draft) directories: as given, or the shipped pair when no --model is given."""
     if model is not None:
@@ -306,8 +320,9 @@ def resolve_pair(model: str | None, draft: str | None) -> tuple[str, str | None]
 def command_line(args) -> str:
     """The `specdec bench` command that reproduces this run (the flags given, written out)."""
     words = ["specdec", "bench"] + ([args.model] if args.model is not None else [])
+    for draft in [args.draft] if isinstance(args.draft, str) else args.draft or []:
+        words += ["--draft", draft]
     for name in (
-        "draft",
         "device",
         "dtype",
         "draft_dtype",
