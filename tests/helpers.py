@@ -172,14 +172,19 @@ def chi_square_p_value(samples, probs, what: str = "samples") -> float:
     return float(scipy.stats.chisquare(obs, exp).pvalue)
 
 
-def save_random_head(target_dir: Path, out: Path, seed: int = 0) -> Path:
-    """An untrained EAGLE head (default init, seeded) for the model in target_dir, saved in float32."""
+def save_random_head(
+    target_dir: Path, out: Path, seed: int = 0, feature_layers: tuple[int, ...] = (), output_vocab: int = 0
+) -> Path:
+    """An untrained EAGLE head (default init, seeded) for the model in target_dir, saved in float32;
+    feature_layers: an EAGLE-3 head reading those layers; output_vocab: scoring that many tokens
+    (ids 0..output_vocab-1)."""
     from specdec.models.eagle import EagleHead, head_config, save_head
     from specdec.models.loader import load_pretrained
 
     target_config = load_pretrained(target_dir, "float32", load_tokenizer=False).model.config
     torch.manual_seed(seed)
-    return save_head(EagleHead(head_config(target_config)), out, torch.float32, target=str(target_dir))
+    head = EagleHead(head_config(target_config, output_vocab), feature_layers)
+    return save_head(head, out, torch.float32, target=str(target_dir))
 
 
 def random_prompts(

@@ -21,7 +21,13 @@ GREEDY = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)
 def dirs(tmp_path_factory):
     root = tmp_path_factory.mktemp("eagle")
     target = save_tiny_model(root / "target", "llama", seed=3, init_std=0.3)
-    return {"target": target, "head": save_random_head(target, root / "head", seed=5)}
+    deeper = save_tiny_model(root / "target4", "llama", seed=3, init_std=0.3, num_hidden_layers=4)
+    return {
+        "target": target,
+        "head": save_random_head(target, root / "head", seed=5),
+        "target4": deeper,
+        "eagle3": save_random_head(deeper, root / "eagle3", seed=6, feature_layers=(0, 1, 2), output_vocab=200),
+    }
 
 
 @pytest.fixture(scope="module")
@@ -29,12 +35,12 @@ def plain(dirs):
     return LLM(str(dirs["target"]), dtype="float32")
 
 
-def eagle(dirs, k: int, **kwargs) -> LLM:
+def eagle(dirs, k: int, head: str = "head", target: str = "target", **kwargs) -> LLM:
     kwargs.setdefault("speculative_k_policy", "fixed")
     kwargs.setdefault("dtype", "float32")
     return LLM(
-        str(dirs["target"]),
-        speculative_model=str(dirs["head"]),
+        str(dirs[target]),
+        speculative_model=str(dirs[head]),
         speculative_method="eagle",
         num_speculative_tokens=k,
         **kwargs,
@@ -54,6 +60,50 @@ def test_greedy_eagle_equals_target_alone(dirs, plain):
     assert token_ids(queued) == expected
     chosen = eagle(dirs, 4, speculative_k_policy="goodput").generate(prompts, GREEDY)  # k = 0 rounds too
     assert token_ids(chosen) == expected
+
+
+def eagle3(dirs, k: int, **kwargs) -> LLM:
+    return eagle(dirs, k, head="eagle3", target="target4", **kwargs)
+
+
+def test_greedy_eagle3_equals_target_alone(dirs):
+    """An EAGLE-3 head (reading three of its target's four layers, scoring 200 tokens) drafts
+    chains and trees; the output is the target's own."""
+    prompts = random_prompts(4, seed=21)
+    expected = token_ids(LLM(str(dirs["target4"]), dtype="float32").generate(prompts, GREEDY))
+    for k in (1, 3, 6):
+        outputs = eagle3(dirs, k).generate(prompts, GREEDY)
+        assert token_ids(outputs) == expected, f"k={k}"
+        assert sum(o.metrics.num_draft_tokens for o in outputs) > 0
+    tree = eagle3(dirs, 6, speculative_tree="3,2,1").generate(prompts, GREEDY)
+    assert token_ids(tree) == expected
+    chosen = eagle3(dirs, 4, speculative_k_policy="goodput").generate(prompts, GREEDY)
+    assert token_ids(chosen) == expected
+
+
+def test_an_eagle3_head_reads_the_fused_outputs_of_its_target_layers(dirs, monkeypatch):
+    """The features an EAGLE-3 head is fed are fuse([h_0 ; h_1 ; h_2]) of the target's layers 0, 1
+    and 2 (transformers' hidden states after those layers) at the positions fed."""
+    fed: dict[int, list[tuple[int, torch.Tensor]]] = {}
+    original = EagleDrafter._waiting_entries
+
+    def recording(self, seq):
+        start, features, tokens = original(self, seq)
+        fed.setdefault(seq.request_id, []).append((start, features.clone()))
+        return start, features, tokens
+
+    monkeypatch.setattr(EagleDrafter, "_waiting_entries", recording)
+    prompts = random_prompts(2, seed=22)
+    llm = eagle3(dirs, 3)
+    outputs = llm.generate(prompts, GREEDY)
+    head, reference = llm.engine.drafter.head, load_hf(dirs["target4"])
+    for prompt, output in zip(prompts, outputs):
+        sequence = prompt + output.outputs[0].token_ids
+        with torch.no_grad():
+            states = reference(torch.tensor([sequence]), output_hidden_states=True).hidden_states  # each [1, L, H]
+            fused = head.fuse(torch.cat([states[1][0], states[2][0], states[3][0]], dim=-1))  # [L, 3H] -> [L, H]
+        for start, features in fed[output.request_id]:
+            torch.testing.assert_close(features, fused[start : start + len(features)], atol=2e-5, rtol=1e-4)
 
 
 def test_the_head_reads_the_targets_features_of_the_tokens_it_follows(dirs, monkeypatch):

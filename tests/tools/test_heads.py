@@ -166,7 +166,7 @@ def test_the_checkpoint_holds_the_head_only(head_dir):
     """The frozen target is neither optimised nor saved: the checkpoint's weights and optimizer
     state are the head's alone."""
     checkpoint = torch.load(head_dir / "checkpoint" / "last.pt", weights_only=True)
-    head_keys = set(EagleHead(read_head_config(head_dir)).state_dict())
+    head_keys = set(EagleHead(*read_head_config(head_dir)).state_dict())
     assert set(checkpoint["model"]) == head_keys
     assert len(checkpoint["optimizer"]["state"]) == len(head_keys)  # one AdamW state per head parameter
 

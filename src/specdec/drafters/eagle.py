@@ -63,7 +63,9 @@ class EagleDrafter(Drafter):
                 f"), whose embedding and output layer it uses; got draft_dtype={spec.draft_dtype!r}"
             )
         head = load_head(spec.model, target.model.config, dtype, target_runner.device)
-        output_layer = head.output_layer(target.model.lm_head.weight) if head.config.output_vocab_size else None
+        if head.is_eagle3:  # the target's forwards then hand over those layers' outputs as its features
+            target_runner.set_feature_layers(head.feature_layers)
+        output_layer = head.output_layer(target.model.lm_head) if head.config.output_vocab_size else None
         if can_pack(dtype, target_runner.device):  # bf16 on a CPU that has it: the runner's eager layout
             pack_linears(head)
             if output_layer is not None:
@@ -83,10 +85,11 @@ class EagleDrafter(Drafter):
     def observe_hidden(
         self, batch: list[Sequence], first_positions: torch.Tensor, hidden: torch.Tensor, num_valid: torch.Tensor
     ) -> None:
-        """Keep each row's new features until its next proposal."""
+        """Keep each row's new features (fused, for an EAGLE-3 head) until its next proposal."""
         firsts, counts = first_positions.tolist(), num_valid.tolist()
+        fused = self.head.fuse_features(hidden)  # [B, T, n x H] -> [B, T, H]
         for row, seq in enumerate(batch):
-            features = hidden[row, : counts[row]]  # [n, H]
+            features = fused[row, : counts[row]]  # [n, H]
             start, waiting = self.waiting.get(seq.slot, (firsts[row], features[:0]))
             if start + len(waiting) != firsts[row]:  # never: the engine hands every kept position once
                 raise AssertionError(

@@ -1,11 +1,18 @@
 """An EAGLE draft head: one decoder layer of its target's own kind, over the target's features.
 
 Terms:
-  feature f_t    the target's final normed hidden state at position t: what its output layer
-                 reads to score token t+1
+  feature f_t    what the head reads of the target at position t. EAGLE-1: the target's final
+                 normed hidden state there, what its output layer reads to score token t+1.
+                 EAGLE-3 (Li et al. 2025): the outputs of a low, a middle and a high layer of the
+                 target (feature_layers) side by side [3 x hidden], which the head's `fuse`
+                 layer turns into one vector of hidden size (fuse_features)
   head           fc: [embedding of token t+1 ; f_t] (2 x hidden) -> hidden, one decoder layer,
                  a norm -> f^_{t+1}, the predicted next feature; the target's own output layer
-                 turns it into scores for token t+2 (EAGLE, Li et al. 2024)
+                 turns it into scores for token t+2 (EAGLE, Li et al. 2024). At the next
+                 drafting step the head reads f^_{t+1} in place of a feature of the target's.
+                 An EAGLE-3 head is trained on its tokens alone (not to match the target's
+                 final hidden state) and with its own predictions fed back as at drafting time
+                 (training-time test: training/eagle3.py)
 
 The head owns only fc, its layer and its norm. The target lends its embedding and output
 layer at each use (they are never stored in the head, so a head's checkpoint holds only its
@@ -39,7 +46,6 @@ HEAD_CONFIG, HEAD_WEIGHTS = "head.json", "head.safetensors"
 MATCHING_FIELDS = (
     "vocab_size",
     "hidden_size",
-    "intermediate_size",
     "num_heads",
     "num_kv_heads",
     "head_dim",
@@ -54,22 +60,38 @@ class HeadLoadError(ValueError):
     """A head directory that cannot be used (missing, malformed, or made for another target)."""
 
 
-def head_config(target: ModelConfig, output_vocab_size: int = 0) -> ModelConfig:
-    """The head's layer shape: one layer of the target's kind, full attention, scoring the
-    whole vocabulary (or output_vocab_size tokens of it)."""
+def head_config(target: ModelConfig, output_vocab_size: int = 0, intermediate_size: int | None = None) -> ModelConfig:
+    """The head's layer shape: one layer of the target's kind (its MLP intermediate_size wide,
+    None: the target's), full attention, scoring the whole vocabulary (or output_vocab_size
+    tokens of it)."""
     return dataclasses.replace(
-        target, num_layers=1, sliding_windows=(), output_vocab_size=output_vocab_size, tie_word_embeddings=False
+        target,
+        num_layers=1,
+        sliding_windows=(),
+        output_vocab_size=output_vocab_size,
+        tie_word_embeddings=False,
+        intermediate_size=intermediate_size or target.intermediate_size,
     )
 
 
+def eagle3_feature_layers(num_layers: int) -> tuple[int, ...]:
+    """The target layers an EAGLE-3 head reads by default: the outputs of layers 1, L/2 - 1 and
+    L - 4 of L (the inputs of layers 2, L/2 and L - 3, which EAGLE-3's code captures), distinct."""
+    return tuple(sorted({min(1, num_layers - 1), max(num_layers // 2 - 1, 0), max(num_layers - 4, 0)}))
+
+
 class EagleHead(DecoderStack):
-    """config: head_config(target config)."""
+    """config: head_config(target config); feature_layers: () for an EAGLE-1 head, the target
+    layers an EAGLE-3 head reads (then `fuse` maps their outputs, side by side, to one vector)."""
 
     output_token_ids: torch.Tensor  # a buffer, where config.output_vocab_size
 
-    def __init__(self, config: ModelConfig):
+    def __init__(self, config: ModelConfig, feature_layers: tuple[int, ...] = ()):
         super().__init__()
         self.config = config
+        self.feature_layers = tuple(feature_layers)
+        if self.feature_layers:
+            self.fuse = nn.Linear(len(self.feature_layers) * config.hidden_size, config.hidden_size, bias=False)
         self.fc = nn.Linear(2 * config.hidden_size, config.hidden_size, bias=True)
         self.layers = nn.ModuleList([DecoderLayer(config, 0)])
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
@@ -89,15 +111,32 @@ class EagleHead(DecoderStack):
         return self.transform(x, positions, cache, tree)
 
     @property
+    def is_eagle3(self) -> bool:
+        return bool(self.feature_layers)
+
+    def fuse_features(self, features: torch.Tensor) -> torch.Tensor:
+        """The target's features [..., n x hidden] as the head reads them [..., hidden]: fused by
+        `fuse` (EAGLE-3), or as they are (EAGLE-1, n = 1)."""
+        if not self.feature_layers:
+            return features
+        return self.fuse(features.to(self.fuse.weight.dtype))  # [..., n x H] -> [..., H]
+
+    @property
     def num_parameters(self) -> int:
         return sum(p.numel() for p in self.parameters())
 
-    def output_layer(self, lm_head_weight: torch.Tensor) -> nn.Linear:
-        """The head's output layer from its target's lm_head weight [V, H]: the rows of the tokens
-        it scores (a copy, made once), or all of them (shared): Linear(H -> S), frozen."""
-        rows = lm_head_weight.detach()
-        if self.config.output_vocab_size:
-            rows = rows.index_select(0, self.output_token_ids.to(rows.device))  # [S, H]
+    def output_layer(self, lm_head: nn.Module) -> nn.Linear:
+        """The head's output layer from its target's (a Linear of weight [V, H], or a GGUF layer,
+        whose rows are dequantized): the rows of the tokens it scores (a copy, made once, in the
+        head's dtype), or all of them (shared): Linear(H -> S), frozen."""
+        if hasattr(lm_head, "dequantized_rows"):  # quantized: never a float copy of every row
+            ids = self.output_token_ids if self.config.output_vocab_size else torch.arange(self.config.vocab_size)
+            dequantized_rows = getattr(lm_head, "dequantized_rows")  # noqa: B009 - GGUFLinear's, not imported here
+            rows = dequantized_rows(ids).to(self.device, self.dtype)  # [S, H]
+        else:
+            rows = lm_head.weight.detach()  # pyright: ignore[reportAttributeAccessIssue]
+            if self.config.output_vocab_size:
+                rows = rows.index_select(0, self.output_token_ids.to(rows.device))  # [S, H]
         layer = nn.Linear(rows.shape[1], rows.shape[0], bias=False, device="meta")
         layer.weight = nn.Parameter(rows, requires_grad=False)
         return layer
@@ -131,6 +170,7 @@ def save_head(
         "model": dataclasses.asdict(head.config),
         "torch_dtype": str(dtype).removeprefix("torch."),
         "target": target,
+        **({"feature_layers": list(head.feature_layers)} if head.feature_layers else {}),
         **(extra or {}),
     }
     (path / HEAD_CONFIG).write_text(json.dumps(config, indent=2) + "\n")
@@ -147,9 +187,14 @@ def load_head(
 ) -> EagleHead:
     """The head in path, checked to fit target (the config of the model it will draft for)."""
     path = Path(path)
-    config = read_head_config(path)
+    config, feature_layers = read_head_config(path)
     check_head_fits(config, target, path)
-    head = EagleHead(config)
+    if any(layer >= target.num_layers for layer in feature_layers):
+        raise HeadLoadError(
+            f"the EAGLE-3 head {path} reads the target's layers {list(feature_layers)}, but the target has "
+            f"{target.num_layers}; train one for this target with `specdec train-heads --eagle3`"
+        )
+    head = EagleHead(config, feature_layers)
     weights = _read_weights(path / HEAD_WEIGHTS)
     expected = set(head.state_dict())
     if set(weights) != expected:
@@ -182,8 +227,9 @@ def load_head(
     return head.to(device=device, dtype=dtype).eval()
 
 
-def read_head_config(path: Path) -> ModelConfig:
-    """head.json's layer shape as a ModelConfig."""
+def read_head_config(path: Path) -> tuple[ModelConfig, tuple[int, ...]]:
+    """head.json's layer shape as a ModelConfig, and the target layers an EAGLE-3 head reads
+    (() for EAGLE-1)."""
     file = path / HEAD_CONFIG
     if not path.is_dir():
         raise HeadLoadError(
@@ -201,9 +247,17 @@ def read_head_config(path: Path) -> ModelConfig:
     fields["rope_scaling"] = tuple(tuple(pair) for pair in fields.get("rope_scaling") or ())
     fields["sliding_windows"] = tuple(fields.get("sliding_windows") or ())
     try:
-        return ModelConfig(**fields)
+        config = ModelConfig(**fields)
     except (TypeError, ValueError) as e:
         raise HeadLoadError(f"{file}: its model shape is not valid ({e})") from None
+    layers = data.get("feature_layers", [])
+    if (
+        not isinstance(layers, list)
+        or not all(isinstance(i, int) and i >= 0 for i in layers)
+        or layers != sorted(set(layers))
+    ):
+        raise HeadLoadError(f"{file}: feature_layers must be ascending distinct layer indices, got {layers!r}")
+    return config, tuple(layers)
 
 
 def check_head_fits(config: ModelConfig, target: ModelConfig, path: Path) -> None:

@@ -99,6 +99,18 @@ class GGUFLinear(nn.Module):
         """W as float32 [N, K] (for tests and error measurements)."""
         return torch.cat([dequantize(p, torch.arange(p.rows)) for p in self.parts])
 
+    def dequantized_rows(self, ids: torch.Tensor) -> torch.Tensor:
+        """Rows ids (in the stacked W) as float32 [len(ids), K], without a float copy of the rest."""
+        ids = ids.long().cpu()
+        rows = torch.empty(len(ids), self.in_features)  # [len(ids), K]
+        start = 0
+        for part in self.parts:
+            inside = (ids >= start) & (ids < start + part.rows)  # [len(ids)]
+            if bool(inside.any()):
+                rows[inside] = dequantize(part, ids[inside] - start)
+            start += part.rows
+        return rows
+
     def extra_repr(self) -> str:
         types = "+".join(p.kind for p in self.parts)
         return f"in_features={self.in_features}, out_features={self.out_features}, types={types}"

@@ -256,6 +256,7 @@ class DecoderStack(nn.Module):
     layers: nn.ModuleList
     norm: RMSNorm
     inv_freq: torch.Tensor  # a buffer (_init_rope)
+    feature_layers: tuple[int, ...] = ()  # the layers whose outputs are its features (LlamaModel.forward)
 
     def _init_rope(self) -> None:
         self.register_buffer("inv_freq", rope_inverse_frequencies(self.config), persistent=False)
@@ -286,16 +287,19 @@ class DecoderStack(nn.Module):
         positions: torch.Tensor,
         cache: KVCache | CacheRows | None,
         tree: TreeAttention | None = None,
+        kept: list[torch.Tensor] | None = None,
     ) -> torch.Tensor:
         """Input vectors x [B, T, hidden] at positions [B, T] -> final normed hidden states [B, T, hidden].
         tree (with a cache): where each token's K/V goes and what it reads, when that is not
-        "position p, after everything before p" (kv_cache.TreeAttention)."""
+        "position p, after everything before p" (kv_cache.TreeAttention).
+        kept: a list to append the outputs [B, T, hidden] of the layers in self.feature_layers to,
+        in layer order (features, see LlamaModel.forward)."""
         write_positions = positions if tree is None else tree.write_positions  # [B, T]
         num_keys = cache.num_keys(write_positions) if cache is not None else x.shape[1]
         cos, signed_sin = self._rope_tables(positions, num_keys)  # a tree's positions are <= where it writes
         needs_mask = cache is not None and (cache.static or not _reads_every_key(positions, num_keys))
         masks = {}
-        for layer in self.layers:
+        for index, layer in enumerate(self.layers):
             window = self.config.window(layer.self_attn.layer_index)  # pyright: ignore[reportAttributeAccessIssue, reportArgumentType]
             if window not in masks:
                 masks[window] = (
@@ -304,6 +308,8 @@ class DecoderStack(nn.Module):
                     else tree.mask(num_keys, positions, window)
                 )
             x = layer(x, cos, signed_sin, masks[window], write_positions, cache, num_keys)
+            if kept is not None and index in self.feature_layers:
+                kept.append(x)
         return self.norm(x)
 
     @staticmethod
@@ -362,11 +368,25 @@ class LlamaModel(DecoderStack):
         tree: TreeAttention | None = None,
     ):
         """input_ids, positions [B, T] -> logits [B, T, V] (float32); with return_hidden, also
-        the final normed hidden states [B, T, hidden]: (logits, hidden).
+        the features: (logits, features).
+        Features: the final normed hidden states [B, T, hidden]; or, where feature_layers names
+        n layers (set_feature_layers), those layers' outputs side by side, [B, T, n * hidden].
         cache=None (training) attends causally within input_ids; positions must be 0..T-1.
         tree: see transform."""
-        hidden = self.hidden_states(input_ids, positions, cache, tree)
-        return (self.logits(hidden), hidden) if return_hidden else self.logits(hidden)
+        if not return_hidden:
+            return self.logits(self.hidden_states(input_ids, positions, cache, tree))
+        hidden, features = self.hidden_and_features(input_ids, positions, cache, tree)
+        return self.logits(hidden), features
+
+    def set_feature_layers(self, layers: tuple[int, ...]) -> None:
+        """Make the features (forward's return_hidden) the outputs of these layers (indices from
+        0, ascending), side by side; () makes them the final normed hidden states again."""
+        layers = tuple(layers)
+        if list(layers) != sorted(set(layers)) or not all(0 <= i < self.config.num_layers for i in layers):
+            raise ValueError(
+                f"feature layers must be distinct ascending layer indices below {self.config.num_layers}, got {layers}"
+            )
+        self.feature_layers = layers
 
     def hidden_states(
         self,
@@ -378,6 +398,19 @@ class LlamaModel(DecoderStack):
         """input_ids, positions [B, T] -> final normed hidden states [B, T, hidden]."""
         return self.transform(self.embed_tokens(input_ids), positions, cache, tree)  # embeddings [B, T, hidden]
 
+    def hidden_and_features(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        cache: KVCache | CacheRows | None,
+        tree: TreeAttention | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """input_ids, positions [B, T] -> the final normed hidden states [B, T, hidden] and the
+        features (see forward)."""
+        kept: list[torch.Tensor] = []
+        hidden = self.transform(self.embed_tokens(input_ids), positions, cache, tree, kept)
+        return hidden, (torch.cat(kept, dim=-1) if self.feature_layers else hidden)  # [B, T, n * hidden]
+
     def last_token_logits(
         self,
         input_ids: torch.Tensor,
@@ -388,11 +421,11 @@ class LlamaModel(DecoderStack):
     ):
         """Forward padded rows; logits after each row's last real token (index last_index [B]):
         [B, V]. The output head runs on those positions only. With return_hidden, also every
-        position's hidden states [B, T, hidden]: (logits, hidden)."""
-        hidden = self.hidden_states(input_ids, positions, cache)  # [B, T, hidden]
+        position's features (see forward): (logits, features)."""
+        hidden, features = self.hidden_and_features(input_ids, positions, cache)  # [B, T, hidden], [B, T, F]
         rows = torch.arange(input_ids.shape[0], device=hidden.device)
         logits = self.logits(hidden[rows, last_index.to(hidden.device)])
-        return (logits, hidden) if return_hidden else logits
+        return (logits, features) if return_hidden else logits
 
     def first_layers(self, num_layers: int) -> LlamaModel:
         """This model cut after its first num_layers layers: the same embedding, layers, final norm

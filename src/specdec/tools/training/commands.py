@@ -216,8 +216,37 @@ def add_train_heads_parser(commands) -> None:
         "those rows of the target's output layer: a cheaper step for a large vocabulary; default 0, "
         "all of them",
     )
+    e = p.add_argument_group(
+        "EAGLE-3 (--eagle3; defaults: specdec.tools.training.eagle3.Eagle3Config; --context and --output-vocab "
+        "apply too, default 512 and 32768)"
+    )
+    e.add_argument(
+        "--eagle3",
+        action="store_true",
+        help="train an EAGLE-3 head: it reads a low, a middle and a high layer of the target, is trained on "
+        "its tokens with its own predictions fed back (training-time test), over the target's features "
+        "stored once from a chat-data corpus (--data)",
+    )
+    e.add_argument("--data", help="the chat-data corpus (`specdec chat-data`) whose documents it trains on")
+    e.add_argument("--features", help="where the target's features are stored (default: OUT.features)")
+    e.add_argument(
+        "--feature-layers",
+        type=_layers,
+        metavar="I,J,K",
+        help="the target layers read (default: 1, L/2 - 1 and L - 4 of L)",
+    )
+    e.add_argument("--ttt-steps", type=int, help="drafting steps unrolled in training (default 4)")
+    e.add_argument("--head-intermediate", type=int, metavar="N", help="the head's MLP width (default: the target's)")
+    e.add_argument("--top-k", type=int, help="the target's most likely next tokens stored per position (default 32)")
     _add_training_flags(p, sharded=False)
     p.set_defaults(run=run_train_heads)
+
+
+def _layers(text: str) -> tuple[int, ...]:
+    try:
+        return tuple(int(part) for part in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected layer indices like 1,13,24, got {text!r}") from None
 
 
 def add_restrict_head_parser(commands) -> None:
@@ -396,6 +425,8 @@ def run_train_heads(args) -> int:
     from specdec.tools.training.heads import HeadsConfig, agreement_summary, train_heads
 
     require_model(args, "train-heads", "target", "the target's model directory")
+    if args.eagle3 or args.data is not None:
+        return _run_train_eagle3(args)
     if args.on_policy_fraction == 0 and (args.sample_temperatures is not None or args.prompt_tokens is not None):
         raise ValueError(
             "--sample-temperatures and --prompt-tokens shape the text the target writes, which "
@@ -410,6 +441,51 @@ def run_train_heads(args) -> int:
         return _interrupted(args)
     print(_summary(result, "held_out_greedy_agreement", args.out, made="head"))
     print(agreement_summary(result))
+    return 0
+
+
+EAGLE1_ONLY = (
+    "corpus",
+    "feature_weight",
+    "token_weight",
+    "feature_noise",
+    "on_policy_fraction",
+    "sample_temperatures",
+    "prompt_tokens",
+    "target_dtype",
+)
+EAGLE3_FIELDS = {
+    "context": "context",
+    "output_vocab": "output_vocab",
+    "feature_layers": "feature_layers",
+    "ttt_steps": "ttt_steps",
+    "head_intermediate": "intermediate_size",
+    "top_k": "top_k",
+}
+
+
+def _run_train_eagle3(args) -> int:
+    from specdec.tools.training.eagle3 import Eagle3Config, train_eagle3
+
+    if not args.eagle3 or args.data is None:
+        raise ValueError("an EAGLE-3 head needs both --eagle3 and --data (a `specdec chat-data` corpus)")
+    given = [f"--{name.replace('_', '-')}" for name in EAGLE1_ONLY if getattr(args, name, None) is not None]
+    if given:
+        raise ValueError(f"{', '.join(given)} shape an EAGLE-1 head's training; drop them with --eagle3")
+    values = {field: getattr(args, flag) for flag, field in EAGLE3_FIELDS.items() if getattr(args, flag) is not None}
+    try:
+        result = train_eagle3(
+            args.target,
+            args.data,
+            args.out,
+            _train_config(args),
+            Eagle3Config(**values),
+            args.features,
+            **_output_options(args),
+        )
+    except KeyboardInterrupt:
+        return _interrupted(args)
+    print(_summary(result, "held_out_tau_estimate", args.out, made="head"))
     return 0
 
 

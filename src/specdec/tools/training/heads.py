@@ -417,7 +417,7 @@ def scored_head_scores(predicted: torch.Tensor, target: LlamaModel, head: EagleH
     """A head over part of the vocabulary: its scores of the tokens it scores, [..., S] float32,
     for predicted features [..., H] (with gradients to them), through its rows of the target's
     output layer (EagleHead.output_layer, as drafting uses)."""
-    output_layer = head.output_layer(target.lm_head.weight)
+    output_layer = head.output_layer(target.lm_head)
     return output_layer(predicted.to(output_layer.weight.dtype)).float()
 
 
@@ -601,7 +601,9 @@ def restrict_head(
         )
         _, train_stream, held_out_stream = target_streams(target, corpus_path)
         ids = frequent_tokens(train_stream, vocab_size, output_vocab, always=tuple(target.eos_token_ids))
-        restricted = EagleHead(head_config(target.model.config, output_vocab))
+        restricted = EagleHead(
+            head_config(target.model.config, output_vocab, head.config.intermediate_size), head.feature_layers
+        )
         restricted.load_state_dict({**head.state_dict(), "output_token_ids": ids})
         shares = {
             "training_tokens_kept": round(frequent_share(train_stream, ids), 4),

@@ -1,0 +1,682 @@
+"""`specdec train-heads TARGET --eagle3 --data CHAT_DATA`: an EAGLE-3 head, trained over the
+target's features computed once and stored on disk.
+
+    specdec train-heads TARGET --eagle3 --data DIR --out HEAD [--features DIR] [--ttt-steps 4]
+        [--output-vocab 32768] [--head-intermediate N] [training flags]
+
+Terms (models/eagle.py defines feature, head and EAGLE-3):
+  document        one file of a chat-data corpus (`specdec chat-data`): a conversation rendered by
+                  the target's chat template, the target's own answer included
+  answer tokens   a document's tokens after its last generation prompt (the assistant header):
+                  the text the head will draft; the loss is over the positions that predict them
+  stored features per token of every document, in FEATURES (default OUT.features/, kept beside
+                  the run): the outputs of the target's feature_layers [n x hidden] (bfloat16),
+                  the target's top_k most likely next tokens and their log-probabilities (its
+                  distribution there, p, cut to where almost all of its mass is), and whether the
+                  next token is an answer token. The target runs over each document once; a
+                  stopped feature pass resumes at the first document it had not finished, and a
+                  corpus that has gained documents since (chat-data still writing) gets theirs
+                  added after the others.
+  training-time test (TTT)
+                  the head is run ttt_steps times over each window, as drafting runs it: step 0
+                  reads the fused target features f_t with token t+1 at position t; step j reads
+                  its own step j-1 prediction at index t with token t+1+j at position t+j, and
+                  attends, as at drafting time, to the real entries 0..t (step 0's) and to its own
+                  entries of steps 1..j at index t (the draft tokens before it in the same chain).
+                  Step j's prediction at index t is scored against p at position t+1+j (the token
+                  t+2+j); step j's loss weighs step_decay**j (EAGLE-3's 0.8).
+  loss            per step: the cross-entropy of the head's distribution q over its scored tokens
+                  (output_vocab, FR-Spec) against p restricted to them and renormalised, averaged
+                  over the positions that predict answer tokens.
+
+Evaluation, on the held-out documents' windows: per step j, the agreement (argmax q is the
+target's most likely token: at step 0 the first draft token's greedy acceptance, at step j the
+(j+1)-th's given the head's own earlier features) and the loss; and tau_estimate = 1 + sum over j
+of the product of the agreements up to j, the accepted length a greedy chain of ttt_steps tokens
+would reach if each step's agreement were independent of the ones before (an estimate: the bench
+measures the real one).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from specdec.config import check, is_int, is_real
+from specdec.models.eagle import HEAD_CONFIG, HEAD_WEIGHTS, EagleHead, eagle3_feature_layers, head_config, save_head
+from specdec.models.loader import LoadedModel, load_pretrained
+from specdec.platform import cpu_model
+from specdec.tools.training.corpus import HELD_OUT_DIRECTORY
+from specdec.tools.training.loop import Task, TrainConfig, log, train_loop
+from specdec.tools.training.model_card import command_line
+from specdec.tools.training.train import (
+    CHECKPOINT_DIR,
+    SAVE_DTYPES,
+    TrainResult,
+    check_save_dtype,
+    finish_run,
+    initialise,
+    open_run_output,
+    resume_checkpoint,
+)
+
+KIND = "train-heads-eagle3"
+FEATURES_FORMAT = "specdec-eagle3-features"
+FEATURES_MANIFEST = "features.json"
+SPLITS = {"train": "train", "held_out": HELD_OUT_DIRECTORY}
+MIN_CONTEXT = 32  # a window's queries per step must outnumber the attention kernel's (autograd-free) rows
+HEAD_RUN_ENTRIES = (HEAD_CONFIG, HEAD_WEIGHTS, "README.md", "training_log.json", f"{CHECKPOINT_DIR}/*")
+
+
+@dataclass(frozen=True)
+class Eagle3Config:
+    """What an EAGLE-3 head is and how it is taught (see the module docstring).
+
+    feature_layers: the target layers it reads; None: models/eagle.eagle3_feature_layers.
+    ttt_steps: drafting steps unrolled in training (>= 1).
+    step_decay: step j's loss weight is step_decay**j, in (0, 1].
+    context: tokens per training window (>= MIN_CONTEXT + ttt_steps).
+    output_vocab: the tokens the head scores (the most frequent in the training answers, and
+        the end-of-text tokens); 0: the whole vocabulary.
+    intermediate_size: the head's MLP width; None: the target's.
+    top_k: the target's most likely next tokens stored per position (its distribution there).
+    """
+
+    feature_layers: tuple[int, ...] | None = None
+    ttt_steps: int = 4
+    step_decay: float = 0.8
+    context: int = 512
+    output_vocab: int = 32768
+    intermediate_size: int | None = None
+    top_k: int = 32
+
+    def __post_init__(self) -> None:
+        check(
+            is_int(self.ttt_steps) and self.ttt_steps >= 1, f"ttt_steps must be an integer >= 1, got {self.ttt_steps!r}"
+        )
+        check(
+            is_real(self.step_decay) and 0 < self.step_decay <= 1,
+            f"step_decay must be in (0, 1], got {self.step_decay!r}",
+        )
+        check(
+            is_int(self.context) and self.context >= MIN_CONTEXT + self.ttt_steps,
+            f"context must be an integer >= {MIN_CONTEXT + self.ttt_steps} ({MIN_CONTEXT} queries per step "
+            f"after {self.ttt_steps} TTT steps), got {self.context!r}",
+        )
+        check(
+            is_int(self.output_vocab) and self.output_vocab >= 0,
+            f"output_vocab must be an integer >= 0 (0: the whole vocabulary), got {self.output_vocab!r}",
+        )
+        check(
+            self.intermediate_size is None or (is_int(self.intermediate_size) and self.intermediate_size >= 1),
+            f"intermediate_size must be an integer >= 1 or None (the target's), got {self.intermediate_size!r}",
+        )
+        check(is_int(self.top_k) and self.top_k >= 1, f"top_k must be an integer >= 1, got {self.top_k!r}")
+        if self.feature_layers is not None:
+            layers = tuple(self.feature_layers)
+            check(
+                len(layers) >= 1 and all(is_int(i) and i >= 0 for i in layers) and list(layers) == sorted(set(layers)),
+                f"feature_layers must be distinct ascending layer indices, got {self.feature_layers!r}",
+            )
+            object.__setattr__(self, "feature_layers", layers)
+
+    def layers_for(self, num_layers: int) -> tuple[int, ...]:
+        """The target layers read, for a target of num_layers layers."""
+        layers = self.feature_layers if self.feature_layers is not None else eagle3_feature_layers(num_layers)
+        check(
+            layers[-1] < num_layers,
+            f"feature_layers {list(layers)} reach past the target's {num_layers} layers (0..{num_layers - 1})",
+        )
+        return layers
+
+
+# --- the stored features -------------------------------------------------------------------
+
+
+@dataclass
+class FeatureArrays:
+    """One split's stored features, memory-mapped: N tokens of the documents one after another.
+
+    token_ids [N] int32; features [N, F] bfloat16 (F = n x hidden); top_ids [N, K] int32 and
+    top_logprobs [N, K] float16: the target's K most likely tokens after each position and their
+    log-probabilities; answer_next [N] bool: the next token is an answer token."""
+
+    token_ids: torch.Tensor
+    features: torch.Tensor
+    top_ids: torch.Tensor
+    top_logprobs: torch.Tensor
+    answer_next: torch.Tensor
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    def windows(self, starts: list[int], length: int) -> FeatureArrays:
+        """The windows [start, start + length) stacked: every field gains a leading [B]."""
+
+        def stack(t: torch.Tensor) -> torch.Tensor:
+            return torch.stack([t[s : s + length] for s in starts])
+
+        with torch.autocast("cpu", enabled=False):  # autocast's stack refuses float16 on the CPU
+            return FeatureArrays(*(stack(getattr(self, f.name)) for f in dataclasses.fields(self)))
+
+
+FILES = {  # field -> (file name, numpy dtype the bytes are stored as)
+    "token_ids": ("token_ids.i32", np.int32),
+    "features": ("features.bf16", np.uint16),
+    "top_ids": ("top_ids.i32", np.int32),
+    "top_logprobs": ("top_logprobs.f16", np.float16),
+    "answer_next": ("answer_next.u8", np.uint8),
+}
+
+
+def read_features(directory: Path) -> tuple[dict, dict[str, FeatureArrays]]:
+    """The manifest and each split's arrays of a finished feature directory."""
+    manifest = _read_manifest(directory)
+    if manifest is None or not manifest.get("finished"):
+        raise ValueError(f"{directory} holds no finished feature pass; run the same train-heads command to finish it")
+    arrays = {}
+    for split in SPLITS:
+        count = manifest["splits"][split]["tokens"]
+        width = {"features": manifest["feature_width"], "top_ids": manifest["top_k"], "top_logprobs": manifest["top_k"]}
+        fields = {}
+        for name, (file, dtype) in FILES.items():
+            shape = (count, width[name]) if name in width else (count,)
+            values = (
+                np.memmap(directory / split / file, dtype=dtype, mode="c", shape=shape)
+                if count
+                else np.zeros(shape, dtype)
+            )
+            tensor = torch.from_numpy(np.asarray(values))
+            fields[name] = _as_torch(name, tensor)
+        arrays[split] = FeatureArrays(**fields)
+    return manifest, arrays
+
+
+def _as_torch(name: str, stored: torch.Tensor) -> torch.Tensor:
+    if name == "features":
+        return stored.view(torch.bfloat16)
+    if name == "answer_next":
+        return stored.bool()
+    return stored
+
+
+def _read_manifest(directory: Path) -> dict | None:
+    file = directory / FEATURES_MANIFEST
+    if not file.is_file():
+        return None
+    manifest = json.loads(file.read_text())
+    return manifest if manifest.get("format") == FEATURES_FORMAT else None
+
+
+def corpus_documents(data: Path) -> dict[str, list[Path]]:
+    """A chat-data corpus's documents per split, in name order."""
+    documents = {split: sorted((data / sub).glob("*.txt")) for split, sub in SPLITS.items()}
+    if not documents["train"]:
+        raise ValueError(f"{data} has no train/*.txt documents: give a corpus `specdec chat-data` wrote")
+    if not documents["held_out"]:
+        raise ValueError(f"{data} has no {HELD_OUT_DIRECTORY}/*.txt documents to evaluate on")
+    return documents
+
+
+def answer_header(tokenizer) -> str:
+    """What the chat template puts before an answer (the generation prompt)."""
+    messages = [{"role": "user", "content": "x"}]
+    with_prompt = tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+    without = tokenizer.apply_chat_template(messages, add_generation_prompt=False)
+    header = with_prompt.removeprefix(without)
+    if not header or header == with_prompt:
+        raise ValueError("the target's chat template adds no generation prompt: its answers cannot be found")
+    return header
+
+
+def document_tokens(text: str, tokenizer, header: str) -> tuple[list[int], int]:
+    """text's token ids and the index of its first answer token (the first token that holds a
+    character after the last generation prompt, which may begin inside it, as a space the header
+    ends with and the word after it make one token; len(ids) where there is none)."""
+    encoding = tokenizer.backend.encode(text, add_special_tokens=False)
+    where = text.rfind(header)
+    answer_char = where + len(header) if where >= 0 else len(text)
+    first = next((i for i, (_, end) in enumerate(encoding.offsets) if end > answer_char), len(encoding.ids))
+    return list(encoding.ids), first
+
+
+def compute_features(
+    target: LoadedModel, layers: tuple[int, ...], top_k: int, data: Path, directory: Path, progress=log
+) -> dict:
+    """Run the target once over every document of the corpus in data and store its features in
+    directory (see the module docstring); a pass stopped part way resumes. Returns the manifest."""
+    model, tokenizer = target.model, target.tokenizer
+    assert tokenizer is not None
+    documents = corpus_documents(data)
+    identity = {
+        "format": FEATURES_FORMAT,
+        "target": str(target.path),
+        "feature_layers": list(layers),
+        "top_k": top_k,
+        "dtype": str(model.dtype).removeprefix("torch."),
+    }
+    manifest = _read_manifest(directory)
+    if manifest is None or {k: manifest.get(k) for k in identity} != identity:
+        manifest = {**identity, "splits": {s: {"documents": [], "tokens": 0} for s in SPLITS}}
+    directory.mkdir(parents=True, exist_ok=True)
+    header = answer_header(tokenizer)
+    model.set_feature_layers(layers)
+    manifest["feature_width"] = len(layers) * model.config.hidden_size
+    manifest["finished"] = False
+    todo = {split: _not_stored(files, manifest["splits"][split]["documents"]) for split, files in documents.items()}
+    total, done_tokens, done_documents = sum(len(files) for files in todo.values()), 0, 0
+    progress(f"features: {total} documents to read ({sum(len(d) for d in documents.values()) - total} stored)")
+    started = time.perf_counter()
+    for split, files in todo.items():
+        record = manifest["splits"][split]
+        outputs = _Appender(directory / split, record["tokens"])
+        try:
+            for file in files:
+                ids, first_answer = document_tokens(file.read_text(), tokenizer, header)
+                outputs.write(_document_features(model, ids, first_answer, top_k))
+                record["documents"].append(file.name)
+                record["tokens"] += len(ids)
+                done_tokens, done_documents = done_tokens + len(ids), done_documents + 1
+                _write_manifest(directory, manifest, outputs)
+                if done_documents % 50 == 0 or done_documents == total:
+                    seconds = time.perf_counter() - started
+                    left = (total - done_documents) * seconds / done_documents
+                    progress(
+                        f"features: {done_documents}/{total} documents, {done_tokens / seconds:.0f} tokens/s, "
+                        f"~{left / 60:.0f} min left"
+                    )
+        finally:
+            outputs.close()
+    manifest["finished"] = True
+    _write_manifest(directory, manifest, None)
+    return manifest
+
+
+def _not_stored(files: list[Path], stored: list[str]) -> list[Path]:
+    """The documents whose features are not stored yet (a corpus still being written gains
+    documents: a later pass adds theirs after the stored ones)."""
+    names = set(stored)
+    return [file for file in files if file.name not in names]
+
+
+def _document_features(model, ids: list[int], first_answer: int, top_k: int) -> dict[str, np.ndarray]:
+    """One document's rows of each stored field (see FeatureArrays)."""
+    token_ids = torch.tensor([ids])  # [1, T]
+    positions = torch.arange(len(ids))[None]  # [1, T]
+    with torch.inference_mode():
+        hidden, features = model.hidden_and_features(token_ids, positions, None)  # [1, T, H], [1, T, F]
+        logprobs = model.logits(hidden[0]).log_softmax(-1)  # [T, V]
+        top_logprobs, top_ids = logprobs.topk(top_k, dim=-1)  # [T, K] each
+    answer_next = torch.zeros(len(ids), dtype=torch.uint8)
+    answer_next[max(first_answer - 1, 0) : len(ids) - 1] = 1  # position t predicts token t+1
+    return {
+        "token_ids": np.asarray(ids, dtype=np.int32),
+        "features": features[0].to(torch.bfloat16).view(torch.uint16).numpy(),
+        "top_ids": top_ids.to(torch.int32).numpy(),
+        "top_logprobs": top_logprobs.to(torch.float16).numpy(),
+        "answer_next": answer_next.numpy(),
+    }
+
+
+class _Appender:
+    """A split's files open for appending documents' rows after the first `tokens` rows (rows a
+    stopped pass wrote after the manifest's last record are written over)."""
+
+    def __init__(self, split_dir: Path, tokens: int):
+        split_dir.mkdir(parents=True, exist_ok=True)
+        self.tokens = tokens
+        self.handles = {}
+        for name, (file, _) in FILES.items():
+            (split_dir / file).touch()
+            self.handles[name] = (split_dir / file).open("r+b")
+
+    def write(self, rows: dict[str, np.ndarray]) -> None:
+        for name, values in rows.items():
+            handle = self.handles[name]
+            row_bytes = values.nbytes // len(values)
+            handle.truncate(self.tokens * row_bytes)
+            handle.seek(self.tokens * row_bytes)
+            handle.write(values.tobytes())
+        self.tokens += len(rows["token_ids"])
+
+    def flush(self) -> None:
+        for handle in self.handles.values():
+            handle.flush()
+
+    def close(self) -> None:
+        for handle in self.handles.values():
+            handle.close()
+
+
+def _write_manifest(directory: Path, manifest: dict, outputs: _Appender | None) -> None:
+    if outputs is not None:
+        outputs.flush()
+    partial = directory / (FEATURES_MANIFEST + ".part")
+    partial.write_text(json.dumps(manifest, indent=1) + "\n")
+    partial.replace(directory / FEATURES_MANIFEST)
+
+
+# --- training-time test ----------------------------------------------------------------------
+
+
+class StepKeys:
+    """The head's keys and values over the TTT steps so far, as a cache its layer writes to and
+    reads from: step j's [B, W] entries go after those of steps 0..j-1 ([B, (j+1) W, Hkv, D])."""
+
+    static = False
+
+    def __init__(self):
+        self.keys: dict[int, torch.Tensor] = {}
+        self.values: dict[int, torch.Tensor] = {}
+        self.written = 0  # entries per row so far (of the layers' first)
+
+    def num_keys(self, positions: torch.Tensor) -> int:
+        return self.written + positions.shape[1]
+
+    def write_and_read(self, layer: int, positions, k: torch.Tensor, v: torch.Tensor, num_keys: int):
+        if layer in self.keys:
+            self.keys[layer] = torch.cat([self.keys[layer], k], dim=1)  # [B, S + W, Hkv, D]
+            self.values[layer] = torch.cat([self.values[layer], v], dim=1)
+        else:
+            self.keys[layer], self.values[layer] = k, v
+        if layer == 0:
+            self.written = self.keys[0].shape[1]
+        return self.keys[layer], self.values[layer]
+
+
+class StepMask:
+    """What step `step`'s queries (index t, at position t + step) read: step 0's entries 0..t
+    and the entries of steps 1..step at their own index t (kv_cache.TreeAttention's role)."""
+
+    def __init__(self, positions: torch.Tensor, step: int):
+        self.write_positions = positions  # [B, W]
+        self.step = step
+
+    def mask(self, num_keys: int, positions: torch.Tensor, window: int | None) -> torch.Tensor:
+        B, W = positions.shape
+        index = torch.arange(W, device=positions.device)
+        causal = index[None, :] <= index[:, None]  # [W, W]: key s <= query t
+        diagonal = torch.eye(W, dtype=torch.bool, device=positions.device)  # [W, W]
+        blocks = [causal] + [diagonal] * self.step  # [W, (step + 1) W]
+        mask = torch.cat(blocks, dim=1)[None, None].expand(B, 1, W, num_keys)  # [B, 1, W, S]
+        if window is not None:
+            raise ValueError("an EAGLE-3 head attends over its whole window (no sliding window)")
+        return mask
+
+
+def ttt_predictions(head: EagleHead, embed, token_ids: torch.Tensor, features: torch.Tensor, steps: int) -> list:
+    """The head's predicted features of each TTT step, [B, W, H] each (W = T - steps), for
+    token_ids [B, T] and the target's features [B, T, F] (see the module docstring)."""
+    B, T = token_ids.shape
+    W = T - steps
+    fed = head.fuse_features(features[:, :W])  # [B, W, F] -> [B, W, H]
+    keys = StepKeys()
+    index = torch.arange(W, device=token_ids.device).expand(B, W)  # [B, W]
+    predictions = []
+    for step in range(steps):
+        positions = index + step  # [B, W]
+        tokens = token_ids[:, 1 + step : 1 + step + W]  # [B, W]: token t+1+step
+        with torch.no_grad():
+            embeddings = embed(tokens).to(fed.dtype)  # [B, W, H]
+        predicted = head(embeddings, fed, positions, keys, tree=StepMask(positions, step))  # [B, W, H]
+        predictions.append(predicted)
+        fed = predicted
+    return predictions
+
+
+@dataclass
+class StepTargets:
+    """Step j's targets: index [B, W, K] of the target's top tokens among the head's scored ones
+    (-1: not scored), their probabilities p [B, W, K] (renormalised over the scored), and which
+    positions count [B, W] (the next token is an answer's and p has mass on scored tokens)."""
+
+    index: torch.Tensor
+    probs: torch.Tensor
+    counts: torch.Tensor
+    top_index: torch.Tensor  # [B, W]: the target's most likely token among the scored, -1 if not scored
+
+
+def step_targets(batch: FeatureArrays, step: int, width: int, scored_index: torch.Tensor) -> StepTargets:
+    """The target's distribution at positions t + 1 + step (t < width), over the scored tokens.
+    scored_index [V]: each vocabulary id's row in the head's output layer, -1 if not scored."""
+    span = slice(1 + step, 1 + step + width)
+    index = scored_index[batch.top_ids[:, span].long()]  # [B, W, K]
+    probs = batch.top_logprobs[:, span].float().exp() * (index >= 0)  # [B, W, K]
+    mass = probs.sum(-1)  # [B, W]
+    counts = batch.answer_next[:, span] & (mass > 0)
+    return StepTargets(index, probs / mass.clamp_min(1e-12)[..., None], counts, index[..., 0])
+
+
+def step_loss(scores: torch.Tensor, targets: StepTargets) -> tuple[torch.Tensor, torch.Tensor]:
+    """The cross-entropy of softmax(scores [B, W, S]) against the targets, averaged over the
+    positions that count; and the greedy agreement there (argmax q is the target's top token)."""
+    log_q = scores.float().log_softmax(-1)  # [B, W, S]
+    picked = log_q.gather(-1, targets.index.clamp_min(0))  # [B, W, K]
+    cross_entropy = -(targets.probs * picked).sum(-1)  # [B, W]
+    weights = targets.counts.float()
+    total = weights.sum().clamp_min(1.0)
+    agreement = ((scores.argmax(-1) == targets.top_index) & targets.counts).float().sum() / total
+    return (cross_entropy * weights).sum() / total, agreement
+
+
+def ttt_loss(head, embed, output_layer, batch: FeatureArrays, scored_index, config: Eagle3Config):
+    """The weighted sum of the steps' losses, and per step (loss, agreement) as floats."""
+    steps = config.ttt_steps
+    width = batch.token_ids.shape[1] - steps
+    predictions = ttt_predictions(head, embed, batch.token_ids.long(), batch.features, steps)
+    losses, per_step = [], []
+    for step, predicted in enumerate(predictions):
+        scores = output_layer(predicted.to(output_layer.weight.dtype))  # [B, W, S]
+        loss, agreement = step_loss(scores, step_targets(batch, step, width, scored_index))
+        losses.append(config.step_decay**step * loss)
+        per_step.append((float(loss.detach()), float(agreement)))
+    return torch.stack(losses).sum(), per_step
+
+
+def tau_estimate(agreements: list[float]) -> float:
+    """1 + the sum over j of the product of the agreements of steps 0..j."""
+    tau, running = 1.0, 1.0
+    for agreement in agreements:
+        running *= agreement
+        tau += running
+    return tau
+
+
+# --- the run -----------------------------------------------------------------------------------
+
+
+def scored_tokens(arrays: FeatureArrays, vocab_size: int, output_vocab: int, always: tuple[int, ...]) -> torch.Tensor:
+    """The output_vocab token ids most frequent among the training answers' tokens (and
+    `always`), ascending."""
+    answers = arrays.token_ids[1:][arrays.answer_next[:-1]].long()
+    counts = torch.bincount(answers, minlength=vocab_size).float()
+    counts[list(always)] = float("inf")
+    chosen = counts.topk(min(output_vocab, vocab_size)).indices
+    return chosen.sort().values
+
+
+def train_eagle3(
+    target_path: str | Path,
+    data: str | Path,
+    out: str | Path,
+    config: TrainConfig,
+    eagle3: Eagle3Config = Eagle3Config(),
+    features_dir: str | Path | None = None,
+    save_dtype: str = "bfloat16",
+    restart: bool = False,
+    require_checkpoint: bool = False,
+    arguments: dict | None = None,
+    force: bool = False,
+) -> TrainResult:
+    """Store the target's features over the chat-data corpus in data (once), then train (or
+    resume training) an EAGLE-3 head over them and write it to out."""
+    data, out = Path(data).expanduser(), Path(out).expanduser()
+    features_dir = Path(features_dir).expanduser() if features_dir else out.with_name(out.name + ".features")
+    check_save_dtype(save_dtype)
+    target = load_pretrained(target_path, "auto", config.device, what="the target", keep_quantized=True)
+    if target.tokenizer is None or not target.tokenizer.chat_template:
+        raise ValueError(f"the target {target_path} needs a tokenizer with a chat template to read chat-data")
+    layers = eagle3.layers_for(target.model.config.num_layers)
+    log(f"features: the target's layers {list(layers)} and its top {eagle3.top_k} tokens, into {features_dir}")
+    compute_features(target, layers, eagle3.top_k, data, features_dir)
+    manifest, arrays = read_features(features_dir)
+    train, held_out = arrays["train"], arrays["held_out"]
+    context = eagle3.context
+    for name, split in (("training", train), ("held-out", held_out)):
+        check(
+            split.num_tokens >= context,
+            f"the {name} documents hold {split.num_tokens} tokens, fewer than one window of --context {context}",
+        )
+    inputs = {"TARGET": Path(str(target.path)), "--data": data}
+    with open_run_output(out, KIND, inputs, force, HEAD_RUN_ENTRIES) as output:
+        checkpoint = resume_checkpoint(output, restart, require_checkpoint)
+        target_config = target.model.config
+        shape = head_config(target_config, eagle3.output_vocab, eagle3.intermediate_size)
+        head = initialise(EagleHead(shape, layers), 1, config.seed).to(config.device)
+        if eagle3.output_vocab:
+            ids = scored_tokens(train, target_config.vocab_size, eagle3.output_vocab, tuple(target.eos_token_ids))
+            head.output_token_ids.copy_(ids)
+            share = float(torch.isin(train.token_ids[1:][train.answer_next[:-1]].long(), ids).float().mean())
+            log(f"the head scores {len(ids):,} tokens: {share:.1%} of the training answers' tokens")
+        identity = {
+            "kind": KIND,
+            "model": dataclasses.asdict(shape),
+            "feature_layers": list(layers),
+            "eagle3": _plain(dataclasses.asdict(eagle3)),
+            "features": {k: manifest[k] for k in ("target", "top_k", "dtype", "splits")},
+        }
+        task = eagle3_task(head, target, train, held_out, config, eagle3, identity)
+        log(
+            f"head {head.num_parameters / 1e6:.2f}M parameters; {train.num_tokens:,} training tokens, "
+            f"{held_out.num_tokens:,} held out"
+        )
+        state = train_loop(task, config, output.staging / CHECKPOINT_DIR, checkpoint)
+        settings = {
+            "target": str(target.path),
+            "data": str(data),
+            "features": str(features_dir),
+            "eagle3": dataclasses.asdict(eagle3),
+            "feature_layers": list(layers),
+            "model": dataclasses.asdict(shape),
+            "head_parameters": head.num_parameters,
+            "training_tokens": train.num_tokens,
+            "held_out_tokens": held_out.num_tokens,
+        }
+
+        def save(directory: Path) -> None:
+            save_head(
+                head,
+                directory,
+                SAVE_DTYPES[save_dtype],
+                target=str(target.path),
+                extra={"training": {"steps": state.step, "last_evaluation": state.evaluations[-1]}},
+            )
+
+        return finish_run(output, KIND, config, settings, state, arguments, save, write_eagle3_card)
+
+
+def eagle3_task(
+    head: EagleHead,
+    target: LoadedModel,
+    train: FeatureArrays,
+    held_out: FeatureArrays,
+    config: TrainConfig,
+    eagle3: Eagle3Config,
+    identity: dict,
+) -> Task:
+    """The head's Task for the shared loop: random windows of the stored training features, the
+    TTT loss, the held-out evaluation over the first eval_tokens of the held-out windows."""
+    device, context = torch.device(config.device), eagle3.context
+    with torch.no_grad():
+        output_layer = head.output_layer(target.model.lm_head).to(device, torch.float32)  # frozen [S, H] rows
+    scored_index = torch.full((head.config.vocab_size,), -1, dtype=torch.long)
+    scored = head.output_token_ids if head.config.output_vocab_size else torch.arange(head.config.vocab_size)
+    scored_index[scored.cpu()] = torch.arange(len(scored))
+    embed = target.model.embed_tokens
+    last_start = train.num_tokens - context
+
+    def next_batch(generator: torch.Generator) -> FeatureArrays:
+        starts = torch.randint(last_start + 1, (config.batch_size,), generator=generator).tolist()
+        return train.windows(starts, context)
+
+    def loss(model: EagleHead, batch: FeatureArrays) -> torch.Tensor:
+        return ttt_loss(model, embed, output_layer, batch, scored_index, eagle3)[0]
+
+    held_starts = list(range(0, held_out.num_tokens - context + 1, context))[: max(1, config.eval_tokens // context)]
+
+    def evaluate(model: EagleHead) -> dict[str, float]:
+        sums = [[0.0, 0.0] for _ in range(eagle3.ttt_steps)]
+        for first in range(0, len(held_starts), config.batch_size):
+            batch = held_out.windows(held_starts[first : first + config.batch_size], context)
+            _, per_step = ttt_loss(model, embed, output_layer, batch, scored_index, eagle3)
+            for step, (step_loss_value, agreement) in enumerate(per_step):
+                sums[step][0] += step_loss_value
+                sums[step][1] += agreement
+        batches = -(-len(held_starts) // config.batch_size)
+        agreements = [s[1] / batches for s in sums]
+        metrics = {f"held_out_agreement_{j}": round(a, 4) for j, a in enumerate(agreements)}
+        metrics |= {f"held_out_loss_{j}": round(s[0] / batches, 4) for j, s in enumerate(sums)}
+        metrics["held_out_greedy_agreement"] = agreements[0]
+        metrics["held_out_tau_estimate"] = round(tau_estimate(agreements), 3)
+        return metrics
+
+    return Task(head, next_batch, loss, evaluate, config.batch_size * context, identity)
+
+
+def write_eagle3_card(directory: Path, record: dict, name: str) -> None:
+    """README.md beside a finished EAGLE-3 head."""
+    head = json.loads((directory / HEAD_CONFIG).read_text())
+    model, e3, train = head["model"], record["eagle3"], record["train_config"]
+    first, last = record["evaluations"][0], record["evaluations"][-1]
+    steps = e3["ttt_steps"]
+    agreements = " / ".join(f"{last.get(f'held_out_agreement_{j}', float('nan')):.3f}" for j in range(steps))
+    weight_mb = (directory / HEAD_WEIGHTS).stat().st_size / 1e6
+    arguments = record.get("arguments") or {}
+    lines = [
+        f"# {name}",
+        "",
+        f"An EAGLE-3 draft head for `{record['target']}`, trained by `specdec train-heads --eagle3` on the "
+        "target's own answers (`specdec chat-data`), over its features stored once.",
+        "",
+        "| | |",
+        "|---|---|",
+        f"| head | fuse {len(record['feature_layers'])} target layers {record['feature_layers']} → "
+        f"{model['hidden_size']}; fc {2 * model['hidden_size']} → {model['hidden_size']}; 1 decoder layer (MLP "
+        f"{model['intermediate_size']}); scores {model['output_vocab_size'] or model['vocab_size']:,} tokens "
+        f"through the target's output layer; {record['head_parameters'] / 1e6:.2f}M parameters |",
+        f"| weights | {head.get('torch_dtype', '?')} safetensors, {weight_mb:.1f} MB |",
+        f"| data | {record['data']}: {record['training_tokens']:,} training tokens, "
+        f"{record['held_out_tokens']:,} held out |",
+        f"| loss | cross-entropy against the target's top-{e3['top_k']} distribution over {steps} training-time "
+        f"test steps, weighted {e3['step_decay']:g}^j |",
+        f"| training | {record['step']:,} steps of {train['batch_size'] * train['grad_accum']} windows of "
+        f"{e3['context']} tokens; {record['tokens_seen']:,} tokens; AdamW lr {train['lr']:g} |",
+        f"| time and hardware | {record['seconds'] / 3600:.2f} h on {record.get('cpu') or cpu_model()} |",
+        f"| held-out | agreement by step {agreements}; tau estimate {first.get('held_out_tau_estimate', 0):.2f} → "
+        f"{last.get('held_out_tau_estimate', 0):.2f} |",
+        "",
+        "## Use",
+        "",
+        "```",
+        f"specdec generate {record['target']} --draft {arguments.get('out', name)} --prompt 'def f(x):'",
+        "```",
+        "",
+        "## Made by",
+        "",
+        "```",
+        command_line("train-heads", arguments, positional=("target",)),
+        "```",
+        "",
+    ]
+    (directory / "README.md").write_text("\n".join(lines))
+
+
+def _plain(value):
+    return json.loads(json.dumps(value))

@@ -1,0 +1,210 @@
+"""EAGLE-3 heads (training/eagle3.py): the stored features are the target's own; training-time
+test computes what sequential drafting computes; a short run teaches the head, which then drafts
+with the target's greedy output unchanged."""
+
+from __future__ import annotations
+
+import json
+import random
+
+import pytest
+import torch
+
+from helpers import load_hf, random_prompts, save_tiny_model, token_ids
+from specdec import LLM, SamplingParams
+from specdec.cli import main
+from specdec.models.eagle import EagleHead, head_config, load_head
+from specdec.models.loader import load_pretrained
+from specdec.tools.training.eagle3 import (
+    Eagle3Config,
+    compute_features,
+    document_tokens,
+    read_features,
+    train_eagle3,
+    ttt_predictions,
+)
+from specdec.tools.training.loop import TrainConfig
+
+TEMPLATE = (
+    "{% for m in messages %}<s>{{ m['role'] }}: {{ m['content'] }}</s>{% endfor %}"
+    "{% if add_generation_prompt %}<s>assistant: {% endif %}"
+)
+WORDS = "def return self value for in range if else import class print list dict x y n".split()
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory):
+    """A 4-layer chat target and a chat-data-like corpus of rendered conversations."""
+    root = tmp_path_factory.mktemp("eagle3")
+    target = save_tiny_model(root / "target", seed=4, init_std=0.3, num_hidden_layers=4)
+    (target / "tokenizer_config.json").write_text(
+        json.dumps({"bos_token": "<s>", "eos_token": "</s>", "chat_template": TEMPLATE})
+    )
+    rng = random.Random(7)
+    for split, count in (("train", 12), ("held_out", 3)):
+        (root / "data" / split).mkdir(parents=True)
+        for i in range(count):
+            question = " ".join(rng.choice(WORDS) for _ in range(rng.randint(4, 12)))
+            answer = " ".join(rng.choice(WORDS[:6]) for _ in range(rng.randint(30, 60)))  # a narrower language
+            text = f"<s>user: {question}</s><s>assistant: {answer}</s>"
+            (root / "data" / split / f"{i:05d}-greedy.txt").write_text(text)
+    return {"target": target, "data": root / "data", "root": root}
+
+
+def test_stored_features_are_the_targets_layers_and_distribution(corpus, tmp_path):
+    target = load_pretrained(corpus["target"], "float32")
+    manifest = compute_features(target, (0, 2), 5, corpus["data"], tmp_path / "f", progress=lambda line: None)
+    _, arrays = read_features(tmp_path / "f")
+    reference = load_hf(corpus["target"])
+    text = (corpus["data"] / "train" / "00000-greedy.txt").read_text()
+    tokenizer = target.tokenizer
+    assert tokenizer is not None
+    ids, first_answer = document_tokens(text, tokenizer, "<s>assistant: ")
+    answer = text.split("<s>assistant: ")[1]
+    assert tokenizer.decode(ids[first_answer:], skip_special_tokens=False).strip() == answer
+    assert not tokenizer.decode(ids[first_answer - 1 :], skip_special_tokens=False).strip().startswith(answer)
+    train = arrays["train"]
+    n = len(ids)
+    assert train.token_ids[:n].tolist() == ids
+    with torch.no_grad():
+        out = reference(torch.tensor([ids]), output_hidden_states=True)
+    expected = torch.cat([out.hidden_states[1][0], out.hidden_states[3][0]], dim=-1)  # layers 0 and 2 [T, 2H]
+    torch.testing.assert_close(train.features[:n].float(), expected, atol=2e-2, rtol=2e-2)  # stored in bfloat16
+    top = out.logits[0].log_softmax(-1).topk(5)
+    assert torch.equal(train.top_ids[:n, 0].long(), top.indices[:, 0])
+    torch.testing.assert_close(train.top_logprobs[:n].float(), top.values, atol=2e-3, rtol=2e-3)
+    assert train.answer_next[:n].tolist() == [first_answer - 1 <= t < n - 1 for t in range(n)]
+    assert len(manifest["splits"]["train"]["documents"]) == 12 and manifest["finished"]
+    assert train.num_tokens == manifest["splits"]["train"]["tokens"]
+
+
+def test_a_stopped_feature_pass_resumes_to_the_same_files(corpus, tmp_path):
+    target = load_pretrained(corpus["target"], "float32")
+    whole = tmp_path / "whole"
+    compute_features(target, (1,), 3, corpus["data"], whole, progress=lambda line: None)
+    stopped = tmp_path / "stopped"
+    compute_features(target, (1,), 3, corpus["data"], stopped, progress=lambda line: None)
+    manifest = json.loads((stopped / "features.json").read_text())  # as if stopped after 5 train documents,
+    manifest["finished"] = False  # with a sixth half written after the manifest's last record
+    kept = sum(
+        len(document_tokens(p.read_text(), target.tokenizer, "<s>assistant: ")[0])
+        for p in sorted((corpus["data"] / "train").glob("*.txt"))[:5]
+    )
+    names = sorted(p.name for p in (corpus["data"] / "train").glob("*.txt"))[:5]
+    manifest["splits"] = {"train": {"documents": names, "tokens": kept}, "held_out": {"documents": [], "tokens": 0}}
+    (stopped / "features.json").write_text(json.dumps(manifest))
+    for file in (stopped / "held_out").iterdir():
+        file.write_bytes(b"")
+    compute_features(target, (1,), 3, corpus["data"], stopped, progress=lambda line: None)
+    for split in ("train", "held_out"):
+        for file in (whole / split).iterdir():
+            assert file.read_bytes() == (stopped / split / file.name).read_bytes(), file
+
+
+def test_training_time_test_computes_what_drafting_computes(corpus):
+    """Step j's prediction at index t equals the head run as the drafter runs it: the real
+    entries 0..t fed through its cache, then j steps each feeding its own last prediction with
+    the next true token at the next position."""
+    config = load_pretrained(corpus["target"], "float32", load_tokenizer=False).model.config
+    torch.manual_seed(3)
+    head = EagleHead(head_config(config, intermediate_size=96), (0, 1, 3)).eval()
+    for p in head.parameters():
+        torch.nn.init.normal_(p, std=0.2)
+    g = torch.Generator().manual_seed(5)
+    T, steps, H = 40, 4, config.hidden_size
+    ids = torch.randint(0, config.vocab_size, (2, T), generator=g)  # [B, T]
+    features = torch.randn(2, T, 3 * H, generator=g)  # [B, T, 3H]
+    embed = torch.nn.Embedding(config.vocab_size, H)
+    with torch.no_grad():
+        predictions = ttt_predictions(head, embed, ids, features, steps)  # steps x [B, W, H]
+        fused = head.fuse_features(features)  # [B, T, H]
+        for t in (0, 7, T - steps - 1):
+            cache = head.new_cache(2, T + steps)
+            fed = head(embed(ids[:, 1 : t + 2]), fused[:, : t + 1], torch.arange(t + 1).expand(2, -1), cache)
+            predicted = fed[:, -1:]  # [B, 1, H]: step 0 at index t
+            torch.testing.assert_close(predictions[0][:, t], predicted[:, 0], atol=1e-5, rtol=1e-4)
+            for step in range(1, steps):
+                position = torch.full((2, 1), t + step)
+                predicted = head(embed(ids[:, t + 1 + step : t + 2 + step]), predicted, position, cache)
+                torch.testing.assert_close(predictions[step][:, t], predicted[:, 0], atol=1e-5, rtol=1e-4)
+
+
+def test_a_short_run_teaches_the_head_which_drafts_the_targets_own_output(corpus, tmp_path):
+    config = TrainConfig(
+        steps=40, batch_size=4, lr=3e-3, eval_every=0, checkpoint_every=0, log_every=0, eval_tokens=256, bf16=False
+    )
+    eagle3 = Eagle3Config(feature_layers=(0, 1, 3), ttt_steps=3, context=48, output_vocab=64, intermediate_size=96)
+    out = tmp_path / "head"
+    result = train_eagle3(corpus["target"], corpus["data"], out, config, eagle3)
+    first, last = result.first_evaluation, result.last_evaluation
+    assert last["held_out_loss_0"] < first["held_out_loss_0"] - 0.5
+    assert last["held_out_tau_estimate"] > first["held_out_tau_estimate"]
+    head = load_head(out, load_pretrained(corpus["target"], "float32").model.config, torch.float32)
+    assert head.feature_layers == (0, 1, 3) and head.config.output_vocab_size == 64
+    assert "EAGLE-3" in (out / "README.md").read_text()
+    greedy = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    prompts = random_prompts(3, seed=31)
+    expected = token_ids(LLM(str(corpus["target"]), dtype="float32").generate(prompts, greedy))
+    drafted = LLM(str(corpus["target"]), dtype="float32", speculative_model=str(out), num_speculative_tokens=3)
+    outputs = drafted.generate(prompts, greedy)
+    assert token_ids(outputs) == expected
+    assert sum(o.metrics.num_draft_tokens for o in outputs) > 0
+
+
+def test_the_command_line_trains_an_eagle3_head_and_refuses_eagle1_flags(corpus, tmp_path, capsys):
+    common = ["train-heads", str(corpus["target"]), "--out", str(tmp_path / "h")]
+    assert main([*common, "--eagle3", "--data", str(corpus["data"]), "--feature-weight", "1"]) == 2
+    assert "--feature-weight shape an EAGLE-1 head's training" in capsys.readouterr().err
+    assert main([*common, "--data", str(corpus["data"])]) == 2
+    assert "needs both --eagle3 and --data" in capsys.readouterr().err
+    flags = [
+        "--eagle3",
+        "--data",
+        str(corpus["data"]),
+        "--steps",
+        "3",
+        "--batch-size",
+        "2",
+        "--context",
+        "40",
+        "--output-vocab",
+        "50",
+        "--ttt-steps",
+        "2",
+        "--head-intermediate",
+        "64",
+        "--feature-layers",
+        "1,2",
+        "--eval-every",
+        "0",
+        "--checkpoint-every",
+        "0",
+        "--eval-tokens",
+        "80",
+    ]
+    assert main([*common, *flags]) == 0
+    assert "held_out_tau_estimate" in capsys.readouterr().out
+    saved = json.loads((tmp_path / "h" / "head.json").read_text())
+    assert saved["feature_layers"] == [1, 2] and saved["model"]["intermediate_size"] == 64
+
+
+def test_documents_a_corpus_gains_are_added_after_the_stored_ones(corpus, tmp_path):
+    target = load_pretrained(corpus["target"], "float32")
+    growing = tmp_path / "data"
+    for split in ("train", "held_out"):
+        (growing / split).mkdir(parents=True)
+    files = sorted((corpus["data"] / "train").glob("*.txt"))
+    for file in files[::2] + sorted((corpus["data"] / "held_out").glob("*.txt"))[:1]:
+        (growing / file.parent.name / file.name).write_text(file.read_text())
+    compute_features(target, (1,), 3, growing, tmp_path / "f", progress=lambda line: None)
+    for file in files[1::2]:
+        (growing / "train" / file.name).write_text(file.read_text())
+    manifest = compute_features(target, (1,), 3, growing, tmp_path / "f", progress=lambda line: None)
+    assert manifest["splits"]["train"]["documents"] == [f.name for f in files[::2] + files[1::2]]
+    _, arrays = read_features(tmp_path / "f")
+    expected = [
+        t
+        for f in files[::2] + files[1::2]
+        for t in document_tokens(f.read_text(), target.tokenizer, "<s>assistant: ")[0]
+    ]
+    assert arrays["train"].token_ids.tolist() == expected
