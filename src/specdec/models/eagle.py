@@ -31,6 +31,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -131,8 +132,8 @@ class EagleHead(DecoderStack):
         head's dtype), or all of them (shared): Linear(H -> S), frozen."""
         if hasattr(lm_head, "dequantized_rows"):  # quantized: never a float copy of every row
             ids = self.output_token_ids if self.config.output_vocab_size else torch.arange(self.config.vocab_size)
-            dequantized_rows = getattr(lm_head, "dequantized_rows")  # noqa: B009 - GGUFLinear's, not imported here
-            rows = dequantized_rows(ids).to(self.device, self.dtype)  # [S, H]
+            dequantized_rows: Callable[[torch.Tensor], torch.Tensor] = getattr(lm_head, "dequantized_rows")  # noqa: B009
+            rows = dequantized_rows(ids).to(self.device, self.dtype)  # [S, H]: GGUFLinear's rows
         else:
             rows = lm_head.weight.detach()  # pyright: ignore[reportAttributeAccessIssue]
             if self.config.output_vocab_size:
