@@ -135,7 +135,8 @@ class EagleHead(DecoderStack):
             dequantized_rows: Callable[[torch.Tensor], torch.Tensor] = getattr(lm_head, "dequantized_rows")  # noqa: B009
             rows = dequantized_rows(ids).to(self.device, self.dtype)  # [S, H]: GGUFLinear's rows
         else:
-            rows = lm_head.weight.detach()  # pyright: ignore[reportAttributeAccessIssue]
+            weight: torch.Tensor = getattr(lm_head, "weight")  # noqa: B009 - an nn.Linear's [V, H]
+            rows = weight.detach()
             if self.config.output_vocab_size:
                 rows = rows.index_select(0, self.output_token_ids.to(rows.device))  # [S, H]
         layer = nn.Linear(rows.shape[1], rows.shape[0], bias=False, device="meta")
