@@ -2,6 +2,7 @@
 in DRAFTERS: a factory (SpeculativeConfig, the loaded target, the target's ModelRunner) -> Drafter."""
 
 from specdec.drafters.base import Draft, Drafter
+from specdec.drafters.cross_tokenizer import CrossTokenizerDrafter, draft_model_drafter
 from specdec.drafters.draft_model import DraftModelDrafter
 from specdec.drafters.eagle import EagleDrafter
 from specdec.drafters.early_exit import early_exit_drafter
@@ -9,7 +10,7 @@ from specdec.drafters.lookup_then_draft import LookupThenDraftDrafter
 from specdec.drafters.ngram import NgramDrafter
 
 DRAFTERS = {
-    "draft_model": DraftModelDrafter.from_config,
+    "draft_model": draft_model_drafter,  # a DraftModelDrafter, or a CrossTokenizerDrafter for another tokenizer
     "ngram": NgramDrafter.from_config,
     "lookup_then_draft": LookupThenDraftDrafter.from_config,
     "eagle": EagleDrafter.from_config,
@@ -18,6 +19,7 @@ DRAFTERS = {
 
 __all__ = [
     "DRAFTERS",
+    "CrossTokenizerDrafter",
     "Draft",
     "Drafter",
     "DraftModelDrafter",

@@ -49,36 +49,10 @@ class DraftModelDrafter(Drafter):
 
     @classmethod
     def from_config(cls, spec, target: LoadedModel, target_runner: ModelRunner) -> DraftModelDrafter:
-        """Load spec.model in spec.draft_dtype, check that it shares the target's vocabulary, and
-        run it as the target runs (device, platform, compile). "auto" on the CPU, for a small
-        draft: float32, and where it runs eagerly, its matrices of at least LARGE_WEIGHT_BYTES
-        (those big enough for bytes to matter: in the shipped draft, only the output layer)
-        prepacked in bfloat16 if this CPU has it natively."""
-        device = target_runner.device
-        small_on_cpu = spec.draft_dtype == "auto" and device.type == "cpu" and _is_small(spec.model)
-        if small_on_cpu:
-            draft_dtype = torch.float32
-        else:
-            draft_dtype = target.model.dtype if spec.draft_dtype == "auto" else spec.draft_dtype
-        draft = load_pretrained(
-            spec.model,
-            draft_dtype,
-            device,
-            load_tokenizer=target.tokenizer is not None,
-            platform=target_runner.platform,
-            what="the draft",
-            keep_quantized=keeps_file_quantization(spec.draft_quantization),
-        )
+        """Load spec.model (load_draft), check that it shares the target's vocabulary, and draft
+        with it."""
+        draft, runner = load_draft(spec, target, target_runner)
         check_same_vocabulary(target, draft)
-        warn_if_shorter_context(target, draft)
-        runner = ModelRunner(
-            draft.model,
-            target_runner.platform,
-            target_runner.compile_mode,
-            bf16_pack_min_bytes=LARGE_WEIGHT_BYTES if small_on_cpu else None,
-            name="the draft",
-            quantization=requantization(spec.draft_quantization),
-        )
         return cls(runner, target.model.config.vocab_size, spec.draft_confidence_threshold)
 
     def sharing_weights(self, confidence_threshold: float | None = None) -> DraftModelDrafter:
@@ -191,6 +165,39 @@ class DraftModelDrafter(Drafter):
         return torch.cat([logits, pad], dim=-1)
 
 
+def load_draft(spec, target: LoadedModel, target_runner: ModelRunner) -> tuple[LoadedModel, ModelRunner]:
+    """Load spec.model in spec.draft_dtype (with its tokenizer where the target has one) and run
+    it as the target runs (device, platform, compile). "auto" on the CPU, for a small draft:
+    float32, and where it runs eagerly, its matrices of at least LARGE_WEIGHT_BYTES (those big
+    enough for bytes to matter: in the shipped draft, only the output layer) prepacked in
+    bfloat16 if this CPU has it natively."""
+    device = target_runner.device
+    small_on_cpu = spec.draft_dtype == "auto" and device.type == "cpu" and _is_small(spec.model)
+    if small_on_cpu:
+        draft_dtype = torch.float32
+    else:
+        draft_dtype = target.model.dtype if spec.draft_dtype == "auto" else spec.draft_dtype
+    draft = load_pretrained(
+        spec.model,
+        draft_dtype,
+        device,
+        load_tokenizer=target.tokenizer is not None,
+        platform=target_runner.platform,
+        what="the draft",
+        keep_quantized=keeps_file_quantization(spec.draft_quantization),
+    )
+    warn_if_shorter_context(target, draft)
+    runner = ModelRunner(
+        draft.model,
+        target_runner.platform,
+        target_runner.compile_mode,
+        bf16_pack_min_bytes=LARGE_WEIGHT_BYTES if small_on_cpu else None,
+        name="the draft",
+        quantization=requantization(spec.draft_quantization),
+    )
+    return draft, runner
+
+
 def _is_small(path: str) -> bool:
     """At most SMALL_DRAFT_PARAMETERS, by its config.json (a missing one fails later, in
     load_pretrained, with a clear error)."""
@@ -231,10 +238,13 @@ def check_same_vocabulary(target: LoadedModel, draft: LoadedModel) -> None:
             raise ModelLoadError(
                 f"the draft {draft.path} has a different vocabulary from the target {target.path} "
                 f"({len(draft_vocab)} vs {len(target_vocab)} tokens; e.g. {differing}); "
-                "a draft must share the target's tokenizer"
+                "this drafter needs a draft that shares the target's tokenizer (speculative_method "
+                "'draft_model' drafts through text with a draft of another tokenizer: drafters/cross_tokenizer.py)"
             )
     elif target.model.config.vocab_size != draft.model.config.vocab_size:
         raise ModelLoadError(
             f"the draft {draft.path} has vocab_size {draft.model.config.vocab_size}, the target "
-            f"{target.path} has {target.model.config.vocab_size}; a draft must share the target's vocabulary"
+            f"{target.path} has {target.model.config.vocab_size}; a draft must share the target's vocabulary, "
+            "or, to draft through text with another tokenizer, both need their tokenizers: load the target's "
+            "(drop skip_tokenizer_init) and give the draft a tokenizer.json"
         )
