@@ -244,3 +244,8 @@ def test_a_bfloat16_head_runs_prepacked_where_the_cpu_has_bfloat16(dirs):
     with torch.no_grad():
         got, expected = (h(embeddings, features, positions).float() for h in (head, unpacked))
     torch.testing.assert_close(got, expected, atol=5e-2, rtol=5e-2)
+    llm3 = eagle3(dirs, 3, dtype="bfloat16")  # an EAGLE-3 head's fuse layer too, fed the target's bf16 layers
+    assert isinstance(llm3.engine.drafter.head.fuse, PackedLinear)
+    outputs = llm3.generate(prompts, GREEDY)
+    assert all(len(o.outputs[0].token_ids) == GREEDY.max_tokens for o in outputs)
+    assert sum(o.metrics.num_draft_tokens for o in outputs) > 0

@@ -101,6 +101,20 @@ def test_a_row_gets_the_same_result_alone_and_in_a_batch(kind):
         assert torch.equal(kernel_product(packed, x[row : row + 1])[0], batch[row])
 
 
+@pytest.mark.parametrize("kind", TYPES)
+def test_a_layer_of_some_rows_gives_those_columns_bit_for_bit(kind):
+    """GGUFLinear.rows (an EAGLE head's output layer over part of its target's vocabulary): the
+    same bytes regrouped, so its outputs are exactly those columns of the whole layer's."""
+    data = quantized_matrix(kind, 70, 512, seed=8)
+    layer = GGUFLinear([pack(kind, data, 70, 512)], bias=torch.randn(70))
+    ids = torch.tensor([69, 0, 17, 33, 34, 5, 16, 15, 48, 49, 50, 51, 52, 53, 54, 55, 56, 2, 64])  # 19: a padded group
+    part = layer.rows(ids)
+    assert part.out_features == len(ids) and torch.equal(part.dequantized_weight(), reference(kind, data)[ids])
+    x = torch.randn(7, 512, generator=torch.Generator().manual_seed(9))
+    for rows in (x[:1], x):
+        assert torch.equal(part(rows), layer(rows)[:, ids])
+
+
 def test_fused_parts_of_different_types_stack_by_rows():
     parts = [("Q4_K", 32), ("Q6_K", 16), ("Q8_0", 24)]
     datas = [quantized_matrix(kind, rows, 256, seed=i) for i, (kind, rows) in enumerate(parts)]

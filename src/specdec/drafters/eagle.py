@@ -23,6 +23,7 @@ from specdec.drafters.tree_growth import TreeGrowth
 from specdec.kv_cache import CacheRows, KVCache, TreeAttention, ragged_batch
 from specdec.models.cpu_linear import can_pack, pack_linears
 from specdec.models.eagle import EagleHead, load_head
+from specdec.models.gguf_linear import GGUFLinear
 from specdec.models.loader import LoadedModel
 from specdec.sampling import SamplingTensors
 from specdec.sequence import Sequence
@@ -65,10 +66,15 @@ class EagleDrafter(Drafter):
         head = load_head(spec.model, target.model.config, dtype, target_runner.device)
         if head.is_eagle3:  # the target's forwards then hand over those layers' outputs as its features
             target_runner.set_feature_layers(head.feature_layers)
-        output_layer = head.output_layer(target.model.lm_head) if head.config.output_vocab_size else None
+        lm_head = target.model.lm_head
+        output_layer = None
+        if head.config.output_vocab_size and isinstance(lm_head, GGUFLinear):  # its rows, still quantized
+            output_layer = lm_head.rows(head.output_token_ids)
+        elif head.config.output_vocab_size:
+            output_layer = head.output_layer(lm_head)
         if can_pack(dtype, target_runner.device):  # bf16 on a CPU that has it: the runner's eager layout
             pack_linears(head)
-            if output_layer is not None:
+            if isinstance(output_layer, torch.nn.Linear):
                 output_layer = torch.nn.Sequential(output_layer)
                 pack_linears(output_layer)
         return cls(head, target_runner.eager_model(), spec.draft_confidence_threshold, output_layer)

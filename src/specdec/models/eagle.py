@@ -120,7 +120,7 @@ class EagleHead(DecoderStack):
         `fuse` (EAGLE-3), or as they are (EAGLE-1, n = 1)."""
         if not self.feature_layers:
             return features
-        return self.fuse(features.to(self.fuse.weight.dtype))  # [..., n x H] -> [..., H]
+        return self.fuse(features.to(self.dtype))  # [..., n x H] -> [..., H]
 
     @property
     def num_parameters(self) -> int:

@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 from specdec.kernels import ops
-from specdec.models.gguf_quants import GROUP, PackedTensor
+from specdec.models.gguf_quants import GROUP, PackedTensor, take_rows
 
 if TYPE_CHECKING:
     from specdec.models.llama import RMSNorm
@@ -98,6 +98,15 @@ class GGUFLinear(nn.Module):
     def dequantized_weight(self) -> torch.Tensor:
         """W as float32 [N, K] (for tests and error measurements)."""
         return torch.cat([dequantize(p, torch.arange(p.rows)) for p in self.parts])
+
+    def rows(self, ids: torch.Tensor) -> GGUFLinear:
+        """A layer of rows ids only (of a one-part layer), in the same quantized bytes: its outputs
+        are bit for bit those columns of this layer's (a head's output layer over part of its
+        target's vocabulary)."""
+        if len(self.parts) != 1:
+            raise ValueError("rows() takes rows of a layer of one part (an output layer)")
+        bias = self.bias[ids.to(self.bias.device)] if self.bias is not None else None
+        return GGUFLinear([take_rows(self.parts[0], ids)], bias)
 
     def dequantized_rows(self, ids: torch.Tensor) -> torch.Tensor:
         """Rows ids (in the stacked W) as float32 [len(ids), K], without a float copy of the rest."""

@@ -163,6 +163,40 @@ class PackedTensor:
         )
 
 
+def take_rows(packed: PackedTensor, ids: torch.Tensor) -> PackedTensor:
+    """Rows ids of packed as a PackedTensor of its own, the same bytes regrouped (the kernel's
+    lanes: row r is lane r % GROUP of group r // GROUP in every field). Its padding rows repeat
+    the last one (cut off after the product, as padding is)."""
+    ids = ids.long().cpu()
+    count = len(ids)
+    padded = torch.cat([ids, ids[-1:].expand(-(-count // GROUP) * GROUP - count)])  # [G' x GROUP]
+    group, lane = padded // GROUP, padded % GROUP
+
+    def by_lane(t: torch.Tensor | None) -> torch.Tensor | None:  # [G, X, GROUP] -> [G', X, GROUP]
+        if t is None:
+            return None
+        rows = t[group, :, lane]  # [G' x GROUP, X]
+        return rows.view(-1, GROUP, rows.shape[1]).transpose(1, 2).contiguous()
+
+    G, steps, step_bytes = packed.codes.shape
+    lanes = packed.codes.view(G, steps, step_bytes // (4 * GROUP), GROUP, 4)  # 4 bytes per lane per 64
+    codes = lanes[group, :, :, lane]  # [G' x GROUP, steps, chunks, 4]
+    codes = codes.view(-1, GROUP, steps, step_bytes // (4 * GROUP), 4).permute(
+        0, 2, 3, 1, 4
+    )  # [G', steps, chunks, GROUP, 4]
+    return PackedTensor(
+        packed.kind,
+        packed.layout,
+        count,
+        packed.cols,
+        codes.reshape(-1, steps, step_bytes).contiguous(),
+        by_lane(packed.sc),
+        by_lane(packed.mn),
+        by_lane(packed.d),  # pyright: ignore[reportArgumentType]
+        by_lane(packed.dmin),
+    )
+
+
 def pack(kind: str, data: np.ndarray, rows: int, cols: int) -> PackedTensor:
     """A GGUF tensor's bytes (data: [rows, row_bytes] uint8) in the kernel's layout."""
     layout = LAYOUTS[kind]
