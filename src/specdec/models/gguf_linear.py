@@ -105,7 +105,9 @@ class GGUFLinear(nn.Module):
         target's vocabulary)."""
         if len(self.parts) != 1:
             raise ValueError("rows() takes rows of a layer of one part (an output layer)")
-        bias = self.bias[ids.to(self.bias.device)] if self.bias is not None else None
+        bias: torch.Tensor | None = self.bias  # pyright: ignore[reportAssignmentType]  # a buffer
+        if bias is not None:
+            bias = bias[ids.to(bias.device)]  # [len(ids)]
         return GGUFLinear([take_rows(self.parts[0], ids)], bias)
 
     def dequantized_rows(self, ids: torch.Tensor) -> torch.Tensor:
