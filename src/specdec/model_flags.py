@@ -288,6 +288,14 @@ def _implied_method(args) -> str | None:
                 "DIR or --ngram, or drop them"
             )
         return None
+    drafts = args.draft or []
+    if len(drafts) > 1 and lookup_flags and drafts[0] != NGRAM_STAGE:
+        raise ValueError(
+            f"{_listed(lookup_flags)} {'sets' if len(lookup_flags) == 1 else 'set'} prompt lookup, which these "
+            f"stages do not use: give it as the first, --draft '{NGRAM_STAGE}', or drop them"
+        )
+    if len(drafts) > 1 or (drafts == [NGRAM_STAGE] and not args.lookup):  # stages, or prompt lookup as a draft
+        return None
     if lookup_flags and not args.lookup and args.speculative_method not in ("ngram", "lookup_then_draft"):
         raise ValueError(
             f"{_listed(lookup_flags)} {'sets' if len(lookup_flags) == 1 else 'set'} prompt lookup, "
