@@ -249,3 +249,27 @@ def test_a_bfloat16_head_runs_prepacked_where_the_cpu_has_bfloat16(dirs):
     outputs = llm3.generate(prompts, GREEDY)
     assert all(len(o.outputs[0].token_ids) == GREEDY.max_tokens for o in outputs)
     assert sum(o.metrics.num_draft_tokens for o in outputs) > 0
+
+
+@pytest.mark.slow
+def test_an_eagle3_head_on_the_real_gguf_target_keeps_its_greedy_output(tmp_path):
+    """On Qwen2.5-Coder-1.5B (Q4_K_M, run quantized), an EAGLE-3 head over three of its layers,
+    scoring 2,048 tokens through those rows of its quantized output layer: greedy output equal
+    to the target alone's (the head is untrained: it is its wiring that is tested)."""
+    from specdec.models import registry
+    from specdec.models.eagle import EagleHead, eagle3_feature_layers, head_config, save_head
+
+    entry = registry.REGISTRY["qwen2.5-coder-1.5b-instruct"]
+    if not registry.is_fetched(entry):
+        pytest.skip(f"{entry.name} is absent: `specdec fetch {entry.name}` (or `make qwen`) fetches it")
+    plain = LLM(entry.name)
+    config = plain.target.model.config
+    torch.manual_seed(0)
+    head = EagleHead(head_config(config, 2048, intermediate_size=256), eagle3_feature_layers(config.num_layers))
+    head.output_token_ids.copy_(torch.randperm(config.vocab_size)[:2048].sort().values)
+    save_head(head, tmp_path / "head", torch.bfloat16, target=entry.name)
+    greedy = SamplingParams(temperature=0, max_tokens=24)
+    prompt = [{"role": "user", "content": "Write a Python function that reverses a list."}]
+    expected = token_ids(plain.chat(prompt, greedy))
+    drafted = LLM(entry.name, speculative_model=str(tmp_path / "head"), num_speculative_tokens=3)
+    assert token_ids(drafted.chat(prompt, greedy)) == expected
