@@ -14,8 +14,10 @@ k at most -k by goodput (LLM's default) and, with --policies, k fixed. Every LLM
 the longest prompt first; each prompt runs --repeats times by every method in turn, the fastest
 of each counting (others share these machines). Printed per method, over the prompts: tokens/s
 (prefill included), its ratio to the target alone, τ (tokens per target forward), α, whether the
-greedy output is the target's, and for the staged rows the draft model's inner rounds: their τ
-(tokens per draft-model forward) and α (prompt lookup's tokens, judged by the draft model).
+greedy output is the target's, for the staged rows the draft model's inner rounds: their τ
+(tokens per draft-model forward) and α (prompt lookup's tokens, judged by the draft model), and
+where the time went per generated token (the engine's timings: drafting, the target's verify
+forwards and sampling, the prefill).
 """
 
 from __future__ import annotations
@@ -42,6 +44,7 @@ class Totals:
     stats: list[SpecStats] = field(default_factory=list)
     inner: list[SpecStats] = field(default_factory=list)  # a staged drafter's inner rounds
     outputs: list[list[int]] = field(default_factory=list)
+    parts: dict[str, float] = field(default_factory=dict)  # seconds by part (engine.timings)
 
     @property
     def rate(self) -> float:
@@ -90,9 +93,16 @@ def run(args) -> None:
                 drafter = table[label].engine.drafter
                 inner = drafter.stats if isinstance(drafter, StagedDrafter) else None
                 if label not in best or seconds < best[label][1]:
-                    best[label] = (output, seconds, inner and SpecStats.merge([inner]))
-        for label, (output, seconds, inner) in best.items():
+                    best[label] = (
+                        output,
+                        seconds,
+                        inner and SpecStats.merge([inner]),
+                        dict(table[label].engine.timings),
+                    )
+        for label, (output, seconds, inner, parts) in best.items():
             total = totals[label]
+            for part, part_seconds in parts.items():
+                total.parts[part] = total.parts.get(part, 0.0) + part_seconds
             total.tokens += len(output.outputs[0].token_ids)
             total.seconds += seconds
             total.stats.append(output.metrics)
@@ -104,15 +114,21 @@ def run(args) -> None:
 
 def report(totals: dict[str, Totals]) -> None:
     plain = totals["target alone"]
-    print("\n| method | tok/s | × target alone | τ | α | greedy = target's | inner τ (draft forwards) | inner α |")
-    print("|---|---|---|---|---|---|---|---|")
+    print(
+        "\n| method | tok/s | × target alone | τ | α | greedy = target's | inner τ (draft forwards) | inner α "
+        "| ms/token: draft | target | prefill |"
+    )
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
     for label, total in totals.items():
         stats = SpecStats.merge(total.stats)
         inner = SpecStats.merge(total.inner) if total.inner else None
         inner_cells = f"{inner.tokens_per_forward:.2f} | {inner.acceptance_rate:.3f}" if inner else "| "
+        per_token = " | ".join(
+            f"{1000 * total.parts.get(part, 0.0) / total.tokens:.0f}" for part in ("draft", "target", "prefill")
+        )
         print(
             f"| {label} | {total.rate:.2f} | {total.rate / plain.rate:.2f} | {stats.tokens_per_forward:.2f} | "
-            f"{stats.acceptance_rate:.3f} | {total.outputs == plain.outputs} | {inner_cells} |"
+            f"{stats.acceptance_rate:.3f} | {total.outputs == plain.outputs} | {inner_cells} | {per_token} |"
         )
 
 

@@ -231,6 +231,14 @@ def test_bad_stages_are_clear_errors_before_anything_loads(kwargs, message):
         LLM("no-such-target", **kwargs)
 
 
+def test_every_method_has_a_drafter():
+    """drafters/' registry and the staged drafter (registered in llm.py: it sits above drafters/)."""
+    from specdec.config import SPECULATIVE_METHODS
+    from specdec.llm import ALL_DRAFTERS
+
+    assert set(ALL_DRAFTERS) == set(SPECULATIVE_METHODS)
+
+
 def test_one_stage_is_that_drafter():
     from specdec.llm import speculative_config
 
