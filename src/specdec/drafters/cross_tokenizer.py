@@ -22,10 +22,11 @@ A round, for each row with k target tokens wanted:
             tokenize the same, so the whole, about 1-1.5 ms per 1,000 tokens); the draft's cache
             keeps the longest common prefix of what it was fed and the new draft context, and is
             fed the rest (after a round: the re-encoded accepted text, one to a few tokens)
-  draft     ceil(k * ratio) + 1 tokens by argmax (ratio: draft tokens per target token over the
-            target text so far; the + 1 is the lookahead); a row stops early after its
-            end-of-sequence token, or, with a confidence threshold, after a token the draft gave
-            less than it (that token is then the lookahead)
+  draft     by argmax, carrying the draft tokens over (below) after each step, until they carry
+            over to k target tokens; at most ceil(k * ratio) + 2 tokens (ratio: draft tokens per
+            target token over the target text so far; + 1 for the lookahead, + 1 spare). A row
+            also stops after its end-of-sequence token, or, with a confidence threshold, after a
+            token the draft gave less than it (that token is then the lookahead)
   carry     decode the draft's tokens, encode the window's text + the draft text with the
             target's tokenizer, from the widest window (JUNCTION_TOKENS tokens) down to one
             token; take the first re-encoding that starts with the window's own tokens (the
@@ -77,6 +78,7 @@ from specdec.worker import ForwardBatch, ModelRunner
 JUNCTION_TOKENS = 4  # the widest window of the target's last tokens re-encoded with the draft text
 DECODE_CONTEXT = 4  # tokens decoded before a piece of text, so that it reads as it does after them
 LOOKAHEAD = 1  # draft tokens drafted past the settled text
+SPARE_STEPS = 1  # draft tokens a row may draft beyond k * ratio + LOOKAHEAD, where its text carries fewer
 RATIO_RANGE = (0.5, 3.0)  # draft tokens per target token, as measured, clamped to this
 DRAFT_LENGTH_FACTOR = 2  # the draft's cache holds this many positions per target position
 CATCH_UP_WIDTH = 4  # tokens a row the batch's catch-up forward feeds (more: fed before, alone)
@@ -99,10 +101,13 @@ def draft_model_drafter(spec, target: LoadedModel, target_runner: ModelRunner) -
 
 @dataclasses.dataclass
 class _Row:
-    """One drafting row: its draft context (draft token ids) and how many tokens to draft."""
+    """One drafting row: the target's tokens, the k target tokens wanted, its draft context
+    (draft token ids) and the most tokens it drafts."""
 
+    target_ids: list[int]
+    k: int
     context: list[int]
-    num_steps: int
+    max_steps: int
 
 
 class CrossTokenizerDrafter(Drafter):
@@ -164,15 +169,14 @@ class CrossTokenizerDrafter(Drafter):
         num_tokens = torch.zeros(len(batch), dtype=torch.long)  # [B]
         rows = {i: row for i, (seq, k_i) in enumerate(zip(batch, ks)) if k_i > 0 and (row := self._read(seq, k_i))}
         if rows:
-            drafted = self._draft([batch[i] for i in rows], list(rows.values()))
-            for (i, row), draft_tokens in zip(rows.items(), drafted):
-                proposal = self._carry_over(batch[i].token_ids, row.context, draft_tokens, ks[i])
+            proposals = self._draft([batch[i] for i in rows], list(rows.values()))
+            for i, proposal in zip(rows, proposals):
                 token_ids[i, : len(proposal)] = torch.tensor(proposal, dtype=torch.long)
                 num_tokens[i] = len(proposal)
         return Draft(token_ids.to(device), num_tokens.to(device), None)
 
     def _read(self, seq: Sequence, k: int) -> _Row | None:
-        """The row's draft context and how many tokens to draft for k target tokens; None where
+        """The row's draft context and the most tokens to draft for k target tokens; None where
         it proposes nothing (its text ends inside a character, or would outgrow the cache)."""
         target_ids = seq.token_ids
         if target_ids and target_ids[0] == self.target_bos_id:
@@ -182,42 +186,51 @@ class CrossTokenizerDrafter(Drafter):
             return None
         context = self.draft_prefix + self.draft_tokenizer.encode(text, add_special_tokens=False)
         ratio = (len(context) - len(self.draft_prefix)) / max(1, len(target_ids))  # draft tokens per target token
-        num_steps = math.ceil(k * min(max(ratio, RATIO_RANGE[0]), RATIO_RANGE[1])) + LOOKAHEAD
-        if not context or len(context) + num_steps >= self.runner.max_len:  # the last position stays free
+        max_steps = math.ceil(k * min(max(ratio, RATIO_RANGE[0]), RATIO_RANGE[1])) + LOOKAHEAD + SPARE_STEPS
+        if not context or len(context) + max_steps >= self.runner.max_len:  # the last position stays free
             return None
-        return _Row(context, num_steps)
+        return _Row(seq.token_ids, k, context, max_steps)
 
     def _draft(self, batch: list[Sequence], rows: list[_Row]) -> list[list[int]]:
-        """Each row's draft tokens by argmax: row.num_steps of them, fewer after an
-        end-of-sequence token or a token under the confidence threshold."""
+        """Each row's proposal (target tokens): it drafts by argmax until its draft tokens carry
+        over to row.k target tokens, or after an end-of-sequence token or a token under the
+        confidence threshold, or at row.max_steps, whichever comes first."""
         device = self.model.device
         slots = [seq.slot for seq in batch]
         lengths = torch.tensor([len(row.context) for row in rows], device=device)  # [B]
         logits = self._catch_up(slots, [row.context for row in rows])  # [B, V_draft]
-        counts = [row.num_steps for row in rows]
-        steps: list[torch.Tensor] = []  # per step, each row's token [B]
+        drafted: list[list[int]] = [[] for _ in rows]
+        proposals: list[list[int]] = [[] for _ in rows]
+        drafting = set(range(len(rows)))
+        for slot, row in zip(slots, rows):
+            self.fed[slot] = row.context
         while True:
             token = logits.argmax(-1)  # [B]
-            steps.append(token)
-            for i in self._stopping(logits, token):
-                counts[i] = min(counts[i], len(steps))
-            if all(count <= len(steps) for count in counts):
-                break
-            positions = (lengths + len(steps) - 1)[:, None]  # [B, 1]: the position of the token fed
+            stopping, tokens = self._stopping(logits, token), token.tolist()
+            for i in sorted(drafting):
+                row = rows[i]
+                drafted[i].append(tokens[i])
+                if len(drafted[i]) > LOOKAHEAD or i in stopping:
+                    proposals[i] = self._carry_over(row.target_ids, row.context, drafted[i], row.k)
+                if len(proposals[i]) == row.k or i in stopping or len(drafted[i]) == row.max_steps:
+                    drafting.discard(i)
+                else:
+                    self.fed[slots[i]] = row.context + drafted[i]  # its last token is fed next
+            if not drafting:
+                return proposals
+            step = max(len(drafted[i]) for i in drafting)
+            positions = (lengths + step - 1).clamp(max=self.runner.max_len - 1)[:, None]  # [B, 1]
+            # rows done drafting are fed too (one forward for all); past their fed tokens, unread
             logits = self._logits(self.runner(ForwardBatch.of(token[:, None], positions, slots))[:, 0])
-        drawn = torch.stack(steps, dim=1).tolist()  # [B, steps]
-        for slot, row, tokens in zip(slots, rows, drawn):  # the cache holds every token but the last drawn
-            self.fed[slot] = row.context + tokens[:-1]
-        return [tokens[:count] for tokens, count in zip(drawn, counts)]
 
-    def _stopping(self, logits: torch.Tensor, token: torch.Tensor) -> list[int]:
+    def _stopping(self, logits: torch.Tensor, token: torch.Tensor) -> set[int]:
         """The rows whose token [B] (from logits [B, V]) ends their draft: an end-of-sequence
         token, or one the draft gave less than the confidence threshold."""
         stop = [t in self.draft_eos_ids for t in token.tolist()]
         if self.confidence_threshold > 0:
             confidence = torch.softmax(logits.float(), dim=-1).gather(1, token[:, None])[:, 0]  # [B]
             stop = [s or c < self.confidence_threshold for s, c in zip(stop, confidence.tolist())]
-        return [i for i, s in enumerate(stop) if s]
+        return {i for i, s in enumerate(stop) if s}
 
     def _catch_up(self, slots: list[int], contexts: list[list[int]]) -> torch.Tensor:
         """Feed each row the draft context its cache lacks (past the longest common prefix with
