@@ -175,7 +175,7 @@ def test_speculative_simple_counts_drafts_and_acceptance():
     timed = llama_cpp.parse_speculative(SPECULATIVE_STDOUT, SPECULATIVE_STDERR, PROMPT)
     assert (timed.prompt_tokens, timed.tokens, timed.drafted, timed.accepted) == (38, 13, 15, 10)
     assert timed.seconds == pytest.approx(9.640 + 5.812)
-    assert timed.text.startswith("```python\ndef add_numbers(a, b):")
+    assert timed.text is not None and timed.text.startswith("```python\ndef add_numbers(a, b):")
 
 
 def test_a_prompt_echoed_differently_gives_no_text_but_the_timings():
@@ -185,7 +185,7 @@ def test_a_prompt_echoed_differently_gives_no_text_but_the_timings():
 
 def test_system_info_names_the_instruction_sets():
     info = llama_cpp.parse_system_info(COMPLETION_STDERR)
-    assert "AVX512 = 1" in info and info.startswith("n_threads = 2")
+    assert info is not None and "AVX512 = 1" in info and info.startswith("n_threads = 2")
     assert llama_cpp.parse_system_info("nothing") is None
 
 
@@ -369,7 +369,7 @@ def test_a_child_for_avx2_is_held_to_avx2_and_one_for_native_is_not(monkeypatch)
 # -- summarizing -------------------------------------------------------------------------------------
 
 
-def _timed(tokens, seconds, drafted=None, accepted=None, text="same", prompt_tokens=10):
+def _timed(tokens, seconds, drafted=None, accepted=None, text: str | None = "same", prompt_tokens=10):
     return Timed(prompt_tokens, tokens, seconds / 4, seconds * 3 / 4, tokens - 1, drafted, accepted, text)
 
 
@@ -412,6 +412,57 @@ def test_a_prompt_token_count_that_differs_is_noted():
     assert llama_cpp.prompt_token_notes(records, prompts) == [
         "llama.cpp plain read 4 prompt tokens for m.py:f (write) (write), specdec 3."
     ]
+
+
+def _specdec(tokens, seconds, drafted, accepted, judged, by_position, rounds_by_k, draft_s, target_s, inner=None):
+    """A specdec run's Timed with its SpecStats counts (by_position: (proposed, accepted) lists)."""
+    proposed_at, accepted_at = by_position
+    rounds = sum(rounds_by_k)
+    return Timed(
+        10,
+        tokens,
+        seconds / 4,
+        seconds * 3 / 4,
+        tokens - 1,
+        drafted,
+        accepted,
+        "same",
+        judged=judged,
+        proposed_by_position=tuple(proposed_at),
+        accepted_by_position=tuple(accepted_at),
+        rounds_by_k=tuple(rounds_by_k),
+        draft_seconds=draft_s,
+        target_seconds=target_s,
+        rounds=rounds,
+        inner=inner,
+    )
+
+
+def test_specdec_rows_give_alpha_acceptance_by_position_and_c_in_the_rounds():
+    staged = System("specdec", "staged")
+    inner = {"drafted": 9, "judged": 8, "accepted": 6, "emitted": 10, "forwards": 4}
+    records = [
+        Record("edit", 0, LLAMA_PLAIN, _timed(50, 10.0)),
+        # specdec plain: 49 rounds (k = 0), 4.9 s of target forwards: 0.1 s a forward
+        Record("edit", 0, SPECDEC_PLAIN, _specdec(50, 5.0, 0, 0, 0, ([], []), [49], 0.0, 4.9)),
+        # two prompts: rounds at k 0 and 3 (Σ k = 3 * 8 + 3 * 2 = 30 draft tokens asked for, 0.6 s)
+        Record("edit", 0, staged, _specdec(30, 2.0, 20, 15, 18, ([8, 6, 6], [7, 5, 3]), [2, 0, 0, 8], 0.4, 0.9, inner)),
+        Record("edit", 1, staged, _specdec(20, 2.0, 6, 4, 5, ([2, 2, 2], [2, 1, 1]), [1, 0, 0, 2], 0.2, 0.3, inner)),
+    ]
+    rows = {
+        r["engine"] + " " + r["method"]: r
+        for r in llama_cpp.summarize(records, list(dict.fromkeys(r.system for r in records)), 3, ("edit",))
+    }
+    ours, plain = rows["specdec staged"], rows["specdec plain"]
+    assert ours["tokens_per_s"] == 12.5 and ours["ratio_to_specdec_plain"] == pytest.approx(12.5 / 10)
+    assert ours["ratio_to_llama_cpp_plain"] == pytest.approx(12.5 / 5) and plain["ratio_to_specdec_plain"] == 1.0
+    assert ours["alpha"] == pytest.approx(19 / 23) and ours["acceptance"] == pytest.approx(19 / 26)
+    assert ours["acceptance_by_position"] == pytest.approx([9 / 10, 6 / 8, 4 / 8])
+    assert ours["rounds_by_k"] == [3, 0, 0, 10] and ours["draft_steps"] == 30
+    assert ours["cost_ratio_in_rounds"] == pytest.approx((0.6 / 30) / (4.9 / 49))
+    assert ours["inner_alpha"] == pytest.approx(12 / 16) and ours["inner_tau"] == pytest.approx(20 / 8)
+    assert plain["cost_ratio_in_rounds"] is None and plain["alpha"] is None and plain["inner"] is None
+    assert rows["llama.cpp plain"]["alpha"] is None and rows["llama.cpp plain"]["ratio_to_specdec_plain"] == 0.5
 
 
 # -- the command and its report ------------------------------------------------------------------------
@@ -461,7 +512,8 @@ def test_flags_make_the_config(gguf_pair):
 @pytest.mark.parametrize(
     "argv, message",
     [
-        (["--head", "h"], "--head do not apply"),
+        (["--tree", "2x2"], "--tree do not apply"),
+        (["--head", "h"], "--head must be an EAGLE head's directory"),
         (["--quantization", "int8", "--dtype", "float32"], "--dtype, --quantization do not apply"),
         (["--prompt-sets", "poetry"], "prompt sets must be among"),
         (["--prompts", "0"], "prompts_per_set must be an integer >= 1"),
@@ -484,27 +536,125 @@ def test_the_default_pair_not_fetched_says_how_to_fetch_it(tmp_path, monkeypatch
         llama_cpp.llama_cpp_config(parse([]))
 
 
+@pytest.fixture
+def no_default_cross_draft(monkeypatch):
+    """As where SmolLM2 is not fetched (it may be here)."""
+    monkeypatch.setattr(llama_cpp, "default_cross_draft", lambda: None)
+
+
+@pytest.fixture
+def head_dir(tmp_path) -> str:
+    head = tmp_path / "head"
+    head.mkdir()
+    (head / "head.json").write_text("{}")
+    return str(head)
+
+
+def test_the_systems_are_every_one_whose_model_is_given(gguf_pair, head_dir, tmp_path, no_default_cross_draft):
+    target, draft = gguf_pair
+    config = llama_cpp.llama_cpp_config(parse(["--model", target, "--draft", draft]))
+    assert config.systems == ("plain", "ngram", "draft_model", "lookup_then_draft", "staged")
+    assert config.skipped == (
+        "No other-tokenizer draft row: smollm2 (SmolLM2-135M-Instruct) is not fetched (`specdec fetch "
+        "smollm2`), and no --cross-tokenizer-draft was given.",
+    )
+    other = tmp_path / "other.gguf"
+    other.write_bytes(b"GGUF")
+    config = llama_cpp.llama_cpp_config(
+        parse(["--model", target, "--draft", draft, "--cross-tokenizer-draft", str(other), "--head", head_dir])
+    )
+    assert config.systems == llama_cpp.METHODS and config.skipped == ()
+    assert (config.cross_draft, config.head) == (str(other), head_dir)
+    config = llama_cpp.llama_cpp_config(parse(["--model", target]))
+    assert config.systems == ("plain", "ngram") and config.skipped[-1] == (
+        "No --draft: no draft_model, lookup_then_draft, staged rows."
+    )
+
+
+def test_the_default_other_tokenizer_draft_is_smollm2s_gguf_file_where_fetched(gguf_pair, tmp_path, monkeypatch):
+    monkeypatch.setattr(registry.paths, "CACHE", tmp_path)
+    monkeypatch.setenv("SPECDEC_CACHE", str(tmp_path))
+    entry = registry.REGISTRY["smollm2"]
+    file = registry.model_file(entry)
+    assert llama_cpp.default_cross_draft() is None
+    file.parent.mkdir(parents=True)
+    with open(file, "wb") as out:
+        out.truncate(entry.size)  # a sparse file of its size
+    assert llama_cpp.default_cross_draft() == str(file)
+    config = llama_cpp.llama_cpp_config(parse(["--model", gguf_pair[0], "--systems", "cross_tokenizer"]))
+    assert (config.systems, config.cross_draft, config.skipped) == (("plain", "cross_tokenizer"), str(file), ())
+
+
+def test_systems_chosen_keep_a_run_short_and_plain_always_runs(gguf_pair):
+    target, draft = gguf_pair
+    config = llama_cpp.llama_cpp_config(parse(["--model", target, "--draft", draft, "--systems", "staged,ngram"]))
+    assert config.systems == ("plain", "ngram", "staged")
+    runners = llama_cpp.llama_cpp_runners(BUILD, config, OPTIONS)
+    assert [system.method for system in runners] == ["plain", "ngram"]  # llama.cpp has no staged drafts
+    assert llama_cpp.command_line(parse(["--model", target, "--systems", "staged,ngram"])) == (
+        f"specdec bench --llama-cpp --model {target} --out bench_out --systems staged,ngram --cpu-kinds native"
+    )
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--systems", "ngram,medusa"], "systems must be among plain, ngram, .*; got medusa"),
+        (["--systems", "eagle"], "the system eagle needs --head .or leave it out of --systems."),
+        (["--systems", "staged"], "the system staged needs --draft"),
+        (["--systems", "cross_tokenizer", "--cross-tokenizer-draft", "/no/such.gguf"], "neither a GGUF file"),
+        (["--draft", "a.gguf", "--draft", "b.gguf"], "--llama-cpp takes one --draft: its staged row"),
+    ],
+)
+def test_systems_without_their_models_are_refused(gguf_pair, argv, message, no_default_cross_draft):
+    with pytest.raises(ValueError, match=message):
+        llama_cpp.llama_cpp_config(parse(["--model", gguf_pair[0]] + argv))
+
+
+def test_the_systems_flags_need_llama_cpp():
+    parser = argparse.ArgumentParser(prog="specdec")
+    commands.add_bench_parser(parser.add_subparsers(dest="command", required=True))
+    args = parser.parse_args(["bench", "--systems", "ngram"])
+    with pytest.raises(ValueError, match="--systems: for the comparison with llama.cpp only .add --llama-cpp."):
+        args.run(args)
+
+
+def _row(engine, method, speed, acceptance=None, tau=None, prompt_set="edit", llama_plain=20.0, plain=25.0) -> dict:
+    """A summarized row (llama_cpp.summarize's keys), specdec's drafters with made-up counts."""
+    drafting = engine == "specdec" and method != "plain"
+    return {
+        "prompt_set": prompt_set,
+        "engine": engine,
+        "method": method,
+        "label": f"{engine} {method}",
+        "prompts": 2,
+        "tokens": 256,
+        "tokens_per_s": speed,
+        "ratio_to_llama_cpp_plain": speed / llama_plain,
+        "ratio_to_specdec_plain": speed / plain,
+        "prompt_tokens_per_s": 90.0,
+        "decode_tokens_per_s": speed * 1.1,
+        "acceptance": acceptance,
+        "tau": tau,
+        "same_text_as_specdec_plain": 2,
+        "alpha": 0.8 if drafting else None,
+        "acceptance_by_position": [0.9, 0.7] if drafting else None,
+        "cost_ratio_in_rounds": 0.01 if drafting else None,
+        "rounds_by_k": [3, 0, 40] if drafting else None,
+        "inner": {"drafted": 10, "judged": 8, "accepted": 6, "emitted": 12, "forwards": 6}
+        if method == "staged"
+        else None,
+        "inner_alpha": 0.75 if method == "staged" else None,
+        "inner_tau": 2.0 if method == "staged" else None,
+    }
+
+
 def _kind(cpu_kind: str) -> dict:
     rows = [
-        {
-            "prompt_set": "edit",
-            "engine": engine,
-            "method": method,
-            "label": f"{engine} {method}",
-            "prompts": 2,
-            "tokens": 256,
-            "tokens_per_s": speed,
-            "ratio_to_llama_cpp_plain": speed / 20,
-            "prompt_tokens_per_s": 90.0,
-            "decode_tokens_per_s": speed * 1.1,
-            "acceptance": acceptance,
-            "tau": tau,
-            "same_text_as_specdec_plain": 2,
-        }
-        for engine, method, speed, acceptance, tau in (
-            ("llama.cpp", "plain", 20.0, None, None),
-            ("specdec", "ngram", 30.0, 0.71, 2.5),
-        )
+        _row("llama.cpp", "plain", 20.0),
+        _row("specdec", "plain", 25.0, tau=1.0),
+        _row("specdec", "ngram", 30.0, 0.71, 2.5),
+        _row("specdec", "staged", 28.0, 0.5, 2.0),
     ]
     return {
         "cpu_kind": cpu_kind,
@@ -560,6 +710,7 @@ def test_the_markdown_has_the_verdict_then_a_table_per_cpu_kind_and_prompt_set()
         == [
             "tok/s",
             "x llama.cpp plain",
+            "x specdec plain",
             "prompt tok/s",
             "decode tok/s",
             "accepted ÷ drafted",
@@ -569,12 +720,63 @@ def test_the_markdown_has_the_verdict_then_a_table_per_cpu_kind_and_prompt_set()
         ]
         * 2
     )  # for each CPU kind
-    assert rows["specdec ngram"] == ["30.0", "1.50x", "90.0", "33.0", "0.71", "2.50", "256", "2 of 2"] * 2
-    assert rows["llama.cpp plain"] == ["20.0", "1.00x", "90.0", "22.0", "–", "–", "256", "2 of 2"] * 2
+    assert rows["specdec ngram"] == ["30.0", "1.50x", "1.20x", "90.0", "33.0", "0.71", "2.50", "256", "2 of 2"] * 2
+    assert rows["llama.cpp plain"] == ["20.0", "1.00x", "0.80x", "90.0", "22.0", "–", "–", "256", "2 of 2"] * 2
+    # specdec's drafters: α, acceptance by position, c in rounds; the k chosen, a staged row's inner rounds
+    assert rows["specdec drafter"] == ["α", "acceptance by draft position 1, 2, …", "c in rounds"] * 2
+    assert rows["ngram"] == ["0.80", "0.90 0.70", "0.010"] * 2 and "plain" not in rows
+    flat = " ".join(text.split())
+    assert "k chosen by goodput (k:rounds), ngram: 0:3 2:40." in flat
+    assert "staged, the draft model's inner rounds (prompt lookup drafting for it): α 0.75, τ 2.00" in flat
     assert rows["engine"] == ["7-token forward ms", "1-token step ms", "verify ÷ step"] * 2
     assert rows["llama.cpp"] == ["90.00", "30.00", "3.00"] * 2 and "- a note" in text
     assert "load average was 3.5 before the timed runs and 1.2 after them, on 2 cores" in " ".join(text.split())
     assert all(len(line) <= 100 for line in text.splitlines())
+
+
+def test_issue_29s_goals_are_judged_from_the_rows():
+    from specdec.tools.benchmark.goals import evaluate_llama_cpp_goals
+
+    speeds = {  # tok/s by prompt set: llama.cpp plain 10 and specdec plain 12 on both
+        "write": [("llama.cpp", "ngram", 9.0), ("llama.cpp", "draft_model", 12.0), ("specdec", "ngram", 15.0)]
+        + [("specdec", "staged", 21.0)],
+        "edit": [("llama.cpp", "ngram", 11.0), ("llama.cpp", "draft_model", 8.0), ("specdec", "ngram", 32.0)]
+        + [("specdec", "staged", 11.0)],
+    }
+    rows = [
+        _row(engine, method, speed, prompt_set=set_name, llama_plain=10.0, plain=12.0)
+        for set_name, others in speeds.items()
+        for engine, method, speed in [("llama.cpp", "plain", 10.0), ("specdec", "plain", 12.0)] + others
+    ]
+    goals = {g["name"]: g for g in evaluate_llama_cpp_goals(rows)}
+    assert list(goals) == ["write, best drafter", "edit, best drafter", "vs llama.cpp speculative", "every drafter"]
+    write, edit = goals["write, best drafter"], goals["edit, best drafter"]
+    assert (write["bar"], write["measured"], write["met"]) == (2.0, pytest.approx(2.1), True)
+    assert (edit["bar"], edit["measured"], edit["met"]) == (3.0, pytest.approx(3.2), True)
+    assert "best staged: 21.0 tok/s" in write["detail"] and write["unit"] == "x llama.cpp plain"
+    versus = goals["vs llama.cpp speculative"]  # write 21 ÷ 12 (its draft model), edit 32 ÷ 11 (its lookup)
+    assert (versus["bar"], versus["measured"], versus["met"]) == (1.5, pytest.approx(21 / 12), True)
+    assert "edit: ngram 32.0 vs llama.cpp ngram 11.0 tok/s (2.91x)" in versus["detail"]
+    every = goals["every drafter"]  # staged on edit: 11 ÷ 12
+    assert (every["bar"], every["measured"], every["met"]) == (0.95, pytest.approx(11 / 12), False)
+    assert every["detail"].startswith("3/4 at or above; the slowest, staged on the edit prompts: 0.92x; missed by")
+
+    only_edit = [r for r in rows if r["prompt_set"] == "edit" and r["method"] in ("plain", "ngram")]
+    only_edit = [r for r in only_edit if r["engine"] == "specdec" or r["method"] == "plain"]
+    goals = {g["name"]: g for g in evaluate_llama_cpp_goals(only_edit)}
+    assert goals["write, best drafter"]["met"] is None and goals["vs llama.cpp speculative"]["met"] is None
+    assert "not measured: no write prompts" in goals["write, best drafter"]["detail"]
+    assert goals["edit, best drafter"]["met"] is True and goals["every drafter"]["met"] is True
+
+
+def test_the_goals_come_with_the_verdict_before_the_tables():
+    text = llama_cpp_markdown(_results("native"))
+    before_tables = " ".join(text[: text.index("## AMD EPYC")].split())
+    assert "Issue 29's goals, AMD EPYC, AVX512 (as it is): **1 of 4 met**, 1 missed, 2 not measured." in before_tables
+    rows = table_rows(text)
+    assert rows["goal"] == ["bar", "measured", "verdict"]
+    assert rows["edit, best drafter"] == ["≥ 3.00x llama.cpp plain", "1.50x llama.cpp plain", "**missed**"]
+    assert rows["every drafter"] == ["≥ 0.95x specdec plain", "1.12x specdec plain", "met"]
 
 
 def test_write_docs_places_the_section_after_the_kept_marker_and_replaces_it_later(tmp_path):
@@ -591,6 +793,64 @@ def test_write_docs_places_the_section_after_the_kept_marker_and_replaces_it_lat
     assert second.count(LLAMA_CPP_START) == 1 and "(as it is)" in second and "(held to AVX2)" in second
     assert second.endswith("## By hand\n\nkept\n") and second.startswith("# Benchmarks\n\nthe bench's\n")
     assert json.loads((tmp_path / "benchmarks" / "llama_cpp" / "avx2.json").read_text())["config"]["k"] == 5
+
+
+# -- specdec's systems on tiny models (no llama.cpp, no downloads) --------------------------------------
+
+
+@pytest.fixture(scope="module")
+def tiny_models(tmp_path_factory) -> dict[str, str]:
+    """A tiny GGUF target and a GGUF draft sharing its tokenizer, a draft of another tokenizer (a
+    model directory) and a random EAGLE head for the target."""
+    from gguf_files import tiny_hf_model, write_gguf
+    from helpers import save_random_head, save_tiny_model
+
+    root = tmp_path_factory.mktemp("llama-cpp-systems")
+    target = write_gguf(root / "target.gguf", tiny_hf_model("llama", seed=0))
+    return {
+        "model": str(target),
+        "draft": str(write_gguf(root / "draft.gguf", tiny_hf_model("qwen2", seed=1))),
+        "cross_draft": str(save_tiny_model(root / "other", "llama", seed=2, vocab_size=270, num_hidden_layers=1)),
+        "head": str(save_random_head(target, root / "head")),
+    }
+
+
+@pytest.mark.filterwarnings("ignore:the draft .* has a context of")
+def test_every_specdec_system_runs_as_llm_builds_it_and_keeps_the_targets_output(tiny_models):
+    from specdec.drafters import CrossTokenizerDrafter, DraftModelDrafter, EagleDrafter, NgramDrafter
+    from specdec.spec.staged import StagedDrafter
+
+    config = LlamaCppConfig(**tiny_models, max_tokens=12, k=3)
+    assert config.systems == llama_cpp.METHODS
+    _, runners = llama_cpp.load_specdec(config)
+    assert [system.method for system in runners] == list(llama_cpp.METHODS)
+    drafters = {system.method: runner.llm.engine.drafter for system, runner in runners.items()}
+    assert drafters["plain"] is None and isinstance(drafters["ngram"], NgramDrafter)
+    assert isinstance(drafters["staged"], StagedDrafter) and isinstance(drafters["staged"].inner, NgramDrafter)
+    assert drafters["staged"].runner is drafters["draft_model"].runner  # the draft model's weights, shared
+    assert type(drafters["draft_model"]) is DraftModelDrafter
+    assert isinstance(drafters["cross_tokenizer"], CrossTokenizerDrafter)
+    assert isinstance(drafters["eagle"], EagleDrafter)
+    ids = list(range(5, 25)) * 2  # repeats: prompt lookup finds something
+    llama_cpp.warm_up(runners, ids, config)
+    records = [Record("edit", 0, LLAMA_PLAIN, _timed(12, 1.0, text=None))]
+    records += [Record("edit", 0, system, runner(ids, "")) for system, runner in runners.items()]
+    timed = {r.system.method: r.timed for r in records[1:]}
+    assert len({t.text for t in timed.values()}) == 1 and all(t.tokens == 12 for t in timed.values())
+    assert timed["staged"].inner is not None and set(timed["staged"].inner) == set(llama_cpp.INNER_COUNTS)
+    assert all(t.inner is None for method, t in timed.items() if method != "staged")
+    assert timed["ngram"].drafted and sum(timed["ngram"].rounds_by_k or ()) == timed["ngram"].rounds
+    rows = llama_cpp.summarize(records, [r.system for r in records], config.k, ("edit",))
+    specdec_rows = [r for r in rows if r["engine"] == "specdec"]
+    assert all(r["same_text_as_specdec_plain"] == 1 and r["ratio_to_specdec_plain"] > 0 for r in specdec_rows)
+    ngram = next(r for r in rows if r["method"] == "ngram")
+    assert ngram["alpha"] is not None and ngram["acceptance_by_position"] and ngram["cost_ratio_in_rounds"] >= 0
+
+
+def test_an_other_tokenizer_draft_that_shares_the_targets_is_refused(tiny_models):
+    config = LlamaCppConfig(tiny_models["model"], cross_draft=tiny_models["draft"], systems=("cross_tokenizer",))
+    with pytest.raises(ValueError, match="shares the target's tokenizer: give one of another tokenizer"):
+        llama_cpp.load_specdec(config)
 
 
 # -- the real thing, where it is here ------------------------------------------------------------------

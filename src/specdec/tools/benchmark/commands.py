@@ -3,7 +3,8 @@
     specdec bench [MODEL --draft DIR] [--head DIR] [--tree SHAPE]... [--early-exit [LAYER]]
                   [--device cpu|cuda] [--quick] [--out DIR]
                   [--max-tokens N] [--ks 1,2,... | -k K] [--prompts N] [--no-transformers] [--write-docs]
-    specdec bench --llama-cpp [GGUF --draft GGUF] [--cpu-kinds native|avx2|both] ...  (llama_cpp.py)
+    specdec bench --llama-cpp [GGUF --draft GGUF] [--cross-tokenizer-draft MODEL] [--head DIR]
+                  [--systems NAME,...] [--cpu-kinds native|avx2|both] ...  (llama_cpp.py)
 
 Without MODEL it benchmarks the shipped pair (models/code-target, models/code-draft), with the
 shipped EAGLE head (models/code-target-eagle), "auto" trees and early exit at half the depth.
@@ -61,7 +62,8 @@ def add_bench_parser(commands) -> None:
         "--head",
         metavar="DIR",
         help="an EAGLE head for the target: rows for it at the comparison k (5), chain and trees "
-        f"(default with no MODEL: {_relative(SHIPPED_HEAD)})",
+        f"(default with no MODEL: {_relative(SHIPPED_HEAD)}); with --llama-cpp its row (eagle), "
+        "none without it",
     )
     speculation = p.add_argument_group("speculation (SpeculativeConfig; the same flags as generate's and serve's)")
     add_speculative_arguments(
@@ -156,7 +158,24 @@ def add_bench_parser(commands) -> None:
         "--prompt-sets write,edit) and threads: llama.cpp plain, prompt lookup and draft model "
         "(its own tools, built from source under build/llama-cpp on first use, ~6 minutes) against "
         "specdec plain, prompt lookup, draft model and lookup_then_draft, greedy, k = the largest "
-        "of --ks (default 5); --write-docs writes its section of docs/benchmarks.md only",
+        "of --ks (default 5), with specdec's staged drafts, other-tokenizer draft and EAGLE head "
+        "(--systems); --write-docs writes its section of docs/benchmarks.md only",
+    )
+    p.add_argument(
+        "--systems",
+        type=_name_list,
+        metavar="NAME,NAME",
+        help="with --llama-cpp: the systems compared, by method: plain (always run: both engines' "
+        "baselines), ngram and draft_model (both engines), lookup_then_draft, staged (prompt lookup "
+        "drafting for --draft), cross_tokenizer (--cross-tokenizer-draft) and eagle (--head) "
+        "(specdec's); default every one whose model is given or fetched",
+    )
+    p.add_argument(
+        "--cross-tokenizer-draft",
+        metavar="MODEL",
+        help="with --llama-cpp: the draft of another tokenizer than the target's for the "
+        "cross_tokenizer row, a GGUF file, model directory or registered name (default "
+        "SmolLM2-135M-Instruct's GGUF file where `specdec fetch smollm2` has fetched it)",
     )
     p.add_argument(
         "--cpu-kinds",
@@ -174,6 +193,12 @@ def run_bench(args) -> int:
     from specdec.tools.benchmark.run import run_benchmark
 
     args.draft = _one_draft(args.draft)
+    only_llama_cpp = [f for f in ("systems", "cross_tokenizer_draft") if getattr(args, f) is not None]
+    if only_llama_cpp and not args.llama_cpp:
+        raise ValueError(
+            f"{', '.join('--' + f.replace('_', '-') for f in only_llama_cpp)}: for the comparison with "
+            "llama.cpp only (add --llama-cpp)"
+        )
     if args.llama_cpp:
         from specdec.tools.benchmark.llama_cpp import run_llama_cpp_bench
 

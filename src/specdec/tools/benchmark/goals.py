@@ -1,4 +1,5 @@
-"""The speed goals of the benchmark issue, read off a run's results.
+"""The speed goals of the benchmark issue, read off a run's results; below, issue 29's goals
+against llama.cpp (evaluate_llama_cpp_goals), read off `specdec bench --llama-cpp`'s rows.
 
 On the held-out code prompts ("code" set), with the draft model (alone, or behind prompt
 lookup: speculative_method "lookup_then_draft"; the best of either, each reported):
@@ -121,3 +122,88 @@ def _unmeasured(goal: str, bar: float, why: str, name: str, unit: str) -> dict:
         "met": None,
         "detail": f"not measured: {why}",
     }
+
+
+# -- issue 29's goals, against llama.cpp (specdec bench --llama-cpp: llama_cpp.py) ------------
+#
+# Judged on one CPU kind's rows (tokens/s with the prefill, greedy), a "drafter" being any specdec
+# row that speculates (every method but plain):
+#   the best drafter >= 2x llama.cpp plain on the "write" prompts, >= 3x on the "edit" prompts
+#   the best drafter >= 1.5x llama.cpp's best speculative row (prompt lookup or draft model),
+#     on every prompt set measured (measured: the lowest)
+#   every drafter >= 0.95x specdec plain, on every prompt set measured (measured: the lowest)
+
+VS_LLAMA_PLAIN = {"write": 2.0, "edit": 3.0}
+VS_LLAMA_SPECULATIVE, VS_SPECDEC_PLAIN = 1.5, 0.95
+
+
+def evaluate_llama_cpp_goals(rows: list[dict]) -> list[dict]:
+    """Issue 29's goals from one CPU kind's rows (llama_cpp.summarize's)."""
+    return [
+        *(_vs_llama_plain(rows, set_name, bar) for set_name, bar in VS_LLAMA_PLAIN.items()),
+        _vs_llama_speculative(rows),
+        _vs_specdec_plain(rows),
+    ]
+
+
+def _drafters(rows: list[dict], set_name: str) -> list[dict]:
+    return [r for r in rows if r["prompt_set"] == set_name and r["engine"] == "specdec" and r["method"] != "plain"]
+
+
+def _sets(rows: list[dict]) -> list[str]:
+    return list(dict.fromkeys(r["prompt_set"] for r in rows))
+
+
+def _short(row: dict) -> str:
+    return row["label"].removeprefix("specdec ")
+
+
+def _vs_llama_plain(rows: list[dict], set_name: str, bar: float) -> dict:
+    goal = f"the best specdec drafter >= {bar}x llama.cpp plain's tokens/s on the {set_name} prompts"
+    name, unit = f"{set_name}, best drafter", "x llama.cpp plain"
+    drafters = _drafters(rows, set_name)
+    if not drafters:
+        return _unmeasured(goal, bar, f"no {set_name} prompts, or no specdec drafter, in this run", name, unit)
+    best = max(drafters, key=lambda r: r["ratio_to_llama_cpp_plain"])
+    detail = f"best {_short(best)}: {best['tokens_per_s']:.1f} tok/s"
+    return _judged(goal, bar, best["ratio_to_llama_cpp_plain"], detail, name, unit)
+
+
+def _vs_llama_speculative(rows: list[dict]) -> dict:
+    bar = VS_LLAMA_SPECULATIVE
+    goal = f"the best specdec drafter >= {bar}x the tokens/s of llama.cpp's best speculative row, on every prompt set"
+    name, unit = "vs llama.cpp speculative", "x llama.cpp's best"
+    ratios = []
+    for set_name in _sets(rows):
+        theirs = [
+            r for r in rows if r["prompt_set"] == set_name and r["engine"] == "llama.cpp" and r["method"] != "plain"
+        ]
+        ours = _drafters(rows, set_name)
+        if theirs and ours:
+            best_ours = max(ours, key=lambda r: r["tokens_per_s"])
+            best_theirs = max(theirs, key=lambda r: r["tokens_per_s"])
+            ratios.append((best_ours["tokens_per_s"] / best_theirs["tokens_per_s"], set_name, best_ours, best_theirs))
+    if not ratios:
+        return _unmeasured(goal, bar, "needs a speculative row of each engine", name, unit)
+    detail = "; ".join(
+        f"{set_name}: {_short(ours)} {ours['tokens_per_s']:.1f} vs {theirs['label']} {theirs['tokens_per_s']:.1f} "
+        f"tok/s ({ratio:.2f}x)"
+        for ratio, set_name, ours, theirs in ratios
+    )
+    return _judged(goal, bar, min(ratio for ratio, *_ in ratios), detail, name, unit)
+
+
+def _vs_specdec_plain(rows: list[dict]) -> dict:
+    bar = VS_SPECDEC_PLAIN
+    goal = f"every specdec drafter >= {bar}x specdec plain's tokens/s, on every prompt set"
+    name, unit = "every drafter", "x specdec plain"
+    judged = [r for set_name in _sets(rows) for r in _drafters(rows, set_name) if r.get("ratio_to_specdec_plain")]
+    if not judged:
+        return _unmeasured(goal, bar, "no specdec drafter beside specdec plain", name, unit)
+    worst = min(judged, key=lambda r: r["ratio_to_specdec_plain"])
+    below = sum(r["ratio_to_specdec_plain"] < bar for r in judged)
+    detail = (
+        f"{len(judged) - below}/{len(judged)} at or above; the slowest, {_short(worst)} on the "
+        f"{worst['prompt_set']} prompts: {worst['ratio_to_specdec_plain']:.2f}x"
+    )
+    return _judged(goal, bar, worst["ratio_to_specdec_plain"], detail, name, unit)

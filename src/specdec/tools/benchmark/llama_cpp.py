@@ -1,6 +1,7 @@
 """`specdec bench --llama-cpp`: specdec against llama.cpp on the same GGUF file, prompts and threads.
 
-    specdec bench --llama-cpp [--model GGUF --draft GGUF] [--prompt-sets write,edit] [--prompts N]
+    specdec bench --llama-cpp [--model GGUF --draft GGUF] [--cross-tokenizer-draft MODEL]
+                  [--head DIR] [--systems NAME,NAME,...] [--prompt-sets write,edit] [--prompts N]
                   [--max-tokens N] [--cpu-kinds native|avx2|both] [--out DIR] [--write-docs]
 
 llama.cpp: its own tools (llama-completion, llama-bench, llama-lookup, llama-speculative-simple),
@@ -14,8 +15,13 @@ flags; a failed one is an error naming its cmake log.
 What runs, interleaved prompt by prompt (the order rotated each prompt) on one GGUF target:
   llama.cpp  plain (llama-completion), prompt lookup (llama-lookup) and a draft model
              (llama-speculative-simple --spec-type draft-simple -md DRAFT), drafting k tokens
-  specdec    plain, prompt lookup (ngram), the draft model and lookup_then_draft, as LLM runs them
-             by default (quantization "auto": the file's own quantized weights; goodput k <= k)
+  specdec    plain, prompt lookup (ngram), the draft model, lookup_then_draft, staged drafts
+             (["[ngram]", DRAFT]: prompt lookup drafting for the draft model), a draft with another
+             tokenizer (cross_tokenizer: SmolLM2-135M-Instruct by default, drafting through text)
+             and an EAGLE head (--head), as LLM runs them by default (quantization "auto": the
+             file's own quantized weights; goodput k <= k); the draft model's rows share its weights
+--systems picks the rows by method (plain always runs: both engines' baselines); by default every
+system whose models are given or fetched, a note saying which were left out and why.
 Every system gets the same text: a chat prompt is rendered with the target's chat template by
 specdec and handed to llama.cpp as raw text (-p, --no-escape, no template of its own), so both
 tokenize the same text; the prompt token counts each reports are checked against each other. Same
@@ -25,7 +31,11 @@ llama.cpp's times are its own: llama-completion's "prompt eval" + "eval" lines, 
 tools' "encoded" + "decoded" lines (which hold their drafting too), model loading left out, as
 specdec's model is loaded once before the timed calls. Acceptance is llama.cpp's n_accept ÷
 n_drafted, and specdec's accepted ÷ proposed draft tokens: the same measure; τ = tokens ÷ (tokens
-− accepted), the tokens per target forward.
+− accepted), the tokens per target forward. specdec's rows also give α (accepted ÷ judged),
+acceptance by draft position, the k goodput chose, and c as paid in the rounds: the drafter's
+seconds per draft token asked for (Σ k over the rounds) ÷ specdec plain's seconds per target
+forward (Engine.timings); a staged row its draft model's inner rounds' α and τ. The goals of issue
+29 (goals.py) are judged from the rows.
 
 Also what a verify forward costs: llama-bench -p 7 -n 32 -d 64 (7 prompt tokens, and 32 generated,
 after 64 of context), time of the 7-token forward ÷ time per generated token, beside specdec's
@@ -339,6 +349,15 @@ class Timed:
     drafted: int | None = None
     accepted: int | None = None
     text: str | None = None
+    # specdec's own counts (SpecStats, Engine.timings); None for llama.cpp
+    judged: int | None = None  # draft tokens the verifier reached (α's denominator)
+    proposed_by_position: tuple[int, ...] | None = None
+    accepted_by_position: tuple[int, ...] | None = None
+    rounds_by_k: tuple[int, ...] | None = None  # rounds at each k goodput chose (index k)
+    draft_seconds: float | None = None  # the drafter's time in the rounds
+    target_seconds: float | None = None  # the target's forwards' time in the rounds
+    rounds: int | None = None  # target forwards after the prefill's
+    inner: dict | None = None  # a staged drafter's inner rounds: SpecStats counts (INNER_COUNTS)
 
     @property
     def seconds(self) -> float:
@@ -442,7 +461,7 @@ def run_tool(command: list[str]) -> tuple[str, str]:
 @dataclass(frozen=True)
 class System:
     engine: str  # "llama.cpp" or "specdec"
-    method: str  # "plain", "ngram" (prompt lookup), "draft_model" or "lookup_then_draft"
+    method: str  # one of METHODS: "plain", "ngram" (prompt lookup), "draft_model", ...
 
     def label(self, k: int) -> str:
         if self.engine == "llama.cpp":
@@ -456,13 +475,26 @@ class System:
             "ngram": f"specdec prompt lookup (goodput k≤{k})",
             "draft_model": f"specdec draft model (goodput k≤{k})",
             "lookup_then_draft": f"specdec lookup, else draft (goodput k≤{k})",
+            "staged": f"specdec staged: lookup → draft model (goodput k≤{k})",
+            "cross_tokenizer": f"specdec other-tokenizer draft (goodput k≤{k})",
+            "eagle": f"specdec EAGLE head (goodput k≤{k})",
         }[self.method]
 
 
+# the systems by method (--systems), in the order of the rows; llama.cpp runs the first three
+METHODS = ("plain", "ngram", "draft_model", "lookup_then_draft", "staged", "cross_tokenizer", "eagle")
+LLAMA_METHODS = ("plain", "ngram", "draft_model")
 LLAMA_PLAIN = System("llama.cpp", "plain")
 SPECDEC_PLAIN = System("specdec", "plain")
-LLAMA_SYSTEMS = (LLAMA_PLAIN, System("llama.cpp", "ngram"), System("llama.cpp", "draft_model"))
-DRAFTING = ("draft_model", "lookup_then_draft")  # the systems that need a draft model
+LLAMA_SYSTEMS = tuple(System("llama.cpp", method) for method in LLAMA_METHODS)
+DRAFTING = ("draft_model", "lookup_then_draft", "staged")  # the systems that need --draft
+NEEDS = {  # each system that needs a model, the LlamaCppConfig field naming it and the flag
+    **{method: ("draft", "--draft") for method in DRAFTING},
+    "cross_tokenizer": ("cross_draft", "--cross-tokenizer-draft"),
+    "eagle": ("head", "--head"),
+}
+DEFAULT_CROSS_DRAFT = "smollm2"  # the registry's SmolLM2-135M-Instruct (Q4_1 GGUF), another tokenizer
+INNER_COUNTS = ("drafted", "judged", "accepted", "emitted", "forwards")
 
 
 def prompt_sets() -> dict:
@@ -478,12 +510,19 @@ def prompt_sets() -> dict:
 
 @dataclass(frozen=True)
 class LlamaCppConfig:
-    """What to compare. model / draft: GGUF files (draft None: no draft-model rows); k: draft
+    """What to compare. model / draft: GGUF files (draft None: no draft-model rows); cross_draft:
+    a draft model of another tokenizer (a GGUF file or a model directory); head: an EAGLE head's
+    directory; systems: the methods compared (METHODS; None: every one whose model is given;
+    "plain" is always added); skipped: notes on systems left out, for the report; k: draft
     tokens per round (llama.cpp's --spec-draft-n-max; specdec's most, by goodput); threads:
     None = torch's."""
 
     model: str
     draft: str | None = None
+    cross_draft: str | None = None
+    head: str | None = None
+    systems: tuple[str, ...] | None = None
+    skipped: tuple[str, ...] = ()
     prompt_sets: tuple[str, ...] = ("write", "edit")
     prompts_per_set: int = 8
     max_tokens: int = 128
@@ -495,6 +534,24 @@ class LlamaCppConfig:
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "prompt_sets", tuple(self.prompt_sets))
+        object.__setattr__(self, "skipped", tuple(self.skipped))
+        if self.systems is None:
+            systems = [m for m in METHODS if m not in NEEDS or getattr(self, NEEDS[m][0]) is not None]
+        else:
+            unknown = sorted(set(self.systems) - set(METHODS))
+            if unknown:
+                raise ValueError(f"systems must be among {', '.join(METHODS)}; got {', '.join(unknown)}")
+            systems = [m for m in METHODS if m == "plain" or m in self.systems]
+        missing = [m for m in systems if m in NEEDS and getattr(self, NEEDS[m][0]) is None]
+        if missing:
+            raise ValueError(
+                "; ".join(f"the system {m} needs {NEEDS[m][1]}" for m in missing) + " (or leave it out of --systems)"
+            )
+        object.__setattr__(self, "systems", tuple(systems))
+        if self.cross_draft is not None and not Path(self.cross_draft).exists():
+            raise ValueError(f"the other-tokenizer draft {self.cross_draft!r} is neither a GGUF file nor a directory")
+        if self.head is not None and not (Path(self.head) / "head.json").is_file():
+            raise ValueError(f"--head must be an EAGLE head's directory (with head.json), got {self.head!r}")
         for what, path in (("target", self.model), ("draft", self.draft)):
             if path is not None and not (str(path).endswith(".gguf") and Path(path).is_file()):
                 raise ValueError(
@@ -562,11 +619,13 @@ def measure(config: LlamaCppConfig, say: Say) -> dict:
     every system on every prompt, interleaved, and the verify costs."""
     import torch
 
+    from specdec.tools.benchmark.goals import evaluate_llama_cpp_goals
     from specdec.tools.benchmark.machine import describe_machine
 
     build = ensure_built(LlamaCppBuild(process_cpu_kind()), say)
     options = ToolOptions(config.threads or torch.get_num_threads(), config.max_tokens, config.k)
-    say(f"loading {config.model}" + (f" and {config.draft}" if config.draft else "") + " into specdec")
+    others = [path for path in (config.draft, config.cross_draft, config.head) if path is not None]
+    say(f"loading {config.model}" + "".join(f", {path}" for path in others) + " into specdec")
     target, specdec = load_specdec(config)
     prompts = {name: encode_prompts(target, config, name) for name in config.prompt_sets}
     runners = {**llama_cpp_runners(build, config, options), **specdec}
@@ -575,6 +634,7 @@ def measure(config: LlamaCppConfig, say: Say) -> dict:
     load_before = os.getloadavg()[0]
     records = interleave(runners, prompts, say)
     load_after = os.getloadavg()[0]
+    rows = summarize(records, list(runners), config.k, config.prompt_sets)
     say("measuring what a verify forward costs (llama-bench, and specdec's runner)")
     llama_bench = parse_llama_bench(
         run_tool(bench_command(build, config.model, options.threads, config.bench_repetitions))[0]
@@ -596,42 +656,73 @@ def measure(config: LlamaCppConfig, say: Say) -> dict:
             for name, pairs in prompts.items()
         },
         "verify_cost": {"llama.cpp": llama_bench, "specdec": specdec_verify_cost(target, config)},
-        "rows": summarize(records, list(runners), config.k, config.prompt_sets),
-        "notes": prompt_token_notes(records, prompts),
+        "rows": rows,
+        "goals": evaluate_llama_cpp_goals(rows),
+        "notes": list(config.skipped) + prompt_token_notes(records, prompts),
         "runs": runs_json(records, prompts),
     }
 
 
 def load_specdec(config: LlamaCppConfig):
-    """specdec's target, and a runner per specdec system, as LLM builds them by default (one
-    target loaded once; lookup_then_draft shares the draft model's weights)."""
-    from specdec.drafters import DRAFTERS, LookupThenDraftDrafter
-    from specdec.llm import LLM, speculative_config
+    """specdec's target, and a runner per specdec system of config.systems, each drafter built as
+    LLM builds it by default (speculative_config, the drafters' registry), over one target loaded
+    once; lookup_then_draft and the staged drafter share the draft model's weights (and runner:
+    the systems run one generate at a time, each preparing its own)."""
+    from specdec.config import NGRAM_STAGE
+    from specdec.drafters import CrossTokenizerDrafter, DraftModelDrafter, LookupThenDraftDrafter
+    from specdec.llm import ALL_DRAFTERS, LLM, speculative_config
+    from specdec.spec.staged import StagedDrafter
 
     target = LLM(config.model)
     runners = {SPECDEC_PLAIN: SpecdecRunner(target, config.max_tokens)}
-    ngram_spec = speculative_config(None, "ngram", num_speculative_tokens=config.k)
-    assert ngram_spec is not None  # a method given: a config
-    ngram = DRAFTERS["ngram"](ngram_spec, target.target, target.runner)
-    runners[System("specdec", "ngram")] = SpecdecRunner(
-        target.with_drafter(ngram, config.k, ngram_spec.k_policy), config.max_tokens
-    )
-    if config.draft is not None:
-        spec = speculative_config(config.draft, "draft_model", num_speculative_tokens=config.k)
-        assert spec is not None  # a method given: a config
-        drafter = DRAFTERS["draft_model"](spec, target.target, target.runner)
-        runners[System("specdec", "draft_model")] = SpecdecRunner(
-            target.with_drafter(drafter, config.k, spec.k_policy), config.max_tokens
+    wanted = set(config.systems or ())
+
+    def drafter_for(model, method: str | None):
+        spec = speculative_config(model, method, num_speculative_tokens=config.k)
+        assert spec is not None  # a method or a model given: a config
+        return spec, ALL_DRAFTERS[spec.method](spec, target.target, target.runner)
+
+    def add(method: str, drafter, k_policy: str) -> None:
+        runners[System("specdec", method)] = SpecdecRunner(
+            target.with_drafter(drafter, config.k, k_policy), config.max_tokens
         )
-        hybrid = LookupThenDraftDrafter.sharing_weights(drafter)
-        runners[System("specdec", "lookup_then_draft")] = SpecdecRunner(
-            target.with_drafter(hybrid, config.k, spec.k_policy), config.max_tokens
-        )
+
+    if "ngram" in wanted:
+        spec, ngram = drafter_for(None, "ngram")
+        add("ngram", ngram, spec.k_policy)
+    if wanted & set(DRAFTING):
+        spec, drafter = drafter_for(config.draft, "draft_model")
+        if not isinstance(drafter, DraftModelDrafter):
+            raise ValueError(
+                f"--draft {config.draft} has another tokenizer than the target's; the draft model's rows need "
+                "one that shares it (a draft of another tokenizer goes in --cross-tokenizer-draft)"
+            )
+        if "draft_model" in wanted:
+            add("draft_model", drafter, spec.k_policy)
+        if "lookup_then_draft" in wanted:
+            add("lookup_then_draft", LookupThenDraftDrafter.sharing_weights(drafter), spec.k_policy)
+        if "staged" in wanted:  # as speculative_model=["[ngram]", draft]: prompt lookup drafting for the draft
+            _, inner = drafter_for(None, "ngram")
+            stages = (NGRAM_STAGE, str(config.draft))
+            add("staged", StagedDrafter(drafter, inner, config.k, spec.k_policy, stages), spec.k_policy)
+    if "cross_tokenizer" in wanted:
+        spec, drafter = drafter_for(config.cross_draft, None)
+        if not isinstance(drafter, CrossTokenizerDrafter):
+            raise ValueError(
+                f"the other-tokenizer draft {config.cross_draft} shares the target's tokenizer: give one of another "
+                "tokenizer (--cross-tokenizer-draft), or leave cross_tokenizer out of --systems"
+            )
+        add("cross_tokenizer", drafter, spec.k_policy)
+    if "eagle" in wanted:
+        spec, drafter = drafter_for(config.head, None)
+        assert spec.method == "eagle"  # LlamaCppConfig checked that it is a head's directory
+        add("eagle", drafter, spec.k_policy)
     return target, runners
 
 
 class SpecdecRunner:
-    """One greedy generate of prompt token ids, timed, with its prefill's share."""
+    """One greedy generate of prompt token ids, timed, with its prefill's share, its rounds'
+    counts (SpecStats) and where their time went (Engine.timings)."""
 
     def __init__(self, llm, max_tokens: int):
         self.llm, self.max_tokens = llm, max_tokens
@@ -643,7 +734,8 @@ class SpecdecRunner:
         start = time.perf_counter()
         output = self.llm.generate({"prompt_token_ids": ids}, params)[0]
         seconds = time.perf_counter() - start
-        prefill, stats, tokens = self.llm.engine.timings["prefill"], output.metrics, len(output.outputs[0].token_ids)
+        timings, stats = self.llm.engine.timings, output.metrics
+        prefill, tokens = timings["prefill"], len(output.outputs[0].token_ids)
         return Timed(
             len(ids),
             tokens,
@@ -653,7 +745,26 @@ class SpecdecRunner:
             stats.num_draft_tokens,
             stats.num_accepted_tokens,
             output.outputs[0].text,
+            judged=stats.num_judged_tokens,
+            proposed_by_position=tuple(stats.proposed_by_position),
+            accepted_by_position=tuple(stats.accepted_by_position),
+            rounds_by_k=tuple(stats.rounds_by_k),
+            draft_seconds=timings["draft"],
+            target_seconds=timings["target"],
+            rounds=stats.num_target_forwards - 1,  # the prefill's forward is not a round
+            inner=inner_counts(self.llm.engine.drafter),
         )
+
+
+def inner_counts(drafter) -> dict | None:
+    """A staged drafter's inner rounds since its last reserve (one generate): INNER_COUNTS."""
+    from specdec.spec.staged import StagedDrafter
+
+    if not isinstance(drafter, StagedDrafter):
+        return None
+    s = drafter.stats
+    counts = (s.num_draft_tokens, s.num_judged_tokens, s.num_accepted_tokens, s.num_emitted_tokens)
+    return dict(zip(INNER_COUNTS, (*counts, s.num_target_forwards)))
 
 
 class ToolRunner:
@@ -681,7 +792,7 @@ def llama_cpp_runners(build: LlamaCppBuild, config: LlamaCppConfig, options: Too
     return {
         system: ToolRunner(build, system, config, options)
         for system in LLAMA_SYSTEMS
-        if config.draft is not None or system.method not in DRAFTING
+        if system.method in (config.systems or ())
     }
 
 
@@ -757,8 +868,9 @@ def specdec_verify_cost(target, config: LlamaCppConfig) -> dict:
 
 
 def summarize(records: list[Record], systems: list[System], k: int, set_names) -> list[dict]:
-    """A row per (prompt set, system): tokens/s with the prefill, its ratio to llama.cpp plain,
-    the prompt and decode rates, acceptance, τ, and how many outputs agree with specdec plain's."""
+    """A row per (prompt set, system): tokens/s with the prefill, its ratio to llama.cpp plain
+    and to specdec plain, the prompt and decode rates, acceptance, τ, how many outputs agree with
+    specdec plain's; for specdec's rows α, acceptance by position and c as paid in the rounds."""
     rows = []
     for set_name in set_names:
         group = []
@@ -775,19 +887,34 @@ def summarize(records: list[Record], systems: list[System], k: int, set_names) -
             row["same_text_as_specdec_plain"] = sum(_agree(t.text, plain_texts.get(i)) for i, t in runs)
             group.append(row)
         baseline = next(row for row in group if row["engine"] == "llama.cpp" and row["method"] == "plain")
+        ours = next((row for row in group if (row["engine"], row["method"]) == ("specdec", "plain")), None)
+        plain_step = _per(ours["target_seconds"], ours["rounds"]) if ours else None  # seconds per target forward
         for row in group:
             row["ratio_to_llama_cpp_plain"] = row["tokens_per_s"] / baseline["tokens_per_s"]
+            row["ratio_to_specdec_plain"] = row["tokens_per_s"] / ours["tokens_per_s"] if ours else None
+            draft_step = _per(row["draft_seconds"], row["draft_steps"])  # seconds per draft token asked for
+            row["cost_ratio_in_rounds"] = None
+            if row["method"] != "plain" and draft_step is not None and plain_step:
+                row["cost_ratio_in_rounds"] = draft_step / plain_step
         rows += group
     return rows
 
 
+def _per(total: float | None, count: int | None) -> float | None:
+    return total / count if total is not None and count else None
+
+
 def pooled(runs: list[Timed]) -> dict:
-    """Totals over runs: rates are total tokens ÷ total seconds."""
+    """Totals over runs: rates are total tokens ÷ total seconds; specdec's counts summed where
+    every run has them (None otherwise: llama.cpp's runs)."""
     tokens, seconds = sum(t.tokens for t in runs), sum(t.seconds for t in runs)
     prompt_seconds, decode_seconds = sum(t.prompt_seconds for t in runs), sum(t.decode_seconds for t in runs)
-    # summed where every run counted them (pyright does not follow the all() check)
-    drafted = sum(t.drafted for t in runs) if all(t.drafted is not None for t in runs) else None  # pyright: ignore[reportCallIssue, reportArgumentType]
-    accepted = sum(t.accepted for t in runs) if drafted is not None else None  # pyright: ignore[reportCallIssue, reportArgumentType]
+    drafted, accepted = _total(runs, "drafted"), _total(runs, "accepted")
+    judged, rounds_by_k = _total(runs, "judged"), _sum_lists(runs, "rounds_by_k")
+    proposed_at, accepted_at = _sum_lists(runs, "proposed_by_position"), _sum_lists(runs, "accepted_by_position")
+    inner = None
+    if runs and all(t.inner is not None for t in runs):
+        inner = {name: sum(t.inner[name] for t in runs) for name in INNER_COUNTS}  # pyright: ignore[reportOptionalSubscript]
     return {
         "prompts": len(runs),
         "tokens": tokens,
@@ -798,9 +925,42 @@ def pooled(runs: list[Timed]) -> dict:
         "decode_tokens_per_s": sum(t.decode_tokens for t in runs) / decode_seconds if decode_seconds else None,
         "drafted": drafted,
         "accepted": accepted,
-        "acceptance": accepted / drafted if drafted else None,
+        "acceptance": accepted / drafted if drafted and accepted is not None else None,
         "tau": tokens / (tokens - accepted) if accepted is not None and tokens > accepted else None,
+        "judged": judged,
+        "alpha": accepted / judged if judged and accepted is not None else None,
+        "acceptance_by_position": (
+            [a / p if p else None for a, p in zip(accepted_at + [0] * len(proposed_at), proposed_at)]
+            if proposed_at is not None and accepted_at is not None
+            else None
+        ),
+        "rounds_by_k": rounds_by_k,
+        "rounds": _total(runs, "rounds"),
+        "draft_steps": sum(k * n for k, n in enumerate(rounds_by_k)) if rounds_by_k is not None else None,
+        "draft_seconds": _total(runs, "draft_seconds"),
+        "target_seconds": _total(runs, "target_seconds"),
+        "inner": inner,
+        "inner_alpha": inner["accepted"] / inner["judged"] if inner and inner["judged"] else None,
+        "inner_tau": inner["emitted"] / inner["forwards"] if inner and inner["forwards"] else None,
     }
+
+
+def _total(runs: list[Timed], name: str):
+    """The sum of a count over runs, None where a run lacks it (or there are none)."""
+    values = [getattr(t, name) for t in runs]
+    return sum(values) if values and all(v is not None for v in values) else None
+
+
+def _sum_lists(runs: list[Timed], name: str) -> list[int] | None:
+    """Per-index sums of a count by position (or by k) over runs, as long as the longest."""
+    lists = [getattr(t, name) for t in runs]
+    if not lists or any(values is None for values in lists):
+        return None
+    total = [0] * max(map(len, lists))
+    for values in lists:
+        for i, n in enumerate(values):
+            total[i] += n
+    return total
 
 
 def _agree(text: str | None, reference: str | None) -> bool:
@@ -844,7 +1004,6 @@ def prompt_token_notes(records: list[Record], prompts: dict) -> list[str]:
 QUICK_PROMPTS = 2  # --quick: prompts per set (new tokens stay at the goal's 128)
 FULL_PROMPTS = 8
 UNUSED_FLAGS = {  # `specdec bench` flags of the specdec-only bench: refused with --llama-cpp, not ignored
-    "head": None,
     "tree": None,
     "early_exit": None,
     "device": "cpu",
@@ -868,15 +1027,45 @@ def llama_cpp_config(args) -> LlamaCppConfig:
             f"{', '.join('--' + n.replace('_', '-') for n in given)} do not apply to it"
         )
     model = str(resolve_model(args.model or DEFAULT_TARGET, "the target"))
-    draft = args.draft if args.draft is not None or args.model is not None else DEFAULT_DRAFT
+    drafts = [args.draft] if isinstance(args.draft, str) else list(args.draft or [])  # --draft appends
+    if len(drafts) > 1:
+        raise ValueError(
+            "--llama-cpp takes one --draft: its staged row is prompt lookup drafting for it "
+            "(speculative_model=['[ngram]', DRAFT])"
+        )
+    draft = drafts[0] if drafts else None if args.model is not None else DEFAULT_DRAFT
+    cross_draft, skipped = args.cross_tokenizer_draft, []
+    if cross_draft is None and (args.systems is None or "cross_tokenizer" in args.systems):
+        cross_draft = default_cross_draft()
+        if cross_draft is None and args.systems is None:
+            skipped.append(
+                f"No other-tokenizer draft row: {DEFAULT_CROSS_DRAFT} (SmolLM2-135M-Instruct) is not fetched "
+                f"(`specdec fetch {DEFAULT_CROSS_DRAFT}`), and no --cross-tokenizer-draft was given."
+            )
+    if args.systems is None and draft is None:
+        skipped.append(f"No --draft: no {', '.join(DRAFTING)} rows.")
     return LlamaCppConfig(
         model=model,
         draft=None if draft is None else str(resolve_model(draft, "the draft")),
+        cross_draft=None if cross_draft is None else str(resolve_model(cross_draft, "the other-tokenizer draft")),
+        head=args.head,
+        systems=args.systems,
+        skipped=tuple(skipped),
         prompt_sets=args.prompt_sets or ("write", "edit"),
         prompts_per_set=_given_or(args.prompts, QUICK_PROMPTS if args.quick else FULL_PROMPTS),
         max_tokens=_given_or(args.max_tokens, 128),
         k=max(args.ks) if args.ks else 5,
     )
+
+
+def default_cross_draft() -> str | None:
+    """The registry's SmolLM2-135M-Instruct GGUF file (as fetched, quantized Q4_1), None where it
+    is not fetched."""
+    from specdec.models.registry import REGISTRY, model_file
+
+    entry = REGISTRY[DEFAULT_CROSS_DRAFT]
+    file = model_file(entry)
+    return str(file) if file.is_file() and file.stat().st_size == entry.size else None
 
 
 def _given_or(value, default):
@@ -886,11 +1075,12 @@ def _given_or(value, default):
 def command_line(args) -> str:
     """The `specdec bench --llama-cpp` command that reproduces this run."""
     words = ["specdec", "bench", "--llama-cpp"]
-    for flag in ("model", "draft", "prompts", "max_tokens", "out"):
+    for flag in ("model", "draft", "cross_tokenizer_draft", "head", "prompts", "max_tokens", "out"):
         if getattr(args, flag) is not None:
             words += ["--" + flag.replace("_", "-"), str(getattr(args, flag))]
-    if args.prompt_sets:
-        words += ["--prompt-sets", ",".join(args.prompt_sets)]
+    for flag in ("systems", "prompt_sets"):
+        if getattr(args, flag):
+            words += ["--" + flag.replace("_", "-"), ",".join(getattr(args, flag))]
     if args.ks:
         words += ["--ks", ",".join(map(str, args.ks))]
     if args.quick:
@@ -916,7 +1106,12 @@ def run_llama_cpp_bench(args) -> int:
 
     config = llama_cpp_config(args)
     kinds = CPU_KINDS if cpu_kinds_arg(args) == "both" else (cpu_kinds_arg(args),)
-    inputs = {"--model": config.model, "--draft": config.draft}
+    inputs = {
+        "--model": config.model,
+        "--draft": config.draft,
+        "--cross-tokenizer-draft": config.cross_draft,
+        "--head": config.head,
+    }
     with open_output_dir(
         args.out,
         "bench",

@@ -710,7 +710,8 @@ def llama_cpp_section(kinds: list[dict], title_level: int = 2) -> str:
     h = "#" * title_level
     parts = [
         f"{h} Against llama.cpp\n",
-        f"{h}# Verdict: the fastest of each\n\n{llama_cpp_verdict(kinds)}\n",
+        f"{h}# Verdict: the fastest of each, and the goals\n\n{llama_cpp_verdict(kinds)}\n",
+        *(f"{llama_cpp_goals_text(kind)}\n" for kind in kinds),
         f"{_wrap(LLAMA_CPP_INTRO)}\n",
     ]
     for kind in kinds:
@@ -729,7 +730,12 @@ LLAMA_CPP_INTRO = (
     "÷ n_drafted, specdec's accepted ÷ proposed draft tokens, the same measure; τ: tokens per target forward, "
     "tokens ÷ (tokens − accepted). specdec runs as `LLM` does by default: the file's quantized weights, k "
     "chosen by goodput up to k; llama.cpp drafts k tokens every round. Same text: outputs that agree with "
-    "specdec plain's as far as the shorter goes, of the prompts."
+    "specdec plain's as far as the shorter goes, of the prompts. specdec's drafters: α is accepted ÷ judged "
+    "(the draft tokens the verifier reached), acceptance by position accepted ÷ proposed at each draft "
+    "position, c in rounds the drafter's seconds per draft token asked for (the k of every round summed) ÷ "
+    "specdec plain's seconds per target forward; staged drafts are prompt lookup drafting for the draft "
+    'model (`speculative_model=["[ngram]", DRAFT]`), sharing its weights, the other-tokenizer draft drafts '
+    "through text."
 )
 
 
@@ -742,11 +748,29 @@ def llama_cpp_verdict(kinds: list[dict]) -> str:
     )
 
 
+def llama_cpp_goals_text(kind: dict) -> str:
+    """Issue 29's goals on one CPU kind (goals.py), judged from its rows: a count, the table, what
+    each goal is and how it was judged."""
+    from specdec.tools.benchmark.goals import evaluate_llama_cpp_goals
+
+    goals = evaluate_llama_cpp_goals(kind["rows"])
+    counts = [sum(g["met"] is value for g in goals) for value in (True, False, None)]
+    words = [f"**{counts[0]} of {len(goals)} met**", f"{counts[1]} missed"]
+    if counts[2]:
+        words.append(f"{counts[2]} not measured")
+    line = f"Issue 29's goals, {_cpu_kind_title(kind)}: {', '.join(words)}."
+    details = "\n".join(_bullet(f"{_goal_name(g)}: {g['goal']}. {g['detail']}.") for g in goals)
+    return f"{_wrap(line)}\n\n{goals_table(goals)}\n\n{details}"
+
+
 def llama_cpp_kind_markdown(kind: dict, h: str) -> str:
-    """One CPU kind's measurement: a table per prompt set, and what a verify forward costs."""
+    """One CPU kind's measurement: tables per prompt set, and what a verify forward costs."""
     parts = [f"{h} {_cpu_kind_title(kind)}\n\n{_wrap(_llama_cpp_setup(kind))}\n"]
     for set_name, prompt_set in kind["prompt_sets"].items():
         parts.append(f"{h}# {prompt_set['title']} ({set_name})\n\n{llama_cpp_table(kind, set_name)}\n")
+        drafting = llama_cpp_drafting_text(kind, set_name)
+        if drafting:
+            parts.append(f"{drafting}\n")
     parts.append(f"{h}# What a verify forward costs\n\n{verify_cost_table(kind['verify_cost'])}\n")
     if kind["notes"]:
         parts.append("\n".join(_bullet(note) for note in kind["notes"]) + "\n")
@@ -759,6 +783,7 @@ def llama_cpp_table(kind: dict, set_name: str) -> str:
             r["label"],
             _number(r["tokens_per_s"], 1),
             _times(r["ratio_to_llama_cpp_plain"]),
+            _times(r.get("ratio_to_specdec_plain")),
             _number(r["prompt_tokens_per_s"], 1),
             _number(r["decode_tokens_per_s"], 1),
             _number(r["acceptance"], 2),
@@ -774,6 +799,7 @@ def llama_cpp_table(kind: dict, set_name: str) -> str:
             "system",
             "tok/s",
             "x llama.cpp plain",
+            "x specdec plain",
             "prompt tok/s",
             "decode tok/s",
             "accepted ÷ drafted",
@@ -783,6 +809,40 @@ def llama_cpp_table(kind: dict, set_name: str) -> str:
         ],
         rows,
     )
+
+
+def llama_cpp_drafting_text(kind: dict, set_name: str) -> str:
+    """specdec's drafters on a prompt set: α, acceptance by position and c in the rounds; then
+    the k goodput chose, and a staged drafter's inner rounds ("" where no row drafts)."""
+    rows = [
+        r
+        for r in kind["rows"]
+        if r["prompt_set"] == set_name and r["engine"] == "specdec" and r["method"] != "plain" and "alpha" in r
+    ]
+    if not rows:
+        return ""
+    body = [
+        [
+            r["label"].removeprefix("specdec "),
+            _number(r["alpha"], 2),
+            " ".join(_number(a, 2) for a in r["acceptance_by_position"] or []) or "–",
+            _number(r.get("cost_ratio_in_rounds"), 3),
+        ]
+        for r in rows
+    ]
+    text = table(["specdec drafter", "α", "acceptance by draft position 1, 2, …", "c in rounds"], body, left=(0, 2))
+    notes = [
+        f"k chosen by goodput (k:rounds), {r['label'].removeprefix('specdec ')}: {rounds_by_k_text(r['rounds_by_k'])}."
+        for r in rows
+        if r.get("rounds_by_k")
+    ]
+    notes += [
+        f"{r['label'].removeprefix('specdec ')}, the draft model's inner rounds (prompt lookup drafting for it): "
+        f"α {_number(r['inner_alpha'], 2)}, τ {_number(r['inner_tau'], 2)} tokens per draft-model forward."
+        for r in rows
+        if r.get("inner")
+    ]
+    return text + ("\n\n" + "\n".join(_bullet(note) for note in notes) if notes else "")
 
 
 def _fastest_line(kind: dict, set_name: str) -> str:
@@ -827,6 +887,10 @@ def _cpu_kind_title(kind: dict) -> str:
 def _llama_cpp_setup(kind: dict) -> str:
     config, m = kind["config"], kind["machine"]
     model = Path(config["model"]).name + (f", draft {Path(config['draft']).name}" if config["draft"] else "")
+    if config.get("cross_draft"):
+        model += f", other-tokenizer draft {Path(config['cross_draft']).name}"
+    if config.get("head"):
+        model += f", EAGLE head {Path(config['head']).name}"
     sets = ", ".join(f"{len(s['prompts'])} {name}" for name, s in kind["prompt_sets"].items())
     text = (
         f"{m['date']}; {m['cores']} cores, {kind['threads']} threads each; torch {m['torch']} (instruction set "
