@@ -166,15 +166,7 @@ class StagedDrafter(DraftModelDrafter):
             views = [_view(seq, token_ids[row, : drawn[row]].tolist()) for seq, row in zip(seqs, rows)]
             needs = [ks[row] - drawn[row] for row in rows]
             inner = self._inner_round(seqs, views, needs, sampling.select_rows(index))
-            # each row's new tokens into its next columns: [R, k'+1] -> the batch's [B, K]
-            columns = torch.tensor([drawn[row] for row in rows], device=device)[:, None] + torch.arange(
-                inner.tokens.shape[1], device=device
-            )  # [R, k'+1]
-            new = columns < (columns[:, :1] + inner.num_tokens[:, None])  # [R, k'+1]
-            target_rows = index[:, None].expand_as(columns)
-            token_ids[target_rows[new], columns[new]] = inner.tokens[new]
-            if probs is not None and inner.probs is not None:
-                probs[target_rows[new], columns[new]] = inner.probs[new]
+            _place(inner, index, [drawn[row] for row in rows], token_ids, probs)
             for row, n in zip(rows, inner.num_tokens.tolist()):
                 drawn[row] += n
         return Draft(token_ids, torch.tensor(ks, device=device), probs)
@@ -298,7 +290,9 @@ class StagedDrafter(DraftModelDrafter):
         num_confirmed, drafts = self.fed.get(seq.slot, (0, []))
         return min(num_confirmed + _common_prefix(drafts, tokens[num_confirmed:]), len(tokens) - 1)
 
-    def _record_fed(self, seqs: list[Sequence], views: list[Sequence], drafts: torch.Tensor, num_draft: torch.Tensor):
+    def _record_fed(
+        self, seqs: list[Sequence], views: list[Sequence], drafts: torch.Tensor, num_draft: torch.Tensor
+    ) -> None:
         """After an inner round the model's cache holds each view whole, then the row's drafts:
         on the sequence of length L, its first L tokens and then the view's after them and the
         drafts."""
@@ -313,6 +307,21 @@ class StagedDrafter(DraftModelDrafter):
         input_ids = torch.zeros(batch_size, num_tokens, dtype=torch.long, device=device)  # [B, T]
         positions = start + torch.arange(num_tokens, device=device).expand(batch_size, num_tokens)  # [B, T]
         self.runner(ForwardBatch.of(input_ids, positions, range(batch_size)))
+
+
+def _place(
+    inner: InnerRound, rows: torch.Tensor, starts: list[int], token_ids: torch.Tensor, probs: torch.Tensor | None
+) -> None:
+    """An inner round's new tokens [R, k'+1] (and distributions) into the round's draft token_ids
+    [B, K] (probs [B, K, V]): row i's into row rows[i], from column starts[i] on."""
+    width = inner.tokens.shape[1]
+    offsets = torch.arange(width, device=token_ids.device)  # [k'+1]
+    columns = torch.tensor(starts, device=token_ids.device)[:, None] + offsets  # [R, k'+1]
+    new = offsets[None, :] < inner.num_tokens[:, None]  # [R, k'+1]: the row's accepted and final tokens
+    batch_rows = rows[:, None].expand_as(columns)  # [R, k'+1]
+    token_ids[batch_rows[new], columns[new]] = inner.tokens[new]
+    if probs is not None and inner.probs is not None:
+        probs[batch_rows[new], columns[new]] = inner.probs[new]
 
 
 def _view(seq: Sequence, drawn: list[int]) -> Sequence:
