@@ -444,16 +444,8 @@ def run_train_heads(args) -> int:
     return 0
 
 
-EAGLE1_ONLY = (
-    "corpus",
-    "feature_weight",
-    "token_weight",
-    "feature_noise",
-    "on_policy_fraction",
-    "sample_temperatures",
-    "prompt_tokens",
-    "target_dtype",
-)
+# the flags that shape an EAGLE-1 head's training only (--eagle3 refuses them)
+EAGLE1_ONLY = ("corpus", *(name for name in HEADS_FIELDS if name not in ("context", "output_vocab")))
 EAGLE3_FIELDS = {
     "context": "context",
     "output_vocab": "output_vocab",
