@@ -461,7 +461,8 @@ class SpeculativeConfig:
     draft_quantization: str | None = setting(
         "auto",
         "the draft model's weights: auto (a GGUF file's quantized tensors as they are, anything else as "
-        "loaded), none (dequantize a GGUF file), int8 or int4 (weight-only, CPU only)",
+        "loaded), none (dequantize a GGUF file), int8 or int4 (weight-only, CPU only; for an EAGLE head, "
+        "its own linear layers)",
         "--draft-quantization",
         parse=quantization_from_arg,
         choices=QUANTIZATION_ARGS,

@@ -81,6 +81,24 @@ def test_greedy_eagle3_equals_target_alone(dirs):
     assert token_ids(chosen) == expected
 
 
+@pytest.mark.parametrize("form", ["int8", "int4"])
+def test_a_quantized_head_drafts_and_keeps_the_targets_output(dirs, form):
+    """draft_quantization int8 / int4: the head's linear layers weight-only quantized (its
+    target's rows stay as they are); the output is still the target's own."""
+    from specdec.models.quantized_linear import Int4Linear, Int8Linear
+
+    prompts = random_prompts(3, seed=23)
+    expected = token_ids(LLM(str(dirs["target4"]), dtype="float32").generate(prompts, GREEDY))
+    llm = eagle3(dirs, 3, draft_quantization=form)
+    head = llm.engine.drafter.head  # pyright: ignore[reportAttributeAccessIssue, reportOptionalMemberAccess]
+    assert isinstance(head.layers[0].mlp.down_proj, (Int8Linear, Int4Linear)) and isinstance(
+        head.fuse, (Int8Linear, Int4Linear)
+    )
+    outputs = llm.generate(prompts, GREEDY)
+    assert token_ids(outputs) == expected
+    assert sum(o.metrics.num_draft_tokens for o in outputs) > 0
+
+
 def test_an_eagle3_head_reads_the_fused_outputs_of_its_target_layers(dirs, monkeypatch):
     """The features an EAGLE-3 head is fed are fuse([h_0 ; h_1 ; h_2]) of the target's layers 0, 1
     and 2 (transformers' hidden states after those layers) at the positions fed."""
@@ -163,12 +181,12 @@ def test_what_is_not_a_head_is_refused_by_name(dirs, tmp_path):
         LLM(str(dirs["target"]), speculative_model=str(broken), speculative_method="eagle", dtype="float32")
     with pytest.raises(ValueError, match="needs speculative_model"):
         LLM(str(dirs["target"]), speculative_method="eagle")
-    with pytest.raises(ValueError, match="an EAGLE head runs unquantized"):
+    with pytest.raises(ValueError, match="draft_quantization must be"):
         LLM(
             str(dirs["target"]),
             speculative_model=str(dirs["head"]),
             speculative_method="eagle",
-            draft_quantization="int8",
+            draft_quantization="int3",
             dtype="float32",
         )
     assert json.loads((dirs["head"] / HEAD_CONFIG).read_text())["format"] == "specdec-eagle-head"

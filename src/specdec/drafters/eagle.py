@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import torch
 
+from specdec.config import requantization
 from specdec.drafters.base import Draft, Drafter
 from specdec.drafters.steps import DraftSteps
 from specdec.drafters.tree_growth import TreeGrowth
@@ -25,6 +26,7 @@ from specdec.models.cpu_linear import can_pack, pack_linears
 from specdec.models.eagle import EagleHead, load_head
 from specdec.models.gguf_linear import GGUFLinear
 from specdec.models.loader import LoadedModel
+from specdec.models.quantized_linear import check_quantization, quantize_linears
 from specdec.sampling import SamplingTensors
 from specdec.sequence import Sequence
 from specdec.tree import TreeShape
@@ -51,12 +53,12 @@ class EagleDrafter(Drafter):
 
     @classmethod
     def from_config(cls, spec, target: LoadedModel, target_runner: ModelRunner) -> EagleDrafter:
-        """Load the head in spec.model for this target, in spec.draft_dtype ("auto": the target's)."""
-        if spec.draft_quantization not in (None, "auto"):
-            raise ValueError(
-                "draft_quantization applies to a draft model; an EAGLE head runs unquantized "
-                "(it is one layer: drop draft_quantization)"
-            )
+        """Load the head in spec.model for this target, in spec.draft_dtype ("auto": the target's);
+        spec.draft_quantization "int8" / "int4": its linear layers weight-only quantized (a cheaper
+        drafting step: they are most of the bytes it reads)."""
+        quantization = check_quantization(
+            requantization(spec.draft_quantization), target_runner.device, "draft_quantization"
+        )
         dtype = target_runner.dtype if spec.draft_dtype == "auto" else getattr(torch, spec.draft_dtype)
         if dtype != target_runner.dtype:
             raise ValueError(
@@ -72,11 +74,13 @@ class EagleDrafter(Drafter):
             output_layer = lm_head.rows(head.output_token_ids)
         elif head.config.output_vocab_size:
             output_layer = head.output_layer(lm_head)
-        if can_pack(dtype, target_runner.device):  # bf16 on a CPU that has it: the runner's eager layout
+        if quantization is not None:
+            quantize_linears(head, quantization)
+        elif can_pack(dtype, target_runner.device):  # bf16 on a CPU that has it: the runner's eager layout
             pack_linears(head)
-            if isinstance(output_layer, torch.nn.Linear):
-                output_layer = torch.nn.Sequential(output_layer)
-                pack_linears(output_layer)
+        if can_pack(dtype, target_runner.device) and isinstance(output_layer, torch.nn.Linear):
+            output_layer = torch.nn.Sequential(output_layer)  # the target's rows in bf16: packed as it is
+            pack_linears(output_layer)
         return cls(head, target_runner.eager_model(), spec.draft_confidence_threshold, output_layer)
 
     def reserve(self, max_batch: int, max_len: int, num_forwards: int = 0) -> None:
