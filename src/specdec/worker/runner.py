@@ -168,12 +168,6 @@ class ModelRunner:
     def config(self):
         return self.model.config
 
-    @property
-    def feature_layers(self) -> tuple[int, ...]:
-        """The layers whose outputs forwards give as features (return_hidden); (): the final normed
-        hidden states (LlamaModel.forward)."""
-        return self.model.feature_layers
-
     def set_feature_layers(self, layers: tuple[int, ...]) -> None:
         """Make forwards with return_hidden give the outputs of these layers, side by side (a
         drafter's ask, before any work is prepared: the compiled graphs are traced for it)."""

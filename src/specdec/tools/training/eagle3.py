@@ -53,6 +53,8 @@ from specdec.models.eagle import HEAD_CONFIG, HEAD_WEIGHTS, EagleHead, eagle3_fe
 from specdec.models.loader import LoadedModel, load_pretrained
 from specdec.platform import cpu_model
 from specdec.tools.training.corpus import HELD_OUT_DIRECTORY
+from specdec.tools.training.distill import frequent_share, frequent_tokens
+from specdec.tools.training.heads import HEAD_RUN_ENTRIES, _plain
 from specdec.tools.training.loop import Task, TrainConfig, log, train_loop
 from specdec.tools.training.model_card import command_line
 from specdec.tools.training.train import (
@@ -71,7 +73,6 @@ FEATURES_FORMAT = "specdec-eagle3-features"
 FEATURES_MANIFEST = "features.json"
 SPLITS = {"train": "train", "held_out": HELD_OUT_DIRECTORY}
 MIN_CONTEXT = 32  # a window's queries per step must outnumber the attention kernel's (autograd-free) rows
-HEAD_RUN_ENTRIES = (HEAD_CONFIG, HEAD_WEIGHTS, "README.md", "training_log.json", f"{CHECKPOINT_DIR}/*")
 
 
 @dataclass(frozen=True)
@@ -492,14 +493,9 @@ def tau_estimate(agreements: list[float]) -> float:
 # --- the run -----------------------------------------------------------------------------------
 
 
-def scored_tokens(arrays: FeatureArrays, vocab_size: int, output_vocab: int, always: tuple[int, ...]) -> torch.Tensor:
-    """The output_vocab token ids most frequent among the training answers' tokens (and
-    `always`), ascending."""
-    answers = arrays.token_ids[1:][arrays.answer_next[:-1]].long()
-    counts = torch.bincount(answers, minlength=vocab_size).float()
-    counts[list(always)] = float("inf")
-    chosen = counts.topk(min(output_vocab, vocab_size)).indices
-    return chosen.sort().values
+def answer_tokens(arrays: FeatureArrays) -> torch.Tensor:
+    """The answer tokens of the stored documents [N'] (the tokens after positions marked answer_next)."""
+    return arrays.token_ids[1:][arrays.answer_next[:-1]].long()
 
 
 def train_eagle3(
@@ -541,9 +537,11 @@ def train_eagle3(
         shape = head_config(target_config, eagle3.output_vocab, eagle3.intermediate_size)
         head = initialise(EagleHead(shape, layers), 1, config.seed).to(config.device)
         if eagle3.output_vocab:
-            ids = scored_tokens(train, target_config.vocab_size, eagle3.output_vocab, tuple(target.eos_token_ids))
+            answers = answer_tokens(train)
+            count = min(eagle3.output_vocab, target_config.vocab_size)
+            ids = frequent_tokens(answers, target_config.vocab_size, count, always=tuple(target.eos_token_ids))
             head.output_token_ids.copy_(ids)
-            share = float(torch.isin(train.token_ids[1:][train.answer_next[:-1]].long(), ids).float().mean())
+            share = frequent_share(answers, ids)
             log(f"the head scores {len(ids):,} tokens: {share:.1%} of the training answers' tokens")
         identity = {
             "kind": KIND,
@@ -676,7 +674,3 @@ def write_eagle3_card(directory: Path, record: dict, name: str) -> None:
         "",
     ]
     (directory / "README.md").write_text("\n".join(lines))
-
-
-def _plain(value):
-    return json.loads(json.dumps(value))
