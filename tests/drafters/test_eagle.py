@@ -81,19 +81,20 @@ def test_greedy_eagle3_equals_target_alone(dirs):
     assert token_ids(chosen) == expected
 
 
-@pytest.mark.parametrize("form", ["int8", "int4"])
-def test_a_quantized_head_drafts_and_keeps_the_targets_output(dirs, form):
-    """draft_quantization int8 / int4: the head's linear layers weight-only quantized (its
-    target's rows stay as they are); the output is still the target's own."""
-    from specdec.models.quantized_linear import Int4Linear, Int8Linear
+@pytest.mark.parametrize("form, kind", [("int8", "Q8_0"), ("int4", "Q4_0")])
+def test_a_quantized_head_drafts_and_keeps_the_targets_output(dirs, form, kind):
+    """draft_quantization int8 / int4: the head's linear layers in GGUF's Q8_0 / Q4_0 on the GGUF
+    kernels, its decoder layer one C++ call (its target's rows stay as they are); the output is
+    still the target's own."""
+    from specdec.models.gguf_layer import GGUFDecoderLayer
+    from specdec.models.gguf_linear import GGUFLinear
 
     prompts = random_prompts(3, seed=23)
     expected = token_ids(LLM(str(dirs["target4"]), dtype="float32").generate(prompts, GREEDY))
     llm = eagle3(dirs, 3, draft_quantization=form)
     head = llm.engine.drafter.head  # pyright: ignore[reportAttributeAccessIssue, reportOptionalMemberAccess]
-    assert isinstance(head.layers[0].mlp.down_proj, (Int8Linear, Int4Linear)) and isinstance(
-        head.fuse, (Int8Linear, Int4Linear)
-    )
+    assert isinstance(head.layers[0], GGUFDecoderLayer)
+    assert isinstance(head.fuse, GGUFLinear) and head.fuse.parts[0].kind == kind
     outputs = llm.generate(prompts, GREEDY)
     assert token_ids(outputs) == expected
     assert sum(o.metrics.num_draft_tokens for o in outputs) > 0

@@ -18,7 +18,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from test_distribution import DIMS, NUM_DRAWS, SETTINGS, VOCAB, assert_follows, continuation_logits, exact_distributions
+from test_distribution import DIMS, SETTINGS, VOCAB, assert_follows, continuation_logits, exact_distributions
 
 from helpers import load_hf, random_prompts, save_random_head, save_tiny_model, token_ids
 from specdec import LLM, SamplingParams, SpecStats
@@ -84,6 +84,7 @@ def inner_stats(llm: LLM) -> SpecStats:
     return drafter.stats
 
 
+STAGED_DRAWS = 40_000  # copies of one prompt in each chi-square test
 PROMPTS = random_prompts(5, seed=29, lengths=(3, 12), vocab=VOCAB)  # ragged
 MAX_TOKENS = (24, 17, 30, 9, 21)
 
@@ -163,7 +164,7 @@ def test_a_seeded_request_gets_the_same_tokens_alone_or_batched_beside_greedy_ro
 def test_sampled_staged_output_follows_the_target(models, stages, setting):
     """max_tokens 4, k 3: after the prefill's token, the first round verifies two staged draft
     tokens (the inner stage drafts the first for the draft model, which judges it), then a
-    recovered or bonus token. Over 100,000 copies of one prompt (the target's own greedy
+    recovered or bonus token. Over 40,000 copies of one prompt (the target's own greedy
     continuation of one token) the four tokens follow their exact marginals and the first three
     their exact joint; drafts were accepted and rejected at both levels."""
     T, V = 4, VOCAB
@@ -174,10 +175,10 @@ def test_sampled_staged_output_follows_the_target(models, stages, setting):
             prompt.append(int(target(torch.tensor([prompt])).logits[0, -1].argmax()))
     joints = exact_distributions(continuation_logits(target, prompt, T), SETTINGS[setting])
     llm = staged_llm(
-        models, stages, num_speculative_tokens=3, speculative_k_policy="fixed", max_num_seqs=NUM_DRAWS, seed=2900
+        models, stages, num_speculative_tokens=3, speculative_k_policy="fixed", max_num_seqs=STAGED_DRAWS, seed=2900
     )
     params = SamplingParams(max_tokens=T, ignore_eos=True, **SETTINGS[setting])
-    outputs = llm.generate([prompt] * NUM_DRAWS, params)
+    outputs = llm.generate([prompt] * STAGED_DRAWS, params)
     tokens = np.array([out.outputs[0].token_ids for out in outputs])  # [N, 4]
     accepted = sum(out.metrics.num_accepted_tokens for out in outputs)
     judged = sum(out.metrics.num_judged_tokens for out in outputs)

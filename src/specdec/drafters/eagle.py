@@ -24,13 +24,16 @@ from specdec.drafters.tree_growth import TreeGrowth
 from specdec.kv_cache import CacheRows, KVCache, TreeAttention, ragged_batch
 from specdec.models.cpu_linear import can_pack, pack_linears
 from specdec.models.eagle import EagleHead, load_head
-from specdec.models.gguf_linear import GGUFLinear
+from specdec.models.gguf_linear import GGUFLinear, runs_gguf_kernels
+from specdec.models.gguf_requantize import quantize_into_gguf_kernels
 from specdec.models.loader import LoadedModel
-from specdec.models.quantized_linear import check_quantization, quantize_linears
+from specdec.models.quantized_linear import check_quantization
 from specdec.sampling import SamplingTensors
 from specdec.sequence import Sequence
 from specdec.tree import TreeShape
 from specdec.worker import ModelRunner
+
+HEAD_QUANTIZATION_TYPES = {"int8": "Q8_0", "int4": "Q4_0"}  # draft_quantization -> the GGUF type a head takes
 
 
 class EagleDrafter(Drafter):
@@ -54,11 +57,14 @@ class EagleDrafter(Drafter):
     @classmethod
     def from_config(cls, spec, target: LoadedModel, target_runner: ModelRunner) -> EagleDrafter:
         """Load the head in spec.model for this target, in spec.draft_dtype ("auto": the target's);
-        spec.draft_quantization "int8" / "int4": its linear layers weight-only quantized (a cheaper
-        drafting step: they are most of the bytes it reads)."""
-        quantization = check_quantization(
-            requantization(spec.draft_quantization), target_runner.device, "draft_quantization"
-        )
+        spec.draft_quantization "int8" / "int4": its linear layers quantized into GGUF's Q8_0 / Q4_0
+        blocks and run on the GGUF kernels, its decoder layer in one C++ call (a drafting step of
+        one row is mostly per-op cost and the bytes of those layers: docs/training.md); "auto":
+        int8 for a target that runs on those kernels itself (a GGUF file), else as loaded."""
+        quantization = spec.draft_quantization
+        if quantization == "auto" and runs_gguf_kernels(target.model):
+            quantization = "int8"
+        quantization = check_quantization(requantization(quantization), target_runner.device, "draft_quantization")
         dtype = target_runner.dtype if spec.draft_dtype == "auto" else getattr(torch, spec.draft_dtype)
         if dtype != target_runner.dtype:
             raise ValueError(
@@ -75,7 +81,7 @@ class EagleDrafter(Drafter):
         elif head.config.output_vocab_size:
             output_layer = head.output_layer(lm_head)
         if quantization is not None:
-            quantize_linears(head, quantization)
+            quantize_into_gguf_kernels(head, HEAD_QUANTIZATION_TYPES[quantization])
         elif can_pack(dtype, target_runner.device):  # bf16 on a CPU that has it: the runner's eager layout
             pack_linears(head)
         if can_pack(dtype, target_runner.device) and isinstance(output_layer, torch.nn.Linear):

@@ -2,7 +2,7 @@
 
 GGUFDecoderLayer holds the same submodules (and so the same names and function) as llama.
 DecoderLayer, with its norms and the MLP's gate fused into the quantized products (gguf_model.
-_fuse_into_kernels). A forward of up to FLOAT32_ATTENTION_MAX_QUERIES tokens over the cache on
+fuse_into_kernels). A forward of up to FLOAT32_ATTENTION_MAX_QUERIES tokens over the cache on
 the CPU (a decode step, a verify forward) goes to kernels/layer.cpp's DecoderLayerPlan: norm,
 q/k/v, RoPE, the cache write, attention (each query alone, as Attention does for such forwards),
 the output projection, the MLP and both residual adds, with no Python op between them. In the

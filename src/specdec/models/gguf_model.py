@@ -57,12 +57,12 @@ def build_quantized_model(
     if left_on_meta:
         raise ModelLoadError(f"{path}: tensors {left_on_meta[:3]} were not loaded")
     for i, layer in enumerate(model.layers):  # DecoderLayers (ModuleList yields Modules)
-        _fuse_into_kernels(layer)  # pyright: ignore[reportArgumentType]
+        fuse_into_kernels(layer)  # pyright: ignore[reportArgumentType]
         model.layers[i] = fused_layer(layer)  # pyright: ignore[reportArgumentType]
     return model.eval().requires_grad_(False)
 
 
-def _fuse_into_kernels(layer: DecoderLayer) -> None:
+def fuse_into_kernels(layer: DecoderLayer) -> None:
     """Give a decoder layer's quantized matrices the work around them: each RMSNorm goes into the
     one matrix that reads its output (q/k/v after input_layernorm, gate/up after
     post_attention_layernorm) and the MLP's gate into its down projection. The layer computes the
