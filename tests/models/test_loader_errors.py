@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import shutil
 import struct
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -380,6 +381,18 @@ BROKEN = [
         )
         for id_, shapes in WRONG_SHAPES.items()
     ],
+    # config.json's layer count against the checkpoint's tensors, checked before a model is built
+    Broken(
+        "config_claims_a_million_layers",
+        config(num_hidden_layers=10**6),
+        ("num_hidden_layers is 1000000", "2 layers (0 to 1)", "config.json"),
+    ),
+    Broken("config_claims_fewer_layers", config(num_hidden_layers=1), ("num_hidden_layers is 1", "2 layers (0 to 1)")),
+    Broken(
+        "checkpoint_missing_a_whole_layer",
+        weights(lambda tensors: [tensors.pop(name) for name in list(tensors) if name.startswith("model.layers.0.")]),
+        ("num_hidden_layers is 2", "layers 1"),
+    ),
     # the same problem from the other side: config.json says intermediate_size 96
     Broken(
         "config_disagrees_with_weights", config(intermediate_size=96), ("mlp", AnyOf((("(128, 64)",), ("(64, 128)",))))
@@ -462,6 +475,17 @@ def test_a_broken_model_is_a_clear_error(case, good, workdir, request):
         return
     message = load_error(model, **options)
     assert all(says(message, fragment, names) for fragment in case.says), message
+
+
+def test_a_config_claiming_a_million_layers_fails_at_once(good, workdir):
+    """Refused from the tensors' names before anything is built (it used to build for minutes)."""
+    path = workdir / "model"
+    shutil.copytree(good, path)
+    edit_config(path, num_hidden_layers=10**6)
+    start = time.perf_counter()
+    message = load_error(path)
+    assert time.perf_counter() - start < 2.0
+    assert "num_hidden_layers is 1000000" in message
 
 
 def test_the_table_names_each_case_once():

@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+import re
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -34,6 +35,7 @@ SUPPORTED_ARCHITECTURES = {
     "Qwen3ForCausalLM": "qwen3",
 }
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+LAYER_TENSOR = re.compile(r"model\.layers\.(\d+)\.")  # a decoder layer's tensor, in Hugging Face names
 DTYPES = torch_dtypes()
 
 
@@ -102,6 +104,7 @@ def _load_gguf(
     if checkpoint.packed:
         from specdec.models.gguf_model import build_quantized_model
 
+        check_layer_count(config, [*checkpoint.weights, *checkpoint.packed], path)
         model = build_quantized_model(config, checkpoint.weights, checkpoint.packed, torch_dtype, path)
     else:
         model = build_model(config, checkpoint.weights, torch_dtype, torch.device(device), path)
@@ -364,6 +367,7 @@ def build_model(
             del given["lm_head.weight"]  # some tied checkpoints store the shared matrix twice
         else:  # a head of its own: transformers then leaves them untied, and so do we
             config = dataclasses.replace(config, tie_word_embeddings=False)
+    check_layer_count(config, list(given), path)
     with torch.device("meta"):
         model = LlamaModel(config)
     expected = {name: tuple(t.shape) for name, t in to_hf(model).items()}
@@ -391,6 +395,31 @@ def build_model(
         model.lm_head.weight = model.embed_tokens.weight
     model.inv_freq = rope_inverse_frequencies(config).to(device)
     return model.eval().requires_grad_(False)
+
+
+def check_layer_count(config: ModelConfig, names: list[str], path: Path) -> None:
+    """Refuse a config whose num_hidden_layers is not the layers the checkpoint's tensors (names,
+    Hugging Face's) hold, before a model of that many layers is built: a config claiming a
+    million layers would otherwise build for minutes before its tensors were found missing."""
+    layers = sorted({int(match.group(1)) for name in names if (match := LAYER_TENSOR.match(name))})
+    if layers == list(range(config.num_layers)):
+        return
+    config_file = "its metadata (block_count)" if path.is_file() else "config.json"  # a GGUF file, or a directory
+    raise ModelLoadError(
+        f"{path}: {config_file} says num_hidden_layers is {config.num_layers}, but the checkpoint holds "
+        f"the tensors of {_layer_list(layers)}; the config is not this checkpoint's: set num_hidden_layers "
+        "to the checkpoint's, or re-download the model"
+    )
+
+
+def _layer_list(layers: list[int]) -> str:
+    """Sorted layer numbers in words: '24 layers (0 to 23)', 'layers 0, 1, 3', 'no layer'."""
+    if not layers:
+        return "no layer"
+    if layers == list(range(len(layers))):
+        return f"{len(layers)} layer{'s' if len(layers) > 1 else ''} (0 to {layers[-1]})"
+    shown = ", ".join(map(str, layers[:8])) + (f", ... ({len(layers)} in all)" if len(layers) > 8 else "")
+    return f"layers {shown}"
 
 
 def _check_finite(
