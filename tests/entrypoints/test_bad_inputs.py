@@ -481,3 +481,13 @@ def test_generate_with_a_k_beyond_the_context_says_why(model_dir, capsys):
         == 2
     )
     assert "error: -k 1000 is more than the model's context length" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("value", ["inf", "1e300", "nan", "0", "-2"])
+def test_a_kv_cache_memory_that_is_no_size_is_refused_before_loading(value, tmp_path, capsys):
+    """`--kv-cache-memory inf` or `1e300` crashed with a traceback (int(inf)); the model here does
+    not exist, so the flag is checked before anything is loaded."""
+    assert main(["serve", str(tmp_path / "no_model"), "--kv-cache-memory", value]) == 2
+    err = capsys.readouterr().err
+    assert "--kv-cache-memory must be a number of GB above 0 and at most 1e9 (leave it out for no limit" in err
+    assert f"got {float(value)}" in err and "Traceback" not in err

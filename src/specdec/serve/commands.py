@@ -152,8 +152,11 @@ def _check_arguments(args) -> None:
             raise ValueError(f"{flag} must be at least {least}, got {value}")
     if args.max_model_len is not None and args.max_model_len < 2:
         raise ValueError(f"--max-model-len must be at least 2, got {args.max_model_len}")
-    if args.kv_cache_memory is not None and not args.kv_cache_memory > 0:
-        raise ValueError(f"--kv-cache-memory must be a positive number of GB, got {args.kv_cache_memory}")
+    if args.kv_cache_memory is not None and not 0 < args.kv_cache_memory <= 1e9:  # 1e9 GB: more than any machine's
+        raise ValueError(
+            f"--kv-cache-memory must be a number of GB above 0 and at most 1e9 (leave it out for no limit but "
+            f"the free memory), got {args.kv_cache_memory}"
+        )
     if args.shutdown_timeout < 0:
         raise ValueError(f"--shutdown-timeout must be >= 0, got {args.shutdown_timeout}")
     if args.api_key is not None and not args.api_key.strip():
