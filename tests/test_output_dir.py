@@ -262,11 +262,18 @@ def test_a_failed_run_leaves_nothing_unless_it_wrote_something(tmp_path):
             raise RuntimeError("failed before writing")
     assert list(tmp_path.iterdir()) == []
 
-    with pytest.raises(KeyboardInterrupt):
+    with pytest.raises(KeyboardInterrupt):  # empty directories alone are nothing to resume from
         with open_output_dir(tmp_path / "out", "train") as output:
             (output.staging / "checkpoint").mkdir()
             raise KeyboardInterrupt
-    assert (tmp_path / "out.incomplete" / "checkpoint").is_dir() and not (tmp_path / "out").exists()
+    assert list(tmp_path.iterdir()) == []
+
+    with pytest.raises(KeyboardInterrupt):
+        with open_output_dir(tmp_path / "out", "train") as output:
+            (output.staging / "checkpoint").mkdir()
+            (output.staging / "checkpoint" / "last.pt").write_bytes(b"a checkpoint")
+            raise KeyboardInterrupt
+    assert (tmp_path / "out.incomplete" / "checkpoint" / "last.pt").is_file() and not (tmp_path / "out").exists()
 
 
 def test_staging_directories_not_of_this_command_are_left_alone(tmp_path):

@@ -50,7 +50,7 @@ REPLACED_SUFFIX = ".replaced"  # where commit() moves the old final directory un
 STAGING_MARKER = ".specdec-incomplete.json"  # {"command": ..., "out": ..., "resumable": ...}
 NAME_MAX = 255  # the longest file name Linux file systems take
 FULL_DISK_ERRNOS = (errno.ENOSPC, errno.EDQUOT)  # no space left, or the user's quota spent
-FULL_DISK_WORDS = ("No space left on device", "os error 28", "Disk quota exceeded")
+FULL_DISK_WORDS = ("No space left on device", "os error 28", "[Errno 28]", "Disk quota exceeded", "[Errno 122]")
 NEARLY_FULL_BYTES = 64 * 1024 * 1024  # less free than this, and a write that failed for no stated cause is the disk's
 FAILED_WRITE_WORDS = ("unexpected pos", "file write failed", "I/O error", "iostream error")  # torch's, safetensors'
 
@@ -115,11 +115,16 @@ class OutputDir:
         self.lock.close()
 
     def discard_if_empty(self) -> bool:
-        """Remove the staging directory if the run wrote nothing there; whether it did."""
-        if self.staging.is_dir() and [p.name for p in self.staging.iterdir()] == [STAGING_MARKER]:
-            shutil.rmtree(self.staging)
-            return True
-        return False
+        """Remove the staging directory if the run wrote no file there (a run stopped before its
+        first checkpoint leaves the empty directory it was to go in); whether it did."""
+        if not self.staging.is_dir():
+            return False
+        marker = self.staging / STAGING_MARKER
+        written = [p for p in self.staging.rglob("*") if p != marker and not _is_real_dir(p)]
+        if written:
+            return False
+        shutil.rmtree(self.staging)
+        return True
 
     def clear_staging(self) -> None:
         """Start the staging directory afresh (a run that does not resume)."""
@@ -343,6 +348,10 @@ def _read_marker(marker: Path) -> dict:
 
 def _some(names: list[str], limit: int = 4) -> str:
     return ", ".join(names[:limit]) + (f" and {len(names) - limit} more" if len(names) > limit else "")
+
+
+def _is_real_dir(path: Path) -> bool:
+    return path.is_dir() and not path.is_symlink()
 
 
 def _remove(path: Path) -> None:

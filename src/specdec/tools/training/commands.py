@@ -8,7 +8,8 @@ The model a command starts from comes first, positionally, as in every subcomman
 TARGET, the earlier spelling, is still taken).
 
 Flags left out take the defaults of TrainConfig / DistillConfig / HeadsConfig / the preset, so each
-default lives in one place. Progress goes to stderr, the final summary to stdout.
+default lives in one place. Progress goes to stderr, the final summary to stdout. A run stopped by
+Ctrl-C or a full disk says in one line what it kept (its last checkpoint) and how to go on.
 """
 
 from __future__ import annotations
@@ -16,6 +17,9 @@ from __future__ import annotations
 import argparse
 import math
 import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
 
 from specdec.model_flags import add_model_argument, require_model
 from specdec.tools.training.train import PRESETS, model_shape
@@ -367,15 +371,16 @@ def run_train(args) -> int:
         raise ValueError("--tokenizer brings its vocabulary (and its model's vocab_size); drop --vocab-size")
     shape = None if args.init is not None else _shape(args)
     try:
-        result = train(
-            args.out,
-            shape,
-            _train_config(args),
-            corpus_path=args.corpus,
-            tokenizer_dir=args.tokenizer,
-            init_dir=args.init,
-            **_output_options(args),
-        )
+        with _full_disk_said(args, "train"):
+            result = train(
+                args.out,
+                shape,
+                _train_config(args),
+                corpus_path=args.corpus,
+                tokenizer_dir=args.tokenizer,
+                init_dir=args.init,
+                **_output_options(args),
+            )
     except KeyboardInterrupt:
         return _interrupted(args)
     print(_summary(result, "held_out_loss", args.out))
@@ -404,16 +409,17 @@ def run_distill(args) -> int:
     distill_config = DistillConfig(**_given(args, DISTILL_FIELDS))
     shape = None if args.init is not None else _shape(args)
     try:
-        result = distill(
-            args.target,
-            args.out,
-            shape,
-            _train_config(args),
-            distill_config,
-            corpus_path=args.corpus,
-            init_dir=args.init,
-            **_output_options(args),
-        )
+        with _full_disk_said(args, "distill"):
+            result = distill(
+                args.target,
+                args.out,
+                shape,
+                _train_config(args),
+                distill_config,
+                corpus_path=args.corpus,
+                init_dir=args.init,
+                **_output_options(args),
+            )
     except KeyboardInterrupt:
         return _interrupted(args)
     print(_summary(result, "held_out_alpha", args.out))
@@ -434,9 +440,15 @@ def run_train_heads(args) -> int:
         )
     heads_config = HeadsConfig(**_given(args, HEADS_FIELDS))
     try:
-        result = train_heads(
-            args.target, args.out, _train_config(args), heads_config, corpus_path=args.corpus, **_output_options(args)
-        )
+        with _full_disk_said(args, "train-heads"):
+            result = train_heads(
+                args.target,
+                args.out,
+                _train_config(args),
+                heads_config,
+                corpus_path=args.corpus,
+                **_output_options(args),
+            )
     except KeyboardInterrupt:
         return _interrupted(args)
     print(_summary(result, "held_out_greedy_agreement", args.out, made="head"))
@@ -466,15 +478,16 @@ def _run_train_eagle3(args) -> int:
         raise ValueError(f"{', '.join(given)} shape an EAGLE-1 head's training; drop them with --eagle3")
     values = {field: getattr(args, flag) for flag, field in EAGLE3_FIELDS.items() if getattr(args, flag) is not None}
     try:
-        result = train_eagle3(
-            args.target,
-            args.data,
-            args.out,
-            _train_config(args),
-            Eagle3Config(**values),
-            args.features,
-            **_output_options(args),
-        )
+        with _full_disk_said(args, "train-heads"):
+            result = train_eagle3(
+                args.target,
+                args.data,
+                args.out,
+                _train_config(args),
+                Eagle3Config(**values),
+                args.features,
+                **_output_options(args),
+            )
     except KeyboardInterrupt:
         return _interrupted(args)
     print(_summary(result, "held_out_tau_estimate", args.out, made="head"))
@@ -483,10 +496,7 @@ def _run_train_eagle3(args) -> int:
 
 def _interrupted(args) -> int:
     """Ctrl-C: a line on what was kept and how to go on, instead of a traceback."""
-    from specdec.tools.training.loop import CHECKPOINT_FILE
-    from specdec.tools.training.train import checkpoint_dirs
-
-    found = next((d / CHECKPOINT_FILE for d in checkpoint_dirs(args.out) if (d / CHECKPOINT_FILE).is_file()), None)
+    found = _last_checkpoint(args)
     if found is None:
         message = (
             "interrupted before this run's first checkpoint (--checkpoint-every); nothing was kept, and "
@@ -498,6 +508,34 @@ def _interrupted(args) -> int:
         message = f"interrupted; rerun the same command to resume from the last checkpoint, {found}"
     print(f"\n{message}", file=sys.stderr)
     return 130
+
+
+def _last_checkpoint(args) -> Path | None:
+    """The checkpoint a rerun of the command would resume from, if there is one."""
+    from specdec.tools.training.loop import CHECKPOINT_FILE
+    from specdec.tools.training.train import checkpoint_dirs
+
+    return next((d / CHECKPOINT_FILE for d in checkpoint_dirs(args.out) if (d / CHECKPOINT_FILE).is_file()), None)
+
+
+@contextmanager
+def _full_disk_said(args, command: str) -> Iterator[None]:
+    """A run stopped by a full disk: one line (a DiskFullError, which cli.py prints) saying where,
+    how much is free, and the checkpoint it kept, if any."""
+    from specdec.output_dir import said_when_disk_full, staging_path
+
+    def kept() -> str:
+        found = _last_checkpoint(args)
+        if found is None:
+            return (
+                "nothing was kept (the run stopped before its first checkpoint, --checkpoint-every): free "
+                "some space and rerun the command, which starts over"
+            )
+        how = " without --restart" if args.restart else ""
+        return f"kept the last checkpoint, {found}: free some space and rerun the command{how} to resume from it"
+
+    with said_when_disk_full(staging_path(args.out), f"the `specdec {command}` run", kept):
+        yield
 
 
 def _shape(args):

@@ -21,6 +21,7 @@ arbitrary pickled objects.
 from __future__ import annotations
 
 import contextlib
+import errno
 import math
 import os
 import sys
@@ -33,6 +34,7 @@ from typing import Any
 import torch
 
 from specdec.config import check, check_device, is_int, is_real
+from specdec.output_dir import is_disk_full
 
 CHECKPOINT_FILE = "last.pt"
 CHECKPOINT_FORMAT = 1
@@ -301,9 +303,28 @@ def save_checkpoint(
         "torch_rng": torch.get_rng_state(),
         "state": asdict(state),
     }
-    temporary = checkpoint_dir / (CHECKPOINT_FILE + ".tmp")
-    torch.save(checkpoint, temporary)
-    os.replace(temporary, checkpoint_dir / CHECKPOINT_FILE)
+    save_atomically(checkpoint, checkpoint_dir / CHECKPOINT_FILE)
+
+
+def save_atomically(data: dict, file: Path) -> None:
+    """torch.save data to file through a temporary file, renamed into place once whole; a write
+    that fails removes the temporary file (the file keeps its earlier contents), and one that
+    failed for want of space is said as an OSError ENOSPC, which torch.save's own error ("unexpected
+    pos") is not: told while the partial file still holds its space."""
+    temporary = file.with_name(file.name + ".tmp")
+    try:
+        with open(temporary, "wb") as stream:  # a stream, not a path: its OSError is the error's context
+            torch.save(data, stream)
+        os.replace(temporary, file)
+    except Exception as e:
+        full = is_disk_full(e, file.parent)
+        temporary.unlink(missing_ok=True)
+        if full:
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(temporary)) from e
+        raise
+    except BaseException:
+        temporary.unlink(missing_ok=True)
+        raise
 
 
 def restore(
