@@ -648,3 +648,41 @@ def test_the_flags_build_the_speculative_config_llm_takes(model_dir):
     )
     with pytest.raises(ValueError, match="--ngram-min sets prompt lookup, which --draft alone does not use"):
         config("--draft", "D", "--ngram-min", "2")
+
+
+@pytest.mark.parametrize(
+    "model, name",
+    [
+        ("smollm2", "smollm2"),  # a registered model, by name
+        ("/home/u/.cache/specdec/models/smollm2/hf", "smollm2"),  # where `specdec fetch` converts it
+        ("/cache/models/smollm2/hf/", "smollm2"),  # under another SPECDEC_CACHE
+        (
+            "/c/models/qwen2.5-coder-1.5b-instruct/qwen2.5-coder-1.5b-instruct-q4_k_m.gguf",
+            "qwen2.5-coder-1.5b-instruct",
+        ),
+        ("models/code-target/", "code-target"),  # a directory of one's own
+        ("/data/llama-3.2-1b.Q4_0.gguf", "llama-3.2-1b.Q4_0.gguf"),  # a file of one's own
+        ("/data/other/hf", "hf"),  # not where a fetch puts one: the directory's name, as given
+    ],
+)
+def test_the_served_name_is_the_one_the_user_knows(model, name):
+    """The model's name in the API when --served-model-name is not given: a registered model's
+    name, by that name or at its fetched path (never `hf`), else the directory's or file's."""
+    from specdec.serve.commands import default_served_name
+
+    assert default_served_name(model) == name
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["serve", "--served-model-name", "a", "M"], "--served-model-name took ['a', 'M'] as names; give MODEL first"),
+        (["serve", "M", "--served-model-name", " "], "--served-model-name [' ']: a name is empty"),
+        (["serve", "M", "--max-request-bytes", "0"], "--max-request-bytes must be at least 1, got 0"),
+    ],
+)
+def test_bad_serve_flags_are_one_clear_line(argv, message, capsys):
+    """Refused before the model is read (M does not exist)."""
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error:") and message in err and "Traceback" not in err

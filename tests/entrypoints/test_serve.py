@@ -2,12 +2,16 @@
 client (and raw HTTP for what the client will not send): completions and chat, streamed and
 not, greedy float32 outputs identical to LLM.generate offline; a client that disconnects
 mid-stream frees its slot; every bad request gets an OpenAI-style error and the server keeps
-serving; the API key; a full queue answers 429; SIGTERM ends it with exit code 0."""
+serving; the API key; a full queue answers 429; SIGTERM ends it with exit code 0. And what a
+hostile client tried (issue 30): a body too large for the server is a 413 at once, a long prompt
+holds up no other client, a lone surrogate is a 400, an unknown model a 404, requests still
+running past --shutdown-timeout hear why they end."""
 
 from __future__ import annotations
 
 import json
 import signal
+import threading
 import time
 from pathlib import Path
 
@@ -28,13 +32,16 @@ CHAT_TEMPLATE = (
 )
 CONTEXT = 2048
 MODEL = "tiny"
+ALIAS = "tiny-alias"  # the model's second name (--served-model-name MODEL ALIAS)
 
 
 class Server(ServerProcess):
-    """specdec serve on the tiny model, float32, eager, served as MODEL."""
+    """specdec serve on the tiny model, float32, eager, served as MODEL (and ALIAS), unless
+    names says otherwise (() for the default name)."""
 
-    def __init__(self, args: list[str], log_path: Path, env: dict | None = None):
-        super().__init__([*args, "--served-model-name", MODEL, "--compile", "off", "--dtype", "float32"], log_path, env)
+    def __init__(self, args: list[str], log_path: Path, env: dict | None = None, names=(MODEL, ALIAS)):
+        named = ["--served-model-name", *names] if names else []
+        super().__init__([*args, "--compile", "off", "--dtype", "float32", *named], log_path, env)
 
     def client(self, api_key: str = "none", **options) -> openai.OpenAI:
         return openai.OpenAI(base_url=f"{self.url}/v1", api_key=api_key, max_retries=0, **options)
@@ -76,7 +83,6 @@ def offline(dirs):
 
 def test_completions_are_what_generate_gives_offline(server, offline):
     client = server.client()
-    assert [m.id for m in client.models.list().data] == [MODEL]
     for prompt, max_tokens in (("def add(a, b):", 30), ("class Point:\n", 12)):
         want = offline.generate(prompt, SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True))[0]
         got = client.completions.create(
@@ -294,7 +300,6 @@ BAD_REQUESTS = [
     ("max_tokens negative", {"model": MODEL, "prompt": "hi", "max_tokens": -3}, "max_tokens"),
     ("temperature < 0", {"model": MODEL, "prompt": "hi", "temperature": -0.5}, "temperature"),
     ("top_p 0", {"model": MODEL, "prompt": "hi", "top_p": 0}, "top_p"),
-    ("unknown model", {"model": "gpt-5", "prompt": "hi"}, "model"),
     ("prompt too long", {"model": MODEL, "prompt": "def add(a, b): " * 600, "max_tokens": 4}, None),
     ("max_tokens past the context", {"model": MODEL, "prompt": "hi", "max_tokens": CONTEXT}, None),
     ("n > 1", {"model": MODEL, "prompt": "hi", "n": 2}, "n"),
@@ -322,7 +327,7 @@ def test_bad_requests_get_openai_errors_and_the_server_goes_on(server, name, bod
     if param is not None:
         assert error["param"] == param, error
     with pytest.raises(openai.BadRequestError):  # the client sees it as OpenAI's own
-        server.client().completions.create(model="gpt-5", prompt="hi")
+        server.client().completions.create(model=MODEL, prompt="hi", n=2)
     ok = server.client().completions.create(model=MODEL, prompt="def", max_tokens=3)
     assert ok.usage.completion_tokens >= 1
 
@@ -341,6 +346,167 @@ def test_chat_bad_requests(server):
     assert httpx.post(f"{server.url}/v1/nothing", json={}).status_code == 404
 
 
+def test_the_model_goes_by_each_of_its_names_and_an_unknown_one_is_a_404(server):
+    """/v1/models lists every --served-model-name; a request may give any, and the response
+    carries the first, as in vLLM; a request that names no model gets the one served, as in
+    vLLM; a model not served is OpenAI's 404 model_not_found, for completions and chat."""
+    client = server.client()
+    assert [m.id for m in client.models.list().data] == [MODEL, ALIAS]
+    assert client.completions.create(model=ALIAS, prompt="def", max_tokens=2).model == MODEL
+    unnamed = httpx.post(f"{server.url}/v1/completions", json={"prompt": "def", "max_tokens": 2})
+    assert unnamed.status_code == 200 and unnamed.json()["model"] == MODEL
+    for create in (
+        lambda: client.completions.create(model="gpt-5", prompt="hi"),
+        lambda: client.chat.completions.create(model="gpt-5", messages=[{"role": "user", "content": "hi"}]),
+    ):
+        with pytest.raises(openai.NotFoundError, match="gpt-5") as caught:
+            create()
+        assert (caught.value.code, caught.value.param, caught.value.type) == (
+            "model_not_found",
+            "model",
+            "invalid_request_error",
+        )
+
+
+SURROGATES = [  # (route, body as JSON text: \udc00 is a lone surrogate once parsed, where it is)
+    (
+        "chat/completions",
+        '{"model": "tiny", "messages": [{"role": "user", "content": "hi\\udc00"}]}',
+        "messages[0].content",
+    ),
+    (
+        "chat/completions",
+        '{"model": "tiny", "messages": [{"role": "us\\udc00er", "content": "hi"}]}',
+        "messages[0].role",
+    ),
+    (
+        "chat/completions",
+        '{"model": "tiny", "messages": [{"role": "user", "content": [{"type": "text", "text": "\\ud800"}]}]}',
+        "messages[0].content[0].text",
+    ),
+    ("completions", '{"model": "tiny", "prompt": "hi\\udc00"}', "prompt"),
+    ("completions", '{"model": "tiny", "prompt": "hi", "stop": ["\\udfff"]}', "stop[0]"),
+]
+
+
+@pytest.mark.parametrize("route, body, where", SURROGATES, ids=[where for _, _, where in SURROGATES])
+def test_a_lone_surrogate_is_a_400_that_says_where(server, route, body, where):
+    """Text no tokenizer can take (the chat routes answered 500), refused with its place. The
+    openai client cannot send it (it encodes the body as UTF-8): raw HTTP."""
+    response = httpx.post(
+        f"{server.url}/v1/{route}", content=body.encode(), headers={"Content-Type": "application/json"}
+    )
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert error["message"].startswith(f"{where} is not valid text: it holds a lone surrogate"), error
+    assert (error["type"], error["param"]) == ("invalid_request_error", where.split("[")[0])
+    chat = server.client().chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=2
+    )
+    assert chat.usage.completion_tokens >= 1  # and it still serves
+
+
+class HealthWatch:
+    """While it is open, a thread asks /health again and again; slowest: the longest answer."""
+
+    def __init__(self, url: str):
+        self.url, self.slowest, self.answers = url, 0.0, 0
+        self._done = threading.Event()
+        self._thread = threading.Thread(target=self._watch)
+
+    def _watch(self) -> None:
+        while not self._done.is_set():
+            start = time.monotonic()
+            assert httpx.get(f"{self.url}/health", timeout=120).status_code == 200
+            self.slowest, self.answers = max(self.slowest, time.monotonic() - start), self.answers + 1
+            self._done.wait(0.02)
+
+    def __enter__(self):
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._done.set()
+        self._thread.join()
+
+
+def test_an_oversize_body_is_a_413_and_a_long_prompt_holds_up_no_other_client(server):
+    """A 10 MB body (the server takes 2 MB at this context) is refused with a 413 before it is
+    read, whether it says its length or comes in chunks; a 1 MB prompt within the limit is
+    tokenized in a thread (seconds, for the tiny model's tokenizer) and refused for the context.
+    All the while /health answers within a second: it used to wait 7-39 s."""
+    client = server.client()
+    with HealthWatch(server.url) as health:
+        with pytest.raises(openai.APIStatusError) as caught:
+            client.completions.create(model=MODEL, prompt="def add(a, b): " * 700_000, max_tokens=4)
+        assert caught.value.status_code == 413 and caught.value.code == "request_too_large"
+        assert "more than this server takes (2,000,000 bytes, --max-request-bytes)" in caught.value.message
+        chunks = (b"[" + b"5, " * 10_000 for _ in range(500))  # no Content-Length: sent chunked
+        response = httpx.post(
+            f"{server.url}/v1/completions", content=chunks, headers={"Content-Type": "application/json"}
+        )
+        assert response.status_code == 413 and response.json()["error"]["code"] == "request_too_large"
+        with pytest.raises(openai.BadRequestError, match="context length"):
+            client.chat.completions.create(
+                model=MODEL, messages=[{"role": "user", "content": "def add(a, b): " * 70_000}], max_tokens=4
+            )
+    assert health.answers >= 3 and health.slowest < 1.0, (health.answers, health.slowest)
+
+
+def test_requests_running_past_the_shutdown_timeout_hear_why_they_end(dirs, tmp_path):
+    """Served from where `specdec fetch` puts smollm2 (.../smollm2/hf) with no name given: the
+    API calls the model smollm2, never hf. SIGTERM with --shutdown-timeout 0 while two streams
+    and a whole completion run: each stream ends with an OpenAI error event, then data: [DONE];
+    the completion is a 503 in OpenAI's shape (it was a plain-text 500); the server exits 0."""
+    fetched = tmp_path / "smollm2" / "hf"
+    fetched.parent.mkdir()
+    fetched.symlink_to(dirs["target"], target_is_directory=True)
+    server = Server([str(fetched), "--max-num-seqs", "3", "--shutdown-timeout", "0"], tmp_path / "server.log", names=())
+    try:
+        client = server.client()
+        assert [m.id for m in client.models.list().data] == ["smollm2"]
+        body = {"model": "smollm2", "prompt": "def", "max_tokens": CONTEXT - 8, "temperature": 0}
+        errors: dict[str, Exception] = {}
+
+        def run(kind: str) -> None:
+            try:
+                if kind == "stream":
+                    list(client.completions.create(**body, stream=True, extra_body={"ignore_eos": True}))
+                else:
+                    client.completions.create(**body, extra_body={"ignore_eos": True})
+            except openai.APIError as e:
+                errors[kind] = e
+
+        threads = [threading.Thread(target=run, args=(kind,)) for kind in ("stream", "whole")]
+        for thread in threads:
+            thread.start()
+        with httpx.stream(
+            "POST", f"{server.url}/v1/completions", json={**body, "ignore_eos": True, "stream": True}, timeout=60
+        ) as response:
+            lines = response.iter_lines()
+            next(line for line in lines if line.startswith("data:"))
+            deadline = time.monotonic() + 30
+            while server.metric("num_requests_running") < 3 and time.monotonic() < deadline:
+                time.sleep(0.05)
+            assert server.metric("num_requests_running") == 3
+            server.process.send_signal(signal.SIGTERM)
+            events = [line.removeprefix("data: ") for line in lines if line]
+        for thread in threads:
+            thread.join(timeout=60)
+        assert events[-1] == "[DONE]"
+        error = json.loads(events[-2])["error"]
+        assert (error["type"], error["code"]) == ("server_error", "shutting_down") and "shutting down" in error[
+            "message"
+        ]
+        assert isinstance(errors["stream"], openai.APIError) and "shutting down" in errors["stream"].message
+        whole = errors["whole"]
+        assert isinstance(whole, openai.InternalServerError) and whole.status_code == 503
+        assert whole.code == "shutting_down" and whole.response.headers["content-type"] == "application/json"
+        assert server.process.wait(timeout=60) == 0, server.output()
+    finally:
+        server.stop()
+
+
 def test_api_key_full_queue_and_sigterm(dirs, tmp_path):
     """One slot and no waiting room: a second request while one streams gets 429 with
     Retry-After; a key is needed for /v1 (from SPECDEC_API_KEY); SIGTERM with a request in
@@ -355,9 +521,15 @@ def test_api_key_full_queue_and_sigterm(dirs, tmp_path):
             server.client().models.list()
         with pytest.raises(openai.AuthenticationError):
             server.client(api_key="wrong").models.list()
-        assert httpx.get(f"{server.url}/health").status_code == 200  # open, as are the metrics
+        headers = {"Authorization": "Bearer sesame"}
+        for path in ("/health", "/metrics"):  # open, for probes and scrapers, as in vLLM
+            assert httpx.get(f"{server.url}{path}").status_code == 200
+        for path in ("/docs", "/redoc", "/openapi.json", "/v1/nothing"):  # the rest asks for the key
+            refused = httpx.get(f"{server.url}{path}")
+            assert refused.status_code == 401 and refused.json()["error"]["code"] == "invalid_api_key", path
+            assert httpx.get(f"{server.url}{path}", headers=headers).status_code == (404 if "nothing" in path else 200)
         client = server.client(api_key="sesame")
-        assert [m.id for m in client.models.list().data] == [MODEL]
+        assert [m.id for m in client.models.list().data] == [MODEL, ALIAS]
         body = {
             "model": MODEL,
             "prompt": "def",
@@ -366,7 +538,6 @@ def test_api_key_full_queue_and_sigterm(dirs, tmp_path):
             "ignore_eos": True,
             "stream": True,
         }
-        headers = {"Authorization": "Bearer sesame"}
         with httpx.stream("POST", f"{server.url}/v1/completions", json=body, headers=headers, timeout=60) as response:
             lines = response.iter_lines()
             next(line for line in lines if line.startswith("data:"))

@@ -6,18 +6,24 @@
     GET  /health                200 while the engine runs
     GET  /metrics               Prometheus text (prom.py)
 
+With an API key, every route but /health and /metrics asks for it (middleware.py); a body over
+the size limit is a 413 before it is read (middleware.BodyLimit). Prompts are tokenized in a
+thread, so that a long one holds up no other client.
+
 `stream: true` answers with Server-Sent Events, one chunk per engine step that brought new
 text, then (with stream_options.include_usage) a usage chunk, then `data: [DONE]`. Errors
 answer in OpenAI's shape (protocol.APIError), from validation to a full queue (429 with
-Retry-After); nothing a request sends stops the server.
+Retry-After) and a model this server does not serve (404 model_not_found); nothing a request
+sends stops the server. Past --shutdown-timeout after SIGTERM the engine stops (commands.py):
+a request still running gets a 503, a stream an error event and then `data: [DONE]`.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import hmac
 import json
+import logging
 import time
 from collections.abc import AsyncGenerator, Sequence
 from dataclasses import dataclass
@@ -31,6 +37,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from specdec.outputs import RequestOutput
 from specdec.serve.async_engine import AsyncEngine, EngineStopped, QueueFull
+from specdec.serve.middleware import APIKeyCheck, BodyLimit
 from specdec.serve.protocol import (
     APIError,
     ChatCompletionRequest,
@@ -43,26 +50,38 @@ from specdec.serve.protocol import (
     completion_chunk,
     completion_logprobs,
     completion_response,
+    lone_surrogate,
     model_list,
     new_id,
     usage,
 )
 
+log = logging.getLogger("specdec")
+
 RETRY_AFTER_SECONDS = 1
+DEFAULT_MAX_REQUEST_BYTES = 2_000_000  # TGI's --payload-limit; commands.py raises it for long contexts
 DISCONNECT_POLL_SECONDS = 0.25  # how often a non-streaming request checks that its client is still there
 
 
 @dataclass
 class ServerState:
+    """What the routes serve. served_names: the model's names in the API (--served-model-name),
+    the first the one responses carry; a request may name any of them."""
+
     async_engine: AsyncEngine
-    model_name: str
+    served_names: list[str]
     max_model_len: int
     api_key: str | None = None
+    max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES
     created: int = 0
 
     @property
     def llm(self):
         return self.async_engine.llm
+
+    @property
+    def model_name(self) -> str:
+        return self.served_names[0]
 
     def token_text(self, token_id: int) -> str:
         """A token as logprobs name it: its string in the vocabulary ("Ġthe", as vLLM returns it:
@@ -83,7 +102,8 @@ def build_app(state: ServerState) -> FastAPI:
     state.created = state.created or int(time.time())
     _add_error_handlers(app)
 
-    if state.api_key is not None:
+    app.add_middleware(BodyLimit, max_bytes=state.max_request_bytes)
+    if state.api_key is not None:  # added last, so it runs first: no key, no body read
         app.add_middleware(APIKeyCheck, api_key=state.api_key)
 
     @app.get("/health")
@@ -96,13 +116,13 @@ def build_app(state: ServerState) -> FastAPI:
 
     @app.get("/v1/models")
     async def models() -> dict:
-        return model_list(state.model_name, state.created, state.max_model_len)
+        return model_list(state.served_names, state.created, state.max_model_len)
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, raw: Request):
         _check_common(state, body)
         prompts = _prompt_list(body.prompt)
-        requests = [_prepare(state, body, prompt, body.max_tokens) for prompt in prompts]
+        requests = [await asyncio.to_thread(_prepare, state, body, prompt, body.max_tokens) for prompt in prompts]
         request_id = new_id("cmpl")
         streams = [
             state.async_engine.generate(
@@ -131,12 +151,9 @@ def build_app(state: ServerState) -> FastAPI:
     async def chat_completions(body: ChatCompletionRequest, raw: Request):
         _check_common(state, body)
         messages = [{"role": m.role, "content": m.text()} for m in body.messages]
-        try:
-            prompt_ids = state.llm.chat_token_ids(messages, body.add_generation_prompt)
-        except ValueError as e:
-            raise APIError(400, str(e), param="messages") from None
+        prompt_ids = await asyncio.to_thread(_chat_token_ids, state, messages, body.add_generation_prompt)
         max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
-        _, ids, params = _prepare(state, body, prompt_ids, max_tokens)
+        _, ids, params = await asyncio.to_thread(_prepare, state, body, prompt_ids, max_tokens)
         request_id = new_id("chatcmpl")
         stream = state.async_engine.generate(request_id, ids, params, stream_text=body.stream)
         (first,) = await _first_outputs([stream])
@@ -159,40 +176,21 @@ def build_app(state: ServerState) -> FastAPI:
     return app
 
 
-class APIKeyCheck:
-    """Requests to /v1 must carry 'Authorization: Bearer <api_key>', else 401. Plain ASGI (not
-    BaseHTTPMiddleware, which hides a client's disconnect from the route)."""
-
-    def __init__(self, app, api_key: str):
-        self.app = app
-        self.expected = f"Bearer {api_key}".encode()
-
-    async def __call__(self, scope, receive, send):
-        if scope["type"] == "http" and scope["path"].startswith("/v1"):
-            given = dict(scope["headers"]).get(b"authorization", b"")
-            if not hmac.compare_digest(given, self.expected):
-                error = APIError(
-                    401,
-                    "missing or wrong API key: send the header 'Authorization: Bearer <key>'",
-                    type="authentication_error",
-                    code="invalid_api_key",
-                )
-                await JSONResponse(error.body(), status_code=401)(scope, receive, send)
-                return
-        await self.app(scope, receive, send)
-
-
 # --- checking requests -------------------------------------------------------------------------------
 
 
 def _check_common(state: ServerState, body: SamplingFields) -> None:
-    if body.model != state.model_name:
+    if body.model is not None and body.model not in state.served_names:
         raise APIError(
-            400,
-            f"the model {body.model!r} is not served here; this server serves {state.model_name!r} (GET /v1/models)",
+            404,
+            f"the model {body.model!r} does not exist here; this server serves "
+            f"{' or '.join(map(repr, state.served_names))} (GET /v1/models)",
             param="model",
             code="model_not_found",
         )
+    bad_text = lone_surrogate(body.model_dump())
+    if bad_text is not None:
+        raise bad_text
     if body.n != 1:
         raise APIError(
             400,
@@ -220,13 +218,15 @@ def _prompt_list(prompt) -> list:
 
 def _prepare(state: ServerState, body: SamplingFields, prompt, max_tokens: int | None):
     """(prompt, its token ids, SamplingParams) for one prompt of the request; max_tokens None:
-    as many as the context leaves. Bad values raise a 400 that names them."""
+    as many as the context leaves. Bad values raise a 400 that names them. It tokenizes (a
+    long prompt takes seconds): the routes run it in a thread."""
     try:
+        tokens = prompt  # the prompt, as text or as token ids once tokenized
         if max_tokens is None:
-            prompt_ids = state.llm.prompt_token_ids(prompt, body.sampling_params(1))
-            max_tokens = max(1, state.max_model_len - len(prompt_ids))
+            tokens = state.llm.prompt_token_ids(prompt, body.sampling_params(1))
+            max_tokens = max(1, state.max_model_len - len(tokens))
         params = body.sampling_params(max_tokens)
-        prompt_ids = state.llm.prompt_token_ids(prompt, params)
+        prompt_ids = state.llm.prompt_token_ids(tokens, params)
     except ValueError as e:
         raise APIError(400, str(e), param=_named_field(str(e), body)) from None
     if len(prompt_ids) + params.max_tokens > state.max_model_len:
@@ -239,6 +239,13 @@ def _prepare(state: ServerState, body: SamplingFields, prompt, max_tokens: int |
             code="context_length_exceeded",
         )
     return prompt, prompt_ids, params
+
+
+def _chat_token_ids(state: ServerState, messages: list[dict], add_generation_prompt: bool) -> list[int]:
+    try:
+        return state.llm.chat_token_ids(messages, add_generation_prompt)
+    except ValueError as e:
+        raise APIError(400, str(e), param="messages") from None
 
 
 def _named_field(message: str, body: SamplingFields) -> str | None:
@@ -259,9 +266,23 @@ async def _first_outputs(streams: list[AsyncGenerator[RequestOutput, None]]) -> 
         return cast("list[RequestOutput]", results)
     for stream in streams:
         await stream.aclose()
-    error = errors[0]
+    raise _told(errors[0])
+
+
+def _told(error: BaseException) -> BaseException:
+    """The error to raise for one a request's stream raised: as the client is told of it
+    (_api_error), or as it is where it is no Exception (a cancellation)."""
+    return _api_error(error) if isinstance(error, Exception) else error
+
+
+def _api_error(error: Exception) -> APIError:
+    """What the client is told of an error a request's stream raised (AsyncEngine.generate): a
+    full queue is a 429, a stopping engine a 503, a refused request a 400, a failed step or
+    anything unforeseen a 500 (logged, with its traceback)."""
+    if isinstance(error, APIError):
+        return error
     if isinstance(error, QueueFull):
-        raise APIError(
+        return APIError(
             429,
             str(error),
             type="rate_limit_error",
@@ -269,10 +290,13 @@ async def _first_outputs(streams: list[AsyncGenerator[RequestOutput, None]]) -> 
             headers={"Retry-After": str(RETRY_AFTER_SECONDS)},
         )
     if isinstance(error, EngineStopped):
-        raise APIError(503, str(error), type="server_error", code="shutting_down")
+        return APIError(503, str(error), type="server_error", code="shutting_down")
     if isinstance(error, ValueError):
-        raise APIError(400, str(error))
-    raise error
+        return APIError(400, str(error))
+    if isinstance(error, RuntimeError):  # AsyncEngine's word for a failed step (logged there)
+        return APIError(500, str(error), type="server_error")
+    log.error("a request failed", exc_info=error)
+    return APIError(500, f"internal error: {type(error).__name__}: {error}", type="server_error")
 
 
 async def _until_finished(raw: Request, streams, firsts: list[RequestOutput]) -> list[list[RequestOutput]]:
@@ -290,6 +314,9 @@ async def _until_finished(raw: Request, streams, firsts: list[RequestOutput]) ->
         while True:
             done, _ = await asyncio.wait({task}, timeout=DISCONNECT_POLL_SECONDS)
             if done:
+                error = task.exception()
+                if error is not None:
+                    raise _told(error)
                 return task.result()
             if await raw.is_disconnected():
                 raise APIError(499, "the client closed the connection")
@@ -355,9 +382,8 @@ def _sse(events: AsyncGenerator[dict, None]) -> StreamingResponse:
         try:
             async for event in events:
                 yield f"data: {json.dumps(event, ensure_ascii=False)}\n\n"
-        except (EngineStopped, RuntimeError) as e:
-            error = APIError(503 if isinstance(e, EngineStopped) else 500, str(e), type="server_error")
-            yield f"data: {json.dumps(error.body())}\n\n"
+        except Exception as e:  # the engine failed or is stopping: an error event, then [DONE]
+            yield f"data: {json.dumps(_api_error(e).body())}\n\n"
         finally:
             await events.aclose()
         yield "data: [DONE]\n\n"

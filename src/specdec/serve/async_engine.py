@@ -33,7 +33,11 @@ class QueueFull(Exception):
 
 
 class EngineStopped(Exception):
-    """The server is shutting down: no new requests."""
+    """The server is shutting down: no new requests, and (past --shutdown-timeout) no more
+    tokens for those still running."""
+
+
+SHUTTING_DOWN = "the server is shutting down; send the request again (to another server, or once it is back)"
 
 
 class AsyncEngine:
@@ -71,13 +75,14 @@ class AsyncEngine:
         self._thread.start()
 
     async def stop(self) -> None:
-        """Abort whatever still runs or waits, and end the thread."""
+        """Abort whatever still runs or waits, and end the thread. Each request hears at once
+        (EngineStopped), not after the step the thread may be in; stopping twice is stopping once."""
         self._stopping = True
         self._wake.set()
+        for stream in list(self._streams.values()):
+            stream.put_nowait(EngineStopped(SHUTTING_DOWN))
         if self._thread is not None:
             await asyncio.to_thread(self._thread.join)
-        for stream in list(self._streams.values()):
-            stream.put_nowait(EngineStopped("the server is shutting down"))
 
     async def generate(
         self,
@@ -91,7 +96,7 @@ class AsyncEngine:
         carries its new text; else the last carries it all). Raises QueueFull (nothing queued),
         EngineStopped, or the engine's ValueError for a request it refuses."""
         if self._stopping:
-            raise EngineStopped("the server is shutting down")
+            raise EngineStopped(SHUTTING_DOWN)
         if self._num_unfinished >= self.num_slots + self.max_waiting:
             raise QueueFull(
                 f"{self._num_unfinished} requests are running or waiting, the most this server takes "

@@ -5,7 +5,8 @@
         -d '{"model": "code-target", "prompt": "def fib(n):", "max_tokens": 64, "temperature": 0}'
 
 SIGTERM or Ctrl-C: the server stops taking connections, lets the requests in flight finish for
-up to --shutdown-timeout seconds, aborts the rest, and exits 0.
+up to --shutdown-timeout seconds, then stops the engine, which tells the rest (a 503, or an error
+event and `data: [DONE]` on a stream), and exits 0.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ log = logging.getLogger("specdec")
 
 DEFAULT_MAX_NUM_SEQS = 64
 DEFAULT_MAX_PREFILL_TOKENS = 2048  # vLLM's default max_num_batched_tokens
+REQUEST_BYTES_PER_TOKEN = 32  # the default body limit's room per token of context, past 2 MB
 
 
 def add_serve_parser(commands) -> None:
@@ -41,7 +43,13 @@ def add_serve_parser(commands) -> None:
         default=os.environ.get("SPECDEC_API_KEY"),
         help="clients must send 'Authorization: Bearer KEY' (default: $SPECDEC_API_KEY; none: open)",
     )
-    p.add_argument("--served-model-name", help="the model's name in the API (default: MODEL's directory or file name)")
+    p.add_argument(
+        "--served-model-name",
+        nargs="+",
+        metavar="NAME",
+        help="the model's names in the API, as in vLLM: requests may give any, responses carry the first "
+        "(default: a registered model's name, else MODEL's directory or file name)",
+    )
     p.add_argument(
         "--max-num-seqs",
         type=int,
@@ -75,6 +83,12 @@ def add_serve_parser(commands) -> None:
         "if it must (default: no limit but the free memory)",
     )
     p.add_argument(
+        "--max-request-bytes",
+        type=int,
+        help="the largest request body taken, in bytes; a larger one is answered 413 before it is read "
+        f"(default: 2,000,000, or {REQUEST_BYTES_PER_TOKEN} per token of --max-model-len where that is more)",
+    )
+    p.add_argument(
         "--shutdown-timeout",
         type=float,
         default=10.0,
@@ -94,10 +108,16 @@ def run_serve(args: argparse.Namespace) -> int:
     import uvicorn
 
     from specdec.model_flags import make_llm, require_model
-    from specdec.serve.app import ServerState, build_app
+    from specdec.serve.app import DEFAULT_MAX_REQUEST_BYTES, ServerState, build_app
     from specdec.serve.async_engine import AsyncEngine
     from specdec.serve.prom import ServerMetrics
+    from specdec.serve.server import SHUTDOWN_GRACE_SECONDS, Server
 
+    if not args.model and args.served_model_name and len(args.served_model_name) > 1:
+        raise ValueError(
+            f"serve needs a model: --served-model-name took {args.served_model_name} as names; give MODEL "
+            "first: specdec serve MODEL --served-model-name NAME ..."
+        )
     require_model(args, "serve")
     _check_arguments(args)
     llm = make_llm(args, max_num_seqs=args.max_num_seqs)
@@ -109,7 +129,8 @@ def run_serve(args: argparse.Namespace) -> int:
     budget = None if args.kv_cache_memory is None else int(args.kv_cache_memory * 1e9)
     with torch.inference_mode():
         num_slots = llm.engine.prepare_to_serve(max_model_len, budget, args.max_prefill_tokens)
-    name = args.served_model_name or Path(str(args.model).rstrip("/")).name
+    names = args.served_model_name or [default_served_name(args.model)]
+    name = names[0]
     spec = llm.speculative_config
     log.info(
         "serving %s on http://%s:%d: %s, %d requests at once, %d tokens each",
@@ -121,23 +142,44 @@ def run_serve(args: argparse.Namespace) -> int:
         max_model_len,
     )
     metrics = ServerMetrics(name)
-    state = ServerState(AsyncEngine(llm, metrics, args.max_waiting), name, max_model_len, api_key=args.api_key)
+    max_request_bytes = args.max_request_bytes or max(
+        DEFAULT_MAX_REQUEST_BYTES, REQUEST_BYTES_PER_TOKEN * max_model_len
+    )
+    state = ServerState(
+        AsyncEngine(llm, metrics, args.max_waiting),
+        names,
+        max_model_len,
+        api_key=args.api_key,
+        max_request_bytes=max_request_bytes,
+    )
     config = uvicorn.Config(
         build_app(state),
         host=args.host,
         port=args.port,
         log_level=args.log_level,
-        timeout_graceful_shutdown=args.shutdown_timeout,
+        timeout_graceful_shutdown=args.shutdown_timeout + SHUTDOWN_GRACE_SECONDS,
     )
     # uvicorn shuts down gracefully on SIGTERM, then raises the signal again against the handler
     # that was there before it: a no-op one makes a SIGTERM'd server exit 0, as a finished one
     signal.signal(signal.SIGTERM, _stopped)
-    uvicorn.Server(config).run()  # returns after SIGTERM / SIGINT, once the app has shut down
+    Server(config, state.async_engine, args.shutdown_timeout).run()  # returns once the app has shut down
     return 0
 
 
 def _stopped(signum, frame) -> None:
     """SIGTERM after uvicorn's graceful shutdown: nothing left to do."""
+
+
+def default_served_name(model: str) -> str:
+    """The name a user knows the model by: a registered model's name (`specdec fetch`), given as
+    the name or as the path the fetch put it at, else the directory's or file's name."""
+    from specdec.models.registry import REGISTRY
+
+    path = Path(str(model).rstrip("/"))
+    entry = REGISTRY.get(path.parent.name)
+    if entry is not None and path.name in (entry.file_name, entry.converted):
+        return entry.name
+    return path.name
 
 
 def _check_arguments(args) -> None:
@@ -157,6 +199,10 @@ def _check_arguments(args) -> None:
             f"--kv-cache-memory must be a number of GB above 0 and at most 1e9 (leave it out for no limit but "
             f"the free memory), got {args.kv_cache_memory}"
         )
+    if args.served_model_name is not None and not all(name.strip() for name in args.served_model_name):
+        raise ValueError(f"--served-model-name {args.served_model_name}: a name is empty; give names with letters")
+    if args.max_request_bytes is not None and args.max_request_bytes < 1:
+        raise ValueError(f"--max-request-bytes must be at least 1, got {args.max_request_bytes}")
     if args.shutdown_timeout < 0:
         raise ValueError(f"--shutdown-timeout must be >= 0, got {args.shutdown_timeout}")
     if args.api_key is not None and not args.api_key.strip():

@@ -8,6 +8,7 @@ shapes, built by the functions below. Every error is one shape:
 
 from __future__ import annotations
 
+import re
 import time
 import uuid
 
@@ -47,7 +48,7 @@ class SamplingFields(BaseModel):
 
     model_config = ConfigDict(extra="allow")  # the API grows fields; unknown ones are ignored, as vLLM does
 
-    model: str
+    model: str | None = None  # None: the served model, as vLLM takes it
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = -1
@@ -274,17 +275,47 @@ def chat_chunk(
     return chunk
 
 
-def model_list(model: str, created: int, max_model_len: int) -> dict:
+def model_list(names: list[str], created: int, max_model_len: int) -> dict:
+    """The served model, once under each of its names (--served-model-name), as vLLM lists it."""
     return {
         "object": "list",
         "data": [
             {
-                "id": model,
+                "id": name,
                 "object": "model",
                 "created": created,
                 "owned_by": "specdec",
-                "root": model,
+                "root": names[0],
                 "max_model_len": max_model_len,
             }
+            for name in names
         ],
     }
+
+
+def lone_surrogate(value, where: str = "") -> APIError | None:
+    """A 400 for the first string in value (a request's JSON: dicts, lists, strings) that holds a
+    lone surrogate, else None. A surrogate (U+D800..U+DFFF) is half of a UTF-16 pair: JSON's
+    "\\udc00" escape gives one alone, which is no character and cannot be encoded as UTF-8, so
+    no tokenizer or chat template can take it. where: value's place in the request."""
+    if isinstance(value, str):
+        found = _SURROGATE.search(value)
+        if found is None:
+            return None
+        return APIError(
+            400,
+            f"{where or 'the request'} is not valid text: it holds a lone surrogate "
+            f"({found.group()!r}, at character {found.start()}), half of a UTF-16 pair; send text as "
+            "UTF-8, or escape characters outside the Basic Multilingual Plane as both halves of their pair",
+            param=where.split(".")[0].split("[")[0] or None,
+        )
+    if isinstance(value, dict):
+        items = ((f"{where}.{key}" if where else str(key), item) for key, item in value.items())
+    elif isinstance(value, list):
+        items = ((f"{where}[{i}]", item) for i, item in enumerate(value))
+    else:
+        return None
+    return next((error for place, item in items if (error := lone_surrogate(item, place)) is not None), None)
+
+
+_SURROGATE = re.compile("[\ud800-\udfff]")
