@@ -42,6 +42,7 @@ from specdec.serve.protocol import (
     APIError,
     ChatCompletionRequest,
     CompletionRequest,
+    ErrorResponse,
     SamplingFields,
     chat_chunk,
     chat_logprobs,
@@ -59,6 +60,20 @@ from specdec.serve.protocol import (
 log = logging.getLogger("specdec")
 
 RETRY_AFTER_SECONDS = 1
+ERRORS = {  # every status an error comes with, as the schema documents it (body: ErrorResponse)
+    400: "the request is not valid: the message names the field",
+    401: "the API key is missing or wrong (a server started with --api-key)",
+    404: "the model is not served here (model_not_found)",
+    413: "the body is over --max-request-bytes (request_too_large)",
+    429: "the queue is full (queue_full): retry after Retry-After seconds",
+    500: "the engine failed on this request (the server goes on)",
+    503: "the server is shutting down (shutting_down)",
+}
+GENERATED = {  # a completion's 200: whole, or streamed
+    "description": "the completion (application/json), or with stream: true its Server-Sent Events, "
+    "ending in data: [DONE] (text/event-stream)",
+    "content": {"application/json": {}, "text/event-stream": {}},
+}
 DEFAULT_MAX_REQUEST_BYTES = 2_000_000  # TGI's --payload-limit; commands.py raises it for long contexts
 DISCONNECT_POLL_SECONDS = 0.25  # how often a non-streaming request checks that its client is still there
 
@@ -101,24 +116,37 @@ def build_app(state: ServerState) -> FastAPI:
     app = FastAPI(title="specdec", lifespan=lifespan)
     state.created = state.created or int(time.time())
     _add_error_handlers(app)
+    _document_errors_as_sent(app)
 
     app.add_middleware(BodyLimit, max_bytes=state.max_request_bytes)
     if state.api_key is not None:  # added last, so it runs first: no key, no body read
         app.add_middleware(APIKeyCheck, api_key=state.api_key)
 
-    @app.get("/health")
+    @app.get(
+        "/health",
+        response_class=Response,
+        responses={
+            200: {"description": "the engine runs"},
+            503: {"description": "the engine has stopped"},
+            **_errors(413),
+        },
+    )
     async def health() -> Response:
         return Response(status_code=200 if state.async_engine.is_running else 503)
 
-    @app.get("/metrics")
+    @app.get(
+        "/metrics",
+        response_class=Response,
+        responses={200: {"description": "Prometheus text", "content": {"text/plain": {}}}, **_errors(413)},
+    )
     async def metrics() -> Response:
         return Response(generate_latest(state.async_engine.metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
-    @app.get("/v1/models")
+    @app.get("/v1/models", responses=_errors(401, 413))
     async def models() -> dict:
         return model_list(state.served_names, state.created, state.max_model_len)
 
-    @app.post("/v1/completions")
+    @app.post("/v1/completions", responses={200: GENERATED, **_errors(*ERRORS)})
     async def completions(body: CompletionRequest, raw: Request):
         _check_common(state, body)
         prompts = _prompt_list(body.prompt)
@@ -147,7 +175,7 @@ def build_app(state: ServerState) -> FastAPI:
         completion_tokens = sum(len(o.outputs[0].token_ids) for outs in outputs for o in outs)
         return completion_response(request_id, state.model_name, choices, prompt_tokens, completion_tokens)
 
-    @app.post("/v1/chat/completions")
+    @app.post("/v1/chat/completions", responses={200: GENERATED, **_errors(*ERRORS)})
     async def chat_completions(body: ChatCompletionRequest, raw: Request):
         _check_common(state, body)
         messages = [{"role": m.role, "content": m.text()} for m in body.messages]
@@ -434,6 +462,29 @@ async def _chat_events(
 # --- errors ---------------------------------------------------------------------------------------------
 
 
+def _errors(*statuses: int) -> dict:
+    """The schema's entries for these error statuses."""
+    return {status: {"model": ErrorResponse, "description": ERRORS[status]} for status in statuses}
+
+
+def _document_errors_as_sent(app: FastAPI) -> None:
+    """FastAPI documents a 422 for every route with a body; this server answers a request that
+    does not validate with a 400 (as OpenAI does), documented with the rest: the 422 is left out."""
+    make_schema = app.openapi
+
+    def schema() -> dict:
+        if app.openapi_schema is None:
+            made = make_schema()
+            for operations in made["paths"].values():
+                for operation in operations.values():
+                    operation["responses"].pop("422", None)
+            for name in ("HTTPValidationError", "ValidationError"):
+                made.get("components", {}).get("schemas", {}).pop(name, None)
+        return app.openapi_schema  # pyright: ignore[reportReturnType]
+
+    app.openapi = schema
+
+
 def _add_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(APIError)
     async def api_error(request: Request, error: APIError) -> JSONResponse:
@@ -448,7 +499,9 @@ def _add_error_handlers(app: FastAPI) -> None:
     async def http_error(request: Request, error: StarletteHTTPException) -> JSONResponse:
         kind = "not_found_error" if error.status_code == 404 else "invalid_request_error"
         return JSONResponse(
-            APIError(error.status_code, str(error.detail), type=kind).body(), status_code=error.status_code
+            APIError(error.status_code, str(error.detail), type=kind).body(),
+            status_code=error.status_code,
+            headers=error.headers,  # a 405's Allow
         )
 
     @app.exception_handler(Exception)

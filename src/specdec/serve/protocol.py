@@ -38,6 +38,19 @@ class APIError(Exception):
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
 
 
+class ErrorDetail(BaseModel):
+    message: str
+    type: str
+    param: str | None
+    code: str | None
+
+
+class ErrorResponse(BaseModel):
+    """Every error's body (APIError.body), as the schema documents it."""
+
+    error: ErrorDetail
+
+
 class StreamOptions(BaseModel):
     include_usage: bool = False
 
