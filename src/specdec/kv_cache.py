@@ -1,12 +1,23 @@
-"""A preallocated key/value cache with one slot per sequence.
+"""A key/value cache of fixed-size blocks, read and written through a block table.
 
-Each sequence owns a slot (a row of the cache) for its whole life. A forward pass names the
-slots of its rows explicitly: it runs on `cache.rows(slots)`, the cache as those rows see it
-(the runner makes it; a model given the cache itself runs rows 0..B-1), and writes each
-token's K/V at the token's position.
-Nothing is ever copied or rolled back: when draft tokens are rejected, their entries stay
-at positions past the row's length, the causal mask (key position <= query position) hides
-them, and the next round writes over them.
+Terms:
+  block        BLOCK_SIZE (16) consecutive positions of one sequence: [16, Hkv, D] keys and as
+               many values in every layer. A cache is a pool of num_blocks blocks.
+  block table  [max_seqs, max_blocks] (BlockTable): table[s, i] is the block that holds positions
+               16i..16i+15 of the sequence in row s of the table (its slot). Entry SCRATCH_BLOCK
+               (block 0, never any sequence's) where none is assigned: what a forward writes there
+               is lost, and no query reads it (positions past a sequence's length are masked).
+
+A table whose slots each own consecutive blocks for all max_len positions (BlockTable.contiguous)
+is the cache of one slot per sequence; the engine's block manager hands out blocks as sequences
+grow instead (vLLM's PagedAttention), and every cache of a sequence (the target's, a draft
+model's, an EAGLE head's: the same positions) reads the same table, each from its own pool.
+
+A forward names the slots of its rows: it runs on `cache.rows(slots)`, the cache as those rows
+see it (a model given the cache itself runs rows 0..B-1), and writes each token's K/V at the
+token's position. Nothing is ever copied or rolled back: when draft tokens are rejected, their
+entries stay at positions past the row's length, the causal mask (key position <= query
+position) hides them, and the next round writes over them.
 """
 
 from __future__ import annotations
@@ -17,9 +28,63 @@ from pathlib import Path
 
 import torch
 
+BLOCK_SIZE = 16  # positions per block
+SCRATCH_BLOCK = 0  # the block of every unassigned table entry
+
 
 class CacheTooLarge(ValueError):
     """A cache that would not fit in the memory this machine has free."""
+
+
+def blocks_for(num_positions: int) -> int:
+    """Blocks that hold positions 0..num_positions-1."""
+    return -(-num_positions // BLOCK_SIZE)
+
+
+class BlockTable:
+    """table [max_seqs, max_blocks] int64 on device: table[s, i] the block of positions 16i..16i+15
+    of slot s (SCRATCH_BLOCK where unassigned). Caches read it; only its owner (the engine's block
+    manager, or a cache of its own) writes it."""
+
+    def __init__(self, max_seqs: int, max_blocks: int, device: torch.device | str):
+        self.table = torch.full((max_seqs, max_blocks), SCRATCH_BLOCK, dtype=torch.long, device=device)
+        self.max_seqs, self.max_blocks = max_seqs, max_blocks
+        self.num_blocks_needed = 1  # the pool a cache reading this table needs: the scratch block at least
+
+    @classmethod
+    def contiguous(cls, max_seqs: int, max_len: int, device: torch.device | str) -> BlockTable:
+        """Every slot its own consecutive blocks for positions 0..max_len-1: slot s holds blocks
+        1 + s * M .. (s + 1) * M (M = blocks_for(max_len))."""
+        M = blocks_for(max_len)
+        table = cls(max_seqs, M, device)
+        table.table.copy_(1 + torch.arange(max_seqs * M, device=device).view(max_seqs, M))
+        table.num_blocks_needed = 1 + max_seqs * M
+        return table
+
+    def assign(self, slot: int, first: int, blocks: Sequence[int]) -> None:
+        """Positions from 16 x first on of slot go to blocks (in order)."""
+        if first + len(blocks) > self.max_blocks:
+            last = first + len(blocks) - 1
+            raise ValueError(f"slot {slot}: blocks {first}..{last} are past the table's {self.max_blocks}")
+        self.table[slot, first : first + len(blocks)] = torch.tensor(blocks, dtype=torch.long)
+
+    def clear(self, slot: int) -> None:
+        """Slot holds no block (its sequence left)."""
+        self.table[slot] = SCRATCH_BLOCK
+
+
+@dataclass(frozen=True)
+class BlockPool:
+    """What the caches of one engine's sequences share: the block table (the engine's block
+    manager writes it) and the number of blocks each cache's pool holds."""
+
+    table: BlockTable
+    num_blocks: int
+
+    @classmethod
+    def whole(cls, max_seqs: int, max_len: int, device: torch.device | str) -> BlockPool:
+        """A table of max_seqs slots of max_len positions, and blocks enough for all of them."""
+        return cls(BlockTable(max_seqs, blocks_for(max_len), device), 1 + max_seqs * blocks_for(max_len))
 
 
 class KVCache:
@@ -33,23 +98,47 @@ class KVCache:
         dtype: torch.dtype,
         device: torch.device | str,
         static: bool = False,
+        table: BlockTable | None = None,
+        num_blocks: int | None = None,
     ):
-        """static: every forward reads all max_len positions (masked past each query), and the
+        """Up to max_batch sequences (slots) of max_len positions each. table: the block table it
+        reads (None: one of its own, each slot owning consecutive blocks for all max_len
+        positions); num_blocks: the pool's blocks (None: what the table needs).
+
+        static: every forward reads all max_len positions (masked past each query), and the
         slots are always gathered, so a forward's shapes depend on its batch and query length
         only, never on how long the sequences are: what a compiled graph needs. Otherwise a
         forward reads positions 0..max(positions) (fewer keys, but a new shape each step)."""
-        shape = (max_batch, max_len, num_kv_heads, head_dim)  # [slots, positions, Hkv, D]
+        self.table = table if table is not None else BlockTable.contiguous(max_batch, max_len, device)
+        if self.table.max_seqs < max_batch or self.table.max_blocks < blocks_for(max_len):
+            raise ValueError(
+                f"a block table of {self.table.max_seqs} slots x {self.table.max_blocks} blocks is smaller "
+                f"than the cache's {max_batch} x {blocks_for(max_len)}"
+            )
+        num_blocks = num_blocks if num_blocks is not None else self.table.num_blocks_needed
+        shape = (num_blocks, BLOCK_SIZE, num_kv_heads, head_dim)  # [blocks, positions in a block, Hkv, D]
         check_fits(
-            2 * num_layers * max_batch * max_len * num_kv_heads * head_dim * dtype.itemsize,
+            2 * num_layers * num_blocks * BLOCK_SIZE * num_kv_heads * head_dim * dtype.itemsize,
             torch.device(device),
-            f"a key/value cache of {max_batch} slots x {max_len:,} positions",
+            f"a key/value cache of {max_batch} slots x {max_len:,} positions"
+            if table is None
+            else f"a key/value cache of {num_blocks:,} blocks of {BLOCK_SIZE} positions",  # the pool's
         )
         # Zeros, not empty: masked entries still meet the value matmul with weight 0, and
         # uninitialised memory could hold NaN (0 * NaN = NaN).
         self.keys = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
         self.values = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
-        self.max_batch, self.max_len, self.static = max_batch, max_len, static
+        self.max_batch, self.max_len, self.static, self.num_blocks = max_batch, max_len, static, num_blocks
+        self.shared_table = table  # None: a table of its own
         self._arange = torch.arange(max_batch, device=device)  # [max_batch]: rows 0..B-1 without an op per layer
+        # rows 0..B-1 of a table of its own are one run of blocks: read by slicing, no gather
+        self._sliceable = table is None
+
+    def reads(self, pool: BlockPool | None) -> bool:
+        """Whether this cache is the one pool's sequences use (None: a table of its own)."""
+        if pool is None:
+            return self.shared_table is None
+        return self.shared_table is pool.table and self.num_blocks == pool.num_blocks
 
     def rows(self, slots: torch.Tensor | Sequence[int]) -> CacheRows:
         """The cache as a forward whose row i reads and writes slot slots[i] sees it."""
@@ -57,7 +146,7 @@ class KVCache:
         if bool((slots < 0).any()) or bool((slots >= self.max_batch).any()):
             raise ValueError(f"cache slots must be in [0, {self.max_batch}), got {slots.tolist()}")
         if not self.static and torch.equal(slots, self._arange[: len(slots)]):
-            return CacheRows(self, None)  # rows 0..B-1: plain slicing, no gather
+            return CacheRows(self, None)  # rows 0..B-1
         return CacheRows(self, slots)
 
     def num_keys(self, positions: torch.Tensor) -> int:
@@ -77,10 +166,19 @@ class KVCache:
         [B, M] (row i being slot slots[i]): what a tree's accepted branch needs to become the
         sequence's next positions. All are read before any is written; destinations must be
         distinct within a row (a no-op pair, source = destination, pads a short row)."""
-        rows = torch.as_tensor(slots, dtype=torch.long, device=self.keys[0].device)[:, None]  # [B, 1]
+        rows = torch.as_tensor(slots, dtype=torch.long, device=self.keys[0].device)  # [B]
+        blocks = self.table.table[rows]  # [B, max_blocks]
+        source_entries, destination_entries = entries(blocks, sources), entries(blocks, destinations)  # [B, M] each
         for keys, values in zip(self.keys, self.values):
-            keys[rows, destinations] = keys[rows, sources]  # [B, M] entries
-            values[rows, destinations] = values[rows, sources]
+            flat_keys, flat_values = keys.flatten(0, 1), values.flatten(0, 1)  # [blocks x 16, Hkv, D]
+            flat_keys[destination_entries] = flat_keys[source_entries]
+            flat_values[destination_entries] = flat_values[source_entries]
+
+
+def entries(blocks: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    """The flat entry (block x BLOCK_SIZE + offset) of each position [B, T] of rows whose blocks
+    are blocks [B, max_blocks]: [B, T]."""
+    return blocks.gather(1, positions // BLOCK_SIZE) * BLOCK_SIZE + positions % BLOCK_SIZE
 
 
 class CacheRows:
@@ -95,11 +193,15 @@ class CacheRows:
     def num_keys(self, positions: torch.Tensor) -> int:
         return self.cache.num_keys(positions)
 
+    def blocks(self, batch_size: int) -> torch.Tensor:
+        """Each of the forward's batch_size rows' blocks [B, max_blocks] (its slot's table row)."""
+        table = self.cache.table.table
+        return table[:batch_size] if self.slots is None else table[self.slots]
+
     def layer(self, layer: int, batch_size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """This layer's keys and values [slots, positions, Hkv, D] and the slot of each of the
-        forward's batch_size rows [B]."""
-        rows = self.cache._arange[:batch_size] if self.slots is None else self.slots
-        return self.cache.keys[layer], self.cache.values[layer], rows
+        """This layer's keys and values [blocks, 16, Hkv, D] and the blocks of each of the
+        forward's batch_size rows [B, max_blocks]."""
+        return self.cache.keys[layer], self.cache.values[layer], self.blocks(batch_size)
 
     def write_and_read(
         self, layer: int, positions: torch.Tensor, k: torch.Tensor, v: torch.Tensor, num_keys: int
@@ -109,12 +211,23 @@ class CacheRows:
         B = positions.shape[0]
         if num_keys > self.max_len:
             raise ValueError(f"position {num_keys - 1} is past the cache length {self.max_len}")
-        keys, values, rows = self.layer(layer, B)
-        keys[rows[:, None], positions] = k  # rows [B, 1] x positions [B, T] -> [B, T] entries
-        values[rows[:, None], positions] = v
-        if self.slots is None:
-            return keys[:B, :num_keys], values[:B, :num_keys]
-        return keys[self.slots, :num_keys], values[self.slots, :num_keys]
+        keys, values, blocks = self.layer(layer, B)  # [N, 16, Hkv, D] x 2, [B, max_blocks]
+        flat_keys, flat_values = keys.flatten(0, 1), values.flatten(0, 1)  # [N x 16, Hkv, D]
+        written = entries(blocks, positions)  # [B, T]
+        flat_keys[written] = k
+        flat_values[written] = v
+        if self.slots is None and self.cache._sliceable:  # rows 0..B-1, one run of blocks from block 1
+            per_slot = self.cache.table.max_blocks * BLOCK_SIZE
+            start, stop = BLOCK_SIZE, BLOCK_SIZE + B * per_slot
+            return (
+                flat_keys[start:stop].view(B, per_slot, *k.shape[2:])[:, :num_keys],
+                flat_values[start:stop].view(B, per_slot, *v.shape[2:])[:, :num_keys],
+            )  # [B, num_keys, Hkv, D] views
+        read = blocks[:, : blocks_for(num_keys)]  # [B, nb]
+        return (
+            keys[read].flatten(1, 2)[:, :num_keys],
+            values[read].flatten(1, 2)[:, :num_keys],
+        )  # [B, nb, 16, Hkv, D] -> [B, num_keys, Hkv, D]
 
 
 @dataclass(frozen=True)

@@ -79,6 +79,10 @@ class LLM:
         the draft gave less than this probability (0 = always k; see SpeculativeConfig).
     device: "cpu", "cuda", "cuda:1", ...
     max_num_seqs: the most sequences run at once; more wait for a free slot.
+    enable_prefix_caching: a request whose prompt starts with whole 16-token blocks an earlier
+        request computed (a system prompt, earlier turns) takes their cache entries and skips
+        their prefill (engine/block_manager.py). On by default, as in vLLM; the output is the
+        same either way.
     quantization: "auto" (the default: a GGUF file's quantized tensors run as the file holds
         them, through specdec's own kernel: models/gguf_model.py; any other model as loaded),
         None (a GGUF file dequantized), "int8" or "int4": the target's linear layers with
@@ -124,7 +128,12 @@ class LLM:
         early_exit_layer: int | None = None,
         speculative_tree: str | None = None,
         speculative_config: SpeculativeConfig | dict | None = None,
+        enable_prefix_caching: bool = True,
     ):
+        check(
+            isinstance(enable_prefix_caching, bool),
+            f"enable_prefix_caching must be True or False, got {enable_prefix_caching!r}",
+        )
         check_arguments(seed=seed, max_num_seqs=max_num_seqs, skip_tokenizer_init=skip_tokenizer_init)
         check_compile_mode(compile)
         flat = dict(
@@ -174,6 +183,7 @@ class LLM:
                 )
         spec = self.speculative_config
         self.max_num_seqs = max_num_seqs
+        self.enable_prefix_caching = enable_prefix_caching
         self._shared_generator = torch.Generator(self.device).manual_seed(seed)  # for requests without a seed
         self._next_request_id = 0
         self.engine = self._engine(
@@ -208,6 +218,7 @@ class LLM:
             k_policy,
             tree,
             generator=self._shared_generator,
+            enable_prefix_caching=self.enable_prefix_caching,
         )
 
     @property

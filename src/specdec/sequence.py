@@ -18,7 +18,8 @@ class Sequence:
     params: SamplingParams
     generator: torch.Generator  # its own when params.seed is set, else the LLM's shared one
     prompt: str | None = None
-    slot: int = -1  # its row in the KV caches while running
+    slot: int = -1  # its row in the KV caches' block table while running
+    num_cached_tokens: int = 0  # leading positions found in the prefix cache when it was admitted (not prefilled)
     output_token_ids: list[int] = field(default_factory=list)
     output_from_draft: list[bool] = field(default_factory=list)  # per output token: an accepted draft token?
     output_logprobs: list = field(default_factory=list)  # per output token, when params.logprobs asks: TokenLogprob

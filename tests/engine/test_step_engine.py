@@ -163,18 +163,23 @@ def test_streamed_text_joins_into_the_final_text_and_holds_back_stop_strings(tin
 
 
 def test_serving_sizes_the_cache_by_budget_and_refuses_what_does_not_fit(tiny_pair):
+    """max_num_seqs slots, and as many 16-position blocks as the budget holds (the scratch block
+    among them); a budget below one sequence of max_model_len is refused."""
     llm = speculative(tiny_pair, max_num_seqs=8)
-    per_slot = llm.runner.model.cache_bytes(1, 64 + 3 + 1)  # max_model_len + k + 1
-    assert llm.engine.prepare_to_serve(max_model_len=64, kv_cache_bytes=3 * per_slot) == 3
-    assert llm.engine.scheduler.num_slots == 3
+    block_bytes = llm.runner.model.position_bytes * 16
+    assert llm.engine.prepare_to_serve(max_model_len=64, kv_cache_bytes=13 * block_bytes + 5) == 8
+    assert llm.engine.scheduler.num_slots == 8
+    assert llm.engine.cache_tokens == 12 * 16  # 13 blocks, one the scratch block
     with pytest.raises(ValueError, match="needs .* cache positions"):
         llm.engine.add_request("long", list(range(2, 60)), SamplingParams(max_tokens=10))
     llm.engine.add_request("ok", [5, 6, 7], GREEDY)
     with pytest.raises(ValueError, match="already running or waiting"):
         llm.engine.add_request("ok", [5, 6, 7], GREEDY)
-    with pytest.raises(ValueError, match="budget"):
-        llm.engine.abort("ok")
-        llm.engine.prepare_to_serve(max_model_len=64, kv_cache_bytes=per_slot - 1)
+    llm.engine.abort("ok")
+    one_sequence = -(-(64 + 3 + 1) // 16) * block_bytes  # max_model_len + k + 1 positions
+    assert llm.engine.prepare_to_serve(max_model_len=64, kv_cache_bytes=one_sequence + block_bytes) == 8
+    with pytest.raises(ValueError, match="more than the budget of .*raise the budget"):
+        llm.engine.prepare_to_serve(max_model_len=64, kv_cache_bytes=one_sequence)
 
 
 @pytest.mark.parametrize("length", [1, 3])
@@ -212,3 +217,88 @@ def test_a_prefill_budget_starts_a_burst_over_several_steps():
     while scheduler.waiting:
         started.append([seq.request_id for seq in scheduler.admit()])
     assert started == [["a", "b"], ["c"], ["d"], ["e"]]  # 3 x 30 and 2 x 30 > 40; 2 x 50 > 40
+
+
+# ---------------------------------------------------------------------------------------------
+# Cache blocks: requests hold what they use; a short pool preempts, never loses a request.
+# ---------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("drafter", ["none", "draft_model", "eagle"])
+def test_a_pool_too_small_for_every_request_preempts_and_keeps_each_output(tiny_pair, plain, tmp_path, drafter):
+    """Six requests of up to 48 + 60 positions over a pool of 15 blocks (240 positions): they
+    cannot all hold their blocks at once, so the youngest are preempted and prefilled anew
+    later. Greedy, each output is still what the target alone gives it; no block is leaked."""
+    kwargs = {}
+    if drafter == "draft_model":
+        kwargs = dict(speculative_model=str(tiny_pair["target"]), num_speculative_tokens=3)
+    elif drafter == "eagle":
+        head = save_random_head(tiny_pair["target"], tmp_path / "head", seed=3)
+        kwargs = dict(speculative_model=str(head), speculative_method="eagle", num_speculative_tokens=3)
+    if kwargs:
+        kwargs["speculative_k_policy"] = "fixed"
+    llm = LLM(str(tiny_pair["target"]), dtype="float32", max_num_seqs=6, **kwargs)
+    block_bytes = llm.runner.model.position_bytes * 16
+    llm.engine.prepare_to_serve(max_model_len=128, kv_cache_bytes=16 * block_bytes)
+    prompts = shared_random_prompts(6, seed=31, lengths=(20, 48))
+    params = SamplingParams(temperature=0, max_tokens=60, ignore_eos=True)
+    expected = {f"r{i}": out.outputs[0].token_ids for i, out in enumerate(plain.generate(prompts, params))}
+    for i, prompt in enumerate(prompts):
+        llm.engine.add_request(f"r{i}", prompt, params)
+    joined: dict = {}
+    run_to_end(llm.engine, joined)
+    assert {request_id: ids for request_id, (ids, _, _) in joined.items()} == expected
+    assert llm.engine.num_preemptions > 0
+    blocks = llm.engine.capacity.blocks
+    assert blocks is not None and blocks.num_free == blocks.num_blocks - 1 and blocks.num_held == 0
+
+
+@pytest.mark.parametrize("drafter", ["none", "draft_model", "eagle"])
+def test_a_shared_prefix_is_prefilled_once_and_outputs_are_the_same(tiny_pair, plain, tmp_path, drafter, monkeypatch):
+    """Requests sharing a 50-token system prompt, each added after the one before has run a
+    round, then a second turn of the first (its prompt, its answer, a new message) after it
+    finished: from the second request on, the whole blocks found in the prefix cache are not
+    prefilled (the system prompt's 3; the second turn's, up to its first answer's last entry
+    written); greedy, every output is what the target alone gives it, and what the engine gives
+    with prefix caching off."""
+    kwargs = {}
+    if drafter == "draft_model":
+        kwargs = dict(speculative_model=str(tiny_pair["target"]), num_speculative_tokens=3)
+    elif drafter == "eagle":
+        head = save_random_head(tiny_pair["target"], tmp_path / "head", seed=3)
+        kwargs = dict(speculative_model=str(head), speculative_method="eagle", num_speculative_tokens=3)
+    if kwargs:
+        kwargs["speculative_k_policy"] = "fixed"
+    system = shared_random_prompts(1, seed=41, lengths=(50, 51))[0]
+    prompts = [system + tail for tail in shared_random_prompts(4, seed=42, lengths=(2, 20))]
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    first = plain.generate(prompts[:1], params)[0].outputs[0].token_ids
+    prompts.append(prompts[0] + first + [5, 6, 7])  # the first request's second turn
+    expected = {f"r{i}": out.outputs[0].token_ids for i, out in enumerate(plain.generate(prompts, params))}
+    # the first turn wrote entries up to its last token's, exclusive: its whole blocks before that
+    second_turn_cached = (len(prompts[0]) + len(first) - 1) // 16 * 16
+    for caching in (True, False):
+        llm = LLM(str(tiny_pair["target"]), dtype="float32", max_num_seqs=4, enable_prefix_caching=caching, **kwargs)
+        llm.engine.prepare_to_serve(max_model_len=128)
+        fed = recording_feed(llm.runner, monkeypatch)
+        late = [(2 * i, f"r{i}", prompt, params) for i, prompt in enumerate(prompts[:4])]
+        late.append((40, "r4", prompts[4], params))  # after the first request finished
+        joined: dict = {}
+        run_to_end(llm.engine, joined, late)
+        assert {request_id: ids for request_id, (ids, _, _) in joined.items()} == expected
+        cached = [0, 48, 48, 48, second_turn_cached] if caching else [0] * 5
+        assert fed == [len(prompt) - c for prompt, c in zip(prompts, cached)]
+        assert llm.engine.prefix_cache_counts == ((sum(map(len, prompts)), sum(cached)) if caching else (0, 0))
+
+
+def recording_feed(runner, monkeypatch) -> list[int]:
+    """A list that the runner's prefills (feed) append each row's number of tokens fed to."""
+    fed: list[int] = []
+    feed = runner.feed
+
+    def recording(chunks, *args, **kwargs):
+        fed.extend(len(chunk) for chunk in chunks)
+        return feed(chunks, *args, **kwargs)
+
+    monkeypatch.setattr(runner, "feed", recording)
+    return fed

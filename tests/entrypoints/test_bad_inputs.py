@@ -196,7 +196,7 @@ def test_a_cache_larger_than_free_memory_is_refused_before_allocating(llm, monke
         patch.setattr(kv_cache, "free_memory_bytes", lambda device: 100_000)  # 100 kB free
         with pytest.raises(
             ValueError,
-            match=r"key/value cache of 1 slots x 2\d\d positions needs [\d,]+ bytes, more than "
+            match=r"key/value cache of 1[45] blocks of 16 positions needs [\d,]+ bytes, more than "
             r"the 100,000 bytes free on cpu: 1 sequences at once.*lower max_tokens",
         ):
             llm.generate("def add(a, b):", params)

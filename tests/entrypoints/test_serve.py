@@ -265,6 +265,22 @@ def test_metrics_count_requests_tokens_and_speculation(server):
         assert f"specdec:{name}" in httpx.get(f"{server.url}/metrics").text
 
 
+def test_metrics_count_the_prefix_cache_and_the_cache_in_use(server):
+    """Two requests with one long prompt, one after the other: the second finds its whole
+    blocks (short of its last token) in the prefix cache; the counters count tokens, as vLLM's."""
+    prompt = "def add(a, b):\n    return a + b\n\n" * 12
+    before = (server.metric("prefix_cache_queries_total"), server.metric("prefix_cache_hits_total"))
+    client = server.client()
+    for _ in range(2):
+        done = client.completions.create(model=MODEL, prompt=prompt, max_tokens=2, temperature=0)
+    num_prompt_tokens = done.usage.prompt_tokens
+    assert server.metric("prefix_cache_queries_total") == before[0] + 2 * num_prompt_tokens
+    hits = server.metric("prefix_cache_hits_total") - before[1]
+    assert hits == (num_prompt_tokens - 1) // 16 * 16
+    assert 0 <= server.metric("kv_cache_usage_perc") <= 1
+    assert "specdec:num_preemptions_total" in httpx.get(f"{server.url}/metrics").text
+
+
 def test_a_client_that_disconnects_mid_stream_is_aborted(server):
     before = server.metric("generation_tokens_total")
     body = {

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 
 import torch
 
+from specdec.kv_cache import BlockPool
 from specdec.sampling import SamplingTensors
 from specdec.sequence import Sequence
 from specdec.tree import TreeShape
@@ -83,9 +84,12 @@ class Drafter(ABC):
     needs_target_hidden = False
     grows_trees = False  # whether propose_tree works (a model-based drafter, which has logits to rank)
 
-    def reserve(self, max_batch: int, max_len: int, num_forwards: int = 0) -> None:
+    def reserve(self, max_batch: int, max_len: int, num_forwards: int = 0, pool: BlockPool | None = None) -> None:
         """Make room for max_batch sequences of up to max_len positions, for work of at most
-        num_forwards rounds (a model-based drafter may compile for it)."""
+        num_forwards rounds (a model-based drafter may compile for it). pool: the blocks and
+        block table of the target's cache, which a drafter whose cache holds a sequence's own
+        positions shares (its cache then holds what the sequence's blocks hold; kv_cache.py);
+        None, or a drafter of other positions: a cache of its own."""
 
     @abstractmethod
     def propose(self, batch: list[Sequence], ks: list[int], sampling: SamplingTensors) -> Draft:

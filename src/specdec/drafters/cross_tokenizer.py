@@ -69,6 +69,7 @@ import torch
 
 from specdec.drafters.base import Draft, Drafter
 from specdec.drafters.draft_model import DraftModelDrafter, check_same_vocabulary, load_draft
+from specdec.kv_cache import BlockPool
 from specdec.models.loader import LoadedModel
 from specdec.models.tokenizer import Tokenizer
 from specdec.sampling import SamplingTensors
@@ -145,7 +146,8 @@ class CrossTokenizerDrafter(Drafter):
             self.runner, self.draft_tokenizer, self.target_tokenizer, tuple(self.draft_eos_ids), threshold
         )
 
-    def reserve(self, max_batch: int, max_len: int, num_forwards: int = 0) -> None:
+    def reserve(self, max_batch: int, max_len: int, num_forwards: int = 0, pool: BlockPool | None = None) -> None:
+        # its own positions (the draft's tokens): a cache of its own, never the pool
         # a round feeds up to CATCH_UP_WIDTH tokens per row (catch-up), then one per draft step
         self.runner.prepare(max_batch, max_len * DRAFT_LENGTH_FACTOR, (1, CATCH_UP_WIDTH), num_forwards)
         self.fed.clear()

@@ -19,7 +19,7 @@ from specdec.config import SMALL_DRAFT_PARAMETERS, keeps_file_quantization, requ
 from specdec.drafters.base import Draft, Drafter
 from specdec.drafters.steps import DraftSteps
 from specdec.drafters.tree_growth import TreeGrowth
-from specdec.kv_cache import TreeAttention
+from specdec.kv_cache import BlockPool, TreeAttention
 from specdec.models.loader import LoadedModel, ModelLoadError, load_pretrained, model_config_from_hf, read_config
 from specdec.sampling import SamplingTensors
 from specdec.sequence import Sequence
@@ -62,9 +62,9 @@ class DraftModelDrafter(Drafter):
         threshold = self.confidence_threshold if confidence_threshold is None else confidence_threshold
         return DraftModelDrafter(self.runner, self.vocab_size, threshold)
 
-    def reserve(self, max_batch: int, max_len: int, num_forwards: int = 0) -> None:
+    def reserve(self, max_batch: int, max_len: int, num_forwards: int = 0, pool: BlockPool | None = None) -> None:
         # each round feeds 1 or 2 tokens per row (catch-up), then one per draft step
-        self.runner.prepare(max_batch, max_len, (1, 2), num_forwards)
+        self.runner.prepare(max_batch, max_len, (1, 2), num_forwards, pool=pool)
         self.fed.clear()
 
     def release(self, seq: Sequence) -> None:

@@ -21,7 +21,7 @@ from specdec.config import requantization
 from specdec.drafters.base import Draft, Drafter
 from specdec.drafters.steps import DraftSteps
 from specdec.drafters.tree_growth import TreeGrowth
-from specdec.kv_cache import CacheRows, KVCache, TreeAttention, ragged_batch
+from specdec.kv_cache import BlockPool, CacheRows, KVCache, TreeAttention, ragged_batch
 from specdec.models.cpu_linear import can_pack, pack_linears
 from specdec.models.eagle import EagleHead, load_head
 from specdec.models.gguf_linear import GGUFLinear, runs_gguf_kernels
@@ -89,10 +89,11 @@ class EagleDrafter(Drafter):
             pack_linears(output_layer)
         return cls(head, target_runner.eager_model(), spec.draft_confidence_threshold, output_layer)
 
-    def reserve(self, max_batch: int, max_len: int, num_forwards: int = 0) -> None:
+    def reserve(self, max_batch: int, max_len: int, num_forwards: int = 0, pool: BlockPool | None = None) -> None:
         c = self.cache
-        if c is None or c.max_batch < max_batch or c.max_len < max_len:
-            self.cache = self.head.new_cache(max_batch, max_len)
+        if c is None or c.max_batch < max_batch or c.max_len < max_len or not c.reads(pool):
+            self.cache = None
+            self.cache = self.head.new_cache(max_batch, max_len, pool=pool)
         self.waiting.clear()
 
     def release(self, seq: Sequence) -> None:

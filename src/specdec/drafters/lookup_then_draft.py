@@ -23,6 +23,7 @@ from specdec.config import DEFAULT_NGRAM_MIN
 from specdec.drafters.base import Draft, Drafter
 from specdec.drafters.draft_model import DraftModelDrafter
 from specdec.drafters.ngram import NgramDrafter
+from specdec.kv_cache import BlockPool
 from specdec.sampling import SamplingTensors, point_mass
 from specdec.sequence import Sequence
 
@@ -48,8 +49,8 @@ class LookupThenDraftDrafter(Drafter):
             draft_model.sharing_weights(),
         )
 
-    def reserve(self, max_batch: int, max_len: int, num_forwards: int = 0) -> None:
-        self.draft_model.reserve(max_batch, max_len, num_forwards)
+    def reserve(self, max_batch: int, max_len: int, num_forwards: int = 0, pool: BlockPool | None = None) -> None:
+        self.draft_model.reserve(max_batch, max_len, num_forwards, pool)
 
     def release(self, seq: Sequence) -> None:
         self.draft_model.release(seq)

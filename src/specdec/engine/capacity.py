@@ -1,10 +1,13 @@
 """Sizing the caches for the work ahead, before any request runs.
 
-Two ways to size: for a known list of requests (LLM.generate: as many slots as run at once,
-each as long as the longest needs) or for serving (slots of max_model_len, as many as
-max_num_seqs and a memory budget allow). Either way the runners make their caches (and compile
-for the work, where they are to), and the goodput policy measures its round costs here, never
-inside a timed request.
+The caches are pools of blocks read through one block table (kv_cache.py), handed out by a block
+manager (block_manager.py). Two ways to size: for a known list of requests (LLM.generate: as many
+slots as run at once, and blocks for each to be as long as the longest needs: nothing waits for
+blocks) or for serving (max_num_seqs slots of up to max_model_len positions, and as many blocks
+as a memory budget allows: by default KV_CACHE_MEMORY_FRACTION of the memory free after the
+weights, as vLLM's gpu_memory_utilization; sequences hold blocks for what they use). Either way
+the runners make their caches (and compile for the work, where they are to), and the goodput
+policy measures its round costs here, never inside a timed request.
 """
 
 from __future__ import annotations
@@ -12,21 +15,41 @@ from __future__ import annotations
 import torch
 
 from specdec.drafters.base import Drafter
-from specdec.kv_cache import CacheTooLarge
+from specdec.engine.block_manager import BlockManager
+from specdec.kv_cache import (
+    BLOCK_SIZE,
+    SCRATCH_BLOCK,
+    BlockPool,
+    BlockTable,
+    CacheTooLarge,
+    blocks_for,
+    free_memory_bytes,
+)
 from specdec.progress import stage
 from specdec.sequence import Sequence
 from specdec.spec.k_choice import KChoice
 from specdec.worker import ForwardBatch, ModelRunner
 
 CALIBRATION_CONTEXT = 128  # the positions the goodput policy's cost calibration runs at
+KV_CACHE_MEMORY_FRACTION = 0.5  # of the free memory, the target's cache by default when serving
 
 
 class Capacity:
     """Sizes the target's and the drafter's caches for the rounds k_choice plans.
     return_hidden: the target's forwards return its hidden states too (for the drafter)."""
 
-    def __init__(self, target: ModelRunner, drafter: Drafter | None, k_choice: KChoice, return_hidden: bool):
+    def __init__(
+        self,
+        target: ModelRunner,
+        drafter: Drafter | None,
+        k_choice: KChoice,
+        return_hidden: bool,
+        prefix_caching: bool = True,
+    ):
         self.target, self.drafter, self.k_choice, self.return_hidden = target, drafter, k_choice, return_hidden
+        self.prefix_caching = prefix_caching
+        self.pool: BlockPool | None = None  # the caches' blocks, once sized
+        self.blocks: BlockManager | None = None  # who holds which of them
 
     def for_requests(self, seqs: list[Sequence], max_num_seqs: int) -> tuple[int, int]:
         """Caches for generating seqs, at most max_num_seqs at once; returns (slots, positions
@@ -37,41 +60,80 @@ class Capacity:
         k = self.k_choice.sizing_k(seqs)
         max_len = max(s.num_tokens + s.params.max_tokens for s in seqs) + self.k_choice.margin(k) + 1
         waves = -(-len(seqs) // max_batch)
-        self._reserve(max_batch, max_len, waves * max(s.params.max_tokens for s in seqs), k)
-        return max_batch, self.target.max_len
+        num_blocks = 1 + max_batch * blocks_for(max_len)  # every slot at full length: nothing waits for blocks
+        self._reserve(max_batch, max_len, waves * max(s.params.max_tokens for s in seqs), k, num_blocks)
+        return max_batch, self._max_len()
 
     def for_serving(self, max_model_len: int, max_num_seqs: int, kv_cache_bytes: int | None) -> tuple[int, int]:
-        """Caches for requests of up to max_model_len tokens (prompt and output) each, as many
-        at once as max_num_seqs and kv_cache_bytes (the target's cache; None: no limit but the
-        free memory) allow; the goodput policy measures its costs at every batch size a power of
-        two up to that. Returns (slots, positions per slot)."""
+        """Caches for up to max_num_seqs requests at once of up to max_model_len tokens (prompt
+        and output) each, in kv_cache_bytes of the target's cache (None: KV_CACHE_MEMORY_FRACTION
+        of the free memory), or blocks for all max_num_seqs at full length where that is less;
+        the goodput policy measures its costs at every batch size a power of two up to
+        max_num_seqs. Returns (slots, positions per slot)."""
         k = self.k_choice.k
         max_len = max_model_len + self.k_choice.margin(k) + 1
-        num_slots = max_num_seqs
-        if kv_cache_bytes is not None:
-            per_slot = self.target.model.cache_bytes(1, max_len)
-            num_slots = min(num_slots, kv_cache_bytes // per_slot)
-            if num_slots < 1:
-                raise CacheTooLarge(
-                    f"one sequence of {max_len:,} positions needs {per_slot / 1e6:,.1f} MB of key/value "
-                    f"cache, more than the budget of {kv_cache_bytes / 1e6:,.1f} MB; lower "
-                    "max_model_len or raise the budget"
-                )
-        self._reserve(num_slots, max_len, 0, k)
+        block_bytes = self.target.model.position_bytes * BLOCK_SIZE
+        budget = kv_cache_bytes if kv_cache_bytes is not None else self._default_budget()
+        num_blocks = min(1 + max_num_seqs * blocks_for(max_len), budget // block_bytes)
+        if num_blocks - 1 < blocks_for(max_len):
+            raise CacheTooLarge(
+                f"one sequence of {max_len:,} positions needs {blocks_for(max_len) * block_bytes / 1e6:,.1f} MB of "
+                f"key/value cache, more than the budget of {budget / 1e6:,.1f} MB"
+                + (" (half the free memory)" if kv_cache_bytes is None else "")
+                + "; lower max_model_len, or raise the budget (--kv-cache-memory)"
+            )
+        self._reserve(max_num_seqs, max_len, 0, k, num_blocks)
         if self.k_choice.policy is not None:
-            for batch_size in (1 << i for i in range(num_slots.bit_length())):
+            for batch_size in (1 << i for i in range(max_num_seqs.bit_length())):
                 self._calibrate(batch_size, max_len, k)
-        return num_slots, self.target.max_len
+        return max_num_seqs, self._max_len()
 
-    def _reserve(self, max_batch: int, max_len: int, num_forwards: int, k: int) -> None:
+    @property
+    def cache_tokens(self) -> int:
+        """The positions the pool holds for sequences (after sizing)."""
+        return 0 if self.blocks is None else (self.blocks.num_blocks - 1) * BLOCK_SIZE
+
+    def _default_budget(self) -> int:
+        free = free_memory_bytes(self.target.device)
+        return int(KV_CACHE_MEMORY_FRACTION * free) if free is not None else 1 << 62
+
+    def _max_len(self) -> int:
+        """The positions a sequence may use: the target's cache's, within the block table."""
+        assert self.pool is not None
+        return min(self.target.max_len, self.pool.table.max_blocks * BLOCK_SIZE)
+
+    def _pool(self, max_seqs: int, max_len: int, num_blocks: int) -> BlockPool:
+        """A pool of num_blocks (at least) for max_seqs slots of max_len positions: the one held
+        where it is large enough (its table cleared), else a new one."""
+        pool = self.pool
+        if (
+            pool is None
+            or pool.table.max_seqs < max_seqs
+            or pool.table.max_blocks < blocks_for(max_len)
+            or pool.num_blocks < num_blocks
+        ):
+            pool = BlockPool(BlockTable(max_seqs, blocks_for(max_len), self.target.device), num_blocks)
+        pool.table.table.fill_(SCRATCH_BLOCK)
+        self.pool = pool
+        return pool
+
+    def _reserve(self, max_batch: int, max_len: int, num_forwards: int, k: int, num_blocks: int) -> None:
         """Caches for the work ahead (at most num_forwards target forwards, k drafts a round at
-        most); the runners compile for it if they are to, and the policy measures its costs."""
+        most) in a pool of num_blocks blocks; the runners compile for it if they are to, and the
+        policy measures its costs."""
+        pool = self._pool(max_batch, max_len, num_blocks)
+        self.blocks = BlockManager(pool.num_blocks, pool.table, self.prefix_caching)
         try:
             self.target.prepare(
-                max_batch, max_len, self.k_choice.query_lengths(), num_forwards, return_hidden=self.return_hidden
+                max_batch,
+                max_len,
+                self.k_choice.query_lengths(),
+                num_forwards,
+                return_hidden=self.return_hidden,
+                pool=pool,
             )
             if self.drafter is not None:
-                self.drafter.reserve(max_batch, max_len, num_forwards)
+                self.drafter.reserve(max_batch, max_len, num_forwards, pool)
         except CacheTooLarge as e:
             raise CacheTooLarge(
                 f"{e}: {max_batch} sequences at once, each of up to {max_len:,} positions (prompt + "

@@ -1,10 +1,12 @@
 """The engine: requests in, one speculative round per step, outputs out.
 
-A step: admit waiting requests into free cache slots (scheduler.py) and prefill them; run one
-round over every running request (spec/round.py, each row's k from spec/k_choice.py); append
-each row's new tokens, stopping at EOS / stop strings / max_tokens even inside an accepted run
-(output_processor.py); retire the finished requests, freeing their slots. Sizing the caches
-before requests run is capacity.py's.
+A step: admit waiting requests into free cache slots, with the cache blocks they need
+(scheduler.py), and prefill them; give every running request the blocks its round writes,
+preempting the youngest while they run short; run one round over every running request
+(spec/round.py, each row's k from spec/k_choice.py); append each row's new tokens, stopping at
+EOS / stop strings / max_tokens even inside an accepted run (output_processor.py); retire the
+finished requests, freeing their slots and blocks. Sizing the caches before requests run is
+capacity.py's.
 """
 
 from __future__ import annotations
@@ -47,12 +49,13 @@ class Engine:
         k_policy: str = "goodput",
         tree: TreeShape | None = None,
         generator: torch.Generator | None = None,
+        enable_prefix_caching: bool = True,
     ):
         self.target, self.drafter, self.max_num_seqs = target, drafter, max_num_seqs
         k = num_speculative_tokens if drafter is not None else 0
         self.k_choice = KChoice(k, k_policy, tree, drafter is not None and drafter.grows_trees, target.padded_queries)
         self.round = SpeculativeRound(target, drafter, self.k_choice.tree)
-        self.capacity = Capacity(target, drafter, self.k_choice, self.round.return_hidden)
+        self.capacity = Capacity(target, drafter, self.k_choice, self.round.return_hidden, enable_prefix_caching)
         self.output = OutputProcessor(tokenizer, eos_token_ids)
         self.scheduler = Scheduler()
         self.max_len: int | None = None  # the positions each sequence may use, once prepared
@@ -107,16 +110,55 @@ class Engine:
             self._emit(admitted, self.round.prefill(admitted))
             for seq in admitted:
                 self.k_choice.start(seq)
+        self._make_room()
         running = [seq for seq in self.scheduler.running if not seq.finished]
         if running:
             result = self.round.run(running, self.k_choice.round_ks(running))
             self._emit(running, result)
             self.k_choice.observe(running, result)
+        self.scheduler.register_full_blocks()
         for seq in self.scheduler.retire_finished():
             self._finish(seq)
         admitted_ids = {seq.request_id for seq in admitted}
         moved = admitted + [seq for seq in running if seq.request_id not in admitted_ids]
         return [output for output in map(self.output.new_output, moved) if output is not None]
+
+    def _make_room(self) -> None:
+        """Every running sequence's blocks for its next round, oldest first; while the pool is
+        short, the youngest running sequence is preempted (scheduler.py: it waits, first in
+        line, and is prefilled anew over its tokens so far; the drafter forgets it)."""
+        for seq in list(self.scheduler.running):
+            if seq.finished:
+                continue
+            while seq.slot >= 0 and not self.scheduler.can_grow(seq):
+                victim = self.scheduler.youngest()
+                if self.drafter is not None:
+                    self.drafter.release(victim)
+                self.scheduler.preempt(victim)
+            if seq.slot >= 0:
+                self.scheduler.grow(seq)
+
+    @property
+    def num_preemptions(self) -> int:
+        """Sequences preempted for lack of cache blocks since the engine was prepared."""
+        return self.scheduler.num_preemptions
+
+    @property
+    def prefix_cache_counts(self) -> tuple[int, int]:
+        """(prompt tokens looked up in the prefix cache, of those found) since it was prepared."""
+        blocks = self.capacity.blocks
+        return (0, 0) if blocks is None else (blocks.prefix_queries, blocks.prefix_hits)
+
+    @property
+    def cache_usage(self) -> float:
+        """The fraction of the caches' blocks that sequences hold (0 before sizing)."""
+        blocks = self.capacity.blocks
+        return 0.0 if blocks is None else blocks.num_held / (blocks.num_blocks - 1)
+
+    @property
+    def cache_tokens(self) -> int:
+        """The positions the caches' blocks hold for sequences."""
+        return self.capacity.cache_tokens
 
     def abort(self, request_id: str) -> bool:
         """Stop a request, waiting or running; its slot is free for the next step. False if no
@@ -165,11 +207,18 @@ class Engine:
             raise RuntimeError("the engine has unfinished requests: finish or abort them before preparing again")
 
     def _start(self, num_slots: int, max_prefill_tokens: int | None = None) -> int:
-        self.scheduler.resize(num_slots)
+        self.scheduler.resize(num_slots, self.capacity.blocks, self._room)
+        self.scheduler.num_preemptions = 0
         self.scheduler.max_prefill_tokens = max_prefill_tokens
         self.timings.update(dict.fromkeys(TIMED_PARTS, 0.0))
         self.round.forget_batches()
         return num_slots
+
+    def _room(self, seq: Sequence) -> int:
+        """The positions seq holds blocks for before a forward: its tokens, what a round writes
+        past them, and the one after (kv_cache.ragged_batch's padding)."""
+        assert self.max_len is not None
+        return min(seq.num_tokens + self.k_choice.margin(self.k_choice.k) + 1, self.max_len)
 
     def _emit(self, batch: list[Sequence], result: RoundResult) -> None:
         """Append each row's new tokens (stopping inside an accepted run) and count the round."""

@@ -1,16 +1,23 @@
-"""The scheduler: which requests wait, which run, and in which cache slot. Plain Python, no
-tensors.
+"""The scheduler: which requests wait, which run, in which cache slot, holding which blocks.
+Plain Python, no tensors.
 
-A request waits (first come, first served) until a slot is free; then it runs, holding its slot
-(a row of every KV cache) until it finishes or is aborted, when the slot goes to the next waiting
-request: continuous batching. The number of slots is the most sequences run at once, sized by
-the engine to max_num_seqs and the memory the caches may take.
+A request waits (first come, first served) until a slot is free and the block manager
+(block_manager.py) has the blocks its prompt and a round's writes need; then it runs, holding
+its slot (a row of the block table) and its blocks until it finishes or is aborted, when both go
+to the next waiting request: continuous batching. Before each round every running sequence grows
+its blocks for the positions the round writes; when the pool runs short, the youngest running
+sequences are preempted: their blocks are freed and they wait again, first in line, to be
+prefilled anew over their tokens so far (recompute), so no request ever fails for lack of
+cache. The number of slots is the most sequences run at once (max_num_seqs); the number of
+blocks, the cache memory (capacity.py).
 """
 
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Callable
 
+from specdec.engine.block_manager import BlockManager
 from specdec.sequence import Sequence
 
 
@@ -18,28 +25,41 @@ class Scheduler:
     """max_prefill_tokens: the most tokens one step's prefill may run, counted as the forward
     runs them (rows x the longest prompt among them); more waiting requests start at the next
     steps, so that a burst of prompts does not stall the running requests' decoding for one long
-    prefill. At least one request starts whenever a slot is free. None: no limit."""
+    prefill. At least one request starts whenever a slot and blocks are free. None: no limit.
+    room(seq): the positions seq must hold blocks for before its next forward (its tokens and
+    what a round writes past them)."""
 
     def __init__(self, num_slots: int = 0, max_prefill_tokens: int | None = None):
         self.max_prefill_tokens = max_prefill_tokens
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.num_slots = 0
+        self.blocks: BlockManager | None = None
+        self.room: Callable[[Sequence], int] = lambda seq: seq.num_tokens
+        self.num_preemptions = 0
         self._free_slots: list[int] = []
         self.resize(num_slots)
 
-    def resize(self, num_slots: int) -> None:
-        """Run up to num_slots sequences at once from now on (only while none is running)."""
+    def resize(
+        self, num_slots: int, blocks: BlockManager | None = None, room: Callable[[Sequence], int] | None = None
+    ) -> None:
+        """Run up to num_slots sequences at once from now on (only while none is running), in
+        the blocks that manager hands out (None: every slot holds all its positions)."""
         if self.running:
             raise RuntimeError("the scheduler's slots cannot change while sequences run")
         self.num_slots = num_slots
         self._free_slots = list(range(num_slots))[::-1]  # slot 0 first
+        self.blocks = blocks
+        if room is not None:
+            self.room = room
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
 
     def admit(self) -> list[Sequence]:
-        """Waiting sequences, in order, into the free slots: the ones that start running now."""
+        """Waiting sequences, in order, into the free slots while there are blocks for them: the
+        ones that start running now (their blocks held for their first forward, those of a
+        cached prefix shared: seq.num_cached_tokens)."""
         admitted, longest = [], 0
         while self.waiting and self._free_slots:
             longest = max(longest, self.waiting[0].num_tokens)
@@ -49,22 +69,56 @@ class Scheduler:
                 and (len(admitted) + 1) * longest > self.max_prefill_tokens
             ):
                 break
-            seq = self.waiting.popleft()
-            seq.slot = self._free_slots.pop()
+            slot, seq = self._free_slots[-1], self.waiting[0]
+            cached = 0 if self.blocks is None else self.blocks.admit(slot, seq.token_ids, self.room(seq))
+            if cached is None:
+                break  # first come, first served: the next waits for blocks too
+            self.waiting.popleft()
+            seq.slot, seq.num_cached_tokens = self._free_slots.pop(), cached
             admitted.append(seq)
         self.running += admitted
         return admitted
 
+    def can_grow(self, seq: Sequence, slot: int | None = None) -> bool:
+        """Whether the pool has the blocks seq (in its slot, or in slot) needs for its next forward."""
+        return self.blocks is None or self.blocks.can_grow(seq.slot if slot is None else slot, self.room(seq))
+
+    def grow(self, seq: Sequence) -> None:
+        """Give running seq the blocks its next forward writes (can_grow checked first)."""
+        if self.blocks is not None:
+            self.blocks.grow(seq.slot, self.room(seq))
+
+    def register_full_blocks(self) -> None:
+        """Every running sequence's blocks whose entries are all written, registered for later
+        prefixes (block_manager.py; nothing without prefix caching)."""
+        if self.blocks is not None and self.blocks.prefix_caching:
+            for seq in self.running:
+                self.blocks.register(seq.slot, seq.token_ids)
+
+    def youngest(self) -> Sequence:
+        """The running sequence admitted last: the one preempted first."""
+        return self.running[-1]
+
+    def preempt(self, seq: Sequence) -> None:
+        """Take running seq out, its slot and blocks free, to wait first in line and be prefilled
+        anew over its tokens so far."""
+        self._release(seq)
+        self.running.remove(seq)
+        self.waiting.appendleft(seq)
+        self.num_preemptions += 1
+
     def retire_finished(self) -> list[Sequence]:
-        """The running sequences that finished, out of the batch, their slots free."""
+        """The running sequences that finished, out of the batch, their slots and blocks free."""
         finished = [seq for seq in self.running if seq.finished]
         if finished:
             self.running = [seq for seq in self.running if not seq.finished]
-            self._free_slots += [seq.slot for seq in finished]
+            for seq in finished:
+                self._release(seq, keep_slot_number=True)
         return finished
 
     def remove(self, request_id: str) -> Sequence | None:
-        """Take a request out, waiting or running (freeing its slot); None if it is not here."""
+        """Take a request out, waiting or running (freeing its slot and blocks); None if it is
+        not here."""
         for seq in self.waiting:
             if seq.request_id == request_id:
                 self.waiting.remove(seq)
@@ -72,9 +126,18 @@ class Scheduler:
         for seq in self.running:
             if seq.request_id == request_id:
                 self.running.remove(seq)
-                self._free_slots.append(seq.slot)
+                self._release(seq, keep_slot_number=True)
                 return seq
         return None
+
+    def _release(self, seq: Sequence, keep_slot_number: bool = False) -> None:
+        """seq's slot and blocks free (seq.slot kept where the caller still reads it: a finished
+        or aborted sequence's drafter state is released by slot after this)."""
+        if self.blocks is not None:
+            self.blocks.free(seq.slot)
+        self._free_slots.append(seq.slot)
+        if not keep_slot_number:
+            seq.slot = -1
 
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)

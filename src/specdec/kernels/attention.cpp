@@ -60,14 +60,24 @@ inline vfloat exp_nonpositive(vfloat x) {
 template <typename scalar_t>
 struct HeadTask {
   const float* query;        // [R, D], already scaled
-  const scalar_t* keys;      // key j at keys + j * key_stride
+  const scalar_t* keys;      // blocks null: key j at keys + j * key_stride; else at
+                             // keys + blocks[j / 16] * key_block_stride + (j % 16) * key_stride
   const scalar_t* values;    // likewise
-  int64_t key_stride, value_stride;
+  const int64_t* blocks;     // the row's blocks (a block table's row), or null
+  int64_t key_stride, value_stride, key_block_stride, value_block_stride;
   const bool* mask;          // visible(t, j) = mask[t * mask_t + j * mask_j]; null: every key
   int64_t mask_t, mask_j;
   int64_t G, T, S, S16, D;   // S16: S rounded up to 16
 
   bool visible(int64_t t, int64_t j) const { return mask == nullptr || mask[t * mask_t + j * mask_j]; }
+
+  const scalar_t* key(int64_t j) const {
+    return blocks == nullptr ? keys + j * key_stride : keys + blocks[j / LANES] * key_block_stride + (j % LANES) * key_stride;
+  }
+  const scalar_t* value(int64_t j) const {
+    return blocks == nullptr ? values + j * value_stride
+                             : values + blocks[j / LANES] * value_block_stride + (j % LANES) * value_stride;
+  }
 
   // scores [R, S16]: 16 keys at a time, transposed to [D, 16] so that each lane is one key's dot
   // product summed over d in order (no sum across lanes); keys past S score 0
@@ -76,8 +86,12 @@ struct HeadTask {
     for (int64_t j0 = 0; j0 < S; j0 += LANES) {
       const int64_t n = std::min<int64_t>(LANES, S - j0);
       for (int64_t l = 0; l < LANES; ++l) {
-        const scalar_t* key = keys + (j0 + l) * key_stride;
-        for (int64_t d = 0; d < D; ++d) block[d * LANES + l] = l < n ? to_float(key[d]) : 0.f;
+        if (l >= n) {
+          for (int64_t d = 0; d < D; ++d) block[d * LANES + l] = 0.f;
+          continue;
+        }
+        const scalar_t* k = key(j0 + l);
+        for (int64_t d = 0; d < D; ++d) block[d * LANES + l] = to_float(k[d]);
       }
       int64_t r = 0;
       for (; r + 4 <= R; r += 4) score_rows<4>(query + r * D, block, out + r * S16 + j0);
@@ -140,7 +154,7 @@ struct HeadTask {
     for (int i = 0; i < N; ++i) sum[i] = splat(0.f);
     for (int64_t j = 0; j < S; ++j) {
       if (!visible(t, j)) continue;
-      const scalar_t* v = values + j * value_stride + d0;
+      const scalar_t* v = value(j) + d0;
       for (int i = 0; i < N; ++i) sum[i] += p[j] * load16_float(v + i * LANES);
     }
     for (int i = 0; i < N; ++i) store16(out + i * LANES, sum[i]);
@@ -149,7 +163,7 @@ struct HeadTask {
 
 template <typename scalar_t>
 void attend_heads(const float* q, int64_t B, int64_t T, int64_t H, const at::Tensor& keys, const at::Tensor& values,
-                  const int64_t* rows, int64_t S, const at::Tensor* mask, float scale, float* out) {
+                  const int64_t* blocks, int64_t max_blocks, int64_t S, const at::Tensor* mask, float scale, float* out) {
   const int64_t D = keys.size(3), Hkv = keys.size(2), G = H / Hkv, R = G * T, S16 = (S + LANES - 1) / LANES * LANES;
   const bool* mask_ptr = mask == nullptr ? nullptr : mask->data_ptr<bool>();
   const int64_t mask_b = mask == nullptr || mask->size(0) == 1 ? 0 : mask->stride(0);
@@ -163,10 +177,12 @@ void attend_heads(const float* q, int64_t B, int64_t T, int64_t H, const at::Ten
           const float* qr = q + ((b * T + t) * H + hkv * G + g) * D;
           for (int64_t d = 0; d < D; ++d) query[(g * T + t) * D + d] = qr[d] * scale;
         }
+      const int64_t row = blocks == nullptr ? b : 0;  // contiguous: keys [B, S, Hkv, D]; blocks: the pool's
       const HeadTask<scalar_t> head{query.data(),
-                                    keys.data_ptr<scalar_t>() + rows[b] * keys.stride(0) + hkv * keys.stride(2),
-                                    values.data_ptr<scalar_t>() + rows[b] * values.stride(0) + hkv * values.stride(2),
-                                    keys.stride(1), values.stride(1),
+                                    keys.data_ptr<scalar_t>() + row * keys.stride(0) + hkv * keys.stride(2),
+                                    values.data_ptr<scalar_t>() + row * values.stride(0) + hkv * values.stride(2),
+                                    blocks == nullptr ? nullptr : blocks + b * max_blocks,
+                                    keys.stride(1), values.stride(1), keys.stride(0), values.stride(0),
                                     mask_ptr == nullptr ? nullptr : mask_ptr + b * mask_b, mask_t, mask_j,
                                     G, T, S, S16, D};
       head.scores(probs.data(), block.data());
@@ -186,23 +202,33 @@ void attend_heads(const float* q, int64_t B, int64_t T, int64_t H, const at::Ten
 }  // namespace
 
 void specdec_kernels::attend_cache(const float* q, int64_t B, int64_t T, int64_t H, const at::Tensor& keys,
-                                   const at::Tensor& values, const int64_t* rows, int64_t num_keys,
-                                   const at::Tensor* mask, float scale, float* out) {
+                                   const at::Tensor& values, const int64_t* blocks, int64_t max_blocks,
+                                   int64_t num_keys, const at::Tensor* mask, float scale, float* out) {
   TORCH_CHECK(keys.dim() == 4 && keys.sizes() == values.sizes() && keys.scalar_type() == values.scalar_type(),
-              "keys and values: [slots, positions, Hkv, D] of one dtype");
+              "keys and values: [rows or blocks, positions, Hkv, D] of one dtype");
   TORCH_CHECK(H % keys.size(2) == 0, "query heads must be a multiple of key/value heads");
   TORCH_CHECK(keys.size(3) % LANES == 0, "head dimension must be a multiple of 16");
   TORCH_CHECK(keys.stride(3) == 1 && values.stride(3) == 1, "the head dimension must be contiguous");
-  TORCH_CHECK(num_keys <= keys.size(1), "position ", num_keys - 1, " is past the cache");
-  for (int64_t b = 0; b < B; ++b) TORCH_CHECK(rows[b] >= 0 && rows[b] < keys.size(0), "cache slot out of range");
+  if (blocks == nullptr) {
+    TORCH_CHECK(keys.size(0) == B && num_keys <= keys.size(1), "keys [B, S, Hkv, D]: position ", num_keys - 1,
+                " is past them");
+  } else {
+    TORCH_CHECK(keys.size(1) == LANES, "a block holds 16 positions");
+    TORCH_CHECK(num_keys <= max_blocks * LANES, "position ", num_keys - 1, " is past the cache");
+    for (int64_t b = 0; b < B; ++b)
+      for (int64_t i = 0; i < (num_keys + LANES - 1) / LANES; ++i)
+        TORCH_CHECK(blocks[b * max_blocks + i] >= 0 && blocks[b * max_blocks + i] < keys.size(0), "cache block out of range");
+  }
   if (mask != nullptr)
     TORCH_CHECK(mask->scalar_type() == at::kBool && mask->dim() == 4 && mask->size(1) == 1 && mask->size(2) == T &&
                     mask->size(3) == num_keys && (mask->size(0) == B || mask->size(0) == 1),
                 "mask: bool [B or 1, 1, T, S]");
   switch (keys.scalar_type()) {
-    case at::kFloat: attend_heads<float>(q, B, T, H, keys, values, rows, num_keys, mask, scale, out); break;
-    case at::kBFloat16: attend_heads<c10::BFloat16>(q, B, T, H, keys, values, rows, num_keys, mask, scale, out); break;
-    case at::kHalf: attend_heads<c10::Half>(q, B, T, H, keys, values, rows, num_keys, mask, scale, out); break;
+    case at::kFloat: attend_heads<float>(q, B, T, H, keys, values, blocks, max_blocks, num_keys, mask, scale, out); break;
+    case at::kBFloat16:
+      attend_heads<c10::BFloat16>(q, B, T, H, keys, values, blocks, max_blocks, num_keys, mask, scale, out);
+      break;
+    case at::kHalf: attend_heads<c10::Half>(q, B, T, H, keys, values, blocks, max_blocks, num_keys, mask, scale, out); break;
     default: TORCH_CHECK(false, "attend: float32, bfloat16 or float16 keys, got ", keys.scalar_type());
   }
 }
@@ -219,10 +245,8 @@ at::Tensor attend(const at::Tensor& q, const at::Tensor& keys, const at::Tensor&
   const int64_t B = q.size(0), T = q.size(1), H = q.size(2);
   auto q32 = q.to(at::kFloat).contiguous();
   auto out = at::empty({B, T, H, q.size(3)}, q.options().dtype(at::kFloat));
-  std::vector<int64_t> rows(B);
-  for (int64_t b = 0; b < B; ++b) rows[b] = b;
   const at::Tensor* mask_ptr = mask.has_value() && mask->defined() ? &*mask : nullptr;
-  specdec_kernels::attend_cache(q32.data_ptr<float>(), B, T, H, keys, values, rows.data(), keys.size(1), mask_ptr,
+  specdec_kernels::attend_cache(q32.data_ptr<float>(), B, T, H, keys, values, nullptr, 0, keys.size(1), mask_ptr,
                                 (float)scale, out.data_ptr<float>());
   return out.to(q.scalar_type());
 }

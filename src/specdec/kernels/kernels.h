@@ -64,11 +64,14 @@ struct QLinear {
 
 Prologue make_prologue(const c10::optional<at::Tensor>& norm_weight, double eps, bool gated, int64_t K);
 
-// Attention of q [B, T, H, D] float32 (contiguous) over a cache's keys and values [slots, positions,
-// Hkv, D] (float32, bfloat16 or float16): batch row b reads slot rows[b], positions 0..num_keys-1,
-// those mask [B or 1, 1, T, num_keys] lets it (null: all); out [B, T, H, D] float32. Each query is
+// Attention of q [B, T, H, D] float32 (contiguous) over keys and values (float32, bfloat16 or float16):
+// blocks null: keys [B, S, Hkv, D], batch row b reads row b; else a cache's pool [blocks, 16, Hkv,
+// D] and blocks [B, max_blocks] (a block table's rows, int64): batch row b's position j is in block
+// blocks[b * max_blocks + j / 16] at offset j % 16. Each row reads positions 0..num_keys-1, those
+// mask [B or 1, 1, T, num_keys] lets it (null: all); out [B, T, H, D] float32. Each query is
 // computed alone (see attention.cpp).
 void attend_cache(const float* q, int64_t B, int64_t T, int64_t H, const at::Tensor& keys, const at::Tensor& values,
-                  const int64_t* rows, int64_t num_keys, const at::Tensor* mask, float scale, float* out);
+                  const int64_t* blocks, int64_t max_blocks, int64_t num_keys, const at::Tensor* mask, float scale,
+                  float* out);
 
 }  // namespace specdec_kernels

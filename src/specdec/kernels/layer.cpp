@@ -47,28 +47,37 @@ struct DecoderLayerPlan {
   }
 
   // x [B, T, hidden]; cos, signed_sin [B, T, 1, D] (rotate-half RoPE: x * cos + roll(x, D/2) * signed_sin);
-  // keys, values: this layer's cache [slots, positions, Hkv, D]; rows [B]: the slot of each batch row;
-  // write_positions [B, T]: where each token's key and value go; mask [B or 1, 1, T, num_keys] or none
+  // keys, values: this layer's cache [blocks, 16, Hkv, D]; blocks [B, max_blocks]: each batch row's
+  // block table row (position p in block blocks[b, p / 16] at offset p % 16); write_positions [B, T]:
+  // where each token's key and value go; mask [B or 1, 1, T, num_keys] or none
   at::Tensor forward(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& signed_sin, at::Tensor keys,
-                     at::Tensor values, const at::Tensor& rows, const at::Tensor& write_positions,
+                     at::Tensor values, const at::Tensor& blocks, const at::Tensor& write_positions,
                      const c10::optional<at::Tensor>& mask, int64_t num_keys) const {
     TORCH_CHECK(x.dim() == 3 && x.size(2) == qkv.K, "x: [B, T, hidden]");
     const int64_t B = x.size(0), T = x.size(1), M = B * T, hidden = x.size(2);
     TORCH_CHECK(keys.scalar_type() == x.scalar_type() && values.scalar_type() == x.scalar_type(),
                 "the cache must be in x's dtype");
-    TORCH_CHECK(rows.scalar_type() == at::kLong && rows.numel() == B && write_positions.scalar_type() == at::kLong &&
-                    write_positions.sizes() == at::IntArrayRef({B, T}),
-                "rows [B], write_positions [B, T]: int64");
+    TORCH_CHECK(blocks.scalar_type() == at::kLong && blocks.dim() == 2 && blocks.size(0) == B &&
+                    write_positions.scalar_type() == at::kLong && write_positions.sizes() == at::IntArrayRef({B, T}),
+                "blocks [B, max_blocks], write_positions [B, T]: int64");
+    TORCH_CHECK(keys.size(1) == 16 && values.sizes() == keys.sizes() && keys.is_contiguous() && values.is_contiguous(),
+                "the cache: contiguous [blocks, 16, Hkv, D]");
     auto x2 = x.reshape({M, hidden}).contiguous();                       // [M, hidden]
     auto qkv_out = qkv.run(x2, make_prologue(input_norm, eps, false, hidden));  // [M, (H + 2 Hkv) D] float32
     auto q = at::empty({M, H * D}, x.options().dtype(at::kFloat));       // [M, H*D] = [B, T, H, D]
     auto cos32 = cos.reshape({M, D}).to(at::kFloat).contiguous(), sin32 = signed_sin.reshape({M, D}).to(at::kFloat).contiguous();
-    auto rows_c = rows.contiguous(), positions = write_positions.contiguous();
-    const int64_t* row_of = rows_c.data_ptr<int64_t>();
+    auto blocks_c = blocks.contiguous(), positions = write_positions.contiguous();
+    const int64_t max_blocks = blocks.size(1);
+    const int64_t* block_of = blocks_c.data_ptr<int64_t>();
     const int64_t* position_of = positions.data_ptr<int64_t>();
-    for (int64_t m = 0; m < M; ++m)
-      TORCH_CHECK(position_of[m] >= 0 && position_of[m] < keys.size(1) && row_of[m / T] >= 0 &&
-                      row_of[m / T] < keys.size(0), "a write position or cache slot out of range");
+    std::vector<int64_t> entry_of(M);  // the write's block x 16 + offset
+    for (int64_t m = 0; m < M; ++m) {
+      const int64_t p = position_of[m];
+      TORCH_CHECK(p >= 0 && p < max_blocks * 16, "a write position out of range");
+      const int64_t block = block_of[(m / T) * max_blocks + p / 16];
+      TORCH_CHECK(block >= 0 && block < keys.size(0), "a cache block out of range");
+      entry_of[m] = block * 16 + p % 16;
+    }
     AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "decoder_layer_rope", [&] {
       const float* in = qkv_out.data_ptr<float>();
       float* q_out = q.data_ptr<float>();
@@ -81,8 +90,8 @@ struct DecoderLayerPlan {
           for (int64_t d = 0; d < D; ++d) out[d] = v[d] * c[d] + v[(d + D / 2) % D] * s[d];
         };
         for (int64_t h = 0; h < H; ++h) rope(row + h * D, q_out + m * H * D + h * D);
-        scalar_t* k_dst = keys.data_ptr<scalar_t>() + row_of[m / T] * keys.stride(0) + position_of[m] * keys.stride(1);
-        scalar_t* v_dst = values.data_ptr<scalar_t>() + row_of[m / T] * values.stride(0) + position_of[m] * values.stride(1);
+        scalar_t* k_dst = keys.data_ptr<scalar_t>() + entry_of[m] * keys.stride(1);  // contiguous: a block is 16 entries
+        scalar_t* v_dst = values.data_ptr<scalar_t>() + entry_of[m] * values.stride(1);
         for (int64_t h = 0; h < Hkv; ++h) {
           rope(row + (H + h) * D, rotated.data());
           store_row(k_dst + h * keys.stride(2), rotated.data(), D);
@@ -92,8 +101,8 @@ struct DecoderLayerPlan {
     });
     auto attention = at::empty({M, H * D}, x.options().dtype(at::kFloat));  // [B, T, H, D]
     const at::Tensor* mask_ptr = mask.has_value() && mask->defined() ? &*mask : nullptr;
-    attend_cache(q.data_ptr<float>(), B, T, H, keys, values, row_of, num_keys, mask_ptr, (float)(1.0 / std::sqrt((double)D)),
-                 attention.data_ptr<float>());
+    attend_cache(q.data_ptr<float>(), B, T, H, keys, values, block_of, max_blocks, num_keys, mask_ptr,
+                 (float)(1.0 / std::sqrt((double)D)), attention.data_ptr<float>());
     auto h = o.run_plus(attention, Prologue(), x2);  // [M, hidden] in x's dtype
     auto gate_up_out = gate_up.run(h, make_prologue(post_norm, eps, false, hidden));  // [M, 2I] float32
     Prologue gated;

@@ -24,7 +24,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from specdec.kv_cache import CacheRows, KVCache, TreeAttention
+from specdec.kv_cache import BLOCK_SIZE, BlockPool, CacheRows, KVCache, TreeAttention, blocks_for
 
 
 @dataclass(frozen=True)
@@ -272,13 +272,35 @@ class DecoderStack(nn.Module):
 
     def cache_bytes(self, max_batch: int, max_len: int) -> int:
         """The bytes of new_cache(max_batch, max_len): keys and values of every layer."""
-        c = self.config
-        return 2 * len(self.layers) * max_batch * max_len * c.num_kv_heads * c.head_dim * self.dtype.itemsize
+        positions = (1 + max_batch * blocks_for(max_len)) * BLOCK_SIZE  # each slot's blocks, and the scratch block
+        return positions * self.position_bytes
 
-    def new_cache(self, max_batch: int, max_len: int, static: bool = False) -> KVCache:
+    @property
+    def position_bytes(self) -> int:
+        """The cache's bytes per position: a key and a value in every layer."""
+        c = self.config
+        return 2 * len(self.layers) * c.num_kv_heads * c.head_dim * self.dtype.itemsize
+
+    def new_cache(
+        self,
+        max_batch: int,
+        max_len: int,
+        static: bool = False,
+        pool: BlockPool | None = None,
+    ) -> KVCache:
+        """A cache for this model (kv_cache.KVCache): a block table of its own, or the pool's."""
         c = self.config
         return KVCache(
-            len(self.layers), max_batch, max_len, c.num_kv_heads, c.head_dim, self.dtype, self.device, static
+            len(self.layers),
+            max_batch,
+            max_len,
+            c.num_kv_heads,
+            c.head_dim,
+            self.dtype,
+            self.device,
+            static,
+            table=None if pool is None else pool.table,
+            num_blocks=None if pool is None else pool.num_blocks,
         )
 
     def transform(

@@ -179,6 +179,8 @@ class AsyncEngine:
         self.metrics.observe_step(
             outputs, self._arrivals, self.engine.num_running, self.engine.num_waiting, self.engine.stats
         )
+        prefix_queries, prefix_hits = self.engine.prefix_cache_counts
+        self.metrics.observe_cache(self.engine.cache_usage, prefix_queries, prefix_hits, self.engine.num_preemptions)
         for output in outputs:
             if output.finished:
                 del self._arrivals[output.request_id]

@@ -79,8 +79,16 @@ def add_serve_parser(commands) -> None:
         "--kv-cache-memory",
         type=float,
         metavar="GB",
-        help="the target's key/value cache may take at most this many GB: fewer slots than --max-num-seqs "
-        "if it must (default: no limit but the free memory)",
+        help="the target's key/value cache may take at most this many GB, in blocks of 16 positions that "
+        "requests hold as they use them (default: half the memory free after loading, or what "
+        "--max-num-seqs requests of --max-model-len tokens need where that is less)",
+    )
+    p.add_argument(
+        "--enable-prefix-caching",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="a request whose prompt starts with whole 16-token blocks an earlier one computed skips their "
+        "prefill (default on, as in vLLM; --no-enable-prefix-caching turns it off)",
     )
     p.add_argument(
         "--max-request-bytes",
@@ -120,7 +128,7 @@ def run_serve(args: argparse.Namespace) -> int:
         )
     require_model(args, "serve")
     _check_arguments(args)
-    llm = make_llm(args, max_num_seqs=args.max_num_seqs)
+    llm = make_llm(args, max_num_seqs=args.max_num_seqs, enable_prefix_caching=args.enable_prefix_caching)
     max_model_len = args.max_model_len or llm.max_model_len
     if max_model_len > llm.max_model_len:
         raise ValueError(
@@ -133,13 +141,17 @@ def run_serve(args: argparse.Namespace) -> int:
     name = names[0]
     spec = llm.speculative_config
     log.info(
-        "serving %s on http://%s:%d: %s, %d requests at once, %d tokens each",
+        "serving %s on http://%s:%d: %s, up to %d requests at once of up to %d tokens each; the KV cache "
+        "holds %s tokens (%.2f GB)%s",
         name,
         args.host,
         args.port,
         f"{spec.method} k={spec.num_speculative_tokens} ({spec.k_policy})" if spec else "no speculation",
         num_slots,
         max_model_len,
+        f"{llm.engine.cache_tokens:,}",
+        llm.engine.cache_tokens * llm.runner.model.position_bytes / 1e9,
+        ", prefix caching on" if args.enable_prefix_caching else "",
     )
     metrics = ServerMetrics(name)
     max_request_bytes = args.max_request_bytes or max(

@@ -80,11 +80,16 @@ class ServerMetrics:
             "Request-rounds by the k chosen for them (0: a plain decoding step; goodput.py chooses k per round).",
             ["k"],
         )
+        self.cache_usage = gauge("kv_cache_usage_perc", "Fraction of the key/value cache's blocks held by requests.")
+        self.prefix_queries = counter("prefix_cache_queries", "Prompt tokens looked up in the prefix cache.")
+        self.prefix_hits = counter("prefix_cache_hits", "Prompt tokens found in the prefix cache (not prefilled).")
+        self.preemptions = counter("num_preemptions", "Requests preempted for lack of cache blocks (recomputed later).")
         self.ttft = histogram("time_to_first_token_seconds", "Seconds from arrival to the first token.")
         self.itl = histogram("inter_token_latency_seconds", "Seconds per output token after the first.")
         self.e2e = histogram("e2e_request_latency_seconds", "Seconds from arrival to the last token.")
         self._last_token_time: dict[str, float] = {}
         self._seen = SpecStats()  # the engine's totals at the last observation
+        self._seen_cache = (0, 0, 0)  # prefix queries, hits and preemptions at the last observation
 
     def observe_step(
         self,
@@ -121,6 +126,15 @@ class ServerMetrics:
     def observe_queue(self, num_running: int, num_waiting: int) -> None:
         self.running.set(num_running)
         self.waiting.set(num_waiting)
+
+    def observe_cache(self, usage: float, prefix_queries: int, prefix_hits: int, preemptions: int) -> None:
+        """The cache's use after a step, and the engine's prefix-cache and preemption totals so far."""
+        self.cache_usage.set(usage)
+        queries, hits, preempted = self._seen_cache
+        self.prefix_queries.inc(max(0, prefix_queries - queries))
+        self.prefix_hits.inc(max(0, prefix_hits - hits))
+        self.preemptions.inc(max(0, preemptions - preempted))
+        self._seen_cache = (prefix_queries, prefix_hits, preemptions)
 
     def forget(self, request_id: str) -> None:
         """An aborted request."""

@@ -74,18 +74,21 @@ class SpeculativeRound:
         self._sampling_key = None
 
     def prefill(self, batch: list[Sequence]) -> RoundResult:
-        """One target forward over the new prompts; samples each one's first token."""
+        """One target forward over the new sequences' tokens (a prompt; or, for a sequence
+        preempted to free cache, its prompt and output so far), after the positions found in the
+        prefix cache; samples each one's next token."""
         device = self.target.device
         start = time.perf_counter()
-        prompts = [s.prompt_token_ids for s in batch]
+        starts = [s.num_cached_tokens for s in batch]  # a cached prefix's entries are in the cache already
+        prompts = [s.token_ids[start:] for s, start in zip(batch, starts)]
         logits = self.target.feed(
-            prompts, [0] * len(batch), [s.slot for s in batch], return_hidden=self.return_hidden
+            prompts, starts, [s.slot for s in batch], return_hidden=self.return_hidden
         )  # [B, V] (, hidden [B, T, H])
         if isinstance(logits, tuple):  # return_hidden: the drafter reads the target's features
             logits, hidden = logits
             prompt_lengths = torch.tensor([len(prompt) for prompt in prompts], device=device)  # [B]
             assert self.drafter is not None
-            self.drafter.observe_hidden(batch, torch.zeros_like(prompt_lengths), hidden, prompt_lengths)
+            self.drafter.observe_hidden(batch, torch.tensor(starts, device=device), hidden, prompt_lengths)
         probs = warp(logits, SamplingTensors.from_params([s.params for s in batch], device))
         first_tokens = sample(probs, [s.generator for s in batch])  # [B]
         logprobs = _logprobs(batch, logits[:, None], first_tokens[:, None], torch.ones_like(first_tokens))

@@ -53,6 +53,7 @@ from specdec.config import NGRAM_STAGE, SpeculativeConfig
 from specdec.drafters.base import Draft, Drafter
 from specdec.drafters.draft_model import CATCH_UP_WIDTH, DraftModelDrafter, _common_prefix
 from specdec.drafters.ngram import NgramDrafter
+from specdec.kv_cache import BlockPool
 from specdec.metrics import SpecStats
 from specdec.models.eagle import is_head_directory
 from specdec.models.loader import LoadedModel, ModelLoadError
@@ -130,10 +131,12 @@ class StagedDrafter(DraftModelDrafter):
 
     # --- the engine's calls ------------------------------------------------------------------
 
-    def reserve(self, max_batch: int, max_len: int, num_forwards: int = 0) -> None:
+    def reserve(self, max_batch: int, max_len: int, num_forwards: int = 0, pool: BlockPool | None = None) -> None:
         """The model's cache, for forwards of a catch-up and up to k_max - 1 drafts a row, and the
         inner drafter's; with goodput, the model's forward costs and the inner drafter's step
-        timed at max_batch rows (other batch sizes start from them: goodput.py)."""
+        timed at max_batch rows (other batch sizes start from them: goodput.py). Caches of their
+        own, never the pool: an inner round's verify writes past the positions the engine grows
+        a sequence's blocks for."""
         self.runner.prepare(max_batch, max_len, (1, CATCH_UP_WIDTH, self.k_max + 1), num_forwards)
         self.inner.reserve(max_batch, max_len, num_forwards)
         if self.k_policy == "goodput" and self.k_max > 1:

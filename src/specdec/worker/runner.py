@@ -45,7 +45,7 @@ from typing import Any, Literal, overload
 import torch
 
 from specdec.config import COMPILE_MODES
-from specdec.kv_cache import KVCache, TreeAttention, ragged_batch
+from specdec.kv_cache import BlockPool, KVCache, TreeAttention, ragged_batch
 from specdec.models.cpu_linear import can_pack, pack_large_linears_in_bf16, pack_linears
 from specdec.models.gguf_linear import runs_gguf_kernels
 from specdec.models.llama import LlamaModel
@@ -196,9 +196,12 @@ class ModelRunner:
         query_lengths: tuple[int, ...],
         num_forwards: int,
         return_hidden: bool = False,
+        pool: BlockPool | None = None,
     ) -> None:
         """Make the cache for max_batch rows of up to max_len positions (the one held is kept if
-        it fits and suits the way this work runs). If the work is to run compiled, compile (or
+        it fits and suits the way this work runs): in the pool's blocks, as its table says (None:
+        each slot its own max_len positions). A compiled cache is static, of slots of its own
+        whatever the pool (its graphs' shapes are fixed). If the work is to run compiled, compile (or
         load) and run once the graphs for forwards of 1..max(query_lengths) tokens per row,
         bucketed up to query_lengths, and log how long that took. return_hidden: the work's
         forwards will ask for hidden states too (their graphs are the ones compiled)."""
@@ -208,29 +211,32 @@ class ModelRunner:
         compiled = self._will_compile(num_forwards) or self._compiled_fits(max_batch, max_len, query_lengths)
         if not compiled:
             self.query_buckets = ()
-            self.cache = self._cache(max_batch, max_len, static=False)
+            self.cache = self._cache(max_batch, max_len, static=False, pool=pool)
             return
         self.cache = self._cache(_batch_bucket(max_batch) + 1, _length_bucket(max_len), static=True)  # + scratch
         self.query_buckets = tuple(sorted(set(query_lengths)))
         with torch.inference_mode():  # as the engine runs: a graph warmed up with autograd on would recompile
             self._warm_up()
         if self._compiled is None:  # it fell back to eager: a cache sized to the work
-            self.cache = self._cache(max_batch, max_len, static=False, keep=False)
+            self.cache = self._cache(max_batch, max_len, static=False, keep=False, pool=pool)
 
-    def _cache(self, num_slots: int, max_len: int, static: bool, keep: bool = True) -> KVCache:
-        """The cache held if it is of this kind and big enough (and keep), else a new one (the
-        old one freed first)."""
+    def _cache(
+        self, num_slots: int, max_len: int, static: bool, keep: bool = True, pool: BlockPool | None = None
+    ) -> KVCache:
+        """The cache held if it is of this kind and big enough and reads the same pool (and keep),
+        else a new one (the old one freed first)."""
         cache = self.cache
         if (
             keep
             and cache is not None
             and cache.static == static
+            and cache.reads(pool)
             and cache.max_batch >= num_slots
             and cache.max_len >= max_len
         ):
             return cache
         self.cache = None
-        return self.model.new_cache(num_slots, max_len, static=static)
+        return self.model.new_cache(num_slots, max_len, static=static, pool=pool)
 
     def _compiled_fits(self, max_batch: int, max_len: int, query_lengths) -> bool:
         """Whether graphs already compiled run this work as they are (then "auto" uses them
