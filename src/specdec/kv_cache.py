@@ -156,6 +156,9 @@ class KVCache:
     def layer(self, layer: int, batch_size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         return CacheRows(self, None).layer(layer, batch_size)
 
+    def write(self, layer: int, positions: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        CacheRows(self, None).write(layer, positions, k, v)
+
     def write_and_read(
         self, layer: int, positions: torch.Tensor, k: torch.Tensor, v: torch.Tensor, num_keys: int
     ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -203,6 +206,13 @@ class CacheRows:
         forward's batch_size rows [B, max_blocks]."""
         return self.cache.keys[layer], self.cache.values[layer], self.blocks(batch_size)
 
+    def write(self, layer: int, positions: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Store k, v [B, T, Hkv, D] at positions [B, T] of the rows' slots."""
+        keys, values, blocks = self.layer(layer, positions.shape[0])  # [N, 16, Hkv, D] x 2, [B, max_blocks]
+        written = entries(blocks, positions)  # [B, T]
+        keys.flatten(0, 1)[written] = k  # [N x 16, Hkv, D] entries
+        values.flatten(0, 1)[written] = v
+
     def write_and_read(
         self, layer: int, positions: torch.Tensor, k: torch.Tensor, v: torch.Tensor, num_keys: int
     ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -211,11 +221,9 @@ class CacheRows:
         B = positions.shape[0]
         if num_keys > self.max_len:
             raise ValueError(f"position {num_keys - 1} is past the cache length {self.max_len}")
+        self.write(layer, positions, k, v)
         keys, values, blocks = self.layer(layer, B)  # [N, 16, Hkv, D] x 2, [B, max_blocks]
         flat_keys, flat_values = keys.flatten(0, 1), values.flatten(0, 1)  # [N x 16, Hkv, D]
-        written = entries(blocks, positions)  # [B, T]
-        flat_keys[written] = k
-        flat_values[written] = v
         if self.slots is None and self.cache._sliceable:  # rows 0..B-1, one run of blocks from block 1
             per_slot = self.cache.table.max_blocks * BLOCK_SIZE
             start, stop = BLOCK_SIZE, BLOCK_SIZE + B * per_slot

@@ -251,10 +251,32 @@ at::Tensor attend(const at::Tensor& q, const at::Tensor& keys, const at::Tensor&
   return out.to(q.scalar_type());
 }
 
+// q [B, T, H, D]; keys and values a cache's pool [blocks, 16, Hkv, D]; blocks [B, max_blocks] int64
+// (each row's block table row); each row reads positions 0..num_keys-1 through its blocks, those
+// mask [B or 1, 1, T, num_keys] lets it (or none): [B, T, H, D] in q's dtype. No copy of the keys.
+at::Tensor attend_paged(const at::Tensor& q, const at::Tensor& keys, const at::Tensor& values, const at::Tensor& blocks,
+                        const c10::optional<at::Tensor>& mask, int64_t num_keys, double scale) {
+  TORCH_CHECK(q.dim() == 4 && keys.dim() == 4 && values.dim() == 4, "q [B, T, H, D], keys and values [blocks, 16, Hkv, D]");
+  TORCH_CHECK(q.scalar_type() == keys.scalar_type() && q.scalar_type() == values.scalar_type(),
+              "q, keys and values must share a dtype");
+  TORCH_CHECK(blocks.scalar_type() == at::kLong && blocks.dim() == 2 && blocks.size(0) == q.size(0),
+              "blocks: int64 [B, max_blocks]");
+  const int64_t B = q.size(0), T = q.size(1), H = q.size(2);
+  auto q32 = q.to(at::kFloat).contiguous();
+  auto blocks_c = blocks.contiguous();
+  auto out = at::empty({B, T, H, q.size(3)}, q.options().dtype(at::kFloat));
+  const at::Tensor* mask_ptr = mask.has_value() && mask->defined() ? &*mask : nullptr;
+  specdec_kernels::attend_cache(q32.data_ptr<float>(), B, T, H, keys, values, blocks_c.data_ptr<int64_t>(),
+                                blocks_c.size(1), num_keys, mask_ptr, (float)scale, out.data_ptr<float>());
+  return out.to(q.scalar_type());
+}
+
 TORCH_LIBRARY_FRAGMENT(specdec, m) {
   m.def("attend(Tensor q, Tensor keys, Tensor values, Tensor? mask, float scale) -> Tensor");
+  m.def("attend_paged(Tensor q, Tensor keys, Tensor values, Tensor blocks, Tensor? mask, int num_keys, float scale) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(specdec, CPU, m) {
   m.impl("attend", &attend);
+  m.impl("attend_paged", &attend_paged);
 }

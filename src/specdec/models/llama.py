@@ -159,11 +159,20 @@ class Attention(nn.Module):
             q, k = self.q_norm(qkv[:, :, :H]), self.k_norm(qkv[:, :, H : H + Hkv])
             q, k = apply_rope(q, cos, signed_sin), apply_rope(k, cos, signed_sin)
         v = qkv[:, :, H + Hkv :]  # [B, T, Hkv, D]
+        if isinstance(cache, (KVCache, CacheRows)) and _attends_by_rows(q, T):  # a decode step or a verify forward
+            if num_keys > cache.max_len:
+                raise ValueError(f"position {num_keys - 1} is past the cache length {cache.max_len}")
+            cache.write(self.layer_index, positions, k, v)
+            keys, values, blocks = cache.layer(self.layer_index, B)  # the pool, read through each row's blocks
+            out = torch.ops.specdec.attend_paged(
+                q, keys, values, blocks, mask, num_keys, self.head_dim**-0.5
+            )  # [B, T, H, D]
+            return self.o_proj(out.reshape(B, T, -1))  # [B, T, H*D] -> [B, T, hidden]
         if cache is None:  # training: the keys are this sequence's own, causal by construction
             keys, values = k, v
         else:
             keys, values = cache.write_and_read(self.layer_index, positions, k, v, num_keys)  # [B, S, Hkv, D] each
-        if cache is not None and _attends_by_rows(q, T):  # a decode step or a verify forward on the CPU
+        if cache is not None and _attends_by_rows(q, T):  # another cache (training's steps): its keys as read
             out = torch.ops.specdec.attend(q, keys, values, mask, self.head_dim**-0.5)  # [B, T, H, D]
             return self.o_proj(out.reshape(B, T, -1))  # [B, T, H*D] -> [B, T, hidden]
         q, keys, values = q.transpose(1, 2), keys.transpose(1, 2), values.transpose(1, 2)  # [B, H(kv), T|S, D]
