@@ -38,6 +38,7 @@ class EngineStopped(Exception):
 
 
 SHUTTING_DOWN = "the server is shutting down; send the request again (to another server, or once it is back)"
+ENGINE_DEAD = "the server's engine has stopped; send the request again to another server"
 
 
 class AsyncEngine:
@@ -97,6 +98,8 @@ class AsyncEngine:
         EngineStopped, or the engine's ValueError for a request it refuses."""
         if self._stopping:
             raise EngineStopped(SHUTTING_DOWN)
+        if not self.is_running:
+            raise EngineStopped(ENGINE_DEAD)
         if self._num_unfinished >= self.num_slots + self.max_waiting:
             raise QueueFull(
                 f"{self._num_unfinished} requests are running or waiting, the most this server takes "
@@ -128,17 +131,37 @@ class AsyncEngine:
     # --- the engine's thread ---------------------------------------------------------------------
 
     def _run(self) -> None:
-        with torch.inference_mode():
-            while not self._stopping:
+        """Step while requests are unfinished, until stopped. An error outside a step (taking
+        commands, bookkeeping) fails the requests the engine holds, and the thread goes on; if
+        the thread ends anyway, every request still open hears so (none waits for ever)."""
+        try:
+            with torch.inference_mode():
+                while not self._stopping:
+                    try:
+                        self._run_once()
+                    except Exception as e:  # a bug outside a step: fail what the engine holds, go on
+                        log.exception("the engine's thread failed between steps; its requests are aborted")
+                        self._fail(self._unfinished_ids(), e)
                 self._take_commands()
-                if not self.engine.has_unfinished_requests():
-                    self._wake.wait()
-                    self._wake.clear()
-                    continue
-                self._step()
-            self._take_commands()
-            for seq in list(self.engine.scheduler.waiting) + list(self.engine.scheduler.running):
-                self.engine.abort(seq.request_id)
+                for request_id in self._unfinished_ids():
+                    self.engine.abort(request_id)
+        finally:
+            if not self._stopping:  # the thread dies: nothing would ever answer the open requests
+                assert self._loop is not None
+                self._loop.call_soon_threadsafe(self._fail_open_streams)
+
+    def _run_once(self) -> None:
+        """Take the new requests and aborts; step if any request is unfinished, else wait for one."""
+        self._take_commands()
+        if not self.engine.has_unfinished_requests():
+            self._wake.wait()
+            self._wake.clear()
+            return
+        self._step()
+
+    def _unfinished_ids(self) -> list[str]:
+        scheduler = self.engine.scheduler
+        return [seq.request_id for seq in list(scheduler.waiting) + list(scheduler.running)]
 
     def _take_commands(self) -> None:
         while True:
@@ -161,30 +184,54 @@ class AsyncEngine:
             elif self.engine.abort(argument):
                 self._arrivals.pop(argument, None)
                 self.metrics.forget(argument)
-                self.metrics.observe_queue(self.engine.num_running, self.engine.num_waiting)
+                self._observe_engine()
 
     def _step(self) -> None:
+        """One engine step, its outputs delivered, then counted. A step that raises (a bug, a
+        device error, anywhere in the batch's round) fails the requests in the batch, which free
+        their slots and blocks; the waiting requests go on, and so does the server."""
         try:
             outputs = self.engine.step()
-        except Exception as e:  # a bug or a device error: fail the batch's requests, keep serving
+        except Exception as e:
             self.step_errors += 1
+            self.metrics.step_failures.inc()
             log.exception("an engine step failed; its requests are aborted")
-            failed = [seq.request_id for seq in list(self.engine.scheduler.running)]
-            for request_id in failed:
-                self.engine.abort(request_id)
-                self._arrivals.pop(request_id, None)
-                self.metrics.forget(request_id)
-            self._deliver([RuntimeError(f"the engine failed: {type(e).__name__}: {e}")] * len(failed), failed)
+            self._fail([seq.request_id for seq in list(self.engine.scheduler.running)], e)
             return
-        self.metrics.observe_step(
-            outputs, self._arrivals, self.engine.num_running, self.engine.num_waiting, self.engine.stats
-        )
-        prefix_queries, prefix_hits = self.engine.prefix_cache_counts
-        self.metrics.observe_cache(self.engine.cache_usage, prefix_queries, prefix_hits, self.engine.num_preemptions)
+        self._deliver(outputs, [output.request_id for output in outputs])
+        try:
+            self.metrics.observe_step(
+                outputs, self._arrivals, self.engine.num_running, self.engine.num_waiting, self.engine.stats
+            )
+            self._observe_engine()
+        except Exception:  # a bug in counting fails no request
+            log.exception("observing an engine step's metrics failed")
         for output in outputs:
             if output.finished:
-                del self._arrivals[output.request_id]
-        self._deliver(outputs, [output.request_id for output in outputs])
+                self._arrivals.pop(output.request_id, None)
+
+    def _fail(self, request_ids: list[str], error: Exception) -> None:
+        """Abort these requests (their slots and blocks free) and tell each of them why."""
+        for request_id in request_ids:
+            self.engine.abort(request_id)
+            self._arrivals.pop(request_id, None)
+            self.metrics.forget(request_id)
+        failure = RuntimeError(f"the engine failed: {type(error).__name__}: {error}")
+        self._deliver([failure] * len(request_ids), request_ids)
+        self._observe_engine()
+
+    def _observe_engine(self) -> None:
+        """The queue's and the cache's gauges and counters, as the engine is now."""
+        self.metrics.observe_queue(self.engine.num_running, self.engine.num_waiting)
+        blocks = self.engine.capacity.blocks
+        prefix_queries, prefix_hits = self.engine.prefix_cache_counts
+        self.metrics.observe_cache(
+            self.engine.cache_usage,
+            0 if blocks is None else blocks.num_held,
+            prefix_queries,
+            prefix_hits,
+            self.engine.num_preemptions,
+        )
 
     def _deliver(self, items: list, request_ids: list[str]) -> None:
         """Hand items to their requests' streams, on the event loop."""
@@ -197,3 +244,8 @@ class AsyncEngine:
             stream = self._streams.get(request_id)
             if stream is not None:  # gone: aborted, its abort on the way
                 stream.put_nowait(item)
+
+    def _fail_open_streams(self) -> None:
+        """Every open request told that the engine has stopped (its thread ended)."""
+        for stream in self._streams.values():
+            stream.put_nowait(EngineStopped(ENGINE_DEAD))

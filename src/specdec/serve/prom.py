@@ -81,6 +81,14 @@ class ServerMetrics:
             ["k"],
         )
         self.cache_usage = gauge("kv_cache_usage_perc", "Fraction of the key/value cache's blocks held by requests.")
+        self.blocks_held = gauge(
+            "kv_cache_blocks_held",
+            "Key/value cache blocks held by requests, by the block manager's count (0 when idle: blocks "
+            "kept only for the prefix cache are not held).",
+        )
+        self.step_failures = counter(
+            "engine_step_failures", "Engine steps that raised; the requests in their batch got an error."
+        )
         self.prefix_queries = counter("prefix_cache_queries", "Prompt tokens looked up in the prefix cache.")
         self.prefix_hits = counter("prefix_cache_hits", "Prompt tokens found in the prefix cache (not prefilled).")
         self.preemptions = counter("num_preemptions", "Requests preempted for lack of cache blocks (recomputed later).")
@@ -127,9 +135,13 @@ class ServerMetrics:
         self.running.set(num_running)
         self.waiting.set(num_waiting)
 
-    def observe_cache(self, usage: float, prefix_queries: int, prefix_hits: int, preemptions: int) -> None:
-        """The cache's use after a step, and the engine's prefix-cache and preemption totals so far."""
+    def observe_cache(
+        self, usage: float, blocks_held: int, prefix_queries: int, prefix_hits: int, preemptions: int
+    ) -> None:
+        """The cache's use (after a step or an abort), and the engine's prefix-cache and
+        preemption totals so far."""
         self.cache_usage.set(usage)
+        self.blocks_held.set(blocks_held)
         queries, hits, preempted = self._seen_cache
         self.prefix_queries.inc(max(0, prefix_queries - queries))
         self.prefix_hits.inc(max(0, prefix_hits - hits))
