@@ -111,7 +111,7 @@ class HealthProbe:
             self.latencies.append(latency)
             try:
                 await asyncio.wait_for(stop.wait(), HEALTH_INTERVAL)
-            except TimeoutError:
+            except asyncio.TimeoutError:
                 pass
 
 
@@ -191,7 +191,7 @@ async def _timed(
     start = time.perf_counter()
     try:
         await asyncio.wait_for(SENDERS[kind](client, url, settings, rng, outcome), settings.request_timeout)
-    except TimeoutError:
+    except asyncio.TimeoutError:
         outcome.ended, outcome.problem = "hung", f"no end after {settings.request_timeout:.0f} s"
     except httpx.HTTPError as e:
         outcome.ended, outcome.problem = "failed", f"{type(e).__name__}: {e}"
@@ -256,7 +256,7 @@ async def send_abort(client, url, settings: MixSettings, rng: random.Random, out
         await asyncio.wait_for(
             _stream(client, url, completion_body(settings, rng, "abort"), outcome), rng.uniform(0.02, 0.5)
         )
-    except TimeoutError:
+    except asyncio.TimeoutError:
         outcome.ended = "aborted"
     if outcome.status not in (None, 200):
         outcome.ended = "refused"
