@@ -668,7 +668,7 @@ def test_the_flags_build_the_speculative_config_llm_takes(model_dir):
 def test_the_served_name_is_the_one_the_user_knows(model, name):
     """The model's name in the API when --served-model-name is not given: a registered model's
     name, by that name or at its fetched path (never `hf`), else the directory's or file's."""
-    from specdec.serve.commands import default_served_name
+    from specdec.serve.settings import default_served_name
 
     assert default_served_name(model) == name
 

@@ -39,6 +39,17 @@ def test_least_loaded_without_a_prefix():
     assert router.route(tokens(rng, 40)).replica == 1
 
 
+def test_ties_take_turns():
+    """One request after another (none in flight) still spreads over the replicas."""
+    rng = random.Random(7)
+    router = PrefixRouter(3)
+    replicas = []
+    for _ in range(6):
+        replicas.append(router.route(tokens(rng, 40)).replica)
+        router.finished(replicas[-1])
+    assert replicas == [0, 1, 2, 0, 1, 2]
+
+
 def test_a_shared_prefix_goes_where_it_was_served():
     rng = random.Random(2)
     router = PrefixRouter(2)

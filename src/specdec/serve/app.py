@@ -25,7 +25,7 @@ import contextlib
 import json
 import logging
 import time
-from collections.abc import AsyncGenerator, Sequence
+from collections.abc import AsyncGenerator, Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import cast
 
@@ -81,7 +81,10 @@ DISCONNECT_POLL_SECONDS = 0.25  # how often a non-streaming request checks that 
 @dataclass
 class ServerState:
     """What the routes serve. served_names: the model's names in the API (--served-model-name),
-    the first the one responses carry; a request may name any of them."""
+    the first the one responses carry; a request may name any of them. async_engine: what runs
+    the requests (an AsyncEngine, or ray_serve.ReplicaClient: its generate, start, stop,
+    is_running and llm, whose tokenizer the routes use); metrics_text: what /metrics answers
+    (default: async_engine.metrics' registry)."""
 
     async_engine: AsyncEngine
     served_names: list[str]
@@ -89,6 +92,7 @@ class ServerState:
     api_key: str | None = None
     max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES
     created: int = 0
+    metrics_text: Callable[[], Awaitable[bytes]] | None = None
 
     @property
     def llm(self):
@@ -140,6 +144,8 @@ def build_app(state: ServerState) -> FastAPI:
         responses={200: {"description": "Prometheus text", "content": {"text/plain": {}}}, **_errors(413)},
     )
     async def metrics() -> Response:
+        if state.metrics_text is not None:
+            return Response(await state.metrics_text(), media_type=CONTENT_TYPE_LATEST)
         return Response(generate_latest(state.async_engine.metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
     @app.get("/v1/models", responses=_errors(401, 413))

@@ -15,17 +15,16 @@ import argparse
 import logging
 import os
 import signal
-from pathlib import Path
 
 log = logging.getLogger("specdec")
 
 DEFAULT_MAX_NUM_SEQS = 64
 DEFAULT_MAX_PREFILL_TOKENS = 2048  # vLLM's default max_num_batched_tokens
-REQUEST_BYTES_PER_TOKEN = 32  # the default body limit's room per token of context, past 2 MB
 
 
 def add_serve_parser(commands) -> None:
     from specdec.model_flags import add_model_argument, add_model_arguments
+    from specdec.serve.settings import REQUEST_BYTES_PER_TOKEN
 
     p = commands.add_parser(
         "serve",
@@ -103,6 +102,25 @@ def add_serve_parser(commands) -> None:
         help="seconds in-flight requests may take to finish after SIGTERM (default 10)",
     )
     p.add_argument(
+        "--replicas",
+        type=int,
+        default=1,
+        help="engines serving the model, as a Ray Serve application behind the same routes (default 1: no Ray); "
+        'needs pip install "specdec[ray]"',
+    )
+    p.add_argument(
+        "--ray-address",
+        metavar="ADDR",
+        help="with --replicas: the Ray cluster to join (ray start --head prints it; 'auto': the one on this "
+        "machine); default: a Ray instance of this machine's own, started and stopped with the server",
+    )
+    p.add_argument(
+        "--replica-threads",
+        type=int,
+        help="with --replicas: torch threads (and Ray CPUs) of each replica (default: this machine's cores / "
+        "--replicas, at least 1)",
+    )
+    p.add_argument(
         "--log-level",
         default="warning",
         choices=("critical", "error", "warning", "info", "debug"),
@@ -112,14 +130,14 @@ def add_serve_parser(commands) -> None:
 
 
 def run_serve(args: argparse.Namespace) -> int:
-    import torch
     import uvicorn
 
-    from specdec.model_flags import make_llm, require_model
-    from specdec.serve.app import DEFAULT_MAX_REQUEST_BYTES, ServerState, build_app
+    from specdec.model_flags import require_model
+    from specdec.serve.app import ServerState, build_app
     from specdec.serve.async_engine import AsyncEngine
     from specdec.serve.prom import ServerMetrics
     from specdec.serve.server import SHUTDOWN_GRACE_SECONDS, Server
+    from specdec.serve.settings import max_request_bytes, prepare_llm, served_names
 
     if not args.model and args.served_model_name and len(args.served_model_name) > 1:
         raise ValueError(
@@ -128,41 +146,18 @@ def run_serve(args: argparse.Namespace) -> int:
         )
     require_model(args, "serve")
     _check_arguments(args)
-    llm = make_llm(args, max_num_seqs=args.max_num_seqs, enable_prefix_caching=args.enable_prefix_caching)
-    max_model_len = args.max_model_len or llm.max_model_len
-    if max_model_len > llm.max_model_len:
-        raise ValueError(
-            f"--max-model-len {max_model_len} is more than the model's context length ({llm.max_model_len})"
-        )
-    budget = None if args.kv_cache_memory is None else int(args.kv_cache_memory * 1e9)
-    with torch.inference_mode():
-        num_slots = llm.engine.prepare_to_serve(max_model_len, budget, args.max_prefill_tokens)
-    names = args.served_model_name or [default_served_name(args.model)]
-    name = names[0]
-    spec = llm.speculative_config
-    log.info(
-        "serving %s on http://%s:%d: %s, up to %d requests at once of up to %d tokens each; the KV cache "
-        "holds %s tokens (%.2f GB)%s",
-        name,
-        args.host,
-        args.port,
-        f"{spec.method} k={spec.num_speculative_tokens} ({spec.k_policy})" if spec else "no speculation",
-        num_slots,
-        max_model_len,
-        f"{llm.engine.cache_tokens:,}",
-        llm.engine.cache_tokens * llm.runner.model.position_bytes / 1e9,
-        ", prefix caching on" if args.enable_prefix_caching else "",
-    )
-    metrics = ServerMetrics(name)
-    max_request_bytes = args.max_request_bytes or max(
-        DEFAULT_MAX_REQUEST_BYTES, REQUEST_BYTES_PER_TOKEN * max_model_len
-    )
+    if args.replicas > 1:
+        from specdec.serve.ray_serve import run_replicas  # imports ray: only here
+
+        return run_replicas(args)
+    llm, max_model_len = prepare_llm(args)
+    names = served_names(args)
     state = ServerState(
-        AsyncEngine(llm, metrics, args.max_waiting),
+        AsyncEngine(llm, ServerMetrics(names[0]), args.max_waiting),
         names,
         max_model_len,
         api_key=args.api_key,
-        max_request_bytes=max_request_bytes,
+        max_request_bytes=max_request_bytes(args, max_model_len),
     )
     config = uvicorn.Config(
         build_app(state),
@@ -180,18 +175,6 @@ def run_serve(args: argparse.Namespace) -> int:
 
 def _stopped(signum, frame) -> None:
     """SIGTERM after uvicorn's graceful shutdown: nothing left to do."""
-
-
-def default_served_name(model: str) -> str:
-    """The name a user knows the model by: a registered model's name (`specdec fetch`), given as
-    the name or as the path the fetch put it at, else the directory's or file's name."""
-    from specdec.models.registry import REGISTRY
-
-    path = Path(str(model).rstrip("/"))
-    entry = REGISTRY.get(path.parent.name)
-    if entry is not None and path.name in (entry.file_name, entry.converted):
-        return entry.name
-    return path.name
 
 
 def _check_arguments(args) -> None:
@@ -217,5 +200,11 @@ def _check_arguments(args) -> None:
         raise ValueError(f"--max-request-bytes must be at least 1, got {args.max_request_bytes}")
     if args.shutdown_timeout < 0:
         raise ValueError(f"--shutdown-timeout must be >= 0, got {args.shutdown_timeout}")
+    if args.replicas < 1 or (args.replica_threads is not None and args.replica_threads < 1):
+        raise ValueError(
+            f"--replicas and --replica-threads must be at least 1, got {args.replicas} and {args.replica_threads}"
+        )
+    if args.replicas == 1 and (args.ray_address is not None or args.replica_threads is not None):
+        raise ValueError("--ray-address and --replica-threads are for --replicas N with N >= 2 (Ray Serve)")
     if args.api_key is not None and not args.api_key.strip():
         raise ValueError("--api-key (or SPECDEC_API_KEY) is empty: give a key, or leave it out for an open server")

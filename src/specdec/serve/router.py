@@ -71,6 +71,7 @@ class PrefixRouter:
         self.max_imbalance = max_imbalance
         self.in_flight = [0] * num_replicas
         self.down: set[int] = set()
+        self._routed = 0  # requests routed so far: whose turn a tie is
         self._keys: list[OrderedDict[bytes, None]] = [OrderedDict() for _ in range(num_replicas)]
 
     def route(self, prompt_token_ids: list[int]) -> Route:
@@ -79,6 +80,7 @@ class PrefixRouter:
         keys = prompt_block_keys(prompt_token_ids)
         lookup = keys[: (len(prompt_token_ids) - 1) // BLOCK_SIZE]  # the engine recomputes the last token's block
         route = self._choose(lookup)
+        self._routed += 1
         self.in_flight[route.replica] += 1
         self._remember(route.replica, keys)
         return route
@@ -108,8 +110,11 @@ class PrefixRouter:
         up = [r for r in range(self.num_replicas) if r not in self.down] or list(range(self.num_replicas))
         least = min(self.in_flight[r] for r in up)
         within = [r for r in up if self.in_flight[r] <= least + self.max_imbalance]
-        # most matched blocks first, then fewest in flight, then the lowest index
-        best = min(within, key=lambda r: (-self.matched_blocks(r, keys), self.in_flight[r], r))
+        # most matched blocks first, then fewest in flight, then in turn (ties do not all go to replica 0)
+        turn = self._routed % self.num_replicas
+        best = min(
+            within, key=lambda r: (-self.matched_blocks(r, keys), self.in_flight[r], (r - turn) % self.num_replicas)
+        )
         return Route(best, self.matched_blocks(best, keys))
 
     def _remember(self, replica: int, keys: list[bytes]) -> None:

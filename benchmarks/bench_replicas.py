@@ -1,0 +1,114 @@
+"""Replicas on Ray Serve against one engine, at the same total threads, under the same load.
+
+    python benchmarks/bench_replicas.py [--model DIR --draft DIR] [-k 5] [--threads 2] [--replicas 2]
+
+Two servers take turns (--rounds times each, interleaved: these machines are noisy):
+  one engine     specdec serve MODEL, with --threads torch threads
+  N replicas     specdec serve MODEL --replicas N --replica-threads threads/N (a local Ray instance)
+Load: --clients clients each stream --requests completions one after another (held-out code
+prompts, greedy, --max-tokens each, EOS ignored). Throughput = all output tokens / wall time.
+The goal (issue 30): N replicas at >= 0.9x one engine's throughput (the router costs little).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import torch
+
+from specdec.paths import ROOT, SHIPPED_DRAFT, SHIPPED_TARGET
+from specdec.serve.process import ServerProcess
+from specdec.tools.benchmark.prompts import held_out_code_prompts
+
+
+async def stream_tokens(client: httpx.AsyncClient, url: str, prompt: str, max_tokens: int) -> int:
+    """One streaming completion; the output tokens it brought (from the usage chunk)."""
+    body = {
+        "prompt": prompt,
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        "ignore_eos": True,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
+    tokens = 0
+    async with client.stream("POST", f"{url}/v1/completions", json=body, timeout=600) as response:
+        response.raise_for_status()
+        async for line in response.aiter_lines():
+            if line.startswith("data: {"):
+                usage = json.loads(line[6:]).get("usage")
+                tokens = usage["completion_tokens"] if usage else tokens
+    return tokens
+
+
+async def load(url: str, prompts: list[str], clients: int, requests: int, max_tokens: int) -> float:
+    """Output tokens per second of clients streaming requests each, one after another."""
+
+    async def one_client(index: int) -> int:
+        mine = [prompts[(index * requests + i) % len(prompts)] for i in range(requests)]
+        return sum([await stream_tokens(client, url, prompt, max_tokens) for prompt in mine])
+
+    async with httpx.AsyncClient(limits=httpx.Limits(max_connections=clients + 4)) as client:
+        await stream_tokens(client, url, prompts[0], 4)  # warm-up
+        start = time.perf_counter()
+        tokens = sum(await asyncio.gather(*(one_client(i) for i in range(clients))))
+        return tokens / (time.perf_counter() - start)
+
+
+def server_args(args, replicas: int) -> list[str]:
+    common = [str(args.model), "--draft", str(args.draft), "-k", str(args.k), "--max-num-seqs", str(args.clients)]
+    if replicas == 1:
+        return common
+    return [*common, "--replicas", str(replicas), "--replica-threads", str(max(1, args.threads // replicas))]
+
+
+def measure(args, replicas: int, prompts: list[str]) -> float:
+    env = {"OMP_NUM_THREADS": str(args.threads)} if replicas == 1 else {}
+    server = ServerProcess(server_args(args, replicas), Path(args.log_dir) / f"replicas-{replicas}.log", env=env)
+    try:
+        return asyncio.run(load(server.url, prompts, args.clients, args.requests, args.max_tokens))
+    finally:
+        server.stop()
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", type=Path, default=SHIPPED_TARGET)
+    parser.add_argument("--draft", type=Path, default=SHIPPED_DRAFT)
+    parser.add_argument("-k", type=int, default=5)
+    parser.add_argument("--threads", type=int, default=2, help="total torch threads (default 2)")
+    parser.add_argument("--replicas", type=int, default=2)
+    parser.add_argument("--clients", type=int, default=8)
+    parser.add_argument("--requests", type=int, default=4, help="per client")
+    parser.add_argument("--max-tokens", type=int, default=64)
+    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--log-dir", default=str(ROOT / "build" / "bench_replicas"))
+    args = parser.parse_args()
+
+    prompts = [prompt.text for prompt in held_out_code_prompts()]
+    results: dict[int, list[float]] = {1: [], args.replicas: []}
+    for _ in range(args.rounds):
+        for replicas in results:
+            results[replicas].append(measure(args, replicas, prompts))
+            print(f"  {replicas} engine(s): {results[replicas][-1]:.1f} tok/s", file=sys.stderr)
+    one, many = (statistics.median(results[r]) for r in results)
+    print(f"CPU: {torch.backends.cpu.get_cpu_capability()}, {args.threads} threads in all")
+    print(f"{'server':<34} {'tok/s (median)':>15} {'runs':>24}")
+    print(
+        f"{'one engine, ' + str(args.threads) + ' threads':<34} {one:>15.1f} {str([round(x) for x in results[1]]):>24}"
+    )
+    label = f"{args.replicas} replicas on Ray, {args.threads // args.replicas} thread(s) each"
+    print(f"{label:<34} {many:>15.1f} {str([round(x) for x in results[args.replicas]]):>24}")
+    print(f"ratio: {many / one:.2f}x (goal >= 0.9x)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

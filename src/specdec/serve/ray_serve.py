@@ -1,0 +1,315 @@
+"""`specdec serve MODEL --replicas N`: N engines on Ray Serve, behind the same OpenAI routes.
+
+    pip install "specdec[ray]"
+    specdec serve models/code-target --draft models/code-draft -k 5 --replicas 2
+
+The Ray Serve application (APP_NAME) holds:
+  engine-0 .. engine-{N-1}  one deployment per engine, of one replica each (EngineReplica): the LLM
+                            the flags describe, stepped by an AsyncEngine, with --replica-threads
+                            torch threads (and as many Ray CPUs); Ray restarts a replica that dies
+  ingress                   app.py's routes (build_app), with a ReplicaClient where a single server
+                            has its AsyncEngine: it tokenizes, routes each request
+                            (router.PrefixRouter: the longest cached prefix, else the least loaded)
+                            and streams its outputs back through Ray
+
+One deployment per engine, not one deployment of N replicas: the router names the replica (the one
+holding the prompt's prefix), and /metrics asks each; a handle to a deployment of several replicas
+picks one itself. A replica that dies ends its requests in flight with a 503 (code
+replica_unavailable; an error event then `data: [DONE]` on a stream); the router sends nothing to
+it until it answers again. /metrics: every replica's metrics with a `replica` label, and the
+router's own (replica_up, router_requests by replica and reason).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import os
+import signal
+import threading
+from typing import cast
+
+try:
+    import ray
+    from ray import serve
+    from ray.exceptions import RayActorError, RayTaskError
+    from ray.serve.handle import DeploymentHandle, DeploymentResponseGenerator
+except ImportError as e:  # the one line the command line prints (cli.py prints a ValueError's words)
+    raise ValueError('--replicas N needs Ray Serve: pip install "specdec[ray]"') from e
+
+import torch
+from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
+from prometheus_client.metrics_core import Metric
+from prometheus_client.parser import text_string_to_metric_families
+
+from specdec.serve.app import ServerState, build_app
+from specdec.serve.async_engine import AsyncEngine
+from specdec.serve.prom import ServerMetrics
+from specdec.serve.protocol import APIError
+from specdec.serve.router import PrefixRouter
+from specdec.serve.settings import max_request_bytes, prepare_llm, served_names
+
+log = logging.getLogger("specdec")
+
+APP_NAME = "specdec"
+HEALTH_PERIOD_S = 2.0  # how often the ingress asks each replica whether it answers
+HEALTH_TIMEOUT_S = 5.0  # a replica that does not answer in this long is down
+METRICS_TIMEOUT_S = 5.0  # a replica's metrics not in by then are left out of /metrics
+INGRESS_MAX_ONGOING = 100_000  # the ingress queues nothing itself: the replicas' AsyncEngines say 429
+
+
+def engine_name(index: int) -> str:
+    """The deployment of engine replica index."""
+    return f"engine-{index}"
+
+
+# --- the engines ------------------------------------------------------------------------------------
+
+
+@serve.deployment
+class EngineReplica:
+    """One engine: the LLM the serve flags (args) describe, prepared to serve and stepped by an
+    AsyncEngine in a thread, with args.replica_threads torch threads."""
+
+    def __init__(self, args: argparse.Namespace, index: int):
+        torch.set_num_threads(args.replica_threads)
+        self.index = index
+        llm, _ = prepare_llm(args, where=f"Ray Serve replica {engine_name(index)}")
+        self.engine = AsyncEngine(llm, ServerMetrics(served_names(args)[0]), args.max_waiting)
+
+    def _started(self) -> AsyncEngine:
+        """The AsyncEngine, its thread started on this replica's event loop (the one its calls run on)."""
+        if not self.engine.is_running:
+            self.engine.start()
+        return self.engine
+
+    async def generate(self, request_id, prompt_token_ids, params, prompt, stream_text):
+        """AsyncEngine.generate's outputs, streamed to the caller; its errors raised there."""
+        async for output in self._started().generate(request_id, prompt_token_ids, params, prompt, stream_text):
+            yield output
+
+    async def metrics_text(self) -> bytes:
+        return generate_latest(self.engine.metrics.registry)
+
+    async def ready(self) -> str:
+        """This replica's Ray actor name (what ray.kill takes, by ray.get_actor(name, namespace="serve"))."""
+        self._started()
+        return ray.get_runtime_context().get_actor_name() or ""
+
+
+# --- the ingress ------------------------------------------------------------------------------------
+
+
+class ReplicaClient:
+    """What app.py's routes use of an AsyncEngine, over the engine replicas: generate routes each
+    request (PrefixRouter) and streams its outputs from the replica through Ray. llm: the ingress's
+    own LLM, for its tokenizer and prompt checks (the routes call llm.prompt_token_ids)."""
+
+    def __init__(self, llm, handles: list[DeploymentHandle], model_name: str):
+        self.llm = llm
+        self.handles = handles
+        self.router = PrefixRouter(len(handles))
+        self.registry = CollectorRegistry()
+        self.replica_up = Gauge(
+            "specdec:replica_up", "1 while an engine replica answers, else 0 (Ray restarts it).",
+            ["model_name", "replica"], registry=self.registry,
+        )  # fmt: skip
+        self.routed = Counter(
+            "specdec:router_requests", "Requests routed to each replica: by a cached prefix, or by load.",
+            ["model_name", "replica", "reason"], registry=self.registry,
+        )  # fmt: skip
+        self.model_name = model_name
+        self._watcher: asyncio.Task | None = None
+        self._stopping = False
+
+    @property
+    def is_running(self) -> bool:
+        """Whether any replica answers."""
+        return not self._stopping and len(self.router.down) < len(self.handles)
+
+    def start(self) -> None:
+        self._watcher = asyncio.ensure_future(self._watch_replicas())
+
+    async def stop(self) -> None:
+        self._stopping = True
+        if self._watcher is not None:
+            self._watcher.cancel()
+
+    async def generate(self, request_id, prompt_token_ids, params, prompt=None, stream_text=True):
+        """The request's outputs from the replica the router chose (AsyncEngine.generate's
+        contract). A replica that dies meanwhile: APIError 503 replica_unavailable."""
+        if self._stopping:
+            raise APIError(503, "the server is shutting down", type="server_error", code="shutting_down")
+        route = self.router.route(prompt_token_ids)
+        self.routed.labels(self.model_name, str(route.replica), route.reason).inc()
+        streaming = self.handles[route.replica].options(stream=True)
+        response = cast(
+            "DeploymentResponseGenerator",
+            streaming.generate.remote(request_id, prompt_token_ids, params, prompt, stream_text),
+        )
+        finished = False
+        try:
+            async for output in response:
+                finished = output.finished
+                yield output
+        except Exception as e:
+            finished = True
+            raise self._error(e, route.replica) from None
+        finally:
+            self.router.finished(route.replica)
+            if not finished:  # left early: the client went away; the replica aborts the request
+                response.cancel()
+
+    def _error(self, error: Exception, replica: int) -> Exception:
+        """What the routes are told of an error from a replica: its own exception (QueueFull,
+        ValueError, ...), or a 503 if the replica died."""
+        if isinstance(error, RayActorError) or isinstance(getattr(error, "cause", None), RayActorError):
+            self._mark(replica, up=False)
+            return APIError(
+                503,
+                f"the engine replica serving this request ({engine_name(replica)}) stopped; Ray restarts it: "
+                "send the request again",
+                type="server_error",
+                code="replica_unavailable",
+            )
+        if isinstance(error, RayTaskError) and isinstance(error.cause, Exception):
+            return error.cause
+        return error
+
+    def _mark(self, replica: int, up: bool) -> None:
+        if up:
+            self.router.mark_up(replica)
+        else:
+            self.router.mark_down(replica)
+        self.replica_up.labels(self.model_name, str(replica)).set(1 if up else 0)
+
+    async def _watch_replicas(self) -> None:
+        """Ask every replica every HEALTH_PERIOD_S whether it answers; mark it up or down."""
+        while True:
+            answers = await asyncio.gather(*(self._answers(h) for h in self.handles))
+            for replica, answered in enumerate(answers):
+                self._mark(replica, answered)
+            await asyncio.sleep(HEALTH_PERIOD_S)
+
+    async def _answers(self, handle: DeploymentHandle) -> bool:
+        try:
+            await asyncio.wait_for(handle.ready.remote(), HEALTH_TIMEOUT_S)
+            return True
+        except Exception:  # died, restarting, or too slow: down for now
+            return False
+
+    async def metrics_text(self) -> bytes:
+        """/metrics: each replica's metrics, labelled replica="i" (a replica that does not answer is
+        left out), then the router's."""
+        texts = await asyncio.gather(*(self._replica_metrics(h) for h in self.handles))
+        merged = _Families(_relabelled(texts))
+        return generate_latest(merged) + generate_latest(self.registry)  # pyright: ignore[reportArgumentType]
+
+    async def _replica_metrics(self, handle: DeploymentHandle) -> str | None:
+        try:
+            return (await asyncio.wait_for(handle.metrics_text.remote(), METRICS_TIMEOUT_S)).decode()
+        except Exception:
+            return None
+
+
+class _Families:
+    """Metric families ready for generate_latest (it calls collect())."""
+
+    def __init__(self, families: list[Metric]):
+        self.families = families
+
+    def collect(self) -> list[Metric]:
+        return self.families
+
+
+def _relabelled(texts: list[str | None]) -> list[Metric]:
+    """The families of every replica's metrics text (None: left out), each sample labelled with
+    its replica's index, one family per name."""
+    families: dict[str, Metric] = {}
+    for replica, text in enumerate(texts):
+        for family in text_string_to_metric_families(text or ""):
+            merged = families.setdefault(family.name, Metric(family.name, family.documentation, family.type))
+            merged.samples += [s._replace(labels={**s.labels, "replica": str(replica)}) for s in family.samples]
+    return list(families.values())
+
+
+@serve.deployment
+@serve.ingress()
+class Ingress:
+    """The OpenAI routes (app.py) over the engine deployments (handles, in index order)."""
+
+    def __init__(self, args: argparse.Namespace, *handles: DeploymentHandle):
+        from specdec.model_flags import make_llm
+
+        torch.set_num_threads(1)
+        llm = make_llm(args, max_num_seqs=1)  # its tokenizer and prompt checks; it runs no request
+        max_model_len = args.max_model_len or llm.max_model_len
+        names = served_names(args)
+        self.client = ReplicaClient(llm, list(handles), names[0])
+        self.state = ServerState(
+            cast("AsyncEngine", self.client),  # the routes use what ReplicaClient has of AsyncEngine
+            names,
+            max_model_len,
+            api_key=args.api_key,
+            max_request_bytes=max_request_bytes(args, max_model_len),
+            metrics_text=self.client.metrics_text,
+        )
+
+    def __serve_build_asgi_app__(self):
+        return build_app(self.state)
+
+
+# --- the command ------------------------------------------------------------------------------------
+
+
+def application(args: argparse.Namespace):
+    """The Ray Serve application of args (serve's flags, with replica_threads set)."""
+    engines = [
+        EngineReplica.options(  # pyright: ignore[reportAttributeAccessIssue]
+            name=engine_name(i),
+            num_replicas=1,
+            ray_actor_options={"num_cpus": args.replica_threads},
+            max_ongoing_requests=args.max_num_seqs + args.max_waiting + 1,
+            graceful_shutdown_timeout_s=args.shutdown_timeout,
+        ).bind(args, i)
+        for i in range(args.replicas)
+    ]
+    return Ingress.options(  # pyright: ignore[reportAttributeAccessIssue]
+        name="ingress", ray_actor_options={"num_cpus": 0}, max_ongoing_requests=INGRESS_MAX_ONGOING
+    ).bind(args, *engines)
+
+
+def run_replicas(args: argparse.Namespace) -> int:
+    """Serve on Ray until SIGTERM or Ctrl-C; then shut the application down, and exit 0."""
+    threads = args.replica_threads or max(1, (os.cpu_count() or 1) // args.replicas)
+    settings = argparse.Namespace(**{**vars(args), "replica_threads": threads, "run": None})
+    _start_ray(args.ray_address, args.replicas * threads)
+    stop = threading.Event()
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(signum, lambda *_: stop.set())
+    try:
+        serve.start(http_options={"host": args.host, "port": args.port})
+        serve.run(application(settings), name=APP_NAME, route_prefix="/")
+        log.warning(
+            "serving %s on http://%s:%d: %d replicas on Ray Serve, %d threads each",
+            served_names(args)[0],
+            args.host,
+            args.port,
+            args.replicas,
+            threads,
+        )
+        stop.wait()
+    finally:
+        serve.shutdown()
+        ray.shutdown()
+    return 0
+
+
+def _start_ray(address: str | None, cpus_needed: int) -> None:
+    """Join the cluster at address, or start a Ray instance of this machine's own with CPUs
+    enough for the replicas (more than the cores, if asked: threads then share cores)."""
+    if address is not None:
+        ray.init(address=address, log_to_driver=True)
+    else:
+        ray.init(num_cpus=max(os.cpu_count() or 1, cpus_needed), include_dashboard=False)

@@ -1,0 +1,161 @@
+"""specdec serve --replicas 2 on a local Ray instance (serve/ray_serve.py), driven by the official
+openai client against Ray Serve's HTTP proxy: completions and streams give what LLM.generate
+gives offline (greedy, float32); a shared prefix goes back to the replica that served it;
+/metrics covers both replicas; a replica killed mid-stream ends its request with an error event
+(never a hang), and once Ray has restarted it the next requests succeed. Skipped where Ray Serve
+is not installed (pip install "specdec[ray]")."""
+
+from __future__ import annotations
+
+import sys
+import time
+
+import openai
+import pytest
+
+from helpers import save_tiny_model
+from specdec import LLM, SamplingParams
+from specdec.serve.process import ServerProcess
+
+try:
+    import ray
+    import ray.serve  # noqa: F401  (what --replicas needs)
+except ImportError:
+    ray = None
+
+needs_ray = pytest.mark.skipif(ray is None, reason='Ray Serve is not installed: pip install "specdec[ray]"')
+
+MODEL = "tiny"
+KILL_ANSWER_S = 30  # a stream whose replica died ends within this long
+RESTART_S = 90  # Ray restarts a killed replica (and it loads its model) within this long
+
+
+@pytest.fixture(scope="module")
+def dirs(tmp_path_factory):
+    """The serve tests' tiny target and its one-layer draft."""
+    root = tmp_path_factory.mktemp("ray")
+    return {
+        name: save_tiny_model(root / name, "llama", seed=seed, init_std=0.3, max_position_embeddings=2048, **layers)
+        for name, seed, layers in (("target", 11, {}), ("draft", 12, {"num_hidden_layers": 1}))
+    }
+
+
+def test_replicas_without_ray_is_one_line(monkeypatch, capsys, tmp_path):
+    """specdec serve --replicas 2 where Ray is not installed: the error says how to install it."""
+    from specdec.cli import main
+
+    monkeypatch.setitem(sys.modules, "ray", None)  # import ray raises ImportError
+    monkeypatch.delitem(sys.modules, "specdec.serve.ray_serve", raising=False)
+    model = save_tiny_model(tmp_path / "model", "llama", seed=1)
+    assert main(["serve", str(model), "--replicas", "2"]) == 2
+    assert (
+        capsys.readouterr().err.strip().splitlines()[-1]
+        == 'error: --replicas N needs Ray Serve: pip install "specdec[ray]"'
+    )
+
+
+@pytest.fixture(scope="module")
+def ray_address():
+    assert ray is not None
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    yield ray.get_runtime_context().gcs_address
+    ray.shutdown()
+
+
+@pytest.fixture(scope="module")
+def server(dirs, ray_address, tmp_path_factory):
+    args = [str(dirs["target"]), "--draft", str(dirs["draft"]), "-k", "4", "--max-num-seqs", "4"]
+    args += ["--compile", "off", "--dtype", "float32", "--served-model-name", MODEL]
+    args += ["--replicas", "2", "--replica-threads", "1", "--ray-address", ray_address]
+    server = ServerProcess(args, tmp_path_factory.mktemp("log") / "server.log")
+    yield server
+    assert server.stop() == 0, server.output()
+
+
+@pytest.fixture(scope="module")
+def offline(dirs):
+    return LLM(str(dirs["target"]), speculative_model=str(dirs["draft"]), num_speculative_tokens=4, dtype="float32")
+
+
+def client(server: ServerProcess) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{server.url}/v1", api_key="none", max_retries=0, timeout=60)
+
+
+def greedy(max_tokens: int) -> dict:
+    return {"model": MODEL, "max_tokens": max_tokens, "temperature": 0, "extra_body": {"ignore_eos": True}}
+
+
+@pytest.mark.slow  # the module's Ray instance and server of 2 replicas: under a minute
+@needs_ray
+def test_completions_and_streams_are_what_generate_gives_offline(server, offline):
+    for prompt, max_tokens in (("def add(a, b):", 30), ("class Point:\n", 12), ("import os\n", 20)):
+        want = offline.generate(prompt, SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True))[0]
+        got = client(server).completions.create(prompt=prompt, **greedy(max_tokens))
+        assert got.choices[0].text == want.outputs[0].text
+        chunks = list(client(server).completions.create(prompt=prompt, stream=True, **greedy(max_tokens)))
+        assert "".join(c.choices[0].text for c in chunks if c.choices) == want.outputs[0].text
+        assert chunks[-1].choices[0].finish_reason == "length"
+
+
+@pytest.mark.slow  # the module's Ray instance and server of 2 replicas: under a minute
+@needs_ray
+def test_a_shared_prefix_goes_back_to_its_replica(server):
+    prefix = "def a_long_shared_system_prompt(x):\n" * 6  # several whole 16-token blocks
+    before = server.metric("router_requests_total", reason="prefix")
+    for tail in ("    return 1\n", "    return 2\n"):
+        client(server).completions.create(prompt=prefix + tail, **greedy(4))
+    assert server.metric("router_requests_total", reason="prefix") == before + 1
+    assert server.metric("prefix_cache_hits_total") > 0  # the second found its prefix in that replica's cache
+
+
+@pytest.mark.slow  # the module's Ray instance and server of 2 replicas: under a minute
+@needs_ray
+def test_metrics_cover_both_replicas(server):
+    for prompt in ("a = 1\n", "b = 2\n"):  # two at once would spread; one after another: least loaded
+        client(server).completions.create(prompt=prompt, **greedy(5))
+    for replica in ("0", "1"):
+        assert server.metric("replica_up", replica=replica) == 1
+        assert server.metric("generation_tokens_total", replica=replica) > 0
+        assert server.metric("router_requests_total", replica=replica) > 0
+
+
+def replica_actor(index: int):
+    """The Ray actor of engine replica index."""
+    from specdec.serve.ray_serve import APP_NAME, engine_name
+
+    names = [
+        a["name"]
+        for a in ray.util.list_named_actors(all_namespaces=True)
+        if a["name"].startswith(f"SERVE_REPLICA::{APP_NAME}#{engine_name(index)}#")
+    ]
+    assert len(names) == 1, names
+    return ray.get_actor(names[0], namespace="serve")
+
+
+def wait_until(condition, seconds: float, what: str) -> None:
+    deadline = time.monotonic() + seconds
+    while not condition():
+        assert time.monotonic() < deadline, f"{what}: not within {seconds} s"
+        time.sleep(0.25)
+
+
+@pytest.mark.slow  # the module's Ray instance and server of 2 replicas: under a minute
+@needs_ray
+def test_a_killed_replica_ends_its_stream_and_comes_back(server):
+    stream = client(server).completions.create(prompt="def forever():", stream=True, **greedy(1900))
+    next(iter(stream))  # running now on one replica
+    running = [server.metric("num_requests_running", replica=r) for r in ("0", "1")]
+    victim = running.index(max(running))
+    assert running[victim] == 1, running
+    killed_at = time.monotonic()
+    ray.kill(replica_actor(victim))
+    with pytest.raises(openai.APIError) as raised:  # the stream's error event
+        for _ in stream:
+            pass
+    assert time.monotonic() - killed_at < KILL_ANSWER_S
+    assert "replica" in str(raised.value)
+    # the other replica serves meanwhile; Ray restarts the victim, and it serves again
+    assert client(server).completions.create(prompt="x = 1\n", **greedy(3)).choices[0].text
+    wait_until(lambda: server.metric("replica_up", replica=str(victim)) == 1, RESTART_S, "the replica restarted")
+    for prompt in ("y = 2\n", "z = 3\n"):
+        assert client(server).completions.create(prompt=prompt, **greedy(3)).choices[0].finish_reason == "length"
