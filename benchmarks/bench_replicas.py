@@ -92,7 +92,7 @@ def main() -> int:
     parser.add_argument("--log-dir", default=str(ROOT / "build" / "bench_replicas"))
     args = parser.parse_args()
 
-    prompts = [prompt.text for prompt in held_out_code_prompts()]
+    prompts = [prompt.text for prompt in held_out_code_prompts(per_module=4, max_chars=600)]  # fit 512 positions
     results: dict[int, list[float]] = {1: [], args.replicas: []}
     for _ in range(args.rounds):
         for replicas in results:
