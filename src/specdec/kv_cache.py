@@ -49,6 +49,8 @@ class BlockTable:
     def __init__(self, max_seqs: int, max_blocks: int, device: torch.device | str):
         self.table = torch.full((max_seqs, max_blocks), SCRATCH_BLOCK, dtype=torch.long, device=device)
         self.max_seqs, self.max_blocks = max_seqs, max_blocks
+        # on the CPU, written through numpy: a few blocks at a time, each new tensor would cost more
+        self._numpy = self.table.numpy() if self.table.device.type == "cpu" else None
         self.num_blocks_needed = 1  # the pool a cache reading this table needs: the scratch block at least
 
     @classmethod
@@ -66,7 +68,10 @@ class BlockTable:
         if first + len(blocks) > self.max_blocks:
             last = first + len(blocks) - 1
             raise ValueError(f"slot {slot}: blocks {first}..{last} are past the table's {self.max_blocks}")
-        self.table[slot, first : first + len(blocks)] = torch.tensor(blocks, dtype=torch.long)
+        if self._numpy is not None:
+            self._numpy[slot, first : first + len(blocks)] = blocks
+        else:
+            self.table[slot, first : first + len(blocks)] = torch.tensor(blocks, dtype=torch.long)
 
     def clear(self, slot: int) -> None:
         """Slot holds no block (its sequence left)."""

@@ -23,10 +23,10 @@ from helpers import chi_square_p_value, load_hf, save_random_head, save_tiny_mod
 from specdec import LLM, SamplingParams
 
 VOCAB = 32
-# A very small model: the cost of these tests is ~100k rows through the engine, not the model.
+# A very small model: the cost of these tests is NUM_DRAWS rows through the engine, not the model.
 DIMS = dict(hidden_size=16, intermediate_size=32, num_attention_heads=2, num_key_value_heads=1, num_hidden_layers=1)
 K = 3
-NUM_DRAWS = 100_000
+NUM_DRAWS = 60_000  # rows per chi-square test: enough power for them, and the suite stays under 10 minutes
 MAX_TOKENS = 3  # the first token from the prefill, then draft-verified ones
 MARGIN = 1e-5  # a top-k / top-p / min-p decision this close to its threshold could go either way
 
@@ -37,7 +37,7 @@ SETTINGS = {
     "T1.0-min_p0.1": dict(temperature=1.0, min_p=0.1),
     "T0.9-top_k8-top_p0.9-min_p0.05": dict(temperature=0.9, top_k=8, top_p=0.9, min_p=0.05),
 }
-# Three of the five settings per drafter, to stay near 2 minutes on 2 cores: 100,000 draws
+# Three of the five settings per drafter, to stay near 2 minutes on 2 cores: NUM_DRAWS draws
 # cost 11-20 s per run, nearly all of it the engine's per-row Python work. Each drafter gets
 # top_k, top_p and min_p (all three together, plus single ones); every setting runs once.
 RUNS = {
@@ -265,7 +265,7 @@ def test_top_k_top_p_over_a_realistic_vocabulary(seed):
 @pytest.mark.slow
 @pytest.mark.parametrize("drafter,setting", [(d, s) for d, settings in RUNS.items() for s in settings])
 def test_sampled_tokens_follow_the_target(setup, llms, drafter, setting):
-    """Over 100,000 copies of one prompt: the first, second and third generated tokens each
+    """Over NUM_DRAWS copies of one prompt: the first, second and third generated tokens each
     follow their exact marginal, and the tokens jointly follow the exact joint distribution;
     drafts were both accepted and rejected along the way."""
     joints = exact_distributions(setup["logits"], SETTINGS[setting])

@@ -128,15 +128,11 @@ class Engine:
         short, the youngest running sequence is preempted (scheduler.py: it waits, first in
         line, and is prefilled anew over its tokens so far; the drafter forgets it)."""
         for seq in list(self.scheduler.running):
-            if seq.finished:
-                continue
-            while seq.slot >= 0 and not self.scheduler.can_grow(seq):
+            while not seq.finished and seq.slot >= 0 and not self.scheduler.grow(seq):
                 victim = self.scheduler.youngest()
                 if self.drafter is not None:
                     self.drafter.release(victim)
                 self.scheduler.preempt(victim)
-            if seq.slot >= 0:
-                self.scheduler.grow(seq)
 
     @property
     def num_preemptions(self) -> int:

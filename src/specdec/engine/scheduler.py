@@ -79,14 +79,16 @@ class Scheduler:
         self.running += admitted
         return admitted
 
-    def can_grow(self, seq: Sequence, slot: int | None = None) -> bool:
-        """Whether the pool has the blocks seq (in its slot, or in slot) needs for its next forward."""
-        return self.blocks is None or self.blocks.can_grow(seq.slot if slot is None else slot, self.room(seq))
-
-    def grow(self, seq: Sequence) -> None:
-        """Give running seq the blocks its next forward writes (can_grow checked first)."""
-        if self.blocks is not None:
-            self.blocks.grow(seq.slot, self.room(seq))
+    def grow(self, seq: Sequence) -> bool:
+        """Give running seq the blocks its next forward writes; False (nothing taken) if the
+        pool is short."""
+        if self.blocks is None:
+            return True
+        room = self.room(seq)
+        if not self.blocks.can_grow(seq.slot, room):
+            return False
+        self.blocks.grow(seq.slot, room)
+        return True
 
     def register_full_blocks(self) -> None:
         """Every running sequence's blocks whose entries are all written, registered for later
