@@ -43,24 +43,26 @@ def run_steps(model, cache) -> torch.Tensor:
     return torch.cat([*decoded, verify], dim=1), alone
 
 
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_a_float_model_reads_scattered_blocks_as_one_run_of_positions(tmp_path, dtype):
-    model = load_pretrained(save_tiny_model(tmp_path / "m", "llama", seed=1), dtype, load_tokenizer=False).model
-    table, num_blocks = scattered_table(2, MAX_LEN, seed=2)
+def assert_scattered_blocks_read_as_one_run(model, seed: int) -> None:
+    """model's forwards (run_steps) over a cache of scattered blocks give, bit for bit, what they
+    give over a cache of one run of positions per slot."""
+    table, num_blocks = scattered_table(2, MAX_LEN, seed=seed)
     expected = run_steps(model, model.new_cache(2, MAX_LEN))
     got = run_steps(model, model.new_cache(2, MAX_LEN, pool=BlockPool(table, num_blocks)))
     for e, g in zip(expected, got):
         assert torch.equal(g, e)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_a_float_model_reads_scattered_blocks_as_one_run_of_positions(tmp_path, dtype):
+    model = load_pretrained(save_tiny_model(tmp_path / "m", "llama", seed=1), dtype, load_tokenizer=False).model
+    assert_scattered_blocks_read_as_one_run(model, seed=2)
 
 
 def test_a_gguf_layers_one_call_reads_scattered_blocks_as_one_run_of_positions(tmp_path):
     path = write_gguf(tmp_path / "m.gguf", tiny_hf_model(), "Q8_0")
     model = load_pretrained(path, "float32", load_tokenizer=False, keep_quantized=True).model
-    table, num_blocks = scattered_table(2, MAX_LEN, seed=3)
-    expected = run_steps(model, model.new_cache(2, MAX_LEN))
-    got = run_steps(model, model.new_cache(2, MAX_LEN, pool=BlockPool(table, num_blocks)))
-    for e, g in zip(expected, got):
-        assert torch.equal(g, e)
+    assert_scattered_blocks_read_as_one_run(model, seed=3)
 
 
 def test_a_move_copies_within_scattered_blocks(tmp_path):

@@ -229,14 +229,7 @@ def test_a_pool_too_small_for_every_request_preempts_and_keeps_each_output(tiny_
     """Six requests of up to 48 + 60 positions over a pool of 15 blocks (240 positions): they
     cannot all hold their blocks at once, so the youngest are preempted and prefilled anew
     later. Greedy, each output is still what the target alone gives it; no block is leaked."""
-    kwargs = {}
-    if drafter == "draft_model":
-        kwargs = dict(speculative_model=str(tiny_pair["target"]), num_speculative_tokens=3)
-    elif drafter == "eagle":
-        head = save_random_head(tiny_pair["target"], tmp_path / "head", seed=3)
-        kwargs = dict(speculative_model=str(head), speculative_method="eagle", num_speculative_tokens=3)
-    if kwargs:
-        kwargs["speculative_k_policy"] = "fixed"
+    kwargs = drafter_kwargs(drafter, tiny_pair, tmp_path)
     llm = LLM(str(tiny_pair["target"]), dtype="float32", max_num_seqs=6, **kwargs)
     block_bytes = llm.runner.model.position_bytes * 16
     llm.engine.prepare_to_serve(max_model_len=128, kv_cache_bytes=16 * block_bytes)
@@ -261,14 +254,7 @@ def test_a_shared_prefix_is_prefilled_once_and_outputs_are_the_same(tiny_pair, p
     prefilled (the system prompt's 3; the second turn's, up to its first answer's last entry
     written); greedy, every output is what the target alone gives it, and what the engine gives
     with prefix caching off."""
-    kwargs = {}
-    if drafter == "draft_model":
-        kwargs = dict(speculative_model=str(tiny_pair["target"]), num_speculative_tokens=3)
-    elif drafter == "eagle":
-        head = save_random_head(tiny_pair["target"], tmp_path / "head", seed=3)
-        kwargs = dict(speculative_model=str(head), speculative_method="eagle", num_speculative_tokens=3)
-    if kwargs:
-        kwargs["speculative_k_policy"] = "fixed"
+    kwargs = drafter_kwargs(drafter, tiny_pair, tmp_path)
     system = shared_random_prompts(1, seed=41, lengths=(50, 51))[0]
     prompts = [system + tail for tail in shared_random_prompts(4, seed=42, lengths=(2, 20))]
     params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
@@ -302,3 +288,15 @@ def recording_feed(runner, monkeypatch) -> list[int]:
 
     monkeypatch.setattr(runner, "feed", recording)
     return fed
+
+
+def drafter_kwargs(drafter: str, tiny_pair, tmp_path) -> dict:
+    """LLM's keywords for no drafter ("none"), a draft model or an (untrained) EAGLE head, k = 3."""
+    if drafter == "none":
+        return {}
+    if drafter == "draft_model":
+        model = dict(speculative_model=str(tiny_pair["target"]))
+    else:
+        head = save_random_head(tiny_pair["target"], tmp_path / "head", seed=3)
+        model = dict(speculative_model=str(head), speculative_method="eagle")
+    return dict(**model, num_speculative_tokens=3, speculative_k_policy="fixed")
