@@ -462,6 +462,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--max-request-bytes", type=int, default=256 * 1024, help="the server's body limit (default 256 KiB)"
     )
     p.add_argument("--request-timeout", type=float, default=180.0, help="seconds before a request counts as hung")
+    p.add_argument("--loads", type=int, default=1, help="run the load this many times, one after another (default 1)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--server-args", default="", help="more flags for specdec serve, in one string")
     p.add_argument("--json", type=Path, help="write the report here too")
@@ -490,29 +491,36 @@ def settings_for(args: argparse.Namespace, streams: int, seconds: float, seed: i
 
 
 async def measure(server: ServerProcess, args: argparse.Namespace) -> dict:
-    """Warm up, read the idle server's memory, run the load, wait for idle, read it again."""
+    """Warm up, read the idle server's memory, run the load (--loads times), waiting for idle
+    and reading the memory after each."""
     warm_up = settings_for(args, max(len(KIND_WEIGHTS), args.streams // 10), max(1.0, args.seconds / 10), args.seed + 1)
     await run_mix(server.url, warm_up)
     await wait_until_idle(server.url)
-    rss_before = rss_bytes(server.process.pid)
-    start = time.perf_counter()
-    outcomes, probe = await run_mix(server.url, settings_for(args, args.streams, args.seconds, args.seed))
-    load_seconds = time.perf_counter() - start
-    idle = await wait_until_idle(server.url)
+    rss = [rss_bytes(server.process.pid)]
+    outcomes, probes, load_seconds, idle = [], [], [], {}
+    for load in range(args.loads):
+        start = time.perf_counter()
+        ended, probe = await run_mix(server.url, settings_for(args, args.streams, args.seconds, args.seed + 2 * load))
+        load_seconds.append(time.perf_counter() - start)
+        outcomes += ended
+        probes.append(probe)
+        idle = await wait_until_idle(server.url)
+        rss.append(rss_bytes(server.process.pid))
     alive = server.process.poll() is None and httpx.get(f"{server.url}/health", timeout=10).status_code == 200
     return {
         "outcomes": [asdict(o) for o in outcomes],
         "problems": problems(outcomes),
         "hung": sum(o.ended == "hung" for o in outcomes),
         "alive": alive,
-        "slowest_health": probe.slowest,
-        "health_answers": probe.answers,
-        "health_not_ok": probe.not_ok,
+        "slowest_health": max(probe.slowest for probe in probes),
+        "health_answers": sum(probe.answers for probe in probes),
+        "health_not_ok": sum(probe.not_ok for probe in probes),
         "blocks_held": idle.get("kv_cache_blocks_held", -1),
         "idle": idle,
         "step_failures": idle.get("engine_step_failures_total", 0),
-        "rss_before": rss_before,
-        "rss_after": rss_bytes(server.process.pid),
+        "rss": rss,  # bytes: before the load, then after each
+        "rss_before": rss[0],
+        "rss_after": rss[-1],
         "load_seconds": load_seconds,
     }
 
@@ -530,9 +538,11 @@ def main(argv: list[str] | None = None) -> int:
         exit_code = server.stop()
     report.update(cpu=cpu, exit_code=exit_code, server_log_tracebacks=server.output().count("Traceback"))
     outcomes = [Outcome(**o) for o in report["outcomes"]]
+    loads = ", ".join(f"{seconds:.1f}" for seconds in report["load_seconds"])
+    memory = " -> ".join(f"{value / 2**20:.0f}" for value in report["rss"])
     print(
-        f"\nThe load: {len(outcomes)} requests, ended in {report['load_seconds']:.1f} s; "
-        f"/health answered {report['health_answers']} times\n"
+        f"\nThe load: {len(outcomes)} requests, ended in {loads} s; /health answered {report['health_answers']} "
+        f"times; server VmRSS before and after each load: {memory} MiB\n"
     )
     print(kind_table(outcomes) + "\n")
     print(goal_table(report))
