@@ -204,3 +204,35 @@ def random_prompts(
 def token_ids(outputs) -> list[list[int]]:
     """The generated token ids of each RequestOutput."""
     return [o.outputs[0].token_ids for o in outputs]
+
+
+class HealthWatch:
+    """While open (a context manager), a thread asks url's /health every 20 ms: the statuses it
+    got, in order, and its slowest answer in seconds (a server that stalls its event loop answers
+    late)."""
+
+    def __init__(self, url: str, timeout: float = 120):
+        import threading
+
+        self.url, self.timeout, self.statuses, self.slowest = url, timeout, [], 0.0
+        self._done = threading.Event()
+        self._thread = threading.Thread(target=self._watch)
+
+    def _watch(self) -> None:
+        import time
+
+        import httpx
+
+        while not self._done.is_set():
+            start = time.monotonic()
+            self.statuses.append(httpx.get(f"{self.url}/health", timeout=self.timeout).status_code)
+            self.slowest = max(self.slowest, time.monotonic() - start)
+            self._done.wait(0.02)
+
+    def __enter__(self):
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._done.set()
+        self._thread.join()

@@ -20,7 +20,7 @@ import pytest
 import torch
 import uvicorn
 
-from helpers import save_tiny_model
+from helpers import HealthWatch, save_tiny_model
 from specdec import LLM
 from specdec.serve.app import ServerState, build_app
 from specdec.serve.async_engine import AsyncEngine
@@ -110,30 +110,6 @@ def wait_for(condition: Callable[[], bool], what: str, timeout: float = WAIT) ->
         time.sleep(0.01)
 
 
-class HealthWatch:
-    """While open, a thread asks /health every 20 ms: its statuses and its slowest answer."""
-
-    def __init__(self, url: str):
-        self.url, self.statuses, self.slowest = url, [], 0.0
-        self._done = threading.Event()
-        self._thread = threading.Thread(target=self._watch)
-
-    def _watch(self) -> None:
-        while not self._done.is_set():
-            start = time.monotonic()
-            self.statuses.append(httpx.get(f"{self.url}/health", timeout=WAIT).status_code)
-            self.slowest = max(self.slowest, time.monotonic() - start)
-            self._done.wait(0.02)
-
-    def __enter__(self):
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self._done.set()
-        self._thread.join()
-
-
 def stream_events(url: str, body: dict) -> tuple[int, list[str]]:
     """A streaming completion: its status and its data: lines' payloads, to the end."""
     with httpx.stream("POST", f"{url}/v1/completions", json={**body, "stream": True}, timeout=WAIT) as response:
@@ -219,7 +195,7 @@ def test_a_step_that_raises_fails_its_batch_and_the_server_goes_on(server, monke
     reference = whole(server.url, REFERENCE).json()["choices"][0]["text"]
     failures = server.metric("engine_step_failures_total")
     place = "the round" if where == "round" else "a prefill"
-    with HealthWatch(server.url) as health, ThreadPoolExecutor(8) as pool:
+    with HealthWatch(server.url, timeout=WAIT) as health, ThreadPoolExecutor(8) as pool:
         if where == "round":
             streamed, whole_completion = start_long_requests(pool, server, SLOTS)
             waiter = pool.submit(whole, server.url, REFERENCE)
