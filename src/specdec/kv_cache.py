@@ -86,11 +86,6 @@ class BlockPool:
     table: BlockTable
     num_blocks: int
 
-    @classmethod
-    def whole(cls, max_seqs: int, max_len: int, device: torch.device | str) -> BlockPool:
-        """A table of max_seqs slots of max_len positions, and blocks enough for all of them."""
-        return cls(BlockTable(max_seqs, blocks_for(max_len), device), 1 + max_seqs * blocks_for(max_len))
-
 
 class KVCache:
     def __init__(
@@ -136,8 +131,6 @@ class KVCache:
         self.max_batch, self.max_len, self.static, self.num_blocks = max_batch, max_len, static, num_blocks
         self.shared_table = table  # None: a table of its own
         self._arange = torch.arange(max_batch, device=device)  # [max_batch]: rows 0..B-1 without an op per layer
-        # rows 0..B-1 of a table of its own are one run of blocks: read by slicing, no gather
-        self._sliceable = table is None
 
     def reads(self, pool: BlockPool | None) -> bool:
         """Whether this cache is the one pool's sequences use (None: a table of its own)."""
@@ -229,7 +222,7 @@ class CacheRows:
         self.write(layer, positions, k, v)
         keys, values, blocks = self.layer(layer, B)  # [N, 16, Hkv, D] x 2, [B, max_blocks]
         flat_keys, flat_values = keys.flatten(0, 1), values.flatten(0, 1)  # [N x 16, Hkv, D]
-        if self.slots is None and self.cache._sliceable:  # rows 0..B-1, one run of blocks from block 1
+        if self.slots is None and self.cache.shared_table is None:  # rows 0..B-1 of its own table: one run from block 1
             per_slot = self.cache.table.max_blocks * BLOCK_SIZE
             start, stop = BLOCK_SIZE, BLOCK_SIZE + B * per_slot
             return (

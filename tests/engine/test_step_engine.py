@@ -178,6 +178,7 @@ def test_serving_sizes_the_cache_by_budget_and_refuses_what_does_not_fit(tiny_pa
     llm.engine.abort("ok")
     one_sequence = -(-(64 + 3 + 1) // 16) * block_bytes  # max_model_len + k + 1 positions
     assert llm.engine.prepare_to_serve(max_model_len=64, kv_cache_bytes=one_sequence + block_bytes) == 8
+    assert llm.engine.cache_tokens == one_sequence // block_bytes * 16  # the smaller budget, not the pool before
     with pytest.raises(ValueError, match="more than the budget of .*raise the budget"):
         llm.engine.prepare_to_serve(max_model_len=64, kv_cache_bytes=one_sequence)
 

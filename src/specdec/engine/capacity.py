@@ -82,7 +82,7 @@ class Capacity:
                 + (" (half the free memory)" if kv_cache_bytes is None else "")
                 + "; lower max_model_len, or raise the budget (--kv-cache-memory)"
             )
-        self._reserve(max_num_seqs, max_len, 0, k, num_blocks)
+        self._reserve(max_num_seqs, max_len, 0, k, num_blocks, within_budget=True)
         if self.k_choice.policy is not None:
             for batch_size in (1 << i for i in range(max_num_seqs.bit_length())):
                 self._calibrate(batch_size, max_len, k)
@@ -102,26 +102,30 @@ class Capacity:
         assert self.pool is not None
         return min(self.target.max_len, self.pool.table.max_blocks * BLOCK_SIZE)
 
-    def _pool(self, max_seqs: int, max_len: int, num_blocks: int) -> BlockPool:
-        """A pool of num_blocks (at least) for max_seqs slots of max_len positions: the one held
-        where it is large enough (its table cleared), else a new one."""
+    def _pool(self, max_seqs: int, max_len: int, num_blocks: int, within_budget: bool) -> BlockPool:
+        """A pool of num_blocks for max_seqs slots of max_len positions: the one held where it is
+        large enough (its table cleared; within_budget: not larger than num_blocks either, which
+        is the memory budget's), else a new one."""
         pool = self.pool
         if (
             pool is None
             or pool.table.max_seqs < max_seqs
             or pool.table.max_blocks < blocks_for(max_len)
             or pool.num_blocks < num_blocks
+            or (within_budget and pool.num_blocks > num_blocks)
         ):
             pool = BlockPool(BlockTable(max_seqs, blocks_for(max_len), self.target.device), num_blocks)
         pool.table.table.fill_(SCRATCH_BLOCK)
         self.pool = pool
         return pool
 
-    def _reserve(self, max_batch: int, max_len: int, num_forwards: int, k: int, num_blocks: int) -> None:
+    def _reserve(
+        self, max_batch: int, max_len: int, num_forwards: int, k: int, num_blocks: int, within_budget: bool = False
+    ) -> None:
         """Caches for the work ahead (at most num_forwards target forwards, k drafts a round at
-        most) in a pool of num_blocks blocks; the runners compile for it if they are to, and the
-        policy measures its costs."""
-        pool = self._pool(max_batch, max_len, num_blocks)
+        most) in a pool of num_blocks blocks (within_budget: exactly that many); the runners
+        compile for it if they are to, and the policy measures its costs."""
+        pool = self._pool(max_batch, max_len, num_blocks, within_budget)
         self.blocks = BlockManager(pool.num_blocks, pool.table, self.prefix_caching)
         try:
             self.target.prepare(
