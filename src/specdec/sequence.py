@@ -20,6 +20,7 @@ class Sequence:
     prompt: str | None = None
     slot: int = -1  # its row in the KV caches' block table while running
     num_cached_tokens: int = 0  # leading positions found in the prefix cache when it was admitted (not prefilled)
+    num_drafter_cached_tokens: int = 0  # of those, the ones whose entries a drafter's cache in the pool holds too
     output_token_ids: list[int] = field(default_factory=list)
     output_from_draft: list[bool] = field(default_factory=list)  # per output token: an accepted draft token?
     output_logprobs: list = field(default_factory=list)  # per output token, when params.logprobs asks: TokenLogprob

@@ -66,17 +66,39 @@ def test_a_prefix_of_whole_blocks_is_shared_short_of_the_last_token():
     manager = BlockManager(64, BlockTable(4, 10, "cpu"), prefix_caching=True)
     system = tokens(1, 40)  # 2 whole blocks and 8 tokens
     first = system + tokens(2, 9)
-    assert manager.admit(0, first, len(first) + 4) == 0  # nothing registered yet
+    assert manager.admit(0, first, len(first) + 4) == (0, 0)  # nothing registered yet
     manager.register(0, first)  # 49 tokens: positions 0..47 hold entries, blocks 0..2 complete
     second = system + tokens(3, 30)
-    assert manager.admit(1, second, len(second) + 4) == 32  # the system prompt's 2 whole blocks
+    assert manager.admit(1, second, len(second) + 4) == (32, 32)  # the system prompt's 2 whole blocks
     assert manager.blocks_of(1)[:2] == manager.blocks_of(0)[:2]
     assert manager.blocks_of(1)[2] not in manager.blocks_of(0)
     assert manager.prefix_queries == len(first) + len(second) and manager.prefix_hits == 32
     same = first[:48]  # exactly 3 whole blocks: the last token's block is computed, not shared
-    assert manager.admit(2, same, 52) == 32
+    assert manager.admit(2, same, 52) == (32, 32)
     table = manager.table.table
     assert table[1, :2].tolist() == table[0, :2].tolist() == table[2, :2].tolist()
+
+
+@pytest.mark.parametrize("drafter_needs_target", [False, True])
+def test_a_drafter_shares_only_the_blocks_its_entries_fill(drafter_needs_target):
+    """The drafter's cache wrote the entries of the first 20 positions (its first block) when the
+    target's filled 3 blocks: a later sequence's target starts after 2 shared blocks, its
+    drafter after 1; a drafter fed the target's features makes the target start there too, in a
+    block of its own. Once the drafter catches up, both blocks are whole for it."""
+    manager = BlockManager(64, BlockTable(4, 10, "cpu"), True, drafter_needs_target)
+    system = tokens(1, 40)
+    first = system + tokens(2, 9)
+    manager.admit(0, first, len(first) + 4)
+    manager.register(0, first, num_drafter_entries=20)
+    second = system + tokens(3, 30)
+    if drafter_needs_target:
+        assert manager.admit(1, second, len(second) + 4) == (16, 16)
+        assert manager.blocks_of(1)[1] != manager.blocks_of(0)[1]
+    else:
+        assert manager.admit(1, second, len(second) + 4) == (32, 16)
+        assert manager.blocks_of(1)[:2] == manager.blocks_of(0)[:2]
+    manager.register(0, first, num_drafter_entries=48)
+    assert manager.admit(2, system + tokens(4, 5), 50) == (32, 32)
 
 
 def test_keys_chain_their_prefix():
@@ -94,14 +116,14 @@ def test_a_finished_sequences_blocks_serve_a_later_one_until_evicted():
     kept = manager.blocks_of(0)[:3]
     manager.free(0)
     assert manager.num_free == 8 and manager.num_cached == 3
-    assert manager.admit(1, prompt, 70) == 48 and manager.blocks_of(1)[:3] == kept
+    assert manager.admit(1, prompt, 70) == (48, 48) and manager.blocks_of(1)[:3] == kept
     manager.free(1)
     other = tokens(7, 100)
-    assert manager.admit(0, other, 7 * 16) == 0  # 7 blocks: 5 free, then 2 registered evicted
+    assert manager.admit(0, other, 7 * 16) == (0, 0)  # 7 blocks: 5 free, then 2 registered evicted
     assert manager.num_cached == 1
     assert manager.blocks_of(0)[-2:] == [kept[2], kept[1]]  # the prefix's last blocks went first
     manager.free(0)
-    assert manager.admit(1, prompt, 70) == 16  # only the first block was still registered
+    assert manager.admit(1, prompt, 70) == (16, 16)  # only the first block was still registered
 
 
 def test_random_admissions_keep_shared_blocks_counted():
@@ -113,7 +135,8 @@ def test_random_admissions_keep_shared_blocks_counted():
         slot = rng.randrange(5)
         if slot in live:
             if rng.random() < 0.5:
-                manager.register(slot, live[slot])
+                drafted = rng.choice([None, rng.randrange(len(live[slot]) + 1)])
+                manager.register(slot, live[slot], drafted)
             else:
                 manager.free(slot)
                 del live[slot]
@@ -122,7 +145,8 @@ def test_random_admissions_keep_shared_blocks_counted():
             room = len(prompt) + 4
             got = manager.admit(slot, prompt, room)
             if got is not None:
-                assert got % 16 == 0 and got < len(prompt)
+                cached, drafted = got
+                assert cached % 16 == 0 and drafted % 16 == 0 and drafted <= cached < len(prompt)
                 live[slot] = prompt
         counts: dict[int, int] = {}
         for s in live:

@@ -264,10 +264,13 @@ def test_a_shared_prefix_is_prefilled_once_and_outputs_are_the_same(tiny_pair, p
     expected = {f"r{i}": out.outputs[0].token_ids for i, out in enumerate(plain.generate(prompts, params))}
     # the first turn wrote entries up to its last token's, exclusive: its whole blocks before that
     second_turn_cached = (len(prompts[0]) + len(first) - 1) // 16 * 16
+    draft_fed = {}
     for caching in (True, False):
         llm = LLM(str(tiny_pair["target"]), dtype="float32", max_num_seqs=4, enable_prefix_caching=caching, **kwargs)
         llm.engine.prepare_to_serve(max_model_len=128)
         fed = recording_feed(llm.runner, monkeypatch)
+        if drafter == "draft_model":
+            draft_fed[caching] = recording_ragged_batch(llm.engine.drafter.runner, monkeypatch)
         late = [(2 * i, f"r{i}", prompt, params) for i, prompt in enumerate(prompts[:4])]
         late.append((40, "r4", prompts[4], params))  # after the first request finished
         joined: dict = {}
@@ -276,6 +279,39 @@ def test_a_shared_prefix_is_prefilled_once_and_outputs_are_the_same(tiny_pair, p
         cached = [0, 48, 48, 48, second_turn_cached] if caching else [0] * 5
         assert fed == [len(prompt) - c for prompt, c in zip(prompts, cached)]
         assert llm.engine.prefix_cache_counts == ((sum(map(len, prompts)), sum(cached)) if caching else (0, 0))
+    if drafter == "draft_model":  # the draft's cache skips the same cached prefixes (its entries are there)
+        assert sum(draft_fed[False]) - sum(draft_fed[True]) == sum([0, 48, 48, 48, second_turn_cached])
+
+
+@pytest.mark.slow
+def test_a_compiled_target_shares_no_prefix_and_outputs_are_the_same(tiny_pair, plain):
+    """A compiled target's cache is static, of slots of its own, not the pool's blocks: a
+    request joining while another with the same 50-token system prompt runs finds no prefix
+    (its own slot holds none of those entries) and gets what the target alone gives it."""
+    system = shared_random_prompts(1, seed=41, lengths=(50, 51))[0]
+    prompts = [system + tail for tail in shared_random_prompts(3, seed=43, lengths=(2, 20))]
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    expected = {f"r{i}": out.outputs[0].token_ids for i, out in enumerate(plain.generate(prompts, params))}
+    llm = LLM(str(tiny_pair["target"]), dtype="float32", max_num_seqs=4, compile="on")
+    llm.engine.prepare_to_serve(max_model_len=128)
+    assert llm.runner.cache.static
+    joined: dict = {}
+    run_to_end(llm.engine, joined, [(2 * i, f"r{i}", prompt, params) for i, prompt in enumerate(prompts)])
+    assert {request_id: ids for request_id, (ids, _, _) in joined.items()} == expected
+    assert llm.engine.prefix_cache_counts == (0, 0)
+
+
+def recording_ragged_batch(runner, monkeypatch) -> list[int]:
+    """A list that the runner's ragged forwards (a draft's catch-up) append each row's number of tokens to."""
+    fed: list[int] = []
+    ragged_batch = runner.ragged_batch
+
+    def recording(chunks, *args, **kwargs):
+        fed.extend(len(chunk) for chunk in chunks)
+        return ragged_batch(chunks, *args, **kwargs)
+
+    monkeypatch.setattr(runner, "ragged_batch", recording)
+    return fed
 
 
 def recording_feed(runner, monkeypatch) -> list[int]:

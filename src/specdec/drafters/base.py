@@ -120,5 +120,12 @@ class Drafter(ABC):
         num_valid[b] entries hold tokens the sequence keeps (the prompt after a prefill; the
         last token and the accepted drafts after a round)."""
 
+    def cached_entries(self, seq: Sequence) -> int | None:
+        """The leading positions of seq whose entries this drafter's cache holds in the engine's
+        pool (prefix caching shares a block with a later sequence's drafter once they cover it;
+        such a sequence's drafter starts at seq.num_drafter_cached_tokens); None: the drafter
+        keeps nothing in the pool (no cache, or one of its own)."""
+        return None
+
     def release(self, seq: Sequence) -> None:
         """seq has finished; its slot may be reused."""

@@ -41,6 +41,7 @@ class DraftModelDrafter(Drafter):
         self.confidence_threshold = confidence_threshold  # 0 = always draft k
         # slot -> (n, drafts): the cache holds the sequence's first n tokens, then these drafts
         self.fed: dict[int, tuple[int, list[int]]] = {}
+        self.shares_pool = False  # whether the cache reserve() made is in the engine's pool
 
     @property
     def model(self):
@@ -66,9 +67,21 @@ class DraftModelDrafter(Drafter):
         # each round feeds 1 or 2 tokens per row (catch-up), then one per draft step
         self.runner.prepare(max_batch, max_len, (1, 2), num_forwards, pool=pool)
         self.fed.clear()
+        self.shares_pool = self.runner.reads_pool(pool)
 
     def release(self, seq: Sequence) -> None:
         self.fed.pop(seq.slot, None)
+
+    def cached_entries(self, seq: Sequence) -> int | None:
+        return self._num_fed(seq) if self.shares_pool else None
+
+    def _num_fed(self, seq: Sequence) -> int:
+        """The leading positions of seq whose entries the cache holds: what it fed that still
+        matches seq's tokens; for a sequence not fed yet, its cached prefix's where the cache
+        is in the pool (block_manager.py), else none."""
+        start = seq.num_drafter_cached_tokens if self.shares_pool else 0
+        num_confirmed, drafts = self.fed.get(seq.slot, (start, []))
+        return num_confirmed + _common_prefix(drafts, seq.token_ids[num_confirmed:])
 
     def time_step(self, batch_size: int) -> None:
         """One draft step of batch_size rows, at position 0 of slots 0..batch_size-1 (a new
@@ -125,9 +138,7 @@ class DraftModelDrafter(Drafter):
         chunks, starts = [], []
         for seq in batch:
             tokens = seq.token_ids
-            num_confirmed, drafts = self.fed.get(seq.slot, (0, []))
-            start = num_confirmed + _common_prefix(drafts, tokens[num_confirmed:])
-            start = min(start, len(tokens) - 1)  # always feed the last token: its logits are needed
+            start = min(self._num_fed(seq), len(tokens) - 1)  # always feed the last token: its logits are needed
             chunks.append(tokens[start:])
             starts.append(start)
         long_rows = [row for row, chunk in enumerate(chunks) if len(chunk) > CATCH_UP_WIDTH]

@@ -53,6 +53,7 @@ class EagleDrafter(Drafter):
         self.cache: KVCache | None = None  # the head's own, made by reserve
         # slot -> (position of the first feature not yet fed, those features [n, H])
         self.waiting: dict[int, tuple[int, torch.Tensor]] = {}
+        self.shares_pool = False  # whether the head's cache is in the engine's pool
 
     @classmethod
     def from_config(cls, spec, target: LoadedModel, target_runner: ModelRunner) -> EagleDrafter:
@@ -90,14 +91,22 @@ class EagleDrafter(Drafter):
         return cls(head, target_runner.eager_model(), spec.draft_confidence_threshold, output_layer)
 
     def reserve(self, max_batch: int, max_len: int, num_forwards: int = 0, pool: BlockPool | None = None) -> None:
-        c = self.cache
-        if c is None or c.max_batch < max_batch or c.max_len < max_len or not c.reads(pool):
-            self.cache = None
-            self.cache = self.head.new_cache(max_batch, max_len, pool=pool)
+        cache = self.cache
+        if cache is None or cache.max_batch < max_batch or cache.max_len < max_len or not cache.reads(pool):
+            self.cache = None  # the old one freed before the new one is made
+            cache = self.cache = self.head.new_cache(max_batch, max_len, pool=pool)
         self.waiting.clear()
+        self.shares_pool = pool is not None and cache.reads(pool)
 
     def release(self, seq: Sequence) -> None:
         self.waiting.pop(seq.slot, None)
+
+    def cached_entries(self, seq: Sequence) -> int | None:
+        """Entries before a row's waiting features are the target's (the catch-up fed them);
+        from there on a draft may have written its own predictions."""
+        if not self.shares_pool:
+            return None
+        return self.waiting[seq.slot][0] if seq.slot in self.waiting else 0
 
     def observe_hidden(
         self, batch: list[Sequence], first_positions: torch.Tensor, hidden: torch.Tensor, num_valid: torch.Tensor

@@ -55,6 +55,9 @@ class LookupThenDraftDrafter(Drafter):
     def release(self, seq: Sequence) -> None:
         self.draft_model.release(seq)
 
+    def cached_entries(self, seq: Sequence) -> int | None:
+        return self.draft_model.cached_entries(seq)
+
     def time_step(self, batch_size: int) -> None:
         self.draft_model.time_step(batch_size)
 

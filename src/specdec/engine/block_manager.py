@@ -17,6 +17,14 @@ blocks' keys are registered takes those blocks as they are (shared, reference-co
 prefill starts after them. A block no sequence holds stays registered until its space is
 needed: free blocks are handed out first, then registered ones, least recently freed first
 (LRU eviction).
+
+A drafter's cache in the same pool (a draft model's, an EAGLE head's) writes a block's entries
+on its own schedule, often a round or more behind the target (not at all in rounds it does not
+draft). A registered block is also marked drafted once the drafter's entries of all its
+positions are written (`register`'s num_drafter_entries). A new sequence's drafter starts after
+its leading drafted blocks, the target after its registered ones; with drafter_needs_target
+(a drafter fed the target's features of every position, as an EAGLE head is), the target too
+starts after the drafted ones, since their features come from its prefill.
 """
 
 from __future__ import annotations
@@ -39,12 +47,16 @@ def block_key(prefix_key: bytes, tokens: list[int]) -> bytes:
 class BlockManager:
     """num_blocks: the pool's size (block 0, the scratch block, included); table: the block table
     it writes (every cache reading it sees a sequence's blocks as it does); prefix_caching:
-    keep full blocks for later sequences' prefixes."""
+    keep full blocks for later sequences' prefixes; drafter_needs_target: a new sequence's
+    cached prefix is only what the drafter's cache holds too (see above)."""
 
-    def __init__(self, num_blocks: int, table: BlockTable, prefix_caching: bool = False):
+    def __init__(
+        self, num_blocks: int, table: BlockTable, prefix_caching: bool = False, drafter_needs_target: bool = False
+    ):
         if num_blocks < 2:
             raise ValueError(f"a pool of {num_blocks} blocks holds no sequence's (block {SCRATCH_BLOCK} is scratch)")
         self.num_blocks, self.table, self.prefix_caching = num_blocks, table, prefix_caching
+        self.drafter_needs_target = drafter_needs_target
         self._free = [b for b in range(num_blocks - 1, 0, -1)]  # a stack: block 1 is handed out first
         self._held: dict[int, list[int]] = {}  # slot -> its blocks, in position order
         self._refs: dict[int, int] = {}  # block -> how many slots hold it
@@ -52,6 +64,8 @@ class BlockManager:
         self._key_of_block: dict[int, bytes] = {}
         self._unused: OrderedDict[int, None] = OrderedDict()  # registered blocks no slot holds, least recent first
         self._registered: dict[int, tuple[int, bytes]] = {}  # slot -> (its leading blocks registered, the last's key)
+        self._drafted: set[int] = set()  # registered blocks whose drafter entries are written too
+        self._num_drafted: dict[int, int] = {}  # slot -> its leading blocks whose drafter entries are written
         self.prefix_queries = 0  # prompt tokens looked up in the prefix cache
         self.prefix_hits = 0  # of those, found
 
@@ -102,6 +116,7 @@ class BlockManager:
         stays registered, last in the eviction order); its table row to the scratch block."""
         blocks = self._held.pop(slot, [])
         self._registered.pop(slot, None)
+        self._num_drafted.pop(slot, None)
         for block in reversed(blocks):  # a prefix's later blocks are evicted before its first
             self._refs[block] -= 1
             if self._refs[block] == 0:
@@ -119,16 +134,21 @@ class BlockManager:
             return self._free.pop()
         block, _ = self._unused.popitem(last=False)
         del self._block_of_key[self._key_of_block.pop(block)]
+        self._drafted.discard(block)
         return block
 
     # --- prefixes -----------------------------------------------------------------------------
 
-    def admit(self, slot: int, token_ids: list[int], num_positions: int) -> int | None:
+    def admit(self, slot: int, token_ids: list[int], num_positions: int) -> tuple[int, int] | None:
         """Blocks for a new sequence in slot, of tokens token_ids, to hold positions
         0..num_positions-1: its longest registered prefix of whole blocks (never its last token,
         which its prefill must compute), then new blocks. Returns the positions found cached
-        (0 without prefix caching), or None if the pool is short (nothing taken)."""
+        for the target and, of those, for the drafter ((0, 0) without prefix caching), or None
+        if the pool is short (nothing taken)."""
         cached = self._cached_prefix(token_ids)
+        num_drafted = next((i for i, block in enumerate(cached) if block not in self._drafted), len(cached))
+        if self.drafter_needs_target:
+            cached = cached[:num_drafted]
         reused_unused = sum(1 for block in cached if block in self._unused)
         needed = blocks_for(num_positions) - len(cached)
         if needed > self.num_free - reused_unused:
@@ -143,8 +163,9 @@ class BlockManager:
         if cached:
             self.table.assign(slot, 0, cached)
             self._registered[slot] = (len(cached), self._key_of_block[cached[-1]])
+            self._num_drafted[slot] = num_drafted
         self.grow(slot, num_positions)
-        return len(cached) * BLOCK_SIZE
+        return len(cached) * BLOCK_SIZE, num_drafted * BLOCK_SIZE
 
     def _cached_prefix(self, token_ids: list[int]) -> list[int]:
         """The registered blocks of token_ids' leading whole blocks, up to the first not found,
@@ -160,10 +181,13 @@ class BlockManager:
             blocks.append(block)
         return blocks
 
-    def register(self, slot: int, token_ids: list[int]) -> None:
+    def register(self, slot: int, token_ids: list[int], num_drafter_entries: int | None = None) -> None:
         """Register slot's blocks whose positions all hold entries of token_ids (every position
         before the last token's, whose entry the next forward writes). A block whose key is
-        registered already (another sequence computed the same prefix) stays unregistered."""
+        registered already (another sequence computed the same prefix) stays unregistered.
+        num_drafter_entries: the leading positions whose entries the drafter's cache holds too
+        (their whole registered blocks are marked drafted); None: no drafter cache in the pool
+        (every registered block counts as drafted)."""
         if not self.prefix_caching or slot not in self._held:
             return
         done, key = self._registered.get(slot, (0, ROOT_KEY))
@@ -176,3 +200,8 @@ class BlockManager:
                 self._block_of_key[key], self._key_of_block[block] = block, key
         if complete > done:
             self._registered[slot] = (complete, key)
+        drafted = complete if num_drafter_entries is None else min(complete, num_drafter_entries // BLOCK_SIZE)
+        for block in held[self._num_drafted.get(slot, 0) : drafted]:
+            if block in self._key_of_block:
+                self._drafted.add(block)
+        self._num_drafted[slot] = max(drafted, self._num_drafted.get(slot, 0))

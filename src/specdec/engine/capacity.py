@@ -126,7 +126,7 @@ class Capacity:
         most) in a pool of num_blocks blocks (within_budget: exactly that many); the runners
         compile for it if they are to, and the policy measures its costs."""
         pool = self._pool(max_batch, max_len, num_blocks, within_budget)
-        self.blocks = BlockManager(pool.num_blocks, pool.table, self.prefix_caching)
+        self.blocks = None
         try:
             self.target.prepare(
                 max_batch,
@@ -143,8 +143,17 @@ class Capacity:
                 f"{e}: {max_batch} sequences at once, each of up to {max_len:,} positions (prompt + "
                 "max_tokens + k + 1); lower max_tokens, or max_num_seqs"
             ) from None
+        self.blocks = self._block_manager(pool)
         if self.k_choice.policy is not None:
             self._calibrate(max_batch, max_len, k)
+
+    def _block_manager(self, pool: BlockPool) -> BlockManager:
+        """Who hands out pool's blocks. Prefix caching shares blocks only where the target's cache
+        reads the pool (a compiled target's static cache keeps slots of its own); a drafter fed
+        the target's features needs its own entries of a shared prefix too."""
+        prefix_caching = self.prefix_caching and self.target.reads_pool(pool)
+        needs_target = self.drafter is not None and self.drafter.needs_target_hidden
+        return BlockManager(pool.num_blocks, pool.table, prefix_caching, drafter_needs_target=needs_target)
 
     def _calibrate(self, batch_size: int, max_len: int, k: int) -> None:
         """The goodput policy's costs at batch_size rows for every k up to k (once per batch

@@ -116,7 +116,7 @@ class Engine:
             result = self.round.run(running, self.k_choice.round_ks(running))
             self._emit(running, result)
             self.k_choice.observe(running, result)
-        self.scheduler.register_full_blocks()
+        self.scheduler.register_full_blocks(None if self.drafter is None else self.drafter.cached_entries)
         for seq in self.scheduler.retire_finished():
             self._finish(seq)
         admitted_ids = {seq.request_id for seq in admitted}

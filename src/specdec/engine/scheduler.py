@@ -70,11 +70,11 @@ class Scheduler:
             ):
                 break
             slot, seq = self._free_slots[-1], self.waiting[0]
-            cached = 0 if self.blocks is None else self.blocks.admit(slot, seq.token_ids, self.room(seq))
+            cached = (0, 0) if self.blocks is None else self.blocks.admit(slot, seq.token_ids, self.room(seq))
             if cached is None:
                 break  # first come, first served: the next waits for blocks too
             self.waiting.popleft()
-            seq.slot, seq.num_cached_tokens = self._free_slots.pop(), cached
+            seq.slot, (seq.num_cached_tokens, seq.num_drafter_cached_tokens) = self._free_slots.pop(), cached
             admitted.append(seq)
         self.running += admitted
         return admitted
@@ -90,12 +90,15 @@ class Scheduler:
         self.blocks.grow(seq.slot, room)
         return True
 
-    def register_full_blocks(self) -> None:
+    def register_full_blocks(self, drafter_entries: Callable[[Sequence], int | None] | None = None) -> None:
         """Every running sequence's blocks whose entries are all written, registered for later
-        prefixes (block_manager.py; nothing without prefix caching)."""
+        prefixes (block_manager.py; nothing without prefix caching). drafter_entries(seq): the
+        leading positions whose entries a drafter's cache in the pool holds for seq (None: it
+        keeps none there)."""
         if self.blocks is not None and self.blocks.prefix_caching:
             for seq in self.running:
-                self.blocks.register(seq.slot, seq.token_ids)
+                drafted = None if drafter_entries is None else drafter_entries(seq)
+                self.blocks.register(seq.slot, seq.token_ids, drafted)
 
     def youngest(self) -> Sequence:
         """The running sequence admitted last: the one preempted first."""

@@ -220,6 +220,11 @@ class ModelRunner:
         if self._compiled is None:  # it fell back to eager: a cache sized to the work
             self.cache = self._cache(max_batch, max_len, static=False, keep=False, pool=pool)
 
+    def reads_pool(self, pool: BlockPool | None) -> bool:
+        """Whether the cache prepare() made keeps its entries in pool's blocks (a compiled,
+        static cache keeps slots of its own: a block shared by prefix caching is not its)."""
+        return pool is not None and self.cache is not None and self.cache.reads(pool)
+
     def _cache(
         self, num_slots: int, max_len: int, static: bool, keep: bool = True, pool: BlockPool | None = None
     ) -> KVCache:
