@@ -1,7 +1,8 @@
 """The paged key/value cache under load: prefix caching's time to first token, and many streams
 in a small pool.
 
-    python benchmarks/bench_paged.py [--model smollm2] [--draft DIR] [--system-tokens 2000] [--streams 200] [--pool-gb 4]
+    python benchmarks/bench_paged.py [--model smollm2] [--draft DIR] [--system-tokens 2000]
+        [--streams 200] [--pool-gb 4]
 
 1. Prefix caching: two `specdec serve` processes of the model, with and without
    --enable-prefix-caching. Each gets --questions requests one after another, each a long shared
@@ -129,9 +130,7 @@ def measure_prefix_caching(args, common: list[str]) -> dict:
             f"| {row['hit_fraction']:.0%} |"
         )
     print(f"TTFT off / on (later requests, mean): {off['ttft_mean_later'] / on['ttft_mean_later']:.1f}x")
-    print(
-        f"whole answer off / on (later requests, mean): {off['whole_mean_later'] / on['whole_mean_later']:.1f}x"
-    )
+    print(f"whole answer off / on (later requests, mean): {off['whole_mean_later'] / on['whole_mean_later']:.1f}x")
     return measured
 
 

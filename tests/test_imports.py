@@ -33,7 +33,7 @@ LAYERS = [  # bottom first (docs/architecture.md): a module imports from its own
     ("drafters", ("specdec.drafters",)),
     ("spec", ("specdec.spec",)),
     ("engine", ("specdec.engine",)),
-    ("entry points", ("specdec.llm", "specdec.model_flags", "specdec.serve")),
+    ("entry points", ("specdec.llm", "specdec.prompts", "specdec.model_flags", "specdec.serve")),
     ("command line and tools", ("specdec.cli", "specdec.tools.demo") + TOOLS),
 ]
 

@@ -38,6 +38,7 @@ from specdec.models.quantized_linear import check_quantization
 from specdec.outputs import CompletionOutput, RequestOutput
 from specdec.platform import Platform, detect_platform
 from specdec.progress import stage
+from specdec.prompts import PromptEncoder
 from specdec.sampling import request_generator
 from specdec.sequence import Sequence
 from specdec.spec.staged import StagedDrafter
@@ -174,6 +175,7 @@ class LLM:
                 self.target.model, platform, compile, name="the target", quantization=requantization(quantization)
             )
         self.tokenizer = self.target.tokenizer
+        self.prompts = PromptEncoder(self.tokenizer, self.target.model.config.vocab_size, self.max_model_len)
         drafter = None
         if self.speculative_config is not None:
             check_k_fits(self.speculative_config, self.max_model_len)
@@ -265,33 +267,13 @@ class LLM:
         return self.generate(prompts, sampling_params)
 
     def chat_token_ids(self, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
-        """One conversation rendered with the model's chat template, as token ids (the template
-        writes its own special tokens, so none are added)."""
-        tokenizer = self._need_tokenizer("chat")
-        check_messages(messages)
-        return tokenizer.encode(
-            tokenizer.apply_chat_template(messages, add_generation_prompt), add_special_tokens=False
-        )
+        """One conversation rendered with the model's chat template, as token ids (prompts.py)."""
+        return self.prompts.chat_token_ids(messages, add_generation_prompt)
 
     def prompt_token_ids(self, prompt, params: SamplingParams) -> list[int]:
         """The prompt (text or token ids) as token ids, checked as generate checks a request
         with these params: a ValueError names what is wrong before any work is done."""
-        if isinstance(prompt, str):
-            if not prompt:
-                raise ValueError("empty prompt: give at least one character or token id")
-            try:
-                prompt.encode("utf-8")
-            except UnicodeEncodeError as e:  # lone surrogates, as bytes that were not UTF-8 arrive in sys.argv
-                raise ValueError(
-                    f"the prompt is not valid UTF-8 text (at character {e.start}); give it as UTF-8"
-                ) from e
-            prompt_ids = self._need_tokenizer("text prompts").encode(prompt)
-        else:
-            prompt_ids = list(prompt)
-        self._check_prompt(prompt_ids, params)
-        if params.stop:
-            self._need_tokenizer("stop strings")
-        return prompt_ids
+        return self.prompts.prompt_token_ids(prompt, params)
 
     def _new_sequence(self, prompt, params: SamplingParams) -> Sequence:
         prompt_ids = self.prompt_token_ids(prompt, params)
@@ -300,31 +282,6 @@ class LLM:
         request_id = str(self._next_request_id)
         self._next_request_id += 1
         return Sequence(request_id, prompt_ids, params, generator, prompt=prompt_text)
-
-    def _check_prompt(self, prompt_ids: list[int], params: SamplingParams) -> None:
-        vocab_size = self.target.model.config.vocab_size
-        if not prompt_ids:
-            raise ValueError("empty prompt: it encodes to no tokens; give a non-empty prompt")
-        if not all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < vocab_size for t in prompt_ids):
-            raise ValueError(f"prompt token ids must be integers in [0, {vocab_size})")
-        outside = [t for t in params.stop_token_ids if t >= vocab_size]
-        check(
-            not outside,
-            f"stop_token_ids {outside} are outside the vocabulary [0, {vocab_size}): they could never be generated",
-        )
-        if len(prompt_ids) + params.max_tokens > self.max_model_len:
-            raise ValueError(
-                f"prompt of {len(prompt_ids)} tokens + max_tokens={params.max_tokens} exceeds the "
-                f"model's context length {self.max_model_len}; shorten the prompt or lower max_tokens"
-            )
-
-    def _need_tokenizer(self, what: str):
-        if self.tokenizer is None:
-            raise ValueError(
-                f"{what} need a tokenizer, but this LLM was made with skip_tokenizer_init=True "
-                "(or the model has none); give prompts as token ids"
-            )
-        return self.tokenizer
 
     def _output(self, seq: Sequence) -> RequestOutput:
         completion = CompletionOutput(
@@ -421,26 +378,6 @@ def check_k_fits(config: SpeculativeConfig, context_length: int) -> None:
             "{num_speculative_tokens:=} is more than the model's context length ({length} tokens) "
             "can verify in one round; give at most {most} (useful values are 1 to about 10)",
             {"length": context_length, "most": context_length - 1},
-        )
-
-
-def check_messages(messages) -> None:
-    """A conversation: a non-empty list of {"role": str, "content": str} dicts."""
-    check(
-        isinstance(messages, (list, tuple)) and len(messages) > 0,
-        f"messages must be a non-empty list of {{'role': ..., 'content': ...}} dicts, got {_short(messages)}",
-    )
-    for i, message in enumerate(messages):
-        check(
-            isinstance(message, dict), f"messages[{i}] must be a dict with 'role' and 'content', got {_short(message)}"
-        )
-        check(
-            isinstance(message.get("role"), str) and message["role"],
-            f"messages[{i}] needs a 'role' (e.g. 'system', 'user', 'assistant'), got {_short(message.get('role'))}",
-        )
-        check(
-            isinstance(message.get("content"), str),
-            f"messages[{i}]['content'] must be text, got {_short(message.get('content'))}",
         )
 
 

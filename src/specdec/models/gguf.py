@@ -166,12 +166,31 @@ def _read_quantized(path: Path, dtype, weights_dtype) -> GGUFCheckpoint:
     )
 
 
-def _read(path: Path, dtype, weights_dtype, keep_quantized: bool, sink=None) -> GGUFCheckpoint:
-    """The file read directly; sink(name, tensor): each tensor goes there as it is read, and
-    the checkpoint holds none."""
-    from specdec.models.gguf_tokenizer import GGUFTokenizerError, metadata_from_reader, tokenizer_from_gguf
+def read_gguf_tokenizer(path: str | Path) -> tuple[dict, RustTokenizer, dict]:
+    """(config.json, the tokenizer, tokenizer_config.json) of a GGUF file, from its metadata
+    alone: no tensor is read (what a front end that only tokenizes needs). From the cache of
+    packed files where the file was packed before (gguf_cache.py: parsing a vocabulary's
+    metadata takes seconds)."""
+    from tokenizers import Tokenizer
 
+    from specdec.models import gguf_cache
+
+    path = Path(path)
+    index = gguf_cache.load_index(path)
+    if index is not None:
+        return dict(index["hf_config"]), Tokenizer.from_str(index["tokenizer"]), index["tokenizer_config"]
     reader = _open(path)
+    metadata = _metadata(reader, path)
+    architecture = _architecture(metadata, path)
+    hf_config = hf_config_from_metadata(metadata, architecture, path, torch.float32, reader)
+    tokenizer, tokenizer_config = _tokenizer(metadata, hf_config, path)
+    return hf_config, tokenizer, tokenizer_config
+
+
+def _metadata(reader, path: Path) -> dict:
+    """The file's key/value pairs (the reader's parsed fields released once copied)."""
+    from specdec.models.gguf_tokenizer import metadata_from_reader
+
     try:
         metadata = metadata_from_reader(reader)
     except Exception as e:  # a field cut short or of a type the reader does not know
@@ -180,6 +199,25 @@ def _read(path: Path, dtype, weights_dtype, keep_quantized: bool, sink=None) -> 
             "or cut short: download or convert it again"
         ) from e
     _release_fields(reader)  # its parsed fields (a vocabulary: ~0.5 GB of small arrays) are in metadata now
+    return metadata
+
+
+def _tokenizer(metadata: dict, hf_config: dict, path: Path) -> tuple[RustTokenizer, dict]:
+    from specdec.models.gguf_tokenizer import GGUFTokenizerError, tokenizer_from_gguf
+
+    try:
+        tokenizer, tokenizer_config = tokenizer_from_gguf(metadata)
+    except GGUFTokenizerError as e:
+        raise GGUFError(f"{path}: {e}") from e
+    tokenizer_config["model_max_length"] = hf_config["max_position_embeddings"]
+    return tokenizer, tokenizer_config
+
+
+def _read(path: Path, dtype, weights_dtype, keep_quantized: bool, sink=None) -> GGUFCheckpoint:
+    """The file read directly; sink(name, tensor): each tensor goes there as it is read, and
+    the checkpoint holds none."""
+    reader = _open(path)
+    metadata = _metadata(reader, path)
     architecture = _architecture(metadata, path)
     types = _tensor_types(reader, path)
     torch_dtype = _weight_dtype(dtype, types)
@@ -197,11 +235,7 @@ def _read(path: Path, dtype, weights_dtype, keep_quantized: bool, sink=None) -> 
         else:
             packed[name] = tensor
     hf_config["tie_word_embeddings"] = "lm_head.weight" not in {*weights, *packed, *names}
-    try:
-        tokenizer, tokenizer_config = tokenizer_from_gguf(metadata)
-    except GGUFTokenizerError as e:
-        raise GGUFError(f"{path}: {e}") from e
-    tokenizer_config["model_max_length"] = hf_config["max_position_embeddings"]
+    tokenizer, tokenizer_config = _tokenizer(metadata, hf_config, path)
     return GGUFCheckpoint(
         hf_config,
         weights,

@@ -107,9 +107,9 @@ class Writer:
         self.partial.unlink(missing_ok=True)
 
 
-def load(path: Path) -> tuple[dict, dict[str, torch.Tensor], dict[str, PackedTensor]] | None:
-    """(the index, float weights, packed tensors) of path's entry, mapped from the cache; None
-    if there is no complete entry for the file as it is now."""
+def load_index(path: Path) -> dict | None:
+    """The index of path's entry (its config, tokenizer and tensors' places), no tensor read;
+    None if there is no complete entry for the file as it is now."""
     data_path, index_path, key = entry(path)
     try:
         index = json.loads(index_path.read_text())
@@ -117,6 +117,16 @@ def load(path: Path) -> tuple[dict, dict[str, torch.Tensor], dict[str, PackedTen
         return None
     if index.get("key") != key or not data_path.is_file():
         return None
+    return index
+
+
+def load(path: Path) -> tuple[dict, dict[str, torch.Tensor], dict[str, PackedTensor]] | None:
+    """(the index, float weights, packed tensors) of path's entry, mapped from the cache; None
+    if there is no complete entry for the file as it is now."""
+    index = load_index(path)
+    if index is None:
+        return None
+    data_path, _, _ = entry(path)
     try:
         data = np.memmap(data_path, dtype=np.uint8, mode="c")  # copy-on-write: never written back
         streamed = _streamed(index)

@@ -75,6 +75,24 @@ def load_pretrained(
     return LoadedModel(model, tokenizer, eos_ids, path, hf_config)
 
 
+def load_tokenizer_and_config(path: str | Path, what: str = "the model") -> tuple[Tokenizer, ModelConfig]:
+    """A model's tokenizer and its config, no weight read: what a front end that only
+    tokenizes and checks prompts needs (a Ray Serve ingress)."""
+    path = resolve_model(path, what)
+    if is_gguf_file(path):
+        from specdec.models.gguf import read_gguf_tokenizer
+
+        path = Path(path).expanduser()
+        hf_config, backend, tokenizer_config = read_gguf_tokenizer(path)
+        config = model_config_from_hf(hf_config, path)
+        tokenizer = Tokenizer.from_backend(backend, tokenizer_config)
+        _check_tokenizer_fits(tokenizer, path, "the GGUF's tokenizer", config.vocab_size, "the model's")
+        return tokenizer, config
+    path = check_model_path(path)
+    config = model_config_from_hf(read_config(path), path / "config.json")
+    return _load_tokenizer(path, config.vocab_size), config
+
+
 def is_gguf_file(path) -> bool:
     return isinstance(path, (str, Path)) and str(path).lower().endswith(".gguf") and Path(path).expanduser().is_file()
 

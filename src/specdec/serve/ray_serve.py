@@ -43,6 +43,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
 from prometheus_client.metrics_core import Metric
 from prometheus_client.parser import text_string_to_metric_families
 
+from specdec.prompts import PromptEncoder
 from specdec.serve.app import ServerState, build_app
 from specdec.serve.async_engine import AsyncEngine
 from specdec.serve.prom import ServerMetrics
@@ -103,10 +104,11 @@ class EngineReplica:
 
 class ReplicaClient:
     """What app.py's routes use of an AsyncEngine, over the engine replicas: generate routes each
-    request (PrefixRouter) and streams its outputs from the replica through Ray. llm: the ingress's
-    own LLM, for its tokenizer and prompt checks (the routes call llm.prompt_token_ids)."""
+    request (PrefixRouter) and streams its outputs from the replica through Ray. llm: the
+    ingress's tokenizer and prompt checks (a PromptEncoder: the routes call llm.prompt_token_ids;
+    the ingress holds no weights)."""
 
-    def __init__(self, llm, handles: list[DeploymentHandle], model_name: str):
+    def __init__(self, llm: PromptEncoder, handles: list[DeploymentHandle], model_name: str):
         self.llm = llm
         self.handles = handles
         self.router = PrefixRouter(len(handles))
@@ -240,13 +242,11 @@ class Ingress:
     """The OpenAI routes (app.py) over the engine deployments (handles, in index order)."""
 
     def __init__(self, args: argparse.Namespace, *handles: DeploymentHandle):
-        from specdec.model_flags import make_llm
-
         torch.set_num_threads(1)
-        llm = make_llm(args, max_num_seqs=1)  # its tokenizer and prompt checks; it runs no request
-        max_model_len = args.max_model_len or llm.max_model_len
+        prompts = PromptEncoder.load(args.model)  # its tokenizer and prompt checks, no weights
+        max_model_len = args.max_model_len or prompts.max_model_len
         names = served_names(args)
-        self.client = ReplicaClient(llm, list(handles), names[0])
+        self.client = ReplicaClient(prompts, list(handles), names[0])
         self.state = ServerState(
             cast("AsyncEngine", self.client),  # the routes use what ReplicaClient has of AsyncEngine
             names,
