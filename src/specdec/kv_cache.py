@@ -190,14 +190,28 @@ class CacheRows:
     def __init__(self, cache: KVCache, slots: torch.Tensor | None):
         self.cache, self.slots = cache, slots
         self.static, self.max_len = cache.static, cache.max_len
+        # read once per forward, not once per layer (the table does not change within a forward)
+        self._blocks: torch.Tensor | None = None  # the rows' blocks
+        self._written: tuple[torch.Tensor, torch.Tensor] | None = None  # (positions, their entries)
 
     def num_keys(self, positions: torch.Tensor) -> int:
         return self.cache.num_keys(positions)
 
     def blocks(self, batch_size: int) -> torch.Tensor:
         """Each of the forward's batch_size rows' blocks [B, max_blocks] (its slot's table row)."""
-        table = self.cache.table.table
-        return table[:batch_size] if self.slots is None else table[self.slots]
+        blocks = self._blocks
+        if blocks is None or blocks.shape[0] != batch_size:
+            table = self.cache.table.table
+            blocks = self._blocks = table[:batch_size] if self.slots is None else table[self.slots]
+        return blocks
+
+    def _entries(self, blocks: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """entries(blocks, positions), computed once for the forward's positions [B, T] (every
+        layer writes the same ones)."""
+        written = self._written
+        if written is None or written[0] is not positions:
+            written = self._written = (positions, entries(blocks, positions))
+        return written[1]
 
     def layer(self, layer: int, batch_size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """This layer's keys and values [blocks, 16, Hkv, D] and the blocks of each of the
@@ -207,7 +221,7 @@ class CacheRows:
     def write(self, layer: int, positions: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         """Store k, v [B, T, Hkv, D] at positions [B, T] of the rows' slots."""
         keys, values, blocks = self.layer(layer, positions.shape[0])  # [N, 16, Hkv, D] x 2, [B, max_blocks]
-        written = entries(blocks, positions)  # [B, T]
+        written = self._entries(blocks, positions)  # [B, T]
         keys.flatten(0, 1)[written] = k  # [N x 16, Hkv, D] entries
         values.flatten(0, 1)[written] = v
 
