@@ -130,12 +130,17 @@ def save_tiny_model(
     return path
 
 
-def save_tiny_pair(root: Path, target_seed: int, draft_seed: int, draft_arch: str = "qwen2") -> dict[str, Path]:
+def save_tiny_pair(
+    root: Path, target_seed: int, draft_seed: int, draft_arch: str = "qwen2", **overrides
+) -> dict[str, Path]:
     """A tiny random target (llama, 2 layers) and draft (draft_arch, 1 layer) sharing the
-    tokenizer, saved under root: {"target": dir, "draft": dir}."""
+    tokenizer, saved under root: {"target": dir, "draft": dir}; overrides: config fields of both
+    (max_position_embeddings, ...)."""
     return {
-        "target": save_tiny_model(root / "target", "llama", seed=target_seed, init_std=0.3),
-        "draft": save_tiny_model(root / "draft", draft_arch, seed=draft_seed, init_std=0.3, num_hidden_layers=1),
+        "target": save_tiny_model(root / "target", "llama", seed=target_seed, init_std=0.3, **overrides),
+        "draft": save_tiny_model(
+            root / "draft", draft_arch, seed=draft_seed, init_std=0.3, num_hidden_layers=1, **overrides
+        ),
     }
 
 

@@ -20,7 +20,7 @@ import pytest
 import torch
 import uvicorn
 
-from helpers import HealthWatch, save_tiny_model
+from helpers import HealthWatch, save_tiny_pair
 from specdec import LLM
 from specdec.serve.app import ServerState, build_app
 from specdec.serve.async_engine import AsyncEngine
@@ -146,12 +146,8 @@ def assert_failed_cleanly(streamed: list[Future], wholes: list[Future], what: st
 
 @pytest.fixture(scope="module")
 def model_dirs(tmp_path_factory):
-    root = tmp_path_factory.mktemp("faults")
-    target = save_tiny_model(root / "target", "llama", seed=21, init_std=0.3, max_position_embeddings=CONTEXT)
-    draft = save_tiny_model(
-        root / "draft", "llama", seed=22, init_std=0.3, max_position_embeddings=CONTEXT, num_hidden_layers=1
-    )
-    return target, draft
+    pair = save_tiny_pair(tmp_path_factory.mktemp("faults"), 21, 22, "llama", max_position_embeddings=CONTEXT)
+    return pair["target"], pair["draft"]
 
 
 def make_llm(model_dirs) -> LLM:

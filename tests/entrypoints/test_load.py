@@ -15,7 +15,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from helpers import save_tiny_model
+from helpers import save_tiny_pair
 from specdec.serve.process import ServerProcess
 
 pytestmark = pytest.mark.slow  # a server process (about 15 s in all)
@@ -48,11 +48,8 @@ def bench_load():
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
     root = tmp_path_factory.mktemp("load")
-    target = save_tiny_model(root / "target", "llama", seed=31, init_std=0.3, max_position_embeddings=CONTEXT)
-    draft = save_tiny_model(
-        root / "draft", "llama", seed=32, init_std=0.3, max_position_embeddings=CONTEXT, num_hidden_layers=1
-    )
-    args = [str(target), "--draft", str(draft), "-k", "3", "--compile", "off", "--dtype", "float32"]
+    pair = save_tiny_pair(root, 31, 32, "llama", max_position_embeddings=CONTEXT)
+    args = [str(pair["target"]), "--draft", str(pair["draft"]), "-k", "3", "--compile", "off", "--dtype", "float32"]
     args += ["--max-num-seqs", "8", "--max-request-bytes", str(MAX_REQUEST_BYTES)]
     server = ServerProcess(args, root / "server.log")
     yield server
