@@ -164,9 +164,10 @@ def test_streamed_text_joins_into_the_final_text_and_holds_back_stop_strings(tin
 
 def test_serving_sizes_the_cache_by_budget_and_refuses_what_does_not_fit(tiny_pair):
     """max_num_seqs slots, and as many 16-position blocks as the budget holds (the scratch block
-    among them); a budget below one sequence of max_model_len is refused."""
+    among them), a block's bytes being the target's cache's and the draft's (here the target
+    again: twice the target's); a budget below one sequence of max_model_len is refused."""
     llm = speculative(tiny_pair, max_num_seqs=8)
-    block_bytes = llm.runner.model.position_bytes * 16
+    block_bytes = 2 * llm.runner.model.position_bytes * 16
     assert llm.engine.prepare_to_serve(max_model_len=64, kv_cache_bytes=13 * block_bytes + 5) == 8
     assert llm.engine.scheduler.num_slots == 8
     assert llm.engine.cache_tokens == 12 * 16  # 13 blocks, one the scratch block
@@ -225,14 +226,14 @@ def test_a_prefill_budget_starts_a_burst_over_several_steps():
 # ---------------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("drafter", ["none", "draft_model", "eagle"])
+@pytest.mark.parametrize("drafter", ["none", "draft_model", "eagle", "staged"])
 def test_a_pool_too_small_for_every_request_preempts_and_keeps_each_output(tiny_pair, plain, tmp_path, drafter):
     """Six requests of up to 48 + 60 positions over a pool of 15 blocks (240 positions): they
     cannot all hold their blocks at once, so the youngest are preempted and prefilled anew
     later. Greedy, each output is still what the target alone gives it; no block is leaked."""
     kwargs = drafter_kwargs(drafter, tiny_pair, tmp_path)
     llm = LLM(str(tiny_pair["target"]), dtype="float32", max_num_seqs=6, **kwargs)
-    block_bytes = llm.runner.model.position_bytes * 16
+    block_bytes = llm.engine.capacity.position_bytes * 16  # the target's and the drafter's
     llm.engine.prepare_to_serve(max_model_len=128, kv_cache_bytes=16 * block_bytes)
     prompts = shared_random_prompts(6, seed=31, lengths=(20, 48))
     params = SamplingParams(temperature=0, max_tokens=60, ignore_eos=True)
@@ -247,7 +248,7 @@ def test_a_pool_too_small_for_every_request_preempts_and_keeps_each_output(tiny_
     assert blocks is not None and blocks.num_free == blocks.num_blocks - 1 and blocks.num_held == 0
 
 
-@pytest.mark.parametrize("drafter", ["none", "draft_model", "eagle"])
+@pytest.mark.parametrize("drafter", ["none", "draft_model", "eagle", "staged"])
 def test_a_shared_prefix_is_prefilled_once_and_outputs_are_the_same(tiny_pair, plain, tmp_path, drafter, monkeypatch):
     """Requests sharing a 50-token system prompt, each added after the one before has run a
     round, then a second turn of the first (its prompt, its answer, a new message) after it
@@ -328,11 +329,14 @@ def recording_feed(runner, monkeypatch) -> list[int]:
 
 
 def drafter_kwargs(drafter: str, tiny_pair, tmp_path) -> dict:
-    """LLM's keywords for no drafter ("none"), a draft model or an (untrained) EAGLE head, k = 3."""
+    """LLM's keywords for no drafter ("none"), a draft model, an (untrained) EAGLE head or staged
+    drafts, k = 3."""
     if drafter == "none":
         return {}
     if drafter == "draft_model":
         model = dict(speculative_model=str(tiny_pair["target"]))
+    elif drafter == "staged":  # prompt lookup drafting for the draft model, drafting for the target
+        model = dict(speculative_model=["[ngram]", str(tiny_pair["draft"])])
     else:
         head = save_random_head(tiny_pair["target"], tmp_path / "head", seed=3)
         model = dict(speculative_model=str(head), speculative_method="eagle")

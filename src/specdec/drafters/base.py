@@ -120,6 +120,11 @@ class Drafter(ABC):
         num_valid[b] entries hold tokens the sequence keeps (the prompt after a prefill; the
         last token and the accepted drafts after a round)."""
 
+    def position_bytes(self) -> int:
+        """The bytes this drafter's caches take per position of a sequence (the serving budget
+        holds them beside the target's); 0: no cache."""
+        return 0
+
     def cached_entries(self, seq: Sequence) -> int | None:
         """The leading positions of seq whose entries this drafter's cache holds in the engine's
         pool (prefix caching shares a block with a later sequence's drafter once they cover it;

@@ -72,16 +72,20 @@ class DraftModelDrafter(Drafter):
     def release(self, seq: Sequence) -> None:
         self.fed.pop(seq.slot, None)
 
+    def position_bytes(self) -> int:
+        return self.model.position_bytes
+
     def cached_entries(self, seq: Sequence) -> int | None:
         return self._num_fed(seq) if self.shares_pool else None
 
-    def _num_fed(self, seq: Sequence) -> int:
-        """The leading positions of seq whose entries the cache holds: what it fed that still
-        matches seq's tokens; for a sequence not fed yet, its cached prefix's where the cache
-        is in the pool (block_manager.py), else none."""
+    def _num_fed(self, seq: Sequence, tokens: list[int] | None = None) -> int:
+        """The leading positions of tokens (seq's own, or seq followed by more) whose entries
+        the cache holds: what it fed for seq that still matches them; for a sequence not fed
+        yet, its cached prefix's where the cache is in the pool (block_manager.py), else none."""
+        tokens = seq.token_ids if tokens is None else tokens
         start = seq.num_drafter_cached_tokens if self.shares_pool else 0
         num_confirmed, drafts = self.fed.get(seq.slot, (start, []))
-        return num_confirmed + _common_prefix(drafts, seq.token_ids[num_confirmed:])
+        return num_confirmed + _common_prefix(drafts, tokens[num_confirmed:])
 
     def time_step(self, batch_size: int) -> None:
         """One draft step of batch_size rows, at position 0 of slots 0..batch_size-1 (a new

@@ -101,6 +101,9 @@ class EagleDrafter(Drafter):
     def release(self, seq: Sequence) -> None:
         self.waiting.pop(seq.slot, None)
 
+    def position_bytes(self) -> int:
+        return self.head.position_bytes
+
     def cached_entries(self, seq: Sequence) -> int | None:
         """Entries before a row's waiting features are the target's (the catch-up fed them);
         from there on a draft may have written its own predictions."""

@@ -58,6 +58,9 @@ class LookupThenDraftDrafter(Drafter):
     def cached_entries(self, seq: Sequence) -> int | None:
         return self.draft_model.cached_entries(seq)
 
+    def position_bytes(self) -> int:
+        return self.draft_model.position_bytes()
+
     def time_step(self, batch_size: int) -> None:
         self.draft_model.time_step(batch_size)
 

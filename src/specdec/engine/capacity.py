@@ -66,13 +66,13 @@ class Capacity:
 
     def for_serving(self, max_model_len: int, max_num_seqs: int, kv_cache_bytes: int | None) -> tuple[int, int]:
         """Caches for up to max_num_seqs requests at once of up to max_model_len tokens (prompt
-        and output) each, in kv_cache_bytes of the target's cache (None: KV_CACHE_MEMORY_FRACTION
-        of the free memory), or blocks for all max_num_seqs at full length where that is less;
+        and output) each, in kv_cache_bytes of cache, the target's and the drafter's (None:
+        KV_CACHE_MEMORY_FRACTION of the free memory), or blocks for all max_num_seqs at full length where that is less;
         the goodput policy measures its costs at every batch size a power of two up to
         max_num_seqs. Returns (slots, positions per slot)."""
         k = self.k_choice.k
         max_len = max_model_len + self.k_choice.margin(k) + 1
-        block_bytes = self.target.model.position_bytes * BLOCK_SIZE
+        block_bytes = self.position_bytes * BLOCK_SIZE
         budget = kv_cache_bytes if kv_cache_bytes is not None else self._default_budget()
         num_blocks = min(1 + max_num_seqs * blocks_for(max_len), budget // block_bytes)
         if num_blocks - 1 < blocks_for(max_len):
@@ -87,6 +87,12 @@ class Capacity:
             for batch_size in (1 << i for i in range(max_num_seqs.bit_length())):
                 self._calibrate(batch_size, max_len, k)
         return max_num_seqs, self._max_len()
+
+    @property
+    def position_bytes(self) -> int:
+        """The caches' bytes per position of a sequence: the target's and the drafter's."""
+        drafter_bytes = 0 if self.drafter is None else self.drafter.position_bytes()
+        return self.target.model.position_bytes + drafter_bytes
 
     @property
     def cache_tokens(self) -> int:

@@ -78,8 +78,9 @@ def add_serve_parser(commands) -> None:
         "--kv-cache-memory",
         type=float,
         metavar="GB",
-        help="the target's key/value cache may take at most this many GB, in blocks of 16 positions that "
-        "requests hold as they use them (default: half the memory free after loading, or what "
+        help="the key/value caches (the target's and a drafter's) may take at most this many GB, in "
+        "blocks of 16 positions that requests hold as they use them (default: half the memory free "
+        "after loading, or what "
         "--max-num-seqs requests of --max-model-len tokens need where that is less)",
     )
     p.add_argument(

@@ -38,7 +38,7 @@ def prepare_llm(args: argparse.Namespace, where: str | None = None):
         num_slots,
         max_model_len,
         f"{llm.engine.cache_tokens:,}",
-        llm.engine.cache_tokens * llm.runner.model.position_bytes / 1e9,
+        llm.engine.cache_tokens * llm.engine.capacity.position_bytes / 1e9,
         ", prefix caching on" if args.enable_prefix_caching else "",
     )
     return llm, max_model_len

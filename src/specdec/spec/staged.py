@@ -51,7 +51,7 @@ import torch
 
 from specdec.config import NGRAM_STAGE, SpeculativeConfig
 from specdec.drafters.base import Draft, Drafter
-from specdec.drafters.draft_model import CATCH_UP_WIDTH, DraftModelDrafter, _common_prefix
+from specdec.drafters.draft_model import CATCH_UP_WIDTH, DraftModelDrafter
 from specdec.drafters.ngram import NgramDrafter
 from specdec.kv_cache import BlockPool
 from specdec.metrics import SpecStats
@@ -134,11 +134,12 @@ class StagedDrafter(DraftModelDrafter):
     def reserve(self, max_batch: int, max_len: int, num_forwards: int = 0, pool: BlockPool | None = None) -> None:
         """The model's cache, for forwards of a catch-up and up to k_max - 1 drafts a row, and the
         inner drafter's; with goodput, the model's forward costs and the inner drafter's step
-        timed at max_batch rows (other batch sizes start from them: goodput.py). Caches of their
-        own, never the pool: an inner round's verify writes past the positions the engine grows
-        a sequence's blocks for."""
-        self.runner.prepare(max_batch, max_len, (1, CATCH_UP_WIDTH, self.k_max + 1), num_forwards)
-        self.inner.reserve(max_batch, max_len, num_forwards)
+        timed at max_batch rows (other batch sizes start from them: goodput.py). Both in the
+        pool, as a draft model's (an inner round writes no further than the round's k drafts:
+        row i's k' is at most its need less one)."""
+        self.runner.prepare(max_batch, max_len, (1, CATCH_UP_WIDTH, self.k_max + 1), num_forwards, pool=pool)
+        self.shares_pool = self.runner.reads_pool(pool)
+        self.inner.reserve(max_batch, max_len, num_forwards, pool)
         if self.k_policy == "goodput" and self.k_max > 1:
             self.policy.calibrate(
                 max_batch,
@@ -154,6 +155,15 @@ class StagedDrafter(DraftModelDrafter):
         super().release(seq)
         self.inner.release(seq)
         self.started.discard(seq.slot)
+
+    def position_bytes(self) -> int:
+        return self.model.position_bytes + self.inner.position_bytes()
+
+    def cached_entries(self, seq: Sequence) -> int | None:
+        """The positions both the model's cache and the inner drafter's hold."""
+        inner = self.inner.cached_entries(seq)
+        own = super().cached_entries(seq)
+        return own if inner is None or own is None else min(own, inner)
 
     def propose(self, batch: list[Sequence], ks: list[int], sampling: SamplingTensors) -> Draft:
         """ks[i] tokens for row i, drawn as the model's own sampling draws them, by inner rounds
@@ -289,9 +299,7 @@ class StagedDrafter(DraftModelDrafter):
     def _first_unfed(self, seq: Sequence, view: Sequence) -> int:
         """The first position of view the model's cache lacks (at most its last token's: its
         logits are needed). Its record (n, drafts) is on the sequence: n <= seq's length."""
-        tokens = view.token_ids
-        num_confirmed, drafts = self.fed.get(seq.slot, (0, []))
-        return min(num_confirmed + _common_prefix(drafts, tokens[num_confirmed:]), len(tokens) - 1)
+        return min(self._num_fed(seq, view.token_ids), view.num_tokens - 1)
 
     def _record_fed(
         self, seqs: list[Sequence], views: list[Sequence], drafts: torch.Tensor, num_draft: torch.Tensor
