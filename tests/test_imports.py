@@ -26,6 +26,7 @@ LAYERS = [  # bottom first (docs/architecture.md): a module imports from its own
             "specdec.paths",
             "specdec.output_dir",
             "specdec.kv_cache",
+            "specdec.block_manager",
         ),
     ),
     ("models", ("specdec.kernels", "specdec.models")),

@@ -82,7 +82,7 @@ class LLM:
     max_num_seqs: the most sequences run at once; more wait for a free slot.
     enable_prefix_caching: a request whose prompt starts with whole 16-token blocks an earlier
         request computed (a system prompt, earlier turns) takes their cache entries and skips
-        their prefill (engine/block_manager.py). On by default, as in vLLM; the output is the
+        their prefill (block_manager.py). On by default, as in vLLM; the output is the
         same either way.
     quantization: "auto" (the default: a GGUF file's quantized tensors run as the file holds
         them, through specdec's own kernel: models/gguf_model.py; any other model as loaded),

@@ -156,7 +156,42 @@ def test_the_drafts_cache_stays_in_step_with_the_text(llm, monkeypatch):
     fresh = drafter.sharing_weights()
     for context, logits in seen:
         fresh.reserve(1, 256)  # forgets every slot
+        fresh.blocks.grow(0, len(context) + 1)  # the blocks propose holds for a row
         torch.testing.assert_close(fresh._catch_up([0], [context])[0], logits, rtol=1e-4, atol=1e-4)
+
+
+def test_a_small_pool_preempts_and_the_drafts_pool_keeps_no_block(pair):
+    """Served in a budget of 12 blocks for six requests: the engine preempts, the draft's own
+    pool (twice the engine's blocks: DRAFT_LENGTH_FACTOR) hands rows blocks as their contexts
+    grow (a row it cannot grow proposes nothing), and every greedy output is still the target
+    alone's; once all finish, neither pool holds a block."""
+    llm = LLM(
+        str(pair["target"]),
+        speculative_model=str(pair["draft"]),
+        dtype="float32",
+        num_speculative_tokens=4,
+        speculative_k_policy="fixed",
+        max_num_seqs=6,
+    )
+    plain = llm.target_only()
+    prompts = text_prompts(6, 71)
+    params = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)
+    expected = [out.outputs[0].token_ids for out in plain.generate(prompts, params)]
+    llm.engine.prepare_to_serve(max_model_len=128, kv_cache_bytes=12 * llm.engine.capacity.position_bytes * 16)
+    engine_blocks = llm.engine.capacity.blocks
+    drafter = llm.engine.drafter
+    assert isinstance(drafter, CrossTokenizerDrafter) and drafter.blocks is not None
+    assert drafter.blocks.num_blocks == 1 + (engine_blocks.num_blocks - 1) * 2
+    for i, prompt in enumerate(prompts):
+        llm.engine.add_request(str(i), llm.prompt_token_ids(prompt, params), params)
+    got: dict[str, list[int]] = {}
+    with torch.inference_mode():
+        while llm.engine.has_unfinished_requests():
+            for output in llm.engine.step():
+                got.setdefault(output.request_id, []).extend(output.outputs[0].token_ids)
+    assert [got[str(i)] for i in range(6)] == expected
+    assert llm.engine.num_preemptions > 0
+    assert engine_blocks.num_held == 0 and drafter.blocks.num_held == 0
 
 
 # --- loading ------------------------------------------------------------------------------------

@@ -9,7 +9,7 @@ import random
 
 import pytest
 
-from specdec.engine.block_manager import ROOT_KEY, block_key
+from specdec.block_manager import ROOT_KEY, block_key
 from specdec.kv_cache import BLOCK_SIZE
 from specdec.serve.router import PrefixRouter, prompt_block_keys
 

@@ -67,9 +67,10 @@ import math
 
 import torch
 
+from specdec.block_manager import BlockManager
 from specdec.drafters.base import Draft, Drafter
 from specdec.drafters.draft_model import DraftModelDrafter, check_same_vocabulary, load_draft
-from specdec.kv_cache import BlockPool
+from specdec.kv_cache import SCRATCH_BLOCK, BlockPool, BlockTable, blocks_for
 from specdec.models.loader import LoadedModel
 from specdec.models.tokenizer import Tokenizer
 from specdec.sampling import SamplingTensors
@@ -132,6 +133,9 @@ class CrossTokenizerDrafter(Drafter):
         self.target_bos_id = _bos_id(target_tokenizer)
         self.draft_vocab_size = max(draft_tokenizer.get_vocab().values()) + 1  # ids the draft may draft
         self.fed: dict[int, list[int]] = {}  # slot -> the draft tokens its cache holds, from position 0
+        # its cache's pool and who holds which of its blocks (made by reserve)
+        self.pool: BlockPool | None = None
+        self.blocks: BlockManager | None = None
 
     @property
     def model(self):
@@ -147,13 +151,34 @@ class CrossTokenizerDrafter(Drafter):
         )
 
     def reserve(self, max_batch: int, max_len: int, num_forwards: int = 0, pool: BlockPool | None = None) -> None:
-        # its own positions (the draft's tokens): a cache of its own, never the pool
+        """A cache of its own positions (the draft's tokens, DRAFT_LENGTH_FACTOR per target
+        position), paged in a pool of its own: as many blocks per block of the engine's pool
+        (all max_batch slots at full length where that is less; pool None: those), handed to a
+        row as its draft context grows and freed when its sequence leaves."""
+        own_len = max_len * DRAFT_LENGTH_FACTOR
+        whole = 1 + max_batch * blocks_for(own_len)
+        num_blocks = whole if pool is None else min(whole, 1 + (pool.num_blocks - 1) * DRAFT_LENGTH_FACTOR)
+        own = self.pool
+        if (
+            own is None
+            or own.num_blocks != num_blocks
+            or own.table.max_seqs < max_batch
+            or (own.table.max_blocks < blocks_for(own_len))
+        ):
+            own = self.pool = BlockPool(BlockTable(max_batch, blocks_for(own_len), self.model.device), num_blocks)
+        own.table.table.fill_(SCRATCH_BLOCK)
+        self.blocks = BlockManager(num_blocks, own.table)
         # a round feeds up to CATCH_UP_WIDTH tokens per row (catch-up), then one per draft step
-        self.runner.prepare(max_batch, max_len * DRAFT_LENGTH_FACTOR, (1, CATCH_UP_WIDTH), num_forwards)
+        self.runner.prepare(max_batch, own_len, (1, CATCH_UP_WIDTH), num_forwards, pool=own)
         self.fed.clear()
 
     def release(self, seq: Sequence) -> None:
         self.fed.pop(seq.slot, None)
+        if self.blocks is not None:
+            self.blocks.free(seq.slot)
+
+    def position_bytes(self) -> int:
+        return self.model.position_bytes * DRAFT_LENGTH_FACTOR
 
     def time_step(self, batch_size: int) -> None:
         """One draft forward of batch_size rows at position 0 of slots 0..batch_size-1 (reserve()
@@ -169,7 +194,11 @@ class CrossTokenizerDrafter(Drafter):
         k = max(ks, default=0)
         token_ids = torch.zeros(len(batch), k, dtype=torch.long)  # [B, k]
         num_tokens = torch.zeros(len(batch), dtype=torch.long)  # [B]
-        rows = {i: row for i, (seq, k_i) in enumerate(zip(batch, ks)) if k_i > 0 and (row := self._read(seq, k_i))}
+        rows = {
+            i: row
+            for i, (seq, k_i) in enumerate(zip(batch, ks))
+            if k_i > 0 and (row := self._read(seq, k_i)) and self._hold(seq.slot, row)
+        }
         if rows:
             proposals = self._draft([batch[i] for i in rows], list(rows.values()))
             for i, proposal in zip(rows, proposals):
@@ -192,6 +221,17 @@ class CrossTokenizerDrafter(Drafter):
         if not context or len(context) + max_steps >= self.runner.max_len:  # the last position stays free
             return None
         return _Row(seq.token_ids, k, context, max_steps)
+
+    def _hold(self, slot: int, row: _Row) -> bool:
+        """The pool's blocks for the row's draft positions (its context, its drafts and the one
+        after, ragged_batch's padding); False, nothing taken, where the pool is short: the row
+        proposes nothing this round (the target decodes it alone)."""
+        assert self.blocks is not None, "reserve() makes the pool first"
+        needed = min(len(row.context) + row.max_steps + 1, self.runner.max_len)
+        if not self.blocks.can_grow(slot, needed):
+            return False
+        self.blocks.grow(slot, needed)
+        return True
 
     def _draft(self, batch: list[Sequence], rows: list[_Row]) -> list[list[int]]:
         """Each row's proposal (target tokens): it drafts by argmax until its draft tokens carry

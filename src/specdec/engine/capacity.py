@@ -14,8 +14,8 @@ from __future__ import annotations
 
 import torch
 
+from specdec.block_manager import BlockManager
 from specdec.drafters.base import Drafter
-from specdec.engine.block_manager import BlockManager
 from specdec.kv_cache import (
     BLOCK_SIZE,
     SCRATCH_BLOCK,

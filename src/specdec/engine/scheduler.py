@@ -17,7 +17,7 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Callable
 
-from specdec.engine.block_manager import BlockManager
+from specdec.block_manager import BlockManager
 from specdec.sequence import Sequence
 
 

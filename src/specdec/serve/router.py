@@ -2,7 +2,7 @@
 
 Terms:
   block key       the chained digest under which an engine's prefix cache keeps a whole block of
-                  16 prompt tokens (engine/block_manager.block_key: the block's tokens and the key
+                  16 prompt tokens (block_manager.block_key: the block's tokens and the key
                   of the block before it), so one key stands for the whole prefix up to its block
   matched blocks  for a request and a replica: how many of the request's leading block keys the
                   router saw that replica serve lately (the prefix it most likely still has cached)
@@ -22,7 +22,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from dataclasses import dataclass
 
-from specdec.engine.block_manager import ROOT_KEY, block_key
+from specdec.block_manager import ROOT_KEY, block_key
 from specdec.kv_cache import BLOCK_SIZE
 
 DEFAULT_KEYS_PER_REPLICA = 16384  # ~16 bytes a key: a few MB per replica; 262,144 cached tokens remembered

@@ -1,4 +1,4 @@
-"""The block manager (engine/block_manager.py) against a plain model of the pool: random grow and
+"""The block manager (block_manager.py) against a plain model of the pool: random grow and
 free calls keep every block in exactly one place (free, or one slot's), the table says what each
 slot holds, and a slot holds exactly the blocks its positions need; with prefix caching, a
 sequence takes exactly the registered blocks of its longest whole-block prefix (shared, counted),
@@ -11,7 +11,7 @@ import random
 import pytest
 import torch
 
-from specdec.engine.block_manager import ROOT_KEY, BlockManager, block_key
+from specdec.block_manager import ROOT_KEY, BlockManager, block_key
 from specdec.kv_cache import BLOCK_SIZE, SCRATCH_BLOCK, BlockTable
 
 
