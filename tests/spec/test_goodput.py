@@ -20,8 +20,10 @@ from specdec import LLM, SamplingParams
 from specdec.cli import main
 from specdec.spec.goodput import (
     CALIBRATION_REPEATS,
+    CALIBRATION_SECONDS,
     CALIBRATION_WARM_UPS,
     COST_WINDOW,
+    LINEAR_FROM_ROWS,
     MAX_PROBE_INTERVAL,
     MIN_GAIN,
     PLAIN_CHECK_INTERVAL,
@@ -247,11 +249,12 @@ def test_a_probe_drafts_at_the_best_drafting_k():
 
 def test_calibration_times_every_length_warm():
     """Each forward length 1..k + 1 is timed after untimed runs (here the first two calls of a
-    shape cost 50 times more, as a cold one can), the fastest of the timed ones kept; a larger
-    k later times only the lengths it adds; the draft step once."""
+    shape cost 50 times more, as a cold one can), the fastest of the timed ones kept (runs this
+    short are timed CALIBRATION_REPEATS times); a larger k later times only the lengths it adds;
+    the draft step once."""
     now = [0.0]
     calls = Counter()
-    warm = {t: 1.0 + 0.1 * t for t in range(1, 10)}
+    warm = {t: 0.01 + 0.001 * t for t in range(1, 10)}
 
     def time_target(num_tokens):
         calls[num_tokens] += 1
@@ -259,19 +262,39 @@ def test_calibration_times_every_length_warm():
 
     def time_draft():
         calls["draft"] += 1
-        now[0] += 0.3 * (50 if calls["draft"] <= CALIBRATION_WARM_UPS else 1)
+        now[0] += 0.003 * (50 if calls["draft"] <= CALIBRATION_WARM_UPS else 1)
 
     policy = GoodputPolicy(5, clock=lambda: now[0])
     policy.calibrate(1, 2, time_target, time_draft)
     runs = CALIBRATION_WARM_UPS + CALIBRATION_REPEATS
     assert policy.costs[1].verify.calibrated == pytest.approx({t: warm[t] for t in (1, 2, 3)})
-    assert policy.costs[1].draft.seconds(1) == pytest.approx(0.3)
+    assert policy.costs[1].draft.seconds(1) == pytest.approx(0.003)
     assert calls == {1: runs, 2: runs, 3: runs, "draft": runs}
     policy.calibrate(1, 4, time_target, time_draft)
     assert policy.costs[1].verify.calibrated == pytest.approx({t: warm[t] for t in range(1, 6)})
     assert calls == {1: runs, 2: runs, 3: runs, 4: runs, 5: runs, "draft": runs}
     policy.calibrate(1, 4, time_target, time_draft)  # nothing new
     assert sum(calls.values()) == 6 * runs
+
+
+def test_a_big_batch_times_its_shortest_and_longest_forwards_once_each():
+    """From LINEAR_FROM_ROWS rows a forward's cost is about linear in its length: k = 4 times
+    lengths 1 and 5 only, the ones between interpolated; a run that takes CALIBRATION_SECONDS
+    or more is timed once after its warm-ups."""
+    now = [0.0]
+    calls = Counter()
+    warm = {t: 2.0 + 0.5 * t for t in range(1, 10)}  # seconds: a big batch's forward
+
+    def time_target(num_tokens):
+        calls[num_tokens] += 1
+        now[0] += warm[num_tokens]
+
+    policy = GoodputPolicy(5, clock=lambda: now[0])
+    policy.calibrate(LINEAR_FROM_ROWS, 4, time_target, lambda: None)
+    assert policy.costs[LINEAR_FROM_ROWS].verify.calibrated == pytest.approx({1: warm[1], 5: warm[5]})
+    assert policy.costs[LINEAR_FROM_ROWS].verify.seconds(3) == pytest.approx(warm[3])
+    assert calls == {1: CALIBRATION_WARM_UPS + 1, 5: CALIBRATION_WARM_UPS + 1}
+    assert CALIBRATION_SECONDS <= warm[1]
 
 
 def test_calibration_of_a_second_batch_size_replaces_what_it_started_from():

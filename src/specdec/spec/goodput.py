@@ -62,7 +62,10 @@ POOLED_PRIOR = 0.5  # where the prior itself starts, ...
 POOLED_PRIOR_WEIGHT = 8.0  # ... with this weight
 COST_WINDOW = 9  # the recent rounds at a size whose median is its running cost
 CALIBRATION_WARM_UPS = 2  # untimed runs of a shape before it is timed
-CALIBRATION_REPEATS = 3  # timed runs; the fastest counts
+CALIBRATION_REPEATS = 3  # timed runs at most; the fastest counts ...
+CALIBRATION_SECONDS = 0.5  # ... and no more once the timed runs took this long (a big batch's forward)
+LINEAR_FROM_ROWS = 16  # from this batch bucket on, a forward's cost is about linear in its length:
+# only the shortest and longest are timed, the lengths between interpolated (CostCurve)
 
 
 class AcceptanceEstimate:
@@ -182,8 +185,9 @@ class GoodputPolicy:
         """Costs before any round of batch_size rows and up to k drafts: time_target(T) and
         time_draft() run one forward (batch_size rows of T tokens; one draft step), each timed
         warm (_warm_seconds). Every forward length 1..k + 1 (as the runner pads it) not yet
-        measured for this batch bucket is (a larger k later measures the lengths it adds); the
-        draft step once. Smaller batches, as requests finish, start from this shape."""
+        measured for this batch bucket is (a larger k later measures the lengths it adds; from
+        LINEAR_FROM_ROWS rows, the shortest and longest only); the draft step once. Smaller
+        batches, as requests finish, start from this shape."""
         bucket = _bucket(batch_size)
         costs = self._costs(batch_size) if self.costs else None
         if (bucket, "draft") not in self._calibrated:
@@ -192,7 +196,10 @@ class GoodputPolicy:
             costs = self.costs[bucket] = RoundCosts(verify, CostCurve({1: draft_step, 2: 2 * draft_step}))
             self._calibrated.add((bucket, "draft"))
         assert costs is not None  # made with the draft step's calibration
-        for length in sorted({self.padded_tokens(t) for t in range(1, k + 2)}):
+        lengths = sorted({self.padded_tokens(t) for t in range(1, k + 2)})
+        if bucket >= LINEAR_FROM_ROWS:
+            lengths = sorted({lengths[0], lengths[-1]})
+        for length in lengths:
             if (bucket, length) not in self._calibrated:
                 costs.verify.calibrated[length] = _warm_seconds(functools.partial(time_target, length), self.clock)
                 costs.verify.ratios.pop(length, None)  # ratios to a copied calibration mean nothing now
@@ -331,14 +338,17 @@ def _bucket(batch_size: int) -> int:
 
 
 def _warm_seconds(run, clock) -> float:
-    """The fastest of CALIBRATION_REPEATS timed calls of run(), after CALIBRATION_WARM_UPS
-    untimed ones: a shape's first calls allocate, pack weights and pick kernels, which its
-    later calls (the rounds) do not pay."""
+    """The fastest of CALIBRATION_REPEATS timed calls of run() (fewer, at least one, once they
+    took CALIBRATION_SECONDS), after CALIBRATION_WARM_UPS untimed ones: a shape's first calls
+    allocate, pack weights and pick kernels, which its later calls (the rounds) do not pay."""
     for _ in range(CALIBRATION_WARM_UPS):
         run()
-    best = float("inf")
+    best, spent = float("inf"), 0.0
     for _ in range(CALIBRATION_REPEATS):
         start = clock()
         run()
-        best = min(best, clock() - start)
+        seconds = clock() - start
+        best, spent = min(best, seconds), spent + seconds
+        if spent >= CALIBRATION_SECONDS:
+            break
     return best
