@@ -269,9 +269,9 @@ def test_a_shared_prefix_is_prefilled_once_and_outputs_are_the_same(tiny_pair, p
     for caching in (True, False):
         llm = LLM(str(tiny_pair["target"]), dtype="float32", max_num_seqs=4, enable_prefix_caching=caching, **kwargs)
         llm.engine.prepare_to_serve(max_model_len=128)
-        fed = recording_feed(llm.runner, monkeypatch)
+        fed = recording(llm.runner, "feed", monkeypatch)
         if drafter == "draft_model":
-            draft_fed[caching] = recording_ragged_batch(llm.engine.drafter.runner, monkeypatch)
+            draft_fed[caching] = recording(llm.engine.drafter.runner, "ragged_batch", monkeypatch)
         late = [(2 * i, f"r{i}", prompt, params) for i, prompt in enumerate(prompts[:4])]
         late.append((40, "r4", prompts[4], params))  # after the first request finished
         joined: dict = {}
@@ -302,29 +302,17 @@ def test_a_compiled_target_shares_no_prefix_and_outputs_are_the_same(tiny_pair, 
     assert llm.engine.prefix_cache_counts == (0, 0)
 
 
-def recording_ragged_batch(runner, monkeypatch) -> list[int]:
-    """A list that the runner's ragged forwards (a draft's catch-up) append each row's number of tokens to."""
+def recording(runner, method: str, monkeypatch) -> list[int]:
+    """A list that runner's method appends each row's number of tokens to (feed: the prefills;
+    ragged_batch: a draft's catch-up)."""
     fed: list[int] = []
-    ragged_batch = runner.ragged_batch
+    call = getattr(runner, method)
 
-    def recording(chunks, *args, **kwargs):
+    def recorded(chunks, *args, **kwargs):
         fed.extend(len(chunk) for chunk in chunks)
-        return ragged_batch(chunks, *args, **kwargs)
+        return call(chunks, *args, **kwargs)
 
-    monkeypatch.setattr(runner, "ragged_batch", recording)
-    return fed
-
-
-def recording_feed(runner, monkeypatch) -> list[int]:
-    """A list that the runner's prefills (feed) append each row's number of tokens fed to."""
-    fed: list[int] = []
-    feed = runner.feed
-
-    def recording(chunks, *args, **kwargs):
-        fed.extend(len(chunk) for chunk in chunks)
-        return feed(chunks, *args, **kwargs)
-
-    monkeypatch.setattr(runner, "feed", recording)
+    monkeypatch.setattr(runner, method, recorded)
     return fed
 
 
