@@ -184,6 +184,17 @@ def test_serving_sizes_the_cache_by_budget_and_refuses_what_does_not_fit(tiny_pa
         llm.engine.prepare_to_serve(max_model_len=64, kv_cache_bytes=one_sequence)
 
 
+def test_engines_sharing_a_machine_split_the_default_budget(tiny_pair, monkeypatch):
+    """Without a budget, half the free memory (here 400 blocks' worth): 200 blocks for one engine,
+    50 each for 4 (Ray Serve replicas on one machine), the scratch block among them."""
+    llm = speculative(tiny_pair, max_num_seqs=64)
+    block_bytes = llm.engine.capacity.position_bytes * 16
+    monkeypatch.setattr("specdec.engine.capacity.free_memory_bytes", lambda device: 400 * block_bytes)
+    for engines, blocks in ((1, 200), (4, 50)):
+        llm.engine.prepare_to_serve(max_model_len=64, engines_sharing=engines)
+        assert llm.engine.cache_tokens == (blocks - 1) * 16
+
+
 @pytest.mark.parametrize("length", [1, 3])
 def test_a_stop_string_late_in_a_long_output_cuts_it_where_it_first_appears(tiny_pair, plain, length):
     """The stop check reads only the output's last tokens: a stop string far past the window

@@ -64,22 +64,25 @@ class Capacity:
         self._reserve(max_batch, max_len, waves * max(s.params.max_tokens for s in seqs), k, num_blocks)
         return max_batch, self._max_len()
 
-    def for_serving(self, max_model_len: int, max_num_seqs: int, kv_cache_bytes: int | None) -> tuple[int, int]:
+    def for_serving(
+        self, max_model_len: int, max_num_seqs: int, kv_cache_bytes: int | None, engines_sharing: int = 1
+    ) -> tuple[int, int]:
         """Caches for up to max_num_seqs requests at once of up to max_model_len tokens (prompt
         and output) each, in kv_cache_bytes of cache, the target's and the drafter's (None:
-        KV_CACHE_MEMORY_FRACTION of the free memory), or blocks for all max_num_seqs at full length where that is less;
+        KV_CACHE_MEMORY_FRACTION of the free memory, split among engines_sharing engines on one
+        machine: Ray Serve replicas), or blocks for all max_num_seqs at full length where that is less;
         the goodput policy measures its costs at every batch size a power of two up to
         max_num_seqs. Returns (slots, positions per slot)."""
         k = self.k_choice.k
         max_len = max_model_len + self.k_choice.margin(k) + 1
         block_bytes = self.position_bytes * BLOCK_SIZE
-        budget = kv_cache_bytes if kv_cache_bytes is not None else self._default_budget()
+        budget = kv_cache_bytes if kv_cache_bytes is not None else self._default_budget() // engines_sharing
         num_blocks = min(1 + max_num_seqs * blocks_for(max_len), budget // block_bytes)
         if num_blocks - 1 < blocks_for(max_len):
             raise CacheTooLarge(
                 f"one sequence of {max_len:,} positions needs {blocks_for(max_len) * block_bytes / 1e6:,.1f} MB of "
                 f"key/value cache, more than the budget of {budget / 1e6:,.1f} MB"
-                + (" (half the free memory)" if kv_cache_bytes is None else "")
+                + ("" if kv_cache_bytes is not None else f" ({_default_share(engines_sharing)})")
                 + "; lower max_model_len, or raise the budget (--kv-cache-memory)"
             )
         self._reserve(max_num_seqs, max_len, 0, k, num_blocks, within_budget=True)
@@ -197,3 +200,9 @@ class Capacity:
         input_ids = torch.zeros(batch_size, num_tokens, dtype=torch.long, device=device)  # [B, T]
         positions = start + torch.arange(num_tokens, device=device).expand(batch_size, num_tokens)  # [B, T]
         self.target(ForwardBatch.of(input_ids, positions, range(batch_size)), return_hidden=self.return_hidden)
+
+
+def _default_share(engines_sharing: int) -> str:
+    """The default budget, in words."""
+    split = "" if engines_sharing == 1 else f", split among {engines_sharing} engines"
+    return f"half the free memory{split}"

@@ -184,14 +184,21 @@ class Engine:
         return self._start(num_slots)
 
     def prepare_to_serve(
-        self, max_model_len: int, kv_cache_bytes: int | None = None, max_prefill_tokens: int | None = None
+        self,
+        max_model_len: int,
+        kv_cache_bytes: int | None = None,
+        max_prefill_tokens: int | None = None,
+        engines_sharing: int = 1,
     ) -> int:
         """Size the caches for serving requests of up to max_model_len tokens each (capacity.py;
         compiles only under compile="on": a compiled forward runs the whole batch of slots,
         however few requests there are). max_prefill_tokens: one step's prefill budget
-        (scheduler.py). Returns the slots."""
+        (scheduler.py); engines_sharing: the engines on this machine splitting the default
+        budget (replicas). Returns the slots."""
         self._check_idle()
-        num_slots, self.max_len = self.capacity.for_serving(max_model_len, self.max_num_seqs, kv_cache_bytes)
+        num_slots, self.max_len = self.capacity.for_serving(
+            max_model_len, self.max_num_seqs, kv_cache_bytes, engines_sharing
+        )
         return self._start(num_slots, max_prefill_tokens)
 
     def warm_up(self, repeats: int = 2) -> None:

@@ -76,7 +76,9 @@ class EngineReplica:
     def __init__(self, args: argparse.Namespace, index: int):
         torch.set_num_threads(args.replica_threads)
         self.index = index
-        llm, _ = prepare_llm(args, where=f"Ray Serve replica {engine_name(index)}")
+        # without --kv-cache-memory each replica takes its share of half the free memory (all
+        # on this machine, as far as it knows: a cluster's replicas are given the flag)
+        llm, _ = prepare_llm(args, where=f"Ray Serve replica {engine_name(index)}", engines_sharing=args.replicas)
         self.engine = AsyncEngine(llm, ServerMetrics(served_names(args)[0]), args.max_waiting)
 
     def _started(self) -> AsyncEngine:

@@ -12,9 +12,10 @@ log = logging.getLogger("specdec")
 REQUEST_BYTES_PER_TOKEN = 32  # the default body limit's room per token of context, past 2 MB
 
 
-def prepare_llm(args: argparse.Namespace, where: str | None = None):
+def prepare_llm(args: argparse.Namespace, where: str | None = None, engines_sharing: int = 1):
     """(the LLM the flags describe, prepared to serve, and the context length it serves); where:
-    what the log says it serves on (default: the address it listens on)."""
+    what the log says it serves on (default: the address it listens on); engines_sharing: the
+    engines splitting the machine's memory without --kv-cache-memory (replicas)."""
     import torch
 
     from specdec.model_flags import make_llm
@@ -27,7 +28,7 @@ def prepare_llm(args: argparse.Namespace, where: str | None = None):
         )
     budget = None if args.kv_cache_memory is None else int(args.kv_cache_memory * 1e9)
     with torch.inference_mode():
-        num_slots = llm.engine.prepare_to_serve(max_model_len, budget, args.max_prefill_tokens)
+        num_slots = llm.engine.prepare_to_serve(max_model_len, budget, args.max_prefill_tokens, engines_sharing)
     spec = llm.speculative_config
     log.info(
         "serving %s on %s: %s, up to %d requests at once of up to %d tokens each; the KV cache "
