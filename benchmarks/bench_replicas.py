@@ -8,6 +8,8 @@ Two servers take turns (--rounds times each, interleaved: these machines are noi
 Load: --clients clients each stream --requests completions one after another (held-out code
 prompts, greedy, --max-tokens each, EOS ignored). Throughput = all output tokens / wall time.
 The goal (issue 30): N replicas at >= 0.9x one engine's throughput (the router costs little).
+--replicas 1 --threads 1: one replica on Ray against one engine, both of one thread: the cost of
+the ingress, the router and streaming through Ray alone.
 """
 
 from __future__ import annotations
@@ -62,16 +64,19 @@ async def load(url: str, prompts: list[str], clients: int, requests: int, max_to
         return tokens / (time.perf_counter() - start)
 
 
-def server_args(args, replicas: int) -> list[str]:
+def server_args(args, on_ray: bool) -> list[str]:
+    """One engine (on_ray False), or args.replicas replicas on Ray (--replica-threads puts even
+    one there)."""
     common = [str(args.model), "--draft", str(args.draft), "-k", str(args.k), "--max-num-seqs", str(args.clients)]
-    if replicas == 1:
+    if not on_ray:
         return common
-    return [*common, "--replicas", str(replicas), "--replica-threads", str(max(1, args.threads // replicas))]
+    return [*common, "--replicas", str(args.replicas), "--replica-threads", str(max(1, args.threads // args.replicas))]
 
 
-def measure(args, replicas: int, prompts: list[str]) -> float:
-    env = {"OMP_NUM_THREADS": str(args.threads)} if replicas == 1 else {}
-    server = ServerProcess(server_args(args, replicas), Path(args.log_dir) / f"replicas-{replicas}.log", env=env)
+def measure(args, on_ray: bool, prompts: list[str]) -> float:
+    env = {} if on_ray else {"OMP_NUM_THREADS": str(args.threads)}
+    log = Path(args.log_dir) / (f"replicas-{args.replicas}.log" if on_ray else "engine.log")
+    server = ServerProcess(server_args(args, on_ray), log, env=env)
     try:
         return asyncio.run(load(server.url, prompts, args.clients, args.requests, args.max_tokens))
     finally:
@@ -93,19 +98,19 @@ def main() -> int:
     args = parser.parse_args()
 
     prompts = [prompt.text for prompt in held_out_code_prompts(per_module=4, max_chars=600)]  # fit 512 positions
-    results: dict[int, list[float]] = {1: [], args.replicas: []}
+    results: dict[bool, list[float]] = {False: [], True: []}  # on Ray?
     for _ in range(args.rounds):
-        for replicas in results:
-            results[replicas].append(measure(args, replicas, prompts))
-            print(f"  {replicas} engine(s): {results[replicas][-1]:.1f} tok/s", file=sys.stderr)
-    one, many = (statistics.median(results[r]) for r in results)
+        for on_ray in results:
+            results[on_ray].append(measure(args, on_ray, prompts))
+            what = f"{args.replicas} replica(s) on Ray" if on_ray else "one engine"
+            print(f"  {what}: {results[on_ray][-1]:.1f} tok/s", file=sys.stderr)
+    one, many = statistics.median(results[False]), statistics.median(results[True])
+    runs = {on_ray: str([round(x) for x in measured]) for on_ray, measured in results.items()}
     print(f"CPU: {torch.backends.cpu.get_cpu_capability()}, {args.threads} threads in all")
     print(f"{'server':<34} {'tok/s (median)':>15} {'runs':>24}")
-    print(
-        f"{'one engine, ' + str(args.threads) + ' threads':<34} {one:>15.1f} {str([round(x) for x in results[1]]):>24}"
-    )
+    print(f"{'one engine, ' + str(args.threads) + ' threads':<34} {one:>15.1f} {runs[False]:>24}")
     label = f"{args.replicas} replicas on Ray, {args.threads // args.replicas} thread(s) each"
-    print(f"{label:<34} {many:>15.1f} {str([round(x) for x in results[args.replicas]]):>24}")
+    print(f"{label:<34} {many:>15.1f} {runs[True]:>24}")
     print(f"ratio: {many / one:.2f}x (goal >= 0.9x)")
     return 0
 

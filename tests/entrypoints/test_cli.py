@@ -686,3 +686,19 @@ def test_bad_serve_flags_are_one_clear_line(argv, message, capsys):
     assert main(argv) == 2
     err = capsys.readouterr().err
     assert err.startswith("error:") and message in err and "Traceback" not in err
+
+
+@pytest.mark.parametrize(
+    "flags, on_ray",
+    [
+        ([], False),
+        (["--replicas", "2"], True),
+        (["--replica-threads", "1"], True),  # one replica on Ray: the ingress and router before one engine
+        (["--ray-address", "auto"], True),  # one engine joining a cluster
+    ],
+)
+def test_serve_runs_on_ray_with_replicas_or_a_ray_flag(flags, on_ray):
+    from specdec.cli import build_parser
+    from specdec.serve.commands import runs_on_ray
+
+    assert runs_on_ray(build_parser().parse_args(["serve", "M", *flags])) == on_ray

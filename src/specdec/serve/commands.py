@@ -106,8 +106,8 @@ def add_serve_parser(commands) -> None:
         "--replicas",
         type=int,
         default=1,
-        help="engines serving the model, as a Ray Serve application behind the same routes (default 1: no Ray); "
-        'needs pip install "specdec[ray]"',
+        help="engines serving the model, as a Ray Serve application behind the same routes (default 1: no Ray, "
+        'unless --ray-address or --replica-threads is given); needs pip install "specdec[ray]"',
     )
     p.add_argument(
         "--ray-address",
@@ -147,7 +147,7 @@ def run_serve(args: argparse.Namespace) -> int:
         )
     require_model(args, "serve")
     _check_arguments(args)
-    if args.replicas > 1:
+    if runs_on_ray(args):
         from specdec.serve.ray_serve import run_replicas  # imports ray: only here
 
         return run_replicas(args)
@@ -178,6 +178,13 @@ def _stopped(signum, frame) -> None:
     """SIGTERM after uvicorn's graceful shutdown: nothing left to do."""
 
 
+def runs_on_ray(args: argparse.Namespace) -> bool:
+    """Whether serve runs its engines as a Ray Serve application: --replicas N >= 2, or one
+    replica given --ray-address or --replica-threads (one engine on a cluster, or behind the same
+    ingress and router as several)."""
+    return args.replicas > 1 or args.ray_address is not None or args.replica_threads is not None
+
+
 def _check_arguments(args) -> None:
     if not 0 < args.port < 65536:
         raise ValueError(f"--port must be in 1..65535, got {args.port}")
@@ -205,7 +212,5 @@ def _check_arguments(args) -> None:
         raise ValueError(
             f"--replicas and --replica-threads must be at least 1, got {args.replicas} and {args.replica_threads}"
         )
-    if args.replicas == 1 and (args.ray_address is not None or args.replica_threads is not None):
-        raise ValueError("--ray-address and --replica-threads are for --replicas N with N >= 2 (Ray Serve)")
     if args.api_key is not None and not args.api_key.strip():
         raise ValueError("--api-key (or SPECDEC_API_KEY) is empty: give a key, or leave it out for an open server")
