@@ -87,6 +87,23 @@ class BlockPool:
     num_blocks: int
 
 
+def pool_for(
+    held: BlockPool | None, max_seqs: int, max_len: int, num_blocks: int, device, exact: bool = False
+) -> BlockPool:
+    """A pool of num_blocks for max_seqs slots of max_len positions: held where it is large
+    enough (exact: of num_blocks exactly, a memory budget's), else a new one; its table cleared."""
+    if (
+        held is None
+        or held.table.max_seqs < max_seqs
+        or held.table.max_blocks < blocks_for(max_len)
+        or held.num_blocks < num_blocks
+        or (exact and held.num_blocks > num_blocks)
+    ):
+        held = BlockPool(BlockTable(max_seqs, blocks_for(max_len), device), num_blocks)
+    held.table.table.fill_(SCRATCH_BLOCK)
+    return held
+
+
 class KVCache:
     def __init__(
         self,

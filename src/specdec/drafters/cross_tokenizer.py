@@ -70,7 +70,7 @@ import torch
 from specdec.block_manager import BlockManager
 from specdec.drafters.base import Draft, Drafter
 from specdec.drafters.draft_model import DraftModelDrafter, check_same_vocabulary, load_draft
-from specdec.kv_cache import SCRATCH_BLOCK, BlockPool, BlockTable, blocks_for
+from specdec.kv_cache import BlockPool, blocks_for, pool_for
 from specdec.models.loader import LoadedModel
 from specdec.models.tokenizer import Tokenizer
 from specdec.sampling import SamplingTensors
@@ -158,15 +158,7 @@ class CrossTokenizerDrafter(Drafter):
         own_len = max_len * DRAFT_LENGTH_FACTOR
         whole = 1 + max_batch * blocks_for(own_len)
         num_blocks = whole if pool is None else min(whole, 1 + (pool.num_blocks - 1) * DRAFT_LENGTH_FACTOR)
-        own = self.pool
-        if (
-            own is None
-            or own.num_blocks != num_blocks
-            or own.table.max_seqs < max_batch
-            or (own.table.max_blocks < blocks_for(own_len))
-        ):
-            own = self.pool = BlockPool(BlockTable(max_batch, blocks_for(own_len), self.model.device), num_blocks)
-        own.table.table.fill_(SCRATCH_BLOCK)
+        own = self.pool = pool_for(self.pool, max_batch, own_len, num_blocks, self.model.device, exact=True)
         self.blocks = BlockManager(num_blocks, own.table)
         # a round feeds up to CATCH_UP_WIDTH tokens per row (catch-up), then one per draft step
         self.runner.prepare(max_batch, own_len, (1, CATCH_UP_WIDTH), num_forwards, pool=own)

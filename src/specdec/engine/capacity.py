@@ -18,12 +18,11 @@ from specdec.block_manager import BlockManager
 from specdec.drafters.base import Drafter
 from specdec.kv_cache import (
     BLOCK_SIZE,
-    SCRATCH_BLOCK,
     BlockPool,
-    BlockTable,
     CacheTooLarge,
     blocks_for,
     free_memory_bytes,
+    pool_for,
 )
 from specdec.progress import stage
 from specdec.sequence import Sequence
@@ -111,30 +110,14 @@ class Capacity:
         assert self.pool is not None
         return min(self.target.max_len, self.pool.table.max_blocks * BLOCK_SIZE)
 
-    def _pool(self, max_seqs: int, max_len: int, num_blocks: int, within_budget: bool) -> BlockPool:
-        """A pool of num_blocks for max_seqs slots of max_len positions: the one held where it is
-        large enough (its table cleared; within_budget: not larger than num_blocks either, which
-        is the memory budget's), else a new one."""
-        pool = self.pool
-        if (
-            pool is None
-            or pool.table.max_seqs < max_seqs
-            or pool.table.max_blocks < blocks_for(max_len)
-            or pool.num_blocks < num_blocks
-            or (within_budget and pool.num_blocks > num_blocks)
-        ):
-            pool = BlockPool(BlockTable(max_seqs, blocks_for(max_len), self.target.device), num_blocks)
-        pool.table.table.fill_(SCRATCH_BLOCK)
-        self.pool = pool
-        return pool
-
     def _reserve(
         self, max_batch: int, max_len: int, num_forwards: int, k: int, num_blocks: int, within_budget: bool = False
     ) -> None:
         """Caches for the work ahead (at most num_forwards target forwards, k drafts a round at
         most) in a pool of num_blocks blocks (within_budget: exactly that many); the runners
         compile for it if they are to, and the policy measures its costs."""
-        pool = self._pool(max_batch, max_len, num_blocks, within_budget)
+        # the pool held where it is large enough (within_budget: of num_blocks exactly, the budget's)
+        pool = self.pool = pool_for(self.pool, max_batch, max_len, num_blocks, self.target.device, within_budget)
         self.blocks = None
         try:
             self.target.prepare(
