@@ -360,7 +360,8 @@ class SpeculativeConfig:
         layer draft; see drafters/early_exit.py), or "staged" (staged drafts: a list of stages
         in model, each drafting for the next by speculative decoding, the last for the target;
         see spec/staged.py).
-    model: the draft model's directory, for "draft_model" and "lookup_then_draft"; the
+    model: the draft model's directory, for "draft_model" and "lookup_then_draft" (which also
+        takes a head's directory: the head drafts where lookup finds nothing); the
         head's directory for "eagle"; for "staged", the stages, first (cheapest) to last, at
         least two: the first a draft model's directory or "[ngram]" (NGRAM_STAGE: prompt
         lookup, with ngram_min / ngram_max), every later one a draft model's directory (a list
@@ -401,7 +402,7 @@ class SpeculativeConfig:
     method: str = setting(
         "draft_model",
         "the drafter: draft_model, ngram (prompt lookup), lookup_then_draft (prompt lookup, the draft "
-        "model where it finds nothing), eagle (an EAGLE head), early_exit (the target's first layers) or "
+        "model or head where it finds nothing), eagle (an EAGLE head), early_exit (the target's first layers) or "
         "staged (each --draft drafting for the next)",
         "--speculative-method",
         "speculative_method",

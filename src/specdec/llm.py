@@ -50,7 +50,8 @@ class LLM:
     """A target model, optionally with a drafter, ready to generate.
 
     model: the target's Hugging Face directory.
-    speculative_model: the draft's directory (methods "draft_model", "lookup_then_draft"), or
+    speculative_model: the draft's directory (methods "draft_model", "lookup_then_draft"; for
+        the latter also a head's), or
         "[ngram]" for prompt lookup; None = no speculation unless speculative_method="ngram".
         A list of stages, first (cheapest) to last, is staged drafts (method "staged"): each
         stage drafts for the next by speculative decoding, the last for the target, e.g.
@@ -59,7 +60,7 @@ class LLM:
     num_speculative_tokens: k, draft tokens per round (None: 5). Below the target's context
         length; each round drafts no more than a request can still emit.
     speculative_method: "draft_model", "ngram", "lookup_then_draft" (prompt lookup where it
-        finds a match, the draft model elsewhere) or "eagle" (speculative_model: a head's
+        finds a match, the draft model or head elsewhere) or "eagle" (speculative_model: a head's
         directory, from `specdec train-heads`) or "early_exit" (the target's own first
         early_exit_layer layers draft; default half its depth) or "staged" (a list of stages in
         speculative_model); inferred from speculative_model if None.

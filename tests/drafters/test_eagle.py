@@ -38,10 +38,10 @@ def plain(dirs):
 def eagle(dirs, k: int, head: str = "head", target: str = "target", **kwargs) -> LLM:
     kwargs.setdefault("speculative_k_policy", "fixed")
     kwargs.setdefault("dtype", "float32")
+    kwargs.setdefault("speculative_method", "eagle")
     return LLM(
         str(dirs[target]),
         speculative_model=str(dirs[head]),
-        speculative_method="eagle",
         num_speculative_tokens=k,
         **kwargs,
     )
@@ -79,6 +79,32 @@ def test_greedy_eagle3_equals_target_alone(dirs):
     assert token_ids(tree) == expected
     chosen = eagle3(dirs, 4, speculative_k_policy="goodput").generate(prompts, GREEDY)
     assert token_ids(chosen) == expected
+
+
+def test_prompt_lookup_with_an_eagle3_head_behind_it_keeps_the_targets_output(dirs):
+    """speculative_method="lookup_then_draft" with a head's directory: prompt lookup drafts the
+    rows it matches, the head the others, catching up on the target's features of the rounds it
+    sat out; both draft in the same run, and the greedy output is the target's, batched or not."""
+    prompts = [p * 3 for p in random_prompts(3, seed=31)]  # repeated text: lookup finds matches
+    expected = token_ids(LLM(str(dirs["target4"]), dtype="float32").generate(prompts, GREEDY))
+    llm = eagle3(dirs, 4, speculative_method="lookup_then_draft")
+    drafter = llm.engine.drafter
+    assert isinstance(drafter.drafter, EagleDrafter) and drafter.needs_target_hidden
+    counts = {"lookup": 0, "head": 0}
+
+    def counted(part, name):
+        def propose(batch, ks, sampling):
+            draft = type(part).propose(part, batch, ks, sampling)
+            counts[name] += int((draft.num_tokens > 0).sum())
+            return draft
+
+        return propose
+
+    drafter.lookup.propose = counted(drafter.lookup, "lookup")
+    drafter.drafter.propose = counted(drafter.drafter, "head")
+    assert token_ids(llm.generate(prompts, GREEDY)) == expected
+    assert token_ids(llm.generate(prompts[:1], GREEDY)) == expected[:1]
+    assert counts["lookup"] > 0 and counts["head"] > 0, counts
 
 
 @pytest.mark.parametrize("form, kind", [("int8", "Q8_0"), ("int4", "Q4_0")])

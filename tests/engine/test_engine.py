@@ -91,9 +91,9 @@ def test_lookup_then_draft_drafts_by_model_only_where_lookup_finds_nothing(tmp_p
 
     def model_propose(batch, ks, sampling):
         rounds[-1][1].update(seq.request_id for seq in batch)
-        return type(drafter.draft_model).propose(drafter.draft_model, batch, ks, sampling)
+        return type(drafter.drafter).propose(drafter.drafter, batch, ks, sampling)
 
-    drafter.propose, drafter.lookup.propose, drafter.draft_model.propose = propose, lookup_propose, model_propose
+    drafter.propose, drafter.lookup.propose, drafter.drafter.propose = propose, lookup_propose, model_propose
     prompts = random_prompts(6, seed=20, vocab=12)
     plain = LLM(str(target), dtype="float32", skip_tokenizer_init=True)
     outputs = llm.generate(prompts, GREEDY)

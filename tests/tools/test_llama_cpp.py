@@ -831,6 +831,8 @@ def test_every_specdec_system_runs_as_llm_builds_it_and_keeps_the_targets_output
     assert type(drafters["draft_model"]) is DraftModelDrafter
     assert isinstance(drafters["cross_tokenizer"], CrossTokenizerDrafter)
     assert isinstance(drafters["eagle"], EagleDrafter)
+    behind = drafters["lookup_then_eagle"]
+    assert isinstance(behind.drafter, EagleDrafter) and behind.drafter is not drafters["eagle"]
     ids = list(range(5, 25)) * 2  # repeats: prompt lookup finds something
     llama_cpp.warm_up(runners, ids, config)
     records = [Record("edit", 0, LLAMA_PLAIN, _timed(12, 1.0, text=None))]

@@ -1,17 +1,20 @@
-"""Prompt lookup first; the draft model for the rows where it finds nothing.
+"""Prompt lookup first; a drafter (a draft model or an EAGLE head) for the rows where it finds nothing.
 
 Each round, a greedy row whose context's last n tokens (n >= ngram_min) occurred earlier in
 it proposes what followed them there, at no cost (see ngram.py); the other rows are drafted
-by the draft model (see draft_model.py). Code repeats itself (names, calls, whole lines), so
-on code many rounds need no draft model at all, and the rest still get its drafts. The draft
-model's cache catches up on the tokens it skipped the next time it drafts for the row.
+by the drafter behind it: the draft model (draft_model.py), or an EAGLE head (eagle.py) where
+speculative_model is a head's directory. Code repeats itself (names, calls, whole lines), so
+on code many rounds need no drafter at all, and the rest still get its drafts. The drafter
+catches up on the tokens it skipped the next time it drafts for the row: the draft model
+feeds them to its cache, the head the target's features of them, which it is handed after
+every target forward whoever drafted.
 
-Sampled rows always take the draft model: a looked-up token is a point mass, which a sampled
+Sampled rows always take the drafter: a looked-up token is a point mass, which a sampled
 row keeps only with the target's probability of it (on the shipped pair's sampled code prompts
 prompt lookup's α is a fraction of the draft model's: docs/runner.md, "Prompt lookup on sampled
 rows").
 
-Per row, the draft is a point mass (a looked-up row) or the draft model's distributions:
+Per row, the draft is a point mass (a looked-up row) or the drafter's distributions:
 rejection sampling keeps the output exactly the target's either way.
 """
 
@@ -22,22 +25,25 @@ import torch
 from specdec.config import DEFAULT_NGRAM_MIN
 from specdec.drafters.base import Draft, Drafter
 from specdec.drafters.draft_model import DraftModelDrafter
+from specdec.drafters.eagle import EagleDrafter
 from specdec.drafters.ngram import NgramDrafter
 from specdec.kv_cache import BlockPool
+from specdec.models.eagle import is_head_directory
 from specdec.sampling import SamplingTensors, point_mass
 from specdec.sequence import Sequence
 
 
 class LookupThenDraftDrafter(Drafter):
-    def __init__(self, lookup: NgramDrafter, draft_model: DraftModelDrafter):
+    def __init__(self, lookup: NgramDrafter, drafter: DraftModelDrafter | EagleDrafter):
         self.lookup = lookup
-        self.draft_model = draft_model
+        self.drafter = drafter
+        self.needs_target_hidden = drafter.needs_target_hidden  # a head: the target's features, every round
 
     @classmethod
     def from_config(cls, spec, target, target_runner) -> LookupThenDraftDrafter:
+        behind = EagleDrafter if is_head_directory(spec.model) else DraftModelDrafter
         return cls(
-            NgramDrafter.from_config(spec, target, target_runner),
-            DraftModelDrafter.from_config(spec, target, target_runner),
+            NgramDrafter.from_config(spec, target, target_runner), behind.from_config(spec, target, target_runner)
         )
 
     @classmethod
@@ -49,33 +55,41 @@ class LookupThenDraftDrafter(Drafter):
             draft_model.sharing_weights(),
         )
 
+    def observe(self, batch: list[Sequence], num_accepted: torch.Tensor) -> None:
+        self.drafter.observe(batch, num_accepted)
+
+    def observe_hidden(
+        self, batch: list[Sequence], first_positions: torch.Tensor, hidden: torch.Tensor, num_valid: torch.Tensor
+    ) -> None:
+        self.drafter.observe_hidden(batch, first_positions, hidden, num_valid)
+
     def reserve(self, max_batch: int, max_len: int, num_forwards: int = 0, pool: BlockPool | None = None) -> None:
-        self.draft_model.reserve(max_batch, max_len, num_forwards, pool)
+        self.drafter.reserve(max_batch, max_len, num_forwards, pool)
 
     def release(self, seq: Sequence) -> None:
-        self.draft_model.release(seq)
+        self.drafter.release(seq)
 
     def cached_entries(self, seq: Sequence) -> int | None:
-        return self.draft_model.cached_entries(seq)
+        return self.drafter.cached_entries(seq)
 
     def position_bytes(self) -> int:
-        return self.draft_model.position_bytes()
+        return self.drafter.position_bytes()
 
     def time_step(self, batch_size: int) -> None:
-        self.draft_model.time_step(batch_size)
+        self.drafter.time_step(batch_size)
 
     def propose(self, batch: list[Sequence], ks: list[int], sampling: SamplingTensors) -> Draft:
         if not sampling.any_greedy:
-            return self.draft_model.propose(batch, ks, sampling)
+            return self.drafter.propose(batch, ks, sampling)
         looked_up = self.lookup.propose(batch, ks, sampling)
         greedy = sampling.greedy.tolist()
         unmatched = [row for row, n in enumerate(looked_up.num_tokens.tolist()) if n == 0 or not greedy[row]]
         if not unmatched:
             return looked_up
         if len(unmatched) == len(batch):
-            return self.draft_model.propose(batch, ks, sampling)
+            return self.drafter.propose(batch, ks, sampling)
         rows = torch.tensor(unmatched, device=looked_up.token_ids.device)  # [R]
-        drafted = self.draft_model.propose(
+        drafted = self.drafter.propose(
             [batch[row] for row in unmatched], [ks[row] for row in unmatched], sampling.select_rows(rows)
         )
         return _merge(looked_up, drafted, rows)

@@ -62,8 +62,8 @@ def add_bench_parser(commands) -> None:
         "--head",
         metavar="DIR",
         help="an EAGLE head for the target: rows for it at the comparison k (5), chain and trees "
-        f"(default with no MODEL: {_relative(SHIPPED_HEAD)}); with --llama-cpp its row (eagle), "
-        "none without it",
+        f"(default with no MODEL: {_relative(SHIPPED_HEAD)}); with --llama-cpp its rows (eagle, and "
+        "lookup_then_eagle: prompt lookup, else the head), none without it",
     )
     speculation = p.add_argument_group("speculation (SpeculativeConfig; the same flags as generate's and serve's)")
     add_speculative_arguments(
@@ -167,7 +167,7 @@ def add_bench_parser(commands) -> None:
         metavar="NAME,NAME",
         help="with --llama-cpp: the systems compared, by method: plain (always run: both engines' "
         "baselines), ngram and draft_model (both engines), lookup_then_draft, staged (prompt lookup "
-        "drafting for --draft), cross_tokenizer (--cross-tokenizer-draft) and eagle (--head) "
+        "drafting for --draft), cross_tokenizer (--cross-tokenizer-draft), eagle and lookup_then_eagle (--head) "
         "(specdec's); default every one whose model is given or fetched",
     )
     p.add_argument(

@@ -18,7 +18,8 @@ What runs, interleaved prompt by prompt (the order rotated each prompt) on one G
   specdec    plain, prompt lookup (ngram), the draft model, lookup_then_draft, staged drafts
              (["[ngram]", DRAFT]: prompt lookup drafting for the draft model), a draft with another
              tokenizer (cross_tokenizer: SmolLM2-135M-Instruct by default, drafting through text)
-             and an EAGLE head (--head), as LLM runs them by default (quantization "auto": the
+             and an EAGLE head (--head), alone and behind prompt lookup (lookup_then_eagle:
+             lookup_then_draft with the head), as LLM runs them by default (quantization "auto": the
              file's own quantized weights; goodput k <= k); the draft model's rows share its weights
 --systems picks the rows by method (plain always runs: both engines' baselines); by default every
 system whose models are given or fetched, a note saying which were left out and why.
@@ -478,11 +479,21 @@ class System:
             "staged": f"specdec staged: lookup → draft model (goodput k≤{k})",
             "cross_tokenizer": f"specdec other-tokenizer draft (goodput k≤{k})",
             "eagle": f"specdec EAGLE head (goodput k≤{k})",
+            "lookup_then_eagle": f"specdec lookup, else EAGLE head (goodput k≤{k})",
         }[self.method]
 
 
 # the systems by method (--systems), in the order of the rows; llama.cpp runs the first three
-METHODS = ("plain", "ngram", "draft_model", "lookup_then_draft", "staged", "cross_tokenizer", "eagle")
+METHODS = (
+    "plain",
+    "ngram",
+    "draft_model",
+    "lookup_then_draft",
+    "staged",
+    "cross_tokenizer",
+    "eagle",
+    "lookup_then_eagle",
+)
 LLAMA_METHODS = ("plain", "ngram", "draft_model")
 LLAMA_PLAIN = System("llama.cpp", "plain")
 SPECDEC_PLAIN = System("specdec", "plain")
@@ -492,6 +503,7 @@ NEEDS = {  # each system that needs a model, the LlamaCppConfig field naming it 
     **{method: ("draft", "--draft") for method in DRAFTING},
     "cross_tokenizer": ("cross_draft", "--cross-tokenizer-draft"),
     "eagle": ("head", "--head"),
+    "lookup_then_eagle": ("head", "--head"),
 }
 DEFAULT_CROSS_DRAFT = "smollm2"  # the registry's SmolLM2-135M-Instruct (Q4_1 GGUF), another tokenizer
 INNER_COUNTS = ("drafted", "judged", "accepted", "emitted", "forwards")
@@ -717,6 +729,9 @@ def load_specdec(config: LlamaCppConfig):
         spec, drafter = drafter_for(config.head, None)
         assert spec.method == "eagle"  # LlamaCppConfig checked that it is a head's directory
         add("eagle", drafter, spec.k_policy)
+    if "lookup_then_eagle" in wanted:  # a head of its own: its cache and waiting features are per drafter
+        spec, drafter = drafter_for(config.head, "lookup_then_draft")
+        add("lookup_then_eagle", drafter, spec.k_policy)
     return target, runners
 
 
