@@ -6,7 +6,8 @@ Terms:
                  EAGLE-3 (Li et al. 2025): the outputs of a low, a middle and a high layer of the
                  target (feature_layers) side by side [3 x hidden], which the head's `fuse`
                  layer turns into one vector of hidden size (fuse_features)
-  head           fc: [embedding of token t+1 ; f_t] (2 x hidden) -> hidden, one decoder layer,
+  head           fc: [embedding of token t+1 ; f_t] (2 x hidden) -> hidden (EAGLE-3: each of the
+                 two RMS-normalised first), one decoder layer,
                  a norm -> f^_{t+1}, the predicted next feature; the target's own output layer
                  turns it into scores for token t+2 (EAGLE, Li et al. 2024). At the next
                  drafting step the head reads f^_{t+1} in place of a feature of the target's.
@@ -93,6 +94,8 @@ class EagleHead(DecoderStack):
         self.feature_layers = tuple(feature_layers)
         if self.feature_layers:
             self.fuse = nn.Linear(len(self.feature_layers) * config.hidden_size, config.hidden_size, bias=False)
+            self.embedding_norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+            self.feature_norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.fc = nn.Linear(2 * config.hidden_size, config.hidden_size, bias=True)
         self.layers = nn.ModuleList([DecoderLayer(config, 0)])
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
@@ -105,7 +108,11 @@ class EagleHead(DecoderStack):
     ) -> torch.Tensor:
         """token_embeddings of tokens t+1 and features f_t [B, T, hidden], at positions t [B, T]
         -> predicted features f^_{t+1} [B, T, hidden]. cache=None (training) attends causally;
-        tree: see DecoderStack.transform."""
+        tree: see DecoderStack.transform. An EAGLE-3 head normalises both before fc (as EAGLE-3
+        does): the embeddings are tiny beside the target's layer outputs, and the fused target
+        features beside the head's own predicted ones, which it reads at later drafting steps."""
+        if self.feature_layers:
+            token_embeddings, features = self.embedding_norm(token_embeddings), self.feature_norm(features)
         x = self.fc(
             torch.cat([token_embeddings, features.to(token_embeddings.dtype)], dim=-1)
         )  # [B, T, 2H] -> [B, T, H]
