@@ -15,11 +15,14 @@ from specdec import LLM, SamplingParams
 from specdec.cli import main
 from specdec.models.eagle import EagleHead, head_config, load_head
 from specdec.models.loader import load_pretrained
+from specdec.tools.training import eagle3
+from specdec.tools.training.corpus import load_corpus
 from specdec.tools.training.eagle3 import (
     Eagle3Config,
     compute_features,
     document_tokens,
     read_features,
+    text_pieces,
     train_eagle3,
     ttt_predictions,
 )
@@ -182,10 +185,16 @@ def test_the_command_line_trains_an_eagle3_head_and_refuses_eagle1_flags(corpus,
         "--eval-tokens",
         "80",
     ]
-    assert main([*common, *flags]) == 0
+    assert main([*common, "--text", str(corpus["data"] / "train")]) == 2  # EAGLE-1: --text is not its
+    assert "an EAGLE-1 head trains on --corpus" in capsys.readouterr().err
+    text = tmp_path / "text.txt"
+    text.write_text(" ".join(WORDS * 4))
+    assert main([*common, *flags, "--text", str(text), "--text-tokens", "30"]) == 0
     assert "held_out_tau_estimate" in capsys.readouterr().out
     saved = json.loads((tmp_path / "h" / "head.json").read_text())
     assert saved["feature_layers"] == [1, 2] and saved["model"]["intermediate_size"] == 64
+    log = json.loads((tmp_path / "h" / "training_log.json").read_text())
+    assert log["text"] == str(text) and 29 <= log["text_tokens"] <= 30
 
 
 def test_documents_a_corpus_gains_are_added_after_the_stored_ones(corpus, tmp_path):
@@ -208,3 +217,35 @@ def test_documents_a_corpus_gains_are_added_after_the_stored_ones(corpus, tmp_pa
         for t in document_tokens(f.read_text(), target.tokenizer, "<s>assistant: ")[0]
     ]
     assert arrays["train"].token_ids.tolist() == expected
+
+
+def test_a_text_corpus_is_stored_in_pieces_after_the_chat_answers_every_token_drafted(corpus, tmp_path, monkeypatch):
+    """--text: a plain text corpus's training documents, shuffled, cut into pieces of at most
+    TEXT_PIECE_TOKENS tokens up to --text-tokens in all, stored after the chat documents; every
+    position of a piece predicts a token the head learns (none past its end)."""
+    monkeypatch.setattr(eagle3, "TEXT_PIECE_TOKENS", 16)
+    target = load_pretrained(corpus["target"], "float32")
+    rng = random.Random(9)
+    (tmp_path / "text").mkdir()
+    for i in range(4):  # the last of fewer than ten files is held out: 3 train
+        (tmp_path / "text" / f"m{i}.py").write_text(" ".join(rng.choice(WORDS) for _ in range(30)))
+    text_corpus = load_corpus(tmp_path / "text")
+    pieces = text_pieces(text_corpus, target.tokenizer, 70)
+    lengths = [len(piece.tokens()[0]) for piece in pieces]
+    assert 69 <= sum(lengths) <= 70 and max(lengths) == 16  # a 1-token rest makes no piece
+    assert all(piece.tokens()[1] == 0 for piece in pieces)
+    assert all(piece.name.startswith("text:m") for piece in pieces) and "m3.py" not in str([p.name for p in pieces])
+    whole = {d.name: target.tokenizer.backend.encode(d.text, add_special_tokens=False).ids for d in text_corpus.train}
+    first = pieces[0].name.split(":")[1]
+    assert pieces[0].tokens()[0] == whole[first][:16]  # a document's first piece: its first tokens
+    manifest = compute_features(
+        target, (1,), 3, corpus["data"], tmp_path / "f", progress=lambda line: None, text=pieces
+    )
+    names = manifest["splits"]["train"]["documents"]
+    assert names[:12] == sorted(f.name for f in (corpus["data"] / "train").glob("*.txt"))
+    assert names[12:] == [piece.name for piece in pieces]
+    _, arrays = read_features(tmp_path / "f")
+    train, chat_tokens = arrays["train"], arrays["train"].num_tokens - sum(lengths)
+    assert train.token_ids[chat_tokens:].tolist() == [t for piece in pieces for t in piece.tokens()[0]]
+    ends = {chat_tokens + sum(lengths[: i + 1]) - 1 for i in range(len(lengths))}  # each piece's last position
+    assert train.answer_next[chat_tokens:].tolist() == [t not in ends for t in range(chat_tokens, train.num_tokens)]

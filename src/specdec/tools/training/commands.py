@@ -232,6 +232,16 @@ def add_train_heads_parser(commands) -> None:
         "stored once from a chat-data corpus (--data)",
     )
     e.add_argument("--data", help="the chat-data corpus (`specdec chat-data`) whose documents it trains on")
+    e.add_argument(
+        "--text",
+        metavar="CORPUS",
+        help="a text corpus the head also trains on, every token of it (a directory of text files, a file, "
+        "or 'stdlib' for the Python standard library): its features cost only a prefill, so it is where a "
+        "head gets most of its tokens; the evaluation stays on --data's held-out answers",
+    )
+    e.add_argument(
+        "--text-tokens", type=int, metavar="N", help="how many of --text's tokens (default 1,000,000, shuffled)"
+    )
     e.add_argument("--features", help="where the target's features are stored (default: OUT.features)")
     e.add_argument(
         "--feature-layers",
@@ -433,6 +443,11 @@ def run_train_heads(args) -> int:
     require_model(args, "train-heads", "target", "the target's model directory")
     if args.eagle3 or args.data is not None:
         return _run_train_eagle3(args)
+    if args.text is not None or args.text_tokens is not None:
+        raise ValueError(
+            "--text and --text-tokens feed an EAGLE-3 head's training (--eagle3 --data); an EAGLE-1 "
+            "head trains on --corpus"
+        )
     if args.on_policy_fraction == 0 and (args.sample_temperatures is not None or args.prompt_tokens is not None):
         raise ValueError(
             "--sample-temperatures and --prompt-tokens shape the text the target writes, which "
@@ -487,11 +502,21 @@ def _run_train_eagle3(args) -> int:
                 Eagle3Config(**values),
                 args.features,
                 **_output_options(args),
+                **_text_options(args),
             )
     except KeyboardInterrupt:
         return _interrupted(args)
     print(_summary(result, "held_out_tau_estimate", args.out, made="head"))
     return 0
+
+
+def _text_options(args) -> dict:
+    """--text and --text-tokens as train_eagle3's arguments (--text-tokens needs --text)."""
+    if args.text is None:
+        if args.text_tokens is not None:
+            raise ValueError("--text-tokens says how much of --text to read; give --text CORPUS too")
+        return {}
+    return {"text": args.text, **({"text_tokens": args.text_tokens} if args.text_tokens is not None else {})}
 
 
 def _interrupted(args) -> int:

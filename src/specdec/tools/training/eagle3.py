@@ -17,6 +17,13 @@ Terms (models/eagle.py defines feature, head and EAGLE-3):
                   stopped feature pass resumes at the first document it had not finished, and a
                   corpus that has gained documents since (chat-data still writing) gets theirs
                   added after the others.
+  text corpus     (--text) plain text beside the chat answers, e.g. the Python standard library:
+                  the target's features over it are cheap to make (a prefill, no answers to
+                  generate), so it is where a head gets most of its tokens. Its documents are
+                  shuffled (seed 0), tokenized and cut into pieces of at most TEXT_PIECE_TOKENS,
+                  up to --text-tokens tokens in all, each stored as a training document whose
+                  every token counts as an answer token (the head learns to draft all of it).
+                  The held-out evaluation stays on the chat answers.
   training-time test (TTT)
                   the head is run ttt_steps times over each window, as drafting runs it: step 0
                   reads the fused target features f_t with token t+1 at position t; step j reads
@@ -42,6 +49,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -52,7 +60,7 @@ from specdec.config import check, is_int, is_real
 from specdec.models.eagle import HEAD_CONFIG, HEAD_WEIGHTS, EagleHead, eagle3_feature_layers, head_config, save_head
 from specdec.models.loader import LoadedModel, load_pretrained
 from specdec.platform import cpu_model
-from specdec.tools.training.corpus import HELD_OUT_DIRECTORY
+from specdec.tools.training.corpus import HELD_OUT_DIRECTORY, Corpus, load_corpus
 from specdec.tools.training.distill import frequent_share, frequent_tokens
 from specdec.tools.training.heads import HEAD_RUN_ENTRIES, _plain
 from specdec.tools.training.loop import Task, TrainConfig, log, train_loop
@@ -73,6 +81,10 @@ FEATURES_FORMAT = "specdec-eagle3-features"
 FEATURES_MANIFEST = "features.json"
 SPLITS = {"train": "train", "held_out": HELD_OUT_DIRECTORY}
 MIN_CONTEXT = 32  # a window's queries per step must outnumber the attention kernel's (autograd-free) rows
+TEXT_PIECE_TOKENS = 1024  # a text corpus's documents are stored in pieces of at most this many tokens
+DEFAULT_TEXT_TOKENS = 1_000_000  # --text-tokens
+TEXT_STDLIB = "stdlib"  # --text stdlib: the Python standard library (corpus.py's default corpus)
+TEXT_PREFIX = "text:"  # the stored names of a text corpus's pieces: text:<document>:<piece>
 
 
 @dataclass(frozen=True)
@@ -248,14 +260,62 @@ def document_tokens(text: str, tokenizer, header: str) -> tuple[list[int], int]:
     return list(encoding.ids), first
 
 
+@dataclass(frozen=True)
+class SourceDocument:
+    """A document of the features pass: its stored name and a function giving its token ids
+    and the index of its first answer token."""
+
+    name: str
+    tokens: Callable[[], tuple[list[int], int]]
+
+
+def chat_documents(data: Path, tokenizer) -> dict[str, list[SourceDocument]]:
+    """A chat-data corpus's documents per split, each read when its turn comes."""
+    header = answer_header(tokenizer)
+
+    def reader(file: Path) -> Callable[[], tuple[list[int], int]]:
+        return lambda: document_tokens(file.read_text(), tokenizer, header)
+
+    return {
+        split: [SourceDocument(f.name, reader(f)) for f in files] for split, files in corpus_documents(data).items()
+    }
+
+
+def text_pieces(corpus: Corpus, tokenizer, max_tokens: int) -> list[SourceDocument]:
+    """The --text corpus's training documents as pieces of the target's tokens, every token an
+    answer token (see the module docstring)."""
+    order = torch.randperm(len(corpus.train), generator=torch.Generator().manual_seed(0)).tolist()
+    pieces, total = [], 0
+    for index in order:
+        document = corpus.train[index]
+        ids = tokenizer.backend.encode(document.text, add_special_tokens=False).ids
+        for number, start in enumerate(range(0, len(ids), TEXT_PIECE_TOKENS)):
+            piece = ids[start : start + TEXT_PIECE_TOKENS][: max_tokens - total]
+            if len(piece) < 2:  # a piece must predict a token
+                continue
+            pieces.append(SourceDocument(f"{TEXT_PREFIX}{document.name}:{number}", lambda piece=piece: (piece, 0)))
+            total += len(piece)
+            if total >= max_tokens:
+                return pieces
+    return pieces
+
+
 def compute_features(
-    target: LoadedModel, layers: tuple[int, ...], top_k: int, data: Path, directory: Path, progress=log
+    target: LoadedModel,
+    layers: tuple[int, ...],
+    top_k: int,
+    data: Path,
+    directory: Path,
+    progress=log,
+    text: list[SourceDocument] = (),  # pyright: ignore[reportArgumentType]  # a tuple is a fine default
 ) -> dict:
-    """Run the target once over every document of the corpus in data and store its features in
-    directory (see the module docstring); a pass stopped part way resumes. Returns the manifest."""
+    """Run the target once over every document of the corpus in data (and the text corpus's
+    pieces, text_pieces) and store its features in directory (see the module docstring); a pass
+    stopped part way resumes. Returns the manifest."""
     model, tokenizer = target.model, target.tokenizer
     assert tokenizer is not None
-    documents = corpus_documents(data)
+    documents = chat_documents(data, tokenizer)
+    documents["train"] = documents["train"] + list(text)
     identity = {
         "format": FEATURES_FORMAT,
         "target": str(target.path),
@@ -267,7 +327,6 @@ def compute_features(
     if manifest is None or {k: manifest.get(k) for k in identity} != identity:
         manifest = {**identity, "splits": {s: {"documents": [], "tokens": 0} for s in SPLITS}}
     directory.mkdir(parents=True, exist_ok=True)
-    header = answer_header(tokenizer)
     model.set_feature_layers(layers)
     manifest["feature_width"] = len(layers) * model.config.hidden_size
     manifest["finished"] = False
@@ -279,10 +338,10 @@ def compute_features(
         record = manifest["splits"][split]
         outputs = _Appender(directory / split, record["tokens"])
         try:
-            for file in files:
-                ids, first_answer = document_tokens(file.read_text(), tokenizer, header)
+            for document in files:
+                ids, first_answer = document.tokens()
                 outputs.write(_document_features(model, ids, first_answer, top_k))
-                record["documents"].append(file.name)
+                record["documents"].append(document.name)
                 record["tokens"] += len(ids)
                 done_tokens, done_documents = done_tokens + len(ids), done_documents + 1
                 _write_manifest(directory, manifest, outputs)
@@ -300,11 +359,11 @@ def compute_features(
     return manifest
 
 
-def _not_stored(files: list[Path], stored: list[str]) -> list[Path]:
+def _not_stored(documents: list[SourceDocument], stored: list[str]) -> list[SourceDocument]:
     """The documents whose features are not stored yet (a corpus still being written gains
     documents: a later pass adds theirs after the stored ones)."""
     names = set(stored)
-    return [file for file in files if file.name not in names]
+    return [document for document in documents if document.name not in names]
 
 
 def _document_features(model, ids: list[int], first_answer: int, top_k: int) -> dict[str, np.ndarray]:
@@ -510,8 +569,11 @@ def train_eagle3(
     require_checkpoint: bool = False,
     arguments: dict | None = None,
     force: bool = False,
+    text: str | Path | None = None,
+    text_tokens: int = DEFAULT_TEXT_TOKENS,
 ) -> TrainResult:
-    """Store the target's features over the chat-data corpus in data (once), then train (or
+    """Store the target's features over the chat-data corpus in data (and text_tokens tokens of
+    the text corpus text: a directory or file, or TEXT_STDLIB; None: none) once, then train (or
     resume training) an EAGLE-3 head over them and write it to out."""
     data, out = Path(data).expanduser(), Path(out).expanduser()
     features_dir = Path(features_dir).expanduser() if features_dir else out.with_name(out.name + ".features")
@@ -520,8 +582,14 @@ def train_eagle3(
     if target.tokenizer is None or not target.tokenizer.chat_template:
         raise ValueError(f"the target {target_path} needs a tokenizer with a chat template to read chat-data")
     layers = eagle3.layers_for(target.model.config.num_layers)
+    check(is_int(text_tokens) and text_tokens >= 1, f"--text-tokens must be an integer >= 1, got {text_tokens!r}")
+    pieces = []
+    if text is not None:
+        corpus = load_corpus(None if str(text) == TEXT_STDLIB else text)
+        pieces = text_pieces(corpus, target.tokenizer, text_tokens)
+        log(f"text: {corpus.describe()}; {len(pieces):,} pieces of at most {TEXT_PIECE_TOKENS} tokens")
     log(f"features: the target's layers {list(layers)} and its top {eagle3.top_k} tokens, into {features_dir}")
-    compute_features(target, layers, eagle3.top_k, data, features_dir)
+    compute_features(target, layers, eagle3.top_k, data, features_dir, text=pieces)
     manifest, arrays = read_features(features_dir)
     train, held_out = arrays["train"], arrays["held_out"]
     context = eagle3.context
@@ -531,6 +599,8 @@ def train_eagle3(
             f"the {name} documents hold {split.num_tokens} tokens, fewer than one window of --context {context}",
         )
     inputs = {"TARGET": Path(str(target.path)), "--data": data}
+    if text is not None and str(text) != TEXT_STDLIB:
+        inputs["--text"] = Path(text).expanduser()
     with open_run_output(out, KIND, inputs, force, HEAD_RUN_ENTRIES) as output:
         checkpoint = resume_checkpoint(output, restart, require_checkpoint)
         target_config = target.model.config
@@ -559,6 +629,8 @@ def train_eagle3(
         settings = {
             "target": str(target.path),
             "data": str(data),
+            "text": None if text is None else str(text),
+            "text_tokens": sum(len(piece.tokens()[0]) for piece in pieces),
             "features": str(features_dir),
             "eagle3": dataclasses.asdict(eagle3),
             "feature_layers": list(layers),
