@@ -83,7 +83,7 @@ def test_compiled_speculation_equals_eager_target_alone(tiny_pair, eager_outputs
     assert token_ids(llm.generate(PROMPTS[:1], GREEDY)) == [eager_outputs[tuple(PROMPTS[0])]]  # batch of one
     outputs = llm.generate(PROMPTS, GREEDY)
     assert token_ids(outputs) == [eager_outputs[tuple(p)] for p in PROMPTS]
-    draft_runner = llm.engine.drafter.draft_model.runner if method == "lookup_then_draft" else llm.engine.drafter.runner
+    draft_runner = llm.engine.drafter.drafter.runner if method == "lookup_then_draft" else llm.engine.drafter.runner
     assert llm.runner.query_buckets == ((4,) if k_policy == "fixed" else (1, 4))
     assert draft_runner.query_buckets == (1, 2)
     if method == "draft_model":
