@@ -722,8 +722,9 @@ def write_eagle3_card(directory: Path, record: dict, name: str) -> None:
         f"{model['intermediate_size']}); scores {model['output_vocab_size'] or model['vocab_size']:,} tokens "
         f"through the target's output layer; {record['head_parameters'] / 1e6:.2f}M parameters |",
         f"| weights | {head.get('torch_dtype', '?')} safetensors, {weight_mb:.1f} MB |",
-        f"| data | {record['data']}: {record['training_tokens']:,} training tokens, "
-        f"{record['held_out_tokens']:,} held out |",
+        f"| data | {record['data']}: {record['training_tokens']:,} training tokens"
+        + (f" ({record['text_tokens']:,} of them from {record['text']})" if record.get("text") else "")
+        + f", {record['held_out_tokens']:,} held out |",
         f"| loss | cross-entropy against the target's top-{e3['top_k']} distribution over {steps} training-time "
         f"test steps, weighted {e3['step_decay']:g}^j |",
         f"| training | {record['step']:,} steps of {train['batch_size'] * train['grad_accum']} windows of "
