@@ -49,7 +49,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -307,7 +307,7 @@ def compute_features(
     data: Path,
     directory: Path,
     progress=log,
-    text: list[SourceDocument] = (),  # pyright: ignore[reportArgumentType]  # a tuple is a fine default
+    text: Sequence[SourceDocument] = (),
 ) -> dict:
     """Run the target once over every document of the corpus in data (and the text corpus's
     pieces, text_pieces) and store its features in directory (see the module docstring); a pass
