@@ -238,6 +238,7 @@ def test_a_failing_tool_is_an_error_with_its_output(tmp_path):
 # -- command lines -------------------------------------------------------------------------------
 
 OPTIONS = ToolOptions(threads=2, max_tokens=128, k=5)
+SAMPLED_OPTIONS = ToolOptions(threads=2, max_tokens=128, k=5, temperature=0.8, top_p=0.95)
 BUILD = LlamaCppBuild("native", Path("/llama"))
 
 
@@ -265,6 +266,24 @@ def test_every_tool_gets_the_text_verbatim_greedy_with_the_same_threads_and_toke
     assert (_value(speculative, "--spec-draft-n-max"), _value(speculative, "-td")) == ("5", "2")
 
 
+def test_sampled_tools_get_the_temperature_and_top_p_with_llama_cpps_other_samplers_off(gguf_pair):
+    """specdec's SamplingParams(temperature, top_p) has no top-k or min-p; llama.cpp's are on by
+    default (40, 0.05), so a sampled comparison turns them off; each prompt gets its own seed."""
+    for make in (
+        lambda o: llama_cpp.completion_command(BUILD, "t.gguf", "p", o),
+        lambda o: llama_cpp.lookup_command(BUILD, "t.gguf", "p", o),
+        lambda o: llama_cpp.speculative_command(BUILD, "t.gguf", "d.gguf", "p", o),
+    ):
+        command = make(SAMPLED_OPTIONS)
+        assert [_value(command, f) for f in ("--temp", "--top-p", "--top-k", "--min-p")] == ["0.8", "0.95", "0", "0"]
+        assert "--top-p" not in make(OPTIONS) and "--min-p" not in make(OPTIONS)
+    config = LlamaCppConfig(gguf_pair[0], sampling="sampled")
+    runner = llama_cpp.ToolRunner(BUILD, System("llama.cpp", "plain"), config, SAMPLED_OPTIONS)
+    assert [_value(runner.command("p", seed), "-s") for seed in (0, 7)] == ["0", "7"]
+    with pytest.raises(ValueError, match="temperature must be >= 0 and top_p in"):
+        ToolOptions(threads=2, max_tokens=8, k=5, top_p=0.0)
+
+
 def test_llama_bench_times_a_verify_of_7_and_steps_after_64_tokens():
     command = llama_cpp.bench_command(BUILD, "t.gguf", threads=2, repetitions=3)
     assert command[0] == "/llama/build/bin/llama-bench"
@@ -287,6 +306,7 @@ def test_the_flags_given_are_in_the_vendored_llama_cpp():
     for command in (
         llama_cpp.completion_command(BUILD, "t", "p", OPTIONS),
         llama_cpp.speculative_command(BUILD, "t", "d", "p", OPTIONS),
+        llama_cpp.completion_command(BUILD, "t", "p", SAMPLED_OPTIONS),
     ):
         given |= {word for word in command[1:] if word.startswith("-") and not word.lstrip("-").isdigit()}
     assert {f for f in given if f'"{f}"' not in source} == set()
@@ -309,6 +329,22 @@ def test_the_avx2_build_has_no_avx512_and_its_own_directory(tmp_path):
     assert native.build_dir != avx2.build_dir and native.source == avx2.source
     with pytest.raises(ValueError, match="CPU kind"):
         LlamaCppBuild("avx512", tmp_path)
+
+
+def test_the_native_x86_build_leaves_amx_out_and_its_stamp_keeps_flags_with_spaces(tmp_path, monkeypatch):
+    """The vendored AMX matmul dies with SIGILL (see NO_AMX); GCC's explicit -mno-amx-* flags
+    take it out of -march=native. A flag holding spaces is one line of the stamp."""
+    monkeypatch.setattr(llama_cpp.platform, "machine", lambda: "x86_64")
+    native, avx2 = LlamaCppBuild("native", tmp_path), LlamaCppBuild("avx2", tmp_path)
+    assert "-DCMAKE_CXX_FLAGS=-mno-amx-tile -mno-amx-int8 -mno-amx-bf16" in native.flags
+    assert not any("mno-amx" in flag for flag in avx2.flags)  # the AVX2 build has no AMX anyway
+    (native.build_dir / "bin").mkdir(parents=True)
+    for name in llama_cpp.TOOLS:
+        native.tool(name).write_text("")
+    (native.build_dir / llama_cpp.STAMP).write_text("\n".join(native.flags) + "\n")
+    assert native.is_built()
+    monkeypatch.setattr(llama_cpp.platform, "machine", lambda: "aarch64")
+    assert not any("mno-amx" in flag for flag in LlamaCppBuild("native", tmp_path).flags)
 
 
 def test_a_build_is_kept_while_its_tools_exist_with_the_same_flags(tmp_path):
@@ -398,6 +434,8 @@ def test_rows_pool_the_prompts_and_compare_with_llama_cpp_plain():
     )
     assert (spec["same_text_as_specdec_plain"], plain["same_text_as_specdec_plain"]) == (1, 2)
     assert spec["label"] == "llama.cpp draft model (llama-speculative-simple, k=5)"
+    sampled = llama_cpp.summarize(records, [LLAMA_PLAIN, draft, SPECDEC_PLAIN], 5, ("edit",), compare_texts=False)
+    assert all(r["same_text_as_specdec_plain"] is None for r in sampled)  # sampled texts are not compared
 
 
 def test_a_prompt_token_count_that_differs_is_noted():
@@ -507,6 +545,13 @@ def test_flags_make_the_config(gguf_pair):
         llama_cpp.command_line(parse(["--model", target, "--prompts", "3", "--cpu-kinds", "both"]))
         == f"specdec bench --llama-cpp --model {target} --prompts 3 --out bench_out --cpu-kinds both"
     )
+    assert (config.sampling, config.seed, config.setting.temperature) == ("greedy", 0, 0.0)
+    sampled = parse(["--model", target, "--sampled", "--seed", "3", "--cpu-kinds", "native"])
+    config = llama_cpp.llama_cpp_config(sampled)
+    assert (config.sampling, config.seed, config.setting.temperature, config.setting.top_p) == ("sampled", 3, 0.8, 0.95)
+    assert llama_cpp.command_line(sampled).endswith("--sampled --seed 3 --cpu-kinds native")
+    with pytest.raises(ValueError, match="sampling must be one of greedy, sampled, got 'nucleus'"):
+        LlamaCppConfig(target, sampling="nucleus")
 
 
 @pytest.mark.parametrize(
@@ -616,6 +661,9 @@ def test_the_systems_flags_need_llama_cpp():
     commands.add_bench_parser(parser.add_subparsers(dest="command", required=True))
     args = parser.parse_args(["bench", "--systems", "ngram"])
     with pytest.raises(ValueError, match="--systems: for the comparison with llama.cpp only .add --llama-cpp."):
+        args.run(args)
+    args = parser.parse_args(["bench", "--sampled"])  # the main bench runs greedy and sampled rows anyway
+    with pytest.raises(ValueError, match="--sampled: for the comparison with llama.cpp only"):
         args.run(args)
 
 
@@ -769,6 +817,45 @@ def test_issue_29s_goals_are_judged_from_the_rows():
     assert goals["edit, best drafter"]["met"] is True and goals["every drafter"]["met"] is True
 
 
+def test_a_sampled_run_is_also_judged_on_its_best_drafter_against_specdec_plain():
+    from specdec.tools.benchmark.goals import evaluate_llama_cpp_goals
+
+    rows = [
+        _row(engine, method, speed, prompt_set=set_name, llama_plain=10.0, plain=12.0)
+        for set_name, best in (("write", 16.0), ("edit", 20.0))
+        for engine, method, speed in [("llama.cpp", "plain", 10.0), ("specdec", "plain", 12.0)]
+        + [("specdec", "ngram", best), ("specdec", "eagle", 13.0)]
+    ]
+    assert "sampled, best drafter" not in {g["name"] for g in evaluate_llama_cpp_goals(rows)}
+    goal = evaluate_llama_cpp_goals(rows, "sampled")[-1]
+    assert (goal["name"], goal["bar"], goal["measured"], goal["met"]) == (
+        "sampled, best drafter",
+        1.5,
+        pytest.approx(16 / 12),
+        False,
+    )
+    assert goal["detail"].startswith("write: ngram 16.0 tok/s (1.33x); edit: ngram 20.0 tok/s (1.67x); missed by")
+
+
+def test_a_sampled_run_says_so_in_its_titles_and_docs_file(tmp_path):
+    results = _results("native")
+    results["cpu_kinds"][0]["sampling"] = {"name": "sampled", "temperature": 0.8, "top_p": 0.95}
+    for row in results["cpu_kinds"][0]["rows"]:
+        row["same_text_as_specdec_plain"] = None
+    text = llama_cpp_markdown(results)
+    assert "## AMD EPYC, AVX512 (as it is), sampled (temperature 0.8, top-p 0.95)" in text
+    assert table_rows(text)["specdec ngram"][-1] == "–"  # no text compared
+    assert "sampled, best drafter" in table_rows(text)
+    write_llama_cpp_docs(_results("native"), tmp_path)
+    write_llama_cpp_docs(results, tmp_path)  # beside the greedy run's, not over it
+    assert sorted(p.name for p in (tmp_path / "benchmarks" / "llama_cpp").iterdir()) == [
+        "native-sampled.json",
+        "native.json",
+    ]
+    page = (tmp_path / "benchmarks.md").read_text()
+    assert "## AMD EPYC, AVX512 (as it is)\n" in page and "(as it is), sampled (temperature 0.8" in page
+
+
 def test_the_goals_come_with_the_verdict_before_the_tables():
     text = llama_cpp_markdown(_results("native"))
     before_tables = " ".join(text[: text.index("## AMD EPYC")].split())
@@ -847,6 +934,21 @@ def test_every_specdec_system_runs_as_llm_builds_it_and_keeps_the_targets_output
     assert all(r["same_text_as_specdec_plain"] == 1 and r["ratio_to_specdec_plain"] > 0 for r in specdec_rows)
     ngram = next(r for r in rows if r["method"] == "ngram")
     assert ngram["alpha"] is not None and ngram["acceptance_by_position"] and ngram["cost_ratio_in_rounds"] >= 0
+
+
+@pytest.mark.filterwarnings("ignore:the draft .* has a context of")
+def test_a_sampled_run_samples_each_prompt_with_its_own_seed(tiny_models):
+    """Sampled at 0.8 / 0.95 with the prompt's seed: the same seed gives the same text, as the
+    target alone gives it (ngram drafts on a repeated prompt); another seed another text."""
+    config = LlamaCppConfig(tiny_models["model"], systems=("ngram",), max_tokens=16, k=3, sampling="sampled")
+    _, runners = llama_cpp.load_specdec(config)
+    plain, ngram = runners[SPECDEC_PLAIN], runners[System("specdec", "ngram")]
+    params = plain.params(seed=4)
+    assert (params.temperature, params.top_p, params.seed, params.max_tokens) == (0.8, 0.95, 4, 16)
+    ids = list(range(5, 25)) * 2
+    texts = {seed: plain(ids, "", seed).text for seed in range(4)}
+    assert plain(ids, "", 2).text == texts[2] and len(set(texts.values())) > 1
+    assert ngram(ids, "", 2).drafted is not None
 
 
 def test_an_other_tokenizer_draft_that_shares_the_targets_is_refused(tiny_models):

@@ -162,6 +162,12 @@ def add_bench_parser(commands) -> None:
         "(--systems); --write-docs writes its section of docs/benchmarks.md only",
     )
     p.add_argument(
+        "--sampled",
+        action="store_true",
+        help="with --llama-cpp: both engines sample at temperature 0.8, top-p 0.95 (prompt i seeded "
+        "--seed + i; llama.cpp's top-k and min-p off) instead of decoding greedily",
+    )
+    p.add_argument(
         "--systems",
         type=_name_list,
         metavar="NAME,NAME",
@@ -194,6 +200,7 @@ def run_bench(args) -> int:
 
     args.draft = _one_draft(args.draft)
     only_llama_cpp = [f for f in ("systems", "cross_tokenizer_draft") if getattr(args, f) is not None]
+    only_llama_cpp += ["sampled"] if args.sampled else []
     if only_llama_cpp and not args.llama_cpp:
         raise ValueError(
             f"{', '.join('--' + f.replace('_', '-') for f in only_llama_cpp)}: for the comparison with "

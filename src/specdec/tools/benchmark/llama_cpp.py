@@ -2,7 +2,8 @@
 
     specdec bench --llama-cpp [--model GGUF --draft GGUF] [--cross-tokenizer-draft MODEL]
                   [--head DIR] [--systems NAME,NAME,...] [--prompt-sets write,edit] [--prompts N]
-                  [--max-tokens N] [--cpu-kinds native|avx2|both] [--out DIR] [--write-docs]
+                  [--max-tokens N] [--sampled [--seed S]] [--cpu-kinds native|avx2|both]
+                  [--out DIR] [--write-docs]
 
 llama.cpp: its own tools (llama-completion, llama-bench, llama-lookup, llama-speculative-simple),
 built from the source that the llama-cpp-python sdist vendors: `pip download --no-binary :all:
@@ -26,8 +27,10 @@ system whose models are given or fetched, a note saying which were left out and 
 Every system gets the same text: a chat prompt is rendered with the target's chat template by
 specdec and handed to llama.cpp as raw text (-p, --no-escape, no template of its own), so both
 tokenize the same text; the prompt token counts each reports are checked against each other. Same
-threads (torch's), greedy (--temp 0 --top-k 1), at most max_tokens new tokens, both stopping at an
-end-of-sequence token; tokens/s is the tokens each generated over its time, prefill included.
+threads (torch's), greedy (--temp 0 --top-k 1) or with --sampled at temperature 0.8 and top-p 0.95
+(llama.cpp: --temp 0.8 --top-p 0.95 --top-k 0 --min-p 0, its other samplers off; prompt i seeded
+seed + i in both engines; sampled outputs are not compared), at most max_tokens new tokens, both
+stopping at an end-of-sequence token; tokens/s is the tokens each generated over its time, prefill included.
 llama.cpp's times are its own: llama-completion's "prompt eval" + "eval" lines, the speculative
 tools' "encoded" + "decoded" lines (which hold their drafting too), model loading left out, as
 specdec's model is loaded once before the timed calls. Acceptance is llama.cpp's n_accept ÷
@@ -51,6 +54,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import platform
 import re
 import shutil
 import statistics
@@ -60,7 +64,7 @@ import tarfile
 import tempfile
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 from specdec import paths
@@ -94,6 +98,14 @@ CPU_FLAGS = {  # ggml/CMakeLists.txt's instruction-set options
         "-DGGML_AMX_BF16=OFF",
     ),
 }
+# The vendored llama.cpp's AMX matmul (compiled in where -march=native has AMX: Sapphire Rapids and
+# later) dies with SIGILL at its first tile instruction on this project's Xeon machines: its tile
+# configuration, built on the stack, is optimised away and the worker threads never ask Linux for
+# the tile state (llama.cpp pull request 26954, open). The native build leaves AMX out (GCC's
+# explicit -mno-* flags win over -march=native's); its AVX-512 (VNNI) kernels run instead, as on a
+# CPU without AMX.
+NO_AMX = "-mno-amx-tile -mno-amx-int8 -mno-amx-bf16"
+X86_NATIVE_FLAGS = (f"-DCMAKE_C_FLAGS={NO_AMX}", f"-DCMAKE_CXX_FLAGS={NO_AMX}")
 STAMP = "specdec-build-flags.txt"  # in a build directory: the flags its binaries were built with
 DEFAULT_TARGET = "qwen2.5-coder-1.5b-instruct"
 DEFAULT_DRAFT = "qwen2.5-coder-0.5b-instruct"
@@ -137,7 +149,8 @@ class LlamaCppBuild:
 
     @property
     def flags(self) -> tuple[str, ...]:
-        return COMMON_FLAGS + CPU_FLAGS[self.kind]
+        x86 = platform.machine().lower() in ("x86_64", "amd64")
+        return COMMON_FLAGS + CPU_FLAGS[self.kind] + (X86_NATIVE_FLAGS if x86 and self.kind == "native" else ())
 
     def tool(self, name: str) -> Path:
         return self.build_dir / "bin" / name
@@ -147,7 +160,7 @@ class LlamaCppBuild:
         return (
             all(self.tool(name).is_file() for name in TOOLS)
             and stamp.is_file()
-            and stamp.read_text().split() == list(self.flags)
+            and stamp.read_text().splitlines() == list(self.flags)
         )
 
 
@@ -238,23 +251,36 @@ def _run_logged(command: list[str], log: Path, say: Say, what: str) -> None:
 
 @dataclass(frozen=True)
 class ToolOptions:
-    """What every llama.cpp tool is given: threads, new tokens, draft tokens per round (k)."""
+    """What every llama.cpp tool is given: threads, new tokens, draft tokens per round (k), and
+    how it samples (temperature 0: greedy)."""
 
     threads: int
     max_tokens: int
     k: int
     context: int = 4096
     seed: int = 0
+    temperature: float = 0.0
+    top_p: float = 1.0
 
     def __post_init__(self) -> None:
         for name in ("threads", "max_tokens", "k", "context"):
             value = getattr(self, name)
             if type(value) is not int or value < 1:
                 raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+        if not (self.temperature >= 0 and 0 < self.top_p <= 1):
+            raise ValueError(f"temperature must be >= 0 and top_p in (0, 1], got {self.temperature}, {self.top_p}")
+
+
+def _sampling_args(options: ToolOptions) -> list[str]:
+    """Greedy (--temp 0 --top-k 1), or temperature and top-p alone: llama.cpp's top-k (40) and
+    min-p (0.05), on by default, off, as specdec's SamplingParams has them."""
+    if options.temperature == 0:
+        return ["--temp", "0", "--top-k", "1"]
+    return ["--temp", str(options.temperature), "--top-p", str(options.top_p), "--top-k", "0", "--min-p", "0"]
 
 
 def _generation_args(model: str | Path, prompt: str, options: ToolOptions) -> list[str]:
-    """The prompt as raw text (no escapes processed: code holds backslashes), greedy."""
+    """The prompt as raw text (no escapes processed: code holds backslashes), sampled as options say."""
     return [
         "-m",
         str(model),
@@ -265,10 +291,7 @@ def _generation_args(model: str | Path, prompt: str, options: ToolOptions) -> li
         str(options.max_tokens),
         "-t",
         str(options.threads),
-        "--temp",
-        "0",
-        "--top-k",
-        "1",
+        *_sampling_args(options),
         "-c",
         str(options.context),
         "-s",
@@ -507,6 +530,7 @@ NEEDS = {  # each system that needs a model, the LlamaCppConfig field naming it 
 }
 DEFAULT_CROSS_DRAFT = "smollm2"  # the registry's SmolLM2-135M-Instruct (Q4_1 GGUF), another tokenizer
 INNER_COUNTS = ("drafted", "judged", "accepted", "emitted", "forwards")
+SAMPLING_NAMES = ("greedy", "sampled")  # LlamaCppConfig.sampling: the main bench's GREEDY and SAMPLED
 
 
 def prompt_sets() -> dict:
@@ -527,7 +551,8 @@ class LlamaCppConfig:
     directory; systems: the methods compared (METHODS; None: every one whose model is given;
     "plain" is always added); skipped: notes on systems left out, for the report; k: draft
     tokens per round (llama.cpp's --spec-draft-n-max; specdec's most, by goodput); threads:
-    None = torch's."""
+    None = torch's; sampling: "greedy" or "sampled" (temperature 0.8, top-p 0.95: the main
+    bench's GREEDY and SAMPLED settings), prompt i of a set seeded seed + i."""
 
     model: str
     draft: str | None = None
@@ -543,9 +568,22 @@ class LlamaCppConfig:
     max_prompt_chars: int = 1200
     bench_repetitions: int = 5
     step_repeats: int = 20
+    sampling: str = "greedy"
+    seed: int = 0
+
+    @property
+    def setting(self):
+        """The SamplingSetting (benchmark/run.py) both engines sample with."""
+        from specdec.tools.benchmark.run import GREEDY, SAMPLED
+
+        return {s.name: s for s in (GREEDY, SAMPLED)}[self.sampling]
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "prompt_sets", tuple(self.prompt_sets))
+        if self.sampling not in SAMPLING_NAMES:
+            raise ValueError(f"sampling must be one of {', '.join(SAMPLING_NAMES)}, got {self.sampling!r}")
+        if type(self.seed) is not int:
+            raise ValueError(f"seed must be an integer, got {self.seed!r}")
         object.__setattr__(self, "skipped", tuple(self.skipped))
         if self.systems is None:
             systems = [m for m in METHODS if m not in NEEDS or getattr(self, NEEDS[m][0]) is not None]
@@ -635,7 +673,15 @@ def measure(config: LlamaCppConfig, say: Say) -> dict:
     from specdec.tools.benchmark.machine import describe_machine
 
     build = ensure_built(LlamaCppBuild(process_cpu_kind()), say)
-    options = ToolOptions(config.threads or torch.get_num_threads(), config.max_tokens, config.k)
+    setting = config.setting
+    options = ToolOptions(
+        config.threads or torch.get_num_threads(),
+        config.max_tokens,
+        config.k,
+        seed=config.seed,
+        temperature=setting.temperature,
+        top_p=setting.top_p,
+    )
     others = [path for path in (config.draft, config.cross_draft, config.head) if path is not None]
     say(f"loading {config.model}" + "".join(f", {path}" for path in others) + " into specdec")
     target, specdec = load_specdec(config)
@@ -644,9 +690,9 @@ def measure(config: LlamaCppConfig, say: Say) -> dict:
     say("warming up specdec")
     warm_up(specdec, max((ids for pairs in prompts.values() for _, ids, _ in pairs), key=len), config)
     load_before = os.getloadavg()[0]
-    records = interleave(runners, prompts, say)
+    records = interleave(runners, prompts, say, config.seed)
     load_after = os.getloadavg()[0]
-    rows = summarize(records, list(runners), config.k, config.prompt_sets)
+    rows = summarize(records, list(runners), config.k, config.prompt_sets, compare_texts=setting.temperature == 0)
     say("measuring what a verify forward costs (llama-bench, and specdec's runner)")
     llama_bench = parse_llama_bench(
         run_tool(bench_command(build, config.model, options.threads, config.bench_repetitions))[0]
@@ -654,6 +700,7 @@ def measure(config: LlamaCppConfig, say: Say) -> dict:
     return {
         "cpu_kind": process_cpu_kind(),
         "cpu_capability": torch.backends.cpu.get_cpu_capability(),
+        "sampling": asdict(setting),
         "machine": describe_machine("cpu"),
         "threads": options.threads,
         "load_average": {"before": load_before, "after": load_after},  # other work on the machine
@@ -669,7 +716,7 @@ def measure(config: LlamaCppConfig, say: Say) -> dict:
         },
         "verify_cost": {"llama.cpp": llama_bench, "specdec": specdec_verify_cost(target, config)},
         "rows": rows,
-        "goals": evaluate_llama_cpp_goals(rows),
+        "goals": evaluate_llama_cpp_goals(rows, setting.name),
         "notes": list(config.skipped) + prompt_token_notes(records, prompts),
         "runs": runs_json(records, prompts),
     }
@@ -686,7 +733,7 @@ def load_specdec(config: LlamaCppConfig):
     from specdec.spec.staged import StagedDrafter
 
     target = LLM(config.model)
-    runners = {SPECDEC_PLAIN: SpecdecRunner(target, config.max_tokens)}
+    runners = {SPECDEC_PLAIN: SpecdecRunner(target, config.max_tokens, config.setting)}
     wanted = set(config.systems or ())
 
     def drafter_for(model, method: str | None):
@@ -696,7 +743,7 @@ def load_specdec(config: LlamaCppConfig):
 
     def add(method: str, drafter, k_policy: str) -> None:
         runners[System("specdec", method)] = SpecdecRunner(
-            target.with_drafter(drafter, config.k, k_policy), config.max_tokens
+            target.with_drafter(drafter, config.k, k_policy), config.max_tokens, config.setting
         )
 
     if "ngram" in wanted:
@@ -736,16 +783,17 @@ def load_specdec(config: LlamaCppConfig):
 
 
 class SpecdecRunner:
-    """One greedy generate of prompt token ids, timed, with its prefill's share, its rounds'
-    counts (SpecStats) and where their time went (Engine.timings)."""
+    """One generate of prompt token ids as setting samples (a SamplingSetting), timed, with its
+    prefill's share, its rounds' counts (SpecStats) and where their time went (Engine.timings)."""
 
-    def __init__(self, llm, max_tokens: int):
-        self.llm, self.max_tokens = llm, max_tokens
+    def __init__(self, llm, max_tokens: int, setting):
+        self.llm, self.max_tokens, self.setting = llm, max_tokens, setting
 
-    def __call__(self, ids: list[int], text: str, max_tokens: int | None = None) -> Timed:
-        from specdec.config import SamplingParams
+    def params(self, seed: int, max_tokens: int | None = None):
+        return self.setting.params(max_tokens or self.max_tokens, seed)
 
-        params = SamplingParams(temperature=0, max_tokens=max_tokens or self.max_tokens)
+    def __call__(self, ids: list[int], text: str, seed: int = 0) -> Timed:
+        params = self.params(seed)
         start = time.perf_counter()
         output = self.llm.generate({"prompt_token_ids": ids}, params)[0]
         seconds = time.perf_counter() - start
@@ -789,15 +837,16 @@ class ToolRunner:
         self.build, self.system, self.config, self.options = build, system, config, options
         self.last_stderr = ""
 
-    def command(self, text: str) -> list[str]:
+    def command(self, text: str, seed: int = 0) -> list[str]:
+        options = replace(self.options, seed=seed)
         if self.system.method == "plain":
-            return completion_command(self.build, self.config.model, text, self.options)
+            return completion_command(self.build, self.config.model, text, options)
         if self.system.method == "ngram":
-            return lookup_command(self.build, self.config.model, text, self.options)
-        return speculative_command(self.build, self.config.model, self.config.draft, text, self.options)
+            return lookup_command(self.build, self.config.model, text, options)
+        return speculative_command(self.build, self.config.model, self.config.draft, text, options)
 
-    def __call__(self, ids: list[int], text: str) -> Timed:
-        stdout, self.last_stderr = run_tool(self.command(text))
+    def __call__(self, ids: list[int], text: str, seed: int = 0) -> Timed:
+        stdout, self.last_stderr = run_tool(self.command(text, seed))
         if self.system.method == "plain":
             return parse_completion(stdout, self.last_stderr)
         return parse_speculative(stdout, self.last_stderr, text)
@@ -834,10 +883,8 @@ def encode_prompts(target, config: LlamaCppConfig, set_name: str) -> list[tuple]
 def warm_up(runners: dict, ids: list[int], config: LlamaCppConfig) -> None:
     """Each specdec system pays its first calls' costs (allocating for the longest prompt, ids;
     goodput's calibration) untimed, with LLM.warm_up. (Each llama.cpp tool warms up by itself.)"""
-    from specdec.config import SamplingParams
-
     for runner in runners.values():
-        runner.llm.warm_up(ids, SamplingParams(temperature=0, max_tokens=config.max_tokens))
+        runner.llm.warm_up(ids, runner.params(config.seed))
 
 
 @dataclass(frozen=True)
@@ -848,15 +895,16 @@ class Record:
     timed: Timed
 
 
-def interleave(runners: dict, prompts: dict, say: Say) -> list[Record]:
-    """Every system on every prompt, the order rotated from prompt to prompt."""
+def interleave(runners: dict, prompts: dict, say: Say, seed: int = 0) -> list[Record]:
+    """Every system on every prompt, the order rotated from prompt to prompt; prompt i of a set
+    seeded seed + i (a sampled run's)."""
     systems, records = list(runners), []
     for set_name, pairs in prompts.items():
         for index, (prompt, ids, text) in enumerate(pairs):
             say(f"[{set_name} {index + 1}/{len(pairs)}] {prompt.name} ({len(ids)} prompt tokens)")
             shift = index % len(systems)
             for system in systems[shift:] + systems[:shift]:
-                records.append(Record(set_name, index, system, runners[system](ids, text)))
+                records.append(Record(set_name, index, system, runners[system](ids, text, seed + index)))
     return records
 
 
@@ -882,10 +930,13 @@ def specdec_verify_cost(target, config: LlamaCppConfig) -> dict:
 # -- summarizing -----------------------------------------------------------------------------
 
 
-def summarize(records: list[Record], systems: list[System], k: int, set_names) -> list[dict]:
+def summarize(
+    records: list[Record], systems: list[System], k: int, set_names, compare_texts: bool = True
+) -> list[dict]:
     """A row per (prompt set, system): tokens/s with the prefill, its ratio to llama.cpp plain
     and to specdec plain, the prompt and decode rates, acceptance, τ, how many outputs agree with
-    specdec plain's; for specdec's rows α, acceptance by position and c as paid in the rounds."""
+    specdec plain's (compare_texts: greedy runs; None otherwise); for specdec's rows α,
+    acceptance by position and c as paid in the rounds."""
     rows = []
     for set_name in set_names:
         group = []
@@ -899,7 +950,9 @@ def summarize(records: list[Record], systems: list[System], k: int, set_names) -
                 "label": system.label(k),
                 **pooled([t for _, t in runs]),
             }
-            row["same_text_as_specdec_plain"] = sum(_agree(t.text, plain_texts.get(i)) for i, t in runs)
+            row["same_text_as_specdec_plain"] = (
+                sum(_agree(t.text, plain_texts.get(i)) for i, t in runs) if compare_texts else None
+            )
             group.append(row)
         baseline = next(row for row in group if row["engine"] == "llama.cpp" and row["method"] == "plain")
         ours = next((row for row in group if (row["engine"], row["method"]) == ("specdec", "plain")), None)
@@ -1070,6 +1123,8 @@ def llama_cpp_config(args) -> LlamaCppConfig:
         prompts_per_set=_given_or(args.prompts, QUICK_PROMPTS if args.quick else FULL_PROMPTS),
         max_tokens=_given_or(args.max_tokens, 128),
         k=max(args.ks) if args.ks else 5,
+        sampling="sampled" if args.sampled else "greedy",
+        seed=args.seed,
     )
 
 
@@ -1100,6 +1155,8 @@ def command_line(args) -> str:
         words += ["--ks", ",".join(map(str, args.ks))]
     if args.quick:
         words.append("--quick")
+    if args.sampled:
+        words += ["--sampled"] + (["--seed", str(args.seed)] if args.seed else [])
     return " ".join(words + ["--cpu-kinds", cpu_kinds_arg(args)] + (["--write-docs"] if args.write_docs else []))
 
 

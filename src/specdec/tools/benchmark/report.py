@@ -722,15 +722,17 @@ def llama_cpp_section(kinds: list[dict], title_level: int = 2) -> str:
 LLAMA_CPP_INTRO = (
     "specdec and llama.cpp's own tools (built from the source llama-cpp-python 0.3.36 vendors) on the same GGUF "
     "file, the same prompt text (a chat prompt rendered with the target's chat template by specdec, handed to "
-    "llama.cpp as raw text; the prompt token counts both report are checked), the same threads, greedy, up to "
+    "llama.cpp as raw text; the prompt token counts both report are checked), the same threads, greedy (or, "
+    "where the title says so, sampled at the same temperature and top-p, llama.cpp's top-k and min-p off, "
+    "prompt i seeded seed + i in both), up to "
     "the same number of new tokens, both stopping at an end-of-sequence token; every system interleaved prompt "
     "by prompt in one run. tok/s: the tokens each generated over its time with the prefill (llama.cpp's own "
     "timing lines: prompt eval + eval, or its speculative tools' encoded + decoded; model loading left out on "
     "both sides); x llama.cpp plain: times llama.cpp plain's tok/s. Accepted ÷ drafted: llama.cpp's n_accept "
     "÷ n_drafted, specdec's accepted ÷ proposed draft tokens, the same measure; τ: tokens per target forward, "
     "tokens ÷ (tokens − accepted). specdec runs as `LLM` does by default: the file's quantized weights, k "
-    "chosen by goodput up to k; llama.cpp drafts k tokens every round. Same text: outputs that agree with "
-    "specdec plain's as far as the shorter goes, of the prompts. specdec's drafters: α is accepted ÷ judged "
+    "chosen by goodput up to k; llama.cpp drafts k tokens every round. Same text: greedy outputs that agree "
+    "with specdec plain's as far as the shorter goes, of the prompts. specdec's drafters: α is accepted ÷ judged "
     "(the draft tokens the verifier reached), acceptance by position accepted ÷ proposed at each draft "
     "position, c in rounds the drafter's seconds per draft token asked for (the k of every round summed) ÷ "
     "specdec plain's seconds per target forward; staged drafts are prompt lookup drafting for the draft "
@@ -753,7 +755,7 @@ def llama_cpp_goals_text(kind: dict) -> str:
     each goal is and how it was judged."""
     from specdec.tools.benchmark.goals import evaluate_llama_cpp_goals
 
-    goals = evaluate_llama_cpp_goals(kind["rows"])
+    goals = evaluate_llama_cpp_goals(kind["rows"], _sampling_name(kind))
     counts = [sum(g["met"] is value for g in goals) for value in (True, False, None)]
     words = [f"**{counts[0]} of {len(goals)} met**", f"{counts[1]} missed"]
     if counts[2]:
@@ -789,7 +791,7 @@ def llama_cpp_table(kind: dict, set_name: str) -> str:
             _number(r["acceptance"], 2),
             _number(r["tau"], 2),
             str(r["tokens"]),
-            f"{r['same_text_as_specdec_plain']} of {r['prompts']}",
+            "–" if r["same_text_as_specdec_plain"] is None else f"{r['same_text_as_specdec_plain']} of {r['prompts']}",
         ]
         for r in kind["rows"]
         if r["prompt_set"] == set_name
@@ -881,7 +883,22 @@ def verify_cost_table(costs: dict) -> str:
 
 def _cpu_kind_title(kind: dict) -> str:
     held = "held to AVX2" if kind["cpu_kind"] == "avx2" else "as it is"
-    return f"{kind['machine']['cpu']}, {kind['cpu_capability']} ({held})"
+    title = f"{kind['machine']['cpu']}, {kind['cpu_capability']} ({held})"
+    sampling = kind.get("sampling") or {"name": "greedy"}
+    if sampling["name"] == "greedy":
+        return title
+    return f"{title}, sampled (temperature {sampling['temperature']:g}, top-p {sampling['top_p']:g})"
+
+
+def _sampling_name(kind: dict) -> str:
+    """ "greedy" or "sampled": the run's sampling (greedy for a run from before --sampled)."""
+    return (kind.get("sampling") or {"name": "greedy"})["name"]
+
+
+def _docs_file_name(kind: dict) -> str:
+    """The docs' data file of a CPU kind and sampling: native.json, avx2-sampled.json, ..."""
+    sampling = _sampling_name(kind)
+    return kind["cpu_kind"] + ("" if sampling == "greedy" else f"-{sampling}") + ".json"
 
 
 def _llama_cpp_setup(kind: dict) -> str:
@@ -909,18 +926,19 @@ def _llama_cpp_setup(kind: dict) -> str:
 
 
 def write_llama_cpp_docs(results: dict, docs_dir: str | Path) -> Path:
-    """docs/benchmarks/llama_cpp/<cpu kind>.json for each CPU kind measured, then the section of
-    docs/benchmarks.md between LLAMA_CPP_START and LLAMA_CPP_END from every kind's latest file
-    (placed after KEPT_MARKER the first time, so the main bench's --write-docs keeps it)."""
+    """docs/benchmarks/llama_cpp/<cpu kind>[-sampled].json for each CPU kind measured, then the
+    section of docs/benchmarks.md between LLAMA_CPP_START and LLAMA_CPP_END from every kind's and
+    sampling's latest file (placed after KEPT_MARKER the first time, so the main bench's
+    --write-docs keeps it)."""
     docs_dir = Path(docs_dir)
     data_dir = docs_dir / "benchmarks" / LLAMA_CPP_DIR
     data_dir.mkdir(parents=True, exist_ok=True)
     for measured in results["cpu_kinds"]:
         kind = {**measured, "config": results["config"], "command": results.get("command")}
-        (data_dir / f"{measured['cpu_kind']}.json").write_text(json.dumps(_json_safe(kind), indent=2) + "\n")
+        (data_dir / _docs_file_name(kind)).write_text(json.dumps(_json_safe(kind), indent=2) + "\n")
     kinds = [
         json.loads((data_dir / f"{name}.json").read_text())
-        for name in ("native", "avx2")
+        for name in ("native", "avx2", "native-sampled", "avx2-sampled")
         if (data_dir / f"{name}.json").is_file()
     ]
     section = f"{LLAMA_CPP_START}\n{llama_cpp_section(kinds)}\n{LLAMA_CPP_END}"
