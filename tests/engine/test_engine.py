@@ -62,8 +62,9 @@ def test_greedy_speculative_equals_target_alone(tiny_pair, plain, method):
 def test_lookup_then_draft_drafts_by_model_only_where_lookup_finds_nothing(tmp_path):
     """Over 12 tokens, random text soon repeats pairs of tokens, so prompt lookup (matches of
     at least 2 tokens) finds something in some rows and rounds and not in others: the draft
-    model drafts for exactly the greedy rows it found nothing for and for every sampled row;
-    a round mixes both kinds of row; greedy output is still the target's."""
+    model drafts for exactly the greedy rows it found nothing for; a round mixes both kinds of
+    row; greedy output is still the target's. A sampled row with a match takes lookup first,
+    and then by how each has fared on it (LookupThenDraftDrafter.takes_lookup)."""
     small = dict(vocab_size=12, tokenizer=False, init_std=0.5)
     target = save_tiny_model(tmp_path / "target", "llama", seed=5, **small)
     draft = save_tiny_model(tmp_path / "draft", "llama", seed=6, num_hidden_layers=1, **small)
@@ -105,9 +106,43 @@ def test_lookup_then_draft_drafts_by_model_only_where_lookup_finds_nothing(tmp_p
     rounds.clear()
     outputs = llm.generate(prompts, [GREEDY, sampled] * 3)
     sampled_ids = {out.request_id for out in outputs[1::2]}
-    early = rounds[:5]  # every row still runs: 40 tokens take at least 8 rounds
-    assert all(sampled_ids <= drafted and not (matched - sampled_ids) & drafted for matched, drafted in early)
+    assert all(not (matched - sampled_ids) & drafted for matched, drafted in rounds)  # greedy: lookup on a match
     assert any(matched - sampled_ids for matched, _ in rounds)  # greedy rows still looked up, beside sampled ones
+    assert any(matched & sampled_ids for matched, _ in rounds) and any(drafted & sampled_ids for _, drafted in rounds)
+
+
+def test_a_sampled_row_takes_lookup_while_it_fares_as_well_as_the_drafter():
+    """A sampled row's looked-up tokens are kept with the target's probability of them: the row
+    takes lookup first (both estimates start at the prior; lookup costs nothing), the drafter
+    once its looked-up tokens are rejected, lookup again once the drafter fares worse; a greedy
+    row always takes a match."""
+    from types import SimpleNamespace
+
+    from specdec.drafters.lookup_then_draft import DRAFTER, LOOKUP, LookupThenDraftDrafter
+    from specdec.drafters.ngram import NgramDrafter
+
+    behind = SimpleNamespace(needs_target_hidden=False, observe=lambda batch, accepted: None, release=lambda s: None)
+    drafter = LookupThenDraftDrafter(NgramDrafter(2), behind)  # pyright: ignore[reportArgumentType]
+    seq = SimpleNamespace(request_id="a")
+
+    def round_of(source: str, accepted: int, proposed: int = 4) -> None:
+        drafter.last_round[seq.request_id] = (source, proposed)
+        drafter.observe([seq], torch.tensor([accepted]))  # pyright: ignore[reportArgumentType]
+
+    assert drafter.takes_lookup(seq, greedy=False)  # pyright: ignore[reportArgumentType]
+    round_of(LOOKUP, 0)
+    assert not drafter.takes_lookup(seq, greedy=False) and drafter.takes_lookup(seq, greedy=True)  # pyright: ignore[reportArgumentType]
+    round_of(DRAFTER, 4)
+    assert not drafter.takes_lookup(seq, greedy=False)  # pyright: ignore[reportArgumentType]
+    switched_back = 0
+    for n in range(1, 20):  # the drafter's tokens now rejected: lookup's estimate drifts back and wins
+        round_of(DRAFTER, 0)
+        if drafter.takes_lookup(seq, greedy=False):  # pyright: ignore[reportArgumentType]
+            switched_back = n
+            break
+    assert 2 <= switched_back <= 8  # not at the first rejection, nor never
+    drafter.release(seq)  # pyright: ignore[reportArgumentType]
+    assert seq.request_id not in drafter.rates
 
 
 def test_lookup_then_draft_merges_point_masses_with_the_draft_models_distributions():

@@ -46,6 +46,9 @@ RUNS = {
     "eagle": ["T0.9-top_k8-top_p0.9-min_p0.05"],  # an untrained head: its distributions are the target's
     # output layer over features it got wrong
     "draft_model_tree": ["T1.3-top_p0.8"],  # a tree: here 3 siblings, judged one after another
+    # prompt lookup where a row's looked-up tokens have fared as well as the draft model's, the
+    # draft model elsewhere: each row's proposal chosen from its own earlier rounds
+    "lookup_then_draft": ["T1.0"],
 }
 TREE = dict(speculative_tree="3,2", num_speculative_tokens=5)
 # adaptive k (a row stops drafting after a draft token of draft probability < this): only in
@@ -181,8 +184,8 @@ def assert_follows(samples: np.ndarray, probs: np.ndarray, what: str) -> None:
 
 def make_llm(setup, drafter: str, **kwargs) -> LLM:
     speculative_model = {"ngram": "[ngram]", "eagle": setup["head"]}.get(drafter, setup["draft"])
-    if drafter == "eagle":
-        kwargs["speculative_method"] = "eagle"
+    if drafter in ("eagle", "lookup_then_draft"):
+        kwargs["speculative_method"] = drafter
     if drafter == "draft_model_adaptive":
         kwargs["draft_confidence_threshold"] = CONFIDENCE_THRESHOLD
     if drafter == "draft_model_tree":

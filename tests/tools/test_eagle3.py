@@ -197,6 +197,37 @@ def test_the_command_line_trains_an_eagle3_head_and_refuses_eagle1_flags(corpus,
     assert log["text"] == str(text) and 29 <= log["text_tokens"] <= 30
 
 
+def test_a_run_from_init_head_starts_where_that_head_ended_and_refuses_another_shape(corpus, tmp_path, capsys):
+    """--init-head: the run's first held-out evaluation is the saved head's last (the same
+    weights and scored tokens on the same held-out windows); a head of another shape is refused
+    by name, and EAGLE-1 training refuses the flag."""
+    config = TrainConfig(
+        steps=6, batch_size=2, lr=3e-3, eval_every=0, checkpoint_every=0, log_every=0, eval_tokens=96, bf16=False
+    )
+    eagle3 = Eagle3Config(feature_layers=(0, 2), ttt_steps=2, context=48, output_vocab=40, intermediate_size=64)
+    features = tmp_path / "features"
+    first = train_eagle3(corpus["target"], corpus["data"], tmp_path / "a", config, eagle3, features, "float32")
+    go_on = train_eagle3(
+        corpus["target"], corpus["data"], tmp_path / "b", config, eagle3, features, "float32", init_head=tmp_path / "a"
+    )
+    assert go_on.first_evaluation == pytest.approx(first.last_evaluation, abs=1e-4)
+    target_config = load_pretrained(corpus["target"], "float32").model.config
+    heads = [load_head(tmp_path / name, target_config, torch.float32) for name in ("a", "b")]
+    assert torch.equal(heads[0].output_token_ids, heads[1].output_token_ids)
+    assert json.loads((tmp_path / "b" / "training_log.json").read_text())["init_head"] == str(tmp_path / "a")
+    wider = Eagle3Config(feature_layers=(0, 2), ttt_steps=2, context=48, output_vocab=50, intermediate_size=64)
+    with pytest.raises(ValueError, match="another shape: output_vocab_size 40 .this run: 50."):
+        train_eagle3(corpus["target"], corpus["data"], tmp_path / "c", config, wider, features, init_head=tmp_path / "a")
+    other_layers = Eagle3Config(feature_layers=(1, 2), ttt_steps=2, context=48, output_vocab=40, intermediate_size=64)
+    with pytest.raises(ValueError, match=r"reads the target's layers \[0, 2\], this run \[1, 2\]"):
+        train_eagle3(
+            corpus["target"], corpus["data"], tmp_path / "d", config, other_layers, tmp_path / "f2", init_head=tmp_path / "a"
+        )
+    eagle1 = ["train-heads", str(corpus["target"]), "--out", str(tmp_path / "e"), "--init-head", str(tmp_path / "a")]
+    assert main(eagle1) == 2
+    assert "--init-head starts an EAGLE-3 head's training" in capsys.readouterr().err
+
+
 def test_documents_a_corpus_gains_are_added_after_the_stored_ones(corpus, tmp_path):
     target = load_pretrained(corpus["target"], "float32")
     growing = tmp_path / "data"

@@ -937,18 +937,22 @@ def test_every_specdec_system_runs_as_llm_builds_it_and_keeps_the_targets_output
 
 
 @pytest.mark.filterwarnings("ignore:the draft .* has a context of")
-def test_a_sampled_run_samples_each_prompt_with_its_own_seed(tiny_models):
-    """Sampled at 0.8 / 0.95 with the prompt's seed: the same seed gives the same text, as the
-    target alone gives it (ngram drafts on a repeated prompt); another seed another text."""
+def test_a_sampled_run_seeds_the_shared_stream_and_leaves_k_to_goodput(tiny_models):
+    """Sampled at 0.8 / 0.95: the request carries no seed (a seeded one keeps the fixed k), the
+    prompt's seed seeds the stream unseeded requests share: the same seed gives the target alone
+    the same text, another seed another; a drafter's rounds take goodput's k."""
     config = LlamaCppConfig(tiny_models["model"], systems=("ngram",), max_tokens=16, k=3, sampling="sampled")
     _, runners = llama_cpp.load_specdec(config)
     plain, ngram = runners[SPECDEC_PLAIN], runners[System("specdec", "ngram")]
     params = plain.params(seed=4)
-    assert (params.temperature, params.top_p, params.seed, params.max_tokens) == (0.8, 0.95, 4, 16)
+    assert (params.temperature, params.top_p, params.seed, params.max_tokens) == (0.8, 0.95, None, 16)
     ids = list(range(5, 25)) * 2
     texts = {seed: plain(ids, "", seed).text for seed in range(4)}
     assert plain(ids, "", 2).text == texts[2] and len(set(texts.values())) > 1
-    assert ngram(ids, "", 2).drafted is not None
+    policy = ngram.llm.engine.k_choice.policy
+    before = sum(policy.k_counts.values())
+    rounds = ngram(ids, "", 2).rounds
+    assert rounds and sum(policy.k_counts.values()) - before == rounds  # every round's k was goodput's
 
 
 def test_an_other_tokenizer_draft_that_shares_the_targets_is_refused(tiny_models):

@@ -28,8 +28,10 @@ Every system gets the same text: a chat prompt is rendered with the target's cha
 specdec and handed to llama.cpp as raw text (-p, --no-escape, no template of its own), so both
 tokenize the same text; the prompt token counts each reports are checked against each other. Same
 threads (torch's), greedy (--temp 0 --top-k 1) or with --sampled at temperature 0.8 and top-p 0.95
-(llama.cpp: --temp 0.8 --top-p 0.95 --top-k 0 --min-p 0, its other samplers off; prompt i seeded
-seed + i in both engines; sampled outputs are not compared), at most max_tokens new tokens, both
+(llama.cpp: --temp 0.8 --top-p 0.95 --top-k 0 --min-p 0, its other samplers off, prompt i seeded
+seed + i; specdec's requests unseeded, as most users' are: a seeded sampled request keeps the
+fixed k, since its tokens must not depend on the timings goodput reads, so seeding them would
+measure fixed k; sampled outputs are not compared), at most max_tokens new tokens, both
 stopping at an end-of-sequence token; tokens/s is the tokens each generated over its time, prefill included.
 llama.cpp's times are its own: llama-completion's "prompt eval" + "eval" lines, the speculative
 tools' "encoded" + "decoded" lines (which hold their drafting too), model loading left out, as
@@ -790,10 +792,20 @@ class SpecdecRunner:
         self.llm, self.max_tokens, self.setting = llm, max_tokens, setting
 
     def params(self, seed: int, max_tokens: int | None = None):
-        return self.setting.params(max_tokens or self.max_tokens, seed)
+        """Greedy, or sampled without a seed of the request's own: a seeded sampled request keeps
+        the fixed k (spec/k_choice.py), and the bench measures k by goodput, as users get it
+        without a seed. seed seeds the shared stream instead (torch's), before each generate."""
+        params = self.setting.params(max_tokens or self.max_tokens, seed)
+        return params if params.greedy else replace(params, seed=None)
 
     def __call__(self, ids: list[int], text: str, seed: int = 0) -> Timed:
         params = self.params(seed)
+        if not params.greedy:
+            self.llm.engine.shared_generator.manual_seed(seed)  # the stream unseeded requests share
+        return self._timed(ids, params)
+
+    def _timed(self, ids: list[int], params) -> Timed:
+
         start = time.perf_counter()
         output = self.llm.generate({"prompt_token_ids": ids}, params)[0]
         seconds = time.perf_counter() - start

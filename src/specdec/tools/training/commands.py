@@ -242,6 +242,13 @@ def add_train_heads_parser(commands) -> None:
     e.add_argument(
         "--text-tokens", type=int, metavar="N", help="how many of --text's tokens (default 1,000,000, shuffled)"
     )
+    e.add_argument(
+        "--init-head",
+        metavar="DIR",
+        help="start from this EAGLE-3 head's weights and scored tokens (the same shape: --output-vocab, "
+        "--head-intermediate and --feature-layers as it was trained with) instead of random ones: to go "
+        "on training a head, a shipped one, on more data",
+    )
     e.add_argument("--features", help="where the target's features are stored (default: OUT.features)")
     e.add_argument(
         "--feature-layers",
@@ -448,6 +455,8 @@ def run_train_heads(args) -> int:
             "--text and --text-tokens feed an EAGLE-3 head's training (--eagle3 --data); an EAGLE-1 "
             "head trains on --corpus"
         )
+    if args.init_head is not None:
+        raise ValueError("--init-head starts an EAGLE-3 head's training (--eagle3 --data) from a head of the same shape")
     if args.on_policy_fraction == 0 and (args.sample_temperatures is not None or args.prompt_tokens is not None):
         raise ValueError(
             "--sample-temperatures and --prompt-tokens shape the text the target writes, which "
@@ -503,6 +512,7 @@ def _run_train_eagle3(args) -> int:
                 args.features,
                 **_output_options(args),
                 **_text_options(args),
+                **_init_options(args),
             )
     except KeyboardInterrupt:
         return _interrupted(args)
@@ -517,6 +527,11 @@ def _text_options(args) -> dict:
             raise ValueError("--text-tokens says how much of --text to read; give --text CORPUS too")
         return {}
     return {"text": args.text, **({"text_tokens": args.text_tokens} if args.text_tokens is not None else {})}
+
+
+def _init_options(args) -> dict:
+    """--init-head as train_eagle3's argument."""
+    return {} if args.init_head is None else {"init_head": args.init_head}
 
 
 def _interrupted(args) -> int:

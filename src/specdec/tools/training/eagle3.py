@@ -57,7 +57,15 @@ import numpy as np
 import torch
 
 from specdec.config import check, is_int, is_real
-from specdec.models.eagle import HEAD_CONFIG, HEAD_WEIGHTS, EagleHead, eagle3_feature_layers, head_config, save_head
+from specdec.models.eagle import (
+    HEAD_CONFIG,
+    HEAD_WEIGHTS,
+    EagleHead,
+    eagle3_feature_layers,
+    head_config,
+    load_head,
+    save_head,
+)
 from specdec.models.loader import LoadedModel, load_pretrained
 from specdec.platform import cpu_model
 from specdec.tools.training.corpus import HELD_OUT_DIRECTORY, Corpus, load_corpus
@@ -571,10 +579,13 @@ def train_eagle3(
     force: bool = False,
     text: str | Path | None = None,
     text_tokens: int = DEFAULT_TEXT_TOKENS,
+    init_head: str | Path | None = None,
 ) -> TrainResult:
     """Store the target's features over the chat-data corpus in data (and text_tokens tokens of
     the text corpus text: a directory or file, or TEXT_STDLIB; None: none) once, then train (or
-    resume training) an EAGLE-3 head over them and write it to out."""
+    resume training) an EAGLE-3 head over them and write it to out. init_head: an EAGLE-3 head's
+    directory of the same shape whose weights (and scored tokens) the run starts from, to go on
+    training a head (a shipped one) on more data; None: random weights."""
     data, out = Path(data).expanduser(), Path(out).expanduser()
     features_dir = Path(features_dir).expanduser() if features_dir else out.with_name(out.name + ".features")
     check_save_dtype(save_dtype)
@@ -601,12 +612,18 @@ def train_eagle3(
     inputs = {"TARGET": Path(str(target.path)), "--data": data}
     if text is not None and str(text) != TEXT_STDLIB:
         inputs["--text"] = Path(text).expanduser()
+    if init_head is not None:
+        init_head = Path(init_head).expanduser()
+        inputs["--init-head"] = init_head
     with open_run_output(out, KIND, inputs, force, HEAD_RUN_ENTRIES) as output:
         checkpoint = resume_checkpoint(output, restart, require_checkpoint)
         target_config = target.model.config
         shape = head_config(target_config, eagle3.output_vocab, eagle3.intermediate_size)
         head = initialise(EagleHead(shape, layers), 1, config.seed).to(config.device)
-        if eagle3.output_vocab:
+        if init_head is not None:
+            start_from(head, init_head, target_config)
+            log(f"starting from {init_head}'s weights and scored tokens")
+        elif eagle3.output_vocab:
             answers = answer_tokens(train)
             count = min(eagle3.output_vocab, target_config.vocab_size)
             ids = frequent_tokens(answers, target_config.vocab_size, count, always=tuple(target.eos_token_ids))
@@ -619,6 +636,7 @@ def train_eagle3(
             "feature_layers": list(layers),
             "eagle3": _plain(dataclasses.asdict(eagle3)),
             "features": {k: manifest[k] for k in ("target", "top_k", "dtype", "splits")},
+            "init_head": None if init_head is None else str(init_head),
         }
         task = eagle3_task(head, target, train, held_out, config, eagle3, identity)
         log(
@@ -631,6 +649,7 @@ def train_eagle3(
             "data": str(data),
             "text": None if text is None else str(text),
             "text_tokens": sum(len(piece.tokens()[0]) for piece in pieces),
+            "init_head": None if init_head is None else str(init_head),
             "features": str(features_dir),
             "eagle3": dataclasses.asdict(eagle3),
             "feature_layers": list(layers),
@@ -650,6 +669,28 @@ def train_eagle3(
             )
 
         return finish_run(output, KIND, config, settings, state, arguments, save, write_eagle3_card)
+
+
+def start_from(head: EagleHead, init_head: Path, target_config) -> None:
+    """Copy into head the weights and scored tokens of the EAGLE-3 head in init_head, refused by
+    name where its shape or the target layers it reads differ from head's."""
+    saved = load_head(init_head, target_config, torch.float32)
+    if saved.feature_layers != head.feature_layers:
+        raise ValueError(
+            f"--init-head {init_head} reads the target's layers {list(saved.feature_layers)}, this run "
+            f"{list(head.feature_layers)}: give --feature-layers {','.join(map(str, saved.feature_layers))}"
+        )
+    if saved.config != head.config:
+        differ = [
+            f"{f.name} {getattr(saved.config, f.name)!r} (this run: {getattr(head.config, f.name)!r})"
+            for f in dataclasses.fields(saved.config)
+            if getattr(saved.config, f.name) != getattr(head.config, f.name)
+        ]
+        raise ValueError(
+            f"--init-head {init_head} has another shape: {'; '.join(differ)}; give the flags it was "
+            "trained with (--output-vocab, --head-intermediate; its README.md says them)"
+        )
+    head.load_state_dict(saved.state_dict())
 
 
 def eagle3_task(
