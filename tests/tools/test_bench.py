@@ -201,6 +201,26 @@ def test_target_as_its_own_draft_accepts_everything(pair):
     assert not any(r["engine"] == "transformers" for r in results["rows"])
 
 
+def test_a_goodput_rows_sampled_request_leaves_k_to_goodput_and_seeds_the_shared_stream(pair):
+    """A seeded sampled request keeps the fixed k (k_choice.py), so the goodput row's sampled
+    runs carry no seed of their own (the seed seeds the stream unseeded requests share): every
+    round's k is goodput's."""
+    from specdec import LLM
+    from specdec.tools.benchmark.run import SAMPLED, SpecdecRunner
+
+    target, draft = pair
+    llm = LLM(str(target), speculative_model=str(draft), num_speculative_tokens=3, dtype="float32")
+    runner, policy = SpecdecRunner(llm), llm.engine.k_choice.policy
+    params = SAMPLED.params(12, seed=5)
+    ids = list(range(3, 20))
+    before = sum(policy.k_counts.values())
+    first = runner(ids, params)
+    assert first.stats is not None
+    rounds = first.stats.num_target_forwards - 1
+    assert rounds and sum(policy.k_counts.values()) - before == rounds
+    assert params.seed == 5  # the caller's params are left as they were
+
+
 def test_without_transformers_its_rows_are_skipped_with_a_note(pair, monkeypatch):
     monkeypatch.setitem(sys.modules, "transformers", None)  # import transformers now raises ImportError
     notes = []

@@ -18,6 +18,7 @@ run_benchmark(BenchConfig) -> results, a JSON-ready dict (report.py renders it).
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import statistics
 import time
@@ -374,10 +375,17 @@ def self_drafting_runners(config: BenchConfig, target: LLM, draft_model_drafter)
 
 
 class SpecdecRunner:
+    """One generate of a specdec method. Where the method chooses k by goodput, a sampled request
+    runs without a seed of its own (a seeded one keeps the fixed k, spec/k_choice.py: its tokens
+    must not depend on timings), its seed seeding the stream unseeded requests share instead."""
+
     def __init__(self, llm: LLM):
         self.llm = llm
 
     def __call__(self, prompt_ids: list[int], params: SamplingParams) -> Run:
+        if self.llm.engine.k_choice.policy is not None and not params.greedy and params.seed is not None:
+            self.llm.engine.shared_generator.manual_seed(params.seed)
+            params = dataclasses.replace(params, seed=None)
         start = time.perf_counter()
         output = self.llm.generate({"prompt_token_ids": prompt_ids}, params)[0]
         seconds = time.perf_counter() - start

@@ -456,7 +456,9 @@ def run_train_heads(args) -> int:
             "head trains on --corpus"
         )
     if args.init_head is not None:
-        raise ValueError("--init-head starts an EAGLE-3 head's training (--eagle3 --data) from a head of the same shape")
+        raise ValueError(
+            "--init-head starts an EAGLE-3 head's training (--eagle3 --data) from a head of the same shape"
+        )
     if args.on_policy_fraction == 0 and (args.sample_temperatures is not None or args.prompt_tokens is not None):
         raise ValueError(
             "--sample-temperatures and --prompt-tokens shape the text the target writes, which "
