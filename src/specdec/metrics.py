@@ -16,11 +16,16 @@ proposed when the tree reaches that depth, accepted when the accepted branch doe
 judged tokens are its accepted ones, and one more where the branch stops above the tree's
 deepest node. Rounds by k counts the rounds at each k the engine chose
 for the request (index k; 0 = a plain decoding step; see goodput.py).
+AcceptanceEstimate is one sequence's α as the rounds go, recent rounds weighing more: goodput.py
+chooses k by it, lookup_then_draft.py whether lookup or the drafter drafts a sampled row.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+
+ESTIMATE_DECAY = 0.9  # per round, the weight of a sequence's older observations (AcceptanceEstimate)
+PRIOR_WEIGHT = 4.0  # the prior's weight in a sequence's estimate, in judged draft tokens
 
 
 @dataclass
@@ -137,3 +142,29 @@ def predicted_speedup(alpha: float, k: int, cost_ratio: float) -> float:
 
 def _grow(counts: list[int], size: int) -> None:
     counts.extend([0] * (size - len(counts)))
+
+
+class AcceptanceEstimate:
+    """α of one sequence: accepted ÷ judged draft tokens, older rounds' counts decayed by
+    `decay` each round that judges some, plus prior_weight judged tokens at the prior's rate. A
+    round that drafts nothing for the sequence decays its counts too (relax): the estimate drifts
+    back to the prior, so that a run of rejections does not switch a sequence off for good."""
+
+    def __init__(self, decay: float = ESTIMATE_DECAY, prior_weight: float = PRIOR_WEIGHT):
+        self.decay = decay
+        self.prior_weight = prior_weight
+        self.accepted = 0.0
+        self.judged = 0.0
+
+    def observe(self, num_proposed: int, num_accepted: int) -> None:
+        judged = num_accepted + (1 if num_accepted < num_proposed else 0)
+        if judged:
+            self.accepted = self.decay * self.accepted + num_accepted
+            self.judged = self.decay * self.judged + judged
+
+    def relax(self) -> None:
+        self.accepted *= self.decay
+        self.judged *= self.decay
+
+    def rate(self, prior: float) -> float:
+        return (self.accepted + self.prior_weight * prior) / (self.judged + self.prior_weight)

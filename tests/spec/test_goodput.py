@@ -18,6 +18,7 @@ import torch
 from helpers import save_tiny_model
 from specdec import LLM, SamplingParams
 from specdec.cli import main
+from specdec.metrics import PRIOR_WEIGHT, AcceptanceEstimate
 from specdec.spec.goodput import (
     CALIBRATION_REPEATS,
     CALIBRATION_SECONDS,
@@ -27,10 +28,8 @@ from specdec.spec.goodput import (
     MAX_PROBE_INTERVAL,
     MIN_GAIN,
     PLAIN_CHECK_INTERVAL,
-    PRIOR_WEIGHT,
     PROBE_BUDGET,
     PROBE_INTERVAL,
-    AcceptanceEstimate,
     CostCurve,
     GoodputPolicy,
     RoundCosts,

@@ -13,7 +13,7 @@ A sampled row keeps a looked-up token (a point mass) only with the target's prob
 it: where the text is copied (an edited function) that is most of the time, where a match is a
 coincidence (new code) seldom. So a sampled row with a match takes lookup while lookup's
 acceptance rate on that sequence is at least the drafter's, each estimated from the sequence's
-own rounds (goodput.py's AcceptanceEstimate: recent rounds weigh more, and the one not used
+own rounds (metrics.py's AcceptanceEstimate, as goodput.py's: recent rounds weigh more, and the one not used
 drifts back to the prior, so it is tried again). Both start at the same prior and lookup, free,
 is tried first. On Qwen2.5-Coder-1.5B at temperature 0.8 prompt lookup alone ran 2.30x plain
 decoding on "edit" prompts and 1.10x on "write" ones, the EAGLE head 0.89x and 1.32x
@@ -34,10 +34,10 @@ from specdec.drafters.draft_model import DraftModelDrafter
 from specdec.drafters.eagle import EagleDrafter
 from specdec.drafters.ngram import NgramDrafter
 from specdec.kv_cache import BlockPool
+from specdec.metrics import AcceptanceEstimate
 from specdec.models.eagle import is_head_directory
 from specdec.sampling import SamplingTensors, point_mass
 from specdec.sequence import Sequence
-from specdec.spec.goodput import AcceptanceEstimate
 
 LOOKUP, DRAFTER = "lookup", "drafter"  # who drafted a sampled row's round
 PRIOR = 0.5  # both acceptance estimates start here (AcceptanceEstimate's prior)

@@ -48,16 +48,14 @@ import time
 from collections import Counter, deque
 from dataclasses import dataclass, field
 
-from specdec.metrics import expected_tokens_per_round
+from specdec.metrics import AcceptanceEstimate, expected_tokens_per_round
 
 PROBE_INTERVAL = 4  # k = 0 rounds in a row before a probe, at least ...
 MAX_PROBE_INTERVAL = 64  # ... and at most
 PROBE_BUDGET = 0.02  # the probes' expected loss against plain decoding, as a share of the time
 PLAIN_CHECK_INTERVAL = 64  # drafting rounds in a row before a plain one (its cost measured again)
 MIN_GAIN = 1.05  # a plan that drafts must promise this many times plain decoding's tokens per second
-ESTIMATE_DECAY = 0.9  # per round, the weight of a sequence's older observations
 PRIOR_DECAY = 0.99  # the same for the prior, every sequence's rounds pooled: a long memory
-PRIOR_WEIGHT = 4.0  # the prior's weight in a sequence's estimate, in judged draft tokens
 POOLED_PRIOR = 0.5  # where the prior itself starts, ...
 POOLED_PRIOR_WEIGHT = 8.0  # ... with this weight
 COST_WINDOW = 9  # the recent rounds at a size whose median is its running cost
@@ -66,32 +64,6 @@ CALIBRATION_REPEATS = 3  # timed runs at most; the fastest counts ...
 CALIBRATION_SECONDS = 0.5  # ... and no more once the timed runs took this long (a big batch's forward)
 LINEAR_FROM_ROWS = 16  # from this batch bucket on, a forward's cost is about linear in its length:
 # only the shortest and longest are timed, the lengths between interpolated (CostCurve)
-
-
-class AcceptanceEstimate:
-    """α of one sequence: accepted ÷ judged draft tokens, older rounds' counts decayed by
-    `decay` each round that judges some, plus prior_weight judged tokens at the prior's rate. A
-    round that drafts nothing for the sequence decays its counts too (relax): the estimate drifts
-    back to the prior, so that a run of rejections does not switch a sequence off for good."""
-
-    def __init__(self, decay: float = ESTIMATE_DECAY, prior_weight: float = PRIOR_WEIGHT):
-        self.decay = decay
-        self.prior_weight = prior_weight
-        self.accepted = 0.0
-        self.judged = 0.0
-
-    def observe(self, num_proposed: int, num_accepted: int) -> None:
-        judged = num_accepted + (1 if num_accepted < num_proposed else 0)
-        if judged:
-            self.accepted = self.decay * self.accepted + num_accepted
-            self.judged = self.decay * self.judged + judged
-
-    def relax(self) -> None:
-        self.accepted *= self.decay
-        self.judged *= self.decay
-
-    def rate(self, prior: float) -> float:
-        return (self.accepted + self.prior_weight * prior) / (self.judged + self.prior_weight)
 
 
 @dataclass
