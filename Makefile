@@ -24,10 +24,11 @@ $(VENV)/.installed: pyproject.toml Makefile
 setup: $(VENV)/.installed
 
 test: setup
-	$(PY) -m pytest tests
+	$(PY) -m pytest tests -n 2 -m "not alone"
+	$(PY) -m pytest tests -m alone
 
 test-fast: setup
-	$(PY) -m pytest tests -m "not slow"
+	$(PY) -m pytest tests -n 2 -m "not slow"
 
 demo: setup
 	$(PY) -m specdec.tools.demo

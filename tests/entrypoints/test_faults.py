@@ -27,7 +27,8 @@ from specdec.serve.async_engine import AsyncEngine
 from specdec.serve.process import free_port
 from specdec.serve.prom import ServerMetrics
 
-pytestmark = pytest.mark.slow  # a server per test, in this process (seconds each)
+# slow: a server per test, in this process (seconds each); alone: it times /health (under 1 s), with nothing beside it
+pytestmark = [pytest.mark.slow, pytest.mark.alone]
 
 CONTEXT = 1024
 SLOTS = 4

@@ -18,7 +18,8 @@ import pytest
 from helpers import save_tiny_pair
 from specdec.serve.process import ServerProcess
 
-pytestmark = pytest.mark.slow  # a server process (about 15 s in all)
+# slow: a server process (about 15 s in all); alone: it times /health (under 1 s), with nothing beside it
+pytestmark = [pytest.mark.slow, pytest.mark.alone]
 
 BENCH_PATH = Path(__file__).resolve().parents[2] / "benchmarks" / "bench_load.py"
 CONTEXT = 1024

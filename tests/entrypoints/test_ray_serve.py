@@ -24,6 +24,7 @@ except ImportError:
     ray = None
 
 needs_ray = pytest.mark.skipif(ray is None, reason='Ray Serve is not installed: pip install "specdec[ray]"')
+pytestmark = pytest.mark.alone  # a local Ray instance takes the machine: nothing runs beside it
 
 MODEL = "tiny"
 KILL_ANSWER_S = 30  # a stream whose replica died ends within this long

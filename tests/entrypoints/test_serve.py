@@ -27,7 +27,8 @@ from helpers import HealthWatch, save_tiny_model
 from specdec import LLM, SamplingParams
 from specdec.serve.process import ServerProcess
 
-pytestmark = pytest.mark.slow  # a server process per module (about a minute)
+# slow: a server process per module (about a minute); alone: it times /health (under 1 s), with nothing beside it
+pytestmark = [pytest.mark.slow, pytest.mark.alone]
 
 
 CHAT_TEMPLATE = (
