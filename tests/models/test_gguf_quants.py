@@ -263,6 +263,41 @@ def test_speculation_is_exact_with_respect_to_the_quantized_model(mixed_file):
             assert sum(o.metrics.num_accepted_tokens for o in outputs) > 0, options
 
 
+def test_a_wide_gguf_draft_runs_requantized_into_q4_0_and_the_output_stays_the_targets(mixed_file, tmp_path):
+    """draft_quantization "auto" for a GGUF target: a draft file of Q8_0 matrices runs with its
+    linear layers in Q4_0 (fewer bytes a step); one of Q5_0, narrow enough, as it is; None
+    dequantizes. Greedy output is the target's alone every way, and each draft computes what the
+    file's weights do, rounded (on this random model's flat logits the rounding flips most
+    argmaxes, so few drafts are accepted: the real pair's are, docs/runner.md)."""
+    model = tiny_hf_model("qwen2", tie=False)  # the target's weights: drafts that agree
+    files = {kind: write_gguf(tmp_path / f"draft-{kind}.gguf", model, kind) for kind in ("Q8_0", "Q5_0")}
+    prompts = [
+        {"prompt_token_ids": torch.randint(2, 300, (8,), generator=torch.Generator().manual_seed(s)).tolist() * 3}
+        for s in (13, 14)
+    ]
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    expected = [o.outputs[0].token_ids for o in LLM(model=str(mixed_file), dtype="float32").generate(prompts, params)]
+    for file_kind, quantization, runs_as in (("Q8_0", "auto", "Q4_0"), ("Q5_0", "auto", "Q5_0"), ("Q8_0", None, None)):
+        spec = LLM(
+            model=str(mixed_file),
+            dtype="float32",
+            speculative_model=str(files[file_kind]),
+            draft_quantization=quantization,
+            num_speculative_tokens=4,
+            speculative_k_policy="fixed",
+        )
+        draft = spec.engine.drafter.runner.model
+        kinds = {part.kind for m in draft.modules() if isinstance(m, GGUFLinear) for part in m.parts}
+        assert kinds == ({runs_as} if runs_as else set()), (file_kind, quantization, kinds)
+        outputs = spec.generate(prompts, params)
+        assert [o.outputs[0].token_ids for o in outputs] == expected, (file_kind, quantization)
+        dense = load_pretrained(files[file_kind], dtype="float32", load_tokenizer=False).model
+        ids = torch.tensor([prompts[0]["prompt_token_ids"]])  # [1, T]
+        with torch.no_grad():
+            got, want = (m(ids, torch.arange(ids.shape[1])[None], None) for m in (draft, dense))
+        assert torch.corrcoef(torch.stack([got.flatten().float(), want.flatten()]))[0, 1] > 0.95, file_kind
+
+
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_a_verify_forward_gives_bit_for_bit_what_decode_steps_give(mixed_file, dtype):
     """The target verifies k + 1 tokens in one forward where plain decoding takes k + 1 steps.

@@ -20,13 +20,27 @@ from specdec.drafters.base import Draft, Drafter
 from specdec.drafters.steps import DraftSteps
 from specdec.drafters.tree_growth import TreeGrowth
 from specdec.kv_cache import BlockPool, TreeAttention
-from specdec.models.loader import LoadedModel, ModelLoadError, load_pretrained, model_config_from_hf, read_config
+from specdec.models.gguf import gguf_tensor_types
+from specdec.models.gguf_linear import runs_gguf_kernels
+from specdec.models.gguf_requantize import quantize_into_gguf_kernels
+from specdec.models.loader import (
+    LoadedModel,
+    ModelLoadError,
+    is_gguf_file,
+    load_pretrained,
+    model_config_from_hf,
+    read_config,
+)
+from specdec.models.registry import resolve_model
+from specdec.progress import stage
 from specdec.sampling import SamplingTensors
 from specdec.sequence import Sequence
 from specdec.tree import TreeShape
 from specdec.worker import ForwardBatch, ModelRunner
 
 LARGE_WEIGHT_BYTES = 2_000_000  # float32 matrices at least this big run in bf16 in a small CPU draft
+DRAFT_BLOCK_TYPE = "Q4_0"  # what draft_quantization "auto" requantizes a wide GGUF draft into (gguf_requantization)
+REQUANTIZED_FILE_TYPES = {"Q8_0", "Q6_K", "F16", "BF16", "F32"}  # a GGUF draft's matrix types wider than 4 bits
 CATCH_UP_WIDTH = 2  # tokens a row the batch's catch-up forward feeds (a round's accepted ones: see _catch_up)
 
 
@@ -185,13 +199,15 @@ def load_draft(spec, target: LoadedModel, target_runner: ModelRunner) -> tuple[L
     it as the target runs (device, platform, compile). "auto" on the CPU, for a small draft:
     float32, and where it runs eagerly, its matrices of at least LARGE_WEIGHT_BYTES (those big
     enough for bytes to matter: in the shipped draft, only the output layer) prepacked in
-    bfloat16 if this CPU has it natively."""
+    bfloat16 if this CPU has it natively. A draft requantized (gguf_requantization) is read
+    dequantized, then its linear layers are quantized into that GGUF block type."""
     device = target_runner.device
     small_on_cpu = spec.draft_dtype == "auto" and device.type == "cpu" and _is_small(spec.model)
     if small_on_cpu:
         draft_dtype = torch.float32
     else:
         draft_dtype = target.model.dtype if spec.draft_dtype == "auto" else spec.draft_dtype
+    block_type = gguf_requantization(spec, target, device)
     draft = load_pretrained(
         spec.model,
         draft_dtype,
@@ -199,8 +215,11 @@ def load_draft(spec, target: LoadedModel, target_runner: ModelRunner) -> tuple[L
         load_tokenizer=target.tokenizer is not None,
         platform=target_runner.platform,
         what="the draft",
-        keep_quantized=keeps_file_quantization(spec.draft_quantization),
+        keep_quantized=keeps_file_quantization(spec.draft_quantization) and block_type is None,
     )
+    if block_type is not None:
+        with stage(f"the draft: quantizing its weights into {block_type}"):
+            quantize_into_gguf_kernels(draft.model, block_type)
     warn_if_shorter_context(target, draft)
     runner = ModelRunner(
         draft.model,
@@ -211,6 +230,23 @@ def load_draft(spec, target: LoadedModel, target_runner: ModelRunner) -> tuple[L
         quantization=requantization(spec.draft_quantization),
     )
     return draft, runner
+
+
+def gguf_requantization(spec, target: LoadedModel, device: torch.device) -> str | None:
+    """The GGUF block type a draft's linear layers are requantized into, or None (its own
+    weights). draft_quantization "auto", for a GGUF draft file whose matrices are wider than 4
+    bits (REQUANTIZED_FILE_TYPES: Q8_0, Q6_K, float) drafting for a target that runs on the GGUF
+    kernels, on the CPU: DRAFT_BLOCK_TYPE (Q4_0). A decoding step reads every weight, so the
+    draft's cost c follows its bytes: Qwen2.5-Coder-0.5B's Q8_0 file costs 0.55 of the 1.5B
+    Q4_K_M target's step, in Q4_0 about 0.26, and its acceptance barely moves (docs/runner.md,
+    "A draft model in Q4_0"). Where the draft drafts, the output is the target's either way."""
+    if spec.draft_quantization != "auto" or device.type != "cpu" or not runs_gguf_kernels(target.model):
+        return None
+    path = resolve_model(spec.model, "the draft")
+    if not is_gguf_file(path):
+        return None
+    matrix_types = set(gguf_tensor_types(path)) - {"F32"} or {"F32"}  # norms are F32 in every file
+    return DRAFT_BLOCK_TYPE if matrix_types <= REQUANTIZED_FILE_TYPES else None
 
 
 def _is_small(path: str) -> bool:

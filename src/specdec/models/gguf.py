@@ -292,6 +292,13 @@ def _architecture(metadata: dict, path: Path) -> str:
     return architecture
 
 
+def gguf_tensor_types(path: str | Path) -> dict[str, int]:
+    """How many tensors of each type ("Q8_0": 169, "F32": 121, ...) a GGUF file holds, from its
+    header (memory-mapped: no tensor is read)."""
+    path = Path(path).expanduser()
+    return _tensor_types(_open(path), path)
+
+
 def _tensor_types(reader, path: Path) -> dict[str, int]:
     counts: dict[str, int] = {}
     for tensor in reader.tensors:
