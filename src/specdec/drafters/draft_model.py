@@ -237,9 +237,9 @@ def gguf_requantization(spec, target: LoadedModel, device: torch.device) -> str 
     weights). draft_quantization "auto", for a GGUF draft file whose matrices are wider than 4
     bits (REQUANTIZED_FILE_TYPES: Q8_0, Q6_K, float) drafting for a target that runs on the GGUF
     kernels, on the CPU: DRAFT_BLOCK_TYPE (Q4_0). A decoding step reads every weight, so the
-    draft's cost c follows its bytes: Qwen2.5-Coder-0.5B's Q8_0 file costs 0.55 of the 1.5B
-    Q4_K_M target's step, in Q4_0 about 0.26, and its acceptance barely moves (docs/runner.md,
-    "A draft model in Q4_0"). Where the draft drafts, the output is the target's either way."""
+    draft's cost c follows its bytes (docs/runner.md, "A draft model in Q4_0"). A file that mixes
+    in 4- or 5-bit types (the fetched Qwen2.5-Coder-0.5B: mostly Q5_0) runs as it is. Where the
+    draft drafts, the output is the target's either way."""
     if spec.draft_quantization != "auto" or device.type != "cpu" or not runs_gguf_kernels(target.model):
         return None
     path = resolve_model(spec.model, "the draft")
