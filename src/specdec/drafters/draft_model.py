@@ -20,7 +20,7 @@ from specdec.drafters.base import Draft, Drafter
 from specdec.drafters.steps import DraftSteps
 from specdec.drafters.tree_growth import TreeGrowth
 from specdec.kv_cache import BlockPool, TreeAttention
-from specdec.models.gguf import gguf_tensor_types
+from specdec.models.gguf import gguf_bits_per_weight
 from specdec.models.gguf_linear import runs_gguf_kernels
 from specdec.models.gguf_requantize import quantize_into_gguf_kernels
 from specdec.models.loader import (
@@ -40,7 +40,8 @@ from specdec.worker import ForwardBatch, ModelRunner
 
 LARGE_WEIGHT_BYTES = 2_000_000  # float32 matrices at least this big run in bf16 in a small CPU draft
 DRAFT_BLOCK_TYPE = "Q4_0"  # what draft_quantization "auto" requantizes a wide GGUF draft into (gguf_requantization)
-REQUANTIZED_FILE_TYPES = {"Q8_0", "Q6_K", "F16", "BF16", "F32"}  # a GGUF draft's matrix types wider than 4 bits
+REQUANTIZE_ABOVE_BITS = 5.25  # a GGUF draft stored with more bits per weight is requantized (Q4_0: 4.5;
+# Q4_K_M files: 4.8-5.0, their 6-bit output layer weighing more where the vocabulary is large)
 CATCH_UP_WIDTH = 2  # tokens a row the batch's catch-up forward feeds (a round's accepted ones: see _catch_up)
 
 
@@ -234,19 +235,20 @@ def load_draft(spec, target: LoadedModel, target_runner: ModelRunner) -> tuple[L
 
 def gguf_requantization(spec, target: LoadedModel, device: torch.device) -> str | None:
     """The GGUF block type a draft's linear layers are requantized into, or None (its own
-    weights). draft_quantization "auto", for a GGUF draft file whose matrices are wider than 4
-    bits (REQUANTIZED_FILE_TYPES: Q8_0, Q6_K, float) drafting for a target that runs on the GGUF
-    kernels, on the CPU: DRAFT_BLOCK_TYPE (Q4_0). A decoding step reads every weight, so the
-    draft's cost c follows its bytes (docs/runner.md, "A draft model in Q4_0"). A file that mixes
-    in 4- or 5-bit types (the fetched Qwen2.5-Coder-0.5B: mostly Q5_0) runs as it is. Where the
-    draft drafts, the output is the target's either way."""
+    weights). draft_quantization "auto", for a GGUF draft file of more than
+    REQUANTIZE_ABOVE_BITS bits per matrix weight (Q5_0, Q8_0, float; SmolLM2-135M's Q4_1 file,
+    5.7 with its 8-bit embedding; a Q4_K_M file, 4.8-5.0, runs as it is) drafting for a target
+    that runs on the GGUF kernels, on the CPU: DRAFT_BLOCK_TYPE (Q4_0). A decoding step reads
+    every weight, so the draft's cost c follows its bytes
+    (docs/runner.md, "A draft model in Q4_0"): the fetched Qwen2.5-Coder-0.5B (Q5_0 matrices, a
+    Q8_0 embedding and output layer) costs about half the 1.5B Q4_K_M target's step as it is.
+    Where the draft drafts, the output is the target's either way."""
     if spec.draft_quantization != "auto" or device.type != "cpu" or not runs_gguf_kernels(target.model):
         return None
     path = resolve_model(spec.model, "the draft")
     if not is_gguf_file(path):
         return None
-    matrix_types = set(gguf_tensor_types(path)) - {"F32"} or {"F32"}  # norms are F32 in every file
-    return DRAFT_BLOCK_TYPE if matrix_types <= REQUANTIZED_FILE_TYPES else None
+    return DRAFT_BLOCK_TYPE if gguf_bits_per_weight(path) > REQUANTIZE_ABOVE_BITS else None
 
 
 def _is_small(path: str) -> bool:
