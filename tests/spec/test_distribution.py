@@ -265,6 +265,42 @@ def test_top_k_top_p_over_a_realistic_vocabulary(seed):
             np.testing.assert_allclose(warped[row].double().numpy(), expected[0], atol=1e-6)
 
 
+@pytest.mark.parametrize("seed", [0, 1])
+def test_top_k_top_p_from_the_candidates_is_bit_for_bit_the_full_sorts(seed, monkeypatch):
+    """warp sorts only the CANDIDATES likeliest tokens where every row's kept prefix ends among
+    them, else the whole row: rows from flat (a nucleus of thousands: the whole row) to peaked,
+    with ties (bfloat16 logits), top_k below and above CANDIDATES, in one batch and row by row.
+    The output equals warp's with the partial sort switched off, bit for bit; the partial sort
+    is the full sort's first columns."""
+    from specdec import sampling
+
+    generator = torch.Generator().manual_seed(seed)
+    V = 20_000
+    settings = [dict(top_k=k, top_p=p) for k in (-1, 5, 500, 1500) for p in (1.0, 0.9, 0.95)]
+    rows = [(scale, setting) for scale in (0.5, 4.0, 10.0) for setting in settings]
+    logits = torch.stack([torch.randn(V, generator=generator) * scale for scale, _ in rows])
+    logits = logits.to(torch.bfloat16).float()  # [N, V]: ties
+    probs = torch.softmax(logits, dim=-1)
+    values, ids = sampling.sorted_descending(probs)
+    first_values, first_ids = sampling.sorted_descending(probs, sampling.CANDIDATES)
+    assert torch.equal(first_values, values[:, : sampling.CANDIDATES])
+    assert torch.equal(first_ids, ids[:, : sampling.CANDIDATES])
+
+    tensors = sampling_tensors(rows)
+    batched = sampling.warp(logits, tensors)
+    one_by_one = [sampling.warp(logits[r : r + 1], sampling_tensors(rows[r : r + 1])) for r in range(len(rows))]
+    monkeypatch.setattr(sampling, "CANDIDATES", V)  # the whole row, always
+    assert torch.equal(batched, sampling.warp(logits, tensors))
+    for r in range(len(rows)):
+        assert torch.equal(one_by_one[r], sampling.warp(logits[r : r + 1], sampling_tensors(rows[r : r + 1])))
+
+
+def sampling_tensors(rows):
+    from specdec.sampling import SamplingTensors
+
+    return SamplingTensors.from_params([SamplingParams(temperature=0.8, **setting) for _, setting in rows])
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("drafter,setting", [(d, s) for d, settings in RUNS.items() for s in settings])
 def test_sampled_tokens_follow_the_target(setup, llms, drafter, setting):
