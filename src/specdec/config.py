@@ -384,7 +384,7 @@ class SpeculativeConfig:
     draft_quantization: "auto", None, "int8" or "int4": the draft's weights (as LLM's
         quantization for the target; an EAGLE head's own layers as GGUF Q8_0 / Q4_0 blocks, and
         "auto" is "int8" for a GGUF target's head). "auto" for a draft model: a GGUF file's own
-        blocks, except a file of wider matrices (Q8_0, Q6_K, float) drafting for a GGUF target,
+        blocks, except a file of more than 5.25 bits a weight drafting for a GGUF target,
         requantized into Q4_0 on the GGUF kernels (draft_model.gguf_requantization). Changes the
         acceptance rate, never the output.
     early_exit_layer: for "early_exit", how many of the target's layers draft (1 to its depth
@@ -466,7 +466,7 @@ class SpeculativeConfig:
     draft_quantization: str | None = setting(
         "auto",
         "the draft model's weights: auto (a GGUF file's quantized tensors as they are, anything else as "
-        "loaded; a GGUF draft of Q8_0, Q6_K or float matrices for a GGUF target: requantized into Q4_0; "
+        "loaded; a GGUF draft of more than 5.25 bits a weight for a GGUF target: requantized into Q4_0; "
         "an EAGLE head for a GGUF target: int8), none (dequantize a GGUF file), int8 or int4 "
         "(weight-only, CPU only; an EAGLE head's own layers as GGUF Q8_0 / Q4_0)",
         "--draft-quantization",
