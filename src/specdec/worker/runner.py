@@ -112,6 +112,18 @@ class ForwardBatch:
         return cls(input_ids, positions, torch.as_tensor(slots, dtype=torch.long, device=input_ids.device), tree)
 
 
+def avoid_cudnn_attention() -> None:
+    """On CUDA, take cuDNN out of scaled_dot_product_attention's choices (for the whole process:
+    PyTorch's switch is global). A decode step or a verify forward reads a cache of a new length
+    each step, and cuDNN builds a plan per shape: on an H100 (PyTorch 2.11) such a call with a
+    mask took 10-60 ms instead of ~0.5 ms, so with the shipped pair a batch of 8 drafted at
+    0.08x plain decoding and k by goodput chose no drafts at all. The memory-efficient and flash
+    kernels take every shape at its cost (docs/runner.md, "CUDA")."""
+    if torch.backends.cuda.cudnn_sdp_enabled():
+        torch.backends.cuda.enable_cudnn_sdp(False)
+        log.info("CUDA: scaled_dot_product_attention without cuDNN (a plan per cache length)")
+
+
 class ModelRunner:
     """Runs one model on platform (detected from its device if None).
     bf16_pack_min_bytes: in a float32 model run eagerly on a CPU with native bfloat16, the
@@ -133,6 +145,8 @@ class ModelRunner:
     ):
         self.model = model
         self.platform = platform or detect_platform(model.device)
+        if model.device.type == "cuda":
+            avoid_cudnn_attention()
         self.compile_mode = check_compile_mode(compile)
         self.quantization = check_quantization(quantization, model.device)
         if self.quantization is not None:
