@@ -12,6 +12,7 @@ import shutil
 from pathlib import Path
 
 import pytest
+import torch
 
 from specdec.models import registry
 from specdec.tools.benchmark import commands, llama_cpp
@@ -946,6 +947,8 @@ def test_a_sampled_run_seeds_the_shared_stream_and_leaves_k_to_goodput(tiny_mode
     plain, ngram = runners[SPECDEC_PLAIN], runners[System("specdec", "ngram")]
     params = plain.params(seed=4)
     assert (params.temperature, params.top_p, params.seed, params.max_tokens) == (0.8, 0.95, None, 16)
+    after_seeding = plain.llm.engine.shared_generator.get_state()
+    assert torch.equal(after_seeding, torch.Generator().manual_seed(4).get_state())  # the stream, seeded 4
     ids = list(range(5, 25)) * 2
     texts = {seed: plain(ids, "", seed).text for seed in range(4)}
     assert plain(ids, "", 2).text == texts[2] and len(set(texts.values())) > 1

@@ -792,17 +792,14 @@ class SpecdecRunner:
         self.llm, self.max_tokens, self.setting = llm, max_tokens, setting
 
     def params(self, seed: int, max_tokens: int | None = None):
-        """Greedy, or sampled without a seed of the request's own: a seeded sampled request keeps
-        the fixed k (spec/k_choice.py), and the bench measures k by goodput, as users get it
-        without a seed. seed seeds the shared stream instead (torch's), before each generate."""
-        params = self.setting.params(max_tokens or self.max_tokens, seed)
-        return params if params.greedy else replace(params, seed=None)
+        """Greedy, or sampled on the shared stream, seeded seed now (run.on_the_shared_stream:
+        goodput chooses k, as users get it without a seed of their own)."""
+        from specdec.tools.benchmark.run import on_the_shared_stream
+
+        return on_the_shared_stream(self.llm, self.setting.params(max_tokens or self.max_tokens, seed))
 
     def __call__(self, ids: list[int], text: str, seed: int = 0) -> Timed:
-        params = self.params(seed)
-        if not params.greedy:
-            self.llm.engine.shared_generator.manual_seed(seed)  # the stream unseeded requests share
-        return self._timed(ids, params)
+        return self._timed(ids, self.params(seed))
 
     def _timed(self, ids: list[int], params) -> Timed:
 

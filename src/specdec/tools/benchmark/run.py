@@ -374,18 +374,27 @@ def self_drafting_runners(config: BenchConfig, target: LLM, draft_model_drafter)
     return runners
 
 
+def on_the_shared_stream(llm: LLM, params: SamplingParams) -> SamplingParams:
+    """A bench's sampled request as users send it, without a seed of its own: its seed seeds
+    the stream unseeded requests share (llm's), now, before its generate. A seeded sampled
+    request keeps the fixed k (spec/k_choice.py: its tokens must not depend on timings), so
+    goodput's k is measured only unseeded; seeding the shared stream keeps a run repeatable.
+    Greedy or unseeded params come back as they are."""
+    if params.greedy or params.seed is None:
+        return params
+    llm.engine.shared_generator.manual_seed(params.seed)
+    return dataclasses.replace(params, seed=None)
+
+
 class SpecdecRunner:
-    """One generate of a specdec method. Where the method chooses k by goodput, a sampled request
-    runs without a seed of its own (a seeded one keeps the fixed k, spec/k_choice.py: its tokens
-    must not depend on timings), its seed seeding the stream unseeded requests share instead."""
+    """One generate of a specdec method, a sampled request on the shared stream
+    (on_the_shared_stream)."""
 
     def __init__(self, llm: LLM):
         self.llm = llm
 
     def __call__(self, prompt_ids: list[int], params: SamplingParams) -> Run:
-        if self.llm.engine.k_choice.policy is not None and not params.greedy and params.seed is not None:
-            self.llm.engine.shared_generator.manual_seed(params.seed)
-            params = dataclasses.replace(params, seed=None)
+        params = on_the_shared_stream(self.llm, params)
         start = time.perf_counter()
         output = self.llm.generate({"prompt_token_ids": prompt_ids}, params)[0]
         seconds = time.perf_counter() - start
