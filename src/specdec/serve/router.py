@@ -12,13 +12,7 @@ The router's view is approximate, as vLLM's and SGLang's routers are: it remembe
 bounded LRU set of the block keys of the prompts it sent there, not what the replica's cache
 really holds (a key the engine has evicted may still be remembered, and the reverse). A request
 goes to the replica with the most matched blocks among those not overloaded (at most
-max_imbalance more in flight than the least loaded up replica), where that match is at least
-min_matched_fraction of the prompt's blocks (SGLang's router's cache threshold: a prefix that
-saves less of the prefill is not worth a busier replica); else to the least loaded one. Without
-that threshold a short shared start (a chat template's system prompt, a file's licence header)
-sent most requests to one replica: on Qwen2.5-Coder-1.5B held to AVX2, 16 streams over 2
-replicas kept one replica busy while the other sat idle (docs/server.md, "Replicas on Ray
-Serve").
+max_imbalance more in flight than the least loaded up replica), else to the least loaded one.
 A replica marked down (it died; Ray restarts it) gets nothing until it is marked up again, and
 comes back with an empty cache. Plain Python, no Ray: the ingress holds one router.
 """
@@ -33,7 +27,6 @@ from specdec.kv_cache import BLOCK_SIZE
 
 DEFAULT_KEYS_PER_REPLICA = 16384  # ~16 bytes a key: a few MB per replica; 262,144 cached tokens remembered
 DEFAULT_MAX_IMBALANCE = 4  # requests in flight a prefix may cost over the least loaded replica
-DEFAULT_MIN_MATCHED_FRACTION = 0.5  # of a prompt's blocks, for its prefix to choose the replica (SGLang's 0.5)
 
 
 def prompt_block_keys(prompt_token_ids: list[int]) -> list[bytes]:
@@ -66,7 +59,6 @@ class PrefixRouter:
         num_replicas: int,
         keys_per_replica: int = DEFAULT_KEYS_PER_REPLICA,
         max_imbalance: int = DEFAULT_MAX_IMBALANCE,
-        min_matched_fraction: float = DEFAULT_MIN_MATCHED_FRACTION,
     ):
         if num_replicas < 1:
             raise ValueError(f"a router needs at least one replica, got {num_replicas}")
@@ -74,10 +66,7 @@ class PrefixRouter:
             raise ValueError(
                 f"keys_per_replica must be >= 1 and max_imbalance >= 0, got {keys_per_replica}, {max_imbalance}"
             )
-        if not 0 <= min_matched_fraction <= 1:
-            raise ValueError(f"min_matched_fraction must be between 0 and 1, got {min_matched_fraction}")
         self.num_replicas = num_replicas
-        self.min_matched_fraction = min_matched_fraction
         self.keys_per_replica = keys_per_replica
         self.max_imbalance = max_imbalance
         self.in_flight = [0] * num_replicas
@@ -121,13 +110,12 @@ class PrefixRouter:
         up = [r for r in range(self.num_replicas) if r not in self.down] or list(range(self.num_replicas))
         least = min(self.in_flight[r] for r in up)
         within = [r for r in up if self.in_flight[r] <= least + self.max_imbalance]
-        matched = {r: self.matched_blocks(r, keys) for r in within}
-        worth = [r for r in within if matched[r] and matched[r] >= self.min_matched_fraction * len(keys)]
-        turn = self._routed % self.num_replicas  # ties take turns (they do not all go to replica 0)
-        if worth:  # most matched blocks first, then fewest in flight
-            best = min(worth, key=lambda r: (-matched[r], self.in_flight[r], (r - turn) % self.num_replicas))
-            return Route(best, matched[best])
-        return Route(min(up, key=lambda r: (self.in_flight[r], (r - turn) % self.num_replicas)), 0)
+        # most matched blocks first, then fewest in flight, then in turn (ties do not all go to replica 0)
+        turn = self._routed % self.num_replicas
+        best = min(
+            within, key=lambda r: (-self.matched_blocks(r, keys), self.in_flight[r], (r - turn) % self.num_replicas)
+        )
+        return Route(best, self.matched_blocks(best, keys))
 
     def _remember(self, replica: int, keys: list[bytes]) -> None:
         remembered = self._keys[replica]
