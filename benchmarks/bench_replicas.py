@@ -76,7 +76,7 @@ def server_args(args, on_ray: bool) -> list[str]:
 def measure(args, on_ray: bool, prompts: list[str]) -> float:
     env = {} if on_ray else {"OMP_NUM_THREADS": str(args.threads)}
     log = Path(args.log_dir) / (f"replicas-{args.replicas}.log" if on_ray else "engine.log")
-    server = ServerProcess(server_args(args, on_ray), log, env=env)
+    server = ServerProcess(server_args(args, on_ray), log, env=env, timeout=900)  # replicas load for minutes
     try:
         return asyncio.run(load(server.url, prompts, args.clients, args.requests, args.max_tokens))
     finally:

@@ -7,6 +7,7 @@ is not installed (pip install "specdec[ray]")."""
 
 from __future__ import annotations
 
+import asyncio
 import sys
 import time
 
@@ -53,6 +54,53 @@ def test_replicas_without_ray_is_one_line(monkeypatch, capsys, tmp_path):
         capsys.readouterr().err.strip().splitlines()[-1]
         == 'error: --replicas N needs Ray Serve: pip install "specdec[ray]"'
     )
+
+
+class SlowReplica:
+    """A stand-in for an engine replica's DeploymentHandle: handle.ready.remote() answers only
+    once loaded is set (a replica still loading its model and timing its rounds)."""
+
+    def __init__(self):
+        self.loaded = False
+        self.ready = self
+
+    def remote(self):
+        async def answer():
+            while not self.loaded:
+                await asyncio.sleep(0.01)
+            return "replica"
+
+        return answer()
+
+
+@needs_ray
+def test_health_waits_for_a_replica_that_answers(monkeypatch):
+    """The ingress's /health (is_running) says 200 only once a replica has answered: before, Ray
+    Serve already routed to the ingress while the engines were still loading, and load sent on
+    its 200 waited out their start."""
+    from specdec.serve import ray_serve
+
+    monkeypatch.setattr(ray_serve, "HEALTH_PERIOD_S", 0.01)
+    monkeypatch.setattr(ray_serve, "HEALTH_TIMEOUT_S", 0.05)
+    replicas = [SlowReplica(), SlowReplica()]
+
+    async def watch() -> tuple[bool, bool, set[int]]:
+        ingress = ray_serve.ReplicaClient(None, replicas, MODEL)  # pyright: ignore[reportArgumentType]
+        before = ingress.is_running
+        ingress.start()
+        await asyncio.sleep(0.2)
+        still_loading = ingress.is_running
+        replicas[1].loaded = True
+        for _ in range(100):
+            await asyncio.sleep(0.02)
+            if ingress.is_running:
+                break
+        await ingress.stop()
+        return before or still_loading, ingress.router.down == {0}, set(ingress.router.down)
+
+    answered_too_soon, only_the_loaded_one_up, down = asyncio.run(watch())
+    assert not answered_too_soon
+    assert only_the_loaded_one_up, down
 
 
 @pytest.fixture(scope="module")

@@ -126,10 +126,16 @@ class ReplicaClient:
         self.model_name = model_name
         self._watcher: asyncio.Task | None = None
         self._stopping = False
+        for replica in range(len(handles)):  # down until it first answers (_watch_replicas)
+            self._mark(replica, False)
 
     @property
     def is_running(self) -> bool:
-        """Whether any replica answers."""
+        """Whether any replica answers (/health's 200). Replicas count as down until they first
+        answer: Ray Serve routes to the ingress as soon as it is up, while the engines may still
+        be loading and timing their rounds for minutes, and a /health of 200 then sent load
+        (benchmarks/bench_replicas.py's, a load balancer's) to requests that waited out the
+        replicas' start (docs/server.md, "Replicas on Ray Serve")."""
         return not self._stopping and len(self.router.down) < len(self.handles)
 
     def start(self) -> None:
