@@ -29,6 +29,7 @@ import torch
 
 from specdec import LLM, SamplingParams
 from specdec.spec.verify import rejection_sample
+from specdec.tools.benchmark.exactness import first_divergence
 from specdec.tools.benchmark.prompts import held_out_code_prompts
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -47,13 +48,6 @@ DRAFTERS = {
 }
 
 
-def first_divergence(a: list[int], b: list[int]) -> int | None:
-    """The first index where a and b differ (or the shorter's length), None if they are equal."""
-    if a == b:
-        return None
-    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
-
-
 def exactness(device: str, dtype: str, prompts: list[str], max_tokens: int) -> list[dict]:
     """Each drafter's greedy token ids against the target alone's, in dtype."""
     params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
@@ -63,7 +57,7 @@ def exactness(device: str, dtype: str, prompts: list[str], max_tokens: int) -> l
         keywords = {"num_speculative_tokens": 5, "speculative_k_policy": "fixed", **keywords}
         llm = LLM(TARGET, device=device, dtype=dtype, **keywords)
         outputs = llm.generate(prompts, params)
-        divergences = [first_divergence(ref, out.outputs[0].token_ids) for ref, out in zip(reference, outputs)]
+        divergences = [first_divergence(out.outputs[0].token_ids, ref) for ref, out in zip(reference, outputs)]
         tokens = sum(len(out.outputs[0].token_ids) for out in outputs)
         forwards = sum(out.metrics.num_target_forwards for out in outputs)
         rows.append(
