@@ -29,6 +29,7 @@ import torch
 
 from specdec import LLM, SamplingParams
 from specdec.spec.verify import rejection_sample
+from specdec.tools.benchmark.chi_square import chi_square_counts
 from specdec.tools.benchmark.exactness import first_divergence
 from specdec.tools.benchmark.prompts import held_out_code_prompts
 
@@ -78,21 +79,6 @@ def exactness(device: str, dtype: str, prompts: list[str], max_tokens: int) -> l
     return rows
 
 
-def chi_square(counts: torch.Tensor, probs: torch.Tensor) -> tuple[float, float]:
-    """(statistic, p-value) of observed counts against expected probabilities (bins of
-    expectation under 5 merged into one)."""
-    from scipy.stats import chisquare
-
-    expected = probs.double() * counts.sum()
-    small = expected < 5
-    observed = torch.cat([counts[~small].double(), counts[small].double().sum()[None]])
-    expected = torch.cat([expected[~small], expected[small].sum()[None]])
-    if expected[-1] == 0:
-        observed, expected = observed[:-1], expected[:-1]
-    result = chisquare(observed.numpy(), expected.numpy() * observed.sum().item() / expected.sum().item())
-    return float(result.statistic), float(result.pvalue)
-
-
 def rejection_sampler(device: str, draws: int = 200_000, vocab: int = 12, k: int = 3, seed: int = 0) -> list[dict]:
     """rejection_sample on device over `draws` rows of one random draft and target (each row its
     own draws of the drafts): the first output token against target_probs[0], the second (among
@@ -117,7 +103,7 @@ def rejection_sampler(device: str, draws: int = 200_000, vocab: int = 12, k: int
     second = torch.bincount(output[accepted_first, 1], minlength=vocab)
     rows = []
     for label, counts, probs in (("first token", first, target_probs[0]), ("second token", second, target_probs[1])):
-        statistic, p_value = chi_square(counts, probs)
+        statistic, p_value = chi_square_counts(counts, probs, label)
         rows.append({"position": label, "draws": int(counts.sum()), "chi2": statistic, "p_value": p_value})
         print(f"  {label:12} draws {int(counts.sum()):7}  chi2 {statistic:7.2f}  p {p_value:.3f}", flush=True)
     return rows

@@ -73,12 +73,41 @@ def server_args(args, on_ray: bool) -> list[str]:
     return [*common, "--replicas", str(args.replicas), "--replica-threads", str(max(1, args.threads // args.replicas))]
 
 
+def wait_for_replicas(server: ServerProcess, replicas: int, timeout: float = 900) -> None:
+    """Until every replica answers: /health is 200 once one does (what a load balancer needs), and
+    a load started then goes all to the first replica up while the others still load."""
+    deadline = time.monotonic() + timeout
+    while server.metric("replica_up") < replicas:
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"{server.metric('replica_up'):.0f} of {replicas} replicas answer after {timeout:.0f} s")
+        time.sleep(1)
+
+
+def what_ran(server: ServerProcess, replicas: int) -> str:
+    """The rounds' k (goodput's choice: k = 0 is a plain step), the mean TTFT and the routing."""
+    by_k: dict[str, float] = {}
+    for series, value in server.metrics().items():
+        if series.startswith("specdec:spec_decode_rounds_by_k_total{"):
+            k = series.split('k="')[1].split('"')[0]
+            by_k[k] = by_k.get(k, 0) + value
+    rounds = sum(by_k.values()) or 1
+    ks = ", ".join(f"k={k} {count / rounds:.0%}" for k, count in sorted(by_k.items(), key=lambda kv: int(kv[0])))
+    ttft = server.metric("time_to_first_token_seconds_sum") / max(1, server.metric("time_to_first_token_seconds_count"))
+    routed = [int(server.metric("router_requests_total", replica=str(r))) for r in range(replicas)]
+    routing = f"; requests by replica {routed}" if any(routed) else ""
+    return f"rounds {ks}; mean TTFT {ttft:.1f} s{routing}"
+
+
 def measure(args, on_ray: bool, prompts: list[str]) -> float:
     env = {} if on_ray else {"OMP_NUM_THREADS": str(args.threads)}
     log = Path(args.log_dir) / (f"replicas-{args.replicas}.log" if on_ray else "engine.log")
     server = ServerProcess(server_args(args, on_ray), log, env=env, timeout=900)  # replicas load for minutes
     try:
-        return asyncio.run(load(server.url, prompts, args.clients, args.requests, args.max_tokens))
+        if on_ray:
+            wait_for_replicas(server, args.replicas)
+        rate = asyncio.run(load(server.url, prompts, args.clients, args.requests, args.max_tokens))
+        print(f"    {what_ran(server, args.replicas if on_ray else 0)}", file=sys.stderr)
+        return rate
     finally:
         server.stop()
 

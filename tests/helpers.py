@@ -150,33 +150,6 @@ def load_hf(path: Path):
     return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
 
 
-def chi_square_p_value(samples, probs, what: str = "samples") -> float:
-    """Pearson's chi-square of integer samples against probs (numpy arrays or tensors; bins of
-    expected count < 5 merged into one). A sample outside the support of probs fails outright."""
-    import numpy as np
-    import scipy.stats
-
-    probs = np.asarray(probs.double() if isinstance(probs, torch.Tensor) else probs, dtype=np.float64).reshape(-1)
-    probs = probs / probs.sum()
-    samples = np.asarray(samples)
-    counts = np.bincount(samples, minlength=len(probs)).astype(np.float64)
-    impossible = np.flatnonzero((counts > 0) & (probs == 0))
-    assert len(impossible) == 0, f"{what}: sampled outcomes of probability 0: {impossible[:10]}"
-    expected = probs * len(samples)
-    big = expected >= 5
-    obs, exp = list(counts[big]), list(expected[big])
-    if (~big & (probs > 0)).any():
-        obs.append(counts[~big].sum())
-        exp.append(expected[~big].sum())
-        if exp[-1] < 5 and len(exp) > 1:  # still too small: fold it into the smallest other bin
-            smallest = int(np.argmin(exp[:-1]))
-            obs[smallest] += obs.pop()
-            exp[smallest] += exp.pop()
-    if len(exp) < 2:
-        return 1.0
-    return float(scipy.stats.chisquare(obs, exp).pvalue)
-
-
 def save_random_head(
     target_dir: Path, out: Path, seed: int = 0, feature_layers: tuple[int, ...] = (), output_vocab: int = 0
 ) -> Path:

@@ -11,12 +11,13 @@ import numpy as np
 import pytest
 import torch
 
-from helpers import chi_square_p_value, load_hf, random_prompts, save_random_head, save_tiny_model, token_ids
+from helpers import load_hf, random_prompts, save_random_head, save_tiny_model, token_ids
 from specdec import LLM, SamplingParams
 from specdec.config import SpeculativeConfig
 from specdec.kv_cache import KVCache, TreeAttention
 from specdec.models.loader import load_pretrained
 from specdec.spec.verify import greedy_tree_verify, tree_rejection_sample
+from specdec.tools.benchmark.chi_square import chi_square_p_value
 from specdec.tree import ROOT, TreeShape, branches, depths
 
 GREEDY = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)

@@ -19,8 +19,9 @@ import numpy as np
 import pytest
 import torch
 
-from helpers import chi_square_p_value, load_hf, save_random_head, save_tiny_model
+from helpers import load_hf, save_random_head, save_tiny_model
 from specdec import LLM, SamplingParams
+from specdec.tools.benchmark.chi_square import chi_square_p_value
 
 VOCAB = 32
 # A very small model: the cost of these tests is NUM_DRAWS rows through the engine, not the model.

@@ -14,9 +14,9 @@ import pytest
 import scipy.stats
 import torch
 
-from helpers import chi_square_p_value
 from specdec.spec import verify
 from specdec.spec.verify import rejection_sample
+from specdec.tools.benchmark.chi_square import chi_square_p_value
 
 # ---------------------------------------------------------------------------------------------
 # The slow reference: a plain loop per row and per position.

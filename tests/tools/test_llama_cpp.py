@@ -945,10 +945,13 @@ def test_a_sampled_run_seeds_the_shared_stream_and_leaves_k_to_goodput(tiny_mode
     config = LlamaCppConfig(tiny_models["model"], systems=("ngram",), max_tokens=16, k=3, sampling="sampled")
     _, runners = llama_cpp.load_specdec(config)
     plain, ngram = runners[SPECDEC_PLAIN], runners[System("specdec", "ngram")]
-    params = plain.params(seed=4)
-    assert (params.temperature, params.top_p, params.seed, params.max_tokens) == (0.8, 0.95, None, 16)
-    after_seeding = plain.llm.engine.shared_generator.get_state()
-    assert torch.equal(after_seeding, torch.Generator().manual_seed(4).get_state())  # the stream, seeded 4
+    stream_before = plain.llm.engine.shared_generator.get_state()
+    params = plain.params(seed=4)  # what the setting asks for; building it changes nothing
+    assert (params.temperature, params.top_p, params.seed, params.max_tokens) == (0.8, 0.95, 4, 16)
+    assert torch.equal(plain.llm.engine.shared_generator.get_state(), stream_before)
+    sent = plain._as_sent(params)  # as a timed call sends it: unseeded, the shared stream seeded 4
+    assert sent.seed is None
+    assert torch.equal(plain.llm.engine.shared_generator.get_state(), torch.Generator().manual_seed(4).get_state())
     ids = list(range(5, 25)) * 2
     texts = {seed: plain(ids, "", seed).text for seed in range(4)}
     assert plain(ids, "", 2).text == texts[2] and len(set(texts.values())) > 1

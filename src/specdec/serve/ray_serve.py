@@ -43,6 +43,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
 from prometheus_client.metrics_core import Metric
 from prometheus_client.parser import text_string_to_metric_families
 
+from specdec.cli import show_log
 from specdec.prompts import PromptEncoder
 from specdec.serve.app import ServerState, build_app
 from specdec.serve.async_engine import AsyncEngine
@@ -74,6 +75,7 @@ class EngineReplica:
     AsyncEngine in a thread, with args.replica_threads torch threads."""
 
     def __init__(self, args: argparse.Namespace, index: int):
+        show_log()  # a Ray worker: specdec's log lines (the dtype, the cache's size) in the server's output
         torch.set_num_threads(args.replica_threads)
         self.index = index
         # without --kv-cache-memory each replica takes its share of half the free memory (all
@@ -127,7 +129,8 @@ class ReplicaClient:
         self._watcher: asyncio.Task | None = None
         self._stopping = False
         for replica in range(len(handles)):  # down until it first answers (_watch_replicas)
-            self._mark(replica, False)
+            self.router.mark_down(replica)
+            self.replica_up.labels(model_name, str(replica)).set(0)
 
     @property
     def is_running(self) -> bool:
@@ -188,6 +191,9 @@ class ReplicaClient:
         return error
 
     def _mark(self, replica: int, up: bool) -> None:
+        if up == (replica in self.router.down):  # a change: the log says when routing changed
+            what = "answers: routing to it" if up else "does not answer: routing around it"
+            (log.info if up else log.warning)("%s %s", engine_name(replica), what)
         if up:
             self.router.mark_up(replica)
         else:
@@ -250,6 +256,7 @@ class Ingress:
     """The OpenAI routes (app.py) over the engine deployments (handles, in index order)."""
 
     def __init__(self, args: argparse.Namespace, *handles: DeploymentHandle):
+        show_log()  # which replicas answer, as it changes
         torch.set_num_threads(1)
         prompts = PromptEncoder.load(args.model)  # its tokenizer and prompt checks, no weights
         max_model_len = args.max_model_len or prompts.max_model_len
@@ -300,12 +307,15 @@ def run_replicas(args: argparse.Namespace) -> int:
         serve.start(http_options={"host": args.host, "port": args.port})
         serve.run(application(settings), name=APP_NAME, route_prefix="/")
         log.warning(
-            "serving %s on http://%s:%d: %d replicas on Ray Serve, %d threads each",
+            "serving %s on http://%s:%d: %d replica%s on Ray Serve, %d thread%s each (/health is 200 once one "
+            "answers; specdec:replica_up in /metrics says which do)",
             served_names(args)[0],
             args.host,
             args.port,
             args.replicas,
+            "" if args.replicas == 1 else "s",
             threads,
+            "" if threads == 1 else "s",
         )
         stop.wait()
     finally:

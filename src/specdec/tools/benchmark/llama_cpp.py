@@ -792,17 +792,25 @@ class SpecdecRunner:
         self.llm, self.max_tokens, self.setting = llm, max_tokens, setting
 
     def params(self, seed: int, max_tokens: int | None = None):
-        """Greedy, or sampled on the shared stream, seeded seed now (run.on_the_shared_stream:
-        goodput chooses k, as users get it without a seed of their own)."""
-        from specdec.tools.benchmark.run import on_the_shared_stream
+        """Greedy, or sampled with seed (the setting's params; nothing changes until a call)."""
+        return self.setting.params(max_tokens or self.max_tokens, seed)
 
-        return on_the_shared_stream(self.llm, self.setting.params(max_tokens or self.max_tokens, seed))
+    def warm_up(self, ids: list[int], seed: int) -> None:
+        """LLM.warm_up on ids, sent as a timed call sends them."""
+        self.llm.warm_up(ids, self._as_sent(self.params(seed)))
 
     def __call__(self, ids: list[int], text: str, seed: int = 0) -> Timed:
         return self._timed(ids, self.params(seed))
 
-    def _timed(self, ids: list[int], params) -> Timed:
+    def _as_sent(self, params):
+        """params as users send them: a sampled request unseeded, its seed seeding the shared
+        stream now (run.on_the_shared_stream: goodput chooses k, as without a seed of their own)."""
+        from specdec.tools.benchmark.run import on_the_shared_stream
 
+        return on_the_shared_stream(self.llm, params)
+
+    def _timed(self, ids: list[int], params) -> Timed:
+        params = self._as_sent(params)
         start = time.perf_counter()
         output = self.llm.generate({"prompt_token_ids": ids}, params)[0]
         seconds = time.perf_counter() - start
@@ -893,7 +901,7 @@ def warm_up(runners: dict, ids: list[int], config: LlamaCppConfig) -> None:
     """Each specdec system pays its first calls' costs (allocating for the longest prompt, ids;
     goodput's calibration) untimed, with LLM.warm_up. (Each llama.cpp tool warms up by itself.)"""
     for runner in runners.values():
-        runner.llm.warm_up(ids, runner.params(config.seed))
+        runner.warm_up(ids, config.seed)
 
 
 @dataclass(frozen=True)
