@@ -23,6 +23,7 @@ LAYERS = [  # bottom first (docs/architecture.md): a module imports from its own
             "specdec.sampling",
             "specdec.platform",
             "specdec.progress",
+            "specdec.log_lines",
             "specdec.paths",
             "specdec.output_dir",
             "specdec.kv_cache",

@@ -19,15 +19,12 @@ integer >= 0, got -1`, where LLM(...) says `num_speculative_tokens must be ...`.
 from __future__ import annotations
 
 import argparse
-import logging
 import sys
-import warnings
 from pathlib import Path
 
 from specdec.config import ConfigError, SamplingParams
+from specdec.log_lines import show_log
 from specdec.model_flags import add_model_argument, add_model_arguments, flag_words, make_llm, require_model
-
-SOURCE = Path(__file__).parent  # specdec's own source: its warnings are said in its words
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -78,37 +75,6 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:  # train and distill say what they kept; the others have nothing to keep
         print("\ninterrupted", file=sys.stderr)
         return 130
-
-
-def show_log() -> None:
-    """specdec's log lines (the dtype chosen and why, compile times) on stderr, once; and
-    specdec's own warnings (a draft's shorter context, an emulated dtype) in the same words,
-    without the Python source line a warning otherwise prints."""
-    log = logging.getLogger("specdec")
-    if not log.handlers:
-        handler = _StderrHandler()
-        handler.setFormatter(logging.Formatter("specdec: %(message)s"))
-        log.addHandler(handler)
-        log.setLevel(logging.INFO)
-    if warnings.showwarning is not _show_warning:
-        _show_warning.default = warnings.showwarning
-        warnings.showwarning = _show_warning
-
-
-class _StderrHandler(logging.StreamHandler):
-    """Writes to sys.stderr as it is at each line (a test's capture or a server may replace it)."""
-
-    def emit(self, record: logging.LogRecord) -> None:
-        self.stream = sys.stderr
-        super().emit(record)
-
-
-def _show_warning(message, category, filename, lineno, file=None, line=None) -> None:
-    """A warning of specdec's own (raised in its source) as a log line; any other as Python shows it."""
-    if str(filename).startswith(str(SOURCE)):
-        logging.getLogger("specdec").warning("%s", message)
-    else:
-        _show_warning.default(message, category, filename, lineno, file, line)
 
 
 def add_generate_parser(commands) -> None:

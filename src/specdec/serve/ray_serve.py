@@ -43,7 +43,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
 from prometheus_client.metrics_core import Metric
 from prometheus_client.parser import text_string_to_metric_families
 
-from specdec.cli import show_log
+from specdec.log_lines import show_log
 from specdec.prompts import PromptEncoder
 from specdec.serve.app import ServerState, build_app
 from specdec.serve.async_engine import AsyncEngine
