@@ -8,6 +8,7 @@ is not installed (pip install "specdec[ray]")."""
 from __future__ import annotations
 
 import asyncio
+import logging
 import sys
 import time
 
@@ -84,6 +85,10 @@ def test_health_waits_for_a_replica_that_answers(monkeypatch):
     monkeypatch.setattr(ray_serve, "HEALTH_TIMEOUT_S", 0.05)
     replicas = [SlowReplica(), SlowReplica()]
 
+    said: list[str] = []
+    handler = logging.Handler()
+    handler.emit = lambda record: said.append(record.getMessage())  # type: ignore[method-assign]
+
     async def watch() -> tuple[bool, bool, set[int]]:
         ingress = ray_serve.ReplicaClient(None, replicas, MODEL)  # pyright: ignore[reportArgumentType]
         before = ingress.is_running
@@ -98,9 +103,18 @@ def test_health_waits_for_a_replica_that_answers(monkeypatch):
         await ingress.stop()
         return before, still_loading, set(ingress.router.down)
 
-    before, still_loading, down = asyncio.run(watch())
+    log = logging.getLogger("specdec")
+    level = log.level
+    log.addHandler(handler)
+    log.setLevel(logging.INFO)
+    try:
+        before, still_loading, down = asyncio.run(watch())
+    finally:
+        log.removeHandler(handler)
+        log.setLevel(level)
     assert not before and not still_loading  # no replica had answered
     assert down == {0}  # the one that answered is up, the other still down
+    assert said == ["engine-1 answers: routing to it"]  # once, when it changed: not at start, not every poll
 
 
 @pytest.fixture(scope="module")
