@@ -24,17 +24,11 @@ import numpy as np
 from specdec.drafters.ngram import lookup
 from specdec.paths import CACHE
 from specdec.prompts import PromptEncoder
+from specdec.tools.training.chat_prompts import kind_of
 
 ASSISTANT = "<|im_start|>assistant\n"  # Qwen2.5's template: the answer follows the last one
+USER = "<|im_start|>user\n"  # and the user's message the last of these
 NGRAM_MAX = 4
-
-
-def kind_of(chat: str) -> str:
-    """The prompt's kind, from chat_prompts.py's wording of the user's message."""
-    user = chat.rpartition("<|im_start|>user\n")[2]
-    if user.startswith("Edit this function"):
-        return "edit"
-    return "explain" if user.startswith("Explain what this") else "write"
 
 
 def accepted_run(proposal: np.ndarray, truth: np.ndarray) -> int:
@@ -66,7 +60,7 @@ def main() -> None:
     for path in answers:
         text = path.read_text(encoding="utf-8")
         cut = text.rindex(ASSISTANT) + len(ASSISTANT)
-        kind = kind_of(text[:cut])
+        kind = kind_of(text[:cut].rpartition(USER)[2])
         ids = np.asarray(tokenizer.encode(text))
         for t in range(len(tokenizer.encode(text[:cut])), len(ids) - 1):
             n, proposal = longest_match(ids[:t], args.k)

@@ -11,7 +11,15 @@ from pathlib import Path
 
 import pytest
 
-from specdec.tools.training.chat_prompts import KINDS, ChatPrompt, chat_prompts, describe, find_functions, summary
+from specdec.tools.training.chat_prompts import (
+    KINDS,
+    ChatPrompt,
+    chat_prompts,
+    describe,
+    find_functions,
+    kind_of,
+    summary,
+)
 from specdec.tools.training.corpus import HELD_OUT_MODULES, load_corpus
 
 LONG_DOCSTRING = "Compute something. " * 25  # 475 characters: too long a summary for a write prompt
@@ -167,6 +175,12 @@ def test_prompts_are_well_formed_conversations_of_the_kinds_asked(corpus):
     functions, _ = find_functions(corpus.train)
     sources = sorted(p.source for p in chat_prompts(corpus, kinds=("edit", "explain")))
     assert sources == sorted(f.where for f in functions)
+
+
+def test_a_prompts_kind_is_read_back_from_its_message(corpus):
+    prompts = chat_prompts(corpus)
+    assert {p.kind for p in prompts} == set(KINDS)
+    assert all(kind_of(p.messages[-1]["content"]) == p.kind for p in prompts)
 
 
 def test_held_out_and_train_never_share_a_document(corpus):

@@ -256,10 +256,21 @@ def _prompt(function: Function, kinds: tuple[str, ...], rng: random.Random) -> C
         assert text is not None  # "write" fits only with a summary
         content = _write_request(function, text, rng)
     elif kind == "edit":
-        content = f"Edit this function so that it {_edit_instruction(function, rng)}:\n\n{_code(function)}"
+        content = f"{EDIT_OPENING} so that it {_edit_instruction(function, rng)}:\n\n{_code(function)}"
     else:
-        content = f"Explain what this Python code does:\n\n{_code(function)}"
+        content = f"{EXPLAIN_OPENING} Python code does:\n\n{_code(function)}"
     return ChatPrompt(({"role": "user", "content": content},), kind, function.where)
+
+
+EDIT_OPENING = "Edit this function"  # how an edit request starts
+EXPLAIN_OPENING = "Explain what this"  # how an explain request starts (a write request starts otherwise)
+
+
+def kind_of(user_message: str) -> str:
+    """The kind of a user message these prompts wrote (write, edit or explain), from its opening."""
+    if user_message.startswith(EDIT_OPENING):
+        return "edit"
+    return "explain" if user_message.startswith(EXPLAIN_OPENING) else "write"
 
 
 def _code(function: Function) -> str:
