@@ -110,12 +110,11 @@ class PrefixRouter:
         up = [r for r in range(self.num_replicas) if r not in self.down] or list(range(self.num_replicas))
         least = min(self.in_flight[r] for r in up)
         within = [r for r in up if self.in_flight[r] <= least + self.max_imbalance]
+        matched = {r: self.matched_blocks(r, keys) for r in within}
         # most matched blocks first, then fewest in flight, then in turn (ties do not all go to replica 0)
         turn = self._routed % self.num_replicas
-        best = min(
-            within, key=lambda r: (-self.matched_blocks(r, keys), self.in_flight[r], (r - turn) % self.num_replicas)
-        )
-        return Route(best, self.matched_blocks(best, keys))
+        best = min(within, key=lambda r: (-matched[r], self.in_flight[r], (r - turn) % self.num_replicas))
+        return Route(best, matched[best])
 
     def _remember(self, replica: int, keys: list[bytes]) -> None:
         remembered = self._keys[replica]
