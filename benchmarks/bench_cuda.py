@@ -1,6 +1,7 @@
 """specdec on a CUDA GPU, checked and timed in one run: what CI (CPU only) cannot show.
 
-    python benchmarks/bench_cuda.py [--device cuda] [--prompts 4] [--max-tokens 64] [--out FILE.json]
+    python benchmarks/bench_cuda.py [--device cuda] [--prompts 4] [--max-tokens 64] [--seeds 1]
+        [--draws 200000] [--parts exactness,sampler,speed] [--compile off,on] [--batches 1,8] [--out FILE.json]
 
 1. Exactness. Greedy, float32, the shipped pair (models/code-target, models/code-draft,
    models/code-target-eagle), a ragged batch of held-out code prompts: every drafter's token ids
@@ -9,7 +10,10 @@
    than a one-row decode step (cuBLAS picks its kernel by shape).
 2. The rejection sampler on the device. rejection_sample draws from random draft and target
    distributions; a chi-square test of the first output token against the target's own
-   distribution, and of the second (given the first accepted) against its own.
+   distribution, of the recovered token (first draft rejected) against the residual, and of the
+   second (given the first accepted) against its own; --draws sets the rows; with --seeds N,
+   N such draws (each seed its own distributions), whose p-values, if the sampler is exact, are
+   uniform: a Kolmogorov-Smirnov test of that, and Fisher's combination, per position.
 3. Speed. Tokens/s of the target alone and of the draft model (k by goodput), eager and
    compiled (torch.compile's "reduce-overhead": CUDA graphs), at batch 1 and 8, bfloat16, with
    the compiled greedy output checked against the eager.
@@ -32,6 +36,8 @@ from specdec.spec.verify import rejection_sample
 from specdec.tools.benchmark.chi_square import chi_square_counts
 from specdec.tools.benchmark.exactness import first_divergence
 from specdec.tools.benchmark.prompts import held_out_code_prompts
+
+CHUNK = 500_000  # the sampler check's rows per rejection_sample call
 
 ROOT = Path(__file__).resolve().parent.parent
 TARGET, DRAFT, HEAD = (str(ROOT / "models" / name) for name in ("code-target", "code-draft", "code-target-eagle"))
@@ -81,32 +87,66 @@ def exactness(device: str, dtype: str, prompts: list[str], max_tokens: int) -> l
 
 def rejection_sampler(device: str, draws: int = 200_000, vocab: int = 12, k: int = 3, seed: int = 0) -> list[dict]:
     """rejection_sample on device over `draws` rows of one random draft and target (each row its
-    own draws of the drafts): the first output token against target_probs[0], the second (among
-    rows that accepted the first draft token) against target_probs[1]."""
+    own draws of the drafts, in chunks of CHUNK rows): the first output token against
+    target_probs[0]; among rows that rejected the first draft token, the recovered token against
+    the residual max(0, p - q); the second token (among rows that accepted the first) against
+    target_probs[1]."""
     gen = torch.Generator().manual_seed(seed)
     target_probs = torch.softmax(torch.randn(k + 1, vocab, generator=gen) * 1.5, -1)  # [k+1, V]
     draft_probs = torch.softmax(torch.randn(k, vocab, generator=gen) * 1.5, -1)  # [k, V]
-    draft_tokens = torch.stack(
-        [torch.multinomial(draft_probs[j], draws, replacement=True, generator=gen) for j in range(k)], dim=1
-    )  # [N, k]
     generator = torch.Generator(device=device).manual_seed(seed)
-    output, num_accepted = rejection_sample(
-        draft_tokens.to(device),
-        torch.full((draws,), k, device=device),
-        draft_probs.expand(draws, k, vocab).to(device),
-        target_probs.expand(draws, k + 1, vocab).to(device),
-        [generator] * draws,
-    )  # output [N, k+1]
-    output, num_accepted = output.cpu(), num_accepted.cpu()
-    first = torch.bincount(output[:, 0], minlength=vocab)
-    accepted_first = num_accepted >= 1
-    second = torch.bincount(output[accepted_first, 1], minlength=vocab)
-    rows = []
-    for label, counts, probs in (("first token", first, target_probs[0]), ("second token", second, target_probs[1])):
+    first, recovered, second = (torch.zeros(vocab, dtype=torch.long) for _ in range(3))
+    for start in range(0, draws, CHUNK):
+        rows = min(CHUNK, draws - start)
+        draft_tokens = torch.stack(
+            [torch.multinomial(draft_probs[j], rows, replacement=True, generator=gen) for j in range(k)], dim=1
+        )  # [N, k]
+        output, num_accepted = rejection_sample(
+            draft_tokens.to(device),
+            torch.full((rows,), k, device=device),
+            draft_probs.expand(rows, k, vocab).to(device),
+            target_probs.expand(rows, k + 1, vocab).to(device),
+            [generator] * rows,
+        )  # output [N, k+1]
+        output, num_accepted = output.cpu(), num_accepted.cpu()
+        first += torch.bincount(output[:, 0], minlength=vocab)
+        recovered += torch.bincount(output[num_accepted == 0, 0], minlength=vocab)
+        second += torch.bincount(output[num_accepted >= 1, 1], minlength=vocab)
+    residual = (target_probs[0] - draft_probs[0]).clamp(min=0)  # [V]
+    checks = (
+        ("first token", first, target_probs[0]),
+        ("recovered", recovered, residual),
+        ("second token", second, target_probs[1]),
+    )
+    results = []
+    for label, counts, probs in checks:
         statistic, p_value = chi_square_counts(counts, probs, label)
-        rows.append({"position": label, "draws": int(counts.sum()), "chi2": statistic, "p_value": p_value})
-        print(f"  {label:12} draws {int(counts.sum()):7}  chi2 {statistic:7.2f}  p {p_value:.3f}", flush=True)
-    return rows
+        results.append({"position": label, "draws": int(counts.sum()), "chi2": statistic, "p_value": p_value})
+        print(f"  {label:12} draws {int(counts.sum()):9}  chi2 {statistic:7.2f}  p {p_value:.3f}", flush=True)
+    return results
+
+
+def sampler_seeds(device: str, seeds: int, draws: int) -> dict:
+    """rejection_sampler over seeds 0..seeds-1; per position, the p-values' Kolmogorov-Smirnov
+    test against uniform and Fisher's combination (both near 1 or spread if exact, near 0 if not)."""
+    from scipy.stats import combine_pvalues, kstest
+
+    rows = [row | {"seed": seed} for seed in range(seeds) for row in rejection_sampler(device, draws, seed=seed)]
+    summary = {}
+    for position in ("first token", "recovered", "second token"):
+        p_values = [row["p_value"] for row in rows if row["position"] == position]
+        summary[position] = {
+            "seeds": len(p_values),
+            "ks_p_value": float(kstest(p_values, "uniform").pvalue),
+            "fisher_p_value": float(combine_pvalues(p_values, method="fisher").pvalue),
+            "below_0.05": sum(p < 0.05 for p in p_values),
+        }
+        print(
+            f"  {position:12} {len(p_values)} seeds: p-values uniform? KS p {summary[position]['ks_p_value']:.3f},"
+            f"  Fisher p {summary[position]['fisher_p_value']:.3f},  {summary[position]['below_0.05']} below 0.05",
+            flush=True,
+        )
+    return {"rows": rows, "summary": summary}
 
 
 def timed(llm: LLM, prompts: list[str], params: SamplingParams) -> tuple[float, list[list[int]]]:
@@ -123,14 +163,14 @@ def timed(llm: LLM, prompts: list[str], params: SamplingParams) -> tuple[float, 
     return sum(map(len, ids)) / seconds, ids
 
 
-def speed(device: str, prompts: list[str], max_tokens: int) -> list[dict]:
-    """Tokens/s of the target alone and with the draft model, eager and compiled, batch 1 and 8."""
+def speed(device: str, prompts: list[str], max_tokens: int, compile_modes: list[str], batches: list[int]) -> list[dict]:
+    """Tokens/s of the target alone and with the draft model, per compile mode and batch."""
     params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
     rows = []
-    for compile_mode in ("off", "on"):
+    for compile_mode in compile_modes:
         plain = LLM(TARGET, device=device, dtype="bfloat16", compile=compile_mode)
         draft = LLM(TARGET, speculative_model=DRAFT, device=device, dtype="bfloat16", compile=compile_mode)
-        for batch in (1, 8):
+        for batch in batches:
             batch_prompts = (prompts * batch)[:batch]
             plain_rate, plain_ids = timed(plain, batch_prompts, params)
             draft_rate, draft_ids = timed(draft, batch_prompts, params)
@@ -150,9 +190,10 @@ def speed(device: str, prompts: list[str], max_tokens: int) -> list[dict]:
                 f"  draft model {draft_rate:8.1f} tok/s  {draft_rate / plain_rate:.2f}x",
                 flush=True,
             )
-    for row in rows:  # the compiled greedy output against the eager, at the same batch
-        eager = next(r for r in rows if r["compile"] == "off" and r["batch"] == row["batch"])
-        row["same_as_eager"] = row["plain_ids"] == eager["plain_ids"] and row["draft_ids"] == eager["draft_ids"]
+    for row in rows:  # the compiled greedy output against the eager, at the same batch, where both ran
+        eager = next((r for r in rows if r["compile"] == "off" and r["batch"] == row["batch"]), None)
+        if eager is not None:
+            row["same_as_eager"] = row["plain_ids"] == eager["plain_ids"] and row["draft_ids"] == eager["draft_ids"]
     for row in rows:
         del row["plain_ids"], row["draft_ids"]
     return rows
@@ -164,6 +205,10 @@ def main() -> None:
     parser.add_argument("--prompts", type=int, default=4)
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--parts", default="exactness,sampler,speed")
+    parser.add_argument("--seeds", type=int, default=1, help="the sampler check's runs, each its own seed")
+    parser.add_argument("--draws", type=int, default=200_000, help="the sampler check's rows per seed")
+    parser.add_argument("--compile", default="off,on", help="the speed part's compile modes")
+    parser.add_argument("--batches", default="1,8", help="the speed part's batch sizes")
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()
     torch.manual_seed(0)
@@ -185,11 +230,16 @@ def main() -> None:
         save()
     if "sampler" in parts:
         print("rejection sampler (chi-square against the target's distribution):", flush=True)
-        results["sampler"] = rejection_sampler(args.device)
+        if args.seeds == 1:
+            results["sampler"] = rejection_sampler(args.device, args.draws)
+        else:
+            results["sampler"] = sampler_seeds(args.device, args.seeds, args.draws)
         save()
     if "speed" in parts:
         print("speed (bfloat16, greedy, tokens/s):", flush=True)
-        results["speed"] = speed(args.device, prompts, 2 * args.max_tokens)
+        compile_modes = args.compile.split(",")
+        batches = [int(batch) for batch in args.batches.split(",")]
+        results["speed"] = speed(args.device, prompts, 2 * args.max_tokens, compile_modes, batches)
         save()
 
 
