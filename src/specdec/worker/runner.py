@@ -52,6 +52,7 @@ from specdec.models.llama import LlamaModel
 from specdec.models.quantized_linear import check_quantization, quantize_linears
 from specdec.platform import Platform, detect_platform
 from specdec.progress import stage
+from specdec.worker.ragged_groups import ragged_groups
 
 log = logging.getLogger("specdec")
 
@@ -422,15 +423,46 @@ class ModelRunner:
     def last_token_logits(self, batch: ForwardBatch, last_index: torch.Tensor, return_hidden: bool = False):
         """Forward padded rows; logits after each row's last real token (last_index [B]): [B, V].
         return_hidden: (those logits, every position's hidden states [B, T, hidden])."""
-        if self._query_bucket(batch.input_ids.shape[1]) is None:
-            return self.eager_model().last_token_logits(
-                batch.input_ids, batch.positions, self._kv.rows(batch.slots), last_index, return_hidden
-            )
+        if self._query_bucket(batch.input_ids.shape[1]) is None:  # long: eager, in groups of similar lengths
+            groups = ragged_groups((last_index + 1).tolist())
+            if len(groups) == 1:
+                return self._last_token_logits_eager(batch, last_index, return_hidden)
+            return self._last_token_logits_in_groups(batch, last_index, return_hidden, groups)
         outputs = self.forward(batch, return_hidden=return_hidden)  # [B, T, V] (, hidden)
         logits, hidden = outputs if isinstance(outputs, tuple) else (outputs, None)
         rows = torch.arange(batch.input_ids.shape[0], device=logits.device)
         last_logits = logits[rows, last_index.to(logits.device)]
         return (last_logits, hidden) if return_hidden else last_logits
+
+    def _last_token_logits_eager(self, batch: ForwardBatch, last_index: torch.Tensor, return_hidden: bool):
+        return self.eager_model().last_token_logits(
+            batch.input_ids, batch.positions, self._kv.rows(batch.slots), last_index, return_hidden
+        )
+
+    def _last_token_logits_in_groups(
+        self, batch: ForwardBatch, last_index: torch.Tensor, return_hidden: bool, groups: list[list[int]]
+    ):
+        """last_token_logits as one eager forward per group of rows (ragged_groups.py), each as
+        wide as its longest row; the results in the rows' order (hidden: zero past a group's width)."""
+        B, W = batch.input_ids.shape
+        logits: torch.Tensor | None = None
+        hidden: torch.Tensor | None = None
+        for group in groups:
+            rows = torch.tensor(group, device=batch.input_ids.device)  # [G]
+            width = int(last_index[group].max()) + 1
+            part = ForwardBatch(
+                batch.input_ids[rows, :width], batch.positions[rows, :width], batch.slots[rows]
+            )  # [G, width]
+            outputs = self._last_token_logits_eager(part, last_index[group], return_hidden)
+            part_logits, part_hidden = outputs if return_hidden else (outputs, None)  # [G, V], [G, width, F]
+            if logits is None:
+                logits = part_logits.new_empty(B, part_logits.shape[-1])  # [B, V]
+            logits[rows.to(logits.device)] = part_logits
+            if part_hidden is not None:
+                if hidden is None:
+                    hidden = part_hidden.new_zeros(B, W, part_hidden.shape[-1])  # [B, W, F]
+                hidden[rows.to(hidden.device), :width] = part_hidden
+        return (logits, hidden) if return_hidden else logits
 
     @overload
     def feed(
