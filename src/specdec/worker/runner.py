@@ -454,7 +454,9 @@ class ModelRunner:
                 batch.input_ids[rows, :width], batch.positions[rows, :width], batch.slots[rows]
             )  # [G, width]
             outputs = self._last_token_logits_eager(part, last_index[group], return_hidden)
-            part_logits, part_hidden = outputs if return_hidden else (outputs, None)  # [G, V], [G, width, F]
+            part_logits, part_hidden = (
+                outputs if isinstance(outputs, tuple) else (outputs, None)
+            )  # [G, V], [G, width, F]
             if logits is None:
                 logits = part_logits.new_empty(B, part_logits.shape[-1])  # [B, V]
             logits[rows.to(logits.device)] = part_logits
