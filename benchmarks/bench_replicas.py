@@ -8,6 +8,7 @@ Two servers take turns (--rounds times each, interleaved: these machines are noi
 Load: --clients clients each stream --requests completions one after another (held-out code
 prompts, greedy, --max-tokens each, EOS ignored). Throughput = all output tokens / wall time.
 The goal (issue 30): N replicas at >= 0.9x one engine's throughput (the router costs little).
+Each server's log is kept per round: --log-dir/engine-roundR.log, replicas-N-roundR.log.
 --replicas 1 --threads 1: one replica on Ray against one engine, both of one thread: the cost of
 the ingress, the router and streaming through Ray alone.
 """
@@ -98,9 +99,12 @@ def what_ran(server: ServerProcess, replicas: int) -> str:
     return f"rounds {ks}; mean TTFT {ttft:.1f} s{routing}"
 
 
-def measure(args, on_ray: bool, prompts: list[str]) -> float:
+def measure(args, on_ray: bool, prompts: list[str], round_index: int = 0) -> float:
+    """One server's throughput under the load; its log kept per round (a slow round can be read
+    afterwards: its start-up, compiling, admissions)."""
     env = {} if on_ray else {"OMP_NUM_THREADS": str(args.threads)}
-    log = Path(args.log_dir) / (f"replicas-{args.replicas}.log" if on_ray else "engine.log")
+    name = f"replicas-{args.replicas}" if on_ray else "engine"
+    log = Path(args.log_dir) / f"{name}-round{round_index + 1}.log"
     server = ServerProcess(server_args(args, on_ray), log, env=env, timeout=900)  # replicas load for minutes
     try:
         if on_ray:
@@ -128,9 +132,9 @@ def main() -> int:
 
     prompts = [prompt.text for prompt in held_out_code_prompts(per_module=4, max_chars=600)]  # fit 512 positions
     results: dict[bool, list[float]] = {False: [], True: []}  # on Ray?
-    for _ in range(args.rounds):
+    for round_index in range(args.rounds):
         for on_ray in results:
-            results[on_ray].append(measure(args, on_ray, prompts))
+            results[on_ray].append(measure(args, on_ray, prompts, round_index))
             what = f"{args.replicas} replica(s) on Ray" if on_ray else "one engine"
             print(f"  {what}: {results[on_ray][-1]:.1f} tok/s", file=sys.stderr)
     one, many = statistics.median(results[False]), statistics.median(results[True])
