@@ -19,6 +19,7 @@ the sorted distinct lengths finds it in O(D^2), D distinct lengths.
 from __future__ import annotations
 
 import itertools
+from collections import Counter
 
 # A forward's own cost in padded tokens. Measured: Qwen2.5-Coder-1.5B (Q4_K_M) on one core of
 # this project's CPUs prefills ~60 tokens/s, and a forward's fixed part (its weights read once)
@@ -29,15 +30,17 @@ SPLIT_COST_TOKENS = 128
 
 
 def ragged_groups(lengths: list[int], split_cost: int = SPLIT_COST_TOKENS) -> list[list[int]]:
-    """The rows (indices into lengths) in groups that each run as one forward, cheapest first by
-    the module's rule; one group of every row, in order, when splitting does not pay. Rows of
+    """The rows (indices into lengths) in groups that each run as one forward, the shortest rows'
+    group first: the cheapest partition by the module's rule; one group of every row, in order,
+    when splitting does not pay. Rows of
     equal length always share a group (moving one into its twin's group never costs more), so
     the programme runs over the distinct lengths: a sampling test's batch of thousands of rows of
     a few lengths costs no more to group than a few rows."""
     if split_cost < 0:
         raise ValueError(f"split_cost must be >= 0, got {split_cost}")
-    distinct = sorted(set(lengths))  # shortest first
-    rows_up_to = list(itertools.accumulate((lengths.count(n) for n in distinct), initial=0))  # [D + 1]
+    rows_of_length = Counter(lengths)
+    distinct = sorted(rows_of_length)  # shortest first
+    rows_up_to = list(itertools.accumulate((rows_of_length[n] for n in distinct), initial=0))  # [D + 1]
     # cheapest[end]: the least cost of the rows of the first `end` distinct lengths; first[end]:
     # the first distinct length of its last group
     cheapest = [0] + [float("inf")] * len(distinct)
