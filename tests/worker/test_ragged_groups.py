@@ -14,7 +14,7 @@ from helpers import save_tiny_model
 from specdec import LLM, SamplingParams
 from specdec.models.loader import load_pretrained
 from specdec.worker import ModelRunner
-from specdec.worker.ragged_groups import padded_tokens, ragged_groups
+from specdec.worker.ragged_groups import ragged_groups
 
 
 def set_partitions(items: list[int]):
@@ -27,6 +27,11 @@ def set_partitions(items: list[int]):
         yield [[first], *partition]
         for i in range(len(partition)):
             yield [*partition[:i], [first, *partition[i]], *partition[i + 1 :]]
+
+
+def padded_tokens(lengths: list[int], groups: list[list[int]]) -> int:
+    """What the groups' forwards multiply: the sum of rows x longest row per group."""
+    return sum(len(group) * max(lengths[row] for row in group) for group in groups)
 
 
 def cost(lengths: list[int], groups: list[list[int]], split_cost: int) -> int:

@@ -32,10 +32,9 @@ SPLIT_COST_TOKENS = 128
 def ragged_groups(lengths: list[int], split_cost: int = SPLIT_COST_TOKENS) -> list[list[int]]:
     """The rows (indices into lengths) in groups that each run as one forward, the shortest rows'
     group first: the cheapest partition by the module's rule; one group of every row, in order,
-    when splitting does not pay. Rows of
-    equal length always share a group (moving one into its twin's group never costs more), so
-    the programme runs over the distinct lengths: a sampling test's batch of thousands of rows of
-    a few lengths costs no more to group than a few rows."""
+    when splitting does not pay. Rows of equal length always share a group (moving one into its
+    twin's group never costs more), so the programme runs over the distinct lengths: a sampling
+    test's batch of thousands of rows of a few lengths costs no more to group than a few rows."""
     if split_cost < 0:
         raise ValueError(f"split_cost must be >= 0, got {split_cost}")
     rows_of_length = Counter(lengths)
@@ -57,8 +56,3 @@ def ragged_groups(lengths: list[int], split_cost: int = SPLIT_COST_TOKENS) -> li
     if len(bounds) <= 1:
         return [list(range(len(lengths)))]
     return [[row for row, n in enumerate(lengths) if low <= n <= high] for low, high in reversed(bounds)]
-
-
-def padded_tokens(lengths: list[int], groups: list[list[int]]) -> int:
-    """What the groups' forwards multiply: the sum of rows x longest row per group."""
-    return sum(len(group) * max(lengths[row] for row in group) for group in groups)

@@ -444,9 +444,8 @@ class ModelRunner:
     ):
         """last_token_logits as one eager forward per group of rows (ragged_groups.py), each as
         wide as its longest row; the results in the rows' order (hidden: zero past a group's width)."""
-        B, W = batch.input_ids.shape
-        logits: torch.Tensor | None = None
-        hidden: torch.Tensor | None = None
+        W = batch.input_ids.shape[1]
+        logits_parts, hidden_parts = [], []
         for group in groups:
             rows = torch.tensor(group, device=batch.input_ids.device)  # [G]
             width = int(last_index[group].max()) + 1
@@ -457,14 +456,13 @@ class ModelRunner:
             part_logits, part_hidden = (
                 outputs if isinstance(outputs, tuple) else (outputs, None)
             )  # [G, V], [G, width, F]
-            if logits is None:
-                logits = part_logits.new_empty(B, part_logits.shape[-1])  # [B, V]
-            logits[rows.to(logits.device)] = part_logits
+            logits_parts.append(part_logits)
             if part_hidden is not None:
-                if hidden is None:
-                    hidden = part_hidden.new_zeros(B, W, part_hidden.shape[-1])  # [B, W, F]
-                hidden[rows.to(hidden.device), :width] = part_hidden
-        return (logits, hidden) if return_hidden else logits
+                hidden_parts.append(torch.nn.functional.pad(part_hidden, (0, 0, 0, W - width)))  # [G, W, F]
+        grouped = torch.tensor([row for group in groups for row in group])  # [B]: the rows in group order
+        order = grouped.argsort().to(logits_parts[0].device)  # [B]: each row's place in group order
+        logits = torch.cat(logits_parts)[order]  # [B, V]
+        return (logits, torch.cat(hidden_parts)[order]) if return_hidden else logits  # hidden [B, W, F]
 
     @overload
     def feed(
