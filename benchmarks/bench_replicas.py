@@ -2,13 +2,16 @@
 
     python benchmarks/bench_replicas.py [--model DIR --draft DIR] [-k 5] [--threads 2] [--replicas 2]
 
-Two servers take turns (--rounds times each, interleaved: these machines are noisy):
+Two servers take turns (--rounds times each, interleaved, the first of each round alternating:
+these machines are noisy, and a server started right after Ray has run was seen slower):
   one engine     specdec serve MODEL, with --threads torch threads
   N replicas     specdec serve MODEL --replicas N --replica-threads threads/N (a local Ray instance)
 Load: --clients clients each stream --requests completions one after another (held-out code
 prompts, greedy, --max-tokens each, EOS ignored). Throughput = all output tokens / wall time.
 The goal (issue 30): N replicas at >= 0.9x one engine's throughput (the router costs little).
 Each server's log is kept per round: --log-dir/engine-roundR.log, replicas-N-roundR.log.
+Before each server starts, the bench waits until the machine is quiet (all CPUs under 10% busy
+over 2 s, --quiet-timeout at most) and prints how long that took and what it saw.
 --replicas 1 --threads 1: one replica on Ray against one engine, both of one thread: the cost of
 the ingress, the router and streaming through Ray alone.
 """
@@ -95,8 +98,31 @@ def what_ran(server: ServerProcess, replicas: int) -> str:
     ks = ", ".join(f"k={k} {count / rounds:.0%}" for k, count in sorted(by_k.items(), key=lambda kv: int(kv[0])))
     ttft = server.metric("time_to_first_token_seconds_sum") / max(1, server.metric("time_to_first_token_seconds_count"))
     routed = [int(server.metric("router_requests_total", replica=str(r))) for r in range(replicas)]
-    routing = f"; requests by replica {routed}" if any(routed) else ""
+    prompt_tokens = [int(server.metric("prompt_tokens_total", replica=str(r))) for r in range(replicas)]
+    routing = f"; requests by replica {routed}, prompt tokens {prompt_tokens}" if any(routed) else ""
     return f"rounds {ks}; mean TTFT {ttft:.1f} s{routing}"
+
+
+def cpu_times() -> tuple[int, int]:
+    """(busy, total) jiffies of all CPUs since boot (/proc/stat's first line)."""
+    fields = [int(x) for x in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
+    idle = fields[3] + fields[4]  # idle + iowait
+    return sum(fields) - idle, sum(fields)
+
+
+def wait_for_quiet(max_busy: float = 0.1, interval: float = 2.0, timeout: float = 180.0) -> str:
+    """Until the CPUs were under max_busy busy over one interval (a server that just stopped may
+    leave work behind: Ray's processes exiting, the page cache writing back); what it saw."""
+    start, seen = time.monotonic(), []
+    while True:
+        busy0, total0 = cpu_times()
+        time.sleep(interval)
+        busy1, total1 = cpu_times()
+        seen.append((busy1 - busy0) / max(1, total1 - total0))
+        if seen[-1] < max_busy or time.monotonic() - start > timeout:
+            break
+    trace = " ".join(f"{x:.0%}" for x in seen[:12]) + (" ..." if len(seen) > 12 else "")
+    return f"waited {time.monotonic() - start:.0f} s for a quiet machine (busy: {trace})"
 
 
 def measure(args, on_ray: bool, prompts: list[str], round_index: int = 0) -> float:
@@ -105,6 +131,7 @@ def measure(args, on_ray: bool, prompts: list[str], round_index: int = 0) -> flo
     env = {} if on_ray else {"OMP_NUM_THREADS": str(args.threads)}
     name = f"replicas-{args.replicas}" if on_ray else "engine"
     log = Path(args.log_dir) / f"{name}-round{round_index + 1}.log"
+    print(f"    {wait_for_quiet(timeout=args.quiet_timeout)}", file=sys.stderr)
     server = ServerProcess(server_args(args, on_ray), log, env=env, timeout=900)  # replicas load for minutes
     try:
         if on_ray:
@@ -127,13 +154,14 @@ def main() -> int:
     parser.add_argument("--requests", type=int, default=4, help="per client")
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--quiet-timeout", type=float, default=180.0, help="wait at most this for a quiet machine")
     parser.add_argument("--log-dir", default=str(ROOT / "build" / "bench_replicas"))
     args = parser.parse_args()
 
     prompts = [prompt.text for prompt in held_out_code_prompts(per_module=4, max_chars=600)]  # fit 512 positions
     results: dict[bool, list[float]] = {False: [], True: []}  # on Ray?
     for round_index in range(args.rounds):
-        for on_ray in results:
+        for on_ray in (False, True) if round_index % 2 == 0 else (True, False):
             results[on_ray].append(measure(args, on_ray, prompts, round_index))
             what = f"{args.replicas} replica(s) on Ray" if on_ray else "one engine"
             print(f"  {what}: {results[on_ray][-1]:.1f} tok/s", file=sys.stderr)

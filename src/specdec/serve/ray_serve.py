@@ -9,7 +9,8 @@ The Ray Serve application (APP_NAME) holds:
                             torch threads (and as many Ray CPUs); Ray restarts a replica that dies
   ingress                   app.py's routes (build_app), with a ReplicaClient where a single server
                             has its AsyncEngine: it tokenizes, routes each request
-                            (router.PrefixRouter: the longest cached prefix, else the least loaded)
+                            (router.PrefixRouter: where it finishes first, its cached prefix and the
+                            replicas' outstanding tokens counted)
                             and streams its outputs back through Ray
 
 One deployment per engine, not one deployment of N replicas: the router names the replica (the one
@@ -154,23 +155,26 @@ class ReplicaClient:
         contract). A replica that dies meanwhile: APIError 503 replica_unavailable."""
         if self._stopping:
             raise APIError(503, "the server is shutting down", type="server_error", code="shutting_down")
-        route = self.router.route(prompt_token_ids)
+        route = self.router.route(request_id, prompt_token_ids, params.max_tokens)
         self.routed.labels(self.model_name, str(route.replica), route.reason).inc()
         streaming = self.handles[route.replica].options(stream=True)
         response = cast(
             "DeploymentResponseGenerator",
             streaming.generate.remote(request_id, prompt_token_ids, params, prompt, stream_text),
         )
-        finished = False
+        finished, prefilled = False, False
         try:
             async for output in response:
                 finished = output.finished
+                new_tokens = sum(len(completion.token_ids) for completion in output.outputs)
+                self.router.computed(request_id, new_tokens + (0 if prefilled else route.prefill_tokens))
+                prefilled = True
                 yield output
         except Exception as e:
             finished = True
             raise self._error(e, route.replica) from None
         finally:
-            self.router.finished(route.replica)
+            self.router.finished(request_id)
             if not finished:  # left early: the client went away; the replica aborts the request
                 response.cancel()
 

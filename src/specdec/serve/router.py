@@ -6,15 +6,24 @@ Terms:
                   of the block before it), so one key stands for the whole prefix up to its block
   matched blocks  for a request and a replica: how many of the request's leading block keys the
                   router saw that replica serve lately (the prefix it most likely still has cached)
-  in flight       requests routed to a replica and not yet finished there (its load)
+  work            the tokens a request makes its replica compute: the prompt's tokens past its
+                  matched blocks (its prefill) plus max_tokens (its decoding)
+  outstanding     a replica's load: the work of the requests routed there, less what they have
+                  computed so far (reported by computed()); in flight: how many requests that is
+
+A request goes to the replica where it would finish first, counted in tokens: the least
+outstanding + its work there. A prefix cached on a replica lowers the request's work there by
+16 tokens a matched block, so a shared system prompt goes back to its replica until that
+replica's queue outweighs the prefill it saves; ties go in turn. Requests are counted in tokens,
+not one each: prompts of 30 and 300 tokens cost a replica unlike amounts of prefill, and
+splitting a burst evenly by count can leave one replica with half as much work again as the other.
 
 The router's view is approximate, as vLLM's and SGLang's routers are: it remembers, per replica, a
 bounded LRU set of the block keys of the prompts it sent there, not what the replica's cache
-really holds (a key the engine has evicted may still be remembered, and the reverse). A request
-goes to the replica with the most matched blocks among those not overloaded (at most
-max_imbalance more in flight than the least loaded up replica), else to the least loaded one.
-A replica marked down (it died; Ray restarts it) gets nothing until it is marked up again, and
-comes back with an empty cache. Plain Python, no Ray: the ingress holds one router.
+really holds (a key the engine has evicted may still be remembered, and the reverse), and a
+request may stop before max_tokens. A replica marked down (it died; Ray restarts it) gets
+nothing until it is marked up again, and comes back with an empty cache. Plain Python, no Ray:
+the ingress holds one router.
 """
 
 from __future__ import annotations
@@ -26,7 +35,6 @@ from specdec.block_manager import ROOT_KEY, block_key
 from specdec.kv_cache import BLOCK_SIZE
 
 DEFAULT_KEYS_PER_REPLICA = 16384  # ~16 bytes a key: a few MB per replica; 262,144 cached tokens remembered
-DEFAULT_MAX_IMBALANCE = 4  # requests in flight a prefix may cost over the least loaded replica
 
 
 def prompt_block_keys(prompt_token_ids: list[int]) -> list[bytes]:
@@ -40,10 +48,13 @@ def prompt_block_keys(prompt_token_ids: list[int]) -> list[bytes]:
 
 @dataclass(frozen=True)
 class Route:
-    """Where a request went: replica (its index), matched_blocks (0: routed by load alone)."""
+    """Where a request went: replica (its index), matched_blocks (0: routed by load alone),
+    prefill_tokens (its prompt's tokens past them) and work (prefill_tokens + max_tokens)."""
 
     replica: int
     matched_blocks: int
+    prefill_tokens: int
+    work: int
 
     @property
     def reason(self) -> str:
@@ -54,40 +65,55 @@ class PrefixRouter:
     """Routes requests among num_replicas replicas (module docstring). keys_per_replica bounds
     each replica's remembered keys (least recently routed dropped first)."""
 
-    def __init__(
-        self,
-        num_replicas: int,
-        keys_per_replica: int = DEFAULT_KEYS_PER_REPLICA,
-        max_imbalance: int = DEFAULT_MAX_IMBALANCE,
-    ):
+    def __init__(self, num_replicas: int, keys_per_replica: int = DEFAULT_KEYS_PER_REPLICA):
         if num_replicas < 1:
             raise ValueError(f"a router needs at least one replica, got {num_replicas}")
-        if keys_per_replica < 1 or max_imbalance < 0:
-            raise ValueError(
-                f"keys_per_replica must be >= 1 and max_imbalance >= 0, got {keys_per_replica}, {max_imbalance}"
-            )
+        if keys_per_replica < 1:
+            raise ValueError(f"keys_per_replica must be >= 1, got {keys_per_replica}")
         self.num_replicas = num_replicas
         self.keys_per_replica = keys_per_replica
-        self.max_imbalance = max_imbalance
-        self.in_flight = [0] * num_replicas
+        self.outstanding = [0] * num_replicas  # tokens
+        self.in_flight = [0] * num_replicas  # requests
         self.down: set[int] = set()
         self._routed = 0  # requests routed so far: whose turn a tie is
         self._keys: list[OrderedDict[bytes, None]] = [OrderedDict() for _ in range(num_replicas)]
+        self._remaining: dict[str, tuple[int, int]] = {}  # request id -> (replica, work not yet computed)
 
-    def route(self, prompt_token_ids: list[int]) -> Route:
-        """Choose the request's replica, count it in flight there and remember its prompt's blocks
-        there. Call finished(route.replica) when the request ends, however it ends."""
+    def route(self, request_id: str, prompt_token_ids: list[int], max_tokens: int) -> Route:
+        """Choose the request's replica, count its work outstanding there and remember its
+        prompt's blocks there. Then report computed(request_id, tokens) as outputs arrive, and
+        finished(request_id) when it ends, however it ends."""
+        if request_id in self._remaining:
+            raise ValueError(f"request {request_id!r} is already routed; request ids must be unique")
         keys = prompt_block_keys(prompt_token_ids)
         lookup = keys[: (len(prompt_token_ids) - 1) // BLOCK_SIZE]  # the engine recomputes the last token's block
-        route = self._choose(lookup)
+        replica, matched = self._choose(lookup)
+        prefill = len(prompt_token_ids) - matched * BLOCK_SIZE
+        route = Route(replica, matched, prefill, prefill + max(0, max_tokens))
         self._routed += 1
-        self.in_flight[route.replica] += 1
-        self._remember(route.replica, keys)
+        self.in_flight[replica] += 1
+        self.outstanding[replica] += route.work
+        self._remaining[request_id] = (replica, route.work)
+        self._remember(replica, keys)
         return route
 
-    def finished(self, replica: int) -> None:
-        """A request routed to replica has ended (finished, failed or aborted)."""
-        self.in_flight[replica] = max(0, self.in_flight[replica] - 1)
+    def computed(self, request_id: str, tokens: int) -> None:
+        """The request's replica computed tokens more of its work (its prefill once the first
+        output arrives, then each new output token)."""
+        if request_id not in self._remaining:
+            return
+        replica, remaining = self._remaining[request_id]
+        done = min(remaining, max(0, tokens))
+        self._remaining[request_id] = (replica, remaining - done)
+        self.outstanding[replica] -= done
+
+    def finished(self, request_id: str) -> None:
+        """The request has ended (finished, failed or aborted): its work left no longer counts."""
+        if request_id not in self._remaining:
+            return
+        replica, remaining = self._remaining.pop(request_id)
+        self.outstanding[replica] -= remaining
+        self.in_flight[replica] -= 1
 
     def mark_down(self, replica: int) -> None:
         """The replica died: route nothing to it, and forget what it had cached."""
@@ -106,15 +132,13 @@ class PrefixRouter:
             count += 1
         return count
 
-    def _choose(self, keys: list[bytes]) -> Route:
+    def _choose(self, keys: list[bytes]) -> tuple[int, int]:
+        """(replica, its matched blocks): the up replica where the request finishes first."""
         up = [r for r in range(self.num_replicas) if r not in self.down] or list(range(self.num_replicas))
-        least = min(self.in_flight[r] for r in up)
-        within = [r for r in up if self.in_flight[r] <= least + self.max_imbalance]
-        matched = {r: self.matched_blocks(r, keys) for r in within}
-        # most matched blocks first, then fewest in flight, then in turn (ties do not all go to replica 0)
-        turn = self._routed % self.num_replicas
-        best = min(within, key=lambda r: (-matched[r], self.in_flight[r], (r - turn) % self.num_replicas))
-        return Route(best, matched[best])
+        matched = {r: self.matched_blocks(r, keys) for r in up}
+        turn = self._routed % self.num_replicas  # ties do not all go to replica 0
+        best = min(up, key=lambda r: (self.outstanding[r] - matched[r] * BLOCK_SIZE, (r - turn) % self.num_replicas))
+        return best, matched[best]
 
     def _remember(self, replica: int, keys: list[bytes]) -> None:
         remembered = self._keys[replica]
