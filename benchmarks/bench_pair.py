@@ -76,6 +76,11 @@ def main() -> None:
     parser.add_argument("--show", type=int, default=3, help="print this many completions")
     parser.add_argument("--head", help="also run this EAGLE head (speculative_method='eagle')")
     parser.add_argument(
+        "--no-draft-rows",
+        action="store_true",
+        help="leave out the draft model's own rows (it is still loaded: c is measured against it)",
+    )
+    parser.add_argument(
         "--early-exit",
         type=int,
         metavar="L",
@@ -101,7 +106,7 @@ def main() -> None:
         compile=args.compile,
     )
     plain = first.target_only()
-    drafters = {DRAFT_MODEL: first.engine.drafter}  # one draft, loaded once
+    drafters = {} if args.no_draft_rows else {DRAFT_MODEL: first.engine.drafter}  # one draft, loaded once
     if args.lookup:
         drafters[LOOKUP] = LookupThenDraftDrafter.sharing_weights(first.engine.drafter)
     if args.head:  # over the same loaded target
