@@ -145,13 +145,22 @@ inline const int16_t* sub_sums(const Acts& a, const Layout& L, int64_t r) {
 inline const float* act_scales(const Acts& a, const Layout& L, int64_t r) { return a.dx + r * (L.K / a.AB); }
 inline int act_shift(const Acts& a) { return a.AB == 256 ? 8 : 5; }
 
-// Software prefetch: codes PREFETCH_BYTES ahead, for tiles of at least PREFETCH_ROWS rows.
+// Software prefetch: codes PREFETCH_BYTES ahead, for tiles of at least prefetch_rows rows.
 // With several rows a tile computes long enough between loads that the hardware prefetcher falls
-// behind, and a 7-row verify forward is faster with it. A one-row step streams at the memory's
-// pace, where the hardware prefetcher does best alone (a plain streaming read is slower with
-// software prefetches ahead of it), and steps measured the same either way within this machine's
-// noise (docs/runner.md, "GGUF weights, run quantized", has the measurements).
-constexpr int64_t PREFETCH_BYTES = 4096, PREFETCH_ROWS = 2;
+// behind, and a 7-row verify forward is faster with it. Whether a one-row tile gains depends on
+// the machine: on a Zen 4 a plain streaming read was slower with software prefetches ahead of it
+// and steps measured the same either way; on a Sapphire Rapids a one-row step took 28-35% less
+// time with them. So prefetch_rows is 2 until set_prefetch_rows says otherwise, which the runner
+// does after timing a step both ways (worker/prefetch.py; docs/runner.md, "GGUF weights, run
+// quantized"). The results are the same either way: a prefetch only moves when bytes arrive.
+constexpr int64_t PREFETCH_BYTES = 4096;
+int64_t prefetch_rows = 2;
+
+void set_prefetch_rows(int64_t rows) {
+  TORCH_CHECK(rows >= 1, "prefetch rows must be at least 1, got ", rows);
+  prefetch_rows = rows;
+}
+int64_t get_prefetch_rows() { return prefetch_rows; }
 
 template <int BITS> constexpr int64_t step_k() { return BITS == 8 ? 4 : BITS == 4 ? 8 : 16; }
 template <int BITS> constexpr int64_t step_bytes() { return BITS == 6 ? 192 : 64; }
@@ -180,7 +189,7 @@ inline void dot_sub(const uint8_t* codes, int64_t steps, const int8_t* const* xr
   for (int64_t c = 0; c < steps; ++c) {
     const uint8_t* chunk = codes + c * step_bytes<BITS>();
     const int64_t k = k0 + c * step_k<BITS>();
-    if (T >= PREFETCH_ROWS)
+    if (T >= prefetch_rows)
       for (int64_t b = 0; b < step_bytes<BITS>(); b += 64) _mm_prefetch((const char*)chunk + PREFETCH_BYTES + b, _MM_HINT_T0);
     const __m512i raw = _mm512_loadu_si512(chunk);
     if (BITS == 6) {
@@ -320,7 +329,7 @@ inline void pairs_sub(const uint8_t* codes, const int8_t* const* xr, int64_t k0,
   for (int64_t c = 0; c < STEPS; ++c) {
     const uint8_t* chunk = codes + c * step_bytes<BITS>();
     const int64_t k = k0 + c * step_k<BITS>();
-    if (T >= PREFETCH_ROWS)
+    if (T >= prefetch_rows)
       for (int64_t b = 0; b < step_bytes<BITS>(); b += 64) _mm_prefetch((const char*)chunk + PREFETCH_BYTES + b, _MM_HINT_T0);
     auto x4 = [&](int t, int64_t kk) { return _mm256_set1_epi32(load_i32(xr[t] + kk)); };
     for (int h = 0; h < 2; ++h) {
@@ -402,7 +411,7 @@ void group_tile_k(const Layout& L, const Weights& w, int64_t g, const Acts& a, i
       // the codes: sum_s sc_s dot_s per row
       for (int64_t s = s0; s < s0 + subs_per_sb; ++s) {
         const uint8_t* sub_codes = codes + s * STEPS * step_bytes<BITS>();
-        if (T >= PREFETCH_ROWS && h == 0)
+        if (T >= prefetch_rows && h == 0)
           for (int64_t b = 0; b < STEPS * step_bytes<BITS>(); b += 64) _mm_prefetch((const char*)sub_codes + PREFETCH_BYTES + b, _MM_HINT_T0);
         const __m256i sc = load_twice16(w.sc + (g * nsub + s) * LANES + 8 * h, L.sc_signed);
         if (BITS == 4) {  // products <= 15 * 127: 4 pairs of them fit int16
@@ -790,4 +799,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("qmatmul_into", &qmatmul_into);
   m.def("dequantize_rows", &dequantize_rows);
   m.def("isa", &isa);
+  m.def("set_prefetch_rows", &set_prefetch_rows);
+  m.def("prefetch_rows", &get_prefetch_rows);
 }

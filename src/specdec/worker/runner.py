@@ -52,6 +52,7 @@ from specdec.models.llama import LlamaModel
 from specdec.models.quantized_linear import check_quantization, quantize_linears
 from specdec.platform import Platform, detect_platform
 from specdec.progress import stage
+from specdec.worker.prefetch import choose_one_row_prefetch
 from specdec.worker.ragged_groups import ragged_groups
 
 log = logging.getLogger("specdec")
@@ -166,6 +167,8 @@ class ModelRunner:
         self._compiled: Callable[..., Any] | None = None  # the torch.compile'd forward, once compiling was chosen
         self._eager_only = False  # compiling failed, or measured slower: never try again
         self._runs_gguf_kernels = runs_gguf_kernels(model)
+        if self._runs_gguf_kernels and model.device.type == "cpu":
+            choose_one_row_prefetch(model, name)  # once a process, timed on this machine
         self._eager_model: LlamaModel | None = None  # made on first eager use
         self._warm_shapes: set[tuple[int, int, int]] = set()  # (batch, queries, cache length) run compiled
         self.return_hidden = False  # whether the work prepared for asks forwards for hidden states too
