@@ -72,12 +72,26 @@ class PrefixRouter:
             raise ValueError(f"keys_per_replica must be >= 1, got {keys_per_replica}")
         self.num_replicas = num_replicas
         self.keys_per_replica = keys_per_replica
-        self.outstanding = [0] * num_replicas  # tokens
-        self.in_flight = [0] * num_replicas  # requests
         self.down: set[int] = set()
         self._routed = 0  # requests routed so far: whose turn a tie is
         self._keys: list[OrderedDict[bytes, None]] = [OrderedDict() for _ in range(num_replicas)]
         self._remaining: dict[str, tuple[int, int]] = {}  # request id -> (replica, work not yet computed)
+
+    @property
+    def outstanding(self) -> list[int]:
+        """Each replica's load: the work not yet computed of its requests, in tokens."""
+        tokens = [0] * self.num_replicas
+        for replica, remaining in self._remaining.values():
+            tokens[replica] += remaining
+        return tokens
+
+    @property
+    def in_flight(self) -> list[int]:
+        """Each replica's requests routed and not yet finished."""
+        requests = [0] * self.num_replicas
+        for replica, _ in self._remaining.values():
+            requests[replica] += 1
+        return requests
 
     def route(self, request_id: str, prompt_token_ids: list[int], max_tokens: int) -> Route:
         """Choose the request's replica, count its work outstanding there and remember its
@@ -91,8 +105,6 @@ class PrefixRouter:
         prefill = len(prompt_token_ids) - matched * BLOCK_SIZE
         route = Route(replica, matched, prefill, prefill + max(0, max_tokens))
         self._routed += 1
-        self.in_flight[replica] += 1
-        self.outstanding[replica] += route.work
         self._remaining[request_id] = (replica, route.work)
         self._remember(replica, keys)
         return route
@@ -103,17 +115,11 @@ class PrefixRouter:
         if request_id not in self._remaining:
             return
         replica, remaining = self._remaining[request_id]
-        done = min(remaining, max(0, tokens))
-        self._remaining[request_id] = (replica, remaining - done)
-        self.outstanding[replica] -= done
+        self._remaining[request_id] = (replica, remaining - min(remaining, max(0, tokens)))
 
     def finished(self, request_id: str) -> None:
         """The request has ended (finished, failed or aborted): its work left no longer counts."""
-        if request_id not in self._remaining:
-            return
-        replica, remaining = self._remaining.pop(request_id)
-        self.outstanding[replica] -= remaining
-        self.in_flight[replica] -= 1
+        self._remaining.pop(request_id, None)
 
     def mark_down(self, replica: int) -> None:
         """The replica died: route nothing to it, and forget what it had cached."""
@@ -137,7 +143,8 @@ class PrefixRouter:
         up = [r for r in range(self.num_replicas) if r not in self.down] or list(range(self.num_replicas))
         matched = {r: self.matched_blocks(r, keys) for r in up}
         turn = self._routed % self.num_replicas  # ties do not all go to replica 0
-        best = min(up, key=lambda r: (self.outstanding[r] - matched[r] * BLOCK_SIZE, (r - turn) % self.num_replicas))
+        outstanding = self.outstanding
+        best = min(up, key=lambda r: (outstanding[r] - matched[r] * BLOCK_SIZE, (r - turn) % self.num_replicas))
         return best, matched[best]
 
     def _remember(self, replica: int, keys: list[bytes]) -> None:
