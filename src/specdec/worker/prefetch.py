@@ -45,9 +45,13 @@ DEFAULT_ROWS, ONE_ROW = 2, 1  # the kernel's prefetch_rows without and with one-
 _decided: bool | None = None  # this process's choice, once made
 
 
+def gguf_linears(model: nn.Module) -> list[GGUFLinear]:
+    return [m for m in model.modules() if isinstance(m, GGUFLinear)]
+
+
 def gguf_weight_bytes(model: nn.Module) -> int:
-    """Bytes of the model's GGUF linear layers' buffers (codes, scales, bias)."""
-    return sum(b.numel() * b.element_size() for m in model.modules() if isinstance(m, GGUFLinear) for b in m.buffers())
+    """Bytes of the model's GGUF linear layers' packed weights (codes and scales)."""
+    return sum(part.nbytes() for layer in gguf_linears(model) for part in layer.parts)
 
 
 def prefers_prefetch(with_prefetch: list[float], without: list[float], min_gain: float = MIN_GAIN) -> bool:
@@ -74,7 +78,7 @@ def time_passes(run_pass: Callable[[], None], set_rows: Callable[[int], None], r
 
 def weights_pass(model: nn.Module) -> Callable[[], None]:
     """A function running every GGUF linear layer of model on one row of zeros."""
-    layers = [m for m in model.modules() if isinstance(m, GGUFLinear)]
+    layers = gguf_linears(model)
     inputs = [torch.zeros(1, layer.input_size) for layer in layers]
 
     def run() -> None:
