@@ -1,7 +1,15 @@
 """specdec on a CUDA GPU, checked and timed in one run: what CI (CPU only) cannot show.
 
     python benchmarks/bench_cuda.py [--device cuda] [--prompts 4] [--max-tokens 64] [--seeds 1]
-        [--draws 200000] [--parts exactness,sampler,speed] [--compile off,on] [--batches 1,8] [--out FILE.json]
+        [--draws 200000] [--parts made,exactness,sampler,speed] [--compile off,on] [--batches 1,8]
+        [--drafters LABEL,...] [--train-steps 200] [--out FILE.json]
+
+0. Made on the device (--parts made; before exactness, which then checks them too): an EAGLE-3
+   head for the shipped target, its features computed and the head trained on the device
+   (training/eagle3.py, over a chat corpus of held-in standard-library code), and a draft with
+   another tokenizer (its own byte-level BPE, a tiny llama trained on the same text), which
+   drafts through text (drafters/cross_tokenizer.py). Each reports its training's held-out
+   numbers; neither is meant to be good, only to run every path on the device.
 
 1. Exactness. Greedy, float32, the shipped pair (models/code-target, models/code-draft,
    models/code-target-eagle), a ragged batch of held-out code prompts: every drafter's token ids
@@ -26,6 +34,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import shutil
+import tempfile
 import time
 from pathlib import Path
 
@@ -55,12 +65,114 @@ DRAFTERS = {
 }
 
 
-def exactness(device: str, dtype: str, prompts: list[str], max_tokens: int) -> list[dict]:
+CHAT_TEMPLATE = (  # a plain chat template for the shipped target (which has none), so chat-data reads it
+    "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+    "{% if add_generation_prompt %}assistant: {% endif %}"
+)
+
+
+def chat_corpus(root: Path, train: int, held_out: int) -> Path:
+    """A chat-data-like corpus (train/, held_out/ of rendered conversations) whose answers are
+    pieces of the standard library's held-in (train) and held-out modules."""
+    from specdec.tools.training.corpus import load_corpus
+
+    corpus = load_corpus(None)
+    for split, documents, count in (("train", corpus.train, train), ("held_out", corpus.held_out, held_out)):
+        (root / split).mkdir(parents=True)
+        for i, document in enumerate(documents[:count]):
+            answer = document.text[:1500]
+            (root / split / f"{i:05d}-greedy.txt").write_text(f"user: Write some Python.\nassistant: {answer}\n")
+    return root
+
+
+def eagle3_head(device: str, work: Path, steps: int) -> tuple[Path, dict]:
+    """An EAGLE-3 head for the shipped target, its features and its training on device."""
+    from specdec.tools.training.eagle3 import Eagle3Config, train_eagle3
+    from specdec.tools.training.loop import TrainConfig
+
+    target = work / "chat-target"
+    shutil.copytree(TARGET, target)
+    tokenizer_config = json.loads((target / "tokenizer_config.json").read_text())
+    (target / "tokenizer_config.json").write_text(json.dumps(tokenizer_config | {"chat_template": CHAT_TEMPLATE}))
+    data = chat_corpus(work / "chat-data", train=200, held_out=16)
+    config = TrainConfig(
+        steps=steps, batch_size=16, lr=3e-3, warmup=steps // 10, eval_every=0, checkpoint_every=0,
+        log_every=max(1, steps // 5), eval_tokens=4096, device=device,
+    )  # fmt: skip
+    eagle3 = Eagle3Config(ttt_steps=3, context=256, output_vocab=4096)
+    start = time.perf_counter()
+    result = train_eagle3(target, data, work / "eagle3-head", config, eagle3)
+    seconds = time.perf_counter() - start
+    first, last = result.first_evaluation, result.last_evaluation
+    row = {
+        "seconds": seconds,
+        "steps": steps,
+        "held_out_loss_0": [first["held_out_loss_0"], last["held_out_loss_0"]],
+        "held_out_tau_estimate": [first["held_out_tau_estimate"], last["held_out_tau_estimate"]],
+    }
+    print(
+        f"  EAGLE-3 head: features and {steps} steps on {device} in {seconds:.0f} s;"
+        f" held-out loss {row['held_out_loss_0'][0]:.2f} -> {row['held_out_loss_0'][1]:.2f},"
+        f" tau estimate {row['held_out_tau_estimate'][0]:.2f} -> {row['held_out_tau_estimate'][1]:.2f}",
+        flush=True,
+    )
+    return work / "eagle3-head", row
+
+
+def other_tokenizer_draft(device: str, work: Path, steps: int, vocab_size: int = 2048) -> tuple[Path, dict]:
+    """A tiny llama with its own byte-level BPE (vocab_size tokens), trained on device on the
+    held-in standard library (as the target was), saved as a model directory."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    from specdec.tools.training.corpus import load_corpus
+
+    text = "\n".join(document.text for document in load_corpus(None).train[:200])
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size, special_tokens=["<s>", "</s>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False,
+    )  # fmt: skip
+    tokenizer.train_from_iterator([text], trainer)
+    ids = torch.tensor(tokenizer.encode(text).ids, device=device)  # [N]
+    config = LlamaConfig(
+        vocab_size=tokenizer.get_vocab_size(), hidden_size=256, intermediate_size=512, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024, bos_token_id=0,
+        eos_token_id=1, rms_norm_eps=1e-5, tie_word_embeddings=False,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32).to(device)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=2e-3)
+    start, window = time.perf_counter(), 256
+    for _ in range(steps):
+        starts = torch.randint(0, len(ids) - window - 1, (32,)).tolist()
+        batch = torch.stack([ids[s : s + window] for s in starts])  # [32, window]
+        loss = model(batch, labels=batch).loss
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+    seconds = time.perf_counter() - start
+    path = work / "other-tokenizer-draft"
+    model.save_pretrained(path)
+    tokenizer.save(str(path / "tokenizer.json"))
+    (path / "tokenizer_config.json").write_text(json.dumps({"bos_token": "<s>", "eos_token": "</s>"}))
+    row = {"seconds": seconds, "steps": steps, "vocab_size": config.vocab_size, "train_loss": loss.item()}
+    print(
+        f"  other-tokenizer draft: {config.vocab_size} tokens, {steps} steps on {device} in {seconds:.0f} s,"
+        f" last loss {loss.item():.2f}",
+        flush=True,
+    )
+    return path, row
+
+
+def exactness(device: str, dtype: str, prompts: list[str], max_tokens: int, drafters: dict) -> list[dict]:
     """Each drafter's greedy token ids against the target alone's, in dtype."""
     params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
     reference = [out.outputs[0].token_ids for out in LLM(TARGET, device=device, dtype=dtype).generate(prompts, params)]
     rows = []
-    for label, keywords in DRAFTERS.items():
+    for label, keywords in drafters.items():
         keywords = {"num_speculative_tokens": 5, "speculative_k_policy": "fixed", **keywords}
         llm = LLM(TARGET, device=device, dtype=dtype, **keywords)
         outputs = llm.generate(prompts, params)
@@ -204,7 +316,9 @@ def main() -> None:
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--prompts", type=int, default=4)
     parser.add_argument("--max-tokens", type=int, default=64)
-    parser.add_argument("--parts", default="exactness,sampler,speed")
+    parser.add_argument("--parts", default="made,exactness,sampler,speed")
+    parser.add_argument("--drafters", help="the exactness part's drafters, by label, separated by ; (default: all)")
+    parser.add_argument("--train-steps", type=int, default=200, help="the made part's training steps")
     parser.add_argument("--seeds", type=int, default=1, help="the sampler check's runs, each its own seed")
     parser.add_argument("--draws", type=int, default=200_000, help="the sampler check's rows per seed")
     parser.add_argument("--compile", default="off,on", help="the speed part's compile modes")
@@ -222,10 +336,28 @@ def main() -> None:
         if args.out:
             args.out.write_text(json.dumps(results, indent=1))
 
+    drafters = dict(DRAFTERS)
+    work = Path(tempfile.mkdtemp(prefix="bench_cuda-"))
+    if "made" in parts:
+        print(f"made on the device ({args.train_steps} training steps each):", flush=True)
+        head, results["eagle3_head"] = eagle3_head(args.device, work, args.train_steps)
+        draft, results["other_tokenizer_draft"] = other_tokenizer_draft(args.device, work, args.train_steps)
+        drafters["EAGLE-3 head (made here)"] = {"speculative_model": str(head)}
+        drafters["EAGLE-3 head, tree"] = {
+            "speculative_model": str(head),
+            "speculative_tree": "auto",
+            "num_speculative_tokens": 8,
+        }
+        drafters["other tokenizer (made here)"] = {"speculative_model": str(draft)}
+        save()
+    if args.drafters:
+        drafters = {label: drafters[label] for label in args.drafters.split(";")}
     if "exactness" in parts:
         print("exactness (greedy, each drafter against the target alone):", flush=True)
         results["exactness"] = [
-            row for dtype in ("float32", "bfloat16") for row in exactness(args.device, dtype, prompts, args.max_tokens)
+            row
+            for dtype in ("float32", "bfloat16")
+            for row in exactness(args.device, dtype, prompts, args.max_tokens, drafters)
         ]
         save()
     if "sampler" in parts:

@@ -187,6 +187,10 @@ class FeatureArrays:
         with torch.autocast("cpu", enabled=False):  # autocast's stack refuses float16 on the CPU
             return FeatureArrays(*(stack(getattr(self, f.name)) for f in dataclasses.fields(self)))
 
+    def to(self, device: torch.device) -> FeatureArrays:
+        """Every field on device."""
+        return FeatureArrays(*(getattr(self, f.name).to(device) for f in dataclasses.fields(self)))
+
 
 FILES = {  # field -> (file name, numpy dtype the bytes are stored as)
     "token_ids": ("token_ids.i32", np.int32),
@@ -376,8 +380,8 @@ def _not_stored(documents: list[SourceDocument], stored: list[str]) -> list[Sour
 
 def _document_features(model, ids: list[int], first_answer: int, top_k: int) -> dict[str, np.ndarray]:
     """One document's rows of each stored field (see FeatureArrays)."""
-    token_ids = torch.tensor([ids])  # [1, T]
-    positions = torch.arange(len(ids))[None]  # [1, T]
+    token_ids = torch.tensor([ids], device=model.device)  # [1, T]
+    positions = torch.arange(len(ids), device=model.device)[None]  # [1, T]
     with torch.inference_mode():
         hidden, features = model.hidden_and_features(token_ids, positions, None)  # [1, T, H], [1, T, F]
         logprobs = model.logits(hidden[0]).log_softmax(-1)  # [T, V]
@@ -386,9 +390,9 @@ def _document_features(model, ids: list[int], first_answer: int, top_k: int) -> 
     answer_next[max(first_answer - 1, 0) : len(ids) - 1] = 1  # position t predicts token t+1
     return {
         "token_ids": np.asarray(ids, dtype=np.int32),
-        "features": features[0].to(torch.bfloat16).view(torch.uint16).numpy(),
-        "top_ids": top_ids.to(torch.int32).numpy(),
-        "top_logprobs": top_logprobs.to(torch.float16).numpy(),
+        "features": features[0].to(torch.bfloat16).view(torch.uint16).cpu().numpy(),
+        "top_ids": top_ids.to(torch.int32).cpu().numpy(),
+        "top_logprobs": top_logprobs.to(torch.float16).cpu().numpy(),
         "answer_next": answer_next.numpy(),
     }
 
@@ -710,12 +714,13 @@ def eagle3_task(
     scored_index = torch.full((head.config.vocab_size,), -1, dtype=torch.long)
     scored = head.output_token_ids if head.config.output_vocab_size else torch.arange(head.config.vocab_size)
     scored_index[scored.cpu()] = torch.arange(len(scored))
+    scored_index = scored_index.to(device)
     embed = target.model.embed_tokens
     last_start = train.num_tokens - context
 
     def next_batch(generator: torch.Generator) -> FeatureArrays:
         starts = torch.randint(last_start + 1, (config.batch_size,), generator=generator).tolist()
-        return train.windows(starts, context)
+        return train.windows(starts, context).to(device)
 
     def loss(model: EagleHead, batch: FeatureArrays) -> torch.Tensor:
         return ttt_loss(model, embed, output_layer, batch, scored_index, eagle3)[0]
@@ -725,7 +730,7 @@ def eagle3_task(
     def evaluate(model: EagleHead) -> dict[str, float]:
         sums = [[0.0, 0.0] for _ in range(eagle3.ttt_steps)]
         for first in range(0, len(held_starts), config.batch_size):
-            batch = held_out.windows(held_starts[first : first + config.batch_size], context)
+            batch = held_out.windows(held_starts[first : first + config.batch_size], context).to(device)
             _, per_step = ttt_loss(model, embed, output_layer, batch, scored_index, eagle3)
             for step, (step_loss_value, agreement) in enumerate(per_step):
                 sums[step][0] += step_loss_value
