@@ -298,6 +298,32 @@ def test_a_wide_gguf_draft_runs_requantized_into_q4_0_and_the_output_stays_the_t
         assert torch.corrcoef(torch.stack([got.flatten().float(), want.flatten()]))[0, 1] > 0.95, file_kind
 
 
+@pytest.mark.parametrize("small", [True, False])
+def test_a_float_draft_directory_runs_in_q4_0_unless_it_is_small(mixed_file, tmp_path, monkeypatch, small):
+    """draft_quantization "auto" for a GGUF target: a draft from a model directory (float weights,
+    16 or 32 bits a weight, as `smollm2`'s converted one) runs with its linear layers in Q4_0, but
+    one of at most SMALL_DRAFT_PARAMETERS stays float (it runs in float32: the shipped code draft).
+    Greedy output is the target's alone either way."""
+    monkeypatch.setattr("specdec.drafters.draft_model.SMALL_DRAFT_PARAMETERS", 10**9 if small else 0)
+    model = tiny_hf_model("qwen2", tie=False)  # the target's weights
+    model.save_pretrained(tmp_path / "draft")
+    prompts = [{"prompt_token_ids": torch.randint(2, 300, (8,), generator=torch.Generator().manual_seed(15)).tolist()}]
+    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+    expected = [o.outputs[0].token_ids for o in LLM(model=str(mixed_file), dtype="float32").generate(prompts, params)]
+    spec = LLM(
+        model=str(mixed_file),
+        dtype="float32",
+        speculative_model=str(tmp_path / "draft"),
+        num_speculative_tokens=4,
+        speculative_k_policy="fixed",
+        skip_tokenizer_init=True,
+    )
+    draft = spec.engine.drafter.runner.model
+    kinds = {part.kind for m in draft.modules() if isinstance(m, GGUFLinear) for part in m.parts}
+    assert kinds == (set() if small else {"Q4_0"})
+    assert [o.outputs[0].token_ids for o in spec.generate(prompts, params)] == expected
+
+
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_a_verify_forward_gives_bit_for_bit_what_decode_steps_give(mixed_file, dtype):
     """The target verifies k + 1 tokens in one forward where plain decoding takes k + 1 steps.

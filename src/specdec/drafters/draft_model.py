@@ -235,20 +235,23 @@ def load_draft(spec, target: LoadedModel, target_runner: ModelRunner) -> tuple[L
 
 def gguf_requantization(spec, target: LoadedModel, device: torch.device) -> str | None:
     """The GGUF block type a draft's linear layers are requantized into, or None (its own
-    weights). draft_quantization "auto", for a GGUF draft file of more than
-    REQUANTIZE_ABOVE_BITS bits per matrix weight (Q5_0, Q8_0, float; SmolLM2-135M's Q4_1 file,
-    5.7 with its 8-bit embedding; a Q4_K_M file, 4.8-5.0, runs as it is) drafting for a target
-    that runs on the GGUF kernels, on the CPU: DRAFT_BLOCK_TYPE (Q4_0). A decoding step reads
-    every weight, so the draft's cost c follows its bytes
-    (docs/runner.md, "A draft model in Q4_0"): the fetched Qwen2.5-Coder-0.5B (Q5_0 matrices, a
-    Q8_0 embedding and output layer) costs about half the 1.5B Q4_K_M target's step as it is.
-    Where the draft drafts, the output is the target's either way."""
+    weights). draft_quantization "auto", drafting for a target that runs on the GGUF kernels, on
+    the CPU: DRAFT_BLOCK_TYPE (Q4_0) for a GGUF draft file of more than REQUANTIZE_ABOVE_BITS
+    bits per matrix weight (Q5_0, Q8_0, float; SmolLM2-135M's Q4_1 file, 5.7 with its 8-bit
+    embedding; a Q4_K_M file, 4.8-5.0, runs as it is), and for a model directory's float weights
+    (16 or 32 bits a weight: `smollm2`'s converted directory) unless the draft is small enough
+    to run in float32 (SMALL_DRAFT_PARAMETERS: the shipped code draft). A decoding step reads
+    every weight, so the draft's cost c follows its bytes (docs/runner.md, "A draft model in
+    Q4_0"): the fetched Qwen2.5-Coder-0.5B (Q5_0 matrices, a Q8_0 embedding and output layer)
+    costs about half the 1.5B Q4_K_M target's step as it is; SmolLM2-135M's step costs 37.6 ms
+    from its directory in bfloat16 and 6.7 ms in Q4_0 (AVX-512). Where the draft drafts, the
+    output is the target's either way."""
     if spec.draft_quantization != "auto" or device.type != "cpu" or not runs_gguf_kernels(target.model):
         return None
     path = resolve_model(spec.model, "the draft")
-    if not is_gguf_file(path):
-        return None
-    return DRAFT_BLOCK_TYPE if gguf_bits_per_weight(path) > REQUANTIZE_ABOVE_BITS else None
+    if is_gguf_file(path):
+        return DRAFT_BLOCK_TYPE if gguf_bits_per_weight(path) > REQUANTIZE_ABOVE_BITS else None
+    return None if _is_small(str(path)) else DRAFT_BLOCK_TYPE
 
 
 def _is_small(path: str) -> bool:
