@@ -1,10 +1,14 @@
-"""Staged drafts against their stages alone: the target alone, prompt lookup, the draft model, and
-prompt lookup drafting for the draft model (staged: speculative_model=["[ngram]", DRAFT]),
-interleaved prompt by prompt.
+"""Staged drafts against their stages alone: the target alone, the first stage (prompt lookup by
+default), the draft model, and the first stage drafting for the draft model (staged:
+speculative_model=[FIRST, DRAFT]), interleaved prompt by prompt.
 
     python benchmarks/bench_staged.py [--target qwen2.5-coder-1.5b-instruct]
-        [--draft qwen2.5-coder-0.5b-instruct] [--prompts 2] [--max-tokens 128] [-k 5]
-        [--policies goodput,fixed] [--repeats 2]
+        [--draft qwen2.5-coder-0.5b-instruct] [--first '[ngram]' | smollm2] [--prompts 2]
+        [--max-tokens 128] [-k 5] [--policies goodput,fixed] [--repeats 2]
+
+--first names the first stage: "[ngram]" (prompt lookup) or a smaller draft model, which may have
+another tokenizer than the target's (SmolLM2-135M-Instruct for the Qwen pair: it drafts through
+text, drafters/cross_tokenizer.py); alone, it drafts for the target directly.
 
 Greedy, on held-out chat prompts (write, edit or explain a function: the bench's "chat" set),
 each rendered with the target's chat template (LLM.chat_token_ids). One LLM is made as a user
@@ -51,9 +55,9 @@ class Totals:
         return self.tokens / self.seconds if self.seconds else float("nan")
 
 
-def methods(llm: LLM, k: int, policies: tuple[str, ...]) -> dict[str, LLM]:
-    """label -> LLM over llm's target and draft: the target alone, then per policy prompt lookup,
-    the draft model and the staged drafter (llm's own for goodput)."""
+def methods(llm: LLM, k: int, policies: tuple[str, ...], first: str) -> dict[str, LLM]:
+    """label -> LLM over llm's target and draft: the target alone, then per policy the first stage
+    alone (named first), the draft model and the staged drafter (llm's own for goodput)."""
     staged = llm.engine.drafter
     assert isinstance(staged, StagedDrafter)
     draft_model = DraftModelDrafter(staged.runner, staged.vocab_size)  # the same weights and runner
@@ -62,7 +66,7 @@ def methods(llm: LLM, k: int, policies: tuple[str, ...]) -> dict[str, LLM]:
         staged_here = (
             staged if policy == "goodput" else StagedDrafter(draft_model, staged.inner, k, policy, staged.stages)
         )
-        out[f"prompt lookup ({policy})"] = llm.with_drafter(staged.inner, k, policy)
+        out[f"{first} ({policy})"] = llm.with_drafter(staged.inner, k, policy)
         out[f"draft model ({policy})"] = llm.with_drafter(draft_model, k, policy)
         out[f"staged ({policy})"] = llm if policy == "goodput" else llm.with_drafter(staged_here, k, policy)
     return out
@@ -70,12 +74,13 @@ def methods(llm: LLM, k: int, policies: tuple[str, ...]) -> dict[str, LLM]:
 
 def run(args) -> None:
     torch.manual_seed(0)
-    llm = LLM(args.target, speculative_model=["[ngram]", args.draft], num_speculative_tokens=args.k)
+    llm = LLM(args.target, speculative_model=[args.first, args.draft], num_speculative_tokens=args.k)
     prompts = [
         llm.chat_token_ids([{"role": "user", "content": p.text}]) for p in spread(held_out_chat_prompts(), args.prompts)
     ]
     params = SamplingParams(temperature=0, max_tokens=args.max_tokens)
-    table = methods(llm, args.k, args.policies)
+    first = "prompt lookup" if args.first == "[ngram]" else args.first
+    table = methods(llm, args.k, args.policies, first)
     longest = max(prompts, key=len)
     for label, each in table.items():
         print(f"warming up {label}", flush=True)
@@ -136,6 +141,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--target", default="qwen2.5-coder-1.5b-instruct")
     parser.add_argument("--draft", default="qwen2.5-coder-0.5b-instruct")
+    parser.add_argument("--first", default="[ngram]", help="the first stage: '[ngram]' or a smaller draft model")
     parser.add_argument("--prompts", type=int, default=2)
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("-k", type=int, default=5)

@@ -27,6 +27,7 @@ from specdec.drafters.cross_tokenizer import JUNCTION_TOKENS, target_proposal
 from specdec.models.loader import ModelLoadError
 from specdec.models.tokenizer import Tokenizer
 from specdec.sequence import Sequence
+from specdec.spec.staged import StagedDrafter
 
 TARGET_VOCAB, DRAFT_VOCAB = 320, 270  # asked of the tokenizer trainer (the target's gets 313 from TEXT)
 TRAIN_STEPS = 150
@@ -69,6 +70,15 @@ def pair(tmp_path_factory) -> dict[str, Path]:
         "target": train_on_text(root / "target", target_tokenizer, TEXT, seed=1, num_hidden_layers=2),
         "draft": train_on_text(root / "draft", draft_tokenizer, TEXT, seed=2, num_hidden_layers=1),
     }
+
+
+@pytest.fixture(scope="module")
+def middle(pair, tmp_path_factory) -> Path:
+    """A one-layer model of the target's own tokenizer, trained on the same text: the stage that a
+    draft with another tokenizer drafts for in staged drafts (other tokenizer -> it -> target)."""
+    root = tmp_path_factory.mktemp("cross-tokenizer-middle")
+    tokenizer = make_tokenizer(TARGET_VOCAB)
+    return train_on_text(root / "middle", tokenizer, TEXT, seed=3, num_hidden_layers=1)
 
 
 @pytest.fixture(scope="module")
@@ -192,6 +202,45 @@ def test_a_small_pool_preempts_and_the_drafts_pool_keeps_no_block(pair):
     assert [got[str(i)] for i in range(6)] == expected
     assert llm.engine.num_preemptions > 0
     assert engine_blocks.num_held == 0 and drafter.blocks.num_held == 0
+
+
+# --- as the first stage of staged drafts ---------------------------------------------------------
+
+
+@pytest.mark.parametrize("k, batch_size, seed", [(2, 1, 41), (4, 6, 42)])
+def test_as_the_first_stage_greedy_output_is_the_targets(pair, middle, k, batch_size, seed):
+    """Staged drafts other tokenizer -> middle -> target (SmolLM2-135M -> 0.5B -> 1.5B in small):
+    the draft drafts through text for the middle stage, whose tokens the target verifies; greedy,
+    float32, the output is the target alone's, and both levels accepted some drafts and rejected
+    others."""
+    llm = LLM(
+        str(pair["target"]),
+        speculative_model=[str(pair["draft"]), str(middle)],
+        dtype="float32",
+        num_speculative_tokens=k,
+        speculative_k_policy="fixed",
+    )
+    drafter = llm.engine.drafter
+    assert isinstance(drafter, StagedDrafter) and isinstance(drafter.inner, CrossTokenizerDrafter)
+    prompts = text_prompts(batch_size, seed)
+    params = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)
+    outputs = llm.generate(prompts, params)
+    assert token_ids(outputs) == token_ids(llm.target_only().generate(prompts, params))
+    accepted = sum(out.metrics.num_accepted_tokens for out in outputs)
+    judged = sum(out.metrics.num_judged_tokens for out in outputs)
+    assert 0 < accepted < judged, f"the target accepted {accepted} of {judged} judged drafts"
+    inner = drafter.stats
+    assert 0 < inner.num_accepted_tokens < inner.num_judged_tokens, inner.summary()
+
+
+@pytest.mark.parametrize("stages", [("[ngram]", "draft"), ("middle", "draft")])
+def test_another_tokenizer_after_the_first_stage_is_refused_with_what_to_do(pair, middle, stages):
+    """A stage that others draft for drafts in its own tokens, so only the first may have another
+    tokenizer: a later one is refused, naming it and what to do."""
+    models = {"draft": str(pair["draft"]), "middle": str(middle), "[ngram]": "[ngram]"}
+    message = r"stage 2 \(.*draft\) has another tokenizer than the target.*put it first"
+    with pytest.raises(ModelLoadError, match=message):
+        LLM(str(pair["target"]), speculative_model=[models[name] for name in stages], dtype="float32")
 
 
 # --- loading ------------------------------------------------------------------------------------
@@ -356,6 +405,7 @@ def small_pair(tmp_path_factory):
             root / "draft", small_tokenizer(20, ab_text(seed=2)), text, seed=9, num_hidden_layers=1, **dims
         ),
         "prompt": target_tokenizer.encode("ab ba\naab b").ids,
+        "middle": train_on_text(root / "middle", target_tokenizer, text, seed=11, num_hidden_layers=1, **dims),
     }
 
 
@@ -396,3 +446,38 @@ def test_sampled_tokens_follow_the_target(small_pair, setting):
         marginal = joints[-1].sum(axis=tuple(i for i in range(T) if i != t))
         assert_follows(tokens[:, t], marginal, f"cross-tokenizer {setting}: token {t + 1}")
     assert_follows(np.ravel_multi_index(tokens[:, :3].T, (V,) * 3), joints[2], f"cross-tokenizer {setting}: joint")
+
+
+@pytest.mark.slow
+def test_as_the_first_stage_sampled_tokens_follow_the_target(small_pair):
+    """Staged drafts other tokenizer -> middle (the target's tokenizer) -> target, sampled at
+    temperature 1, k 3 (so the middle stage draws two tokens for the target, the draft's first
+    point mass judged by it): over 40,000 copies of one prompt, each of four tokens follows its
+    exact marginal and the first three their exact joint; both levels accepted and rejected."""
+    T, V = 4, VOCAB
+    setting = dict(temperature=1.0)
+    llm = LLM(
+        str(small_pair["target"]),
+        speculative_model=[str(small_pair["draft"]), str(small_pair["middle"])],
+        dtype="float32",
+        num_speculative_tokens=3,
+        speculative_k_policy="fixed",
+        max_num_seqs=NUM_DRAWS,
+        seed=6,
+    )
+    drafter = llm.engine.drafter
+    assert isinstance(drafter, StagedDrafter) and isinstance(drafter.inner, CrossTokenizerDrafter)
+    prompt = small_pair["prompt"]
+    joints = exact_distributions(continuation_logits(load_hf(small_pair["target"]), prompt, T), setting)
+    params = SamplingParams(max_tokens=T, ignore_eos=True, **setting)
+    outputs = llm.generate([{"prompt_token_ids": prompt}] * NUM_DRAWS, params)
+    tokens = np.array([out.outputs[0].token_ids for out in outputs])  # [N, 4]
+    accepted = sum(out.metrics.num_accepted_tokens for out in outputs)
+    judged = sum(out.metrics.num_judged_tokens for out in outputs)
+    assert 1000 < accepted < judged - 1000, f"the target accepted {accepted} of {judged} judged drafts"
+    inner = drafter.stats
+    assert 1000 < inner.num_accepted_tokens < inner.num_judged_tokens - 1000, inner.summary()
+    for t in range(T):
+        marginal = joints[-1].sum(axis=tuple(i for i in range(T) if i != t))
+        assert_follows(tokens[:, t], marginal, f"staged other tokenizer -> middle: token {t + 1}")
+    assert_follows(np.ravel_multi_index(tokens[:, :3].T, (V,) * 3), joints[2], "staged other tokenizer: joint")

@@ -1,7 +1,10 @@
 """Staged drafts (Spector & Ré 2023, "Accelerating LLM Inference with Staged Speculative
 Decoding"): the draft model that proposes to the target draws its own tokens by speculative
 decoding, with a cheaper drafter drafting for it: prompt lookup, a smaller model, or stages of
-their own (prompt lookup -> a 0.5B draft -> the 1.5B target).
+their own (prompt lookup -> a 0.5B draft -> the 1.5B target). The first stage may be a model of
+another tokenizer (SmolLM2-135M -> the 0.5B -> the 1.5B): it drafts through text for the stage
+after it (drafters/cross_tokenizer.py), whose tokens are the target's; a stage drafted for is
+handed tokens in its own vocabulary, so every later model stage shares the target's.
 
 Terms, for one stage:
   model         the stage's draft model: it proposes to the model above it (the target, or
@@ -51,7 +54,8 @@ import torch
 
 from specdec.config import NGRAM_STAGE, SpeculativeConfig
 from specdec.drafters.base import Draft, Drafter
-from specdec.drafters.draft_model import CATCH_UP_WIDTH, DraftModelDrafter
+from specdec.drafters.cross_tokenizer import draft_model_drafter
+from specdec.drafters.draft_model import CATCH_UP_WIDTH, DraftModelDrafter, check_same_vocabulary, load_draft
 from specdec.drafters.ngram import NgramDrafter
 from specdec.kv_cache import BlockPool
 from specdec.metrics import SpecStats
@@ -108,7 +112,8 @@ class StagedDrafter(DraftModelDrafter):
     def from_config(cls, spec: SpeculativeConfig, target: LoadedModel, target_runner: ModelRunner) -> StagedDrafter:
         """spec.model's stages, first to last (SpeculativeConfig has checked their spelling): "[ngram]"
         is prompt lookup with spec's n-gram lengths, any other stage a draft model loaded as
-        DraftModelDrafter loads one; each drafts for the next, the last for the target."""
+        DraftModelDrafter loads one (the first may have another tokenizer: a
+        CrossTokenizerDrafter); each drafts for the next, the last for the target."""
         stages = spec.model
         assert isinstance(stages, tuple) and len(stages) >= 2  # SpeculativeConfig's rule for "staged"
         _check_stage_paths(stages, target)
@@ -119,12 +124,13 @@ class StagedDrafter(DraftModelDrafter):
                 drafter = NgramDrafter.from_config(spec, target, target_runner)
                 continue
             model_spec = dataclasses.replace(spec, method="draft_model", model=stage)
-            model = DraftModelDrafter.from_config(model_spec, target, target_runner)
+            if drafter is None:  # the first stage: a draft model, or one with another tokenizer
+                drafter = draft_model_drafter(model_spec, target, target_runner)
+                sizes.append((stage, drafter.model.config.num_parameters))
+                continue
+            model = _same_tokenizer_stage(model_spec, target, target_runner, number)
             sizes.append((stage, model.model.config.num_parameters))
-            if drafter is None:
-                drafter = model
-            else:
-                drafter = cls(model, drafter, spec.num_speculative_tokens, spec.k_policy, stages[:number])
+            drafter = cls(model, drafter, spec.num_speculative_tokens, spec.k_policy, stages[:number])
         _check_stage_sizes(sizes, (str(target.path), target.model.config.num_parameters))
         assert isinstance(drafter, StagedDrafter)  # at least two stages, the last a model
         return drafter
@@ -358,6 +364,21 @@ def _rebase(stage: DraftModelDrafter, seqs: list[Sequence], views: list[Sequence
         n, drafts = stage.fed.get(seq.slot, (0, []))
         if n > seq.num_tokens:
             stage.fed[seq.slot] = (seq.num_tokens, view.token_ids[seq.num_tokens : n] + drafts)
+
+
+def _same_tokenizer_stage(spec: SpeculativeConfig, target: LoadedModel, target_runner: ModelRunner, number: int):
+    """Stage number's draft model (spec.model), which other stages draft for: it must share the
+    target's tokenizer (only a first stage drafts through text, for the stage after it)."""
+    draft, runner = load_draft(spec, target, target_runner)
+    if target.tokenizer is not None and draft.tokenizer is not None:
+        if target.tokenizer.get_vocab() != draft.tokenizer.get_vocab():
+            raise ModelLoadError(
+                f"stage {number} ({spec.model}) has another tokenizer than the target {target.path}: only the "
+                "first stage of staged drafts may (it drafts through text for the stage after it), since the "
+                "stages before a model draft in its tokens; put it first, without prompt lookup before it"
+            )
+    check_same_vocabulary(target, draft)
+    return DraftModelDrafter(runner, target.model.config.vocab_size, spec.draft_confidence_threshold)
 
 
 def _check_stage_paths(stages: tuple[str, ...], target: LoadedModel) -> None:
