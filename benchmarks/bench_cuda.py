@@ -8,7 +8,8 @@
    head for the shipped target, its features computed and the head trained on the device
    (training/eagle3.py, over a chat corpus of held-in standard-library code), and a draft with
    another tokenizer (its own byte-level BPE, a tiny llama trained on the same text), which
-   drafts through text (drafters/cross_tokenizer.py). Each reports its training's held-out
+   drafts through text (drafters/cross_tokenizer.py), alone and as the first stage before the
+   shipped draft. Each reports its training's held-out
    numbers; neither is meant to be good, only to run every path on the device.
 
 1. Exactness. Greedy, float32, the shipped pair (models/code-target, models/code-draft,
@@ -138,7 +139,7 @@ def other_tokenizer_draft(device: str, work: Path, steps: int, vocab_size: int =
     tokenizer.train_from_iterator([text], trainer)
     ids = torch.tensor(tokenizer.encode(text).ids, device=device)  # [N]
     config = LlamaConfig(
-        vocab_size=tokenizer.get_vocab_size(), hidden_size=256, intermediate_size=512, num_hidden_layers=2,
+        vocab_size=tokenizer.get_vocab_size(), hidden_size=128, intermediate_size=384, num_hidden_layers=2,
         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024, bos_token_id=0,
         eos_token_id=1, rms_norm_eps=1e-5, tie_word_embeddings=False,
     )  # fmt: skip
@@ -349,6 +350,7 @@ def main() -> None:
             "num_speculative_tokens": 8,
         }
         drafters["other tokenizer (made here)"] = {"speculative_model": str(draft)}
+        drafters["staged other tokenizer -> draft"] = {"speculative_model": [str(draft), DRAFT]}
         save()
     if args.drafters:
         drafters = {label: drafters[label] for label in args.drafters.split(";")}
