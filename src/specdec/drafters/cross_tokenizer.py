@@ -86,7 +86,9 @@ DRAFT_LENGTH_FACTOR = 2  # the draft's cache holds this many positions per targe
 CATCH_UP_WIDTH = 4  # tokens a row the batch's catch-up forward feeds (more: fed before, alone)
 
 
-def draft_model_drafter(spec, target: LoadedModel, target_runner: ModelRunner) -> Drafter:
+def draft_model_drafter(
+    spec, target: LoadedModel, target_runner: ModelRunner
+) -> DraftModelDrafter | CrossTokenizerDrafter:
     """The drafter of speculative_method "draft_model": a DraftModelDrafter for a draft that shares
     the target's vocabulary, a CrossTokenizerDrafter for one with another tokenizer (both models
     loaded with their tokenizers); anything else is refused with what to do
