@@ -366,7 +366,9 @@ def _rebase(stage: DraftModelDrafter, seqs: list[Sequence], views: list[Sequence
             stage.fed[seq.slot] = (seq.num_tokens, view.token_ids[seq.num_tokens : n] + drafts)
 
 
-def _same_tokenizer_stage(spec: SpeculativeConfig, target: LoadedModel, target_runner: ModelRunner, number: int):
+def _same_tokenizer_stage(
+    spec: SpeculativeConfig, target: LoadedModel, target_runner: ModelRunner, number: int
+) -> DraftModelDrafter:
     """Stage number's draft model (spec.model), which other stages draft for: it must share the
     target's tokenizer (only a first stage drafts through text, for the stage after it)."""
     draft, runner = load_draft(spec, target, target_runner)
