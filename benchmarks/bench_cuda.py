@@ -123,20 +123,13 @@ def eagle3_head(device: str, work: Path, steps: int) -> tuple[Path, dict]:
 def other_tokenizer_draft(device: str, work: Path, steps: int, vocab_size: int = 2048) -> tuple[Path, dict]:
     """A tiny llama with its own byte-level BPE (vocab_size tokens), trained on device on the
     held-in standard library (as the target was), saved as a model directory."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import AutoModelForCausalLM, LlamaConfig
 
+    from specdec.models.tokenizer import train_byte_level_bpe
     from specdec.tools.training.corpus import load_corpus
 
     text = "\n".join(document.text for document in load_corpus(None).train[:200])
-    tokenizer = Tokenizer(models.BPE())
-    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tokenizer.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=vocab_size, special_tokens=["<s>", "</s>"],
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False,
-    )  # fmt: skip
-    tokenizer.train_from_iterator([text], trainer)
+    tokenizer = train_byte_level_bpe([text], vocab_size, special_tokens=("<s>", "</s>"))
     ids = torch.tensor(tokenizer.encode(text).ids, device=device)  # [N]
     config = LlamaConfig(
         vocab_size=tokenizer.get_vocab_size(), hidden_size=128, intermediate_size=384, num_hidden_layers=2,
