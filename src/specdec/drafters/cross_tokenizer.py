@@ -69,7 +69,7 @@ import torch
 
 from specdec.block_manager import BlockManager
 from specdec.drafters.base import Draft, Drafter
-from specdec.drafters.draft_model import DraftModelDrafter, check_same_vocabulary, load_draft
+from specdec.drafters.draft_model import DraftModelDrafter, check_same_vocabulary, has_other_tokenizer, load_draft
 from specdec.kv_cache import BlockPool, blocks_for, pool_for
 from specdec.models.loader import LoadedModel
 from specdec.models.tokenizer import Tokenizer
@@ -94,11 +94,11 @@ def draft_model_drafter(
     loaded with their tokenizers); anything else is refused with what to do
     (draft_model.check_same_vocabulary)."""
     draft, runner = load_draft(spec, target, target_runner)
-    if target.tokenizer is not None and draft.tokenizer is not None:
-        if target.tokenizer.get_vocab() != draft.tokenizer.get_vocab():
-            return CrossTokenizerDrafter(
-                runner, draft.tokenizer, target.tokenizer, draft.eos_token_ids, spec.draft_confidence_threshold
-            )
+    if has_other_tokenizer(target, draft):
+        assert draft.tokenizer is not None and target.tokenizer is not None  # what has_other_tokenizer says
+        return CrossTokenizerDrafter(
+            runner, draft.tokenizer, target.tokenizer, draft.eos_token_ids, spec.draft_confidence_threshold
+        )
     check_same_vocabulary(target, draft)
     return DraftModelDrafter(runner, target.model.config.vocab_size, spec.draft_confidence_threshold)
 

@@ -284,6 +284,13 @@ def warn_if_shorter_context(target: LoadedModel, draft: LoadedModel) -> None:
         )
 
 
+def has_other_tokenizer(target: LoadedModel, draft: LoadedModel) -> bool:
+    """Both models have tokenizers, and they map text to different token ids."""
+    if target.tokenizer is None or draft.tokenizer is None:
+        return False
+    return target.tokenizer.get_vocab() != draft.tokenizer.get_vocab()
+
+
 def check_same_vocabulary(target: LoadedModel, draft: LoadedModel) -> None:
     """The draft must map text to the same token ids as the target (embedding sizes may differ,
     as padded vocabularies often do)."""

@@ -55,7 +55,13 @@ import torch
 from specdec.config import NGRAM_STAGE, SpeculativeConfig
 from specdec.drafters.base import Draft, Drafter
 from specdec.drafters.cross_tokenizer import draft_model_drafter
-from specdec.drafters.draft_model import CATCH_UP_WIDTH, DraftModelDrafter, check_same_vocabulary, load_draft
+from specdec.drafters.draft_model import (
+    CATCH_UP_WIDTH,
+    DraftModelDrafter,
+    check_same_vocabulary,
+    has_other_tokenizer,
+    load_draft,
+)
 from specdec.drafters.ngram import NgramDrafter
 from specdec.kv_cache import BlockPool
 from specdec.metrics import SpecStats
@@ -372,13 +378,12 @@ def _same_tokenizer_stage(
     """Stage number's draft model (spec.model), which other stages draft for: it must share the
     target's tokenizer (only a first stage drafts through text, for the stage after it)."""
     draft, runner = load_draft(spec, target, target_runner)
-    if target.tokenizer is not None and draft.tokenizer is not None:
-        if target.tokenizer.get_vocab() != draft.tokenizer.get_vocab():
-            raise ModelLoadError(
-                f"stage {number} ({spec.model}) has another tokenizer than the target {target.path}: only the "
-                "first stage of staged drafts may (it drafts through text for the stage after it), since the "
-                "stages before a model draft in its tokens; put it first, without prompt lookup before it"
-            )
+    if has_other_tokenizer(target, draft):
+        raise ModelLoadError(
+            f"stage {number} ({spec.model}) has another tokenizer than the target {target.path}: only the "
+            "first stage of staged drafts may (it drafts through text for the stage after it), since the "
+            "stages before a model draft in its tokens; put it first, without prompt lookup before it"
+        )
     check_same_vocabulary(target, draft)
     return DraftModelDrafter(runner, target.model.config.vocab_size, spec.draft_confidence_threshold)
 
