@@ -203,12 +203,14 @@ def load_draft(spec, target: LoadedModel, target_runner: ModelRunner) -> tuple[L
     bfloat16 if this CPU has it natively. A draft requantized (gguf_requantization) is read
     dequantized, then its linear layers are quantized into that GGUF block type."""
     device = target_runner.device
-    small_on_cpu = spec.draft_dtype == "auto" and device.type == "cpu" and _is_small(spec.model)
+    path = resolve_model(spec.model, "the draft")  # a registered name: its fetched file or directory
+    small = _is_small(str(path))
+    small_on_cpu = spec.draft_dtype == "auto" and device.type == "cpu" and small
     if small_on_cpu:
         draft_dtype = torch.float32
     else:
         draft_dtype = target.model.dtype if spec.draft_dtype == "auto" else spec.draft_dtype
-    block_type = gguf_requantization(spec, target, device)
+    block_type = gguf_requantization(spec, target, device, path, small)
     draft = load_pretrained(
         spec.model,
         draft_dtype,
@@ -233,8 +235,9 @@ def load_draft(spec, target: LoadedModel, target_runner: ModelRunner) -> tuple[L
     return draft, runner
 
 
-def gguf_requantization(spec, target: LoadedModel, device: torch.device) -> str | None:
-    """The GGUF block type a draft's linear layers are requantized into, or None (its own
+def gguf_requantization(spec, target: LoadedModel, device: torch.device, path: str | Path, small: bool) -> str | None:
+    """The GGUF block type the linear layers of the draft at path (spec.model resolved; small:
+    of at most SMALL_DRAFT_PARAMETERS) are requantized into, or None (its own
     weights). draft_quantization "auto", drafting for a target that runs on the GGUF kernels, on
     the CPU: DRAFT_BLOCK_TYPE (Q4_0) for a GGUF draft file of more than REQUANTIZE_ABOVE_BITS
     bits per matrix weight (Q5_0, Q8_0, float; SmolLM2-135M's Q4_1 file, 5.7 with its 8-bit
@@ -248,10 +251,9 @@ def gguf_requantization(spec, target: LoadedModel, device: torch.device) -> str 
     output is the target's either way."""
     if spec.draft_quantization != "auto" or device.type != "cpu" or not runs_gguf_kernels(target.model):
         return None
-    path = resolve_model(spec.model, "the draft")
     if is_gguf_file(path):
         return DRAFT_BLOCK_TYPE if gguf_bits_per_weight(path) > REQUANTIZE_ABOVE_BITS else None
-    return None if _is_small(str(path)) else DRAFT_BLOCK_TYPE
+    return None if small else DRAFT_BLOCK_TYPE
 
 
 def _is_small(path: str) -> bool:
