@@ -246,8 +246,8 @@ def gguf_requantization(spec, target: LoadedModel, device: torch.device, path: s
     to run in float32 (SMALL_DRAFT_PARAMETERS: the shipped code draft). A decoding step reads
     every weight, so the draft's cost c follows its bytes (docs/runner.md, "A draft model in
     Q4_0"): the fetched Qwen2.5-Coder-0.5B (Q5_0 matrices, a Q8_0 embedding and output layer)
-    costs about half the 1.5B Q4_K_M target's step as it is; SmolLM2-135M's step costs 37.6 ms
-    from its directory in bfloat16 and 4.2 ms in Q4_0 (AVX-512). Where the draft drafts, the
+    costs about half the 1.5B Q4_K_M target's step as it is; SmolLM2-135M's step costs 28-42 ms
+    from its directory in bfloat16 and 4-6 ms in Q4_0 (AVX-512 and AVX2 alike). Where the draft drafts, the
     output is the target's either way."""
     if spec.draft_quantization != "auto" or device.type != "cpu" or not runs_gguf_kernels(target.model):
         return None
