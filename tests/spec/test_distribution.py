@@ -302,6 +302,31 @@ def sampling_tensors(rows):
     return SamplingTensors.from_params([SamplingParams(temperature=0.8, **setting) for _, setting in rows])
 
 
+@pytest.mark.parametrize("scale", [1.0, 0.5])
+def test_a_sharpened_draft_is_drawn_from_and_scored_by_the_same_distribution(scale):
+    """DraftSteps with a temperature_scale: a sampled row's draft probabilities are the request's
+    warping at temperature x scale (the definitions' reference), its tokens are drawn from them
+    (a chi-square test over many rows), and a greedy row still takes the argmax."""
+    from specdec.drafters.steps import DraftSteps
+    from specdec.sampling import SamplingTensors
+    from specdec.sequence import Sequence
+
+    rng = np.random.default_rng(7)
+    logits = torch.from_numpy(rng.normal(0, 1.5, size=(1, 12))).float()
+    sampled, greedy = SamplingParams(temperature=0.9, top_p=0.9), SamplingParams(temperature=0.0)
+    rows = 4000
+    params = [sampled] * rows + [greedy]
+    batch = [Sequence(str(i), [0], p, torch.Generator().manual_seed(i)) for i, p in enumerate(params)]
+    steps = DraftSteps(batch, [1] * len(batch), SamplingTensors.from_params(params), 0.0, torch.device("cpu"), scale)
+    tokens = steps.draw(logits.expand(len(batch), -1)).numpy()
+    expected, _ = reference_warp(logits.numpy(), 0.9 * scale, top_p=0.9)
+    probs = steps.draft().probs
+    assert probs is not None
+    np.testing.assert_allclose(probs[0, 0].numpy(), expected[0], atol=1e-6)
+    assert tokens[-1] == int(logits.argmax())
+    assert_follows(tokens[:-1], expected[0], f"draft tokens at scale {scale}")
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("drafter,setting", [(d, s) for d, settings in RUNS.items() for s in settings])
 def test_sampled_tokens_follow_the_target(setup, llms, drafter, setting):

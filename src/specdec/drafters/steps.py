@@ -2,7 +2,12 @@
 
 Both the draft model and the EAGLE head draft the same way once they have next-token logits:
 a greedy batch takes the argmax (a point mass: no probabilities kept), otherwise each row
-samples from its warped distribution with its own generator. A row stops at its own k (the
+samples from its warped distribution with its own generator: the request's warping (top-k,
+top-p, min-p) at its temperature times the drafter's temperature_scale. A scale below 1 sharpens
+the draft: for a drafter less sure than the target where both agree (a small head trained on the
+target's soft labels), that raises sum_x min(p(x), q(x)), the chance the target accepts a sampled
+draft (verify.py); whatever q is, the draft's probabilities kept are the ones it was sampled
+from, so the output stays exactly the target's. A row stops at its own k (the
 engine's, cut to what it can still emit) and, with a confidence threshold, after a token the drafter itself
 gave less than that probability (the next ones would likely be rejected). A stopped row
 draws no more random numbers (its later columns hold the argmax, ignored), so a seeded
@@ -10,6 +15,8 @@ request consumes its generator the same alone or in any batch.
 """
 
 from __future__ import annotations
+
+import dataclasses
 
 import torch
 import torch.nn.functional as F
@@ -27,8 +34,12 @@ class DraftSteps:
         sampling: SamplingTensors,
         confidence_threshold: float,
         device: torch.device,
+        temperature_scale: float = 1.0,
     ):
-        self.k, self.sampling, self.confidence_threshold = max(ks), sampling, confidence_threshold
+        self.k, self.confidence_threshold = max(ks), confidence_threshold
+        if temperature_scale != 1.0 and not sampling.all_greedy:  # greedy rows' temperature is unused
+            sampling = dataclasses.replace(sampling, temperature=sampling.temperature * temperature_scale)
+        self.sampling = sampling
         self.generators = [seq.generator for seq in batch]
         self.num_tokens = torch.tensor(ks, device=device)  # [B]: each row's most
         self.drafting = self.num_tokens > 0  # [B]: rows not yet stopped
