@@ -45,7 +45,7 @@ RUNS = {
     "draft_model": ["T0.7-top_k5", "T1.0-min_p0.1", "T0.9-top_k8-top_p0.9-min_p0.05"],
     "ngram": ["T1.0", "T1.3-top_p0.8", "T0.9-top_k8-top_p0.9-min_p0.05"],
     "eagle": ["T0.9-top_k8-top_p0.9-min_p0.05"],  # an untrained head: its distributions are the target's
-    # output layer over features it got wrong
+    # output layer over features it got wrong, over HEAD_SCORED of the tokens (sampled over those alone)
     "draft_model_tree": ["T1.3-top_p0.8"],  # a tree: here 3 siblings, judged one after another
     # prompt lookup where a row's looked-up tokens have fared as well as the draft model's, the
     # draft model elsewhere: each row's proposal chosen from its own earlier rounds
@@ -55,6 +55,7 @@ TREE = dict(speculative_tree="3,2", num_speculative_tokens=5)
 # adaptive k (a row stops drafting after a draft token of draft probability < this): only in
 # the seeded-request test, since the distribution tests' one round proposes a single token
 CONFIDENCE_THRESHOLD = 0.3
+HEAD_SCORED = 24  # the head scores tokens 0..23 of the 32 (FR-Spec style): it never drafts the others
 
 
 # ---------------------------------------------------------------------------------------------
@@ -85,7 +86,7 @@ def setup(tmp_path_factory):
     with torch.no_grad():
         for _ in range(7):
             prompt.append(int(target(torch.tensor([prompt])).logits[0, -1].argmax()))
-    head_dir = save_random_head(target_dir, root / "head", seed=6)
+    head_dir = save_random_head(target_dir, root / "head", seed=6, output_vocab=HEAD_SCORED)
     return dict(
         target=str(target_dir),
         draft=str(draft_dir),
@@ -303,25 +304,34 @@ def sampling_tensors(rows):
 
 
 @pytest.mark.parametrize("scale", [1.0, 0.5])
-def test_a_sharpened_draft_is_drawn_from_and_scored_by_the_same_distribution(scale):
+@pytest.mark.parametrize("scored", [False, True])
+def test_a_sharpened_draft_is_drawn_from_and_scored_by_the_same_distribution(scale, scored):
     """DraftSteps with a temperature_scale: a sampled row's draft probabilities are the request's
     warping at temperature x scale (the definitions' reference), its tokens are drawn from them
-    (a chi-square test over many rows), and a greedy row still takes the argmax."""
+    (a chi-square test over many rows), and a greedy row still takes the argmax. Scored: the
+    drafter's scores cover only some vocabulary ids (an EAGLE head's output_token_ids), and the
+    draft is the one that logits of -inf for the others would give."""
     from specdec.drafters.steps import DraftSteps
     from specdec.sampling import SamplingTensors
     from specdec.sequence import Sequence
 
     rng = np.random.default_rng(7)
-    logits = torch.from_numpy(rng.normal(0, 1.5, size=(1, 12))).float()
+    vocab_size = 20
+    scored_ids = torch.tensor([0, 2, 3, 5, 8, 9, 11, 13, 14, 16, 17, 19]) if scored else None
+    width = len(scored_ids) if scored_ids is not None else vocab_size
+    scores = torch.from_numpy(rng.normal(0, 1.5, size=(1, width))).float()
+    logits = torch.full((1, vocab_size), float("-inf"))  # what the drafter's scores mean
+    logits[:, scored_ids if scored_ids is not None else slice(None)] = scores
     sampled, greedy = SamplingParams(temperature=0.9, top_p=0.9), SamplingParams(temperature=0.0)
     rows = 4000
     params = [sampled] * rows + [greedy]
     batch = [Sequence(str(i), [0], p, torch.Generator().manual_seed(i)) for i, p in enumerate(params)]
-    steps = DraftSteps(batch, [1] * len(batch), SamplingTensors.from_params(params), 0.0, torch.device("cpu"), scale)
-    tokens = steps.draw(logits.expand(len(batch), -1)).numpy()
+    sampling = SamplingTensors.from_params(params)
+    steps = DraftSteps(batch, [1] * len(batch), sampling, 0.0, torch.device("cpu"), scale, scored_ids, vocab_size)
+    tokens = steps.draw(scores.expand(len(batch), -1)).numpy()
     expected, _ = reference_warp(logits.numpy(), 0.9 * scale, top_p=0.9)
     probs = steps.draft().probs
-    assert probs is not None
+    assert probs is not None and probs.shape == (len(batch), 1, vocab_size)
     np.testing.assert_allclose(probs[0, 0].numpy(), expected[0], atol=1e-6)
     assert tokens[-1] == int(logits.argmax())
     assert_follows(tokens[:-1], expected[0], f"draft tokens at scale {scale}")

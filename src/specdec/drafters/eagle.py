@@ -156,14 +156,23 @@ class EagleDrafter(Drafter):
         if max(ks, default=0) == 0:
             return Draft.empty(len(batch), device)
         cache = self._rows([seq.slot for seq in batch])
-        steps = DraftSteps(batch, ks, sampling, self.confidence_threshold, device, self.temperature_scale)
-        feature, logits = self._catch_up(batch, cache)  # f^_{L-1} [B, 1, H], its scores [B, V]
-        token = steps.draw(logits)
+        steps = DraftSteps(
+            batch,
+            ks,
+            sampling,
+            self.confidence_threshold,
+            device,
+            self.temperature_scale,
+            self.scored_ids,
+            self.head.config.vocab_size,
+        )
+        feature, scores = self._catch_up(batch, cache)  # f^_{L-1} [B, 1, H], its scores [B, S]
+        token = steps.draw(scores)
         while steps.more:
             step = len(steps.tokens) - 1
             positions = torch.tensor([seq.num_tokens - 1 + step for seq in batch], device=device)[:, None]  # [B, 1]
-            feature, logits = self._step(token[:, None], feature, positions, cache)
-            token = steps.draw(logits[:, 0])
+            feature, scores = self._step(token[:, None], feature, positions, cache)
+            token = steps.draw(scores[:, 0])
         return steps.draft()
 
     def propose_tree(
@@ -176,8 +185,8 @@ class EagleDrafter(Drafter):
         device, H = self.head.device, self.head.config.hidden_size
         cache = self._rows([seq.slot for seq in batch])
         growth = TreeGrowth(batch, shape, budget, max_depths, sampling, device)
-        root_feature, logits = self._catch_up(batch, cache)  # f^_{L-1} [B, 1, H], its scores [B, V]
-        growth.start(logits)
+        root_feature, scores = self._catch_up(batch, cache)  # f^_{L-1} [B, 1, H], its scores [B, S]
+        growth.start(self._over_vocabulary(scores))  # [B, V]
         features = root_feature  # [B, 1 + F, H]: the root's predicted feature, then each expanded node's
         starts = torch.tensor([seq.num_tokens - 1 for seq in batch], device=device)  # [B]: L-1
         while (frontier := growth.frontier()) is not None:
@@ -188,7 +197,7 @@ class EagleDrafter(Drafter):
                 self.target.embed_tokens(frontier.tokens), parent_features, positions, cache, tree=tree
             )  # [B, W, H]
             features = torch.cat([features, predicted], dim=1)
-            growth.grow(frontier, self._logits(predicted))  # [B, W, V]
+            growth.grow(frontier, self._over_vocabulary(self._scores(predicted)))  # [B, W, V]
         return growth.draft()
 
     def _rows(self, slots) -> CacheRows:
@@ -198,7 +207,7 @@ class EagleDrafter(Drafter):
 
     def _catch_up(self, batch: list[Sequence], cache: CacheRows) -> tuple[torch.Tensor, torch.Tensor]:
         """Feed each row's waiting features with the tokens after them (entries start..L-2);
-        the predicted feature after the last [B, 1, H] and its scores [B, V]."""
+        the predicted feature after the last [B, 1, H] and its scores [B, S] (_scores)."""
         device, H = self.head.device, self.head.config.hidden_size
         chunks = [self._waiting_entries(seq) for seq in batch]  # (start, features [n, H], tokens [n])
         tokens, positions, last = ragged_batch(
@@ -212,7 +221,7 @@ class EagleDrafter(Drafter):
         feature = predicted[torch.arange(len(batch), device=device), last][:, None]  # [B, 1, H]
         for seq in batch:
             del self.waiting[seq.slot]
-        return feature, self._logits(feature[:, 0])
+        return feature, self._scores(feature[:, 0])
 
     def _waiting_entries(self, seq: Sequence) -> tuple[int, torch.Tensor, list[int]]:
         """(first position, features, the token after each) of seq's entries not yet fed."""
@@ -229,12 +238,24 @@ class EagleDrafter(Drafter):
         self, tokens: torch.Tensor, features: torch.Tensor, positions: torch.Tensor, cache: CacheRows
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """One drafting step: tokens [B, 1], features [B, 1, H] at positions [B, 1] -> the
-        predicted features [B, 1, H] and their scores [B, 1, V]."""
+        predicted features [B, 1, H] and their scores [B, 1, S] (_scores)."""
         predicted = self.head(self.target.embed_tokens(tokens), features, positions, cache)  # [B, 1, H]
-        return predicted, self._logits(predicted)
+        return predicted, self._scores(predicted)
 
-    def _logits(self, predicted: torch.Tensor) -> torch.Tensor:
-        """Scores of the predicted features [..., H] over the target's vocabulary [..., V]."""
+    @property
+    def scored_ids(self) -> torch.Tensor | None:
+        """The vocabulary ids [S] the head scores (ascending), where it scores part of the
+        vocabulary; None: it scores all of it (S = V)."""
+        return None if self.output_layer is None else self.head.output_token_ids
+
+    def _scores(self, predicted: torch.Tensor) -> torch.Tensor:
+        """Scores of the predicted features [..., H] (float32): over the tokens the head scores
+        [..., S] (scored_ids), or the target's logits over its vocabulary [..., V]."""
         if self.output_layer is None:
             return self.target.logits(predicted)
-        return self.head.logits(self.output_layer(predicted))
+        return self.output_layer(predicted).float()
+
+    def _over_vocabulary(self, scores: torch.Tensor) -> torch.Tensor:
+        """_scores' scores [..., S] as logits over the whole vocabulary [..., V] (-inf for the
+        tokens the head does not score)."""
+        return scores if self.output_layer is None else self.head.logits(scores)
