@@ -14,6 +14,7 @@ token is an accepted or recovered first draft, the third a bonus token or a plai
 from __future__ import annotations
 
 import itertools
+import math
 
 import numpy as np
 import pytest
@@ -295,6 +296,40 @@ def test_top_k_top_p_from_the_candidates_is_bit_for_bit_the_full_sorts(seed, mon
     assert torch.equal(batched, sampling.warp(logits, tensors))
     for r in range(len(rows)):
         assert torch.equal(one_by_one[r], sampling.warp(logits[r : r + 1], sampling_tensors(rows[r : r + 1])))
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_top_p_from_the_tokens_above_a_threshold_is_bit_for_bit_the_full_sort(seed, monkeypatch):
+    """top_p alone sorts first the tokens above NUCLEUS_SHARE of each row's likeliest, where they
+    hold the nucleus: peaked rows (the threshold path taken), with ties (bfloat16 logits), rows
+    without top_p among them, and a batch with one row whose nucleus reaches past the threshold
+    (half its mass on one token, half on a flat tail: the candidates' path instead). Each output equals warp's with every partial sort switched
+    off, bit for bit, in one batch and row by row."""
+    from specdec import sampling
+
+    generator = torch.Generator().manual_seed(seed)
+    V = 20_000
+    rows = [(scale, dict(top_p=p)) for scale in (6.0, 10.0, 14.0) for p in (1.0, 0.8, 0.95)]
+    logits = torch.stack([torch.randn(V, generator=generator) * scale for scale, _ in rows])
+    logits = logits.to(torch.bfloat16).float()  # [N, V]: ties
+    flat = torch.randn(1, V, generator=generator) * 0.01  # half its mass on one token, half on a tail of
+    flat[0, 0] = 0.8 * math.log(2 * V)  # tokens each ~1/(2V) of it: below the threshold, needed by top_p 0.9
+    taken = []
+    threshold_path = sampling._nucleus_above_threshold
+    monkeypatch.setattr(
+        sampling,
+        "_nucleus_above_threshold",
+        lambda p, s: taken.append(threshold_path(p, s) is not None) or threshold_path(p, s),
+    )
+    cases = [(logits, rows), (torch.cat([logits, flat]), [*rows, (0.5, dict(top_p=0.9))])]
+    outputs = [sampling.warp(x, sampling_tensors(r)) for x, r in cases]
+    one_by_one = [sampling.warp(logits[i : i + 1], sampling_tensors(rows[i : i + 1])) for i in range(len(rows))]
+    assert taken[0] and not taken[1] and all(taken[2:]), taken
+    monkeypatch.setattr(sampling, "CANDIDATES", V)  # the whole row, always
+    for (x, r), output in zip(cases, outputs):
+        assert torch.equal(output, sampling.warp(x, sampling_tensors(r)))
+    for i in range(len(rows)):
+        assert torch.equal(one_by_one[i], sampling.warp(logits[i : i + 1], sampling_tensors(rows[i : i + 1])))
 
 
 def sampling_tensors(rows):
