@@ -303,8 +303,9 @@ def test_top_p_from_the_tokens_above_a_threshold_is_bit_for_bit_the_full_sort(se
     """top_p alone sorts first the tokens above NUCLEUS_SHARE of each row's likeliest, where they
     hold the nucleus: peaked rows (the threshold path taken), with ties (bfloat16 logits), rows
     without top_p among them, and a batch with one row whose nucleus reaches past the threshold
-    (half its mass on one token, half on a flat tail: the candidates' path instead). Each output equals warp's with every partial sort switched
-    off, bit for bit, in one batch and row by row."""
+    (half its mass on one token, half on a flat tail: the candidates' path instead). Each
+    output equals warp's with every partial sort switched off, bit for bit, in one batch and
+    row by row."""
     from specdec import sampling
 
     generator = torch.Generator().manual_seed(seed)
