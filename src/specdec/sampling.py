@@ -105,7 +105,7 @@ def _keep_top_k_top_p(probs: torch.Tensor, settings: SamplingTensors) -> torch.T
     prefix reaches the last of them (a flat distribution, a top_k above CANDIDATES). Both give
     the same prefix, hence the same output bit for bit (tests/spec/test_distribution.py)."""
     V = probs.shape[-1]
-    if V > CANDIDATES and not settings.any_top_k:
+    if V > CANDIDATES and not settings.any_top_k and probs.device.type == "cpu":  # CPU: cumsum sums in order
         nucleus = _nucleus_above_threshold(probs, settings)
         if nucleus is not None:
             return nucleus
@@ -124,7 +124,7 @@ def _nucleus_above_threshold(probs: torch.Tensor, settings: SamplingTensors) -> 
     among them (it keeps a prefix of the descending order, and every other token comes after
     them all, its mass before >= top_p), so sorting them alone gives the same prefix, hence the
     same output bit for bit, as sorting the row: the mass before is summed in the same order
-    (cumsum accumulates sequentially), and NUCLEUS_MARGIN covers the float32 rounding of the
+    (on the CPU, cumsum accumulates sequentially), and NUCLEUS_MARGIN covers the float32 rounding of the
     first token after them. A peaked row has a few hundred candidates, found by a compare and a
     gather (sorted_descending's partial selection of the CANDIDATES likeliest costs ~1 ms a row of
     151,936 tokens). None where some row's nucleus may reach past them (a flat row): the caller
