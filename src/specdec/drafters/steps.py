@@ -7,11 +7,12 @@ top-p, min-p) at its temperature times the drafter's temperature_scale. A scale 
 the draft: for a drafter less sure than the target where both agree (a small head trained on the
 target's soft labels), that raises sum_x min(p(x), q(x)), the chance the target accepts a sampled
 draft (verify.py); whatever q is, the draft's probabilities kept are the ones it was sampled
-from, so the output stays exactly the target's. A row stops at its own k (the
-engine's, cut to what it can still emit) and, with a confidence threshold, after a token the drafter itself
-gave less than that probability (the next ones would likely be rejected). A stopped row
-draws no more random numbers (its later columns hold the argmax, ignored), so a seeded
-request consumes its generator the same alone or in any batch.
+from, so the output stays exactly the target's.
+
+A row stops at its own k (the engine's, cut to what it can still emit) and, with a confidence
+threshold, after a token the drafter itself gave less than that probability (the next ones would
+likely be rejected). A stopped row draws no more random numbers (its later columns hold the
+argmax, ignored), so a seeded request consumes its generator the same alone or in any batch.
 
 A drafter that scores only part of the vocabulary (an EAGLE head's output_token_ids) hands over
 its S scores, not V logits: warping and sampling then run over S tokens (a softmax and top-p over
