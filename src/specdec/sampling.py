@@ -123,12 +123,12 @@ def _nucleus_above_threshold(probs: torch.Tensor, settings: SamplingTensors) -> 
     row's likeliest. Where they hold at least top_p of the row's mass, every token top_p keeps is
     among them (it keeps a prefix of the descending order, and every other token comes after
     them all, its mass before >= top_p), so sorting them alone gives the same prefix, hence the
-    same output bit for bit, as sorting the row: the mass before is summed in the same order
-    (on the CPU, cumsum accumulates sequentially), and NUCLEUS_MARGIN covers the float32 rounding of the
-    first token after them. A peaked row has a few hundred candidates, found by a compare and a
-    gather (sorted_descending's partial selection of the CANDIDATES likeliest costs ~1 ms a row of
-    151,936 tokens). None where some row's nucleus may reach past them (a flat row): the caller
-    sorts more. Rows without top_p (1) keep every token."""
+    same output bit for bit, as sorting the row: the mass before is summed in the same order (on
+    the CPU, cumsum accumulates sequentially), and NUCLEUS_MARGIN covers the float32 rounding of
+    the first token after them. A peaked row has a few hundred candidates, found by a compare
+    and a gather (sorted_descending's partial selection of the CANDIDATES likeliest costs ~1 ms a
+    row of 151,936 tokens). None where some row's nucleus may reach past them (a flat row): the
+    caller sorts more. Rows without top_p (1) keep every token."""
     cut = settings.top_p < 1  # [N]
     candidate = probs >= probs.amax(-1, keepdim=True) * NUCLEUS_SHARE  # [N, V]
     rows, ids = candidate.nonzero(as_tuple=True)  # [M] each: row by row, ids ascending
