@@ -212,7 +212,7 @@ def load_draft(spec, target: LoadedModel, target_runner: ModelRunner) -> tuple[L
         draft_dtype = target.model.dtype if spec.draft_dtype == "auto" else spec.draft_dtype
     block_type = gguf_requantization(spec, target, device, path, small)
     draft = load_pretrained(
-        spec.model,
+        path,
         draft_dtype,
         device,
         load_tokenizer=target.tokenizer is not None,
