@@ -1,17 +1,25 @@
 """specdec serve --replicas 2 on a local Ray instance (serve/ray_serve.py), driven by the official
-openai client against Ray Serve's HTTP proxy: completions and streams give what LLM.generate
-gives offline (greedy, float32); a shared prefix goes back to the replica that served it;
-/metrics covers both replicas; a replica killed mid-stream ends its request with an error event
-(never a hang), and once Ray has restarted it the next requests succeed. Skipped where Ray Serve
-is not installed (pip install "specdec[ray]")."""
+openai client and httpx against the server's one port (Ray Serve runs no HTTP proxy of its own):
+completions and streams give what LLM.generate gives offline (greedy, float32); a shared prefix
+goes back to the replica that served it; /metrics covers both replicas; every route but /health
+and /metrics asks for the API key, Ray's /-/routes and /-/healthz included; a replica killed
+mid-stream ends its request with an error event (never a hang), and once Ray has restarted it the
+next requests succeed; SIGTERM with streams and a completion in flight ends each stream with an
+error event then `data: [DONE]`, the completion with a 503 in OpenAI's shape, and the server exits
+0 with no traceback. ReplicaClient's stop is checked with stand-in replicas too. Skipped where Ray
+Serve is not installed (pip install "specdec[ray]")."""
 
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
+import signal
 import sys
+import threading
 import time
 
+import httpx
 import openai
 import pytest
 
@@ -29,6 +37,8 @@ needs_ray = pytest.mark.skipif(ray is None, reason='Ray Serve is not installed: 
 pytestmark = pytest.mark.alone  # a local Ray instance takes the machine: nothing runs beside it
 
 MODEL = "tiny"
+API_KEY = "sesame"
+SHUTDOWN_TIMEOUT_S = 1  # the module server's --shutdown-timeout: its SIGTERM test's streams outlast it
 KILL_ANSWER_S = 30  # a stream whose replica died ends within this long
 RESTART_S = 90  # Ray restarts a killed replica (and it loads its model) within this long
 
@@ -117,6 +127,72 @@ def test_health_waits_for_a_replica_that_answers(monkeypatch):
     assert said == ["engine-1 answers: routing to it"]  # once, when it changed: not at start, not every poll
 
 
+class EndlessReplica:
+    """A stand-in for an engine replica's DeploymentHandle whose generate streams outputs until
+    cancelled: handle.options(stream=True).generate.remote(...) returns a response (EndlessResponse)."""
+
+    def __init__(self):
+        self.generate = self
+        self.responses: list[EndlessResponse] = []
+
+    def options(self, stream: bool) -> EndlessReplica:
+        return self
+
+    def remote(self, request_id, prompt_token_ids, params, prompt, stream_text) -> EndlessResponse:
+        self.responses.append(EndlessResponse())
+        return self.responses[-1]
+
+
+class EndlessResponse:
+    """A streamed response of unfinished outputs, one a millisecond, until cancel() is called."""
+
+    def __init__(self):
+        self.cancelled = False
+
+    def __aiter__(self):
+        return self
+
+    async def __anext__(self):
+        from specdec.outputs import CompletionOutput, RequestOutput
+
+        await asyncio.sleep(0.001)
+        return RequestOutput("r", "", [1], [CompletionOutput(0, "a", [2], None)], finished=False)
+
+    def cancel(self) -> None:
+        self.cancelled = True
+
+
+@needs_ray
+def test_stop_ends_every_open_request_with_shutting_down():
+    """ReplicaClient.stop (what the server calls --shutdown-timeout after SIGTERM) ends each open
+    request with a 503 shutting_down, which app.py sends as an error event then `data: [DONE]` on
+    a stream, cancels its replica's response (the replica aborts it), and refuses new requests
+    with the same 503."""
+    from specdec import SamplingParams
+    from specdec.serve.protocol import APIError
+    from specdec.serve.ray_serve import ReplicaClient
+
+    replica = EndlessReplica()
+
+    async def run() -> tuple[list[BaseException | None], BaseException | None, int]:
+        ingress = ReplicaClient(None, [replica], MODEL)  # pyright: ignore[reportArgumentType]
+        params = SamplingParams(max_tokens=100)
+        streams = [ingress.generate(f"r{i}", [1, 2, 3], params) for i in range(3)]
+        for stream in streams:
+            await anext(stream)  # each is running on the replica
+        await ingress.stop()
+        ended = await asyncio.gather(*(anext(stream) for stream in streams), return_exceptions=True)
+        late = await asyncio.gather(anext(ingress.generate("late", [1], params)), return_exceptions=True)
+        return ended, late[0], sum(ingress.router.in_flight)
+
+    ended, late, in_flight = asyncio.run(run())
+    for error in [*ended, late]:
+        assert isinstance(error, APIError), error
+        assert (error.status, error.body()["error"]["code"]) == (503, "shutting_down"), error.body()
+    assert [response.cancelled for response in replica.responses] == [True, True, True]
+    assert in_flight == 0  # the router no longer counts their work
+
+
 @pytest.fixture(scope="module")
 def ray_address():
     assert ray is not None
@@ -130,6 +206,7 @@ def server(dirs, ray_address, tmp_path_factory):
     args = [str(dirs["target"]), "--draft", str(dirs["draft"]), "-k", "4", "--max-num-seqs", "4"]
     args += ["--compile", "off", "--dtype", "float32", "--served-model-name", MODEL]
     args += ["--replicas", "2", "--replica-threads", "1", "--ray-address", ray_address]
+    args += ["--api-key", API_KEY, "--shutdown-timeout", str(SHUTDOWN_TIMEOUT_S)]
     server = ServerProcess(args, tmp_path_factory.mktemp("log") / "server.log")
     yield server
     assert server.stop() == 0, server.output()
@@ -140,8 +217,8 @@ def offline(dirs):
     return LLM(str(dirs["target"]), speculative_model=str(dirs["draft"]), num_speculative_tokens=4, dtype="float32")
 
 
-def client(server: ServerProcess) -> openai.OpenAI:
-    return openai.OpenAI(base_url=f"{server.url}/v1", api_key="none", max_retries=0, timeout=60)
+def client(server: ServerProcess, api_key: str = API_KEY) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{server.url}/v1", api_key=api_key, max_retries=0, timeout=60)
 
 
 def greedy(max_tokens: int) -> dict:
@@ -184,15 +261,17 @@ def test_metrics_cover_both_replicas(server):
 
 def replica_actor(index: int):
     """The Ray actor of engine replica index."""
-    from specdec.serve.ray_serve import APP_NAME, engine_name
+    from specdec.serve.ray_serve import app_name, engine_name
 
-    names = [
-        a["name"]
-        for a in ray.util.list_named_actors(all_namespaces=True)
-        if a["name"].startswith(f"SERVE_REPLICA::{APP_NAME}#{engine_name(index)}#")
-    ]
+    prefix = f"SERVE_REPLICA::{app_name(index)}#{engine_name(index)}#"
+    names = [name for name in actor_names() if name.startswith(prefix)]
     assert len(names) == 1, names
     return ray.get_actor(names[0], namespace="serve")
+
+
+def actor_names() -> list[str]:
+    """The names of the Ray instance's named actors (Serve's controller, replicas and proxies)."""
+    return [actor["name"] for actor in ray.util.list_named_actors(all_namespaces=True)]
 
 
 def wait_until(condition, seconds: float, what: str) -> None:
@@ -222,3 +301,77 @@ def test_a_killed_replica_ends_its_stream_and_comes_back(server):
     wait_until(lambda: server.metric("replica_up", replica=str(victim)) == 1, RESTART_S, "the replica restarted")
     for prompt in ("y = 2\n", "z = 3\n"):
         assert client(server).completions.create(prompt=prompt, **greedy(3)).choices[0].finish_reason == "length"
+
+
+@pytest.mark.slow  # the module's Ray instance and server of 2 replicas: under a minute
+@needs_ray
+def test_every_route_asks_for_the_key(server):
+    """With --api-key every route the process serves asks for it but /health and /metrics (as the
+    single server): Ray Serve's proxy, which answered /-/routes and /-/healthz to anyone, does not
+    run, and no ingress replica runs apart from the server (the routes are served in its process)."""
+    for path in ("/-/routes", "/-/healthz", "/v1/models", "/openapi.json", "/docs"):
+        refused = httpx.get(f"{server.url}{path}")
+        assert refused.status_code == 401 and refused.json()["error"]["code"] == "invalid_api_key", path
+    keyed = {"Authorization": f"Bearer {API_KEY}"}
+    for path in ("/-/routes", "/-/healthz"):
+        missing = httpx.get(f"{server.url}{path}", headers=keyed)
+        assert missing.status_code == 404 and missing.json()["error"]["type"] == "not_found_error", path
+    for path in ("/health", "/metrics"):  # open, for probes and scrapers, as in vLLM
+        assert httpx.get(f"{server.url}{path}").status_code == 200, path
+    with pytest.raises(openai.AuthenticationError):
+        client(server, api_key="wrong").models.list()
+    assert [model.id for model in client(server).models.list().data] == [MODEL]
+    assert not [name for name in actor_names() if name.startswith("SERVE_PROXY_ACTOR")]
+    replicas = [name for name in actor_names() if name.startswith("SERVE_REPLICA::")]
+    assert sorted(name.split("#")[1] for name in replicas) == ["engine-0", "engine-1"], replicas
+
+
+def stream_events(server: ServerProcess, started: threading.Barrier, events: list[str]) -> None:
+    """Stream a long completion; wait at started once its first event is in; then keep every
+    event's data (the last two: an error event, then [DONE], where SIGTERM ended it)."""
+    body = {"model": MODEL, "prompt": "def", "max_tokens": 1900, "temperature": 0, "ignore_eos": True, "stream": True}
+    headers = {"Authorization": f"Bearer {API_KEY}"}
+    with httpx.stream("POST", f"{server.url}/v1/completions", json=body, headers=headers, timeout=120) as response:
+        lines = (line.removeprefix("data: ") for line in response.iter_lines() if line)
+        events.append(next(lines))
+        started.wait()
+        events.extend(lines)
+
+
+# last in the module: it stops the module's server
+@pytest.mark.slow  # the module's Ray instance and server of 2 replicas: under a minute
+@needs_ray
+def test_sigterm_ends_every_stream_with_an_error_event_then_done(server):
+    """SIGTERM with 6 streams and a whole completion in flight past --shutdown-timeout: each stream
+    ends with an OpenAI error event (shutting_down), then data: [DONE] (they were cut with
+    neither); the completion is a 503 in OpenAI's shape; the server exits 0 with no traceback."""
+    streams = 6
+    started = threading.Barrier(streams + 1)
+    events: list[list[str]] = [[] for _ in range(streams)]
+    threads = [threading.Thread(target=stream_events, args=(server, started, e)) for e in events]
+    whole: list[Exception] = []
+
+    def complete() -> None:
+        try:
+            client(server).completions.create(prompt="def", **greedy(1900))
+        except openai.APIError as e:
+            whole.append(e)
+
+    threads.append(threading.Thread(target=complete))
+    for thread in threads:
+        thread.start()
+    started.wait(timeout=120)
+    wait_until(lambda: server.metric("num_requests_running") == streams + 1, 60, "every request running")
+    logged_before = len(server.output())  # an earlier test's replica kill may have logged its own
+    server.process.send_signal(signal.SIGTERM)
+    for thread in threads:
+        thread.join(timeout=120)
+    for stream in events:
+        assert stream[-1] == "[DONE]", stream[-3:]
+        error = json.loads(stream[-2])["error"]
+        assert (error["type"], error["code"]) == ("server_error", "shutting_down"), error
+    assert len(whole) == 1 and isinstance(whole[0], openai.InternalServerError), whole
+    assert whole[0].status_code == 503 and whole[0].code == "shutting_down"
+    assert whole[0].response.headers["content-type"] == "application/json"
+    assert server.process.wait(timeout=120) == 0, server.output()
+    assert "Traceback" not in server.output()[logged_before:], server.output()[logged_before:]

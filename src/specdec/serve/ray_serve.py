@@ -3,19 +3,27 @@
     pip install "specdec[ray]"
     specdec serve models/code-target --draft models/code-draft -k 5 --replicas 2
 
-The Ray Serve application (APP_NAME) holds:
-  engine-0 .. engine-{N-1}  one deployment per engine, of one replica each (EngineReplica): the LLM
-                            the flags describe, stepped by an AsyncEngine, with --replica-threads
-                            torch threads (and as many Ray CPUs); Ray restarts a replica that dies
-  ingress                   app.py's routes (build_app), with a ReplicaClient where a single server
-                            has its AsyncEngine: it tokenizes, routes each request
-                            (router.PrefixRouter: where it finishes first, its cached prefix and the
-                            replicas' outstanding tokens counted)
-                            and streams its outputs back through Ray
+Terms:
+  engine replica  one engine: the LLM the flags describe, stepped by an AsyncEngine, with
+                  --replica-threads torch threads (and as many Ray CPUs); the Ray Serve application
+                  specdec-engine-i of one deployment, engine-i, of one replica (EngineReplica). Ray
+                  restarts a replica that dies
+  ingress         app.py's routes, served by uvicorn in this process (the `specdec serve`
+                  command), with a ReplicaClient where a single server has its AsyncEngine: it
+                  tokenizes, routes each request (router.PrefixRouter: where it finishes first, its
+                  cached prefix and the replicas' outstanding tokens counted) and streams its
+                  outputs back from the replica through Ray
 
-One deployment per engine, not one deployment of N replicas: the router names the replica (the one
-holding the prompt's prefix), and /metrics asks each; a handle to a deployment of several replicas
-picks one itself. A replica that dies ends its requests in flight with a 503 (code
+Ray Serve runs no HTTP proxy here (ProxyLocation.Disabled): the only port is the ingress's, so
+the API key guards every route the process serves (Ray's proxy would answer /-/routes and
+/-/healthz itself, to anyone), and SIGTERM drains as the single server does (server.serve_app:
+stop taking connections, let requests finish for --shutdown-timeout, then end the rest with a
+503 shutting_down, or on a stream an error event and `data: [DONE]`), before Ray Serve shuts
+down. There is no ingress replica to die apart from the server: the ingress is the process.
+
+One application per engine, not one deployment of N replicas: the router names the replica (the
+one holding the prompt's prefix), and /metrics asks each; a handle to a deployment of several
+replicas picks one itself. A replica that dies ends its requests in flight with a 503 (code
 replica_unavailable; an error event then `data: [DONE]` on a stream); the router sends nothing to
 it until it answers again. /metrics: every replica's metrics with a `replica` label, and the
 router's own (replica_up, router_requests by replica and reason).
@@ -28,13 +36,14 @@ import asyncio
 import logging
 import os
 import signal
-import threading
 from typing import cast
 
 try:
     import ray
     from ray import serve
     from ray.exceptions import RayActorError, RayTaskError
+    from ray.serve import RunTarget
+    from ray.serve.config import ProxyLocation
     from ray.serve.handle import DeploymentHandle, DeploymentResponseGenerator
 except ImportError as e:  # the one line the command line prints (cli.py prints a ValueError's words)
     raise ValueError('--replicas N needs Ray Serve: pip install "specdec[ray]"') from e
@@ -51,6 +60,7 @@ from specdec.serve.async_engine import AsyncEngine
 from specdec.serve.prom import ServerMetrics
 from specdec.serve.protocol import APIError
 from specdec.serve.router import PrefixRouter
+from specdec.serve.server import serve_app
 from specdec.serve.settings import max_request_bytes, prepare_llm, served_names
 
 log = logging.getLogger("specdec")
@@ -59,7 +69,6 @@ APP_NAME = "specdec"
 HEALTH_PERIOD_S = 2.0  # how often the ingress asks each replica whether it answers
 HEALTH_TIMEOUT_S = 5.0  # a replica that does not answer in this long is down
 METRICS_TIMEOUT_S = 5.0  # a replica's metrics not in by then are left out of /metrics
-INGRESS_MAX_ONGOING = 100_000  # the ingress queues nothing itself: the replicas' AsyncEngines say 429
 
 
 def engine_name(index: int) -> str:
@@ -109,9 +118,10 @@ class EngineReplica:
 
 class ReplicaClient:
     """What app.py's routes use of an AsyncEngine, over the engine replicas: generate routes each
-    request (PrefixRouter) and streams its outputs from the replica through Ray. llm: the
-    ingress's tokenizer and prompt checks (a PromptEncoder: the routes call llm.prompt_token_ids;
-    the ingress holds no weights)."""
+    request (PrefixRouter) and streams its outputs from the replica through Ray; stop ends every
+    request still open with a 503 shutting_down, as AsyncEngine.stop does. llm: the ingress's
+    tokenizer and prompt checks (a PromptEncoder: the routes call llm.prompt_token_ids; the
+    ingress holds no weights)."""
 
     def __init__(self, llm: PromptEncoder, handles: list[DeploymentHandle], model_name: str):
         self.llm = llm
@@ -129,32 +139,37 @@ class ReplicaClient:
         self.model_name = model_name
         self._watcher: asyncio.Task | None = None
         self._stopping = False
+        self._stopped = asyncio.Event()  # set by stop: every request still open ends
         for replica in range(len(handles)):  # down until it first answers (_watch_replicas)
             self.router.mark_down(replica)
             self.replica_up.labels(model_name, str(replica)).set(0)
 
     @property
     def is_running(self) -> bool:
-        """Whether any replica answers (/health's 200). Replicas count as down until they first
-        answer: Ray Serve routes to the ingress as soon as it is up, while the engines may still
-        be loading and timing their rounds for minutes, and a /health of 200 then sent load
-        (benchmarks/bench_replicas.py's, a load balancer's) to requests that waited out the
-        replicas' start (docs/server.md, "Replicas on Ray Serve")."""
+        """Whether any replica answers (/health's 200), and the server is not stopping. Replicas
+        count as down until they first answer: a /health of 200 while the engines were still
+        loading and timing their rounds (for minutes) once sent load (benchmarks/bench_replicas.py's,
+        a load balancer's) to requests that waited out the replicas' start (docs/server.md,
+        "Replicas on Ray Serve")."""
         return not self._stopping and len(self.router.down) < len(self.handles)
 
     def start(self) -> None:
         self._watcher = asyncio.ensure_future(self._watch_replicas())
 
     async def stop(self) -> None:
+        """Take no more requests, and end those still open (each hears shutting_down; its replica
+        aborts it). The server calls it --shutdown-timeout after SIGTERM, and again on the way out."""
         self._stopping = True
+        self._stopped.set()
         if self._watcher is not None:
             self._watcher.cancel()
 
     async def generate(self, request_id, prompt_token_ids, params, prompt=None, stream_text=True):
         """The request's outputs from the replica the router chose (AsyncEngine.generate's
-        contract). A replica that dies meanwhile: APIError 503 replica_unavailable."""
+        contract). A replica that dies meanwhile: APIError 503 replica_unavailable; the server
+        stopping (stop): APIError 503 shutting_down."""
         if self._stopping:
-            raise APIError(503, "the server is shutting down", type="server_error", code="shutting_down")
+            raise _shutting_down()
         route = self.router.route(request_id, prompt_token_ids, params.max_tokens)
         self.routed.labels(self.model_name, str(route.replica), route.reason).inc()
         streaming = self.handles[route.replica].options(stream=True)
@@ -164,19 +179,39 @@ class ReplicaClient:
         )
         finished, prefilled = False, False
         try:
-            async for output in response:
+            async for output in self._until_stopped(response):
                 finished = output.finished
                 new_tokens = sum(len(completion.token_ids) for completion in output.outputs)
                 self.router.computed(request_id, new_tokens + (0 if prefilled else route.prefill_tokens))
                 prefilled = True
                 yield output
         except Exception as e:
-            finished = True
+            finished = not isinstance(e, APIError)  # an APIError is _until_stopped's: the replica still runs it
             raise self._error(e, route.replica) from None
         finally:
             self.router.finished(request_id)
-            if not finished:  # left early: the client went away; the replica aborts the request
+            if not finished:  # left early: the client went away, or the server stops; the replica aborts it
                 response.cancel()
+
+    async def _until_stopped(self, response: DeploymentResponseGenerator):
+        """The response's outputs, until it ends or stop is called (then APIError 503
+        shutting_down)."""
+        stopped = asyncio.ensure_future(self._stopped.wait())
+        try:
+            while True:
+                output = asyncio.ensure_future(_next(response))
+                await asyncio.wait((output, stopped), return_when=asyncio.FIRST_COMPLETED)
+                if not output.done():
+                    output.cancel()  # Ray may end it with RequestCancelledError: seen, not logged
+                    output.add_done_callback(_seen)
+                    raise _shutting_down()
+                try:
+                    item = output.result()
+                except StopAsyncIteration:
+                    return
+                yield item
+        finally:
+            stopped.cancel()
 
     def _error(self, error: Exception, replica: int) -> Exception:
         """What the routes are told of an error from a replica: its own exception (QueueFull,
@@ -233,6 +268,21 @@ class ReplicaClient:
             return None
 
 
+def _shutting_down() -> APIError:
+    return APIError(503, "the server is shutting down", type="server_error", code="shutting_down")
+
+
+async def _next(response: DeploymentResponseGenerator):
+    """The response's next output (StopAsyncIteration at its end), as a coroutine a task can run."""
+    return await response.__anext__()
+
+
+def _seen(task: asyncio.Task) -> None:
+    """Take a left task's outcome, so that asyncio does not log it ("exception was never retrieved")."""
+    if not task.cancelled():
+        task.exception()
+
+
 class _Families:
     """Metric families ready for generate_latest (it calls collect())."""
 
@@ -254,65 +304,66 @@ def _relabelled(texts: list[str | None]) -> list[Metric]:
     return list(families.values())
 
 
-@serve.deployment
-@serve.ingress()
-class Ingress:
-    """The OpenAI routes (app.py) over the engine deployments (handles, in index order)."""
-
-    def __init__(self, args: argparse.Namespace, *handles: DeploymentHandle):
-        show_log()  # which replicas answer, as it changes
-        torch.set_num_threads(1)
-        prompts = PromptEncoder.load(args.model)  # its tokenizer and prompt checks, no weights
-        max_model_len = args.max_model_len or prompts.max_model_len
-        names = served_names(args)
-        self.client = ReplicaClient(prompts, list(handles), names[0])
-        self.state = ServerState(
-            cast("AsyncEngine", self.client),  # the routes use what ReplicaClient has of AsyncEngine
-            names,
-            max_model_len,
-            api_key=args.api_key,
-            max_request_bytes=max_request_bytes(args, max_model_len),
-            metrics_text=self.client.metrics_text,
-        )
-
-    def __serve_build_asgi_app__(self):
-        return build_app(self.state)
+def ingress_state(args: argparse.Namespace, prompts: PromptEncoder, handles: list[DeploymentHandle]) -> ServerState:
+    """What app.py's routes serve in this process (the ingress): a ReplicaClient over the engine
+    deployments' handles (in index order); prompts: the model's tokenizer and prompt checks (no
+    weights)."""
+    max_model_len = args.max_model_len or prompts.max_model_len
+    names = served_names(args)
+    client = ReplicaClient(prompts, handles, names[0])
+    return ServerState(
+        cast("AsyncEngine", client),  # the routes use what ReplicaClient has of AsyncEngine
+        names,
+        max_model_len,
+        api_key=args.api_key,
+        max_request_bytes=max_request_bytes(args, max_model_len),
+        metrics_text=client.metrics_text,
+    )
 
 
 # --- the command ------------------------------------------------------------------------------------
 
 
-def application(args: argparse.Namespace):
-    """The Ray Serve application of args (serve's flags, with replica_threads set)."""
-    engines = [
-        EngineReplica.options(  # pyright: ignore[reportAttributeAccessIssue]
-            name=engine_name(i),
-            num_replicas=1,
-            ray_actor_options={"num_cpus": args.replica_threads},
-            max_ongoing_requests=args.max_num_seqs + args.max_waiting + 1,
-            graceful_shutdown_timeout_s=args.shutdown_timeout,
-        ).bind(args, i)
+def app_name(index: int) -> str:
+    """The Ray Serve application of engine replica index (one deployment, engine_name(index))."""
+    return f"{APP_NAME}-{engine_name(index)}"
+
+
+def applications(args: argparse.Namespace) -> list[RunTarget]:
+    """The Ray Serve applications of args (serve's flags, with replica_threads set): one per
+    engine, none exposed over HTTP (route_prefix None: the ingress calls them by handle)."""
+    return [
+        RunTarget(
+            EngineReplica.options(  # pyright: ignore[reportAttributeAccessIssue]
+                name=engine_name(i),
+                num_replicas=1,
+                ray_actor_options={"num_cpus": args.replica_threads},
+                max_ongoing_requests=args.max_num_seqs + args.max_waiting + 1,
+                graceful_shutdown_timeout_s=args.shutdown_timeout,
+            ).bind(args, i),
+            name=app_name(i),
+            route_prefix=None,
+        )
         for i in range(args.replicas)
     ]
-    return Ingress.options(  # pyright: ignore[reportAttributeAccessIssue]
-        name="ingress", ray_actor_options={"num_cpus": 0}, max_ongoing_requests=INGRESS_MAX_ONGOING
-    ).bind(args, *engines)
+
+
+class Interrupted(Exception):
+    """SIGTERM while the replicas were still starting (before the server listened)."""
 
 
 def run_replicas(args: argparse.Namespace) -> int:
-    """Serve on Ray until SIGTERM or Ctrl-C; then shut the application down, and exit 0."""
+    """Start the engine replicas on Ray Serve (with no HTTP proxy of Ray's), then serve the routes
+    in this process until SIGTERM or Ctrl-C, drained as the single server drains
+    (server.serve_app); then shut Ray Serve down, and exit 0."""
     threads = args.replica_threads or max(1, (os.cpu_count() or 1) // args.replicas)
     settings = argparse.Namespace(**{**vars(args), "replica_threads": threads, "run": None})
+    prompts = PromptEncoder.load(args.model)  # the ingress's; a model that is not there fails before Ray starts
     _start_ray(args.ray_address, args.replicas * threads)
-    stop = threading.Event()
-    for signum in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(signum, lambda *_: stop.set())
     try:
-        serve.start(http_options={"host": args.host, "port": args.port})
-        serve.run(application(settings), name=APP_NAME, route_prefix="/")
+        state = ingress_state(settings, prompts, _start_engines(settings))
         log.warning(
-            "serving %s on http://%s:%d: %d replica%s on Ray Serve, %d thread%s each (/health is 200 once one "
-            "answers; specdec:replica_up in /metrics says which do)",
+            "serving %s on http://%s:%d: %d replica%s on Ray Serve, %d thread%s each",
             served_names(args)[0],
             args.host,
             args.port,
@@ -321,11 +372,29 @@ def run_replicas(args: argparse.Namespace) -> int:
             threads,
             "" if threads == 1 else "s",
         )
-        stop.wait()
+        serve_app(build_app(state), state.async_engine, args.host, args.port, args.log_level, args.shutdown_timeout)
+    except Interrupted:
+        log.warning("stopped while the replicas were starting")
     finally:
         serve.shutdown()
         ray.shutdown()
     return 0
+
+
+def _start_engines(args: argparse.Namespace) -> list[DeploymentHandle]:
+    """Deploy the engine applications and wait until every replica has loaded its model (a
+    replica that cannot start raises here); a SIGTERM or Ctrl-C meanwhile raises Interrupted."""
+
+    def interrupt(signum, frame):
+        raise Interrupted(signal.Signals(signum).name)
+
+    previous = {signum: signal.signal(signum, interrupt) for signum in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        serve.start(proxy_location=ProxyLocation.Disabled)  # no port but ours: the API key guards all
+        return serve.run_many(applications(args), wait_for_applications_running=True)
+    finally:
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
 
 
 def _start_ray(address: str | None, cpus_needed: int) -> None:
