@@ -17,7 +17,7 @@ from helpers import save_tiny_model, stdlib_corpus
 from specdec.cli import main
 from specdec.models.checkpoint import save_pretrained
 from specdec.models.loader import ModelLoadError, load_pretrained
-from specdec.output_dir import STAGING_MARKER, open_output_dir, staging_path
+from specdec.output_dir import STAGING_MARKER, check_written_in_place, open_output_dir, staging_path
 from specdec.tools.training import loop
 from specdec.tools.training.train import model_shape, new_model
 
@@ -190,6 +190,58 @@ def test_system_places_and_repositories_are_never_replaced(tmp_path):
     (repository / ".git").mkdir()
     with pytest.raises(ValueError, match=r"is a repository \(it holds .git\); --force never replaces one"):
         open_output_dir(repository, "bench", force=True)
+
+
+def own_store(path: Path) -> Path:
+    """A directory a command writes into in place (a features store): its manifest and a split."""
+    (path / "train").mkdir(parents=True)
+    (path / "store.json").write_text("{}\n")
+    (path / "train" / "rows.bin").write_bytes(b"\0" * 8)
+    return path
+
+
+IN_PLACE = {"is_own_output": lambda path: (path / "store.json").is_file(), "own_entries": ("store.json", "train/*")}
+
+
+def test_a_directory_written_in_place_takes_the_rules_of_an_output(tmp_path, monkeypatch):
+    """check_written_in_place (train-heads' --features): never an input or a system place, even
+    with force; a user's folder only with force (nothing replaced: the files stay), never a
+    repository; its own store as it is; nothing made while checking."""
+    data = user_folder(tmp_path / "data")
+    inputs = {"--data": data}
+    refused = [
+        ("", False, "--features is empty"),
+        (data, True, "--features '.*data' is --data"),
+        (data / "sub", True, "lies inside --data"),
+        (tmp_path, True, "holds --data"),
+        (data / "README.md", True, "is a file"),
+        (
+            user_folder(tmp_path / "mine"),
+            False,
+            r"already holds files \(README.md, config.json, tokenizer.json\).*"
+            "--force to write this run's files beside them",
+        ),
+    ]
+    for given, force, message in refused:
+        with pytest.raises(ValueError, match=message):
+            check_written_in_place(given, "--features", "train-heads", inputs, force, **IN_PLACE)
+    assert check_written_in_place(tmp_path / "mine", "--features", "x", inputs, True, **IN_PLACE) == tmp_path / "mine"
+    assert snapshot(tmp_path / "mine")["README.md"] == b"my notes\n"
+    (user_folder(tmp_path / "repo") / ".git").mkdir()
+    with pytest.raises(ValueError, match=r"is a repository \(it holds .git\); --force never writes into one"):
+        check_written_in_place(tmp_path / "repo", "--features", "x", inputs, True, **IN_PLACE)
+    store = own_store(tmp_path / "store")
+    assert check_written_in_place(store, "--features", "x", inputs, **IN_PLACE) == store
+    (store / "notes.txt").write_text("mine")
+    with pytest.raises(ValueError, match="and also notes.txt, which that run did not write; move them away"):
+        check_written_in_place(store, "--features", "x", inputs, **IN_PLACE)
+    monkeypatch.chdir(tmp_path / "store")
+    with pytest.raises(ValueError, match="--features '.' is the current directory"):
+        check_written_in_place(".", "--features", "x", {}, True, **IN_PLACE)
+    assert not (tmp_path / "new").exists() and check_written_in_place(tmp_path / "new", "--f", "x", {}) == (
+        tmp_path / "new"
+    )
+    assert not (tmp_path / "new").exists()
 
 
 def test_a_mount_point_is_refused_up_front(tmp_path, monkeypatch):

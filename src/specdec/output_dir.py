@@ -25,6 +25,10 @@ it with `open_output_dir` before its work and ends with `OutputDir.commit()`:
               wraps it: safetensors' SafetensorError, torch.save's "unexpected pos") is said in
               one line by `said_when_disk_full`: where, how much is free, and what was kept
 
+A directory a command writes into as it goes, with no staging (a store it resumes: train-heads'
+--features), is checked by the same rules with `check_written_in_place`; force there writes the
+command's files beside the others instead of replacing the directory.
+
 Terms: *final* is the directory the user named, *staging* its `.incomplete` sibling, and a
 command's *own output* is what an earlier run of the same command wrote there (the command
 says how to recognise it and which files such a run writes), which it may resume from and
@@ -179,6 +183,36 @@ def open_output_dir(
     return OutputDir(given, final, staging, command, resumable, lock)
 
 
+def check_written_in_place(
+    given,
+    flag: str,
+    command: str,
+    inputs: dict[str, str | os.PathLike | None],
+    force: bool = False,
+    is_own_output: Callable[[Path], bool] = lambda path: False,
+    own_entries: tuple[str, ...] = (),
+) -> Path:
+    """Check a directory a command writes into as it goes, with no staging directory (a store it
+    resumes, such as train-heads' --features), by --out's rules (the module docstring) and return
+    it resolved; raise ValueError naming the problem. flag: its flag, for messages; the other
+    arguments as open_output_dir's. Refused: an empty name, a file, a directory that is one of
+    inputs, lies inside one or holds one, the current or home directory, one holding either, the
+    root or a non-empty directory under it (all of these even with force); a non-empty directory
+    that is not this command's own (is_own_output) or holds other files (own_entries), unless
+    force, which writes this command's files into it beside the others, never into a repository."""
+    given = "" if given is None else str(given)
+    if not given.strip():
+        raise ValueError(f"{flag} is empty; give the directory {command} should write")
+    final = Path(given).expanduser().resolve()
+    if final.exists() and not final.is_dir():
+        raise ValueError(f"{flag} {given!r} is a file; give a directory")
+    _check_apart_from_inputs(f"{flag} {given!r}", final, inputs, flag)
+    _check_not_a_system_place(given, final, flag, renamed=False)
+    if final.is_dir() and any(final.iterdir()):
+        _check_replaceable(given, final, command, force, is_own_output, own_entries, flag, in_place=True)
+    return final
+
+
 def staging_path(out) -> Path:
     """Where a run writing --out `out` stages its output: `<out>.incomplete`, beside it."""
     return _sibling(Path(out).expanduser().resolve(), STAGING_SUFFIX)
@@ -227,8 +261,10 @@ def _finish_interrupted_commit(given: str, final: Path, staging: Path, command: 
     marker.unlink()
 
 
-def _check_apart_from_inputs(what: str, place: Path, inputs: dict[str, str | os.PathLike | None]) -> None:
-    for flag, path in inputs.items():
+def _check_apart_from_inputs(
+    what: str, place: Path, inputs: dict[str, str | os.PathLike | None], flag: str = "--out"
+) -> None:
+    for name, path in inputs.items():
         if path is None or not str(path).strip():
             continue
         source = Path(path).expanduser().resolve()
@@ -241,29 +277,30 @@ def _check_apart_from_inputs(what: str, place: Path, inputs: dict[str, str | os.
         else:
             continue
         raise ValueError(
-            f"{what} {relation} {flag} {str(path)!r}: writing there would destroy it. Give another "
-            "--out (and move the result afterwards if you mean to replace it)"
+            f"{what} {relation} {name} {str(path)!r}: writing there would destroy it. Give another "
+            f"{flag} (and move the result afterwards if you mean to replace it)"
         )
 
 
-def _check_not_a_system_place(given: str, final: Path) -> None:
+def _check_not_a_system_place(given: str, final: Path, flag: str = "--out", renamed: bool = True) -> None:
     """Refuse to replace the current or home directory, a directory holding either, the root
-    or a non-empty directory right under it; and a mount point, which a rename cannot move."""
+    or a non-empty directory right under it; and (renamed: the output is renamed into place) a
+    mount point, which a rename cannot move."""
     for name, place in (
         ("the current directory", Path.cwd().resolve()),
         ("your home directory", Path.home().resolve()),
     ):
         if final == place or final in place.parents:
             raise ValueError(
-                f"--out {given!r} {'is' if final == place else 'holds'} {name}, which an output "
+                f"{flag} {given!r} {'is' if final == place else 'holds'} {name}, which an output "
                 "directory would replace; give a new directory for the output"
             )
     if len(final.parts) <= 2 and final.is_dir() and any(final.iterdir()):
         raise ValueError(
-            f"--out {given!r} is {final}, a system directory an output would replace; give a new "
+            f"{flag} {given!r} is {final}, a system directory an output would replace; give a new "
             "directory for the output"
         )
-    if final.is_dir() and os.path.ismount(final):
+    if renamed and final.is_dir() and os.path.ismount(final):
         raise ValueError(
             f"--out {given!r} is a mount point, which cannot be renamed into place when the run "
             f"finishes; give a directory inside it, e.g. {final / 'out'}"
@@ -277,29 +314,35 @@ def _check_replaceable(
     force: bool,
     is_own_output: Callable[[Path], bool],
     own_entries: tuple[str, ...],
+    flag: str = "--out",
+    in_place: bool = False,
 ) -> None:
-    """A non-empty --out may be replaced without force only when it is this command's own
-    output and holds nothing else; with force, never when it is a repository."""
+    """A non-empty --out (flag) may be replaced without force only when it is this command's own
+    output and holds nothing else; with force, never when it is a repository. in_place: the
+    command writes into the directory (force then writes beside the other files) instead of
+    replacing it."""
+    forced = "write this run's files beside them" if in_place else "replace the whole directory when this run finishes"
     if force:
         if (final / ".git").exists():
             raise ValueError(
-                f"--out {given!r} is a repository (it holds .git); --force never replaces one: give a "
+                f"{flag} {given!r} is a repository (it holds .git); --force never "
+                f"{'writes into' if in_place else 'replaces'} one: give a "
                 "new directory for the output"
             )
         return
     names = sorted(p.name for p in final.iterdir())
     if not is_own_output(final):
         raise ValueError(
-            f"--out {given!r} already holds files ({_some(names)}) that are not an earlier "
-            f"`specdec {command}` run's; give a new or empty directory, or pass --force to replace "
-            "the whole directory when this run finishes"
+            f"{flag} {given!r} already holds files ({_some(names)}) that are not an earlier "
+            f"`specdec {command}` run's; give a new or empty directory, or pass --force to {forced}"
         )
     files = sorted(p.relative_to(final).as_posix() for p in final.rglob("*") if not p.is_dir() or p.is_symlink())
     others = [name for name in files if not any(fnmatch.fnmatch(name, pattern) for pattern in own_entries)]
     if others:
         raise ValueError(
-            f"--out {given!r} holds an earlier `specdec {command}` run, and also {_some(others)}, which "
-            "that run did not write and this one would replace; move them away, or pass --force"
+            f"{flag} {given!r} holds an earlier `specdec {command}` run, and also {_some(others)}, which "
+            f"that run did not write{'' if in_place else ' and this one would replace'}; move them away, or pass "
+            f"--force{' to ' + forced if in_place else ''}"
         )
 
 

@@ -491,3 +491,45 @@ def test_a_kv_cache_memory_that_is_no_size_is_refused_before_loading(value, tmp_
     err = capsys.readouterr().err
     assert "--kv-cache-memory must be a number of GB above 0 and at most 1e9 (leave it out for no limit" in err
     assert f"got {float(value)}" in err and "Traceback" not in err
+
+
+def test_a_max_num_seqs_no_engine_runs_is_refused_before_loading(tmp_path, capsys):
+    """`--max-num-seqs 10000000` timed a forward of 10^7 rows and died in the allocator; the model
+    here does not exist, so the flag is checked before anything is loaded."""
+    assert main(["serve", str(tmp_path / "no_model"), "--max-num-seqs", "10000000"]) == 2
+    err = capsys.readouterr().err
+    assert "--max-num-seqs 10,000,000 is more requests at once than one engine runs (at most 65,536" in err
+    assert "Traceback" not in err
+
+
+def test_slots_whose_memory_is_not_free_are_refused_before_any_timing(model_dir, capsys, monkeypatch):
+    """Slots that one round's forward over them all (k + 1 positions each) and their block table
+    cannot fit beside the cache are refused with the most that fit, exit 2, before a forward is
+    timed (60,000 slots once calibrated for minutes, and more died in the allocator)."""
+    import specdec.engine.capacity as capacity
+
+    timed = []
+    monkeypatch.setattr(capacity, "free_memory_bytes", lambda device: 200 * 10**6)  # 200 MB: a 100 MB cache
+    monkeypatch.setattr(capacity.Capacity, "_time_target", lambda self, *shape: timed.append(shape))
+    serve = ["serve", str(model_dir), "--ngram", "-k", "4", "--k-policy", "goodput"]
+    assert main([*serve, "--max-num-seqs", "60000"]) == 2
+    err = capsys.readouterr().err
+    assert "error: max_num_seqs 60,000: that many sequences at once take about" in err
+    assert "more than the 0.1 GB free; lower max_num_seqs (--max-num-seqs) to at most 4," in err
+    assert "Traceback" not in err and timed == []
+
+
+def test_serving_times_its_round_costs_at_no_more_than_the_rows_it_caps(model_dir, monkeypatch):
+    """Many slots that fit are served, their round costs timed up to MAX_TIMED_ROWS rows (goodput
+    corrects a larger batch's from its own rounds), not at every power of two up to them."""
+    import specdec.engine.capacity as capacity
+
+    assert capacity.timed_batch_sizes(64) == [1, 2, 4, 8, 16, 32, 64]
+    assert capacity.timed_batch_sizes(48) == [1, 2, 4, 8, 16, 32, 48]
+    assert capacity.timed_batch_sizes(100_000) == [1 << i for i in range(9)]  # up to 256
+    timed = []
+    monkeypatch.setattr(capacity.Capacity, "_time_target", lambda self, rows, *rest: timed.append(rows))
+    llm = LLM(str(model_dir), dtype="float32", speculative_method="ngram", num_speculative_tokens=3, max_num_seqs=5000)
+    assert llm.speculative_config.k_policy == "goodput"
+    assert llm.engine.prepare_to_serve(max_model_len=64) == 5000
+    assert timed and max(timed) == capacity.MAX_TIMED_ROWS

@@ -383,9 +383,9 @@ BROKEN = [
     ],
     # config.json's layer count against the checkpoint's tensors, checked before a model is built
     Broken(
-        "config_claims_a_million_layers",
-        config(num_hidden_layers=10**6),
-        ("num_hidden_layers is 1000000", "2 layers (0 to 1)", "config.json"),
+        "config_claims_a_thousand_layers",
+        config(num_hidden_layers=1000),
+        ("num_hidden_layers is 1000", "2 layers (0 to 1)", "config.json"),
     ),
     Broken("config_claims_fewer_layers", config(num_hidden_layers=1), ("num_hidden_layers is 1", "2 layers (0 to 1)")),
     Broken(
@@ -478,14 +478,59 @@ def test_a_broken_model_is_a_clear_error(case, good, workdir, request):
 
 
 def test_a_config_claiming_a_million_layers_fails_at_once(good, workdir):
-    """Refused from the tensors' names before anything is built (it used to build for minutes)."""
+    """Refused by its bound before anything is built (it used to build for minutes; a billion
+    layers exhausted the memory listing them)."""
     path = workdir / "model"
     shutil.copytree(good, path)
-    edit_config(path, num_hidden_layers=10**6)
-    start = time.perf_counter()
+    for layers in (10**6, 10**9):
+        edit_config(path, num_hidden_layers=layers)
+        start = time.perf_counter()
+        message = load_error(path)
+        assert time.perf_counter() - start < 2.0
+        assert f"num_hidden_layers is {layers}, more than 1024" in message
+
+
+# each size of config.json past its bound: refused by name, value and bound before anything is
+# allocated (the field, a value past the bound, the bound)
+SIZES_PAST_THEIR_BOUNDS = [
+    ("num_hidden_layers", 10**9, 1024),
+    ("num_attention_heads", 2**20, 1024),
+    ("num_key_value_heads", 2048, 1024),
+    ("head_dim", 2**20, 2**13),
+    ("hidden_size", 2**30, 2**17),
+    ("intermediate_size", 2**40, 2**20),
+    ("vocab_size", 2**31, 2**24),
+    ("output_vocab_size", 2**25, 2**24),
+    ("max_position_embeddings", 10**12, 2**24),
+]
+
+
+@pytest.mark.parametrize("field, value, bound", SIZES_PAST_THEIR_BOUNDS)
+def test_a_size_past_its_bound_is_refused_by_name(good, workdir, field, value, bound):
+    path = workdir / "model"
+    shutil.copytree(good, path)
+    edit_config(path, **{field: value})
     message = load_error(path)
-    assert time.perf_counter() - start < 2.0
-    assert "num_hidden_layers is 1000000" in message
+    assert f"config.json: {field} is {value}, more than {bound}" in message
+
+
+def test_a_sliding_window_past_its_bound_is_refused(good, workdir):
+    path = workdir / "model"
+    shutil.copytree(good, path)
+    edit_config(path, architectures=["MistralForCausalLM"], model_type="mistral", sliding_window=2**40)
+    assert f"sliding_window is {2**40}, more than {2**24}" in load_error(path)
+
+
+def test_sizes_at_their_bounds_pass_the_bound_check():
+    """The bounds refuse only what is past them: a config at every bound is not refused by one."""
+    from specdec.models.errors import CONFIG_BOUNDS
+    from specdec.models.loader import model_config_from_hf
+
+    at_bounds = {"architectures": ["LlamaForCausalLM"], **CONFIG_BOUNDS}
+    at_bounds.pop("sliding_window")
+    at_bounds.update(num_attention_heads=16, num_key_value_heads=16, head_dim=2**13, hidden_size=2**17)
+    config = model_config_from_hf(at_bounds, Path("config.json"))
+    assert (config.num_layers, config.vocab_size, config.max_position_embeddings) == (1024, 2**24, 2**24)
 
 
 def test_the_table_names_each_case_once():
@@ -716,3 +761,33 @@ def test_many_bad_requests_then_good_ones(llms, name):
         with pytest.raises(ValueError):
             llm.generate(bad_batch, params)
     assert_still_works(llms, name)
+
+
+# the same bounds on a GGUF file's metadata, checked before any tensor is read: (the transformers
+# config attribute written as the key, the key, config.json's name, the value written)
+GGUF_SIZES = [
+    ("num_hidden_layers", "llama.block_count", "num_hidden_layers", 10**9),
+    ("intermediate_size", "llama.feed_forward_length", "intermediate_size", 2**21),
+    ("max_position_embeddings", "llama.context_length", "max_position_embeddings", 2**30),
+    ("hidden_size", "llama.embedding_length", "hidden_size", 2**18),
+    ("head_dim", "llama.attention.key_length", "head_dim", 0),
+]
+
+
+@pytest.mark.parametrize("attribute, key, field, value", GGUF_SIZES)
+def test_a_gguf_size_past_its_bound_is_refused_by_its_key(workdir, attribute, key, field, value, monkeypatch):
+    from gguf_files import tiny_hf_model, write_gguf
+    from specdec.models import gguf
+
+    def no_tensor_read(*args, **kwargs):
+        raise AssertionError("a tensor was read before the metadata's sizes were checked")
+
+    model = tiny_hf_model(seed=3)
+    setattr(model.config, attribute, value)  # what write_gguf writes as the key; the tensors stay 2 layers'
+    path = write_gguf(workdir / "model.gguf", model, tokenizer=make_tokenizer(300))
+    monkeypatch.setattr(gguf, "_hf_tensors", no_tensor_read)
+    message = load_error(path)
+    assert f"metadata {key} ({field})" in message and str(path) in message
+    bound = {"num_hidden_layers": 1024, "intermediate_size": 2**20, "max_position_embeddings": 2**24}
+    bound = {**bound, "hidden_size": 2**17}.get(field)
+    assert (f"is {value}, more than {bound}" if bound else f"must be a positive integer, got {value}") in message

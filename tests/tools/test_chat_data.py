@@ -92,3 +92,46 @@ def test_bad_settings_and_a_model_without_a_template_are_refused(tmp_path, capsy
         assert main(["chat-data", *target, "--out", str(tmp_path / "out"), "--train-prompts", "1"]) == 2
         assert "has no chat template" in capsys.readouterr().err
         assert not (tmp_path / "out").exists() and not (tmp_path / "out.incomplete").exists()
+
+
+def test_a_full_disk_is_said_in_one_line_naming_the_disk_and_what_was_kept(chat_model, tmp_path, capsys, monkeypatch):
+    """A write that fails for want of space (it printed only "[Errno 28] No space left on device")
+    names the disk, how much is free and the answers kept; no half-written answer is left, and the
+    rerun goes on from the kept ones."""
+    import errno
+    from pathlib import Path
+
+    out, staging = tmp_path / "data", tmp_path / "data.incomplete"
+    real_write_text, answers = Path.write_text, []
+
+    def write_until_full(self, text, *args, **kwargs):
+        if self.suffix == ".part" and len(answers) == 2:
+            real_write_text(self, text[:10])  # part of the file, then the disk is full
+            raise OSError(errno.ENOSPC, "No space left on device")
+        if self.suffix == ".part":
+            answers.append(self)
+        return real_write_text(self, text, *args, **kwargs)
+
+    run = ["chat-data", str(chat_model), "--out", str(out), "--train-prompts", "2", "--held-out-prompts", "1"]
+    run += ["--max-tokens", "4", "--batch-size", "1", "--dtype", "float32"]
+    monkeypatch.setattr(Path, "write_text", write_until_full)
+    assert main(run) == 2
+    err = capsys.readouterr().err
+    lines = [line for line in err.splitlines() if line.startswith("error:")]
+    assert len(lines) == 1 and "Traceback" not in err, err
+    assert lines[0].startswith(f"error: no space left on the disk holding {staging} while writing the chat-data")
+    assert f"MB free); the 2 answers written are kept in {staging}: free some space and rerun" in lines[0]
+    assert sorted(p.name for p in staging.rglob("*.txt")) == ["00000-greedy.txt", "00001-greedy.txt"]
+    assert not list(staging.rglob("*.part")) and not out.exists()
+    monkeypatch.setattr(Path, "write_text", real_write_text)
+    assert main(run) == 0
+    assert "2 already written, 2 to go" in capsys.readouterr().out
+    assert len(list(out.rglob("*.txt"))) == 4 and not staging.exists()
+
+
+def test_an_out_of_dot_is_refused_in_words(chat_model, tmp_path, capsys, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    assert main(["chat-data", str(chat_model), "--out", ".", "--train-prompts", "1"]) == 2
+    err = capsys.readouterr().err
+    assert "--out '.' is the current directory, which an output directory would replace" in err
+    assert "Traceback" not in err and list(tmp_path.iterdir()) == []

@@ -4,6 +4,7 @@ with the target's greedy output unchanged."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import random
 
@@ -283,3 +284,158 @@ def test_a_text_corpus_is_stored_in_pieces_after_the_chat_answers_every_token_dr
     assert train.token_ids[chat_tokens:].tolist() == [t for piece in pieces for t in piece.tokens()[0]]
     ends = {chat_tokens + sum(lengths[: i + 1]) - 1 for i in range(len(lengths))}  # each piece's last position
     assert train.answer_next[chat_tokens:].tolist() == [t not in ends for t in range(chat_tokens, train.num_tokens)]
+
+
+# ----------------------------------------------------------------------------- where features go
+
+
+def files_under(root) -> list[str]:
+    return sorted(p.relative_to(root).as_posix() for p in root.rglob("*"))
+
+
+def command(corpus, out, *more: str) -> list[str]:
+    """A short train-heads --eagle3 run's command line."""
+    return [
+        "train-heads",
+        str(corpus["target"]),
+        "--eagle3",
+        "--data",
+        str(corpus["data"]),
+        "--out",
+        str(out),
+        *("--steps", "2", "--batch-size", "2", "--context", "40", "--output-vocab", "40", "--ttt-steps", "2"),
+        *("--head-intermediate", "32", "--feature-layers", "1,2", "--eval-every", "0", "--checkpoint-every", "0"),
+        *("--eval-tokens", "40", *more),
+    ]
+
+
+def test_features_are_refused_where_they_would_write_into_inputs_or_a_users_directory(corpus, tmp_path, capsys):
+    """--features takes the rules of an output directory: never the data, the target or the run's
+    output; a non-empty directory of other files only with --force, which writes beside them."""
+    before = {name: files_under(corpus[name]) for name in ("data", "target")}
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    (mine / "notes.txt").write_text("my notes")
+    out = tmp_path / "head"
+    refused = [
+        (corpus["data"], f"--features '{corpus['data']}' is --data"),
+        (corpus["data"] / "train", "lies inside --data"),
+        (corpus["target"], f"--features '{corpus['target']}' is TARGET"),
+        (out, "is --out"),
+        (tmp_path, "holds --out"),
+        (mine, "already holds files (notes.txt) that are not an earlier `specdec train-heads --eagle3` run's"),
+        (mine / "notes.txt", "is a file"),
+    ]
+    for features, says in refused:
+        assert main(command(corpus, out, "--features", str(features))) == 2
+        err = capsys.readouterr().err
+        assert says in err and "Traceback" not in err, err
+    assert {name: files_under(corpus[name]) for name in ("data", "target")} == before
+    assert files_under(mine) == ["notes.txt"] and files_under(tmp_path) == ["mine", "mine/notes.txt"]
+    assert main(command(corpus, out, "--features", str(mine), "--force")) == 0
+    assert (mine / "notes.txt").read_text() == "my notes" and (mine / "features.json").is_file()
+    capsys.readouterr()
+    assert main(command(corpus, tmp_path / "again", "--features", str(mine))) == 2  # ours, and the user's file
+    assert "and also notes.txt, which that run did not write; move them away, or pass --force" in (
+        capsys.readouterr().err
+    )
+    (mine / "notes.txt").unlink()
+    assert main(command(corpus, tmp_path / "again", "--features", str(mine))) == 0  # features of ours alone
+
+
+def test_an_out_of_dot_is_refused_in_words(corpus, tmp_path, capsys, monkeypatch):
+    """--out . (whose default features directory, ./.features, once failed with "PosixPath('.') has
+    an empty name") is the current directory, which an output never replaces."""
+    monkeypatch.chdir(tmp_path)
+    assert main(command(corpus, ".")) == 2
+    err = capsys.readouterr().err
+    assert "--out '.' is the current directory" in err and "Traceback" not in err
+    assert files_under(tmp_path) == []
+
+
+def test_features_on_a_full_disk_name_their_disk_and_resume(corpus, tmp_path, capsys, monkeypatch):
+    """A full disk under --features (on another disk than --out) is said of that disk, in one
+    line; the features stored so far are kept and a rerun goes on from them."""
+    import errno
+
+    import specdec.output_dir as output_dir
+
+    features, out = tmp_path / "other_disk" / "features", tmp_path / "head"
+    free = {str(features): 1000}
+    monkeypatch.setattr(output_dir, "free_bytes", lambda path: free.get(str(path), 72_964 * 10**6))
+    written = []
+    real_write = eagle3._Appender.write
+
+    def write_until_full(self, rows):
+        if len(written) == 4:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        written.append(len(rows["token_ids"]))
+        real_write(self, rows)
+
+    monkeypatch.setattr(eagle3._Appender, "write", write_until_full)
+    assert main(command(corpus, out, "--features", str(features))) == 2
+    err = capsys.readouterr().err
+    lines = [line for line in err.splitlines() if line.startswith("error:")]
+    assert len(lines) == 1 and "Traceback" not in err, err
+    assert lines[0].startswith(f"error: no space left on the disk holding {features} while writing the target's")
+    assert "(0.0 MB free)" in lines[0] and "72,964" not in lines[0]
+    assert f"kept in {features}: free some space there" in lines[0]
+    stored = json.loads((features / "features.json").read_text())["splits"]["train"]["documents"]
+    assert len(stored) == 4 and not out.exists()
+    monkeypatch.setattr(eagle3._Appender, "write", real_write)
+    assert main(command(corpus, out, "--features", str(features))) == 0
+    assert "features: 11 documents to read (4 stored)" in capsys.readouterr().err
+
+
+# ----------------------------------------------------------------------------- the tokens a head scores
+
+
+@pytest.fixture(scope="module")
+def reduced_target(corpus, tmp_path_factory):
+    """The chat target with an output layer over 100 of its 320 tokens (a distilled draft's kind)."""
+    import dataclasses
+    import shutil
+
+    from specdec.models.checkpoint import save_pretrained
+    from specdec.models.llama import LlamaModel
+
+    full = load_pretrained(corpus["target"], "float32", load_tokenizer=False).model
+    scored = torch.arange(0, 300, 3)[:100]  # ascending ids, the end-of-text token 1 not among them
+    config = dataclasses.replace(full.config, output_vocab_size=len(scored), tie_word_embeddings=False)
+    part = LlamaModel(config)
+    state = {name: tensor for name, tensor in full.state_dict().items() if name != "lm_head.weight"}
+    part.load_state_dict({**state, "lm_head.weight": full.lm_head.weight[scored], "output_token_ids": scored})
+    path = save_pretrained(part, tmp_path_factory.mktemp("reduced") / "target", torch.float32)
+    for name in ("tokenizer.json", "tokenizer_config.json", "generation_config.json"):
+        shutil.copyfile(corpus["target"] / name, path / name)
+    return path
+
+
+def test_a_target_scoring_fewer_tokens_than_the_default_gets_a_head_scoring_all_of_them(
+    corpus, reduced_target, tmp_path, capsys
+):
+    """The default --output-vocab (32,768) past the target's output layer (100 rows of its 320
+    tokens) is cut to all of them, said in the log (it was an IndexError); the head drafts for
+    that target with its greedy output unchanged. A size the user asks for that cannot be had
+    is refused by name."""
+    config = TrainConfig(
+        steps=4, batch_size=2, eval_every=0, checkpoint_every=0, log_every=0, eval_tokens=96, bf16=False
+    )
+    eagle3_config = Eagle3Config(feature_layers=(0, 2), ttt_steps=2, context=48, intermediate_size=64)
+    out = tmp_path / "head"
+    train_eagle3(reduced_target, corpus["data"], out, config, eagle3_config, save_dtype="float32")
+    assert "output layer scores 100 tokens of its 320 (output_vocab_size): the head scores all of them" in (
+        capsys.readouterr().err
+    )
+    target_config = load_pretrained(reduced_target, "float32").model.config
+    assert load_head(out, target_config, torch.float32).config.output_vocab_size == 0
+    greedy = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+    prompts = random_prompts(2, seed=33)
+    expected = token_ids(LLM(str(reduced_target), dtype="float32").generate(prompts, greedy))
+    drafted = LLM(str(reduced_target), dtype="float32", speculative_model=str(out), num_speculative_tokens=2)
+    assert token_ids(drafted.generate(prompts, greedy)) == expected
+    for asked, says in ((50, "scoring only part of a reduced output layer is not supported"), (100, "at most those")):
+        with pytest.raises(ValueError, match=says):
+            asking = dataclasses.replace(eagle3_config, output_vocab=asked)
+            train_eagle3(reduced_target, corpus["data"], tmp_path / f"h{asked}", config, asking)
+        assert not (tmp_path / f"h{asked}").exists() and not (tmp_path / f"h{asked}.features").exists()

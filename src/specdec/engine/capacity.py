@@ -31,6 +31,8 @@ from specdec.worker import ForwardBatch, ModelRunner
 
 CALIBRATION_CONTEXT = 128  # the positions the goodput policy's cost calibration runs at
 KV_CACHE_MEMORY_FRACTION = 0.5  # of the free memory, the target's cache by default when serving
+MAX_TIMED_ROWS = 256  # serving times its round costs at batch sizes up to this many rows; a larger
+# batch starts from the largest's costs and its own rounds correct them (goodput.py)
 
 
 class Capacity:
@@ -71,7 +73,9 @@ class Capacity:
         KV_CACHE_MEMORY_FRACTION of the free memory, split among engines_sharing engines on one
         machine: Ray Serve replicas), or blocks for all max_num_seqs at full length where that is less;
         the goodput policy measures its costs at every batch size a power of two up to
-        max_num_seqs. Returns (slots, positions per slot)."""
+        max_num_seqs (up to MAX_TIMED_ROWS). Slots whose memory is not free are refused
+        (CacheTooLarge: _check_slots) before anything is allocated or timed. Returns (slots,
+        positions per slot)."""
         k = self.k_choice.k
         max_len = max_model_len + self.k_choice.margin(k) + 1
         block_bytes = self.position_bytes * BLOCK_SIZE
@@ -84,11 +88,44 @@ class Capacity:
                 + ("" if kv_cache_bytes is not None else f" ({_default_share(engines_sharing)})")
                 + "; lower max_model_len, or raise the budget (--kv-cache-memory)"
             )
-        self._reserve(max_num_seqs, max_len, 0, k, num_blocks, within_budget=True)
+        self._check_slots(max_num_seqs, max_len, budget // block_bytes - 1, num_blocks * block_bytes)
+        self._reserve(max_num_seqs, max_len, 0, k, num_blocks, within_budget=True, calibrate=False)
         if self.k_choice.policy is not None:
-            for batch_size in (1 << i for i in range(max_num_seqs.bit_length())):
+            for batch_size in timed_batch_sizes(max_num_seqs):
                 self._calibrate(batch_size, max_len, k)
         return max_num_seqs, self._max_len()
+
+    def _check_slots(self, max_num_seqs: int, max_len: int, budget_blocks: int, cache_bytes: int) -> None:
+        """Refuse max_num_seqs slots whose memory beside the cache (cache_bytes) is more than is
+        free: their block table (a row of blocks_for(max_len) block numbers each) and one round's
+        forward over as many of them as can run at once (a running sequence holds one of the
+        budget_blocks blocks at least), k + 1 positions a row (forward_bytes each)."""
+        free = free_memory_bytes(self.target.device)
+        if free is None:
+            return
+        available = max(0, free - cache_bytes)
+        table_bytes, row_bytes = blocks_for(max_len) * 8, (self.k_choice.k + 1) * self.forward_bytes
+        rows = min(max_num_seqs, budget_blocks)
+        needed = max_num_seqs * table_bytes + rows * row_bytes
+        if needed <= available:
+            return
+        most = available // (table_bytes + row_bytes)
+        if most >= budget_blocks:  # past the blocks' rows, a slot costs only its row of the table
+            most = max(budget_blocks, (available - budget_blocks * row_bytes) // table_bytes)
+        raise CacheTooLarge(
+            f"max_num_seqs {max_num_seqs:,}: that many sequences at once take about {needed / 1e9:,.1f} GB beside "
+            f"the key/value cache (their block table, and a round's forward over {rows:,} of them, k + 1 = "
+            f"{self.k_choice.k + 1} positions each: its logits and activations), more than the "
+            f"{available / 1e9:,.1f} GB free; lower max_num_seqs (--max-num-seqs) to at most {most:,}"
+        )
+
+    @property
+    def forward_bytes(self) -> int:
+        """About the memory one position of a target forward takes while it runs (float32): its
+        logits over the vocabulary three times over (the logits, their warped copy, the
+        probabilities) and its MLP's two intermediate activations."""
+        config = self.target.model.config
+        return 4 * (3 * config.vocab_size + 2 * config.intermediate_size)
 
     @property
     def position_bytes(self) -> int:
@@ -111,11 +148,18 @@ class Capacity:
         return min(self.target.max_len, self.pool.table.max_blocks * BLOCK_SIZE)
 
     def _reserve(
-        self, max_batch: int, max_len: int, num_forwards: int, k: int, num_blocks: int, within_budget: bool = False
+        self,
+        max_batch: int,
+        max_len: int,
+        num_forwards: int,
+        k: int,
+        num_blocks: int,
+        within_budget: bool = False,
+        calibrate: bool = True,
     ) -> None:
         """Caches for the work ahead (at most num_forwards target forwards, k drafts a round at
         most) in a pool of num_blocks blocks (within_budget: exactly that many); the runners
-        compile for it if they are to, and the policy measures its costs."""
+        compile for it if they are to, and (calibrate) the policy measures its costs at max_batch."""
         # the pool held where it is large enough (within_budget: of num_blocks exactly, the budget's)
         pool = self.pool = pool_for(self.pool, max_batch, max_len, num_blocks, self.target.device, within_budget)
         self.blocks = None
@@ -136,7 +180,7 @@ class Capacity:
                 "max_tokens + k + 1); lower max_tokens, or max_num_seqs"
             ) from None
         self.blocks = self._block_manager(pool)
-        if self.k_choice.policy is not None:
+        if calibrate and self.k_choice.policy is not None:
             self._calibrate(max_batch, max_len, k)
 
     def _block_manager(self, pool: BlockPool) -> BlockManager:
@@ -183,6 +227,13 @@ class Capacity:
         input_ids = torch.zeros(batch_size, num_tokens, dtype=torch.long, device=device)  # [B, T]
         positions = start + torch.arange(num_tokens, device=device).expand(batch_size, num_tokens)  # [B, T]
         self.target(ForwardBatch.of(input_ids, positions, range(batch_size)), return_hidden=self.return_hidden)
+
+
+def timed_batch_sizes(max_num_seqs: int) -> list[int]:
+    """The batch sizes serving times its round costs at: every power of two below max_num_seqs,
+    and max_num_seqs itself, none above MAX_TIMED_ROWS (then MAX_TIMED_ROWS is the last)."""
+    sizes = [1 << i for i in range(max_num_seqs.bit_length()) if 1 << i < max_num_seqs] + [max_num_seqs]
+    return sorted({min(size, MAX_TIMED_ROWS) for size in sizes})
 
 
 def _default_share(engines_sharing: int) -> str:

@@ -28,8 +28,8 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
-from specdec.config import torch_dtypes
-from specdec.models.errors import ModelLoadError
+from specdec.config import is_int, torch_dtypes
+from specdec.models.errors import ModelLoadError, size_out_of_bounds
 from specdec.models.gguf_quants import LAYOUTS, PackedTensor, pack
 
 if TYPE_CHECKING:
@@ -345,11 +345,15 @@ def hf_config_from_metadata(metadata: dict, architecture: str, path: Path, dtype
             raise GGUFError(f"{path}: metadata {architecture}.{key} is missing; the file is incomplete")
         return value
 
-    heads = get("attention.head_count", required=True)
-    hidden = get("embedding_length", required=True)
-    if isinstance(heads, list):
+    def size(key: str, field: str, default=None) -> int:  # a size, checked before anything of it is made
+        value = get(key, default, required=default is None)
+        return _checked_size(value, f"{architecture}.{key}", field, path)
+
+    if isinstance(get("attention.head_count"), list):
         raise GGUFError(f"{path}: a head count per layer ({architecture}.attention.head_count) is not supported")
-    head_dim = get("attention.key_length", hidden // heads)
+    heads = size("attention.head_count", "num_attention_heads")
+    hidden = size("embedding_length", "hidden_size")
+    head_dim = size("attention.key_length", "head_dim", max(hidden // heads, 1))
     rotary_dims = get("rope.dimension_count", head_dim)
     if rotary_dims != head_dim:
         raise GGUFError(f"{path}: partial rotary embeddings ({rotary_dims} of {head_dim} dimensions) are not supported")
@@ -364,14 +368,14 @@ def hf_config_from_metadata(metadata: dict, architecture: str, path: Path, dtype
     return {
         "architectures": [ARCHITECTURES[architecture]],
         "model_type": architecture,
-        "vocab_size": int(get("vocab_size", int(embedding.shape[1]))),
-        "hidden_size": int(hidden),
-        "intermediate_size": int(get("feed_forward_length", required=True)),
-        "num_hidden_layers": int(get("block_count", required=True)),
-        "num_attention_heads": int(heads),
-        "num_key_value_heads": int(get("attention.head_count_kv", heads)),
-        "head_dim": int(head_dim),
-        "max_position_embeddings": int(get("context_length", 2048)),
+        "vocab_size": size("vocab_size", "vocab_size", int(embedding.shape[1])),
+        "hidden_size": hidden,
+        "intermediate_size": size("feed_forward_length", "intermediate_size"),
+        "num_hidden_layers": size("block_count", "num_hidden_layers"),
+        "num_attention_heads": heads,
+        "num_key_value_heads": size("attention.head_count_kv", "num_key_value_heads", heads),
+        "head_dim": head_dim,
+        "max_position_embeddings": size("context_length", "max_position_embeddings", 2048),
         "rms_norm_eps": float(get("attention.layer_norm_rms_epsilon", 1e-6)),
         "rope_theta": float(get("rope.freq_base", 10000.0)),
         "rope_scaling": _rope_scaling(get, path),
@@ -380,6 +384,17 @@ def hf_config_from_metadata(metadata: dict, architecture: str, path: Path, dtype
         "attention_bias": any(t.name.endswith("attn_q.bias") for t in reader.tensors),
         **_special_ids(metadata),
     }
+
+
+def _checked_size(value, key: str, field: str, path: Path) -> int:
+    """A size from the metadata (key: its name there; field: config.json's), refused unless a
+    positive integer within errors.CONFIG_BOUNDS."""
+    if isinstance(value, bool) or not (is_int(value) and value >= 1):
+        raise GGUFError(f"{path}: metadata {key} ({field}) must be a positive integer, got {value!r}")
+    message = size_out_of_bounds(field, int(value), str(path), named=f"metadata {key}")
+    if message is not None:
+        raise GGUFError(message)
+    return int(value)
 
 
 def _rope_scaling(get, path: Path) -> dict | None:

@@ -19,7 +19,7 @@ import torch
 
 from specdec.config import is_int, is_real, torch_dtypes
 from specdec.models.checkpoint import from_hf, to_hf
-from specdec.models.errors import ModelLoadError
+from specdec.models.errors import CONFIG_BOUNDS, ModelLoadError, size_out_of_bounds
 from specdec.models.llama import LlamaModel, ModelConfig, rope_inverse_frequencies
 from specdec.models.registry import resolve_model
 from specdec.models.tokenizer import Tokenizer
@@ -181,6 +181,7 @@ def model_config_from_hf(cfg: dict, where: Path) -> ModelConfig:
     def positive_int(key: str, value):
         if not (is_int(value) and value >= 1):
             raise ModelLoadError(f"{where}: {key} must be a positive integer, got {value!r}")
+        _check_bound(key, value, where)
         return value
 
     if cfg.get("hidden_act", "silu") != "silu":
@@ -220,12 +221,19 @@ def model_config_from_hf(cfg: dict, where: Path) -> ModelConfig:
         raise ModelLoadError(f"{where}: {e}") from e
 
 
+def _check_bound(key: str, value: int, where: Path) -> None:
+    """Refuse a size past its bound (errors.CONFIG_BOUNDS), before anything of that size is made."""
+    if key in CONFIG_BOUNDS and (message := size_out_of_bounds(key, value, str(where))) is not None:
+        raise ModelLoadError(message)
+
+
 def _output_vocab_size(cfg: dict, where: Path) -> int:
     """specdec's own field: a draft whose output layer scores only part of the vocabulary (its
     model.output_token_ids say which ids); 0 or absent: all of it."""
     value = cfg.get("output_vocab_size") or 0
     if not (is_int(value) and value >= 0):
         raise ModelLoadError(f"{where}: output_vocab_size must be an integer >= 0, got {value!r}")
+    _check_bound("output_vocab_size", value, where)
     return value
 
 
@@ -284,6 +292,7 @@ def _sliding_windows(cfg: dict, model_type: str, num_layers: int, where: Path) -
         return ()
     if not (is_int(window) and window >= 1):
         raise ModelLoadError(f"{where}: sliding_window must be a positive integer or null, got {window!r}")
+    _check_bound("sliding_window", window, where)
     layer_types = cfg.get("layer_types")
     if layer_types:
         if not isinstance(layer_types, list) or len(layer_types) != num_layers:

@@ -19,6 +19,7 @@ import signal
 log = logging.getLogger("specdec")
 
 DEFAULT_MAX_NUM_SEQS = 64
+MAX_NUM_SEQS_BOUND = 1 << 16  # requests at once: past this, absurd for one engine (vLLM's default is 256)
 DEFAULT_MAX_PREFILL_TOKENS = 2048  # vLLM's default max_num_batched_tokens
 
 
@@ -53,7 +54,8 @@ def add_serve_parser(commands) -> None:
         "--max-num-seqs",
         type=int,
         default=DEFAULT_MAX_NUM_SEQS,
-        help=f"the most requests run at once (default {DEFAULT_MAX_NUM_SEQS}); more wait",
+        help=f"the most requests run at once (default {DEFAULT_MAX_NUM_SEQS}, at most {MAX_NUM_SEQS_BOUND:,}); "
+        "more wait",
     )
     p.add_argument(
         "--max-waiting",
@@ -195,6 +197,12 @@ def _check_arguments(args) -> None:
     ):
         if value < least:
             raise ValueError(f"{flag} must be at least {least}, got {value}")
+    if args.max_num_seqs > MAX_NUM_SEQS_BOUND:
+        raise ValueError(
+            f"--max-num-seqs {args.max_num_seqs:,} is more requests at once than one engine runs (at most "
+            f"{MAX_NUM_SEQS_BOUND:,}; each step runs them all in one forward); give a smaller number, or "
+            "--replicas for more engines"
+        )
     if args.max_model_len is not None and args.max_model_len < 2:
         raise ValueError(f"--max-model-len must be at least 2, got {args.max_model_len}")
     if args.kv_cache_memory is not None and not 0 < args.kv_cache_memory <= 1e9:  # 1e9 GB: more than any machine's

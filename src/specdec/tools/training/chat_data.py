@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING
 
 from specdec.config import check, is_int, is_real
 from specdec.model_flags import add_model_argument, require_model
-from specdec.output_dir import OutputDir, open_output_dir
+from specdec.output_dir import OutputDir, open_output_dir, said_when_disk_full
 from specdec.tools.training.corpus import HELD_OUT_DIRECTORY
 
 if TYPE_CHECKING:
@@ -107,19 +107,31 @@ def write_chat_data(
         llm = LLM(model=target, dtype=dtype)
         if llm.tokenizer is None or not llm.tokenizer.chat_template:
             raise ValueError(f"the target {target!r} has no chat template: chat-data needs a chat model")
-        _check_resumable(output, settings)
-        stdlib = load_corpus()
-        jobs = []
-        for split, count in (("train", config.train_prompts), ("held_out", config.held_out_prompts)):
-            jobs += _jobs(split, chat_prompts(stdlib, split, limit=count, seed=config.seed), config)
-        todo = [job for job in jobs if not (output.staging / job.file).is_file()]
-        progress(
-            f"chat-data: {len(jobs)} answers to {config.train_prompts} + {config.held_out_prompts} prompts; "
-            f"{len(jobs) - len(todo)} already written, {len(todo)} to go"
-        )
-        tokens, seconds = _answer(llm, todo, config, output.staging, progress)
-        _write_manifest(output.staging, settings, jobs, tokens, seconds)
+        with said_when_disk_full(output.staging, "the chat-data corpus", lambda: _kept(output)):
+            _check_resumable(output, settings)
+            stdlib = load_corpus()
+            jobs = []
+            for split, count in (("train", config.train_prompts), ("held_out", config.held_out_prompts)):
+                jobs += _jobs(split, chat_prompts(stdlib, split, limit=count, seed=config.seed), config)
+            todo = [job for job in jobs if not (output.staging / job.file).is_file()]
+            progress(
+                f"chat-data: {len(jobs)} answers to {config.train_prompts} + {config.held_out_prompts} prompts; "
+                f"{len(jobs) - len(todo)} already written, {len(todo)} to go"
+            )
+            tokens, seconds = _answer(llm, todo, config, output.staging, progress)
+            _write_manifest(output.staging, settings, jobs, tokens, seconds)
         return output.commit()
+
+
+def _kept(output: OutputDir) -> str:
+    """What a run stopped by a full disk kept, and what to do (said once the error has happened)."""
+    answers = sum(1 for _ in output.staging.glob("*/*.txt")) if output.staging.is_dir() else 0
+    if not answers:
+        return "no answer was written: free some space and rerun the command"
+    return (
+        f"the {answers} answers written are kept in {output.staging}: free some space and rerun the same "
+        f"command, which goes on from them and then writes {output.given}"
+    )
 
 
 def _check_resumable(output: OutputDir, settings: dict) -> None:
@@ -182,8 +194,11 @@ def _write_document(file: Path, tokenizer, messages, output) -> None:
         text += tokenizer.special_tokens["eos_token"]
     file.parent.mkdir(parents=True, exist_ok=True)
     partial = file.with_suffix(".part")
-    partial.write_text(text)
-    partial.replace(file)
+    try:
+        partial.write_text(text)
+        partial.replace(file)
+    finally:
+        partial.unlink(missing_ok=True)  # a write cut short (a full disk) leaves no half file
 
 
 def _report(progress, done: int, total: int, tokens: int, seconds: float) -> None:

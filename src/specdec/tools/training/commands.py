@@ -222,7 +222,7 @@ def add_train_heads_parser(commands) -> None:
     )
     e = p.add_argument_group(
         "EAGLE-3 (--eagle3; defaults: specdec.tools.training.eagle3.Eagle3Config; --context and --output-vocab "
-        "apply too, default 512 and 32768)"
+        "apply too, default 512 and 32768, or every token the target scores where it scores no more)"
     )
     e.add_argument(
         "--eagle3",
@@ -249,7 +249,11 @@ def add_train_heads_parser(commands) -> None:
         "--head-intermediate and --feature-layers as it was trained with) instead of random ones: to go "
         "on training a head, a shipped one, on more data",
     )
-    e.add_argument("--features", help="where the target's features are stored (default: OUT.features)")
+    e.add_argument(
+        "--features",
+        help="where the target's features are stored (default: OUT.features); a new or empty directory, or "
+        "one holding stored features (--force: one holding other files too, written beside them)",
+    )
     e.add_argument(
         "--feature-layers",
         type=_layers,

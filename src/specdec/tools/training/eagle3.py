@@ -67,6 +67,7 @@ from specdec.models.eagle import (
     save_head,
 )
 from specdec.models.loader import LoadedModel, load_pretrained
+from specdec.output_dir import OutputDir, check_written_in_place, said_when_disk_full
 from specdec.platform import cpu_model
 from specdec.tools.training.corpus import HELD_OUT_DIRECTORY, Corpus, load_corpus
 from specdec.tools.training.distill import frequent_share, frequent_tokens
@@ -87,12 +88,14 @@ from specdec.tools.training.train import (
 KIND = "train-heads-eagle3"
 FEATURES_FORMAT = "specdec-eagle3-features"
 FEATURES_MANIFEST = "features.json"
+FEATURES_ENTRIES = (FEATURES_MANIFEST, FEATURES_MANIFEST + ".part", "train/*", "held_out/*")  # what a pass writes
 SPLITS = {"train": "train", "held_out": HELD_OUT_DIRECTORY}
 MIN_CONTEXT = 32  # a window's queries per step must outnumber the attention kernel's (autograd-free) rows
 TEXT_PIECE_TOKENS = 1024  # a text corpus's documents are stored in pieces of at most this many tokens
 DEFAULT_TEXT_TOKENS = 1_000_000  # --text-tokens
 TEXT_STDLIB = "stdlib"  # --text stdlib: the Python standard library (corpus.py's default corpus)
 TEXT_PREFIX = "text:"  # the stored names of a text corpus's pieces: text:<document>:<piece>
+DEFAULT_OUTPUT_VOCAB = 32768  # the tokens a head scores when --output-vocab is not given
 
 
 @dataclass(frozen=True)
@@ -104,7 +107,9 @@ class Eagle3Config:
     step_decay: step j's loss weight is step_decay**j, in (0, 1].
     context: tokens per training window (>= MIN_CONTEXT + ttt_steps).
     output_vocab: the tokens the head scores (the most frequent in the training answers, and
-        the end-of-text tokens); 0: the whole vocabulary.
+        the end-of-text tokens); 0: every token the target scores (its whole vocabulary, or the
+        tokens its output layer scores where that is part of it); None: DEFAULT_OUTPUT_VOCAB, or
+        every token where the target scores no more (scored_vocabulary).
     intermediate_size: the head's MLP width; None: the target's.
     top_k: the target's most likely next tokens stored per position (its distribution there).
     """
@@ -113,7 +118,7 @@ class Eagle3Config:
     ttt_steps: int = 4
     step_decay: float = 0.8
     context: int = 512
-    output_vocab: int = 32768
+    output_vocab: int | None = None
     intermediate_size: int | None = None
     top_k: int = 32
 
@@ -131,7 +136,7 @@ class Eagle3Config:
             f"after {self.ttt_steps} TTT steps), got {self.context!r}",
         )
         check(
-            is_int(self.output_vocab) and self.output_vocab >= 0,
+            self.output_vocab is None or (is_int(self.output_vocab) and self.output_vocab >= 0),
             f"output_vocab must be an integer >= 0 (0: the whole vocabulary), got {self.output_vocab!r}",
         )
         check(
@@ -155,6 +160,36 @@ class Eagle3Config:
             f"feature_layers {list(layers)} reach past the target's {num_layers} layers (0..{num_layers - 1})",
         )
         return layers
+
+
+def scored_vocabulary(asked: int | None, target: LoadedModel) -> int:
+    """The output_vocab a head of target is made with, for Eagle3Config's output_vocab (asked;
+    None: not given). A head scores at most the tokens the target's output layer scores, its
+    rows: all of its vocabulary, or the output_vocab_size tokens of a reduced output layer, of
+    which a head cannot score part (it reads the target's rows by token id). Not given: the
+    default, cut to all of the rows (0) where they are no more or the layer is reduced, said in
+    the log; given: refused where it cannot be had."""
+    config = target.model.config
+    rows, reduced = config.head_size, bool(config.output_vocab_size)
+    layer = f"the target's output layer scores {rows:,} tokens" + (
+        f" of its {config.vocab_size:,} (output_vocab_size)" if reduced else ""
+    )
+    if asked is None:
+        if DEFAULT_OUTPUT_VOCAB < rows and not reduced:
+            return DEFAULT_OUTPUT_VOCAB
+        log(f"{layer}: the head scores all of them (by default it scores {DEFAULT_OUTPUT_VOCAB:,} at most)")
+        return 0
+    if asked and asked >= rows:
+        raise ValueError(
+            f"--output-vocab {asked:,}: {layer}, and a head scores at most those; leave --output-vocab out "
+            "(or give 0) for a head scoring all of them, or give fewer"
+        )
+    if asked and reduced:
+        raise ValueError(
+            f"--output-vocab {asked:,}: {layer}, and a head scoring only part of a reduced output layer is not "
+            "supported; leave --output-vocab out (or give 0): the head then scores all of them"
+        )
+    return asked
 
 
 # --- the stored features -------------------------------------------------------------------
@@ -591,28 +626,13 @@ def train_eagle3(
     directory of the same shape whose weights (and scored tokens) the run starts from, to go on
     training a head (a shipped one) on more data; None: random weights."""
     data, out = Path(data).expanduser(), Path(out).expanduser()
-    features_dir = Path(features_dir).expanduser() if features_dir else out.with_name(out.name + ".features")
     check_save_dtype(save_dtype)
     target = load_pretrained(target_path, "auto", config.device, what="the target", keep_quantized=True)
     if target.tokenizer is None or not target.tokenizer.chat_template:
         raise ValueError(f"the target {target_path} needs a tokenizer with a chat template to read chat-data")
     layers = eagle3.layers_for(target.model.config.num_layers)
+    eagle3 = dataclasses.replace(eagle3, output_vocab=scored_vocabulary(eagle3.output_vocab, target))
     check(is_int(text_tokens) and text_tokens >= 1, f"--text-tokens must be an integer >= 1, got {text_tokens!r}")
-    pieces = []
-    if text is not None:
-        corpus = load_corpus(None if str(text) == TEXT_STDLIB else text)
-        pieces = text_pieces(corpus, target.tokenizer, text_tokens)
-        log(f"text: {corpus.describe()}; {len(pieces):,} pieces of at most {TEXT_PIECE_TOKENS} tokens")
-    log(f"features: the target's layers {list(layers)} and its top {eagle3.top_k} tokens, into {features_dir}")
-    compute_features(target, layers, eagle3.top_k, data, features_dir, text=pieces)
-    manifest, arrays = read_features(features_dir)
-    train, held_out = arrays["train"], arrays["held_out"]
-    context = eagle3.context
-    for name, split in (("training", train), ("held-out", held_out)):
-        check(
-            split.num_tokens >= context,
-            f"the {name} documents hold {split.num_tokens} tokens, fewer than one window of --context {context}",
-        )
     inputs = {"TARGET": Path(str(target.path)), "--data": data}
     if text is not None and str(text) != TEXT_STDLIB:
         inputs["--text"] = Path(text).expanduser()
@@ -620,7 +640,24 @@ def train_eagle3(
         init_head = Path(init_head).expanduser()
         inputs["--init-head"] = init_head
     with open_run_output(out, KIND, inputs, force, HEAD_RUN_ENTRIES) as output:
+        features_dir = check_features_dir(features_dir, output, inputs, force)
         checkpoint = resume_checkpoint(output, restart, require_checkpoint)
+        pieces = []
+        if text is not None:
+            corpus = load_corpus(None if str(text) == TEXT_STDLIB else text)
+            pieces = text_pieces(corpus, target.tokenizer, text_tokens)
+            log(f"text: {corpus.describe()}; {len(pieces):,} pieces of at most {TEXT_PIECE_TOKENS} tokens")
+        log(f"features: the target's layers {list(layers)} and its top {eagle3.top_k} tokens, into {features_dir}")
+        with said_when_disk_full(features_dir, "the target's features", lambda: _features_kept(features_dir)):
+            compute_features(target, layers, eagle3.top_k, data, features_dir, text=pieces)
+        manifest, arrays = read_features(features_dir)
+        train, held_out = arrays["train"], arrays["held_out"]
+        context = eagle3.context
+        for name, split in (("training", train), ("held-out", held_out)):
+            check(
+                split.num_tokens >= context,
+                f"the {name} documents hold {split.num_tokens} tokens, fewer than one window of --context {context}",
+            )
         target_config = target.model.config
         shape = head_config(target_config, eagle3.output_vocab, eagle3.intermediate_size)
         head = initialise(EagleHead(shape, layers), 1, config.seed).to(config.device)
@@ -658,6 +695,7 @@ def train_eagle3(
             "eagle3": dataclasses.asdict(eagle3),
             "feature_layers": list(layers),
             "model": dataclasses.asdict(shape),
+            "scored_tokens": head.config.output_vocab_size or target_config.head_size,
             "head_parameters": head.num_parameters,
             "training_tokens": train.num_tokens,
             "held_out_tokens": held_out.num_tokens,
@@ -673,6 +711,34 @@ def train_eagle3(
             )
 
         return finish_run(output, KIND, config, settings, state, arguments, save, write_eagle3_card)
+
+
+def check_features_dir(given, output: OutputDir, inputs: dict, force: bool) -> Path:
+    """The features directory (given: --features; None: OUT.features beside the run's output),
+    checked as output directories are (output_dir.check_written_in_place): never one of the
+    run's inputs or its output, and a non-empty directory only when it holds stored features
+    (or with force)."""
+    if given is None or not str(given).strip():
+        given = output.final.with_name(output.final.name + ".features")
+    places = {**inputs, "--out": output.final, "--out's staging directory": output.staging}
+    return check_written_in_place(
+        given, "--features", "train-heads --eagle3", places, force, _holds_features, FEATURES_ENTRIES
+    )
+
+
+def _holds_features(directory: Path) -> bool:
+    try:
+        return _read_manifest(directory) is not None
+    except (OSError, ValueError, AttributeError):  # a features.json that is not ours, or not JSON
+        return False
+
+
+def _features_kept(directory: Path) -> str:
+    """What a feature pass stopped by a full disk kept, and what to do."""
+    return (
+        f"the features of the documents finished so far are kept in {directory}: free some space there and "
+        "rerun the same command, which goes on from them"
+    )
 
 
 def start_from(head: EagleHead, init_head: Path, target_config) -> None:
@@ -712,7 +778,7 @@ def eagle3_task(
     with torch.no_grad():
         output_layer = head.output_layer(target.model.lm_head).to(device, torch.float32)  # frozen [S, H] rows
     scored_index = torch.full((head.config.vocab_size,), -1, dtype=torch.long)
-    scored = head.output_token_ids if head.config.output_vocab_size else torch.arange(head.config.vocab_size)
+    scored = head.output_token_ids if head.config.output_vocab_size else target_scored_ids(target.model)
     scored_index[scored.cpu()] = torch.arange(len(scored))
     scored_index = scored_index.to(device)
     embed = target.model.embed_tokens
@@ -746,6 +812,14 @@ def eagle3_task(
     return Task(head, next_batch, loss, evaluate, config.batch_size * context, identity)
 
 
+def target_scored_ids(model) -> torch.Tensor:
+    """The token ids the target's output layer scores, one per row [S] (ascending): its reduced
+    output layer's, or the whole vocabulary's."""
+    if model.config.output_vocab_size:
+        return model.output_token_ids.cpu()
+    return torch.arange(model.config.vocab_size)
+
+
 def write_eagle3_card(directory: Path, record: dict, name: str) -> None:
     """README.md beside a finished EAGLE-3 head."""
     head = json.loads((directory / HEAD_CONFIG).read_text())
@@ -755,6 +829,7 @@ def write_eagle3_card(directory: Path, record: dict, name: str) -> None:
     agreements = " / ".join(f"{last.get(f'held_out_agreement_{j}', float('nan')):.3f}" for j in range(steps))
     weight_mb = (directory / HEAD_WEIGHTS).stat().st_size / 1e6
     arguments = record.get("arguments") or {}
+    scored = record.get("scored_tokens") or model["output_vocab_size"] or model["vocab_size"]
     lines = [
         f"# {name}",
         "",
@@ -765,7 +840,7 @@ def write_eagle3_card(directory: Path, record: dict, name: str) -> None:
         "|---|---|",
         f"| head | fuse {len(record['feature_layers'])} target layers {record['feature_layers']} → "
         f"{model['hidden_size']}; fc {2 * model['hidden_size']} → {model['hidden_size']}; 1 decoder layer (MLP "
-        f"{model['intermediate_size']}); scores {model['output_vocab_size'] or model['vocab_size']:,} tokens "
+        f"{model['intermediate_size']}); scores {scored:,} tokens "
         f"through the target's output layer; {record['head_parameters'] / 1e6:.2f}M parameters |",
         f"| weights | {head.get('torch_dtype', '?')} safetensors, {weight_mb:.1f} MB |",
         f"| data | {record['data']}: {record['training_tokens']:,} training tokens"
