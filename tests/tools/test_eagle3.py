@@ -439,3 +439,14 @@ def test_a_target_scoring_fewer_tokens_than_the_default_gets_a_head_scoring_all_
             asking = dataclasses.replace(eagle3_config, output_vocab=asked)
             train_eagle3(reduced_target, corpus["data"], tmp_path / f"h{asked}", config, asking)
         assert not (tmp_path / f"h{asked}").exists() and not (tmp_path / f"h{asked}.features").exists()
+
+
+def test_an_eagle1_head_asking_part_of_a_reduced_output_layer_is_refused(reduced_target, tmp_path):
+    """The same limit for an EAGLE-1 head's --output-vocab (it was an IndexError), before any work."""
+    from specdec.tools.training.heads import HeadsConfig, train_heads
+
+    config = TrainConfig(steps=1, batch_size=1, eval_every=0, checkpoint_every=0, log_every=0, bf16=False)
+    for asked, says in ((50, "scoring only part of a reduced output layer is not supported"), (100, "at most those")):
+        with pytest.raises(ValueError, match=says):
+            train_heads(reduced_target, tmp_path / "head", config, HeadsConfig(output_vocab=asked))
+        assert list(tmp_path.iterdir()) == []

@@ -71,7 +71,7 @@ from specdec.output_dir import OutputDir, check_written_in_place, said_when_disk
 from specdec.platform import cpu_model
 from specdec.tools.training.corpus import HELD_OUT_DIRECTORY, Corpus, load_corpus
 from specdec.tools.training.distill import frequent_share, frequent_tokens
-from specdec.tools.training.heads import HEAD_RUN_ENTRIES, _plain
+from specdec.tools.training.heads import HEAD_RUN_ENTRIES, _plain, check_output_vocab, output_layer_words
 from specdec.tools.training.loop import Task, TrainConfig, log, train_loop
 from specdec.tools.training.model_card import command_line
 from specdec.tools.training.train import (
@@ -164,32 +164,16 @@ class Eagle3Config:
 
 def scored_vocabulary(asked: int | None, target: LoadedModel) -> int:
     """The output_vocab a head of target is made with, for Eagle3Config's output_vocab (asked;
-    None: not given). A head scores at most the tokens the target's output layer scores, its
-    rows: all of its vocabulary, or the output_vocab_size tokens of a reduced output layer, of
-    which a head cannot score part (it reads the target's rows by token id). Not given: the
-    default, cut to all of the rows (0) where they are no more or the layer is reduced, said in
-    the log; given: refused where it cannot be had."""
+    None: not given). Not given: DEFAULT_OUTPUT_VOCAB, cut to every token the target scores (0)
+    where it scores no more or its output layer is reduced (heads.output_layer_words), said in
+    the log; given: as heads.check_output_vocab allows."""
     config = target.model.config
-    rows, reduced = config.head_size, bool(config.output_vocab_size)
-    layer = f"the target's output layer scores {rows:,} tokens" + (
-        f" of its {config.vocab_size:,} (output_vocab_size)" if reduced else ""
-    )
-    if asked is None:
-        if DEFAULT_OUTPUT_VOCAB < rows and not reduced:
-            return DEFAULT_OUTPUT_VOCAB
-        log(f"{layer}: the head scores all of them (by default it scores {DEFAULT_OUTPUT_VOCAB:,} at most)")
-        return 0
-    if asked and asked >= rows:
-        raise ValueError(
-            f"--output-vocab {asked:,}: {layer}, and a head scores at most those; leave --output-vocab out "
-            "(or give 0) for a head scoring all of them, or give fewer"
-        )
-    if asked and reduced:
-        raise ValueError(
-            f"--output-vocab {asked:,}: {layer}, and a head scoring only part of a reduced output layer is not "
-            "supported; leave --output-vocab out (or give 0): the head then scores all of them"
-        )
-    return asked
+    if asked is not None:
+        return check_output_vocab(asked, target)
+    if DEFAULT_OUTPUT_VOCAB < config.head_size and not config.output_vocab_size:
+        return DEFAULT_OUTPUT_VOCAB
+    log(f"{output_layer_words(config)}: the head scores all of them (by default {DEFAULT_OUTPUT_VOCAB:,} at most)")
+    return 0
 
 
 # --- the stored features -------------------------------------------------------------------

@@ -65,7 +65,7 @@ from specdec.models.eagle import (
     save_head,
 )
 from specdec.models.llama import LlamaModel, ModelConfig
-from specdec.models.loader import load_pretrained
+from specdec.models.loader import LoadedModel, load_pretrained
 from specdec.output_dir import open_output_dir
 from specdec.platform import cpu_model
 from specdec.tools.training.corpus import check_stream_length, evaluation_windows, sample_windows, stdlib_path
@@ -190,6 +190,31 @@ class MicroBatch:
     noise_seed: int
 
 
+def output_layer_words(config) -> str:
+    """The tokens a target's output layer scores (config: its ModelConfig), in words."""
+    reduced = f" of its {config.vocab_size:,} (output_vocab_size)" if config.output_vocab_size else ""
+    return f"the target's output layer scores {config.head_size:,} tokens{reduced}"
+
+
+def check_output_vocab(asked: int, target: LoadedModel) -> int:
+    """asked (--output-vocab: the tokens a head scores; 0: every token the target scores), refused
+    where a head of target cannot have it: no fewer than the tokens the target's output layer
+    scores (a head scores at most those), or part of a reduced output layer's tokens (a head reads
+    the target's rows by token id, which such a layer's rows are not)."""
+    config = target.model.config
+    if asked and asked >= config.head_size:
+        raise ValueError(
+            f"--output-vocab {asked:,}: {output_layer_words(config)}, and a head scores at most those; leave "
+            "--output-vocab out (or give 0) for a head scoring all of them, or give fewer"
+        )
+    if asked and config.output_vocab_size:
+        raise ValueError(
+            f"--output-vocab {asked:,}: {output_layer_words(config)}, and a head scoring only part of a reduced "
+            "output layer is not supported; leave --output-vocab out (or give 0): the head then scores all of them"
+        )
+    return asked
+
+
 def train_heads(
     target_path: str | Path,
     out: str | Path,
@@ -213,6 +238,7 @@ def train_heads(
             raise ValueError(
                 f"the target {target_path} needs a tokenizer.json and an eos_token_id to train a head on text"
             )
+        check_output_vocab(heads_config.output_vocab, target)
         checkpoint = resume_checkpoint(output, restart, require_checkpoint)
         corpus, train_stream, held_out_stream = target_streams(target, corpus_path)
         tokenizer = target.tokenizer.backend
