@@ -11,7 +11,9 @@ its header for the layout). It is compiled for the CPU it runs on, in one of two
 The variant follows PyTorch's own choice of instruction set (torch.backends.cpu.
 get_cpu_capability(), which ATEN_CPU_CAPABILITY lowers), so a run held to AVX2 runs the AVX2
 kernel. The build (once per variant and source; docs/runner.md, "GGUF weights, run quantized",
-says how long) lands in SPECDEC_CACHE/extensions; `make test` builds it.
+says how long) lands in SPECDEC_CACHE/extensions/<variant>; `make test` builds it. One process
+builds there at a time, and a build killed midway never leaves a later run waiting forever
+(build_lock.py).
 """
 
 from __future__ import annotations
@@ -20,9 +22,12 @@ import functools
 import hashlib
 import logging
 import os
+import shutil
 import time
 from pathlib import Path
 from typing import Any
+
+from specdec.kernels.build_lock import LOCK_NAME, build_lock
 
 log = logging.getLogger("specdec")
 
@@ -73,36 +78,79 @@ def variant() -> str:
 
 @functools.cache
 def qmatmul() -> Any:  # a C++ extension module: its attributes are unknown to type checkers
-    """The compiled extension module for this CPU (built on first use)."""
-    from torch.utils import cpp_extension
-
+    """The compiled extension module for this CPU (built on first use, under the build lock:
+    build_lock.py)."""
     from specdec.paths import CACHE
 
     name = variant()
     build_dir = CACHE / "extensions" / name
-    build_dir.mkdir(parents=True, exist_ok=True)
+    with build_lock(build_dir):
+        start = time.perf_counter()
+        module = _build_and_load(name, build_dir)
+        elapsed = time.perf_counter() - start
+    if elapsed > 1:
+        log.info("built specdec's quantized kernel (%s) in %.0f s", name, elapsed)
+    _register_fakes()
+    return module
+
+
+def _build_and_load(name: str, build_dir: Path) -> Any:
+    """Build (ninja: only what is missing or stale) and load the extension; a library that
+    does not load (left broken by an interrupted build) is built afresh, once."""
+    try:
+        return _load(name, build_dir)
+    except ImportError as e:
+        log.warning("specdec's kernel library in %s did not load (%s): building it afresh", build_dir, e)
+    _clear_build(name, build_dir)
+    try:
+        return _load(name, build_dir)
+    except ImportError as e:
+        raise KernelUnavailable(
+            f"specdec's kernels, built afresh in {build_dir}, do not load: {e}; "
+            "check the compiler's install, or load with quantization=None"
+        ) from e
+
+
+def _load(name: str, build_dir: Path) -> Any:
+    from torch.utils import cpp_extension
+
     # the sources' hash in the flags: torch rebuilds when flags or the .cpp files change, not a header
     digest = hashlib.sha256(b"".join(p.read_bytes() for p in sorted(SOURCE_DIR.glob("*.[ch]*")))).hexdigest()[:16]
-    start = time.perf_counter()
     try:
-        module = cpp_extension.load(
-            name=f"specdec_qmatmul_{name}",
+        return cpp_extension.load(
+            name=extension_name(name),
             sources=[str(source) for source in SOURCES],
             extra_cflags=[*VARIANT_FLAGS[name], f"-DSPECDEC_SOURCES={digest}"],
             extra_ldflags=["-fopenmp"] if os.name == "posix" else [],
             build_directory=str(build_dir),
             verbose=False,
         )
+    except ImportError:
+        raise
     except Exception as e:  # no compiler, a failed build
         raise KernelUnavailable(
             f"building specdec's kernels ({', '.join(s.name for s in SOURCES)}, {name}) failed: {e}; "
             "install a C++ compiler (gcc) and ninja, or load with quantization=None"
         ) from e
-    elapsed = time.perf_counter() - start
-    if elapsed > 1:
-        log.info("built specdec's quantized kernel (%s) in %.0f s", name, elapsed)
-    _register_fakes()
-    return module
+
+
+def extension_name(variant_name: str) -> str:
+    """The extension module's name (and its library's, in the build directory) for a variant."""
+    return f"specdec_qmatmul_{variant_name}"
+
+
+def _clear_build(name: str, build_dir: Path) -> None:
+    """Remove every build output (all but the build lock's file) and make torch forget that
+    this process built the extension, so that the next load builds it from the sources."""
+    from torch.utils import cpp_extension
+
+    for path in build_dir.iterdir():
+        if path.name != LOCK_NAME:
+            if path.is_dir():
+                shutil.rmtree(path)
+            else:
+                path.unlink()
+    cpp_extension.JIT_EXTENSION_VERSIONER.entries.pop(extension_name(name), None)
 
 
 def _register_fakes() -> None:
@@ -142,7 +190,9 @@ def _register_fakes() -> None:
 
 @functools.cache
 def available() -> bool:
-    """Whether this machine runs (and has built, or can build) specdec's kernels."""
+    """Whether this machine runs (and has built, or can build) specdec's kernels. Another build
+    that outlasts the wait (build_lock.KernelBuildBusy) is raised, not answered False: the
+    kernels may well run here, once it ends."""
     try:
         qmatmul()
     except KernelUnavailable as e:
