@@ -8,7 +8,7 @@ scratch block, never handed out.
 A sequence holds blocks for what it uses: its positions so far and the few a round writes past
 them (its drafts and the verify's bonus position). Before each round the engine asks `grow` for
 every running sequence; when the pool runs short, the scheduler preempts (frees a sequence's
-blocks, to recompute it later: vLLM's recompute preemption), never fails a request.
+blocks, their entries swapped out or to be recomputed: scheduler.py), never fails a request.
 
 Prefix caching (vLLM's automatic prefix caching): once a block's 16 positions all hold the
 cache entries of accepted tokens, it is registered under its key, a digest of its tokens and

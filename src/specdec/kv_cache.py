@@ -22,6 +22,7 @@ position) hides them, and the next round writes over them.
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -52,6 +53,7 @@ class BlockTable:
         # on the CPU, written through numpy: a few blocks at a time, each new tensor would cost more
         self._numpy = self.table.numpy() if self.table.device.type == "cpu" else None
         self.num_blocks_needed = 1  # the pool a cache reading this table needs: the scratch block at least
+        self.readers: weakref.WeakSet[KVCache] = weakref.WeakSet()  # caches made to read it (swapping copies theirs)
 
     @classmethod
     def contiguous(cls, max_seqs: int, max_len: int, device: torch.device | str) -> BlockTable:
@@ -147,6 +149,8 @@ class KVCache:
         self.values = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
         self.max_batch, self.max_len, self.static, self.num_blocks = max_batch, max_len, static, num_blocks
         self.shared_table = table  # None: a table of its own
+        if table is not None:
+            table.readers.add(self)
         self._arange = torch.arange(max_batch, device=device)  # [max_batch]: rows 0..B-1 without an op per layer
 
     def reads(self, pool: BlockPool | None) -> bool:
@@ -191,6 +195,44 @@ class KVCache:
             flat_keys, flat_values = keys.flatten(0, 1), values.flatten(0, 1)  # [blocks x 16, Hkv, D]
             flat_keys[destination_entries] = flat_keys[source_entries]
             flat_values[destination_entries] = flat_values[source_entries]
+
+
+@dataclass
+class SwappedEntries:
+    """A sequence's cache entries copied out of a pool's blocks (swap-out preemption), for every
+    cache that reads the pool: caches[i]'s keys and values, per layer [n, 16, Hkv, D] for the n
+    blocks copied, in position order. nbytes: what they hold."""
+
+    caches: list[KVCache]
+    keys: list[list[torch.Tensor]]
+    values: list[list[torch.Tensor]]
+    nbytes: int
+
+
+def swap_out(pool: BlockPool, blocks: Sequence[int]) -> SwappedEntries:
+    """Copies (on the CPU) of blocks' entries in every cache reading pool: a draft model's and a
+    head's as well as the target's, so that a sequence preempted for its blocks resumes with
+    exactly the entries it had."""
+    caches = [cache for cache in pool.table.readers if cache.reads(pool)]
+    index = torch.tensor(list(blocks), dtype=torch.long)  # [n]
+    keys = [[layer.index_select(0, index.to(layer.device)).cpu() for layer in cache.keys] for cache in caches]
+    values = [[layer.index_select(0, index.to(layer.device)).cpu() for layer in cache.values] for cache in caches]
+    nbytes = sum(t.nbytes for per_cache in keys + values for t in per_cache)
+    return SwappedEntries(caches, keys, values, nbytes)
+
+
+def swap_in(pool: BlockPool, blocks: Sequence[int], swapped: SwappedEntries) -> None:
+    """Write swapped's entries into blocks (in position order; as many as were copied out) of
+    the same caches, which must still read pool."""
+    n = len(swapped.keys[0][0]) if swapped.caches else 0
+    if len(blocks) < n:
+        raise ValueError(f"{n} blocks were swapped out and only {len(blocks)} are given to swap them into")
+    index = torch.tensor(list(blocks[:n]), dtype=torch.long)  # [n]
+    for cache, keys, values in zip(swapped.caches, swapped.keys, swapped.values):
+        if not cache.reads(pool):
+            raise RuntimeError("a cache was remade while a sequence's entries were swapped out of it")
+        for layer, saved in zip(cache.keys + cache.values, keys + values):
+            layer.index_copy_(0, index.to(layer.device), saved.to(layer.device))
 
 
 def entries(blocks: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:

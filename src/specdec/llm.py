@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import math
+import os
 from typing import Any, cast
 
 import torch
@@ -32,6 +34,7 @@ from specdec.config import (
 )
 from specdec.drafters import DRAFTERS, Drafter
 from specdec.engine import Engine
+from specdec.engine.swap import DEFAULT_SWAP_SPACE_GIB
 from specdec.models.eagle import is_head_directory
 from specdec.models.loader import LoadedModel, load_pretrained
 from specdec.models.quantized_linear import check_quantization
@@ -85,6 +88,10 @@ class LLM:
         request computed (a system prompt, earlier turns) takes their cache entries and skips
         their prefill (block_manager.py). On by default, as in vLLM; the output is the
         same either way.
+    swap_space: GiB of memory where the cache entries of requests preempted for lack of cache
+        blocks wait (engine/swap.py; vLLM's name and default, 4): a preempted request resumes
+        exactly where it was, so preemption changes no output. 0: preempted requests are
+        prefilled anew instead.
     quantization: "auto" (the default: a GGUF file's quantized tensors run as the file holds
         them, through specdec's own kernel: models/gguf_model.py; any other model as loaded),
         None (a GGUF file dequantized), "int8" or "int4": the target's linear layers with
@@ -131,12 +138,14 @@ class LLM:
         speculative_tree: str | None = None,
         speculative_config: SpeculativeConfig | dict | None = None,
         enable_prefix_caching: bool = True,
+        swap_space: float = DEFAULT_SWAP_SPACE_GIB,
     ):
         check(
             isinstance(enable_prefix_caching, bool),
             f"enable_prefix_caching must be True or False, got {enable_prefix_caching!r}",
         )
         check_arguments(seed=seed, max_num_seqs=max_num_seqs, skip_tokenizer_init=skip_tokenizer_init)
+        self.swap_space_bytes = swap_space_bytes(swap_space)
         check_compile_mode(compile)
         flat = dict(
             model=speculative_model,
@@ -222,6 +231,7 @@ class LLM:
             tree,
             generator=self._shared_generator,
             enable_prefix_caching=self.enable_prefix_caching,
+            swap_space_bytes=self.swap_space_bytes,
         )
 
     @property
@@ -365,6 +375,29 @@ def check_arguments(seed, max_num_seqs, skip_tokenizer_init) -> None:
     check(
         isinstance(skip_tokenizer_init, bool), f"skip_tokenizer_init must be True or False, got {skip_tokenizer_init!r}"
     )
+
+
+def swap_space_bytes(swap_space) -> int:
+    """swap_space (GiB, a number >= 0) in bytes, checked against the machine's memory."""
+    check(
+        isinstance(swap_space, (int, float)) and not isinstance(swap_space, bool) and 0 <= swap_space < math.inf,
+        f"swap_space must be a number of GiB >= 0 (0: no swapping), got {swap_space!r}",
+    )
+    total = total_memory_bytes()
+    check(
+        total is None or swap_space * 2**30 <= total,
+        f"swap_space={swap_space} GiB is more than this machine's memory "
+        f"({(total or 0) / 2**30:.1f} GiB); give less (the default is {DEFAULT_SWAP_SPACE_GIB:g})",
+    )
+    return int(swap_space * 2**30)
+
+
+def total_memory_bytes() -> int | None:
+    """This machine's memory (None where the system does not say)."""
+    try:
+        return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError, AttributeError):
+        return None
 
 
 def check_k_fits(config: SpeculativeConfig, context_length: int) -> None:

@@ -37,6 +37,13 @@ class Sequence:
         return self.prompt_token_ids + self.output_token_ids
 
     @property
+    def prefill_token_ids(self) -> list[int]:
+        """What a prefill feeds: a new sequence's prompt, whose next token it samples; a sequence
+        recomputed after preemption, all its tokens but the last, which the next round feeds as
+        it would have (so nothing is sampled twice and its generator's draws stay in step)."""
+        return self.token_ids[:-1] if self.output_token_ids else self.prompt_token_ids
+
+    @property
     def num_tokens(self) -> int:
         return len(self.prompt_token_ids) + len(self.output_token_ids)
 

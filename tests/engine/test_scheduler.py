@@ -66,6 +66,26 @@ def test_removing_a_request_frees_its_slot_or_its_place_in_line():
     assert not scheduler.has_unfinished()
 
 
+def test_a_swapped_out_request_resumes_first_in_its_own_slot_and_a_recomputed_one_in_any():
+    """Preempted with keep_slot (swapped out), a request waits first in line holding its slot: it
+    resumes in it even with no slot free, before the requests that came earlier. Preempted
+    without (to be recomputed), its slot goes to the next request and it takes the next free
+    one, its prefill its tokens but the last."""
+    scheduler = Scheduler(num_slots=2)
+    for i in range(3):
+        scheduler.add(sequence(f"r{i}", 3))
+    first, second = scheduler.admit()
+    second.output_token_ids += [7, 8]
+    scheduler.preempt(second, keep_slot=True)
+    assert (second.slot, [seq.request_id for seq in scheduler.waiting]) == (1, ["r1", "r2"])
+    assert scheduler.admit() == [second] and second.slot == 1  # r2 still waits: no slot free
+    scheduler.preempt(second, keep_slot=False)
+    assert second.slot == -1
+    (resumed,) = scheduler.admit()  # first in line, into the slot free again
+    assert resumed is second and resumed.slot == 1 and scheduler.num_waiting == 1
+    assert resumed.prefill_token_ids == [2, 3, 4, 7]  # all but the last token, which a round feeds
+
+
 def test_slots_change_only_while_nothing_runs():
     scheduler = Scheduler(num_slots=1)
     scheduler.add(sequence("r0", 3))

@@ -1,8 +1,9 @@
 """The engine: requests in, one speculative round per step, outputs out.
 
 A step: admit waiting requests into free cache slots, with the cache blocks they need
-(scheduler.py), and prefill them; give every running request the blocks its round writes,
-preempting the youngest while they run short; run one round over every running request
+(scheduler.py), and prefill them (a preempted one: swapped back in, or recomputed); give every
+running request the blocks its round writes, preempting the youngest while they run short
+(swapped out within the swap space, swap.py, else recomputed later); run one round over every running request
 (spec/round.py, each row's k from spec/k_choice.py); append each row's new tokens, stopping at
 EOS / stop strings / max_tokens even inside an accepted run (output_processor.py); retire the
 finished requests, freeing their slots and blocks. Sizing the caches before requests run is
@@ -20,6 +21,8 @@ from specdec.drafters.base import Drafter
 from specdec.engine.capacity import Capacity
 from specdec.engine.output_processor import OutputProcessor
 from specdec.engine.scheduler import Scheduler
+from specdec.engine.swap import DEFAULT_SWAP_SPACE_GIB, SwapSpace
+from specdec.kv_cache import BLOCK_SIZE, swap_in, swap_out
 from specdec.metrics import SpecStats
 from specdec.models.tokenizer import Tokenizer
 from specdec.outputs import RequestOutput
@@ -36,7 +39,8 @@ TIMED_PARTS = ("prefill", "draft", "target", "sampling", "bookkeeping")
 class Engine:
     """target: the target's runner; drafter: None for plain decoding; num_speculative_tokens:
     each round's largest k; k_policy "goodput" or "fixed", tree: see spec/k_choice.py.
-    generator: the random stream of requests without a seed of their own."""
+    generator: the random stream of requests without a seed of their own. swap_space_bytes: where
+    preempted sequences' cache entries may wait (swap.py; 0: preemption recomputes)."""
 
     def __init__(
         self,
@@ -50,6 +54,7 @@ class Engine:
         tree: TreeShape | None = None,
         generator: torch.Generator | None = None,
         enable_prefix_caching: bool = True,
+        swap_space_bytes: int = int(DEFAULT_SWAP_SPACE_GIB * 2**30),
     ):
         self.target, self.drafter, self.max_num_seqs = target, drafter, max_num_seqs
         k = num_speculative_tokens if drafter is not None else 0
@@ -58,6 +63,7 @@ class Engine:
         self.capacity = Capacity(target, drafter, self.k_choice, self.round.return_hidden, enable_prefix_caching)
         self.output = OutputProcessor(tokenizer, eos_token_ids)
         self.scheduler = Scheduler()
+        self.swap = SwapSpace(swap_space_bytes)
         self.max_len: int | None = None  # the positions each sequence may use, once prepared
         self._unfinished: dict[str, Sequence] = {}  # by request id: waiting or running
         self.stats = SpecStats()  # every request's rounds, merged (the server's metrics read it)
@@ -106,10 +112,14 @@ class Engine:
         if self.max_len is None:
             self.prepare(list(self.scheduler.waiting))
         admitted = self.scheduler.admit()
-        if admitted:
-            self._emit(admitted, self.round.prefill(admitted))
-            for seq in admitted:
-                self.k_choice.start(seq)
+        new = [seq for seq in admitted if not seq.output_token_ids]
+        recomputed = [seq for seq in admitted if seq.output_token_ids and not self._swap_in(seq)]
+        if new:
+            self._emit(new, self.round.prefill(new))
+        if recomputed:
+            self.timings["prefill"] += self.round.refill(recomputed)
+        for seq in new + recomputed:  # in a slot new to it
+            self.k_choice.start(seq)
         self._make_room()
         running = [seq for seq in self.scheduler.running if not seq.finished]
         if running:
@@ -125,14 +135,38 @@ class Engine:
 
     def _make_room(self) -> None:
         """Every running sequence's blocks for its next round, oldest first; while the pool is
-        short, the youngest running sequence is preempted (scheduler.py: it waits, first in
-        line, and is prefilled anew over its tokens so far; the drafter forgets it)."""
+        short, the youngest running sequence is preempted."""
+        preempted: set[int] = set()  # ids of the sequences preempted here (a swapped one keeps its slot)
         for seq in list(self.scheduler.running):
-            while not seq.finished and seq.slot >= 0 and not self.scheduler.grow(seq):
+            while id(seq) not in preempted and not seq.finished and not self.scheduler.grow(seq):
                 victim = self.scheduler.youngest()
-                if self.drafter is not None:
-                    self.drafter.release(victim)
-                self.scheduler.preempt(victim)
+                preempted.add(id(victim))
+                self._preempt(victim)
+
+    def _preempt(self, victim: Sequence) -> None:
+        """Take victim out to wait, first in line: its blocks' entries swapped out (it keeps its
+        slot and its drafter's state) where the swap space holds them, else its slot and the
+        drafter's state freed, to be recomputed (scheduler.py)."""
+        blocks, pool = self.capacity.blocks, self.capacity.pool
+        assert blocks is not None and pool is not None  # only a pool of blocks runs short
+        held = blocks.blocks_of(victim.slot)
+        if self.swap.fits(len(held) * BLOCK_SIZE * self.capacity.position_bytes):
+            self.swap.put(victim.request_id, swap_out(pool, held))
+            self.scheduler.preempt(victim, keep_slot=True)
+            return
+        if self.drafter is not None:
+            self.drafter.release(victim)
+        self.scheduler.preempt(victim, keep_slot=False)
+
+    def _swap_in(self, seq: Sequence) -> bool:
+        """If seq was swapped out, its entries into the blocks it holds again; whether it was."""
+        swapped = self.swap.pop(seq.request_id)
+        if swapped is None:
+            return False
+        blocks, pool = self.capacity.blocks, self.capacity.pool
+        assert blocks is not None and pool is not None  # it was swapped out of them
+        swap_in(pool, blocks.blocks_of(seq.slot), swapped)
+        return True
 
     @property
     def num_preemptions(self) -> int:
@@ -162,6 +196,7 @@ class Engine:
         seq = self.scheduler.remove(request_id)
         if seq is None:
             return False
+        self.swap.pop(request_id)
         seq.finish_reason = "abort"
         self._finish(seq, ran=seq.slot >= 0)
         return True
@@ -212,6 +247,7 @@ class Engine:
     def _start(self, num_slots: int, max_prefill_tokens: int | None = None) -> int:
         self.scheduler.resize(num_slots, self.capacity.blocks, self._room)
         self.scheduler.num_preemptions = 0
+        self.swap.clear()
         self.scheduler.max_prefill_tokens = max_prefill_tokens
         self.timings.update(dict.fromkeys(TIMED_PARTS, 0.0))
         self.round.forget_batches()

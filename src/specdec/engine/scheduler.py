@@ -6,10 +6,15 @@ A request waits (first come, first served) until a slot is free and the block ma
 its slot (a row of the block table) and its blocks until it finishes or is aborted, when both go
 to the next waiting request: continuous batching. Before each round every running sequence grows
 its blocks for the positions the round writes; when the pool runs short, the youngest running
-sequences are preempted: their blocks are freed and they wait again, first in line, to be
-prefilled anew over their tokens so far (recompute), so no request ever fails for lack of
-cache. The number of slots is the most sequences run at once (max_num_seqs); the number of
-blocks, the cache memory (capacity.py).
+sequences are preempted, so that no request ever fails for lack of cache. A preempted sequence
+waits again, first in line, in one of two ways (the engine chooses, engine.py):
+  swapped    its blocks' entries copied out and the blocks freed; it keeps its slot (and so its
+             drafter's state), and resumes with fresh blocks holding those entries: exactly
+             where it was
+  recomputed its blocks and its slot freed; it is prefilled anew over its tokens so far but the
+             last (prefill_token_ids), which the next round feeds as for any running sequence
+The number of slots is the most sequences run at once (max_num_seqs); the number of blocks, the
+cache memory (capacity.py).
 """
 
 from __future__ import annotations
@@ -57,20 +62,30 @@ class Scheduler:
         self.waiting.append(seq)
 
     def admit(self) -> list[Sequence]:
-        """Waiting sequences, in order, into the free slots while there are blocks for them: the
-        ones that start running now (their blocks held for their first forward, those of a
-        cached prefix shared: seq.num_cached_tokens)."""
+        """Waiting sequences, in order, while there are blocks for them: a swapped-out one into
+        its own slot, the others into free slots. Returns the ones that run now (their blocks
+        held for their next forward; a new one's cached prefix shared: seq.num_cached_tokens)."""
         admitted, longest = [], 0
-        while self.waiting and self._free_slots:
-            longest = max(longest, self.waiting[0].num_tokens)
+        while self.waiting:
+            seq = self.waiting[0]
+            if seq.slot >= 0:  # swapped out: its slot is still its own
+                if not self.grow(seq):
+                    break
+                self.waiting.popleft()
+                admitted.append(seq)
+                continue
+            if not self._free_slots:
+                break
+            longest = max(longest, seq.num_tokens)
             if (
                 admitted
                 and self.max_prefill_tokens is not None
                 and (len(admitted) + 1) * longest > self.max_prefill_tokens
             ):
                 break
-            slot, seq = self._free_slots[-1], self.waiting[0]
-            cached = (0, 0) if self.blocks is None else self.blocks.admit(slot, seq.token_ids, self.room(seq))
+            slot = self._free_slots[-1]
+            tokens = seq.prefill_token_ids
+            cached = (0, 0) if self.blocks is None else self.blocks.admit(slot, tokens, self.room(seq))
             if cached is None:
                 break  # first come, first served: the next waits for blocks too
             self.waiting.popleft()
@@ -104,10 +119,10 @@ class Scheduler:
         """The running sequence admitted last: the one preempted first."""
         return self.running[-1]
 
-    def preempt(self, seq: Sequence) -> None:
-        """Take running seq out, its slot and blocks free, to wait first in line and be prefilled
-        anew over its tokens so far."""
-        self._release(seq)
+    def preempt(self, seq: Sequence, keep_slot: bool) -> None:
+        """Take running seq out, its blocks free, to wait first in line. keep_slot: swapped out
+        (its slot stays its own, to resume in); else its slot is free too, to be recomputed."""
+        self._release(seq, keep_slot=keep_slot)
         self.running.remove(seq)
         self.waiting.appendleft(seq)
         self.num_preemptions += 1
@@ -127,6 +142,8 @@ class Scheduler:
         for seq in self.waiting:
             if seq.request_id == request_id:
                 self.waiting.remove(seq)
+                if seq.slot >= 0:  # swapped out: its blocks are free, its slot not yet
+                    self._free_slots.append(seq.slot)
                 return seq
         for seq in self.running:
             if seq.request_id == request_id:
@@ -135,11 +152,13 @@ class Scheduler:
                 return seq
         return None
 
-    def _release(self, seq: Sequence, keep_slot_number: bool = False) -> None:
-        """seq's slot and blocks free (seq.slot kept where the caller still reads it: a finished
-        or aborted sequence's drafter state is released by slot after this)."""
+    def _release(self, seq: Sequence, keep_slot_number: bool = False, keep_slot: bool = False) -> None:
+        """seq's blocks free, and its slot unless keep_slot (seq.slot kept where the caller still
+        reads it: a finished or aborted sequence's drafter state is released by slot after this)."""
         if self.blocks is not None:
             self.blocks.free(seq.slot)
+        if keep_slot:
+            return
         self._free_slots.append(seq.slot)
         if not keep_slot_number:
             seq.slot = -1

@@ -24,6 +24,7 @@ DEFAULT_MAX_PREFILL_TOKENS = 2048  # vLLM's default max_num_batched_tokens
 
 
 def add_serve_parser(commands) -> None:
+    from specdec.engine.swap import DEFAULT_SWAP_SPACE_GIB
     from specdec.model_flags import add_model_argument, add_model_arguments
     from specdec.serve.settings import REQUEST_BYTES_PER_TOKEN
 
@@ -84,6 +85,15 @@ def add_serve_parser(commands) -> None:
         "blocks of 16 positions that requests hold as they use them (default: half the memory free "
         "after loading, or what "
         "--max-num-seqs requests of --max-model-len tokens need where that is less)",
+    )
+    p.add_argument(
+        "--swap-space",
+        type=float,
+        default=DEFAULT_SWAP_SPACE_GIB,
+        metavar="GIB",
+        help="GiB of memory where requests preempted for lack of cache blocks keep their cache entries, "
+        f"to resume exactly where they were (default {DEFAULT_SWAP_SPACE_GIB:g}, as vLLM's; 0: a preempted "
+        "request is prefilled again instead)",
     )
     p.add_argument(
         "--enable-prefix-caching",

@@ -20,7 +20,12 @@ def prepare_llm(args: argparse.Namespace, where: str | None = None, engines_shar
 
     from specdec.model_flags import make_llm
 
-    llm = make_llm(args, max_num_seqs=args.max_num_seqs, enable_prefix_caching=args.enable_prefix_caching)
+    llm = make_llm(
+        args,
+        max_num_seqs=args.max_num_seqs,
+        enable_prefix_caching=args.enable_prefix_caching,
+        swap_space=args.swap_space,
+    )
     max_model_len = args.max_model_len or llm.max_model_len
     if max_model_len > llm.max_model_len:
         raise ValueError(

@@ -74,22 +74,11 @@ class SpeculativeRound:
         self._sampling_key = None
 
     def prefill(self, batch: list[Sequence]) -> RoundResult:
-        """One target forward over the new sequences' tokens (a prompt; or, for a sequence
-        preempted to free cache, its prompt and output so far), after the positions found in the
+        """One target forward over the new sequences' prompts, after the positions found in the
         prefix cache; samples each one's next token."""
-        device = self.target.device
         start = time.perf_counter()
-        starts = [s.num_cached_tokens for s in batch]  # a cached prefix's entries are in the cache already
-        prompts = [s.token_ids[start:] for s, start in zip(batch, starts)]
-        logits = self.target.feed(
-            prompts, starts, [s.slot for s in batch], return_hidden=self.return_hidden
-        )  # [B, V] (, hidden [B, T, H])
-        if isinstance(logits, tuple):  # return_hidden: the drafter reads the target's features
-            logits, hidden = logits
-            prompt_lengths = torch.tensor([len(prompt) for prompt in prompts], device=device)  # [B]
-            assert self.drafter is not None
-            self.drafter.observe_hidden(batch, torch.tensor(starts, device=device), hidden, prompt_lengths)
-        probs = warp(logits, SamplingTensors.from_params([s.params for s in batch], device))
+        logits = self._feed(batch)  # [B, V]
+        probs = warp(logits, SamplingTensors.from_params([s.params for s in batch], self.target.device))
         first_tokens = sample(probs, [s.generator for s in batch])  # [B]
         logprobs = _logprobs(batch, logits[:, None], first_tokens[:, None], torch.ones_like(first_tokens))
         zeros, nones = [0] * len(batch), [None] * len(batch)
@@ -102,6 +91,32 @@ class SpeculativeRound:
             logprobs,
             seconds={"prefill": time.perf_counter() - start},
         )
+
+    def refill(self, batch: list[Sequence]) -> float:
+        """One target forward over sequences preempted and recomputed: their tokens but the last
+        (Sequence.prefill_token_ids), after the positions found in the prefix cache. It samples
+        nothing: the round invariant holds again, and the next round goes on as it would have.
+        Returns its seconds."""
+        start = time.perf_counter()
+        self._feed(batch)
+        return time.perf_counter() - start
+
+    def _feed(self, batch: list[Sequence]) -> torch.Tensor:
+        """The target's forward over each row's prefill_token_ids after its cached prefix (the
+        drafter given the target's features there where it reads them): the logits after each
+        row's last token [B, V]."""
+        device = self.target.device
+        starts = [s.num_cached_tokens for s in batch]  # a cached prefix's entries are in the cache already
+        chunks = [s.prefill_token_ids[start:] for s, start in zip(batch, starts)]
+        logits = self.target.feed(
+            chunks, starts, [s.slot for s in batch], return_hidden=self.return_hidden
+        )  # [B, V] (, hidden [B, T, H])
+        if isinstance(logits, tuple):  # return_hidden: the drafter reads the target's features
+            logits, hidden = logits
+            chunk_lengths = torch.tensor([len(chunk) for chunk in chunks], device=device)  # [B]
+            assert self.drafter is not None
+            self.drafter.observe_hidden(batch, torch.tensor(starts, device=device), hidden, chunk_lengths)
+        return logits
 
     def run(self, batch: list[Sequence], ks: list[int]) -> RoundResult:
         """A round over batch, row i drafting at most ks[i] tokens (a tree of ks[i] nodes)."""
