@@ -1,10 +1,13 @@
 """speculative_method="eagle": a one-layer head over the target's own features drafts; greedy
 output is the target's own, token for token; the head reads exactly the target's features of
-the tokens it follows; a head made for another target is refused."""
+the tokens it follows; a head made for another target, or whose head.json gives a size past its
+bound, is refused."""
 
 from __future__ import annotations
 
 import json
+import re
+import time
 
 import pytest
 import torch
@@ -217,6 +220,49 @@ def test_what_is_not_a_head_is_refused_by_name(dirs, tmp_path):
             dtype="float32",
         )
     assert json.loads((dirs["head"] / HEAD_CONFIG).read_text())["format"] == "specdec-eagle-head"
+
+
+# a size in head.json past its bound (errors.CONFIG_BOUNDS, as a model's config.json): refused by
+# name, value and bound before anything is allocated (the field, a value past it, config.json's
+# name for it, the bound)
+HEAD_SIZES_PAST_THEIR_BOUNDS = [
+    ("num_layers", 10**9, "num_hidden_layers", 1024),
+    ("vocab_size", 10**12, "vocab_size", 2**24),
+    ("hidden_size", 2**30, "hidden_size", 2**17),
+    ("intermediate_size", 2**40, "intermediate_size", 2**20),
+    ("num_kv_heads", 2048, "num_key_value_heads", 1024),
+    ("output_vocab_size", 2**25, "output_vocab_size", 2**24),
+    ("max_position_embeddings", 10**12, "max_position_embeddings", 2**24),
+]
+
+
+def edited_head(dirs, tmp_path, **model) -> str:
+    """A copy of the tiny head with those fields of head.json's model replaced."""
+    head = tmp_path / "edited"
+    head.mkdir()
+    (head / "head.safetensors").write_bytes((dirs["head"] / "head.safetensors").read_bytes())
+    config = json.loads((dirs["head"] / HEAD_CONFIG).read_text())
+    config["model"].update(model)
+    (head / HEAD_CONFIG).write_text(json.dumps(config))
+    return str(head)
+
+
+@pytest.mark.parametrize("field, value, named, bound", HEAD_SIZES_PAST_THEIR_BOUNDS)
+def test_a_head_size_past_its_bound_is_refused_by_name(dirs, tmp_path, field, value, named, bound):
+    head = edited_head(dirs, tmp_path, **{field: value})
+    said = f"{field} ({named})" if field != named else field
+    start = time.perf_counter()
+    with pytest.raises(HeadLoadError, match=re.escape(f"head.json: {said} is {value}, more than {bound}")):
+        LLM(str(dirs["target"]), speculative_model=head, speculative_method="eagle", dtype="float32")
+    assert time.perf_counter() - start < 10.0  # the target loads; nothing of the head's size is made
+
+
+@pytest.mark.parametrize("model", [{"hidden_size": "64"}, {"num_layers": 0}, {"sliding_windows": [2**40]}])
+def test_a_head_size_not_an_integer_or_a_window_past_its_bound_is_refused(dirs, plain, tmp_path, model):
+    head = edited_head(dirs, tmp_path, **model)
+    field = next(iter(model))
+    with pytest.raises(HeadLoadError, match=f"head.json: {field}"):
+        load_head(head, plain.target.model.config, torch.float32)
 
 
 def test_a_head_directory_is_recognised_as_eagle(dirs, plain, capsys):

@@ -40,6 +40,8 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 from torch import nn
 
+from specdec.config import is_int
+from specdec.models.errors import size_out_of_bounds
 from specdec.models.llama import DecoderLayer, DecoderStack, ModelConfig, RMSNorm, scores_over_vocabulary
 
 HEAD_FORMAT = "specdec-eagle-head"
@@ -56,6 +58,20 @@ MATCHING_FIELDS = (
     "mlp_bias",
     "qk_norm",
 )
+
+# head.json's sizes (ModelConfig's names) -> config.json's, whose bounds (errors.CONFIG_BOUNDS)
+# they share; sliding_windows' entries are bounded as sliding_window
+HEAD_SIZES = {
+    "num_layers": "num_hidden_layers",
+    "num_heads": "num_attention_heads",
+    "num_kv_heads": "num_key_value_heads",
+    "head_dim": "head_dim",
+    "hidden_size": "hidden_size",
+    "intermediate_size": "intermediate_size",
+    "vocab_size": "vocab_size",
+    "output_vocab_size": "output_vocab_size",
+    "max_position_embeddings": "max_position_embeddings",
+}
 
 
 class HeadLoadError(ValueError):
@@ -253,6 +269,7 @@ def read_head_config(path: Path) -> tuple[ModelConfig, tuple[int, ...]]:
     if not isinstance(data, dict) or data.get("format") != HEAD_FORMAT or not isinstance(data.get("model"), dict):
         raise HeadLoadError(f"{file} is not a specdec EAGLE head config (format {HEAD_FORMAT!r})")
     fields = dict(data["model"])
+    check_head_sizes(fields, file)
     fields["rope_scaling"] = tuple(tuple(pair) for pair in fields.get("rope_scaling") or ())
     fields["sliding_windows"] = tuple(fields.get("sliding_windows") or ())
     try:
@@ -267,6 +284,30 @@ def read_head_config(path: Path) -> tuple[ModelConfig, tuple[int, ...]]:
     ):
         raise HeadLoadError(f"{file}: feature_layers must be ascending distinct layer indices, got {layers!r}")
     return config, tuple(layers)
+
+
+def check_head_sizes(fields: dict, file: Path) -> None:
+    """Refuse a size in head.json's model (fields) that is not an integer or is past its bound
+    (errors.CONFIG_BOUNDS, as a model's config.json), naming the field, its value and the bound,
+    before anything of that size is made; a missing one is left to ModelConfig to name."""
+    windows = fields.get("sliding_windows") or []
+    if not isinstance(windows, list):
+        raise HeadLoadError(f"{file}: sliding_windows must be a list (one per layer), got {windows!r}")
+    sizes = [(name, fields[name], bounded) for name, bounded in HEAD_SIZES.items() if name in fields]
+    sizes += [("sliding_windows", window, "sliding_window") for window in windows if window is not None]
+    for name, value, bounded in sizes:
+        least = 0 if name == "output_vocab_size" else 1
+        if not (is_int(value) and value >= least):
+            raise HeadLoadError(f"{file}: {name} must be an integer >= {least}, got {value!r}")
+        message = size_out_of_bounds(
+            bounded,
+            value,
+            str(file),
+            named=None if name == bounded else name,
+            remedy=f"{HEAD_CONFIG} is corrupt or not an EAGLE head's: train the head again (`specdec train-heads`)",
+        )
+        if message is not None:
+            raise HeadLoadError(message)
 
 
 def check_head_fits(config: ModelConfig, target: ModelConfig, path: Path) -> None:

@@ -25,9 +25,13 @@ CONFIG_BOUNDS = {
 }
 
 
-def size_out_of_bounds(field: str, value: int, where: str, named: str | None = None) -> str | None:
+def size_out_of_bounds(
+    field: str, value: int, where: str, named: str | None = None, remedy: str | None = None
+) -> str | None:
     """What to say of a size past its bound in CONFIG_BOUNDS (None if it is within it). field: the
-    config.json name; named: what the source calls it, if not that (a GGUF metadata key)."""
+    config.json name; named: what the source calls it, if not that (a GGUF metadata key, a field
+    of an EAGLE head's head.json); remedy: what to say after the bound, if not that a model's
+    config or file is corrupt (an EAGLE head's head.json)."""
     bound = CONFIG_BOUNDS[field]
     if value <= bound:
         return None
@@ -35,7 +39,9 @@ def size_out_of_bounds(field: str, value: int, where: str, named: str | None = N
         what, source, fix = field, "config", "fix the value or re-download the model"
     else:
         what, source, fix = f"{named} ({field})", "file", "download or convert the file again"
+    if remedy is None:
+        remedy = f"the {source} is corrupt or not a model's: {fix}"
     return (
         f"{where}: {what} is {value}, more than {bound}, the most specdec accepts (far above any "
-        f"real model's); the {source} is corrupt or not a model's: {fix}"
+        f"real model's); {remedy}"
     )
