@@ -16,6 +16,10 @@ answer in OpenAI's shape (protocol.APIError), from validation to a full queue (4
 Retry-After) and a model this server does not serve (404 model_not_found); nothing a request
 sends stops the server. Past --shutdown-timeout after SIGTERM the engine stops (commands.py):
 a request still running gets a 503, a stream an error event and then `data: [DONE]`.
+
+A client that closes its connection has its requests aborted at once, wherever they are: waiting
+for a slot (never prefilled), in the step that prefills them, or decoding; the engine drops
+them at its next step (_unless_client_leaves, AsyncEngine.generate).
 """
 
 from __future__ import annotations
@@ -27,7 +31,7 @@ import logging
 import time
 from collections.abc import AsyncGenerator, Awaitable, Callable, Sequence
 from dataclasses import dataclass
-from typing import cast
+from typing import TypeVar, cast
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -58,6 +62,7 @@ from specdec.serve.protocol import (
 )
 
 log = logging.getLogger("specdec")
+T = TypeVar("T")
 
 RETRY_AFTER_SECONDS = 1
 ERRORS = {  # every status an error comes with, as the schema documents it (body: ErrorResponse)
@@ -75,7 +80,6 @@ GENERATED = {  # a completion's 200: whole, or streamed
     "content": {"application/json": {}, "text/event-stream": {}},
 }
 DEFAULT_MAX_REQUEST_BYTES = 2_000_000  # TGI's --payload-limit; commands.py raises it for long contexts
-DISCONNECT_POLL_SECONDS = 0.25  # how often a non-streaming request checks that its client is still there
 
 
 @dataclass
@@ -154,58 +158,11 @@ def build_app(state: ServerState) -> FastAPI:
 
     @app.post("/v1/completions", responses={200: GENERATED, **_errors(*ERRORS)})
     async def completions(body: CompletionRequest, raw: Request):
-        _check_common(state, body)
-        prompts = _prompt_list(body.prompt)
-        requests = [await asyncio.to_thread(_prepare, state, body, prompt, body.max_tokens) for prompt in prompts]
-        request_id = new_id("cmpl")
-        streams = [
-            state.async_engine.generate(
-                f"{request_id}-{i}", ids, params, prompt if isinstance(prompt, str) else None, stream_text=body.stream
-            )
-            for i, (prompt, ids, params) in enumerate(requests)
-        ]
-        firsts = await _first_outputs(streams)
-        prompt_tokens = sum(len(ids) for _, ids, _ in requests)
-        if body.stream:
-            return _sse(_completion_events(state, request_id, body, streams, firsts, prompt_tokens))
-        outputs = await _until_finished(raw, streams, firsts)
-        choices = [
-            completion_choice(
-                i,
-                "".join(o.outputs[0].text for o in outs),
-                outs[-1].outputs[0].finish_reason,
-                _joined_logprobs(outs, lambda entries: completion_logprobs(entries, state.token_text)),
-            )
-            for i, outs in enumerate(outputs)
-        ]
-        completion_tokens = sum(len(o.outputs[0].token_ids) for outs in outputs for o in outs)
-        return completion_response(request_id, state.model_name, choices, prompt_tokens, completion_tokens)
+        return await _unless_client_leaves(raw, _complete(state, body))
 
     @app.post("/v1/chat/completions", responses={200: GENERATED, **_errors(*ERRORS)})
     async def chat_completions(body: ChatCompletionRequest, raw: Request):
-        _check_common(state, body)
-        messages = [{"role": m.role, "content": m.text()} for m in body.messages]
-        prompt_ids = await asyncio.to_thread(_chat_token_ids, state, messages, body.add_generation_prompt)
-        max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
-        _, ids, params = await asyncio.to_thread(_prepare, state, body, prompt_ids, max_tokens)
-        request_id = new_id("chatcmpl")
-        stream = state.async_engine.generate(request_id, ids, params, stream_text=body.stream)
-        (first,) = await _first_outputs([stream])
-        if body.stream:
-            return _sse(_chat_events(state, request_id, body, stream, first, len(ids)))
-        (outputs,) = await _until_finished(raw, [stream], [first])
-        text = "".join(o.outputs[0].text for o in outputs)
-        completion_tokens = sum(len(o.outputs[0].token_ids) for o in outputs)
-        logprobs = _joined_logprobs(outputs, lambda entries: chat_logprobs(entries, state.token_text))
-        return chat_response(
-            request_id,
-            state.model_name,
-            text,
-            outputs[-1].outputs[0].finish_reason,
-            len(ids),
-            completion_tokens,
-            logprobs,
-        )
+        return await _unless_client_leaves(raw, _chat(state, body))
 
     return app
 
@@ -291,6 +248,90 @@ def _named_field(message: str, body: SamplingFields) -> str | None:
 # --- running requests ---------------------------------------------------------------------------------
 
 
+async def _complete(state: ServerState, body: CompletionRequest):
+    """A completion: its prompts tokenized (in a thread), run, and answered whole or as a stream
+    (which starts once every prompt has its first output, so that a refusal is still a status)."""
+    _check_common(state, body)
+    prompts = _prompt_list(body.prompt)
+    requests = [await asyncio.to_thread(_prepare, state, body, prompt, body.max_tokens) for prompt in prompts]
+    request_id = new_id("cmpl")
+    streams = [
+        state.async_engine.generate(
+            f"{request_id}-{i}", ids, params, prompt if isinstance(prompt, str) else None, stream_text=body.stream
+        )
+        for i, (prompt, ids, params) in enumerate(requests)
+    ]
+    firsts = await _first_outputs(streams)
+    prompt_tokens = sum(len(ids) for _, ids, _ in requests)
+    if body.stream:
+        return _sse(_completion_events(state, request_id, body, streams, firsts, prompt_tokens))
+    outputs = await _until_finished(streams, firsts)
+    choices = [
+        completion_choice(
+            i,
+            "".join(o.outputs[0].text for o in outs),
+            outs[-1].outputs[0].finish_reason,
+            _joined_logprobs(outs, lambda entries: completion_logprobs(entries, state.token_text)),
+        )
+        for i, outs in enumerate(outputs)
+    ]
+    completion_tokens = sum(len(o.outputs[0].token_ids) for outs in outputs for o in outs)
+    return completion_response(request_id, state.model_name, choices, prompt_tokens, completion_tokens)
+
+
+async def _chat(state: ServerState, body: ChatCompletionRequest):
+    """A chat completion: its messages rendered and tokenized (in a thread), run, and answered
+    whole or as a stream (which starts once the first output is there)."""
+    _check_common(state, body)
+    messages = [{"role": m.role, "content": m.text()} for m in body.messages]
+    prompt_ids = await asyncio.to_thread(_chat_token_ids, state, messages, body.add_generation_prompt)
+    max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
+    _, ids, params = await asyncio.to_thread(_prepare, state, body, prompt_ids, max_tokens)
+    request_id = new_id("chatcmpl")
+    stream = state.async_engine.generate(request_id, ids, params, stream_text=body.stream)
+    (first,) = await _first_outputs([stream])
+    if body.stream:
+        return _sse(_chat_events(state, request_id, body, stream, first, len(ids)))
+    (outputs,) = await _until_finished([stream], [first])
+    text = "".join(o.outputs[0].text for o in outputs)
+    completion_tokens = sum(len(o.outputs[0].token_ids) for o in outputs)
+    logprobs = _joined_logprobs(outputs, lambda entries: chat_logprobs(entries, state.token_text))
+    return chat_response(
+        request_id,
+        state.model_name,
+        text,
+        outputs[-1].outputs[0].finish_reason,
+        len(ids),
+        completion_tokens,
+        logprobs,
+    )
+
+
+async def _unless_client_leaves(raw: Request, work: Awaitable[T]) -> T:
+    """work's result, unless the client closes the connection first: then work is cancelled, which
+    closes its requests' streams and so aborts them in the engine wherever they are (waiting for
+    a slot, in the step that prefills them, decoding: AsyncEngine.generate), and the answer is a
+    499 that nobody reads. A stream's response, once returned, is watched by Starlette's
+    StreamingResponse itself, which ends the stream (and so the requests) when the client leaves."""
+    task = asyncio.ensure_future(work)
+    left = asyncio.ensure_future(_client_left(raw))
+    try:
+        await asyncio.wait({task, left}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        await _cancel([left, task])  # task: still running only if the client left (or this route was cancelled)
+    if task.cancelled():
+        raise APIError(499, "the client closed the connection")
+    return task.result()
+
+
+async def _client_left(raw: Request) -> None:
+    """Returns once the client has closed the connection: the server's http.disconnect message.
+    The body is read before a route runs, so receive() has nothing else to give (an empty
+    http.request at most, which is passed over)."""
+    while (await raw.receive())["type"] != "http.disconnect":
+        pass
+
+
 async def _first_outputs(streams: list[AsyncGenerator[RequestOutput, None]]) -> list[RequestOutput]:
     """Each stream's first output: a request the engine refuses, or a full queue, fails here,
     before any response is sent (the other streams are closed, which aborts them)."""
@@ -333,9 +374,9 @@ def _api_error(error: Exception) -> APIError:
     return APIError(500, f"internal error: {type(error).__name__}: {error}", type="server_error")
 
 
-async def _until_finished(raw: Request, streams, firsts: list[RequestOutput]) -> list[list[RequestOutput]]:
-    """Every output of every stream (each list starting with its first); if the client goes
-    away meanwhile, the requests are aborted."""
+async def _until_finished(streams, firsts: list[RequestOutput]) -> list[list[RequestOutput]]:
+    """Every output of every stream (each list starting with its first). A client that leaves
+    meanwhile cancels this (_unless_client_leaves), and with it the requests."""
 
     async def rest(stream, first):
         outputs = [first]
@@ -343,19 +384,13 @@ async def _until_finished(raw: Request, streams, firsts: list[RequestOutput]) ->
             outputs += [output async for output in stream]
         return outputs
 
-    task = asyncio.ensure_future(asyncio.gather(*(rest(s, f) for s, f in zip(streams, firsts))))
+    tasks = [asyncio.ensure_future(rest(stream, first)) for stream, first in zip(streams, firsts)]
     try:
-        while True:
-            done, _ = await asyncio.wait({task}, timeout=DISCONNECT_POLL_SECONDS)
-            if done:
-                error = task.exception()
-                if error is not None:
-                    raise _told(error)
-                return task.result()
-            if await raw.is_disconnected():
-                raise APIError(499, "the client closed the connection")
+        return list(await asyncio.gather(*tasks))
+    except Exception as e:
+        raise _told(e) from None
     finally:
-        await _cancel([task])
+        await _cancel(tasks)  # the others, where one failed
         for stream in streams:
             await stream.aclose()
 

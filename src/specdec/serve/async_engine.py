@@ -4,7 +4,9 @@ One background thread owns the Engine: it takes new requests and aborts from a q
 steps, runs a step while any request is unfinished (sleeping otherwise), and hands each step's
 outputs to the event loop, where every request has its own asyncio queue. A request is an async
 iterator of RequestOutput deltas (outputs.py); leaving it early (a client that disconnects, a
-cancelled task) aborts the request, and its slot is free at the next step.
+cancelled task) aborts the request before the next step, wherever it is: a request still waiting
+is dropped before any prefill, a running one leaves the batch. Aborts are counted in /metrics
+(specdec:request_aborted, by stage), never as a success.
 
 The thread keeps the event loop free while the model runs: PyTorch releases the GIL in its
 kernels, so the server answers /health and /metrics and reads new requests during a step.
@@ -64,6 +66,12 @@ class AsyncEngine:
     def is_running(self) -> bool:
         """Whether the engine's thread is stepping (or waiting for work)."""
         return self._thread is not None and self._thread.is_alive()
+
+    @property
+    def num_open_requests(self) -> int:
+        """Requests whose callers still iterate them: given, and neither finished, refused, failed
+        nor left (a request left early has its abort on the way to the engine's thread)."""
+        return self._num_unfinished
 
     @property
     def num_slots(self) -> int:
@@ -181,10 +189,18 @@ class AsyncEngine:
                 except Exception as e:  # a bug: this request fails, the server goes on
                     log.exception("adding request %s failed", request_id)
                     self._deliver([RuntimeError(f"the engine failed: {type(e).__name__}: {e}")], [request_id])
-            elif self.engine.abort(argument):
-                self._arrivals.pop(argument, None)
-                self.metrics.forget(argument)
-                self._observe_engine()
+            else:
+                self._abort(argument)
+
+    def _abort(self, request_id: str) -> None:
+        """A request whose client left (AsyncEngine.generate ended early) out of the engine, its
+        slot and blocks free, counted as aborted where it was: waiting for a slot (dropped before
+        any prefill) or running. Nothing if it had finished meanwhile (it counted as a success)."""
+        stage = "waiting" if any(seq.request_id == request_id for seq in self.engine.scheduler.waiting) else "running"
+        if self.engine.abort(request_id):
+            self._arrivals.pop(request_id, None)
+            self.metrics.aborted(request_id, stage)
+            self._observe_engine()
 
     def _step(self) -> None:
         """One engine step, its outputs delivered, then counted. A step that raises (a bug, a

@@ -6,6 +6,8 @@ Every metric has the label model_name (the served model's name), as vLLM's do. L
                                 tokens (speculation accepts several at once) counts n latencies
                                 of (time since the request's last tokens) / n
   e2e_request_latency_seconds   from arrival to the last token
+request_success counts requests that finished (by finish reason); request_aborted those whose
+client left first (by stage: waiting or running), which are never counted as a success.
 The speculative counters follow vLLM's: a draft is one round in which a request was given a k of
 at least 1; accepted tokens per position count, for each draft position, the rounds that
 accepted it. specdec adds spec_decode_rounds_by_k: request-rounds by the k chosen (0 = plain).
@@ -67,6 +69,12 @@ class ServerMetrics:
         self.prompt_tokens = counter("prompt_tokens", "Prompt tokens of started requests.")
         self.generation_tokens = counter("generation_tokens", "Generated tokens.")
         self.success = counter("request_success", "Finished requests, by finish reason.", ["finished_reason"])
+        self.aborted_by_stage = counter(
+            "request_aborted",
+            "Requests aborted because their client left, by stage: waiting (for a slot: dropped before any "
+            "prefill, unless preempted) or running (dropped from the batch at the next step).",
+            ["stage"],
+        )
         self.drafts = counter("spec_decode_num_drafts", "Rounds in which a request proposed draft tokens.")
         self.draft_tokens = counter("spec_decode_num_draft_tokens", "Draft tokens proposed.")
         self.accepted_tokens = counter("spec_decode_num_accepted_tokens", "Draft tokens accepted.")
@@ -149,8 +157,13 @@ class ServerMetrics:
         self._seen_cache = (prefix_queries, prefix_hits, preemptions)
 
     def forget(self, request_id: str) -> None:
-        """An aborted request."""
+        """A request that ended without finishing (aborted, or failed): no more latencies."""
         self._last_token_time.pop(request_id, None)
+
+    def aborted(self, request_id: str, stage: str) -> None:
+        """A request aborted because its client left, where it was: "waiting" or "running"."""
+        self.forget(request_id)
+        self.aborted_by_stage.labels(self.model_name, stage).inc()
 
     def _observe_speculation(self, totals: SpecStats) -> None:
         seen = self._seen
