@@ -21,6 +21,8 @@ class Sequence:
     slot: int = -1  # its row in the KV caches' block table while running
     num_cached_tokens: int = 0  # leading positions found in the prefix cache when it was admitted (not prefilled)
     num_drafter_cached_tokens: int = 0  # of those, the ones whose entries a drafter's cache in the pool holds too
+    num_prefilled: int | None = None  # while its prefill is under way (in chunks): the positions of
+    # prefill_token_ids whose entries the target's cache holds; None once it is done (or not begun)
     output_token_ids: list[int] = field(default_factory=list)
     output_from_draft: list[bool] = field(default_factory=list)  # per output token: an accepted draft token?
     output_logprobs: list = field(default_factory=list)  # per output token, when params.logprobs asks: TokenLogprob
@@ -42,6 +44,16 @@ class Sequence:
         recomputed after preemption, all its tokens but the last, which the next round feeds as
         it would have (so nothing is sampled twice and its generator's draws stay in step)."""
         return self.token_ids[:-1] if self.output_token_ids else self.prompt_token_ids
+
+    @property
+    def prefilling(self) -> bool:
+        return self.num_prefilled is not None
+
+    @property
+    def num_written(self) -> int:
+        """The leading positions whose entries the target's cache holds: all but the last token's
+        once prefilled, fewer while a prefill is under way."""
+        return self.num_tokens - 1 if self.num_prefilled is None else self.num_prefilled
 
     @property
     def num_tokens(self) -> int:

@@ -204,6 +204,40 @@ def test_a_small_pool_preempts_and_the_drafts_pool_keeps_no_block(pair):
     assert engine_blocks.num_held == 0 and drafter.blocks.num_held == 0
 
 
+def test_preempted_requests_give_the_tokens_they_give_unpreempted(pair):
+    """Six requests, half greedy and half sampled with seeds of their own, in a budget of 12
+    blocks (preempting: swapped out, the draft's own blocks and state kept) give the tokens they
+    give in a budget that holds them all."""
+    llm = LLM(
+        str(pair["target"]),
+        speculative_model=str(pair["draft"]),
+        dtype="float32",
+        num_speculative_tokens=4,
+        speculative_k_policy="fixed",
+        max_num_seqs=6,
+    )
+    params = [
+        SamplingParams(max_tokens=40, ignore_eos=True, **(dict(temperature=0) if i % 2 else dict(seed=i)))
+        for i in range(6)
+    ]
+    prompts = [llm.prompt_token_ids(prompt, p) for prompt, p in zip(text_prompts(6, 72), params)]
+    engine = llm.engine
+    runs = []
+    for kv_cache_bytes in (None, 12 * engine.capacity.position_bytes * 16):
+        engine.prepare_to_serve(max_model_len=128, kv_cache_bytes=kv_cache_bytes)
+        for i, (prompt, p) in enumerate(zip(prompts, params)):
+            engine.add_request(str(i), prompt, p)
+        got: dict[str, list[int]] = {}
+        with torch.inference_mode():
+            while engine.has_unfinished_requests():
+                for output in engine.step():
+                    got.setdefault(output.request_id, []).extend(output.outputs[0].token_ids)
+        runs.append((got, engine.num_preemptions, engine.swap.num_swapped_out))
+    (unpreempted, none, _), (preempted, preemptions, swapped) = runs
+    assert none == 0 and preemptions > 0 and swapped == preemptions
+    assert preempted == unpreempted
+
+
 # --- as the first stage of staged drafts ---------------------------------------------------------
 
 

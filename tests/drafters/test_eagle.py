@@ -151,7 +151,9 @@ def test_an_eagle3_head_reads_the_fused_outputs_of_its_target_layers(dirs, monke
             states = reference(torch.tensor([sequence]), output_hidden_states=True).hidden_states  # each [1, L, H]
             fused = head.fuse(torch.cat([states[1][0], states[2][0], states[3][0]], dim=-1))  # [L, 3H] -> [L, H]
         for start, features in fed[output.request_id]:
-            torch.testing.assert_close(features, fused[start : start + len(features)], atol=2e-5, rtol=1e-4)
+            # float32 through three layers and the fuse, the engine's products against transformers':
+            # 2.1e-5 apart at most on an AVX2-only AMD EPYC (a wrong layer is O(1) apart)
+            torch.testing.assert_close(features, fused[start : start + len(features)], atol=5e-5, rtol=1e-4)
 
 
 def test_the_head_reads_the_targets_features_of_the_tokens_it_follows(dirs, monkeypatch):

@@ -106,22 +106,20 @@ class Engine:
         self.scheduler.add(seq)
 
     def step(self) -> list[RequestOutput]:
-        """Admit waiting requests into free slots (their prefill samples each one's first
-        token), run one round over every running request, retire the finished ones. Returns,
-        for every request that moved, what is new since the last step (outputs.py)."""
+        """Admit waiting requests into free slots (swapped-out ones into their own), run the next
+        chunks of the prefills under way (one that ends samples a new request's first token),
+        run one round over every running request, retire the finished ones. Returns, for every
+        request that moved, what is new since the last step (outputs.py)."""
         if self.max_len is None:
             self.prepare(list(self.scheduler.waiting))
         admitted = self.scheduler.admit()
-        new = [seq for seq in admitted if not seq.output_token_ids]
-        recomputed = [seq for seq in admitted if seq.output_token_ids and not self._swap_in(seq)]
-        if new:
-            self._emit(new, self.round.prefill(new))
-        if recomputed:
-            self.timings["prefill"] += self.round.refill(recomputed)
-        for seq in new + recomputed:  # in a slot new to it
-            self.k_choice.start(seq)
+        for seq in admitted:
+            if not self._swap_in(seq):  # new, or recomputed: its prefill starts after its cached prefix
+                seq.num_prefilled = seq.num_cached_tokens
+                self.k_choice.start(seq)  # in a slot new to it
+        prefilled = self._prefill()
         self._make_room()
-        running = [seq for seq in self.scheduler.running if not seq.finished]
+        running = [seq for seq in self.scheduler.running if not seq.finished and not seq.prefilling]
         if running:
             result = self.round.run(running, self.k_choice.round_ks(running))
             self._emit(running, result)
@@ -129,9 +127,28 @@ class Engine:
         self.scheduler.register_full_blocks(None if self.drafter is None else self.drafter.cached_entries)
         for seq in self.scheduler.retire_finished():
             self._finish(seq)
-        admitted_ids = {seq.request_id for seq in admitted}
-        moved = admitted + [seq for seq in running if seq.request_id not in admitted_ids]
+        moved = list({seq.request_id: seq for seq in admitted + prefilled + running}.values())
         return [output for output in map(self.output.new_output, moved) if output is not None]
+
+    def _prefill(self) -> list[Sequence]:
+        """The next chunks of the prefills under way, oldest first, within one step's prefill
+        budget (scheduler.max_prefill_tokens: rows x the longest chunk; a prompt longer than it
+        is prefilled over several steps, so that a step, and the wait to abort a request, stays
+        short); a new sequence whose prefill ends gets its first token. Returns the sequences fed."""
+        budget = self.scheduler.max_prefill_tokens
+        batch, chunk_lengths = [], []
+        for seq in self.scheduler.running:
+            if not seq.prefilling:
+                continue
+            remaining = len(seq.prefill_token_ids) - seq.num_written
+            length = remaining if budget is None else min(remaining, budget)
+            if batch and budget is not None and (len(batch) + 1) * max(*chunk_lengths, length) > budget:
+                break
+            batch.append(seq)
+            chunk_lengths.append(length)
+        if batch:
+            self._emit(batch, self.round.prefill(batch, chunk_lengths))
+        return batch
 
     def _make_room(self) -> None:
         """Every running sequence's blocks for its next round, oldest first; while the pool is
@@ -263,6 +280,8 @@ class Engine:
         """Append each row's new tokens (stopping inside an accepted run) and count the round."""
         start = time.perf_counter()
         for row, seq in enumerate(batch):
+            if not result.tokens[row]:  # a prefill under way
+                continue
             emitted = self.output.append(
                 seq, result.tokens[row], num_from_draft=result.num_accepted[row], logprobs=result.logprobs[row]
             )

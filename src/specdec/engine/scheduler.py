@@ -30,7 +30,8 @@ class Scheduler:
     """max_prefill_tokens: the most tokens one step's prefill may run, counted as the forward
     runs them (rows x the longest prompt among them); more waiting requests start at the next
     steps, so that a burst of prompts does not stall the running requests' decoding for one long
-    prefill. At least one request starts whenever a slot and blocks are free. None: no limit.
+    prefill. At least one request starts whenever a slot and blocks are free (the engine feeds a
+    prompt longer than the budget in chunks over several steps). None: no limit.
     room(seq): the positions seq must hold blocks for before its next forward (its tokens and
     what a round writes past them)."""
 
@@ -113,7 +114,7 @@ class Scheduler:
         if self.blocks is not None and self.blocks.prefix_caching:
             for seq in self.running:
                 drafted = None if drafter_entries is None else drafter_entries(seq)
-                self.blocks.register(seq.slot, seq.token_ids, drafted)
+                self.blocks.register(seq.slot, seq.token_ids[: seq.num_written + 1], drafted)
 
     def youngest(self) -> Sequence:
         """The running sequence admitted last: the one preempted first."""

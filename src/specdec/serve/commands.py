@@ -20,7 +20,7 @@ log = logging.getLogger("specdec")
 
 DEFAULT_MAX_NUM_SEQS = 64
 MAX_NUM_SEQS_BOUND = 1 << 16  # requests at once: past this, absurd for one engine (vLLM's default is 256)
-DEFAULT_MAX_PREFILL_TOKENS = 2048  # vLLM's default max_num_batched_tokens
+DEFAULT_MAX_PREFILL_TOKENS = 512  # vLLM's max_num_batched_tokens under chunked prefill (its V0 default)
 
 
 def add_serve_parser(commands) -> None:
@@ -68,9 +68,10 @@ def add_serve_parser(commands) -> None:
         "--max-prefill-tokens",
         type=int,
         default=DEFAULT_MAX_PREFILL_TOKENS,
-        help="the most prompt tokens one step prefills (rows x the longest prompt); more new requests "
-        f"start at the next steps, so that a burst does not stall the running ones "
-        f"(default {DEFAULT_MAX_PREFILL_TOKENS}; one request always starts)",
+        help="the most prompt tokens one step prefills (rows x the longest chunk): a longer prompt is "
+        "prefilled in chunks over several steps, and more new requests start at the next ones, so that a "
+        "burst does not stall the running requests and a client that leaves is dropped within a step "
+        f"(default {DEFAULT_MAX_PREFILL_TOKENS})",
     )
     p.add_argument(
         "--max-model-len",

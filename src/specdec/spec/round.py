@@ -73,17 +73,40 @@ class SpeculativeRound:
         """Earlier requests may share ids with the next ones: rebuild the sampling tensors."""
         self._sampling_key = None
 
-    def prefill(self, batch: list[Sequence]) -> RoundResult:
-        """One target forward over the new sequences' prompts, after the positions found in the
-        prefix cache; samples each one's next token."""
+    def prefill(self, batch: list[Sequence], chunk_lengths: list[int]) -> RoundResult:
+        """One target forward over the next chunk_lengths[i] of each row's prefill_token_ids (a new
+        sequence's prompt; a recomputed one's tokens but the last) after its num_prefilled, which
+        it advances. A row whose prefill this finishes is done (num_prefilled None), and a new one
+        samples its first token; a recomputed one samples nothing (the next round feeds its last
+        token, as it would have: its generator's draws stay in step). Rows left part-way get no
+        token either: the result's tokens[i] is [] for them."""
         start = time.perf_counter()
-        logits = self._feed(batch)  # [B, V]
-        probs = warp(logits, SamplingTensors.from_params([s.params for s in batch], self.target.device))
-        first_tokens = sample(probs, [s.generator for s in batch])  # [B]
-        logprobs = _logprobs(batch, logits[:, None], first_tokens[:, None], torch.ones_like(first_tokens))
+        starts = [s.num_written for s in batch]  # every row is prefilling: its num_prefilled
+        chunks = [s.prefill_token_ids[first : first + n] for s, first, n in zip(batch, starts, chunk_lengths)]
+        logits = self._feed(batch, chunks, starts)  # [B, V]
+        done = []
+        for seq, first, chunk in zip(batch, starts, chunks):
+            seq.num_prefilled = first + len(chunk)
+            if seq.num_prefilled == len(seq.prefill_token_ids):
+                seq.num_prefilled = None
+                done.append(not seq.output_token_ids)  # a new sequence's: its first token is due
+            else:
+                done.append(False)
+        rows = [row for row, due in enumerate(done) if due]
+        first_tokens: dict[int, int] = {}
+        logprobs: list[list | None] = [None] * len(batch)
+        if rows:
+            index = torch.tensor(rows, device=logits.device)  # [R]
+            sampled = [batch[row] for row in rows]
+            probs = warp(logits[index], SamplingTensors.from_params([s.params for s in sampled], self.target.device))
+            tokens = sample(probs, [s.generator for s in sampled])  # [R]
+            first_tokens = dict(zip(rows, tokens.tolist()))
+            row_logprobs = _logprobs(sampled, logits[index][:, None], tokens[:, None], torch.ones_like(tokens))
+            for row, entry in zip(rows, row_logprobs):
+                logprobs[row] = entry
         zeros, nones = [0] * len(batch), [None] * len(batch)
         return RoundResult(
-            [[token] for token in first_tokens.tolist()],
+            [[first_tokens[row]] if row in first_tokens else [] for row in range(len(batch))],
             zeros,
             zeros,
             nones,
@@ -92,22 +115,11 @@ class SpeculativeRound:
             seconds={"prefill": time.perf_counter() - start},
         )
 
-    def refill(self, batch: list[Sequence]) -> float:
-        """One target forward over sequences preempted and recomputed: their tokens but the last
-        (Sequence.prefill_token_ids), after the positions found in the prefix cache. It samples
-        nothing: the round invariant holds again, and the next round goes on as it would have.
-        Returns its seconds."""
-        start = time.perf_counter()
-        self._feed(batch)
-        return time.perf_counter() - start
-
-    def _feed(self, batch: list[Sequence]) -> torch.Tensor:
-        """The target's forward over each row's prefill_token_ids after its cached prefix (the
-        drafter given the target's features there where it reads them): the logits after each
-        row's last token [B, V]."""
+    def _feed(self, batch: list[Sequence], chunks: list[list[int]], starts: list[int]) -> torch.Tensor:
+        """The target's forward over each row's chunk from its start (the drafter given the
+        target's features there where it reads them): the logits after each chunk's last token
+        [B, V]."""
         device = self.target.device
-        starts = [s.num_cached_tokens for s in batch]  # a cached prefix's entries are in the cache already
-        chunks = [s.prefill_token_ids[start:] for s, start in zip(batch, starts)]
         logits = self.target.feed(
             chunks, starts, [s.slot for s in batch], return_hidden=self.return_hidden
         )  # [B, V] (, hidden [B, T, H])

@@ -1,0 +1,78 @@
+"""Chunked prefill: a step prefills at most max_prefill_tokens (rows x the longest chunk), a
+prompt longer than that over several steps while the others decode, with the same tokens as a
+prefill in one piece; a request aborted between chunks is fed no further."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from test_preemption import drafter_kwargs
+
+from helpers import random_prompts
+from specdec import LLM, SamplingParams
+
+BUDGET = 24
+
+
+def recorded_feeds(llm: LLM, monkeypatch) -> list[list[int]]:
+    """Each prefill forward's row lengths, as the target's runner is fed them."""
+    feeds: list[list[int]] = []
+    feed = llm.runner.feed
+
+    def recorded(chunks, *args, **kwargs):
+        feeds.append([len(chunk) for chunk in chunks])
+        return feed(chunks, *args, **kwargs)
+
+    monkeypatch.setattr(llm.runner, "feed", recorded)
+    return feeds
+
+
+def serve(llm: LLM, prompts, params, budget: int | None) -> dict[str, list[int]]:
+    engine = llm.engine
+    engine.prepare_to_serve(max_model_len=160, max_prefill_tokens=budget)
+    for i, (prompt, p) in enumerate(zip(prompts, params)):
+        engine.add_request(f"r{i}", prompt, p)
+    tokens: dict[str, list[int]] = {}
+    with torch.inference_mode():
+        while engine.has_unfinished_requests():
+            for output in engine.step():
+                tokens.setdefault(output.request_id, []).extend(output.outputs[0].token_ids)
+    return tokens
+
+
+@pytest.mark.parametrize("drafter", ["none", "draft_model", "eagle"])
+def test_long_prompts_are_prefilled_in_chunks_within_the_budget_with_the_same_tokens(
+    tiny_pair, tmp_path, drafter, monkeypatch
+):
+    """Four prompts of 40-100 tokens, greedy and seeded sampled, with a budget of 24 tokens a
+    step: every prefill forward stays within it (rows x the longest chunk), the long prompts
+    take several, and every request's tokens are those of a prefill in one piece."""
+    llm = LLM(str(tiny_pair["target"]), dtype="float32", max_num_seqs=4, **drafter_kwargs(drafter, tiny_pair, tmp_path))
+    prompts = random_prompts(4, seed=61, lengths=(40, 100))
+    params = [
+        SamplingParams(max_tokens=12, ignore_eos=True, **(dict(temperature=0) if i % 2 else dict(seed=i, top_p=0.9)))
+        for i in range(4)
+    ]
+    whole = serve(llm, prompts, params, budget=None)
+    feeds = recorded_feeds(llm, monkeypatch)
+    assert serve(llm, prompts, params, budget=BUDGET) == whole
+    assert all(len(rows) * max(rows) <= BUDGET for rows in feeds)
+    assert sum(map(sum, feeds)) == sum(map(len, prompts))  # every prompt token fed once
+    assert len(feeds) >= sum(map(len, prompts)) // BUDGET
+
+
+def test_a_request_aborted_between_chunks_is_fed_no_further(tiny_pair, monkeypatch):
+    """A 120-token prompt with a budget of 16: after two steps it has had two chunks; aborted,
+    it is fed nothing more, holds no block, and the engine is idle."""
+    llm = LLM(str(tiny_pair["target"]), dtype="float32", max_num_seqs=2)
+    engine = llm.engine
+    engine.prepare_to_serve(max_model_len=160, max_prefill_tokens=16)
+    feeds = recorded_feeds(llm, monkeypatch)
+    engine.add_request("long", random_prompts(1, seed=62, lengths=(120, 121))[0], SamplingParams(max_tokens=4))
+    with torch.inference_mode():
+        assert engine.step() == [] and engine.step() == []  # no token yet: its prefill is under way
+        assert feeds == [[16], [16]]
+        assert engine.abort("long")
+        engine.step()
+    assert feeds == [[16], [16]] and not engine.has_unfinished_requests()
+    assert engine.capacity.blocks is not None and engine.capacity.blocks.num_held == 0
