@@ -170,12 +170,9 @@ def test_the_drafts_cache_stays_in_step_with_the_text(llm, monkeypatch):
         torch.testing.assert_close(fresh._catch_up([0], [context])[0], logits, rtol=1e-4, atol=1e-4)
 
 
-def test_a_small_pool_preempts_and_the_drafts_pool_keeps_no_block(pair):
-    """Served in a budget of 12 blocks for six requests: the engine preempts, the draft's own
-    pool (twice the engine's blocks: DRAFT_LENGTH_FACTOR) hands rows blocks as their contexts
-    grow (a row it cannot grow proposes nothing), and every greedy output is still the target
-    alone's; once all finish, neither pool holds a block."""
-    llm = LLM(
+def six_at_once(pair) -> LLM:
+    """The pair's target drafted for by its other-tokenizer draft, k = 4 fixed, six requests at once."""
+    return LLM(
         str(pair["target"]),
         speculative_model=str(pair["draft"]),
         dtype="float32",
@@ -183,6 +180,14 @@ def test_a_small_pool_preempts_and_the_drafts_pool_keeps_no_block(pair):
         speculative_k_policy="fixed",
         max_num_seqs=6,
     )
+
+
+def test_a_small_pool_preempts_and_the_drafts_pool_keeps_no_block(pair):
+    """Served in a budget of 12 blocks for six requests: the engine preempts, the draft's own
+    pool (twice the engine's blocks: DRAFT_LENGTH_FACTOR) hands rows blocks as their contexts
+    grow (a row it cannot grow proposes nothing), and every greedy output is still the target
+    alone's; once all finish, neither pool holds a block."""
+    llm = six_at_once(pair)
     plain = llm.target_only()
     prompts = text_prompts(6, 71)
     params = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)
@@ -208,14 +213,7 @@ def test_preempted_requests_give_the_tokens_they_give_unpreempted(pair):
     """Six requests, half greedy and half sampled with seeds of their own, in a budget of 12
     blocks (preempting: swapped out, the draft's own blocks and state kept) give the tokens they
     give in a budget that holds them all."""
-    llm = LLM(
-        str(pair["target"]),
-        speculative_model=str(pair["draft"]),
-        dtype="float32",
-        num_speculative_tokens=4,
-        speculative_k_policy="fixed",
-        max_num_seqs=6,
-    )
+    llm = six_at_once(pair)
     params = [
         SamplingParams(max_tokens=40, ignore_eos=True, **(dict(temperature=0) if i % 2 else dict(seed=i)))
         for i in range(6)

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from test_preemption import drafter_kwargs
+from test_preemption import drafter_kwargs, serve_all
 
 from helpers import random_prompts
 from specdec import LLM, SamplingParams
@@ -27,19 +27,6 @@ def recorded_feeds(llm: LLM, monkeypatch) -> list[list[int]]:
     return feeds
 
 
-def serve(llm: LLM, prompts, params, budget: int | None) -> dict[str, list[int]]:
-    engine = llm.engine
-    engine.prepare_to_serve(max_model_len=160, max_prefill_tokens=budget)
-    for i, (prompt, p) in enumerate(zip(prompts, params)):
-        engine.add_request(f"r{i}", prompt, p)
-    tokens: dict[str, list[int]] = {}
-    with torch.inference_mode():
-        while engine.has_unfinished_requests():
-            for output in engine.step():
-                tokens.setdefault(output.request_id, []).extend(output.outputs[0].token_ids)
-    return tokens
-
-
 @pytest.mark.parametrize("drafter", ["none", "draft_model", "eagle"])
 def test_long_prompts_are_prefilled_in_chunks_within_the_budget_with_the_same_tokens(
     tiny_pair, tmp_path, drafter, monkeypatch
@@ -53,9 +40,9 @@ def test_long_prompts_are_prefilled_in_chunks_within_the_budget_with_the_same_to
         SamplingParams(max_tokens=12, ignore_eos=True, **(dict(temperature=0) if i % 2 else dict(seed=i, top_p=0.9)))
         for i in range(4)
     ]
-    whole = serve(llm, prompts, params, budget=None)
+    whole, _ = serve_all(llm, prompts, params, None, max_model_len=160)
     feeds = recorded_feeds(llm, monkeypatch)
-    assert serve(llm, prompts, params, budget=BUDGET) == whole
+    assert serve_all(llm, prompts, params, None, max_model_len=160, max_prefill_tokens=BUDGET)[0] == whole
     assert all(len(rows) * max(rows) <= BUDGET for rows in feeds)
     assert sum(map(sum, feeds)) == sum(map(len, prompts))  # every prompt token fed once
     assert len(feeds) >= sum(map(len, prompts)) // BUDGET

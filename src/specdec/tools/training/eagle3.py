@@ -643,7 +643,8 @@ def train_eagle3(
                 f"the {name} documents hold {split.num_tokens} tokens, fewer than one window of --context {context}",
             )
         target_config = target.model.config
-        shape = head_config(target_config, eagle3.output_vocab, eagle3.intermediate_size)
+        # eagle3.output_vocab was set by scored_vocabulary above (never None here)
+        shape = head_config(target_config, eagle3.output_vocab or 0, eagle3.intermediate_size)
         head = initialise(EagleHead(shape, layers), 1, config.seed).to(config.device)
         if init_head is not None:
             start_from(head, init_head, target_config)
