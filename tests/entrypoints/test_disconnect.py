@@ -21,14 +21,11 @@ from collections.abc import Callable
 import httpx
 import pytest
 import torch
-import uvicorn
+from test_faults import InProcessServer as ServerWithFaults
+from test_faults import wait_for
 
 from helpers import save_tiny_pair
 from specdec import LLM
-from specdec.serve.app import ServerState, build_app
-from specdec.serve.async_engine import AsyncEngine
-from specdec.serve.process import free_port
-from specdec.serve.prom import ServerMetrics
 
 # slow: a server in this process (seconds); alone: its requests are timed against each other's steps
 pytestmark = [pytest.mark.slow, pytest.mark.alone]
@@ -81,30 +78,17 @@ def slowed(run: Callable) -> Callable:
     return run_slowly
 
 
-class InProcessServer:
-    """llm served by build_app on uvicorn in a thread, on a free port; its prefills recorded
-    (and holdable: HeldPrefills), its rounds slowed; stop() shuts it down."""
+class InProcessServer(ServerWithFaults):
+    """The tiny pair served in this process (test_faults' server) with a prefill budget of
+    PREFILL_BUDGET, its prefills recorded (and holdable: HeldPrefills), its rounds slowed."""
 
     def __init__(self, llm: LLM):
-        with torch.inference_mode():
-            llm.engine.prepare_to_serve(CONTEXT, max_prefill_tokens=PREFILL_BUDGET)
-        self.engine = llm.engine
+        super().__init__(llm, max_prefill_tokens=PREFILL_BUDGET)
+
+    def instrument(self) -> None:
         self.prefills = HeldPrefills(self.engine.round.prefill)
         self.engine.round.prefill = self.prefills
         self.engine.round.run = slowed(self.engine.round.run)
-        self.async_engine = AsyncEngine(llm, ServerMetrics("tiny"), max_waiting=16)
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        app = build_app(ServerState(self.async_engine, ["tiny"], CONTEXT))
-        self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="warning"))
-        self.thread = threading.Thread(target=self.server.run, name="uvicorn", daemon=True)
-        self.thread.start()
-        wait_for(lambda: self.server.started, "the server to start")
-
-    def stop(self) -> None:
-        self.server.should_exit = True
-        self.thread.join(timeout=WAIT)
-        assert not self.thread.is_alive(), "the server did not stop"
 
     def metric(self, name: str, **labels: str) -> float:
         """specdec:<name> from /metrics, summed over the series whose labels include labels."""
@@ -139,13 +123,6 @@ class InProcessServer:
             lambda: self.metric("num_requests_running") + self.metric("num_requests_waiting") == 0,
             "/metrics to show no request running or waiting",
         )
-
-
-def wait_for(condition: Callable[[], bool], what: str, timeout: float = WAIT) -> None:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        assert time.monotonic() < deadline, f"waited {timeout:g} s for {what}"
-        time.sleep(0.01)
 
 
 def prompt_ids(length: int, seed: int) -> list[int]:

@@ -61,20 +61,26 @@ class FailOnce:
 
 
 class InProcessServer:
-    """llm served by build_app on uvicorn in a thread, on a free port; stop() shuts it down."""
+    """llm served by build_app on uvicorn in a thread, on a free port, its steps prefilling at
+    most max_prefill_tokens; stop() shuts it down. A subclass may change the engine in
+    instrument(), before it serves."""
 
-    def __init__(self, llm: LLM):
+    def __init__(self, llm: LLM, max_prefill_tokens: int | None = None):
         with torch.inference_mode():
-            llm.engine.prepare_to_serve(CONTEXT)
+            llm.engine.prepare_to_serve(CONTEXT, max_prefill_tokens=max_prefill_tokens)
         self.engine = llm.engine
+        self.instrument()
         self.async_engine = AsyncEngine(llm, ServerMetrics("tiny"), max_waiting=16)
         app = build_app(ServerState(self.async_engine, ["tiny"], CONTEXT))
-        self.url = f"http://127.0.0.1:{free_port()}"
-        config = uvicorn.Config(app, host="127.0.0.1", port=int(self.url.rsplit(":", 1)[1]), log_level="warning")
-        self.server = uvicorn.Server(config)
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="warning"))
         self.thread = threading.Thread(target=self.server.run, name="uvicorn", daemon=True)
         self.thread.start()
         wait_for(lambda: self.server.started, "the server to start")
+
+    def instrument(self) -> None:
+        """Nothing here."""
 
     def stop(self) -> None:
         self.server.should_exit = True
