@@ -1,10 +1,10 @@
 """The engine: requests in, one speculative round per step, outputs out.
 
 A step: admit waiting requests into free cache slots, with the cache blocks they need
-(scheduler.py), and prefill them (a preempted one: swapped back in, or recomputed); give every
-running request the blocks its round writes, preempting the youngest while they run short
-(swapped out within the swap space, swap.py, else recomputed later); run one round over every running request
-(spec/round.py, each row's k from spec/k_choice.py); append each row's new tokens, stopping at
+(scheduler.py), and prefill them in chunks (a preempted one: swapped back in, or recomputed);
+give every running request the blocks its round writes, preempting the youngest while they run
+short (swapped out within the swap space, swap.py, else recomputed later); run one round over
+every running request (spec/round.py, each row's k from spec/k_choice.py); append each row's new tokens, stopping at
 EOS / stop strings / max_tokens even inside an accepted run (output_processor.py); retire the
 finished requests, freeing their slots and blocks. Sizing the caches before requests run is
 capacity.py's.

@@ -96,12 +96,12 @@ class SpeculativeRound:
         first_tokens: dict[int, int] = {}
         logprobs: list[list | None] = [None] * len(batch)
         if rows:
-            index = torch.tensor(rows, device=logits.device)  # [R]
+            due_logits = logits[torch.tensor(rows, device=logits.device)]  # [R, V]
             sampled = [batch[row] for row in rows]
-            probs = warp(logits[index], SamplingTensors.from_params([s.params for s in sampled], self.target.device))
+            probs = warp(due_logits, SamplingTensors.from_params([s.params for s in sampled], self.target.device))
             tokens = sample(probs, [s.generator for s in sampled])  # [R]
             first_tokens = dict(zip(rows, tokens.tolist()))
-            row_logprobs = _logprobs(sampled, logits[index][:, None], tokens[:, None], torch.ones_like(tokens))
+            row_logprobs = _logprobs(sampled, due_logits[:, None], tokens[:, None], torch.ones_like(tokens))
             for row, entry in zip(rows, row_logprobs):
                 logprobs[row] = entry
         zeros, nones = [0] * len(batch), [None] * len(batch)
