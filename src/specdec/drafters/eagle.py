@@ -101,10 +101,10 @@ class EagleDrafter(Drafter):
             output_layer = head.output_layer(lm_head)
         if quantization is not None:
             quantize_into_gguf_kernels(head, HEAD_QUANTIZATION_TYPES[quantization])
-        elif can_pack(dtype, target_runner.device):  # bf16 on a CPU that has it: the runner's eager layout
+        elif can_pack(dtype, target_runner.device):  # on the CPU: the runner's eager layout
             pack_linears(head)
         if can_pack(dtype, target_runner.device) and isinstance(output_layer, torch.nn.Linear):
-            output_layer = torch.nn.Sequential(output_layer)  # the target's rows in bf16: packed as it is
+            output_layer = torch.nn.Sequential(output_layer)  # the target's rows: packed as it is
             pack_linears(output_layer)
         return cls(head, target_runner.eager_model(), spec.draft_confidence_threshold, output_layer)
 

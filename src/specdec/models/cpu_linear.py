@@ -1,22 +1,35 @@
-"""bfloat16 linear layers with their weights prepacked for oneDNN, for decoding on the CPU.
+"""Linear layers with their weights prepacked for oneDNN, for running on the CPU.
 
 Decoding multiplies a few rows of activations by every weight matrix: pure weight
 streaming. PyTorch's plain bf16 CPU matmul re-lays out the weight on every call; oneDNN's
 prepacked (blocked) layout is made once at load time, and on this project's machines it
-roughly halves the time of a decode step's matmuls (benchmarks/bench_core.py). Same
-arithmetic up to bf16 rounding order; the model code is untouched: `pack_linears` swaps
-modules after loading.
+roughly halves the time of a decode step's matmuls (benchmarks/bench_core.py). In float32
+PyTorch's plain matmul (MKL) rounds a row differently by how many rows share the product
+(one row runs a matrix-vector kernel, a few rows another), so a request's tokens would
+depend on its batch; oneDNN's prepacked product gives each row the same bits whatever the
+rows around it (laid out for 64 rows: PACKED_FOR_ROWS; tests/engine/test_batch_independence.py), and on the
+2-core AMD EPYC (AVX2) it is also faster: 0.25-1.05x of F.linear's time for 1, 4 and 300 rows. Same arithmetic up
+to rounding order; the model code is untouched: `pack_linears` swaps modules after loading.
 """
 
 from __future__ import annotations
 
+import functools
+
 import torch
 from torch import nn
 
+# The number of rows oneDNN lays a weight out for (its batch-size hint). In float32 a layout for
+# one row runs that row with another kernel than a layout for 64 (on the AMD EPYC, AVX2: a row's
+# bits then depend on how many rows share the product); laid out for 64, every row gets the same
+# bits for 1 to 600 rows, and 1 and 4 rows run as fast as laid out for 1 (0.6-1.05x F.linear's
+# time, K x N from 512 x 1536 to 1536 x 8960). bfloat16 keeps the layout for one row.
+PACKED_FOR_ROWS = {torch.float32: 64, torch.bfloat16: 1}
+
 
 class PackedLinear(nn.Module):
-    """y = x W^T + b with W held in oneDNN's blocked bf16 layout. weight_dtype: round the
-    weight (and bias) to it first (None: the linear's own dtype, which must be bf16)."""
+    """y = x W^T + b with W held in oneDNN's blocked layout (bfloat16 or float32). weight_dtype:
+    round the weight (and bias) to it first (None: the linear's own dtype)."""
 
     def __init__(self, linear: nn.Linear, weight_dtype: torch.dtype | None = None):
         super().__init__()
@@ -25,7 +38,7 @@ class PackedLinear(nn.Module):
         if weight_dtype is not None:
             weight = weight.to(weight_dtype)
             bias = None if bias is None else nn.Parameter(bias.detach().to(weight_dtype), requires_grad=False)
-        self.packed_weight = torch.ops.mkldnn._reorder_linear_weight(weight, 1)
+        self.packed_weight = torch.ops.mkldnn._reorder_linear_weight(weight, PACKED_FOR_ROWS[weight.dtype])
         self.bias = bias
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -55,12 +68,15 @@ def pack_large_linears_in_bf16(model: nn.Module, min_weight_bytes: int) -> None:
 
 
 def can_pack(dtype: torch.dtype, device: torch.device) -> bool:
-    if device.type != "cpu" or dtype != torch.bfloat16 or not torch.backends.mkldnn.is_available():
+    """Whether linears of dtype on device can be prepacked (a CPU with oneDNN; bfloat16 where
+    oneDNN runs it) and the packed product checks out against F.linear here."""
+    packable = (torch.bfloat16, torch.float32)
+    if device.type != "cpu" or dtype not in packable or not torch.backends.mkldnn.is_available():
         return False
     try:
-        if not torch.ops.mkldnn._is_mkldnn_bf16_supported():
+        if dtype == torch.bfloat16 and not torch.ops.mkldnn._is_mkldnn_bf16_supported():
             return False
-        return _packed_matches_plain()
+        return _packed_matches_plain(dtype)
     except (RuntimeError, AttributeError):  # an op this build or CPU lacks
         return False
 
@@ -78,13 +94,14 @@ def replace_linears(model: nn.Module, replacement, chosen=lambda linear: True) -
                 setattr(parent, name, replacement(child))
 
 
-def _packed_matches_plain() -> bool:
+@functools.cache
+def _packed_matches_plain(dtype: torch.dtype) -> bool:
     """A one-off check that the packed op computes what F.linear does on this machine."""
     g = torch.Generator().manual_seed(0)
-    linear = nn.Linear(64, 48, bias=True).to(torch.bfloat16)
+    linear = nn.Linear(64, 48, bias=True).to(dtype)
     with torch.no_grad():
         linear.weight.copy_(torch.randn(48, 64, generator=g))
-        x = torch.randn(2, 3, 64, generator=g).to(torch.bfloat16)
+        x = torch.randn(2, 3, 64, generator=g).to(dtype)
         expected = linear(x).float()
         got = PackedLinear(linear)(x).float()
     return got.shape == expected.shape and bool(torch.allclose(got, expected, rtol=2e-2, atol=2e-1))

@@ -1,14 +1,17 @@
-"""A GGUF model's decoder layer, whose decode steps and verify forwards run in one C++ call.
+"""A GGUF model's decoder layer, whose forwards over the cache run in one C++ call.
 
 GGUFDecoderLayer holds the same submodules (and so the same names and function) as llama.
 DecoderLayer, with its norms and the MLP's gate fused into the quantized products (gguf_model.
-fuse_into_kernels). A forward of up to FLOAT32_ATTENTION_MAX_QUERIES tokens over the cache on
-the CPU (a decode step, a verify forward) goes to kernels/layer.cpp's DecoderLayerPlan: norm,
-q/k/v, RoPE, the cache write, attention (each query alone, as Attention does for such forwards),
-the output projection, the MLP and both residual adds, with no Python op between them. In the
-model the ops between a step's products cost several times what they cost timed alone: each runs
-after a product has streamed tens of megabytes of weights through the CPU's caches (docs/runner.md,
-"GGUF weights, run quantized"). Prefills and longer forwards take the layer's ordinary path.
+fuse_into_kernels). Every forward over the cache on the CPU (a decode step, a verify forward, a
+prefill chunk) goes to kernels/layer.cpp's DecoderLayerPlan: norm, q/k/v, RoPE, the cache write,
+attention (each query alone, as Attention does over the cache), the output projection, the MLP
+and both residual adds, with no Python op between them. In the model the ops between a step's
+products cost several times what they cost timed alone: each runs after a product has streamed
+tens of megabytes of weights through the CPU's caches (docs/runner.md, "GGUF weights, run
+quantized"). One path for every length also keeps a row's values independent of its batch: the
+ordinary path's RoPE and norms are separate PyTorch ops that round differently, and a prompt
+padded to a longer one's length would take it where the prompt alone would not. Forwards without
+a cache (training) and off the CPU take the layer's ordinary path.
 """
 
 from __future__ import annotations
@@ -18,7 +21,7 @@ from torch import nn
 
 from specdec.kernels import qmatmul
 from specdec.models.gguf_linear import GGUFMLP, GGUFLinear
-from specdec.models.llama import FLOAT32_ATTENTION_MAX_QUERIES, DecoderLayer
+from specdec.models.llama import DecoderLayer
 
 
 class GGUFDecoderLayer(nn.Module):
@@ -30,12 +33,7 @@ class GGUFDecoderLayer(nn.Module):
 
     def forward(self, x, cos, signed_sin, mask, positions, cache, num_keys) -> torch.Tensor:
         """As DecoderLayer.forward; positions are where the tokens' keys and values go."""
-        if (
-            cache is not None
-            and x.device.type == "cpu"
-            and x.shape[1] <= FLOAT32_ATTENTION_MAX_QUERIES
-            and not torch.compiler.is_compiling()
-        ):
+        if cache is not None and x.device.type == "cpu" and not torch.compiler.is_compiling():
             if num_keys > cache.max_len:
                 raise ValueError(f"position {num_keys - 1} is past the cache length {cache.max_len}")
             keys, values, blocks = cache.layer(self.self_attn.layer_index, x.shape[0])  # each row's blocks [B, M]

@@ -159,7 +159,7 @@ class Attention(nn.Module):
             q, k = self.q_norm(qkv[:, :, :H]), self.k_norm(qkv[:, :, H : H + Hkv])
             q, k = apply_rope(q, cos, signed_sin), apply_rope(k, cos, signed_sin)
         v = qkv[:, :, H + Hkv :]  # [B, T, Hkv, D]
-        if isinstance(cache, (KVCache, CacheRows)) and _attends_by_rows(q, T):  # a decode step or a verify forward
+        if isinstance(cache, (KVCache, CacheRows)) and _attends_cache_by_query(q):  # any forward over the cache
             if num_keys > cache.max_len:
                 raise ValueError(f"position {num_keys - 1} is past the cache length {cache.max_len}")
             cache.write(self.layer_index, positions, k, v)
@@ -192,19 +192,23 @@ class Attention(nn.Module):
 FLOAT32_ATTENTION_MAX_QUERIES = 16
 
 
+def _attends_cache_by_query(q: torch.Tensor) -> bool:
+    """On the CPU, every forward over the KV cache (a decode step, a verify forward, a prefill
+    or a chunk of one) attends with specdec's kernel (kernels/attention.cpp), which computes each
+    query alone over its own keys: a verify forward then gives bit for bit what the decode steps
+    would, and a row's values do not depend on the rows it shares a forward with (their lengths,
+    the padding up to the longest) nor on where its prefill was split into chunks. PyTorch's
+    attention does neither: it rounds a query by the block of queries and keys it shares, so a
+    prompt prefilled beside a longer one cached slightly different keys, and a seeded request's
+    tokens changed with its batch. Where the kernel cannot be built (or a head's size is not a
+    multiple of 16), PyTorch's attention."""
+    return q.device.type == "cpu" and q.shape[-1] % 16 == 0 and _attention_kernel_built()
+
+
 def _attends_by_rows(q: torch.Tensor, num_queries: int) -> bool:
-    """On the CPU, a forward of up to FLOAT32_ATTENTION_MAX_QUERIES queries over the cache (a
-    decode step, a verify forward of k <= 15) attends with specdec's kernel (kernels/
-    attention.cpp), which computes each query alone: a verify forward then gives bit for bit
-    what the decode steps would, which PyTorch's attention does not (it rounds a query by the
-    block it shares), so speculation is exact with respect to the model as it runs. Where the
-    kernel cannot be built (or a head's size is not a multiple of 16), PyTorch's attention."""
-    return (
-        q.device.type == "cpu"
-        and num_queries <= FLOAT32_ATTENTION_MAX_QUERIES
-        and q.shape[-1] % 16 == 0
-        and _attention_kernel_built()
-    )
+    """A forward of up to FLOAT32_ATTENTION_MAX_QUERIES queries over another cache (training's
+    steps) attends with the same kernel, for the same reason (a step rounds as a verify would)."""
+    return num_queries <= FLOAT32_ATTENTION_MAX_QUERIES and _attends_cache_by_query(q)
 
 
 def _attention_kernel_built() -> bool:

@@ -579,16 +579,15 @@ class ModelRunner:
         if not self.pack_weights:
             return self.model
         min_bytes = self.bf16_pack_min_bytes
-        if can_pack(self.dtype, device):
-            pack = pack_linears
-        elif self.dtype == torch.float32 and min_bytes is not None and can_pack(torch.bfloat16, device):
-
-            def pack(model):
-                pack_large_linears_in_bf16(model, min_bytes)
-        else:
+        large_in_bf16 = self.dtype == torch.float32 and min_bytes is not None and can_pack(torch.bfloat16, device)
+        if not can_pack(self.dtype, device) and not large_in_bf16:
             return self.model
         model = self.model if self.compile_mode == "off" else _sharing_copy(self.model)
-        pack(model)
+        if large_in_bf16:
+            assert min_bytes is not None
+            pack_large_linears_in_bf16(model, min_bytes)
+        if can_pack(self.dtype, device):
+            pack_linears(model)  # the rest in the model's dtype
         return model
 
 

@@ -1,0 +1,155 @@
+"""A request's tokens do not depend on the requests it shares forwards with.
+
+The reference is each row run alone: a prompt fed by itself, in one piece, and a decode step
+of one row. The same prompt fed beside longer ones (padded to their length), split into
+prefill chunks, or stepped in a batch must give the same bits, in every dtype and weight form
+specdec runs on the CPU (float32 and bfloat16 weights, a GGUF file's weights kept quantized).
+Otherwise a seeded sampled request's tokens change with the load, and preemption (which
+prefills a request again beside others) changes outputs. Then the engine: seeded requests
+batched give the tokens they give alone, on tiny pairs and on SmolLM2 where it is fetched.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from gguf_files import tiny_hf_model, write_gguf
+from helpers import random_prompts, save_tiny_model
+from specdec import LLM, SamplingParams
+from specdec.models.cpu_linear import PackedLinear, can_pack
+from specdec.models.loader import load_pretrained
+from specdec.paths import SMOLLM2_GGUF
+from specdec.worker import ModelRunner
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("batch-independence")
+    return {
+        "safetensors": save_tiny_model(root / "st", "llama", seed=3, init_std=0.3, max_position_embeddings=512),
+        "gguf": write_gguf(root / "q4_1.gguf", tiny_hf_model("llama", seed=0), "Q4_1"),
+    }
+
+
+def runner_of(path: Path, dtype: str) -> ModelRunner:
+    model = load_pretrained(path, dtype, load_tokenizer=False, keep_quantized=path.suffix == ".gguf").model
+    runner = ModelRunner(model, compile="off")
+    runner.prepare(max_batch=8, max_len=512, query_lengths=(1,), num_forwards=1)
+    return runner
+
+
+FORMS = [("safetensors", "float32"), ("safetensors", "bfloat16"), ("gguf", "float32")]
+
+
+@pytest.mark.parametrize(("form", "dtype"), FORMS)
+def test_a_prompt_fed_beside_longer_ones_gets_the_bits_it_gets_alone(models, form, dtype):
+    """Prompts of 12, 300, 40 and 260 tokens fed in one forward (padded, or run in groups):
+    each row's logits after its last token are exactly those of its own forward."""
+    runner = runner_of(models[form], dtype)
+    gen = torch.Generator().manual_seed(7)
+    chunks = [torch.randint(2, 250, (n,), generator=gen).tolist() for n in (12, 300, 40, 260)]
+    together = runner.feed(chunks, [0] * 4, [0, 1, 2, 3])  # [4, V]
+    for row, chunk in enumerate(chunks):
+        assert torch.equal(together[row], runner.feed([chunk], [0], [4 + row])[0]), f"row {row}"
+
+
+@pytest.mark.parametrize(("form", "dtype"), FORMS)
+def test_a_prompt_prefilled_in_chunks_gets_the_bits_of_one_piece(models, form, dtype):
+    """A 200-token prompt fed as chunks of 5, 11, 37 and 147 tokens (some a decode-sized forward,
+    some a prefill-sized one) ends with the logits of the prompt fed whole, and the next decode
+    step from either cache gives the same bits too."""
+    runner = runner_of(models[form], dtype)
+    prompt = torch.randint(2, 250, (200,), generator=torch.Generator().manual_seed(8)).tolist()
+    whole = runner.feed([prompt], [0], [0])[0]
+    start = 0
+    for length in (5, 11, 37, 147):
+        chunked = runner.feed([prompt[start : start + length]], [start], [1])[0]
+        start += length
+    assert torch.equal(chunked, whole)
+    assert torch.equal(runner.feed([[9]], [200], [1])[0], runner.feed([[9]], [200], [0])[0])
+
+
+@pytest.mark.parametrize(("form", "dtype"), FORMS)
+def test_a_decode_step_in_a_batch_gets_the_bits_of_the_step_alone(models, form, dtype):
+    """Three cached prompts stepped together, one token each: each row's logits equal its own
+    step's (the same token from the same cache, alone in the forward)."""
+    runner = runner_of(models[form], dtype)
+    prompts = random_prompts(3, seed=9, lengths=(20, 120), vocab=250)
+    for slot, prompt in enumerate(prompts):
+        runner.feed([prompt], [0], [slot])
+        runner.feed([prompt], [0], [3 + slot])
+    starts = [len(prompt) for prompt in prompts]
+    together = runner.feed([[5], [6], [7]], starts, [0, 1, 2])  # [3, V]
+    for row, start in enumerate(starts):
+        assert torch.equal(together[row], runner.feed([[5 + row]], [start], [3 + row])[0]), f"row {row}"
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_packed_linear_gives_each_row_the_bits_it_gets_alone(dtype):
+    """The oneDNN-prepacked product (what the CPU's eager path runs): 1 to 64 rows at once,
+    each row's output is exactly its product alone."""
+    if not can_pack(dtype, torch.device("cpu")):
+        pytest.skip(f"oneDNN does not pack {dtype} linears on this CPU")
+    g = torch.Generator().manual_seed(10)
+    linear = torch.nn.Linear(256, 768, bias=True).to(dtype)
+    with torch.no_grad():
+        linear.weight.copy_(torch.randn(768, 256, generator=g))
+        packed = PackedLinear(linear)
+        x = torch.randn(64, 256, generator=g).to(dtype)
+        alone = torch.cat([packed(x[i : i + 1]) for i in range(64)])  # [64, 768]
+        for rows in (2, 3, 8, 17, 64):
+            assert torch.equal(packed(x[:rows]), alone[:rows]), f"{rows} rows"
+
+
+def seeded_params(n: int) -> list[SamplingParams]:
+    return [SamplingParams(temperature=0.8, top_p=0.95, seed=100 + i, max_tokens=24, ignore_eos=True) for i in range(n)]
+
+
+def batched_and_alone(llm: LLM, prompts, params) -> tuple[list[list[int]], list[list[int]]]:
+    batched = [out.outputs[0].token_ids for out in llm.generate(prompts, params)]
+    alone = [llm.generate([prompt], p)[0].outputs[0].token_ids for prompt, p in zip(prompts, params)]
+    return batched, alone
+
+
+@pytest.mark.parametrize(("form", "dtype"), FORMS)
+def test_seeded_sampled_requests_give_the_same_tokens_batched_and_alone(models, form, dtype):
+    """Eight seeded sampled requests of 10 to 300 prompt tokens, with prompt lookup drafting
+    (k = 4): served together, each gives the tokens it gives served alone."""
+    llm = LLM(
+        str(models[form]),
+        dtype=dtype,
+        compile="off",
+        max_num_seqs=8,
+        speculative_method="ngram",
+        num_speculative_tokens=4,
+        speculative_k_policy="fixed",
+        enable_prefix_caching=False,
+    )
+    prompts = random_prompts(8, seed=12, lengths=(10, 300), vocab=250)
+    batched, alone = batched_and_alone(llm, [{"prompt_token_ids": p} for p in prompts], seeded_params(8))
+    assert batched == alone
+
+
+@pytest.mark.skipif(
+    not SMOLLM2_GGUF.is_file(), reason=f"{SMOLLM2_GGUF} is not there: `make smollm2` fetches it (pip, ~100 MB)"
+)
+def test_smollm2_seeded_requests_give_the_same_tokens_batched_and_alone():
+    """The real GGUF (Q4_1, kept quantized) with models/smollm2-draft: six seeded sampled code
+    prompts served together give the tokens each gives alone (before prefills ran every
+    length through one kernel, 20 of 30 such requests differed)."""
+    from specdec.tools.benchmark.prompts import held_out_code_prompts
+
+    llm = LLM(
+        str(SMOLLM2_GGUF),
+        dtype="float32",
+        max_num_seqs=6,
+        speculative_model=str(Path(__file__).resolve().parents[2] / "models" / "smollm2-draft"),
+        num_speculative_tokens=4,
+        speculative_k_policy="fixed",
+    )
+    prompts = [prompt.text for prompt in held_out_code_prompts(max_chars=700)[:6]]
+    batched, alone = batched_and_alone(llm, prompts, seeded_params(6))
+    assert batched == alone
