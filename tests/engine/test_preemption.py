@@ -44,14 +44,20 @@ def request_params(seed: int) -> list[SamplingParams]:
 
 
 def serve_all(
-    llm: LLM, prompts, params, num_blocks: int | None, max_model_len: int = 128, max_prefill_tokens: int | None = None
+    llm: LLM,
+    prompts,
+    params,
+    num_blocks: int | None,
+    max_model_len: int = 128,
+    max_prefill_tokens: int | None = None,
+    max_prefill_seconds: float | None = None,
 ) -> tuple[dict[str, list[int]], int]:
     """Every request added at once and stepped to the end in a pool of num_blocks blocks (None:
-    room for all), prefilling at most max_prefill_tokens a step: each request's tokens, and the
-    preemptions counted."""
+    room for all), prefilling at most max_prefill_tokens (and max_prefill_seconds) a step: each
+    request's tokens, and the preemptions counted."""
     engine = llm.engine
     kv_cache_bytes = None if num_blocks is None else num_blocks * engine.capacity.position_bytes * 16
-    engine.prepare_to_serve(max_model_len, kv_cache_bytes, max_prefill_tokens)
+    engine.prepare_to_serve(max_model_len, kv_cache_bytes, max_prefill_tokens, max_prefill_seconds=max_prefill_seconds)
     for i, (prompt, p) in enumerate(zip(prompts, params)):
         engine.add_request(f"r{i}", prompt, p)
     tokens: dict[str, list[int]] = {}

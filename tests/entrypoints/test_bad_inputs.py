@@ -502,6 +502,14 @@ def test_a_max_num_seqs_no_engine_runs_is_refused_before_loading(tmp_path, capsy
     assert "Traceback" not in err
 
 
+@pytest.mark.parametrize("value", ["0", "-1", "nan", "inf"])
+def test_a_prefill_time_bound_that_is_no_time_is_refused_before_loading(tmp_path, capsys, value):
+    assert main(["serve", str(tmp_path / "no_model"), "--max-prefill-seconds", value]) == 2
+    err = capsys.readouterr().err
+    assert f"--max-prefill-seconds must be a positive number of seconds, got {float(value)}" in err
+    assert "Traceback" not in err
+
+
 def test_slots_whose_memory_is_not_free_are_refused_before_any_timing(model_dir, capsys, monkeypatch):
     """Slots that one round's forward over them all (k + 1 positions each) and their block table
     cannot fit beside the cache are refused with the most that fit, exit 2, before a forward is

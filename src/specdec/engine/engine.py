@@ -20,6 +20,7 @@ from specdec.config import SamplingParams
 from specdec.drafters.base import Drafter
 from specdec.engine.capacity import Capacity
 from specdec.engine.output_processor import OutputProcessor
+from specdec.engine.prefill_budget import PrefillBudget
 from specdec.engine.scheduler import Scheduler
 from specdec.engine.swap import DEFAULT_SWAP_SPACE_GIB, SwapSpace
 from specdec.kv_cache import BLOCK_SIZE, swap_in, swap_out
@@ -63,6 +64,7 @@ class Engine:
         self.capacity = Capacity(target, drafter, self.k_choice, self.round.return_hidden, enable_prefix_caching)
         self.output = OutputProcessor(tokenizer, eos_token_ids)
         self.scheduler = Scheduler()
+        self.prefill_budget = PrefillBudget()
         self.swap = SwapSpace(swap_space_bytes)
         self.max_len: int | None = None  # the positions each sequence may use, once prepared
         self._unfinished: dict[str, Sequence] = {}  # by request id: waiting or running
@@ -132,10 +134,11 @@ class Engine:
 
     def _prefill(self) -> list[Sequence]:
         """The next chunks of the prefills under way, oldest first, within one step's prefill
-        budget (scheduler.max_prefill_tokens: rows x the longest chunk; a prompt longer than it
-        is prefilled over several steps, so that a step, and the wait to abort a request, stays
-        short); a new sequence whose prefill ends gets its first token. Returns the sequences fed."""
-        budget = self.scheduler.max_prefill_tokens
+        budget (prefill_budget.py: rows x the longest chunk, within the token bound and what the
+        time bound affords; a prompt longer than it is prefilled over several steps, so that a
+        step, and the wait to abort a request, stays short); a new sequence whose prefill ends
+        gets its first token. Returns the sequences fed."""
+        budget = self.prefill_budget.tokens()
         batch, chunk_lengths = [], []
         for seq in self.scheduler.running:
             if not seq.prefilling:
@@ -147,7 +150,9 @@ class Engine:
             batch.append(seq)
             chunk_lengths.append(length)
         if batch:
-            self._emit(batch, self.round.prefill(batch, chunk_lengths))
+            result = self.round.prefill(batch, chunk_lengths)
+            self.prefill_budget.record(len(batch) * max(chunk_lengths), result.seconds["prefill"])
+            self._emit(batch, result)
         return batch
 
     def _make_room(self) -> None:
@@ -241,17 +246,19 @@ class Engine:
         kv_cache_bytes: int | None = None,
         max_prefill_tokens: int | None = None,
         engines_sharing: int = 1,
+        max_prefill_seconds: float | None = None,
     ) -> int:
         """Size the caches for serving requests of up to max_model_len tokens each (capacity.py;
         compiles only under compile="on": a compiled forward runs the whole batch of slots,
-        however few requests there are). max_prefill_tokens: one step's prefill budget
-        (scheduler.py); engines_sharing: the engines on this machine splitting the default
-        budget (replicas). Returns the slots."""
+        however few requests there are). max_prefill_tokens, max_prefill_seconds: the bounds of
+        one step's prefill (prefill_budget.py); engines_sharing: the engines on this machine
+        splitting the default budget (replicas). Returns the slots."""
         self._check_idle()
+        budget = PrefillBudget(max_prefill_tokens, max_prefill_seconds)  # checked before anything changes
         num_slots, self.max_len = self.capacity.for_serving(
             max_model_len, self.max_num_seqs, kv_cache_bytes, engines_sharing
         )
-        return self._start(num_slots, max_prefill_tokens)
+        return self._start(num_slots, budget)
 
     def warm_up(self, repeats: int = 2) -> None:
         """Every forward the rounds can take, untimed, before requests run (capacity.py)."""
@@ -261,11 +268,12 @@ class Engine:
         if self.scheduler.has_unfinished():
             raise RuntimeError("the engine has unfinished requests: finish or abort them before preparing again")
 
-    def _start(self, num_slots: int, max_prefill_tokens: int | None = None) -> int:
+    def _start(self, num_slots: int, prefill_budget: PrefillBudget | None = None) -> int:
         self.scheduler.resize(num_slots, self.capacity.blocks, self._room)
         self.scheduler.num_preemptions = 0
         self.swap.clear()
-        self.scheduler.max_prefill_tokens = max_prefill_tokens
+        self.prefill_budget = prefill_budget or PrefillBudget()
+        self.scheduler.max_prefill_tokens = self.prefill_budget.max_tokens
         self.timings.update(dict.fromkeys(TIMED_PARTS, 0.0))
         self.round.forget_batches()
         return num_slots

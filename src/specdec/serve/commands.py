@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import math
 import os
 import signal
 
@@ -21,6 +22,9 @@ log = logging.getLogger("specdec")
 DEFAULT_MAX_NUM_SEQS = 64
 MAX_NUM_SEQS_BOUND = 1 << 16  # requests at once: past this, absurd for one engine (vLLM's default is 256)
 DEFAULT_MAX_PREFILL_TOKENS = 512  # vLLM's max_num_batched_tokens under chunked prefill (its V0 default)
+# A step's prefill, in expected seconds (engine/prefill_budget.py): a request that arrives, or a
+# client that leaves, waits about one step (docs/server.md, "Clients that leave")
+DEFAULT_MAX_PREFILL_SECONDS = 0.25
 
 
 def add_serve_parser(commands) -> None:
@@ -72,6 +76,15 @@ def add_serve_parser(commands) -> None:
         "prefilled in chunks over several steps, and more new requests start at the next ones, so that a "
         "burst does not stall the running requests and a client that leaves is dropped within a step "
         f"(default {DEFAULT_MAX_PREFILL_TOKENS})",
+    )
+    p.add_argument(
+        "--max-prefill-seconds",
+        type=float,
+        default=DEFAULT_MAX_PREFILL_SECONDS,
+        help="the most seconds one step's prefill is expected to take, from what the prefills so far "
+        "cost a token: on a slow machine or a big model a step then prefills fewer tokens than "
+        "--max-prefill-tokens, so that a new request or a client that leaves waits about this long "
+        f"(default {DEFAULT_MAX_PREFILL_SECONDS})",
     )
     p.add_argument(
         "--max-model-len",
@@ -208,6 +221,8 @@ def _check_arguments(args) -> None:
     ):
         if value < least:
             raise ValueError(f"{flag} must be at least {least}, got {value}")
+    if not (math.isfinite(args.max_prefill_seconds) and args.max_prefill_seconds > 0):
+        raise ValueError(f"--max-prefill-seconds must be a positive number of seconds, got {args.max_prefill_seconds}")
     if args.max_num_seqs > MAX_NUM_SEQS_BOUND:
         raise ValueError(
             f"--max-num-seqs {args.max_num_seqs:,} is more requests at once than one engine runs (at most "

@@ -33,7 +33,9 @@ def prepare_llm(args: argparse.Namespace, where: str | None = None, engines_shar
         )
     budget = None if args.kv_cache_memory is None else int(args.kv_cache_memory * 1e9)
     with torch.inference_mode():
-        num_slots = llm.engine.prepare_to_serve(max_model_len, budget, args.max_prefill_tokens, engines_sharing)
+        num_slots = llm.engine.prepare_to_serve(
+            max_model_len, budget, args.max_prefill_tokens, engines_sharing, args.max_prefill_seconds
+        )
     spec = llm.speculative_config
     log.info(
         "serving %s on %s: %s, up to %d requests at once of up to %d tokens each; the KV cache "
