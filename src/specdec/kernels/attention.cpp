@@ -16,7 +16,8 @@
 // The arithmetic is on 16-float vectors (vec16.h; FMA contraction by the compiler): one AVX-512
 // register, or two AVX2 ones, the same lanes.
 
-#include <torch/extension.h>
+#include <ATen/ATen.h>
+#include <torch/library.h>
 #include <ATen/Parallel.h>
 #include <cmath>
 #include <cstring>

@@ -3,7 +3,7 @@
 
 #pragma once
 
-#include <torch/extension.h>
+#include <ATen/ATen.h>
 #include <functional>
 #include <vector>
 

@@ -11,7 +11,7 @@
 // between the products cost more than their own work: each runs after a product has streamed tens
 // of megabytes of weights through the caches.
 
-#include <torch/extension.h>
+#include <torch/python.h>  // pybind11 with at::Tensor: the classes registered here
 #include <ATen/Parallel.h>
 #include <vector>
 

@@ -40,7 +40,8 @@
 // The kernel reads every weight chunk once for up to MAX_TILE activation rows: with AVX-512
 // VNNI, one vpdpbusd multiplies 64 codes by 4 broadcast int8 activations per row.
 
-#include <torch/extension.h>
+#include <torch/library.h>
+#include <torch/python.h>  // pybind11 with at::Tensor: the module
 #include <ATen/Parallel.h>
 #include <immintrin.h>
 #include <cstring>
