@@ -4,12 +4,13 @@ Decoding multiplies a few rows of activations by every weight matrix: pure weigh
 streaming. PyTorch's plain bf16 CPU matmul re-lays out the weight on every call; oneDNN's
 prepacked (blocked) layout is made once at load time, and on this project's machines it
 roughly halves the time of a decode step's matmuls (benchmarks/bench_core.py). In float32
-PyTorch's plain matmul (MKL) rounds a row differently by how many rows share the product
-(one row runs a matrix-vector kernel, a few rows another), so a request's tokens would
-depend on its batch; oneDNN's prepacked product gives each row the same bits whatever the
-rows around it (laid out for 64 rows: PACKED_FOR_ROWS; tests/engine/test_batch_independence.py), and on the
-2-core AMD EPYC (AVX2) it is also faster: 0.25-1.05x of F.linear's time for 1, 4 and 300 rows. Same arithmetic up
-to rounding order; the model code is untouched: `pack_linears` swaps modules after loading.
+PyTorch's plain matmul (MKL) rounds a row differently by how many rows share the product (one
+row runs a matrix-vector kernel, a few rows another), so a request's tokens would depend on
+its batch; oneDNN's product, laid out for 64 rows (PACKED_FOR_ROWS), gives each row the same
+bits whatever the rows around it (tests/engine/test_batch_independence.py), and on the 2-core
+AMD EPYC (AVX2) it is also faster: 0.25-1.05x of F.linear's time for 1, 4 and 300 rows. Same
+arithmetic up to rounding order; the model code is untouched: `pack_linears` swaps modules
+after loading.
 """
 
 from __future__ import annotations
@@ -23,8 +24,9 @@ from torch import nn
 # one row runs that row with another kernel than a layout for 64 (on the AMD EPYC, AVX2: a row's
 # bits then depend on how many rows share the product); laid out for 64, every row gets the same
 # bits for 1 to 600 rows, and 1 and 4 rows run as fast as laid out for 1 (0.6-1.05x F.linear's
-# time, K x N from 512 x 1536 to 1536 x 8960). bfloat16 keeps the layout for one row.
-PACKED_FOR_ROWS = {torch.float32: 64, torch.bfloat16: 1}
+# time, K x N from 512 x 1536 to 1536 x 8960). bfloat16 takes the same layout, for the same
+# reason; its speed there is measured only where oneDNN runs bfloat16 (not on that machine).
+PACKED_FOR_ROWS = 64
 
 
 class PackedLinear(nn.Module):
@@ -38,7 +40,7 @@ class PackedLinear(nn.Module):
         if weight_dtype is not None:
             weight = weight.to(weight_dtype)
             bias = None if bias is None else nn.Parameter(bias.detach().to(weight_dtype), requires_grad=False)
-        self.packed_weight = torch.ops.mkldnn._reorder_linear_weight(weight, PACKED_FOR_ROWS[weight.dtype])
+        self.packed_weight = torch.ops.mkldnn._reorder_linear_weight(weight, PACKED_FOR_ROWS)
         self.bias = bias
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
