@@ -1,7 +1,7 @@
 """What the runner buys: one model's decode step and verify forward, eager against compiled,
 unquantized against int8 / int4 weights, and the step against the memory-bandwidth roofline.
 
-    python benchmarks/bench_runner.py [--model DIR | --shape smollm2-135m] [--dtype auto] [-k 5]
+    python benchmarks/bench_runner.py [--model DIR | --shape smollm2-135m] [--dtype auto] [-k 5] [--pack on,off]
         [--compile off,on] [--quantization none,int8,int4]
     tools/both-cpus .venv/bin/python benchmarks/bench_runner.py   # both CPU kinds
 
@@ -71,6 +71,9 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=30)
     parser.add_argument("--compile", default="off,on", help="comma-separated compile modes to run")
     parser.add_argument("--quantization", default="none", help="comma-separated: none, int8, int4")
+    parser.add_argument(
+        "--pack", default="on", help="comma-separated: on (eager weights prepacked for oneDNN, the default), off"
+    )
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="specdec: %(message)s")
     bandwidth = read_bandwidth(1 << 30)
@@ -84,21 +87,30 @@ def main() -> None:
         "| weight MB | of roofline |"
     )
     print("|---|---|---|---:|---:|---:|---:|---:|")
-    for quantization in args.quantization.split(","):
-        for mode in args.compile.split(","):
-            runner = ModelRunner(
-                load(args), compile=mode, quantization=None if quantization == "none" else quantization
-            )
-            step = step_seconds(runner, args.repeats)
-            verify = step_seconds(runner, args.repeats, num_tokens=args.k + 1)
-            weight_bytes = decode_weight_bytes(runner.eager_model())
-            print(
-                f"| {'compiled' if mode == 'on' else 'eager'} | {str(runner.dtype).removeprefix('torch.')} | "
-                f"{quantization} | {step * 1e3:.2f} ms | {verify * 1e3:.2f} ms | {verify / step:.2f} | "
-                f"{weight_bytes / 1e6:.0f} | {weight_bytes / bandwidth / step:.2f} |",
-                flush=True,
-            )
-            del runner
+    runs = [
+        (q, mode, pack)
+        for q in args.quantization.split(",")
+        for mode in args.compile.split(",")
+        for pack in args.pack.split(",")
+    ]
+    for quantization, mode, pack in runs:
+        runner = ModelRunner(
+            load(args),
+            compile=mode,
+            quantization=None if quantization == "none" else quantization,
+            pack_weights=pack == "on",
+        )
+        step = step_seconds(runner, args.repeats)
+        verify = step_seconds(runner, args.repeats, num_tokens=args.k + 1)
+        weight_bytes = decode_weight_bytes(runner.eager_model())
+        print(
+            f"| {'compiled' if mode == 'on' else 'eager'} | {str(runner.dtype).removeprefix('torch.')} | "
+            f"{quantization}{'' if pack == 'on' else ' (not prepacked)'} | {step * 1e3:.2f} ms | "
+            f"{verify * 1e3:.2f} ms | {verify / step:.2f} | "
+            f"{weight_bytes / 1e6:.0f} | {weight_bytes / bandwidth / step:.2f} |",
+            flush=True,
+        )
+        del runner
 
 
 if __name__ == "__main__":

@@ -1,9 +1,10 @@
 """specdec's own CPU kernels (a C++ extension built on first use with torch.utils.cpp_extension).
 
-attention.cpp attends a few queries (a decode step, a verify forward) over the key/value cache,
-each query alone, so that a verify forward gives bit for bit what the decode steps would.
-layer.cpp runs a quantized decoder layer's decode step or verify forward in one call (kernels.h:
-what the three share).
+attention.cpp attends every forward's queries over the key/value cache (a decode step, a verify
+forward, a prefill chunk), each query alone, so that a verify forward gives bit for bit what the
+decode steps would and a row's values never depend on the rows beside it.
+layer.cpp runs a quantized decoder layer's forward over the cache in one call (kernels.h: what
+the three share).
 qmatmul.cpp multiplies activations by GGUF-quantized weights held in their integer codes (see
 its header for the layout). It is compiled for the CPU it runs on, in one of two variants:
   avx512_vnni  AVX-512 with VNNI (vpdpbusd: 64 unsigned codes x 4 int8 activations a step)

@@ -1,4 +1,4 @@
-// Attention of a few queries over a key/value cache, each query computed alone.
+// Attention of queries over a key/value cache, each query computed alone.
 //
 // out[b, t, h] = sum_j p_j v[b, j, h / G]  with  p_j = exp(s_j - max s) / sum exp(s - max s),
 // s_j = scale * q[b, t, h] . k[b, j, h / G], over the keys j that mask[b, t, j] lets the query see

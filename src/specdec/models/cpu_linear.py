@@ -23,9 +23,9 @@ from torch import nn
 # The number of rows oneDNN lays a weight out for (its batch-size hint). In float32 a layout for
 # one row runs that row with another kernel than a layout for 64 (on the AMD EPYC, AVX2: a row's
 # bits then depend on how many rows share the product); laid out for 64, every row gets the same
-# bits for 1 to 600 rows, and 1 and 4 rows run as fast as laid out for 1 (0.6-1.05x F.linear's
-# time, K x N from 512 x 1536 to 1536 x 8960). bfloat16 takes the same layout, for the same
-# reason; its speed there is measured only where oneDNN runs bfloat16 (not on that machine).
+# bits for 1 to 600 rows, in 0.25-1.05x F.linear's time (1, 4 and 300 rows, K x N from
+# 512 x 1536 to 576 x 49152). bfloat16 takes the same layout, for the same reason; its speed is
+# measured only where oneDNN runs bfloat16 (not on that machine).
 PACKED_FOR_ROWS = 64
 
 

@@ -578,15 +578,16 @@ class ModelRunner:
         device = self.device
         if not self.pack_weights:
             return self.model
-        min_bytes = self.bf16_pack_min_bytes
-        large_in_bf16 = self.dtype == torch.float32 and min_bytes is not None and can_pack(torch.bfloat16, device)
-        if not can_pack(self.dtype, device) and not large_in_bf16:
+        bf16_min_bytes = (  # the large linears of a float32 model packed in bfloat16, or None
+            self.bf16_pack_min_bytes if self.dtype == torch.float32 and can_pack(torch.bfloat16, device) else None
+        )
+        packs_own_dtype = can_pack(self.dtype, device)
+        if not packs_own_dtype and bf16_min_bytes is None:
             return self.model
         model = self.model if self.compile_mode == "off" else _sharing_copy(self.model)
-        if large_in_bf16:
-            assert min_bytes is not None
-            pack_large_linears_in_bf16(model, min_bytes)
-        if can_pack(self.dtype, device):
+        if bf16_min_bytes is not None:
+            pack_large_linears_in_bf16(model, bf16_min_bytes)
+        if packs_own_dtype:
             pack_linears(model)  # the rest in the model's dtype
         return model
 
