@@ -214,3 +214,26 @@ class HealthWatch:
     def __exit__(self, *exc) -> None:
         self._done.set()
         self._thread.join()
+
+
+def assert_drains(url: str, api_key: str, model: str) -> None:
+    """A server sent SIGTERM with requests in flight drains: once /health says 503, a new
+    request (official client) is a 503 shutting_down in OpenAI's shape with Retry-After, and
+    /metrics is still answered (where it used to refuse the connection)."""
+    import time
+
+    import httpx
+    import openai
+    import pytest
+
+    deadline = time.monotonic() + 10
+    while httpx.get(f"{url}/health").status_code == 200 and time.monotonic() < deadline:
+        time.sleep(0.02)
+    health = httpx.get(f"{url}/health")
+    assert health.status_code == 503 and health.json()["error"]["code"] == "shutting_down"
+    client = openai.OpenAI(base_url=f"{url}/v1", api_key=api_key, max_retries=0)
+    with pytest.raises(openai.InternalServerError) as refused:
+        client.completions.create(model=model, prompt="def", max_tokens=2)
+    assert refused.value.status_code == 503 and refused.value.code == "shutting_down"
+    assert int(refused.value.response.headers["Retry-After"]) >= 1
+    assert httpx.get(f"{url}/metrics").status_code == 200

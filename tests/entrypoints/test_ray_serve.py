@@ -23,7 +23,7 @@ import httpx
 import openai
 import pytest
 
-from helpers import save_tiny_model
+from helpers import assert_drains, save_tiny_model
 from specdec import LLM, SamplingParams
 from specdec.serve.process import ServerProcess
 
@@ -38,7 +38,7 @@ pytestmark = pytest.mark.alone  # a local Ray instance takes the machine: nothin
 
 MODEL = "tiny"
 API_KEY = "sesame"
-SHUTDOWN_TIMEOUT_S = 1  # the module server's --shutdown-timeout: its SIGTERM test's streams outlast it
+SHUTDOWN_TIMEOUT_S = 3  # the module server's --shutdown-timeout: its SIGTERM test's streams outlast it
 KILL_ANSWER_S = 30  # a stream whose replica died ends within this long
 RESTART_S = 90  # Ray restarts a killed replica (and it loads its model) within this long
 
@@ -344,7 +344,8 @@ def stream_events(server: ServerProcess, started: threading.Barrier, events: lis
 def test_sigterm_ends_every_stream_with_an_error_event_then_done(server):
     """SIGTERM with 6 streams and a whole completion in flight past --shutdown-timeout: each stream
     ends with an OpenAI error event (shutting_down), then data: [DONE] (they were cut with
-    neither); the completion is a 503 in OpenAI's shape; the server exits 0 with no traceback."""
+    neither); the completion is a 503 in OpenAI's shape; meanwhile a new request is a 503
+    shutting_down (it was refused a connection); the server exits 0 with no traceback."""
     streams = 6
     started = threading.Barrier(streams + 1)
     events: list[list[str]] = [[] for _ in range(streams)]
@@ -364,6 +365,7 @@ def test_sigterm_ends_every_stream_with_an_error_event_then_done(server):
     wait_until(lambda: server.metric("num_requests_running") == streams + 1, 60, "every request running")
     logged_before = len(server.output())  # an earlier test's replica kill may have logged its own
     server.process.send_signal(signal.SIGTERM)
+    assert_drains(server.url, API_KEY, MODEL)
     for thread in threads:
         thread.join(timeout=120)
     for stream in events:

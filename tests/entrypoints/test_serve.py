@@ -23,7 +23,7 @@ from hypothesis import HealthCheck, given, settings
 from schemathesis import GenerationMode
 from schemathesis.checks import negative_data_rejection, positive_data_acceptance
 
-from helpers import HealthWatch, save_tiny_model
+from helpers import HealthWatch, assert_drains, save_tiny_model
 from specdec import LLM, SamplingParams
 from specdec.serve.process import ServerProcess
 
@@ -510,7 +510,7 @@ def test_requests_running_past_the_shutdown_timeout_hear_why_they_end(dirs, tmp_
 def test_api_key_full_queue_and_sigterm(dirs, tmp_path):
     """One slot and no waiting room: a second request while one streams gets 429 with
     Retry-After; a key is needed for /v1 (from SPECDEC_API_KEY); SIGTERM with a request in
-    flight lets it finish and exits 0."""
+    flight drains (helpers.assert_drains), lets it finish and exits 0."""
     server = Server(
         [str(dirs["target"]), "--max-num-seqs", "1", "--max-waiting", "0"],
         tmp_path / "server.log",
@@ -547,6 +547,7 @@ def test_api_key_full_queue_and_sigterm(dirs, tmp_path):
             with pytest.raises(openai.RateLimitError):
                 client.completions.create(model=MODEL, prompt="def", max_tokens=2)
             server.process.send_signal(signal.SIGTERM)  # the stream in flight still ends properly
+            assert_drains(server.url, "sesame", MODEL)
             rest = list(lines)
         assert rest[-1] == "data: [DONE]" or rest[-2:] == ["data: [DONE]", ""], rest[-3:]
         assert server.process.wait(timeout=60) == 0, server.output()

@@ -14,8 +14,9 @@ thread, so that a long one holds up no other client.
 text, then (with stream_options.include_usage) a usage chunk, then `data: [DONE]`. Errors
 answer in OpenAI's shape (protocol.APIError), from validation to a full queue (429 with
 Retry-After) and a model this server does not serve (404 model_not_found); nothing a request
-sends stops the server. Past --shutdown-timeout after SIGTERM the engine stops (commands.py):
-a request still running gets a 503, a stream an error event and then `data: [DONE]`.
+sends stops the server. After SIGTERM the server drains (server.py): a new request gets a 503
+shutting_down, /health included, while those in flight finish; past --shutdown-timeout the engine
+stops, and a request still running gets a 503, a stream an error event and then `data: [DONE]`.
 
 A client that closes its connection has its requests aborted at once, wherever they are: waiting
 for a slot (never prefilled), in the step that prefills them, or decoding; the engine drops
@@ -30,7 +31,7 @@ import json
 import logging
 import time
 from collections.abc import AsyncGenerator, Awaitable, Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TypeVar, cast
 
 from fastapi import FastAPI, Request
@@ -41,7 +42,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from specdec.outputs import RequestOutput
 from specdec.serve.async_engine import AsyncEngine, EngineStopped, QueueFull
-from specdec.serve.middleware import APIKeyCheck, BodyLimit
+from specdec.serve.middleware import APIKeyCheck, BodyLimit, Drain, DrainGate
 from specdec.serve.protocol import (
     APIError,
     ChatCompletionRequest,
@@ -88,7 +89,8 @@ class ServerState:
     the first the one responses carry; a request may name any of them. async_engine: what runs
     the requests (an AsyncEngine, or ray_serve.ReplicaClient: its generate, start, stop,
     is_running and llm, whose tokenizer the routes use); metrics_text: what /metrics answers
-    (default: async_engine.metrics' registry)."""
+    (default: async_engine.metrics' registry); drain: whether the server drains after SIGTERM, and
+    how many requests are in flight (server.Server sets it, middleware.DrainGate reads it)."""
 
     async_engine: AsyncEngine
     served_names: list[str]
@@ -97,6 +99,7 @@ class ServerState:
     max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES
     created: int = 0
     metrics_text: Callable[[], Awaitable[bytes]] | None = None
+    drain: Drain = field(default_factory=Drain)
 
     @property
     def llm(self):
@@ -127,6 +130,7 @@ def build_app(state: ServerState) -> FastAPI:
     _document_errors_as_sent(app)
 
     app.add_middleware(BodyLimit, max_bytes=state.max_request_bytes)
+    app.add_middleware(DrainGate, drain=state.drain)
     if state.api_key is not None:  # added last, so it runs first: no key, no body read
         app.add_middleware(APIKeyCheck, api_key=state.api_key)
 

@@ -4,9 +4,9 @@
     curl localhost:8000/v1/completions -H 'Content-Type: application/json' \
         -d '{"model": "code-target", "prompt": "def fib(n):", "max_tokens": 64, "temperature": 0}'
 
-SIGTERM or Ctrl-C: the server stops taking connections, lets the requests in flight finish for
-up to --shutdown-timeout seconds, then stops the engine, which tells the rest (a 503, or an error
-event and `data: [DONE]` on a stream), and exits 0.
+SIGTERM or Ctrl-C: the server drains (server.py): a new request gets a 503 shutting_down while
+the requests in flight have up to --shutdown-timeout seconds to finish, then it stops the engine,
+which tells the rest (a 503, or an error event and `data: [DONE]` on a stream), and exits 0.
 """
 
 from __future__ import annotations
@@ -15,7 +15,6 @@ import argparse
 import logging
 import math
 import os
-import signal
 
 log = logging.getLogger("specdec")
 
@@ -157,13 +156,11 @@ def add_serve_parser(commands) -> None:
 
 
 def run_serve(args: argparse.Namespace) -> int:
-    import uvicorn
-
     from specdec.model_flags import require_model
-    from specdec.serve.app import ServerState, build_app
+    from specdec.serve.app import ServerState
     from specdec.serve.async_engine import AsyncEngine
     from specdec.serve.prom import ServerMetrics
-    from specdec.serve.server import SHUTDOWN_GRACE_SECONDS, Server
+    from specdec.serve.server import run_server
     from specdec.serve.settings import max_request_bytes, prepare_llm, served_names
 
     if not args.model and args.served_model_name and len(args.served_model_name) > 1:
@@ -186,22 +183,8 @@ def run_serve(args: argparse.Namespace) -> int:
         api_key=args.api_key,
         max_request_bytes=max_request_bytes(args, max_model_len),
     )
-    config = uvicorn.Config(
-        build_app(state),
-        host=args.host,
-        port=args.port,
-        log_level=args.log_level,
-        timeout_graceful_shutdown=args.shutdown_timeout + SHUTDOWN_GRACE_SECONDS,
-    )
-    # uvicorn shuts down gracefully on SIGTERM, then raises the signal again against the handler
-    # that was there before it: a no-op one makes a SIGTERM'd server exit 0, as a finished one
-    signal.signal(signal.SIGTERM, _stopped)
-    Server(config, state.async_engine, args.shutdown_timeout).run()  # returns once the app has shut down
+    run_server(state, args.host, args.port, args.log_level, args.shutdown_timeout)  # returns once the app has shut down
     return 0
-
-
-def _stopped(signum, frame) -> None:
-    """SIGTERM after uvicorn's graceful shutdown: nothing left to do."""
 
 
 def runs_on_ray(args: argparse.Namespace) -> bool:

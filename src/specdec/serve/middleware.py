@@ -1,6 +1,7 @@
 """What stands in front of the routes, as plain ASGI (not BaseHTTPMiddleware, which hides a
-client's disconnect from the route): the API key (APIKeyCheck) and the body limit (BodyLimit).
-Both answer in OpenAI's error shape (protocol.APIError)."""
+client's disconnect from the route): the API key (APIKeyCheck), the drain after SIGTERM
+(DrainGate) and the body limit (BodyLimit). Each answers in OpenAI's error shape
+(protocol.APIError)."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import hmac
 
 from fastapi.responses import JSONResponse
 
+from specdec.serve.async_engine import SHUTTING_DOWN
 from specdec.serve.protocol import APIError
 
 OPEN_PATHS = frozenset({"/health", "/metrics"})  # answered without the key, as vLLM does: for probes and scrapers
@@ -35,6 +37,53 @@ class APIKeyCheck:
                 await _answer(error, scope, receive, send)
                 return
         await self.app(scope, receive, send)
+
+
+class Drain:
+    """What a draining server shares between its shutdown (server.Server) and its gate
+    (DrainGate): whether it drains, and how many requests the gate let in are still being
+    answered (a stream counts until its last event is sent)."""
+
+    def __init__(self) -> None:
+        self.draining = False
+        self.in_flight = 0
+
+
+DRAIN_OPEN_PATHS = frozenset({"/metrics"})  # still answered while draining: a scraper sees the drain
+
+
+class DrainGate:
+    """Counts the requests in flight, and once drain.draining is set answers every new one with
+    a 503 shutting_down (with Retry-After), /health included, so that a client or a load balancer
+    hears the server is going away instead of finding its port closed; the requests already in
+    flight go on."""
+
+    def __init__(self, app, drain: Drain):
+        self.app = app
+        self.drain = drain
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http" or scope["path"] in DRAIN_OPEN_PATHS:
+            await self.app(scope, receive, send)
+            return
+        if self.drain.draining:
+            error = APIError(
+                503,
+                SHUTTING_DOWN,
+                type="server_error",
+                code="shutting_down",
+                headers={"Retry-After": str(DRAIN_RETRY_AFTER_SECONDS)},
+            )
+            await _answer(error, scope, receive, send)
+            return
+        self.drain.in_flight += 1
+        try:
+            await self.app(scope, receive, send)
+        finally:
+            self.drain.in_flight -= 1
+
+
+DRAIN_RETRY_AFTER_SECONDS = 5  # another replica behind the balancer, or this server restarted
 
 
 class BodyLimit:

@@ -16,10 +16,10 @@ Terms:
 
 Ray Serve runs no HTTP proxy here (ProxyLocation.Disabled): the only port is the ingress's, so
 the API key guards every route the process serves (Ray's proxy would answer /-/routes and
-/-/healthz itself, to anyone), and SIGTERM drains as the single server does (server.serve_app:
-stop taking connections, let requests finish for --shutdown-timeout, then end the rest with a
-503 shutting_down, or on a stream an error event and `data: [DONE]`), before Ray Serve shuts
-down. There is no ingress replica to die apart from the server: the ingress is the process.
+/-/healthz itself, to anyone), and SIGTERM drains as the single server does (server.run_server:
+a new request gets a 503 shutting_down while those in flight have --shutdown-timeout to finish,
+then the rest end with a 503 shutting_down, or on a stream an error event and `data: [DONE]`),
+before Ray Serve shuts down. There is no ingress replica to die apart from the server: the ingress is the process.
 
 One application per engine, not one deployment of N replicas: the router names the replica (the
 one holding the prompt's prefix), and /metrics asks each; a handle to a deployment of several
@@ -55,12 +55,12 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from specdec.log_lines import show_log
 from specdec.prompts import PromptEncoder
-from specdec.serve.app import ServerState, build_app
+from specdec.serve.app import ServerState
 from specdec.serve.async_engine import AsyncEngine
 from specdec.serve.prom import ServerMetrics
 from specdec.serve.protocol import APIError
 from specdec.serve.router import PrefixRouter
-from specdec.serve.server import serve_app
+from specdec.serve.server import run_server
 from specdec.serve.settings import max_request_bytes, prepare_llm, served_names
 
 log = logging.getLogger("specdec")
@@ -355,7 +355,7 @@ class Interrupted(Exception):
 def run_replicas(args: argparse.Namespace) -> int:
     """Start the engine replicas on Ray Serve (with no HTTP proxy of Ray's), then serve the routes
     in this process until SIGTERM or Ctrl-C, drained as the single server drains
-    (server.serve_app); then shut Ray Serve down, and exit 0."""
+    (server.run_server); then shut Ray Serve down, and exit 0."""
     threads = args.replica_threads or max(1, (os.cpu_count() or 1) // args.replicas)
     settings = argparse.Namespace(**{**vars(args), "replica_threads": threads, "run": None})
     prompts = PromptEncoder.load(args.model)  # the ingress's; a model that is not there fails before Ray starts
@@ -372,7 +372,7 @@ def run_replicas(args: argparse.Namespace) -> int:
             threads,
             "" if threads == 1 else "s",
         )
-        serve_app(build_app(state), state.async_engine, args.host, args.port, args.log_level, args.shutdown_timeout)
+        run_server(state, args.host, args.port, args.log_level, args.shutdown_timeout)
     except Interrupted:
         log.warning("stopped while the replicas were starting")
     finally:
