@@ -68,6 +68,22 @@ def test_a_query_alone_gets_what_it_gets_in_a_batch(dtype):
             assert torch.equal(cut, alone)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_query_over_scattered_keys_gets_what_it_gets_over_them_in_a_row(dtype):
+    """Bit for bit: a query that sees some keys among others it cannot see (a tree's node, whose
+    ancestors the verify forward wrote wherever their columns were) gets what it gets over the
+    same keys alone, side by side with nothing masked (the same token in a chain, or a decode
+    step). The softmax's sum once put a key in the lane of its column, not of its rank."""
+    q, keys, values, mask = random_case(5, S=300, D=64, dtype=dtype)
+    scale = 64**-0.5
+    scattered = ops().attend(q, keys, values, mask, scale)
+    for b in range(2):
+        for t in range(q.shape[1]):
+            seen = mask[b, 0, t].nonzero()[:, 0]  # [n] the keys it sees, in order
+            in_a_row = ops().attend(q[b : b + 1, t : t + 1], keys[b : b + 1, seen], values[b : b + 1, seen], None, scale)
+            assert torch.equal(in_a_row, scattered[b : b + 1, t : t + 1])
+
+
 def test_bad_shapes_are_named():
     q, keys, values, mask = random_case(4)
     with pytest.raises(RuntimeError, match="mask: bool"):

@@ -8,10 +8,12 @@
 // of queries as one matrix product, so a query's result depends on how many queries share its
 // forward and how many (masked) keys follow its own; a verify forward of k + 1 tokens then rounds
 // differently from k + 1 decode steps, and a near-tie in the target's greedy choice can flip.
-// Here every sum runs in one fixed order that depends only on the query's own keys: a score is
-// summed over the head dimension in order (16 keys at a time, one to a lane); the softmax's sum
-// in 16 lanes by key index (lane j mod 16) and then a fixed tree; the values in key order. Keys a query cannot see are skipped, never multiplied by zero. So a query's
-// output is bit-identical whatever the batch, the query length or the cache length.
+// Here every sum runs in one fixed order that depends only on the keys the query sees: a score
+// is summed over the head dimension in order (16 keys at a time, one to a lane); the softmax's
+// sum in 16 lanes by the key's rank among those seen (the n-th in lane n mod 16) and then a
+// fixed tree; the values in key order. Keys a query cannot see are skipped, never multiplied by
+// zero. So a query's output is bit-identical whatever the batch, the query length, the cache
+// length, or where a tree's verify forward wrote the ancestors it sees.
 //
 // The arithmetic is on 16-float vectors (vec16.h; FMA contraction by the compiler): one AVX-512
 // register, or two AVX2 ones, the same lanes.
@@ -127,12 +129,22 @@ struct HeadTask {
     }
   }
 
-  // sum of a row's probabilities: lane j mod 16, then a fixed tree across the lanes
-  float denominator(const float* s) const {
-    vfloat lanes = splat(0.f);
-    for (int64_t j0 = 0; j0 < S16; j0 += LANES) lanes += load16(s + j0);
+  // sum of query t's probabilities: the n-th key it sees in lane n mod 16, then a fixed tree
+  // across the lanes. Counting only the keys it sees, a tree's node (which sees its ancestors,
+  // wherever the verify forward wrote them) sums as the same token in a chain would, and as a
+  // decode step would: its keys are the same values in the same order.
+  float denominator(const float* s, int64_t t) const {
     float sums[LANES];
-    store16(sums, lanes);
+    if (mask == nullptr) {  // every key is seen: key j is the j-th (past S, the zeros add nothing)
+      vfloat lanes = splat(0.f);
+      for (int64_t j0 = 0; j0 < S16; j0 += LANES) lanes += load16(s + j0);
+      store16(sums, lanes);
+    } else {
+      std::fill(sums, sums + LANES, 0.f);
+      int64_t seen = 0;
+      for (int64_t j = 0; j < S; ++j)
+        if (visible(t, j)) sums[seen++ % LANES] += s[j];
+    }
     for (int width = LANES / 2; width > 0; width /= 2)
       for (int l = 0; l < width; ++l) sums[l] += sums[l + width];
     return sums[0];
@@ -191,7 +203,7 @@ void attend_heads(const float* q, int64_t B, int64_t T, int64_t H, const at::Ten
       head.weigh_values(probs.data(), acc.data());
       for (int64_t r = 0; r < R; ++r) {
         const int64_t g = r / T, t = r % T;
-        const float total = head.denominator(&probs[r * S16]);
+        const float total = head.denominator(&probs[r * S16], t);
         const float inverse = total > 0.f ? 1.f / total : 0.f;
         float* o = out + ((b * T + t) * H + hkv * G + g) * D;
         for (int64_t d = 0; d < D; ++d) o[d] = acc[r * D + d] * inverse;
