@@ -10,6 +10,8 @@ PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
 TORCH_VERSION := 2.13.0
+ARCTIC_VERSION := 0.3.0
+ARCTIC_BUILD_DEPS := setuptools==84.2.1 wheel==0.48.0 cmake==4.4.5 nanobind==2.9.2 protobuf==5.29.6 grpcio-tools==1.71.2
 
 .PHONY: setup test test-fast demo bench smollm2 qwen llama-cpp docs lint clean
 
@@ -18,7 +20,12 @@ $(VENV)/.installed: pyproject.toml Makefile
 	$(PY) -m pip install -q --upgrade pip
 	# Pin torch first: an unpinned torch would pull a multi-GB CUDA build.
 	$(PY) -m pip install -q torch==$(TORCH_VERSION)
-	$(PY) -m pip install -q -e '.[test]'
+	# arctic-inference: suffix decoding's trees (C++, nanobind). Its build asks pip for torch in an
+	# isolated environment, which pip fills with a multi-GB CUDA build: built against ours instead
+	$(PY) -m pip install -q $(ARCTIC_BUILD_DEPS)
+	CMAKE_ARGS="-DPython_EXECUTABLE=$(abspath $(PY))" $(PY) -m pip install -q --no-build-isolation arctic-inference==$(ARCTIC_VERSION)
+	$(PY) -m pip uninstall -q -y grpcio-tools  # its build's alone: it would pin protobuf below what Ray takes
+	$(PY) -m pip install -q -e '.[test,suffix]'
 	touch $@
 
 setup: $(VENV)/.installed

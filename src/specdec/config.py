@@ -302,13 +302,23 @@ def quantization_from_arg(text: str) -> str | None:
     return None if text == "none" else text
 
 
-SPECULATIVE_METHODS = ("draft_model", "ngram", "lookup_then_draft", "eagle", "early_exit", "staged")
+SPECULATIVE_METHODS = ("draft_model", "ngram", "lookup_then_draft", "eagle", "early_exit", "staged", "suffix")
 TREE_METHODS = ("draft_model", "eagle", "early_exit")  # the drafters that grow trees (Drafter.grows_trees)
 NEEDS_DRAFT_MODEL = ("draft_model", "lookup_then_draft", "eagle", "staged")  # "eagle": the head's directory
 # the shortest n-gram match prompt lookup trusts, by method: with a draft model to fall back
 # on, a one-token match is too weak to use instead of it; as the first stage of staged drafts,
 # a draft model checks its proposals, and a wrong one costs only a slightly wider draft forward
-DEFAULT_NGRAM_MIN = {"ngram": 1, "lookup_then_draft": 2, "draft_model": 1, "eagle": 1, "early_exit": 1, "staged": 1}
+DEFAULT_NGRAM_MIN = {
+    "ngram": 1,
+    "lookup_then_draft": 2,
+    "draft_model": 1,
+    "eagle": 1,
+    "early_exit": 1,
+    "staged": 1,
+    "suffix": 1,
+}
+MAX_SUFFIX_TREE_DEPTH = 1024  # past this a match is longer than any draft a round could verify
+MAX_SUFFIX_CACHED_REQUESTS = 2**31 - 1  # arctic-inference's bound (its sequence ids are int32)
 NGRAM_STAGE = "[ngram]"  # prompt lookup as a stage of staged drafts (vLLM's spelling of prompt lookup as a model)
 
 
@@ -359,7 +369,8 @@ class SpeculativeConfig:
         speculation: the target's own first early_exit_layer layers, its final norm and output
         layer draft; see drafters/early_exit.py), or "staged" (staged drafts: a list of stages
         in model, each drafting for the next by speculative decoding, the last for the target;
-        see spec/staged.py).
+        see spec/staged.py), or "suffix" (suffix decoding: what followed the context's longest
+        match in the request's own text or in recent requests' outputs; see drafters/suffix.py).
     model: the draft model's directory, for "draft_model" and "lookup_then_draft" (which also
         takes a head's directory: the head drafts where lookup finds nothing); the
         head's directory for "eagle"; for "staged", the stages, first (cheapest) to last, at
@@ -396,6 +407,13 @@ class SpeculativeConfig:
         factors per depth like "3,2,1": a tree of num_speculative_tokens candidate tokens,
         verified in one forward (tree.py), for a drafter that grows trees (TREE_METHODS).
         Every round drafts the whole tree (k_policy applies to chains).
+    suffix_decoding_max_tree_depth, suffix_decoding_max_cached_requests,
+    suffix_decoding_max_spec_factor, suffix_decoding_min_token_prob: suffix decoding's, in vLLM's
+        names: the longest match and draft its trees hold (24); how many recent requests' outputs
+        the shared tree holds, the oldest dropped first (10,000; 0: each request drafts from its
+        own text alone); the most tokens drafted per matched token (1.0); the least frequency
+        a drafted token may have after its context (0.1). A suffix draft is a tree of at most
+        num_speculative_tokens nodes.
 
     Each field's help, flag and LLM keyword are in its metadata (setting()): generate, serve and
     bench take every field as that flag, and a value refused here is said as the flag on the
@@ -405,8 +423,9 @@ class SpeculativeConfig:
     method: str = setting(
         "draft_model",
         "the drafter: draft_model, ngram (prompt lookup), lookup_then_draft (prompt lookup, the draft "
-        "model or head where it finds nothing), eagle (an EAGLE head), early_exit (the target's first layers) or "
-        "staged (each --draft drafting for the next)",
+        "model or head where it finds nothing), eagle (an EAGLE head), early_exit (the target's first layers), "
+        "staged (each --draft drafting for the next) or suffix (suffix decoding: the request's own text and "
+        "recent requests' outputs)",
         "--speculative-method",
         "speculative_method",
         choices=SPECULATIVE_METHODS,
@@ -499,6 +518,35 @@ class SpeculativeConfig:
         "speculative_tree",
         metavar="SHAPE",
     )
+    suffix_decoding_max_tree_depth: int = setting(
+        24,
+        "suffix decoding: the longest match and draft its trees hold, in tokens",
+        "--suffix-decoding-max-tree-depth",
+        metavar="N",
+        parse=int,
+    )
+    suffix_decoding_max_cached_requests: int = setting(
+        10_000,
+        "suffix decoding: how many recent requests' outputs the shared tree holds, the oldest dropped first "
+        "(0: each request drafts from its own text alone)",
+        "--suffix-decoding-max-cached-requests",
+        metavar="N",
+        parse=int,
+    )
+    suffix_decoding_max_spec_factor: float = setting(
+        1.0,
+        "suffix decoding: the most tokens a round drafts per token of the context's match",
+        "--suffix-decoding-max-spec-factor",
+        metavar="F",
+        parse=float,
+    )
+    suffix_decoding_min_token_prob: float = setting(
+        0.1,
+        "suffix decoding: the least frequency a drafted token may have after its context",
+        "--suffix-decoding-min-token-prob",
+        metavar="P",
+        parse=float,
+    )
 
     def __post_init__(self) -> None:
         need = Refusal(self)
@@ -583,6 +631,11 @@ class SpeculativeConfig:
         except ValueError as e:  # tree.py says what shapes it takes, naming speculative_tree
             raise ConfigError(self, "{tree}" + _escaped(str(e).removeprefix("speculative_tree")), {}) from None
         need(
+            self.tree == "chain" or self.method != "suffix",
+            "{method:=} drafts a tree wherever earlier text continued the match in several ways, shaped by "
+            "that text, not by {tree}: drop it",
+        )
+        need(
             self.tree == "chain" or self.method in TREE_METHODS,
             "{tree:=} needs a drafter that grows trees ({methods}); {method:=} drafts chains: drop {tree}",
             methods=", ".join(TREE_METHODS),
@@ -601,6 +654,42 @@ class SpeculativeConfig:
             self.method in NEEDS_DRAFT_MODEL or not unused,
             ", ".join(f"{{{name}:=}}" for name in unused) + " configure a draft model, and {method:=} uses none; "
             "drop them, or use {method:=lookup_then_draft} for prompt lookup with a draft model behind it",
+        )
+        self._check_suffix(need)
+
+    def _check_suffix(self, need: Refusal) -> None:
+        """Suffix decoding's four fields: in range, and set only for method "suffix"."""
+        need(
+            is_int(self.suffix_decoding_max_tree_depth)
+            and 1 <= self.suffix_decoding_max_tree_depth <= MAX_SUFFIX_TREE_DEPTH,
+            "{suffix_decoding_max_tree_depth} must be an integer from 1 to {most}, got {got!r}",
+            most=MAX_SUFFIX_TREE_DEPTH,
+            got=self.suffix_decoding_max_tree_depth,
+        )
+        need(
+            is_int(self.suffix_decoding_max_cached_requests)
+            and 0 <= self.suffix_decoding_max_cached_requests <= MAX_SUFFIX_CACHED_REQUESTS,
+            "{suffix_decoding_max_cached_requests} must be an integer from 0 (no shared tree) to {most}, got {got!r}",
+            most=MAX_SUFFIX_CACHED_REQUESTS,
+            got=self.suffix_decoding_max_cached_requests,
+        )
+        need(
+            is_real(self.suffix_decoding_max_spec_factor) and self.suffix_decoding_max_spec_factor > 0,
+            "{suffix_decoding_max_spec_factor} must be a number > 0, got {got!r}",
+            got=self.suffix_decoding_max_spec_factor,
+        )
+        need(
+            is_real(self.suffix_decoding_min_token_prob) and 0 <= self.suffix_decoding_min_token_prob <= 1,
+            "{suffix_decoding_min_token_prob} must be in [0, 1], got {got!r}",
+            got=self.suffix_decoding_min_token_prob,
+        )
+        changed = [
+            f.name for f in fields(self) if f.name.startswith("suffix_decoding_") and getattr(self, f.name) != f.default
+        ]
+        need(
+            self.method == "suffix" or not changed,
+            ", ".join(f"{{{name}:=}}" for name in changed) + " configure suffix decoding, which {method:=} does not "
+            "use: drop them, or use {method:=suffix}",
         )
 
     def _check_stages(self, need: Refusal) -> None:

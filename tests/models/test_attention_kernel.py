@@ -80,7 +80,9 @@ def test_a_query_over_scattered_keys_gets_what_it_gets_over_them_in_a_row(dtype)
     for b in range(2):
         for t in range(q.shape[1]):
             seen = mask[b, 0, t].nonzero()[:, 0]  # [n] the keys it sees, in order
-            in_a_row = ops().attend(q[b : b + 1, t : t + 1], keys[b : b + 1, seen], values[b : b + 1, seen], None, scale)
+            in_a_row = ops().attend(
+                q[b : b + 1, t : t + 1], keys[b : b + 1, seen], values[b : b + 1, seen], None, scale
+            )
             assert torch.equal(in_a_row, scattered[b : b + 1, t : t + 1])
 
 

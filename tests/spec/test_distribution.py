@@ -51,6 +51,8 @@ RUNS = {
     # prompt lookup where a row's looked-up tokens have fared as well as the draft model's, the
     # draft model elsewhere: each row's proposal chosen from its own earlier rounds
     "lookup_then_draft": ["T1.0"],
+    # suffix decoding: point masses from the prompt and from the other draws' outputs as they grow
+    "suffix": ["T0.7-top_k5"],
 }
 TREE = dict(speculative_tree="3,2", num_speculative_tokens=5)
 # adaptive k (a row stops drafting after a draft token of draft probability < this): only in
@@ -186,8 +188,8 @@ def assert_follows(samples: np.ndarray, probs: np.ndarray, what: str) -> None:
 
 
 def make_llm(setup, drafter: str, **kwargs) -> LLM:
-    speculative_model = {"ngram": "[ngram]", "eagle": setup["head"]}.get(drafter, setup["draft"])
-    if drafter in ("eagle", "lookup_then_draft"):
+    speculative_model = {"ngram": "[ngram]", "eagle": setup["head"], "suffix": None}.get(drafter, setup["draft"])
+    if drafter in ("eagle", "lookup_then_draft", "suffix"):
         kwargs["speculative_method"] = drafter
     if drafter == "draft_model_adaptive":
         kwargs["draft_confidence_threshold"] = CONFIDENCE_THRESHOLD
@@ -535,7 +537,9 @@ def test_seeded_request_is_independent_of_its_batch(setup, drafter):
     prompt = setup["prompt"]
     llm = make_llm(setup, drafter)
     alone = llm.generate([prompt], seeded)[0]
-    assert alone.metrics.num_draft_tokens > 0 and alone.metrics.num_accepted_tokens > 0
+    assert alone.metrics.num_draft_tokens > 0
+    # a seeded row's suffix drafts come from its own text alone, seldom what T 1.0 samples here
+    assert alone.metrics.num_accepted_tokens > 0 or drafter == "suffix"
     if drafter == "draft_model_adaptive":  # rounds that stopped drafting early, and rounds that did not
         by_position = alone.metrics.proposed_by_position
         assert by_position[0] > by_position[-1] > 0

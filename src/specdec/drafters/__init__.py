@@ -8,6 +8,7 @@ from specdec.drafters.eagle import EagleDrafter
 from specdec.drafters.early_exit import early_exit_drafter
 from specdec.drafters.lookup_then_draft import LookupThenDraftDrafter
 from specdec.drafters.ngram import NgramDrafter
+from specdec.drafters.suffix import SuffixDrafter
 
 DRAFTERS = {
     "draft_model": draft_model_drafter,  # a DraftModelDrafter, or a CrossTokenizerDrafter for another tokenizer
@@ -15,6 +16,7 @@ DRAFTERS = {
     "lookup_then_draft": LookupThenDraftDrafter.from_config,
     "eagle": EagleDrafter.from_config,
     "early_exit": early_exit_drafter,
+    "suffix": SuffixDrafter.from_config,
 }
 
 __all__ = [
@@ -26,4 +28,5 @@ __all__ = [
     "EagleDrafter",
     "LookupThenDraftDrafter",
     "NgramDrafter",
+    "SuffixDrafter",
 ]

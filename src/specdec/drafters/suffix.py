@@ -1,0 +1,154 @@
+"""Suffix decoding (Oliaro et al., "SuffixDecoding", arXiv 2411.04975; vLLM's method "suffix"):
+propose what followed the context's longest recent match in the text this server has seen. No
+model; the proposal is a tree of point masses (draft_probs None), or nothing.
+
+Terms:
+  suffix tree   every suffix of a token stream, up to max_tree_depth tokens deep, each node
+                counting how often its path occurred. arctic-inference's C++ tree
+                (arctic_inference.suffix_decoding, as vLLM uses it) holds them.
+  own tree      one per running request, over its prompt and its output so far: prompt lookup,
+                with frequencies.
+  shared tree   one over the outputs of recent requests (the running ones' too, token by token),
+                the oldest request's dropped once max_cached_requests are held: a workload that
+                repeats itself (the same instruction over many inputs, a tool call's scaffolding)
+                drafts from what earlier requests were answered.
+  match         the longest suffix of the context found in a tree (up to max_tree_depth tokens);
+                a round drafts at most max_spec_factor x its length tokens, so a one-token
+                coincidence drafts little and a long copy drafts much.
+
+Each round, each row speculates from both trees and keeps the draft of higher score (its nodes'
+frequencies summed): up to k nodes, the likeliest continuations of the match, each node's
+frequency at least min_token_prob. The nodes form a tree (several continuations seen after the
+same context) verified in one forward (tree.py); a draft that is one path is handed on as a chain.
+
+A seeded sampled request drafts from its own tree alone: how many random numbers a round draws
+depends on its draft, and a seed must give the same tokens whatever else the server has served.
+Greedy and unseeded rows use both. Drafts never change the output, only how much of it a round
+accepts.
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import torch
+
+from specdec.drafters.base import Draft, Drafter
+from specdec.sampling import SamplingTensors
+from specdec.sequence import Sequence
+from specdec.tree import ROOT
+
+INSTALL_HINT = (
+    'speculative_method="suffix" needs arctic-inference (suffix trees in C++): `make setup` installs it; by hand, '
+    'pip install setuptools wheel cmake nanobind==2.9.2 protobuf grpcio-tools, then CMAKE_ARGS="-DPython_EXECUTABLE='
+    '$(which python)" pip install --no-build-isolation arctic-inference==0.3.0'
+)
+
+
+def suffix_cache_class():
+    """arctic-inference's SuffixDecodingCache, or an ImportError that says how to install it."""
+    try:
+        from arctic_inference.suffix_decoding import SuffixDecodingCache
+    except ImportError as e:
+        raise ImportError(INSTALL_HINT) from e
+    return SuffixDecodingCache
+
+
+class SuffixDrafter(Drafter):
+    """max_tree_depth: the longest match and draft a tree holds; max_cached_requests: the
+    requests whose outputs the shared tree holds (0: none, each request drafts from its own);
+    max_spec_factor: the most tokens drafted per matched token; min_token_prob: the least
+    frequency a drafted node may have among its siblings' paths."""
+
+    def __init__(
+        self,
+        max_tree_depth: int = 24,
+        max_cached_requests: int = 10_000,
+        max_spec_factor: float = 1.0,
+        min_token_prob: float = 0.1,
+        device: torch.device | str = "cpu",
+    ):
+        cache_class = suffix_cache_class()
+        self.shared = cache_class(max_tree_depth, max_cached_requests)  # own trees + the shared tree
+        self.own = cache_class(max_tree_depth, 0)  # own trees alone: what seeded sampled rows draft from
+        self.max_spec_factor, self.min_token_prob, self.device = max_spec_factor, min_token_prob, device
+        # request id -> (its key in both caches, output tokens already added); a key is never
+        # reused, so a request id that comes back (a later generate call's "0") is a new request
+        self.started: dict[str, tuple[int, int]] = {}
+        self._keys = itertools.count()
+
+    @classmethod
+    def from_config(cls, spec, target, target_runner) -> SuffixDrafter:
+        return cls(
+            spec.suffix_decoding_max_tree_depth,
+            spec.suffix_decoding_max_cached_requests,
+            spec.suffix_decoding_max_spec_factor,
+            spec.suffix_decoding_min_token_prob,
+            target_runner.device,
+        )
+
+    def propose(self, batch: list[Sequence], ks: list[int], sampling: SamplingTensors) -> Draft:
+        width = max(ks, default=0)
+        token_ids = torch.zeros(len(batch), width, dtype=torch.long)  # [B, k]
+        parents = torch.full((len(batch), width), ROOT, dtype=torch.long)  # [B, k]
+        num_tokens = torch.zeros(len(batch), dtype=torch.long)  # [B]
+        own_only = [not g and s.params.seed is not None for s, g in zip(batch, sampling.greedy.tolist())]
+        for row, (seq, k, alone) in enumerate(zip(batch, ks, own_only)):
+            nodes, node_parents = self.speculate(seq, k, own_only=alone)
+            token_ids[row, : len(nodes)] = torch.as_tensor(nodes, dtype=torch.long)
+            parents[row, : len(nodes)] = torch.as_tensor(node_parents, dtype=torch.long)
+            num_tokens[row] = len(nodes)
+        used = int(num_tokens.max()) if len(batch) else 0
+        token_ids, parents = token_ids[:, :used], parents[:, :used]  # [B, used]
+        columns = torch.arange(used)  # [used]
+        after_the_one_before = (parents == columns - 1) | (columns[None, :] >= num_tokens[:, None])  # [B, used]
+        tree = None if bool(after_the_one_before.all()) else parents.to(self.device)  # every row a chain: None
+        return Draft(token_ids.to(self.device), num_tokens.to(self.device), None, tree)
+
+    def speculate(self, seq: Sequence, k: int, own_only: bool = False) -> tuple[list[int], list[int]]:
+        """Up to k draft nodes for seq (token ids, and each one's parent's index in them, ROOT for
+        a child of the last token; parents before children), from its own tree and, unless
+        own_only, the shared one: the draft of higher score."""
+        key = self._bring_up_to_date(seq)
+        if k <= 0:
+            return [], []
+        cache = self.own if own_only else self.shared
+        context = seq.token_ids[-cache.max_tree_depth :]
+        draft = cache.speculate(
+            key,
+            context,
+            max_spec_tokens=k,
+            max_spec_factor=self.max_spec_factor,
+            min_token_prob=self.min_token_prob,
+            use_tree_spec=True,
+        )
+        return list(draft.token_ids), list(draft.parents)
+
+    def _bring_up_to_date(self, seq: Sequence) -> int:
+        """seq's key in the caches, its prompt and every output token added to its trees (and
+        its outputs to the shared one)."""
+        if seq.request_id not in self.started:
+            key = next(self._keys)
+            for cache in (self.shared, self.own):
+                cache.start_request(key, seq.prompt_token_ids)
+            self.started[seq.request_id] = (key, 0)
+        key, added = self.started[seq.request_id]
+        new = seq.output_token_ids[added:]
+        if new:
+            for cache in (self.shared, self.own):
+                cache.add_active_response(key, new)
+            self.started[seq.request_id] = (key, added + len(new))
+        return key
+
+    def release(self, seq: Sequence) -> None:
+        """seq left its slot: finished (its whole output stays in the shared tree, for later
+        requests), or preempted to be recomputed (its output is dropped from the shared tree,
+        and added again, once, when it comes back)."""
+        if seq.request_id not in self.started:
+            return
+        key = self._bring_up_to_date(seq)
+        del self.started[seq.request_id]
+        for cache in (self.shared, self.own):
+            cache.stop_request(key)
+            if not seq.finished and key in cache.cached_requests:
+                cache.evict_cached_response(key)

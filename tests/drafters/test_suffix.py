@@ -1,0 +1,162 @@
+"""Suffix decoding (drafters/suffix.py): the drafts arctic-inference's trees give, against what
+the token streams fed to them say; greedy output equal to the target alone in float32 with
+trees from earlier requests' outputs; a seeded request that owes nothing to other requests; the
+shared tree bounded; and the settings refused by name. The sampled distribution's chi-square
+test is in tests/spec/test_distribution.py, with every drafter's."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from helpers import random_prompts, save_tiny_model, token_ids
+from specdec import LLM, SamplingParams
+from specdec.config import SamplingParams as Params
+from specdec.config import SpeculativeConfig
+from specdec.drafters.suffix import SuffixDrafter
+from specdec.sampling import SamplingTensors
+from specdec.sequence import Sequence
+from specdec.tree import ROOT
+
+arctic = pytest.importorskip("arctic_inference.suffix_decoding", reason="arctic-inference is not installed: make setup")
+
+GREEDY = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+
+
+def sequence(request_id: str, prompt: list[int], output: list[int], seed: int | None = None, temperature=0.0):
+    return Sequence(request_id, prompt, Params(temperature=temperature, seed=seed, max_tokens=64), torch.Generator())
+
+
+def finished(drafter: SuffixDrafter, request_id: str, prompt: list[int], output: list[int]) -> None:
+    """A request served to its end: its output goes into the shared tree."""
+    seq = sequence(request_id, prompt, [])
+    drafter.propose([seq], [0], SamplingTensors.from_params([seq.params], "cpu"))
+    seq.output_token_ids = list(output)
+    seq.finish_reason = "length"
+    drafter.release(seq)
+
+
+def propose(drafter: SuffixDrafter, seqs: list[Sequence], ks: list[int]):
+    return drafter.propose(seqs, ks, SamplingTensors.from_params([s.params for s in seqs], "cpu"))
+
+
+def test_earlier_outputs_that_part_ways_draft_a_tree():
+    """Two earlier answers continue [5, 6, 7] with 8 9 and with 1 2: a request ending in 5 6 7
+    drafts both branches as one tree (parents before children), at most k nodes, no deeper than
+    the match allows (max_spec_factor x match length)."""
+    drafter = SuffixDrafter(max_tree_depth=16, max_cached_requests=10, max_spec_factor=2.0, min_token_prob=0.1)
+    finished(drafter, "a", [100], [5, 6, 7, 8, 9, 10])
+    finished(drafter, "b", [101], [5, 6, 7, 1, 2, 3])
+    seq = sequence("c", [50, 5, 6, 7], [])
+    draft = propose(drafter, [seq], [4])
+    assert draft.parents is not None and int(draft.num_tokens[0]) == 4
+    tokens, parents = draft.token_ids[0].tolist(), draft.parents[0].tolist()
+    assert all(p < i for i, p in enumerate(parents))
+    firsts = {tokens[i] for i, p in enumerate(parents) if p == ROOT}
+    assert firsts == {8, 1}
+    for child, parent in ((9, 8), (2, 1)):
+        assert parents[tokens.index(child)] == tokens.index(parent)
+    assert int(propose(drafter, [seq], [20]).num_tokens[0]) <= 2 * 3 * 2  # a 3-token match: 6 a branch, two branches
+
+
+def test_a_single_path_is_a_chain_and_no_match_is_nothing():
+    drafter = SuffixDrafter(max_tree_depth=16, max_cached_requests=10, max_spec_factor=4.0)
+    finished(drafter, "a", [100], [5, 6, 7, 8, 9, 10])
+    seqs = [sequence("c", [50, 5, 6], []), sequence("d", [51, 52], [])]
+    draft = propose(drafter, seqs, [3, 3])
+    assert draft.parents is None  # one path: verified as a chain
+    assert draft.token_ids[0].tolist() == [7, 8, 9] and draft.num_tokens.tolist() == [3, 0]
+
+
+def test_a_request_drafts_from_its_own_text_as_it_grows():
+    """Its prompt and each output token as it comes: the repeat of its own text is drafted, with
+    nothing in the shared tree."""
+    drafter = SuffixDrafter(max_tree_depth=16, max_cached_requests=0, max_spec_factor=2.0)
+    seq = sequence("a", [3, 4, 5, 6, 7, 3, 4], [])
+    assert propose(drafter, [seq], [3]).token_ids[0].tolist() == [5, 6, 7]
+    seq.output_token_ids = [5, 6, 7, 9, 3, 4]  # a new continuation, 9, after 5 6 7 once
+    draft = propose(drafter, [seq], [4])
+    assert set(draft.token_ids[0, : int(draft.num_tokens[0])].tolist()) >= {5, 6, 7}
+
+
+def test_a_seeded_sampled_row_drafts_from_its_own_text_alone():
+    """What others were answered drafts for greedy and unseeded rows, never for a seeded sampled
+    one: its random draws would depend on the server's history."""
+    drafter = SuffixDrafter(max_tree_depth=16, max_cached_requests=10, max_spec_factor=2.0)
+    finished(drafter, "a", [100], [5, 6, 7, 8, 9, 10])
+    greedy = sequence("g", [50, 5, 6, 7], [])
+    unseeded = sequence("u", [51, 5, 6, 7], [], temperature=1.0)
+    seeded = sequence("s", [52, 5, 6, 7], [], seed=3, temperature=1.0)
+    draft = propose(drafter, [greedy, unseeded, seeded], [2, 2, 2])
+    assert draft.num_tokens.tolist() == [2, 2, 0]
+
+
+def test_the_shared_tree_holds_the_newest_requests_and_a_preempted_one_once():
+    drafter = SuffixDrafter(max_tree_depth=16, max_cached_requests=2, max_spec_factor=2.0)
+    for i, output in enumerate(([5, 6, 7, 8], [20, 21, 22, 23], [30, 31, 32, 33])):
+        finished(drafter, f"r{i}", [100 + i], output)
+    assert len(drafter.shared.cached_requests) == 2  # running requests count too, as they add their outputs
+    assert propose(drafter, [sequence("y", [1, 30, 31], [])], [2]).token_ids[0].tolist() == [32, 33]
+    assert propose(drafter, [sequence("x", [1, 5, 6], [])], [2]).num_tokens.tolist() == [0]  # the oldest: dropped
+    preempted = sequence("p", [9, 9], [])
+    propose(drafter, [preempted], [0])
+    preempted.output_token_ids = [40, 41, 42]
+    drafter.release(preempted)  # not finished: recomputed later, its output dropped meanwhile
+    assert propose(drafter, [sequence("z", [1, 40, 41], [])], [1]).num_tokens.tolist() == [0]
+    assert not drafter.started.keys() - {"x", "y", "z"}
+
+
+def test_settings_are_checked_by_name():
+    for bad, words in (
+        (dict(suffix_decoding_max_tree_depth=0), "suffix_decoding_max_tree_depth must be an integer from 1"),
+        (dict(suffix_decoding_max_cached_requests=-1), "suffix_decoding_max_cached_requests must be an integer from 0"),
+        (dict(suffix_decoding_max_spec_factor=0.0), "suffix_decoding_max_spec_factor must be a number > 0"),
+        (dict(suffix_decoding_min_token_prob=1.5), r"suffix_decoding_min_token_prob must be in \[0, 1\]"),
+    ):
+        with pytest.raises(ValueError, match=words):
+            SpeculativeConfig(method="suffix", **bad)
+    with pytest.raises(ValueError, match="configure suffix decoding, which speculative_method='ngram' does not use"):
+        SpeculativeConfig(method="ngram", suffix_decoding_max_tree_depth=8)
+    with pytest.raises(ValueError, match="shaped by that text, not by speculative_tree: drop it"):
+        SpeculativeConfig(method="suffix", tree="auto")
+
+
+# --- end to end --------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def target(tmp_path_factory):
+    return save_tiny_model(tmp_path_factory.mktemp("suffix") / "target", "llama", seed=3, init_std=0.3)
+
+
+def test_greedy_with_suffix_drafts_equals_the_target_alone(target, monkeypatch):
+    """Requests one after another, then all again batched (every answer now in the shared
+    tree: most of each is drafted and accepted), then with a queue for slots: each equal to the
+    target alone in float32; some rounds verified trees."""
+    trees = []
+    original = SuffixDrafter.propose
+
+    def recording(self, batch, ks, sampling):
+        draft = original(self, batch, ks, sampling)
+        trees.append(draft.is_tree)
+        return draft
+
+    monkeypatch.setattr(SuffixDrafter, "propose", recording)
+    prompts = random_prompts(6, seed=21, lengths=(3, 12)) + random_prompts(2, seed=22, repeat=True)
+    expected = token_ids(LLM(str(target), dtype="float32").generate(prompts, GREEDY))
+    llm = LLM(  # k fixed: goodput's k follows timings, and this test counts what was accepted
+        str(target),
+        dtype="float32",
+        speculative_method="suffix",
+        num_speculative_tokens=8,
+        speculative_k_policy="fixed",
+    )
+    one_by_one = [llm.generate([prompt], GREEDY)[0] for prompt in prompts]
+    assert token_ids(one_by_one) == expected
+    again = llm.generate(prompts, GREEDY)
+    assert token_ids(again) == expected
+    accepted = sum(o.metrics.num_accepted_tokens for o in again)
+    assert accepted > 0.6 * sum(len(t) for t in expected), "the shared tree held every answer: most should be drafted"
+    queued = LLM(str(target), dtype="float32", speculative_method="suffix", max_num_seqs=3)
+    assert token_ids(queued.generate(prompts + prompts, GREEDY)) == expected + expected
+    assert any(trees), "no round drafted a tree: the test's outputs never parted ways"
