@@ -106,6 +106,13 @@ def test_the_shared_tree_holds_the_newest_requests_and_a_preempted_one_once():
     assert not drafter.started.keys() - {"x", "y", "z"}
 
 
+def test_forget_drops_every_tree():
+    drafter = SuffixDrafter(max_tree_depth=16, max_cached_requests=10, max_spec_factor=2.0)
+    finished(drafter, "a", [100], [5, 6, 7, 8])
+    drafter.forget()
+    assert propose(drafter, [sequence("b", [1, 5, 6], [])], [2]).num_tokens.tolist() == [0]
+
+
 def test_settings_are_checked_by_name():
     for bad, words in (
         (dict(suffix_decoding_max_tree_depth=0), "suffix_decoding_max_tree_depth must be an integer from 1"),

@@ -716,6 +716,21 @@ def test_quick_sizes_and_flags_that_override_them(pair):
     assert parse(commands.command_line(args).split()[2:]) == args
 
 
+def test_the_batch_job_is_one_instruction_over_functions_no_chat_set_uses():
+    """The batch set: every prompt the same instruction over one held-out function, each function
+    once, none of those the write, edit or chat sets ask about."""
+    from specdec.tools.benchmark.prompts import BATCH_INSTRUCTION, batch_job_prompts, held_out_chat_prompts
+    from specdec.tools.training.corpus import HELD_OUT_MODULES
+
+    batch = batch_job_prompts()
+    assert len(batch) >= 32 and all(p.chat and p.text.startswith(BATCH_INSTRUCTION + "\n\n```python\n") for p in batch)
+    functions = [p.name.removesuffix(" (batch)") for p in batch]
+    assert len(set(functions)) == len(functions) and all(f.split(":")[0] in HELD_OUT_MODULES for f in functions)
+    for kinds in (("write",), ("edit",), ("write", "edit", "explain")):
+        asked = {p.name.rpartition(" (")[0] for p in held_out_chat_prompts(kinds=kinds)}
+        assert asked and not asked & set(functions)
+
+
 def test_chat_prompt_sets_are_rendered_with_the_chat_template(pair, tmp_path):
     """A chat prompt is a held-out module's function in a user message, encoded as the model's
     template renders it; a model without a template is refused for those sets."""

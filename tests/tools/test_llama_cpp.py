@@ -599,7 +599,7 @@ def head_dir(tmp_path) -> str:
 def test_the_systems_are_every_one_whose_model_is_given(gguf_pair, head_dir, tmp_path, no_default_cross_draft):
     target, draft = gguf_pair
     config = llama_cpp.llama_cpp_config(parse(["--model", target, "--draft", draft]))
-    assert config.systems == ("plain", "ngram", "draft_model", "lookup_then_draft", "staged")
+    assert config.systems == ("plain", "ngram", "draft_model", "lookup_then_draft", "staged", "suffix")
     assert config.skipped == (
         "No other-tokenizer draft row: smollm2 (SmolLM2-135M-Instruct) is not fetched (`specdec fetch "
         "smollm2`), and no --cross-tokenizer-draft was given.",
@@ -612,7 +612,7 @@ def test_the_systems_are_every_one_whose_model_is_given(gguf_pair, head_dir, tmp
     assert config.systems == llama_cpp.METHODS and config.skipped == ()
     assert (config.cross_draft, config.head) == (str(other), head_dir)
     config = llama_cpp.llama_cpp_config(parse(["--model", target]))
-    assert config.systems == ("plain", "ngram") and config.skipped[-1] == (
+    assert config.systems == ("plain", "ngram", "suffix") and config.skipped[-1] == (
         "No --draft: no draft_model, lookup_then_draft, staged rows."
     )
 

@@ -68,14 +68,24 @@ class SuffixDrafter(Drafter):
         min_token_prob: float = 0.1,
         device: torch.device | str = "cpu",
     ):
-        cache_class = suffix_cache_class()
-        self.shared = cache_class(max_tree_depth, max_cached_requests)  # own trees + the shared tree
-        self.own = cache_class(max_tree_depth, 0)  # own trees alone: what seeded sampled rows draft from
+        self.max_tree_depth, self.max_cached_requests = max_tree_depth, max_cached_requests
+        self._fresh_caches()
         self.max_spec_factor, self.min_token_prob, self.device = max_spec_factor, min_token_prob, device
         # request id -> (its key in both caches, output tokens already added); a key is never
         # reused, so a request id that comes back (a later generate call's "0") is a new request
         self.started: dict[str, tuple[int, int]] = {}
         self._keys = itertools.count()
+
+    def forget(self) -> None:
+        """Drop every tree (no request may be running): a benchmark's warm-up answer, say, would
+        otherwise draft the prompt it warmed up on."""
+        assert not self.started, "forget() with requests running"
+        self._fresh_caches()
+
+    def _fresh_caches(self) -> None:
+        cache_class = suffix_cache_class()
+        self.shared = cache_class(self.max_tree_depth, self.max_cached_requests)  # own trees + the shared tree
+        self.own = cache_class(self.max_tree_depth, 0)  # own trees alone: what seeded sampled rows draft from
 
     @classmethod
     def from_config(cls, spec, target, target_runner) -> SuffixDrafter:

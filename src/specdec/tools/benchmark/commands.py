@@ -143,8 +143,9 @@ def add_bench_parser(commands) -> None:
         type=_name_list,
         metavar="SET,SET",
         help="code (held-out code completion), repeat (code repeated from the prompt), chat (held-out "
-        'chat prompts about functions, for a chat model) and edit (its "edit this function" '
-        'ones), and with --llama-cpp write (its "write a function" ones); default code,repeat '
+        'chat prompts about functions, for a chat model), edit (its "edit this function" '
+        "ones) and batch (one instruction over many functions, sent one after another: a batch job), "
+        'and with --llama-cpp write (its "write a function" ones); default code,repeat '
         "(--llama-cpp: write,edit)",
     )
     p.add_argument("--seed", type=int, default=0, help="seeds of the sampled runs (prompt i uses seed + i)")
@@ -173,8 +174,8 @@ def add_bench_parser(commands) -> None:
         metavar="NAME,NAME",
         help="with --llama-cpp: the systems compared, by method: plain (always run: both engines' "
         "baselines), ngram and draft_model (both engines), lookup_then_draft, staged (prompt lookup "
-        "drafting for --draft), cross_tokenizer (--cross-tokenizer-draft), eagle and lookup_then_eagle (--head) "
-        "(specdec's); default every one whose model is given or fetched",
+        "drafting for --draft), cross_tokenizer (--cross-tokenizer-draft), eagle and lookup_then_eagle "
+        "(--head), suffix (suffix decoding; specdec's); default every one whose model is given or fetched",
     )
     p.add_argument(
         "--cross-tokenizer-draft",

@@ -20,7 +20,8 @@ What runs, interleaved prompt by prompt (the order rotated each prompt) on one G
              (["[ngram]", DRAFT]: prompt lookup drafting for the draft model), a draft with another
              tokenizer (cross_tokenizer: SmolLM2-135M-Instruct by default, drafting through text)
              and an EAGLE head (--head), alone and behind prompt lookup (lookup_then_eagle:
-             lookup_then_draft with the head), as LLM runs them by default (quantization "auto": the
+             lookup_then_draft with the head), and suffix decoding (suffix: its shared tree fills
+             as the prompts are sent, emptied after the warm-up), as LLM runs them by default (quantization "auto": the
              file's own quantized weights; goodput k <= k); the draft model's rows share its weights
 --systems picks the rows by method (plain always runs: both engines' baselines); by default every
 system whose models are given or fetched, a note saying which were left out and why.
@@ -505,6 +506,7 @@ class System:
             "cross_tokenizer": f"specdec other-tokenizer draft (goodput k≤{k})",
             "eagle": f"specdec EAGLE head (goodput k≤{k})",
             "lookup_then_eagle": f"specdec lookup, else EAGLE head (goodput k≤{k})",
+            "suffix": f"specdec suffix decoding (goodput k≤{k} nodes)",
         }[self.method]
 
 
@@ -518,6 +520,7 @@ METHODS = (
     "cross_tokenizer",
     "eagle",
     "lookup_then_eagle",
+    "suffix",
 )
 LLAMA_METHODS = ("plain", "ngram", "draft_model")
 LLAMA_PLAIN = System("llama.cpp", "plain")
@@ -781,6 +784,9 @@ def load_specdec(config: LlamaCppConfig):
     if "lookup_then_eagle" in wanted:  # a head of its own: its cache and waiting features are per drafter
         spec, drafter = drafter_for(config.head, "lookup_then_draft")
         add("lookup_then_eagle", drafter, spec.k_policy)
+    if "suffix" in wanted:  # its shared tree fills as the prompts are sent, one after another
+        spec, drafter = drafter_for(None, "suffix")
+        add("suffix", drafter, spec.k_policy)
     return target, runners
 
 
@@ -902,6 +908,9 @@ def warm_up(runners: dict, ids: list[int], config: LlamaCppConfig) -> None:
     goodput's calibration) untimed, with LLM.warm_up. (Each llama.cpp tool warms up by itself.)"""
     for runner in runners.values():
         runner.warm_up(ids, config.seed)
+        forget = getattr(runner.llm.engine.drafter, "forget", None)
+        if forget is not None:  # suffix decoding: the warm-up's answer would draft a measured prompt
+            forget()
 
 
 @dataclass(frozen=True)

@@ -15,6 +15,10 @@ held-out chat prompts: a user message about a held-out module's function (traini
 write it from its docstring, edit it, explain it), for a chat model: the bench renders it with
 the model's chat template. edit prompts: only the "edit this function" ones, whose answers
 repeat much of the prompt.
+
+batch job prompts: one instruction (describe a function as JSON) over held-out functions the
+chat prompts do not use, sent one after another: what repeats is across requests (the JSON's
+scaffolding), which only a drafter that remembers earlier answers (suffix decoding) can draft.
 """
 
 from __future__ import annotations
@@ -99,6 +103,37 @@ def held_out_chat_prompts(
 
 def held_out_edit_prompts(per_module: int = 2, max_chars: int = 1200) -> list[Prompt]:
     return held_out_chat_prompts(per_module, max_chars, kinds=("edit",))
+
+
+# One instruction over many inputs, as a script or an agent sends it (suffix decoding's workload)
+BATCH_INSTRUCTION = (
+    'Describe this Python function as JSON with the keys "name", "parameters" (a list of objects with the keys '
+    '"name", "type" and "default"), "returns" and "summary" (one sentence). Answer with the JSON alone.'
+)
+EVAL_KINDS = (("write",), ("edit",), ("write", "edit", "explain"))  # the chat sets the bench draws
+
+
+def batch_job_prompts(per_module: int = 2, max_chars: int = 1200) -> list[Prompt]:
+    """A batch job: BATCH_INSTRUCTION over the functions of the held-out modules that no chat
+    set of the bench uses (for the same per_module and max_chars), per_module x 2 from each
+    module at most, module by module: the bench sends them one after another."""
+    from specdec.tools.training.chat_prompts import find_functions
+    from specdec.tools.training.corpus import Document
+
+    used = {
+        prompt.name.rpartition(" (")[0]
+        for kinds in EVAL_KINDS
+        for prompt in held_out_chat_prompts(per_module, max_chars, kinds=kinds)
+    }
+    prompts = []
+    for module, source in held_out_sources():
+        functions, _ = find_functions([Document(module, source)], max_chars)
+        unused = [f for f in functions if f.where not in used][: per_module * 2]
+        prompts += [
+            Prompt(f"{f.where} (batch)", f"{BATCH_INSTRUCTION}\n\n```python\n{f.source.rstrip()}\n```", chat=True)
+            for f in unused
+        ]
+    return prompts
 
 
 def held_out_sources():

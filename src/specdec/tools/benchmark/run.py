@@ -47,6 +47,7 @@ from specdec.tools.benchmark.goals import evaluate_goals
 from specdec.tools.benchmark.machine import decode_weight_bytes, describe_machine, read_bandwidth, step_seconds
 from specdec.tools.benchmark.prompts import (
     Prompt,
+    batch_job_prompts,
     held_out_chat_prompts,
     held_out_code_prompts,
     held_out_edit_prompts,
@@ -61,6 +62,7 @@ PROMPT_SETS = {  # name -> (title, prompt-set function(per_module, max_chars))
     "repeat": ("repeating code already in the prompt", repeated_code_prompts),
     "chat": ("held-out chat prompts (write, edit or explain a function)", held_out_chat_prompts),
     "edit": ('held-out "edit this function" chat prompts', held_out_edit_prompts),
+    "batch": ("a batch job: one instruction over many held-out functions, one after another", batch_job_prompts),
 }
 
 
