@@ -302,9 +302,19 @@ def quantization_from_arg(text: str) -> str | None:
     return None if text == "none" else text
 
 
-SPECULATIVE_METHODS = ("draft_model", "ngram", "lookup_then_draft", "eagle", "early_exit", "staged", "suffix")
+SPECULATIVE_METHODS = (
+    "draft_model",
+    "ngram",
+    "lookup_then_draft",
+    "eagle",
+    "early_exit",
+    "staged",
+    "suffix",
+    "suffix_then_draft",
+)
 TREE_METHODS = ("draft_model", "eagle", "early_exit")  # the drafters that grow trees (Drafter.grows_trees)
-NEEDS_DRAFT_MODEL = ("draft_model", "lookup_then_draft", "eagle", "staged")  # "eagle": the head's directory
+NEEDS_DRAFT_MODEL = ("draft_model", "lookup_then_draft", "eagle", "staged", "suffix_then_draft")  # "eagle": a head's
+SUFFIX_METHODS = ("suffix", "suffix_then_draft")  # the methods that draft by suffix decoding
 # the shortest n-gram match prompt lookup trusts, by method: with a draft model to fall back
 # on, a one-token match is too weak to use instead of it; as the first stage of staged drafts,
 # a draft model checks its proposals, and a wrong one costs only a slightly wider draft forward
@@ -316,6 +326,7 @@ DEFAULT_NGRAM_MIN = {
     "early_exit": 1,
     "staged": 1,
     "suffix": 1,
+    "suffix_then_draft": 1,
 }
 MAX_SUFFIX_TREE_DEPTH = 1024  # past this a match is longer than any draft a round could verify
 MAX_SUFFIX_CACHED_REQUESTS = 2**31 - 1  # arctic-inference's bound (its sequence ids are int32)
@@ -370,7 +381,9 @@ class SpeculativeConfig:
         layer draft; see drafters/early_exit.py), or "staged" (staged drafts: a list of stages
         in model, each drafting for the next by speculative decoding, the last for the target;
         see spec/staged.py), or "suffix" (suffix decoding: what followed the context's longest
-        match in the request's own text or in recent requests' outputs; see drafters/suffix.py).
+        match in the request's own text or in recent requests' outputs; see drafters/suffix.py),
+        or "suffix_then_draft" (suffix decoding for the rows where it finds a match, the draft
+        model or EAGLE head in model for the others; see drafters/suffix_then_draft.py).
     model: the draft model's directory, for "draft_model" and "lookup_then_draft" (which also
         takes a head's directory: the head drafts where lookup finds nothing); the
         head's directory for "eagle"; for "staged", the stages, first (cheapest) to last, at
@@ -424,8 +437,9 @@ class SpeculativeConfig:
         "draft_model",
         "the drafter: draft_model, ngram (prompt lookup), lookup_then_draft (prompt lookup, the draft "
         "model or head where it finds nothing), eagle (an EAGLE head), early_exit (the target's first layers), "
-        "staged (each --draft drafting for the next) or suffix (suffix decoding: the request's own text and "
-        "recent requests' outputs)",
+        "staged (each --draft drafting for the next), suffix (suffix decoding: the request's own text and "
+        "recent requests' outputs) or suffix_then_draft (suffix decoding, the draft model or head where it "
+        "finds nothing)",
         "--speculative-method",
         "speculative_method",
         choices=SPECULATIVE_METHODS,
@@ -631,7 +645,7 @@ class SpeculativeConfig:
         except ValueError as e:  # tree.py says what shapes it takes, naming speculative_tree
             raise ConfigError(self, "{tree}" + _escaped(str(e).removeprefix("speculative_tree")), {}) from None
         need(
-            self.tree == "chain" or self.method != "suffix",
+            self.tree == "chain" or self.method not in SUFFIX_METHODS,
             "{method:=} drafts a tree wherever earlier text continued the match in several ways, shaped by "
             "that text, not by {tree}: drop it",
         )
@@ -687,7 +701,7 @@ class SpeculativeConfig:
             f.name for f in fields(self) if f.name.startswith("suffix_decoding_") and getattr(self, f.name) != f.default
         ]
         need(
-            self.method == "suffix" or not changed,
+            self.method in SUFFIX_METHODS or not changed,
             ", ".join(f"{{{name}:=}}" for name in changed) + " configure suffix decoding, which {method:=} does not "
             "use: drop them, or use {method:=suffix}",
         )

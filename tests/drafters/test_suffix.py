@@ -167,3 +167,67 @@ def test_greedy_with_suffix_drafts_equals_the_target_alone(target, monkeypatch):
     queued = LLM(str(target), dtype="float32", speculative_method="suffix", max_num_seqs=3)
     assert token_ids(queued.generate(prompts + prompts, GREEDY)) == expected + expected
     assert any(trees), "no round drafted a tree: the test's outputs never parted ways"
+
+
+# --- suffix decoding, then a draft model or head ----------------------------------------------
+
+
+def test_drafted_rows_join_a_suffix_tree_as_chains_of_point_masses():
+    """lookup_then_draft's merge where the free draft is a tree: the drafter's rows become chains
+    (each node's parent the node before), widths padded, and no distributions (point masses)."""
+    from specdec.drafters.base import Draft
+    from specdec.drafters.lookup_then_draft import _merge
+
+    looked_up = Draft(
+        torch.tensor([[8, 1, 9], [0, 0, 0]]), torch.tensor([3, 0]), None, torch.tensor([[ROOT, ROOT, 0], [ROOT] * 3])
+    )
+    drafted = Draft(torch.tensor([[4, 5, 6, 7]]), torch.tensor([4]), torch.rand(1, 4, 10).softmax(-1))
+    merged = _merge(looked_up, drafted, torch.tensor([1]))
+    assert merged.probs is None and merged.num_tokens.tolist() == [3, 4]
+    assert merged.token_ids.tolist() == [[8, 1, 9, 0], [4, 5, 6, 7]]
+    assert merged.parents is not None and merged.parents.tolist() == [[ROOT, ROOT, 0, ROOT], [ROOT, 0, 1, 2]]
+
+
+@pytest.fixture(scope="module")
+def draft(tmp_path_factory, target):
+    """The target plus noise: it agrees with the target often, not always."""
+    from helpers import load_hf
+
+    model = load_hf(target)
+    g = torch.Generator().manual_seed(8)
+    with torch.no_grad():
+        for param in model.parameters():
+            param.add_(torch.randn(param.shape, generator=g) * 0.1 * param.std().clamp(min=0.1))
+    path = tmp_path_factory.mktemp("suffix_draft") / "draft"
+    model.save_pretrained(path)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        (path / name).write_bytes((target / name).read_bytes())
+    return path
+
+
+def test_greedy_suffix_then_draft_equals_the_target_alone(target, draft, monkeypatch):
+    """Suffix decoding where it matches, the draft model elsewhere, in the same rounds: equal to
+    the target alone in float32, one by one and batched; both drafted."""
+    from specdec.drafters.suffix_then_draft import SuffixThenDraftDrafter
+
+    sources = []
+    original = SuffixThenDraftDrafter._with_drafter
+
+    def recording(self, batch, ks, sampling, looked_up, unmatched):
+        sources.append((len(unmatched), len(batch) - len(unmatched)))
+        return original(self, batch, ks, sampling, looked_up, unmatched)
+
+    monkeypatch.setattr(SuffixThenDraftDrafter, "_with_drafter", recording)
+    prompts = random_prompts(6, seed=23, lengths=(3, 12))
+    expected = token_ids(LLM(str(target), dtype="float32").generate(prompts, GREEDY))
+    llm = LLM(
+        str(target),
+        dtype="float32",
+        speculative_model=str(draft),
+        speculative_method="suffix_then_draft",
+        num_speculative_tokens=6,
+        speculative_k_policy="fixed",
+    )
+    assert token_ids([llm.generate([prompt], GREEDY)[0] for prompt in prompts]) == expected
+    assert token_ids(llm.generate(prompts, GREEDY)) == expected
+    assert any(drafted for drafted, _ in sources) and any(suffixed for _, suffixed in sources)

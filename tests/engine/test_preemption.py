@@ -25,6 +25,7 @@ def drafter_kwargs(drafter: str, tiny_pair, tmp_path) -> dict:
         "staged": dict(speculative_model=["[ngram]", str(tiny_pair["draft"])]),
         "early_exit": dict(speculative_method="early_exit", early_exit_layer=1),
         "suffix": dict(speculative_method="suffix"),  # the run before leaves every answer in its shared tree
+        "suffix_then_draft": dict(speculative_model=str(tiny_pair["draft"]), speculative_method="suffix_then_draft"),
     }
     if drafter == "eagle":
         head = save_random_head(tiny_pair["target"], tmp_path / "head", seed=3)
@@ -71,7 +72,17 @@ def serve_all(
     return tokens, engine.num_preemptions
 
 
-DRAFTERS = ["none", "draft_model", "eagle", "ngram", "lookup_then_draft", "staged", "early_exit", "suffix"]
+DRAFTERS = [
+    "none",
+    "draft_model",
+    "eagle",
+    "ngram",
+    "lookup_then_draft",
+    "staged",
+    "early_exit",
+    "suffix",
+    "suffix_then_draft",
+]
 CASES = [
     *[("swap", "float32", d) for d in DRAFTERS],
     *[pytest.param("swap", "bfloat16", d, marks=pytest.mark.slow) for d in DRAFTERS],

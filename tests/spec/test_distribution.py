@@ -53,6 +53,8 @@ RUNS = {
     "lookup_then_draft": ["T1.0"],
     # suffix decoding: point masses from the prompt and from the other draws' outputs as they grow
     "suffix": ["T0.7-top_k5"],
+    # suffix decoding where it matches, the draft model elsewhere, in one round
+    "suffix_then_draft": ["T1.0-min_p0.1"],
 }
 TREE = dict(speculative_tree="3,2", num_speculative_tokens=5)
 # adaptive k (a row stops drafting after a draft token of draft probability < this): only in
@@ -189,7 +191,7 @@ def assert_follows(samples: np.ndarray, probs: np.ndarray, what: str) -> None:
 
 def make_llm(setup, drafter: str, **kwargs) -> LLM:
     speculative_model = {"ngram": "[ngram]", "eagle": setup["head"], "suffix": None}.get(drafter, setup["draft"])
-    if drafter in ("eagle", "lookup_then_draft", "suffix"):
+    if drafter in ("eagle", "lookup_then_draft", "suffix", "suffix_then_draft"):
         kwargs["speculative_method"] = drafter
     if drafter == "draft_model_adaptive":
         kwargs["draft_confidence_threshold"] = CONFIDENCE_THRESHOLD

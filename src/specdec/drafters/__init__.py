@@ -9,6 +9,7 @@ from specdec.drafters.early_exit import early_exit_drafter
 from specdec.drafters.lookup_then_draft import LookupThenDraftDrafter
 from specdec.drafters.ngram import NgramDrafter
 from specdec.drafters.suffix import SuffixDrafter
+from specdec.drafters.suffix_then_draft import SuffixThenDraftDrafter
 
 DRAFTERS = {
     "draft_model": draft_model_drafter,  # a DraftModelDrafter, or a CrossTokenizerDrafter for another tokenizer
@@ -17,6 +18,7 @@ DRAFTERS = {
     "eagle": EagleDrafter.from_config,
     "early_exit": early_exit_drafter,
     "suffix": SuffixDrafter.from_config,
+    "suffix_then_draft": SuffixThenDraftDrafter.from_config,
 }
 
 __all__ = [
@@ -29,4 +31,5 @@ __all__ = [
     "LookupThenDraftDrafter",
     "NgramDrafter",
     "SuffixDrafter",
+    "SuffixThenDraftDrafter",
 ]

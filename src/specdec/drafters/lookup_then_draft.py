@@ -38,13 +38,17 @@ from specdec.metrics import AcceptanceEstimate
 from specdec.models.eagle import is_head_directory
 from specdec.sampling import SamplingTensors, point_mass
 from specdec.sequence import Sequence
+from specdec.tree import ROOT
 
 LOOKUP, DRAFTER = "lookup", "drafter"  # who drafted a sampled row's round
 PRIOR = 0.5  # both acceptance estimates start here (AcceptanceEstimate's prior)
 
 
 class LookupThenDraftDrafter(Drafter):
-    def __init__(self, lookup: NgramDrafter, drafter: DraftModelDrafter | EagleDrafter):
+    """lookup: what drafts first, at no cost (prompt lookup here; suffix decoding in
+    suffix_then_draft.py, whose rows may be trees); drafter: the draft model or head behind it."""
+
+    def __init__(self, lookup: Drafter, drafter: DraftModelDrafter | EagleDrafter):
         self.lookup = lookup
         self.drafter = drafter
         self.needs_target_hidden = drafter.needs_target_hidden  # a head: the target's features, every round
@@ -100,6 +104,7 @@ class LookupThenDraftDrafter(Drafter):
     def release(self, seq: Sequence) -> None:
         self.rates.pop(seq.request_id, None)
         self.last_round.pop(seq.request_id, None)
+        self.lookup.release(seq)
         self.drafter.release(seq)
 
     def cached_entries(self, seq: Sequence) -> int | None:
@@ -137,18 +142,32 @@ class LookupThenDraftDrafter(Drafter):
 
 
 def _merge(looked_up: Draft, drafted: Draft, drafted_rows: torch.Tensor) -> Draft:
-    """looked_up's rows, with drafted's in place of rows drafted_rows [R]. Where drafted has
-    distributions, looked-up rows get point masses on their tokens."""
-    token_ids = looked_up.token_ids.clone()  # [B, k]
-    width = drafted.token_ids.shape[1]  # at most k: the drafted rows' largest k
+    """looked_up's rows, with drafted's in place of rows drafted_rows [R]. Where looked_up is a
+    tree (suffix decoding's), the drafted rows join it as chains of point masses (a token judged as
+    a point mass is accepted with the target's probability of it: exact whatever drew it); else,
+    where drafted has distributions, looked-up rows get point masses on their tokens."""
+    width = max(looked_up.token_ids.shape[1], drafted.token_ids.shape[1])
+    drafted_width = drafted.token_ids.shape[1]
+    token_ids = _widened(looked_up.token_ids, width, 0)  # [B, width]
     token_ids[drafted_rows] = 0
-    token_ids[drafted_rows, :width] = drafted.token_ids
+    token_ids[drafted_rows, :drafted_width] = drafted.token_ids
     num_tokens = looked_up.num_tokens.clone()  # [B]
     num_tokens[drafted_rows] = drafted.num_tokens
+    if looked_up.parents is not None:
+        parents = _widened(looked_up.parents, width, ROOT)  # [B, width]
+        parents[drafted_rows] = torch.arange(-1, width - 1, device=parents.device)  # each after the one before
+        return Draft(token_ids, num_tokens, None, parents)
     probs = None
     if drafted.probs is not None:
         B, k = token_ids.shape
-        probs = point_mass(looked_up.token_ids.reshape(-1), drafted.probs.shape[-1]).view(B, k, -1)  # [B, k, V]
+        probs = point_mass(token_ids.reshape(-1), drafted.probs.shape[-1]).view(B, k, -1)  # [B, k, V]
         probs[drafted_rows] = 0
-        probs[drafted_rows, :width] = drafted.probs
+        probs[drafted_rows, :drafted_width] = drafted.probs
     return Draft(token_ids, num_tokens, probs)
+
+
+def _widened(columns: torch.Tensor, width: int, fill: int) -> torch.Tensor:
+    """columns [B, w] padded with fill to [B, width] (a copy)."""
+    widened = columns.new_full((columns.shape[0], width), fill)  # [B, width]
+    widened[:, : columns.shape[1]] = columns
+    return widened
