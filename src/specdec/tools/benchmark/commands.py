@@ -175,7 +175,8 @@ def add_bench_parser(commands) -> None:
         help="with --llama-cpp: the systems compared, by method: plain (always run: both engines' "
         "baselines), ngram and draft_model (both engines), lookup_then_draft, staged (prompt lookup "
         "drafting for --draft), cross_tokenizer (--cross-tokenizer-draft), eagle and lookup_then_eagle "
-        "(--head), suffix (suffix decoding; specdec's); default every one whose model is given or fetched",
+        "(--head), suffix and suffix_then_eagle (--head) (suffix decoding; specdec's); default every one whose "
+        "model is given or fetched",
     )
     p.add_argument(
         "--cross-tokenizer-draft",

@@ -21,7 +21,8 @@ What runs, interleaved prompt by prompt (the order rotated each prompt) on one G
              tokenizer (cross_tokenizer: SmolLM2-135M-Instruct by default, drafting through text)
              and an EAGLE head (--head), alone and behind prompt lookup (lookup_then_eagle:
              lookup_then_draft with the head), and suffix decoding (suffix: its shared tree fills
-             as the prompts are sent, emptied after the warm-up), as LLM runs them by default (quantization "auto": the
+             as the prompts are sent, emptied after the warm-up), alone and with the head behind it
+             (suffix_then_eagle), as LLM runs them by default (quantization "auto": the
              file's own quantized weights; goodput k <= k); the draft model's rows share its weights
 --systems picks the rows by method (plain always runs: both engines' baselines); by default every
 system whose models are given or fetched, a note saying which were left out and why.
@@ -507,6 +508,7 @@ class System:
             "eagle": f"specdec EAGLE head (goodput k≤{k})",
             "lookup_then_eagle": f"specdec lookup, else EAGLE head (goodput k≤{k})",
             "suffix": f"specdec suffix decoding (goodput k≤{k} nodes)",
+            "suffix_then_eagle": f"specdec suffix, else EAGLE head (goodput k≤{k})",
         }[self.method]
 
 
@@ -521,6 +523,7 @@ METHODS = (
     "eagle",
     "lookup_then_eagle",
     "suffix",
+    "suffix_then_eagle",
 )
 LLAMA_METHODS = ("plain", "ngram", "draft_model")
 LLAMA_PLAIN = System("llama.cpp", "plain")
@@ -532,6 +535,7 @@ NEEDS = {  # each system that needs a model, the LlamaCppConfig field naming it 
     "cross_tokenizer": ("cross_draft", "--cross-tokenizer-draft"),
     "eagle": ("head", "--head"),
     "lookup_then_eagle": ("head", "--head"),
+    "suffix_then_eagle": ("head", "--head"),
 }
 DEFAULT_CROSS_DRAFT = "smollm2"  # the registry's SmolLM2-135M-Instruct (Q4_1 GGUF), another tokenizer
 INNER_COUNTS = ("drafted", "judged", "accepted", "emitted", "forwards")
@@ -787,6 +791,9 @@ def load_specdec(config: LlamaCppConfig):
     if "suffix" in wanted:  # its shared tree fills as the prompts are sent, one after another
         spec, drafter = drafter_for(None, "suffix")
         add("suffix", drafter, spec.k_policy)
+    if "suffix_then_eagle" in wanted:
+        spec, drafter = drafter_for(config.head, "suffix_then_draft")
+        add("suffix_then_eagle", drafter, spec.k_policy)
     return target, runners
 
 
