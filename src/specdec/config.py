@@ -672,7 +672,8 @@ class SpeculativeConfig:
         self._check_suffix(need)
 
     def _check_suffix(self, need: Refusal) -> None:
-        """Suffix decoding's four fields: in range, and set only for method "suffix"."""
+        """Suffix decoding's four fields: in range, and set only for the methods that use them
+        (SUFFIX_METHODS)."""
         need(
             is_int(self.suffix_decoding_max_tree_depth)
             and 1 <= self.suffix_decoding_max_tree_depth <= MAX_SUFFIX_TREE_DEPTH,

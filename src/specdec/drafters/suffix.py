@@ -71,7 +71,7 @@ class SuffixDrafter(Drafter):
         self.max_tree_depth, self.max_cached_requests = max_tree_depth, max_cached_requests
         self._fresh_caches()
         self.max_spec_factor, self.min_token_prob, self.device = max_spec_factor, min_token_prob, device
-        # request id -> (its key in both caches, output tokens already added); a key is never
+        # request id -> (its key in its caches, output tokens already added); a key is never
         # reused, so a request id that comes back (a later generate call's "0") is a new request
         self.started: dict[str, tuple[int, int]] = {}
         self._keys = itertools.count()
@@ -102,9 +102,8 @@ class SuffixDrafter(Drafter):
         token_ids = torch.zeros(len(batch), width, dtype=torch.long)  # [B, k]
         parents = torch.full((len(batch), width), ROOT, dtype=torch.long)  # [B, k]
         num_tokens = torch.zeros(len(batch), dtype=torch.long)  # [B]
-        own_only = [not g and s.params.seed is not None for s, g in zip(batch, sampling.greedy.tolist())]
-        for row, (seq, k, alone) in enumerate(zip(batch, ks, own_only)):
-            nodes, node_parents = self.speculate(seq, k, own_only=alone)
+        for row, (seq, k) in enumerate(zip(batch, ks)):
+            nodes, node_parents = self.speculate(seq, k)
             token_ids[row, : len(nodes)] = torch.as_tensor(nodes, dtype=torch.long)
             parents[row, : len(nodes)] = torch.as_tensor(node_parents, dtype=torch.long)
             num_tokens[row] = len(nodes)
@@ -115,14 +114,14 @@ class SuffixDrafter(Drafter):
         tree = None if bool(after_the_one_before.all()) else parents.to(self.device)  # every row a chain: None
         return Draft(token_ids.to(self.device), num_tokens.to(self.device), None, tree)
 
-    def speculate(self, seq: Sequence, k: int, own_only: bool = False) -> tuple[list[int], list[int]]:
+    def speculate(self, seq: Sequence, k: int) -> tuple[list[int], list[int]]:
         """Up to k draft nodes for seq (token ids, and each one's parent's index in them, ROOT for
-        a child of the last token; parents before children), from its own tree and, unless
-        own_only, the shared one: the draft of higher score."""
+        a child of the last token; parents before children), from its own tree and, unless it
+        drafts alone, the shared one: the draft of higher score."""
         key = self._bring_up_to_date(seq)
         if k <= 0:
             return [], []
-        cache = self.own if own_only else self.shared
+        cache = self.own if _drafts_alone(seq) else self.shared
         context = seq.token_ids[-cache.max_tree_depth :]
         draft = cache.speculate(
             key,
@@ -139,13 +138,13 @@ class SuffixDrafter(Drafter):
         its outputs to the shared one)."""
         if seq.request_id not in self.started:
             key = next(self._keys)
-            for cache in (self.shared, self.own):
+            for cache in self._caches(seq):
                 cache.start_request(key, seq.prompt_token_ids)
             self.started[seq.request_id] = (key, 0)
         key, added = self.started[seq.request_id]
         new = seq.output_token_ids[added:]
         if new:
-            for cache in (self.shared, self.own):
+            for cache in self._caches(seq):
                 cache.add_active_response(key, new)
             self.started[seq.request_id] = (key, added + len(new))
         return key
@@ -158,7 +157,17 @@ class SuffixDrafter(Drafter):
             return
         key = self._bring_up_to_date(seq)
         del self.started[seq.request_id]
-        for cache in (self.shared, self.own):
+        for cache in self._caches(seq):
             cache.stop_request(key)
             if not seq.finished and key in cache.cached_requests:
                 cache.evict_cached_response(key)
+
+    def _caches(self, seq: Sequence) -> tuple:
+        """The caches that hold seq's text: the shared one (its own tree, and its output for
+        later requests), and for a row that drafts alone the cache of own trees too."""
+        return (self.shared, self.own) if _drafts_alone(seq) else (self.shared,)
+
+
+def _drafts_alone(seq: Sequence) -> bool:
+    """A seeded sampled request drafts from its own text alone (the module's docstring)."""
+    return seq.params.seed is not None and not seq.params.greedy
