@@ -117,7 +117,7 @@ def batch_job_prompts(per_module: int = 2, max_chars: int = 1200) -> list[Prompt
     """A batch job: BATCH_INSTRUCTION over the functions of the held-out modules that no chat
     set of the bench uses (for the same per_module and max_chars), per_module x 2 from each
     module at most, module by module: the bench sends them one after another."""
-    from specdec.tools.training.chat_prompts import find_functions
+    from specdec.tools.training.chat_prompts import code_block, find_functions
     from specdec.tools.training.corpus import Document
 
     used = {
@@ -129,10 +129,7 @@ def batch_job_prompts(per_module: int = 2, max_chars: int = 1200) -> list[Prompt
     for module, source in held_out_sources():
         functions, _ = find_functions([Document(module, source)], max_chars)
         unused = [f for f in functions if f.where not in used][: per_module * 2]
-        prompts += [
-            Prompt(f"{f.where} (batch)", f"{BATCH_INSTRUCTION}\n\n```python\n{f.source.rstrip()}\n```", chat=True)
-            for f in unused
-        ]
+        prompts += [Prompt(f"{f.where} (batch)", f"{BATCH_INSTRUCTION}\n\n{code_block(f)}", chat=True) for f in unused]
     return prompts
 
 

@@ -256,9 +256,9 @@ def _prompt(function: Function, kinds: tuple[str, ...], rng: random.Random) -> C
         assert text is not None  # "write" fits only with a summary
         content = _write_request(function, text, rng)
     elif kind == "edit":
-        content = f"{EDIT_OPENING} so that it {_edit_instruction(function, rng)}:\n\n{_code(function)}"
+        content = f"{EDIT_OPENING} so that it {_edit_instruction(function, rng)}:\n\n{code_block(function)}"
     else:
-        content = f"{EXPLAIN_OPENING} Python code does:\n\n{_code(function)}"
+        content = f"{EXPLAIN_OPENING} Python code does:\n\n{code_block(function)}"
     return ChatPrompt(({"role": "user", "content": content},), kind, function.where)
 
 
@@ -273,7 +273,8 @@ def kind_of(user_message: str) -> str:
     return "explain" if user_message.startswith(EXPLAIN_OPENING) else "write"
 
 
-def _code(function: Function) -> str:
+def code_block(function: Function) -> str:
+    """The function's source as a Markdown Python block, as the prompts show code."""
     return f"```python\n{function.source.rstrip()}\n```"
 
 
