@@ -75,7 +75,7 @@ def decode_speed(path: Path, num_tokens: int, repeats: int) -> dict:
     from transformers import AutoModelForCausalLM
 
     hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16).eval()
-    llm = LLM(str(path), dtype="bfloat16", skip_tokenizer_init=True)
+    llm = LLM(str(path), dtype="bfloat16", skip_tokenizer_init=True, speculative_method="none")
     # the same engine over an unpacked load: what prepacking the weights is worth
     unpacked = load_pretrained(path, "bfloat16", "cpu", load_tokenizer=False)
     llm_unpacked = llm.target_only()

@@ -164,7 +164,10 @@ def other_tokenizer_draft(device: str, work: Path, steps: int, vocab_size: int =
 def exactness(device: str, dtype: str, prompts: list[str], max_tokens: int, drafters: dict) -> list[dict]:
     """Each drafter's greedy token ids against the target alone's, in dtype."""
     params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
-    reference = [out.outputs[0].token_ids for out in LLM(TARGET, device=device, dtype=dtype).generate(prompts, params)]
+    reference = [
+        out.outputs[0].token_ids
+        for out in LLM(TARGET, device=device, dtype=dtype, speculative_method="none").generate(prompts, params)
+    ]
     rows = []
     for label, keywords in drafters.items():
         keywords = {"num_speculative_tokens": 5, "speculative_k_policy": "fixed", **keywords}
@@ -274,7 +277,7 @@ def speed(device: str, prompts: list[str], max_tokens: int, compile_modes: list[
     params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
     rows = []
     for compile_mode in compile_modes:
-        plain = LLM(TARGET, device=device, dtype="bfloat16", compile=compile_mode)
+        plain = LLM(TARGET, device=device, dtype="bfloat16", compile=compile_mode, speculative_method="none")
         draft = LLM(TARGET, speculative_model=DRAFT, device=device, dtype="bfloat16", compile=compile_mode)
         for batch in batches:
             batch_prompts = (prompts * batch)[:batch]

@@ -45,7 +45,7 @@ def main() -> None:
     print("| draft dtype | runs as | one draft step | c |")
     print("|---|---|---:|---:|")
     for draft_dtype in DRAFT_DTYPES:
-        spec = SpeculativeConfig(model=args.draft, draft_dtype=draft_dtype)
+        spec = SpeculativeConfig(method="draft_model", model=args.draft, draft_dtype=draft_dtype)
         runner = DRAFTERS["draft_model"](spec, target, target_runner).runner
         draft_step = min(step_seconds(runner) for _ in range(args.repeats))
         model = runner.eager_model()

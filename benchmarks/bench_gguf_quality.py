@@ -81,8 +81,8 @@ def main() -> None:
             f"{kind:<6} {stats['tensors']:>8} {stats['weights']:>14,} {str(stats['max_error'] == 0):>6} "
             f"{stats['max_error']:>12.3g}"
         )
-    reference = LLM(model=str(path), dtype="float32", quantization=None)
-    quantized = LLM(model=str(path), dtype="float32")
+    reference = LLM(model=str(path), dtype="float32", quantization=None, speculative_method="none")
+    quantized = LLM(model=str(path), dtype="float32", speculative_method="none")
     prompts = [[{"role": "user", "content": p.text}] for p in held_out_chat_prompts()[: args.prompts]]
     params = SamplingParams(temperature=0, max_tokens=args.tokens)
     agree = total = 0

@@ -165,7 +165,7 @@ def run_pair(pair: str, drafters, ks, args) -> None:
             flush=True,
         )
         return
-    target = LLM(str(target_dir), compile=args.compile)
+    target = LLM(str(target_dir), compile=args.compile, speculative_method="none")
     for drafter_name in drafters:
         fresh = fresh_goodput_llm(target_dir, draft_dir, drafter_name, max(ks), args.compile)
         methods = methods_for(target, fresh, make_drafter(drafter_name, draft_dir, target), ks)

@@ -76,12 +76,16 @@ def main() -> None:
     parser.add_argument("--compile", choices=COMPILE_MODES, default="auto", help=COMPILE_HELP)
     parser.add_argument("--repeats", type=int, default=2)
     args = parser.parse_args()
-    target = LLM(args.target, compile=args.compile)
+    target = LLM(args.target, compile=args.compile, speculative_method="none")
     plain = target.target_only()
-    shipped = DRAFTERS["draft_model"](SpeculativeConfig(model=args.draft), target.target, target.runner)
+    shipped = DRAFTERS["draft_model"](
+        SpeculativeConfig(method="draft_model", model=args.draft), target.target, target.runner
+    )
     with tempfile.TemporaryDirectory() as tmp:
         random_dir = random_draft_like(args.draft, Path(tmp) / "random-draft")
-        useless = DRAFTERS["draft_model"](SpeculativeConfig(model=str(random_dir)), target.target, target.runner)
+        useless = DRAFTERS["draft_model"](
+            SpeculativeConfig(method="draft_model", model=str(random_dir)), target.target, target.runner
+        )
     prompts = [p.text for p in held_out_code_prompts(2, max_chars=800)]
     cases = [("random draft, greedy", useless, GREEDY, 1), ("temperature 1.5", shipped, HOT, 1)]
     cases += [

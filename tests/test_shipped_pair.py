@@ -93,7 +93,7 @@ def test_the_shipped_eagle_head_fits_its_target_and_drafts_exactly():
     assert (head / "README.md").is_file() and "specdec train-heads" in (head / "README.md").read_text()
     params = SamplingParams(temperature=0, max_tokens=24)
     prompt = 'def mean(values):\n    """Return the arithmetic mean of values."""\n'
-    alone = LLM(str(TARGET), dtype="float32").generate(prompt, params)[0]
+    alone = LLM(str(TARGET), dtype="float32", speculative_method="none").generate(prompt, params)[0]
     eagle = LLM(
         str(TARGET),
         speculative_model=str(head),

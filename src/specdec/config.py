@@ -303,6 +303,7 @@ def quantization_from_arg(text: str) -> str | None:
 
 
 SPECULATIVE_METHODS = (
+    "auto",
     "draft_model",
     "ngram",
     "lookup_then_draft",
@@ -314,11 +315,15 @@ SPECULATIVE_METHODS = (
 )
 TREE_METHODS = ("draft_model", "eagle", "early_exit")  # the drafters that grow trees (Drafter.grows_trees)
 NEEDS_DRAFT_MODEL = ("draft_model", "lookup_then_draft", "eagle", "staged", "suffix_then_draft")  # "eagle": a head's
-SUFFIX_METHODS = ("suffix", "suffix_then_draft")  # the methods that draft by suffix decoding
+SUFFIX_METHODS = ("suffix", "suffix_then_draft", "auto")  # the methods that draft (or may) by suffix decoding
+NO_SPECULATION = "none"  # speculative_method="none" / --speculative-method none: plain decoding
+# "auto" may choose a draft model (drafters/auto.py), so it takes the draft model's settings too
+DRAFT_MODEL_SETTINGS = (*NEEDS_DRAFT_MODEL, "auto")
 # the shortest n-gram match prompt lookup trusts, by method: with a draft model to fall back
 # on, a one-token match is too weak to use instead of it; as the first stage of staged drafts,
 # a draft model checks its proposals, and a wrong one costs only a slightly wider draft forward
 DEFAULT_NGRAM_MIN = {
+    "auto": None,  # the chosen method's (drafters/auto.py)
     "ngram": 1,
     "lookup_then_draft": 2,
     "draft_model": 1,
@@ -372,7 +377,9 @@ def dtype_name(dtype):
 class SpeculativeConfig:
     """How the engine speculates.
 
-    method: "draft_model" (a smaller model with the target's tokenizer), "ngram" (prompt
+    method: "auto" (the default: the drafters chosen for the target, see drafters/auto.py:
+        for a model the registry knows, the drafter it ships behind suffix decoding; for any
+        other, suffix decoding alone), "draft_model" (a smaller model with the target's tokenizer), "ngram" (prompt
         lookup: copy what followed the last matching n-gram of the context), or
         "lookup_then_draft" (prompt lookup for the rows where it finds a match, the draft
         model for the others), or "eagle" (a one-layer head over the target's own features,
@@ -434,17 +441,18 @@ class SpeculativeConfig:
     """
 
     method: str = setting(
-        "draft_model",
-        "the drafter: draft_model, ngram (prompt lookup), lookup_then_draft (prompt lookup, the draft "
-        "model or head where it finds nothing), eagle (an EAGLE head), early_exit (the target's first layers), "
-        "staged (each --draft drafting for the next), suffix (suffix decoding: the request's own text and "
-        "recent requests' outputs) or suffix_then_draft (suffix decoding, the draft model or head where it "
-        "finds nothing)",
+        "auto",
+        "the drafter: auto (the drafter the registry ships for the model, behind suffix decoding; any "
+        "other model: suffix decoding), none (no speculation), draft_model, ngram (prompt lookup), "
+        "lookup_then_draft (prompt lookup, the draft model or head where it finds nothing), eagle (an "
+        "EAGLE head), early_exit (the target's first layers), staged (each --draft drafting for the "
+        "next), suffix (suffix decoding: the request's own text and recent requests' outputs) or "
+        "suffix_then_draft (suffix decoding, the draft model or head where it finds nothing)",
         "--speculative-method",
         "speculative_method",
-        choices=SPECULATIVE_METHODS,
+        choices=(*SPECULATIVE_METHODS, NO_SPECULATION),
         shown="what --draft (draft_model, eagle for a head's directory, staged when given twice or more), "
-        "--ngram, --lookup or --early-exit says; none of them: no speculation",
+        "--ngram, --lookup or --early-exit says; none of them: auto",
     )
     model: str | tuple[str, ...] | None = setting(
         None,
@@ -589,6 +597,11 @@ class SpeculativeConfig:
             got=self.model,
         )
         need(
+            self.method != "auto" or self.model is None,
+            "{method:=auto} chooses the drafter itself, and {model:=} names one: give the method for it too "
+            "(or leave the method out), or drop {model}",
+        )
+        need(
             self.method not in NEEDS_DRAFT_MODEL or self.model is not None,
             "{method:=} needs {model:=<draft directory>}",
         )
@@ -599,9 +612,13 @@ class SpeculativeConfig:
         )
         if self.ngram_min is None:
             default = DEFAULT_NGRAM_MIN[self.method]
-            object.__setattr__(self, "ngram_min", min(default, self.ngram_max) if is_int(self.ngram_max) else default)
+            if default is not None:
+                object.__setattr__(
+                    self, "ngram_min", min(default, self.ngram_max) if is_int(self.ngram_max) else default
+                )
         need(
-            is_int(self.ngram_min) and is_int(self.ngram_max) and 1 <= self.ngram_min <= self.ngram_max,
+            (self.ngram_min is None and is_int(self.ngram_max) and self.ngram_max >= 1)  # auto's, chosen later
+            or (is_int(self.ngram_min) and is_int(self.ngram_max) and 1 <= self.ngram_min <= self.ngram_max),
             "need 1 <= {ngram_min} <= {ngram_max}, got {low}, {high}",
             low=self.ngram_min,
             high=self.ngram_max,
@@ -665,7 +682,7 @@ class SpeculativeConfig:
             and not (name == "draft_confidence_threshold" and self.method == "early_exit")
         ]  # it drafts by model
         need(
-            self.method in NEEDS_DRAFT_MODEL or not unused,
+            self.method in DRAFT_MODEL_SETTINGS or not unused,
             ", ".join(f"{{{name}:=}}" for name in unused) + " configure a draft model, and {method:=} uses none; "
             "drop them, or use {method:=lookup_then_draft} for prompt lookup with a draft model behind it",
         )

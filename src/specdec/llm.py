@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import logging
 import math
 import os
 from typing import Any, cast
@@ -20,6 +21,7 @@ import torch
 from specdec.config import (
     INT64_MIN,
     NGRAM_STAGE,
+    NO_SPECULATION,
     UINT64_MAX,
     ConfigError,
     SamplingParams,
@@ -32,7 +34,7 @@ from specdec.config import (
     keyword,
     requantization,
 )
-from specdec.drafters import DRAFTERS, Drafter
+from specdec.drafters import DRAFTERS, Drafter, auto
 from specdec.engine import Engine
 from specdec.engine.swap import DEFAULT_SWAP_SPACE_GIB
 from specdec.models.eagle import is_head_directory
@@ -48,6 +50,8 @@ from specdec.spec.staged import StagedDrafter
 from specdec.tree import TreeShape
 from specdec.worker import ModelRunner, check_compile_mode
 
+log = logging.getLogger("specdec")
+
 
 class LLM:
     """A target model, optionally with a drafter, ready to generate.
@@ -55,18 +59,23 @@ class LLM:
     model: the target's Hugging Face directory.
     speculative_model: the draft's directory (methods "draft_model", "lookup_then_draft"; for
         the latter also a head's), or
-        "[ngram]" for prompt lookup; None = no speculation unless speculative_method="ngram".
+        "[ngram]" for prompt lookup; None = the drafter speculative_method names, by default
+        "auto"'s choice.
         A list of stages, first (cheapest) to last, is staged drafts (method "staged"): each
         stage drafts for the next by speculative decoding, the last for the target, e.g.
         ["[ngram]", "qwen2.5-coder-0.5b-instruct"] (prompt lookup drafting for the 0.5B model)
         or [smaller draft, larger draft]; "[ngram]" may only be first (spec/staged.py).
     num_speculative_tokens: k, draft tokens per round (None: 5). Below the target's context
         length; each round drafts no more than a request can still emit.
-    speculative_method: "draft_model", "ngram", "lookup_then_draft" (prompt lookup where it
-        finds a match, the draft model or head elsewhere) or "eagle" (speculative_model: a head's
-        directory, from `specdec train-heads`) or "early_exit" (the target's own first
-        early_exit_layer layers draft; default half its depth) or "staged" (a list of stages in
-        speculative_model); inferred from speculative_model if None.
+    speculative_method: None (the default): inferred from speculative_model, or "auto" without
+        one: the drafter the registry ships for the target behind suffix decoding, for any other
+        target suffix decoding alone (drafters/auto.py; the choice and why: draft_choice, and the
+        log). "none": no speculation, plain decoding. Or "draft_model", "ngram",
+        "lookup_then_draft" (prompt lookup where it finds a match, the draft model or head
+        elsewhere) or "eagle" (speculative_model: a head's directory, from `specdec train-heads`)
+        or "early_exit" (the target's own first early_exit_layer layers draft; default half its
+        depth) or "staged" (a list of stages in speculative_model), "suffix" or
+        "suffix_then_draft" (see SpeculativeConfig).
     ngram_prompt_lookup_min / _max: the n-gram lengths prompt lookup tries (min None: 1 for
         "ngram", 2 for "lookup_then_draft"; see SpeculativeConfig).
     dtype: "auto" (the checkpoint's, or float32 where the device emulates the checkpoint's half
@@ -110,8 +119,9 @@ class LLM:
         The speculative_* keywords above are the same settings spelled flat; give one or the
         other.
 
-    Options of speculation given without a drafter (no speculative_model or method) are refused,
-    not ignored; so are draft-model options given with prompt lookup alone.
+    Options of speculation given with speculative_method="none" are refused, not ignored; so are
+    draft-model options given with prompt lookup alone. Given with "auto", they apply where the
+    chosen drafter uses them.
     """
 
     def __init__(
@@ -187,12 +197,10 @@ class LLM:
         self.tokenizer = self.target.tokenizer
         self.prompts = PromptEncoder(self.tokenizer, self.target.model.config.vocab_size, self.max_model_len)
         drafter = None
+        self.draft_choice: auto.DraftChoice | None = None  # what speculative_method="auto" chose, and why
         if self.speculative_config is not None:
             check_k_fits(self.speculative_config, self.max_model_len)
-            with stage(f"loading the drafter ({self.speculative_config.method})"):
-                drafter = ALL_DRAFTERS[self.speculative_config.method](
-                    self.speculative_config, self.target, self.runner
-                )
+            drafter = self._load_drafter(self.speculative_config)
         spec = self.speculative_config
         self.max_num_seqs = max_num_seqs
         self.enable_prefix_caching = enable_prefix_caching
@@ -205,6 +213,18 @@ class LLM:
             TreeShape.parse(spec.tree) if spec else None,
         )
 
+    def _load_drafter(self, config: SpeculativeConfig) -> Drafter:
+        """config's drafter; for "auto", the chosen one (speculative_config becomes its config,
+        draft_choice says what and why)."""
+        if config.method != "auto":
+            with stage(f"loading the drafter ({config.method})"):
+                return ALL_DRAFTERS[config.method](config, self.target, self.runner)
+        with stage("loading the drafter (auto)"):
+            self.draft_choice, drafter = auto.build(config, self.target, self.runner, ALL_DRAFTERS)
+        self.speculative_config = self.draft_choice.config
+        log.info("speculation: %s; %s", self.draft_choice.drafters, self.draft_choice.reason)
+        return drafter
+
     def target_only(self) -> LLM:
         """An LLM over the same loaded target with no drafter: the baseline to compare with."""
         return self.with_drafter(None)
@@ -215,7 +235,7 @@ class LLM:
         tree of k nodes for a tree shape other than "chain"), or decodes plainly (None). Its
         speculative_config is None: that field says how an LLM was made from arguments."""
         other = copy.copy(self)
-        other.speculative_config = None
+        other.speculative_config = other.draft_choice = None
         other.engine = self._engine(drafter, k, k_policy, TreeShape.parse(tree))
         return other
 
@@ -358,13 +378,16 @@ def speculative_config(model, method, **options) -> SpeculativeConfig | None:
     if method is None and model is not None:  # stages, or a directory: a head's says what it is
         method = "staged" if isinstance(model, tuple) else "eagle" if is_head_directory(model) else "draft_model"
     given = {name: options[name] for name in _given(options)}
-    if method is None:
+    if method == NO_SPECULATION:
+        refused = ({} if model is None else {"speculative_model": model}) | given
         check(
-            not given,
-            f"{', '.join(f'{n}={v!r}' for n, v in given.items())} without a drafter: give "
-            "speculative_model=<draft directory> or speculative_method='ngram', or drop them",
+            not refused,
+            f"{', '.join(f'{n}={v!r}' for n, v in refused.items())} with speculative_method={NO_SPECULATION!r}, "
+            "which turns speculation off: drop them, or the method",
         )
         return None
+    if method is None:
+        method = "auto"
     return SpeculativeConfig(method=method, model=model, **given)
 
 

@@ -15,6 +15,7 @@ from specdec.config import (
     COMPILE_HELP,
     COMPILE_MODES,
     NGRAM_STAGE,
+    NO_SPECULATION,
     QUANTIZATION_ARGS,
     QUANTIZATION_HELP,
     SpeculativeConfig,
@@ -222,8 +223,16 @@ def speculative_config_from_flags(args) -> SpeculativeConfig | None:
     given.pop("method", None)
     if given.get("early_exit_layer") is DEFAULT_EXIT:
         del given["early_exit_layer"]
-    if method is None and model is None:
+    if method == NO_SPECULATION:
+        flags = [flag(name) for name in given] + (["--draft"] if model is not None else [])
+        if flags:
+            raise ValueError(
+                f"{_listed(flags)} {'sets' if len(flags) == 1 else 'set'} speculation, which --speculative-method "
+                f"{NO_SPECULATION} turns off: drop {'it' if len(flags) == 1 else 'them'}, or the method"
+            )
         return None
+    if method is None and model is None:
+        return SpeculativeConfig(method="auto", **given)
     if method is None and model == NGRAM_STAGE:  # --draft '[ngram]', as LLM(speculative_model="[ngram]")
         method, model = "ngram", None
     if method is None:  # stages, or a directory: a head's says what it is
@@ -281,13 +290,7 @@ def _implied_method(args) -> str | None:
             )
         return "ngram"
     if args.draft is None and args.speculative_method is None:
-        flags = [flag(name) for name in given]
-        if flags:
-            raise ValueError(
-                f"{_listed(flags)} {'needs' if len(flags) == 1 else 'need'} a drafter: add --draft "
-                "DIR or --ngram, or drop them"
-            )
-        return None
+        return None  # auto: the registry's drafter behind the free ones (drafters/auto.py)
     drafts = args.draft or []
     if len(drafts) > 1 and lookup_flags and drafts[0] != NGRAM_STAGE:
         raise ValueError(

@@ -35,7 +35,7 @@ def dirs(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def plain(dirs):
-    return LLM(str(dirs["target"]), dtype="float32")
+    return LLM(str(dirs["target"]), dtype="float32", speculative_method="none")
 
 
 def eagle(dirs, k: int, head: str = "head", target: str = "target", **kwargs) -> LLM:
@@ -73,7 +73,9 @@ def test_greedy_eagle3_equals_target_alone(dirs):
     """An EAGLE-3 head (reading three of its target's four layers, scoring 200 tokens) drafts
     chains and trees; the output is the target's own."""
     prompts = random_prompts(4, seed=21)
-    expected = token_ids(LLM(str(dirs["target4"]), dtype="float32").generate(prompts, GREEDY))
+    expected = token_ids(
+        LLM(str(dirs["target4"]), dtype="float32", speculative_method="none").generate(prompts, GREEDY)
+    )
     for k in (1, 3, 6):
         outputs = eagle3(dirs, k).generate(prompts, GREEDY)
         assert token_ids(outputs) == expected, f"k={k}"
@@ -89,7 +91,9 @@ def test_prompt_lookup_with_an_eagle3_head_behind_it_keeps_the_targets_output(di
     rows it matches, the head the others, catching up on the target's features of the rounds it
     sat out; both draft in the same run, and the greedy output is the target's, batched or not."""
     prompts = [p * 3 for p in random_prompts(3, seed=31)]  # repeated text: lookup finds matches
-    expected = token_ids(LLM(str(dirs["target4"]), dtype="float32").generate(prompts, GREEDY))
+    expected = token_ids(
+        LLM(str(dirs["target4"]), dtype="float32", speculative_method="none").generate(prompts, GREEDY)
+    )
     llm = eagle3(dirs, 4, speculative_method="lookup_then_draft")
     drafter = llm.engine.drafter
     assert isinstance(drafter.drafter, EagleDrafter) and drafter.needs_target_hidden
@@ -119,7 +123,9 @@ def test_a_quantized_head_drafts_and_keeps_the_targets_output(dirs, form, kind):
     from specdec.models.gguf_linear import GGUFLinear
 
     prompts = random_prompts(3, seed=23)
-    expected = token_ids(LLM(str(dirs["target4"]), dtype="float32").generate(prompts, GREEDY))
+    expected = token_ids(
+        LLM(str(dirs["target4"]), dtype="float32", speculative_method="none").generate(prompts, GREEDY)
+    )
     llm = eagle3(dirs, 3, draft_quantization=form)
     head = llm.engine.drafter.head  # pyright: ignore[reportAttributeAccessIssue, reportOptionalMemberAccess]
     assert isinstance(head.layers[0], GGUFDecoderLayer)
@@ -355,7 +361,7 @@ def test_an_eagle3_head_on_the_real_gguf_target_keeps_its_greedy_output(tmp_path
     entry = registry.REGISTRY["qwen2.5-coder-1.5b-instruct"]
     if not registry.is_fetched(entry):
         pytest.skip(f"{entry.name} is absent: `specdec fetch {entry.name}` (or `make qwen`) fetches it")
-    plain = LLM(entry.name)
+    plain = LLM(entry.name, speculative_method="none")
     config = plain.target.model.config
     torch.manual_seed(0)
     head = EagleHead(head_config(config, 2048, intermediate_size=256), eagle3_feature_layers(config.num_layers))

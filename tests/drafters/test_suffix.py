@@ -150,7 +150,7 @@ def test_greedy_with_suffix_drafts_equals_the_target_alone(target, monkeypatch):
 
     monkeypatch.setattr(SuffixDrafter, "propose", recording)
     prompts = random_prompts(6, seed=21, lengths=(3, 12)) + random_prompts(2, seed=22, repeat=True)
-    expected = token_ids(LLM(str(target), dtype="float32").generate(prompts, GREEDY))
+    expected = token_ids(LLM(str(target), dtype="float32", speculative_method="none").generate(prompts, GREEDY))
     llm = LLM(  # k fixed: goodput's k follows timings, and this test counts what was accepted
         str(target),
         dtype="float32",
@@ -219,7 +219,7 @@ def test_greedy_suffix_then_draft_equals_the_target_alone(target, draft, monkeyp
 
     monkeypatch.setattr(SuffixThenDraftDrafter, "_with_drafter", recording)
     prompts = random_prompts(6, seed=23, lengths=(3, 12))
-    expected = token_ids(LLM(str(target), dtype="float32").generate(prompts, GREEDY))
+    expected = token_ids(LLM(str(target), dtype="float32", speculative_method="none").generate(prompts, GREEDY))
     llm = LLM(
         str(target),
         dtype="float32",

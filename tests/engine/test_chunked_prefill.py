@@ -53,7 +53,7 @@ def test_long_prompts_are_prefilled_in_chunks_within_the_budget_with_the_same_to
 def test_a_request_aborted_between_chunks_is_fed_no_further(tiny_pair, monkeypatch):
     """A 120-token prompt with a budget of 16: after two steps it has had two chunks; aborted,
     it is fed nothing more, holds no block, and the engine is idle."""
-    llm = LLM(str(tiny_pair["target"]), dtype="float32", max_num_seqs=2)
+    llm = LLM(str(tiny_pair["target"]), dtype="float32", max_num_seqs=2, speculative_method="none")
     engine = llm.engine
     engine.prepare_to_serve(max_model_len=160, max_prefill_tokens=16)
     feeds = recorded_feeds(llm, monkeypatch)
@@ -71,7 +71,7 @@ def test_the_time_bound_lowers_a_steps_prefill_to_what_it_affords(tiny_pair, mon
     """A token bound of 512 and a time bound far below what any forward takes: the first step
     prefills within the token bound (no cost measured yet); every later one at most MIN_TOKENS,
     with the same tokens as a prefill in one piece."""
-    llm = LLM(str(tiny_pair["target"]), dtype="float32", max_num_seqs=4)
+    llm = LLM(str(tiny_pair["target"]), dtype="float32", max_num_seqs=4, speculative_method="none")
     prompts = random_prompts(4, seed=63, lengths=(60, 120))
     params = [SamplingParams(max_tokens=8, ignore_eos=True, seed=i) for i in range(4)]
     whole, _ = serve_all(llm, prompts, params, None, max_model_len=160)

@@ -24,7 +24,7 @@ GREEDY = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
 
 @pytest.fixture(scope="module")
 def plain(tiny_pair):
-    return LLM(str(tiny_pair["target"]), dtype="float32")
+    return LLM(str(tiny_pair["target"]), dtype="float32", speculative_method="none")
 
 
 @pytest.mark.parametrize("method", ["self", "self_adaptive", "random_draft", "ngram", "lookup_then_draft"])
@@ -96,7 +96,7 @@ def test_lookup_then_draft_drafts_by_model_only_where_lookup_finds_nothing(tmp_p
 
     drafter.propose, drafter.lookup.propose, drafter.drafter.propose = propose, lookup_propose, model_propose
     prompts = random_prompts(6, seed=20, vocab=12)
-    plain = LLM(str(target), dtype="float32", skip_tokenizer_init=True)
+    plain = LLM(str(target), dtype="float32", skip_tokenizer_init=True, speculative_method="none")
     outputs = llm.generate(prompts, GREEDY)
     assert token_ids(outputs) == token_ids(plain.generate(prompts, GREEDY))
     assert all(not (matched & drafted) for matched, drafted in rounds)
@@ -309,7 +309,7 @@ def test_rows_leave_and_slots_are_reused(tiny_pair, plain):
     for kwargs in (
         dict(speculative_model=str(tiny_pair["draft"]), num_speculative_tokens=4),
         dict(speculative_method="ngram", num_speculative_tokens=4),
-        {},
+        dict(speculative_method="none"),
     ):
         llm = LLM(str(tiny_pair["target"]), max_num_seqs=2, dtype="float32", **kwargs)
         assert token_ids(llm.generate(prompts, params)) == expected
@@ -425,7 +425,7 @@ def test_draft_dtype_is_independent_of_the_target_and_never_changes_greedy_outpu
     """A small draft runs in float32 on the CPU by default (its big output layer in bfloat16),
     or in the dtype asked for; the target's greedy output stays its own either way."""
     monkeypatch.setattr("specdec.drafters.draft_model.LARGE_WEIGHT_BYTES", 70_000)  # the tiny draft's lm_head: 82 kB
-    plain_bf16 = LLM(str(tiny_pair["target"]), dtype="bfloat16")
+    plain_bf16 = LLM(str(tiny_pair["target"]), dtype="bfloat16", speculative_method="none")
     llm = LLM(
         str(tiny_pair["target"]),
         speculative_model=str(tiny_pair["draft"]),

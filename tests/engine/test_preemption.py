@@ -31,7 +31,7 @@ def drafter_kwargs(drafter: str, tiny_pair, tmp_path) -> dict:
         head = save_random_head(tiny_pair["target"], tmp_path / "head", seed=3)
         models["eagle"] = dict(speculative_model=str(head), speculative_method="eagle")
     if drafter == "none":
-        return {}
+        return dict(speculative_method="none")
     return dict(**models[drafter], num_speculative_tokens=3, speculative_k_policy="fixed")
 
 
@@ -148,4 +148,4 @@ def test_a_swapped_out_request_aborted_while_it_waits_frees_its_slot_and_space(t
 @pytest.mark.parametrize("swap_space", [-1, float("nan"), float("inf"), "4", True, 10**9])
 def test_a_bad_swap_space_is_refused_naming_it(tiny_pair, swap_space):
     with pytest.raises(ValueError, match="swap_space"):
-        LLM(str(tiny_pair["target"]), dtype="float32", swap_space=swap_space)
+        LLM(str(tiny_pair["target"]), dtype="float32", swap_space=swap_space, speculative_method="none")

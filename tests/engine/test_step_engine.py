@@ -21,7 +21,7 @@ GREEDY = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
 
 @pytest.fixture(scope="module")
 def plain(tiny_pair):
-    return LLM(str(tiny_pair["target"]), dtype="float32")
+    return LLM(str(tiny_pair["target"]), dtype="float32", speculative_method="none")
 
 
 def speculative(tiny_pair, k: int = 3, max_num_seqs: int = 256) -> LLM:
@@ -304,7 +304,7 @@ def test_a_compiled_target_shares_no_prefix_and_outputs_are_the_same(tiny_pair, 
     prompts = [system + tail for tail in shared_random_prompts(3, seed=43, lengths=(2, 20))]
     params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
     expected = {f"r{i}": out.outputs[0].token_ids for i, out in enumerate(plain.generate(prompts, params))}
-    llm = LLM(str(tiny_pair["target"]), dtype="float32", max_num_seqs=4, compile="on")
+    llm = LLM(str(tiny_pair["target"]), dtype="float32", max_num_seqs=4, compile="on", speculative_method="none")
     llm.engine.prepare_to_serve(max_model_len=128)
     assert llm.runner.cache.static
     joined: dict = {}
@@ -331,7 +331,7 @@ def drafter_kwargs(drafter: str, tiny_pair, tmp_path) -> dict:
     """LLM's keywords for no drafter ("none"), a draft model, an (untrained) EAGLE head or staged
     drafts, k = 3."""
     if drafter == "none":
-        return {}
+        return dict(speculative_method="none")
     if drafter == "draft_model":
         model = dict(speculative_model=str(tiny_pair["target"]))
     elif drafter == "staged":  # prompt lookup drafting for the draft model, drafting for the target

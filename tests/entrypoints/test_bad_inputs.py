@@ -26,7 +26,7 @@ def model_dir(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="module")
 def llm(model_dir) -> LLM:
-    return LLM(str(model_dir), dtype="float32")
+    return LLM(str(model_dir), dtype="float32", speculative_method="none")
 
 
 def broken_copy(model_dir: Path, tmp_path: Path, change) -> Path:
@@ -64,10 +64,20 @@ def test_bad_llm_arguments_are_refused_before_loading(arguments, message, tmp_pa
 @pytest.mark.parametrize(
     "arguments, message",
     [
-        ({"num_speculative_tokens": 3}, "num_speculative_tokens=3 without a drafter: give speculative_model"),
-        ({"ngram_prompt_lookup_min": 2}, "ngram_min=2 without a drafter"),
-        ({"draft_confidence_threshold": float("nan")}, "draft_confidence_threshold=nan without a drafter"),
-        ({"draft_dtype": "float16"}, "draft_dtype='float16' without a drafter"),
+        (
+            {"speculative_method": "none", "num_speculative_tokens": 3},
+            "num_speculative_tokens=3 with speculative_method='none', which turns speculation off",
+        ),
+        ({"speculative_method": "none", "ngram_prompt_lookup_min": 2}, "ngram_min=2 with speculative_method='none'"),
+        (
+            {"speculative_method": "none", "draft_confidence_threshold": float("nan")},
+            "draft_confidence_threshold=nan with speculative_method='none'",
+        ),
+        ({"speculative_method": "none", "draft_dtype": "float16"}, "draft_dtype='float16' with speculative_method"),
+        (
+            {"speculative_method": "none", "speculative_model": "D"},
+            "speculative_model='D' with speculative_method='none'",
+        ),
         (
             {"speculative_method": "ngram", "draft_confidence_threshold": 0.5},
             "draft_confidence_threshold=0.5 configure a draft model, and speculative_method='ngram' uses none",
@@ -76,8 +86,8 @@ def test_bad_llm_arguments_are_refused_before_loading(arguments, message, tmp_pa
     ],
 )
 def test_speculation_options_that_would_be_ignored_are_refused(arguments, message, tmp_path):
-    """Options of a drafter given without one (or of a draft model given to prompt lookup) did
-    nothing, silently; they are refused, before loading."""
+    """Options of speculation given with speculation turned off (or of a draft model given to
+    prompt lookup) would do nothing, silently; they are refused, before loading."""
     with pytest.raises(ValueError, match=message):
         LLM(str(tmp_path / "not-loaded-yet"), **arguments)
 
@@ -92,22 +102,22 @@ def test_speculation_options_that_would_be_ignored_are_refused(arguments, messag
 )
 def test_a_model_that_is_not_a_path(model, message):
     with pytest.raises(ModelLoadError, match=message):
-        LLM(model)
+        LLM(model, speculative_method="none")
 
 
 def test_a_dtype_that_is_neither_a_name_nor_a_torch_dtype(model_dir):
     with pytest.raises(ValueError, match=r"dtype must be 'auto', one of .* or a torch dtype, got \['float32'\]"):
-        LLM(str(model_dir), dtype=["float32"])
+        LLM(str(model_dir), dtype=["float32"], speculative_method="none")
 
 
 @pytest.mark.parametrize("dtype", [torch.int8, torch.float64, torch.bool])
 def test_a_torch_dtype_that_is_not_a_supported_float(model_dir, dtype):
     with pytest.raises(ValueError, match=f"dtype {dtype} is not supported"):
-        LLM(str(model_dir), dtype=dtype)
+        LLM(str(model_dir), dtype=dtype, speculative_method="none")
 
 
 def test_a_torch_float_dtype_is_taken(model_dir):
-    assert LLM(str(model_dir), dtype=torch.bfloat16).target.model.dtype == torch.bfloat16
+    assert LLM(str(model_dir), dtype=torch.bfloat16, speculative_method="none").target.model.dtype == torch.bfloat16
 
 
 @pytest.mark.parametrize(
@@ -136,7 +146,7 @@ def test_weights_holding_nan_or_inf_are_refused_at_load(model_dir, tmp_path, val
 
     path = broken_copy(model_dir, tmp_path, poison)
     with pytest.raises(ModelLoadError, match=r"\['model.layers.1.mlp.down_proj.weight'\] hold NaN or infinite"):
-        LLM(str(path))
+        LLM(str(path), speculative_method="none")
 
 
 def test_weights_that_overflow_the_asked_dtype_are_refused(model_dir, tmp_path):
@@ -144,9 +154,9 @@ def test_weights_that_overflow_the_asked_dtype_are_refused(model_dir, tmp_path):
         tensors["model.norm.weight"][0] = 1e6  # beyond float16's largest, 65504
 
     path = broken_copy(model_dir, tmp_path, enlarge)
-    assert LLM(str(path), dtype="float32")  # fine as saved
+    assert LLM(str(path), dtype="float32", speculative_method="none")  # fine as saved
     with pytest.raises(ModelLoadError, match="once converted to float16"):
-        LLM(str(path), dtype="float16")
+        LLM(str(path), dtype="float16", speculative_method="none")
 
 
 @pytest.mark.parametrize("shard", ["../elsewhere.safetensors", "/etc/elsewhere.safetensors", "a/../../x.safetensors"])
@@ -159,7 +169,7 @@ def test_a_shard_index_pointing_outside_the_model_is_refused(model_dir, tmp_path
     weight_map["lm_head.weight"] = shard
     (path / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
     with pytest.raises(ModelLoadError, match="shard paths must stay inside the model directory"):
-        LLM(str(path))
+        LLM(str(path), speculative_method="none")
 
 
 def test_k_beyond_the_context_is_refused(model_dir):
@@ -243,7 +253,7 @@ def chat_llm(model_dir, tmp_path_factory) -> LLM:
     shutil.copytree(model_dir, path)
     template = "{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}{% endfor %}"
     (path / "tokenizer_config.json").write_text(json.dumps({"eos_token": "</s>", "chat_template": template}))
-    return LLM(str(path), dtype="float32")
+    return LLM(str(path), dtype="float32", speculative_method="none")
 
 
 @pytest.mark.parametrize(
@@ -420,9 +430,12 @@ def test_prompt_tokens_cut_to_the_context_is_said(model_dir, tmp_path, capsys):
 @pytest.mark.parametrize(
     "flags, message",
     [
-        (["-k", "3"], "-k needs a drafter: add --draft DIR or --ngram"),
-        (["--draft-confidence", "0.5"], "--draft-confidence needs a drafter"),
-        (["--draft-dtype", "float16"], "--draft-dtype needs a drafter"),
+        (["--speculative-method", "none", "-k", "3"], "-k sets speculation, which --speculative-method none turns off"),
+        (
+            ["--speculative-method", "none", "--draft-confidence", "0.5", "--draft", "D"],
+            "--draft-confidence and --draft set",
+        ),
+        (["--speculative-method", "none", "--draft-dtype", "float16"], "--draft-dtype sets speculation"),
         (["--ngram", "--draft-confidence", "0.5"], "--draft-confidence sets the draft model, and --ngram uses none"),
     ],
 )

@@ -17,7 +17,7 @@ def model_dir(tmp_path_factory):
 def test_generate_prints_completion_and_metrics(model_dir, capsys):
     prompt = "def add(a, b):"
     expected = (
-        LLM(str(model_dir), dtype="float32")
+        LLM(str(model_dir), dtype="float32", speculative_method="none")
         .generate(prompt, SamplingParams(temperature=0, max_tokens=12))[0]
         .outputs[0]
         .text
@@ -77,7 +77,7 @@ def test_generate_ngram_sampled(model_dir, capsys):
 def test_generate_with_a_tree(model_dir, capsys):
     prompt = "def add(a, b):"
     expected = (
-        LLM(str(model_dir), dtype="float32")
+        LLM(str(model_dir), dtype="float32", speculative_method="none")
         .generate(prompt, SamplingParams(temperature=0, max_tokens=12))[0]
         .outputs[0]
         .text
@@ -110,7 +110,7 @@ def test_generate_with_a_tree(model_dir, capsys):
 def test_generate_lookup_then_draft(model_dir, capsys):
     prompt = "for i in range(10): for i in"
     expected = (
-        LLM(str(model_dir), dtype="float32")
+        LLM(str(model_dir), dtype="float32", speculative_method="none")
         .generate(prompt, SamplingParams(temperature=0, max_tokens=12))[0]
         .outputs[0]
         .text
@@ -154,7 +154,7 @@ SWITCHES = ("--ngram", "--lookup")
         (["-k", "-1", "--ngram"], "-k must be an integer >= 0, got -1"),
         (["--lookup"], "add --draft DIR"),
         (["--lookup", "--ngram"], "instead of --ngram"),
-        (["--tree", "auto"], "needs a drafter"),
+        (["--tree", "auto"], "--speculative-method auto drafts a tree wherever earlier text continued the match"),
         (["--tree", "auto", "--ngram"], "--tree auto needs a drafter that grows trees"),
         (["--tree", "3,x", "--ngram"], "--tree must be 'chain', 'auto', or branching factors"),
     ],
@@ -200,7 +200,7 @@ def test_accepted_draft_tokens_are_marked(model_dir, capsys):
 
     body = _marked_body(capsys.readouterr().out)
     expected = (
-        LLM(str(model_dir), dtype="float32")
+        LLM(str(model_dir), dtype="float32", speculative_method="none")
         .generate("def add(a, b):", SamplingParams(temperature=0, max_tokens=12))[0]
         .outputs[0]
     )
@@ -320,7 +320,7 @@ def test_generate_chat_renders_the_template_and_prints_the_reply(model_dir, tmp_
     config = json.loads((chat_dir / "tokenizer_config.json").read_text())
     config["chat_template"] = "{% for m in messages %}<s>{{ m['role'] }}: {{ m['content'] }}</s>{% endfor %}<s>"
     (chat_dir / "tokenizer_config.json").write_text(json.dumps(config))
-    [expected] = LLM(str(chat_dir), dtype="float32").chat(
+    [expected] = LLM(str(chat_dir), dtype="float32", speculative_method="none").chat(
         [{"role": "user", "content": "def add(a, b):"}], SamplingParams(temperature=0, max_tokens=8)
     )
     assert (
@@ -632,9 +632,11 @@ def test_the_flags_build_the_speculative_config_llm_takes(model_dir):
     def config(*flags):
         return speculative_config_from_flags(parser.parse_args(["generate", "M", "--prompt", "x", *flags]))
 
-    assert config() is None
+    assert config() == SpeculativeConfig(method="auto")  # speculation on by default
+    assert config("-k", "3") == SpeculativeConfig(method="auto", num_speculative_tokens=3)
+    assert config("--speculative-method", "none") is None
     assert config("--draft", "D", "--draft-quantization", "none", "-k", "3") == SpeculativeConfig(
-        model="D", draft_quantization=None, num_speculative_tokens=3
+        method="draft_model", model="D", draft_quantization=None, num_speculative_tokens=3
     )
     assert config("--ngram", "--ngram-min", "2", "--ngram-max", "3", "--k-policy", "fixed") == SpeculativeConfig(
         method="ngram", ngram_min=2, ngram_max=3, k_policy="fixed"

@@ -35,7 +35,7 @@ def assert_same_prompts(encoder: PromptEncoder, llm: LLM) -> None:
 
 
 def test_a_model_directory_is_read_without_its_weights(tiny_pair, monkeypatch):
-    llm = LLM(str(tiny_pair["target"]), dtype="float32")
+    llm = LLM(str(tiny_pair["target"]), dtype="float32", speculative_method="none")
     with monkeypatch.context() as patch:
         patch.setattr("specdec.models.loader.read_safetensors", no_weights)
         encoder = PromptEncoder.load(tiny_pair["target"])
@@ -49,7 +49,7 @@ def test_a_gguf_file_is_read_without_its_tensors_before_and_after_it_is_packed(t
     with monkeypatch.context() as patch:
         patch.setattr("specdec.models.gguf._hf_tensors", no_weights)
         before = PromptEncoder.load(path)
-    llm = LLM(str(path))  # packs the file into the cache
+    llm = LLM(str(path), speculative_method="none")  # packs the file into the cache
     with monkeypatch.context() as patch:
         patch.setattr("specdec.models.gguf._hf_tensors", no_weights)
         patch.setattr("specdec.models.gguf._metadata", no_weights)

@@ -367,12 +367,20 @@ def test_chat_bad_requests(server):
     assert httpx.post(f"{server.url}/v1/nothing", json={}).status_code == 404
 
 
-def test_the_model_goes_by_each_of_its_names_and_an_unknown_one_is_a_404(server):
+def test_the_model_goes_by_each_of_its_names_and_an_unknown_one_is_a_404(server, dirs):
     """/v1/models lists every --served-model-name; a request may give any, and the response
     carries the first, as in vLLM; a request that names no model gets the one served, as in
-    vLLM; a model not served is OpenAI's 404 model_not_found, for completions and chat."""
+    vLLM; a model not served is OpenAI's 404 model_not_found, for completions and chat. Each
+    entry says what the server speculates with and why."""
     client = server.client()
-    assert [m.id for m in client.models.list().data] == [MODEL, ALIAS]
+    models = client.models.list().data
+    assert [m.id for m in models] == [MODEL, ALIAS]
+    for model in models:  # what it speculates with, and why (a vLLM client ignores the extra field)
+        assert model.to_dict()["speculation"] == {
+            "method": "draft_model",
+            "model": str(dirs["draft"]),
+            "reason": "given by the server's flags",
+        }
     assert client.completions.create(model=ALIAS, prompt="def", max_tokens=2).model == MODEL
     unnamed = httpx.post(f"{server.url}/v1/completions", json={"prompt": "def", "max_tokens": 2})
     assert unnamed.status_code == 200 and unnamed.json()["model"] == MODEL
@@ -530,6 +538,10 @@ def test_api_key_full_queue_and_sigterm(dirs, tmp_path):
             assert httpx.get(f"{server.url}{path}", headers=headers).status_code == (404 if "nothing" in path else 200)
         client = server.client(api_key="sesame")
         assert [m.id for m in client.models.list().data] == [MODEL, ALIAS]
+        # no speculative flag: speculation on, suffix decoding for a model the registry does not know
+        speculation = client.models.list().data[0].to_dict()["speculation"]
+        assert (speculation["method"], speculation["model"]) == ("suffix", None), speculation
+        assert speculation["reason"].startswith("no drafter is registered for this model"), speculation
         body = {
             "model": MODEL,
             "prompt": "def",

@@ -20,7 +20,11 @@ def dirs(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def target_alone(dirs):
-    return token_ids(LLM(str(dirs["target"]), dtype="float32").generate(random_prompts(3, seed=43), GREEDY))
+    return token_ids(
+        LLM(str(dirs["target"]), dtype="float32", speculative_method="none").generate(
+            random_prompts(3, seed=43), GREEDY
+        )
+    )
 
 
 @pytest.mark.parametrize(
@@ -77,7 +81,10 @@ def test_a_speculative_config_is_taken_as_it_is(dirs, target_alone):
         ),
         ({"speculative_config": "ngram"}, "speculative_config must be a SpeculativeConfig or a dict"),
         ({"speculative_config": {"method": "ngram", "num_speculative_tokens": -1}}, "num_speculative_tokens must be"),
-        ({"speculative_config": {"num_speculative_tokens": 3}}, "without a drafter"),
+        (
+            {"speculative_config": {"method": "none", "num_speculative_tokens": 3}},
+            "num_speculative_tokens=3 with speculative_method='none', which turns speculation off",
+        ),
     ],
 )
 def test_bad_speculative_configs_are_clear_errors(dirs, kwargs, message):
@@ -137,5 +144,6 @@ def test_a_flat_keyword_set_to_none_where_none_means_something_is_given():
 
     assert speculative_config("draft_dir", "draft_model", draft_quantization=None).draft_quantization is None
     assert speculative_config("draft_dir", "draft_model", draft_quantization="auto").draft_quantization == "auto"
-    with pytest.raises(ValueError, match="draft_quantization=None without a drafter"):
-        speculative_config(None, None, draft_quantization=None)
+    assert speculative_config(None, None, draft_quantization=None).method == "auto"  # for a draft model it chooses
+    with pytest.raises(ValueError, match="draft_quantization=None with speculative_method='none'"):
+        speculative_config(None, "none", draft_quantization=None)

@@ -407,7 +407,7 @@ def test_names_load_through_load_pretrained_llm_and_the_command_line(tmp_path, m
 
     monkeypatch.setattr(paths, "CACHE", tmp_path / "cache")
     with pytest.raises(ModelNameError, match=r"`specdec fetch qwen2\.5-coder-1\.5b-instruct`"):
-        LLM(model="qwen2.5-coder-1.5b-instruct")
+        LLM(model="qwen2.5-coder-1.5b-instruct", speculative_method="none")
 
     file = tmp_path / "cache" / "models" / "tiny" / "tiny.gguf"
     file.parent.mkdir(parents=True)
@@ -426,7 +426,12 @@ def test_names_load_through_load_pretrained_llm_and_the_command_line(tmp_path, m
     monkeypatch.setitem(registry.REGISTRY, "tiny", entry)
     assert load_pretrained("tiny", "float32", load_tokenizer=False).path == file
     params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
-    by_path = LLM(model=str(file), dtype="float32").generate([[5, 6, 7]], params)[0].outputs[0].token_ids
+    by_path = (
+        LLM(model=str(file), dtype="float32", speculative_method="none")
+        .generate([[5, 6, 7]], params)[0]
+        .outputs[0]
+        .token_ids
+    )
     by_name = (
         LLM(
             model="tiny",

@@ -100,7 +100,9 @@ def test_unpermute_inverts_llama_cpp_permutation():
 def test_greedy_generation_from_a_gguf_equals_transformers(files):
     path = files("llama", "Q8_0")
     hf = hf_from_gguf(path)
-    llm = LLM(model=str(path), dtype="float32", quantization=None)  # the file's values, dequantized
+    llm = LLM(
+        model=str(path), dtype="float32", quantization=None, speculative_method="none"
+    )  # the file's values, dequantized
     prompts = [random_ids(seed, 12) for seed in (5, 6)]
     outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], SamplingParams(temperature=0, max_tokens=20))
     for prompt, output in zip(prompts, outputs):
@@ -109,7 +111,7 @@ def test_greedy_generation_from_a_gguf_equals_transformers(files):
 
 def test_speculation_on_a_gguf_target_is_exact(files):
     path = files("llama", "Q4_1")
-    alone = LLM(model=str(path), dtype="float32")
+    alone = LLM(model=str(path), dtype="float32", speculative_method="none")
     lookup = LLM(
         model=str(path),
         dtype="float32",
@@ -265,6 +267,6 @@ def test_smollm2_logits_and_greedy_output_equal_transformers():
     assert max_diff(specdec_logits(loaded.model, ids), expected) < ATOL * expected.abs().max().item()
     # quantization=None: the file's values in float32, as transformers runs them (kept quantized,
     # activations go through int8, which a near-tie may notice)
-    llm = LLM(model=str(SMOLLM2_GGUF), dtype="float32", quantization=None)
+    llm = LLM(model=str(SMOLLM2_GGUF), dtype="float32", quantization=None, speculative_method="none")
     got = llm.generate({"prompt_token_ids": ids}, SamplingParams(temperature=0, max_tokens=16))[0].outputs[0].token_ids
     assert got == hf_generate(hf, ids, 16, eos_token_id=2)

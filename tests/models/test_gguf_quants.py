@@ -241,7 +241,7 @@ def test_the_quantized_model_matches_the_dequantized_one(mixed_file):
 
 
 def test_speculation_is_exact_with_respect_to_the_quantized_model(mixed_file):
-    alone = LLM(model=str(mixed_file), dtype="float32")
+    alone = LLM(model=str(mixed_file), dtype="float32", speculative_method="none")
     assert isinstance(alone.target.model.lm_head, GGUFLinear)
     prompts = [
         {"prompt_token_ids": torch.randint(2, 300, (8,), generator=torch.Generator().manual_seed(s)).tolist() * 3}
@@ -276,7 +276,10 @@ def test_a_wide_gguf_draft_runs_requantized_into_q4_0_and_the_output_stays_the_t
         for s in (13, 14)
     ]
     params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
-    expected = [o.outputs[0].token_ids for o in LLM(model=str(mixed_file), dtype="float32").generate(prompts, params)]
+    expected = [
+        o.outputs[0].token_ids
+        for o in LLM(model=str(mixed_file), dtype="float32", speculative_method="none").generate(prompts, params)
+    ]
     for file_kind, quantization, runs_as in (("Q8_0", "auto", "Q4_0"), ("Q4_K", "auto", "Q4_K"), ("Q8_0", None, None)):
         spec = LLM(
             model=str(mixed_file),
@@ -309,7 +312,10 @@ def test_a_float_draft_directory_runs_in_q4_0_unless_it_is_small(mixed_file, tmp
     model.save_pretrained(tmp_path / "draft")
     prompts = [{"prompt_token_ids": torch.randint(2, 300, (8,), generator=torch.Generator().manual_seed(15)).tolist()}]
     params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
-    expected = [o.outputs[0].token_ids for o in LLM(model=str(mixed_file), dtype="float32").generate(prompts, params)]
+    expected = [
+        o.outputs[0].token_ids
+        for o in LLM(model=str(mixed_file), dtype="float32", speculative_method="none").generate(prompts, params)
+    ]
     spec = LLM(
         model=str(mixed_file),
         dtype="float32",
@@ -391,7 +397,7 @@ def _layer_ops(self, x, cos, signed_sin, mask, positions, cache, num_keys):
 
 
 def test_quantization_none_dequantizes_a_gguf_file(mixed_file):
-    llm = LLM(model=str(mixed_file), dtype="float32", quantization=None)
+    llm = LLM(model=str(mixed_file), dtype="float32", quantization=None, speculative_method="none")
     assert isinstance(llm.target.model.lm_head, torch.nn.Linear)
 
 

@@ -548,12 +548,12 @@ def test_bad_device_is_a_clear_error(good, device, message):
     if device == "cuda" and torch.cuda.is_available():
         device = f"cuda:{torch.cuda.device_count()}"  # one past the last
     with pytest.raises(ValueError, match=message):
-        LLM(model=str(good), device=device)
+        LLM(model=str(good), device=device, speculative_method="none")
 
 
 def test_unknown_dtype(good):
     with pytest.raises(ValueError, match="int8") as info:
-        LLM(model=str(good), dtype="int8")
+        LLM(model=str(good), dtype="int8", speculative_method="none")
     assert "bfloat16" in str(info.value)  # says what is supported
 
 
@@ -563,8 +563,8 @@ def test_without_tokenizer_json_skip_tokenizer_init_generates_the_same_tokens(go
     path = workdir / "model"
     shutil.copytree(good, path)
     (path / "tokenizer.json").unlink()
-    llm = LLM(model=str(path), skip_tokenizer_init=True)
-    reference = LLM(model=str(good))
+    llm = LLM(model=str(path), skip_tokenizer_init=True, speculative_method="none")
+    reference = LLM(model=str(good), speculative_method="none")
     prompt, params = random_ids(20, 9), SamplingParams(temperature=0, max_tokens=8)
     out = llm.generate(prompt, params)[0].outputs[0]
     assert out.token_ids == reference.generate(prompt, params)[0].outputs[0].token_ids
@@ -580,7 +580,7 @@ def test_draft_with_the_same_tokenizer_loads(good, draft):
     """The control: a draft sharing the target's tokenizer is accepted and changes nothing."""
     params = SamplingParams(temperature=0, max_tokens=10)
     prompt = random_ids(30, 12)
-    target_only = LLM(model=str(good)).generate(prompt, params)[0].outputs[0].token_ids
+    target_only = LLM(model=str(good), speculative_method="none").generate(prompt, params)[0].outputs[0].token_ids
     spec = LLM(model=str(good), speculative_model=str(draft), num_speculative_tokens=3)
     assert spec.generate(prompt, params)[0].outputs[0].token_ids == target_only
 
@@ -595,7 +595,7 @@ def llms(good, draft):
     params = SamplingParams(temperature=0, max_tokens=12)
     prompts = [random_ids(40, 14), random_ids(41, 5), "def add(a, b):"]
     made = {
-        "target": LLM(model=str(good)),
+        "target": LLM(model=str(good), speculative_method="none"),
         "draft_model": LLM(model=str(good), speculative_model=str(draft), num_speculative_tokens=4),
         "ngram": LLM(model=str(good), speculative_model="[ngram]", num_speculative_tokens=3),
     }

@@ -243,7 +243,7 @@ def test_ragged_batch_rows_match_running_alone(models, arch):
 def assert_generate_matches_transformers(
     path: Path, hf, prompts: list[list[int]], max_new: int = MAX_NEW, **llm_kw
 ) -> list[str]:
-    llm = LLM(model=str(path), dtype="float32", **llm_kw)
+    llm = LLM(model=str(path), dtype="float32", speculative_method="none", **llm_kw)
     outputs = llm.generate(prompts, greedy(max_new))
     assert len(outputs) == len(prompts)
     finishes = []
@@ -448,7 +448,7 @@ def test_half_precision_loads_and_roughly_agrees(models, dtype):
     agree = (ours.argmax(-1) == ref.argmax(-1)).float().mean().item()
     assert agree >= 0.8, f"argmax agrees on only {agree:.0%} of positions"
 
-    llm = LLM(model=str(path), dtype=name)
+    llm = LLM(model=str(path), dtype=name, speculative_method="none")
     assert llm.target.model.dtype == dtype
     prompts = [random_ids(901, 17), random_ids(902, 6)]
     outs = llm.generate(prompts, greedy(12))
@@ -491,9 +491,13 @@ def test_auto_dtype_follows_the_config(models, tmp_path, key):
     config[key] = "bfloat16"
     (path / "config.json").write_text(json.dumps(config))
     native_bf16 = Platform("cpu", "AVX512", native_bf16=True, native_fp16=False)  # where bf16 is emulated, see
-    assert LLM(model=str(path), platform=native_bf16).target.model.dtype == torch.bfloat16  # test_runner.py
-    assert LLM(model=str(path), dtype="float32").target.model.dtype == torch.float32
-    assert LLM(model=str(src)).target.model.dtype == torch.float32  # the saved config says float32
+    assert (
+        LLM(model=str(path), platform=native_bf16, speculative_method="none").target.model.dtype == torch.bfloat16
+    )  # test_runner.py
+    assert LLM(model=str(path), dtype="float32", speculative_method="none").target.model.dtype == torch.float32
+    assert (
+        LLM(model=str(src), speculative_method="none").target.model.dtype == torch.float32
+    )  # the saved config says float32
 
 
 # ----------------------------------------------------------------------------- tokenizer
@@ -507,7 +511,7 @@ def test_text_prompt_encodes_like_tokenizers_and_output_decodes(models):
     reference = RustTokenizer.from_file(str(path / "tokenizer.json"))
     expected_ids = reference.encode(TEXT_PROMPT).ids
     assert expected_ids[0] == 0  # the post-processor's <s>
-    llm = LLM(model=str(path), dtype="float32")
+    llm = LLM(model=str(path), dtype="float32", speculative_method="none")
     assert llm.tokenizer.encode(TEXT_PROMPT) == expected_ids
     assert llm.tokenizer.decode(expected_ids) == reference.decode(expected_ids) == TEXT_PROMPT
 
@@ -591,7 +595,7 @@ def with_chat_template(models, tmp_path, how: str) -> Path:
 @pytest.mark.parametrize("how", ["string", "list", "jinja_file"])
 def test_chat_template_renders(models, tmp_path, how):
     path = with_chat_template(models, tmp_path, how)
-    llm = LLM(model=str(path), dtype="float32")
+    llm = LLM(model=str(path), dtype="float32", speculative_method="none")
     rendered = llm.tokenizer.apply_chat_template(MESSAGES)
     expected = (
         "<s><|system|>\nYou write Python.</s>\n<|user|>\ndef add(a, b):</s>\n"
@@ -637,7 +641,7 @@ def test_chat_template_features_and_precedence_match_transformers(models, tmp_pa
         {"role": "stop", "content": ""},
         {"role": "user", "content": "never shown"},
     ]
-    ours = LLM(model=str(path), dtype="float32").tokenizer.apply_chat_template(messages)
+    ours = LLM(model=str(path), dtype="float32", speculative_method="none").tokenizer.apply_chat_template(messages)
     theirs = AutoTokenizer.from_pretrained(path).apply_chat_template(
         messages, tokenize=False, add_generation_prompt=True
     )
@@ -650,13 +654,13 @@ def test_named_chat_templates_without_a_default_are_an_error(models, tmp_path):
     config["chat_template"] = [{"name": "tool_use", "template": "A"}, {"name": "rag", "template": "B"}]
     (path / "tokenizer_config.json").write_text(json.dumps(config))
     with pytest.raises(ValueError, match="none named 'default'"):
-        LLM(model=str(path), dtype="float32")
+        LLM(model=str(path), dtype="float32", speculative_method="none")
 
 
 def test_chat_generates_from_the_rendered_template(models, tmp_path):
     path = with_chat_template(models, tmp_path, "string")
     _, hf, _ = models.get("llama", seed=ARCH_SEEDS["llama"])
-    llm = LLM(model=str(path), dtype="float32")
+    llm = LLM(model=str(path), dtype="float32", speculative_method="none")
     [out] = llm.chat(MESSAGES, greedy(10))
     reference = RustTokenizer.from_file(str(path / "tokenizer.json"))
     ids = reference.encode(llm.tokenizer.apply_chat_template(MESSAGES), add_special_tokens=False).ids
@@ -671,7 +675,7 @@ def test_chat_takes_a_list_of_conversations_as_vllm_does(models, tmp_path):
     from transformers import AutoTokenizer
 
     path = with_chat_template(models, tmp_path, "string")
-    llm = LLM(model=str(path), dtype="float32")
+    llm = LLM(model=str(path), dtype="float32", speculative_method="none")
     conversations = [MESSAGES, [{"role": "user", "content": "print(1)"}], MESSAGES[:1]]
     outputs = llm.chat(conversations, greedy(6))
     hf_tokenizer = AutoTokenizer.from_pretrained(str(path))
@@ -684,7 +688,7 @@ def test_chat_takes_a_list_of_conversations_as_vllm_does(models, tmp_path):
 
 def test_no_chat_template_is_a_clear_error(models):
     path, _, _ = models.get("llama", seed=ARCH_SEEDS["llama"])
-    llm = LLM(model=str(path), dtype="float32")
+    llm = LLM(model=str(path), dtype="float32", speculative_method="none")
     with pytest.raises(ValueError, match="chat template"):
         llm.tokenizer.apply_chat_template(MESSAGES)
 
@@ -749,7 +753,7 @@ def test_eos_ids_from_generation_config_and_config(eos_case, tmp_path, case):
         if value != "none":
             expected_ids |= set(value) if isinstance(value, list) else {value}
 
-    llm = LLM(model=str(path), dtype="float32")
+    llm = LLM(model=str(path), dtype="float32", speculative_method="none")
     assert set(llm.target.eos_token_ids) == expected_ids
     out = llm.generate(prompt, greedy(16))[0].outputs[0]
     expected = truncate_at(free, expected_ids)

@@ -109,7 +109,9 @@ def test_int4_keeps_int8_where_the_kernel_does_not_take_the_shape():
 @pytest.mark.parametrize("quantization", ["int8", "int4"])
 @pytest.mark.parametrize("method", ["draft_model", "ngram"])
 def test_greedy_speculation_equals_the_quantized_target_alone(dirs, quantization, method):
-    target_alone = LLM(str(dirs["target"]), dtype="float32", compile="off", quantization=quantization)
+    target_alone = LLM(
+        str(dirs["target"]), dtype="float32", compile="off", quantization=quantization, speculative_method="none"
+    )
     expected = [o.outputs[0].token_ids for o in target_alone.generate(PROMPTS, GREEDY)]
     other = {"int8": "int4", "int4": "int8"}[quantization]  # the target as its own draft, quantized the other way
     drafter = (
@@ -135,16 +137,20 @@ def test_greedy_speculation_equals_the_quantized_target_alone(dirs, quantization
 
 
 def test_quantized_weights_are_fewer_bytes(dirs):
-    plain = LLM(str(dirs["target"]), dtype="float32", compile="off").runner.model
-    int8 = LLM(str(dirs["target"]), dtype="float32", compile="off", quantization="int8").runner.model
-    int4 = LLM(str(dirs["target"]), dtype="float32", compile="off", quantization="int4").runner.model
+    plain = LLM(str(dirs["target"]), dtype="float32", compile="off", speculative_method="none").runner.model
+    int8 = LLM(
+        str(dirs["target"]), dtype="float32", compile="off", quantization="int8", speculative_method="none"
+    ).runner.model
+    int4 = LLM(
+        str(dirs["target"]), dtype="float32", compile="off", quantization="int4", speculative_method="none"
+    ).runner.model
     assert decode_weight_bytes(int4) < decode_weight_bytes(int8) < decode_weight_bytes(plain) / 3
 
 
 def test_perplexity_matches_transformers_loss(dirs):
     """The bench's perplexity of the unquantized model: exp of transformers' mean loss over
     the same windows; the int8 model's is close to it."""
-    llm = LLM(str(dirs["target"]), dtype="float32", compile="off")
+    llm = LLM(str(dirs["target"]), dtype="float32", compile="off", speculative_method="none")
     hf = load_hf(dirs["target"])
     ours = perplexity(llm.runner.model, llm, num_tokens=300)
     from specdec.tools.benchmark.prompts import held_out_sources
@@ -158,7 +164,7 @@ def test_perplexity_matches_transformers_loss(dirs):
         total -= float(loss.gather(1, chunk[0, 1:, None]).sum())
         count += chunk.shape[1] - 1
     assert ours == pytest.approx(math.exp(total / count), rel=1e-4)
-    quantized = LLM(str(dirs["target"]), dtype="float32", compile="off", quantization="int8")
+    quantized = LLM(str(dirs["target"]), dtype="float32", compile="off", quantization="int8", speculative_method="none")
     assert perplexity(quantized.runner.model, quantized, num_tokens=300) == pytest.approx(ours, rel=0.05)
 
 
@@ -167,7 +173,10 @@ def test_perplexity_matches_transformers_loss(dirs):
     [
         (dict(quantization="int3"), r"quantization must be one of None, 'auto', 'int8', 'int4'; got 'int3'"),
         (dict(quantization="INT8"), r"quantization must be one of None, 'auto', 'int8', 'int4'"),
-        (dict(draft_quantization="int8"), r"draft_quantization='int8' without a drafter"),
+        (
+            dict(speculative_method="none", draft_quantization="int8"),
+            r"draft_quantization='int8' with speculative_method='none'",
+        ),
         (dict(speculative_method="ngram", draft_quantization="int4"), "configure a draft model"),
         (dict(speculative_model="DRAFT", draft_quantization="fp8"), r"draft_quantization must be one of None"),
     ],

@@ -430,7 +430,7 @@ def dirs(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def target_alone(dirs):
-    llm = LLM(str(dirs["target"]), dtype="float32", compile="off")
+    llm = LLM(str(dirs["target"]), dtype="float32", compile="off", speculative_method="none")
     return [o.outputs[0].token_ids for o in llm.generate(PROMPTS, GREEDY)]
 
 
@@ -504,13 +504,14 @@ def test_fixed_policy_drafts_k_every_round(dirs, target_alone):
 def test_bad_k_policy_is_refused(dirs, capsys):
     with pytest.raises(ValueError, match=r"speculative_k_policy must be one of \('goodput', 'fixed'\), got 'best'"):
         LLM(str(dirs["target"]), speculative_method="ngram", speculative_k_policy="best")
-    with pytest.raises(ValueError, match="without a drafter"):
-        LLM(str(dirs["target"]), speculative_k_policy="fixed")
+    with pytest.raises(ValueError, match="k_policy='fixed' with speculative_method='none'"):
+        LLM(str(dirs["target"]), speculative_method="none", speculative_k_policy="fixed")
     with pytest.raises(SystemExit):
         main(["generate", "--model", str(dirs["target"]), "--ngram", "--k-policy", "best", "--prompt", "x"])
     assert "invalid choice: 'best'" in capsys.readouterr().err
-    assert main(["generate", "--model", str(dirs["target"]), "--k-policy", "fixed", "--prompt", "x"]) == 2
-    assert "--k-policy needs a drafter" in capsys.readouterr().err
+    none = ["--speculative-method", "none", "--k-policy", "fixed"]
+    assert main(["generate", "--model", str(dirs["target"]), *none, "--prompt", "x"]) == 2
+    assert "--k-policy sets speculation, which --speculative-method none turns off" in capsys.readouterr().err
 
 
 def test_probes_draft_for_one_row_of_a_sampled_batch(dirs, costs_fixed):

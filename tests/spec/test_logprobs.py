@@ -30,7 +30,7 @@ def reference(tiny_pair):
 
 
 DRAFTING = {
-    "target alone": {},
+    "target alone": {"speculative_method": "none"},
     "draft model": {"speculative_model": "target", "speculative_k_policy": "fixed"},
     "draft tree": {"speculative_model": "target", "speculative_tree": "auto"},
 }  # drafting for itself: accepted
@@ -42,7 +42,12 @@ def test_logprobs_are_the_targets_own(tiny_pair, reference, drafting, temperatur
     options = {
         key: str(tiny_pair[value]) if key == "speculative_model" else value for key, value in DRAFTING[drafting].items()
     }
-    llm = LLM(str(tiny_pair["target"]), dtype="float32", num_speculative_tokens=4 if options else None, **options)
+    llm = LLM(
+        str(tiny_pair["target"]),
+        dtype="float32",
+        num_speculative_tokens=4 if "speculative_model" in options else None,
+        **options,
+    )
     prompts = random_prompts(3, seed=int(temperature * 10) + len(drafting))
     params = [
         SamplingParams(temperature=temperature, max_tokens=20, ignore_eos=True, seed=5, logprobs=n)

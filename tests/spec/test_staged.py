@@ -63,7 +63,7 @@ def models(tmp_path_factory) -> dict[str, str]:
 
 @pytest.fixture(scope="module")
 def target_alone(models) -> LLM:
-    return LLM(models["target"], dtype="float32", skip_tokenizer_init=True)
+    return LLM(models["target"], dtype="float32", skip_tokenizer_init=True, speculative_method="none")
 
 
 def staged_llm(models: dict[str, str], stages: tuple[str, ...], **kwargs) -> LLM:
@@ -243,7 +243,7 @@ def test_every_method_has_a_drafter():
 def test_one_stage_is_that_drafter():
     from specdec.llm import speculative_config
 
-    assert speculative_config(["D"], None) == SpeculativeConfig(model="D")
+    assert speculative_config(["D"], None) == SpeculativeConfig(method="draft_model", model="D")
     assert speculative_config(["[ngram]"], None) == SpeculativeConfig(method="ngram")
     assert speculative_config(("[ngram]", Path("D")), None) == SpeculativeConfig(
         method="staged", model=("[ngram]", "D")
@@ -286,7 +286,9 @@ def test_the_command_line_builds_what_llm_builds():
         assert config(command, "--draft", "[ngram]", "--draft", "B", "--ngram-max", "3") == SpeculativeConfig(
             method="staged", model=("[ngram]", "B"), ngram_max=3
         )
-        assert config(command, "--draft", "A") == SpeculativeConfig(model="A")  # once: one draft model, as before
+        assert config(command, "--draft", "A") == SpeculativeConfig(
+            method="draft_model", model="A"
+        )  # once: one draft model, as before
         assert config(command, "--draft", "[ngram]") == SpeculativeConfig(method="ngram")
 
 

@@ -236,7 +236,7 @@ def test_transformers_baseline_ignores_the_checkpoints_generation_settings_and_s
 
     target = save_tiny_model(tmp_path / "target", "llama", seed=0, init_std=0.3)
     prompt = [5, 9, 14, 3, 8, 21]
-    plain = LLM(str(target), dtype="float32").generate(
+    plain = LLM(str(target), dtype="float32", speculative_method="none").generate(
         prompt, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
     )[0]
     generated = plain.outputs[0].token_ids
@@ -750,12 +750,12 @@ def test_chat_prompt_sets_are_rendered_with_the_chat_template(pair, tmp_path):
     config = json.loads((chat_model / "tokenizer_config.json").read_text())
     config["chat_template"] = "{% for m in messages %}<s>{{ m['content'] }}</s>{% endfor %}<s>"
     (chat_model / "tokenizer_config.json").write_text(json.dumps(config))
-    llm = LLM(str(chat_model), dtype="float32")
+    llm = LLM(str(chat_model), dtype="float32", speculative_method="none")
     bench = BenchConfig(model=str(chat_model), prompt_sets=("edit",), ks=KS, **TINY)
     [(prompt, ids)] = encode_prompts(llm, bench, "edit", [])
     assert ids == llm.tokenizer.encode(f"<s>{prompt.text}</s><s>", add_special_tokens=False)
     with pytest.raises(ValueError, match="no chat template"):
-        encode_prompts(LLM(str(pair[0]), dtype="float32"), bench, "chat", [])
+        encode_prompts(LLM(str(pair[0]), dtype="float32", speculative_method="none"), bench, "chat", [])
 
 
 def test_missing_model_directory_is_a_clear_error(pair, tmp_path):

@@ -48,7 +48,7 @@ def test_answers_are_the_targets_and_held_out_prompts_stay_held_out(chat_model, 
     ]
     corpus = load_corpus(out)
     assert sorted(d.name for d in corpus.held_out) == names[:3]
-    llm = LLM(model=str(chat_model), dtype="float32")
+    llm = LLM(model=str(chat_model), dtype="float32", speculative_method="none")
     stdlib = load_corpus()
     for split, directory in (("train", "train"), ("held_out", "held_out")):
         prompts = chat_prompts(stdlib, split, limit=2)

@@ -148,7 +148,9 @@ def test_a_short_run_teaches_the_head_which_drafts_the_targets_own_output(corpus
     assert "EAGLE-3" in (out / "README.md").read_text()
     greedy = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
     prompts = random_prompts(3, seed=31)
-    expected = token_ids(LLM(str(corpus["target"]), dtype="float32").generate(prompts, greedy))
+    expected = token_ids(
+        LLM(str(corpus["target"]), dtype="float32", speculative_method="none").generate(prompts, greedy)
+    )
     drafted = LLM(str(corpus["target"]), dtype="float32", speculative_model=str(out), num_speculative_tokens=3)
     outputs = drafted.generate(prompts, greedy)
     assert token_ids(outputs) == expected
@@ -431,7 +433,7 @@ def test_a_target_scoring_fewer_tokens_than_the_default_gets_a_head_scoring_all_
     assert load_head(out, target_config, torch.float32).config.output_vocab_size == 0
     greedy = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
     prompts = random_prompts(2, seed=33)
-    expected = token_ids(LLM(str(reduced_target), dtype="float32").generate(prompts, greedy))
+    expected = token_ids(LLM(str(reduced_target), dtype="float32", speculative_method="none").generate(prompts, greedy))
     drafted = LLM(str(reduced_target), dtype="float32", speculative_model=str(out), num_speculative_tokens=2)
     assert token_ids(drafted.generate(prompts, greedy)) == expected
     for asked, says in ((50, "scoring only part of a reduced output layer is not supported"), (100, "at most those")):

@@ -184,7 +184,7 @@ def test_the_head_drafts_for_its_target(head_dir, target_dir, tmp_path):
 
     params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
     prompts = ["def copy(x):\n", "class Point:\n    def __init__(self", "import os\n"]
-    plain = LLM(str(target_dir), dtype="float32")
+    plain = LLM(str(target_dir), dtype="float32", speculative_method="none")
     expected = [o.outputs[0].token_ids for o in plain.generate(prompts, params)]
     acceptance = {}
     for name, directory in (("trained", head_dir), ("untrained", untrained)):
@@ -449,7 +449,10 @@ def test_a_head_over_part_of_the_vocabulary(target_dir, corpus_dir, tmp_path):
 
     params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
     prompts = ["def copy(x):\n", "class Point:\n    def __init__(self", "import os\n"]
-    expected = [o.outputs[0].token_ids for o in LLM(str(target_dir), dtype="float32").generate(prompts, params)]
+    expected = [
+        o.outputs[0].token_ids
+        for o in LLM(str(target_dir), dtype="float32", speculative_method="none").generate(prompts, params)
+    ]
     llm = LLM(
         str(target_dir),
         speculative_model=str(out),

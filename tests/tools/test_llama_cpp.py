@@ -599,7 +599,7 @@ def head_dir(tmp_path) -> str:
 def test_the_systems_are_every_one_whose_model_is_given(gguf_pair, head_dir, tmp_path, no_default_cross_draft):
     target, draft = gguf_pair
     config = llama_cpp.llama_cpp_config(parse(["--model", target, "--draft", draft]))
-    assert config.systems == ("plain", "ngram", "draft_model", "lookup_then_draft", "staged", "suffix")
+    assert config.systems == ("plain", "auto", "ngram", "draft_model", "lookup_then_draft", "staged", "suffix")
     assert config.skipped == (
         "No other-tokenizer draft row: smollm2 (SmolLM2-135M-Instruct) is not fetched (`specdec fetch "
         "smollm2`), and no --cross-tokenizer-draft was given.",
@@ -612,7 +612,7 @@ def test_the_systems_are_every_one_whose_model_is_given(gguf_pair, head_dir, tmp
     assert config.systems == llama_cpp.METHODS and config.skipped == ()
     assert (config.cross_draft, config.head) == (str(other), head_dir)
     config = llama_cpp.llama_cpp_config(parse(["--model", target]))
-    assert config.systems == ("plain", "ngram", "suffix") and config.skipped[-1] == (
+    assert config.systems == ("plain", "auto", "ngram", "suffix") and config.skipped[-1] == (
         "No --draft: no draft_model, lookup_then_draft, staged rows."
     )
 
@@ -645,7 +645,7 @@ def test_systems_chosen_keep_a_run_short_and_plain_always_runs(gguf_pair):
 @pytest.mark.parametrize(
     "argv, message",
     [
-        (["--systems", "ngram,medusa"], "systems must be among plain, ngram, .*; got medusa"),
+        (["--systems", "ngram,medusa"], "systems must be among plain, auto, ngram, .*; got medusa"),
         (["--systems", "eagle"], "the system eagle needs --head .or leave it out of --systems."),
         (["--systems", "staged"], "the system staged needs --draft"),
         (["--systems", "cross_tokenizer", "--cross-tokenizer-draft", "/no/such.gguf"], "neither a GGUF file"),
@@ -993,7 +993,8 @@ def test_one_real_prompt_end_to_end():
     )
     result = llama_cpp.measure(config, lambda message: None)
     rows = {(r["engine"], r["method"]): r for r in result["rows"]}
-    assert set(rows) == {("llama.cpp", "plain"), ("llama.cpp", "ngram"), ("specdec", "plain"), ("specdec", "ngram")}
+    specdec = {("specdec", method) for method in ("plain", "auto", "ngram", "suffix")}
+    assert set(rows) == {("llama.cpp", "plain"), ("llama.cpp", "ngram"), *specdec}
     assert result["notes"] == []  # both engines read the same number of prompt tokens
     for row in rows.values():
         assert 1 <= row["tokens"] <= 8 + config.k + 1 and row["tokens_per_s"] > 0
@@ -1001,6 +1002,6 @@ def test_one_real_prompt_end_to_end():
     assert rows[("llama.cpp", "plain")]["ratio_to_llama_cpp_plain"] == 1.0
     assert all(math.isfinite(cost["verify_cost"]) for cost in result["verify_cost"].values())
     assert result["llama_cpp"]["system_info"] and result["cpu_kind"] == llama_cpp.process_cpu_kind()
-    assert len(result["runs"]) == 4 and {run["prompt_tokens"] for run in result["runs"]} == {
+    assert len(result["runs"]) == len(rows) and {run["prompt_tokens"] for run in result["runs"]} == {
         rows[("specdec", "plain")]["prompt_tokens"]
     }

@@ -104,7 +104,7 @@ def test_generate_of_ragged_long_prompts_is_each_prompt_alone(long_model):
     gen = torch.Generator().manual_seed(11)
     prompts = [torch.randint(2, 320, (n,), generator=gen).tolist() for n in (280, 9, 150, 30, 270)]
     params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
-    llm = LLM(str(long_model), dtype="float32", compile="off", enable_prefix_caching=False)
+    llm = LLM(str(long_model), dtype="float32", compile="off", enable_prefix_caching=False, speculative_method="none")
     together = [out.outputs[0].token_ids for out in llm.generate(prompts, params)]
     alone = [llm.generate([prompt], params)[0].outputs[0].token_ids for prompt in prompts]
     assert together == alone

@@ -27,7 +27,7 @@ AVX512_BF16 = Platform("cpu", "AVX512", native_bf16=True, native_fp16=False)
 @pytest.fixture(scope="module")
 def eager_outputs(tiny_pair):
     """Greedy token ids of the eager target alone for three ragged prompts."""
-    llm = LLM(str(tiny_pair["target"]), dtype="float32", compile="off")
+    llm = LLM(str(tiny_pair["target"]), dtype="float32", compile="off", speculative_method="none")
     return {tuple(p): llm.generate(p, GREEDY)[0].outputs[0].token_ids for p in PROMPTS}
 
 
@@ -38,7 +38,7 @@ PROMPTS = [list(torch.randint(2, 320, (n,), generator=torch.Generator().manual_s
 def test_compiled_target_alone_equals_eager(tiny_pair, eager_outputs):
     """float32 greedy, compiled (static cache, batch padded to its bucket, prompts of 5 and
     13 tokens through the compiled query bucket or eagerly): token for token the eager output."""
-    llm = LLM(str(tiny_pair["target"]), dtype="float32", compile="on")
+    llm = LLM(str(tiny_pair["target"]), dtype="float32", compile="on", speculative_method="none")
     outputs = llm.generate(PROMPTS, GREEDY)  # a ragged batch of 3: padded to 4 rows
     assert token_ids(outputs) == [eager_outputs[tuple(p)] for p in PROMPTS]
     assert llm.runner.query_buckets == (1,) and llm.runner.cache.static
@@ -52,7 +52,7 @@ def test_generating_compiles_nothing_after_warm_up(tiny_pair, eager_outputs):
     a generate of ragged prompts traces no new graph, whichever slots its rows hold."""
     from torch._dynamo.utils import counters
 
-    llm = LLM(str(tiny_pair["target"]), dtype="float32", compile="on")
+    llm = LLM(str(tiny_pair["target"]), dtype="float32", compile="on", speculative_method="none")
     llm.generate(PROMPTS, GREEDY)  # prepares and compiles
     graphs_before = counters["stats"]["unique_graphs"]
     assert graphs_before > 0
@@ -97,9 +97,13 @@ def test_two_models_of_one_shape_each_run_their_own_weights(tiny_pair, eager_out
     """Compiled graphs freeze weights as constants: a second model of the same shape must not
     run the first one's."""
     other = save_tiny_model(tmp_path / "other", "llama", seed=14, init_std=0.3)
-    first = LLM(str(tiny_pair["target"]), dtype="float32", compile="on").generate(PROMPTS[:1], GREEDY)
-    second = LLM(str(other), dtype="float32", compile="on").generate(PROMPTS[:1], GREEDY)
-    eager_second = LLM(str(other), dtype="float32", compile="off").generate(PROMPTS[:1], GREEDY)
+    first = LLM(str(tiny_pair["target"]), dtype="float32", compile="on", speculative_method="none").generate(
+        PROMPTS[:1], GREEDY
+    )
+    second = LLM(str(other), dtype="float32", compile="on", speculative_method="none").generate(PROMPTS[:1], GREEDY)
+    eager_second = LLM(str(other), dtype="float32", compile="off", speculative_method="none").generate(
+        PROMPTS[:1], GREEDY
+    )
     assert token_ids(first) == [eager_outputs[tuple(PROMPTS[0])]] and token_ids(second) == token_ids(eager_second)
     assert token_ids(first) != token_ids(second)
 
@@ -130,7 +134,7 @@ def test_a_compilation_that_fails_falls_back_to_eager_with_one_warning(tiny_pair
         return compiled
 
     monkeypatch.setattr(torch, "compile", broken_compile)
-    llm = LLM(str(tiny_pair["target"]), dtype="float32", compile="on")
+    llm = LLM(str(tiny_pair["target"]), dtype="float32", compile="on", speculative_method="none")
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         first = llm.generate(PROMPTS, GREEDY)
@@ -144,14 +148,14 @@ def test_a_compilation_that_fails_falls_back_to_eager_with_one_warning(tiny_pair
 
 def test_auto_compiles_only_long_work(tiny_pair):
     """compile="auto": eager for short work; the decision is the runner's, from the work's size."""
-    llm = LLM(str(tiny_pair["target"]), dtype="float32", compile="auto")
+    llm = LLM(str(tiny_pair["target"]), dtype="float32", compile="auto", speculative_method="none")
     llm.generate(PROMPTS, GREEDY)
     assert not llm.runner.cache.static and llm.runner.compile_seconds == 0
 
 
 def test_compile_mode_is_validated(tiny_pair):
     with pytest.raises(ValueError, match="compile must be one of"):
-        LLM(str(tiny_pair["target"]), compile="yes")
+        LLM(str(tiny_pair["target"]), compile="yes", speculative_method="none")
 
 
 @pytest.mark.parametrize(
@@ -175,10 +179,13 @@ def test_a_bf16_checkpoint_loads_in_float32_where_bf16_is_emulated(tmp_path):
     config = json.loads((path / "config.json").read_text())
     config["dtype"] = "bfloat16"
     (path / "config.json").write_text(json.dumps(config))
-    assert LLM(str(path), platform=AVX2).target.model.dtype == torch.float32
-    assert LLM(str(path), platform=AVX512_BF16).target.model.dtype == torch.bfloat16
+    assert LLM(str(path), platform=AVX2, speculative_method="none").target.model.dtype == torch.float32
+    assert LLM(str(path), platform=AVX512_BF16, speculative_method="none").target.model.dtype == torch.bfloat16
     with pytest.warns(UserWarning, match="emulates"):  # asked for explicitly: it runs, with a warning
-        assert LLM(str(path), dtype="bfloat16", platform=AVX2).target.model.dtype == torch.bfloat16
+        assert (
+            LLM(str(path), dtype="bfloat16", platform=AVX2, speculative_method="none").target.model.dtype
+            == torch.bfloat16
+        )
 
 
 def test_the_platform_is_detected_once():
@@ -190,7 +197,7 @@ def test_the_platform_is_detected_once():
 def test_eager_runner_with_auto_leaves_the_model_unpacked(tiny_pair):
     """Under "auto" the eager path packs a copy sharing the weights; the model itself stays
     plain for the compiler."""
-    llm = LLM(str(tiny_pair["target"]), dtype="bfloat16", compile="auto")
+    llm = LLM(str(tiny_pair["target"]), dtype="bfloat16", compile="auto", speculative_method="none")
     eager = llm.runner.eager_model()
     assert all(type(m) is torch.nn.Linear for m in llm.target.model.modules() if "Linear" in type(m).__name__)
     assert eager.embed_tokens.weight is llm.target.model.embed_tokens.weight
@@ -205,7 +212,7 @@ def test_a_graph_that_computes_wrong_logits_is_caught_and_eager_runs(tiny_pair, 
         return lambda *args, **kwargs: 2 * fn(*args, **kwargs)
 
     monkeypatch.setattr(torch, "compile", wrong_compile)
-    llm = LLM(str(tiny_pair["target"]), dtype="float32", compile="on")
+    llm = LLM(str(tiny_pair["target"]), dtype="float32", compile="on", speculative_method="none")
     with pytest.warns(UserWarning, match="differ from eager ones"):
         outputs = llm.generate(PROMPTS, GREEDY)
     assert token_ids(outputs) == [eager_outputs[tuple(p)] for p in PROMPTS] and not llm.runner.cache.static

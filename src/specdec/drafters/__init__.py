@@ -1,6 +1,7 @@
 """Drafters, by the name `speculative_method` uses. A new drafter is a new file and a line
 in DRAFTERS: a factory (SpeculativeConfig, the loaded target, the target's ModelRunner) -> Drafter."""
 
+from specdec.drafters import auto
 from specdec.drafters.base import Draft, Drafter
 from specdec.drafters.cross_tokenizer import CrossTokenizerDrafter, draft_model_drafter
 from specdec.drafters.draft_model import DraftModelDrafter
@@ -20,6 +21,8 @@ DRAFTERS = {
     "suffix": SuffixDrafter.from_config,
     "suffix_then_draft": SuffixThenDraftDrafter.from_config,
 }
+# the default: the registry's shipped drafter behind the free drafters, or those alone (drafters/auto.py)
+DRAFTERS["auto"] = lambda spec, target, target_runner: auto.build(spec, target, target_runner, DRAFTERS)[1]
 
 __all__ = [
     "DRAFTERS",

@@ -140,6 +140,9 @@ class RegisteredModel:
     upstream: str  # the model it was made from
     about: str  # its format: quantization, tensor types, architecture
     converted: str | None = None  # a directory beside the file that `specdec fetch` converts it into, or None
+    # the drafters shipped for it (paths in the checkout: an EAGLE head's or a draft model's directory),
+    # best first: speculative_method="auto" drafts with the first one there (drafters/auto.py)
+    drafters: tuple[str, ...] = ()
 
     def __post_init__(self):
         _check(
@@ -166,6 +169,16 @@ class RegisteredModel:
             self.converted is None or _is_plain_name(self.converted),
             f"{self.name}: converted {self.converted!r} must be None or a plain directory name",
         )
+        _check(
+            isinstance(self.drafters, tuple) and all(_is_checkout_path(d) for d in self.drafters),
+            f"{self.name}: drafters must be a tuple of paths inside the checkout, as 'models/<dir>', "
+            f"got {self.drafters!r}",
+        )
+
+
+def _is_checkout_path(value) -> bool:
+    """A relative path that stays inside the checkout: "models/<dir>"."""
+    return isinstance(value, str) and value != "" and not value.startswith("/") and ".." not in value.split("/")
 
 
 def _is_plain_name(value) -> bool:
@@ -201,6 +214,7 @@ REGISTRY: dict[str, RegisteredModel] = _by_name(
         "SmolLM2-135M-Instruct",
         "Q4_1, llama",
         converted="hf",
+        drafters=("models/smollm2-draft",),
     ),
     RegisteredModel(
         "qwen2.5-coder-1.5b-instruct",
@@ -211,6 +225,7 @@ REGISTRY: dict[str, RegisteredModel] = _by_name(
         "Apache-2.0",
         "Qwen2.5-Coder-1.5B-Instruct",
         "Q4_K_M (Q4_K, Q6_K, F32 tensors), qwen2",
+        drafters=("models/qwen2.5-coder-1.5b-eagle3",),
     ),
     RegisteredModel(
         "qwen2.5-coder-0.5b-instruct",
@@ -286,6 +301,23 @@ def resolve_model(
     if not is_fetched(entry, cache):
         raise ModelNameError(_not_fetched_message(entry, what, cache))
     return model_path(entry, cache)
+
+
+def registered_as(
+    model, registry: Mapping[str, RegisteredModel] | None = None, cache: Path | None = None
+) -> RegisteredModel | None:
+    """The registry's entry for model: given by its name, or by the path of its fetched file or
+    converted directory; None for any other model."""
+    registry = REGISTRY if registry is None else registry
+    if not isinstance(model, (str, os.PathLike)) or not str(model).strip():
+        return None
+    if str(model) in registry:
+        return registry[str(model)]
+    given = Path(model).expanduser().resolve()
+    for entry in registry.values():
+        if given in (model_file(entry, cache).resolve(), model_path(entry, cache).resolve()):
+            return entry
+    return None
 
 
 def _not_fetched_message(entry: RegisteredModel, what: str, cache: Path | None) -> str:

@@ -89,7 +89,8 @@ class ServerState:
     the first the one responses carry; a request may name any of them. async_engine: what runs
     the requests (an AsyncEngine, or ray_serve.ReplicaClient: its generate, start, stop,
     is_running and llm, whose tokenizer the routes use); metrics_text: what /metrics answers
-    (default: async_engine.metrics' registry); drain: whether the server drains after SIGTERM, and
+    (default: async_engine.metrics' registry); speculation: the drafters and why, for
+    /v1/models (settings.speculation); drain: whether the server drains after SIGTERM, and
     how many requests are in flight (server.Server sets it, middleware.DrainGate reads it)."""
 
     async_engine: AsyncEngine
@@ -100,6 +101,7 @@ class ServerState:
     created: int = 0
     metrics_text: Callable[[], Awaitable[bytes]] | None = None
     drain: Drain = field(default_factory=Drain)
+    speculation: dict | None = None  # what /v1/models says of the drafters (settings.speculation)
 
     @property
     def llm(self):
@@ -158,7 +160,7 @@ def build_app(state: ServerState) -> FastAPI:
 
     @app.get("/v1/models", responses=_errors(401, 413))
     async def models() -> dict:
-        return model_list(state.served_names, state.created, state.max_model_len)
+        return model_list(state.served_names, state.created, state.max_model_len, state.speculation)
 
     @app.post("/v1/completions", responses={200: GENERATED, **_errors(*ERRORS)})
     async def completions(body: CompletionRequest, raw: Request):

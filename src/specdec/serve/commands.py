@@ -161,7 +161,7 @@ def run_serve(args: argparse.Namespace) -> int:
     from specdec.serve.async_engine import AsyncEngine
     from specdec.serve.prom import ServerMetrics
     from specdec.serve.server import run_server
-    from specdec.serve.settings import max_request_bytes, prepare_llm, served_names
+    from specdec.serve.settings import max_request_bytes, prepare_llm, served_names, speculation
 
     if not args.model and args.served_model_name and len(args.served_model_name) > 1:
         raise ValueError(
@@ -182,6 +182,7 @@ def run_serve(args: argparse.Namespace) -> int:
         max_model_len,
         api_key=args.api_key,
         max_request_bytes=max_request_bytes(args, max_model_len),
+        speculation=speculation(llm.speculative_config, llm.draft_choice),
     )
     run_server(state, args.host, args.port, args.log_level, args.shutdown_timeout)  # returns once the app has shut down
     return 0

@@ -288,8 +288,9 @@ def chat_chunk(
     return chunk
 
 
-def model_list(names: list[str], created: int, max_model_len: int) -> dict:
-    """The served model, once under each of its names (--served-model-name), as vLLM lists it."""
+def model_list(names: list[str], created: int, max_model_len: int, speculation: dict | None = None) -> dict:
+    """The served model, once under each of its names (--served-model-name), as vLLM lists it,
+    with the drafters it speculates with and why (speculation; left out where None)."""
     return {
         "object": "list",
         "data": [
@@ -300,6 +301,7 @@ def model_list(names: list[str], created: int, max_model_len: int) -> dict:
                 "owned_by": "specdec",
                 "root": names[0],
                 "max_model_len": max_model_len,
+                **({"speculation": speculation} if speculation is not None else {}),
             }
             for name in names
         ],

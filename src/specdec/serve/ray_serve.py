@@ -61,7 +61,12 @@ from specdec.serve.prom import ServerMetrics
 from specdec.serve.protocol import APIError
 from specdec.serve.router import PrefixRouter
 from specdec.serve.server import run_server
-from specdec.serve.settings import max_request_bytes, prepare_llm, served_names
+from specdec.serve.settings import (
+    max_request_bytes,
+    prepare_llm,
+    served_names,
+    speculation_from_flags,
+)
 
 log = logging.getLogger("specdec")
 
@@ -318,6 +323,7 @@ def ingress_state(args: argparse.Namespace, prompts: PromptEncoder, handles: lis
         api_key=args.api_key,
         max_request_bytes=max_request_bytes(args, max_model_len),
         metrics_text=client.metrics_text,
+        speculation=speculation_from_flags(args),
     )
 
 

@@ -52,6 +52,30 @@ def prepare_llm(args: argparse.Namespace, where: str | None = None, engines_shar
     return llm, max_model_len
 
 
+def speculation(config, choice) -> dict:
+    """What /v1/models says of the server's speculation (config: its SpeculativeConfig or None;
+    choice: what speculative_method="auto" chose, or None): the method, the drafter's path (a list
+    for stages; None for none) and why."""
+    if choice is not None:
+        return choice.as_dict()
+    if config is None:
+        return {"method": "none", "model": None, "reason": "speculation is off (--speculative-method none)"}
+    model = list(config.model) if isinstance(config.model, tuple) else config.model
+    return {"method": config.method, "model": model, "reason": "given by the server's flags"}
+
+
+def speculation_from_flags(args: argparse.Namespace) -> dict:
+    """speculation() for the flags, without loading a model (Ray's ingress, which loads none):
+    "auto" chosen as the replicas choose it, but for a shipped drafter that fails to load there."""
+    from specdec.drafters.auto import choose_drafters
+    from specdec.model_flags import speculative_config_from_flags
+    from specdec.models.registry import resolve_model
+
+    config = speculative_config_from_flags(args)
+    choice = choose_drafters(config, resolve_model(args.model)) if config and config.method == "auto" else None
+    return speculation(config, choice)
+
+
 def served_names(args: argparse.Namespace) -> list[str]:
     """The model's names in the API, the first the one responses carry."""
     return args.served_model_name or [default_served_name(args.model)]

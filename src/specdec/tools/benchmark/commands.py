@@ -291,9 +291,9 @@ def _check_speculative_flags(args, llama_cpp: bool = False) -> None:
     given = given_settings(
         args, ("num_speculative_tokens", "draft_dtype", "draft_confidence_threshold", "draft_quantization")
     )
-    SpeculativeConfig(model=_one_draft(args.draft) or "DRAFT", **given)
+    SpeculativeConfig(method="draft_model", model=_one_draft(args.draft) or "DRAFT", **given)
     for shape in args.tree or ():
-        SpeculativeConfig(model="DRAFT", tree=shape)
+        SpeculativeConfig(method="draft_model", model="DRAFT", tree=shape)
     if args.early_exit not in (None, DEFAULT_EXIT):
         SpeculativeConfig(method="early_exit", early_exit_layer=args.early_exit)
 

@@ -16,8 +16,10 @@ flags; a failed one is an error naming its cmake log.
 What runs, interleaved prompt by prompt (the order rotated each prompt) on one GGUF target:
   llama.cpp  plain (llama-completion), prompt lookup (llama-lookup) and a draft model
              (llama-speculative-simple --spec-type draft-simple -md DRAFT), drafting k tokens
-  specdec    plain, prompt lookup (ngram), the draft model, lookup_then_draft, staged drafts
-             (["[ngram]", DRAFT]: prompt lookup drafting for the draft model), a draft with another
+  specdec    plain (speculative_method "none"), the default (auto: LLM(model) with no speculative
+             setting, k included; drafters/auto.py), prompt lookup (ngram), the draft model,
+             lookup_then_draft, staged drafts (["[ngram]", DRAFT]: prompt lookup drafting for the
+             draft model), a draft with another
              tokenizer (cross_tokenizer: SmolLM2-135M-Instruct by default, drafting through text)
              and an EAGLE head (--head), alone and behind prompt lookup (lookup_then_eagle:
              lookup_then_draft with the head), and suffix decoding (suffix: its shared tree fills
@@ -500,6 +502,7 @@ class System:
             }[self.method]
         return {
             "plain": "specdec plain",
+            "auto": "specdec default (no speculative setting: auto)",
             "ngram": f"specdec prompt lookup (goodput k≤{k})",
             "draft_model": f"specdec draft model (goodput k≤{k})",
             "lookup_then_draft": f"specdec lookup, else draft (goodput k≤{k})",
@@ -515,6 +518,7 @@ class System:
 # the systems by method (--systems), in the order of the rows; llama.cpp runs the first three
 METHODS = (
     "plain",
+    "auto",
     "ngram",
     "draft_model",
     "lookup_then_draft",
@@ -736,14 +740,23 @@ def load_specdec(config: LlamaCppConfig):
     LLM builds it by default (speculative_config, the drafters' registry), over one target loaded
     once; lookup_then_draft and the staged drafter share the draft model's weights (and runner:
     the systems run one generate at a time, each preparing its own)."""
-    from specdec.config import NGRAM_STAGE
-    from specdec.drafters import CrossTokenizerDrafter, DraftModelDrafter, LookupThenDraftDrafter
+    from specdec.config import NGRAM_STAGE, NO_SPECULATION, SpeculativeConfig
+    from specdec.drafters import CrossTokenizerDrafter, DraftModelDrafter, LookupThenDraftDrafter, auto
     from specdec.llm import ALL_DRAFTERS, LLM, speculative_config
     from specdec.spec.staged import StagedDrafter
 
-    target = LLM(config.model)
+    target = LLM(config.model, speculative_method=NO_SPECULATION)
     runners = {SPECDEC_PLAIN: SpecdecRunner(target, config.max_tokens, config.setting)}
     wanted = set(config.systems or ())
+    if "auto" in wanted:  # what LLM(model) runs: every setting at its default, --k included
+        choice, drafter = auto.build(SpeculativeConfig(), target.target, target.runner, ALL_DRAFTERS)
+        spec = choice.config
+        print(f"specdec default: {choice.drafters}; {choice.reason}", file=sys.stderr)
+        runners[System("specdec", "auto")] = SpecdecRunner(
+            target.with_drafter(drafter, spec.num_speculative_tokens, spec.k_policy, spec.tree),
+            config.max_tokens,
+            config.setting,
+        )
 
     def drafter_for(model, method: str | None):
         spec = speculative_config(model, method, num_speculative_tokens=config.k)

@@ -314,7 +314,12 @@ def load_runners(config: BenchConfig) -> LoadedRunners:
     """The specdec target (loaded once, shared by every specdec method) and its drafters,
     then the transformers baselines where transformers is installed."""
     target = LLM(
-        config.model, dtype=config.dtype, device=config.device, compile=config.compile, quantization=config.quantization
+        config.model,
+        dtype=config.dtype,
+        device=config.device,
+        compile=config.compile,
+        quantization=config.quantization,
+        speculative_method="none",
     )
     runners: dict[Method, Runner] = {TARGET_ALONE: SpecdecRunner(target)}
     draft_model = None
@@ -664,7 +669,9 @@ def measure_quantization_quality(target: LLM, prompts: dict, records: list[Recor
     ]
     if not greedy_runs:
         return None
-    reference = LLM(config.model, dtype=config.dtype, device=config.device, compile=config.compile)
+    reference = LLM(
+        config.model, dtype=config.dtype, device=config.device, compile=config.compile, speculative_method="none"
+    )
     return quantization_quality(target, reference, greedy_runs, config.max_tokens)
 
 

@@ -104,7 +104,7 @@ def write_chat_data(
         own_entries=(MANIFEST, "train/*", f"{HELD_OUT_DIRECTORY}/*"),
         resumable=True,
     ) as output:
-        llm = LLM(model=target, dtype=dtype)
+        llm = LLM(model=target, dtype=dtype, speculative_method="none")  # as before: its streams, resumable
         if llm.tokenizer is None or not llm.tokenizer.chat_template:
             raise ValueError(f"the target {target!r} has no chat template: chat-data needs a chat model")
         with said_when_disk_full(output.staging, "the chat-data corpus", lambda: _kept(output)):
