@@ -367,10 +367,7 @@ def _make_staging(given: str, staging: Path, command: str, final: Path, resumabl
         raise ValueError(
             f"--out {given!r} cannot be written ({e.strerror}: {e.filename}); give a directory you can write"
         ) from e
-    try:
-        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except OSError:
-        lock.close()
+    if not lock_exclusively(lock):
         raise ValueError(
             f"another specdec run is writing --out {given!r} (in {staging}); wait for it to finish, or "
             "give another --out"
@@ -379,6 +376,17 @@ def _make_staging(given: str, staging: Path, command: str, final: Path, resumabl
         lock.write(json.dumps({"command": command, "out": str(final), "resumable": resumable}) + "\n")
         lock.flush()
     return lock
+
+
+def lock_exclusively(file: IO) -> bool:
+    """Whether this process now holds file's exclusive lock (flock; released when the file is
+    closed, or the process ends); False, and file closed, where another process holds it."""
+    try:
+        fcntl.flock(file, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        file.close()
+        return False
+    return True
 
 
 def _read_marker(marker: Path) -> dict:

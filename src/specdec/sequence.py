@@ -33,6 +33,9 @@ class Sequence:
     num_tokens_reported: int = 0  # output tokens already returned by Engine.step
     text_reported: str = ""  # output text already returned by Engine.step (streaming text only)
     stream_text: bool = False  # Engine.step returns each step's new text (decoding the output each step)
+    # whose requests may draft from this one's text (suffix decoding's shared tree): requests of one
+    # scope share it, no other (a server's API key, under --suffix-cache-scope key); None: the one global scope
+    cache_scope: str | None = None
 
     @property
     def token_ids(self) -> list[int]:

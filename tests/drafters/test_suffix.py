@@ -23,13 +23,16 @@ arctic = pytest.importorskip("arctic_inference.suffix_decoding", reason="arctic-
 GREEDY = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
 
 
-def sequence(request_id: str, prompt: list[int], output: list[int], seed: int | None = None, temperature=0.0):
-    return Sequence(request_id, prompt, Params(temperature=temperature, seed=seed, max_tokens=64), torch.Generator())
+def sequence(
+    request_id: str, prompt: list[int], output: list[int], seed: int | None = None, temperature=0.0, scope=None
+):
+    params = Params(temperature=temperature, seed=seed, max_tokens=64)
+    return Sequence(request_id, prompt, params, torch.Generator(), cache_scope=scope)
 
 
-def finished(drafter: SuffixDrafter, request_id: str, prompt: list[int], output: list[int]) -> None:
-    """A request served to its end: its output goes into the shared tree."""
-    seq = sequence(request_id, prompt, [])
+def finished(drafter: SuffixDrafter, request_id: str, prompt: list[int], output: list[int], scope=None) -> None:
+    """A request served to its end: its output goes into its scope's shared tree."""
+    seq = sequence(request_id, prompt, [], scope=scope)
     drafter.propose([seq], [0], SamplingTensors.from_params([seq.params], "cpu"))
     seq.output_token_ids = list(output)
     seq.finish_reason = "length"
@@ -95,7 +98,7 @@ def test_the_shared_tree_holds_the_newest_requests_and_a_preempted_one_once():
     drafter = SuffixDrafter(max_tree_depth=16, max_cached_requests=2, max_spec_factor=2.0)
     for i, output in enumerate(([5, 6, 7, 8], [20, 21, 22, 23], [30, 31, 32, 33])):
         finished(drafter, f"r{i}", [100 + i], output)
-    assert len(drafter.shared.cached_requests) == 2  # running requests count too, as they add their outputs
+    assert len(drafter.shared(None).cached_requests) == 2  # running requests count too, as they add their outputs
     assert propose(drafter, [sequence("y", [1, 30, 31], [])], [2]).token_ids[0].tolist() == [32, 33]
     assert propose(drafter, [sequence("x", [1, 5, 6], [])], [2]).num_tokens.tolist() == [0]  # the oldest: dropped
     preempted = sequence("p", [9, 9], [])
@@ -104,6 +107,18 @@ def test_the_shared_tree_holds_the_newest_requests_and_a_preempted_one_once():
     drafter.release(preempted)  # not finished: recomputed later, its output dropped meanwhile
     assert propose(drafter, [sequence("z", [1, 40, 41], [])], [1]).num_tokens.tolist() == [0]
     assert not drafter.started.keys() - {"x", "y", "z"}
+
+
+def test_a_request_drafts_from_its_own_scopes_answers_alone():
+    """Cache scopes (a server's API keys): an answer to one scope's request drafts for that
+    scope's later requests, never for another scope's or the global scope's."""
+    drafter = SuffixDrafter(max_tree_depth=16, max_cached_requests=10, max_spec_factor=2.0)
+    finished(drafter, "a", [100], [5, 6, 7, 8, 9], scope="key0")
+    finished(drafter, "b", [101], [20, 21, 22, 23], scope="key1")
+    asks = [sequence(name, [1, 5, 6], [], scope=scope) for name, scope in (("x", "key0"), ("y", "key1"), ("z", None))]
+    draft = propose(drafter, asks, [3, 3, 3])
+    assert draft.token_ids[0].tolist() == [7, 8, 9] and draft.num_tokens.tolist() == [3, 0, 0]
+    assert propose(drafter, [sequence("w", [1, 21, 22], [], scope="key1")], [1]).token_ids[0].tolist() == [23]
 
 
 def test_forget_drops_every_tree():

@@ -681,6 +681,8 @@ def test_the_served_name_is_the_one_the_user_knows(model, name):
         (["serve", "--served-model-name", "a", "M"], "--served-model-name took ['a', 'M'] as names; give MODEL first"),
         (["serve", "M", "--served-model-name", " "], "--served-model-name [' ']: a name is empty"),
         (["serve", "M", "--max-request-bytes", "0"], "--max-request-bytes must be at least 1, got 0"),
+        (["serve", "M", "--api-key", "a", "--api-key", " "], "--api-key (or SPECDEC_API_KEY) is empty"),
+        (["serve", "M", "--api-key", "a", "--api-key", "a"], "--api-key: a key is given twice"),
     ],
 )
 def test_bad_serve_flags_are_one_clear_line(argv, message, capsys):

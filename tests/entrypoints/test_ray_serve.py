@@ -138,7 +138,7 @@ class EndlessReplica:
     def options(self, stream: bool) -> EndlessReplica:
         return self
 
-    def remote(self, request_id, prompt_token_ids, params, prompt, stream_text) -> EndlessResponse:
+    def remote(self, request_id, prompt_token_ids, params, prompt, stream_text, cache_scope) -> EndlessResponse:
         self.responses.append(EndlessResponse())
         return self.responses[-1]
 

@@ -515,6 +515,63 @@ def test_requests_running_past_the_shutdown_timeout_hear_why_they_end(dirs, tmp_
         server.stop()
 
 
+def test_learn_records_each_answer(dirs, tmp_path, capsys):
+    """--learn DIR: each finished answer's token ids, as the tokenizer gives the prompt and the
+    response's text, in DIR once the server stops; a second server on DIR is refused."""
+    from specdec.cli import main
+    from specdec.serve.recorder import read_requests
+
+    learn = tmp_path / "learn"
+    server = Server([str(dirs["target"]), "--learn", str(learn), "--max-num-seqs", "2"], tmp_path / "server.log")
+    try:
+        client = server.client()
+        texts = [
+            client.completions.create(
+                model=MODEL, prompt=prompt, max_tokens=12, temperature=0, extra_body={"ignore_eos": True}
+            )
+            .choices[0]
+            .text
+            for prompt in ("def add(a, b):", "class Point:")
+        ]
+        assert main(["serve", str(dirs["target"]), "--learn", str(learn), "--compile", "off"]) == 2
+        assert "another server (pid" in capsys.readouterr().err
+    finally:
+        assert server.stop() == 0, server.output()
+    llm = LLM(str(dirs["target"]), dtype="float32", speculative_method="none")
+    recorded = read_requests(learn)
+    assert [(r["prompt"], r["finish_reason"]) for r in recorded] == [
+        (llm.tokenizer.encode(prompt), "length") for prompt in ("def add(a, b):", "class Point:")
+    ]
+    assert [llm.tokenizer.decode(r["output"]) for r in recorded] == texts
+
+
+@pytest.mark.parametrize("scope", ["key", "global"])
+def test_with_several_keys_a_request_drafts_from_its_own_keys_answers(dirs, tmp_path, scope):
+    """Two API keys, suffix decoding (the default for a model the registry does not know), k
+    fixed at 4. One answer asked for again with the other key: under --suffix-cache-scope key
+    (the default) nothing of the first answer drafts for it, so it accepts what the first
+    request accepted; asked for again with the first key, or under global, the first answer drafts
+    most of it. The text is the same each time."""
+    args = [str(dirs["target"]), "--api-key", "one", "--api-key", "two", "-k", "4", "--k-policy", "fixed"]
+    server = Server([*args, "--suffix-cache-scope", scope], tmp_path / "server.log")
+    body = dict(model=MODEL, prompt="def add(a, b):", max_tokens=32, temperature=0, extra_body={"ignore_eos": True})
+
+    def accepted(key: str) -> tuple[float, str]:
+        before = server.metric("spec_decode_num_accepted_tokens_total")
+        text = server.client(api_key=key).completions.create(**body).choices[0].text
+        return server.metric("spec_decode_num_accepted_tokens_total") - before, text
+
+    try:
+        first, text = accepted("one")
+        other_key, other_text = accepted("two")
+        same_key, same_text = accepted("one")
+        assert text == other_text == same_text
+        assert same_key >= 24, (first, other_key, same_key)
+        assert other_key == first if scope == "key" else other_key >= 24, (first, other_key, same_key)
+    finally:
+        assert server.stop() == 0, server.output()
+
+
 def test_api_key_full_queue_and_sigterm(dirs, tmp_path):
     """One slot and no waiting room: a second request while one streams gets 429 with
     Retry-After; a key is needed for /v1 (from SPECDEC_API_KEY); SIGTERM with a request in

@@ -11,7 +11,10 @@ Terms:
   shared tree   one over the outputs of recent requests (the running ones' too, token by token),
                 the oldest request's dropped once max_cached_requests are held: a workload that
                 repeats itself (the same instruction over many inputs, a tool call's scaffolding)
-                drafts from what earlier requests were answered.
+                drafts from what earlier requests were answered. One per cache scope
+                (Sequence.cache_scope: a server's API key, say): a request drafts from the answers
+                of its own scope's requests alone, so its speed tells nothing of what another
+                scope's requests were answered. Each scope holds max_cached_requests.
   match         the longest suffix of the context found in a tree (up to max_tree_depth tokens);
                 a round drafts at most max_spec_factor x its length tokens, so a one-token
                 coincidence drafts little and a long copy drafts much.
@@ -83,9 +86,15 @@ class SuffixDrafter(Drafter):
         self._fresh_caches()
 
     def _fresh_caches(self) -> None:
-        cache_class = suffix_cache_class()
-        self.shared = cache_class(self.max_tree_depth, self.max_cached_requests)  # own trees + the shared tree
-        self.own = cache_class(self.max_tree_depth, 0)  # own trees alone: what seeded sampled rows draft from
+        self.cache_class = suffix_cache_class()
+        self.shared_by_scope: dict = {}  # cache scope -> its own trees + its shared tree (made when first used)
+        self.own = self.cache_class(self.max_tree_depth, 0)  # own trees alone: what seeded sampled rows draft from
+
+    def shared(self, scope: str | None):
+        """The cache of scope's requests: their own trees and the shared tree over their outputs."""
+        if scope not in self.shared_by_scope:
+            self.shared_by_scope[scope] = self.cache_class(self.max_tree_depth, self.max_cached_requests)
+        return self.shared_by_scope[scope]
 
     @classmethod
     def from_config(cls, spec, target, target_runner) -> SuffixDrafter:
@@ -121,7 +130,7 @@ class SuffixDrafter(Drafter):
         key = self._bring_up_to_date(seq)
         if k <= 0:
             return [], []
-        cache = self.own if _drafts_alone(seq) else self.shared
+        cache = self.own if _drafts_alone(seq) else self.shared(seq.cache_scope)
         context = seq.token_ids[-cache.max_tree_depth :]
         draft = cache.speculate(
             key,
@@ -163,9 +172,10 @@ class SuffixDrafter(Drafter):
                 cache.evict_cached_response(key)
 
     def _caches(self, seq: Sequence) -> tuple:
-        """The caches that hold seq's text: the shared one (its own tree, and its output for
-        later requests), and for a row that drafts alone the cache of own trees too."""
-        return (self.shared, self.own) if _drafts_alone(seq) else (self.shared,)
+        """The caches that hold seq's text: its scope's shared one (its own tree, and its output
+        for later requests of the scope), and for a row that drafts alone the cache of own trees too."""
+        shared = self.shared(seq.cache_scope)
+        return (shared, self.own) if _drafts_alone(seq) else (shared,)
 
 
 def _drafts_alone(seq: Sequence) -> bool:

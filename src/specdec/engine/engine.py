@@ -12,7 +12,9 @@ capacity.py's.
 
 from __future__ import annotations
 
+import logging
 import time
+from collections.abc import Callable
 
 import torch
 
@@ -33,6 +35,8 @@ from specdec.spec.k_choice import KChoice
 from specdec.spec.round import RoundResult, SpeculativeRound
 from specdec.tree import TreeShape
 from specdec.worker import ModelRunner
+
+log = logging.getLogger("specdec")
 
 TIMED_PARTS = ("prefill", "draft", "target", "sampling", "bookkeeping")
 
@@ -68,6 +72,9 @@ class Engine:
         self.swap = SwapSpace(swap_space_bytes)
         self.max_len: int | None = None  # the positions each sequence may use, once prepared
         self._unfinished: dict[str, Sequence] = {}  # by request id: waiting or running
+        # called with each sequence that leaves the batch finished or aborted, on the engine's thread
+        # (a server's recorder); a listener that raises is logged and fails nothing
+        self.finish_listeners: list[Callable[[Sequence], None]] = []
         self.stats = SpecStats()  # every request's rounds, merged (the server's metrics read it)
         self.shared_generator = generator if generator is not None else torch.Generator(target.device).manual_seed(0)
         self.timings: dict[str, float] = dict.fromkeys(TIMED_PARTS, 0.0)
@@ -84,12 +91,22 @@ class Engine:
         params: SamplingParams,
         prompt: str | None = None,
         stream_text: bool = False,
+        cache_scope: str | None = None,
     ) -> Sequence:
         """Queue a request (prompt_token_ids checked by the caller: LLM.prompt_token_ids); it
         starts at a step with a free slot. stream_text: each step's RequestOutput carries the
-        request's new text too (its whole output is decoded at every step that adds tokens)."""
+        request's new text too (its whole output is decoded at every step that adds tokens).
+        cache_scope: the requests whose answers it may draft from, and they from its (Sequence)."""
         generator = request_generator(params.seed, self.shared_generator, self.target.device)
-        seq = Sequence(request_id, list(prompt_token_ids), params, generator, prompt=prompt, stream_text=stream_text)
+        seq = Sequence(
+            request_id,
+            list(prompt_token_ids),
+            params,
+            generator,
+            prompt=prompt,
+            stream_text=stream_text,
+            cache_scope=cache_scope,
+        )
         self.add_sequence(seq)
         return seq
 
@@ -313,3 +330,8 @@ class Engine:
         seq.text = self.output.final_text(seq)
         if ran and self.drafter is not None:
             self.drafter.release(seq)
+        for listener in self.finish_listeners:
+            try:
+                listener(seq)
+            except Exception:
+                log.exception("a listener to finished requests failed on %s", seq.request_id)

@@ -42,7 +42,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from specdec.outputs import RequestOutput
 from specdec.serve.async_engine import AsyncEngine, EngineStopped, QueueFull
-from specdec.serve.middleware import APIKeyCheck, BodyLimit, Drain, DrainGate
+from specdec.serve.middleware import KEY_INDEX, APIKeyCheck, BodyLimit, Drain, DrainGate
 from specdec.serve.protocol import (
     APIError,
     ChatCompletionRequest,
@@ -91,12 +91,16 @@ class ServerState:
     is_running and llm, whose tokenizer the routes use); metrics_text: what /metrics answers
     (default: async_engine.metrics' registry); speculation: the drafters and why, for
     /v1/models (settings.speculation); drain: whether the server drains after SIGTERM, and
-    how many requests are in flight (server.Server sets it, middleware.DrainGate reads it)."""
+    how many requests are in flight (server.Server sets it, middleware.DrainGate reads it).
+    api_keys: the keys a client may send (none: an open server); suffix_cache_scope: "key" (the
+    requests of one key draft from each other's answers alone, Sequence.cache_scope) or
+    "global" (every request from every other's)."""
 
     async_engine: AsyncEngine
     served_names: list[str]
     max_model_len: int
-    api_key: str | None = None
+    api_keys: tuple[str, ...] = ()
+    suffix_cache_scope: str = "key"
     max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES
     created: int = 0
     metrics_text: Callable[[], Awaitable[bytes]] | None = None
@@ -133,8 +137,8 @@ def build_app(state: ServerState) -> FastAPI:
 
     app.add_middleware(BodyLimit, max_bytes=state.max_request_bytes)
     app.add_middleware(DrainGate, drain=state.drain)
-    if state.api_key is not None:  # added last, so it runs first: no key, no body read
-        app.add_middleware(APIKeyCheck, api_key=state.api_key)
+    if state.api_keys:  # added last, so it runs first: no key, no body read
+        app.add_middleware(APIKeyCheck, api_keys=state.api_keys)
 
     @app.get(
         "/health",
@@ -164,11 +168,11 @@ def build_app(state: ServerState) -> FastAPI:
 
     @app.post("/v1/completions", responses={200: GENERATED, **_errors(*ERRORS)})
     async def completions(body: CompletionRequest, raw: Request):
-        return await _unless_client_leaves(raw, _complete(state, body))
+        return await _unless_client_leaves(raw, _complete(state, body, _cache_scope(state, raw)))
 
     @app.post("/v1/chat/completions", responses={200: GENERATED, **_errors(*ERRORS)})
     async def chat_completions(body: ChatCompletionRequest, raw: Request):
-        return await _unless_client_leaves(raw, _chat(state, body))
+        return await _unless_client_leaves(raw, _chat(state, body, _cache_scope(state, raw)))
 
     return app
 
@@ -254,7 +258,14 @@ def _named_field(message: str, body: SamplingFields) -> str | None:
 # --- running requests ---------------------------------------------------------------------------------
 
 
-async def _complete(state: ServerState, body: CompletionRequest):
+def _cache_scope(state: ServerState, raw: Request) -> str | None:
+    """The request's cache scope (Sequence.cache_scope): under --suffix-cache-scope key, the
+    index of the API key it sent ("key0", ...; never the key); else None, the one global scope."""
+    index = raw.scope.get(KEY_INDEX)
+    return f"key{index}" if state.suffix_cache_scope == "key" and index is not None else None
+
+
+async def _complete(state: ServerState, body: CompletionRequest, cache_scope: str | None = None):
     """A completion: its prompts tokenized (in a thread), run, and answered whole or as a stream
     (which starts once every prompt has its first output, so that a refusal is still a status)."""
     _check_common(state, body)
@@ -263,7 +274,12 @@ async def _complete(state: ServerState, body: CompletionRequest):
     request_id = new_id("cmpl")
     streams = [
         state.async_engine.generate(
-            f"{request_id}-{i}", ids, params, prompt if isinstance(prompt, str) else None, stream_text=body.stream
+            f"{request_id}-{i}",
+            ids,
+            params,
+            prompt if isinstance(prompt, str) else None,
+            stream_text=body.stream,
+            cache_scope=cache_scope,
         )
         for i, (prompt, ids, params) in enumerate(requests)
     ]
@@ -285,7 +301,7 @@ async def _complete(state: ServerState, body: CompletionRequest):
     return completion_response(request_id, state.model_name, choices, prompt_tokens, completion_tokens)
 
 
-async def _chat(state: ServerState, body: ChatCompletionRequest):
+async def _chat(state: ServerState, body: ChatCompletionRequest, cache_scope: str | None = None):
     """A chat completion: its messages rendered and tokenized (in a thread), run, and answered
     whole or as a stream (which starts once the first output is there)."""
     _check_common(state, body)
@@ -294,7 +310,7 @@ async def _chat(state: ServerState, body: ChatCompletionRequest):
     max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
     _, ids, params = await asyncio.to_thread(_prepare, state, body, prompt_ids, max_tokens)
     request_id = new_id("chatcmpl")
-    stream = state.async_engine.generate(request_id, ids, params, stream_text=body.stream)
+    stream = state.async_engine.generate(request_id, ids, params, stream_text=body.stream, cache_scope=cache_scope)
     (first,) = await _first_outputs([stream])
     if body.stream:
         return _sse(_chat_events(state, request_id, body, stream, first, len(ids)))

@@ -100,6 +100,7 @@ class AsyncEngine:
         params: SamplingParams,
         prompt: str | None = None,
         stream_text: bool = True,
+        cache_scope: str | None = None,
     ) -> AsyncGenerator[RequestOutput, None]:
         """The request's outputs, step by step, until the one marked finished (stream_text: each
         carries its new text; else the last carries it all). Raises QueueFull (nothing queued),
@@ -116,7 +117,8 @@ class AsyncEngine:
         stream: asyncio.Queue = asyncio.Queue()
         self._streams[request_id] = stream
         self._num_unfinished += 1
-        self._command("add", (request_id, prompt_token_ids, params, prompt, stream_text, time.perf_counter()))
+        added = (request_id, prompt_token_ids, params, prompt, stream_text, cache_scope, time.perf_counter())
+        self._command("add", added)
         finished = False
         try:
             while not finished:
@@ -178,10 +180,15 @@ class AsyncEngine:
             except queue.Empty:
                 return
             if kind == "add":
-                request_id, prompt_token_ids, params, prompt, stream_text, arrival = argument
+                request_id, prompt_token_ids, params, prompt, stream_text, cache_scope, arrival = argument
                 try:
                     self.engine.add_request(
-                        request_id, prompt_token_ids, params, prompt=prompt, stream_text=stream_text
+                        request_id,
+                        prompt_token_ids,
+                        params,
+                        prompt=prompt,
+                        stream_text=stream_text,
+                        cache_scope=cache_scope,
                     )
                     self._arrivals[request_id] = arrival
                 except ValueError as e:  # refused: the client hears why

@@ -14,7 +14,6 @@ from __future__ import annotations
 import argparse
 import logging
 import math
-import os
 
 log = logging.getLogger("specdec")
 
@@ -29,7 +28,7 @@ DEFAULT_MAX_PREFILL_SECONDS = 0.25
 def add_serve_parser(commands) -> None:
     from specdec.engine.swap import DEFAULT_SWAP_SPACE_GIB
     from specdec.model_flags import add_model_argument, add_model_arguments
-    from specdec.serve.settings import REQUEST_BYTES_PER_TOKEN
+    from specdec.serve.settings import REQUEST_BYTES_PER_TOKEN, SUFFIX_CACHE_SCOPES
 
     p = commands.add_parser(
         "serve",
@@ -44,8 +43,18 @@ def add_serve_parser(commands) -> None:
     p.add_argument("--port", type=int, default=8000, help="the port to listen on (default 8000)")
     p.add_argument(
         "--api-key",
-        default=os.environ.get("SPECDEC_API_KEY"),
-        help="clients must send 'Authorization: Bearer KEY' (default: $SPECDEC_API_KEY; none: open)",
+        action="append",
+        metavar="KEY",
+        help="clients must send 'Authorization: Bearer KEY' with one of the keys given (the flag once for "
+        "each key; default: $SPECDEC_API_KEY; none: open)",
+    )
+    p.add_argument(
+        "--suffix-cache-scope",
+        choices=SUFFIX_CACHE_SCOPES,
+        default="key",
+        help="whose answers suffix decoding drafts a request from: key (default), those of requests sent "
+        "with the same --api-key, so that no client's speed tells what another's requests were "
+        "answered; global, every request's (the same with one key, or none)",
     )
     p.add_argument(
         "--served-model-name",
@@ -128,6 +137,18 @@ def add_serve_parser(commands) -> None:
         help="seconds in-flight requests may take to finish after SIGTERM (default 10)",
     )
     p.add_argument(
+        "--learn",
+        metavar="DIR",
+        help="record each finished request (its prompt's and answer's token ids) into DIR, for `specdec adapt` "
+        "to train the drafter on; owner-only files, at most --learn-max-gb (default: nothing recorded)",
+    )
+    p.add_argument(
+        "--learn-max-gb",
+        type=float,
+        default=1.0,
+        help="the most --learn DIR holds, in GB: the oldest requests are deleted first (default 1)",
+    )
+    p.add_argument(
         "--replicas",
         type=int,
         default=1,
@@ -161,7 +182,7 @@ def run_serve(args: argparse.Namespace) -> int:
     from specdec.serve.async_engine import AsyncEngine
     from specdec.serve.prom import ServerMetrics
     from specdec.serve.server import run_server
-    from specdec.serve.settings import max_request_bytes, prepare_llm, served_names, speculation
+    from specdec.serve.settings import api_keys, max_request_bytes, prepare_llm, served_names, speculation
 
     if not args.model and args.served_model_name and len(args.served_model_name) > 1:
         raise ValueError(
@@ -175,17 +196,39 @@ def run_serve(args: argparse.Namespace) -> int:
 
         return run_replicas(args)
     llm, max_model_len = prepare_llm(args)
+    recorder = _recorder(args, llm)
     names = served_names(args)
     state = ServerState(
         AsyncEngine(llm, ServerMetrics(names[0]), args.max_waiting),
         names,
         max_model_len,
-        api_key=args.api_key,
+        api_keys=api_keys(args),
+        suffix_cache_scope=args.suffix_cache_scope,
         max_request_bytes=max_request_bytes(args, max_model_len),
         speculation=speculation(llm.speculative_config, llm.draft_choice),
     )
-    run_server(state, args.host, args.port, args.log_level, args.shutdown_timeout)  # returns once the app has shut down
+    try:
+        run_server(
+            state, args.host, args.port, args.log_level, args.shutdown_timeout
+        )  # returns once the app has shut down
+    finally:
+        if recorder is not None:
+            recorder.close()
     return 0
+
+
+def _recorder(args: argparse.Namespace, llm):
+    """--learn's Recorder, listening to llm's engine, or None."""
+    if args.learn is None:
+        return None
+    from specdec.serve.recorder import Recorder
+
+    recorder = Recorder(
+        args.learn, str(llm.target.path), llm.target.model.config.vocab_size, int(args.learn_max_gb * 1e9)
+    )
+    llm.engine.finish_listeners.append(recorder.record)
+    log.info("recording each finished request into %s (at most %g GB; --learn)", args.learn, args.learn_max_gb)
+    return recorder
 
 
 def runs_on_ray(args: argparse.Namespace) -> bool:
@@ -196,6 +239,8 @@ def runs_on_ray(args: argparse.Namespace) -> bool:
 
 
 def _check_arguments(args) -> None:
+    from specdec.serve.settings import api_keys
+
     if not 0 < args.port < 65536:
         raise ValueError(f"--port must be in 1..65535, got {args.port}")
     for flag, value, least in (
@@ -230,5 +275,13 @@ def _check_arguments(args) -> None:
         raise ValueError(
             f"--replicas and --replica-threads must be at least 1, got {args.replicas} and {args.replica_threads}"
         )
-    if args.api_key is not None and not args.api_key.strip():
-        raise ValueError("--api-key (or SPECDEC_API_KEY) is empty: give a key, or leave it out for an open server")
+    api_keys(args)  # each one checked
+    if args.learn is not None and not (args.learn.strip() and 0 < args.learn_max_gb < 1e9):
+        raise ValueError(
+            f"--learn {args.learn!r} --learn-max-gb {args.learn_max_gb:g}: give a directory and a size above 0 GB"
+        )
+    if args.learn is not None and runs_on_ray(args):
+        raise ValueError(
+            "--learn records in the one engine process: it is not built for --replicas, --replica-threads or "
+            "--ray-address yet; serve without them to record"
+        )

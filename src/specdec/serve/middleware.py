@@ -15,19 +15,24 @@ from specdec.serve.protocol import APIError
 OPEN_PATHS = frozenset({"/health", "/metrics"})  # answered without the key, as vLLM does: for probes and scrapers
 
 
-class APIKeyCheck:
-    """Every request but those to OPEN_PATHS must carry 'Authorization: Bearer <api_key>', else
-    401: the API, and the schema and its pages (/openapi.json, /docs, /redoc), which tell what
-    the API takes. A path that is not there is a 401 too, to a client without the key."""
+KEY_INDEX = "specdec.api_key_index"  # the ASGI scope's entry: which of the server's keys a request sent
 
-    def __init__(self, app, api_key: str):
+
+class APIKeyCheck:
+    """Every request but those to OPEN_PATHS must carry 'Authorization: Bearer <key>' with one
+    of api_keys, else 401: the API, and the schema and its pages (/openapi.json, /docs, /redoc),
+    which tell what the API takes. A path that is not there is a 401 too, to a client without a
+    key. The key's index in api_keys goes into the ASGI scope (KEY_INDEX), never the key."""
+
+    def __init__(self, app, api_keys: tuple[str, ...]):
         self.app = app
-        self.expected = f"Bearer {api_key}".encode()
+        self.expected = [f"Bearer {key}".encode() for key in api_keys]
 
     async def __call__(self, scope, receive, send):
         if scope["type"] == "http" and scope["path"] not in OPEN_PATHS:
             given = dict(scope["headers"]).get(b"authorization", b"")
-            if not hmac.compare_digest(given, self.expected):
+            matches = [hmac.compare_digest(given, expected) for expected in self.expected]  # all, no early out
+            if not any(matches):
                 error = APIError(
                     401,
                     "missing or wrong API key: send the header 'Authorization: Bearer <key>'",
@@ -36,6 +41,7 @@ class APIKeyCheck:
                 )
                 await _answer(error, scope, receive, send)
                 return
+            scope[KEY_INDEX] = matches.index(True)
         await self.app(scope, receive, send)
 
 

@@ -62,6 +62,7 @@ from specdec.serve.protocol import APIError
 from specdec.serve.router import PrefixRouter
 from specdec.serve.server import run_server
 from specdec.serve.settings import (
+    api_keys,
     max_request_bytes,
     prepare_llm,
     served_names,
@@ -104,9 +105,10 @@ class EngineReplica:
             self.engine.start()
         return self.engine
 
-    async def generate(self, request_id, prompt_token_ids, params, prompt, stream_text):
+    async def generate(self, request_id, prompt_token_ids, params, prompt, stream_text, cache_scope=None):
         """AsyncEngine.generate's outputs, streamed to the caller; its errors raised there."""
-        async for output in self._started().generate(request_id, prompt_token_ids, params, prompt, stream_text):
+        engine = self._started()
+        async for output in engine.generate(request_id, prompt_token_ids, params, prompt, stream_text, cache_scope):
             yield output
 
     async def metrics_text(self) -> bytes:
@@ -169,7 +171,7 @@ class ReplicaClient:
         if self._watcher is not None:
             self._watcher.cancel()
 
-    async def generate(self, request_id, prompt_token_ids, params, prompt=None, stream_text=True):
+    async def generate(self, request_id, prompt_token_ids, params, prompt=None, stream_text=True, cache_scope=None):
         """The request's outputs from the replica the router chose (AsyncEngine.generate's
         contract). A replica that dies meanwhile: APIError 503 replica_unavailable; the server
         stopping (stop): APIError 503 shutting_down."""
@@ -180,7 +182,7 @@ class ReplicaClient:
         streaming = self.handles[route.replica].options(stream=True)
         response = cast(
             "DeploymentResponseGenerator",
-            streaming.generate.remote(request_id, prompt_token_ids, params, prompt, stream_text),
+            streaming.generate.remote(request_id, prompt_token_ids, params, prompt, stream_text, cache_scope),
         )
         finished, prefilled = False, False
         try:
@@ -320,7 +322,8 @@ def ingress_state(args: argparse.Namespace, prompts: PromptEncoder, handles: lis
         cast("AsyncEngine", client),  # the routes use what ReplicaClient has of AsyncEngine
         names,
         max_model_len,
-        api_key=args.api_key,
+        api_keys=api_keys(args),
+        suffix_cache_scope=args.suffix_cache_scope,
         max_request_bytes=max_request_bytes(args, max_model_len),
         metrics_text=client.metrics_text,
         speculation=speculation_from_flags(args),

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 from pathlib import Path
 
 log = logging.getLogger("specdec")
@@ -74,6 +75,21 @@ def speculation_from_flags(args: argparse.Namespace) -> dict:
     config = speculative_config_from_flags(args)
     choice = choose_drafters(config, resolve_model(args.model)) if config and config.method == "auto" else None
     return speculation(config, choice)
+
+
+SUFFIX_CACHE_SCOPES = ("key", "global")  # --suffix-cache-scope: ServerState.suffix_cache_scope
+
+
+def api_keys(args: argparse.Namespace) -> tuple[str, ...]:
+    """The keys a client may send: each --api-key, else $SPECDEC_API_KEY, else none (open)."""
+    env = os.environ.get("SPECDEC_API_KEY")
+    keys = tuple(args.api_key) if args.api_key else (env,) if env is not None else ()
+    for key in keys:
+        if not key.strip():
+            raise ValueError("--api-key (or SPECDEC_API_KEY) is empty: give a key, or leave it out for an open server")
+    if len(set(keys)) < len(keys):
+        raise ValueError("--api-key: a key is given twice; give each client's key once")
+    return keys
 
 
 def served_names(args: argparse.Namespace) -> list[str]:
