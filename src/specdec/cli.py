@@ -34,6 +34,7 @@ def build_parser() -> argparse.ArgumentParser:
     from specdec.tools.benchmark.commands import add_bench_parser  # these import torch: after main's try begins
     from specdec.tools.training.chat_data import add_chat_data_parser
     from specdec.tools.training.commands import (
+        add_adapt_parser,
         add_distill_parser,
         add_restrict_head_parser,
         add_train_heads_parser,
@@ -49,6 +50,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_distill_parser(commands)
     add_train_heads_parser(commands)
     add_restrict_head_parser(commands)
+    add_adapt_parser(commands)
     add_chat_data_parser(commands)
     add_bench_parser(commands)
     add_convert_parser(commands)

@@ -641,3 +641,59 @@ def _summary(result, metric: str, out: str, made: str = "model") -> str:
         f"{result.first_evaluation[metric]:.4f} (step 0) -> {result.last_evaluation[metric]:.4f}  "
         f"tokens seen {state.tokens_seen:,}  wall time {state.seconds / 60:.1f} min"
     )
+
+
+def add_adapt_parser(commands) -> None:
+    p = commands.add_parser(
+        "adapt",
+        help="fine-tune an EAGLE head on the traffic a server recorded (serve --learn)",
+        usage="%(prog)s MODEL --from DIR --out NEW [options]",
+        description="Fine-tune the EAGLE-3 head in use on the requests `specdec serve MODEL --learn DIR` "
+        "recorded, and print its held-out agreement and tau before and after (the last quarter of "
+        "the requests, never trained on). Exits 1 where the new head does not beat the old one.",
+    )
+    add_model_argument(p, help="the target's model: a directory, a GGUF file or a registered name")
+    p.add_argument("--from", dest="traffic", required=True, metavar="DIR", help="what `serve --learn DIR` recorded")
+    p.add_argument("--head", help="the EAGLE-3 head to start from (default: the one the registry ships for MODEL)")
+    p.add_argument("--out", required=True, metavar="NEW", help="the directory of the new head")
+    p.add_argument("--minutes", type=float, default=10.0, help="the most minutes of training (default 10)")
+    p.add_argument("--steps", type=int, default=1000, help="the most training steps (default 1000)")
+    p.add_argument("--force", action="store_true", help="replace a NEW that holds other files")
+    p.set_defaults(run=run_adapt)
+
+
+def run_adapt(args) -> int:
+    from specdec.tools.training.adapt import adapt
+
+    require_model(args, "adapt", "model", "the target's model")
+    if not (math.isfinite(args.minutes) and args.minutes > 0) or args.steps < 1:
+        raise ValueError(f"--minutes must be above 0 and --steps at least 1, got {args.minutes:g} and {args.steps}")
+    arguments = {k: v for k, v in sorted(vars(args).items()) if k != "run" and v is not None and v is not False}
+    try:
+        adapted = adapt(
+            args.model,
+            args.traffic,
+            args.out,
+            args.head,
+            args.minutes,
+            args.steps,
+            force=args.force,
+            arguments=arguments,
+        )
+    except KeyboardInterrupt:
+        print("\ninterrupted; rerun the same command to resume from its last checkpoint", file=sys.stderr)
+        return 130
+    before, after = adapted.before, adapted.after
+    print(
+        f"held-out agreement {before['held_out_greedy_agreement']:.3f} -> {after['held_out_greedy_agreement']:.3f}, "
+        f"tau estimate {before['held_out_tau_estimate']:.2f} -> {after['held_out_tau_estimate']:.2f} "
+        f"({adapted.result.state.step} steps)"
+    )
+    if adapted.result.out is None:
+        print("the run stopped before its end: rerun the same command to finish it", file=sys.stderr)
+        return 1
+    if not adapted.improved:
+        print(f"the new head in {adapted.result.out} does not beat the one it started from: serve the old one")
+        return 1
+    print(f"the new head: {adapted.result.out}")
+    return 0

@@ -339,13 +339,15 @@ def compute_features(
     directory: Path,
     progress=log,
     text: Sequence[SourceDocument] = (),
+    documents: dict[str, list[SourceDocument]] | None = None,
 ) -> dict:
     """Run the target once over every document of the corpus in data (and the text corpus's
     pieces, text_pieces) and store its features in directory (see the module docstring); a pass
-    stopped part way resumes. Returns the manifest."""
+    stopped part way resumes. documents: each split's documents instead of data's (recorded
+    traffic: adapt.py). Returns the manifest."""
     model, tokenizer = target.model, target.tokenizer
     assert tokenizer is not None
-    documents = chat_documents(data, tokenizer)
+    documents = chat_documents(data, tokenizer) if documents is None else dict(documents)
     documents["train"] = documents["train"] + list(text)
     identity = {
         "format": FEATURES_FORMAT,
@@ -603,21 +605,24 @@ def train_eagle3(
     text: str | Path | None = None,
     text_tokens: int = DEFAULT_TEXT_TOKENS,
     init_head: str | Path | None = None,
+    documents: dict[str, list[SourceDocument]] | None = None,
+    data_flag: str = "--data",
 ) -> TrainResult:
     """Store the target's features over the chat-data corpus in data (and text_tokens tokens of
     the text corpus text: a directory or file, or TEXT_STDLIB; None: none) once, then train (or
     resume training) an EAGLE-3 head over them and write it to out. init_head: an EAGLE-3 head's
     directory of the same shape whose weights (and scored tokens) the run starts from, to go on
-    training a head (a shipped one) on more data; None: random weights."""
+    training a head (a shipped one) on more data; None: random weights. documents: each split's
+    documents, read from data by the caller (adapt.py: recorded traffic, data_flag its flag)."""
     data, out = Path(data).expanduser(), Path(out).expanduser()
     check_save_dtype(save_dtype)
     target = load_pretrained(target_path, "auto", config.device, what="the target", keep_quantized=True)
-    if target.tokenizer is None or not target.tokenizer.chat_template:
+    if documents is None and (target.tokenizer is None or not target.tokenizer.chat_template):
         raise ValueError(f"the target {target_path} needs a tokenizer with a chat template to read chat-data")
     layers = eagle3.layers_for(target.model.config.num_layers)
     eagle3 = dataclasses.replace(eagle3, output_vocab=scored_vocabulary(eagle3.output_vocab, target))
     check(is_int(text_tokens) and text_tokens >= 1, f"--text-tokens must be an integer >= 1, got {text_tokens!r}")
-    inputs = {"TARGET": Path(str(target.path)), "--data": data}
+    inputs = {"TARGET": Path(str(target.path)), data_flag: data}
     if text is not None and str(text) != TEXT_STDLIB:
         inputs["--text"] = Path(text).expanduser()
     if init_head is not None:
@@ -633,7 +638,7 @@ def train_eagle3(
             log(f"text: {corpus.describe()}; {len(pieces):,} pieces of at most {TEXT_PIECE_TOKENS} tokens")
         log(f"features: the target's layers {list(layers)} and its top {eagle3.top_k} tokens, into {features_dir}")
         with said_when_disk_full(features_dir, "the target's features", lambda: _features_kept(features_dir)):
-            compute_features(target, layers, eagle3.top_k, data, features_dir, text=pieces)
+            compute_features(target, layers, eagle3.top_k, data, features_dir, text=pieces, documents=documents)
         manifest, arrays = read_features(features_dir)
         train, held_out = arrays["train"], arrays["held_out"]
         context = eagle3.context

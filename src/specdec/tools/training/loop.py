@@ -41,7 +41,9 @@ CHECKPOINT_FORMAT = 1
 # TrainConfig fields a resumed run may change; the others decide the data, the updates and the
 # held-out text. `steps` may change too, to lengthen or shorten a run: the schedule is then the new
 # length's from the resumed step on (the learning rate moves to the new cosine curve there).
-RESUMABLE_CHANGES = frozenset({"steps", "device", "eval_every", "checkpoint_every", "log_every", "stop_after"})
+RESUMABLE_CHANGES = frozenset(
+    {"steps", "device", "eval_every", "checkpoint_every", "log_every", "stop_after", "max_seconds"}
+)
 DEFAULT_WARMUP = 100  # at most; a tenth of the steps for shorter runs
 
 
@@ -57,6 +59,9 @@ class TrainConfig:
         (rerun with a later stop_after, or none, to continue from the checkpoint); None = run
         to `steps`.
     bf16: bfloat16 autocast; False = plain float32.
+    max_seconds: the run ends once its training loop has run that long, over all its sessions
+        (RunState.seconds), at the step it reached: a time budget (`specdec adapt --minutes`),
+        best with a flat schedule (min_lr_ratio 1); None = no budget.
     """
 
     steps: int = 2000
@@ -75,6 +80,7 @@ class TrainConfig:
     checkpoint_every: int = 200
     log_every: int = 10
     stop_after: int | None = None
+    max_seconds: float | None = None
 
     def __post_init__(self) -> None:
         for name in ("steps", "batch_size", "grad_accum", "eval_tokens"):
@@ -90,6 +96,10 @@ class TrainConfig:
                 f"{name} must be an integer >= 0, got {getattr(self, name)!r}",
             )
         check(is_real(self.lr) and self.lr > 0, f"lr must be a number > 0, got {self.lr!r}")
+        check(
+            self.max_seconds is None or (is_real(self.max_seconds) and 0 < self.max_seconds < math.inf),
+            f"max_seconds must be a number of seconds above 0, or None, got {self.max_seconds!r}",
+        )
         check(
             is_real(self.min_lr_ratio) and 0 <= self.min_lr_ratio <= 1,
             f"min_lr_ratio must be in [0, 1], got {self.min_lr_ratio!r}",
@@ -144,6 +154,7 @@ class RunState:
     seconds: float = 0.0  # wall time of the training loop, over all sessions
     losses: list[float] = field(default_factory=list)  # train loss of each step
     evaluations: list[dict] = field(default_factory=list)  # {"step": s, **metrics}
+    out_of_time: bool = False  # the run ended at TrainConfig.max_seconds, before its last step
 
 
 def train_loop(task: Task, config: TrainConfig, checkpoint_dir: Path, checkpoint: dict | None) -> RunState:
@@ -160,19 +171,20 @@ def train_loop(task: Task, config: TrainConfig, checkpoint_dir: Path, checkpoint
     if not state.evaluations:
         evaluate(task, state, autocast)
     progress = Progress(config, state)
-    while state.step < config.last_step:
+    while state.step < config.last_step and not state.out_of_time:
         loss = train_step(task, optimizer, config, generator, autocast, learning_rate(state.step, config))
         state.step += 1
         state.tokens_seen += task.tokens_per_batch * config.grad_accum
         state.losses.append(loss)
         progress.update(state)
+        state.out_of_time = config.max_seconds is not None and state.seconds >= config.max_seconds
         if _due(state.step, config.eval_every, config):
             evaluate(task, state, autocast)
         if _due(state.step, config.checkpoint_every, config):
             save_checkpoint(checkpoint_dir, task, config, optimizer, generator, state)
     if state.evaluations[-1]["step"] != state.step:
         evaluate(task, state, autocast)
-    if not (checkpoint_dir / CHECKPOINT_FILE).is_file():
+    if state.out_of_time or not (checkpoint_dir / CHECKPOINT_FILE).is_file():
         save_checkpoint(checkpoint_dir, task, config, optimizer, generator, state)
     return state
 

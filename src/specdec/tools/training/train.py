@@ -151,7 +151,8 @@ class TrainResult:
 
     @property
     def finished(self) -> bool:
-        return self.state.step >= self.steps
+        """Run to its last step, or to its time budget (TrainConfig.max_seconds)."""
+        return self.state.step >= self.steps or self.state.out_of_time
 
     @property
     def train_loss(self) -> float:
@@ -488,7 +489,7 @@ def finish_run(
     """A session's end: a finished run saves its model and log and moves into --out; a session
     that stopped early leaves its log beside its checkpoint in the staging directory.
     write_card: as write_log's."""
-    finished = state.step >= config.steps
+    finished = TrainResult(None, state, config.steps).finished
     if finished:
         save_model(output.staging)
     write_log(
