@@ -319,6 +319,10 @@ SUFFIX_METHODS = ("suffix", "suffix_then_draft", "auto")  # the methods that dra
 NO_SPECULATION = "none"  # speculative_method="none" / --speculative-method none: plain decoding
 # "auto" may choose a draft model (drafters/auto.py), so it takes the draft model's settings too
 DRAFT_MODEL_SETTINGS = (*NEEDS_DRAFT_MODEL, "auto")
+# the settings of a draft model, each with its value that sets nothing (SpeculativeConfig refuses others
+# with a method that drafts by no model)
+DRAFT_MODEL_NEUTRAL = {"draft_dtype": "auto", "draft_confidence_threshold": 0, "draft_quantization": "auto"}
+DRAFT_MODEL_FIELDS = tuple(DRAFT_MODEL_NEUTRAL)
 # the shortest n-gram match prompt lookup trusts, by method: with a draft model to fall back
 # on, a one-token match is too weak to use instead of it; as the first stage of staged drafts,
 # a draft model checks its proposals, and a wrong one costs only a slightly wider draft forward
@@ -673,11 +677,7 @@ class SpeculativeConfig:
         )
         unused = [
             name
-            for name, neutral in (
-                ("draft_dtype", "auto"),
-                ("draft_confidence_threshold", 0),
-                ("draft_quantization", "auto"),
-            )
+            for name, neutral in DRAFT_MODEL_NEUTRAL.items()
             if getattr(self, name) != neutral
             and not (name == "draft_confidence_threshold" and self.method == "early_exit")
         ]  # it drafts by model

@@ -8,6 +8,16 @@ import os
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]  # the checkout (src/specdec/paths.py -> .)
+
+
+def in_checkout(path: Path) -> str:
+    """path relative to the checkout where it lies inside it, else as given."""
+    try:
+        return str(path.relative_to(ROOT))
+    except ValueError:
+        return str(path)
+
+
 SHIPPED_TARGET = ROOT / "models" / "code-target"
 SHIPPED_DRAFT = ROOT / "models" / "code-draft"
 SHIPPED_HEAD = ROOT / "models" / "code-target-eagle"  # the shipped target's EAGLE head

@@ -27,18 +27,18 @@ import logging
 from dataclasses import dataclass
 from pathlib import Path
 
-from specdec.config import DRAFT_MODEL_SETTINGS, SUFFIX_METHODS, SpeculativeConfig
+from specdec.config import DRAFT_MODEL_FIELDS, DRAFT_MODEL_SETTINGS, SUFFIX_METHODS, SpeculativeConfig
 from specdec.drafters.base import Drafter
+from specdec.drafters.suffix import suffix_cache_class
 from specdec.models.eagle import is_head_directory
 from specdec.models.errors import ModelLoadError
 from specdec.models.registry import registered_as
-from specdec.paths import ROOT
+from specdec.paths import ROOT, in_checkout
 
 log = logging.getLogger("specdec")
 
 SUFFIX_WORDS = "suffix decoding (the request's own text and recent requests' outputs)"
 LOOKUP_WORDS = "prompt lookup (arctic-inference, which suffix decoding needs, is not installed)"
-DRAFT_MODEL_FIELDS = ("draft_dtype", "draft_confidence_threshold", "draft_quantization")
 
 
 @dataclass(frozen=True)
@@ -49,21 +49,24 @@ class DraftChoice:
     reason: str
 
     @property
+    def model(self) -> str | None:
+        """The chosen drafter's path (relative to the checkout where it is in it), or None."""
+        return None if self.config.model is None else _shown(Path(str(self.config.model)))
+
+    @property
     def drafters(self) -> str:
         """The chosen drafters, as one line: "suffix_then_draft (models/qwen...-eagle3)"."""
-        if self.config.model is None:
-            return self.config.method
-        return f"{self.config.method} ({_shown(Path(str(self.config.model)))})"
+        return self.config.method if self.model is None else f"{self.config.method} ({self.model})"
 
     def as_dict(self) -> dict:
         """For /v1/models: the method, the drafter's path (or None) and why."""
-        model = None if self.config.model is None else _shown(Path(str(self.config.model)))
-        return {"method": self.config.method, "model": model, "reason": self.reason}
+        return {"method": self.config.method, "model": self.model, "reason": self.reason}
 
 
 def suffix_decoding_installed() -> bool:
+    """Whether suffix decoding's trees (arctic-inference) import."""
     try:
-        import arctic_inference.suffix_decoding  # noqa: F401
+        suffix_cache_class()
     except ImportError:
         return False
     return True
@@ -123,8 +126,5 @@ def _as_method(config: SpeculativeConfig, method: str, model: str | None = None)
 
 
 def _shown(path: Path) -> str:
-    """path relative to the checkout where it lies inside it."""
-    try:
-        return str(path.resolve().relative_to(ROOT))
-    except ValueError:
-        return str(path)
+    """path relative to the checkout where it lies inside it (resolved first)."""
+    return in_checkout(path.resolve())

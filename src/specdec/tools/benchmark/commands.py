@@ -30,7 +30,7 @@ from specdec.config import (
     quantization_from_arg,
 )
 from specdec.model_flags import DEFAULT_EXIT, add_model_argument, add_speculative_arguments, flag, given_settings
-from specdec.paths import DOCS, ROOT, SHIPPED_DRAFT, SHIPPED_HEAD, SHIPPED_TARGET
+from specdec.paths import DOCS, SHIPPED_DRAFT, SHIPPED_HEAD, SHIPPED_TARGET, in_checkout
 
 FULL = {"prompts": 8, "max_tokens": 128, "ks": (1, 2, 3, 4, 5, 6, 7, 8)}
 ADAPTIVE_CONFIDENCE = 0.5
@@ -55,14 +55,14 @@ def add_bench_parser(commands) -> None:
     )
     add_model_argument(
         p,
-        help=f"the target's directory (default: the shipped pair, {_relative(SHIPPED_TARGET)}); "
+        help=f"the target's directory (default: the shipped pair, {in_checkout(SHIPPED_TARGET)}); "
         "with --llama-cpp a GGUF file or a model's name",
     )
     p.add_argument(
         "--head",
         metavar="DIR",
         help="an EAGLE head for the target: rows for it at the comparison k (5), chain and trees "
-        f"(default with no MODEL: {_relative(SHIPPED_HEAD)}); with --llama-cpp its rows (eagle, and "
+        f"(default with no MODEL: {in_checkout(SHIPPED_HEAD)}); with --llama-cpp its rows (eagle, and "
         "lookup_then_eagle: prompt lookup, else the head), none without it",
     )
     speculation = p.add_argument_group("speculation (SpeculativeConfig; the same flags as generate's and serve's)")
@@ -78,7 +78,7 @@ def add_bench_parser(commands) -> None:
             "tree": "in the bench: rows of the draft model and the head growing each shape, of 5 nodes; repeatable",
         },
         shown={
-            "model": f"{_relative(SHIPPED_DRAFT)} with no MODEL, else none",
+            "model": f"{in_checkout(SHIPPED_DRAFT)} with no MODEL, else none",
             "num_speculative_tokens": "--ks's",
             "draft_confidence_threshold": f"{ADAPTIVE_CONFIDENCE} in the bench",
             "draft_quantization": "none: as loaded, as auto for the bench's model directories",
@@ -345,7 +345,7 @@ def resolve_pair(model: str | None, draft: str | None) -> tuple[str, str | None]
     missing = [path for path in (SHIPPED_TARGET, SHIPPED_DRAFT) if not (path / "config.json").is_file()]
     if missing:
         raise FileNotFoundError(
-            f"the shipped model pair is missing ({', '.join(_relative(p) for p in missing)}): pass --model DIR "
+            f"the shipped model pair is missing ({', '.join(in_checkout(p) for p in missing)}): pass --model DIR "
             "[--draft DIR], or train the pair with `specdec train` and `specdec distill` (see the README)"
         )
     return str(SHIPPED_TARGET), str(SHIPPED_DRAFT)
@@ -402,10 +402,3 @@ def _int_list(text: str) -> tuple[int, ...]:
         return tuple(int(part) for part in text.split(",") if part.strip())
     except ValueError:
         raise argparse.ArgumentTypeError(f"--ks takes comma-separated integers, e.g. 1,3,5; got {text!r}") from None
-
-
-def _relative(path: Path) -> str:
-    try:
-        return str(path.relative_to(ROOT))
-    except ValueError:
-        return str(path)
