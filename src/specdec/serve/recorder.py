@@ -73,6 +73,7 @@ class Recorder:
         self.num_recorded = 0
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
         self._segment = None
+        self._closed: list[tuple[Path, int]] = []  # the segments written before the open one, oldest first
         self._thread = threading.Thread(target=self._write_queued, name="specdec-recorder", daemon=True)
         self._thread.start()
 
@@ -123,22 +124,24 @@ class Recorder:
         self._drop_oldest()
 
     def _next_segment(self) -> None:
+        """Close the segment being written and open the next; the closed ones, with their sizes,
+        read once here (the directory is listed at each new segment, not at each request)."""
         if self._segment is not None:
             self._segment.close()
-        numbers = [number for number, _ in segments(self.directory)]
-        path = self.directory / f"requests-{max(numbers, default=0) + 1:06d}.jsonl"
+        found = segments(self.directory)
+        self._closed = [(path, path.stat().st_size) for _, path in found]  # oldest first
+        path = self.directory / f"requests-{found[-1][0] + 1 if found else 1:06d}.jsonl"
         self._segment = os.fdopen(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600), "wb")
 
     def _drop_oldest(self) -> None:
-        """The oldest segments deleted while all of them hold more than max_bytes (the one being
-        written is kept)."""
-        found = segments(self.directory)
-        total = sum(path.stat().st_size for _, path in found)
-        for _, path in found[:-1]:
-            if total <= self.max_bytes:
-                break
-            total -= path.stat().st_size
+        """The oldest closed segments deleted while they and the one being written hold more
+        than max_bytes (the one being written is kept)."""
+        assert self._segment is not None
+        total = sum(size for _, size in self._closed) + self._segment.tell()
+        while self._closed and total > self.max_bytes:
+            path, size = self._closed.pop(0)
             path.unlink()
+            total -= size
 
 
 def segments(directory: Path) -> list[tuple[int, Path]]:
