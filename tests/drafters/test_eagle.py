@@ -372,3 +372,58 @@ def test_an_eagle3_head_on_the_real_gguf_target_keeps_its_greedy_output(tmp_path
     expected = token_ids(plain.chat(prompt, greedy))
     drafted = LLM(entry.name, speculative_model=str(tmp_path / "head"), num_speculative_tokens=3)
     assert token_ids(drafted.chat(prompt, greedy)) == expected
+
+
+def test_a_new_version_of_the_head_swaps_in_between_rounds_and_keeps_the_output(dirs, tmp_path):
+    """A server learning what it serves swaps an adapted head in between two steps, with requests
+    running: the output stays the target's, and from then on the new head drafts exactly as a
+    drafter loaded with it from the start does."""
+    llm = eagle3(dirs, 3)
+    drafter = llm.engine.drafter
+    assert isinstance(drafter, EagleDrafter) and drafter.adaptable() is drafter
+    newer = save_random_head(dirs["target4"], tmp_path / "v1", seed=9, feature_layers=(0, 1, 2), output_vocab=200)
+    prompts = random_prompts(3, seed=13)
+    plain4 = LLM(str(dirs["target4"]), dtype="float32", speculative_method="none")
+    expected = token_ids(plain4.generate(prompts, GREEDY))
+    seqs = [llm._new_sequence(prompt, GREEDY) for prompt in prompts]
+    with torch.inference_mode():  # LLM.generate's loop, with the swap between two of its steps
+        llm.engine.prepare(seqs)
+        for seq in seqs:
+            llm.engine.add_sequence(seq)
+        for step in range(1000):
+            if step == 3:  # the requests mid-answer
+                drafter.swap_head(drafter.load_version(newer))
+            if not llm.engine.has_unfinished_requests():
+                break
+            llm.engine.step()
+    assert drafter.head is not None and [seq.output_token_ids for seq in seqs] == expected
+    prompt = random_prompts(1, seed=14)
+    swapped = llm.generate(prompt, GREEDY)[0]
+    from_start = LLM(
+        str(dirs["target4"]),
+        speculative_model=str(newer),
+        num_speculative_tokens=3,
+        speculative_k_policy="fixed",
+        dtype="float32",
+    ).generate(prompt, GREEDY)[0]
+    assert swapped.outputs[0].token_ids == from_start.outputs[0].token_ids
+    assert swapped.metrics.accepted_by_position == from_start.metrics.accepted_by_position
+    assert swapped.metrics.num_accepted_tokens == from_start.metrics.num_accepted_tokens
+
+
+def test_a_version_that_cannot_take_the_heads_place_is_refused_by_name(dirs, tmp_path):
+    drafter = eagle3(dirs, 3).engine.drafter
+    in_use = drafter.head
+    layers = save_random_head(dirs["target4"], tmp_path / "layers", seed=1, feature_layers=(0, 1, 3), output_vocab=200)
+    with pytest.raises(HeadLoadError, match=r"reads the target's layers \[0, 1, 3\], the head in use \[0, 1, 2\]"):
+        drafter.load_version(layers)
+    vocab = save_random_head(dirs["target4"], tmp_path / "vocab", seed=1, feature_layers=(0, 1, 2), output_vocab=100)
+    with pytest.raises(HeadLoadError, match="another shape than the head in use: output_vocab_size 100 .in use: 200."):
+        drafter.load_version(vocab)
+    damaged = save_random_head(dirs["target4"], tmp_path / "damaged", seed=1, feature_layers=(0, 1, 2))
+    (damaged / "head.safetensors").write_bytes(b"not a safetensors file")
+    with pytest.raises(HeadLoadError, match="head.safetensors"):
+        drafter.load_version(damaged)
+    with pytest.raises(HeadLoadError, match="not an EAGLE head"):
+        drafter.load_version(tmp_path)
+    assert drafter.head is in_use

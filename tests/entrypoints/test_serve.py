@@ -545,6 +545,56 @@ def test_learn_records_each_answer(dirs, tmp_path, capsys):
     assert [llm.tokenizer.decode(r["output"]) for r in recorded] == texts
 
 
+def test_learn_swaps_in_each_new_head_version_and_refuses_a_damaged_one(dirs, tmp_path):
+    """An EAGLE head drafting, --learn DIR: a version published into DIR/heads (another head of
+    the same shape) is swapped in while the server runs (/metrics: draft_head_version 1, draft
+    tokens counted by version), and the text stays the target's; a damaged version 2 is refused
+    with a warning naming it, and version 1 drafts on."""
+    import shutil
+
+    from helpers import save_random_head
+    from specdec.serve.head_store import HeadStore
+
+    heads = [save_random_head(dirs["target"], tmp_path / f"head{seed}", seed=seed) for seed in (1, 2)]
+    learn = tmp_path / "learn"
+    args = [str(dirs["target"]), "--draft", str(heads[0]), "-k", "4", "--k-policy", "fixed", "--learn", str(learn)]
+    server = Server(args, tmp_path / "server.log")
+    store = HeadStore(learn)
+
+    def publish(head: Path, damage: bool = False) -> None:
+        with store.adapting() as candidate:
+            shutil.copytree(head, candidate)
+            if damage:
+                (candidate / "head.safetensors").write_bytes(b"not a safetensors file")
+            store.publish(candidate, {"by": "the test"})
+
+    def wait_for_version(version: int) -> None:
+        deadline = time.monotonic() + 60
+        while server.metric("draft_head_version") != version:
+            assert time.monotonic() < deadline, server.output()
+            time.sleep(0.5)
+
+    body = dict(model=MODEL, prompt="def add(a, b):", max_tokens=24, temperature=0, extra_body={"ignore_eos": True})
+    try:
+        client = server.client()
+        first = client.completions.create(**body).choices[0].text
+        assert server.metric("spec_decode_num_draft_tokens_by_head_total", head_version="0") > 0
+        publish(heads[1])
+        wait_for_version(1)
+        assert client.completions.create(**body).choices[0].text == first
+        assert server.metric("spec_decode_num_draft_tokens_by_head_total", head_version="1") > 0
+        publish(heads[1], damage=True)
+        deadline = time.monotonic() + 60
+        while "head version 2 refused" not in server.output():
+            assert time.monotonic() < deadline, server.output()
+            time.sleep(0.5)
+        assert "head.safetensors" in server.output()
+        assert client.completions.create(**body).choices[0].text == first
+        assert server.metric("draft_head_version") == 1
+    finally:
+        assert server.stop() == 0, server.output()
+
+
 @pytest.mark.parametrize("scope", ["key", "global"])
 def test_with_several_keys_a_request_drafts_from_its_own_keys_answers(dirs, tmp_path, scope):
     """Two API keys, suffix decoding (the default for a model the registry does not know), k

@@ -6,7 +6,10 @@ is not a head's and a model with no shipped head are refused by name."""
 
 from __future__ import annotations
 
+import dataclasses
+import json
 import random
+import shutil
 
 import pytest
 import torch
@@ -17,8 +20,10 @@ from specdec.cli import main
 from specdec.models.eagle import load_head
 from specdec.models.loader import load_pretrained
 from specdec.sequence import Sequence
+from specdec.serve.head_store import HeadStore
 from specdec.serve.recorder import Recorder
-from specdec.tools.training.adapt import adapt
+from specdec.tools.training import adapt as adapt_module
+from specdec.tools.training.adapt import adapt, adapt_into_store
 from specdec.tools.training.loop import TrainConfig
 
 GREEDY = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
@@ -86,3 +91,35 @@ def test_too_little_traffic_and_a_wrong_head_are_refused(job, tmp_path, capsys):
     assert "no EAGLE head is registered for" in capsys.readouterr().err
     assert main([*argv, "--from", str(tmp_path), "--head", str(job["head"])]) == 2
     assert "holds no recorded traffic" in capsys.readouterr().err
+
+
+def test_adapting_into_the_store_publishes_a_better_head_and_deletes_one_that_is_not(
+    job, tmp_path, capsys, monkeypatch
+):
+    """Without --out: into DIR/heads. A better head is version 1, current, with what adapt measured;
+    the next run starts from it, and a head it makes worse (a learning rate that wrecks it) is
+    deleted, version 1 staying current; no candidate or features are left behind."""
+    traffic = tmp_path / "traffic"
+    shutil.copytree(job["traffic"], traffic)
+    adapted, version = adapt_into_store(str(job["target"]), traffic, job["head"], steps=40, config=FAST)
+    store = HeadStore(traffic)
+    assert adapted.improved and version is not None and store.current() == version and version.number == 1
+    report = json.loads((version.path / "adapt.json").read_text())
+    assert (
+        report["started_from"] == str(job["head"])
+        and report["after"]["held_out_tau_estimate"] > report["before"]["held_out_tau_estimate"]
+    )
+    wrecking = dataclasses.replace(FAST, lr=50.0)
+    argv = ["adapt", str(job["target"]), "--from", str(traffic), "--steps", "1"]
+    started_from = []
+
+    def wrecked(model, traffic, out, head, minutes, steps, config=None, **kwargs):
+        started_from.append(head)
+        return adapt(model, traffic, out, head, minutes, steps, wrecking, **kwargs)
+
+    monkeypatch.setattr(adapt_module, "adapt", wrecked)
+    assert main(argv) == 1
+    assert started_from == [version.path]
+    assert "it is deleted, the current version stays" in capsys.readouterr().out
+    assert store.current() == version and store.versions() == [1]
+    assert sorted(p.name for p in store.root.iterdir()) == ["000001", "adapt.lock", "current.json"]

@@ -134,3 +134,8 @@ class Drafter(ABC):
 
     def release(self, seq: Sequence) -> None:
         """seq has finished; its slot may be reused."""
+
+    def adaptable(self) -> Drafter | None:
+        """The drafter in this one whose learned weights may be replaced while it serves (an EAGLE
+        head: EagleDrafter.load_version, then swap_head between rounds); None where there is none."""
+        return None

@@ -15,6 +15,10 @@ rejected entries are.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from dataclasses import dataclass, fields
+from pathlib import Path
+
 import torch
 
 from specdec.config import requantization
@@ -23,7 +27,7 @@ from specdec.drafters.steps import DraftSteps
 from specdec.drafters.tree_growth import TreeGrowth
 from specdec.kv_cache import BlockPool, CacheRows, KVCache, TreeAttention, ragged_batch
 from specdec.models.cpu_linear import can_pack, pack_linears
-from specdec.models.eagle import EagleHead, load_head
+from specdec.models.eagle import EagleHead, HeadLoadError, load_head
 from specdec.models.gguf_linear import GGUFLinear, runs_gguf_kernels
 from specdec.models.gguf_requantize import quantize_into_gguf_kernels
 from specdec.models.loader import LoadedModel
@@ -42,6 +46,16 @@ HEAD_QUANTIZATION_TYPES = {"int8": "Q8_0", "int4": "Q4_0"}  # draft_quantization
 # temperature 1.0 from 0.454 to 0.530; a draft model (Qwen2.5-Coder-0.5B, 0.743 at scale 1) gains
 # nothing from it (docs/runner.md, "A sharper draft for sampled rows").
 SAMPLED_TEMPERATURE_SCALE = 0.5
+
+
+@dataclass(frozen=True)
+class PreparedHead:
+    """A head loaded from path and prepared as its drafter runs it (dtype, device, quantization,
+    packing), with the rows of the target's output layer it scores (None: all of them)."""
+
+    path: Path
+    head: EagleHead
+    output_layer: torch.nn.Module | None
 
 
 class EagleDrafter(Drafter):
@@ -72,6 +86,7 @@ class EagleDrafter(Drafter):
         # slot -> (position of the first feature not yet fed, those features [n, H])
         self.waiting: dict[int, tuple[int, torch.Tensor]] = {}
         self.shares_pool = False  # whether the head's cache is in the engine's pool
+        self.prepare: Callable[[Path], PreparedHead] | None = None  # from_config's: how another version loads
 
     @classmethod
     def from_config(cls, spec, target: LoadedModel, target_runner: ModelRunner) -> EagleDrafter:
@@ -90,23 +105,51 @@ class EagleDrafter(Drafter):
                 f"an EAGLE head runs in its target's dtype ({str(target_runner.dtype).removeprefix('torch.')}"
                 f"), whose embedding and output layer it uses; got draft_dtype={spec.draft_dtype!r}"
             )
-        head = load_head(spec.model, target.model.config, dtype, target_runner.device)
-        if head.is_eagle3:  # the target's forwards then hand over those layers' outputs as its features
-            target_runner.set_feature_layers(head.feature_layers)
-        lm_head = target.model.lm_head
-        output_layer = None
-        if head.config.output_vocab_size and isinstance(lm_head, GGUFLinear):  # its rows, still quantized
-            output_layer = lm_head.rows(head.output_token_ids)
-        elif head.config.output_vocab_size:
-            output_layer = head.output_layer(lm_head)
-        if quantization is not None:
-            quantize_into_gguf_kernels(head, HEAD_QUANTIZATION_TYPES[quantization])
-        elif can_pack(dtype, target_runner.device):  # on the CPU: the runner's eager layout
-            pack_linears(head)
-        if can_pack(dtype, target_runner.device) and isinstance(output_layer, torch.nn.Linear):
-            output_layer = torch.nn.Sequential(output_layer)  # the target's rows: packed as it is
-            pack_linears(output_layer)
-        return cls(head, target_runner.eager_model(), spec.draft_confidence_threshold, output_layer)
+
+        def prepare(path) -> PreparedHead:
+            return _prepared(Path(path), target, dtype, target_runner.device, quantization)
+
+        prepared = prepare(spec.model)
+        if prepared.head.is_eagle3:  # the target's forwards then hand over those layers' outputs as its features
+            target_runner.set_feature_layers(prepared.head.feature_layers)
+        threshold = spec.draft_confidence_threshold
+        drafter = cls(prepared.head, target_runner.eager_model(), threshold, prepared.output_layer)
+        drafter.prepare = prepare
+        return drafter
+
+    def adaptable(self) -> EagleDrafter:
+        return self
+
+    def load_version(self, path: str | Path) -> PreparedHead:
+        """Another version of this drafter's head (one adapted to the traffic it serves), loaded
+        and prepared as from_config prepared the head in use, ready for swap_head. Raises
+        HeadLoadError naming what is wrong: a file that is not a head for this target, or a head
+        of another shape or reading other layers than the one in use (its cache and the target's
+        features would not fit)."""
+        if self.prepare is None:
+            raise HeadLoadError("this drafter was given its head, not loaded from a directory: it loads no other")
+        prepared = self.prepare(Path(path))
+        new, old = prepared.head, self.head
+        if new.feature_layers != old.feature_layers:
+            raise HeadLoadError(
+                f"the head in {path} reads the target's layers {list(new.feature_layers)}, the head in use "
+                f"{list(old.feature_layers)}: it cannot take its place while the server runs"
+            )
+        if new.config != old.config:
+            differing = [
+                f"{name} {getattr(new.config, name)} (in use: {getattr(old.config, name)})"
+                for name in (field.name for field in fields(old.config))
+                if getattr(new.config, name) != getattr(old.config, name)
+            ]
+            raise HeadLoadError(f"the head in {path} has another shape than the head in use: {', '.join(differing)}")
+        return prepared
+
+    def swap_head(self, prepared: PreparedHead) -> None:
+        """Draft with prepared's head from the next round on; call between rounds only (the
+        engine's thread). The cache and the waiting features stay: the same shape, made by the old
+        head, so the next drafts of the sequences running may be accepted a little less, and no
+        output changes (a draft never changes one)."""
+        self.head, self.output_layer = prepared.head, prepared.output_layer
 
     def reserve(self, max_batch: int, max_len: int, num_forwards: int = 0, pool: BlockPool | None = None) -> None:
         cache = self.cache
@@ -259,3 +302,23 @@ class EagleDrafter(Drafter):
         """_scores' scores [..., S] as logits over the whole vocabulary [..., V] (-inf for the
         tokens the head does not score)."""
         return scores if self.output_layer is None else self.head.logits(scores)
+
+
+def _prepared(path: Path, target: LoadedModel, dtype: torch.dtype, device, quantization: str | None) -> PreparedHead:
+    """The head in path for target, in dtype on device, quantized ("int8" / "int4") or packed for
+    the CPU's eager calls, with the rows of the target's output layer it scores."""
+    head = load_head(path, target.model.config, dtype, device)
+    lm_head = target.model.lm_head
+    output_layer = None
+    if head.config.output_vocab_size and isinstance(lm_head, GGUFLinear):  # its rows, still quantized
+        output_layer = lm_head.rows(head.output_token_ids)
+    elif head.config.output_vocab_size:
+        output_layer = head.output_layer(lm_head)
+    if quantization is not None:
+        quantize_into_gguf_kernels(head, HEAD_QUANTIZATION_TYPES[quantization])
+    elif can_pack(dtype, device):  # on the CPU: the runner's eager layout
+        pack_linears(head)
+    if can_pack(dtype, device) and isinstance(output_layer, torch.nn.Linear):
+        output_layer = torch.nn.Sequential(output_layer)  # the target's rows: packed as it is
+        pack_linears(output_layer)
+    return PreparedHead(path, head, output_layer)

@@ -110,6 +110,9 @@ class LookupThenDraftDrafter(Drafter):
     def cached_entries(self, seq: Sequence) -> int | None:
         return self.drafter.cached_entries(seq)
 
+    def adaptable(self) -> Drafter | None:
+        return self.drafter.adaptable()
+
     def position_bytes(self) -> int:
         return self.drafter.position_bytes()
 

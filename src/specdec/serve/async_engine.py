@@ -52,7 +52,7 @@ class AsyncEngine:
         self.engine = llm.engine
         self.metrics = metrics
         self.max_waiting = max_waiting
-        self._commands: queue.SimpleQueue = queue.SimpleQueue()  # ("add", args) / ("abort", request_id)
+        self._commands: queue.SimpleQueue = queue.SimpleQueue()  # ("add", args), ("abort", id), ("swap_head", args)
         self._wake = threading.Event()
         self._streams: dict[str, asyncio.Queue] = {}  # read and written on the event loop only
         self._arrivals: dict[str, float] = {}  # request id -> perf_counter at arrival (the engine thread's)
@@ -134,6 +134,11 @@ class AsyncEngine:
             if not finished:  # left early: the client went away, or the task was cancelled
                 self._command("abort", request_id)
 
+    def swap_head(self, drafter, prepared, version: int) -> None:
+        """Have the engine's thread swap prepared (EagleDrafter.load_version's) into drafter
+        between two steps, and count what is drafted from then on as that head version's."""
+        self._command("swap_head", (drafter, prepared, version))
+
     def _command(self, kind: str, argument) -> None:
         self._commands.put((kind, argument))
         self._wake.set()
@@ -196,6 +201,11 @@ class AsyncEngine:
                 except Exception as e:  # a bug: this request fails, the server goes on
                     log.exception("adding request %s failed", request_id)
                     self._deliver([RuntimeError(f"the engine failed: {type(e).__name__}: {e}")], [request_id])
+            elif kind == "swap_head":
+                drafter, prepared, version = argument
+                drafter.swap_head(prepared)
+                self.metrics.head_swapped(version, self.engine.stats)
+                log.info("drafting with head version %d (%s)", version, prepared.path)
             else:
                 self._abort(argument)
 

@@ -140,13 +140,28 @@ def add_serve_parser(commands) -> None:
         "--learn",
         metavar="DIR",
         help="record each finished request (its prompt's and answer's token ids) into DIR, for `specdec adapt` "
-        "to train the drafter on; owner-only files, at most --learn-max-gb (default: nothing recorded)",
+        "to train the drafter on; owner-only files, at most --learn-max-gb (default: nothing recorded). A "
+        "drafter with an EAGLE head also drafts with DIR/heads' current version, swapped in while serving",
     )
     p.add_argument(
         "--learn-max-gb",
         type=float,
         default=1.0,
         help="the most --learn DIR holds, in GB: the oldest requests are deleted first (default 1)",
+    )
+    p.add_argument(
+        "--adapt-every",
+        type=int,
+        metavar="N",
+        help="with --learn: run `specdec adapt` (at the lowest CPU priority) each time N more requests are "
+        "recorded; a better head becomes DIR/heads' next version and is swapped in (default: never; run "
+        "`specdec adapt MODEL --from DIR` yourself)",
+    )
+    p.add_argument(
+        "--adapt-minutes",
+        type=float,
+        default=10.0,
+        help="with --adapt-every: the most minutes each run trains (default 10)",
     )
     p.add_argument(
         "--replicas",
@@ -198,8 +213,10 @@ def run_serve(args: argparse.Namespace) -> int:
     llm, max_model_len = prepare_llm(args)
     recorder = _recorder(args, llm)
     names = served_names(args)
+    engine = AsyncEngine(llm, ServerMetrics(names[0]), args.max_waiting)
+    watcher = _head_watcher(args, llm, engine, recorder)
     state = ServerState(
-        AsyncEngine(llm, ServerMetrics(names[0]), args.max_waiting),
+        engine,
         names,
         max_model_len,
         api_keys=api_keys(args),
@@ -212,6 +229,8 @@ def run_serve(args: argparse.Namespace) -> int:
             state, args.host, args.port, args.log_level, args.shutdown_timeout
         )  # returns once the app has shut down
     finally:
+        if watcher is not None:
+            watcher.stop()
         if recorder is not None:
             recorder.close()
     return 0
@@ -229,6 +248,30 @@ def _recorder(args: argparse.Namespace, llm):
     llm.engine.finish_listeners.append(recorder.record)
     log.info("recording each finished request into %s (at most %g GB; --learn)", args.learn, args.learn_max_gb)
     return recorder
+
+
+def _head_watcher(args: argparse.Namespace, llm, engine, recorder):
+    """--learn's HeadWatcher, started: DIR/heads' versions swapped into the drafter's EAGLE head
+    (and with --adapt-every, adapt runs started); None without --learn or without a head."""
+    if args.learn is None:
+        return None
+    from specdec.serve.head_store import HeadStore
+    from specdec.serve.head_watcher import HeadWatcher
+
+    drafter = llm.engine.drafter.adaptable() if llm.engine.drafter is not None else None
+    if drafter is None:
+        if args.adapt_every is not None:
+            raise ValueError(
+                "--adapt-every adapts an EAGLE head, and this server drafts with none: serve a model whose "
+                "registry entry ships one, or give --speculative-model HEAD"
+            )
+        log.info("no EAGLE head drafts here: %s/heads is not watched", args.learn)
+        return None
+    adapt = None if args.adapt_every is None else (str(llm.target.path), args.adapt_minutes, recorder, args.adapt_every)
+    watcher = HeadWatcher(HeadStore(args.learn), drafter, engine, adapt=adapt)
+    watcher.start()
+    log.info("drafting with the newest better head in %s/heads as it appears (--learn)", args.learn)
+    return watcher
 
 
 def runs_on_ray(args: argparse.Namespace) -> bool:
@@ -280,6 +323,10 @@ def _check_arguments(args) -> None:
         raise ValueError(
             f"--learn {args.learn!r} --learn-max-gb {args.learn_max_gb:g}: give a directory and a size above 0 GB"
         )
+    if args.adapt_every is not None and (args.learn is None or args.adapt_every < 1):
+        raise ValueError(f"--adapt-every N needs --learn DIR and N of at least 1, got {args.adapt_every}")
+    if not (math.isfinite(args.adapt_minutes) and args.adapt_minutes > 0):
+        raise ValueError(f"--adapt-minutes must be above 0, got {args.adapt_minutes:g}")
     if args.learn is not None and runs_on_ray(args):
         raise ValueError(
             "--learn records in the one engine process: it is not built for --replicas, --replica-threads or "

@@ -10,7 +10,11 @@ request_success counts requests that finished (by finish reason); request_aborte
 client left first (by stage: waiting or running), which are never counted as a success.
 The speculative counters follow vLLM's: a draft is one round in which a request was given a k of
 at least 1; accepted tokens per position count, for each draft position, the rounds that
-accepted it. specdec adds spec_decode_rounds_by_k: request-rounds by the k chosen (0 = plain).
+accepted it. specdec adds spec_decode_rounds_by_k: request-rounds by the k chosen (0 = plain);
+and, for a server that swaps in adapted heads (serve --learn: head_watcher.py), draft_head_version
+and the draft and accepted tokens of the rounds drafted while each version was in use
+(spec_decode_num_draft_tokens_by_head / ..._accepted_tokens_by_head, label head_version; every
+drafter of those rounds counted, suffix decoding's too).
 """
 
 from __future__ import annotations
@@ -88,6 +92,21 @@ class ServerMetrics:
             "Request-rounds by the k chosen for them (0: a plain decoding step; goodput.py chooses k per round).",
             ["k"],
         )
+        self.head_version = gauge(
+            "draft_head_version",
+            "The version of the adapted head drafting (serve --learn DIR: DIR/heads); 0: the head the server "
+            "started with.",
+        )
+        self.draft_tokens_by_head = counter(
+            "spec_decode_num_draft_tokens_by_head",
+            "Draft tokens proposed while each head version was in use.",
+            ["head_version"],
+        )
+        self.accepted_tokens_by_head = counter(
+            "spec_decode_num_accepted_tokens_by_head",
+            "Draft tokens accepted while each head version was in use.",
+            ["head_version"],
+        )
         self.cache_usage = gauge("kv_cache_usage_perc", "Fraction of the key/value cache's blocks held by requests.")
         self.blocks_held = gauge(
             "kv_cache_blocks_held",
@@ -105,6 +124,7 @@ class ServerMetrics:
         self.e2e = histogram("e2e_request_latency_seconds", "Seconds from arrival to the last token.")
         self._last_token_time: dict[str, float] = {}
         self._seen = SpecStats()  # the engine's totals at the last observation
+        self._version = 0  # the head version drafting
         self._seen_cache = (0, 0, 0)  # prefix queries, hits and preemptions at the last observation
 
     def observe_step(
@@ -165,11 +185,21 @@ class ServerMetrics:
         self.forget(request_id)
         self.aborted_by_stage.labels(self.model_name, stage).inc()
 
+    def head_swapped(self, version: int, totals: SpecStats) -> None:
+        """Head version drafts from now on; the engine's totals so far (SpecStats) go to the one before."""
+        self._observe_speculation(totals)
+        self._version = version
+        self.head_version.set(version)
+
     def _observe_speculation(self, totals: SpecStats) -> None:
         seen = self._seen
+        version = str(self._version)
         self.drafts.inc(sum(totals.rounds_by_k[1:]) - sum(seen.rounds_by_k[1:]))
         self.draft_tokens.inc(totals.num_draft_tokens - seen.num_draft_tokens)
         self.accepted_tokens.inc(totals.num_accepted_tokens - seen.num_accepted_tokens)
+        self.draft_tokens_by_head.labels(self.model_name, version).inc(totals.num_draft_tokens - seen.num_draft_tokens)
+        accepted = totals.num_accepted_tokens - seen.num_accepted_tokens
+        self.accepted_tokens_by_head.labels(self.model_name, version).inc(accepted)
         for position, accepted in enumerate(totals.accepted_by_position):
             before = seen.accepted_by_position[position] if position < len(seen.accepted_by_position) else 0
             self.accepted_per_pos.labels(self.model_name, str(position)).inc(accepted - before)

@@ -179,6 +179,21 @@ def add_bench_parser(commands) -> None:
         "model is given or fetched",
     )
     p.add_argument(
+        "--adapt",
+        type=int,
+        metavar="N",
+        help="with --llama-cpp: the adaptation row. The first N requests of the one prompt set (default "
+        "batch) served by the default and recorded as `serve --learn` records them, `specdec adapt` run on "
+        "them for --adapt-minutes from --head (default: the registry's head for the model), then the "
+        "--prompts requests after them measured: plain, the head, the adapted head",
+    )
+    p.add_argument(
+        "--adapt-minutes",
+        type=float,
+        metavar="M",
+        help="with --adapt: the most minutes of adapt's training (default 10)",
+    )
+    p.add_argument(
         "--cross-tokenizer-draft",
         metavar="MODEL",
         help="with --llama-cpp: the draft of another tokenizer than the target's for the "
@@ -201,7 +216,9 @@ def run_bench(args) -> int:
     from specdec.tools.benchmark.run import run_benchmark
 
     args.draft = _one_draft(args.draft)
-    only_llama_cpp = [f for f in ("systems", "cross_tokenizer_draft") if getattr(args, f) is not None]
+    only_llama_cpp = [
+        f for f in ("systems", "cross_tokenizer_draft", "adapt", "adapt_minutes") if getattr(args, f) is not None
+    ]
     only_llama_cpp += ["sampled"] if args.sampled else []
     if only_llama_cpp and not args.llama_cpp:
         raise ValueError(

@@ -140,13 +140,55 @@ VS_LLAMA_SPECULATIVE, VS_SPECDEC_PLAIN, SAMPLED_VS_SPECDEC_PLAIN = 1.5, 0.95, 1.
 
 
 def evaluate_llama_cpp_goals(rows: list[dict], sampling: str = "greedy") -> list[dict]:
-    """Issue 29's goals from one CPU kind's rows (llama_cpp.summarize's) of a greedy or a sampled run."""
+    """Issue 29's goals from one CPU kind's rows (llama_cpp.summarize's) of a greedy or a sampled
+    run, then issue 50's where their rows ran."""
     goals = [
         *(_vs_llama_plain(rows, set_name, bar) for set_name, bar in VS_LLAMA_PLAIN.items()),
         _vs_llama_speculative(rows),
         _vs_specdec_plain(rows),
     ]
-    return goals + ([_sampled_vs_specdec_plain(rows)] if sampling == "sampled" else [])
+    goals += [_sampled_vs_specdec_plain(rows)] if sampling == "sampled" else []
+    return goals + issue_50_goals(rows)
+
+
+# -- issue 50's goals, where their rows were measured ------------------------------------------
+#
+#   the batch job ("batch" prompts), the default (auto) >= 3.0x llama.cpp plain, and >= 1.3x
+#     prompt lookup else the head (lookup_then_eagle), where those rows ran
+#   the adaptation row (--adapt): the adapted head >= 1.25x the head's τ and >= 1.15x its tok/s,
+#     on the requests after the recorded ones
+
+BATCH_VS_LLAMA_PLAIN, BATCH_VS_LOOKUP_THEN_HEAD = 3.0, 1.3
+ADAPTED_TAU, ADAPTED_SPEED = 1.25, 1.15
+
+
+def issue_50_goals(rows: list[dict]) -> list[dict]:
+    """Issue 50's goals judged from the rows that measure them (none where no such row ran)."""
+    by_method = {(r["prompt_set"], r["method"]): r for r in rows if r["engine"] == "specdec"}
+    goals = []
+    auto = by_method.get(("batch", "auto"))
+    if auto is not None:
+        goal = f"the default (auto) >= {BATCH_VS_LLAMA_PLAIN}x llama.cpp plain's tokens/s on the batch job"
+        detail = f"{auto['tokens_per_s']:.1f} tok/s on {auto['prompts']} requests"
+        goals.append(
+            _judged(goal, BATCH_VS_LLAMA_PLAIN, auto["ratio_to_llama_cpp_plain"], detail, "batch job", "x llama.cpp")
+        )
+        lookup_then_head = by_method.get(("batch", "lookup_then_eagle"))
+        if lookup_then_head is not None:
+            goal = f"the default (auto) >= {BATCH_VS_LOOKUP_THEN_HEAD}x prompt lookup else the head on the batch job"
+            ratio = auto["tokens_per_s"] / lookup_then_head["tokens_per_s"]
+            detail = f"{auto['tokens_per_s']:.1f} vs {lookup_then_head['tokens_per_s']:.1f} tok/s"
+            name, unit = "batch job, default", "x lookup else head"
+            goals.append(_judged(goal, BATCH_VS_LOOKUP_THEN_HEAD, ratio, detail, name, unit))
+    for (set_name, method), adapted in by_method.items():
+        head = by_method.get((set_name, "eagle"))
+        if method != "adapted_eagle" or head is None:
+            continue
+        for bar, key, what in ((ADAPTED_TAU, "tau", "τ"), (ADAPTED_SPEED, "tokens_per_s", "tokens/s")):
+            goal = f"the adapted head >= {bar}x the head's {what} on the {set_name} requests after the recorded ones"
+            detail = f"{adapted[key]:.2f} vs {head[key]:.2f}"
+            goals.append(_judged(goal, bar, adapted[key] / head[key], detail, f"adapted head, {what}", "x the head"))
+    return goals
 
 
 def _drafters(rows: list[dict], set_name: str) -> list[dict]:

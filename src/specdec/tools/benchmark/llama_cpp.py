@@ -3,7 +3,7 @@
     specdec bench --llama-cpp [--model GGUF --draft GGUF] [--cross-tokenizer-draft MODEL]
                   [--head DIR] [--systems NAME,NAME,...] [--prompt-sets write,edit] [--prompts N]
                   [--max-tokens N] [--sampled [--seed S]] [--cpu-kinds native|avx2|both]
-                  [--out DIR] [--write-docs]
+                  [--adapt N [--adapt-minutes M]] [--out DIR] [--write-docs]
 
 llama.cpp: its own tools (llama-completion, llama-bench, llama-lookup, llama-speculative-simple),
 built from the source that the llama-cpp-python sdist vendors: `pip download --no-binary :all:
@@ -50,6 +50,10 @@ forward (Engine.timings); a staged row its draft model's inner rounds' α and τ
 Also what a verify forward costs: llama-bench -p 7 -n 32 -d 64 (7 prompt tokens, and 32 generated,
 after 64 of context), time of the 7-token forward ÷ time per generated token, beside specdec's
 own: a 7-token forward ÷ a 1-token forward of its target (runner, after 64 tokens of context).
+
+--adapt N: the adaptation row (adaptation.py) on one prompt set: its first N requests served
+by the default and recorded as `serve --learn` records them, the head adapted on them, and the
+--prompts requests after them measured with the head and with the adapted head.
 
 --cpu-kinds both measures twice: as the CPU is, then in a child process with PyTorch and oneDNN
 held to AVX2 (ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2) and llama.cpp's AVX2 build.
@@ -509,6 +513,7 @@ class System:
             "staged": f"specdec staged: lookup → draft model (goodput k≤{k})",
             "cross_tokenizer": f"specdec other-tokenizer draft (goodput k≤{k})",
             "eagle": f"specdec EAGLE head (goodput k≤{k})",
+            "adapted_eagle": f"specdec EAGLE head adapted to the job (goodput k≤{k})",
             "lookup_then_eagle": f"specdec lookup, else EAGLE head (goodput k≤{k})",
             "suffix": f"specdec suffix decoding (goodput k≤{k} nodes)",
             "suffix_then_eagle": f"specdec suffix, else EAGLE head (goodput k≤{k})",
@@ -525,6 +530,7 @@ METHODS = (
     "staged",
     "cross_tokenizer",
     "eagle",
+    "adapted_eagle",
     "lookup_then_eagle",
     "suffix",
     "suffix_then_eagle",
@@ -532,12 +538,14 @@ METHODS = (
 LLAMA_METHODS = ("plain", "ngram", "draft_model")
 LLAMA_PLAIN = System("llama.cpp", "plain")
 SPECDEC_PLAIN = System("specdec", "plain")
+ADAPTED = System("specdec", "adapted_eagle")
 LLAMA_SYSTEMS = tuple(System("llama.cpp", method) for method in LLAMA_METHODS)
 DRAFTING = ("draft_model", "lookup_then_draft", "staged")  # the systems that need --draft
 NEEDS = {  # each system that needs a model, the LlamaCppConfig field naming it and the flag
     **{method: ("draft", "--draft") for method in DRAFTING},
     "cross_tokenizer": ("cross_draft", "--cross-tokenizer-draft"),
     "eagle": ("head", "--head"),
+    "adapted_eagle": ("head", "--head"),
     "lookup_then_eagle": ("head", "--head"),
     "suffix_then_eagle": ("head", "--head"),
 }
@@ -565,7 +573,10 @@ class LlamaCppConfig:
     "plain" is always added); skipped: notes on systems left out, for the report; k: draft
     tokens per round (llama.cpp's --spec-draft-n-max; specdec's most, by goodput); threads:
     None = torch's; sampling: "greedy" or "sampled" (temperature 0.8, top-p 0.95: the main
-    bench's GREEDY and SAMPLED settings), prompt i of a set seeded seed + i."""
+    bench's GREEDY and SAMPLED settings), prompt i of a set seeded seed + i. adapt_requests > 0:
+    the adaptation row (adaptation.py): that many requests of the one prompt set recorded, the
+    head adapted on them for adapt_minutes, and the prompts_per_set requests after them measured
+    (systems: plain, eagle and adapted_eagle, unless given)."""
 
     model: str
     draft: str | None = None
@@ -583,6 +594,8 @@ class LlamaCppConfig:
     step_repeats: int = 20
     sampling: str = "greedy"
     seed: int = 0
+    adapt_requests: int = 0
+    adapt_minutes: float = 10.0
 
     @property
     def setting(self):
@@ -598,13 +611,23 @@ class LlamaCppConfig:
         if type(self.seed) is not int:
             raise ValueError(f"seed must be an integer, got {self.seed!r}")
         object.__setattr__(self, "skipped", tuple(self.skipped))
-        if self.systems is None:
-            systems = [m for m in METHODS if m not in NEEDS or getattr(self, NEEDS[m][0]) is not None]
+        self._check_adaptation()
+        if self.systems is None and self.adapt_requests:
+            systems = ["plain", "eagle", "adapted_eagle"]
+        elif self.systems is None:
+            systems = [
+                m
+                for m in METHODS
+                if m != "adapted_eagle" and (m not in NEEDS or getattr(self, NEEDS[m][0]) is not None)
+            ]
         else:
             unknown = sorted(set(self.systems) - set(METHODS))
             if unknown:
                 raise ValueError(f"systems must be among {', '.join(METHODS)}; got {', '.join(unknown)}")
-            systems = [m for m in METHODS if m == "plain" or m in self.systems]
+            adapting = ("eagle", "adapted_eagle") if self.adapt_requests else ()
+            systems = [m for m in METHODS if m == "plain" or m in self.systems or m in adapting]
+            if "adapted_eagle" in systems and not self.adapt_requests:
+                raise ValueError("the system adapted_eagle needs --adapt N (the requests to adapt the head on)")
         missing = [m for m in systems if m in NEEDS and getattr(self, NEEDS[m][0]) is None]
         if missing:
             raise ValueError(
@@ -629,6 +652,23 @@ class LlamaCppConfig:
                 raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
         if self.threads is not None and (type(self.threads) is not int or self.threads < 1):
             raise ValueError(f"threads must be an integer >= 1 or None, got {self.threads!r}")
+
+    def _check_adaptation(self) -> None:
+        if type(self.adapt_requests) is not int or self.adapt_requests < 0:
+            raise ValueError(f"--adapt must be an integer >= 0, got {self.adapt_requests!r}")
+        if not (isinstance(self.adapt_minutes, int | float) and 0 < self.adapt_minutes < math.inf):
+            raise ValueError(f"--adapt-minutes must be above 0, got {self.adapt_minutes!r}")
+        if not self.adapt_requests:
+            return
+        if self.adapt_requests < 2:
+            raise ValueError(f"--adapt needs 2 requests or more (adapt holds out a quarter), got {self.adapt_requests}")
+        if len(self.prompt_sets) != 1:
+            raise ValueError(
+                f"--adapt records and measures one job: give one prompt set (--prompt-sets batch), got "
+                f"{','.join(self.prompt_sets)}"
+            )
+        if self.head is None:
+            raise ValueError("--adapt adapts an EAGLE-3 head: give the one in use with --head")
 
 
 # -- measuring -------------------------------------------------------------------------------
@@ -698,7 +738,12 @@ def measure(config: LlamaCppConfig, say: Say) -> dict:
     others = [path for path in (config.draft, config.cross_draft, config.head) if path is not None]
     say(f"loading {config.model}" + "".join(f", {path}" for path in others) + " into specdec")
     target, specdec = load_specdec(config)
-    prompts = {name: encode_prompts(target, config, name) for name in config.prompt_sets}
+    jobs = {name: job_prompts(target, config, name) for name in config.prompt_sets}
+    prompts = {name: measured for name, (_, measured) in jobs.items()}
+    adaptation = None
+    if config.adapt_requests:
+        ((recorded, _),) = jobs.values()
+        specdec[ADAPTED], adaptation = adapted_runner(target, config, recorded, say)
     runners = {**llama_cpp_runners(build, config, options), **specdec}
     say("warming up specdec")
     warm_up(specdec, max((ids for pairs in prompts.values() for _, ids, _ in pairs), key=len), config)
@@ -730,6 +775,7 @@ def measure(config: LlamaCppConfig, say: Say) -> dict:
         "verify_cost": {"llama.cpp": llama_bench, "specdec": specdec_verify_cost(target, config)},
         "rows": rows,
         "goals": evaluate_llama_cpp_goals(rows, setting.name),
+        "adaptation": adaptation,
         "notes": list(config.skipped) + prompt_token_notes(records, prompts),
         "runs": runs_json(records, prompts),
     }
@@ -740,28 +786,19 @@ def load_specdec(config: LlamaCppConfig):
     LLM builds it by default (speculative_config, the drafters' registry), over one target loaded
     once; lookup_then_draft and the staged drafter share the draft model's weights (and runner:
     the systems run one generate at a time, each preparing its own)."""
-    from specdec.config import NGRAM_STAGE, NO_SPECULATION, SpeculativeConfig
-    from specdec.drafters import CrossTokenizerDrafter, DraftModelDrafter, LookupThenDraftDrafter, auto
-    from specdec.llm import ALL_DRAFTERS, LLM, speculative_config
+    from specdec.config import NGRAM_STAGE, NO_SPECULATION
+    from specdec.drafters import CrossTokenizerDrafter, DraftModelDrafter, LookupThenDraftDrafter
+    from specdec.llm import LLM
     from specdec.spec.staged import StagedDrafter
 
     target = LLM(config.model, speculative_method=NO_SPECULATION)
     runners = {SPECDEC_PLAIN: SpecdecRunner(target, config.max_tokens, config.setting)}
     wanted = set(config.systems or ())
-    if "auto" in wanted:  # what LLM(model) runs: every setting at its default, --k included
-        choice, drafter = auto.build(SpeculativeConfig(), target.target, target.runner, ALL_DRAFTERS)
-        spec = choice.config
-        print(f"specdec default: {choice.drafters}; {choice.reason}", file=sys.stderr)
-        runners[System("specdec", "auto")] = SpecdecRunner(
-            target.with_drafter(drafter, spec.num_speculative_tokens, spec.k_policy, spec.tree),
-            config.max_tokens,
-            config.setting,
-        )
+    if "auto" in wanted:
+        runners[System("specdec", "auto")] = auto_runner(target, config)
 
     def drafter_for(model, method: str | None):
-        spec = speculative_config(model, method, num_speculative_tokens=config.k)
-        assert spec is not None  # a method or a model given: a config
-        return spec, ALL_DRAFTERS[spec.method](spec, target.target, target.runner)
+        return speculative_drafter(target, config, model, method)
 
     def add(method: str, drafter, k_policy: str) -> None:
         runners[System("specdec", method)] = SpecdecRunner(
@@ -798,6 +835,7 @@ def load_specdec(config: LlamaCppConfig):
         spec, drafter = drafter_for(config.head, None)
         assert spec.method == "eagle"  # LlamaCppConfig checked that it is a head's directory
         add("eagle", drafter, spec.k_policy)
+    # adapted_eagle: added by measure once the head is adapted (adapted_runner)
     if "lookup_then_eagle" in wanted:  # a head of its own: its cache and waiting features are per drafter
         spec, drafter = drafter_for(config.head, "lookup_then_draft")
         add("lookup_then_eagle", drafter, spec.k_policy)
@@ -808,6 +846,52 @@ def load_specdec(config: LlamaCppConfig):
         spec, drafter = drafter_for(config.head, "suffix_then_draft")
         add("suffix_then_eagle", drafter, spec.k_policy)
     return target, runners
+
+
+def speculative_drafter(target, config: LlamaCppConfig, model, method: str | None):
+    """(SpeculativeConfig, drafter) as LLM builds them for model and method, at config.k, over
+    target's loaded model."""
+    from specdec.llm import ALL_DRAFTERS, speculative_config
+
+    spec = speculative_config(model, method, num_speculative_tokens=config.k)
+    assert spec is not None  # a method or a model given: a config
+    return spec, ALL_DRAFTERS[spec.method](spec, target.target, target.runner)
+
+
+def auto_runner(target, config: LlamaCppConfig) -> SpecdecRunner:
+    """What LLM(model) runs: every setting at its default, --k included (drafters/auto.py)."""
+    from specdec.config import SpeculativeConfig
+    from specdec.drafters import auto
+    from specdec.llm import ALL_DRAFTERS
+
+    choice, drafter = auto.build(SpeculativeConfig(), target.target, target.runner, ALL_DRAFTERS)
+    spec = choice.config
+    print(f"specdec default: {choice.drafters}; {choice.reason}", file=sys.stderr)
+    return SpecdecRunner(
+        target.with_drafter(drafter, spec.num_speculative_tokens, spec.k_policy, spec.tree),
+        config.max_tokens,
+        config.setting,
+    )
+
+
+def adapted_runner(target, config: LlamaCppConfig, recorded: list[tuple], say: Say) -> tuple[SpecdecRunner, dict]:
+    """The adaptation row's runner (adaptation.py): recorded served by the default and recorded,
+    config.head adapted on them, and the adapted head drafting alone as the eagle row's does; and
+    what the adaptation recorded and measured."""
+    from specdec.tools.benchmark.adaptation import record_and_adapt
+
+    assert config.head is not None  # LlamaCppConfig checks it with adapt_requests
+    with tempfile.TemporaryDirectory(prefix="specdec-adapt-") as scratch:
+        recording = auto_runner(target, config)
+        head, adaptation = record_and_adapt(
+            config.model, config.head, recording, recorded, config.adapt_minutes, Path(scratch), say, config.seed
+        )
+        if head is None:
+            raise LlamaCppError(f"specdec adapt wrote no head in {config.adapt_minutes:g} minutes")
+        spec, drafter = speculative_drafter(target, config, str(head), None)
+    assert spec.method == "eagle"
+    runner = SpecdecRunner(target.with_drafter(drafter, config.k, spec.k_policy), config.max_tokens, config.setting)
+    return runner, adaptation
 
 
 class SpecdecRunner:
@@ -903,14 +987,25 @@ def llama_cpp_runners(build: LlamaCppBuild, config: LlamaCppConfig, options: Too
     }
 
 
-def encode_prompts(target, config: LlamaCppConfig, set_name: str) -> list[tuple]:
-    """(prompt, token ids, text) for prompts_per_set prompts of the set; a chat prompt's text is
-    rendered with the target's chat template, the text llama.cpp gets."""
+def job_prompts(target, config: LlamaCppConfig, set_name: str) -> tuple[list[tuple], list[tuple]]:
+    """(recorded, measured): (prompt, token ids, text) for adapt_requests + prompts_per_set prompts
+    of the set spread through it, in its order: the first adapt_requests recorded for adapting,
+    the rest measured."""
     from specdec.tools.benchmark.run import spread
 
-    prompts = spread(
-        prompt_sets()[set_name][1](per_module=2, max_chars=config.max_prompt_chars), config.prompts_per_set
-    )
+    everything = prompt_sets()[set_name][1](per_module=2, max_chars=config.max_prompt_chars)
+    chosen = encode_prompts(target, spread(everything, config.adapt_requests + config.prompts_per_set), set_name)
+    if config.adapt_requests and len(chosen) <= config.adapt_requests:
+        raise ValueError(
+            f"the {set_name} prompts number {len(chosen)}: too few for {config.adapt_requests} recorded and "
+            "some measured after them; lower --adapt"
+        )
+    return chosen[: config.adapt_requests], chosen[config.adapt_requests :]
+
+
+def encode_prompts(target, prompts: list, set_name: str) -> list[tuple]:
+    """(prompt, token ids, text) for each prompt of the set; a chat prompt's text is rendered with
+    the target's chat template, the text llama.cpp gets."""
     if not prompts:
         raise ValueError(f"prompt set {set_name!r} is empty: the held-out standard-library modules are missing")
     encoded = []
@@ -1133,6 +1228,7 @@ UNUSED_FLAGS = {  # `specdec bench` flags of the specdec-only bench: refused wit
 def llama_cpp_config(args) -> LlamaCppConfig:
     """LlamaCppConfig from `specdec bench --llama-cpp`'s flags; the registry's Qwen pair by default."""
     from specdec.models.registry import resolve_model
+    from specdec.tools.training.adapt import default_head
 
     given = [name for name, default in UNUSED_FLAGS.items() if getattr(args, name) != default]
     if given:
@@ -1162,15 +1258,17 @@ def llama_cpp_config(args) -> LlamaCppConfig:
         model=model,
         draft=None if draft is None else str(resolve_model(draft, "the draft")),
         cross_draft=None if cross_draft is None else str(resolve_model(cross_draft, "the other-tokenizer draft")),
-        head=args.head,
+        head=str(default_head(args.model or DEFAULT_TARGET)) if args.adapt and args.head is None else args.head,
         systems=args.systems,
         skipped=tuple(skipped),
-        prompt_sets=args.prompt_sets or ("write", "edit"),
+        prompt_sets=args.prompt_sets or (("batch",) if args.adapt else ("write", "edit")),
         prompts_per_set=_given_or(args.prompts, QUICK_PROMPTS if args.quick else FULL_PROMPTS),
         max_tokens=_given_or(args.max_tokens, 128),
         k=max(args.ks) if args.ks else 5,
         sampling="sampled" if args.sampled else "greedy",
         seed=args.seed,
+        adapt_requests=args.adapt or 0,
+        adapt_minutes=_given_or(args.adapt_minutes, 10.0),
     )
 
 
@@ -1199,6 +1297,9 @@ def command_line(args) -> str:
             words += ["--" + flag.replace("_", "-"), ",".join(getattr(args, flag))]
     if args.ks:
         words += ["--ks", ",".join(map(str, args.ks))]
+    for flag in ("adapt", "adapt_minutes"):
+        if getattr(args, flag) is not None:
+            words += ["--" + flag.replace("_", "-"), f"{getattr(args, flag):g}"]
     if args.quick:
         words.append("--quick")
     if args.sampled:

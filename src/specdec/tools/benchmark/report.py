@@ -752,8 +752,8 @@ def llama_cpp_verdict(kinds: list[dict]) -> str:
 
 
 def llama_cpp_goals_text(kind: dict) -> str:
-    """Issue 29's goals on one CPU kind (goals.py), judged from its rows: a count, the table, what
-    each goal is and how it was judged."""
+    """Issue 29's goals on one CPU kind (goals.py), and issue 50's where their rows ran, judged
+    from its rows: a count, the table, what each goal is and how it was judged."""
     from specdec.tools.benchmark.goals import evaluate_llama_cpp_goals
 
     goals = evaluate_llama_cpp_goals(kind["rows"], _sampling_name(kind))
@@ -761,7 +761,7 @@ def llama_cpp_goals_text(kind: dict) -> str:
     words = [f"**{counts[0]} of {len(goals)} met**", f"{counts[1]} missed"]
     if counts[2]:
         words.append(f"{counts[2]} not measured")
-    line = f"Issue 29's goals, {_cpu_kind_title(kind)}: {', '.join(words)}."
+    line = f"The goals (issue 29's, and issue 50's where measured), {_cpu_kind_title(kind)}: {', '.join(words)}."
     details = "\n".join(_bullet(f"{_goal_name(g)}: {g['goal']}. {g['detail']}.") for g in goals)
     return f"{_wrap(line)}\n\n{goals_table(goals)}\n\n{details}"
 
@@ -774,6 +774,8 @@ def llama_cpp_kind_markdown(kind: dict, h: str) -> str:
         drafting = llama_cpp_drafting_text(kind, set_name)
         if drafting:
             parts.append(f"{drafting}\n")
+    if kind.get("adaptation"):
+        parts.append(f"{h}# Adapting the head to the job\n\n{_wrap(adaptation_text(kind))}\n")
     parts.append(f"{h}# What a verify forward costs\n\n{verify_cost_table(kind['verify_cost'])}\n")
     if kind["notes"]:
         parts.append("\n".join(_bullet(note) for note in kind["notes"]) + "\n")
@@ -811,6 +813,30 @@ def llama_cpp_table(kind: dict, set_name: str) -> str:
             "same text",
         ],
         rows,
+    )
+
+
+def adaptation_text(kind: dict) -> str:
+    """What --adapt recorded, what adapt did and estimated, and the head against the adapted head
+    on the requests after the recorded ones."""
+    a = kind["adaptation"]
+    before, after = a["before"], a["after"]
+    rows = {r["method"]: r for r in kind["rows"] if r["engine"] == "specdec"}
+    head, adapted = rows["eagle"], rows["adapted_eagle"]
+    steps = lambda estimates: " / ".join(_number(x, 3) for x in estimates["agreement_by_step"])  # noqa: E731
+    return (
+        f"The first {a['requests']} requests of the job, served by specdec's default at "
+        f"{_number(a['recording_tokens_per_s'], 1)} tok/s and recorded as `serve --learn` records them "
+        f"({a['recorded']} recorded); `specdec adapt` on them for at most {a['minutes']:g} min: {a['steps']} steps "
+        f"in {a['training_seconds'] / 60:.1f} min of training, {a['adapt_seconds'] / 60:.1f} min in all (the "
+        f"target's features over the recorded text included). adapt's own estimate on the last quarter of the "
+        f"recorded requests, held out of its training: agreement by drafting step {steps(before)} → {steps(after)}, "
+        f"τ {_number(before['tau_estimate'], 2)} → {_number(after['tau_estimate'], 2)}"
+        f"{'' if a['improved'] else ' (not better: adapt would keep the old head)'}. Measured on the "
+        f"{head['prompts']} requests after the recorded ones, never recorded: τ {_number(head['tau'], 2)} → "
+        f"{_number(adapted['tau'], 2)} ({_times(adapted['tau'] / head['tau'])}), tok/s "
+        f"{_number(head['tokens_per_s'], 1)} → {_number(adapted['tokens_per_s'], 1)} "
+        f"({_times(adapted['tokens_per_s'] / head['tokens_per_s'])})."
     )
 
 

@@ -15,6 +15,11 @@ The run ends after --minutes of training (TrainConfig.max_seconds, over all its 
 command says whether it beats HEAD on the held-out requests and exits 1 where it does not (a head
 that scores worse should not be served). A run killed part way resumes with the same command;
 NEW appears only once a run has finished.
+
+Without --out, the run adapts into DIR's head store (serve/head_store.py), from --head, else the
+store's current version, else the registry's head: a new head that beats the one it started
+from becomes the next version, which servers learning into DIR swap in; one that does not is
+deleted, and the current version stays.
 """
 
 from __future__ import annotations
@@ -26,13 +31,21 @@ from pathlib import Path
 from specdec.models.eagle import is_head_directory, read_head_config
 from specdec.models.registry import registered_as
 from specdec.paths import ROOT
-from specdec.serve.recorder import read_requests
+from specdec.serve.head_store import HeadStore, HeadVersion
+from specdec.serve.recorder import MANIFEST, read_requests
 from specdec.tools.training.eagle3 import MIN_CONTEXT, Eagle3Config, SourceDocument, train_eagle3
 from specdec.tools.training.loop import TrainConfig, log
 from specdec.tools.training.train import TrainResult
 
 HELD_OUT_SHARE = 0.25
 DEFAULT_CONTEXT = 512  # tokens per training window, as train-heads --eagle3's; fewer where the traffic is short
+# A run has minutes, not hours: on 2 cores a step of 2 windows of 512 tokens takes ~14 s for the
+# 1.5B target's head (float32, as on a CPU without native bfloat16), so 10 minutes are ~40 steps.
+# Small batches give those minutes more updates, at a flat rate with no warm-up (a warm-up of the
+# default 100 steps left a 10-minute run at a tenth of its rate: its head barely moved).
+ADAPT_TRAINING = TrainConfig(
+    lr=5e-4, min_lr_ratio=1.0, warmup=0, batch_size=2, eval_every=0, checkpoint_every=10, log_every=5
+)
 
 
 @dataclass(frozen=True)
@@ -109,15 +122,18 @@ def adapt(
         intermediate_size=shape.intermediate_size,
         context=context,
     )
-    base = config or TrainConfig(lr=2e-4, min_lr_ratio=1.0, batch_size=8, eval_every=0, checkpoint_every=20)
+    base = config or ADAPT_TRAINING
     config = dataclasses.replace(base, steps=steps, max_seconds=minutes * 60, warmup=min(base.warmup or 0, steps - 1))
     log(
         f"adapting {head} on {len(documents['train'])} recorded requests ({train_tokens:,} tokens), "
         f"{len(documents['held_out'])} held out ({held_out_tokens:,} tokens), for at most {minutes:g} min"
     )
+    # the record's manifest stands for it as the run's input: an output may not replace it, but it
+    # may lie inside the record's directory (the head store, DIR/heads, does), which the recorder
+    # writes only its own files into
     result = train_eagle3(
         model,
-        traffic,
+        Path(traffic).expanduser() / MANIFEST,
         out,
         config,
         eagle3,
@@ -129,3 +145,35 @@ def adapt(
     )
     evaluations = result.state.evaluations
     return AdaptResult(result, evaluations[0], evaluations[-1])
+
+
+def adapt_into_store(
+    model: str,
+    traffic: str | Path,
+    head: str | Path | None = None,
+    minutes: float = 10.0,
+    steps: int = 1000,
+    config: TrainConfig | None = None,
+    arguments: dict | None = None,
+) -> tuple[AdaptResult, HeadVersion | None]:
+    """adapt() into traffic's head store, from head (None: the store's current version, else
+    default_head(model)): the run's result, and the version it published (None: the new head was
+    not better and is deleted, or the run stopped before its end and its candidate waits to resume)."""
+    store = HeadStore(traffic)
+    current = store.current()
+    start = Path(head).expanduser() if head is not None else current.path if current else default_head(model)
+    with store.adapting() as candidate:
+        adapted = adapt(model, traffic, candidate, start, minutes, steps, config, force=True, arguments=arguments)
+        if adapted.result.out is None:
+            return adapted, None
+        store.drop_features(candidate)
+        if not adapted.improved:
+            store.discard(candidate)
+            return adapted, None
+        report = {
+            "started_from": str(start),
+            "steps": adapted.result.state.step,
+            "before": adapted.before,
+            "after": adapted.after,
+        }
+        return adapted, store.publish(candidate, report)

@@ -647,15 +647,25 @@ def add_adapt_parser(commands) -> None:
     p = commands.add_parser(
         "adapt",
         help="fine-tune an EAGLE head on the traffic a server recorded (serve --learn)",
-        usage="%(prog)s MODEL --from DIR --out NEW [options]",
+        usage="%(prog)s MODEL --from DIR [--out NEW] [options]",
         description="Fine-tune the EAGLE-3 head in use on the requests `specdec serve MODEL --learn DIR` "
         "recorded, and print its held-out agreement and tau before and after (the last quarter of "
-        "the requests, never trained on). Exits 1 where the new head does not beat the old one.",
+        "the requests, never trained on). Exits 1 where the new head does not beat the old one. "
+        "Without --out, into DIR/heads: a better head becomes the next version, which servers "
+        "learning into DIR swap in while they run.",
     )
     add_model_argument(p, help="the target's model: a directory, a GGUF file or a registered name")
     p.add_argument("--from", dest="traffic", required=True, metavar="DIR", help="what `serve --learn DIR` recorded")
-    p.add_argument("--head", help="the EAGLE-3 head to start from (default: the one the registry ships for MODEL)")
-    p.add_argument("--out", required=True, metavar="NEW", help="the directory of the new head")
+    p.add_argument(
+        "--head",
+        help="the EAGLE-3 head to start from (default: DIR/heads' current version without --out, else the one "
+        "the registry ships for MODEL)",
+    )
+    p.add_argument(
+        "--out",
+        metavar="NEW",
+        help="the directory of the new head (default: the next version in DIR/heads, where it is better)",
+    )
     p.add_argument("--minutes", type=float, default=10.0, help="the most minutes of training (default 10)")
     p.add_argument("--steps", type=int, default=1000, help="the most training steps (default 1000)")
     p.add_argument("--force", action="store_true", help="replace a NEW that holds other files")
@@ -663,23 +673,29 @@ def add_adapt_parser(commands) -> None:
 
 
 def run_adapt(args) -> int:
-    from specdec.tools.training.adapt import adapt
+    from specdec.tools.training.adapt import adapt, adapt_into_store
 
     require_model(args, "adapt", "model", "the target's model")
     if not (math.isfinite(args.minutes) and args.minutes > 0) or args.steps < 1:
         raise ValueError(f"--minutes must be above 0 and --steps at least 1, got {args.minutes:g} and {args.steps}")
     arguments = {k: v for k, v in sorted(vars(args).items()) if k != "run" and v is not None and v is not False}
+    version = None
     try:
-        adapted = adapt(
-            args.model,
-            args.traffic,
-            args.out,
-            args.head,
-            args.minutes,
-            args.steps,
-            force=args.force,
-            arguments=arguments,
-        )
+        if args.out is None:
+            adapted, version = adapt_into_store(
+                args.model, args.traffic, args.head, args.minutes, args.steps, arguments=arguments
+            )
+        else:
+            adapted = adapt(
+                args.model,
+                args.traffic,
+                args.out,
+                args.head,
+                args.minutes,
+                args.steps,
+                force=args.force,
+                arguments=arguments,
+            )
     except KeyboardInterrupt:
         print("\ninterrupted; rerun the same command to resume from its last checkpoint", file=sys.stderr)
         return 130
@@ -692,8 +708,14 @@ def run_adapt(args) -> int:
     if adapted.result.out is None:
         print("the run stopped before its end: rerun the same command to finish it", file=sys.stderr)
         return 1
+    if not adapted.improved and args.out is None:
+        print("the new head does not beat the one it started from: it is deleted, the current version stays")
+        return 1
     if not adapted.improved:
         print(f"the new head in {adapted.result.out} does not beat the one it started from: serve the old one")
         return 1
+    if version is not None:
+        print(f"the new head: version {version.number}, {version.path} (servers learning into it swap it in)")
+        return 0
     print(f"the new head: {adapted.result.out}")
     return 0
