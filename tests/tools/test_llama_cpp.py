@@ -666,6 +666,9 @@ def test_the_systems_flags_need_llama_cpp():
     args = parser.parse_args(["bench", "--sampled"])  # the main bench runs greedy and sampled rows anyway
     with pytest.raises(ValueError, match="--sampled: for the comparison with llama.cpp only"):
         args.run(args)
+    args = parser.parse_args(["bench", "--adapt", "4", "--adapt-minutes", "2"])
+    with pytest.raises(ValueError, match="--adapt, --adapt-minutes: for the comparison with llama.cpp only"):
+        args.run(args)
 
 
 def _row(engine, method, speed, acceptance=None, tau=None, prompt_set="edit", llama_plain=20.0, plain=25.0) -> dict:
@@ -1018,14 +1021,6 @@ def test_bad_adaptation_flags_are_refused(gguf_pair, head_dir, argv, message):
 def test_adapt_on_a_model_without_a_shipped_head_asks_for_one(gguf_pair):
     with pytest.raises(ValueError, match="no EAGLE head is registered for .*: give the head to start from with --head"):
         llama_cpp.llama_cpp_config(parse(["--model", gguf_pair[0], "--adapt", "4"]))
-
-
-def test_the_adaptation_flags_need_llama_cpp():
-    parser = argparse.ArgumentParser(prog="specdec")
-    commands.add_bench_parser(parser.add_subparsers(dest="command", required=True))
-    args = parser.parse_args(["bench", "--adapt", "4"])
-    with pytest.raises(ValueError, match="--adapt: for the comparison with llama.cpp only"):
-        args.run(args)
 
 
 def _adaptation_rows(head_tau: float, adapted_tau: float, head_speed: float, adapted_speed: float) -> list[dict]:

@@ -16,7 +16,7 @@ rejected entries are.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -27,7 +27,7 @@ from specdec.drafters.steps import DraftSteps
 from specdec.drafters.tree_growth import TreeGrowth
 from specdec.kv_cache import BlockPool, CacheRows, KVCache, TreeAttention, ragged_batch
 from specdec.models.cpu_linear import can_pack, pack_linears
-from specdec.models.eagle import EagleHead, HeadLoadError, load_head
+from specdec.models.eagle import EagleHead, HeadLoadError, differing_fields, load_head
 from specdec.models.gguf_linear import GGUFLinear, runs_gguf_kernels
 from specdec.models.gguf_requantize import quantize_into_gguf_kernels
 from specdec.models.loader import LoadedModel
@@ -136,11 +136,7 @@ class EagleDrafter(Drafter):
                 f"{list(old.feature_layers)}: it cannot take its place while the server runs"
             )
         if new.config != old.config:
-            differing = [
-                f"{name} {getattr(new.config, name)} (in use: {getattr(old.config, name)})"
-                for name in (field.name for field in fields(old.config))
-                if getattr(new.config, name) != getattr(old.config, name)
-            ]
+            differing = differing_fields(new.config, old.config, "in use")
             raise HeadLoadError(f"the head in {path} has another shape than the head in use: {', '.join(differing)}")
         return prepared
 

@@ -202,6 +202,15 @@ def save_head(
     return path
 
 
+def differing_fields(config: ModelConfig, other: ModelConfig, other_name: str) -> list[str]:
+    """The fields in which two heads' shapes differ, each as "name value (other_name: value)"."""
+    return [
+        f"{field.name} {getattr(config, field.name)!r} ({other_name}: {getattr(other, field.name)!r})"
+        for field in dataclasses.fields(config)
+        if getattr(config, field.name) != getattr(other, field.name)
+    ]
+
+
 def is_head_directory(path) -> bool:
     """Whether path names a directory holding a head's config (False for what is not a path)."""
     return isinstance(path, (str, os.PathLike)) and (Path(path) / HEAD_CONFIG).is_file()

@@ -61,6 +61,7 @@ from specdec.models.eagle import (
     HEAD_CONFIG,
     HEAD_WEIGHTS,
     EagleHead,
+    differing_fields,
     eagle3_feature_layers,
     head_config,
     load_head,
@@ -741,11 +742,7 @@ def start_from(head: EagleHead, init_head: Path, target_config) -> None:
             f"{list(head.feature_layers)}: give --feature-layers {','.join(map(str, saved.feature_layers))}"
         )
     if saved.config != head.config:
-        differ = [
-            f"{f.name} {getattr(saved.config, f.name)!r} (this run: {getattr(head.config, f.name)!r})"
-            for f in dataclasses.fields(saved.config)
-            if getattr(saved.config, f.name) != getattr(head.config, f.name)
-        ]
+        differ = differing_fields(saved.config, head.config, "this run")
         raise ValueError(
             f"--init-head {init_head} has another shape: {'; '.join(differ)}; give the flags it was "
             "trained with (--output-vocab, --head-intermediate; its README.md says them)"
