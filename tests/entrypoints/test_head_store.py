@@ -103,3 +103,49 @@ def test_the_watcher_hands_each_new_version_to_the_engine_and_refuses_what_does_
         assert watcher.check() is None and watcher.check() is None
     assert len([r for r in caplog.records if "current.json" in r.getMessage()]) == 1  # said once
     assert watcher.version == 3
+
+
+def test_adapt_every_n_recorded_requests_starts_one_run_at_a_time(models, tmp_path, monkeypatch):
+    """--adapt-every 4: a `specdec adapt` run into the store once 4 more requests are recorded, at
+    the lowest priority, from the head serving while none was adapted; never two at once."""
+    from types import SimpleNamespace
+
+    from specdec.serve import head_watcher
+
+    class Run:
+        def __init__(self, command, **options):
+            self.command, self.options, self.pid, self.returncode = command, options, 1, None
+
+        def poll(self):
+            return self.returncode
+
+    monkeypatch.setattr(head_watcher.subprocess, "Popen", Run)
+    llm = LLM(str(models["target"]), speculative_model=str(models["heads"][0]), dtype="float32")
+    recorder = SimpleNamespace(num_recorded=3, directory=tmp_path)
+    watcher = HeadWatcher(
+        HeadStore(tmp_path), llm.engine.drafter.adaptable(), Engine(), adapt=("t.gguf", 2.5, recorder, 4)
+    )
+    watcher._maybe_adapt()
+    assert watcher._adapting is None
+    recorder.num_recorded = 4
+    watcher._maybe_adapt()
+    first = watcher._adapting
+    assert first.command[1:] == [
+        "-m",
+        "specdec.cli",
+        "adapt",
+        "t.gguf",
+        "--from",
+        str(tmp_path),
+        "--minutes",
+        "2.5",
+        "--head",
+        str(models["heads"][0]),
+    ]
+    assert first.options["preexec_fn"] is head_watcher._lowest_priority
+    recorder.num_recorded = 12
+    watcher._maybe_adapt()
+    assert watcher._adapting is first  # still running: no second run
+    first.returncode = 0
+    watcher._maybe_adapt()
+    assert watcher._adapting is not first and (tmp_path / "heads" / "adapt.log").is_file()

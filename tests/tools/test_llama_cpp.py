@@ -609,7 +609,8 @@ def test_the_systems_are_every_one_whose_model_is_given(gguf_pair, head_dir, tmp
     config = llama_cpp.llama_cpp_config(
         parse(["--model", target, "--draft", draft, "--cross-tokenizer-draft", str(other), "--head", head_dir])
     )
-    assert config.systems == tuple(m for m in llama_cpp.METHODS if m != "adapted_eagle") and config.skipped == ()
+    every = tuple(m for m in llama_cpp.METHODS if m not in llama_cpp.ADAPTED_METHODS)
+    assert config.systems == every and config.skipped == ()
     assert (config.cross_draft, config.head) == (str(other), head_dir)
     config = llama_cpp.llama_cpp_config(parse(["--model", target]))
     assert config.systems == ("plain", "auto", "ngram", "suffix") and config.skipped[-1] == (
@@ -915,7 +916,7 @@ def test_every_specdec_system_runs_as_llm_builds_it_and_keeps_the_targets_output
     from specdec.spec.staged import StagedDrafter
 
     config = LlamaCppConfig(**tiny_models, max_tokens=12, k=3)
-    every = tuple(m for m in llama_cpp.METHODS if m != "adapted_eagle")  # that one needs --adapt
+    every = tuple(m for m in llama_cpp.METHODS if m not in llama_cpp.ADAPTED_METHODS)  # they need --adapt
     assert config.systems == every
     _, runners = llama_cpp.load_specdec(config)
     assert [system.method for system in runners] == list(every)
@@ -1011,6 +1012,7 @@ def test_adapt_without_head_takes_the_registrys_head_for_the_model(monkeypatch, 
         (["--adapt", "4", "--adapt-minutes", "0"], "--adapt-minutes must be above 0, got 0"),
         (["--adapt", "4", "--adapt-minutes", "nan"], "--adapt-minutes must be above 0, got nan"),
         (["--systems", "adapted_eagle"], "the system adapted_eagle needs --adapt N"),
+        (["--systems", "adapted_auto"], "the system adapted_auto needs --adapt N"),
     ],
 )
 def test_bad_adaptation_flags_are_refused(gguf_pair, head_dir, argv, message):
@@ -1112,7 +1114,9 @@ def test_the_adaptation_records_the_first_requests_adapts_and_drafts_with_the_ne
     recorded, measured = llama_cpp.job_prompts(target, config, "batch")
     assert (len(recorded), len(measured)) == (4, 1)
     assert {p.name for p, _, _ in recorded}.isdisjoint(p.name for p, _, _ in measured)
-    runner, summary = llama_cpp.adapted_runner(target, config, recorded, lambda message: None)
+    adapted, summary = llama_cpp.adapted_runners(target, config, recorded, lambda message: None)
+    assert list(adapted) == [System("specdec", "adapted_eagle")]  # adapted_auto where asked for
+    runner = adapted[System("specdec", "adapted_eagle")]
     assert (summary["requests"], summary["recorded"], summary["steps"]) == (4, 4, 1)
     assert summary["recording_tokens"] == 4 * 8 and summary["recorded_prompts"] == [p.name for p, _, _ in recorded]
     assert set(summary["before"]) == set(summary["after"]) == {"agreement_by_step", "greedy_agreement", "tau_estimate"}

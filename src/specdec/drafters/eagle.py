@@ -87,6 +87,7 @@ class EagleDrafter(Drafter):
         self.waiting: dict[int, tuple[int, torch.Tensor]] = {}
         self.shares_pool = False  # whether the head's cache is in the engine's pool
         self.prepare: Callable[[Path], PreparedHead] | None = None  # from_config's: how another version loads
+        self.head_path: Path | None = None  # the directory the head in use was loaded from
 
     @classmethod
     def from_config(cls, spec, target: LoadedModel, target_runner: ModelRunner) -> EagleDrafter:
@@ -114,7 +115,7 @@ class EagleDrafter(Drafter):
             target_runner.set_feature_layers(prepared.head.feature_layers)
         threshold = spec.draft_confidence_threshold
         drafter = cls(prepared.head, target_runner.eager_model(), threshold, prepared.output_layer)
-        drafter.prepare = prepare
+        drafter.prepare, drafter.head_path = prepare, prepared.path
         return drafter
 
     def adaptable(self) -> EagleDrafter:
@@ -145,7 +146,7 @@ class EagleDrafter(Drafter):
         engine's thread). The cache and the waiting features stay: the same shape, made by the old
         head, so the next drafts of the sequences running may be accepted a little less, and no
         output changes (a draft never changes one)."""
-        self.head, self.output_layer = prepared.head, prepared.output_layer
+        self.head, self.output_layer, self.head_path = prepared.head, prepared.output_layer, prepared.path
 
     def reserve(self, max_batch: int, max_len: int, num_forwards: int = 0, pool: BlockPool | None = None) -> None:
         cache = self.cache

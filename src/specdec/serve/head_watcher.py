@@ -103,6 +103,8 @@ class HeadWatcher:
         self.store.root.mkdir(mode=0o700, parents=True, exist_ok=True)
         command = [sys.executable, "-m", "specdec.cli", "adapt", model, "--from", str(recorder.directory)]
         command += ["--minutes", f"{minutes:g}"]
+        if self.version == 0 and self.drafter.head_path is not None:  # none adapted yet: from the head serving
+            command += ["--head", str(self.drafter.head_path)]
         with open(self.store.root / ADAPT_LOG, "a") as out:
             self._adapting = subprocess.Popen(
                 command, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, preexec_fn=_lowest_priority

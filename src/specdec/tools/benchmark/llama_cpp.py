@@ -514,6 +514,7 @@ class System:
             "cross_tokenizer": f"specdec other-tokenizer draft (goodput k≤{k})",
             "eagle": f"specdec EAGLE head (goodput k≤{k})",
             "adapted_eagle": f"specdec EAGLE head adapted to the job (goodput k≤{k})",
+            "adapted_auto": "specdec default with the adapted head (suffix, else that head)",
             "lookup_then_eagle": f"specdec lookup, else EAGLE head (goodput k≤{k})",
             "suffix": f"specdec suffix decoding (goodput k≤{k} nodes)",
             "suffix_then_eagle": f"specdec suffix, else EAGLE head (goodput k≤{k})",
@@ -531,6 +532,7 @@ METHODS = (
     "cross_tokenizer",
     "eagle",
     "adapted_eagle",
+    "adapted_auto",
     "lookup_then_eagle",
     "suffix",
     "suffix_then_eagle",
@@ -538,7 +540,7 @@ METHODS = (
 LLAMA_METHODS = ("plain", "ngram", "draft_model")
 LLAMA_PLAIN = System("llama.cpp", "plain")
 SPECDEC_PLAIN = System("specdec", "plain")
-ADAPTED = System("specdec", "adapted_eagle")
+ADAPTED_METHODS = ("adapted_eagle", "adapted_auto")  # the adaptation row's systems: they need --adapt
 LLAMA_SYSTEMS = tuple(System("llama.cpp", method) for method in LLAMA_METHODS)
 DRAFTING = ("draft_model", "lookup_then_draft", "staged")  # the systems that need --draft
 NEEDS = {  # each system that needs a model, the LlamaCppConfig field naming it and the flag
@@ -546,6 +548,7 @@ NEEDS = {  # each system that needs a model, the LlamaCppConfig field naming it 
     "cross_tokenizer": ("cross_draft", "--cross-tokenizer-draft"),
     "eagle": ("head", "--head"),
     "adapted_eagle": ("head", "--head"),
+    "adapted_auto": ("head", "--head"),
     "lookup_then_eagle": ("head", "--head"),
     "suffix_then_eagle": ("head", "--head"),
 }
@@ -618,7 +621,7 @@ class LlamaCppConfig:
             systems = [
                 m
                 for m in METHODS
-                if m != "adapted_eagle" and (m not in NEEDS or getattr(self, NEEDS[m][0]) is not None)
+                if m not in ADAPTED_METHODS and (m not in NEEDS or getattr(self, NEEDS[m][0]) is not None)
             ]
         else:
             unknown = sorted(set(self.systems) - set(METHODS))
@@ -626,8 +629,9 @@ class LlamaCppConfig:
                 raise ValueError(f"systems must be among {', '.join(METHODS)}; got {', '.join(unknown)}")
             adapting = ("eagle", "adapted_eagle") if self.adapt_requests else ()
             systems = [m for m in METHODS if m == "plain" or m in self.systems or m in adapting]
-            if "adapted_eagle" in systems and not self.adapt_requests:
-                raise ValueError("the system adapted_eagle needs --adapt N (the requests to adapt the head on)")
+            for method in set(systems) & set(ADAPTED_METHODS):
+                if not self.adapt_requests:
+                    raise ValueError(f"the system {method} needs --adapt N (the requests to adapt the head on)")
         missing = [m for m in systems if m in NEEDS and getattr(self, NEEDS[m][0]) is None]
         if missing:
             raise ValueError(
@@ -743,7 +747,8 @@ def measure(config: LlamaCppConfig, say: Say) -> dict:
     adaptation = None
     if config.adapt_requests:
         ((recorded, _),) = jobs.values()
-        specdec[ADAPTED], adaptation = adapted_runner(target, config, recorded, say)
+        adapted, adaptation = adapted_runners(target, config, recorded, say)
+        specdec.update(adapted)
     runners = {**llama_cpp_runners(build, config, options), **specdec}
     say("warming up specdec")
     warm_up(specdec, max((ids for pairs in prompts.values() for _, ids, _ in pairs), key=len), config)
@@ -835,7 +840,7 @@ def load_specdec(config: LlamaCppConfig):
         spec, drafter = drafter_for(config.head, None)
         assert spec.method == "eagle"  # LlamaCppConfig checked that it is a head's directory
         add("eagle", drafter, spec.k_policy)
-    # adapted_eagle: added by measure once the head is adapted (adapted_runner)
+    # adapted_eagle, adapted_auto: added by measure once the head is adapted (adapted_runners)
     if "lookup_then_eagle" in wanted:  # a head of its own: its cache and waiting features are per drafter
         spec, drafter = drafter_for(config.head, "lookup_then_draft")
         add("lookup_then_eagle", drafter, spec.k_policy)
@@ -858,15 +863,26 @@ def speculative_drafter(target, config: LlamaCppConfig, model, method: str | Non
     return spec, ALL_DRAFTERS[spec.method](spec, target.target, target.runner)
 
 
-def auto_runner(target, config: LlamaCppConfig) -> SpecdecRunner:
-    """What LLM(model) runs: every setting at its default, --k included (drafters/auto.py)."""
+def auto_runner(target, config: LlamaCppConfig, head: Path | None = None) -> SpecdecRunner:
+    """What LLM(model) runs: every setting at its default, --k included (drafters/auto.py); head:
+    the same with this EAGLE head in place of the shipped one (the adaptation row's adapted_auto)."""
     from specdec.config import SpeculativeConfig
     from specdec.drafters import auto
     from specdec.llm import ALL_DRAFTERS
+    from specdec.models.eagle import is_head_directory
 
-    choice, drafter = auto.build(SpeculativeConfig(), target.target, target.runner, ALL_DRAFTERS)
-    spec = choice.config
-    print(f"specdec default: {choice.drafters}; {choice.reason}", file=sys.stderr)
+    if head is None:
+        choice, drafter = auto.build(SpeculativeConfig(), target.target, target.runner, ALL_DRAFTERS)
+        spec = choice.config
+        print(f"specdec default: {choice.drafters}; {choice.reason}", file=sys.stderr)
+    else:
+        spec = auto.choose_drafters(SpeculativeConfig(), target.target.path).config
+        if not is_head_directory(spec.model):
+            raise ValueError(
+                f"the default for {config.model} drafts with no EAGLE head: adapted_auto has none to replace"
+            )
+        spec = replace(spec, model=str(head))
+        drafter = ALL_DRAFTERS[spec.method](spec, target.target, target.runner)
     return SpecdecRunner(
         target.with_drafter(drafter, spec.num_speculative_tokens, spec.k_policy, spec.tree),
         config.max_tokens,
@@ -874,10 +890,13 @@ def auto_runner(target, config: LlamaCppConfig) -> SpecdecRunner:
     )
 
 
-def adapted_runner(target, config: LlamaCppConfig, recorded: list[tuple], say: Say) -> tuple[SpecdecRunner, dict]:
-    """The adaptation row's runner (adaptation.py): recorded served by the default and recorded,
-    config.head adapted on them, and the adapted head drafting alone as the eagle row's does; and
-    what the adaptation recorded and measured."""
+def adapted_runners(
+    target, config: LlamaCppConfig, recorded: list[tuple], say: Say
+) -> tuple[dict[System, SpecdecRunner], dict]:
+    """The adaptation row's runners (adaptation.py): recorded served by the default and recorded,
+    config.head adapted on them; then the adapted head drafting alone as the eagle row's does
+    (adapted_eagle), and, where asked, the default with it in place of the shipped head
+    (adapted_auto); and what the adaptation recorded and measured."""
     from specdec.tools.benchmark.adaptation import record_and_adapt
 
     assert config.head is not None  # LlamaCppConfig checks it with adapt_requests
@@ -889,9 +908,12 @@ def adapted_runner(target, config: LlamaCppConfig, recorded: list[tuple], say: S
         if head is None:
             raise LlamaCppError(f"specdec adapt wrote no head in {config.adapt_minutes:g} minutes")
         spec, drafter = speculative_drafter(target, config, str(head), None)
-    assert spec.method == "eagle"
-    runner = SpecdecRunner(target.with_drafter(drafter, config.k, spec.k_policy), config.max_tokens, config.setting)
-    return runner, adaptation
+        assert spec.method == "eagle"
+        llm = target.with_drafter(drafter, config.k, spec.k_policy)
+        runners = {System("specdec", "adapted_eagle"): SpecdecRunner(llm, config.max_tokens, config.setting)}
+        if "adapted_auto" in (config.systems or ()):
+            runners[System("specdec", "adapted_auto")] = auto_runner(target, config, head)
+    return runners, adaptation
 
 
 class SpecdecRunner:
