@@ -85,9 +85,11 @@ class HeadWatcher:
             return None
         try:
             prepared = self.drafter.load_version(current.path)
-        except (ValueError, OSError) as e:  # HeadLoadError is a ValueError
+        except Exception as e:  # HeadLoadError names what is wrong; anything else is named by its type
             self.refused.add(current.number)
-            log.warning("head version %d refused: %s; drafting on with version %d", current.number, e, self.version)
+            reason = str(e) if isinstance(e, ValueError | OSError) else f"{type(e).__name__}: {e}"
+            number, version = current.number, self.version
+            log.warning("head version %d refused: %s; drafting on with version %d", number, reason, version)
             return None
         self.engine.swap_head(self.drafter, prepared, current.number)
         self.version = current.number
