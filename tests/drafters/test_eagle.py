@@ -418,7 +418,7 @@ def test_a_version_that_cannot_take_the_heads_place_is_refused_by_name(dirs, tmp
     with pytest.raises(HeadLoadError, match=r"reads the target's layers \[0, 1, 3\], the head in use \[0, 1, 2\]"):
         drafter.load_version(layers)
     vocab = save_random_head(dirs["target4"], tmp_path / "vocab", seed=1, feature_layers=(0, 1, 2), output_vocab=100)
-    with pytest.raises(HeadLoadError, match="another shape than the head in use: output_vocab_size 100 .in use: 200."):
+    with pytest.raises(HeadLoadError, match="has another shape: output_vocab_size 100 .the head in use: 200."):
         drafter.load_version(vocab)
     damaged = save_random_head(dirs["target4"], tmp_path / "damaged", seed=1, feature_layers=(0, 1, 2))
     (damaged / "head.safetensors").write_bytes(b"not a safetensors file")

@@ -27,7 +27,7 @@ from specdec.drafters.steps import DraftSteps
 from specdec.drafters.tree_growth import TreeGrowth
 from specdec.kv_cache import BlockPool, CacheRows, KVCache, TreeAttention, ragged_batch
 from specdec.models.cpu_linear import can_pack, pack_linears
-from specdec.models.eagle import EagleHead, HeadLoadError, differing_fields, load_head
+from specdec.models.eagle import EagleHead, HeadLoadError, head_mismatch, load_head
 from specdec.models.gguf_linear import GGUFLinear, runs_gguf_kernels
 from specdec.models.gguf_requantize import quantize_into_gguf_kernels
 from specdec.models.loader import LoadedModel
@@ -130,15 +130,9 @@ class EagleDrafter(Drafter):
         if self.prepare is None:
             raise HeadLoadError("this drafter was given its head, not loaded from a directory: it loads no other")
         prepared = self.prepare(Path(path))
-        new, old = prepared.head, self.head
-        if new.feature_layers != old.feature_layers:
-            raise HeadLoadError(
-                f"the head in {path} reads the target's layers {list(new.feature_layers)}, the head in use "
-                f"{list(old.feature_layers)}: it cannot take its place while the server runs"
-            )
-        if new.config != old.config:
-            differing = differing_fields(new.config, old.config, "in use")
-            raise HeadLoadError(f"the head in {path} has another shape than the head in use: {', '.join(differing)}")
+        mismatch = head_mismatch(prepared.head, self.head, "the head in use")
+        if mismatch is not None:
+            raise HeadLoadError(f"the head in {path} {mismatch}: it cannot take its place while the server runs")
         return prepared
 
     def swap_head(self, prepared: PreparedHead) -> None:

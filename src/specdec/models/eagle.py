@@ -202,13 +202,17 @@ def save_head(
     return path
 
 
-def differing_fields(config: ModelConfig, other: ModelConfig, other_name: str) -> list[str]:
-    """The fields in which two heads' shapes differ, each as "name value (other_name: value)"."""
-    return [
-        f"{field.name} {getattr(config, field.name)!r} ({other_name}: {getattr(other, field.name)!r})"
-        for field in dataclasses.fields(config)
-        if getattr(config, field.name) != getattr(other, field.name)
+def head_mismatch(head: EagleHead, other: EagleHead, other_name: str) -> str | None:
+    """Why head cannot take other's place (the target layers it reads, else the fields of its
+    shape that differ, each "name value (other_name: value)"); None where it can."""
+    if head.feature_layers != other.feature_layers:
+        return f"reads the target's layers {list(head.feature_layers)}, {other_name} {list(other.feature_layers)}"
+    differing = [
+        f"{field.name} {getattr(head.config, field.name)!r} ({other_name}: {getattr(other.config, field.name)!r})"
+        for field in dataclasses.fields(head.config)
+        if getattr(head.config, field.name) != getattr(other.config, field.name)
     ]
+    return f"has another shape: {'; '.join(differing)}" if differing else None
 
 
 def is_head_directory(path) -> bool:

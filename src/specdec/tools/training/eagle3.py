@@ -61,9 +61,9 @@ from specdec.models.eagle import (
     HEAD_CONFIG,
     HEAD_WEIGHTS,
     EagleHead,
-    differing_fields,
     eagle3_feature_layers,
     head_config,
+    head_mismatch,
     load_head,
     save_head,
 )
@@ -736,15 +736,14 @@ def start_from(head: EagleHead, init_head: Path, target_config) -> None:
     """Copy into head the weights and scored tokens of the EAGLE-3 head in init_head, refused by
     name where its shape or the target layers it reads differ from head's."""
     saved = load_head(init_head, target_config, torch.float32)
+    mismatch = head_mismatch(saved, head, "this run")
     if saved.feature_layers != head.feature_layers:
         raise ValueError(
-            f"--init-head {init_head} reads the target's layers {list(saved.feature_layers)}, this run "
-            f"{list(head.feature_layers)}: give --feature-layers {','.join(map(str, saved.feature_layers))}"
+            f"--init-head {init_head} {mismatch}: give --feature-layers {','.join(map(str, saved.feature_layers))}"
         )
-    if saved.config != head.config:
-        differ = differing_fields(saved.config, head.config, "this run")
+    if mismatch is not None:
         raise ValueError(
-            f"--init-head {init_head} has another shape: {'; '.join(differ)}; give the flags it was "
+            f"--init-head {init_head} {mismatch}; give the flags it was "
             "trained with (--output-vocab, --head-intermediate; its README.md says them)"
         )
     head.load_state_dict(saved.state_dict())
