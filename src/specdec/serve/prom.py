@@ -194,11 +194,12 @@ class ServerMetrics:
     def _observe_speculation(self, totals: SpecStats) -> None:
         seen = self._seen
         version = str(self._version)
-        self.drafts.inc(sum(totals.rounds_by_k[1:]) - sum(seen.rounds_by_k[1:]))
-        self.draft_tokens.inc(totals.num_draft_tokens - seen.num_draft_tokens)
-        self.accepted_tokens.inc(totals.num_accepted_tokens - seen.num_accepted_tokens)
-        self.draft_tokens_by_head.labels(self.model_name, version).inc(totals.num_draft_tokens - seen.num_draft_tokens)
+        drafted = totals.num_draft_tokens - seen.num_draft_tokens
         accepted = totals.num_accepted_tokens - seen.num_accepted_tokens
+        self.drafts.inc(sum(totals.rounds_by_k[1:]) - sum(seen.rounds_by_k[1:]))
+        self.draft_tokens.inc(drafted)
+        self.accepted_tokens.inc(accepted)
+        self.draft_tokens_by_head.labels(self.model_name, version).inc(drafted)
         self.accepted_tokens_by_head.labels(self.model_name, version).inc(accepted)
         for position, accepted in enumerate(totals.accepted_by_position):
             before = seen.accepted_by_position[position] if position < len(seen.accepted_by_position) else 0
