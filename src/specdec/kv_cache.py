@@ -54,6 +54,10 @@ class BlockTable:
         self._numpy = self.table.numpy() if self.table.device.type == "cpu" else None
         self.num_blocks_needed = 1  # the pool a cache reading this table needs: the scratch block at least
         self.readers: weakref.WeakSet[KVCache] = weakref.WeakSet()  # caches made to read it (swapping copies theirs)
+        # how many caches have ever been made to read it: while it is unchanged, every entry a
+        # block was given is still in the caches that read the table (block_manager.py keeps its
+        # cached prefixes across an engine's prepare calls on that)
+        self.readers_made = 0
 
     @classmethod
     def contiguous(cls, max_seqs: int, max_len: int, device: torch.device | str) -> BlockTable:
@@ -151,6 +155,7 @@ class KVCache:
         self.shared_table = table  # None: a table of its own
         if table is not None:
             table.readers.add(self)
+            table.readers_made += 1
         self._arange = torch.arange(max_batch, device=device)  # [max_batch]: rows 0..B-1 without an op per layer
 
     def reads(self, pool: BlockPool | None) -> bool:

@@ -36,13 +36,18 @@ def test_long_prompts_are_prefilled_in_chunks_within_the_budget_with_the_same_to
     """Four prompts of 40-100 tokens, greedy and seeded sampled, with a budget of 24 tokens a
     step: every prefill forward stays within it (rows x the longest chunk), the long prompts
     take several, and every request's tokens are those of a prefill in one piece."""
-    llm = LLM(str(tiny_pair["target"]), dtype="float32", max_num_seqs=4, **drafter_kwargs(drafter, tiny_pair, tmp_path))
+
+    def new_llm():  # its prefix cache empty (an engine keeps its prefixes from one prepare to the next)
+        kwargs = drafter_kwargs(drafter, tiny_pair, tmp_path)
+        return LLM(str(tiny_pair["target"]), dtype="float32", max_num_seqs=4, **kwargs)
+
     prompts = random_prompts(4, seed=61, lengths=(40, 100))
     params = [
         SamplingParams(max_tokens=12, ignore_eos=True, **(dict(temperature=0) if i % 2 else dict(seed=i, top_p=0.9)))
         for i in range(4)
     ]
-    whole, _ = serve_all(llm, prompts, params, None, max_model_len=160)
+    whole, _ = serve_all(new_llm(), prompts, params, None, max_model_len=160)
+    llm = new_llm()
     feeds = recorded_feeds(llm, monkeypatch)
     assert serve_all(llm, prompts, params, None, max_model_len=160, max_prefill_tokens=BUDGET)[0] == whole
     assert all(len(rows) * max(rows) <= BUDGET for rows in feeds)
@@ -71,10 +76,14 @@ def test_the_time_bound_lowers_a_steps_prefill_to_what_it_affords(tiny_pair, mon
     """A token bound of 512 and a time bound far below what any forward takes: the first step
     prefills within the token bound (no cost measured yet); every later one at most MIN_TOKENS,
     with the same tokens as a prefill in one piece."""
-    llm = LLM(str(tiny_pair["target"]), dtype="float32", max_num_seqs=4, speculative_method="none")
+
+    def new_llm():  # its prefix cache empty (an engine keeps its prefixes from one prepare to the next)
+        return LLM(str(tiny_pair["target"]), dtype="float32", max_num_seqs=4, speculative_method="none")
+
     prompts = random_prompts(4, seed=63, lengths=(60, 120))
     params = [SamplingParams(max_tokens=8, ignore_eos=True, seed=i) for i in range(4)]
-    whole, _ = serve_all(llm, prompts, params, None, max_model_len=160)
+    whole, _ = serve_all(new_llm(), prompts, params, None, max_model_len=160)
+    llm = new_llm()
     feeds = recorded_feeds(llm, monkeypatch)
     served, _ = serve_all(
         llm, prompts, params, None, max_model_len=160, max_prefill_tokens=512, max_prefill_seconds=1e-9

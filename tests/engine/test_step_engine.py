@@ -295,6 +295,28 @@ def test_a_shared_prefix_is_prefilled_once_and_outputs_are_the_same(tiny_pair, p
         assert sum(draft_fed[False]) - sum(draft_fed[True]) == sum([0, 48, 48, 48, second_turn_cached])
 
 
+@pytest.mark.parametrize("drafter", ["none", "draft_model", "eagle"])
+def test_generate_calls_one_after_another_find_the_prefixes_of_the_calls_before(tiny_pair, plain, tmp_path, drafter):
+    """A batch job sent through LLM.generate one request at a time: each call finds the whole
+    blocks of the 50-token system prompt that an earlier call prefilled (vLLM's LLM keeps its
+    prefix cache across calls too), until a longer request makes the engine size new caches
+    (their entries empty): that call finds none, the one after it finds them again. Greedy,
+    every output is what the target alone gives it."""
+    kwargs = drafter_kwargs(drafter, tiny_pair, tmp_path)
+    system = shared_random_prompts(1, seed=44, lengths=(50, 51))[0]
+    prompts = [system + tail for tail in shared_random_prompts(4, seed=45, lengths=(2, 20))]
+    params = [SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)] * 4
+    params[2] = SamplingParams(temperature=0, max_tokens=150, ignore_eos=True)  # longer: new caches
+    expected = [plain.generate([prompt], p)[0].outputs[0].token_ids for prompt, p in zip(prompts, params)]
+    llm = LLM(str(tiny_pair["target"]), dtype="float32", **kwargs)
+    hits = []
+    for prompt, p, want in zip(prompts, params, expected):
+        before = llm.engine.prefix_cache_counts[1]
+        assert llm.generate([prompt], p)[0].outputs[0].token_ids == want
+        hits.append(llm.engine.prefix_cache_counts[1] - before)
+    assert hits == [0, 48, 0, 48]
+
+
 @pytest.mark.slow
 def test_a_compiled_target_shares_no_prefix_and_outputs_are_the_same(tiny_pair, plain):
     """A compiled target's cache is static, of slots of its own, not the pool's blocks: a

@@ -160,8 +160,10 @@ class Capacity:
         """Caches for the work ahead (at most num_forwards target forwards, k drafts a round at
         most) in a pool of num_blocks blocks (within_budget: exactly that many); the runners
         compile for it if they are to, and (calibrate) the policy measures its costs at max_batch."""
+        held_pool, held_blocks = self.pool, self.blocks
         # the pool held where it is large enough (within_budget: of num_blocks exactly, the budget's)
         pool = self.pool = pool_for(self.pool, max_batch, max_len, num_blocks, self.target.device, within_budget)
+        readers_made = pool.table.readers_made
         self.blocks = None
         try:
             self.target.prepare(
@@ -179,17 +181,34 @@ class Capacity:
                 f"{e}: {max_batch} sequences at once, each of up to {max_len:,} positions (prompt + "
                 "max_tokens + k + 1); lower max_tokens, or max_num_seqs"
             ) from None
-        self.blocks = self._block_manager(pool)
+        entries_kept = pool is held_pool and pool.table.readers_made == readers_made
+        self.blocks = self._block_manager(pool, held_blocks, entries_kept)
         if calibrate and self.k_choice.policy is not None:
             self._calibrate(max_batch, max_len, k)
 
-    def _block_manager(self, pool: BlockPool) -> BlockManager:
+    def _block_manager(self, pool: BlockPool, held: BlockManager | None, entries_kept: bool) -> BlockManager:
         """Who hands out pool's blocks. Prefix caching shares blocks only where the target's cache
         reads the pool (a compiled target's static cache keeps slots of its own); a drafter fed
-        the target's features needs its own entries of a shared prefix too."""
+        the target's features needs its own entries of a shared prefix too. held: the block
+        manager of the last reserve; entries_kept: the pool and every cache reading it are the
+        ones it was for (the entries of its cached prefixes are still there). It is kept then, if
+        it matches and no sequence holds a block, so that the requests of a generate call find
+        the prefixes of the calls before (as a server's requests find those of earlier ones); a
+        new one carries on its prefix cache counts."""
         prefix_caching = self.prefix_caching and self.target.reads_pool(pool)
         needs_target = self.drafter is not None and self.drafter.needs_target_hidden
-        return BlockManager(pool.num_blocks, pool.table, prefix_caching, drafter_needs_target=needs_target)
+        if (
+            entries_kept
+            and held is not None
+            and held.num_held == 0
+            and held.prefix_caching == prefix_caching
+            and held.drafter_needs_target == needs_target
+        ):
+            return held
+        blocks = BlockManager(pool.num_blocks, pool.table, prefix_caching, drafter_needs_target=needs_target)
+        if held is not None:
+            blocks.prefix_queries, blocks.prefix_hits = held.prefix_queries, held.prefix_hits
+        return blocks
 
     def _calibrate(self, batch_size: int, max_len: int, k: int) -> None:
         """The goodput policy's costs at batch_size rows for every k up to k (once per batch
