@@ -25,7 +25,7 @@ $(VENV)/.installed: pyproject.toml Makefile
 	$(PY) -m pip install -q $(ARCTIC_BUILD_DEPS)
 	CMAKE_ARGS="-DPython_EXECUTABLE=$(abspath $(PY))" $(PY) -m pip install -q --no-build-isolation arctic-inference==$(ARCTIC_VERSION)
 	$(PY) -m pip uninstall -q -y grpcio-tools  # its build's alone: it would pin protobuf below what Ray takes
-	$(PY) -m pip install -q -e '.[test,suffix]'
+	$(PY) -m pip install -q -e '.[test,suffix,sharegpt]'
 	touch $@
 
 setup: $(VENV)/.installed

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import random
 from pathlib import Path
 
 import torch
@@ -237,3 +238,21 @@ def assert_drains(url: str, api_key: str, model: str) -> None:
     assert refused.value.status_code == 503 and refused.value.code == "shutting_down"
     assert int(refused.value.response.headers["Retry-After"]) >= 1
     assert httpx.get(f"{url}/metrics").status_code == 200
+
+
+def fake_sharegpt(num: int, seed: int, cut: bool = True) -> tuple[str, list[dict]]:
+    """A ShareGPT-shaped JSON array of num conversations (some not started by a person, some
+    blank, some too long, unicode and escapes inside), written as the package writes it, and
+    cut short inside one more entry's string where cut."""
+    rng = random.Random(seed)
+    entries = []
+    for i in range(num):
+        first = rng.choice(["human", "human", "human", "gpt"])
+        message = rng.choice(["", "   ", "x" * 3000, f'question {i}: "quoted", naïve café 字 \\ {rng.random()}'])
+        turns = [{"from": first, "value": message}, {"from": "gpt", "value": "answer [1], {2}"}]
+        entries.append({"id": f"conv{i}_{rng.randrange(10**6)}", "conversations": turns})
+    text = json.dumps(entries, indent=2, ensure_ascii=False)
+    if cut:
+        extra = json.dumps({"id": "cut", "conversations": [{"from": "human", "value": "never finished"}]}, indent=2)
+        text = text[:-2] + ",\n  " + extra[: extra.index("never") + 5]  # ends inside a string, as the real file does
+    return text, entries

@@ -135,3 +135,36 @@ def test_an_out_of_dot_is_refused_in_words(chat_model, tmp_path, capsys, monkeyp
     err = capsys.readouterr().err
     assert "--out '.' is the current directory, which an output directory would replace" in err
     assert "Traceback" not in err and list(tmp_path.iterdir()) == []
+
+
+def test_sharegpt_prompts_are_answered_by_the_target(chat_model, tmp_path, monkeypatch):
+    """--prompts sharegpt: chat-data answers ShareGPT's first messages (here a fake dataset of
+    the package's shape), the held-out ones into held_out/; greedy answers are the target's."""
+    import contextlib
+    import io
+
+    from helpers import fake_sharegpt
+    from specdec.tools.training import sharegpt_prompts as sharegpt
+
+    text, _ = fake_sharegpt(200, seed=5)
+    monkeypatch.setattr(sharegpt, "HELD_OUT_SHARE", 0.25)
+    monkeypatch.setattr(sharegpt, "_open_dataset", lambda: contextlib.nullcontext(io.StringIO(text)))
+    config = ChatDataConfig(train_prompts=3, held_out_prompts=2, sampled_fraction=0, max_tokens=5, prompts="sharegpt")
+    out = write_chat_data(str(chat_model), str(tmp_path / "data"), config, dtype="float32", progress=lambda line: None)
+    assert json.loads((out / "chat_data.json").read_text())["settings"]["prompts"] == "sharegpt"
+    llm = LLM(model=str(chat_model), dtype="float32", speculative_method="none")
+    for split in ("train", "held_out"):
+        prompts = sharegpt.sharegpt_prompts(split, limit=2, data=io.StringIO(text))
+        for i, prompt in enumerate(prompts):
+            assert sharegpt.is_held_out(prompt.source.removeprefix("sharegpt:")) == (split == "held_out")
+            [answer] = llm.chat(list(prompt.messages), SamplingParams(temperature=0, max_tokens=5))
+            rendered = llm.tokenizer.apply_chat_template(list(prompt.messages))
+            written = (out / f"{split}/{i:05d}-greedy.txt").read_text()
+            assert (
+                written.startswith(rendered) and written[len(rendered) :].removesuffix("</s>") == answer.outputs[0].text
+            )
+
+
+def test_an_unknown_prompt_source_is_refused():
+    with pytest.raises(ValueError, match="prompts must be one of stdlib, sharegpt"):
+        ChatDataConfig(prompts="wikipedia")

