@@ -16,10 +16,11 @@ is reported beside the measured one, before and after.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-Say = Callable[[str], None]
+if TYPE_CHECKING:
+    from specdec.tools.benchmark.llama_cpp import Say
 
 RECORD_MAX_BYTES = 1 << 30
 
