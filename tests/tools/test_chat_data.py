@@ -140,7 +140,6 @@ def test_an_out_of_dot_is_refused_in_words(chat_model, tmp_path, capsys, monkeyp
 def test_sharegpt_prompts_are_answered_by_the_target(chat_model, tmp_path, monkeypatch):
     """--prompts sharegpt: chat-data answers ShareGPT's first messages (here a fake dataset of
     the package's shape), the held-out ones into held_out/; greedy answers are the target's."""
-    import contextlib
     import io
 
     from helpers import fake_sharegpt
@@ -148,7 +147,9 @@ def test_sharegpt_prompts_are_answered_by_the_target(chat_model, tmp_path, monke
 
     text, _ = fake_sharegpt(200, seed=5)
     monkeypatch.setattr(sharegpt, "HELD_OUT_SHARE", 0.25)
-    monkeypatch.setattr(sharegpt, "_open_dataset", lambda: contextlib.nullcontext(io.StringIO(text)))
+    monkeypatch.setattr(
+        sharegpt, "_package_prompts", lambda max_chars: sharegpt._all_prompts(io.StringIO(text), max_chars)
+    )
     config = ChatDataConfig(train_prompts=3, held_out_prompts=2, sampled_fraction=0, max_tokens=5, prompts="sharegpt")
     out = write_chat_data(str(chat_model), str(tmp_path / "data"), config, dtype="float32", progress=lambda line: None)
     assert json.loads((out / "chat_data.json").read_text())["settings"]["prompts"] == "sharegpt"

@@ -19,6 +19,7 @@ conversations, 9,392 training prompts and 283 held out at max_chars 2,000.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import random
@@ -42,11 +43,10 @@ def sharegpt_prompts(
         raise ValueError(f"split must be 'train' or 'held_out', not {split!r}")
     if limit is not None and limit < 0:
         raise ValueError(f"limit must be None or >= 0, not {limit}")
-    if data is None:
-        with _open_dataset() as text:
-            prompts = _prompts_of_split(text, split, max_chars)
-    else:
-        prompts = _prompts_of_split(data, split, max_chars)
+    every = _package_prompts(max_chars) if data is None else _all_prompts(data, max_chars)
+    prompts = [
+        prompt for prompt in every if is_held_out(prompt.source.removeprefix("sharegpt:")) == (split == "held_out")
+    ]
     random.Random(seed).shuffle(prompts)
     return PromptList(prompts[:limit])
 
@@ -55,13 +55,15 @@ def is_held_out(conversation_id: str) -> bool:
     return hashlib.blake2b(conversation_id.encode()).digest()[0] < HELD_OUT_SHARE * 256
 
 
-def _prompts_of_split(text: IO[str], split: str, max_chars: int) -> list[ChatPrompt]:
-    prompts = []
-    for conversation in conversations(text):
-        prompt = _prompt(conversation, max_chars)
-        if prompt is not None and is_held_out(str(conversation["id"])) == (split == "held_out"):
-            prompts.append(prompt)
-    return prompts
+@functools.cache
+def _package_prompts(max_chars: int) -> tuple[ChatPrompt, ...]:
+    """Every prompt of the package's file, read once a process (its 125 MB take ~5 s to parse)."""
+    with _open_dataset() as text:
+        return tuple(_all_prompts(text, max_chars))
+
+
+def _all_prompts(text: IO[str], max_chars: int) -> list[ChatPrompt]:
+    return [prompt for conversation in conversations(text) if (prompt := _prompt(conversation, max_chars)) is not None]
 
 
 def _prompt(conversation: dict, max_chars: int) -> ChatPrompt | None:
