@@ -16,11 +16,10 @@ is reported beside the measured one, before and after.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING
 
-if TYPE_CHECKING:
-    from specdec.tools.benchmark.llama_cpp import Say
+Say = Callable[[str], None]
 
 RECORD_MAX_BYTES = 1 << 30
 
