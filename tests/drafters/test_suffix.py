@@ -13,6 +13,7 @@ from helpers import random_prompts, save_tiny_model, token_ids
 from specdec import LLM, SamplingParams
 from specdec.config import SamplingParams as Params
 from specdec.config import SpeculativeConfig
+from specdec.drafters.base import Draft, Drafter
 from specdec.drafters.suffix import SuffixDrafter
 from specdec.sampling import SamplingTensors
 from specdec.sequence import Sequence
@@ -203,6 +204,53 @@ def test_drafted_rows_join_a_suffix_tree_as_chains_of_point_masses():
     assert merged.parents is not None and merged.parents.tolist() == [[ROOT, ROOT, 0, ROOT], [ROOT, 0, 1, 2]]
 
 
+class NamedDrafter(Drafter):
+    """A drafter behind suffix decoding that proposes nothing and notes the rows it was asked for."""
+
+    def __init__(self):
+        self.drafted: list[list[str]] = []  # each call's request ids
+
+    def propose(self, batch, ks, sampling):
+        self.drafted.append([seq.request_id for seq in batch])
+        return Draft.empty(len(batch), "cpu")
+
+
+def test_the_outlook_offers_each_row_its_drafters_and_propose_follows_the_pick():
+    """Suffix decoding, free, where a tree continues the row's context (with as many nodes as it
+    would give at that k), or the drafter behind it; the drafter alone elsewhere. The one the row
+    would take by itself comes first (for a sampled row whose suffix drafts were accepted less
+    often than the drafter's, the drafter). propose drafts each row as assign said."""
+    from specdec.drafters.base import RowOutlook
+    from specdec.drafters.lookup_then_draft import DRAFTER, LOOKUP
+    from specdec.drafters.suffix_then_draft import SuffixThenDraftDrafter
+
+    suffix = SuffixDrafter(max_tree_depth=16, max_cached_requests=10, max_spec_factor=1.0)
+    drafter = SuffixThenDraftDrafter(suffix, NamedDrafter())
+    finished(suffix, "a", [100], [5, 6, 7, 8, 9, 10])
+    seqs = [
+        sequence("c", [50, 5, 6], []),  # a 2-token match: 2 tokens at max_spec_factor 1
+        sequence("d", [51, 52], []),  # no match
+        sequence("e", [53, 5, 6, 7], [], temperature=0.8),  # sampled: 3 matched, 3 to give
+    ]
+    assert drafter.outlook(seqs, 8) == [
+        (RowOutlook(LOOKUP, free=True, most=2), RowOutlook(DRAFTER)),
+        (RowOutlook(DRAFTER),),
+        (RowOutlook(LOOKUP, free=True, most=3), RowOutlook(DRAFTER)),
+    ]
+    assert drafter.outlook(seqs, 1)[0][0] == RowOutlook(LOOKUP, free=True, most=1)
+    drafter._rates(seqs[2])[LOOKUP].observe(8, 0)  # its suffix drafts rejected at once, twice
+    drafter._rates(seqs[2])[LOOKUP].observe(8, 0)
+    assert drafter.outlook(seqs, 8)[2] == (RowOutlook(DRAFTER), RowOutlook(LOOKUP, free=True, most=3))
+
+    drafted = drafter.drafter.drafted
+    drafter.assign(seqs, [RowOutlook(DRAFTER), RowOutlook(DRAFTER), RowOutlook(LOOKUP, free=True, most=3)])
+    draft = propose(drafter, seqs, [2, 3, 3])
+    assert drafted == [["c", "d"]] and draft.num_tokens.tolist() == [0, 0, 3]  # the pick, not its own choice
+    drafted.clear()
+    draft = propose(drafter, seqs, [2, 3, 3])  # no pick for this round: the row's own choice
+    assert drafted == [["d", "e"]] and draft.token_ids[0, :2].tolist() == [7, 8]
+
+
 @pytest.fixture(scope="module")
 def draft(tmp_path_factory, target):
     """The target plus noise: it agrees with the target often, not always."""
@@ -220,9 +268,11 @@ def draft(tmp_path_factory, target):
     return path
 
 
-def test_greedy_suffix_then_draft_equals_the_target_alone(target, draft, monkeypatch):
+@pytest.mark.parametrize("k_policy", ["fixed", "goodput"])
+def test_greedy_suffix_then_draft_equals_the_target_alone(target, draft, monkeypatch, k_policy):
     """Suffix decoding where it matches, the draft model elsewhere, in the same rounds: equal to
-    the target alone in float32, one by one and batched; both drafted."""
+    the target alone in float32, one by one and batched; both drafted. Under goodput each
+    drafter's acceptance is estimated apart (the outlook says who drafts each row)."""
     from specdec.drafters.suffix_then_draft import SuffixThenDraftDrafter
 
     sources = []
@@ -241,8 +291,13 @@ def test_greedy_suffix_then_draft_equals_the_target_alone(target, draft, monkeyp
         speculative_model=str(draft),
         speculative_method="suffix_then_draft",
         num_speculative_tokens=6,
-        speculative_k_policy="fixed",
+        speculative_k_policy=k_policy,
     )
     assert token_ids([llm.generate([prompt], GREEDY)[0] for prompt in prompts]) == expected
     assert token_ids(llm.generate(prompts, GREEDY)) == expected
     assert any(drafted for drafted, _ in sources) and any(suffixed for _, suffixed in sources)
+    if k_policy == "goodput":
+        from specdec.drafters.lookup_then_draft import DRAFTER, LOOKUP
+
+        priors = llm.engine.policy.priors
+        assert priors[LOOKUP].judged > 0 and priors[DRAFTER].judged > 0  # both drafted, each learnt apart

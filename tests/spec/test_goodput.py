@@ -18,6 +18,7 @@ import torch
 from helpers import save_tiny_model
 from specdec import LLM, SamplingParams
 from specdec.cli import main
+from specdec.drafters.base import DRAFT, RowOutlook
 from specdec.metrics import PRIOR_WEIGHT, AcceptanceEstimate
 from specdec.spec.goodput import (
     CALIBRATION_REPEATS,
@@ -65,7 +66,7 @@ def policy_with(costs: RoundCosts, k_max: int = K) -> GoodputPolicy:
 def test_the_choice_maximises_expected_tokens_per_second(alpha, costs):
     policy = policy_with(costs)
     policy.start(0)
-    estimate = policy.estimates[0]
+    estimate = policy.estimate(0)
     estimate.accepted, estimate.judged = alpha * 1e6, 1e6  # so many rounds that the prior does not count
     step, per_token = costs.verify.calibrated[1], costs.verify.calibrated[2] - costs.verify.calibrated[1]
     draft_step = costs.draft.calibrated[1]
@@ -78,7 +79,7 @@ def test_room_caps_the_expected_tokens():
     """A row that can emit 2 more tokens gains nothing from a third draft."""
     policy = policy_with(linear(1.0, 0.1, 0.05))
     policy.start(0)
-    policy.estimates[0].accepted, policy.estimates[0].judged = 1e6, 1e6
+    policy.estimate(0).accepted, policy.estimate(0).judged = 1e6, 1e6
     assert policy.choose([0], [2]) == [2]
 
 
@@ -110,8 +111,110 @@ def test_the_plan_is_the_best_of_every_k_and_set_of_drafting_rows(seed):
     policy = policy_with(costs)
     for slot, alpha in enumerate(alphas):
         policy.start(slot)
-        policy.estimates[slot].accepted, policy.estimates[slot].judged = alpha * 1e6, 1e6
+        policy.estimate(slot).accepted, policy.estimate(slot).judged = alpha * 1e6, 1e6
     assert policy.plan(list(range(5)), rooms) == best_plan_by_brute_force(alphas, rooms, costs)
+
+
+LOOKUP = "lookup"
+
+
+def best_mixed_plan_by_brute_force(alphas, rooms, outlooks, costs: RoundCosts):
+    """Every verify width k + 1, every k_c <= k the paying rows draft, every set of paying rows:
+    the free rows draft min(k, room, most) at no draft cost, each paying row min(k_c, room) at
+    its share of k_c draft steps; plain decoding's goodput counted MIN_GAIN times."""
+    B = len(alphas)
+    caps = [room if o.most is None else min(room, o.most) for room, o in zip(rooms, outlooks)]
+    paying = [row for row, o in enumerate(outlooks) if not o.free and caps[row] > 0]
+    best, best_plan = MIN_GAIN * B / costs.verify.seconds(1), [0] * B
+    for k in range(1, K + 1):
+        for k_c in range(1, k + 1):
+            for drafting in itertools.product([False, True], repeat=len(paying)):
+                ks = [min(k, cap) if o.free else 0 for cap, o in zip(caps, outlooks)]
+                for row, d in zip(paying, drafting):
+                    ks[row] = min(k_c, caps[row]) if d else 0
+                if not any(ks):
+                    continue
+                tokens = B + sum(expected_tokens(a, n) - 1 for a, n in zip(alphas, ks))
+                seconds = costs.verify.seconds(k + 1) + costs.draft.seconds(k_c) * sum(drafting) / B
+                if tokens / seconds > best + 1e-12:
+                    best, best_plan = tokens / seconds, ks
+    return best_plan
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_free_rows_draft_without_paying_draft_steps_and_paying_rows_may_draft_fewer(seed):
+    """A drafter of several says which drafts each row (a lookup, free, with so many tokens to
+    give; a head at its step's cost): the plan is the brute-force best over the verify's width,
+    the paying rows' k_c <= k and every set of paying rows, each row at its own source's α."""
+    g = torch.Generator().manual_seed(100 + seed)
+    B = 5
+    free = (torch.rand(B, generator=g) < 0.5).tolist()
+    mosts = torch.randint(1, 7, (B,), generator=g).tolist()
+    outlooks = [RowOutlook(LOOKUP, True, most) if f else RowOutlook() for f, most in zip(free, mosts)]
+    source_alphas = {LOOKUP: float(torch.rand(1, generator=g)), DRAFT: float(torch.rand(1, generator=g))}
+    rooms = torch.randint(0, 7, (B,), generator=g).tolist()
+    costs = linear(1.0, float(torch.rand(1, generator=g)) * 0.2, float(torch.rand(1, generator=g)) * 0.5)
+    policy = policy_with(costs)
+    for slot, outlook in enumerate(outlooks):
+        policy.start(slot)
+        estimate = policy.estimate(slot, outlook.source)
+        estimate.accepted, estimate.judged = source_alphas[outlook.source] * 1e6, 1e6
+    alphas = [source_alphas[o.source] for o in outlooks]
+    assert policy.plan(list(range(B)), rooms, outlooks) == best_mixed_plan_by_brute_force(
+        alphas, rooms, outlooks, costs
+    )
+
+
+def test_a_copied_row_drafts_wide_where_the_heads_rows_would_not_pay_for_it():
+    """A dear head (a draft step 0.6 of a target step) at α 0.6 does not pay for itself; the same
+    round's row whose context a lookup continues (α 0.9, 6 tokens) drafts them all, for free."""
+    costs = linear(1.0, 0.02, 0.6)
+    policy = policy_with(costs)
+    for slot, (source, alpha) in enumerate([(DRAFT, 0.6), (LOOKUP, 0.9)]):
+        policy.start(slot)
+        policy.estimate(slot, source).accepted, policy.estimate(slot, source).judged = alpha * 1e6, 1e6
+    outlooks = [RowOutlook(), RowOutlook(LOOKUP, free=True, most=6)]
+    assert policy.choose([0, 1], [100, 100], outlooks) == [0, K]
+    assert policy.choose([0, 1], [100, 100], [RowOutlook(), RowOutlook(LOOKUP, free=True, most=2)]) == [0, 2]
+    assert policy.choose([0], [100]) == [0]  # the head alone: plain decoding
+
+
+def test_each_row_is_drafted_by_the_drafter_of_more_expected_tokens_per_second():
+    """A lookup that copies (α 0.9, free) beats the head (α 0.6, a step 0.1 of the target's); a
+    coincidental match (α 0.2) gives way to the head rather than to a plain round; a match of one
+    token at α 0.7 still beats the head's longer but dear drafts; a tie keeps the first offered."""
+    policy = policy_with(linear(1.0, 0.02, 0.1))
+    policy.start(0)
+    head = RowOutlook()
+    for source, alpha in ((DRAFT, 0.6), (LOOKUP, 0.9)):
+        policy.estimate(0, source).accepted, policy.estimate(0, source).judged = alpha * 1e6, 1e6
+    copy = RowOutlook(LOOKUP, free=True, most=6)
+    assert policy.pick([0], [100], [(head, copy)]) == [copy]
+    assert policy.pick([0], [100], [(head,)]) == [head]
+    policy.estimate(0, LOOKUP).accepted = 0.2 * 1e6
+    assert policy.pick([0], [100], [(copy, head)]) == [head]
+    policy.estimate(0, LOOKUP).accepted = 0.7 * 1e6
+    assert policy.pick([0], [100], [(head, RowOutlook(LOOKUP, free=True, most=1))]) == [RowOutlook(LOOKUP, True, 1)]
+    policy.estimate(0, LOOKUP).accepted = 0.6 * 1e6
+    same = RowOutlook(LOOKUP, free=False)
+    assert policy.pick([0], [100], [(same, head)]) == [same] and policy.pick([0], [100], [(head, same)]) == [head]
+
+
+def test_acceptance_is_learnt_per_source_and_pooled_per_source():
+    """One sequence's lookup rounds accepted in full and its head rounds rejected: two
+    estimates, two priors; the source not used in a round drifts back to its prior."""
+    policy = policy_with(linear(1.0, 0.1, 0.1))
+    policy.start(0)
+    for _ in range(20):
+        policy.observe([0], [4], [4], [LOOKUP])
+        policy.observe([0], [4], [0], [DRAFT])
+    assert policy._alpha(0, LOOKUP) > 0.9 and policy._alpha(0, DRAFT) < 0.2
+    assert policy.prior(LOOKUP).rate(0.5) > 0.9 and policy.prior(DRAFT).rate(0.5) < 0.2
+    before = policy.estimate(0, DRAFT).judged
+    policy.observe([0], [4], [4], [LOOKUP])
+    assert policy.estimate(0, DRAFT).judged < before  # relaxed: not judged this round
+    policy.start(1)  # a new sequence starts from each source's pooled rate
+    assert policy._alpha(1, LOOKUP) > 0.8 and policy._alpha(1, DRAFT) < 0.3
 
 
 def test_one_good_row_among_useless_ones():
@@ -121,7 +224,7 @@ def test_one_good_row_among_useless_ones():
     policy = policy_with(costs)
     for slot, alpha in enumerate([0.0, 0.0, 0.0, 0.95]):
         policy.start(slot)
-        policy.estimates[slot].accepted, policy.estimates[slot].judged = alpha * 1e6, 1e6
+        policy.estimate(slot).accepted, policy.estimate(slot).judged = alpha * 1e6, 1e6
     assert policy.choose([0, 1, 2, 3], [50] * 4) == [0] * 4
     alone = {k: expected_tokens(0.95, k) / costs.seconds(k, k + 1) * (MIN_GAIN if k == 0 else 1) for k in range(K + 1)}
     assert policy.choose([3], [50]) == [max(alone, key=alone.get)] and max(alone, key=alone.get) > 0
@@ -131,7 +234,7 @@ def test_a_probe_drafts_one_row_in_turn():
     policy = policy_with(linear(1.0, 0.01, 0.2))
     for slot in range(3):
         policy.start(slot)
-        policy.estimates[slot].judged = 1e6  # α = 0
+        policy.estimate(slot).judged = 1e6  # α = 0
     probes = [ks for ks in (policy.choose([0, 1, 2], [9, 0, 9]) for _ in range(3 * (PROBE_INTERVAL + 1))) if any(ks)]
     assert probes == [[1, 0, 0], [0, 0, 1], [1, 0, 0]]  # the row with no room skipped
 
@@ -151,7 +254,7 @@ def test_a_sequence_not_drafting_drifts_back_to_the_prior():
     """A run of rejections switches a sequence's drafting off; while it drafts nothing its own
     counts fade, and with a good pooled rate it drafts again."""
     policy = policy_with(linear(1.0, 0.1, 0.2))
-    policy.prior.accepted, policy.prior.judged = 90.0, 100.0  # the others accept 0.9
+    policy.prior().accepted, policy.prior().judged = 90.0, 100.0  # the others accept 0.9
     policy.start(0)
     for _ in range(10):
         policy.observe([0], [4], [0])  # rejected at once, ten rounds running
@@ -166,7 +269,7 @@ def test_a_sequence_not_drafting_drifts_back_to_the_prior():
 def test_plain_rounds_probe_with_one_draft_now_and_then():
     policy = policy_with(linear(1.0, 0.01, 0.005))  # a probe costs little: one every PROBE_INTERVAL
     policy.start(0)
-    policy.estimates[0].judged = 1e6  # α = 0
+    policy.estimate(0).judged = 1e6  # α = 0
     choices = [policy.choose([0], [100])[0] for _ in range(3 * (PROBE_INTERVAL + 1))]
     assert choices.count(1) == 3 and set(choices) == {0, 1}
     assert choices[PROBE_INTERVAL] == 1 and choices[:PROBE_INTERVAL] == [0] * PROBE_INTERVAL
@@ -178,7 +281,7 @@ def test_probes_come_further_apart_where_they_cost_more():
     it comes after enough plain rounds that probes take PROBE_BUDGET of the time."""
     policy = policy_with(linear(1.0, 0.5, 0.5))
     policy.start(0)
-    policy.estimates[0].judged = 1e6
+    policy.estimate(0).judged = 1e6
     choices = [policy.choose([0], [100])[0] for _ in range(80)]
     floor = math.ceil((0.5 + 0.5) / PROBE_BUDGET)
     assert floor > PROBE_INTERVAL and choices.index(1) == floor
@@ -189,7 +292,7 @@ def test_probes_never_stop_and_keep_to_their_budget():
     MAX_PROBE_INTERVAL rounds, never further apart."""
     policy = policy_with(linear(1.0, 2.0, 0.5))
     policy.start(0)
-    policy.estimates[0].judged = 1e6  # α = 0
+    policy.estimate(0).judged = 1e6  # α = 0
     probes_at = []
     for round_index in range(1000):
         if policy.choose([0], [100])[0]:
@@ -207,7 +310,7 @@ def test_probes_come_sooner_the_less_they_are_expected_to_lose():
     for alpha in (0.0, 0.2, 0.4):
         policy = policy_with(linear(1.0, 0.3, 0.05))
         policy.start(0)
-        policy.estimates[0].accepted, policy.estimates[0].judged = alpha * 1e6, 1e6
+        policy.estimate(0).accepted, policy.estimate(0).judged = alpha * 1e6, 1e6
         choices = [policy.choose([0], [100])[0] for _ in range(100)]
         gaps[alpha] = choices.index(1)
         loss = 1.3 + 0.05 - expected_tokens(alpha, 1)
@@ -229,7 +332,7 @@ def test_bumpy_verify_costs_are_read_at_every_length(alpha):
     """The choice is the best k by each length's own cost (k = 3 or 4 over 1 or 2 here)."""
     policy = policy_with(bumpy(), k_max=5)
     policy.start(0)
-    policy.estimates[0].accepted, policy.estimates[0].judged = alpha * 1e6, 1e6
+    policy.estimate(0).accepted, policy.estimate(0).judged = alpha * 1e6, 1e6
     goodput = {k: expected_tokens(alpha, k) / (BUMPY[k + 1] + k * 0.04) for k in range(1, 6)}
     goodput[0] = MIN_GAIN * 1.0
     assert policy.choose([0], [100]) == [max(goodput, key=goodput.get)]
@@ -240,7 +343,7 @@ def test_a_probe_drafts_at_the_best_drafting_k():
     α = 0 every k promises one token: the cheapest round wins)."""
     policy = policy_with(bumpy(), k_max=5)
     policy.start(0)
-    policy.estimates[0].judged = 1e6  # α = 0
+    policy.estimate(0).judged = 1e6  # α = 0
     choices = [policy.choose([0], [100])[0] for _ in range(200)]
     cheapest = min(range(1, 6), key=lambda k: BUMPY[k + 1] + 0.04 * k)
     assert cheapest == 4 and {k for k in choices if k} == {4}
@@ -347,7 +450,7 @@ def test_costs_learn_from_each_rounds_timing():
     for _ in range(2):  # ... a cheaper one does
         policy.observe_round(1, k=3, verify_tokens=4, target_seconds=2.6, draft_seconds=3 * 0.1)
     assert draft.seconds(3) == pytest.approx(0.3)
-    policy.estimates[0].accepted = policy.estimates[0].judged = 1e6
+    policy.estimate(0).accepted = policy.estimate(0).judged = 1e6
     policy.choose([0], [100])  # a drafting round
     policy.choose([0], [100])  # ... after a drafting round: every timing counts
     for _ in range(4):  # ratios 1, 0.5, 0.5 and four of 3.5: their median

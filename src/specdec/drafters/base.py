@@ -69,6 +69,30 @@ class Draft:
         return Draft(token_ids, num_tokens, probs, parents)
 
 
+DRAFT = "draft"  # the source of a drafter that is one drafter (RowOutlook.source)
+
+
+@dataclass(frozen=True)
+class RowOutlook:
+    """What a drafter made of several drafters will do for one row in the coming round, said
+    before the round's k is chosen (Drafter.outlook), so that k is chosen for that drafter:
+
+    source  which of its drafters drafts the row: acceptance is estimated per source (a lookup
+            that found the text it copies is accepted more often than a head's guess)
+    free    whether that drafter's tokens cost no draft steps (a lookup, a suffix tree)
+    most    the most tokens it would propose, whatever k (a lookup's match supports only so
+            many); None: as many as asked
+    """
+
+    source: str = DRAFT
+    free: bool = False
+    most: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.most is not None and self.most < 0:
+            raise ValueError(f"RowOutlook.most must be None or >= 0, not {self.most}")
+
+
 class Drafter(ABC):
     """Proposes up to its k tokens per sequence each round (the engine says each row's k: the
     round's choice, cut to what the row can still emit; a drafter never decides it).
@@ -103,6 +127,18 @@ class Drafter(ABC):
         (tree.py), row i's no deeper than max_depths[i] (the engine's cut: what it can still
         emit), its candidates ranked for the batch's sampling settings: a Draft with parents."""
         raise NotImplementedError(f"{type(self).__name__} drafts chains only")
+
+    def outlook(self, batch: list[Sequence], k: int) -> list[tuple[RowOutlook, ...]] | None:
+        """Before a round's k is chosen: for each sequence, who among this drafter's drafters
+        could draft it with up to k tokens (RowOutlook: which, whether it costs draft steps, how
+        many tokens it would give at most), the one it would take by itself first. The engine's
+        k policy may pick another (assign). None (a drafter that is one drafter): every row is
+        drafted alike, at the draft step's cost."""
+        return None
+
+    def assign(self, batch: list[Sequence], chosen: list[RowOutlook]) -> None:
+        """The coming round's drafters, one of outlook's options for each row of batch: propose
+        then drafts each row with the one chosen (only the coming round's propose)."""
 
     def time_step(self, batch_size: int) -> None:
         """Run what one draft token costs for batch_size rows, for the engine to time before any

@@ -20,16 +20,24 @@ decoding on "edit" prompts and 1.10x on "write" ones, the EAGLE head 0.89x and 1
 (docs/runner.md, "Prompt lookup on sampled rows"). The choice reads only acceptance, never
 timings: a seeded request gets the same tokens every run.
 
+Under k by goodput the k policy makes that choice instead, every row's, greedy or sampled
+(outlook offers it lookup or the drafter, assign says which): from its own estimates of each
+drafter's acceptance on the sequence, what a match gives and what the drafter's steps cost. A
+match that is a coincidence (the same instruction over new inputs) then gives way to the drafter
+rather than to a plain round, and a long copy, free, is verified wide.
+
 Per row, the draft is a point mass (a looked-up row) or the drafter's distributions:
 rejection sampling keeps the output exactly the target's either way.
 """
 
 from __future__ import annotations
 
+from typing import Protocol
+
 import torch
 
 from specdec.config import DEFAULT_NGRAM_MIN
-from specdec.drafters.base import Draft, Drafter
+from specdec.drafters.base import Draft, Drafter, RowOutlook
 from specdec.drafters.draft_model import DraftModelDrafter
 from specdec.drafters.eagle import EagleDrafter
 from specdec.drafters.ngram import NgramDrafter
@@ -44,17 +52,28 @@ LOOKUP, DRAFTER = "lookup", "drafter"  # who drafted a sampled row's round
 PRIOR = 0.5  # both acceptance estimates start here (AcceptanceEstimate's prior)
 
 
+class Lookup(Protocol):
+    """What drafts first: a drafter that can say, before proposing, how much it would propose."""
+
+    def propose(self, batch: list[Sequence], ks: list[int], sampling: SamplingTensors) -> Draft: ...
+
+    def proposal_length(self, seq: Sequence, k: int) -> int: ...
+
+    def release(self, seq: Sequence) -> None: ...
+
+
 class LookupThenDraftDrafter(Drafter):
     """lookup: what drafts first, at no cost (prompt lookup here; suffix decoding in
     suffix_then_draft.py, whose rows may be trees); drafter: the draft model or head behind it."""
 
-    def __init__(self, lookup: Drafter, drafter: DraftModelDrafter | EagleDrafter):
+    def __init__(self, lookup: Lookup, drafter: DraftModelDrafter | EagleDrafter):
         self.lookup = lookup
         self.drafter = drafter
         self.needs_target_hidden = drafter.needs_target_hidden  # a head: the target's features, every round
         # sampled rows: per request, lookup's and the drafter's acceptance rates, and who drafted last round
         self.rates: dict[str, dict[str, AcceptanceEstimate]] = {}
         self.last_round: dict[str, tuple[str, int]] = {}  # request id -> (LOOKUP or DRAFTER, tokens proposed)
+        self.assigned: dict[str, str] = {}  # request id -> LOOKUP or DRAFTER: the k policy's pick for the coming round
 
     @classmethod
     def from_config(cls, spec, target, target_runner) -> LookupThenDraftDrafter:
@@ -93,6 +112,25 @@ class LookupThenDraftDrafter(Drafter):
         rates = self._rates(seq)
         return rates[LOOKUP].rate(PRIOR) >= rates[DRAFTER].rate(PRIOR)
 
+    def outlook(self, batch: list[Sequence], k: int) -> list[tuple[RowOutlook, ...]]:
+        """A row lookup continues: lookup, free, with as many tokens as the match gives, or the
+        drafter behind it (lookup first where the row would take it by itself: takes_lookup);
+        any other row: the drafter."""
+        options = []
+        for seq in batch:
+            looked_up = self.lookup.proposal_length(seq, k)
+            lookup, drafter = RowOutlook(LOOKUP, free=True, most=looked_up), RowOutlook(DRAFTER)
+            if not looked_up:
+                options.append((drafter,))
+            elif self.takes_lookup(seq, seq.params.greedy):
+                options.append((lookup, drafter))
+            else:
+                options.append((drafter, lookup))
+        return options
+
+    def assign(self, batch: list[Sequence], chosen: list[RowOutlook]) -> None:
+        self.assigned = {seq.request_id: outlook.source for seq, outlook in zip(batch, chosen)}
+
     def observe_hidden(
         self, batch: list[Sequence], first_positions: torch.Tensor, hidden: torch.Tensor, num_valid: torch.Tensor
     ) -> None:
@@ -122,7 +160,11 @@ class LookupThenDraftDrafter(Drafter):
     def propose(self, batch: list[Sequence], ks: list[int], sampling: SamplingTensors) -> Draft:
         looked_up = self.lookup.propose(batch, ks, sampling)
         greedy = sampling.greedy.tolist()
-        takes = [n > 0 and self.takes_lookup(s, g) for s, n, g in zip(batch, looked_up.num_tokens.tolist(), greedy)]
+        assigned, self.assigned = self.assigned, {}
+        takes = [
+            n > 0 and (assigned[s.request_id] == LOOKUP if s.request_id in assigned else self.takes_lookup(s, g))
+            for s, n, g in zip(batch, looked_up.num_tokens.tolist(), greedy)
+        ]
         draft = self._with_drafter(batch, ks, sampling, looked_up, [row for row, t in enumerate(takes) if not t])
         for row, (seq, n) in enumerate(zip(batch, draft.num_tokens.tolist())):
             if not greedy[row] and min(n, ks[row]) > 0:  # a sampled row's round, to learn from

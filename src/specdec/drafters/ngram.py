@@ -33,6 +33,10 @@ class NgramDrafter(Drafter):
             num_tokens[row] = len(proposal)
         return Draft(token_ids.to(self.device), num_tokens.to(self.device), None)
 
+    def proposal_length(self, seq: Sequence, k: int) -> int:
+        """How many tokens propose would give seq with k: 0 where nothing matches."""
+        return len(lookup(np.asarray(seq.token_ids), k, self.ngram_min, self.ngram_max))
+
 
 def lookup(context: np.ndarray, k: int, ngram_min: int, ngram_max: int) -> np.ndarray:
     """Up to k tokens that followed the latest earlier match of the context's last n tokens,

@@ -123,6 +123,10 @@ class SuffixDrafter(Drafter):
         tree = None if bool(after_the_one_before.all()) else parents.to(self.device)  # every row a chain: None
         return Draft(token_ids.to(self.device), num_tokens.to(self.device), None, tree)
 
+    def proposal_length(self, seq: Sequence, k: int) -> int:
+        """How many nodes propose would give seq with k: 0 where no tree continues its context."""
+        return len(self.speculate(seq, k)[0])
+
     def speculate(self, seq: Sequence, k: int) -> tuple[list[int], list[int]]:
         """Up to k draft nodes for seq (token ids, and each one's parent's index in them, ROOT for
         a child of the last token; parents before children), from its own tree and, unless it

@@ -140,7 +140,7 @@ class Engine:
         self._make_room()
         running = [seq for seq in self.scheduler.running if not seq.finished and not seq.prefilling]
         if running:
-            result = self.round.run(running, self.k_choice.round_ks(running))
+            result = self.round.run(running, self.k_choice.round_ks(running, self.drafter))
             self._emit(running, result)
             self.k_choice.observe(running, result)
         self.scheduler.register_full_blocks(None if self.drafter is None else self.drafter.cached_entries)

@@ -22,10 +22,21 @@ Each round takes the plan (k, and the rows that draft) that maximises
 for B rows of which n draft, room_i being what row i can still emit: the rows share the round's
 target forward, padded to k + 1 tokens a row if any row drafts, while the drafter's work is
 per row. So a row whose drafts would not pay their way drafts nothing, the others draft k; at
-batch 1 this is the sequence's own k. A plan that drafts must promise MIN_GAIN (5%) more than
-plain decoding: the costs are measured to a few percent, the acceptance rates estimated, and a
-thinner predicted gain is as likely a loss.
-A useless draft (α near 0) or a high temperature makes k = 0 win, and the round costs a plain
+batch 1 this is the sequence's own k.
+
+A drafter made of several (a lookup or suffix tree, a head behind it) says before the round
+which of them could draft each row (Drafter.outlook: its source, whether it is free, and the
+most tokens it gives); the policy picks one per row (pick: the one of the most expected tokens
+per second for that row alone) and tells the drafter (Drafter.assign). α is estimated per
+sequence and source, each source with its own pooled prior; a free row's tokens cost only the
+verify's width (room_i also capped by what it gives),
+and the rows that pay draft steps may draft fewer, k_c <= k: the plan is (k, k_c, the paying
+rows), the free rows drafting min(k, room_i) each. A lookup's copy, accepted often and free,
+then gets a wide verify even where the head's guesses would not pay for one.
+
+A plan that drafts must promise MIN_GAIN (5%) more than plain decoding: the costs are measured
+to a few percent, the acceptance rates estimated, and a thinner predicted gain is as likely a
+loss. A useless draft (α near 0) or a high temperature makes k = 0 win, and the round costs a plain
 decode step. k = 0 rounds teach nothing about α, so after enough of them in a row one row of one
 round drafts (the rows take turns), to see whether drafting pays again: at the k whose plan
 promises the most (usually 1; more where a longer verify costs less). How many is enough: the
@@ -48,6 +59,7 @@ import time
 from collections import Counter, deque
 from dataclasses import dataclass, field
 
+from specdec.drafters.base import DRAFT, RowOutlook
 from specdec.metrics import AcceptanceEstimate, expected_tokens_per_round
 
 PROBE_INTERVAL = 4  # k = 0 rounds in a row before a probe, at least ...
@@ -141,8 +153,8 @@ class GoodputPolicy:
         self.padded_tokens = padded_tokens
         self.clock = clock
         self.costs: dict[int, RoundCosts] = {}  # by batch bucket
-        self.estimates: dict[int, AcceptanceEstimate] = {}  # by slot
-        self.prior = AcceptanceEstimate(PRIOR_DECAY, POOLED_PRIOR_WEIGHT)  # every sequence's rounds, pooled
+        self.estimates: dict[int, dict[str, AcceptanceEstimate]] = {}  # by slot, then source
+        self.priors: dict[str, AcceptanceEstimate] = {}  # by source: every sequence's rounds, pooled
         self.k_counts: Counter[int] = Counter()  # rounds run at each k
         self._plain_rounds_in_a_row = 0
         self._drafting_rounds_in_a_row = 0
@@ -193,56 +205,93 @@ class GoodputPolicy:
                 costs.draft.observe(k, draft_seconds)
 
     def start(self, slot: int) -> None:
-        """A new sequence in slot: its estimate starts from the prior."""
-        self.estimates[slot] = AcceptanceEstimate()
+        """A new sequence in slot: its estimates start from the priors."""
+        self.estimates[slot] = {}
 
-    def observe(self, slots: list[int], num_proposed: list[int], num_accepted: list[int]) -> None:
-        for slot, proposed, accepted in zip(slots, num_proposed, num_accepted):
+    def estimate(self, slot: int, source: str = DRAFT) -> AcceptanceEstimate:
+        """The sequence in slot's acceptance estimate for what source drafts."""
+        return self.estimates[slot].setdefault(source, AcceptanceEstimate())
+
+    def prior(self, source: str = DRAFT) -> AcceptanceEstimate:
+        """Every sequence's rounds drafted by source, pooled."""
+        return self.priors.setdefault(source, AcceptanceEstimate(PRIOR_DECAY, POOLED_PRIOR_WEIGHT))
+
+    def observe(
+        self, slots: list[int], num_proposed: list[int], num_accepted: list[int], sources: list[str] | None = None
+    ) -> None:
+        """What each row's round proposed and had accepted, drafted by sources (None: DRAFT for
+        all). A row's other sources drift back to their priors, as a row that proposed nothing."""
+        sources = sources or [DRAFT] * len(slots)
+        for slot, proposed, accepted, source in zip(slots, num_proposed, num_accepted, sources):
             if proposed:
-                self.estimates[slot].observe(proposed, accepted)
-                self.prior.observe(proposed, accepted)
-            else:
-                self.estimates[slot].relax()
+                self.estimate(slot, source).observe(proposed, accepted)
+                self.prior(source).observe(proposed, accepted)
+            for other, estimate in self.estimates[slot].items():
+                if other != source or not proposed:
+                    estimate.relax()
 
     # --- choosing -----------------------------------------------------------------------------
 
-    def choose(self, slots: list[int], rooms: list[int]) -> list[int]:
-        """Each row's k this round (rows in slots, each with room draft tokens at most): the
-        plan of the most expected tokens per second, or a probe (_probe); and after
-        PLAIN_CHECK_INTERVAL drafting rounds in a row a plain one, so that the cost drafting is
-        weighed against stays measured (a busier machine would otherwise show only in the costs
-        of drafting rounds, read as drafting grown dear)."""
-        ks = self.plan(slots, rooms)
+    def choose(self, slots: list[int], rooms: list[int], outlooks: list[RowOutlook] | None = None) -> list[int]:
+        """Each row's k this round (rows in slots, each with room draft tokens at most, drafted
+        as outlooks say: None, every row by one drafter at its step's cost): the plan of the
+        most expected tokens per second, or a probe (_probe); and after PLAIN_CHECK_INTERVAL
+        drafting rounds in a row a plain one, so that the cost drafting is weighed against stays
+        measured (a busier machine would otherwise show only in the costs of drafting rounds,
+        read as drafting grown dear)."""
+        outlooks = outlooks or [RowOutlook()] * len(slots)
+        rooms = _capped(rooms, outlooks)
+        ks = self.plan(slots, rooms, outlooks)
         if not any(ks) and min(self.k_max, max(rooms)) > 0:
-            ks = self._probe(slots, rooms, ks)
+            ks = self._probe(slots, rooms, outlooks, ks)
         elif self._drafting_rounds_in_a_row >= PLAIN_CHECK_INTERVAL:
             ks = [0] * len(ks)
         self._chose(max(ks))
         return ks
 
-    def plan(self, slots: list[int], rooms: list[int]) -> list[int]:
+    def pick(self, slots: list[int], rooms: list[int], options: list[tuple[RowOutlook, ...]]) -> list[RowOutlook]:
+        """Each row's drafter among its options (the first where several promise the same): the
+        one of the most expected tokens per second for that row, drafting at its best k with the
+        rest of the batch plain (its share of the draft steps where it pays for them)."""
+        B = len(slots)
+        costs = self._costs(B)
+
+        def promise(slot: int, room: int, outlook: RowOutlook) -> float:
+            alpha, cap = self._alpha(slot, outlook.source), _capped([room], [outlook])[0]
+            best = B / costs.verify.seconds(1)
+            for k in range(1, min(self.k_max, cap) + 1):
+                draft = 0.0 if outlook.free else costs.draft.seconds(k) / B
+                tokens = B + expected_tokens_per_round(alpha, k) - 1
+                best = max(best, tokens / (costs.verify.seconds(self.padded_tokens(k + 1)) + draft))
+            return best
+
+        return [
+            max(choices, key=lambda outlook: (promise(slot, room, outlook), -choices.index(outlook)))
+            for slot, room, choices in zip(slots, rooms, options)
+        ]
+
+    def plan(self, slots: list[int], rooms: list[int], outlooks: list[RowOutlook] | None = None) -> list[int]:
         """Each row's k for the most expected tokens per second: the best drafting plan if it
         promises MIN_GAIN times plain decoding's, else 0 everywhere."""
         B = len(slots)
-        goodput, k, rows = self._best_drafting_plan(slots, rooms)
-        ks = [0] * B
+        outlooks = outlooks or [RowOutlook()] * B
+        goodput, ks = self._best_drafting_plan(slots, _capped(rooms, outlooks), outlooks)
         if goodput > MIN_GAIN * B / self._costs(B).seconds(0, 1):
-            for row in rows:
-                ks[row] = min(k, rooms[row])
-        return ks
+            return ks
+        return [0] * B
 
-    def _probe(self, slots: list[int], rooms: list[int], ks: list[int]) -> list[int]:
+    def _probe(self, slots: list[int], rooms: list[int], outlooks: list[RowOutlook], ks: list[int]) -> list[int]:
         """ks, or, after _probe_gap k = 0 rounds in a row, ks with one row (in turn) drafting at
         the best drafting plan's k: to see whether drafting pays again."""
         with_room = [row for row, room in enumerate(rooms) if room > 0]
         row = with_room[self._num_probes % len(with_room)]
-        k = min(self._best_drafting_plan(slots, rooms)[1], rooms[row])
-        if self._plain_rounds_in_a_row < self._probe_gap(slots, row, k):
+        k = min(max(self._best_drafting_plan(slots, rooms, outlooks)[1]), rooms[row])
+        if self._plain_rounds_in_a_row < self._probe_gap(slots, outlooks, row, k):
             return ks
         self._num_probes += 1
         return [k if r == row else 0 for r in range(len(ks))]
 
-    def _probe_gap(self, slots: list[int], row: int, k: int) -> int:
+    def _probe_gap(self, slots: list[int], outlooks: list[RowOutlook], row: int, k: int) -> int:
         """k = 0 rounds in a row before a probe where row drafts k tokens: the probe's expected
         loss against a plain round (its forward over k + 1 tokens a row and the row's draft
         steps, less the tokens its drafts are expected to add), in plain rounds, ÷ PROBE_BUDGET;
@@ -250,42 +299,50 @@ class GoodputPolicy:
         B = len(slots)
         costs = self._costs(B)
         step = costs.verify.seconds(1)
-        tokens = B + expected_tokens_per_round(self._alpha(slots[row]), k) - 1
-        loss = (costs.verify.seconds(self.padded_tokens(k + 1)) + costs.draft.seconds(k) / B) / step - tokens / B
+        tokens = B + expected_tokens_per_round(self._alpha(slots[row], outlooks[row].source), k) - 1
+        draft = 0.0 if outlooks[row].free else costs.draft.seconds(k) / B
+        loss = (costs.verify.seconds(self.padded_tokens(k + 1)) + draft) / step - tokens / B
         return min(MAX_PROBE_INTERVAL, max(PROBE_INTERVAL, math.ceil(max(0.0, loss) / PROBE_BUDGET)))
 
-    def _alpha(self, slot: int) -> float:
-        """The sequence in slot's estimated acceptance rate (from the prior while it has few
-        observations)."""
-        return self.estimates[slot].rate(self.prior.rate(POOLED_PRIOR))
+    def _alpha(self, slot: int, source: str = DRAFT) -> float:
+        """The sequence in slot's estimated acceptance rate of what source drafts (from that
+        source's prior while it has few observations)."""
+        return self.estimate(slot, source).rate(self.prior(source).rate(POOLED_PRIOR))
 
-    def _best_drafting_plan(self, slots: list[int], rooms: list[int]) -> tuple[float, int, list[int]]:
-        """(expected tokens per second, k >= 1, the rows that draft) of the best plan that drafts
-        ((0, 0, []) if no row has room). For each k, the rows that gain most from drafting
-        (E(α_i, min(k, room_i)) - 1 extra tokens) draft first, each adding its share of the
-        draft's cost (rows that do not draft spare the drafter a row; the verify forward is the
-        whole batch's, at k + 1 tokens if anyone drafts)."""
+    def _best_drafting_plan(
+        self, slots: list[int], rooms: list[int], outlooks: list[RowOutlook]
+    ) -> tuple[float, list[int]]:
+        """(expected tokens per second, each row's k) of the best plan that drafts ((0, all 0)
+        if no row has room). For each verify width k + 1: the free rows draft min(k, room_i),
+        and for each k_c <= k (only k_c = k where no row is free) the paying rows that gain most
+        from drafting (E(α_i, min(k_c, room_i)) - 1 extra tokens) draft first, each adding its
+        share of k_c draft steps (rows that do not draft spare the drafter a row; the verify
+        forward is the whole batch's, at k + 1 tokens if anyone drafts)."""
         B = len(slots)
         costs = self._costs(B)
-        alphas = [self._alpha(slot) for slot in slots]
-        best, best_k, best_rows = 0.0, 0, []
+        alphas = [self._alpha(slot, outlook.source) for slot, outlook in zip(slots, outlooks)]
+        free = [row for row, outlook in enumerate(outlooks) if outlook.free and rooms[row] > 0]
+        paying = [row for row, outlook in enumerate(outlooks) if not outlook.free and rooms[row] > 0]
+        best, best_ks = 0.0, [0] * B
         for k in range(1, min(self.k_max, max(rooms)) + 1):
-            gains = sorted(
-                (
-                    (expected_tokens_per_round(alpha, min(k, room)) - 1, row)
-                    for row, (alpha, room) in enumerate(zip(alphas, rooms))
-                    if room > 0
-                ),
-                reverse=True,
-            )
-            verify, draft = costs.verify.seconds(self.padded_tokens(k + 1)), costs.draft.seconds(k)
-            tokens = float(B)
-            for n, (gain, _) in enumerate(gains, start=1):
-                tokens += gain
-                goodput = tokens / (verify + draft * n / B)
-                if goodput > best:
-                    best, best_k, best_rows = goodput, k, [row for _, row in gains[:n]]
-        return best, best_k, best_rows
+            verify = costs.verify.seconds(self.padded_tokens(k + 1))
+            free_ks = {row: min(k, rooms[row]) for row in free}
+            free_tokens = B + sum(expected_tokens_per_round(alphas[row], free_ks[row]) - 1 for row in free)
+            if free and free_tokens / verify > best:
+                best, best_ks = free_tokens / verify, [free_ks.get(row, 0) for row in range(B)]
+            for k_paying in range(1, k + 1) if free else (k,):
+                gains = sorted(
+                    ((expected_tokens_per_round(alphas[row], min(k_paying, rooms[row])) - 1, row) for row in paying),
+                    reverse=True,
+                )
+                tokens, draft = free_tokens, costs.draft.seconds(k_paying)
+                for n, (gain, _) in enumerate(gains, start=1):
+                    tokens += gain
+                    goodput = tokens / (verify + draft * n / B)
+                    if goodput > best:
+                        drafting = {row: min(k_paying, rooms[row]) for _, row in gains[:n]}
+                        best, best_ks = goodput, [free_ks.get(row, drafting.get(row, 0)) for row in range(B)]
+        return best, best_ks
 
     def _chose(self, k: int) -> int:
         self._after_plain_rounds = self._last_k == 0
@@ -302,6 +359,11 @@ class GoodputPolicy:
             nearest = min(self.costs, key=lambda b: abs(b.bit_length() - bucket.bit_length()))
             self.costs[bucket] = self.costs[nearest].copy()
         return self.costs[bucket]
+
+
+def _capped(rooms: list[int], outlooks: list[RowOutlook]) -> list[int]:
+    """Each row's room, cut to the most tokens its drafter would give."""
+    return [room if outlook.most is None else min(room, outlook.most) for room, outlook in zip(rooms, outlooks)]
 
 
 def _bucket(batch_size: int) -> int:

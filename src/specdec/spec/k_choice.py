@@ -12,6 +12,7 @@ which goodput takes from timings, and a seed must give the same tokens every run
 
 from __future__ import annotations
 
+from specdec.drafters.base import Drafter, RowOutlook
 from specdec.sequence import Sequence
 from specdec.spec.goodput import GoodputPolicy
 from specdec.spec.round import RoundResult
@@ -42,16 +43,25 @@ class KChoice:
             )
         use_goodput = k > 0 and k_policy == "goodput" and self.tree is None
         self.policy = GoodputPolicy(k, padded_tokens) if use_goodput else None
+        self.outlooks: list[RowOutlook] | None = None  # the last round goodput chose for: who drafted each row
 
-    def round_ks(self, batch: list[Sequence]) -> list[int]:
-        """Each row's k this round (at most its room, a tree's node budget aside)."""
+    def round_ks(self, batch: list[Sequence], drafter: Drafter | None = None) -> list[int]:
+        """Each row's k this round (at most its room, a tree's node budget aside). Under goodput,
+        where drafter is made of several, goodput also picks who drafts each row among those
+        drafter offers (Drafter.outlook), and tells it (Drafter.assign)."""
         rooms = [s.draft_room for s in batch]
+        self.outlooks = None
         if self.tree is not None:
             return [self.k if room > 0 else 0 for room in rooms]
         if self.policy is None or any(s.params.seed is not None and not s.params.greedy for s in batch):
             k = self.usable_k(batch)
             return [min(k, room) for room in rooms]
-        return self.policy.choose([s.slot for s in batch], rooms)
+        slots = [s.slot for s in batch]
+        options = drafter.outlook(batch, self.usable_k(batch)) if drafter is not None else None
+        if options is not None and drafter is not None:
+            self.outlooks = self.policy.pick(slots, rooms, options)
+            drafter.assign(batch, self.outlooks)
+        return self.policy.choose(slots, rooms, self.outlooks)
 
     def usable_k(self, seqs: list[Sequence]) -> int:
         """No wider than the most drafts any row has room for."""
@@ -88,11 +98,14 @@ class KChoice:
         """What a round of batch accepted and cost, for the policy's estimates."""
         if self.policy is None:
             return
-        self.policy.observe([s.slot for s in batch], result.num_proposed, result.num_accepted)
+        sources = [o.source for o in self.outlooks] if self.outlooks is not None else None
+        self.policy.observe([s.slot for s in batch], result.num_proposed, result.num_accepted, sources)
+        # a round where a free drafter drafted some rows says little of the paying drafter's cost
+        free_drafted = self.outlooks is not None and any(o.free for o in self.outlooks)
         self.policy.observe_round(
             len(batch),
             max(k or 0 for k in result.ks),  # a round's ks are ints (None is a prefill's)
             result.verify_tokens,
             target_seconds=result.seconds["target"] + result.seconds["sampling"],
-            draft_seconds=result.seconds["draft"] if result.all_rows_drafted else None,
+            draft_seconds=result.seconds["draft"] if result.all_rows_drafted and not free_drafted else None,
         )
