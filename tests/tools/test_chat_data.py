@@ -84,6 +84,25 @@ def test_a_stopped_run_resumes_where_it_stopped(chat_model, tmp_path):
     assert all((out / "train" / name).read_text() == text for name, text in first.items() if "train" in name)
 
 
+@pytest.mark.slow
+def test_a_finished_corpus_asked_for_more_prompts_answers_only_the_new_ones(chat_model, tmp_path):
+    """Its answers are kept (copied into the new run) where the answering settings are the same;
+    another answer length answers everything afresh."""
+    out = tmp_path / "data"
+    write_chat_data(str(chat_model), str(out), CONFIG, dtype="float32", progress=lambda line: None)
+    first = {p.relative_to(out): p.read_text() for p in out.rglob("*.txt")}
+    lines = []
+    more = ChatDataConfig(train_prompts=6, held_out_prompts=2, sampled_fraction=0.5, max_tokens=6, batch_size=3)
+    write_chat_data(str(chat_model), str(out), more, dtype="float32", progress=lines.append)
+    assert "9 already written, 3 to go" in lines[0]
+    assert all((out / name).read_text() == text for name, text in first.items())
+    assert json.loads((out / "chat_data.json").read_text())["answers"] == {"train": 9, "held_out": 3}
+    longer = ChatDataConfig(train_prompts=6, held_out_prompts=2, sampled_fraction=0.5, max_tokens=7, batch_size=3)
+    lines.clear()
+    write_chat_data(str(chat_model), str(out), longer, dtype="float32", progress=lines.append)
+    assert "0 already written, 12 to go" in lines[0]
+
+
 def test_bad_settings_and_a_model_without_a_template_are_refused(tmp_path, capsys):
     with pytest.raises(ValueError, match="sampled_fraction must be in"):
         ChatDataConfig(sampled_fraction=1.5)

@@ -25,6 +25,7 @@ moves to OUT when every answer is written.
 from __future__ import annotations
 
 import json
+import shutil
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -115,6 +116,7 @@ def write_chat_data(
             raise ValueError(f"the target {target!r} has no chat template: chat-data needs a chat model")
         with said_when_disk_full(output.staging, "the chat-data corpus", lambda: _kept(output)):
             _check_resumable(output, settings)
+            _carry_answers(output, settings)
             jobs = []
             for split, count in (("train", config.train_prompts), ("held_out", config.held_out_prompts)):
                 jobs += _jobs(split, _prompts(config.prompts, split, count, config.seed), config)
@@ -160,6 +162,23 @@ def _check_resumable(output: OutputDir, settings: dict) -> None:
     if manifest.is_file() and _answering(json.loads(manifest.read_text()).get("settings", {})) != _answering(settings):
         output.clear_staging()
     (output.staging / MANIFEST).write_text(json.dumps({"settings": settings, "finished": False}, indent=2) + "\n")
+
+
+def _carry_answers(output: OutputDir, settings: dict) -> None:
+    """A finished corpus at OUT answered as settings say (the same target, dtype, prompts,
+    temperature, answer length and seed): its answers are copied into the staging directory
+    where it has none of its own, so that asking the same corpus for more prompts answers only
+    the new ones."""
+    manifest = output.final / MANIFEST
+    if not manifest.is_file() or _answering(json.loads(manifest.read_text()).get("settings", {})) != _answering(
+        settings
+    ):
+        return
+    for answer in output.final.glob("*/*.txt"):
+        staged = output.staging / answer.relative_to(output.final)
+        if not staged.exists():
+            staged.parent.mkdir(parents=True, exist_ok=True)
+            shutil.copyfile(answer, staged)
 
 
 def _answering(settings: dict) -> dict:
