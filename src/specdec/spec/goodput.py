@@ -29,10 +29,10 @@ which of them could draft each row (Drafter.outlook: its source, whether it is f
 most tokens it gives); the policy picks one per row (pick: the one of the most expected tokens
 per second for that row alone) and tells the drafter (Drafter.assign). α is estimated per
 sequence and source, each source with its own pooled prior; a free row's tokens cost only the
-verify's width (room_i also capped by what it gives),
-and the rows that pay draft steps may draft fewer, k_c <= k: the plan is (k, k_c, the paying
-rows), the free rows drafting min(k, room_i) each. A lookup's copy, accepted often and free,
-then gets a wide verify even where the head's guesses would not pay for one.
+verify's width (room_i also capped by what it gives), and the rows that pay draft steps may
+draft fewer, k_c <= k: the plan is (k, k_c, the paying rows), the free rows drafting
+min(k, room_i) each. A lookup's copy, accepted often and free, then gets a wide verify even
+where the head's guesses would not pay for one.
 
 A plan that drafts must promise MIN_GAIN (5%) more than plain decoding: the costs are measured
 to a few percent, the acceptance rates estimated, and a thinner predicted gain is as likely a
@@ -266,7 +266,9 @@ class GoodputPolicy:
             return best
 
         return [
-            max(choices, key=lambda outlook: (promise(slot, room, outlook), -choices.index(outlook)))
+            choices[0]
+            if len(choices) == 1  # nothing to weigh (a row no lookup continues)
+            else max(choices, key=lambda outlook: (promise(slot, room, outlook), -choices.index(outlook)))
             for slot, room, choices in zip(slots, rooms, options)
         ]
 
