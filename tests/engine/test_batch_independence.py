@@ -88,20 +88,23 @@ def test_a_decode_step_in_a_batch_gets_the_bits_of_the_step_alone(models, form, 
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_a_packed_linear_gives_each_row_the_bits_it_gets_alone(dtype):
-    """The oneDNN-prepacked product (what the CPU's eager path runs): 1 to 64 rows at once,
-    each row's output is exactly its product alone."""
+@pytest.mark.parametrize(("in_features", "out_features"), [(256, 768), (1536, 1536), (8960, 1536)])
+def test_a_packed_linear_gives_each_row_the_bits_it_gets_alone(dtype, in_features, out_features):
+    """The oneDNN-prepacked product (what the CPU's eager path runs): 1 to 100 rows at once,
+    each row's output is exactly its product alone. The larger shapes are a 1.5B model's (on a
+    Sapphire Rapids oneDNN's own products differ there: cpu_linear.ProductShape)."""
     if not can_pack(dtype, torch.device("cpu")):
         pytest.skip(f"oneDNN does not pack {dtype} linears on this CPU")
     g = torch.Generator().manual_seed(10)
-    linear = torch.nn.Linear(256, 768, bias=True).to(dtype)
+    linear = torch.nn.Linear(in_features, out_features, bias=True).to(dtype)
     with torch.no_grad():
-        linear.weight.copy_(torch.randn(768, 256, generator=g))
+        linear.weight.copy_(torch.randn(out_features, in_features, generator=g))
         packed = PackedLinear(linear)
-        x = torch.randn(64, 256, generator=g).to(dtype)
-        alone = torch.cat([packed(x[i : i + 1]) for i in range(64)])  # [64, 768]
-        for rows in (2, 3, 8, 17, 64):
+        x = torch.randn(100, in_features, generator=g).to(dtype)
+        alone = torch.cat([packed(x[i : i + 1]) for i in range(100)])  # [100, N]
+        for rows in (2, 3, 8, 17, 32, 33, 64, 100):
             assert torch.equal(packed(x[:rows]), alone[:rows]), f"{rows} rows"
+        assert torch.equal(packed(x[:33].view(3, 11, in_features)), alone[:33].view(3, 11, out_features))
 
 
 def seeded_params(n: int) -> list[SamplingParams]:

@@ -29,8 +29,9 @@ def random_case(seed: int, B=2, T=5, H=6, Hkv=2, D=32, S=37, dtype=torch.float32
 
 @pytest.mark.parametrize("dtype, tolerance", [(torch.float32, 2e-6), (torch.bfloat16, 1e-2)])
 @pytest.mark.parametrize("heads", [(6, 2), (4, 4), (3, 1)])
-def test_attention_matches_pytorch_in_float64(dtype, tolerance, heads):
-    q, keys, values, mask = random_case(1, H=heads[0], Hkv=heads[1], dtype=dtype)
+@pytest.mark.parametrize("head_dim", [32, 40, 8])  # 40: the shipped draft's; a head size need not be a multiple of 16
+def test_attention_matches_pytorch_in_float64(dtype, tolerance, heads, head_dim):
+    q, keys, values, mask = random_case(1, H=heads[0], Hkv=heads[1], D=head_dim, dtype=dtype)
     got = ops().attend(q, keys, values, mask, q.shape[-1] ** -0.5)
     assert got.dtype == dtype and got.shape == q.shape
     assert (got.double() - reference(q, keys, values, mask)).abs().max() <= tolerance
@@ -45,11 +46,12 @@ def test_no_mask_reads_every_key_and_a_shared_mask_broadcasts():
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_a_query_alone_gets_what_it_gets_in_a_batch(dtype):
+@pytest.mark.parametrize("head_dim", [128, 40])
+def test_a_query_alone_gets_what_it_gets_in_a_batch(dtype, head_dim):
     """Bit for bit: alone, among more queries, beside another batch row, over a cache with more
     (hidden) keys after its own, and with keys it cannot see left out altogether."""
-    q, keys, values, mask = random_case(3, S=300, D=128, dtype=dtype)
-    scale = 128**-0.5
+    q, keys, values, mask = random_case(3, S=300, D=head_dim, dtype=dtype)
+    scale = head_dim**-0.5
     batch = ops().attend(q, keys, values, mask, scale)
     for b in range(2):
         for t in range(q.shape[1]):

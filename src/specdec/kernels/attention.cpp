@@ -156,7 +156,8 @@ struct HeadTask {
     for (int64_t r = 0; r < G * T; ++r) {
       int64_t d0 = 0;
       for (; d0 + 4 * LANES <= D; d0 += 4 * LANES) weigh_dims<4>(p + r * S16, r % T, d0, acc + r * D + d0);
-      for (; d0 < D; d0 += LANES) weigh_dims<1>(p + r * S16, r % T, d0, acc + r * D + d0);
+      for (; d0 + LANES <= D; d0 += LANES) weigh_dims<1>(p + r * S16, r % T, d0, acc + r * D + d0);
+      if (d0 < D) weigh_last_dims(p + r * S16, r % T, d0, acc + r * D + d0);
     }
   }
 
@@ -171,6 +172,22 @@ struct HeadTask {
       for (int i = 0; i < N; ++i) sum[i] += p[j] * load16_float(v + i * LANES);
     }
     for (int i = 0; i < N; ++i) store16(out + i * LANES, sum[i]);
+  }
+
+  // out[0 : D - d0] likewise for a head size not a multiple of 16: its last D - d0 < 16 dimensions,
+  // one to a lane (the lanes past D sum zeros), the same sum in the same order as weigh_dims'
+  void weigh_last_dims(const float* p, int64_t t, int64_t d0, float* out) const {
+    const int64_t n = D - d0;
+    float v16[LANES] = {}, sum16[LANES];
+    vfloat sum = splat(0.f);
+    for (int64_t j = 0; j < S; ++j) {
+      if (!visible(t, j)) continue;
+      const scalar_t* v = value(j) + d0;
+      for (int64_t l = 0; l < n; ++l) v16[l] = to_float(v[l]);
+      sum += p[j] * load16(v16);
+    }
+    store16(sum16, sum);
+    std::memcpy(out, sum16, n * sizeof(float));
   }
 };
 
@@ -220,7 +237,6 @@ void specdec_kernels::attend_cache(const float* q, int64_t B, int64_t T, int64_t
   TORCH_CHECK(keys.dim() == 4 && keys.sizes() == values.sizes() && keys.scalar_type() == values.scalar_type(),
               "keys and values: [rows or blocks, positions, Hkv, D] of one dtype");
   TORCH_CHECK(H % keys.size(2) == 0, "query heads must be a multiple of key/value heads");
-  TORCH_CHECK(keys.size(3) % LANES == 0, "head dimension must be a multiple of 16");
   TORCH_CHECK(keys.stride(3) == 1 && values.stride(3) == 1, "the head dimension must be contiguous");
   if (blocks == nullptr) {
     TORCH_CHECK(keys.size(0) == B && num_keys <= keys.size(1), "keys [B, S, Hkv, D]: position ", num_keys - 1,

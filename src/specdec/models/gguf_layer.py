@@ -68,7 +68,7 @@ def _q_linear(linear: GGUFLinear):
 
 def fused_layer(layer: DecoderLayer) -> nn.Module:
     """layer as a GGUFDecoderLayer where its parts allow (quantized products with fused norms and
-    gate, no padded rows, no q/k norms, a head size of a multiple of 16), else layer itself."""
+    gate, no padded rows, no q/k norms), else layer itself."""
     attention, mlp = layer.self_attn, layer.mlp
     linears = (
         attention.qkv_proj,
@@ -80,7 +80,6 @@ def fused_layer(layer: DecoderLayer) -> nn.Module:
         isinstance(mlp, GGUFMLP)
         and all(isinstance(m, GGUFLinear) and m.keep is None for m in linears)
         and attention.q_norm is None
-        and attention.head_dim % 16 == 0
         and attention.qkv_proj.norm_weight is not None
         and mlp.gate_up_proj.norm_weight is not None
         and attention.qkv_proj.eps == mlp.gate_up_proj.eps

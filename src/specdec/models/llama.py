@@ -200,9 +200,8 @@ def _attends_cache_by_query(q: torch.Tensor) -> bool:
     the padding up to the longest) nor on where its prefill was split into chunks. PyTorch's
     attention does neither: it rounds a query by the block of queries and keys it shares, so a
     prompt prefilled beside a longer one cached slightly different keys, and a seeded request's
-    tokens changed with its batch. Where the kernel cannot be built (or a head's size is not a
-    multiple of 16), PyTorch's attention."""
-    return q.device.type == "cpu" and q.shape[-1] % 16 == 0 and _attention_kernel_built()
+    tokens changed with its batch. Where the kernel cannot be built, PyTorch's attention."""
+    return q.device.type == "cpu" and _attention_kernel_built()
 
 
 def _attends_by_rows(q: torch.Tensor, num_queries: int) -> bool:
