@@ -8,8 +8,11 @@ so a one-row product here runs faster than inside a whole model, where every wei
 memory; a layer's ratio here is an upper bound of what it costs in a model.
 
     .venv/bin/python benchmarks/bench_qmatmul.py [MODEL] [--threads N] [--rows 1,2,4,7,8,16]
+        [--kernels amx,avx512_vnni]
 
-Run it held to AVX2 with ATEN_CPU_CAPABILITY=avx2 (the AVX2 kernel is then the one used).
+Each kernel the build holds gets a table (--kernels: some of them): on a Sapphire Rapids both AMX
+and AVX-512 VNNI (the amx build holds both). Run it held to AVX2 with ATEN_CPU_CAPABILITY=avx2 or
+SPECDEC_KERNEL=avx2 (the AVX2 kernel is then the one used).
 """
 
 from __future__ import annotations
@@ -21,7 +24,7 @@ import gguf
 import numpy as np
 import torch
 
-from specdec.kernels import variant
+from specdec.kernels import qmatmul, variant
 from specdec.models.gguf_linear import GGUFLinear
 from specdec.models.gguf_quants import LAYOUTS, pack
 from specdec.models.registry import resolve_model
@@ -51,22 +54,32 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=torch.get_num_threads())
     parser.add_argument("--rows", default="1,2,4,7,8,16")
     parser.add_argument("--repeats", type=int, default=20)
+    parser.add_argument("--kernels", default="", help="kernels to time (default: every one the build holds)")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     rows = [int(n) for n in args.rows.split(",")]
     reader = gguf.GGUFReader(str(resolve_model(args.model)))
     tensors = {t.name: t for t in reader.tensors}
-    print(f"kernel {variant()}, {args.threads} threads; ms per product (x one row)")
-    print(f"{'tensor':<24} {'type':<5} {'N x K':>14} " + " ".join(f"{f'{m} rows':>15}" for m in rows))
+    module = qmatmul()
+    original = module.isa()
+    built = ["avx512_vnni", "amx"] if variant() == "amx" else [original]
+    kernels = args.kernels.split(",") if args.kernels else built
+    layers = {}
     for name in TENSORS:
         tensor = tensors.get(name)
-        if tensor is None or tensor.tensor_type.name not in LAYOUTS:
-            continue
-        cols, n_rows = (int(n) for n in tensor.shape)
-        layer = GGUFLinear([pack(tensor.tensor_type.name, np.asarray(tensor.data), n_rows, cols)])
-        times = [timed(layer, torch.randn(m, cols), args.repeats) * 1e3 for m in rows]
-        cells = " ".join(f"{t:>7.3f} ({t / times[0]:>4.2f}x)" for t in times)
-        print(f"{name:<24} {tensor.tensor_type.name:<5} {f'{n_rows}x{cols}':>14} {cells}")
+        if tensor is not None and tensor.tensor_type.name in LAYOUTS:
+            cols, n_rows = (int(n) for n in tensor.shape)
+            packed = pack(tensor.tensor_type.name, np.asarray(tensor.data), n_rows, cols)
+            layers[name] = (tensor.tensor_type.name, n_rows, cols, GGUFLinear([packed]))
+    for kernel in kernels:
+        module.set_kernel(kernel)
+        print(f"\nkernel {kernel} (build {variant()}), {args.threads} threads; ms per product (x one row)")
+        print(f"{'tensor':<24} {'type':<5} {'N x K':>14} " + " ".join(f"{f'{m} rows':>15}" for m in rows))
+        for name, (kind, n_rows, cols, layer) in layers.items():
+            times = [timed(layer, torch.randn(m, cols), args.repeats) * 1e3 for m in rows]
+            cells = " ".join(f"{t:>7.3f} ({t / times[0]:>4.2f}x)" for t in times)
+            print(f"{name:<24} {kind:<5} {f'{n_rows}x{cols}':>14} {cells}")
+    module.set_kernel(original)
 
 
 if __name__ == "__main__":

@@ -25,7 +25,7 @@ import torch
 
 from gguf_files import encode, tiny_hf_model, write_gguf
 from specdec import LLM, SamplingParams
-from specdec.kernels import cpu_flags, qmatmul, variant
+from specdec.kernels import cpu_flags, qmatmul
 from specdec.models.gguf_linear import GGUFEmbedding, GGUFLinear, dequantize
 from specdec.models.gguf_quants import LAYOUTS, dequantize_split, pack, split_blocks
 from specdec.models.loader import load_pretrained
@@ -186,17 +186,6 @@ torch.save(out, {str(tmp_path / "avx2.pt")!r})
         # integers; AVX-512: its sub-blocks in float32): float32 rounding apart, relative to the outputs' scale
         scale = products[kind].abs().max()
         assert (avx2[kind] - products[kind]).abs().max() <= 1e-6 * scale, kind
-
-
-def test_variant_follows_pytorchs_instruction_set():
-    expected = (
-        "avx512_vnni"
-        if torch.backends.cpu.get_cpu_capability() == "AVX512"
-        and {"avx512_vnni", "avx512bw", "avx512vl"} <= cpu_flags()
-        else "avx2"
-    )
-    assert variant() == expected
-    assert qmatmul().isa() == expected
 
 
 # --- whole models ---------------------------------------------------------------------------

@@ -6,15 +6,20 @@ decode steps would and a row's values never depend on the rows beside it.
 layer.cpp runs a quantized decoder layer's forward over the cache in one call (kernels.h: what
 the three share).
 qmatmul.cpp multiplies activations by GGUF-quantized weights held in their integer codes (see
-its header for the layout). It is compiled for the CPU it runs on, in one of two variants:
+its header for the layout). It is compiled for the CPU it runs on, in one of three variants:
+  amx          the avx512_vnni kernel, and AMX-INT8 tiles (amx.h: a tile multiply-add of 16 rows x 16
+               outputs x up to 64 inputs) for products of 2 rows or more, on Sapphire Rapids and later;
+               the tiles run only where SPECDEC_KERNEL=amx asks (bit for bit the VNNI kernel's
+               products, but slower so far: docs/runner.md, "AMX tiles")
   avx512_vnni  AVX-512 with VNNI (vpdpbusd: 64 unsigned codes x 4 int8 activations a step)
   avx2         AVX2 + FMA + F16C (maddubs + madd), for every other x86-64 CPU of the last decade
-The variant follows PyTorch's own choice of instruction set (torch.backends.cpu.
+The variant follows the CPU's flags and PyTorch's own choice of instruction set (torch.backends.cpu.
 get_cpu_capability(), which ATEN_CPU_CAPABILITY lowers), so a run held to AVX2 runs the AVX2
-kernel. The build (once per variant and source; docs/runner.md, "GGUF weights, run quantized",
-says how long) lands in SPECDEC_CACHE/extensions/<variant>; `make test` builds it. One process
-builds there at a time, and a build killed midway never leaves a later run waiting forever
-(build_lock.py).
+kernel; SPECDEC_KERNEL=amx, avx512_vnni or avx2 holds one (refused by name where the CPU lacks
+what it needs), so that one machine can measure each. The build (once per variant and source;
+docs/runner.md, "GGUF weights, run quantized", says how long) lands in
+SPECDEC_CACHE/extensions/<variant>; `make test` builds it. One process builds there at a time,
+and a build killed midway never leaves a later run waiting forever (build_lock.py).
 """
 
 from __future__ import annotations
@@ -42,9 +47,19 @@ COMMON_FLAGS = [
     "-mfma",
     "-mf16c",
 ]  # -fopenmp: at::parallel_for is OpenMP inlined here
+AVX512_FLAGS = COMMON_FLAGS + ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx512vnni"]
 VARIANT_FLAGS = {
-    "avx512_vnni": COMMON_FLAGS + ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx512vnni"],
+    "amx": AVX512_FLAGS + ["-mamx-tile", "-mamx-int8"],
+    "avx512_vnni": AVX512_FLAGS,
     "avx2": COMMON_FLAGS,
+}
+KERNEL_ENV = "SPECDEC_KERNEL"
+AVX2_CPU = {"avx2", "fma", "f16c"}
+AVX512_CPU = AVX2_CPU | {"avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_vnni"}
+CPU_NEEDS = {  # a variant: the /proc/cpuinfo flags its kernels run on
+    "amx": AVX512_CPU | {"amx_tile", "amx_int8"},
+    "avx512_vnni": AVX512_CPU,
+    "avx2": AVX2_CPU,
 }
 
 
@@ -62,19 +77,37 @@ def cpu_flags() -> set[str]:
 
 
 def variant() -> str:
-    """The kernel variant for this CPU and PyTorch's chosen instruction set."""
+    """The kernel variant: SPECDEC_KERNEL's where set, else the best this CPU has and PyTorch's
+    chosen instruction set allows."""
     import torch
 
-    capability = torch.backends.cpu.get_cpu_capability()
     flags = cpu_flags()
-    if capability == "AVX512" and {"avx512_vnni", "avx512bw", "avx512vl"} <= flags:
-        return "avx512_vnni"
-    if capability in ("AVX2", "AVX512") and {"avx2", "fma", "f16c"} <= flags:
+    held = os.environ.get(KERNEL_ENV, "")
+    if held:
+        return held_variant(held, flags)
+    capability = torch.backends.cpu.get_cpu_capability()
+    if capability == "AVX512":
+        for name in ("amx", "avx512_vnni"):
+            if CPU_NEEDS[name] <= flags:
+                return name
+    if capability in ("AVX2", "AVX512") and CPU_NEEDS["avx2"] <= flags:
         return "avx2"
     raise KernelUnavailable(
         f"quantized GGUF weights need an x86-64 CPU with AVX2, FMA and F16C (PyTorch reports "
         f"{capability!r}); load the model with quantization=None to dequantize it instead"
     )
+
+
+def held_variant(name: str, flags: set[str]) -> str:
+    """SPECDEC_KERNEL's variant, if this CPU runs it."""
+    if name not in CPU_NEEDS:
+        raise KernelUnavailable(f"{KERNEL_ENV}={name!r} is not a kernel: choose one of {', '.join(CPU_NEEDS)}")
+    missing = CPU_NEEDS[name] - flags
+    if missing:
+        raise KernelUnavailable(
+            f"{KERNEL_ENV}={name}: this CPU lacks {', '.join(sorted(missing))}; unset it to use the best kernel it has"
+        )
+    return name
 
 
 @functools.cache
@@ -91,8 +124,19 @@ def qmatmul() -> Any:  # a C++ extension module: its attributes are unknown to t
         elapsed = time.perf_counter() - start
     if elapsed > 1:
         log.info("built specdec's quantized kernel (%s) in %.0f s", name, elapsed)
+    if name == "amx" and os.environ.get(KERNEL_ENV) == "amx":
+        _enable_amx(module)
     _register_fakes()
     return module
+
+
+def _enable_amx(module: Any) -> None:
+    """Turn the amx build's tiles on (SPECDEC_KERNEL=amx only: measured slower than its AVX-512
+    VNNI kernel so far, docs/runner.md "AMX tiles"); an error names why where Linux refuses them."""
+    try:
+        module.set_kernel("amx")
+    except RuntimeError as e:
+        raise KernelUnavailable(str(e)) from e
 
 
 def _build_and_load(name: str, build_dir: Path) -> Any:

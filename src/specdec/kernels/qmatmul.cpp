@@ -46,7 +46,14 @@
 #include <immintrin.h>
 #include <cstring>
 #include <cmath>
+#include <string>
 #include <vector>
+#if defined(__AMX_INT8__) && defined(__AMX_TILE__)
+#include <sys/syscall.h>  // amx.h: arch_prctl
+#include <unistd.h>
+#include <algorithm>
+#include <type_traits>
+#endif
 
 #include "kernels.h"
 #include "vec16.h"
@@ -293,6 +300,10 @@ void group_tile_legacy(const Layout& L, const Weights& w, int64_t g, const Acts&
   for (int t = 0; t < T; ++t) _mm512_storeu_ps(y + (r0 + t) * ldy + col0 + g * LANES, acc[t]);
 }
 
+#if defined(__AMX_INT8__) && defined(__AMX_TILE__)
+#include "amx.h"
+#endif
+
 #else  // ---- AVX2 ---------------------------------------------------------------------------------
 constexpr int LANES = 16;    // a group is still 16 rows, done as two halves of 8
 
@@ -519,6 +530,9 @@ void run_last_rows(const Layout& L, const Weights& w, int64_t g, const Acts& a, 
 
 template <int BITS>
 void run_group(const Layout& L, const Weights& w, int64_t g, const Acts& a, float* y, int64_t ldy, int64_t col0) {
+#if defined(__AMX_INT8__) && defined(__AMX_TILE__)
+  if (amx_takes(a)) return amx_run_group<BITS>(L, w, g, a, y, ldy, col0);
+#endif
   int64_t r = 0;
   for (; r + MAX_TILE <= a.M; r += MAX_TILE) group_tile<MAX_TILE, BITS>(L, w, g, a, r, y, ldy, col0);
   if (r < a.M) run_last_rows<BITS>(L, w, g, a, r, y, ldy, col0);
@@ -751,11 +765,41 @@ at::Tensor dequantize_rows(const at::Tensor& ids, const at::Tensor& codes, const
   return out;
 }
 
-const char* isa() {
+// the kernel multiplying products of several rows: "amx", "avx512_vnni" or "avx2"
+std::string isa() {
+#if defined(__AMX_INT8__) && defined(__AMX_TILE__)
+  if (amx_enabled) return "amx";
+#endif
 #if defined(__AVX512F__) && defined(__AVX512VNNI__)
   return "avx512_vnni";
 #else
   return "avx2";
+#endif
+}
+
+// Choose the kernel for products of several rows among those this build holds: "amx" (asks Linux
+// for the tile state: an error where it refuses) or this build's vector kernel (isa() without AMX).
+void set_kernel(const std::string& name) {
+#if defined(__AMX_INT8__) && defined(__AMX_TILE__)
+  const std::string vector_kernel = "avx512_vnni";
+  if (name == "amx") {
+    TORCH_CHECK(amx_request(), "Linux refused the AMX tile state (arch_prctl ARCH_REQ_XCOMP_PERM): ",
+                "a kernel older than 5.16, or a VM that hides AMX; use SPECDEC_KERNEL=avx512_vnni");
+  } else {
+    TORCH_CHECK(name == vector_kernel, "this build of specdec's kernels has no ", name, " kernel (it has amx and ",
+                vector_kernel, ")");
+  }
+  amx_enabled = name == "amx";
+#else
+  TORCH_CHECK(name == isa(), "this build of specdec's kernels has no ", name, " kernel (it has ", isa(), ")");
+#endif
+}
+
+// AMX multiplies products of at least `rows` rows (the vector kernel fewer)
+void set_amx_min_rows(int64_t rows) {
+  TORCH_CHECK(rows >= 1, "AMX min rows must be at least 1, got ", rows);
+#if defined(__AMX_INT8__) && defined(__AMX_TILE__)
+  amx_min_rows = rows;
 #endif
 }
 
@@ -800,6 +844,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("qmatmul_into", &qmatmul_into);
   m.def("dequantize_rows", &dequantize_rows);
   m.def("isa", &isa);
+  m.def("set_kernel", &set_kernel);
+  m.def("set_amx_min_rows", &set_amx_min_rows);
   m.def("set_prefetch_rows", &set_prefetch_rows);
   m.def("prefetch_rows", &get_prefetch_rows);
 }

@@ -1,0 +1,88 @@
+"""Which GGUF kernel runs (kernels/__init__.py's variants, SPECDEC_KERNEL), and that every kernel a
+CPU has gives the same bits: AMX tiles (amx.h) against the AVX-512 VNNI kernel they stand in for,
+for every packed type and 1-40 rows (one row, verify widths, past a tile's 16 and a pass's 32)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from gguf_files import encode
+from specdec import kernels
+from specdec.kernels import CPU_NEEDS, KernelUnavailable, cpu_flags, qmatmul, variant
+from specdec.models.gguf_linear import GGUFLinear
+from specdec.models.gguf_quants import LAYOUTS, pack
+
+TYPES = sorted(LAYOUTS)
+
+
+def test_variant_follows_the_cpu_and_pytorchs_instruction_set(monkeypatch):
+    monkeypatch.delenv(kernels.KERNEL_ENV, raising=False)
+    flags = cpu_flags()
+    if torch.backends.cpu.get_cpu_capability() != "AVX512":
+        expected = "avx2"
+    else:
+        expected = next(name for name in ("amx", "avx512_vnni", "avx2") if CPU_NEEDS[name] <= flags)
+    assert variant() == expected
+
+
+def test_the_loaded_kernel_is_the_variants():
+    built = variant()
+    # the amx build multiplies with AVX-512 VNNI unless SPECDEC_KERNEL=amx asks for its tiles
+    assert qmatmul().isa() in ({"amx", "avx512_vnni"} if built == "amx" else {built})
+
+
+def test_a_held_kernel_is_taken_or_refused_by_name(monkeypatch):
+    monkeypatch.setattr(kernels, "cpu_flags", lambda: CPU_NEEDS["avx512_vnni"])  # an AMD EPYC Zen 4
+    monkeypatch.setenv(kernels.KERNEL_ENV, "avx2")
+    assert variant() == "avx2"
+    monkeypatch.setenv(kernels.KERNEL_ENV, "avx512_vnni")
+    assert variant() == "avx512_vnni"
+    monkeypatch.setenv(kernels.KERNEL_ENV, "amx")
+    with pytest.raises(KernelUnavailable, match="SPECDEC_KERNEL=amx: this CPU lacks amx_int8, amx_tile"):
+        variant()
+    monkeypatch.setenv(kernels.KERNEL_ENV, "avx1024")
+    with pytest.raises(KernelUnavailable, match="'avx1024' is not a kernel: choose one of amx, avx512_vnni, avx2"):
+        variant()
+
+
+def amx_module():
+    """The amx build with its tiles on (as SPECDEC_KERNEL=amx has it), or a skip."""
+    module = qmatmul()
+    if variant() != "amx":
+        pytest.skip("no AMX on this CPU: the VNNI or AVX2 kernel is the only one")
+    try:
+        kernels._enable_amx(module)
+    except KernelUnavailable as e:
+        pytest.skip(str(e))
+    assert module.isa() == "amx"
+    return module
+
+
+@pytest.mark.parametrize("kind", TYPES)
+def test_amx_gives_the_bits_of_the_vnni_kernel(kind):
+    module = amx_module()
+    rng = np.random.default_rng(11)
+    block = LAYOUTS[kind].block_size
+    for cols in sorted({block * 2, 1536}):  # two super-blocks (or 16 sub-blocks), and a 1.5B model's width
+        if cols % block:
+            continue
+        data = encode(rng.standard_normal((48, cols)).astype(np.float32) * 0.05, kind, rng)
+        layer = GGUFLinear([pack(kind, data, 48, cols)])
+        x = torch.randn(40, cols, generator=torch.Generator().manual_seed(12))
+        try:
+            for rows in (1, 2, 3, 7, 8, 15, 16, 17, 31, 32, 33, 40):
+                module.set_kernel("avx512_vnni")
+                vnni = layer(x[:rows])
+                module.set_kernel("amx")
+                assert torch.equal(layer(x[:rows]), vnni), (kind, cols, rows)
+        finally:
+            module.set_kernel("avx512_vnni")
+
+
+def test_set_kernel_refuses_a_kernel_the_build_lacks():
+    module = qmatmul()
+    with pytest.raises(RuntimeError, match="has no avx1024 kernel"):
+        module.set_kernel("avx1024")
+    assert module.isa() in ("amx", "avx512_vnni", "avx2")
