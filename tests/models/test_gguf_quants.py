@@ -179,7 +179,7 @@ for kind in {TYPES!r}:
     out[kind] = GGUFLinear([pack(kind, np.load({str(tmp_path)!r} + f"/{{kind}}.npy"), 32, 512)])(x)
 torch.save(out, {str(tmp_path / "avx2.pt")!r})
 """
-    env = {**os.environ, "ATEN_CPU_CAPABILITY": "avx2"}
+    env = {**os.environ, "ATEN_CPU_CAPABILITY": "avx2", "SPECDEC_KERNEL": "avx2"}  # not avx_vnni, where the CPU has it
     subprocess.run([sys.executable, "-c", script], check=True, env=env, timeout=600)
     avx2 = torch.load(tmp_path / "avx2.pt")
     for kind in TYPES:  # the same integer products, summed in another order (AVX2: a k-quant's super-block in

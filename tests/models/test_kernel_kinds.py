@@ -1,8 +1,13 @@
 """Which GGUF kernel runs (kernels/__init__.py's variants, SPECDEC_KERNEL), and that every kernel a
 CPU has gives the same bits: AMX tiles (amx.h) against the AVX-512 VNNI kernel they stand in for,
-for every packed type and 1-40 rows (one row, verify widths, past a tile's 16 and a pass's 32)."""
+for every packed type and 1-40 rows (one row, verify widths, past a tile's 16 and a pass's 32),
+and AVX-VNNI's 256-bit kernel against AVX2's."""
 
 from __future__ import annotations
+
+import os
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -20,11 +25,18 @@ TYPES = sorted(LAYOUTS)
 def test_variant_follows_the_cpu_and_pytorchs_instruction_set(monkeypatch):
     monkeypatch.delenv(kernels.KERNEL_ENV, raising=False)
     flags = cpu_flags()
+    best_first = ("amx", "avx512_vnni", "avx_vnni", "avx2")
     if torch.backends.cpu.get_cpu_capability() != "AVX512":
-        expected = "avx2"
-    else:
-        expected = next(name for name in ("amx", "avx512_vnni", "avx2") if CPU_NEEDS[name] <= flags)
-    assert variant() == expected
+        best_first = ("avx_vnni", "avx2")
+    assert variant() == next(name for name in best_first if CPU_NEEDS[name] <= flags)
+
+
+def test_an_alder_lake_gets_avx_vnni_and_an_older_cpu_avx2(monkeypatch):
+    monkeypatch.delenv(kernels.KERNEL_ENV, raising=False)
+    monkeypatch.setattr(kernels, "cpu_flags", lambda: CPU_NEEDS["avx_vnni"])  # AVX2 and AVX-VNNI, no AVX-512
+    assert variant() == "avx_vnni"
+    monkeypatch.setattr(kernels, "cpu_flags", lambda: CPU_NEEDS["avx2"])
+    assert variant() == "avx2"
 
 
 def test_the_loaded_kernel_is_the_variants():
@@ -42,8 +54,13 @@ def test_a_held_kernel_is_taken_or_refused_by_name(monkeypatch):
     monkeypatch.setenv(kernels.KERNEL_ENV, "amx")
     with pytest.raises(KernelUnavailable, match="SPECDEC_KERNEL=amx: this CPU lacks amx_int8, amx_tile"):
         variant()
+    monkeypatch.setenv(kernels.KERNEL_ENV, "avx_vnni")
+    with pytest.raises(KernelUnavailable, match="SPECDEC_KERNEL=avx_vnni: this CPU lacks avx_vnni"):
+        variant()
     monkeypatch.setenv(kernels.KERNEL_ENV, "avx1024")
-    with pytest.raises(KernelUnavailable, match="'avx1024' is not a kernel: choose one of amx, avx512_vnni, avx2"):
+    with pytest.raises(
+        KernelUnavailable, match="'avx1024' is not a kernel: choose one of amx, avx512_vnni, avx_vnni, avx2"
+    ):
         variant()
 
 
@@ -85,4 +102,41 @@ def test_set_kernel_refuses_a_kernel_the_build_lacks():
     module = qmatmul()
     with pytest.raises(RuntimeError, match="has no avx1024 kernel"):
         module.set_kernel("avx1024")
-    assert module.isa() in ("amx", "avx512_vnni", "avx2")
+    assert module.isa() in ("amx", "avx512_vnni", "avx_vnni", "avx2")
+
+
+PRODUCTS_SCRIPT = """
+import sys
+import numpy as np, torch
+sys.path.insert(0, {tests!r})
+from gguf_files import encode
+from specdec.kernels import qmatmul
+from specdec.models.gguf_linear import GGUFLinear
+from specdec.models.gguf_quants import LAYOUTS, pack
+assert qmatmul().isa() == {kernel!r}, qmatmul().isa()
+rng = np.random.default_rng(13)
+out = {{}}
+for kind in sorted(LAYOUTS):
+    cols = 2 * LAYOUTS[kind].block_size if LAYOUTS[kind].block_size == 256 else 96
+    data = encode(rng.standard_normal((48, cols)).astype(np.float32) * 0.05, kind, rng)
+    layer = GGUFLinear([pack(kind, data, 48, cols)])
+    x = torch.randn(17, cols, generator=torch.Generator().manual_seed(14))
+    for rows in (1, 2, 3, 4, 7, 8, 9, 16, 17):
+        out[kind, rows] = layer(x[:rows])
+torch.save(out, {path!r})
+"""
+
+
+@pytest.mark.skipif("avx_vnni" not in cpu_flags(), reason="the CPU has no AVX-VNNI")
+@pytest.mark.slow
+def test_avx_vnni_gives_the_bits_of_the_avx2_kernel(tmp_path):
+    """Each kernel in a process held to it (and PyTorch to AVX2), for every packed type and 1-17 rows."""
+    tests = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    for kernel in ("avx2", "avx_vnni"):
+        script = PRODUCTS_SCRIPT.format(tests=tests, kernel=kernel, path=str(tmp_path / f"{kernel}.pt"))
+        env = {**os.environ, "ATEN_CPU_CAPABILITY": "avx2", kernels.KERNEL_ENV: kernel}
+        subprocess.run([sys.executable, "-c", script], check=True, env=env, timeout=600)
+    avx2, avx_vnni = (torch.load(tmp_path / f"{kernel}.pt") for kernel in ("avx2", "avx_vnni"))
+    assert avx2.keys() == avx_vnni.keys()
+    for key in avx2:
+        assert torch.equal(avx_vnni[key], avx2[key]), key

@@ -12,13 +12,15 @@ its header for the layout). It is compiled for the CPU it runs on, in one of thr
                the tiles run only where SPECDEC_KERNEL=amx asks (bit for bit the VNNI kernel's
                products, but slower so far: docs/runner.md, "AMX tiles")
   avx512_vnni  AVX-512 with VNNI (vpdpbusd: 64 unsigned codes x 4 int8 activations a step)
+  avx_vnni     the avx2 kernel with AVX-VNNI's 256-bit vpdpbusd for the k-quants' products (Alder Lake
+               and later; a Sapphire Rapids held to AVX2): the same integers, so the same bits
   avx2         AVX2 + FMA + F16C (maddubs + madd), for every other x86-64 CPU of the last decade
 The variant follows the CPU's flags and PyTorch's own choice of instruction set (torch.backends.cpu.
 get_cpu_capability(), which ATEN_CPU_CAPABILITY lowers), so a run held to AVX2 runs the AVX2
-kernel; SPECDEC_KERNEL=amx, avx512_vnni or avx2 holds one (refused by name where the CPU lacks
-what it needs), so that one machine can measure each. The build (once per variant and source;
-docs/runner.md, "GGUF weights, run quantized", says how long) lands in
-SPECDEC_CACHE/extensions/<variant>; `make test` builds it. One process builds there at a time,
+kernel (avx_vnni where the CPU has it); SPECDEC_KERNEL=amx, avx512_vnni, avx_vnni or avx2 holds
+one (refused by name where the CPU lacks what it needs), so that one machine can measure each.
+The build (once per variant and source; docs/runner.md, "GGUF weights, run quantized", says how
+long) lands in SPECDEC_CACHE/extensions/<variant>; `make test` builds it. One process builds there at a time,
 and a build killed midway never leaves a later run waiting forever (build_lock.py).
 """
 
@@ -51,6 +53,7 @@ AVX512_FLAGS = COMMON_FLAGS + ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx51
 VARIANT_FLAGS = {
     "amx": AVX512_FLAGS + ["-mamx-tile", "-mamx-int8"],
     "avx512_vnni": AVX512_FLAGS,
+    "avx_vnni": COMMON_FLAGS + ["-mavxvnni"],
     "avx2": COMMON_FLAGS,
 }
 KERNEL_ENV = "SPECDEC_KERNEL"
@@ -59,6 +62,7 @@ AVX512_CPU = AVX2_CPU | {"avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_
 CPU_NEEDS = {  # a variant: the /proc/cpuinfo flags its kernels run on
     "amx": AVX512_CPU | {"amx_tile", "amx_int8"},
     "avx512_vnni": AVX512_CPU,
+    "avx_vnni": AVX2_CPU | {"avx_vnni"},
     "avx2": AVX2_CPU,
 }
 
@@ -90,8 +94,10 @@ def variant() -> str:
         for name in ("amx", "avx512_vnni"):
             if CPU_NEEDS[name] <= flags:
                 return name
-    if capability in ("AVX2", "AVX512") and CPU_NEEDS["avx2"] <= flags:
-        return "avx2"
+    if capability in ("AVX2", "AVX512"):
+        for name in ("avx_vnni", "avx2"):
+            if CPU_NEEDS[name] <= flags:
+                return name
     raise KernelUnavailable(
         f"quantized GGUF weights need an x86-64 CPU with AVX2, FMA and F16C (PyTorch reports "
         f"{capability!r}); load the model with quantization=None to dequantize it instead"
