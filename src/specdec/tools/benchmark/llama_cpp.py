@@ -55,8 +55,9 @@ own: a 7-token forward ÷ a 1-token forward of its target (runner, after 64 toke
 by the default and recorded as `serve --learn` records them, the head adapted on them, and the
 --prompts requests after them measured with the head and with the adapted head.
 
---cpu-kinds both measures twice: as the CPU is, then in a child process with PyTorch and oneDNN
-held to AVX2 (ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2) and llama.cpp's AVX2 build.
+--cpu-kinds both measures twice: as the CPU is, then in a child process with PyTorch, oneDNN and
+specdec's GGUF kernel held to AVX2 (ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2
+SPECDEC_KERNEL=avx2) and llama.cpp's AVX2 build.
 """
 
 from __future__ import annotations
@@ -86,7 +87,8 @@ SDIST = f"llama-cpp-python=={SDIST_VERSION}"
 HOME = paths.BUILD / "llama-cpp"
 TOOLS = ("llama-completion", "llama-bench", "llama-lookup", "llama-speculative-simple")
 CPU_KINDS = ("native", "avx2")
-AVX2_ENV = {"ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2"}
+# PyTorch, oneDNN and specdec's GGUF kernel held to AVX2 (not AVX-VNNI, which llama.cpp's AVX2 build leaves out too)
+AVX2_ENV = {"ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2", "SPECDEC_KERNEL": "avx2"}
 BUILD_DIRS = {"native": "build", "avx2": "build-avx2"}
 COMMON_FLAGS = ("-DCMAKE_BUILD_TYPE=Release", "-DLLAMA_CURL=OFF")
 CPU_FLAGS = {  # ggml/CMakeLists.txt's instruction-set options
