@@ -156,24 +156,11 @@ inline void run_sums(const SubBlockRun& run, const Acts& a, int64_t K, int64_t r
 template <int C>
 void k_epilogue(const Layout& L, const Weights& w, int64_t g, const Acts& a, int64_t r0, int t0, int64_t sb,
                 const __m512* scales, int32_t (*sums)[AMX_ROWS][LANES], float* y, int64_t ldy, int64_t col0) {
-  const int64_t nsub = L.K / L.S, subs_per_sb = L.SB / L.S, s0 = sb * subs_per_sb;
-  const uint8_t* coefs = L.has_mn ? w.mn : w.sc;
-  const bool coef_signed = !L.has_mn && L.sc_signed;
-  const __m512 d = load_half16(w.d + (g * (L.K / L.SB) + sb) * LANES);
-  const __m512 cc = L.has_mn ? load_half16(w.dmin + (g * (L.K / L.SB) + sb) * LANES)
-                             : _mm512_mul_ps(d, _mm512_set1_ps(-(float)L.z));
-  __m512i icorr[C];
-  for (int t = 0; t < C; ++t) icorr[t] = _mm512_setzero_si512();
-  for (int64_t s = s0; s < s0 + subs_per_sb; s += 2) {
-    const __m128i c0 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(coefs + (g * nsub + s) * LANES));
-    const __m128i c1 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(coefs + (g * nsub + s + 1) * LANES));
-    const __m256i pairs8 = _mm256_set_m128i(_mm_unpackhi_epi8(c0, c1), _mm_unpacklo_epi8(c0, c1));
-    const __m512i pairs = coef_signed ? _mm512_cvtepi8_epi16(pairs8) : _mm512_cvtepu8_epi16(pairs8);
-    for (int t = 0; t < C; ++t)
-      icorr[t] = _mm512_dpwssd_epi32(icorr[t], pairs, _mm512_set1_epi32(load_i32(sub_sums(a, L, r0 + t0 + t) + s)));
-  }
+  const int64_t subs_per_sb = L.SB / L.S;
+  const int16_t* xs[C];
+  for (int t = 0; t < C; ++t) xs[t] = sub_sums(a, L, r0 + t0 + t);
   __m512 fsum[C];
-  for (int t = 0; t < C; ++t) fsum[t] = _mm512_mul_ps(_mm512_cvtepi32_ps(icorr[t]), cc);
+  k_correction<C>(L, w, g, sb, xs, fsum);
   for (int64_t j = 0; j < subs_per_sb; ++j)
     for (int t = 0; t < C; ++t)
       fsum[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_load_si512(sums[j][t0 + t])), scales[j], fsum[t]);

@@ -222,6 +222,32 @@ inline void dot_sub(const uint8_t* codes, int64_t steps, const int8_t* const* xr
   }
 }
 
+// A k-quant super-block's start for T rows (xs[t]: row t's sub-block sums of activation codes):
+// fsum[t] = cc * sum_s c_s xs_s, the correction, two sub-blocks per vpdpwssd (int16 pairs c_s,
+// c_s+1 per lane); returns the super-block's scale d
+template <int T>
+inline __m512 k_correction(const Layout& L, const Weights& w, int64_t g, int64_t sb, const int16_t* const* xs,
+                           __m512* fsum) {
+  const int64_t nsub = L.K / L.S, subs_per_sb = L.SB / L.S, s0 = sb * subs_per_sb;
+  const uint8_t* coefs = L.has_mn ? w.mn : w.sc;  // the correction's c_s
+  const bool coef_signed = !L.has_mn && L.sc_signed;
+  const __m512 d = load_half16(w.d + (g * (L.K / L.SB) + sb) * LANES);
+  const __m512 cc = L.has_mn ? load_half16(w.dmin + (g * (L.K / L.SB) + sb) * LANES)
+                             : _mm512_mul_ps(d, _mm512_set1_ps(-(float)L.z));
+  __m512i icorr[T];
+  for (int t = 0; t < T; ++t) icorr[t] = _mm512_setzero_si512();
+  for (int64_t s = s0; s < s0 + subs_per_sb; s += 2) {
+    const __m128i c0 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(coefs + (g * nsub + s) * LANES));
+    const __m128i c1 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(coefs + (g * nsub + s + 1) * LANES));
+    const __m256i pairs8 = _mm256_set_m128i(_mm_unpackhi_epi8(c0, c1), _mm_unpacklo_epi8(c0, c1));
+    const __m512i pairs = coef_signed ? _mm512_cvtepi8_epi16(pairs8) : _mm512_cvtepu8_epi16(pairs8);
+    for (int t = 0; t < T; ++t)
+      icorr[t] = _mm512_dpwssd_epi32(icorr[t], pairs, _mm512_set1_epi32(load_i32(xs[t] + s)));
+  }
+  for (int t = 0; t < T; ++t) fsum[t] = _mm512_mul_ps(_mm512_cvtepi32_ps(icorr[t]), cc);
+  return d;
+}
+
 // k-quants (sc per sub-block, SB = AB): integer sums per super-block
 template <int T, int BITS, int S>
 void group_tile_k(const Layout& L, const Weights& w, int64_t g, const Acts& a, int64_t r0, float* y, int64_t ldy,
@@ -229,8 +255,6 @@ void group_tile_k(const Layout& L, const Weights& w, int64_t g, const Acts& a, i
   constexpr int64_t steps_per_sub = S / step_k<BITS>();
   const int64_t nsub = L.K / S, subs_per_sb = L.SB / S;
   const uint8_t* codes = w.codes + g * (L.K / step_k<BITS>()) * step_bytes<BITS>();
-  const uint8_t* coefs = L.has_mn ? w.mn : w.sc;  // the correction's c_s
-  const bool coef_signed = !L.has_mn && L.sc_signed;
   const int8_t* xr[T];
   const int16_t* xs[T];
   const float* dx[T];
@@ -240,22 +264,8 @@ void group_tile_k(const Layout& L, const Weights& w, int64_t g, const Acts& a, i
   for (int t = 0; t < T; ++t) _mm512_storeu_ps(y + (r0 + t) * ldy + col0 + g * LANES, _mm512_setzero_ps());
   for (int64_t sb = 0; sb < L.K / L.SB; ++sb) {
     const int64_t s0 = sb * subs_per_sb;
-    const __m512 d = load_half16(w.d + (g * (L.K / L.SB) + sb) * LANES);
-    const __m512 cc = L.has_mn ? load_half16(w.dmin + (g * (L.K / L.SB) + sb) * LANES)
-                               : _mm512_mul_ps(d, _mm512_set1_ps(-(float)L.z));
-    // the correction: sum_s c_s xs_s, two sub-blocks per vpdpwssd (int16 pairs c_s, c_s+1 per lane)
-    __m512i icorr[T];
-    for (int t = 0; t < T; ++t) icorr[t] = _mm512_setzero_si512();
-    for (int64_t s = s0; s < s0 + subs_per_sb; s += 2) {
-      const __m128i c0 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(coefs + (g * nsub + s) * LANES));
-      const __m128i c1 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(coefs + (g * nsub + s + 1) * LANES));
-      const __m256i pairs8 = _mm256_set_m128i(_mm_unpackhi_epi8(c0, c1), _mm_unpacklo_epi8(c0, c1));
-      const __m512i pairs = coef_signed ? _mm512_cvtepi8_epi16(pairs8) : _mm512_cvtepu8_epi16(pairs8);
-      for (int t = 0; t < T; ++t)
-        icorr[t] = _mm512_dpwssd_epi32(icorr[t], pairs, _mm512_set1_epi32(load_i32(xs[t] + s)));
-    }
     __m512 fsum[T];
-    for (int t = 0; t < T; ++t) fsum[t] = _mm512_mul_ps(_mm512_cvtepi32_ps(icorr[t]), cc);
+    const __m512 d = k_correction<T>(L, w, g, sb, xs, fsum);
     for (int64_t s = s0; s < s0 + subs_per_sb; ++s) {
       const __m512 scale = _mm512_mul_ps(_mm512_cvtepi32_ps(load_int16x(w.sc + (g * nsub + s) * LANES, L.sc_signed)), d);
       __m512i iacc[T];
