@@ -25,8 +25,8 @@ constexpr int AMX_TILE_ROWS = 16;
 constexpr int AMX_MAX_SUBS = 16;   // sub-blocks whose sums are kept at once (a k-quant super-block's, at most)
 constexpr int AMX_EPILOGUE_ROWS = 8;  // rows whose float sums an epilogue pass keeps in registers
 
-bool amx_enabled = false;          // set_kernel("amx"): products of at least amx_min_rows rows use the tiles
-int64_t amx_min_rows = 2;
+bool amx_enabled = false;          // set_kernel("amx"): products of at least AMX_MIN_ROWS rows use the tiles
+constexpr int64_t AMX_MIN_ROWS = 2;  // one row (a decode step) stays on the VNNI kernel
 
 // Ask Linux for the tile state (once per process); false where it refuses.
 bool amx_request() {
@@ -196,7 +196,7 @@ void legacy_epilogue(const Layout& L, const Weights& w, int64_t g, const Acts& a
 }
 
 // an epilogue over T rows, AMX_EPILOGUE_ROWS at a time (F: a lambda taking the template's C)
-template <int C = AMX_EPILOGUE_ROWS, typename F>
+template <typename F>
 inline void by_row_chunks(int T, F&& f) {
   int t0 = 0;
   for (; t0 + AMX_EPILOGUE_ROWS <= T; t0 += AMX_EPILOGUE_ROWS) f(std::integral_constant<int, AMX_EPILOGUE_ROWS>{}, t0);
@@ -265,7 +265,7 @@ void amx_group_legacy(const Layout& L, const Weights& w, int64_t g, const Acts& 
 }
 
 // Whether AMX multiplies this product (else the VNNI tiles do)
-inline bool amx_takes(const Acts& a) { return amx_enabled && a.M >= amx_min_rows; }
+inline bool amx_takes(const Acts& a) { return amx_enabled && a.M >= AMX_MIN_ROWS; }
 
 template <int BITS>
 void amx_run_group(const Layout& L, const Weights& w, int64_t g, const Acts& a, float* y, int64_t ldy, int64_t col0) {

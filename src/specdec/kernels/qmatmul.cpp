@@ -858,14 +858,6 @@ void set_kernel(const std::string& name) {
 #endif
 }
 
-// AMX multiplies products of at least `rows` rows (the vector kernel fewer)
-void set_amx_min_rows(int64_t rows) {
-  TORCH_CHECK(rows >= 1, "AMX min rows must be at least 1, got ", rows);
-#if defined(__AMX_INT8__) && defined(__AMX_TILE__)
-  amx_min_rows = rows;
-#endif
-}
-
 // x W^T for x quantized by quantize_activations: [M, N padded to 16] float32.
 at::Tensor qmatmul(const at::Tensor& xq, const at::Tensor& dx, const at::Tensor& xsum, const at::Tensor& codes,
                    const c10::optional<at::Tensor>& sc, const c10::optional<at::Tensor>& mn, const at::Tensor& d,
@@ -908,7 +900,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("dequantize_rows", &dequantize_rows);
   m.def("isa", &isa);
   m.def("set_kernel", &set_kernel);
-  m.def("set_amx_min_rows", &set_amx_min_rows);
   m.def("set_prefetch_rows", &set_prefetch_rows);
   m.def("prefetch_rows", &get_prefetch_rows);
 }
