@@ -156,3 +156,15 @@ def test_smollm2_seeded_requests_give_the_same_tokens_batched_and_alone():
     prompts = [prompt.text for prompt in held_out_code_prompts(max_chars=700)[:6]]
     batched, alone = batched_and_alone(llm, prompts, seeded_params(6))
     assert batched == alone
+
+
+def test_where_onednn_packs_no_bfloat16_products_run_as_they_come(monkeypatch):
+    """A CPU without native bfloat16 (AVX2): nothing to probe, no error (oneDNN refuses to pack)."""
+    from specdec.models import cpu_linear
+
+    monkeypatch.setattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", lambda: False)
+    cpu_linear.rows_per_product.cache_clear()
+    try:
+        assert cpu_linear.rows_per_product(torch.bfloat16) == cpu_linear.ProductShape()
+    finally:
+        cpu_linear.rows_per_product.cache_clear()

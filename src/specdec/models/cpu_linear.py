@@ -147,6 +147,8 @@ def rows_per_product(dtype: torch.dtype) -> ProductShape:
     (tests/engine/test_batch_independence.py)."""
     if dtype not in (torch.float32, torch.bfloat16) or not torch.backends.mkldnn.is_available():
         return ProductShape()
+    if dtype == torch.bfloat16 and not torch.ops.mkldnn._is_mkldnn_bf16_supported():
+        return ProductShape()  # nothing packs bfloat16 here (can_pack's answer, asked without recursing)
     g = torch.Generator().manual_seed(0)
     probes = []  # (product, x [max rows, K], each row's output in a product of two [max rows, N])
     for k, n in PROBE_SHAPES:
