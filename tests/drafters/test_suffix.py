@@ -17,6 +17,8 @@ from specdec.drafters.base import Draft, Drafter
 from specdec.drafters.suffix import SuffixDrafter
 from specdec.sampling import SamplingTensors
 from specdec.sequence import Sequence
+from specdec.spec import k_choice
+from specdec.spec.goodput import GoodputPolicy
 from specdec.tree import ROOT
 
 arctic = pytest.importorskip("arctic_inference.suffix_decoding", reason="arctic-inference is not installed: make setup")
@@ -268,13 +270,54 @@ def draft(tmp_path_factory, target):
     return path
 
 
+STEP_SECONDS = 1e-3  # simulated: a target forward of one token a row
+DRAFT_STEP_SECONDS = STEP_SECONDS / 10  # simulated: a draft step, as a small draft model's
+
+
+def simulated_verify_seconds(num_tokens: int) -> float:
+    """A target forward of num_tokens tokens a row: a step, and a tenth of one per token past the first."""
+    return STEP_SECONDS * (1 + 0.1 * (num_tokens - 1))
+
+
+class SimulatedGoodputPolicy(GoodputPolicy):
+    """The goodput policy on a simulated machine: calibration's clock advances by the simulated
+    seconds of each forward it runs (the forwards still run), and each round is told its
+    simulated seconds, not what it took. The draft model here is the target's size, so on real
+    timings drafting barely pays and a loaded machine can switch it off for a whole test; on
+    these, which rounds draft rests on acceptance alone."""
+
+    def __init__(self, k_max: int, padded_tokens=lambda num_tokens: num_tokens):
+        self.now = 0.0
+        super().__init__(k_max, padded_tokens, clock=lambda: self.now)
+
+    def calibrate(self, batch_size: int, k: int, time_target, time_draft) -> None:
+        def target_forward(num_tokens: int) -> None:
+            time_target(num_tokens)
+            self.now += simulated_verify_seconds(num_tokens)
+
+        def draft_step() -> None:
+            time_draft()
+            self.now += DRAFT_STEP_SECONDS
+
+        super().calibrate(batch_size, k, target_forward, draft_step)
+
+    def observe_round(
+        self, batch_size: int, k: int, verify_tokens: int, target_seconds: float, draft_seconds: float | None
+    ) -> None:
+        target_seconds = simulated_verify_seconds(self.padded_tokens(verify_tokens))
+        draft_seconds = None if draft_seconds is None else k * DRAFT_STEP_SECONDS  # None: not every row drafted
+        super().observe_round(batch_size, k, verify_tokens, target_seconds, draft_seconds)
+
+
 @pytest.mark.parametrize("k_policy", ["fixed", "goodput"])
 def test_greedy_suffix_then_draft_equals_the_target_alone(target, draft, monkeypatch, k_policy):
     """Suffix decoding where it matches, the draft model elsewhere, in the same rounds: equal to
     the target alone in float32, one by one and batched; both drafted. Under goodput each
-    drafter's acceptance is estimated apart (the outlook says who drafts each row)."""
+    drafter's acceptance is estimated apart (the outlook says who drafts each row), its costs
+    simulated (SimulatedGoodputPolicy): that the draft model drafts must not hang on timings."""
     from specdec.drafters.suffix_then_draft import SuffixThenDraftDrafter
 
+    monkeypatch.setattr(k_choice, "GoodputPolicy", SimulatedGoodputPolicy)
     sources = []
     original = SuffixThenDraftDrafter._with_drafter
 
@@ -299,5 +342,6 @@ def test_greedy_suffix_then_draft_equals_the_target_alone(target, draft, monkeyp
     if k_policy == "goodput":
         from specdec.drafters.lookup_then_draft import DRAFTER, LOOKUP
 
+        assert isinstance(llm.engine.policy, SimulatedGoodputPolicy)  # else real timings decided
         priors = llm.engine.policy.priors
         assert priors[LOOKUP].judged > 0 and priors[DRAFTER].judged > 0  # both drafted, each learnt apart
