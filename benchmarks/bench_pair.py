@@ -34,6 +34,7 @@ from specdec.config import COMPILE_HELP, COMPILE_MODES, K_POLICIES, SpeculativeC
 from specdec.drafters import DRAFTERS, LookupThenDraftDrafter
 from specdec.metrics import predicted_speedup
 from specdec.paths import SHIPPED_DRAFT, SHIPPED_TARGET
+from specdec.spec.tree_width import TreeWidth
 from specdec.tools.benchmark.machine import step_seconds
 from specdec.tools.benchmark.run import PROMPT_SETS, spread
 
@@ -92,7 +93,8 @@ def main() -> None:
         default=[],
         metavar="SHAPE",
         help="also run each drafter that grows trees with these tree shapes (speculative_tree: "
-        "'auto' or children per depth like '3,2,1'), k nodes a tree",
+        "'auto' or children per depth like '3,2,1'), k nodes a tree, under each --k-policy (goodput: "
+        "the depth chosen as a chain's k, the nodes verified by their cost)",
     )
     args = parser.parse_args()
 
@@ -122,10 +124,11 @@ def main() -> None:
     }
     speculative.update(
         {
-            (name, "fixed", k, shape): first.with_drafter(drafter, k, "fixed", tree=shape)
+            (name, policy, k, shape): first.with_drafter(drafter, k, policy, tree=shape)
             for name, drafter in drafters.items()
             if drafter.grows_trees
             for shape in args.tree
+            for policy in args.k_policy
             for k in args.k
         }
     )
@@ -140,6 +143,9 @@ def main() -> None:
     longest = max(prompts, key=lambda prompt: len(first.prompt_token_ids(inputs[prompt.name], params)))
     for llm in (plain, *speculative.values()):  # warm-up (and compiling) for the longest prompt
         llm.warm_up(inputs[longest.name], params)
+    for llm in speculative.values():  # count the measured rounds' tree widths only
+        if llm.engine.k_choice.tree_width is not None:
+            llm.engine.k_choice.tree_width.kept_nodes.clear()
 
     plain_stats, spec_stats = [], {key: [] for key in speculative}
     mismatches, shown, parsing = {key: [] for key in speculative}, [], []
@@ -176,7 +182,7 @@ def main() -> None:
         by_position = " ".join(f"{a:.2f}" for a in spec.acceptance_by_position)
         fixed_k = name == DRAFT_MODEL and not args.draft_confidence and policy == "fixed" and shape == "chain"
         predicted = f"{predicted_speedup(alpha, k, cost_ratio):.2f}x" if fixed_k else "–"  # what the formula models
-        label = _label(name, policy, k, shape, spec)
+        label = _label(name, policy, k, shape, spec, speculative[name, policy, k, shape].engine.k_choice.tree_width)
         print(
             f"| {label} | {spec.tokens_per_second:.1f} | {alpha:.3f} | "
             f"{spec.proposed_acceptance_rate:.3f} | {spec.tokens_per_forward:.2f} | "
@@ -200,9 +206,15 @@ def main() -> None:
         print(f"\n### {prompt.name}\n```python\n{prompt.text[-300:]}{completion}\n```")
 
 
-def _label(name: str, policy: str, k: int, shape: str, spec: SpecStats | None) -> str:
-    if shape != "chain":
+def _label(name: str, policy: str, k: int, shape: str, spec: SpecStats | None, width: TreeWidth | None = None) -> str:
+    if shape != "chain" and policy == "fixed":
         return f"{name} tree {shape}, {k} nodes"
+    if shape != "chain":  # the depth by goodput, the nodes verified by their cost (tree_width.py)
+        verified = (
+            sum(n * count for n, count in width.kept_nodes.items()) / max(1, width.kept_nodes.total()) if width else 0
+        )
+        depths = f"depth chosen {spec.k_summary().strip()}; " if spec is not None else ""
+        return f"{name} tree {shape}, goodput, <={k} nodes ({depths}{verified:.1f} nodes verified a round)"
     if policy == "fixed":
         return f"{name} k={k}"
     return f"{name} goodput k<={k}" + (f" ({spec.k_summary().strip()})" if spec is not None else "")

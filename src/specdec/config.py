@@ -426,11 +426,13 @@ class SpeculativeConfig:
         less one; None: drafters/early_exit.py's default, half its depth).
     k_policy: "goodput" (each round picks its k, 0 to num_speculative_tokens, for the most
         expected tokens per second, from each request's acceptance rate and the measured costs;
-        see goodput.py) or "fixed" (every round drafts num_speculative_tokens).
+        see goodput.py; a tree is cut to the likeliest nodes its verify's cost buys:
+        tree_width.py) or "fixed" (every round drafts num_speculative_tokens, or verifies the
+        whole tree).
     tree: "chain" (k tokens, one after another), "auto" (EAGLE-2's dynamic tree) or branching
         factors per depth like "3,2,1": a tree of num_speculative_tokens candidate tokens,
         verified in one forward (tree.py), for a drafter that grows trees (TREE_METHODS).
-        Every round drafts the whole tree (k_policy applies to chains).
+        Every round grows the whole tree; k_policy says how much of it is verified.
     suffix_decoding_max_tree_depth, suffix_decoding_max_cached_requests,
     suffix_decoding_max_spec_factor, suffix_decoding_min_token_prob: suffix decoding's, in vLLM's
         names: the longest match and draft its trees hold (24); how many recent requests' outputs
@@ -521,7 +523,8 @@ class SpeculativeConfig:
     k_policy: str = setting(
         "goodput",
         "goodput: each round picks k from 0 to K for the most expected tokens per second, switching "
-        "speculation off where it does not pay; fixed: always K",
+        "speculation off where it does not pay (a tree: verifies the likeliest nodes its cost buys); "
+        "fixed: always K (a tree: all of it)",
         "--k-policy",
         "speculative_k_policy",
         choices=K_POLICIES,

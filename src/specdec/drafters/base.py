@@ -10,7 +10,7 @@ import torch
 from specdec.kv_cache import BlockPool
 from specdec.sampling import SamplingTensors
 from specdec.sequence import Sequence
-from specdec.tree import TreeShape
+from specdec.tree import TreeShape, likeliest_nodes
 
 
 @dataclass
@@ -26,12 +26,16 @@ class Draft:
                             tree.ROOT (-1) for a child of the sequence's last token, every
                             parent before its children; its tokens are point masses (probs
                             None). None: a chain, each token after the one before.
+    scores [B, k] | None    a tree's node scores, where its drafter ranks them: the log of the
+                            drafter's probability of the node's whole branch (a child never
+                            above its parent; -inf past a row's nodes). None: unranked.
     """
 
     token_ids: torch.Tensor
     num_tokens: torch.Tensor
     probs: torch.Tensor | None = None
     parents: torch.Tensor | None = None
+    scores: torch.Tensor | None = None
 
     @property
     def is_tree(self) -> bool:
@@ -59,14 +63,28 @@ class Draft:
         token_ids[rows] = self.token_ids
         num_tokens = self.num_tokens.new_zeros(B)  # [B]
         num_tokens[rows] = self.num_tokens
-        probs = parents = None
+        probs = parents = scores = None
         if self.probs is not None:
             probs = self.probs.new_zeros(B, k, self.probs.shape[-1])  # [B, k, V]
             probs[rows] = self.probs
         if self.parents is not None:
             parents = self.parents.new_full((B, k), -1)  # [B, k]: every padding node a child of the root
             parents[rows] = self.parents
-        return Draft(token_ids, num_tokens, probs, parents)
+        if self.scores is not None:
+            scores = self.scores.new_full((B, k), float("-inf"))  # [B, k]
+            scores[rows] = self.scores
+        return Draft(token_ids, num_tokens, probs, parents, scores)
+
+    def likeliest(self, n: int) -> Draft:
+        """A ranked tree draft cut to each row's n likeliest nodes (tree.likeliest_nodes): what a
+        round verifies where a verify of more nodes would cost more than they are expected to
+        give (spec/tree_width.py)."""
+        assert self.parents is not None and self.scores is not None, "only a ranked tree is cut"
+        kept, parents, num_tokens = likeliest_nodes(self.parents, self.scores, self.num_tokens, n)  # [B, n] x2, [B]
+        is_kept = torch.arange(kept.shape[1], device=kept.device)[None, :] < num_tokens[:, None]  # [B, n]
+        token_ids = torch.where(is_kept, self.token_ids.gather(1, kept), 0)  # [B, n]
+        scores = torch.where(is_kept, self.scores.gather(1, kept), float("-inf"))  # [B, n]
+        return Draft(token_ids, num_tokens, parents=parents, scores=scores)
 
 
 DRAFT = "draft"  # the source of a drafter that is one drafter (RowOutlook.source)

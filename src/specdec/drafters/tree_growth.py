@@ -137,10 +137,12 @@ class TreeGrowth:
         parent_candidates = self.parents.gather(1, candidates)  # [B, N]
         parents = node_of.gather(1, torch.where(parent_candidates == ROOT, M, parent_candidates))
         token_ids = torch.where(valid, self.tokens.gather(1, candidates), 0)
+        scores = torch.where(valid, self.scores.gather(1, candidates), float("-inf"))  # [B, N]
         padded = self.budget - N
         token_ids = torch.nn.functional.pad(token_ids, (0, padded))  # [B, budget]
         parents = torch.nn.functional.pad(torch.where(valid, parents, ROOT), (0, padded), value=ROOT)
-        return Draft(token_ids, num_nodes, parents=parents)
+        scores = torch.nn.functional.pad(scores, (0, padded), value=float("-inf"))  # [B, budget]
+        return Draft(token_ids, num_nodes, parents=parents, scores=scores)
 
     def _add_children(self, logits: torch.Tensor, parents: torch.Tensor, parent_scores: torch.Tensor) -> None:
         """Each parent's likeliest children: logits [B, W, V], parents [B, W] (candidate numbers),

@@ -11,7 +11,8 @@ Terms:
            steps plus the target's forward over k + 1 tokens per row (padded as the runner
            pads it), plus sampling. Measured (RoundCosts), per batch size rounded up to a power
            of two: a calibration when the engine first prepares for that batch size and k, of
-           every forward length 1..k + 1 (a float32 matrix product over 2 or 3 rows can cost more
+           every forward length 1..k + 1 (past 9, each kernel tile's ends: _calibrated_lengths;
+           a float32 matrix product over 2 or 3 rows can cost more
            than one over 4 or 5: the cost is not a line in T), each timed warm (after untimed
            runs: the first calls of a shape pay for allocation, weight packing and kernel
            selection); then every round's own timing, by a median of the recent rounds at that
@@ -74,6 +75,8 @@ COST_WINDOW = 9  # the recent rounds at a size whose median is its running cost
 CALIBRATION_WARM_UPS = 2  # untimed runs of a shape before it is timed
 CALIBRATION_REPEATS = 3  # timed runs at most; the fastest counts ...
 CALIBRATION_SECONDS = 0.5  # ... and no more once the timed runs took this long (a big batch's forward)
+CALIBRATED_UP_TO = 9  # forward lengths timed one by one; past it, each tile's ends ...
+TILE_ROWS = 8  # ... of this many rows (the CPU kernels' tile: qmatmul.cpp's MAX_TILE)
 LINEAR_FROM_ROWS = 16  # from this batch bucket on, a forward's cost is about linear in its length:
 # only the shortest and longest are timed, the lengths between interpolated (CostCurve)
 
@@ -168,8 +171,9 @@ class GoodputPolicy:
     def calibrate(self, batch_size: int, k: int, time_target, time_draft) -> None:
         """Costs before any round of batch_size rows and up to k drafts: time_target(T) and
         time_draft() run one forward (batch_size rows of T tokens; one draft step), each timed
-        warm (_warm_seconds). Every forward length 1..k + 1 (as the runner pads it) not yet
-        measured for this batch bucket is (a larger k later measures the lengths it adds; from
+        warm (_warm_seconds). Every forward length 1..k + 1 (as the runner pads it; past
+        CALIBRATED_UP_TO, those _calibrated_lengths names) not yet measured for this batch
+        bucket is (a larger k later measures the lengths it adds; from
         LINEAR_FROM_ROWS rows, the shortest and longest only); the draft step once. Smaller
         batches, as requests finish, start from this shape."""
         bucket = _bucket(batch_size)
@@ -180,7 +184,7 @@ class GoodputPolicy:
             costs = self.costs[bucket] = RoundCosts(verify, CostCurve({1: draft_step, 2: 2 * draft_step}))
             self._calibrated.add((bucket, "draft"))
         assert costs is not None  # made with the draft step's calibration
-        lengths = sorted({self.padded_tokens(t) for t in range(1, k + 2)})
+        lengths = sorted({self.padded_tokens(t) for t in _calibrated_lengths(k)})
         if bucket >= LINEAR_FROM_ROWS:
             lengths = sorted({lengths[0], lengths[-1]})
         for length in lengths:
@@ -203,6 +207,10 @@ class GoodputPolicy:
             # stay so for good: probes follow k = 0 rounds)
             if not self._after_plain_rounds or draft_seconds < costs.draft.seconds(k):
                 costs.draft.observe(k, draft_seconds)
+
+    def verify_seconds(self, batch_size: int, num_tokens: int) -> float:
+        """The running cost of a target forward of num_tokens tokens a row for batch_size rows."""
+        return self._costs(batch_size).verify.seconds(self.padded_tokens(num_tokens))
 
     def start(self, slot: int) -> None:
         """A new sequence in slot: its estimates start from the priors."""
@@ -366,6 +374,14 @@ class GoodputPolicy:
 def _capped(rooms: list[int], outlooks: list[RowOutlook]) -> list[int]:
     """Each row's room, cut to the most tokens its drafter would give."""
     return [room if outlook.most is None else min(room, outlook.most) for room, outlook in zip(rooms, outlooks)]
+
+
+def _calibrated_lengths(k: int) -> list[int]:
+    """The forward lengths calibration times for drafts of up to k tokens: every one up to
+    CALIBRATED_UP_TO, then the ends of each kernel tile of TILE_ROWS rows and the first length
+    past it (where a second pass begins), and k + 1; CostCurve draws lines between them (a wide
+    tree's verify, 17 lengths for 16 nodes, would otherwise take seconds to time)."""
+    return [t for t in range(1, k + 2) if t <= CALIBRATED_UP_TO or t % TILE_ROWS in (0, 1) or t == k + 1]
 
 
 def _bucket(batch_size: int) -> int:

@@ -5,7 +5,10 @@ k (num_speculative_tokens) is the most a round drafts for one row. Each round, e
             second from each sequence's acceptance rate and the measured costs; 0 = plain)
   fixed     k, cut to the row's room (what it can still emit: a larger k is drafted and
             verified for nothing)
-  tree      a tree of k nodes wherever there is room (its depth cut to the room by the drafter)
+  tree      a tree of up to k nodes wherever there is room, its depth cut to the row's k: under
+            fixed, the room; under goodput, the policy's choice for the row as for a chain (the
+            draft steps a round pays are the tree's depths), and each round verifies only the
+            likeliest nodes the verify's measured cost buys (tree_width.py)
 A round with a seeded sampled request keeps the fixed k: its tokens depend on its rounds' k,
 which goodput takes from timings, and a seed must give the same tokens every run.
 """
@@ -16,13 +19,16 @@ from specdec.drafters.base import Drafter, RowOutlook
 from specdec.sequence import Sequence
 from specdec.spec.goodput import GoodputPolicy
 from specdec.spec.round import RoundResult
+from specdec.spec.tree_width import TreeWidth
 from specdec.tree import TreeShape
 
 
 class KChoice:
     """k: num_speculative_tokens (0: plain decoding). tree: a tree shape (tree.py) other than
-    "chain": every round drafts a tree of k nodes, from a drafter that grows trees (the goodput
-    policy, which models chains, is not used). k_policy: "goodput" or "fixed".
+    "chain": every round drafts a tree of up to k nodes, from a drafter that grows trees, each
+    row's no deeper than its k of the round; with k_policy "goodput" the policy chooses that
+    depth and tree_width cuts each tree to what the verify's costs buy, with "fixed" the whole
+    tree, as deep as the room, is verified. k_policy: "goodput" or "fixed".
     padded_tokens(T): the query length a T-token target forward runs at (its cost)."""
 
     def __init__(
@@ -41,18 +47,20 @@ class KChoice:
                 "EAGLE head or early exit); this drafter drafts chains only: use "
                 "speculative_tree='chain'"
             )
-        use_goodput = k > 0 and k_policy == "goodput" and self.tree is None
+        use_goodput = k > 0 and k_policy == "goodput"
         self.policy = GoodputPolicy(k, padded_tokens) if use_goodput else None
+        # a tree's depth by the policy, its width by its verify's cost
+        self.tree_width = TreeWidth(self.policy) if self.policy is not None and self.tree is not None else None
         self.outlooks: list[RowOutlook] | None = None  # the last round goodput chose for: who drafted each row
 
     def round_ks(self, batch: list[Sequence], drafter: Drafter | None = None) -> list[int]:
-        """Each row's k this round (at most its room, a tree's node budget aside). Under goodput,
-        where drafter is made of several, goodput also picks who drafts each row among those
-        drafter offers (Drafter.outlook), and tells it (Drafter.assign)."""
+        """Each row's k this round (at most its room; a tree's depth). Under goodput, where
+        drafter is made of several, goodput also picks who drafts each row among those drafter
+        offers (Drafter.outlook), and tells it (Drafter.assign)."""
         rooms = [s.draft_room for s in batch]
         self.outlooks = None
-        if self.tree is not None:
-            return [self.k if room > 0 else 0 for room in rooms]
+        if self.tree is not None and self.tree_width is None:  # fixed: as deep as there is room
+            return [min(self.k, room) for room in rooms]
         if self.policy is None or any(s.params.seed is not None and not s.params.greedy for s in batch):
             k = self.usable_k(batch)
             return [min(k, room) for room in rooms]
@@ -99,7 +107,9 @@ class KChoice:
         if self.policy is None:
             return
         sources = [o.source for o in self.outlooks] if self.outlooks is not None else None
-        self.policy.observe([s.slot for s in batch], result.num_proposed, result.num_accepted, sources)
+        # a tree proposes its depth's positions, as a chain of that length would (metrics.py)
+        proposed = [n if depth is None else depth for n, depth in zip(result.num_proposed, result.tree_depths)]
+        self.policy.observe([s.slot for s in batch], proposed, result.num_accepted, sources)
         # a round where a free drafter drafted some rows says little of the paying drafter's cost
         free_drafted = self.outlooks is not None and any(o.free for o in self.outlooks)
         self.policy.observe_round(

@@ -2,7 +2,7 @@
 
 A round, for every row at once (each with its own k this round, from k_choice.py):
   propose   the drafter drafts up to k tokens per row (or, with a tree shape, a tree of up to
-            k nodes: tree.py)
+            k nodes: tree.py, cut to the width its verify buys: tree_width.py)
   verify    one target forward over [last token, drafts] gives the target's distribution at
             every draft position and one past it; rejection sampling (verify.py) keeps a prefix
             (of a tree: a branch, whose K/V entries are then moved into the sequence's next
@@ -27,6 +27,7 @@ from specdec.drafters.base import Draft, Drafter
 from specdec.kv_cache import TreeAttention
 from specdec.sampling import SamplingTensors, sample, token_logprobs, warp
 from specdec.sequence import Sequence
+from specdec.spec.tree_width import TreeWidth
 from specdec.spec.verify import greedy_tree_verify, greedy_verify, rejection_sample, tree_rejection_sample
 from specdec.tree import TreeShape, branches
 from specdec.worker import ForwardBatch, ModelRunner
@@ -61,10 +62,20 @@ class RoundResult:
 
 class SpeculativeRound:
     """The round's parts over one target runner and drafter (None: plain decoding). tree: the
-    shape of every round's draft, or None for chains."""
+    shape of every round's draft, or None for chains; tree_nodes: a tree's node budget;
+    tree_width: what cuts a grown tree to the width its verify buys (None: every node is
+    verified)."""
 
-    def __init__(self, target: ModelRunner, drafter: Drafter | None, tree: TreeShape | None):
-        self.target, self.drafter, self.tree = target, drafter, tree
+    def __init__(
+        self,
+        target: ModelRunner,
+        drafter: Drafter | None,
+        tree: TreeShape | None,
+        tree_nodes: int = 0,
+        tree_width: TreeWidth | None = None,
+    ):
+        self.target, self.drafter, self.tree, self.tree_width = target, drafter, tree, tree_width
+        self.tree_nodes = tree_nodes
         self.return_hidden = drafter is not None and drafter.needs_target_hidden  # the target's features too
         self._sampling_key: tuple | None = None
         self._sampling: SamplingTensors | None = None
@@ -131,10 +142,13 @@ class SpeculativeRound:
         return logits
 
     def run(self, batch: list[Sequence], ks: list[int]) -> RoundResult:
-        """A round over batch, row i drafting at most ks[i] tokens (a tree of ks[i] nodes)."""
+        """A round over batch, row i drafting at most ks[i] tokens (a tree of tree_nodes nodes at
+        most, ks[i] deep at most)."""
         sampling = self._sampling_tensors(batch)
         t0 = time.perf_counter()
         draft, all_rows_drafted = self._propose(batch, ks, sampling)
+        if draft.is_tree and self.tree_width is not None:
+            draft = self.tree_width.cut(draft, batch)
         t1 = time.perf_counter()
         if draft.is_tree:
             num_draft = draft.num_tokens  # [B]
@@ -155,6 +169,8 @@ class SpeculativeRound:
             if target_hidden is not None:
                 target_hidden = target_hidden.gather(1, path[:, :, None].expand(-1, -1, target_hidden.shape[-1]))
         t3 = time.perf_counter()
+        if draft.is_tree and self.tree_width is not None:
+            self.tree_width.observe(draft, num_accepted)
         if self.drafter is not None:
             self.drafter.observe(batch, num_accepted)
         if target_hidden is not None:
@@ -191,8 +207,8 @@ class SpeculativeRound:
 
     def _draft(self, batch: list[Sequence], ks: list[int], sampling: SamplingTensors) -> Draft:
         assert self.drafter is not None  # a row has k > 0
-        if self.tree is not None:  # every drafting row grows a tree of k nodes, no deeper than its room
-            return self.drafter.propose_tree(batch, max(ks), self.tree, [s.draft_room for s in batch], sampling)
+        if self.tree is not None:  # every drafting row grows a tree, no deeper than its k (at most its room)
+            return self.drafter.propose_tree(batch, self.tree_nodes, self.tree, ks, sampling)
         return self.drafter.propose(batch, ks, sampling)
 
     def _verify_inputs(
