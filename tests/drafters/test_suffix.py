@@ -65,6 +65,23 @@ def test_earlier_outputs_that_part_ways_draft_a_tree():
     assert int(propose(drafter, [seq], [20]).num_tokens[0]) <= 2 * 3 * 2  # a 3-token match: 6 a branch, two branches
 
 
+def test_a_trees_nodes_are_ranked_by_how_often_their_paths_followed_the_match():
+    """Three earlier answers continue [5, 6, 7]: twice with 8 9 10, once with 1 2 3. A node's
+    score is the log of its path's share of the continuations (8, 8 9 and 8 9 10: 2/3; 1: 1/3),
+    which the round's cut ranks nodes by (spec/tree_width.py)."""
+    drafter = SuffixDrafter(max_tree_depth=16, max_cached_requests=10, max_spec_factor=2.0, min_token_prob=0.1)
+    for name, output in (("a", [5, 6, 7, 8, 9, 10]), ("b", [5, 6, 7, 8, 9, 10]), ("c", [5, 6, 7, 1, 2, 3])):
+        finished(drafter, name, [100 + len(name)], output)
+    draft = propose(drafter, [sequence("d", [50, 5, 6, 7], [])], [4])
+    assert draft.parents is not None and draft.scores is not None
+    n = int(draft.num_tokens[0])
+    by_path = {}
+    for i, (token, parent) in enumerate(zip(draft.token_ids[0, :n].tolist(), draft.parents[0, :n].tolist())):
+        by_path[i] = (by_path[parent][0] if parent != ROOT else ()) + (token,), float(draft.scores[0, i].exp())
+    shares = dict(by_path.values())
+    assert shares == pytest.approx({(8,): 2 / 3, (8, 9): 2 / 3, (8, 9, 10): 2 / 3, (1,): 1 / 3})
+
+
 def test_a_single_path_is_a_chain_and_no_match_is_nothing():
     drafter = SuffixDrafter(max_tree_depth=16, max_cached_requests=10, max_spec_factor=4.0)
     finished(drafter, "a", [100], [5, 6, 7, 8, 9, 10])

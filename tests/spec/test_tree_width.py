@@ -214,3 +214,31 @@ def test_fixed_verifies_the_whole_tree(dirs):
         speculative_k_policy="fixed",
     )
     assert llm.engine.k_choice.tree_width is None
+
+
+def test_suffix_trees_are_cut_by_their_paths_frequencies():
+    """Suffix decoding proposes a tree where earlier answers part ways, ranked by how often each
+    path followed the match: twice 8 9 10, once 1 2 3. A steep verify keeps 8 alone, a flat one
+    the whole tree."""
+    pytest.importorskip("arctic_inference.suffix_decoding", reason="arctic-inference is not installed: make setup")
+    from specdec.config import SamplingParams as Params
+    from specdec.drafters.suffix import SuffixDrafter
+    from specdec.sampling import SamplingTensors
+    from specdec.sequence import Sequence
+
+    def sequence(request_id: str, prompt: list[int]) -> Sequence:
+        return Sequence(request_id, prompt, Params(temperature=0.0, max_tokens=64), torch.Generator())
+
+    drafter = SuffixDrafter(max_tree_depth=16, max_cached_requests=10, max_spec_factor=2.0, min_token_prob=0.1)
+    for name, output in (("a", [5, 6, 7, 8, 9, 10]), ("b", [5, 6, 7, 8, 9, 10]), ("c", [5, 6, 7, 1, 2, 3])):
+        seq = sequence(name, [100])
+        drafter.propose([seq], [0], SamplingTensors.from_params([seq.params], "cpu"))
+        seq.output_token_ids, seq.finish_reason = output, "length"
+        drafter.release(seq)
+    asking = sequence("d", [50, 5, 6, 7])
+    draft = drafter.propose([asking], [4], SamplingTensors.from_params([asking.params], "cpu"))
+    assert draft.is_tree and int(draft.num_tokens[0]) == 4
+    steep = TreeWidth(FixedCosts(lambda w: float(w) ** 2)).cut(draft, [asking])  # type: ignore[arg-type]
+    assert steep.token_ids[0, : int(steep.num_tokens[0])].tolist() == [8]
+    flat = TreeWidth(FixedCosts(lambda w: 1.0)).cut(draft, [asking])  # type: ignore[arg-type]
+    assert flat is draft

@@ -201,7 +201,7 @@ def _merge(looked_up: Draft, drafted: Draft, drafted_rows: torch.Tensor) -> Draf
     if looked_up.parents is not None:
         parents = _widened(looked_up.parents, width, ROOT)  # [B, width]
         parents[drafted_rows] = torch.arange(-1, width - 1, device=parents.device)  # each after the one before
-        return Draft(token_ids, num_tokens, None, parents)
+        return Draft(token_ids, num_tokens, None, parents)  # unranked: the drafted rows' chains have no scores
     probs = None
     if drafted.probs is not None:
         B, k = token_ids.shape

@@ -22,7 +22,9 @@ Terms:
 Each round, each row speculates from both trees and keeps the draft of higher score (its nodes'
 frequencies summed): up to k nodes, the likeliest continuations of the match, each node's
 frequency at least min_token_prob. The nodes form a tree (several continuations seen after the
-same context) verified in one forward (tree.py); a draft that is one path is handed on as a chain.
+same context) verified in one forward (tree.py), ranked by their paths' frequencies (under
+goodput the round verifies the likeliest the verify's cost buys: spec/tree_width.py); a draft
+that is one path is handed on as a chain.
 
 A seeded sampled request drafts from its own tree alone: how many random numbers a round draws
 depends on its draft, and a seed must give the same tokens whatever else the server has served.
@@ -110,30 +112,36 @@ class SuffixDrafter(Drafter):
         width = max(ks, default=0)
         token_ids = torch.zeros(len(batch), width, dtype=torch.long)  # [B, k]
         parents = torch.full((len(batch), width), ROOT, dtype=torch.long)  # [B, k]
+        scores = torch.full((len(batch), width), float("-inf"))  # [B, k]
         num_tokens = torch.zeros(len(batch), dtype=torch.long)  # [B]
         for row, (seq, k) in enumerate(zip(batch, ks)):
-            nodes, node_parents = self.speculate(seq, k)
+            nodes, node_parents, probs = self.speculate(seq, k)
             token_ids[row, : len(nodes)] = torch.as_tensor(nodes, dtype=torch.long)
             parents[row, : len(nodes)] = torch.as_tensor(node_parents, dtype=torch.long)
+            scores[row, : len(nodes)] = torch.as_tensor(probs, dtype=torch.float32).log()
             num_tokens[row] = len(nodes)
         used = int(num_tokens.max()) if len(batch) else 0
-        token_ids, parents = token_ids[:, :used], parents[:, :used]  # [B, used]
+        token_ids, parents, scores = token_ids[:, :used], parents[:, :used], scores[:, :used]  # [B, used]
         columns = torch.arange(used)  # [used]
         after_the_one_before = (parents == columns - 1) | (columns[None, :] >= num_tokens[:, None])  # [B, used]
-        tree = None if bool(after_the_one_before.all()) else parents.to(self.device)  # every row a chain: None
-        return Draft(token_ids.to(self.device), num_tokens.to(self.device), None, tree)
+        if bool(after_the_one_before.all()):  # every row a chain
+            return Draft(token_ids.to(self.device), num_tokens.to(self.device))
+        return Draft(
+            token_ids.to(self.device), num_tokens.to(self.device), parents=parents.to(self.device), scores=scores
+        )
 
     def proposal_length(self, seq: Sequence, k: int) -> int:
         """How many nodes propose would give seq with k: 0 where no tree continues its context."""
         return len(self.speculate(seq, k)[0])
 
-    def speculate(self, seq: Sequence, k: int) -> tuple[list[int], list[int]]:
-        """Up to k draft nodes for seq (token ids, and each one's parent's index in them, ROOT for
-        a child of the last token; parents before children), from its own tree and, unless it
+    def speculate(self, seq: Sequence, k: int) -> tuple[list[int], list[int], list[float]]:
+        """Up to k draft nodes for seq (token ids; each one's parent's index in them, ROOT for
+        a child of the last token, parents before children; each one's probability, its path's
+        frequency among the paths that continue the match), from its own tree and, unless it
         drafts alone, the shared one: the draft of higher score."""
         key = self._bring_up_to_date(seq)
         if k <= 0:
-            return [], []
+            return [], [], []
         cache = self.own if _drafts_alone(seq) else self.shared(seq.cache_scope)
         context = seq.token_ids[-cache.max_tree_depth :]
         draft = cache.speculate(
@@ -144,7 +152,7 @@ class SuffixDrafter(Drafter):
             min_token_prob=self.min_token_prob,
             use_tree_spec=True,
         )
-        return list(draft.token_ids), list(draft.parents)
+        return list(draft.token_ids), list(draft.parents), list(draft.probs)
 
     def _bring_up_to_date(self, seq: Sequence) -> int:
         """seq's key in the caches, its prompt and every output token added to its trees (and

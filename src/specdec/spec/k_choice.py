@@ -49,8 +49,9 @@ class KChoice:
             )
         use_goodput = k > 0 and k_policy == "goodput"
         self.policy = GoodputPolicy(k, padded_tokens) if use_goodput else None
-        # a tree's depth by the policy, its width by its verify's cost
-        self.tree_width = TreeWidth(self.policy) if self.policy is not None and self.tree is not None else None
+        # a tree's depth by the policy, its width by its verify's cost (a grown tree's, or the tree
+        # a drafter of chains proposes where its text branches: suffix decoding's)
+        self.tree_width = TreeWidth(self.policy) if self.policy is not None else None
         self.outlooks: list[RowOutlook] | None = None  # the last round goodput chose for: who drafted each row
 
     def round_ks(self, batch: list[Sequence], drafter: Drafter | None = None) -> list[int]:
@@ -59,7 +60,7 @@ class KChoice:
         offers (Drafter.outlook), and tells it (Drafter.assign)."""
         rooms = [s.draft_room for s in batch]
         self.outlooks = None
-        if self.tree is not None and self.tree_width is None:  # fixed: as deep as there is room
+        if self.tree is not None and self.policy is None:  # fixed: as deep as there is room
             return [min(self.k, room) for room in rooms]
         if self.policy is None or any(s.params.seed is not None and not s.params.greedy for s in batch):
             k = self.usable_k(batch)
