@@ -161,7 +161,7 @@ def main() -> None:
         if len(shown) < args.show:
             shown.append((prompt, alone.outputs[0].text))
 
-    base = _totals(plain_stats)
+    base = SpecStats.merge(plain_stats, one_after_another=True)
     cost_ratio = step_seconds(first.engine.drafter.runner) / step_seconds(first.runner)
     print(
         f"## {Path(args.target).name} + {Path(args.draft).name} (target in "
@@ -177,7 +177,7 @@ def main() -> None:
     print("|---|---:|---:|---:|---:|---:|---:|---|---:|")
     print(f"| target alone | {base.tokens_per_second:.1f} | | | 1.00 | 1.00x | | | |")
     for (name, policy, k, shape), stats in spec_stats.items():
-        spec = _totals(stats)
+        spec = SpecStats.merge(stats, one_after_another=True)
         alpha = spec.acceptance_rate
         by_position = " ".join(f"{a:.2f}" for a in spec.acceptance_by_position)
         fixed_k = name == DRAFT_MODEL and not args.draft_confidence and policy == "fixed" and shape == "chain"
@@ -218,13 +218,6 @@ def _label(name: str, policy: str, k: int, shape: str, spec: SpecStats | None, w
     if policy == "fixed":
         return f"{name} k={k}"
     return f"{name} goodput k<={k}" + (f" ({spec.k_summary().strip()})" if spec is not None else "")
-
-
-def _totals(stats: list[SpecStats]) -> SpecStats:
-    """Sums over prompts run one after another (merge keeps the longest time: add them here)."""
-    total = SpecStats.merge(stats)
-    total.seconds = sum(s.seconds for s in stats)
-    return total
 
 
 if __name__ == "__main__":

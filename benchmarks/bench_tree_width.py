@@ -61,13 +61,13 @@ def main() -> None:
             stats[key].append(ours.metrics)
             same[key] += ours.outputs[0].token_ids == alone.outputs[0].token_ids
         print(f"prompt {i + 1}/{len(inputs)} done", flush=True)
-    base = _total(stats[None])
+    base = SpecStats.merge(stats[None], one_after_another=True)
     print(f"\n## {args.model}, {spec.method}, {len(inputs)} prompts of {title}, {args.max_tokens} tokens, greedy\n")
     print("| system | tok/s | x plain | τ | nodes verified a round | same as plain |")
     print("|---|---:|---:|---:|---:|---:|")
     print(f"| plain | {base.tokens_per_second:.1f} | 1.00x | 1.00 | – | – |")
     for (k, cut), system in systems.items():
-        total = _total(stats[k, cut])
+        total = SpecStats.merge(stats[k, cut], one_after_another=True)
         width = system.engine.k_choice.tree_width
         kept = width.kept_nodes if cut and width is not None else None
         verified = f"{sum(n * c for n, c in kept.items()) / kept.total():.2f} ({kept.total()} trees)" if kept else "–"
@@ -76,12 +76,6 @@ def main() -> None:
             f"{total.tokens_per_second / base.tokens_per_second:.2f}x | {total.tokens_per_forward:.2f} | {verified} | "
             f"{same[k, cut]}/{len(inputs)} |"
         )
-
-
-def _total(stats: list[SpecStats]) -> SpecStats:
-    total = SpecStats.merge(stats)
-    total.seconds = sum(s.seconds for s in stats)
-    return total
 
 
 if __name__ == "__main__":

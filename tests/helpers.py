@@ -166,6 +166,21 @@ def save_random_head(
     return save_head(head, out, torch.float32, target=str(target_dir))
 
 
+def save_tree_models(root: Path) -> dict[str, Path]:
+    """A tiny target, a draft that is the target plus noise (it agrees with the target often, not
+    always: trees then accept branches through second children) and an untrained head, under root."""
+    target = save_tiny_model(root / "target", "llama", seed=3, init_std=0.3)
+    draft = load_hf(target)
+    g = torch.Generator().manual_seed(8)
+    with torch.no_grad():
+        for param in draft.parameters():
+            param.add_(torch.randn(param.shape, generator=g) * 0.1 * param.std().clamp(min=0.1))
+    draft.save_pretrained(root / "draft")
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        (root / "draft" / name).write_bytes((target / name).read_bytes())
+    return {"target": target, "draft": root / "draft", "head": save_random_head(target, root / "head", seed=5)}
+
+
 def random_prompts(
     n: int, seed: int, lengths: tuple[int, int] = (2, 25), vocab: int = 320, repeat: bool = False
 ) -> list[list[int]]:

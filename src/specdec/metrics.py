@@ -85,8 +85,9 @@ class SpecStats:
         return self.num_emitted_tokens / self.seconds if self.seconds > 0 else float("nan")
 
     @classmethod
-    def merge(cls, stats: list[SpecStats]) -> SpecStats:
-        """Totals over requests; seconds is the longest (the requests ran together)."""
+    def merge(cls, stats: list[SpecStats], one_after_another: bool = False) -> SpecStats:
+        """Totals over requests; seconds is the longest (the requests ran together), or their sum
+        where they ran one_after_another."""
         total = cls()
         for s in stats:
             total.num_draft_tokens += s.num_draft_tokens
@@ -102,7 +103,7 @@ class SpecStats:
                 _grow(mine, len(theirs))
                 for i, n in enumerate(theirs):
                     mine[i] += n
-            total.seconds = max(total.seconds, s.seconds)
+            total.seconds = total.seconds + s.seconds if one_after_another else max(total.seconds, s.seconds)
         return total
 
     def summary(self) -> str:

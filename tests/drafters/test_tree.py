@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 
-from helpers import load_hf, random_prompts, save_random_head, save_tiny_model, token_ids
+from helpers import load_hf, random_prompts, save_tree_models, token_ids
 from specdec import LLM, SamplingParams
 from specdec.config import SpeculativeConfig
 from specdec.kv_cache import KVCache, TreeAttention
@@ -52,19 +52,8 @@ def test_branches_and_depths_of_a_small_tree():
 
 @pytest.fixture(scope="module")
 def dirs(tmp_path_factory):
-    """A tiny target; a draft that is the target plus noise (it agrees with the target often,
-    not always: trees then accept branches through second children); an untrained head."""
-    root = tmp_path_factory.mktemp("tree")
-    target = save_tiny_model(root / "target", "llama", seed=3, init_std=0.3)
-    draft = load_hf(target)
-    g = torch.Generator().manual_seed(8)
-    with torch.no_grad():
-        for param in draft.parameters():
-            param.add_(torch.randn(param.shape, generator=g) * 0.1 * param.std().clamp(min=0.1))
-    draft.save_pretrained(root / "draft")
-    (root / "draft" / "tokenizer.json").write_bytes((target / "tokenizer.json").read_bytes())
-    (root / "draft" / "tokenizer_config.json").write_bytes((target / "tokenizer_config.json").read_bytes())
-    return {"target": target, "draft": root / "draft", "head": save_random_head(target, root / "head", seed=5)}
+    """A tiny target, a noisy copy of it as the draft, an untrained head (helpers.save_tree_models)."""
+    return save_tree_models(tmp_path_factory.mktemp("tree"))
 
 
 def test_a_tree_forward_gives_each_node_what_its_branch_gives_alone(dirs):

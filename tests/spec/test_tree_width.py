@@ -11,7 +11,7 @@ import random
 import pytest
 import torch
 
-from helpers import load_hf, random_prompts, save_random_head, save_tiny_model, token_ids
+from helpers import random_prompts, save_tree_models, token_ids
 from specdec import LLM, SamplingParams
 from specdec.drafters.base import Draft
 from specdec.spec import tree_width
@@ -147,18 +147,8 @@ def test_depth_two_is_counted_only_where_depth_one_was_accepted():
 
 @pytest.fixture(scope="module")
 def dirs(tmp_path_factory):
-    """A tiny target, a noisy copy of it as the draft, an untrained head."""
-    root = tmp_path_factory.mktemp("tree_width")
-    target = save_tiny_model(root / "target", "llama", seed=3, init_std=0.3)
-    draft = load_hf(target)
-    g = torch.Generator().manual_seed(8)
-    with torch.no_grad():
-        for param in draft.parameters():
-            param.add_(torch.randn(param.shape, generator=g) * 0.1 * param.std().clamp(min=0.1))
-    draft.save_pretrained(root / "draft")
-    for name in ("tokenizer.json", "tokenizer_config.json"):
-        (root / "draft" / name).write_bytes((target / name).read_bytes())
-    return {"target": target, "draft": root / "draft", "head": save_random_head(target, root / "head", seed=5)}
+    """A tiny target, a noisy copy of it as the draft, an untrained head (helpers.save_tree_models)."""
+    return save_tree_models(tmp_path_factory.mktemp("tree_width"))
 
 
 @pytest.mark.parametrize("method", ["draft_model", "eagle"])
