@@ -123,7 +123,7 @@ def test_the_calibration_learns_how_often_the_target_accepts_what_the_drafter_ra
     assert width.calibration(1) == 1.0
     gen = torch.Generator().manual_seed(0)
     for _ in range(400):
-        width.observe(draft, (torch.rand(10, generator=gen) < 0.3).long())
+        width.observe(draft, torch.ones(10, 1, dtype=torch.long), (torch.rand(10, generator=gen) < 0.3).long())
     assert width.calibration(1) == pytest.approx(0.3 / 0.9, rel=0.1)
     assert width.calibration(2) == 1.0  # never seen
 
@@ -136,7 +136,7 @@ def test_depth_two_is_counted_only_where_depth_one_was_accepted():
         parents=torch.tensor([[ROOT, ROOT, 0]] * 2),
         scores=torch.tensor([[0.6, 0.3, 0.5]] * 2).log(),
     )
-    width.observe(draft, torch.tensor([2, 1]))
+    width.observe(draft, torch.tensor([[1, 1, 2]] * 2), torch.tensor([2, 1]))
     decayed_prior = tree_width.PRIOR_WEIGHT
     assert width.calibration(1) == pytest.approx((2 + decayed_prior) / (2 * 0.9 + decayed_prior))
     assert width.calibration(2) == pytest.approx((1 + decayed_prior) / (2 * 0.5 + decayed_prior))

@@ -169,8 +169,8 @@ class SpeculativeRound:
             if target_hidden is not None:
                 target_hidden = target_hidden.gather(1, path[:, :, None].expand(-1, -1, target_hidden.shape[-1]))
         t3 = time.perf_counter()
-        if draft.is_tree and self.tree_width is not None:
-            self.tree_width.observe(draft, num_accepted)
+        if draft.is_tree and self.tree_width is not None:  # each node at the root's position + its depth
+            self.tree_width.observe(draft, positions[:, 1:] - positions[:, :1], num_accepted)
         if self.drafter is not None:
             self.drafter.observe(batch, num_accepted)
         if target_hidden is not None:

@@ -74,13 +74,14 @@ class TreeWidth:
         )  # [N]
         return int((tokens / seconds).argmax()) + 1
 
-    def observe(self, draft: Draft, num_accepted: torch.Tensor) -> None:
-        """What a round verified (draft, as cut) and accepted (num_accepted [B]): c_d's sums."""
+    def observe(self, draft: Draft, node_depths: torch.Tensor, num_accepted: torch.Tensor) -> None:
+        """What a round verified (draft, as cut; node_depths [B, N], as the verify placed its
+        nodes) and accepted (num_accepted [B]): c_d's sums."""
         if draft.parents is None or draft.scores is None or draft.token_ids.shape[1] == 0:
             return
         chances = self._valid_p(draft)  # [B, N]
         valid = torch.arange(chances.shape[1])[None, :] < draft.num_tokens.cpu()[:, None]  # [B, N]
-        node_depths = torch.where(valid, self._node_depths(draft).cpu(), 0)  # [B, N]: 0 past a row's nodes
+        node_depths = torch.where(valid, node_depths.cpu(), 0)  # [B, N]: 0 past a row's nodes
         D = int(node_depths.max())
         self._grow(D)
         at_depth = torch.arange(1, D + 1)[:, None, None] == node_depths[None]  # [D, B, N]
