@@ -432,7 +432,8 @@ class SpeculativeConfig:
     tree: "chain" (k tokens, one after another), "auto" (EAGLE-2's dynamic tree) or branching
         factors per depth like "3,2,1": a tree of num_speculative_tokens candidate tokens,
         verified in one forward (tree.py), for a drafter that grows trees (TREE_METHODS).
-        Every round grows the whole tree; k_policy says how much of it is verified.
+        Under goodput a row's tree grows as deep as the policy's k for it and is cut to the
+        nodes its verify's cost buys; under fixed, every round grows and verifies the whole tree.
     suffix_decoding_max_tree_depth, suffix_decoding_max_cached_requests,
     suffix_decoding_max_spec_factor, suffix_decoding_min_token_prob: suffix decoding's, in vLLM's
         names: the longest match and draft its trees hold (24); how many recent requests' outputs

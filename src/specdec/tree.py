@@ -105,18 +105,19 @@ def likeliest_nodes(
     """Each row's n likeliest nodes, as a tree of their own.
 
     parents [B, N], scores [B, N] (each node's branch score: a child never scores above its
-    parent), num_nodes [B] (a row's nodes past it are padding). The n best scores are kept, a
-    parent before its child among equal scores (its number is smaller), so every kept node's
-    parent is kept. Returns (kept [B, n]: the kept nodes' numbers in parents, ascending, 0 past a
-    row's count; parents [B, n] renumbered among the kept, ROOT past the count; num_nodes [B])."""
+    parent; -inf: not a node), num_nodes [B] (a row's nodes past it are padding). The n best
+    scores are kept, a parent before its child among equal scores (its number is smaller), so
+    every kept node's parent is kept. Returns (kept [B, n]: the kept nodes' numbers in parents,
+    ascending, 0 past a row's count; parents [B, n] renumbered among the kept, ROOT past the
+    count; num_nodes [B])."""
     B, N = parents.shape
     n = min(n, N)
     columns = torch.arange(N, device=parents.device)
     valid = columns[None, :] < num_nodes[:, None]  # [B, N]
-    ranked = torch.where(valid, scores, float("-inf")).argsort(dim=1, descending=True, stable=True)[:, :n]  # [B, n]
-    kept_count = num_nodes.clamp(max=n)  # [B]
-    is_kept = torch.arange(n, device=parents.device)[None, :] < kept_count[:, None]  # [B, n]
-    kept = torch.where(is_kept, ranked, N).sort(dim=1).values  # [B, n]: ascending, padding (N) last
+    ranked_scores, ranked = torch.where(valid, scores, float("-inf")).sort(dim=1, descending=True, stable=True)
+    is_kept = ranked_scores[:, :n] > float("-inf")  # [B, n]: a prefix of each row
+    kept_count = is_kept.sum(1)  # [B]
+    kept = torch.where(is_kept, ranked[:, :n], N).sort(dim=1).values  # [B, n]: ascending, padding (N) last
     new_number = torch.full((B, N + 1), ROOT, dtype=torch.long, device=parents.device)  # [B, N+1]: last = ROOT's
     new_number.scatter_(1, kept, torch.arange(n, device=parents.device).expand(B, n))
     new_number[:, N] = ROOT

@@ -121,28 +121,19 @@ class TreeGrowth:
         self._add_children(logits, frontier.candidates, parent_scores)
 
     def draft(self) -> Draft:
-        """The budget's likeliest nodes as a tree draft (tree.py's numbering)."""
+        """The budget's likeliest nodes as a tree draft (tree.py's numbering), padded to budget
+        columns."""
         B, M = self.scores.shape
-        N = min(self.budget, M)
-        # stable: among equal scores the earlier candidate (a parent before its child) ranks first
-        order = self.scores.argsort(dim=1, descending=True, stable=True)[:, :N]  # [B, N]
-        chosen = self.scores.gather(1, order) > float("-inf")  # [B, N]
-        num_nodes = chosen.sum(1)  # [B]
-        chosen_candidates = torch.where(chosen, order, M).sort(dim=1).values  # [B, N]: ascending, parents first
-        valid = chosen_candidates < M
-        candidates = chosen_candidates.clamp(max=M - 1)
-        node_of = torch.full((B, M + 1), ROOT, dtype=torch.long, device=self.device)  # [B, M+1]: last = ROOT's
-        node_of.scatter_(1, torch.where(valid, candidates, M), torch.arange(N, device=self.device).expand(B, N))
-        node_of[:, M] = ROOT
-        parent_candidates = self.parents.gather(1, candidates)  # [B, N]
-        parents = node_of.gather(1, torch.where(parent_candidates == ROOT, M, parent_candidates))
-        token_ids = torch.where(valid, self.tokens.gather(1, candidates), 0)
-        scores = torch.where(valid, self.scores.gather(1, candidates), float("-inf"))  # [B, N]
-        padded = self.budget - N
-        token_ids = torch.nn.functional.pad(token_ids, (0, padded))  # [B, budget]
-        parents = torch.nn.functional.pad(torch.where(valid, parents, ROOT), (0, padded), value=ROOT)
-        scores = torch.nn.functional.pad(scores, (0, padded), value=float("-inf"))  # [B, budget]
-        return Draft(token_ids, num_nodes, parents=parents, scores=scores)
+        candidates = Draft(
+            self.tokens, torch.full((B,), M, device=self.device), parents=self.parents, scores=self.scores
+        )
+        chosen = candidates.likeliest(min(self.budget, M))  # [B, N]: a parent before its child
+        assert chosen.parents is not None and chosen.scores is not None  # a ranked tree's cut
+        padded = self.budget - chosen.token_ids.shape[1]
+        token_ids = torch.nn.functional.pad(chosen.token_ids, (0, padded))  # [B, budget]
+        parents = torch.nn.functional.pad(chosen.parents, (0, padded), value=ROOT)  # [B, budget]
+        scores = torch.nn.functional.pad(chosen.scores, (0, padded), value=float("-inf"))  # [B, budget]
+        return Draft(token_ids, chosen.num_tokens, parents=parents, scores=scores)
 
     def _add_children(self, logits: torch.Tensor, parents: torch.Tensor, parent_scores: torch.Tensor) -> None:
         """Each parent's likeliest children: logits [B, W, V], parents [B, W] (candidate numbers),

@@ -60,8 +60,6 @@ class KChoice:
         offers (Drafter.outlook), and tells it (Drafter.assign)."""
         rooms = [s.draft_room for s in batch]
         self.outlooks = None
-        if self.tree is not None and self.policy is None:  # fixed: as deep as there is room
-            return [min(self.k, room) for room in rooms]
         if self.policy is None or any(s.params.seed is not None and not s.params.greedy for s in batch):
             k = self.usable_k(batch)
             return [min(k, room) for room in rooms]
