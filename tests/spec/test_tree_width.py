@@ -15,6 +15,7 @@ from helpers import random_prompts, save_tree_models, token_ids
 from specdec import LLM, SamplingParams
 from specdec.drafters.base import Draft
 from specdec.spec import tree_width
+from specdec.spec.goodput import CostCurve, GoodputPolicy, RoundCosts
 from specdec.spec.tree_width import TreeWidth
 from specdec.tree import ROOT, likeliest_nodes
 
@@ -151,6 +152,16 @@ def dirs(tmp_path_factory):
     return save_tree_models(tmp_path_factory.mktemp("tree_width"))
 
 
+def drafts_as_deep_as_it_may(policy: GoodputPolicy) -> None:
+    """The policy's own round costs set by hand, not measured: a verify of any width 1 s, a draft
+    step 1 ms, so it grows every tree as deep as it may on any machine (what is cut is then up to
+    the tree width's verify costs, set by each test)."""
+    costs = RoundCosts(CostCurve({1: 1.0, 2: 1.0}), CostCurve({1: 1e-3, 2: 2e-3}))
+    policy.costs = {1 << i: costs.copy() for i in range(8)}  # every batch bucket up to 128 rows
+    policy.calibrate = lambda *args, **kwargs: None  # type: ignore[method-assign]
+    policy.observe_round = lambda *args, **kwargs: None  # type: ignore[method-assign]
+
+
 @pytest.mark.parametrize("method", ["draft_model", "eagle"])
 @pytest.mark.parametrize("verify", ["steep", "flat"])
 def test_greedy_with_a_cut_tree_equals_the_target_alone(dirs, method, verify):
@@ -170,6 +181,7 @@ def test_greedy_with_a_cut_tree_equals_the_target_alone(dirs, method, verify):
     )
     width = llm.engine.k_choice.tree_width
     assert width is not None  # goodput is the default policy
+    drafts_as_deep_as_it_may(width.policy)
     seconds = (lambda B, tokens: float(tokens) ** 2) if verify == "steep" else (lambda B, tokens: 1.0)
     width.policy.verify_seconds = seconds  # type: ignore[method-assign]
     grown_and_verified = []
