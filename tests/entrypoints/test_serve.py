@@ -326,6 +326,10 @@ BAD_REQUESTS = [
     ("n > 1", {"model": MODEL, "prompt": "hi", "n": 2}, "n"),
     ("logprobs over 20", {"model": MODEL, "prompt": "hi", "logprobs": 21}, "logprobs"),
     ("penalties", {"model": MODEL, "prompt": "hi", "presence_penalty": 0.5}, "presence_penalty"),
+    ("vLLM's penalty", {"model": MODEL, "prompt": "hi", "repetition_penalty": 1.2}, "repetition_penalty"),
+    ("min_tokens", {"model": MODEL, "prompt": "hi", "min_tokens": 4}, "min_tokens"),
+    ("guided_json", {"model": MODEL, "prompt": "hi", "guided_json": {"type": "object"}}, "guided_json"),
+    ("a field no list knows", {"model": MODEL, "prompt": "hi", "temprature": 0}, "temprature"),
     ("no prompt", {"model": MODEL}, "prompt"),
     ("prompt of wrong type", {"model": MODEL, "prompt": {"text": "hi"}}, "prompt"),
     ("token id outside the vocabulary", {"model": MODEL, "prompt": [5, 99999]}, None),
@@ -364,7 +368,31 @@ def test_chat_bad_requests(server):
         )
     with pytest.raises(openai.BadRequestError, match="context length"):
         client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "x"}], max_tokens=CONTEXT)
+    schema = {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "object"}, "strict": True}}
+    for fields in ({"response_format": schema}, {"extra_body": {"guided_choice": ["yes", "no"]}}):
+        with pytest.raises(openai.BadRequestError) as refused:
+            client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "x"}], **fields)
+        assert refused.value.body["param"] == next(iter(fields.get("extra_body", fields)))  # pyright: ignore[reportIndexIssue, reportOptionalSubscript]
     assert httpx.post(f"{server.url}/v1/nothing", json={}).status_code == 404
+
+
+def test_fields_that_cannot_change_the_output_are_accepted_and_change_nothing(server):
+    """user, metadata, store and vLLM's priority are taken and dropped, as OpenAI and vLLM take
+    them; the answer is the one without them."""
+    client = server.client()
+    messages = [{"role": "user", "content": "def add(a, b):"}]
+    plain = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=8, temperature=0)
+    tagged = client.chat.completions.create(
+        model=MODEL,
+        messages=messages,
+        max_tokens=8,
+        temperature=0,
+        user="someone",
+        metadata={"job": "tests"},
+        store=False,
+        extra_body={"priority": 3, "request_id": "r1"},
+    )
+    assert tagged.choices[0].message.content == plain.choices[0].message.content
 
 
 def test_the_model_goes_by_each_of_its_names_and_an_unknown_one_is_a_404(server, dirs):

@@ -198,14 +198,9 @@ def _check_common(state: ServerState, body: SamplingFields) -> None:
             f"n={body.n}: this server returns one completion per prompt (n=1); send the request n times for more",
             param="n",
         )
-    unsupported = body.unsupported()
-    if unsupported:
-        raise APIError(
-            400,
-            f"{', '.join(unsupported)}: not supported by this server; leave "
-            f"{'it' if len(unsupported) == 1 else 'them'} out",
-            param=unsupported[0],
-        )
+    refused = body.refused()
+    if refused:
+        raise APIError(400, "; ".join(message for _, message in refused), param=refused[0][0])
 
 
 def _prompt_list(prompt) -> list:
@@ -305,7 +300,7 @@ async def _chat(state: ServerState, body: ChatCompletionRequest, cache_scope: st
     """A chat completion: its messages rendered and tokenized (in a thread), run, and answered
     whole or as a stream (which starts once the first output is there)."""
     _check_common(state, body)
-    messages = [{"role": m.role, "content": m.text()} for m in body.messages]
+    messages = [m.template_fields() for m in body.messages]
     prompt_ids = await asyncio.to_thread(_chat_token_ids, state, messages, body.add_generation_prompt)
     max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
     _, ids, params = await asyncio.to_thread(_prepare, state, body, prompt_ids, max_tokens)

@@ -1,8 +1,8 @@
 """The OpenAI API's requests, responses and errors, as the server reads and writes them.
 
-Requests are pydantic models (fields the API has and specdec does not implement are refused
-by name, never silently ignored: see `unsupported`); responses are plain dicts in the API's
-shapes, built by the functions below. Every error is one shape:
+Requests are pydantic models (a field that would change the output and that specdec does not
+do, or that it does not know, is refused by name, never silently ignored: request_fields.py);
+responses are plain dicts in the API's shapes, built by the functions below. Every error is one shape:
     {"error": {"message": ..., "type": ..., "param": ..., "code": ...}}
 """
 
@@ -11,11 +11,13 @@ from __future__ import annotations
 import re
 import time
 import uuid
+from typing import ClassVar
 
 from pydantic import BaseModel, ConfigDict, Field
 
 from specdec.config import SamplingParams
 from specdec.outputs import TokenLogprob
+from specdec.serve import request_fields
 
 
 class APIError(Exception):
@@ -59,7 +61,8 @@ class SamplingFields(BaseModel):
     """What completions and chat completions share: the model, sampling, streaming, and
     specdec's extra num_speculative_tokens (the openai client sends it in extra_body)."""
 
-    model_config = ConfigDict(extra="allow")  # the API grows fields; unknown ones are ignored, as vLLM does
+    model_config = ConfigDict(extra="allow")  # kept, to be refused by name or ignored (request_fields.py)
+    ENDPOINT: ClassVar[str]
 
     model: str | None = None  # None: the served model, as vLLM takes it
     temperature: float = 1.0
@@ -74,25 +77,10 @@ class SamplingFields(BaseModel):
     n: int = 1
     ignore_eos: bool = False
     num_speculative_tokens: int | None = Field(default=None, ge=0)
-    # in the API, not in specdec: refused when set to anything but their neutral value
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    logit_bias: dict | None = None
-    best_of: int | None = None
-    echo: bool = False
-    tools: list | None = None
 
-    def unsupported(self) -> list[str]:
-        """The fields set to something specdec does not do."""
-        neutral = {
-            "presence_penalty": (0,),
-            "frequency_penalty": (0,),
-            "logit_bias": (None, {}),
-            "best_of": (None, 1),
-            "echo": (False,),
-            "tools": (None, []),
-        }
-        return [name for name, allowed in neutral.items() if getattr(self, name) not in allowed]
+    def refused(self) -> list[tuple[str, str]]:
+        """(field, message) for each field sent that this server refuses (request_fields.py)."""
+        return request_fields.problems(self.model_dump(exclude_unset=True), type(self).model_fields, self.ENDPOINT)
 
     def sampling_params(self, max_tokens: int) -> SamplingParams:
         """The request's SamplingParams (a ValueError names a bad value)."""
@@ -121,6 +109,7 @@ class SamplingFields(BaseModel):
 
 
 class CompletionRequest(SamplingFields):
+    ENDPOINT: ClassVar[str] = request_fields.COMPLETIONS
     prompt: str | list[int] | list[str] | list[list[int]]
     max_tokens: int | None = 16
     logprobs: int | None = None  # the top tokens' logprobs with each token's own
@@ -134,6 +123,12 @@ class ChatMessage(BaseModel):
 
     role: str
     content: str | list[dict] | None = None
+
+    def template_fields(self) -> dict:
+        """The message as the chat template gets it: every field sent (name, tool_calls,
+        tool_call_id, ...: a template renders those it knows, as in vLLM and transformers), the
+        content as text."""
+        return {**self.model_dump(exclude_none=True), "content": self.text()}
 
     def text(self) -> str:
         """The content as text: a list of parts keeps its text parts (other kinds are refused)."""
@@ -151,6 +146,7 @@ class ChatMessage(BaseModel):
 
 
 class ChatCompletionRequest(SamplingFields):
+    ENDPOINT: ClassVar[str] = request_fields.CHAT
     messages: list[ChatMessage]
     max_tokens: int | None = None
     max_completion_tokens: int | None = None

@@ -1,0 +1,217 @@
+"""No request field that changes the output is silently ignored (serve/request_fields.py): every
+field the official openai client can send is taken, refused or ignored; every refused field is
+refused by name at a value that changes something and accepted at the API's default; fields no
+list knows are refused. The defaults are OpenAI's and vLLM's own (its OpenAI server's request
+models)."""
+
+from __future__ import annotations
+
+import random
+import typing
+
+import pytest
+from openai.types import completion_create_params
+from openai.types.chat import completion_create_params as chat_create_params
+
+from specdec.serve import request_fields
+from specdec.serve.protocol import ChatCompletionRequest, CompletionRequest
+from specdec.serve.request_fields import CHAT, COMPLETIONS, IGNORED, REFUSED
+
+REQUESTS = {
+    COMPLETIONS: (CompletionRequest, {"prompt": "hi"}),
+    CHAT: (ChatCompletionRequest, {"messages": [{"role": "user", "content": "hi"}]}),
+}
+CLIENT_FIELDS = {
+    COMPLETIONS: set(typing.get_type_hints(completion_create_params.CompletionCreateParamsBase)) | {"stream"},
+    CHAT: set(typing.get_type_hints(chat_create_params.CompletionCreateParamsBase)) | {"stream"},
+}
+
+# each refused field's default in OpenAI's API or vLLM's request models: a value that changes nothing
+API_DEFAULTS = {
+    "presence_penalty": 0.0,
+    "frequency_penalty": 0.0,
+    "logit_bias": None,
+    "best_of": 1,
+    "echo": False,
+    "suffix": None,
+    "tools": None,
+    "tool_choice": "none",
+    "functions": None,
+    "function_call": "none",
+    "response_format": {"type": "text"},
+    "audio": None,
+    "modalities": ["text"],
+    "reasoning_effort": None,
+    "verbosity": None,
+    "web_search_options": None,
+    "moderation": None,
+    "use_beam_search": False,
+    "length_penalty": 1.0,
+    "repetition_penalty": 1.0,
+    "min_tokens": 0,
+    "include_stop_str_in_output": False,
+    "skip_special_tokens": True,
+    "spaces_between_special_tokens": True,
+    "truncate_prompt_tokens": None,
+    "prompt_logprobs": None,
+    "allowed_token_ids": None,
+    "bad_words": [],
+    "logits_processors": None,
+    "guided_json": None,
+    "guided_regex": None,
+    "guided_choice": None,
+    "guided_grammar": None,
+    "guided_decoding_backend": None,
+    "guided_whitespace_pattern": None,
+    "structural_tag": None,
+    "structured_outputs": None,
+    "continue_final_message": False,
+    "documents": None,
+    "chat_template": None,
+    "chat_template_kwargs": None,
+    "mm_processor_kwargs": None,
+    "prompt_embeds": None,
+    "return_tokens_as_token_ids": False,
+    "return_token_ids": False,
+    "vllm_xargs": None,
+    "include_reasoning": True,
+}
+
+# values that change the output (or the answer's shape), by field
+CHANGING = {
+    "presence_penalty": [0.5, -1, 2],
+    "frequency_penalty": [0.3, -2.0],
+    "repetition_penalty": [1.1, 0.9, 2],
+    "length_penalty": [0.5, 2],
+    "logit_bias": [{"50256": -100}],
+    "best_of": [2, 0],
+    "echo": [True],
+    "suffix": ["\n}"],
+    "tools": [[{"type": "function", "function": {"name": "f", "parameters": {}}}]],
+    "tool_choice": ["auto", "required", {"type": "function", "function": {"name": "f"}}],
+    "functions": [[{"name": "f"}]],
+    "function_call": ["auto", {"name": "f"}],
+    "response_format": [{"type": "json_object"}, {"type": "json_schema", "json_schema": {"name": "x", "schema": {}}}],
+    "audio": [{"voice": "alloy", "format": "wav"}],
+    "modalities": [["text", "audio"], ["audio"]],
+    "reasoning_effort": ["low", "high"],
+    "verbosity": ["low"],
+    "web_search_options": [{}, {"search_context_size": "low"}],  # {}: search with the defaults
+    "moderation": ["auto", {"enabled": True}],
+    "use_beam_search": [True],
+    "min_tokens": [1, 5],
+    "include_stop_str_in_output": [True],
+    "skip_special_tokens": [False],
+    "spaces_between_special_tokens": [False],
+    "truncate_prompt_tokens": [1, 100],
+    "prompt_logprobs": [0, 1, 5],
+    "allowed_token_ids": [[1, 2, 3]],
+    "bad_words": [["foo"]],
+    "logits_processors": [["my.Processor"]],
+    "guided_json": [{"type": "object"}, '{"type": "string"}'],
+    "guided_regex": ["[a-z]+"],
+    "guided_choice": [["yes", "no"]],
+    "guided_grammar": ["root ::= 'a'"],
+    "guided_decoding_backend": ["xgrammar"],
+    "guided_whitespace_pattern": [" *"],
+    "structural_tag": ['{"structures": []}'],
+    "structured_outputs": [{"json": {"type": "object"}}, {"choice": ["a"]}],
+    "continue_final_message": [True],
+    "documents": [[{"title": "t", "text": "x"}]],
+    "chat_template": ["{{ messages[0].content }}"],
+    "chat_template_kwargs": [{"enable_thinking": False}],
+    "mm_processor_kwargs": [{"num_crops": 4}],
+    "prompt_embeds": ["AAAA"],
+    "return_tokens_as_token_ids": [True],
+    "return_token_ids": [True],
+    "vllm_xargs": [{"k": 1}],
+    "include_reasoning": [False],
+}
+
+
+def refused(endpoint: str, **fields) -> list[str]:
+    """The fields a request to endpoint with these fields (beside its required ones) gets refused for."""
+    model, required = REQUESTS[endpoint]
+    body = model.model_validate({**required, **fields})
+    return [name for name, _ in body.refused()]
+
+
+@pytest.mark.parametrize("endpoint", [COMPLETIONS, CHAT])
+def test_every_field_the_openai_client_sends_is_taken_refused_or_ignored(endpoint):
+    model, _ = REQUESTS[endpoint]
+    known = set(model.model_fields) | set(REFUSED) | set(IGNORED) | {"add_special_tokens"}
+    assert CLIENT_FIELDS[endpoint] - known == set()
+
+
+def test_the_lists_do_not_overlap_and_each_refused_field_is_tested():
+    taken = set(CompletionRequest.model_fields) | set(ChatCompletionRequest.model_fields)
+    assert not (taken & set(REFUSED)) and not (taken & set(IGNORED)) and not (set(REFUSED) & set(IGNORED))
+    assert set(API_DEFAULTS) == set(REFUSED) == set(CHANGING)
+
+
+@pytest.mark.parametrize("endpoint", [COMPLETIONS, CHAT])
+@pytest.mark.parametrize("name", sorted(REFUSED))
+def test_a_refused_field_is_refused_by_name_unless_it_changes_nothing(endpoint, name):
+    assert refused(endpoint, **{name: API_DEFAULTS[name]}) == []
+    assert refused(endpoint, **{name: None}) == []  # JSON null: the API's default
+    for value in CHANGING[name]:
+        assert refused(endpoint, **{name: value}) == [name], value
+
+
+def test_a_bool_is_not_taken_for_a_number():
+    assert refused(COMPLETIONS, presence_penalty=False) == ["presence_penalty"]
+    assert refused(COMPLETIONS, best_of=True) == ["best_of"]
+    assert refused(COMPLETIONS, repetition_penalty=True) == ["repetition_penalty"]
+
+
+def test_add_special_tokens_is_neutral_at_each_endpoints_own_default():
+    """vLLM's defaults: a completion's tokenizer adds its special tokens; a chat template writes its own."""
+    assert refused(COMPLETIONS, add_special_tokens=True) == []
+    assert refused(COMPLETIONS, add_special_tokens=False) == ["add_special_tokens"]
+    assert refused(CHAT, add_special_tokens=False) == []
+    assert refused(CHAT, add_special_tokens=True) == ["add_special_tokens"]
+
+
+@pytest.mark.parametrize("endpoint", [COMPLETIONS, CHAT])
+def test_ignored_fields_are_accepted_with_any_value(endpoint):
+    rng = random.Random(3)
+    for name in IGNORED:
+        value = rng.choice(["x", 7, True, {"a": "b"}, ["x"], None])
+        assert refused(endpoint, **{name: value}) == [], name
+
+
+@pytest.mark.parametrize("endpoint", [COMPLETIONS, CHAT])
+def test_a_field_no_list_knows_is_refused_by_name(endpoint):
+    rng = random.Random(5)
+    name = "".join(rng.choice("abcdefghij_") for _ in range(12)) + "_x"
+    assert refused(endpoint, **{name: 1}) == [name]
+    assert refused(endpoint, **{name: None, "user": "u"}) == [name]  # even null: what it means is unknown
+
+
+def test_several_refused_fields_are_named_together_in_the_order_sent():
+    model, required = REQUESTS[CHAT]
+    body = model.model_validate({**required, "min_tokens": 3, "user": "u", "guided_regex": "a+", "nope": 1})
+    problems = body.refused()
+    assert [name for name, _ in problems] == ["min_tokens", "guided_regex", "nope"]
+    assert all(message.startswith(name) for name, message in problems)
+
+
+def test_taken_fields_at_their_defaults_and_values_are_not_refused():
+    assert refused(COMPLETIONS, temperature=0.0, top_k=5, min_p=0.1, stop=["x"], seed=1, logprobs=2, n=1) == []
+    assert refused(CHAT, logprobs=True, top_logprobs=3, max_completion_tokens=4, add_generation_prompt=True) == []
+
+
+def test_a_chat_message_keeps_its_fields_for_the_template():
+    body = ChatCompletionRequest.model_validate(
+        {
+            "messages": [
+                {"role": "tool", "content": [{"type": "text", "text": "4"}], "tool_call_id": "c1", "name": "add"}
+            ]
+        }
+    )
+    assert body.messages[0].template_fields() == {"role": "tool", "content": "4", "tool_call_id": "c1", "name": "add"}
+
+
+def test_messages_name_the_value_and_what_to_do():
+    ((_, message),) = request_fields.problems({"response_format": {"type": "json_object"}}, set(), CHAT)
+    assert "response_format=" in message and "structured output is not built" in message
