@@ -173,6 +173,17 @@ class SamplingParams:
         vLLM's): None = the engine's k; 0 = no speculation for it; above the engine's k, the
         engine's k. Requests with different values share a batch. With a tree shape, a
         request drafts the engine's whole tree or (0) nothing. Never changes the output.
+    The logits processors (processors.py has the formulas), applied to the target's logits at
+    every position it samples from, with the tokens drafted before that position counted as
+    generated, so that speculation never changes the output:
+    presence_penalty, frequency_penalty: OpenAI's, in [-2, 2]: a token's logit less
+        frequency_penalty x its count in the output so far and presence_penalty once if it is
+        there at all.
+    repetition_penalty: vLLM's and transformers' (> 0; 1 = none): a token of the prompt or the
+        output has its logit divided by it where positive, multiplied where negative.
+    logit_bias: {token id: bias in [-100, 100]} added to those tokens' logits (OpenAI's).
+    min_tokens: no EOS or stop token before this many tokens are generated (vLLM's; at most
+        max_tokens; not together with stop strings, which are not built to wait for it).
     """
 
     temperature: float = 1.0
@@ -186,6 +197,11 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: int | None = None
     num_speculative_tokens: int | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: dict[int, float] | None = None
+    min_tokens: int = 0
 
     def __post_init__(self) -> None:
         need = Refusal(self)
@@ -252,10 +268,55 @@ class SamplingParams:
             "{num_speculative_tokens} must be an integer >= 0 (0 = no speculation), or None, got {got!r}",
             got=self.num_speculative_tokens,
         )
+        self._check_processors(need)
+
+    def _check_processors(self, need) -> None:
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            need(
+                is_real(value) and -2 <= value <= 2, f"{{{name}}} must be a number in [-2, 2], got {{got!r}}", got=value
+            )
+        need(
+            is_real(self.repetition_penalty) and 0 < self.repetition_penalty < math.inf,
+            "{repetition_penalty} must be a number > 0 (1 = no penalty), got {got!r}",
+            got=self.repetition_penalty,
+        )
+        bias = self.logit_bias
+        need(
+            bias is None
+            or (
+                isinstance(bias, Mapping)
+                and all(is_int(t) and t >= 0 and is_real(b) and -100 <= b <= 100 for t, b in bias.items())
+            ),
+            "{logit_bias} must map token ids (integers >= 0) to biases in [-100, 100], got {got!r}",
+            got=bias,
+        )
+        object.__setattr__(self, "logit_bias", dict(bias) if bias else None)
+        need(
+            is_int(self.min_tokens) and 0 <= self.min_tokens <= (self.max_tokens if is_int(self.max_tokens) else 0),
+            "{min_tokens} must be an integer from 0 to max_tokens, got {got!r}",
+            got=self.min_tokens,
+        )
+        need(
+            not (self.min_tokens and self.stop),
+            "{min_tokens} together with stop strings is not built (a stop string is not held back until "
+            "min_tokens); give stop_token_ids instead, or leave one out",
+        )
 
     @property
     def greedy(self) -> bool:
         return self.temperature < GREEDY_TEMPERATURE
+
+    @property
+    def processed(self) -> bool:
+        """Whether a logits processor changes the target's logits (processors.py)."""
+        return bool(
+            self.presence_penalty
+            or self.frequency_penalty
+            or self.repetition_penalty != 1
+            or self.logit_bias
+            or self.min_tokens
+        )
 
 
 COMPILE_MODES = ("auto", "on", "off")  # how the models run: see runner.py

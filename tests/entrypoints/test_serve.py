@@ -114,6 +114,38 @@ def test_completions_are_what_generate_gives_offline(server, offline):
         assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == max_tokens
 
 
+def test_penalties_and_logit_bias_are_what_generate_gives_offline(server, offline):
+    """OpenAI's penalties and logit_bias, vLLM's repetition_penalty and min_tokens: honoured, the
+    answer the one LLM.generate gives with the same SamplingParams (and not the one without)."""
+    client = server.client()
+    prompt, max_tokens = "def add(a, b):", 20
+    token = offline.generate(prompt, SamplingParams(temperature=0, max_tokens=1))[0].outputs[0].token_ids[0]
+    plain = offline.generate(prompt, SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True))[0]
+    for fields in (
+        {"presence_penalty": 1.5, "frequency_penalty": 0.5},
+        {"logit_bias": {str(token): -100}},
+        {"extra_body": {"repetition_penalty": 1.5, "min_tokens": 3}},
+    ):
+        extra = fields.get("extra_body", {})
+        sent = {name: value for name, value in fields.items() if name != "extra_body"}
+        params = {**sent, **extra}
+        if "logit_bias" in params:
+            params["logit_bias"] = {int(key): bias for key, bias in params["logit_bias"].items()}
+        want = offline.generate(
+            prompt, SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True, **params)
+        )[0]
+        got = client.completions.create(
+            model=MODEL,
+            prompt=prompt,
+            max_tokens=max_tokens,
+            temperature=0,
+            extra_body={"ignore_eos": True, **extra},
+            **sent,
+        )
+        assert got.choices[0].text == want.outputs[0].text, fields
+        assert want.outputs[0].token_ids != plain.outputs[0].token_ids, fields  # the processors changed it
+
+
 def test_a_list_of_prompts_gets_a_choice_each(server, offline):
     prompts = ["def add(a, b):", "for i in range(10):"]
     params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
@@ -325,9 +357,12 @@ BAD_REQUESTS = [
     ("max_tokens past the context", {"model": MODEL, "prompt": "hi", "max_tokens": CONTEXT}, None),
     ("n > 1", {"model": MODEL, "prompt": "hi", "n": 2}, "n"),
     ("logprobs over 20", {"model": MODEL, "prompt": "hi", "logprobs": 21}, "logprobs"),
-    ("penalties", {"model": MODEL, "prompt": "hi", "presence_penalty": 0.5}, "presence_penalty"),
-    ("vLLM's penalty", {"model": MODEL, "prompt": "hi", "repetition_penalty": 1.2}, "repetition_penalty"),
-    ("min_tokens", {"model": MODEL, "prompt": "hi", "min_tokens": 4}, "min_tokens"),
+    ("penalty past 2", {"model": MODEL, "prompt": "hi", "presence_penalty": 2.5}, "presence_penalty"),
+    ("vLLM's penalty 0", {"model": MODEL, "prompt": "hi", "repetition_penalty": 0}, "repetition_penalty"),
+    ("min_tokens > max_tokens", {"model": MODEL, "prompt": "hi", "min_tokens": 4, "max_tokens": 2}, "min_tokens"),
+    ("logit_bias of no token", {"model": MODEL, "prompt": "hi", "logit_bias": {"abc": 1}}, "logit_bias"),
+    ("logit_bias outside the vocabulary", {"model": MODEL, "prompt": "hi", "logit_bias": {"99999": 1}}, None),
+    ("best_of", {"model": MODEL, "prompt": "hi", "best_of": 3}, "best_of"),
     ("guided_json", {"model": MODEL, "prompt": "hi", "guided_json": {"type": "object"}}, "guided_json"),
     ("a field no list knows", {"model": MODEL, "prompt": "hi", "temprature": 0}, "temprature"),
     ("no prompt", {"model": MODEL}, "prompt"),

@@ -77,6 +77,11 @@ class SamplingFields(BaseModel):
     n: int = 1
     ignore_eos: bool = False
     num_speculative_tokens: int | None = Field(default=None, ge=0)
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    repetition_penalty: float | None = None  # vLLM's
+    logit_bias: dict[str, float] | None = None  # token ids as JSON keys: {"50256": -100}
+    min_tokens: int = 0  # vLLM's
 
     def refused(self) -> list[tuple[str, str]]:
         """(field, message) for each field sent that this server refuses (request_fields.py)."""
@@ -97,7 +102,21 @@ class SamplingFields(BaseModel):
             ignore_eos=self.ignore_eos,
             logprobs=self.logprobs_count(),
             num_speculative_tokens=self.num_speculative_tokens,
+            presence_penalty=self.presence_penalty or 0.0,
+            frequency_penalty=self.frequency_penalty or 0.0,
+            repetition_penalty=1.0 if self.repetition_penalty is None else self.repetition_penalty,
+            logit_bias=self._logit_bias(),
+            min_tokens=self.min_tokens,
         )
+
+    def _logit_bias(self) -> dict[int, float] | None:
+        """logit_bias with its keys as token ids (a ValueError names a key that is none)."""
+        if not self.logit_bias:
+            return None
+        bad = [key for key in self.logit_bias if not key.strip().isdigit()]
+        if bad:
+            raise ValueError(f"logit_bias keys must be token ids (non-negative integers as strings), got {bad[:3]}")
+        return {int(key): bias for key, bias in self.logit_bias.items()}
 
     def logprobs_count(self) -> int | None:
         """How many top tokens' logprobs to return with each token's own (None: no logprobs)."""

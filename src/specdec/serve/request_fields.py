@@ -48,10 +48,6 @@ def _empty(value) -> bool:
     return value is None or value == [] or value == {} or value == ""
 
 
-def _no_penalty(value) -> bool:
-    return value is None or (type(value) in (int, float) and value == 0)
-
-
 def _unit(value) -> bool:
     return value is None or (type(value) in (int, float) and value == 1)
 
@@ -74,9 +70,6 @@ TOOLS = "tool calls are not built yet; describe the tools in the messages, or le
 # field -> which of its values change nothing, and what to do instead (on both endpoints)
 REFUSED: dict[str, Refused] = {
     # OpenAI's API
-    "presence_penalty": Refused(_no_penalty),
-    "frequency_penalty": Refused(_no_penalty),
-    "logit_bias": Refused(_empty),
     "best_of": Refused(_one_of(None, 1)),
     "echo": Refused(_one_of(None, False)),
     "suffix": Refused(_empty),
@@ -94,8 +87,6 @@ REFUSED: dict[str, Refused] = {
     # vLLM's sampling parameters
     "use_beam_search": Refused(_one_of(None, False)),
     "length_penalty": Refused(_unit),
-    "repetition_penalty": Refused(_unit),
-    "min_tokens": Refused(_one_of(None, 0)),
     "include_stop_str_in_output": Refused(_one_of(None, False)),
     "skip_special_tokens": Refused(_one_of(None, True)),
     "spaces_between_special_tokens": Refused(_one_of(None, True)),

@@ -25,6 +25,7 @@ import torch
 
 from specdec.drafters.base import Draft, Drafter
 from specdec.kv_cache import TreeAttention
+from specdec.processors import LogitsProcessors
 from specdec.sampling import SamplingTensors, sample, token_logprobs, warp
 from specdec.sequence import Sequence
 from specdec.spec.tree_width import TreeWidth
@@ -64,7 +65,9 @@ class SpeculativeRound:
     """The round's parts over one target runner and drafter (None: plain decoding). tree: the
     shape of every round's draft, or None for chains; tree_nodes: a tree's node budget;
     tree_width: what cuts a grown tree to the width its verify buys (None: every node is
-    verified)."""
+    verified); eos_token_ids: the model's end-of-sequence tokens, which a request's min_tokens
+    holds back. The requests' logits processors (processors.py) are applied to the target's
+    logits wherever it samples."""
 
     def __init__(
         self,
@@ -73,8 +76,10 @@ class SpeculativeRound:
         tree: TreeShape | None,
         tree_nodes: int = 0,
         tree_width: TreeWidth | None = None,
+        eos_token_ids: tuple[int, ...] = (),
     ):
         self.target, self.drafter, self.tree, self.tree_width = target, drafter, tree, tree_width
+        self.processors = LogitsProcessors(eos_token_ids)
         self.tree_nodes = tree_nodes
         self.return_hidden = drafter is not None and drafter.needs_target_hidden  # the target's features too
         self._sampling_key: tuple | None = None
@@ -109,7 +114,8 @@ class SpeculativeRound:
         if rows:
             due_logits = logits[torch.tensor(rows, device=logits.device)]  # [R, V]
             sampled = [batch[row] for row in rows]
-            probs = warp(due_logits, SamplingTensors.from_params([s.params for s in sampled], self.target.device))
+            processed = self.processors(due_logits[:, None], sampled)[:, 0]  # [R, V]
+            probs = warp(processed, SamplingTensors.from_params([s.params for s in sampled], self.target.device))
             tokens = sample(probs, [s.generator for s in sampled])  # [R]
             first_tokens = dict(zip(rows, tokens.tolist()))
             row_logprobs = _logprobs(sampled, due_logits[:, None], tokens[:, None], torch.ones_like(tokens))
@@ -162,7 +168,8 @@ class SpeculativeRound:
         )  # [B, k+1, V] (return_hidden: and [B, k+1, H])
         target_logits, target_hidden = outputs if isinstance(outputs, tuple) else (outputs, None)
         t2 = time.perf_counter()
-        output, num_accepted, path = self._verify(batch, sampling, draft, num_draft, target_logits)
+        processed = self.processors(target_logits, batch, draft.token_ids, _on_branch(draft, tree))  # [B, k+1, V]
+        output, num_accepted, path = self._verify(batch, sampling, draft, num_draft, processed)
         if path is not None:  # the accepted branch's entries into place, its features in order
             assert tree is not None  # a tree's draft
             self._keep_branch(slots, tree.write_positions, path, num_accepted)
@@ -272,6 +279,16 @@ class SpeculativeRound:
             self._sampling_key = key
             self._sampling = SamplingTensors.from_params([s.params for s in batch], self.target.device)
         return self._sampling
+
+
+def _on_branch(draft: Draft, tree: TreeAttention | None) -> torch.Tensor:
+    """[B, k+1, k] bool: the drafts in each verify column's context: a chain's column t follows
+    drafts 0..t-1; a tree's column follows the nodes of its branch, itself included."""
+    B, D = draft.token_ids.shape
+    if tree is not None:
+        return tree.visible[:, :, 1:]  # columns 1..k are the nodes
+    columns = torch.arange(D + 1, device=draft.token_ids.device)  # [k+1]
+    return (columns[None, :-1] < columns[:, None])[None].expand(B, -1, -1)  # [B, k+1, k]
 
 
 def _warp(target_logits: torch.Tensor, sampling: SamplingTensors) -> torch.Tensor:

@@ -1,0 +1,108 @@
+"""The logits processors: what a request asks to be done to the target's logits before they are
+warped (sampling.py) and sampled or verified, at every position the target samples from.
+
+Terms:
+  position  a column of the target's forward whose logits give the distribution of a next token:
+            the prefill's last, a plain step's, or each of a verify forward's (the last token,
+            then each draft token, whose column gives the distribution of the token after it)
+  context   what a position's token follows: the sequence so far (prompt and output), then the
+            draft tokens on the position's own branch up to it (a chain's earlier drafts; a
+            tree node's ancestors and itself). The processors count those draft tokens as
+            generated: the distribution a position verifies against is the one the target
+            alone would sample from after that context, so speculation never changes the
+            output (rejection sampling keeps a prefix of drafts that the target, processed,
+            would have drawn).
+  count     c[v]: how often token v is in the context's output (generated tokens, drafts included)
+
+In this order (vLLM's: biases and masks, then penalties), for a row whose request sets them:
+  1. logit_bias     z[v] += bias[v]
+  2. min_tokens     z[v] = -inf for the EOS and stop tokens while fewer than min_tokens tokens
+                    precede the position's token in the output
+  3. repetition     z[v] = z[v] / r where z[v] > 0, z[v] * r elsewhere, for v in the prompt or
+                    the output (vLLM's and transformers' repetition_penalty r)
+  4. frequency and presence   z[v] -= frequency * c[v] + presence * [c[v] > 0] (OpenAI's)
+The logits returned are float32 for processed rows (others are returned as they came).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from specdec.sequence import Sequence
+
+
+class LogitsProcessors:
+    """The processors of a batch's requests (SamplingParams' presence_penalty, frequency_penalty,
+    repetition_penalty, logit_bias, min_tokens). eos_token_ids: the tokens min_tokens holds back
+    (with each request's stop tokens) unless the request ignores EOS."""
+
+    def __init__(self, eos_token_ids: tuple[int, ...]):
+        self.eos_token_ids = tuple(eos_token_ids)
+
+    def __call__(
+        self,
+        logits: torch.Tensor,
+        batch: list[Sequence],
+        drafts: torch.Tensor | None = None,
+        on_branch: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """logits [B, T, V] at T positions per row -> the processed logits [B, T, V]. Position t
+        of row b follows the row's sequence and the drafts drafts[b, s] (token ids [B, D]) for
+        which on_branch[b, t, s] ([B, T, D] bool); None: no drafts (T = 1, or none counted)."""
+        rows = [row for row, seq in enumerate(batch) if seq.params.processed]
+        if not rows:
+            return logits
+        processed = logits.float().clone() if logits.dtype == torch.float32 else logits.float()
+        for row in rows:
+            row_drafts = drafts[row] if drafts is not None else None
+            row_branch = on_branch[row] if on_branch is not None else None
+            processed[row] = self._process_row(processed[row], batch[row], row_drafts, row_branch)
+        return processed
+
+    def _process_row(
+        self, z: torch.Tensor, seq: Sequence, drafts: torch.Tensor | None, on_branch: torch.Tensor | None
+    ) -> torch.Tensor:
+        """One row's logits z [T, V] at its T positions (drafts [D], on_branch [T, D] as above)."""
+        params = seq.params
+        T, V = z.shape
+        if drafts is None or on_branch is None:
+            drafts = torch.zeros(0, dtype=torch.long, device=z.device)  # [D = 0]
+            on_branch = torch.zeros(T, 0, dtype=torch.bool, device=z.device)
+        if params.logit_bias:
+            tokens = torch.tensor(list(params.logit_bias), dtype=torch.long, device=z.device)  # [n]
+            z[:, tokens] += torch.tensor(list(params.logit_bias.values()), dtype=z.dtype, device=z.device)
+        if params.min_tokens:
+            generated = len(seq.output_token_ids) + on_branch.sum(-1)  # [T]: output tokens before each position's
+            held = self._held_back(seq, z.device)  # [h]
+            early = (generated < params.min_tokens)[:, None].expand(-1, len(held))  # [T, h]
+            z[:, held] = z[:, held].masked_fill(early, float("-inf"))
+        if params.repetition_penalty != 1 or params.presence_penalty or params.frequency_penalty:
+            counts = self._counts(seq, drafts, on_branch, V)  # [T, V]
+            if params.repetition_penalty != 1:
+                seen = (counts > 0) | self._in_prompt(seq, V, z.device)[None, :]  # [T, V]
+                r = params.repetition_penalty
+                z = torch.where(seen, torch.where(z > 0, z / r, z * r), z)
+            if params.frequency_penalty or params.presence_penalty:
+                z = z - params.frequency_penalty * counts - params.presence_penalty * (counts > 0).to(z.dtype)
+        return z
+
+    def _counts(self, seq: Sequence, drafts: torch.Tensor, on_branch: torch.Tensor, V: int) -> torch.Tensor:
+        """c [T, V]: each position's context's output token counts (the output's, then the drafts on
+        its branch)."""
+        output = torch.tensor(seq.output_token_ids, dtype=torch.long, device=drafts.device)  # [L]
+        counts = torch.bincount(output, minlength=V).to(torch.float32)  # [V]
+        counts = counts[None, :].repeat(on_branch.shape[0], 1)  # [T, V]
+        counts.scatter_add_(1, drafts[None, :].expand(on_branch.shape[0], -1), on_branch.to(torch.float32))
+        return counts
+
+    @staticmethod
+    def _in_prompt(seq: Sequence, V: int, device) -> torch.Tensor:
+        """[V] bool: the tokens of seq's prompt."""
+        present = torch.zeros(V, dtype=torch.bool, device=device)
+        present[torch.tensor(seq.prompt_token_ids, dtype=torch.long, device=device)] = True
+        return present
+
+    def _held_back(self, seq: Sequence, device) -> torch.Tensor:
+        """The tokens min_tokens holds back: the request's stop tokens, and EOS unless it ignores EOS."""
+        eos = () if seq.params.ignore_eos else self.eos_token_ids
+        return torch.tensor(sorted(set(eos) | set(seq.params.stop_token_ids)), dtype=torch.long, device=device)

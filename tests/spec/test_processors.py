@@ -1,0 +1,238 @@
+"""The logits processors (processors.py) under speculation: each verify position processed as
+the target alone would process it after that position's context, against transformers'
+processors (repetition penalty, sequence bias, min new tokens) and OpenAI's formula for the
+presence and frequency penalties; greedy output equal to transformers' generate with the same
+processors, for a chain, a tree and prompt lookup; sampled output following the exact processed
+distribution (chi-square)."""
+
+from __future__ import annotations
+
+import itertools
+import random
+
+import numpy as np
+import pytest
+import torch
+from test_distribution import (
+    VOCAB,
+    assert_follows,
+    exact_distributions,
+    setup,  # noqa: F401  (the fixture: a tiny target over 32 tokens, a draft, a prompt)
+)
+from transformers import (
+    MinNewTokensLengthLogitsProcessor,
+    RepetitionPenaltyLogitsProcessor,
+    SequenceBiasLogitsProcessor,
+)
+
+from helpers import load_hf, save_tree_models
+from specdec import LLM, SamplingParams
+from specdec.processors import LogitsProcessors
+from specdec.sequence import Sequence
+from specdec.tree import ROOT, branches
+
+EOS = 1
+
+
+def reference(
+    z: torch.Tensor, prompt: list[int], output: list[int], params: SamplingParams, eos=(EOS,)
+) -> torch.Tensor:
+    """One position's processed logits [V] after prompt + output (drafts included), from
+    transformers' processors and OpenAI's formula, in processors.py's order."""
+    ids = torch.tensor([prompt + output])  # [1, L]
+    scores = z[None].clone()  # [1, V]
+    if params.logit_bias:
+        bias = [[[token], float(value)] for token, value in params.logit_bias.items()]
+        scores = SequenceBiasLogitsProcessor(bias)(ids, scores)
+    if params.min_tokens:
+        held = sorted(set(() if params.ignore_eos else eos) | set(params.stop_token_ids))
+        scores = MinNewTokensLengthLogitsProcessor(len(prompt), params.min_tokens, held)(ids, scores)
+    if params.repetition_penalty != 1:
+        scores = RepetitionPenaltyLogitsProcessor(params.repetition_penalty)(ids, scores)
+    counts = torch.bincount(torch.tensor(output, dtype=torch.long), minlength=z.shape[-1]).float()
+    # OpenAI: mu[j] -> mu[j] - c[j] * alpha_frequency - float(c[j] > 0) * alpha_presence
+    return scores[0] - counts * params.frequency_penalty - (counts > 0).float() * params.presence_penalty
+
+
+def random_params(rng: random.Random, V: int) -> SamplingParams:
+    return SamplingParams(
+        max_tokens=40,
+        presence_penalty=rng.choice([0.0, 0.7, -1.2]),
+        frequency_penalty=rng.choice([0.0, 0.4, 1.9]),
+        repetition_penalty=rng.choice([1.0, 1.3, 0.8]),
+        logit_bias=rng.choice([None, {rng.randrange(V): rng.uniform(-100, 100) for _ in range(3)}]),
+        min_tokens=rng.choice([0, 3, 9]),
+        stop_token_ids=rng.choice([(), (rng.randrange(V),)]),
+        ignore_eos=rng.random() < 0.3,
+    )
+
+
+def random_tree_parents(rng: random.Random, D: int) -> list[int]:
+    return [ROOT] + [rng.choice([ROOT] + list(range(i))) for i in range(1, D)]
+
+
+@pytest.mark.parametrize("shape", ["chain", "tree"])
+def test_each_position_is_processed_as_after_its_own_context(shape):
+    """Random rows (prompt, output, params) and drafts; position t of a row follows the output
+    and the drafts on its branch (a chain's first t; a tree node's ancestors and itself)."""
+    rng, gen = random.Random(1), torch.Generator().manual_seed(1)
+    V, B, D = 50, 6, 5
+    batch, drafts, parents = [], [], []
+    for row in range(B):
+        params = random_params(rng, V)
+        seq = Sequence(str(row), [rng.randrange(V) for _ in range(rng.randint(1, 8))], params, gen)
+        seq.output_token_ids.extend(rng.randrange(V) for _ in range(rng.randint(1, 6)))
+        batch.append(seq)
+        drafts.append([rng.randrange(V) for _ in range(D)])
+        parents.append(list(range(-1, D - 1)) if shape == "chain" else random_tree_parents(rng, D))
+    parents_t = torch.tensor(parents)  # [B, D]
+    parents_t[:, 0] = ROOT
+    visible = branches(parents_t)  # [B, D+1, D+1]: column t sees column s (0: the last token)
+    on_branch = visible[:, :, 1:]  # [B, D+1, D]
+    logits = torch.randn(B, D + 1, V, generator=gen) * 3  # [B, T, V]
+    processed = LogitsProcessors((EOS,))(logits, batch, torch.tensor(drafts), on_branch)
+    for row, seq in enumerate(batch):
+        for t in range(D + 1):
+            context = [drafts[row][s] for s in range(D) if on_branch[row, t, s]]
+            want = reference(logits[row, t], seq.prompt_token_ids, seq.output_token_ids + context, seq.params)
+            torch.testing.assert_close(processed[row, t], want, rtol=1e-6, atol=1e-5)
+
+
+def test_rows_without_processors_are_returned_as_they_came():
+    gen = torch.Generator().manual_seed(0)
+    seq = Sequence("0", [3, 4], SamplingParams(), gen)
+    seq.output_token_ids.append(5)
+    logits = torch.randn(1, 2, 9, generator=gen)
+    assert LogitsProcessors((EOS,))(logits, [seq], torch.tensor([[1]]), torch.ones(1, 2, 1, dtype=torch.bool)) is logits
+
+
+# --- greedy, end to end ---------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory):
+    """A tiny target and a draft that is the target plus noise (helpers.save_tree_models)."""
+    return save_tree_models(tmp_path_factory.mktemp("processors"))
+
+
+def hf_greedy(model, prompt: list[int], params: SamplingParams, eos: int) -> list[int]:
+    """transformers' greedy generate with the same processors (no presence or frequency penalty:
+    it has none)."""
+    out = model.generate(
+        torch.tensor([prompt]),
+        attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+        do_sample=False,
+        max_new_tokens=params.max_tokens,
+        min_new_tokens=params.min_tokens,
+        repetition_penalty=params.repetition_penalty,
+        sequence_bias=[[[t], float(b)] for t, b in (params.logit_bias or {}).items()] or None,
+        eos_token_id=eos,
+        pad_token_id=eos,
+    )
+    return out[0, len(prompt) :].tolist()
+
+
+DRAFTERS = {
+    "chain": dict(speculative_method="draft_model", num_speculative_tokens=4),
+    "tree": dict(speculative_method="draft_model", num_speculative_tokens=6, speculative_tree="2,2,1"),
+    "lookup": dict(speculative_model="[ngram]", num_speculative_tokens=4),
+}
+
+
+@pytest.mark.parametrize("drafter", sorted(DRAFTERS))
+def test_greedy_equals_transformers_generate_with_the_same_processors(pair, drafter):
+    """repetition_penalty, logit_bias (EOS pushed up, another token down) and min_tokens (which
+    holds the EOS back for a while): the tokens transformers' generate gives, EOS included."""
+    model = load_hf(pair["target"])
+    kwargs = dict(DRAFTERS[drafter])
+    if kwargs.get("speculative_model") is None:
+        kwargs["speculative_model"] = str(pair["draft"])
+    llm = LLM(str(pair["target"]), dtype="float32", speculative_k_policy="fixed", **kwargs)
+    (eos,) = llm.target.eos_token_ids
+    rng = random.Random(2)
+    prompts = [[rng.randrange(2, 300) for _ in range(rng.randint(4, 12))] for _ in range(3)]
+    prompts[0] = prompts[0] * 3  # repeats: prompt lookup finds drafts
+    settings = [
+        SamplingParams(temperature=0, max_tokens=30, repetition_penalty=1.4),
+        SamplingParams(temperature=0, max_tokens=30, logit_bias={eos: 6.0, 100: -100}, min_tokens=7),
+        SamplingParams(temperature=0, max_tokens=30, repetition_penalty=0.7, logit_bias={50: 2.5}),
+    ]
+    stopped_by_eos = accepted = 0
+    for params in settings:
+        outputs = llm.generate(prompts, params)
+        accepted += sum(o.metrics.num_accepted_tokens for o in outputs)
+        for prompt, output in zip(prompts, outputs):
+            want = hf_greedy(model, prompt, params, eos)
+            assert output.outputs[0].token_ids == want, (params, prompt)
+            stopped_by_eos += want[-1] == eos
+            assert len(want) >= params.min_tokens
+    assert stopped_by_eos >= 2  # min_tokens held the EOS back until its time, then let it through
+    assert accepted > 0
+
+
+def test_greedy_with_presence_and_frequency_penalties_equals_a_step_by_step_reference(pair):
+    """The target's logits one token at a time (transformers' model), OpenAI's formula, argmax:
+    the same tokens as the engine's with a draft model."""
+    model = load_hf(pair["target"])
+    llm = LLM(str(pair["target"]), speculative_model=str(pair["draft"]), dtype="float32", num_speculative_tokens=4)
+    prompt = [7, 8, 9, 7, 8, 9, 10]
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, presence_penalty=0.9, frequency_penalty=1.6)
+    output: list[int] = []
+    with torch.no_grad():
+        for _ in range(params.max_tokens):
+            z = model(torch.tensor([prompt + output])).logits[0, -1]
+            output.append(int(reference(z, prompt, output, params).argmax()))
+    got = llm.generate([prompt], params)[0]
+    assert got.outputs[0].token_ids == output
+    assert len(set(output)) > 8  # the penalties spread it over many tokens
+
+
+# --- sampled: chi-square ---------------------------------------------------------------------
+
+NUM_DRAWS = 40_000
+PROCESSED = dict(
+    temperature=0.9, presence_penalty=0.8, frequency_penalty=0.6, repetition_penalty=1.5, logit_bias={3: 2.0, 4: -100}
+)
+
+
+def processed_continuation_logits(models: dict, params: SamplingParams) -> np.ndarray:
+    """The setup fixture's continuation logits [V^(T-1), T, V], each position processed after its context
+    (the prompt, then the continuation's tokens before it) by the reference."""
+    logits = torch.from_numpy(models["logits"])
+    count, T, V = logits.shape
+    continuations = list(itertools.product(range(V), repeat=T - 1))
+    out = torch.empty_like(logits)
+    for i, continuation in enumerate(continuations):
+        for t in range(T):
+            out[i, t] = reference(logits[i, t], models["prompt"], list(continuation[:t]), params, eos=())
+    return out.numpy()
+
+
+@pytest.mark.slow
+def test_sampled_tokens_follow_the_processed_target(setup):  # noqa: F811  (the imported fixture)
+    """All four processors at once, a draft model drafting two tokens a round: the three tokens
+    follow their exact processed marginals and joint, drafts accepted and rejected."""
+    params = SamplingParams(max_tokens=3, ignore_eos=True, **PROCESSED)
+    setting = dict(temperature=PROCESSED["temperature"])
+    joints = exact_distributions(processed_continuation_logits(setup, params), setting)
+    llm = LLM(
+        setup["target"],
+        speculative_model=setup["draft"],
+        dtype="float32",
+        skip_tokenizer_init=True,
+        speculative_k_policy="fixed",
+        num_speculative_tokens=2,
+        max_num_seqs=NUM_DRAWS,
+        seed=77,
+    )
+    outputs = llm.generate([setup["prompt"]] * NUM_DRAWS, params)
+    tokens = np.array([out.outputs[0].token_ids for out in outputs])  # [N, 3]
+    accepted = sum(out.metrics.num_accepted_tokens for out in outputs)
+    proposed = sum(out.metrics.num_draft_tokens for out in outputs)
+    assert 1000 < accepted < proposed - 1000
+    assert not (tokens == 4).any()  # biased by -100
+    T, V = 3, VOCAB
+    for t in range(T):
+        marginal = joints[-1].sum(axis=tuple(i for i in range(T) if i != t))
+        assert_follows(tokens[:, t], marginal, f"processed: token {t + 1}")
+    assert_follows(np.ravel_multi_index(tokens.T, (V,) * T), joints[-1], "processed: joint")
