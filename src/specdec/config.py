@@ -184,6 +184,7 @@ class SamplingParams:
     logit_bias: {token id: bias in [-100, 100]} added to those tokens' logits (OpenAI's).
     min_tokens: no EOS or stop token before this many tokens are generated (vLLM's; at most
         max_tokens; not together with stop strings, which are not built to wait for it).
+    allowed_token_ids: only these tokens may be generated (vLLM's; None: all).
     """
 
     temperature: float = 1.0
@@ -202,6 +203,7 @@ class SamplingParams:
     repetition_penalty: float = 1.0
     logit_bias: dict[int, float] | None = None
     min_tokens: int = 0
+    allowed_token_ids: tuple[int, ...] | None = None
 
     def __post_init__(self) -> None:
         need = Refusal(self)
@@ -297,6 +299,14 @@ class SamplingParams:
             "{min_tokens} must be an integer from 0 to max_tokens, got {got!r}",
             got=self.min_tokens,
         )
+        allowed = self.allowed_token_ids
+        need(
+            allowed is None
+            or (isinstance(allowed, (tuple, list, set, frozenset)) and allowed and all(is_int(t) and t >= 0 for t in allowed)),
+            "{allowed_token_ids} must be a non-empty list of token ids (integers >= 0), or None, got {got!r}",
+            got=allowed,
+        )
+        object.__setattr__(self, "allowed_token_ids", None if allowed is None else tuple(sorted(set(allowed))))
         need(
             not (self.min_tokens and self.stop),
             "{min_tokens} together with stop strings is not built (a stop string is not held back until "
@@ -316,6 +326,7 @@ class SamplingParams:
             or self.repetition_penalty != 1
             or self.logit_bias
             or self.min_tokens
+            or self.allowed_token_ids is not None
         )
 
 

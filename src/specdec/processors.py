@@ -15,6 +15,7 @@ Terms:
   count     c[v]: how often token v is in the context's output (generated tokens, drafts included)
 
 In this order (vLLM's: biases and masks, then penalties), for a row whose request sets them:
+  0. allowed        z[v] = -inf for every v not in allowed_token_ids (vLLM's)
   1. logit_bias     z[v] += bias[v]
   2. min_tokens     z[v] = -inf for the EOS and stop tokens while fewer than min_tokens tokens
                     precede the position's token in the output
@@ -33,7 +34,7 @@ from specdec.sequence import Sequence
 
 class LogitsProcessors:
     """The processors of a batch's requests (SamplingParams' presence_penalty, frequency_penalty,
-    repetition_penalty, logit_bias, min_tokens). eos_token_ids: the tokens min_tokens holds back
+    repetition_penalty, logit_bias, min_tokens, allowed_token_ids). eos_token_ids: the tokens min_tokens holds back
     (with each request's stop tokens) unless the request ignores EOS."""
 
     def __init__(self, eos_token_ids: tuple[int, ...]):
@@ -68,6 +69,10 @@ class LogitsProcessors:
         if drafts is None or on_branch is None:
             drafts = torch.zeros(0, dtype=torch.long, device=z.device)  # [D = 0]
             on_branch = torch.zeros(T, 0, dtype=torch.bool, device=z.device)
+        if params.allowed_token_ids is not None:
+            allowed = torch.zeros(V, dtype=torch.bool, device=z.device)
+            allowed[torch.tensor(params.allowed_token_ids, dtype=torch.long, device=z.device)] = True
+            z = z.masked_fill(~allowed, float("-inf"))
         if params.logit_bias:
             tokens = torch.tensor(list(params.logit_bias), dtype=torch.long, device=z.device)  # [n]
             z[:, tokens] += torch.tensor(list(params.logit_bias.values()), dtype=z.dtype, device=z.device)

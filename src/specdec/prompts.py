@@ -73,6 +73,8 @@ class PromptEncoder:
         )
         outside = [t for t in params.logit_bias or () if t >= vocab_size]
         check(not outside, f"logit_bias names token ids {outside} outside the vocabulary [0, {vocab_size})")
+        outside = [t for t in params.allowed_token_ids or () if t >= vocab_size]
+        check(not outside, f"allowed_token_ids {outside} are outside the vocabulary [0, {vocab_size})")
         if len(prompt_ids) + params.max_tokens > self.max_model_len:
             raise ValueError(
                 f"prompt of {len(prompt_ids)} tokens + max_tokens={params.max_tokens} exceeds the "

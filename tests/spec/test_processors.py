@@ -1,6 +1,7 @@
 """The logits processors (processors.py) under speculation: each verify position processed as
 the target alone would process it after that position's context, against transformers'
-processors (repetition penalty, sequence bias, min new tokens) and OpenAI's formula for the
+processors (repetition penalty, sequence bias, min new tokens, prefix-constrained tokens) and
+OpenAI's formula for the
 presence and frequency penalties; greedy output equal to transformers' generate with the same
 processors, for a chain, a tree and prompt lookup; sampled output following the exact processed
 distribution (chi-square)."""
@@ -21,6 +22,7 @@ from test_distribution import (
 )
 from transformers import (
     MinNewTokensLengthLogitsProcessor,
+    PrefixConstrainedLogitsProcessor,
     RepetitionPenaltyLogitsProcessor,
     SequenceBiasLogitsProcessor,
 )
@@ -41,6 +43,9 @@ def reference(
     transformers' processors and OpenAI's formula, in processors.py's order."""
     ids = torch.tensor([prompt + output])  # [1, L]
     scores = z[None].clone()  # [1, V]
+    if params.allowed_token_ids is not None:
+        allowed = list(params.allowed_token_ids)
+        scores = PrefixConstrainedLogitsProcessor(lambda batch_id, ids: allowed, num_beams=1)(ids, scores)
     if params.logit_bias:
         bias = [[[token], float(value)] for token, value in params.logit_bias.items()]
         scores = SequenceBiasLogitsProcessor(bias)(ids, scores)
@@ -64,6 +69,7 @@ def random_params(rng: random.Random, V: int) -> SamplingParams:
         min_tokens=rng.choice([0, 3, 9]),
         stop_token_ids=rng.choice([(), (rng.randrange(V),)]),
         ignore_eos=rng.random() < 0.3,
+        allowed_token_ids=rng.choice([None, rng.sample(range(V), 12)]),
     )
 
 
@@ -118,6 +124,7 @@ def pair(tmp_path_factory):
 def hf_greedy(model, prompt: list[int], params: SamplingParams, eos: int) -> list[int]:
     """transformers' greedy generate with the same processors (no presence or frequency penalty:
     it has none)."""
+    allowed = list(params.allowed_token_ids) if params.allowed_token_ids is not None else None
     out = model.generate(
         torch.tensor([prompt]),
         attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
@@ -128,6 +135,7 @@ def hf_greedy(model, prompt: list[int], params: SamplingParams, eos: int) -> lis
         sequence_bias=[[[t], float(b)] for t, b in (params.logit_bias or {}).items()] or None,
         eos_token_id=eos,
         pad_token_id=eos,
+        prefix_allowed_tokens_fn=(lambda batch_id, ids: allowed) if allowed is not None else None,
     )
     return out[0, len(prompt) :].tolist()
 
@@ -156,6 +164,7 @@ def test_greedy_equals_transformers_generate_with_the_same_processors(pair, draf
         SamplingParams(temperature=0, max_tokens=30, repetition_penalty=1.4),
         SamplingParams(temperature=0, max_tokens=30, logit_bias={eos: 6.0, 100: -100}, min_tokens=7),
         SamplingParams(temperature=0, max_tokens=30, repetition_penalty=0.7, logit_bias={50: 2.5}),
+        SamplingParams(temperature=0, max_tokens=12, allowed_token_ids=list(range(100, 140)), ignore_eos=True),
     ]
     stopped_by_eos = accepted = 0
     for params in settings:

@@ -82,6 +82,7 @@ class SamplingFields(BaseModel):
     repetition_penalty: float | None = None  # vLLM's
     logit_bias: dict[str, float] | None = None  # token ids as JSON keys: {"50256": -100}
     min_tokens: int = 0  # vLLM's
+    allowed_token_ids: list[int] | None = None  # vLLM's
 
     def refused(self) -> list[tuple[str, str]]:
         """(field, message) for each field sent that this server refuses (request_fields.py)."""
@@ -107,6 +108,7 @@ class SamplingFields(BaseModel):
             repetition_penalty=1.0 if self.repetition_penalty is None else self.repetition_penalty,
             logit_bias=self._logit_bias(),
             min_tokens=self.min_tokens,
+            allowed_token_ids=self.allowed_token_ids,
         )
 
     def _logit_bias(self) -> dict[int, float] | None:
