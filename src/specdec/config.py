@@ -302,7 +302,11 @@ class SamplingParams:
         allowed = self.allowed_token_ids
         need(
             allowed is None
-            or (isinstance(allowed, (tuple, list, set, frozenset)) and allowed and all(is_int(t) and t >= 0 for t in allowed)),
+            or (
+                isinstance(allowed, (tuple, list, set, frozenset))
+                and len(allowed) > 0
+                and all(is_int(t) and t >= 0 for t in allowed)
+            ),
             "{allowed_token_ids} must be a non-empty list of token ids (integers >= 0), or None, got {got!r}",
             got=allowed,
         )

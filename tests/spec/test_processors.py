@@ -1,8 +1,7 @@
 """The logits processors (processors.py) under speculation: each verify position processed as
 the target alone would process it after that position's context, against transformers'
 processors (repetition penalty, sequence bias, min new tokens, prefix-constrained tokens) and
-OpenAI's formula for the
-presence and frequency penalties; greedy output equal to transformers' generate with the same
+OpenAI's formula for the presence and frequency penalties; greedy output equal to transformers' generate with the same
 processors, for a chain, a tree and prompt lookup; sampled output following the exact processed
 distribution (chi-square)."""
 
