@@ -108,7 +108,7 @@ class SamplingFields(BaseModel):
             repetition_penalty=1.0 if self.repetition_penalty is None else self.repetition_penalty,
             logit_bias=self._logit_bias(),
             min_tokens=self.min_tokens,
-            allowed_token_ids=self.allowed_token_ids,
+            allowed_token_ids=None if self.allowed_token_ids is None else tuple(self.allowed_token_ids),
         )
 
     def _logit_bias(self) -> dict[int, float] | None:
