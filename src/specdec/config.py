@@ -185,6 +185,8 @@ class SamplingParams:
     min_tokens: no EOS or stop token before this many tokens are generated (vLLM's; at most
         max_tokens; not together with stop strings, which are not built to wait for it).
     allowed_token_ids: only these tokens may be generated (vLLM's; None: all).
+    bad_words: words never generated (vLLM's): each word's tokens, with and without a space
+        before it, are never completed in the output (needs the tokenizer).
     """
 
     temperature: float = 1.0
@@ -204,6 +206,7 @@ class SamplingParams:
     logit_bias: dict[int, float] | None = None
     min_tokens: int = 0
     allowed_token_ids: tuple[int, ...] | None = None
+    bad_words: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         need = Refusal(self)
@@ -311,6 +314,14 @@ class SamplingParams:
             got=allowed,
         )
         object.__setattr__(self, "allowed_token_ids", None if allowed is None else tuple(sorted(set(allowed))))
+        if isinstance(self.bad_words, str):
+            object.__setattr__(self, "bad_words", (self.bad_words,))
+        need(
+            isinstance(self.bad_words, (tuple, list)) and all(isinstance(w, str) and w.strip() for w in self.bad_words),
+            "{bad_words} must be a list of words (non-empty strings), got {got!r}",
+            got=self.bad_words,
+        )
+        object.__setattr__(self, "bad_words", tuple(self.bad_words))
         need(
             not (self.min_tokens and self.stop),
             "{min_tokens} together with stop strings is not built (a stop string is not held back until "
@@ -331,6 +342,7 @@ class SamplingParams:
             or self.logit_bias
             or self.min_tokens
             or self.allowed_token_ids is not None
+            or self.bad_words
         )
 
 

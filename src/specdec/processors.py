@@ -16,6 +16,8 @@ Terms:
 
 In this order (vLLM's: biases and masks, then penalties), for a row whose request sets them:
   0. allowed        z[v] = -inf for every v not in allowed_token_ids (vLLM's)
+     bad words      z[w_n] = -inf where the output ends with w_1 .. w_(n-1), for each bad word's
+                    tokens w_1 .. w_n (vLLM's: the word as encoded alone and after a space)
   1. logit_bias     z[v] += bias[v]
   2. min_tokens     z[v] = -inf for the EOS and stop tokens while fewer than min_tokens tokens
                     precede the position's token in the output
@@ -29,16 +31,20 @@ from __future__ import annotations
 
 import torch
 
+from specdec.models.tokenizer import Tokenizer
 from specdec.sequence import Sequence
 
 
 class LogitsProcessors:
     """The processors of a batch's requests (SamplingParams' presence_penalty, frequency_penalty,
-    repetition_penalty, logit_bias, min_tokens, allowed_token_ids). eos_token_ids: the tokens min_tokens holds back
-    (with each request's stop tokens) unless the request ignores EOS."""
+    repetition_penalty, logit_bias, min_tokens, allowed_token_ids, bad_words). eos_token_ids: the
+    tokens min_tokens holds back (with each request's stop tokens) unless the request ignores EOS;
+    tokenizer: what encodes bad words."""
 
-    def __init__(self, eos_token_ids: tuple[int, ...]):
+    def __init__(self, eos_token_ids: tuple[int, ...], tokenizer: Tokenizer | None = None):
         self.eos_token_ids = tuple(eos_token_ids)
+        self.tokenizer = tokenizer
+        self._bad_words: dict[tuple[str, ...], list[list[int]]] = {}  # each request's words' tokens, by words
 
     def __call__(
         self,
@@ -73,6 +79,8 @@ class LogitsProcessors:
             allowed = torch.zeros(V, dtype=torch.bool, device=z.device)
             allowed[torch.tensor(params.allowed_token_ids, dtype=torch.long, device=z.device)] = True
             z = z.masked_fill(~allowed, float("-inf"))
+        if params.bad_words:
+            z = self._ban_bad_words(z, seq, drafts, on_branch)
         if params.logit_bias:
             tokens = torch.tensor(list(params.logit_bias), dtype=torch.long, device=z.device)  # [n]
             z[:, tokens] += torch.tensor(list(params.logit_bias.values()), dtype=z.dtype, device=z.device)
@@ -99,6 +107,33 @@ class LogitsProcessors:
         counts = counts[None, :].repeat(on_branch.shape[0], 1)  # [T, V]
         counts.scatter_add_(1, drafts[None, :].expand(on_branch.shape[0], -1), on_branch.to(torch.float32))
         return counts
+
+    def _ban_bad_words(
+        self, z: torch.Tensor, seq: Sequence, drafts: torch.Tensor, on_branch: torch.Tensor
+    ) -> torch.Tensor:
+        """z [T, V] with each bad word's last token banned at the positions whose context's output
+        ends with the word's other tokens."""
+        output, draft_list = seq.output_token_ids, drafts.tolist()
+        for t in range(z.shape[0]):
+            context = output + [draft_list[s] for s in on_branch[t].nonzero().flatten().tolist()]
+            for word in self._bad_words_ids(seq.params.bad_words):
+                *head, last = word
+                if not head or context[len(context) - len(head) :] == head:
+                    z[t, last] = float("-inf")
+        return z
+
+    def _bad_words_ids(self, words: tuple[str, ...]) -> list[list[int]]:
+        """Each word's tokens as the tokenizer encodes it alone and after a space (each distinct
+        encoding once), cached by the request's words."""
+        if words not in self._bad_words:
+            assert self.tokenizer is not None  # prompts.py refuses bad_words without one
+            encodings = [
+                self.tokenizer.encode(text, add_special_tokens=False)
+                for w in words
+                for text in (w.lstrip(), " " + w.lstrip())
+            ]
+            self._bad_words[words] = [ids for i, ids in enumerate(encodings) if ids and ids not in encodings[:i]]
+        return self._bad_words[words]
 
     @staticmethod
     def _in_prompt(seq: Sequence, V: int, device) -> torch.Tensor:

@@ -58,6 +58,8 @@ class PromptEncoder:
         self._check(prompt_ids, params)
         if params.stop:
             self.need_tokenizer("stop strings")
+        if params.bad_words:
+            self.need_tokenizer("bad_words")
         return prompt_ids
 
     def _check(self, prompt_ids: list[int], params: SamplingParams) -> None:

@@ -21,6 +21,7 @@ from test_distribution import (
 )
 from transformers import (
     MinNewTokensLengthLogitsProcessor,
+    NoBadWordsLogitsProcessor,
     PrefixConstrainedLogitsProcessor,
     RepetitionPenaltyLogitsProcessor,
     SequenceBiasLogitsProcessor,
@@ -33,6 +34,16 @@ from specdec.sequence import Sequence
 from specdec.tree import ROOT, branches
 
 EOS = 1
+# bad words for the position tests, as a stub tokenizer encodes them (alone, after a space)
+BAD_WORD_IDS = {("ab",): [[7], [8, 9]], ("cd", "e"): [[10, 11, 12], [13], [14, 15]]}
+
+
+class StubTokenizer:
+    """Encodes the words of BAD_WORD_IDS: "ab" as [7] alone and [8, 9] after a space, ..."""
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        table = {"ab": [7], " ab": [8, 9], "cd": [10, 11, 12], " cd": [13], "e": [14, 15], " e": [14, 15]}
+        return table[text]
 
 
 def reference(
@@ -45,6 +56,10 @@ def reference(
     if params.allowed_token_ids is not None:
         allowed = list(params.allowed_token_ids)
         scores = PrefixConstrainedLogitsProcessor(lambda batch_id, ids: allowed, num_beams=1)(ids, scores)
+    if params.bad_words:
+        words = BAD_WORD_IDS[params.bad_words]
+        # vLLM's: a word's beginning is looked for in the output alone, not the prompt
+        scores = NoBadWordsLogitsProcessor(words)(torch.tensor([output], dtype=torch.long).reshape(1, -1), scores)
     if params.logit_bias:
         bias = [[[token], float(value)] for token, value in params.logit_bias.items()]
         scores = SequenceBiasLogitsProcessor(bias)(ids, scores)
@@ -69,6 +84,7 @@ def random_params(rng: random.Random, V: int) -> SamplingParams:
         stop_token_ids=rng.choice([(), (rng.randrange(V),)]),
         ignore_eos=rng.random() < 0.3,
         allowed_token_ids=rng.choice([None, rng.sample(range(V), 12)]),
+        bad_words=rng.choice([(), *BAD_WORD_IDS]),
     )
 
 
@@ -87,15 +103,16 @@ def test_each_position_is_processed_as_after_its_own_context(shape):
         params = random_params(rng, V)
         seq = Sequence(str(row), [rng.randrange(V) for _ in range(rng.randint(1, 8))], params, gen)
         seq.output_token_ids.extend(rng.randrange(V) for _ in range(rng.randint(1, 6)))
+        seq.output_token_ids.extend(rng.choice([[], [10], [10, 11], [8]]))  # bad words' beginnings
         batch.append(seq)
-        drafts.append([rng.randrange(V) for _ in range(D)])
+        drafts.append([rng.choice([rng.randrange(V), 8, 10, 11]) for _ in range(D)])
         parents.append(list(range(-1, D - 1)) if shape == "chain" else random_tree_parents(rng, D))
     parents_t = torch.tensor(parents)  # [B, D]
     parents_t[:, 0] = ROOT
     visible = branches(parents_t)  # [B, D+1, D+1]: column t sees column s (0: the last token)
     on_branch = visible[:, :, 1:]  # [B, D+1, D]
     logits = torch.randn(B, D + 1, V, generator=gen) * 3  # [B, T, V]
-    processed = LogitsProcessors((EOS,))(logits, batch, torch.tensor(drafts), on_branch)
+    processed = LogitsProcessors((EOS,), StubTokenizer())(logits, batch, torch.tensor(drafts), on_branch)  # type: ignore[arg-type]
     for row, seq in enumerate(batch):
         for t in range(D + 1):
             context = [drafts[row][s] for s in range(D) if on_branch[row, t, s]]
@@ -176,6 +193,54 @@ def test_greedy_equals_transformers_generate_with_the_same_processors(pair, draf
             assert len(want) >= params.min_tokens
     assert stopped_by_eos >= 2  # min_tokens held the EOS back until its time, then let it through
     assert accepted > 0
+
+
+@pytest.mark.parametrize("drafter", ["chain", "tree"])
+def test_greedy_with_bad_words_equals_transformers_generate(pair, drafter):
+    """Words the target alone would write (each a stretch of its own greedy output's text): with
+    them as bad_words, none of their encodings is completed, and the tokens are those of
+    transformers' generate with the same token sequences banned (in the output)."""
+    model = load_hf(pair["target"])
+    llm = LLM(
+        str(pair["target"]),
+        speculative_model=str(pair["draft"]),
+        dtype="float32",
+        speculative_k_policy="fixed",
+        **DRAFTERS[drafter],
+    )
+    tokenizer = llm.engine.output.tokenizer
+    prompt = [40, 41, 42, 43, 44]
+    plain = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=20, ignore_eos=True))[0].outputs[0]
+    words = (tokenizer.decode(plain.token_ids[2:4]), tokenizer.decode(plain.token_ids[9:10]))
+    params = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True, bad_words=words)
+    banned = llm.engine.round.processors._bad_words_ids(words)
+    assert banned
+    got = llm.generate([prompt], params)[0].outputs[0].token_ids
+    want = model.generate(
+        torch.tensor([prompt]),
+        attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+        do_sample=False,
+        max_new_tokens=20,
+        bad_words_ids=banned,
+        pad_token_id=0,
+    )[0, len(prompt) :].tolist()
+    assert got == want
+    assert got != plain.token_ids
+    for ids in banned:
+        assert not any(got[i : i + len(ids)] == ids for i in range(len(got))), ids
+
+
+def test_bad_words_are_encoded_alone_and_after_a_space(pair):
+    llm = LLM(str(pair["target"]), dtype="float32", speculative_method="none")
+    tokenizer = llm.engine.output.tokenizer
+    words = ("return", " self", "def")
+    encodings = [
+        tokenizer.encode(text, add_special_tokens=False) for w in words for text in (w.lstrip(), " " + w.lstrip())
+    ]
+    want = [ids for i, ids in enumerate(encodings) if ids not in encodings[:i]]
+    assert llm.engine.round.processors._bad_words_ids(words) == want
+    with pytest.raises(ValueError, match="bad_words"):
+        LLM(str(pair["target"]), skip_tokenizer_init=True).generate([[5, 6]], SamplingParams(bad_words=["x"]))
 
 
 def test_greedy_with_presence_and_frequency_penalties_equals_a_step_by_step_reference(pair):

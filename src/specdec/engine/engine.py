@@ -64,7 +64,9 @@ class Engine:
         self.target, self.drafter, self.max_num_seqs = target, drafter, max_num_seqs
         k = num_speculative_tokens if drafter is not None else 0
         self.k_choice = KChoice(k, k_policy, tree, drafter is not None and drafter.grows_trees, target.padded_queries)
-        self.round = SpeculativeRound(target, drafter, self.k_choice.tree, k, self.k_choice.tree_width, eos_token_ids)
+        self.round = SpeculativeRound(
+            target, drafter, self.k_choice.tree, k, self.k_choice.tree_width, eos_token_ids, tokenizer
+        )
         self.capacity = Capacity(target, drafter, self.k_choice, self.round.return_hidden, enable_prefix_caching)
         self.output = OutputProcessor(tokenizer, eos_token_ids)
         self.scheduler = Scheduler()

@@ -83,6 +83,7 @@ class SamplingFields(BaseModel):
     logit_bias: dict[str, float] | None = None  # token ids as JSON keys: {"50256": -100}
     min_tokens: int = 0  # vLLM's
     allowed_token_ids: list[int] | None = None  # vLLM's
+    bad_words: list[str] | None = None  # vLLM's
 
     def refused(self) -> list[tuple[str, str]]:
         """(field, message) for each field sent that this server refuses (request_fields.py)."""
@@ -109,6 +110,7 @@ class SamplingFields(BaseModel):
             logit_bias=self._logit_bias(),
             min_tokens=self.min_tokens,
             allowed_token_ids=None if self.allowed_token_ids is None else tuple(self.allowed_token_ids),
+            bad_words=tuple(self.bad_words or ()),
         )
 
     def _logit_bias(self) -> dict[int, float] | None:

@@ -92,7 +92,6 @@ REFUSED: dict[str, Refused] = {
     "spaces_between_special_tokens": Refused(_one_of(None, True)),
     "truncate_prompt_tokens": Refused(_empty),
     "prompt_logprobs": Refused(_empty),
-    "bad_words": Refused(_empty),
     "logits_processors": Refused(_empty),
     # vLLM's structured output
     "guided_json": Refused(_empty, STRUCTURED),

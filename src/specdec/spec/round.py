@@ -25,6 +25,7 @@ import torch
 
 from specdec.drafters.base import Draft, Drafter
 from specdec.kv_cache import TreeAttention
+from specdec.models.tokenizer import Tokenizer
 from specdec.processors import LogitsProcessors
 from specdec.sampling import SamplingTensors, sample, token_logprobs, warp
 from specdec.sequence import Sequence
@@ -66,8 +67,8 @@ class SpeculativeRound:
     shape of every round's draft, or None for chains; tree_nodes: a tree's node budget;
     tree_width: what cuts a grown tree to the width its verify buys (None: every node is
     verified); eos_token_ids: the model's end-of-sequence tokens, which a request's min_tokens
-    holds back. The requests' logits processors (processors.py) are applied to the target's
-    logits wherever it samples."""
+    holds back; tokenizer: what encodes a request's bad words. The requests' logits processors
+    (processors.py) are applied to the target's logits wherever it samples."""
 
     def __init__(
         self,
@@ -77,9 +78,10 @@ class SpeculativeRound:
         tree_nodes: int = 0,
         tree_width: TreeWidth | None = None,
         eos_token_ids: tuple[int, ...] = (),
+        tokenizer: Tokenizer | None = None,
     ):
         self.target, self.drafter, self.tree, self.tree_width = target, drafter, tree, tree_width
-        self.processors = LogitsProcessors(eos_token_ids)
+        self.processors = LogitsProcessors(eos_token_ids, tokenizer)
         self.tree_nodes = tree_nodes
         self.return_hidden = drafter is not None and drafter.needs_target_hidden  # the target's features too
         self._sampling_key: tuple | None = None
