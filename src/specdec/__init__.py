@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING
 
 _MODULES = {
     "SamplingParams": "specdec.config",
+    "StructuredOutputsParams": "specdec.config",
     "SpeculativeConfig": "specdec.config",
     "LLM": "specdec.llm",
     "CompletionOutput": "specdec.llm",
@@ -22,6 +23,7 @@ _MODULES = {
 __all__ = [
     "LLM",
     "SamplingParams",
+    "StructuredOutputsParams",
     "SpeculativeConfig",
     "RequestOutput",
     "CompletionOutput",
@@ -31,7 +33,7 @@ __all__ = [
 __version__ = "0.1.0"
 
 if TYPE_CHECKING:
-    from specdec.config import SamplingParams, SpeculativeConfig
+    from specdec.config import SamplingParams, SpeculativeConfig, StructuredOutputsParams
     from specdec.llm import LLM, CompletionOutput, RequestOutput
     from specdec.metrics import SpecStats
     from specdec.models.loader import ModelLoadError

@@ -146,6 +146,52 @@ def _shown(default) -> str:
 
 
 @dataclass(frozen=True)
+class StructuredOutputsParams:
+    """What the output must follow, in vLLM's names (exactly one of them): json, a JSON schema
+    (a dict, or its JSON text); json_object, any JSON object; regex, a regular expression;
+    choice, one of these strings; grammar, a Lark or GBNF (llama.cpp's) grammar. Enforced by
+    llguidance (grammar.py) at every position the target samples from, drafts included.
+    disable_any_whitespace: JSON without whitespace between its tokens (vLLM's; by default any
+    is allowed, which a weak model can fill with spaces until max_tokens)."""
+
+    json: dict | str | None = None
+    regex: str | None = None
+    choice: tuple[str, ...] | None = None
+    grammar: str | None = None
+    json_object: bool = False
+    disable_any_whitespace: bool = False
+
+    def __post_init__(self) -> None:
+        need = Refusal(self)
+        if isinstance(self.choice, list):
+            object.__setattr__(self, "choice", tuple(self.choice))
+        given = [name for name in ("json", "regex", "choice", "grammar") if getattr(self, name) is not None]
+        given += ["json_object"] if self.json_object else []
+        need(
+            len(given) == 1,
+            "structured outputs take exactly one of json, regex, choice, grammar and json_object, got {got}",
+            got=given or "none",
+        )
+        need(
+            self.json is None or isinstance(self.json, (dict, str)), "{json} must be a JSON schema (a dict or its text)"
+        )
+        need(self.regex is None or isinstance(self.regex, str), "{regex} must be a string, got {got!r}", got=self.regex)
+        need(
+            self.choice is None or (len(self.choice) > 0 and all(isinstance(c, str) and c for c in self.choice)),
+            "{choice} must be a non-empty list of non-empty strings, got {got!r}",
+            got=self.choice,
+        )
+        need(
+            self.grammar is None or (isinstance(self.grammar, str) and self.grammar.strip()),
+            "{grammar} must be a Lark or GBNF grammar (a non-empty string), got {got!r}",
+            got=self.grammar,
+        )
+        for name in ("json_object", "disable_any_whitespace"):
+            value = getattr(self, name)
+            need(isinstance(value, bool), f"{{{name}}} must be True or False, got {{got!r}}", got=value)
+
+
+@dataclass(frozen=True)
 class SamplingParams:
     """How to sample one request, in vLLM's names.
 
@@ -187,6 +233,8 @@ class SamplingParams:
     allowed_token_ids: only these tokens may be generated (vLLM's; None: all).
     bad_words: words never generated (vLLM's): each word's tokens, with and without a space
         before it, are never completed in the output (needs the tokenizer).
+    structured_outputs: what the output must follow (StructuredOutputsParams: a JSON schema, a
+        regex, a choice, a grammar; needs the tokenizer).
     """
 
     temperature: float = 1.0
@@ -207,6 +255,7 @@ class SamplingParams:
     min_tokens: int = 0
     allowed_token_ids: tuple[int, ...] | None = None
     bad_words: tuple[str, ...] = ()
+    structured_outputs: StructuredOutputsParams | None = None
 
     def __post_init__(self) -> None:
         need = Refusal(self)
@@ -323,6 +372,11 @@ class SamplingParams:
         )
         object.__setattr__(self, "bad_words", tuple(self.bad_words))
         need(
+            self.structured_outputs is None or isinstance(self.structured_outputs, StructuredOutputsParams),
+            "{structured_outputs} must be a StructuredOutputsParams, got {got!r}",
+            got=self.structured_outputs,
+        )
+        need(
             not (self.min_tokens and self.stop),
             "{min_tokens} together with stop strings is not built (a stop string is not held back until "
             "min_tokens); give stop_token_ids instead, or leave one out",
@@ -343,6 +397,7 @@ class SamplingParams:
             or self.min_tokens
             or self.allowed_token_ids is not None
             or self.bad_words
+            or self.structured_outputs is not None
         )
 
 

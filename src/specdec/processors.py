@@ -15,7 +15,9 @@ Terms:
   count     c[v]: how often token v is in the context's output (generated tokens, drafts included)
 
 In this order (vLLM's: biases and masks, then penalties), for a row whose request sets them:
-  0. allowed        z[v] = -inf for every v not in allowed_token_ids (vLLM's)
+  0. grammar        z[v] = -inf for every v the request's structured output forbids after the
+                    context (grammar.py)
+     allowed        z[v] = -inf for every v not in allowed_token_ids (vLLM's)
      bad words      z[w_n] = -inf where the output ends with w_1 .. w_(n-1), for each bad word's
                     tokens w_1 .. w_n (vLLM's: the word as encoded alone and after a space)
   1. logit_bias     z[v] += bias[v]
@@ -31,6 +33,7 @@ from __future__ import annotations
 
 import torch
 
+from specdec.grammar import GrammarState
 from specdec.models.tokenizer import Tokenizer
 from specdec.sequence import Sequence
 
@@ -39,11 +42,12 @@ class LogitsProcessors:
     """The processors of a batch's requests (SamplingParams' presence_penalty, frequency_penalty,
     repetition_penalty, logit_bias, min_tokens, allowed_token_ids, bad_words). eos_token_ids: the
     tokens min_tokens holds back (with each request's stop tokens) unless the request ignores EOS;
-    tokenizer: what encodes bad words."""
+    tokenizer: what encodes bad words; vocab_size: the target's (a drafter's scores over another
+    vocabulary are not processed)."""
 
-    def __init__(self, eos_token_ids: tuple[int, ...], tokenizer: Tokenizer | None = None):
+    def __init__(self, eos_token_ids: tuple[int, ...], tokenizer: Tokenizer | None = None, vocab_size: int = 0):
         self.eos_token_ids = tuple(eos_token_ids)
-        self.tokenizer = tokenizer
+        self.tokenizer, self.vocab_size = tokenizer, vocab_size
         self._bad_words: dict[tuple[str, ...], list[list[int]]] = {}  # each request's words' tokens, by words
 
     def __call__(
@@ -75,6 +79,10 @@ class LogitsProcessors:
         if drafts is None or on_branch is None:
             drafts = torch.zeros(0, dtype=torch.long, device=z.device)  # [D = 0]
             on_branch = torch.zeros(T, 0, dtype=torch.bool, device=z.device)
+        if params.structured_outputs is not None:
+            z = z.masked_fill(
+                ~self._grammar(seq, V).masks(self._paths(seq, drafts, on_branch), z.device), float("-inf")
+            )
         if params.allowed_token_ids is not None:
             allowed = torch.zeros(V, dtype=torch.bool, device=z.device)
             allowed[torch.tensor(params.allowed_token_ids, dtype=torch.long, device=z.device)] = True
@@ -107,6 +115,47 @@ class LogitsProcessors:
         counts = counts[None, :].repeat(on_branch.shape[0], 1)  # [T, V]
         counts.scatter_add_(1, drafts[None, :].expand(on_branch.shape[0], -1), on_branch.to(torch.float32))
         return counts
+
+    def for_draft(
+        self, scores: torch.Tensor, batch: list[Sequence], drafted: torch.Tensor | None, scored_ids=None, vocab_size=0
+    ) -> torch.Tensor:
+        """A drafter's next-token scores [B, S] after its drafted tokens [B, j] (None: none yet),
+        processed as the target's would be there, so that it drafts what the target may accept.
+        scored_ids [S]: the vocabulary ids the scores are of (a head's), in a vocabulary of
+        vocab_size; None: the whole vocabulary (S = V)."""
+        if not any(seq.params.processed for seq in batch) or (vocab_size or scores.shape[-1]) != self.vocab_size:
+            return scores  # nothing to do, or a drafter of another vocabulary
+        B = scores.shape[0]
+        logits = scores
+        if scored_ids is not None:  # over the whole vocabulary, -inf where the drafter has no score
+            logits = scores.new_full((B, vocab_size), float("-inf")).index_copy_(1, scored_ids, scores)  # [B, V]
+        j = 0 if drafted is None else drafted.shape[1]
+        drafts = drafted if drafted is not None else torch.zeros(B, 0, dtype=torch.long, device=scores.device)
+        on_branch = torch.ones(B, 1, j, dtype=torch.bool, device=scores.device)  # every drafted token
+        processed = self(logits[:, None], batch, drafts, on_branch)[:, 0]  # [B, V]
+        return processed if scored_ids is None else processed[:, scored_ids]
+
+    def num_allowed(self, seq: Sequence, tokens: list[int]) -> int:
+        """How many of tokens, drafted after seq's output, its request's grammar allows in a row
+        (all where it has none, or has not sampled yet)."""
+        if seq.grammar is None:
+            return len(tokens)
+        seq.grammar.follow(seq.output_token_ids)
+        return seq.grammar.valid_prefix(tokens)
+
+    def _grammar(self, seq: Sequence, vocab_size: int) -> GrammarState:
+        """seq's grammar state, made at its first use, fed its output so far."""
+        if seq.grammar is None:
+            assert self.tokenizer is not None and seq.params.structured_outputs is not None  # prompts.py checks
+            seq.grammar = GrammarState(seq.params.structured_outputs, self.tokenizer, vocab_size, self.eos_token_ids)
+        seq.grammar.follow(seq.output_token_ids)
+        return seq.grammar
+
+    @staticmethod
+    def _paths(seq: Sequence, drafts: torch.Tensor, on_branch: torch.Tensor) -> list[list[int]]:
+        """Each position's drafts on its branch, in order (a branch's drafts are in column order)."""
+        draft_list = drafts.tolist()
+        return [[draft_list[s] for s in row.nonzero().flatten().tolist()] for row in on_branch]
 
     def _ban_bad_words(
         self, z: torch.Tensor, seq: Sequence, drafts: torch.Tensor, on_branch: torch.Tensor

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from specdec import grammar
 from specdec.config import SamplingParams, check
 from specdec.models.tokenizer import Tokenizer
 
@@ -60,6 +61,9 @@ class PromptEncoder:
             self.need_tokenizer("stop strings")
         if params.bad_words:
             self.need_tokenizer("bad_words")
+        if params.structured_outputs is not None:
+            self.need_tokenizer("structured outputs")
+            grammar.check(params.structured_outputs)
         return prompt_ids
 
     def _check(self, prompt_ids: list[int], params: SamplingParams) -> None:

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import torch
@@ -42,6 +43,9 @@ class SamplingTensors:
     any_min_p: bool
     all_greedy: bool
     any_greedy: bool
+    # the requests' logits processors (processors.LogitsProcessors), which a drafter that samples
+    # from logits applies to its own (steps.py); None: none
+    processors: Any = None
 
     @classmethod
     def from_params(cls, params: list[SamplingParams], device: torch.device | str = "cpu") -> SamplingTensors:

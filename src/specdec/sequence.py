@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -36,6 +37,7 @@ class Sequence:
     # whose requests may draft from this one's text (suffix decoding's shared tree): requests of one
     # scope share it, no other (a server's API key, under --suffix-cache-scope key); None: the one global scope
     cache_scope: str | None = None
+    grammar: Any = None  # its structured output's state (grammar.GrammarState), made where it first samples
 
     @property
     def token_ids(self) -> list[int]:

@@ -35,7 +35,6 @@ API_DEFAULTS = {
     "tool_choice": "none",
     "functions": None,
     "function_call": "none",
-    "response_format": {"type": "text"},
     "audio": None,
     "modalities": ["text"],
     "reasoning_effort": None,
@@ -50,14 +49,9 @@ API_DEFAULTS = {
     "truncate_prompt_tokens": None,
     "prompt_logprobs": None,
     "logits_processors": None,
-    "guided_json": None,
-    "guided_regex": None,
-    "guided_choice": None,
-    "guided_grammar": None,
     "guided_decoding_backend": None,
     "guided_whitespace_pattern": None,
     "structural_tag": None,
-    "structured_outputs": None,
     "continue_final_message": False,
     "documents": None,
     "chat_template": None,
@@ -80,7 +74,6 @@ CHANGING = {
     "tool_choice": ["auto", "required", {"type": "function", "function": {"name": "f"}}],
     "functions": [[{"name": "f"}]],
     "function_call": ["auto", {"name": "f"}],
-    "response_format": [{"type": "json_object"}, {"type": "json_schema", "json_schema": {"name": "x", "schema": {}}}],
     "audio": [{"voice": "alloy", "format": "wav"}],
     "modalities": [["text", "audio"], ["audio"]],
     "reasoning_effort": ["low", "high"],
@@ -94,14 +87,9 @@ CHANGING = {
     "truncate_prompt_tokens": [1, 100],
     "prompt_logprobs": [0, 1, 5],
     "logits_processors": [["my.Processor"]],
-    "guided_json": [{"type": "object"}, '{"type": "string"}'],
-    "guided_regex": ["[a-z]+"],
-    "guided_choice": [["yes", "no"]],
-    "guided_grammar": ["root ::= 'a'"],
-    "guided_decoding_backend": ["xgrammar"],
+    "guided_decoding_backend": ["xgrammar", "outlines"],
     "guided_whitespace_pattern": [" *"],
     "structural_tag": ['{"structures": []}'],
-    "structured_outputs": [{"json": {"type": "object"}}, {"choice": ["a"]}],
     "continue_final_message": [True],
     "documents": [[{"title": "t", "text": "x"}]],
     "chat_template": ["{{ messages[0].content }}"],
@@ -176,9 +164,9 @@ def test_a_field_no_list_knows_is_refused_by_name(endpoint):
 
 def test_several_refused_fields_are_named_together_in_the_order_sent():
     model, required = REQUESTS[CHAT]
-    body = model.model_validate({**required, "echo": True, "user": "u", "guided_regex": "a+", "nope": 1})
+    body = model.model_validate({**required, "echo": True, "user": "u", "structural_tag": "x", "nope": 1})
     problems = body.refused()
-    assert [name for name, _ in problems] == ["echo", "guided_regex", "nope"]
+    assert [name for name, _ in problems] == ["echo", "structural_tag", "nope"]
     assert all(message.startswith(name) for name, message in problems)
 
 
@@ -201,5 +189,55 @@ def test_a_chat_message_keeps_its_fields_for_the_template():
 
 
 def test_messages_name_the_value_and_what_to_do():
-    ((_, message),) = request_fields.problems({"response_format": {"type": "json_object"}}, set(), CHAT)
-    assert "response_format=" in message and "structured output is not built" in message
+    ((_, message),) = request_fields.problems({"guided_whitespace_pattern": " *"}, set(), CHAT)
+    assert "guided_whitespace_pattern=' *'" in message and "response_format" in message
+
+
+# --- structured output's fields -------------------------------------------------------------
+
+SCHEMA = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
+
+
+@pytest.mark.parametrize(
+    "fields, want",
+    [
+        (
+            {"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": SCHEMA}}},
+            {"json": SCHEMA},
+        ),
+        ({"response_format": {"type": "json_object"}}, {"json_object": True}),
+        ({"response_format": {"type": "text"}}, None),
+        ({"guided_json": SCHEMA}, {"json": SCHEMA}),
+        ({"guided_regex": "[a-z]+"}, {"regex": "[a-z]+"}),
+        ({"guided_choice": ["yes", "no"]}, {"choice": ("yes", "no")}),
+        ({"guided_grammar": 'start: "a"+'}, {"grammar": 'start: "a"+'}),
+        ({"structured_outputs": {"choice": ["a"], "disable_fallback": False}}, {"choice": ("a",)}),
+    ],
+)
+@pytest.mark.parametrize("endpoint", [COMPLETIONS, CHAT])
+def test_structured_output_fields_become_structured_outputs_params(endpoint, fields, want):
+    from specdec import StructuredOutputsParams
+
+    model, required = REQUESTS[endpoint]
+    body = model.model_validate({**required, **fields})
+    assert body.refused() == []
+    params = body.sampling_params(8).structured_outputs
+    assert params == (None if want is None else StructuredOutputsParams(**want))
+
+
+@pytest.mark.parametrize(
+    "fields, named",
+    [
+        ({"guided_regex": "a", "guided_choice": ["b"]}, "guided_regex and guided_choice"),
+        ({"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}}, "response_format"),
+        ({"response_format": {"type": "structural_tag"}}, "response_format"),
+        ({"structured_outputs": {"structural_tag": "x"}}, "structured_outputs"),
+        ({"structured_outputs": {"regex": "a", "choice": ["b"]}}, "structured_outputs"),
+        ({"guided_choice": []}, "guided_choice"),
+    ],
+)
+def test_structured_output_said_wrongly_is_a_value_error_that_names_the_field(fields, named):
+    model, required = REQUESTS[CHAT]
+    body = model.model_validate({**required, **fields})
+    with pytest.raises(ValueError, match=named):
+        body.sampling_params(8)

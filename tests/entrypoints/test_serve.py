@@ -146,6 +146,51 @@ def test_penalties_and_logit_bias_are_what_generate_gives_offline(server, offlin
         assert want.outputs[0].token_ids != plain.outputs[0].token_ids, fields  # the processors changed it
 
 
+def test_structured_output_is_what_generate_gives_offline(server, offline):
+    """response_format, vLLM's guided_choice and structured_outputs: the answer LLM.generate gives
+    with the same StructuredOutputsParams, following its grammar; a schema that is none is a 400
+    that names the field."""
+    from specdec import StructuredOutputsParams
+
+    client = server.client()
+    schema = {
+        "type": "object",
+        "properties": {"ok": {"type": "boolean"}},
+        "required": ["ok"],
+        "additionalProperties": False,
+    }
+    messages = [{"role": "user", "content": "is it?"}]
+    cases = [
+        (
+            {"extra_body": {"guided_choice": ["yes", "no"]}},
+            StructuredOutputsParams(choice=["yes", "no"]),
+            lambda text: text in ("yes", "no"),
+        ),
+        (
+            {"extra_body": {"structured_outputs": {"json": schema, "disable_any_whitespace": True}}},
+            StructuredOutputsParams(json=schema, disable_any_whitespace=True),
+            lambda text: json.loads(text) in ({"ok": True}, {"ok": False}),
+        ),
+        (
+            {"extra_body": {"guided_regex": "[0-9]{4}"}},
+            StructuredOutputsParams(regex="[0-9]{4}"),
+            lambda text: len(text) == 4 and text.isdigit(),
+        ),
+    ]
+    for fields, params, follows in cases:
+        want = offline.chat([messages], SamplingParams(temperature=0, max_tokens=30, structured_outputs=params))[0]
+        got = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=30, temperature=0, **fields)
+        assert got.choices[0].message.content == want.outputs[0].text, fields
+        assert got.choices[0].finish_reason == "stop" and follows(want.outputs[0].text), fields
+    with pytest.raises(openai.BadRequestError) as bad:
+        client.chat.completions.create(
+            model=MODEL,
+            messages=messages,
+            response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "objekt"}}},
+        )
+    assert "objekt" in str(bad.value)
+
+
 def test_a_list_of_prompts_gets_a_choice_each(server, offline):
     prompts = ["def add(a, b):", "for i in range(10):"]
     params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
@@ -363,7 +408,12 @@ BAD_REQUESTS = [
     ("logit_bias of no token", {"model": MODEL, "prompt": "hi", "logit_bias": {"abc": 1}}, "logit_bias"),
     ("logit_bias outside the vocabulary", {"model": MODEL, "prompt": "hi", "logit_bias": {"99999": 1}}, None),
     ("best_of", {"model": MODEL, "prompt": "hi", "best_of": 3}, "best_of"),
-    ("guided_json", {"model": MODEL, "prompt": "hi", "guided_json": {"type": "object"}}, "guided_json"),
+    ("guided_json of no schema", {"model": MODEL, "prompt": "hi", "guided_json": {"type": "objekt"}}, None),
+    (
+        "two structured outputs",
+        {"model": MODEL, "prompt": "hi", "guided_regex": "a", "guided_choice": ["b"]},
+        "guided_regex",
+    ),
     ("a field no list knows", {"model": MODEL, "prompt": "hi", "temprature": 0}, "temprature"),
     ("no prompt", {"model": MODEL}, "prompt"),
     ("prompt of wrong type", {"model": MODEL, "prompt": {"text": "hi"}}, "prompt"),
@@ -403,8 +453,12 @@ def test_chat_bad_requests(server):
         )
     with pytest.raises(openai.BadRequestError, match="context length"):
         client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "x"}], max_tokens=CONTEXT)
-    schema = {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "object"}, "strict": True}}
-    for fields in ({"response_format": schema}, {"extra_body": {"guided_choice": ["yes", "no"]}}):
+    no_schema = {"type": "json_schema", "json_schema": {"name": "x", "strict": True}}
+    for fields in (
+        {"response_format": no_schema},
+        {"extra_body": {"structured_outputs": {"structural_tag": "x"}}},
+        {"extra_body": {"guided_whitespace_pattern": " +"}},
+    ):
         with pytest.raises(openai.BadRequestError) as refused:
             client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "x"}], **fields)
         assert refused.value.body["param"] == next(iter(fields.get("extra_body", fields)))  # pyright: ignore[reportIndexIssue, reportOptionalSubscript]

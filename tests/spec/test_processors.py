@@ -262,7 +262,7 @@ def test_greedy_with_presence_and_frequency_penalties_equals_a_step_by_step_refe
 
 # --- sampled: chi-square ---------------------------------------------------------------------
 
-NUM_DRAWS = 40_000
+NUM_DRAWS = 30_000
 PROCESSED = dict(
     temperature=0.9, presence_penalty=0.8, frequency_penalty=0.6, repetition_penalty=1.5, logit_bias={3: 2.0, 4: -100}
 )

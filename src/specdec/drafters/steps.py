@@ -51,7 +51,7 @@ class DraftSteps:
         self.scored_ids, self.vocab_size = scored_ids, vocab_size
         if temperature_scale != 1.0 and not sampling.all_greedy:  # greedy rows' temperature is unused
             sampling = dataclasses.replace(sampling, temperature=sampling.temperature * temperature_scale)
-        self.sampling = sampling
+        self.sampling, self.batch = sampling, batch
         self.generators = [seq.generator for seq in batch]
         self.num_tokens = torch.tensor(ks, device=device)  # [B]: each row's most
         self.drafting = self.num_tokens > 0  # [B]: rows not yet stopped
@@ -68,6 +68,9 @@ class DraftSteps:
         scores [B, S] with scored_ids)."""
         step = len(self.tokens)
         probs = None
+        if self.sampling.processors is not None:  # the requests' processors, as the target's logits get them
+            drafted = self.token_ids() if self.tokens else None
+            logits = self.sampling.processors.for_draft(logits, self.batch, drafted, self.scored_ids, self.vocab_size)
         if self.sampling.all_greedy:
             index = logits.argmax(-1)  # [B]
         else:

@@ -17,7 +17,9 @@ per round than the plain softmax's (docs/runner.md, "Draft trees"). Growth, for 
             attending to its own branch; their logits give their children
   finish    the N likeliest candidates form the tree (a parent always scores at least its
             child and comes first among equals, so every chosen node's parent is chosen)
-A row's nodes never run deeper than its max_depth (the engine's: what it can still emit).
+A row's nodes never run deeper than its max_depth (the engine's: what it can still emit). A
+request's logits processors (penalties, a grammar: processors.py) process the drafter's logits
+after each node as the target's are after it, so that no child is one the target cannot take.
 
 The drafter feeds the expanded nodes in order into its own cache, from a position it chooses
 (tree_start): expanded node f is written at tree_start + f, which `visible` describes.
@@ -71,6 +73,7 @@ class TreeGrowth:
         device: torch.device,
     ):
         self.shape, self.budget, self.device = shape, budget, device
+        self.batch, self.processors = batch, sampling.processors
         B = len(batch)
         self.temperature = torch.where(sampling.greedy, GREEDY_TREE_TEMPERATURE, sampling.temperature).to(
             device
@@ -140,6 +143,8 @@ class TreeGrowth:
         parent_scores [B, W] (-inf: no children)."""
         B, W, _ = logits.shape
         depth = self.depth + 1
+        if self.processors is not None:  # after each parent's branch, as the target's logits there
+            logits = self.processors(logits, self.batch, self.tokens, self._on_branch(parents))
         top_logprobs, top_tokens = torch.log_softmax(logits.float() / self.temperature[:, None, None], dim=-1).topk(
             self.shape.children_per_node(self.depth), dim=-1
         )  # [B, W, b]
@@ -151,6 +156,17 @@ class TreeGrowth:
         self.parents = torch.cat([self.parents, parents[:, :, None].expand(B, W, b).reshape(B, W * b)], dim=1)
         self.scores = torch.cat([self.scores, scores.reshape(B, W * b)], dim=1)
         self.fed_of = torch.cat([self.fed_of, self.fed_of.new_full((B, W * b), -1)], dim=1)
+
+    def _on_branch(self, nodes: torch.Tensor) -> torch.Tensor:
+        """[B, W, M] bool: the candidates on each node's branch, itself included (nodes [B, W]:
+        candidate numbers, ROOT for the root, whose branch is empty)."""
+        B, W = nodes.shape
+        M = self.tokens.shape[1]
+        on_branch = torch.zeros(B, W, M, dtype=torch.bool, device=self.device)
+        while M and bool((nodes >= 0).any()):
+            on_branch |= torch.nn.functional.one_hot(nodes.clamp(min=0), M).bool() & (nodes >= 0)[:, :, None]
+            nodes = torch.where(nodes >= 0, self.parents.gather(1, nodes.clamp(min=0)), ROOT)
+        return on_branch
 
     def _nth_best_score(self) -> torch.Tensor:
         """Each row's budget-th best candidate score [B] (-inf while it has fewer)."""

@@ -246,7 +246,7 @@ def _chat_token_ids(state: ServerState, messages: list[dict], add_generation_pro
 
 def _named_field(message: str, body: SamplingFields) -> str | None:
     """The request field a validation message starts with, if any ("temperature must be ...")."""
-    first = message.split(" ", 1)[0]
+    first = message.split(" ", 1)[0].rstrip(":,")
     return first if first in type(body).model_fields else None
 
 

@@ -11,11 +11,11 @@ from __future__ import annotations
 import re
 import time
 import uuid
-from typing import ClassVar
+from typing import Any, ClassVar
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from specdec.config import SamplingParams
+from specdec.config import SamplingParams, StructuredOutputsParams
 from specdec.outputs import TokenLogprob
 from specdec.serve import request_fields
 
@@ -84,6 +84,13 @@ class SamplingFields(BaseModel):
     min_tokens: int = 0  # vLLM's
     allowed_token_ids: list[int] | None = None  # vLLM's
     bad_words: list[str] | None = None  # vLLM's
+    # structured output: OpenAI's response_format, vLLM's guided_* and structured_outputs (one of them)
+    response_format: dict | None = None
+    guided_json: dict | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+    structured_outputs: dict | None = None
 
     def refused(self) -> list[tuple[str, str]]:
         """(field, message) for each field sent that this server refuses (request_fields.py)."""
@@ -111,7 +118,33 @@ class SamplingFields(BaseModel):
             min_tokens=self.min_tokens,
             allowed_token_ids=None if self.allowed_token_ids is None else tuple(self.allowed_token_ids),
             bad_words=tuple(self.bad_words or ()),
+            structured_outputs=self._structured_outputs(),
         )
+
+    def _structured_outputs(self) -> StructuredOutputsParams | None:
+        """What the output must follow, from whichever field says it (a ValueError names a field
+        that says it wrongly, or two that both do)."""
+        given: dict[str, dict[str, Any]] = {
+            name: value
+            for name, value in (
+                ("response_format", _from_response_format(self.response_format)),
+                ("guided_json", None if self.guided_json is None else {"json": self.guided_json}),
+                ("guided_regex", None if self.guided_regex is None else {"regex": self.guided_regex}),
+                ("guided_choice", None if self.guided_choice is None else {"choice": self.guided_choice}),
+                ("guided_grammar", None if self.guided_grammar is None else {"grammar": self.guided_grammar}),
+                ("structured_outputs", _from_structured_outputs(self.structured_outputs)),
+            )
+            if value is not None
+        }
+        if len(given) > 1:
+            raise ValueError(f"{' and '.join(given)} both say what the output must follow; give one")
+        if not given:
+            return None
+        ((name, fields),) = given.items()
+        try:
+            return StructuredOutputsParams(**fields)
+        except ValueError as e:
+            raise ValueError(f"{name}: {e}") from None
 
     def _logit_bias(self) -> dict[int, float] | None:
         """logit_bias with its keys as token ids (a ValueError names a key that is none)."""
@@ -181,6 +214,38 @@ class ChatCompletionRequest(SamplingFields):
         if self.top_logprobs and not self.logprobs:
             raise APIError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
         return (self.top_logprobs or 0) if self.logprobs else None
+
+
+def _from_response_format(response_format: dict | None) -> dict[str, Any] | None:
+    """OpenAI's response_format as StructuredOutputsParams' fields (None: free text)."""
+    kind = None if response_format is None else response_format.get("type")
+    if kind in (None, "text"):
+        return None
+    if kind == "json_object":
+        return {"json_object": True}
+    if kind == "json_schema":
+        json_schema = response_format.get("json_schema")  # pyright: ignore[reportOptionalMemberAccess]
+        if not isinstance(json_schema, dict) or not isinstance(json_schema.get("schema"), dict):
+            raise ValueError(
+                'response_format of type json_schema needs {"json_schema": {"name": ..., "schema": {...}}}'
+            )
+        return {"json": json_schema["schema"]}
+    raise ValueError(f"response_format type {kind!r} is not supported; give text, json_object or json_schema")
+
+
+STRUCTURED_OUTPUTS_FIELDS = ("json", "regex", "choice", "grammar", "json_object", "disable_any_whitespace")
+
+
+def _from_structured_outputs(fields: dict | None) -> dict[str, Any] | None:
+    """vLLM's structured_outputs as StructuredOutputsParams' fields (None: none)."""
+    if not fields:
+        return None
+    unknown = sorted(name for name, value in fields.items() if name not in STRUCTURED_OUTPUTS_FIELDS and value)
+    if unknown:
+        raise ValueError(
+            f"structured_outputs fields {unknown} are not supported; give one of {', '.join(STRUCTURED_OUTPUTS_FIELDS)}"
+        )
+    return {name: value for name, value in fields.items() if name in STRUCTURED_OUTPUTS_FIELDS}
 
 
 def completion_logprobs(entries: list[TokenLogprob], token_text, offset: int = 0) -> dict:

@@ -52,10 +52,6 @@ def _unit(value) -> bool:
     return value is None or (type(value) in (int, float) and value == 1)
 
 
-def _text_format(value) -> bool:
-    return value is None or value == {"type": "text"}
-
-
 def _no_tool(value) -> bool:
     return value is None or value == "none"
 
@@ -64,7 +60,11 @@ def _text_only(value) -> bool:
     return value is None or value == ["text"]
 
 
-STRUCTURED = "structured output is not built yet; leave it out"
+STRUCTURED = (
+    "structured output takes response_format, guided_json, guided_regex, guided_choice, guided_grammar or "
+    "structured_outputs; leave it out"
+)
+STRUCTURED_BACKEND = "structured output runs on llguidance here; leave it out, or give 'guidance'"
 TOOLS = "tool calls are not built yet; describe the tools in the messages, or leave it out"
 
 # field -> which of its values change nothing, and what to do instead (on both endpoints)
@@ -77,7 +77,6 @@ REFUSED: dict[str, Refused] = {
     "tool_choice": Refused(_no_tool, TOOLS),
     "functions": Refused(_empty, TOOLS),
     "function_call": Refused(_no_tool, TOOLS),
-    "response_format": Refused(_text_format, STRUCTURED),
     "audio": Refused(_absent, "this server answers in text; leave it out"),
     "modalities": Refused(_text_only, "this server answers in text; leave it out or send ['text']"),
     "reasoning_effort": Refused(_absent),
@@ -94,14 +93,9 @@ REFUSED: dict[str, Refused] = {
     "prompt_logprobs": Refused(_empty),
     "logits_processors": Refused(_empty),
     # vLLM's structured output
-    "guided_json": Refused(_empty, STRUCTURED),
-    "guided_regex": Refused(_empty, STRUCTURED),
-    "guided_choice": Refused(_empty, STRUCTURED),
-    "guided_grammar": Refused(_empty, STRUCTURED),
-    "guided_decoding_backend": Refused(_empty, STRUCTURED),
+    "guided_decoding_backend": Refused(_one_of(None, "auto", "guidance", "llguidance"), STRUCTURED_BACKEND),
     "guided_whitespace_pattern": Refused(_empty, STRUCTURED),
     "structural_tag": Refused(_empty, STRUCTURED),
-    "structured_outputs": Refused(_empty, STRUCTURED),
     # vLLM's extra parameters: what the prompt is made of, and the answer's shape
     "continue_final_message": Refused(_one_of(None, False)),
     "documents": Refused(_empty),

@@ -18,6 +18,7 @@ the last, which is fed first in the next round's verify forward.
 from __future__ import annotations
 
 import collections.abc
+import dataclasses
 import time
 from dataclasses import dataclass, field
 
@@ -81,7 +82,7 @@ class SpeculativeRound:
         tokenizer: Tokenizer | None = None,
     ):
         self.target, self.drafter, self.tree, self.tree_width = target, drafter, tree, tree_width
-        self.processors = LogitsProcessors(eos_token_ids, tokenizer)
+        self.processors = LogitsProcessors(eos_token_ids, tokenizer, target.config.vocab_size)
         self.tree_nodes = tree_nodes
         self.return_hidden = drafter is not None and drafter.needs_target_hidden  # the target's features too
         self._sampling_key: tuple | None = None
@@ -157,6 +158,7 @@ class SpeculativeRound:
         draft, all_rows_drafted = self._propose(batch, ks, sampling)
         if draft.is_tree and self.tree_width is not None:
             draft = self.tree_width.cut(draft, batch)
+        draft = self._grammatical(draft, batch)
         t1 = time.perf_counter()
         if draft.is_tree:
             num_draft = draft.num_tokens  # [B]
@@ -220,6 +222,19 @@ class SpeculativeRound:
             return self.drafter.propose_tree(batch, self.tree_nodes, self.tree, ks, sampling)
         return self.drafter.propose(batch, ks, sampling)
 
+    def _grammatical(self, draft: Draft, batch: list[Sequence]) -> Draft:
+        """draft with each chain cut before the first token its request's grammar forbids (the
+        masked target would reject it: it only widens the verify). A tree is kept whole: a
+        forbidden node is rejected in it."""
+        rows = [row for row, seq in enumerate(batch) if seq.params.structured_outputs is not None]
+        if not rows or draft.is_tree:
+            return draft
+        num_tokens = draft.num_tokens.clone()  # [B]
+        for row in rows:
+            proposed = draft.token_ids[row, : int(num_tokens[row])].tolist()
+            num_tokens[row] = self.processors.num_allowed(batch[row], proposed)
+        return dataclasses.replace(draft, num_tokens=num_tokens)
+
     def _verify_inputs(
         self, batch: list[Sequence], draft: Draft
     ) -> tuple[torch.Tensor, torch.Tensor, TreeAttention | None]:
@@ -279,7 +294,8 @@ class SpeculativeRound:
         key = tuple(seq.request_id for seq in batch)
         if key != self._sampling_key or self._sampling is None:
             self._sampling_key = key
-            self._sampling = SamplingTensors.from_params([s.params for s in batch], self.target.device)
+            sampling = SamplingTensors.from_params([s.params for s in batch], self.target.device)
+            self._sampling = dataclasses.replace(sampling, processors=self.processors)
         return self._sampling
 
 
