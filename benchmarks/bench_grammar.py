@@ -30,7 +30,13 @@ SCHEMA = {
     },
     "required": ["name", "age", "email", "tags", "address"],
 }
-ANSWER = {"name": "Ann Lee", "age": 31, "email": "ann@example.com", "tags": ["a", "bb"], "address": {"city": "Paris", "zip": "75001"}}
+ANSWER = {
+    "name": "Ann Lee",
+    "age": 31,
+    "email": "ann@example.com",
+    "tags": ["a", "bb"],
+    "address": {"city": "Paris", "zip": "75001"},
+}
 
 
 def timed(f):
@@ -59,7 +65,9 @@ def xgrammar_row(tokenizer, vocab_size: int, eos: int, ids: list[int]) -> tuple 
     except ImportError:
         return None
     hf = PreTrainedTokenizerFast(tokenizer_object=tokenizer.backend)
-    info, build = timed(lambda: xgrammar.TokenizerInfo.from_huggingface(hf, vocab_size=vocab_size, stop_token_ids=[eos]))
+    info, build = timed(
+        lambda: xgrammar.TokenizerInfo.from_huggingface(hf, vocab_size=vocab_size, stop_token_ids=[eos])
+    )
     compiled, compile_ = timed(lambda: xgrammar.GrammarCompiler(info).compile_json_schema(json.dumps(SCHEMA)))
     matcher, bitmask = xgrammar.GrammarMatcher(compiled), xgrammar.allocate_token_bitmask(1, vocab_size)
     masks = []
@@ -71,7 +79,9 @@ def xgrammar_row(tokenizer, vocab_size: int, eos: int, ids: list[int]) -> tuple 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", default="qwen2.5-coder-1.5b-instruct", help="a registered name, directory or GGUF file")
+    parser.add_argument(
+        "--model", default="qwen2.5-coder-1.5b-instruct", help="a registered name, directory or GGUF file"
+    )
     args = parser.parse_args()
     encoder = PromptEncoder.load(args.model)
     tokenizer = encoder.need_tokenizer("the masks")

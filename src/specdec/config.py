@@ -151,8 +151,9 @@ class StructuredOutputsParams:
     (a dict, or its JSON text); json_object, any JSON object; regex, a regular expression;
     choice, one of these strings; grammar, a Lark or GBNF (llama.cpp's) grammar. Enforced by
     llguidance (grammar.py) at every position the target samples from, drafts included.
-    disable_any_whitespace: JSON without whitespace between its tokens (vLLM's; by default any
-    is allowed, which a weak model can fill with spaces until max_tokens)."""
+    disable_any_whitespace: JSON without whitespace between its tokens (vLLM's; by default up to
+    64 whitespace characters between two tokens: pretty-printing, not a run of spaces until
+    max_tokens, which a small model can fall into)."""
 
     json: dict | str | None = None
     regex: str | None = None

@@ -31,6 +31,10 @@ from specdec.config import StructuredOutputsParams
 from specdec.models.tokenizer import Tokenizer
 
 ANY_JSON_OBJECT = {"type": "object"}
+# JSON's whitespace between tokens: as much as pretty-printing takes (a newline and an indent), not
+# without end. llguidance's default is any amount, which a small model can fill with spaces until
+# max_tokens (seen with Qwen2.5-Coder-1.5B: benchmarks/bench_structured.py)
+JSON_WHITESPACE = r"[\x20\x0A\x0D\x09]{0,64}"
 
 
 def grammar_text(params: StructuredOutputsParams) -> str:
@@ -42,7 +46,9 @@ def grammar_text(params: StructuredOutputsParams) -> str:
         try:
             return llguidance.LLMatcher.grammar_from_json_schema(
                 schema,  # pyright: ignore[reportArgumentType]
-                defaults={"whitespace_flexible": not params.disable_any_whitespace},
+                defaults={"whitespace_flexible": False}
+                if params.disable_any_whitespace
+                else {"whitespace_flexible": True, "whitespace_pattern": JSON_WHITESPACE},
             )
         except ValueError as e:
             raise ValueError(f"structured output's json is not a JSON schema: {e}") from None
