@@ -150,7 +150,7 @@ class StructuredOutputsParams:
     """What the output must follow, in vLLM's names (exactly one of them): json, a JSON schema
     (a dict, or its JSON text); json_object, any JSON object; regex, a regular expression;
     choice, one of these strings; grammar, a Lark or GBNF (llama.cpp's) grammar. Enforced by
-    llguidance (grammar.py) at every position the target samples from, drafts included.
+    llguidance (spec/grammar.py) at every position the target samples from, drafts included.
     disable_any_whitespace: JSON without whitespace between its tokens (vLLM's; by default up to
     64 whitespace characters between two tokens: pretty-printing, not a run of spaces until
     max_tokens, which a small model can fall into)."""
@@ -220,7 +220,7 @@ class SamplingParams:
         vLLM's): None = the engine's k; 0 = no speculation for it; above the engine's k, the
         engine's k. Requests with different values share a batch. With a tree shape, a
         request drafts the engine's whole tree or (0) nothing. Never changes the output.
-    The logits processors (processors.py has the formulas), applied to the target's logits at
+    The logits processors (spec/processors.py has the formulas), applied to the target's logits at
     every position it samples from, with the tokens drafted before that position counted as
     generated, so that speculation never changes the output:
     presence_penalty, frequency_penalty: OpenAI's, in [-2, 2]: a token's logit less
@@ -389,7 +389,7 @@ class SamplingParams:
 
     @property
     def processed(self) -> bool:
-        """Whether a logits processor changes the target's logits (processors.py)."""
+        """Whether a logits processor changes the target's logits (spec/processors.py)."""
         return bool(
             self.presence_penalty
             or self.frequency_penalty

@@ -11,9 +11,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from specdec import grammar
 from specdec.config import SamplingParams, check
 from specdec.models.tokenizer import Tokenizer
+from specdec.spec import grammar
 
 
 class PromptEncoder:

@@ -1,6 +1,6 @@
 """Logits -> warped probabilities, and sampling with per-request generators.
 
-The target's logits come here after the request's logits processors (processors.py: penalties,
+The target's logits come here after the request's logits processors (spec/processors.py: penalties,
 logit_bias, min_tokens). Warping, in this order (the order of transformers' logits warpers):
   1. temperature: logits / T (T = 0 means greedy: the result is a point mass on the argmax)
   2. top_k: keep the tokens at least as likely as the k-th most likely (ties at the boundary

@@ -29,8 +29,8 @@ from transformers import (
 
 from helpers import load_hf, save_tree_models
 from specdec import LLM, SamplingParams
-from specdec.processors import LogitsProcessors
 from specdec.sequence import Sequence
+from specdec.spec.processors import LogitsProcessors
 from specdec.tree import ROOT, branches
 
 EOS = 1

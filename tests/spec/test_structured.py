@@ -17,7 +17,7 @@ import torch
 
 from helpers import load_hf, save_tree_models
 from specdec import LLM, SamplingParams, StructuredOutputsParams
-from specdec.grammar import grammar_text
+from specdec.spec.grammar import grammar_text
 from specdec.tools.benchmark.chi_square import chi_square_p_value
 
 SCHEMA = {

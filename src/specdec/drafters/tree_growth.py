@@ -18,7 +18,7 @@ per round than the plain softmax's (docs/runner.md, "Draft trees"). Growth, for 
   finish    the N likeliest candidates form the tree (a parent always scores at least its
             child and comes first among equals, so every chosen node's parent is chosen)
 A row's nodes never run deeper than its max_depth (the engine's: what it can still emit). A
-request's logits processors (penalties, a grammar: processors.py) process the drafter's logits
+request's logits processors (penalties, a grammar: spec/processors.py) process the drafter's logits
 after each node as the target's are after it, so that no child is one the target cannot take.
 
 The drafter feeds the expanded nodes in order into its own cache, from a position it chooses

@@ -27,9 +27,9 @@ import torch
 from specdec.drafters.base import Draft, Drafter
 from specdec.kv_cache import TreeAttention
 from specdec.models.tokenizer import Tokenizer
-from specdec.processors import LogitsProcessors
 from specdec.sampling import SamplingTensors, sample, token_logprobs, warp
 from specdec.sequence import Sequence
+from specdec.spec.processors import LogitsProcessors
 from specdec.spec.tree_width import TreeWidth
 from specdec.spec.verify import greedy_tree_verify, greedy_verify, rejection_sample, tree_rejection_sample
 from specdec.tree import TreeShape, branches

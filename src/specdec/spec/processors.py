@@ -33,9 +33,9 @@ from __future__ import annotations
 
 import torch
 
-from specdec.grammar import GrammarState
 from specdec.models.tokenizer import Tokenizer
 from specdec.sequence import Sequence
+from specdec.spec.grammar import GrammarState
 
 
 class LogitsProcessors:
