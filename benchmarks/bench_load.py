@@ -64,7 +64,9 @@ MALFORMED = [  # (a body that is not a valid request, as bytes or as JSON)
     {"prompt": "def add(a, b):", "n": 3},
     {"max_tokens": 4},
     {"prompt": {"text": "a prompt in the wrong shape"}},
-    {"prompt": "def add(a, b):", "presence_penalty": 0.5},
+    {"prompt": "def add(a, b):", "presence_penalty": 2.5},
+    {"prompt": "def add(a, b):", "guided_json": {"type": "objekt"}},
+    {"prompt": "def add(a, b):", "temprature": 0.5},
 ]
 UNKNOWN_MODEL = "gpt-unknown"
 HEALTH_INTERVAL = 0.1  # seconds between /health probes
