@@ -229,8 +229,9 @@ class SamplingParams:
     repetition_penalty: vLLM's and transformers' (> 0; 1 = none): a token of the prompt or the
         output has its logit divided by it where positive, multiplied where negative.
     logit_bias: {token id: bias in [-100, 100]} added to those tokens' logits (OpenAI's).
-    min_tokens: no EOS or stop token before this many tokens are generated (vLLM's; at most
-        max_tokens; not together with stop strings, which are not built to wait for it).
+    min_tokens: no EOS, stop token or stop string before this many tokens are generated (vLLM's:
+        a stop string counts where it ends in the text of the min_tokens-th token or a later one;
+        at most max_tokens).
     allowed_token_ids: only these tokens may be generated (vLLM's; None: all).
     bad_words: words never generated (vLLM's): each word's tokens, with and without a space
         before it, are never completed in the output (needs the tokenizer).
@@ -376,11 +377,6 @@ class SamplingParams:
             self.structured_outputs is None or isinstance(self.structured_outputs, StructuredOutputsParams),
             "{structured_outputs} must be a StructuredOutputsParams, got {got!r}",
             got=self.structured_outputs,
-        )
-        need(
-            not (self.min_tokens and self.stop),
-            "{min_tokens} together with stop strings is not built (a stop string is not held back until "
-            "min_tokens); give stop_token_ids instead, or leave one out",
         )
 
     @property

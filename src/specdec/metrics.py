@@ -35,17 +35,26 @@ class SpecStats:
     num_accepted_tokens: int = 0
     num_emitted_tokens: int = 0
     num_target_forwards: int = 0
+    num_forced_tokens: int = 0  # emitted where a grammar forced them (jump-forward), not drafted
     proposed_by_position: list[int] = field(default_factory=list)
     accepted_by_position: list[int] = field(default_factory=list)
     rounds_by_k: list[int] = field(default_factory=list)
     seconds: float = 0.0  # wall time from the start of generate() to this request's end
 
     def record_round(
-        self, num_proposed: int, num_accepted: int, num_emitted: int, k: int | None = None, depth: int | None = None
+        self,
+        num_proposed: int,
+        num_accepted: int,
+        num_emitted: int,
+        k: int | None = None,
+        depth: int | None = None,
+        num_forced: int = 0,
     ) -> None:
         """One target forward's outcome; k: the round's k for this request (None: the prefill);
-        depth: a tree draft's depth (None: a chain, as deep as it is long)."""
+        depth: a tree draft's depth (None: a chain, as deep as it is long); num_forced: tokens a
+        grammar forced ahead of the drafter's (not counted as its proposals)."""
         self.num_target_forwards += 1
+        self.num_forced_tokens += num_forced
         if k is not None:
             _grow(self.rounds_by_k, k + 1)
             self.rounds_by_k[k] += 1
@@ -95,6 +104,7 @@ class SpecStats:
             total.num_accepted_tokens += s.num_accepted_tokens
             total.num_emitted_tokens += s.num_emitted_tokens
             total.num_target_forwards += s.num_target_forwards
+            total.num_forced_tokens += s.num_forced_tokens
             for mine, theirs in (
                 (total.proposed_by_position, s.proposed_by_position),
                 (total.accepted_by_position, s.accepted_by_position),

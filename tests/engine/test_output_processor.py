@@ -96,3 +96,34 @@ def test_streamed_text_joins_into_the_final_text_and_never_shows_a_stop_string(t
     cut = min((full.index(s) for s in stops if s in full), default=len(full))
     assert "".join(deltas) == seq.text == full[:cut]
     assert seq.finish_reason == ("stop" if cut < len(full) else "length")
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_with_min_tokens_a_stop_string_counts_where_it_ends_in_a_later_token(tokenizer, seed):
+    """vLLM's rule, computed here from the `tokenizers` library's decoding of each prefix: no stop
+    is checked before min_tokens; from the min_tokens-th token on, a stop string counts where it
+    ends in that token's text or a later one's (one that ended before does not). The tokens are
+    appended in random runs, and the final text is cut before the stop that counted."""
+    rng = random.Random(seed)
+    raw = make_tokenizer(320)
+    output = raw.encode(TEXT * 3, add_special_tokens=False).ids
+    stop = rng.choice(["add", "(a", "pass", "return"])
+    min_tokens = rng.randint(2, len(output) // 2)
+    held = len(raw.decode(output[: min_tokens - 1]))
+    want_length, want_text = len(output), raw.decode(output)
+    for n in range(min_tokens, len(output) + 1):
+        text = raw.decode(output[:n])
+        at = text.find(stop, max(0, held - len(stop) + 1))
+        if at >= 0:
+            want_length, want_text = n, text[:at]
+            break
+    processor = OutputProcessor(tokenizer, eos_token_ids=(EOS,))
+    seq = sequence(SamplingParams(max_tokens=len(output), stop=stop, min_tokens=min_tokens), prompt=[])
+    position = 0
+    while not seq.finished and position < len(output):
+        run = output[position : position + rng.randint(1, 5)]
+        position += processor.append(seq, run, num_from_draft=0)
+    finish(processor, seq)
+    assert len(seq.output_token_ids) == want_length
+    assert seq.text == want_text
+    assert TEXT.count(stop) > 0 and held > 0

@@ -103,6 +103,25 @@ def test_greedy_equals_the_masked_target_step_by_step(models, drafter):
             jsonschema.validate(json.loads(got.outputs[0].text), SCHEMA)
 
 
+@pytest.mark.parametrize("drafter", ["lookup", "chain", "alone"])
+def test_tokens_the_grammar_forces_lead_the_drafts_and_the_output_is_the_same(models, drafter):
+    """Jump-forward: the literal runs of a regex (what the grammar forces) are verified ahead of
+    the drafter's tokens, counted apart from them; greedy output still the masked target's. The
+    target alone keeps no room for drafts, so it has none."""
+    params = StructuredOutputsParams(regex=r"order=[0-9]{3}; status=(shipped|pending); note=[a-z]{4}\.")
+    llm = make_llm(models, drafter)
+    (eos,) = llm.target.eos_token_ids
+    prompt = [50, 51, 52, 53]
+    got = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=60, structured_outputs=params))[0]
+    assert got.outputs[0].token_ids == reference_greedy(models, prompt, params, eos, 60)
+    if drafter == "alone":
+        assert got.metrics.num_forced_tokens == 0
+    else:
+        assert got.metrics.num_forced_tokens >= 5, got.metrics
+        # the drafter's own proposals are counted apart: never more accepted than proposed
+        assert got.metrics.num_accepted_tokens <= got.metrics.num_draft_tokens
+
+
 def test_answers_follow_their_grammars_in_a_batch_with_free_text(models):
     """Rows with different grammars and one without, batched, sampled: every constrained answer
     is one its grammar allows; the free row is free (it writes what no grammar here allows)."""

@@ -307,8 +307,9 @@ class Engine:
         for row, seq in enumerate(batch):
             if not result.tokens[row]:  # a prefill under way
                 continue
+            forced = result.num_forced[row] if result.num_forced else 0
             emitted = self.output.append(
-                seq, result.tokens[row], num_from_draft=result.num_accepted[row], logprobs=result.logprobs[row]
+                seq, result.tokens[row], forced + result.num_accepted[row], logprobs=result.logprobs[row]
             )
             for stats in (seq.stats, self.stats):
                 stats.record_round(
@@ -317,6 +318,7 @@ class Engine:
                     emitted,
                     k=result.ks[row],
                     depth=result.tree_depths[row],
+                    num_forced=forced,
                 )
         for part, seconds in result.seconds.items():
             self.timings[part] += seconds

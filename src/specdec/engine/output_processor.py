@@ -1,7 +1,10 @@
 """The output processor: what the engine's tokens become for the caller.
 
   append      a round's tokens, one by one, onto a sequence, stopping at EOS, a stop token, a
-              stop string or max_tokens even inside an accepted run: nothing after a stop is kept
+              stop string or max_tokens even inside an accepted run: nothing after a stop is kept.
+              With min_tokens, a stop string counts only where it ends in the text of the
+              min_tokens-th token or a later one (vLLM's: no stop is checked before min_tokens;
+              EOS and stop tokens are masked until then: spec/processors.py)
   final_text  the output's text, cut before the first stop string
   new_output  what is new since the request's last RequestOutput (outputs.py): its tokens, and
               for a request streaming text, the text that more tokens can no longer change
@@ -35,7 +38,7 @@ class OutputProcessor:
                 seq.output_logprobs.append(logprobs[count - 1])
             if (token in self.eos_token_ids and not params.ignore_eos) or token in params.stop_token_ids:
                 seq.finish_reason = "stop"
-            elif params.stop and _stop_string_index(self._tail_text(seq), params.stop) is not None:
+            elif params.stop and self._stop_string_ends_now(seq):
                 seq.finish_reason = "stop"
             elif seq.remaining_tokens <= 0:
                 seq.finish_reason = "length"
@@ -67,10 +70,27 @@ class OutputProcessor:
         )
 
     def final_text(self, seq: Sequence) -> str:
-        """The decoded output, cut before the first stop string."""
+        """The decoded output, cut before the first stop string that counts (min_tokens)."""
         text = self._output_text(seq)
-        cut = _stop_string_index(text, seq.params.stop)
+        cut = _stop_string_index(text, seq.params.stop, self._held_chars(seq))
         return text if cut is None else text[:cut]
+
+    def _stop_string_ends_now(self, seq: Sequence) -> bool:
+        """Whether a stop string that counts ends in the output's text (checked after each token:
+        one that ended earlier would have stopped it, unless min_tokens held it)."""
+        min_tokens, stops = seq.params.min_tokens, seq.params.stop
+        if len(seq.output_token_ids) < min_tokens:
+            return False
+        window = 4 * max(len(stop) for stop in stops) + 1
+        if min_tokens and len(seq.output_token_ids) - window < min_tokens - 1:  # the tail reaches back before it
+            return _stop_string_index(self._output_text(seq), stops, self._held_chars(seq)) is not None
+        return _stop_string_index(self._tail_text(seq), stops) is not None
+
+    def _held_chars(self, seq: Sequence) -> int:
+        """The length of the text before the min_tokens-th token's: no stop string ends in it."""
+        if seq.params.min_tokens <= 1 or self.tokenizer is None:
+            return 0
+        return len(self.tokenizer.decode_after(seq.prompt_token_ids, seq.output_token_ids[: seq.params.min_tokens - 1]))
 
     def _tail_text(self, seq: Sequence) -> str:
         """The text of the output's last tokens, enough to hold any stop string that the last one
@@ -98,7 +118,7 @@ def _settled_text(text: str, stops: tuple[str, ...]) -> str:
     return text[: len(text) - hold]
 
 
-def _stop_string_index(text: str, stops: tuple[str, ...]) -> int | None:
-    """Where the first of the stop strings starts in text, or None."""
-    found = [i for i in (text.find(stop) for stop in stops) if i >= 0]
+def _stop_string_index(text: str, stops: tuple[str, ...], min_end: int = 0) -> int | None:
+    """Where the first of the stop strings that end past min_end characters starts in text, or None."""
+    found = [i for i in (text.find(stop, max(0, min_end - len(stop) + 1)) for stop in stops) if i >= 0]
     return min(found) if found else None

@@ -108,6 +108,10 @@ class GrammarState:
             self.matcher.consume_tokens(new)
             self.fed.extend(new)
 
+    def forced(self) -> list[int]:
+        """The tokens the grammar forces next (its fast-forward tokens; none once it is complete)."""
+        return [] if self.matcher.is_stopped() else list(self.matcher.compute_ff_tokens())
+
     def valid_prefix(self, tokens: list[int]) -> int:
         """How many of tokens, after the output, the grammar allows in a row."""
         return self.matcher.validate_tokens(tokens) if tokens else 0

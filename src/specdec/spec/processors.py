@@ -135,6 +135,13 @@ class LogitsProcessors:
         processed = self(logits[:, None], batch, drafts, on_branch)[:, 0]  # [B, V]
         return processed if scored_ids is None else processed[:, scored_ids]
 
+    def forced_tokens(self, seq: Sequence) -> list[int]:
+        """The tokens seq's grammar forces next, after its output (none where it has none)."""
+        if seq.grammar is None:
+            return []
+        seq.grammar.follow(seq.output_token_ids)
+        return seq.grammar.forced()
+
     def num_allowed(self, seq: Sequence, tokens: list[int]) -> int:
         """How many of tokens, drafted after seq's output, its request's grammar allows in a row
         (all where it has none, or has not sampled yet)."""

@@ -41,8 +41,10 @@ class RoundResult:
     """What a round (or a prefill) gives each row of its batch.
 
     tokens[i]         row i's new tokens: its accepted drafts, then one recovered or bonus token
-    num_proposed[i]   draft tokens row i proposed (0 in a prefill or a plain round)
+    num_proposed[i]   draft tokens row i's drafter proposed (0 in a prefill or a plain round)
     num_accepted[i]   of those, accepted
+    num_forced[i]     tokens row i's grammar forced ahead of them, accepted (jump-forward:
+                      _jump_forward); its tokens begin with these, then the accepted drafts
     ks[i]             the k row i was given (None: a prefill)
     tree_depths[i]    the depth of row i's tree (None for a chain)
     logprobs[i]       a TokenLogprob per new token where the request asks for logprobs, else None
@@ -60,6 +62,7 @@ class RoundResult:
     logprobs: list[list | None]
     verify_tokens: int = 1
     all_rows_drafted: bool = False
+    num_forced: list[int] = field(default_factory=list)
     seconds: dict[str, float] = field(default_factory=dict)
 
 
@@ -159,11 +162,12 @@ class SpeculativeRound:
         if draft.is_tree and self.tree_width is not None:
             draft = self.tree_width.cut(draft, batch)
         draft = self._grammatical(draft, batch)
+        draft, verify_ks, forced = self._jump_forward(draft, batch, ks)
         t1 = time.perf_counter()
         if draft.is_tree:
             num_draft = draft.num_tokens  # [B]
         else:  # each row cut to its k; the verify forward as wide as the longest proposal (0: a plain step)
-            num_draft = torch.minimum(draft.num_tokens, torch.tensor(ks, device=draft.num_tokens.device))  # [B]
+            num_draft = torch.minimum(draft.num_tokens, torch.tensor(verify_ks, device=draft.num_tokens.device))  # [B]
             draft = draft.narrowed(int(num_draft.max()))
         input_ids, positions, tree = self._verify_inputs(batch, draft)  # [B, k+1] each, and a tree's layout
         slots = [s.slot for s in batch]
@@ -191,15 +195,17 @@ class SpeculativeRound:
         tokens = [output[row, : n + 1].tolist() for row, n in enumerate(num_accepted_list)]
         depths = _tree_depths(positions, num_draft).tolist() if draft.is_tree else [None] * len(batch)
         logprobs = _logprobs(batch, target_logits, output, num_accepted + 1, path)
+        forced_accepted = [min(f, n) for f, n in zip(forced, num_accepted_list)]
         return RoundResult(
             tokens,
-            num_draft.tolist(),
-            num_accepted_list,
+            [n - f for n, f in zip(num_draft.tolist(), forced)],
+            [n - f for n, f in zip(num_accepted_list, forced_accepted)],
             ks,
             depths,
             logprobs,
             verify_tokens=input_ids.shape[1],
             all_rows_drafted=all_rows_drafted,
+            num_forced=forced_accepted,
             seconds={"draft": t1 - t0, "target": t2 - t1, "sampling": t3 - t2, "bookkeeping": time.perf_counter() - t3},
         )
 
@@ -234,6 +240,42 @@ class SpeculativeRound:
             proposed = draft.token_ids[row, : int(num_tokens[row])].tolist()
             num_tokens[row] = self.processors.num_allowed(batch[row], proposed)
         return dataclasses.replace(draft, num_tokens=num_tokens)
+
+    def _jump_forward(self, draft: Draft, batch: list[Sequence], ks: list[int]) -> tuple[Draft, list[int], list[int]]:
+        """Where a row's grammar forces its next tokens (the bytes it allows next are fixed:
+        llguidance's fast-forward tokens, in the tokenizer's own tokenization), they lead the row's
+        chain: as drafts they are verified, so the output stays the masked target's own (it takes
+        another tokenization of the same bytes where it prefers one), and a forced run costs no
+        drafter step. A drafter's chain that begins with them is kept, any other replaced; at most
+        the engine's k of them (the cache's room past a sequence) and what the row may still emit
+        less one. Returns the draft, ks raised to cover them, and each row's forced count."""
+        forced = [0] * len(batch)
+        if draft.is_tree or self.tree_nodes == 0:  # trees, and an engine without drafts (no room kept)
+            return draft, ks, forced
+        runs = {
+            row: run[: min(self.tree_nodes, seq.remaining_tokens - 1)]
+            for row, seq in enumerate(batch)
+            if seq.grammar is not None and (run := self.processors.forced_tokens(seq))
+        }
+        runs = {row: run for row, run in runs.items() if run}
+        if not runs:
+            return draft, ks, forced
+        width = max(draft.token_ids.shape[1], *(len(run) for run in runs.values()))
+        pad = width - draft.token_ids.shape[1]
+        token_ids = torch.nn.functional.pad(draft.token_ids, (0, pad))  # [B, width]
+        probs = (
+            torch.nn.functional.pad(draft.probs, (0, 0, 0, pad)) if draft.probs is not None else None
+        )  # [B, width, V]
+        num_tokens, ks = draft.num_tokens.clone(), list(ks)
+        for row, run in runs.items():
+            if token_ids[row, : int(num_tokens[row])].tolist()[: len(run)] != run:
+                token_ids[row, : len(run)] = torch.tensor(run, device=token_ids.device)
+                num_tokens[row] = len(run)
+                if probs is not None:  # point masses: what the forced tokens are drawn from
+                    probs[row, : len(run)] = torch.nn.functional.one_hot(token_ids[row, : len(run)], probs.shape[-1])
+            ks[row] = max(ks[row], int(num_tokens[row]))
+            forced[row] = len(run)
+        return Draft(token_ids, num_tokens, probs), ks, forced
 
     def _verify_inputs(
         self, batch: list[Sequence], draft: Draft
