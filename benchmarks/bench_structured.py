@@ -122,9 +122,10 @@ def prompts(count: int, max_chars: int = 900) -> list[tuple[str, list[dict], dic
     return chosen
 
 
-def run(llm: LLM, work, max_tokens: int) -> tuple[list[list[int]], list[str], float, int, list]:
-    """Each prompt answered alone, in turn: (token ids, texts, seconds, tokens, finish reasons)."""
-    ids, texts, seconds, reasons = [], [], 0.0, []
+def run(llm: LLM, work, max_tokens: int) -> tuple[list[list[int]], list[str], float, int, list, int]:
+    """Each prompt answered alone, in turn: (token ids, texts, seconds, tokens, finish reasons,
+    tokens the grammar forced: jump-forward)."""
+    ids, texts, seconds, reasons, forced = [], [], 0.0, [], 0
     for _, messages, schema in work:
         params = SamplingParams(
             temperature=0, max_tokens=max_tokens, structured_outputs=StructuredOutputsParams(json=schema)
@@ -135,7 +136,8 @@ def run(llm: LLM, work, max_tokens: int) -> tuple[list[list[int]], list[str], fl
         ids.append(output.outputs[0].token_ids)
         texts.append(output.outputs[0].text)
         reasons.append(output.outputs[0].finish_reason)
-    return ids, texts, seconds, sum(len(i) for i in ids), reasons
+        forced += output.metrics.num_forced_tokens
+    return ids, texts, seconds, sum(len(i) for i in ids), reasons, forced
 
 
 def valid(text: str, schema: dict) -> bool:
@@ -160,18 +162,20 @@ def main() -> None:
         run(llm, work[:1], 16)  # warm: packs weights, calibrates
         results[method] = run(llm, work, args.max_tokens)
         del llm
-    base_ids, _, base_seconds, base_tokens, _ = results[args.systems.split(",")[0]]
+    base_ids, _, base_seconds, base_tokens, _, _ = results[args.systems.split(",")[0]]
     print(f"{args.model}, {len(work)} prompts, greedy, one after another\n")
-    print("| system | tok/s | x first | answers valid | ended by the grammar | equal to first |")
-    print("|---|---:|---:|---:|---:|---:|")
-    for method, (ids, texts, seconds, tokens, reasons) in results.items():
+    print("| system | tok/s | x first | answers valid | ended by the grammar | equal to first | forced tokens |")
+    print("|---|---:|---:|---:|---:|---:|---:|")
+    for method, (ids, texts, seconds, tokens, reasons, forced) in results.items():
         ok = sum(valid(text, schema) for text, (_, _, schema) in zip(texts, work))
         equal = sum(a == b for a, b in zip(ids, base_ids))
         rate = tokens / seconds
         stopped = sum(reason == "stop" for reason in reasons)
         speedup = rate / (base_tokens / base_seconds)
         n = len(work)
-        print(f"| {method} | {rate:.1f} | {speedup:.2f}x | {ok}/{n} | {stopped}/{n} | {equal}/{n} |")
+        print(
+            f"| {method} | {rate:.1f} | {speedup:.2f}x | {ok}/{n} | {stopped}/{n} | {equal}/{n} | {forced}/{tokens} |"
+        )
     last = results[args.systems.split(",")[-1]]
     for (name, _, schema), text, reason in zip(work, last[1], last[4]):
         if not valid(text, schema):
