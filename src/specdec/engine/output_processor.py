@@ -81,8 +81,9 @@ class OutputProcessor:
         min_tokens, stops = seq.params.min_tokens, seq.params.stop
         if len(seq.output_token_ids) < min_tokens:
             return False
-        window = 4 * max(len(stop) for stop in stops) + 1
-        if min_tokens and len(seq.output_token_ids) - window < min_tokens - 1:  # the tail reaches back before it
+        if (
+            min_tokens and len(seq.output_token_ids) - _stop_window(stops) < min_tokens - 1
+        ):  # the tail reaches back before it
             return _stop_string_index(self._output_text(seq), stops, self._held_chars(seq)) is not None
         return _stop_string_index(self._tail_text(seq), stops) is not None
 
@@ -97,7 +98,7 @@ class OutputProcessor:
         completed (an earlier one would have stopped the output before): a character takes at most
         4 bytes, and every token at least one, so 4 x the longest stop string + 1 tokens. Checking
         stop strings in this tail, not the whole output, keeps the check per token constant."""
-        window = 4 * max(len(stop) for stop in seq.params.stop) + 1
+        window = _stop_window(seq.params.stop)
         if len(seq.output_token_ids) <= window or self.tokenizer is None:
             return self._output_text(seq)
         before = seq.output_token_ids[-window - DECODE_CONTEXT_TOKENS : -window]  # what the tail reads after
@@ -108,6 +109,11 @@ class OutputProcessor:
         if self.tokenizer is None:
             return ""
         return self.tokenizer.decode_after(seq.prompt_token_ids, seq.output_token_ids)
+
+
+def _stop_window(stops: tuple[str, ...]) -> int:
+    """The output's last tokens that hold any stop string the last one completed (_tail_text)."""
+    return 4 * max(len(stop) for stop in stops) + 1
 
 
 def _settled_text(text: str, stops: tuple[str, ...]) -> str:

@@ -35,9 +35,7 @@ class Refused:
 
 def _one_of(*values) -> Callable[[object], bool]:
     """Neutral when the value is one of values (a bool is never taken for 0 or 1)."""
-    return lambda value: (
-        any(type(value) is type(v) and value == v for v in values) or (value is None and None in values)
-    )
+    return lambda value: any(type(value) is type(v) and value == v for v in values)
 
 
 def _absent(value) -> bool:

@@ -63,7 +63,7 @@ class LogitsProcessors:
         rows = [row for row, seq in enumerate(batch) if seq.params.processed]
         if not rows:
             return logits
-        processed = logits.float().clone() if logits.dtype == torch.float32 else logits.float()
+        processed = logits.to(torch.float32, copy=True)
         for row in rows:
             row_drafts = drafts[row] if drafts is not None else None
             row_branch = on_branch[row] if on_branch is not None else None
@@ -79,16 +79,15 @@ class LogitsProcessors:
         if drafts is None or on_branch is None:
             drafts = torch.zeros(0, dtype=torch.long, device=z.device)  # [D = 0]
             on_branch = torch.zeros(T, 0, dtype=torch.bool, device=z.device)
+        paths = _paths(drafts, on_branch) if params.structured_outputs is not None or params.bad_words else []
         if params.structured_outputs is not None:
-            z = z.masked_fill(
-                ~self._grammar(seq, V).masks(self._paths(seq, drafts, on_branch), z.device), float("-inf")
-            )
+            z = z.masked_fill(~self._grammar(seq, V).masks(paths, z.device), float("-inf"))
         if params.allowed_token_ids is not None:
             allowed = torch.zeros(V, dtype=torch.bool, device=z.device)
             allowed[torch.tensor(params.allowed_token_ids, dtype=torch.long, device=z.device)] = True
             z = z.masked_fill(~allowed, float("-inf"))
         if params.bad_words:
-            z = self._ban_bad_words(z, seq, drafts, on_branch)
+            z = self._ban_bad_words(z, seq, paths)
         if params.logit_bias:
             tokens = torch.tensor(list(params.logit_bias), dtype=torch.long, device=z.device)  # [n]
             z[:, tokens] += torch.tensor(list(params.logit_bias.values()), dtype=z.dtype, device=z.device)
@@ -137,41 +136,29 @@ class LogitsProcessors:
 
     def forced_tokens(self, seq: Sequence) -> list[int]:
         """The tokens seq's grammar forces next, after its output (none where it has none)."""
-        if seq.grammar is None:
-            return []
-        seq.grammar.follow(seq.output_token_ids)
-        return seq.grammar.forced()
+        state = _followed(seq)
+        return [] if state is None else state.forced()
 
     def num_allowed(self, seq: Sequence, tokens: list[int]) -> int:
         """How many of tokens, drafted after seq's output, its request's grammar allows in a row
         (all where it has none, or has not sampled yet)."""
-        if seq.grammar is None:
-            return len(tokens)
-        seq.grammar.follow(seq.output_token_ids)
-        return seq.grammar.valid_prefix(tokens)
+        state = _followed(seq)
+        return len(tokens) if state is None else state.valid_prefix(tokens)
 
     def _grammar(self, seq: Sequence, vocab_size: int) -> GrammarState:
         """seq's grammar state, made at its first use, fed its output so far."""
         if seq.grammar is None:
             assert self.tokenizer is not None and seq.params.structured_outputs is not None  # prompts.py checks
             seq.grammar = GrammarState(seq.params.structured_outputs, self.tokenizer, vocab_size, self.eos_token_ids)
-        seq.grammar.follow(seq.output_token_ids)
-        return seq.grammar
+        state = _followed(seq)
+        assert state is not None  # made above
+        return state
 
-    @staticmethod
-    def _paths(seq: Sequence, drafts: torch.Tensor, on_branch: torch.Tensor) -> list[list[int]]:
-        """Each position's drafts on its branch, in order (a branch's drafts are in column order)."""
-        draft_list = drafts.tolist()
-        return [[draft_list[s] for s in row.nonzero().flatten().tolist()] for row in on_branch]
-
-    def _ban_bad_words(
-        self, z: torch.Tensor, seq: Sequence, drafts: torch.Tensor, on_branch: torch.Tensor
-    ) -> torch.Tensor:
+    def _ban_bad_words(self, z: torch.Tensor, seq: Sequence, paths: list[list[int]]) -> torch.Tensor:
         """z [T, V] with each bad word's last token banned at the positions whose context's output
-        ends with the word's other tokens."""
-        output, draft_list = seq.output_token_ids, drafts.tolist()
-        for t in range(z.shape[0]):
-            context = output + [draft_list[s] for s in on_branch[t].nonzero().flatten().tolist()]
+        (the output, then the position's path) ends with the word's other tokens."""
+        for t, path in enumerate(paths):
+            context = seq.output_token_ids + path
             for word in self._bad_words_ids(seq.params.bad_words):
                 *head, last = word
                 if not head or context[len(context) - len(head) :] == head:
@@ -202,3 +189,17 @@ class LogitsProcessors:
         """The tokens min_tokens holds back: the request's stop tokens, and EOS unless it ignores EOS."""
         eos = () if seq.params.ignore_eos else self.eos_token_ids
         return torch.tensor(sorted(set(eos) | set(seq.params.stop_token_ids)), dtype=torch.long, device=device)
+
+
+def _followed(seq: Sequence) -> GrammarState | None:
+    """seq's grammar state brought to its output (None: it has none yet)."""
+    if seq.grammar is not None:
+        seq.grammar.follow(seq.output_token_ids)
+    return seq.grammar
+
+
+def _paths(drafts: torch.Tensor, on_branch: torch.Tensor) -> list[list[int]]:
+    """Each position's drafts on its branch (drafts [D], on_branch [T, D]), in column order: a
+    branch's ancestors come before it."""
+    draft_list = drafts.tolist()
+    return [[draft_list[s] for s in row.nonzero().flatten().tolist()] for row in on_branch]
