@@ -61,7 +61,7 @@ MALFORMED = [  # (a body that is not a valid request, as bytes or as JSON)
     b"\xff\xfe not JSON at all",
     {"prompt": "def add(a, b):", "max_tokens": -3},
     {"prompt": "def add(a, b):", "temperature": -1},
-    {"prompt": "def add(a, b):", "n": 3},
+    {"prompt": "def add(a, b):", "n": 0},
     {"max_tokens": 4},
     {"prompt": {"text": "a prompt in the wrong shape"}},
     {"prompt": "def add(a, b):", "presence_penalty": 2.5},

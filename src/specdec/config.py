@@ -18,6 +18,7 @@ from specdec.tree import TreeShape
 GREEDY_TEMPERATURE = 1e-5  # temperatures below this sample greedily
 INT64_MIN, INT64_MAX, UINT64_MAX = -(2**63), 2**63 - 1, 2**64 - 1
 MAX_LOGPROBS = 20  # the most top tokens a request's logprobs may ask for, as vLLM's default max_logprobs
+MAX_N = 128  # the most completions one request may ask for (n), as OpenAI caps it
 
 
 # Each setting is named in the words of the interface it came through: LLM's keyword in Python
@@ -237,6 +238,9 @@ class SamplingParams:
         before it, are never completed in the output (needs the tokenizer).
     structured_outputs: what the output must follow (StructuredOutputsParams: a JSON schema, a
         regex, a choice, a grammar; needs the tokenizer).
+    n: how many completions of the prompt to return (vLLM's parallel sampling: n sequences that
+        share the prompt's cache blocks, each sampled on its own; with a seed, completion i draws
+        from seed + i, as in vLLM). Greedy completions are all the same.
     """
 
     temperature: float = 1.0
@@ -258,6 +262,7 @@ class SamplingParams:
     allowed_token_ids: tuple[int, ...] | None = None
     bad_words: tuple[str, ...] = ()
     structured_outputs: StructuredOutputsParams | None = None
+    n: int = 1
 
     def __post_init__(self) -> None:
         need = Refusal(self)
@@ -323,6 +328,17 @@ class SamplingParams:
             or (is_int(self.num_speculative_tokens) and self.num_speculative_tokens >= 0),
             "{num_speculative_tokens} must be an integer >= 0 (0 = no speculation), or None, got {got!r}",
             got=self.num_speculative_tokens,
+        )
+        need(
+            is_int(self.n) and 1 <= self.n <= MAX_N,
+            "{n} must be an integer from 1 to {most} (the completions to return), got {got!r}",
+            most=MAX_N,
+            got=self.n,
+        )
+        need(
+            self.seed is None or not is_int(self.n) or self.seed + self.n - 1 <= UINT64_MAX,
+            "{seed} + n - 1 must be at most 2**64 - 1 (completion i draws from seed + i), got {got!r}",
+            got=self.seed,
         )
         self._check_processors(need)
 

@@ -36,7 +36,9 @@ from specdec.config import (
 )
 from specdec.drafters import DRAFTERS, Drafter, auto
 from specdec.engine import Engine
+from specdec.engine.parallel_sampling import fork
 from specdec.engine.swap import DEFAULT_SWAP_SPACE_GIB
+from specdec.metrics import SpecStats
 from specdec.models.eagle import is_head_directory
 from specdec.models.loader import LoadedModel, load_pretrained
 from specdec.models.quantized_linear import check_quantization
@@ -265,14 +267,14 @@ class LLM:
         {"prompt_token_ids": [...]}); returns one RequestOutput per prompt, in order."""
         prompt_list = _as_prompt_list(prompts)
         params_list = _as_params_list(sampling_params, len(prompt_list))
-        seqs = [self._new_sequence(prompt, params) for prompt, params in zip(prompt_list, params_list)]
+        requests = [self._new_sequences(prompt, params) for prompt, params in zip(prompt_list, params_list)]
         with torch.inference_mode():
-            self.engine.prepare(seqs)
-            for seq in seqs:
-                self.engine.add_sequence(seq)
+            self.engine.prepare([seq for seqs in requests for seq in seqs])
+            for seqs in requests:
+                self.engine.add_sequences(seqs)
             while self.engine.has_unfinished_requests():
                 self.engine.step()
-        return [self._output(seq) for seq in seqs]
+        return [self._output(seqs) for seqs in requests]
 
     def warm_up(self, prompt, params: SamplingParams) -> None:
         """Pay the first calls' one-off costs (compiling, allocating, packing weights, the first
@@ -280,7 +282,7 @@ class LLM:
         timed: size (and compile) for it, run every forward shape its rounds can take
         (Engine.warm_up), then generate enough tokens for a round at the full k."""
         with torch.inference_mode(), stage("warming up"):
-            self.engine.prepare([self._new_sequence(prompt, params)])
+            self.engine.prepare(self._new_sequences(prompt, params))
             self.engine.warm_up()
         self.generate(prompt, dataclasses.replace(params, max_tokens=min(self.engine.k + 2, params.max_tokens)))
 
@@ -306,24 +308,36 @@ class LLM:
         with these params: a ValueError names what is wrong before any work is done."""
         return self.prompts.prompt_token_ids(prompt, params)
 
-    def _new_sequence(self, prompt, params: SamplingParams) -> Sequence:
+    def _new_sequences(self, prompt, params: SamplingParams) -> list[Sequence]:
+        """The sequences that run one prompt: one, or params.n (engine/parallel_sampling.py)."""
         prompt_ids = self.prompt_token_ids(prompt, params)
         prompt_text = prompt if isinstance(prompt, str) else None
-        generator = request_generator(params.seed, self._shared_generator, self.device)
         request_id = str(self._next_request_id)
         self._next_request_id += 1
-        return Sequence(request_id, prompt_ids, params, generator, prompt=prompt_text)
-
-    def _output(self, seq: Sequence) -> RequestOutput:
-        completion = CompletionOutput(
-            0,
-            seq.text,
-            list(seq.output_token_ids),
-            seq.finish_reason,
-            list(seq.output_from_draft),
-            list(seq.output_logprobs) if seq.params.logprobs is not None else None,
+        return fork(
+            request_id,
+            prompt_ids,
+            params,
+            lambda seed: request_generator(seed, self._shared_generator, self.device),
+            prompt=prompt_text,
         )
-        return RequestOutput(seq.request_id, seq.prompt, seq.prompt_token_ids, [completion], seq.stats)
+
+    def _output(self, seqs: list[Sequence]) -> RequestOutput:
+        """One prompt's whole output: a CompletionOutput per sequence (n of them), metrics merged."""
+        completions = [
+            CompletionOutput(
+                seq.index,
+                seq.text,
+                list(seq.output_token_ids),
+                seq.finish_reason,
+                list(seq.output_from_draft),
+                list(seq.output_logprobs) if seq.params.logprobs is not None else None,
+            )
+            for seq in seqs
+        ]
+        first = seqs[0]
+        stats = first.stats if len(seqs) == 1 else SpecStats.merge([seq.stats for seq in seqs])
+        return RequestOutput(first.output_request_id, first.prompt, first.prompt_token_ids, completions, stats)
 
 
 # Every method's drafter: drafters/'s, and staged drafts, whose stages verify one another with

@@ -38,6 +38,16 @@ class Sequence:
     # scope share it, no other (a server's API key, under --suffix-cache-scope key); None: the one global scope
     cache_scope: str | None = None
     grammar: Any = None  # its structured output's state (grammar.GrammarState), made where it first samples
+    # one of a request's n completions (SamplingParams.n, engine/parallel_sampling.py): the request's id,
+    # its completion's index, and the sibling whose prompt blocks it waits for (None: it prefills its own)
+    parent_id: str | None = None
+    index: int = 0
+    fork_of: Sequence | None = None
+
+    @property
+    def output_request_id(self) -> str:
+        """The id its outputs are reported under: its request's (one of n completions), else its own."""
+        return self.request_id if self.parent_id is None else self.parent_id
 
     @property
     def token_ids(self) -> list[int]:

@@ -385,11 +385,10 @@ def test_a_new_version_of_the_head_swaps_in_between_rounds_and_keeps_the_output(
     prompts = random_prompts(3, seed=13)
     plain4 = LLM(str(dirs["target4"]), dtype="float32", speculative_method="none")
     expected = token_ids(plain4.generate(prompts, GREEDY))
-    seqs = [llm._new_sequence(prompt, GREEDY) for prompt in prompts]
+    seqs = [seq for prompt in prompts for seq in llm._new_sequences(prompt, GREEDY)]
     with torch.inference_mode():  # LLM.generate's loop, with the swap between two of its steps
         llm.engine.prepare(seqs)
-        for seq in seqs:
-            llm.engine.add_sequence(seq)
+        llm.engine.add_sequences(seqs)
         for step in range(1000):
             if step == 3:  # the requests mid-answer
                 drafter.swap_head(drafter.load_version(newer))

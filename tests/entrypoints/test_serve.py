@@ -114,6 +114,56 @@ def test_completions_are_what_generate_gives_offline(server, offline):
         assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == max_tokens
 
 
+def test_n_completions_and_echo_in_openais_shapes(server, offline):
+    """n: prompt i's completion j is choice i x n + j, each what LLM.generate gives with n (a
+    seeded request: completion j drawn from seed + j), whole and streamed alike; echo puts the
+    prompt before each choice's text; chat's n choices likewise, each with its role, content and
+    finish reason in the stream."""
+    client = server.client()
+    prompts = ["def add(a, b):", "class Point:\n"]
+    params = SamplingParams(temperature=0.9, max_tokens=10, ignore_eos=True, seed=3, n=3)
+    want = [[c.text for c in out.outputs] for out in offline.generate(prompts, params)]
+    assert len({*want[0]}) > 1  # sampled apart
+    fields = dict(model=MODEL, prompt=prompts, max_tokens=10, temperature=0.9, seed=3, n=3, echo=True)
+    got = client.completions.create(**fields, extra_body={"ignore_eos": True})
+    assert [c.index for c in got.choices] == list(range(6))
+    assert [c.text for c in got.choices] == [p + text for p, texts in zip(prompts, want) for text in texts]
+    assert got.usage.completion_tokens == 6 * 10
+    chunks = list(client.completions.create(**fields, extra_body={"ignore_eos": True}, stream=True))
+    streamed = [""] * 6
+    for chunk in chunks:
+        for choice in chunk.choices:
+            streamed[choice.index] += choice.text
+    assert streamed == [c.text for c in got.choices]
+    assert sorted(c.choices[0].index for c in chunks if c.choices[0].finish_reason) == list(range(6))
+
+    messages = [{"role": "user", "content": "hi"}]
+    chat_want = [c.text for c in offline.chat(messages, params)[0].outputs]
+    chat_fields = dict(model=MODEL, messages=messages, max_tokens=10, temperature=0.9, seed=3, n=3)
+    chat = client.chat.completions.create(**chat_fields, extra_body={"ignore_eos": True})
+    assert [(c.index, c.message.role, c.message.content) for c in chat.choices] == [
+        (j, "assistant", text) for j, text in enumerate(chat_want)
+    ]
+    chat_chunks = list(client.chat.completions.create(**chat_fields, extra_body={"ignore_eos": True}, stream=True))
+    roles, contents, reasons = {}, [""] * 3, {}
+    for chunk in chat_chunks:
+        (choice,) = chunk.choices
+        roles.setdefault(choice.index, choice.delta.role)
+        contents[choice.index] += choice.delta.content or ""
+        if choice.finish_reason:
+            reasons[choice.index] = choice.finish_reason
+    assert roles == dict.fromkeys(range(3), "assistant") and contents == chat_want
+    assert reasons == dict.fromkeys(range(3), "length")
+    echoed = client.chat.completions.create(
+        model=MODEL,
+        messages=[*messages, {"role": "assistant", "content": "Sure"}],
+        max_tokens=4,
+        temperature=0,
+        extra_body={"echo": True, "add_generation_prompt": False},
+    )
+    assert echoed.choices[0].message.content.startswith("Sure")
+
+
 def test_penalties_and_logit_bias_are_what_generate_gives_offline(server, offline):
     """OpenAI's penalties and logit_bias, vLLM's repetition_penalty and min_tokens: honoured, the
     answer the one LLM.generate gives with the same SamplingParams (and not the one without)."""
@@ -400,7 +450,9 @@ BAD_REQUESTS = [
     ("top_p 0", {"model": MODEL, "prompt": "hi", "top_p": 0}, "top_p"),
     ("prompt too long", {"model": MODEL, "prompt": "def add(a, b): " * 600, "max_tokens": 4}, None),
     ("max_tokens past the context", {"model": MODEL, "prompt": "hi", "max_tokens": CONTEXT}, None),
-    ("n > 1", {"model": MODEL, "prompt": "hi", "n": 2}, "n"),
+    ("n 0", {"model": MODEL, "prompt": "hi", "n": 0}, "n"),
+    ("n over 128", {"model": MODEL, "prompt": "hi", "n": 129}, "n"),
+    ("echo with logprobs", {"model": MODEL, "prompt": "hi", "echo": True, "logprobs": 1}, "echo"),
     ("logprobs over 20", {"model": MODEL, "prompt": "hi", "logprobs": 21}, "logprobs"),
     ("penalty past 2", {"model": MODEL, "prompt": "hi", "presence_penalty": 2.5}, "presence_penalty"),
     ("vLLM's penalty 0", {"model": MODEL, "prompt": "hi", "repetition_penalty": 0}, "repetition_penalty"),
@@ -437,7 +489,7 @@ def test_bad_requests_get_openai_errors_and_the_server_goes_on(server, name, bod
     if param is not None:
         assert error["param"] == param, error
     with pytest.raises(openai.BadRequestError):  # the client sees it as OpenAI's own
-        server.client().completions.create(model=MODEL, prompt="hi", n=2)
+        server.client().completions.create(model=MODEL, prompt="hi", n=0)
     ok = server.client().completions.create(model=MODEL, prompt="def", max_tokens=3)
     assert ok.usage.completion_tokens >= 1
 

@@ -402,6 +402,24 @@ def test_sampled_tokens_follow_the_target(setup, llms, drafter, setting):
 
 
 @pytest.mark.slow
+def test_n_completions_of_a_request_follow_the_target_each_on_its_own(setup, llms):
+    """SamplingParams.n (vLLM's parallel sampling) under the draft model: 125 requests of 120
+    completions each (15,000 draws, the shared random stream, no seed): the completions' tokens
+    follow the exact joint, and two sibling completions are independent (their first tokens
+    follow the product of the exact marginal with itself, as two requests' would)."""
+    setting = SETTINGS["T1.0-min_p0.1"]
+    joints = exact_distributions(setup["logits"], setting)
+    params = SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True, n=120, **setting)
+    outputs = llms["draft_model"].generate([setup["prompt"]] * 125, params)
+    tokens = np.array([[c.token_ids for c in out.outputs] for out in outputs])  # [requests, n, T]
+    assert tokens.shape == (125, 120, MAX_TOKENS)
+    flat = tokens.reshape(-1, MAX_TOKENS)
+    assert_follows(np.ravel_multi_index(flat.T, (VOCAB,) * MAX_TOKENS), joints[-1], "n completions: joint")
+    siblings = tokens[:, 0::2, 0] * VOCAB + tokens[:, 1::2, 0]  # completions 2j and 2j + 1 of a request
+    assert_follows(siblings, np.outer(joints[0], joints[0]).reshape(-1), "sibling completions' first tokens")
+
+
+@pytest.mark.slow
 def test_two_drafts_in_one_round_follow_the_target(setup, llms):
     """max_tokens 4: after the prefill's token, one round verifies two draft tokens, the second
     judged with its own draft distribution, then a recovered or bonus token. The four tokens

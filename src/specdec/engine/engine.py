@@ -22,6 +22,7 @@ from specdec.config import SamplingParams
 from specdec.drafters.base import Drafter
 from specdec.engine.capacity import Capacity
 from specdec.engine.output_processor import OutputProcessor
+from specdec.engine.parallel_sampling import ParentRequests, fork
 from specdec.engine.prefill_budget import PrefillBudget
 from specdec.engine.scheduler import Scheduler
 from specdec.engine.swap import DEFAULT_SWAP_SPACE_GIB, SwapSpace
@@ -73,7 +74,8 @@ class Engine:
         self.prefill_budget = PrefillBudget()
         self.swap = SwapSpace(swap_space_bytes)
         self.max_len: int | None = None  # the positions each sequence may use, once prepared
-        self._unfinished: dict[str, Sequence] = {}  # by request id: waiting or running
+        self._unfinished: dict[str, Sequence] = {}  # by sequence id: waiting or running
+        self.parents = ParentRequests()  # the requests of n > 1 completions under way
         # called with each sequence that leaves the batch finished or aborted, on the engine's thread
         # (a server's recorder); a listener that raises is logged and fails nothing
         self.finish_listeners: list[Callable[[Sequence], None]] = []
@@ -92,45 +94,51 @@ class Engine:
         prompt: str | None = None,
         stream_text: bool = False,
         cache_scope: str | None = None,
-    ) -> Sequence:
-        """Queue a request (prompt_token_ids checked by the caller: LLM.prompt_token_ids); it
-        starts at a step with a free slot. stream_text: each step's RequestOutput carries the
-        request's new text too (its whole output is decoded at every step that adds tokens).
-        cache_scope: the requests whose answers it may draft from, and they from its (Sequence)."""
-        generator = request_generator(params.seed, self.shared_generator, self.target.device)
-        seq = Sequence(
+    ) -> None:
+        """Queue a request (prompt_token_ids checked by the caller: LLM.prompt_token_ids), as one
+        sequence or, for params.n > 1, n (parallel_sampling.py); it starts at a step with a free
+        slot. stream_text: each step's RequestOutput carries the request's new text too (its whole
+        output is decoded at every step that adds tokens). cache_scope: the requests whose answers
+        it may draft from, and they from its (Sequence)."""
+        if request_id in self.parents:
+            raise ValueError(f"request id {request_id!r} is already running or waiting; give each a new id")
+        seqs = fork(
             request_id,
-            list(prompt_token_ids),
+            prompt_token_ids,
             params,
-            generator,
+            lambda seed: request_generator(seed, self.shared_generator, self.target.device),
             prompt=prompt,
             stream_text=stream_text,
             cache_scope=cache_scope,
         )
-        self.add_sequence(seq)
-        return seq
+        self.add_sequences(seqs)
 
-    def add_sequence(self, seq: Sequence) -> None:
-        """Queue a sequence made by the caller (LLM.generate makes its own)."""
-        if seq.request_id in self._unfinished:
-            raise ValueError(f"request id {seq.request_id!r} is already running or waiting; give each a new id")
-        needed = self.k_choice.positions_needed(seq)
-        if self.max_len is not None and needed > self.max_len:
-            raise ValueError(
-                f"a prompt of {len(seq.prompt_token_ids)} tokens + max_tokens={seq.params.max_tokens} "
-                f"needs {needed} cache positions, and the engine was prepared for {self.max_len}; "
-                "shorten the prompt or lower max_tokens"
-            )
-        self._unfinished[seq.request_id] = seq
-        self.scheduler.add(seq)
+    def add_sequences(self, seqs: list[Sequence]) -> None:
+        """Queue the sequences that run one request (parallel_sampling.fork's; LLM.generate makes
+        its own), all of them or, where one is refused, none."""
+        for seq in seqs:
+            if seq.request_id in self._unfinished:
+                raise ValueError(f"request id {seq.request_id!r} is already running or waiting; give each a new id")
+            needed = self.k_choice.positions_needed(seq)
+            if self.max_len is not None and needed > self.max_len:
+                raise ValueError(
+                    f"a prompt of {len(seq.prompt_token_ids)} tokens + max_tokens={seq.params.max_tokens} "
+                    f"needs {needed} cache positions, and the engine was prepared for {self.max_len}; "
+                    "shorten the prompt or lower max_tokens"
+                )
+        for seq in seqs:
+            self._unfinished[seq.request_id] = seq
+            self.scheduler.add(seq)
+        self.parents.add(seqs)
 
     def step(self) -> list[RequestOutput]:
         """Admit waiting requests into free slots (swapped-out ones into their own), run the next
         chunks of the prefills under way (one that ends samples a new request's first token),
         run one round over every running request, retire the finished ones. Returns, for every
         request that moved, what is new since the last step (outputs.py)."""
-        if self.max_len is None:
-            self.prepare(list(self.scheduler.waiting))
+        if self.max_len is None:  # sized for the requests waiting (prepare's, less its idle check)
+            num_slots, self.max_len = self.capacity.for_requests(list(self.scheduler.waiting), self.max_num_seqs)
+            self._start(num_slots)
         admitted = self.scheduler.admit()
         for seq in admitted:
             if not self._swap_in(seq):  # new, or recomputed: its prefill starts after its cached prefix
@@ -147,7 +155,7 @@ class Engine:
         for seq in self.scheduler.retire_finished():
             self._finish(seq)
         moved = list({seq.request_id: seq for seq in admitted + prefilled + running}.values())
-        return [output for output in map(self.output.new_output, moved) if output is not None]
+        return self.parents.merge([output for output in map(self.output.new_output, moved) if output is not None])
 
     def _prefill(self) -> list[Sequence]:
         """The next chunks of the prefills under way, oldest first, within one step's prefill
@@ -230,15 +238,23 @@ class Engine:
         return self.capacity.cache_tokens
 
     def abort(self, request_id: str) -> bool:
-        """Stop a request, waiting or running; its slot is free for the next step. False if no
-        such request is unfinished."""
-        seq = self.scheduler.remove(request_id)
-        if seq is None:
-            return False
-        self.swap.pop(request_id)
-        seq.finish_reason = "abort"
-        self._finish(seq, ran=seq.slot >= 0)
-        return True
+        """Stop a request (all its completions), waiting or running; its slots are free for the
+        next step. False if no such request is unfinished."""
+        found = False
+        for seq_id in self.parents.pop(request_id):
+            seq = self.scheduler.remove(seq_id)
+            if seq is not None:
+                found = True
+                self.swap.pop(seq_id)
+                seq.finish_reason = "abort"
+                self._finish(seq, ran=seq.slot >= 0)
+        return found
+
+    def request_ids(self, waiting: bool = True, running: bool = True) -> list[str]:
+        """The unfinished requests' ids (a request of n completions once) among the waiting
+        and/or the running ones."""
+        seqs = (list(self.scheduler.waiting) if waiting else []) + (self.scheduler.running if running else [])
+        return list(dict.fromkeys(seq.output_request_id for seq in seqs))
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished()

@@ -6,8 +6,9 @@
               min_tokens-th token or a later one (vLLM's: no stop is checked before min_tokens;
               EOS and stop tokens are masked until then: spec/processors.py)
   final_text  the output's text, cut before the first stop string
-  new_output  what is new since the request's last RequestOutput (outputs.py): its tokens, and
-              for a request streaming text, the text that more tokens can no longer change
+  new_output  what is new since the sequence's last RequestOutput (outputs.py): its tokens, and
+              for a request streaming text, the text that more tokens can no longer change (one
+              of a request's n completions: under the request's id, with its index)
 
 Text is the output's tokens decoded as they read after the prompt (Tokenizer.decode_after).
 """
@@ -64,9 +65,9 @@ class OutputProcessor:
         )
         new_text = text[len(seq.text_reported) :] if text.startswith(seq.text_reported) else ""
         seq.text_reported += new_text
-        completion = CompletionOutput(0, new_text, new_token_ids, seq.finish_reason, from_draft, logprobs)
+        completion = CompletionOutput(seq.index, new_text, new_token_ids, seq.finish_reason, from_draft, logprobs)
         return RequestOutput(
-            seq.request_id, seq.prompt, seq.prompt_token_ids, [completion], seq.stats, finished=seq.finished
+            seq.output_request_id, seq.prompt, seq.prompt_token_ids, [completion], seq.stats, finished=seq.finished
         )
 
     def final_text(self, seq: Sequence) -> str:

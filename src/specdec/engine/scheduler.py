@@ -23,6 +23,7 @@ from collections import deque
 from collections.abc import Callable
 
 from specdec.block_manager import BlockManager
+from specdec.kv_cache import BLOCK_SIZE
 from specdec.sequence import Sequence
 
 
@@ -75,7 +76,7 @@ class Scheduler:
                 self.waiting.popleft()
                 admitted.append(seq)
                 continue
-            if not self._free_slots:
+            if not self._free_slots or self._waits_for_sibling(seq):
                 break
             longest = max(longest, seq.num_tokens)
             if (
@@ -94,6 +95,20 @@ class Scheduler:
             admitted.append(seq)
         self.running += admitted
         return admitted
+
+    def _waits_for_sibling(self, seq: Sequence) -> bool:
+        """Whether seq, one of a request's n completions, waits for the sibling whose prompt blocks
+        it will share (engine/parallel_sampling.py): until that one's prefill is done (its first
+        token sampled, its blocks then registered). Never where no block could be shared."""
+        first = seq.fork_of
+        return (
+            first is not None
+            and self.blocks is not None
+            and self.blocks.prefix_caching
+            and len(seq.prompt_token_ids) > BLOCK_SIZE
+            and not first.output_token_ids
+            and not first.finished
+        )
 
     def grow(self, seq: Sequence) -> bool:
         """Give running seq the blocks its next forward writes; False (nothing taken) if the

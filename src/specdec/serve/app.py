@@ -40,7 +40,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from specdec.outputs import RequestOutput
+from specdec.outputs import CompletionOutput, RequestOutput
 from specdec.serve.async_engine import AsyncEngine, EngineStopped, QueueFull
 from specdec.serve.middleware import KEY_INDEX, APIKeyCheck, BodyLimit, Drain, DrainGate
 from specdec.serve.protocol import (
@@ -49,6 +49,7 @@ from specdec.serve.protocol import (
     CompletionRequest,
     ErrorResponse,
     SamplingFields,
+    chat_choice,
     chat_chunk,
     chat_logprobs,
     chat_response,
@@ -192,12 +193,6 @@ def _check_common(state: ServerState, body: SamplingFields) -> None:
     bad_text = lone_surrogate(body.model_dump())
     if bad_text is not None:
         raise bad_text
-    if body.n != 1:
-        raise APIError(
-            400,
-            f"n={body.n}: this server returns one completion per prompt (n=1); send the request n times for more",
-            param="n",
-        )
     refused = body.refused()
     if refused:
         raise APIError(400, "; ".join(message for _, message in refused), param=refused[0][0])
@@ -262,10 +257,12 @@ def _cache_scope(state: ServerState, raw: Request) -> str | None:
 
 async def _complete(state: ServerState, body: CompletionRequest, cache_scope: str | None = None):
     """A completion: its prompts tokenized (in a thread), run, and answered whole or as a stream
-    (which starts once every prompt has its first output, so that a refusal is still a status)."""
+    (which starts once every prompt has its first output, so that a refusal is still a status).
+    Prompt i's completion j (of n) is choice i x n + j, as in vLLM."""
     _check_common(state, body)
     prompts = _prompt_list(body.prompt)
     requests = [await asyncio.to_thread(_prepare, state, body, prompt, body.max_tokens) for prompt in prompts]
+    echoes = [_echo_text(state, prompt, ids) if body.echo else "" for prompt, ids, _ in requests]
     request_id = new_id("cmpl")
     streams = [
         state.async_engine.generate(
@@ -281,19 +278,19 @@ async def _complete(state: ServerState, body: CompletionRequest, cache_scope: st
     firsts = await _first_outputs(streams)
     prompt_tokens = sum(len(ids) for _, ids, _ in requests)
     if body.stream:
-        return _sse(_completion_events(state, request_id, body, streams, firsts, prompt_tokens))
+        return _sse(_completion_events(state, request_id, body, streams, firsts, prompt_tokens, echoes))
     outputs = await _until_finished(streams, firsts)
     choices = [
         completion_choice(
-            i,
-            "".join(o.outputs[0].text for o in outs),
-            outs[-1].outputs[0].finish_reason,
-            _joined_logprobs(outs, lambda entries: completion_logprobs(entries, state.token_text)),
+            i * body.n + j,
+            echoes[i] + "".join(part.text for part in parts),
+            parts[-1].finish_reason,
+            _joined_logprobs(parts, lambda entries: completion_logprobs(entries, state.token_text)),
         )
         for i, outs in enumerate(outputs)
+        for j, parts in enumerate(_completions(outs, body.n))
     ]
-    completion_tokens = sum(len(o.outputs[0].token_ids) for outs in outputs for o in outs)
-    return completion_response(request_id, state.model_name, choices, prompt_tokens, completion_tokens)
+    return completion_response(request_id, state.model_name, choices, prompt_tokens, _num_tokens(outputs))
 
 
 async def _chat(state: ServerState, body: ChatCompletionRequest, cache_scope: str | None = None):
@@ -307,21 +304,42 @@ async def _chat(state: ServerState, body: ChatCompletionRequest, cache_scope: st
     request_id = new_id("chatcmpl")
     stream = state.async_engine.generate(request_id, ids, params, stream_text=body.stream, cache_scope=cache_scope)
     (first,) = await _first_outputs([stream])
+    echo = body.echoed_text()
     if body.stream:
-        return _sse(_chat_events(state, request_id, body, stream, first, len(ids)))
+        return _sse(_chat_events(state, request_id, body, stream, first, len(ids), echo))
     (outputs,) = await _until_finished([stream], [first])
-    text = "".join(o.outputs[0].text for o in outputs)
-    completion_tokens = sum(len(o.outputs[0].token_ids) for o in outputs)
-    logprobs = _joined_logprobs(outputs, lambda entries: chat_logprobs(entries, state.token_text))
-    return chat_response(
-        request_id,
-        state.model_name,
-        text,
-        outputs[-1].outputs[0].finish_reason,
-        len(ids),
-        completion_tokens,
-        logprobs,
-    )
+    choices = [
+        chat_choice(
+            j,
+            echo + "".join(part.text for part in parts),
+            parts[-1].finish_reason,
+            _joined_logprobs(parts, lambda entries: chat_logprobs(entries, state.token_text)),
+        )
+        for j, parts in enumerate(_completions(outputs, body.n))
+    ]
+    return chat_response(request_id, state.model_name, choices, len(ids), _num_tokens([outputs]))
+
+
+def _echo_text(state: ServerState, prompt, prompt_ids: list[int]) -> str:
+    """A completion prompt's text, as echo returns it before the completion (token ids decoded)."""
+    if isinstance(prompt, str):
+        return prompt
+    tokenizer = state.llm.tokenizer
+    return "" if tokenizer is None else tokenizer.decode(prompt_ids, skip_special_tokens=False)
+
+
+def _completions(outputs: list[RequestOutput], n: int) -> list[list[CompletionOutput]]:
+    """A request's outputs as each of its n completions' parts, in order."""
+    parts: list[list[CompletionOutput]] = [[] for _ in range(n)]
+    for output in outputs:
+        for completion in output.outputs:
+            parts[completion.index].append(completion)
+    return parts
+
+
+def _num_tokens(outputs: list[list[RequestOutput]]) -> int:
+    """The tokens generated in every completion of these requests' outputs."""
+    return sum(len(part.token_ids) for outs in outputs for output in outs for part in output.outputs)
 
 
 async def _unless_client_leaves(raw: Request, work: Awaitable[T]) -> T:
@@ -412,13 +430,12 @@ async def _until_finished(streams, firsts: list[RequestOutput]) -> list[list[Req
             await stream.aclose()
 
 
-def _joined_logprobs(outputs: list[RequestOutput], shape) -> dict | None:
-    """The logprobs of a request's outputs, all of them, in the API's shape (shape(entries));
+def _joined_logprobs(parts: list[CompletionOutput], shape) -> dict | None:
+    """The logprobs of a completion's parts, all of them, in the API's shape (shape(entries));
     None where the request asked for none."""
-    if outputs[0].outputs[0].logprobs is None:
+    if parts[0].logprobs is None:
         return None
-    # every output has them where the first has
-    return shape([entry for output in outputs for entry in output.outputs[0].logprobs])  # pyright: ignore[reportOptionalIterable]
+    return shape([entry for part in parts for entry in part.logprobs or ()])
 
 
 async def _cancel(tasks) -> None:
@@ -478,41 +495,59 @@ def _sse(events: AsyncGenerator[dict, None]) -> StreamingResponse:
 
 
 async def _completion_events(
-    state: ServerState, request_id: str, body: CompletionRequest, streams, firsts, prompt_tokens: int
+    state: ServerState,
+    request_id: str,
+    body: CompletionRequest,
+    streams,
+    firsts,
+    prompt_tokens: int,
+    echoes: list[str],
 ) -> AsyncGenerator[dict, None]:
+    """Prompt i's completion j is choice i x n + j; an echoed prompt comes before its first text."""
     created, completion_tokens = int(time.time()), 0
-    text_offsets = [0] * len(streams)  # where each choice's next text starts, for logprobs' text_offset
+    text_offsets: dict[int, int] = {}  # where each choice's next text starts, for logprobs' text_offset
     async with contextlib.aclosing(_merged(streams, firsts)) as outputs:
-        async for index, output in outputs:
-            completion = output.outputs[0]
-            completion_tokens += len(completion.token_ids)
-            logprobs = None
-            if completion.logprobs is not None:
-                logprobs = completion_logprobs(completion.logprobs, state.token_text, text_offsets[index])
-            text_offsets[index] += len(completion.text)
-            if completion.text or output.finished or logprobs is not None and completion.token_ids:
-                choice = completion_choice(index, completion.text, completion.finish_reason, logprobs)
-                yield completion_chunk(request_id, state.model_name, created, [choice])
+        async for prompt_index, output in outputs:
+            for completion in output.outputs:
+                index = prompt_index * body.n + completion.index
+                text = completion.text if index in text_offsets else echoes[prompt_index] + completion.text
+                offset = text_offsets.get(index, len(echoes[prompt_index]))
+                completion_tokens += len(completion.token_ids)
+                logprobs = None
+                if completion.logprobs is not None:
+                    logprobs = completion_logprobs(completion.logprobs, state.token_text, offset)
+                text_offsets[index] = offset + len(completion.text)
+                if text or completion.finish_reason or logprobs is not None and completion.token_ids:
+                    choice = completion_choice(index, text, completion.finish_reason, logprobs)
+                    yield completion_chunk(request_id, state.model_name, created, [choice])
     if body.include_usage:
         yield completion_chunk(request_id, state.model_name, created, [], usage(prompt_tokens, completion_tokens))
 
 
 async def _chat_events(
-    state: ServerState, request_id: str, body: ChatCompletionRequest, stream, first, prompt_tokens: int
+    state: ServerState, request_id: str, body: ChatCompletionRequest, stream, first, prompt_tokens: int, echo: str
 ) -> AsyncGenerator[dict, None]:
+    """Each of the n choices: its role (with the echoed message, if any), its text as it comes,
+    then its finish reason."""
     created, completion_tokens = int(time.time()), 0
-    yield chat_chunk(request_id, state.model_name, created, {"role": "assistant", "content": ""})
+    for index in range(body.n):
+        yield chat_chunk(request_id, state.model_name, created, {"role": "assistant", "content": echo}, index=index)
     async with contextlib.aclosing(_merged([stream], [first])) as outputs:
         async for _, output in outputs:
-            completion = output.outputs[0]
-            completion_tokens += len(completion.token_ids)
-            logprobs = None
-            if completion.logprobs:
-                logprobs = chat_logprobs(completion.logprobs, state.token_text)
-            if completion.text or logprobs is not None:
-                yield chat_chunk(request_id, state.model_name, created, {"content": completion.text}, logprobs=logprobs)
-            if output.finished:
-                yield chat_chunk(request_id, state.model_name, created, {}, completion.finish_reason)
+            for completion in output.outputs:
+                completion_tokens += len(completion.token_ids)
+                logprobs = None
+                if completion.logprobs:
+                    logprobs = chat_logprobs(completion.logprobs, state.token_text)
+                if completion.text or logprobs is not None:
+                    delta = {"content": completion.text}
+                    yield chat_chunk(
+                        request_id, state.model_name, created, delta, logprobs=logprobs, index=completion.index
+                    )
+                if completion.finish_reason:
+                    yield chat_chunk(
+                        request_id, state.model_name, created, {}, completion.finish_reason, index=completion.index
+                    )
     if body.include_usage:
         yield chat_chunk(request_id, state.model_name, created, None, usage_=usage(prompt_tokens, completion_tokens))
 

@@ -175,8 +175,7 @@ class AsyncEngine:
         self._step()
 
     def _unfinished_ids(self) -> list[str]:
-        scheduler = self.engine.scheduler
-        return [seq.request_id for seq in list(scheduler.waiting) + list(scheduler.running)]
+        return self.engine.request_ids()
 
     def _take_commands(self) -> None:
         while True:
@@ -213,7 +212,7 @@ class AsyncEngine:
         """A request whose client left (AsyncEngine.generate ended early) out of the engine, its
         slot and blocks free, counted as aborted where it was: waiting for a slot (dropped before
         any prefill) or running. Nothing if it had finished meanwhile (it counted as a success)."""
-        stage = "waiting" if any(seq.request_id == request_id for seq in self.engine.scheduler.waiting) else "running"
+        stage = "running" if request_id in self.engine.request_ids(waiting=False) else "waiting"
         if self.engine.abort(request_id):
             self._arrivals.pop(request_id, None)
             self.metrics.aborted(request_id, stage)
@@ -229,7 +228,7 @@ class AsyncEngine:
             self.step_errors += 1
             self.metrics.step_failures.inc()
             log.exception("an engine step failed; its requests are aborted")
-            self._fail([seq.request_id for seq in list(self.engine.scheduler.running)], e)
+            self._fail(self.engine.request_ids(waiting=False), e)
             return
         self._deliver(outputs, [output.request_id for output in outputs])
         try:

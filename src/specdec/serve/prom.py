@@ -139,7 +139,8 @@ class ServerMetrics:
         batch's size and queue, and the engine's speculation totals so far."""
         now = time.perf_counter()
         for output in outputs:
-            request_id, num_new = output.request_id, len(output.outputs[0].token_ids)
+            request_id = output.request_id
+            num_new = sum(len(completion.token_ids) for completion in output.outputs)  # n completions: all
             last = self._last_token_time.get(request_id)
             if last is None:
                 self.prompt_tokens.inc(len(output.prompt_token_ids))
@@ -154,7 +155,8 @@ class ServerMetrics:
             self._last_token_time[request_id] = now
             if output.finished:
                 self.e2e.observe(now - arrivals[request_id])
-                self.success.labels(self.model_name, output.outputs[0].finish_reason).inc()
+                reason = next((c.finish_reason for c in output.outputs if c.finish_reason), "stop")
+                self.success.labels(self.model_name, reason).inc()
                 del self._last_token_time[request_id]
         self.observe_queue(num_running, num_waiting)
         self._observe_speculation(totals)

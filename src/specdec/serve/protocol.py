@@ -119,6 +119,7 @@ class SamplingFields(BaseModel):
             allowed_token_ids=None if self.allowed_token_ids is None else tuple(self.allowed_token_ids),
             bad_words=tuple(self.bad_words or ()),
             structured_outputs=self._structured_outputs(),
+            n=self.n,
         )
 
     def _structured_outputs(self) -> StructuredOutputsParams | None:
@@ -169,8 +170,16 @@ class CompletionRequest(SamplingFields):
     prompt: str | list[int] | list[str] | list[list[int]]
     max_tokens: int | None = 16
     logprobs: int | None = None  # the top tokens' logprobs with each token's own
+    echo: bool = False  # the prompt's text before each choice's
 
     def logprobs_count(self) -> int | None:
+        if self.echo and self.logprobs is not None:
+            raise APIError(
+                400,
+                "echo with logprobs asks for the prompt's logprobs, which this server does not compute; "
+                "ask for echo or for logprobs",
+                param="echo",
+            )
         return self.logprobs
 
 
@@ -209,6 +218,13 @@ class ChatCompletionRequest(SamplingFields):
     add_generation_prompt: bool = True
     logprobs: bool = False
     top_logprobs: int | None = None
+    echo: bool = False  # vLLM's: the last message's content before each choice's, where it is the assistant's
+
+    def echoed_text(self) -> str:
+        """What echo puts before each choice's content: the last message's, where that is the
+        assistant's (the reply it continues), else nothing."""
+        last = self.messages[-1] if self.messages else None
+        return last.text() if self.echo and last is not None and last.role == "assistant" else ""
 
     def logprobs_count(self) -> int | None:
         if self.top_logprobs and not self.logprobs:
@@ -322,27 +338,23 @@ def completion_chunk(
     return chunk
 
 
-def chat_response(
-    request_id: str,
-    model: str,
-    text: str,
-    finish_reason: str | None,
-    prompt_tokens: int,
-    completion_tokens: int,
-    logprobs: dict | None = None,
+def chat_choice(
+    index: int, text: str, finish_reason: str | None, logprobs: dict | None = None, tool_calls: list[dict] | None = None
 ) -> dict:
-    choice = {
-        "index": 0,
-        "message": {"role": "assistant", "content": text},
-        "logprobs": logprobs,
-        "finish_reason": finish_reason,
-    }
+    """A chat completion's choice: the assistant's message (its tool calls, where it made any)."""
+    message: dict = {"role": "assistant", "content": text}
+    if tool_calls:
+        message["tool_calls"] = tool_calls
+    return {"index": index, "message": message, "logprobs": logprobs, "finish_reason": finish_reason}
+
+
+def chat_response(request_id: str, model: str, choices: list[dict], prompt_tokens: int, completion_tokens: int) -> dict:
     return {
         "id": request_id,
         "object": "chat.completion",
         "created": int(time.time()),
         "model": model,
-        "choices": [choice],
+        "choices": choices,
         "usage": usage(prompt_tokens, completion_tokens),
     }
 
@@ -355,10 +367,13 @@ def chat_chunk(
     finish_reason: str | None = None,
     usage_: dict | None = None,
     logprobs: dict | None = None,
+    index: int = 0,
 ) -> dict:
-    """A chat.completion.chunk: one choice with delta, or (delta None) none, for the usage chunk."""
+    """A chat.completion.chunk: choice index's delta, or (delta None) no choice, for the usage chunk."""
     choices = (
-        [] if delta is None else [{"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}]
+        []
+        if delta is None
+        else [{"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}]
     )
     chunk = {
         "id": request_id,

@@ -69,7 +69,6 @@ TOOLS = "tool calls are not built yet; describe the tools in the messages, or le
 REFUSED: dict[str, Refused] = {
     # OpenAI's API
     "best_of": Refused(_one_of(None, 1)),
-    "echo": Refused(_one_of(None, False)),
     "suffix": Refused(_empty),
     "tools": Refused(_empty, TOOLS),
     "tool_choice": Refused(_no_tool, TOOLS),
