@@ -291,17 +291,20 @@ class LLM:
         messages: list[dict] | list[list[dict]],
         sampling_params: SamplingParams | list[SamplingParams] | None = None,
         add_generation_prompt: bool = True,
+        tools: list[dict] | None = None,
     ) -> list[RequestOutput]:
         """Reply to one conversation (a list of {"role", "content"} dicts) or to a list of them,
-        each rendered with the model's chat template; one RequestOutput per conversation, as
-        vLLM's LLM.chat returns."""
+        each rendered with the model's chat template (tools: OpenAI's tool entries, for the
+        template to render); one RequestOutput per conversation, as vLLM's LLM.chat returns."""
         conversations = cast("list[list[dict]]", messages if _is_conversation_list(messages) else [messages])
-        prompts = [{"prompt_token_ids": self.chat_token_ids(c, add_generation_prompt)} for c in conversations]
+        prompts = [{"prompt_token_ids": self.chat_token_ids(c, add_generation_prompt, tools)} for c in conversations]
         return self.generate(prompts, sampling_params)
 
-    def chat_token_ids(self, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
+    def chat_token_ids(
+        self, messages: list[dict], add_generation_prompt: bool = True, tools: list[dict] | None = None
+    ) -> list[int]:
         """One conversation rendered with the model's chat template, as token ids (prompts.py)."""
-        return self.prompts.chat_token_ids(messages, add_generation_prompt)
+        return self.prompts.chat_token_ids(messages, add_generation_prompt, tools)
 
     def prompt_token_ids(self, prompt, params: SamplingParams) -> list[int]:
         """The prompt (text or token ids) as token ids, checked as generate checks a request

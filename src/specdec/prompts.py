@@ -32,13 +32,15 @@ class PromptEncoder:
         tokenizer, config = load_tokenizer_and_config(model)
         return cls(tokenizer, config.vocab_size, config.max_position_embeddings)
 
-    def chat_token_ids(self, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
-        """One conversation rendered with the model's chat template, as token ids (the template
-        writes its own special tokens, so none are added)."""
+    def chat_token_ids(
+        self, messages: list[dict], add_generation_prompt: bool = True, tools: list[dict] | None = None
+    ) -> list[int]:
+        """One conversation rendered with the model's chat template (with the tools it may call),
+        as token ids (the template writes its own special tokens, so none are added)."""
         tokenizer = self.need_tokenizer("chat")
         check_messages(messages)
         return tokenizer.encode(
-            tokenizer.apply_chat_template(messages, add_generation_prompt), add_special_tokens=False
+            tokenizer.apply_chat_template(messages, add_generation_prompt, tools), add_special_tokens=False
         )
 
     def prompt_token_ids(self, prompt, params: SamplingParams) -> list[int]:

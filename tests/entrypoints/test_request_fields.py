@@ -30,8 +30,6 @@ CLIENT_FIELDS = {
 API_DEFAULTS = {
     "best_of": 1,
     "suffix": None,
-    "tools": None,
-    "tool_choice": "none",
     "functions": None,
     "function_call": "none",
     "audio": None,
@@ -68,8 +66,6 @@ CHANGING = {
     "length_penalty": [0.5, 2],
     "best_of": [2, 0],
     "suffix": ["\n}"],
-    "tools": [[{"type": "function", "function": {"name": "f", "parameters": {}}}]],
-    "tool_choice": ["auto", "required", {"type": "function", "function": {"name": "f"}}],
     "functions": [[{"name": "f"}]],
     "function_call": ["auto", {"name": "f"}],
     "audio": [{"voice": "alloy", "format": "wav"}],

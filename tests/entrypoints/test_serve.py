@@ -32,6 +32,7 @@ pytestmark = [pytest.mark.slow, pytest.mark.alone]
 
 
 CHAT_TEMPLATE = (
+    "{% if tools %}<s>tools: {{ tools | tojson }}\n{% endif %}"
     "{% for m in messages %}<s>{{ m.role }}: {{ m.content }}\n{% endfor %}"
     "{% if add_generation_prompt %}<s>assistant:{% endif %}"
 )
@@ -162,6 +163,72 @@ def test_n_completions_and_echo_in_openais_shapes(server, offline):
         extra_body={"echo": True, "add_generation_prompt": False},
     )
     assert echoed.choices[0].message.content.startswith("Sure")
+
+
+WEATHER_TOOL = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "parameters": {
+            "type": "object",
+            "properties": {
+                "city": {"enum": ["Paris", "Rome"]},
+                "days": {"type": "integer", "minimum": 1, "maximum": 9},
+            },
+            "required": ["city", "days"],
+            "additionalProperties": False,
+        },
+    },
+}
+TIME_TOOL = {
+    "type": "function",
+    "function": {"name": "get_time", "parameters": {"type": "object", "properties": {}, "additionalProperties": False}},
+}
+
+
+def test_tool_calls_in_openais_shapes_with_arguments_held_to_the_schema(server):
+    """tools with tool_choice named, required (one call at most) and auto: the tools reach the
+    chat template; every call names a given function, its arguments valid under its parameters
+    (jsonschema); the stream's tool_call deltas join into the whole answer's calls."""
+    import jsonschema
+
+    client = server.client()
+    messages = [{"role": "user", "content": "What is the weather in Paris?"}]
+    tools = [WEATHER_TOOL, TIME_TOOL]
+    schemas = {t["function"]["name"]: t["function"]["parameters"] for t in tools}
+    common = dict(model=MODEL, messages=messages, tools=tools, max_tokens=120, temperature=0)
+    plain = client.chat.completions.create(**{**common, "tool_choice": "none"})
+    cases = [
+        ({"type": "function", "function": {"name": "get_weather"}}, {}, "stop"),
+        ("required", {"parallel_tool_calls": False}, "tool_calls"),
+        ("auto", {}, None),
+    ]
+    for tool_choice, extra, reason in cases:
+        whole = client.chat.completions.create(**common, tool_choice=tool_choice, **extra)
+        assert whole.usage.prompt_tokens > plain.usage.prompt_tokens  # the template rendered the tools
+        (choice,) = whole.choices
+        calls = choice.message.tool_calls or []
+        if reason is not None:
+            assert choice.finish_reason == reason and len(calls) == 1 and choice.message.content is None
+        if tool_choice != "auto":
+            assert calls, choice
+        for call in calls:
+            assert call.type == "function" and call.id.startswith("call_")
+            jsonschema.validate(json.loads(call.function.arguments), schemas[call.function.name])
+        if isinstance(tool_choice, dict):
+            assert calls[0].function.name == "get_weather"
+        chunks = list(client.chat.completions.create(**common, tool_choice=tool_choice, **extra, stream=True))
+        streamed = [d for c in chunks for d in (c.choices[0].delta.tool_calls or [])]
+        assert [(d.index, d.function.name, d.function.arguments) for d in streamed] == [
+            (i, c.function.name, c.function.arguments) for i, c in enumerate(calls)
+        ]
+        content = "".join(c.choices[0].delta.content or "" for c in chunks)
+        assert content == (choice.message.content or "")
+        assert [c.choices[0].finish_reason for c in chunks if c.choices[0].finish_reason] == [choice.finish_reason]
+    with pytest.raises(openai.BadRequestError, match="none of the tools"):
+        client.chat.completions.create(**common, tool_choice={"type": "function", "function": {"name": "nope"}})
+    with pytest.raises(openai.BadRequestError, match="both say what the output must follow"):
+        client.chat.completions.create(**common, tool_choice="required", response_format={"type": "json_object"})
 
 
 def test_penalties_and_logit_bias_are_what_generate_gives_offline(server, offline):

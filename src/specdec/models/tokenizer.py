@@ -67,8 +67,11 @@ class Tokenizer:
             return text[len(prefix) :]
         return self.decode(token_ids)
 
-    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
-        """Render a conversation with the model's own template (Jinja, sandboxed)."""
+    def apply_chat_template(
+        self, messages: list[dict], add_generation_prompt: bool = True, tools: list[dict] | None = None
+    ) -> str:
+        """Render a conversation with the model's own template (Jinja, sandboxed); tools: the
+        functions it may call (OpenAI's tool entries), as the template's `tools`."""
         if not self.chat_template:
             raise ValueError(
                 "this tokenizer has no chat template (none in tokenizer_config.json "
@@ -78,7 +81,9 @@ class Tokenizer:
             return (
                 _template_environment()
                 .from_string(self.chat_template)
-                .render(messages=messages, add_generation_prompt=add_generation_prompt, **self.special_tokens)
+                .render(
+                    messages=messages, add_generation_prompt=add_generation_prompt, tools=tools, **self.special_tokens
+                )
             )
         except ValueError:  # raise_exception(): the template's own message
             raise

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import json
 import logging
 import time
@@ -40,6 +41,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from specdec.config import SamplingParams
 from specdec.outputs import CompletionOutput, RequestOutput
 from specdec.serve.async_engine import AsyncEngine, EngineStopped, QueueFull
 from specdec.serve.middleware import KEY_INDEX, APIKeyCheck, BodyLimit, Drain, DrainGate
@@ -62,6 +64,14 @@ from specdec.serve.protocol import (
     new_id,
     usage,
 )
+from specdec.serve.tools import (
+    ToolCallStream,
+    ToolChoice,
+    ToolError,
+    template_messages,
+    tool_choice_from,
+)
+from specdec.serve.tools import parse as parse_tool_calls
 
 log = logging.getLogger("specdec")
 T = TypeVar("T")
@@ -207,16 +217,19 @@ def _prompt_list(prompt) -> list:
     return list(prompt)
 
 
-def _prepare(state: ServerState, body: SamplingFields, prompt, max_tokens: int | None):
+def _prepare(state: ServerState, body: SamplingFields, prompt, max_tokens: int | None, tools: ToolChoice | None = None):
     """(prompt, its token ids, SamplingParams) for one prompt of the request; max_tokens None:
-    as many as the context leaves. Bad values raise a 400 that names them. It tokenizes (a
-    long prompt takes seconds): the routes run it in a thread."""
+    as many as the context leaves; tools: the calls the answer may make (their grammar its
+    structured output). Bad values raise a 400 that names them. It tokenizes (a long prompt
+    takes seconds): the routes run it in a thread."""
     try:
         tokens = prompt  # the prompt, as text or as token ids once tokenized
         if max_tokens is None:
             tokens = state.llm.prompt_token_ids(prompt, body.sampling_params(1))
             max_tokens = max(1, state.max_model_len - len(tokens))
         params = body.sampling_params(max_tokens)
+        if tools is not None:
+            params = _with_tools(params, tools, state.llm.tokenizer)
         prompt_ids = state.llm.prompt_token_ids(tokens, params)
     except ValueError as e:
         raise APIError(400, str(e), param=_named_field(str(e), body)) from None
@@ -232,11 +245,27 @@ def _prepare(state: ServerState, body: SamplingFields, prompt, max_tokens: int |
     return prompt, prompt_ids, params
 
 
-def _chat_token_ids(state: ServerState, messages: list[dict], add_generation_prompt: bool) -> list[int]:
+def _with_tools(params: SamplingParams, tools: ToolChoice, tokenizer) -> SamplingParams:
+    """params with the tools' grammar as their structured output (a ValueError where the request
+    says what the output must follow twice)."""
+    structured = tools.structured_outputs(tokenizer)
+    if structured is None:
+        return params
+    if params.structured_outputs is not None:
+        raise ValueError(
+            "tools and response_format (or guided_*, structured_outputs) both say what the output must "
+            "follow; give one, or tool_choice none"
+        )
+    return dataclasses.replace(params, structured_outputs=structured)
+
+
+def _chat_token_ids(
+    state: ServerState, messages: list[dict], add_generation_prompt: bool, tools: list[dict] | None = None
+) -> list[int]:
     try:
-        return state.llm.chat_token_ids(messages, add_generation_prompt)
+        return state.llm.chat_token_ids(template_messages(messages), add_generation_prompt, tools)
     except ValueError as e:
-        raise APIError(400, str(e), param="messages") from None
+        raise APIError(400, str(e), param=e.field if isinstance(e, ToolError) else "messages") from None
 
 
 def _named_field(message: str, body: SamplingFields) -> str | None:
@@ -294,30 +323,40 @@ async def _complete(state: ServerState, body: CompletionRequest, cache_scope: st
 
 
 async def _chat(state: ServerState, body: ChatCompletionRequest, cache_scope: str | None = None):
-    """A chat completion: its messages rendered and tokenized (in a thread), run, and answered
-    whole or as a stream (which starts once the first output is there)."""
+    """A chat completion: its messages rendered (with its tools) and tokenized (in a thread), run,
+    and answered whole or as a stream (which starts once the first output is there)."""
     _check_common(state, body)
+    try:
+        tools = tool_choice_from(body.tools, body.tool_choice, body.parallel_tool_calls)
+    except ToolError as e:
+        raise APIError(400, str(e), param=e.field) from None
     messages = [m.template_fields() for m in body.messages]
-    prompt_ids = await asyncio.to_thread(_chat_token_ids, state, messages, body.add_generation_prompt)
+    rendered = None if tools is None else tools.template_tools
+    prompt_ids = await asyncio.to_thread(_chat_token_ids, state, messages, body.add_generation_prompt, rendered)
     max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
-    _, ids, params = await asyncio.to_thread(_prepare, state, body, prompt_ids, max_tokens)
+    _, ids, params = await asyncio.to_thread(_prepare, state, body, prompt_ids, max_tokens, tools)
     request_id = new_id("chatcmpl")
     stream = state.async_engine.generate(request_id, ids, params, stream_text=body.stream, cache_scope=cache_scope)
     (first,) = await _first_outputs([stream])
     echo = body.echoed_text()
     if body.stream:
-        return _sse(_chat_events(state, request_id, body, stream, first, len(ids), echo))
+        return _sse(_chat_events(state, request_id, body, stream, first, len(ids), echo, tools))
     (outputs,) = await _until_finished([stream], [first])
     choices = [
-        chat_choice(
-            j,
-            echo + "".join(part.text for part in parts),
-            parts[-1].finish_reason,
-            _joined_logprobs(parts, lambda entries: chat_logprobs(entries, state.token_text)),
-        )
+        _chat_choice(state, j, echo + "".join(part.text for part in parts), parts, tools)
         for j, parts in enumerate(_completions(outputs, body.n))
     ]
     return chat_response(request_id, state.model_name, choices, len(ids), _num_tokens([outputs]))
+
+
+def _chat_choice(state: ServerState, index: int, text: str, parts: list[CompletionOutput], tools) -> dict:
+    """A whole chat choice: its text, or with tools, its content and tool calls (tools.py)."""
+    logprobs = _joined_logprobs(parts, lambda entries: chat_logprobs(entries, state.token_text))
+    reason = parts[-1].finish_reason
+    if tools is None or tools.mode == "none":
+        return chat_choice(index, text, reason, logprobs)
+    content, calls = parse_tool_calls(text)
+    return chat_choice(index, content, tools.finish_reason(reason, bool(calls)), logprobs, calls)
 
 
 def _echo_text(state: ServerState, prompt, prompt_ids: list[int]) -> str:
@@ -525,29 +564,41 @@ async def _completion_events(
 
 
 async def _chat_events(
-    state: ServerState, request_id: str, body: ChatCompletionRequest, stream, first, prompt_tokens: int, echo: str
+    state: ServerState,
+    request_id: str,
+    body: ChatCompletionRequest,
+    stream,
+    first,
+    prompt_tokens: int,
+    echo: str,
+    tools: ToolChoice | None = None,
 ) -> AsyncGenerator[dict, None]:
-    """Each of the n choices: its role (with the echoed message, if any), its text as it comes,
-    then its finish reason."""
+    """Each of the n choices: its role (with the echoed message, if any), its text as it comes
+    (with tools: its content, then each tool call whole: tools.ToolCallStream), then its finish
+    reason."""
     created, completion_tokens = int(time.time()), 0
+    calls = [ToolCallStream() for _ in range(body.n)] if tools is not None and tools.mode != "none" else None
     for index in range(body.n):
         yield chat_chunk(request_id, state.model_name, created, {"role": "assistant", "content": echo}, index=index)
     async with contextlib.aclosing(_merged([stream], [first])) as outputs:
         async for _, output in outputs:
             for completion in output.outputs:
+                index, reason = completion.index, completion.finish_reason
                 completion_tokens += len(completion.token_ids)
                 logprobs = None
                 if completion.logprobs:
                     logprobs = chat_logprobs(completion.logprobs, state.token_text)
-                if completion.text or logprobs is not None:
+                if calls is not None:
+                    for delta in calls[index].feed(completion.text, final=reason is not None):
+                        yield chat_chunk(request_id, state.model_name, created, delta, index=index)
+                    reason = tools.finish_reason(reason, calls[index].num_calls > 0)  # pyright: ignore[reportOptionalMemberAccess]
+                    if logprobs is not None:
+                        yield chat_chunk(request_id, state.model_name, created, {}, logprobs=logprobs, index=index)
+                elif completion.text or logprobs is not None:
                     delta = {"content": completion.text}
-                    yield chat_chunk(
-                        request_id, state.model_name, created, delta, logprobs=logprobs, index=completion.index
-                    )
-                if completion.finish_reason:
-                    yield chat_chunk(
-                        request_id, state.model_name, created, {}, completion.finish_reason, index=completion.index
-                    )
+                    yield chat_chunk(request_id, state.model_name, created, delta, logprobs=logprobs, index=index)
+                if reason:
+                    yield chat_chunk(request_id, state.model_name, created, {}, reason, index=index)
     if body.include_usage:
         yield chat_chunk(request_id, state.model_name, created, None, usage_=usage(prompt_tokens, completion_tokens))
 

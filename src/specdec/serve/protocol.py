@@ -219,6 +219,9 @@ class ChatCompletionRequest(SamplingFields):
     logprobs: bool = False
     top_logprobs: int | None = None
     echo: bool = False  # vLLM's: the last message's content before each choice's, where it is the assistant's
+    tools: list[dict] | None = None  # functions the model may call (serve/tools.py)
+    tool_choice: str | dict | None = None  # none, auto (the default with tools), required, or a named function
+    parallel_tool_calls: bool | None = None  # False: one call at most
 
     def echoed_text(self) -> str:
         """What echo puts before each choice's content: the last message's, where that is the
@@ -339,7 +342,11 @@ def completion_chunk(
 
 
 def chat_choice(
-    index: int, text: str, finish_reason: str | None, logprobs: dict | None = None, tool_calls: list[dict] | None = None
+    index: int,
+    text: str | None,
+    finish_reason: str | None,
+    logprobs: dict | None = None,
+    tool_calls: list[dict] | None = None,
 ) -> dict:
     """A chat completion's choice: the assistant's message (its tool calls, where it made any)."""
     message: dict = {"role": "assistant", "content": text}

@@ -63,15 +63,13 @@ STRUCTURED = (
     "structured_outputs; leave it out"
 )
 STRUCTURED_BACKEND = "structured output runs on llguidance here; leave it out, or give 'guidance'"
-TOOLS = "tool calls are not built yet; describe the tools in the messages, or leave it out"
+TOOLS = "functions and function_call are OpenAI's older names: send tools and tool_choice"
 
 # field -> which of its values change nothing, and what to do instead (on both endpoints)
 REFUSED: dict[str, Refused] = {
     # OpenAI's API
     "best_of": Refused(_one_of(None, 1)),
     "suffix": Refused(_empty),
-    "tools": Refused(_empty, TOOLS),
-    "tool_choice": Refused(_no_tool, TOOLS),
     "functions": Refused(_empty, TOOLS),
     "function_call": Refused(_no_tool, TOOLS),
     "audio": Refused(_absent, "this server answers in text; leave it out"),
@@ -122,7 +120,6 @@ IGNORED: dict[str, str] = {
     "prompt_cache_options": "a hint for the provider's prompt cache",
     "cache_salt": "vLLM's prefix cache isolation (specdec scopes its caches by API key)",
     "prediction": "predicted output: a hint for speed that never changes the answer",
-    "parallel_tool_calls": "what to do with tools, which are refused",
     "priority": "vLLM's scheduling priority: when, not what",
     "request_id": "vLLM's id for its logs",
     "kv_transfer_params": "vLLM's disaggregated serving",
