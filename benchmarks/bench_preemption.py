@@ -80,7 +80,7 @@ def run_case(args, dtype: str, sampled: bool, swap_space: float) -> tuple:
     small = max(int(needed * args.pool_share), blocks_for(longest) + 1) * block_bytes
     got, small_seconds, preemptions = serve(llm, prompts, params, longest, small)
     changed = sum(got[request_id] != tokens for request_id, tokens in expected.items())
-    swapped = llm.engine.swap.num_swapped_out
+    swapped = llm.engine.preemption.swap.num_swapped_out
     return preemptions, swapped, f"{changed} of {len(prompts)}", f"{large_seconds:.1f}", f"{small_seconds:.1f}"
 
 
@@ -96,7 +96,7 @@ def serve(llm: LLM, prompts, params, max_model_len: int, kv_cache_bytes: int | N
         while engine.has_unfinished_requests():
             for output in engine.step():
                 tokens.setdefault(output.request_id, []).extend(output.outputs[0].token_ids)
-    return tokens, time.perf_counter() - start, engine.num_preemptions
+    return tokens, time.perf_counter() - start, engine.scheduler.num_preemptions
 
 
 if __name__ == "__main__":

@@ -280,10 +280,10 @@ class LLM:
         """Pay the first calls' one-off costs (compiling, allocating, packing weights, the first
         call of each forward shape, goodput's cost calibration) before a request like this one is
         timed: size (and compile) for it, run every forward shape its rounds can take
-        (Engine.warm_up), then generate enough tokens for a round at the full k."""
+        (Capacity.warm_up), then generate enough tokens for a round at the full k."""
         with torch.inference_mode(), stage("warming up"):
             self.engine.prepare(self._new_sequences(prompt, params))
-            self.engine.warm_up()
+            self.engine.capacity.warm_up(self.engine.scheduler.num_slots)
         self.generate(prompt, dataclasses.replace(params, max_tokens=min(self.engine.k + 2, params.max_tokens)))
 
     def chat(

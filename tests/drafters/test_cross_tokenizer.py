@@ -205,7 +205,7 @@ def test_a_small_pool_preempts_and_the_drafts_pool_keeps_no_block(pair):
             for output in llm.engine.step():
                 got.setdefault(output.request_id, []).extend(output.outputs[0].token_ids)
     assert [got[str(i)] for i in range(6)] == expected
-    assert llm.engine.num_preemptions > 0
+    assert llm.engine.scheduler.num_preemptions > 0
     assert engine_blocks.num_held == 0 and drafter.blocks.num_held == 0
 
 
@@ -230,7 +230,7 @@ def test_preempted_requests_give_the_tokens_they_give_unpreempted(pair):
             while engine.has_unfinished_requests():
                 for output in engine.step():
                     got.setdefault(output.request_id, []).extend(output.outputs[0].token_ids)
-        runs.append((got, engine.num_preemptions, engine.swap.num_swapped_out))
+        runs.append((got, engine.scheduler.num_preemptions, engine.preemption.swap.num_swapped_out))
     (unpreempted, none, _), (preempted, preemptions, swapped) = runs
     assert none == 0 and preemptions > 0 and swapped == preemptions
     assert preempted == unpreempted

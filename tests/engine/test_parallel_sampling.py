@@ -49,7 +49,7 @@ def test_greedy_completions_are_the_target_alones_and_share_the_prompt(tiny_pair
         assert all(c.token_ids == expected.outputs[0].token_ids for c in output.outputs)
         assert all(c.finish_reason == "length" for c in output.outputs)
         assert output.metrics.num_emitted_tokens == 3 * 12
-    queried, found = llm.engine.prefix_cache_counts
+    queried, found = llm.engine.capacity.prefix_cache_counts
     shared_blocks = (PROMPT_LENGTH - 1) // BLOCK_SIZE
     # each prompt's completions 1 and 2 found its whole blocks (its first found none)
     assert found == len(prompts) * 2 * shared_blocks * BLOCK_SIZE, (queried, found)

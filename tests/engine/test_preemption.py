@@ -69,7 +69,7 @@ def serve_all(
                 tokens.setdefault(output.request_id, []).extend(output.outputs[0].token_ids)
     blocks = engine.capacity.blocks
     assert blocks is not None and blocks.num_held == 0  # nothing leaked
-    return tokens, engine.num_preemptions
+    return tokens, engine.scheduler.num_preemptions
 
 
 DRAFTERS = [
@@ -114,7 +114,7 @@ def test_preempted_requests_give_the_tokens_they_give_unpreempted(tiny_pair, tmp
     expected, none = serve_all(llm, prompts, params, num_blocks=None)
     assert none == 0
     got, preemptions = serve_all(llm, prompts, params, num_blocks=14)
-    swapped = llm.engine.swap.num_swapped_out
+    swapped = llm.engine.preemption.swap.num_swapped_out
     assert preemptions >= 3
     assert {"swap": swapped == preemptions, "recompute": swapped == 0, "both": 0 < swapped < preemptions}[preemption]
     assert got == expected
@@ -132,12 +132,12 @@ def test_a_swapped_out_request_aborted_while_it_waits_frees_its_slot_and_space(t
     for i, prompt in enumerate(random_prompts(3, seed=58, lengths=(30, 40))):
         engine.add_request(f"r{i}", prompt, params)
     with torch.inference_mode():
-        while not engine.num_preemptions:
+        while not engine.scheduler.num_preemptions:
             engine.step()
         (waiting,) = [seq for seq in engine.scheduler.waiting]
-        assert waiting.slot >= 0 and engine.swap.used_bytes > 0  # swapped out, its slot kept
+        assert waiting.slot >= 0 and engine.preemption.swap.used_bytes > 0  # swapped out, its slot kept
         assert engine.abort(waiting.request_id)
-        assert engine.swap.used_bytes == 0
+        assert engine.preemption.swap.used_bytes == 0
         engine.add_request("late", random_prompts(1, seed=59, lengths=(5, 6))[0], params)
         while engine.has_unfinished_requests():
             engine.step()

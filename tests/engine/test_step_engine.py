@@ -170,7 +170,7 @@ def test_serving_sizes_the_cache_by_budget_and_refuses_what_does_not_fit(tiny_pa
     block_bytes = 2 * llm.runner.model.position_bytes * 16
     assert llm.engine.prepare_to_serve(max_model_len=64, kv_cache_bytes=13 * block_bytes + 5) == 8
     assert llm.engine.scheduler.num_slots == 8
-    assert llm.engine.cache_tokens == 12 * 16  # 13 blocks, one the scratch block
+    assert llm.engine.capacity.cache_tokens == 12 * 16  # 13 blocks, one the scratch block
     with pytest.raises(ValueError, match="needs .* cache positions"):
         llm.engine.add_request("long", list(range(2, 60)), SamplingParams(max_tokens=10))
     llm.engine.add_request("ok", [5, 6, 7], GREEDY)
@@ -179,7 +179,9 @@ def test_serving_sizes_the_cache_by_budget_and_refuses_what_does_not_fit(tiny_pa
     llm.engine.abort("ok")
     one_sequence = -(-(64 + 3 + 1) // 16) * block_bytes  # max_model_len + k + 1 positions
     assert llm.engine.prepare_to_serve(max_model_len=64, kv_cache_bytes=one_sequence + block_bytes) == 8
-    assert llm.engine.cache_tokens == one_sequence // block_bytes * 16  # the smaller budget, not the pool before
+    assert (
+        llm.engine.capacity.cache_tokens == one_sequence // block_bytes * 16
+    )  # the smaller budget, not the pool before
     with pytest.raises(ValueError, match="more than the budget of .*raise the budget"):
         llm.engine.prepare_to_serve(max_model_len=64, kv_cache_bytes=one_sequence)
 
@@ -192,7 +194,7 @@ def test_engines_sharing_a_machine_split_the_default_budget(tiny_pair, monkeypat
     monkeypatch.setattr("specdec.engine.capacity.free_memory_bytes", lambda device: 400 * block_bytes)
     for engines, blocks in ((1, 200), (4, 50)):
         llm.engine.prepare_to_serve(max_model_len=64, engines_sharing=engines)
-        assert llm.engine.cache_tokens == (blocks - 1) * 16
+        assert llm.engine.capacity.cache_tokens == (blocks - 1) * 16
 
 
 @pytest.mark.parametrize("length", [1, 3])
@@ -254,7 +256,7 @@ def test_a_pool_too_small_for_every_request_preempts_and_keeps_each_output(tiny_
     joined: dict = {}
     run_to_end(llm.engine, joined)
     assert {request_id: ids for request_id, (ids, _, _) in joined.items()} == expected
-    assert llm.engine.num_preemptions > 0
+    assert llm.engine.scheduler.num_preemptions > 0
     blocks = llm.engine.capacity.blocks
     assert blocks is not None and blocks.num_free == blocks.num_blocks - 1 and blocks.num_held == 0
 
@@ -290,7 +292,7 @@ def test_a_shared_prefix_is_prefilled_once_and_outputs_are_the_same(tiny_pair, p
         assert {request_id: ids for request_id, (ids, _, _) in joined.items()} == expected
         cached = [0, 48, 48, 48, second_turn_cached] if caching else [0] * 5
         assert fed == [len(prompt) - c for prompt, c in zip(prompts, cached)]
-        assert llm.engine.prefix_cache_counts == ((sum(map(len, prompts)), sum(cached)) if caching else (0, 0))
+        assert llm.engine.capacity.prefix_cache_counts == ((sum(map(len, prompts)), sum(cached)) if caching else (0, 0))
     if drafter == "draft_model":  # the draft's cache skips the same cached prefixes (its entries are there)
         assert sum(draft_fed[False]) - sum(draft_fed[True]) == sum([0, 48, 48, 48, second_turn_cached])
 
@@ -311,9 +313,9 @@ def test_generate_calls_one_after_another_find_the_prefixes_of_the_calls_before(
     llm = LLM(str(tiny_pair["target"]), dtype="float32", **kwargs)
     hits = []
     for prompt, p, want in zip(prompts, params, expected):
-        before = llm.engine.prefix_cache_counts[1]
+        before = llm.engine.capacity.prefix_cache_counts[1]
         assert llm.generate([prompt], p)[0].outputs[0].token_ids == want
-        hits.append(llm.engine.prefix_cache_counts[1] - before)
+        hits.append(llm.engine.capacity.prefix_cache_counts[1] - before)
     assert hits == [0, 48, 0, 48]
 
 
@@ -332,7 +334,7 @@ def test_a_compiled_target_shares_no_prefix_and_outputs_are_the_same(tiny_pair, 
     joined: dict = {}
     run_to_end(llm.engine, joined, [(2 * i, f"r{i}", prompt, params) for i, prompt in enumerate(prompts)])
     assert {request_id: ids for request_id, (ids, _, _) in joined.items()} == expected
-    assert llm.engine.prefix_cache_counts == (0, 0)
+    assert llm.engine.capacity.prefix_cache_counts == (0, 0)
 
 
 def recording(runner, method: str, monkeypatch) -> list[int]:

@@ -134,6 +134,18 @@ class Capacity:
         return self.target.model.position_bytes + drafter_bytes
 
     @property
+    def prefix_cache_counts(self) -> tuple[int, int]:
+        """(prompt tokens looked up in the prefix cache, of those found) since it was sized."""
+        blocks = self.blocks
+        return (0, 0) if blocks is None else (blocks.prefix_queries, blocks.prefix_hits)
+
+    @property
+    def cache_usage(self) -> float:
+        """The fraction of the caches' blocks that sequences hold (0 before sizing)."""
+        blocks = self.blocks
+        return 0.0 if blocks is None else blocks.num_held / (blocks.num_blocks - 1)
+
+    @property
     def cache_tokens(self) -> int:
         """The positions the pool holds for sequences (after sizing)."""
         return 0 if self.blocks is None else (self.blocks.num_blocks - 1) * BLOCK_SIZE

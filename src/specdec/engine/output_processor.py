@@ -1,5 +1,6 @@
 """The output processor: what the engine's tokens become for the caller.
 
+  emit        a round's tokens onto each row's sequence (append), the round counted in its stats
   append      a round's tokens, one by one, onto a sequence, stopping at EOS, a stop token, a
               stop string or max_tokens even inside an accepted run: nothing after a stop is kept.
               With min_tokens, a stop string counts only where it ends in the text of the
@@ -15,9 +16,13 @@ Text is the output's tokens decoded as they read after the prompt (Tokenizer.dec
 
 from __future__ import annotations
 
+import time
+
+from specdec.metrics import SpecStats
 from specdec.models.tokenizer import DECODE_CONTEXT_TOKENS, Tokenizer
 from specdec.outputs import CompletionOutput, RequestOutput, TokenLogprob
 from specdec.sequence import Sequence
+from specdec.spec.round import RoundResult
 
 
 class OutputProcessor:
@@ -47,6 +52,31 @@ class OutputProcessor:
                 return count
         return len(tokens)
 
+    def emit(self, batch: list[Sequence], result: RoundResult, totals: SpecStats, timings: dict[str, float]) -> None:
+        """A round's (or a prefill's) new tokens appended to each row's sequence (append), the
+        round counted in the sequence's stats and in totals, its parts' seconds added to timings
+        (and this bookkeeping's, as "bookkeeping")."""
+        start = time.perf_counter()
+        for row, seq in enumerate(batch):
+            if not result.tokens[row]:  # a prefill under way
+                continue
+            forced = result.num_forced[row] if result.num_forced else 0
+            emitted = self.append(
+                seq, result.tokens[row], forced + result.num_accepted[row], logprobs=result.logprobs[row]
+            )
+            for stats in (seq.stats, totals):
+                stats.record_round(
+                    result.num_proposed[row],
+                    result.num_accepted[row],
+                    emitted,
+                    k=result.ks[row],
+                    depth=result.tree_depths[row],
+                    num_forced=forced,
+                )
+        for part, seconds in result.seconds.items():
+            timings[part] += seconds
+        timings["bookkeeping"] += time.perf_counter() - start
+
     def new_output(self, seq: Sequence) -> RequestOutput | None:
         """What is new in seq since its last RequestOutput (None: nothing): its new tokens, and,
         if it streams text, the new text that can no longer change (held back: an unfinished
@@ -69,6 +99,11 @@ class OutputProcessor:
         return RequestOutput(
             seq.output_request_id, seq.prompt, seq.prompt_token_ids, [completion], seq.stats, finished=seq.finished
         )
+
+    def finish(self, seq: Sequence) -> None:
+        """A sequence out of the batch (finished or aborted): its time taken, its final text."""
+        seq.stats.seconds = time.perf_counter() - seq.arrival_time
+        seq.text = self.final_text(seq)
 
     def final_text(self, seq: Sequence) -> str:
         """The decoded output, cut before the first stop string that counts (min_tokens)."""

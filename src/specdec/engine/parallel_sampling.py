@@ -61,20 +61,27 @@ def fork(
     return completions
 
 
-class ParentRequests:
-    """The requests of n > 1 completions under way, by id: their sequences."""
+class RequestTable:
+    """The unfinished requests: each sequence by its id, and the sequences of a request of n > 1
+    completions by the request's id."""
 
     def __init__(self) -> None:
+        self._sequences: dict[str, Sequence] = {}
         self._completions: dict[str, list[Sequence]] = {}
 
-    def __contains__(self, request_id: str) -> bool:
-        return request_id in self._completions
-
     def add(self, seqs: list[Sequence]) -> None:
-        """A request's sequences (fork's), once they are queued."""
-        parent_id = seqs[0].parent_id
-        if parent_id is not None:
-            self._completions[parent_id] = seqs
+        """A request's sequences (fork's), all or (a ValueError naming an id in use) none."""
+        ids = [seq.parent_id for seq in seqs[:1] if seq.parent_id is not None] + [seq.request_id for seq in seqs]
+        taken = next((i for i in ids if i in self._sequences or i in self._completions), None)
+        if taken is not None:
+            raise ValueError(f"request id {taken!r} is already running or waiting; give each a new id")
+        self._sequences.update((seq.request_id, seq) for seq in seqs)
+        if seqs[0].parent_id is not None:
+            self._completions[seqs[0].parent_id] = seqs
+
+    def remove(self, seq: Sequence) -> None:
+        """A sequence out of the engine (finished or aborted)."""
+        del self._sequences[seq.request_id]
 
     def pop(self, request_id: str) -> list[str]:
         """The ids of the sequences that run request_id (its own where it is no parent), forgetting it."""

@@ -15,6 +15,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+from specdec.sequence import Sequence
+
 MIN_TOKENS = 32  # a time budget never shrinks a step's prefill below this: prompts still advance
 COST_WEIGHT = 0.3  # the weight of the newest prefill in the running mean of a token's cost
 
@@ -40,6 +42,23 @@ class PrefillBudget:
             return self.max_tokens
         affordable = max(MIN_TOKENS, int(self.max_seconds / self.seconds_per_token))
         return affordable if self.max_tokens is None else min(self.max_tokens, affordable)
+
+    def chunks(self, seqs: list[Sequence]) -> tuple[list[Sequence], list[int]]:
+        """The next chunks of the prefills under way among seqs, oldest first, within the budget
+        (a prompt longer than it is prefilled over several steps, so that a step, and the wait to
+        abort a request, stays short): (the sequences fed, their chunks' lengths)."""
+        budget = self.tokens()
+        batch, lengths = [], []
+        for seq in seqs:
+            if not seq.prefilling:
+                continue
+            remaining = len(seq.prefill_token_ids) - seq.num_written
+            length = remaining if budget is None else min(remaining, budget)
+            if batch and budget is not None and (len(batch) + 1) * max(*lengths, length) > budget:
+                break
+            batch.append(seq)
+            lengths.append(length)
+        return batch, lengths
 
     def record(self, num_tokens: int, seconds: float) -> None:
         """A prefill forward ran num_tokens (rows x the longest chunk) in seconds."""

@@ -179,6 +179,11 @@ class Scheduler:
         if not keep_slot_number:
             seq.slot = -1
 
+    def check_idle(self) -> None:
+        """A RuntimeError while any sequence waits or runs (the engine cannot be sized again then)."""
+        if self.has_unfinished():
+            raise RuntimeError("the engine has unfinished requests: finish or abort them before preparing again")
+
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
 

@@ -256,13 +256,13 @@ class AsyncEngine:
         """The queue's and the cache's gauges and counters, as the engine is now."""
         self.metrics.observe_queue(self.engine.num_running, self.engine.num_waiting)
         blocks = self.engine.capacity.blocks
-        prefix_queries, prefix_hits = self.engine.prefix_cache_counts
+        prefix_queries, prefix_hits = self.engine.capacity.prefix_cache_counts
         self.metrics.observe_cache(
-            self.engine.cache_usage,
+            self.engine.capacity.cache_usage,
             0 if blocks is None else blocks.num_held,
             prefix_queries,
             prefix_hits,
-            self.engine.num_preemptions,
+            self.engine.scheduler.num_preemptions,
         )
 
     def _deliver(self, items: list, request_ids: list[str]) -> None:

@@ -46,8 +46,8 @@ def prepare_llm(args: argparse.Namespace, where: str | None = None, engines_shar
         f"{spec.method} k={spec.num_speculative_tokens} ({spec.k_policy})" if spec else "no speculation",
         num_slots,
         max_model_len,
-        f"{llm.engine.cache_tokens:,}",
-        llm.engine.cache_tokens * llm.engine.capacity.position_bytes / 1e9,
+        f"{llm.engine.capacity.cache_tokens:,}",
+        llm.engine.capacity.cache_tokens * llm.engine.capacity.position_bytes / 1e9,
         ", prefix caching on" if args.enable_prefix_caching else "",
     )
     return llm, max_model_len

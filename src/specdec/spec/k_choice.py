@@ -88,6 +88,21 @@ class KChoice:
         """Cache positions seq needs (the last one is kept free for padding: kv_cache.ragged_batch)."""
         return seq.num_tokens + seq.params.max_tokens + self.margin(self.sizing_k([seq])) + 1
 
+    def check_fits(self, seq: Sequence, max_len: int | None) -> None:
+        """A ValueError unless seq's positions_needed fit max_len positions (None: not sized yet)."""
+        needed = self.positions_needed(seq)
+        if max_len is not None and needed > max_len:
+            raise ValueError(
+                f"a prompt of {len(seq.prompt_token_ids)} tokens + max_tokens={seq.params.max_tokens} needs "
+                f"{needed} cache positions, and the engine was prepared for {max_len}; shorten the prompt "
+                "or lower max_tokens"
+            )
+
+    def room(self, seq: Sequence, max_len: int) -> int:
+        """The positions seq holds blocks for before a forward: its tokens, what a round writes
+        past them, and the one after (kv_cache.ragged_batch's padding), within max_len."""
+        return min(seq.num_tokens + self.margin(self.k) + 1, max_len)
+
     def query_lengths(self) -> tuple[int, ...]:
         """The target forwards' lengths a round runs (compiled for): a fixed k verifies k drafts
         every round (fewer are padded), goodput may choose k = 0, a tree's forwards run eagerly
