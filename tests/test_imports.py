@@ -28,6 +28,7 @@ LAYERS = [  # bottom first (docs/architecture.md): a module imports from its own
             "specdec.output_dir",
             "specdec.kv_cache",
             "specdec.block_manager",
+            "specdec.methods",
         ),
     ),
     ("models", ("specdec.kernels", "specdec.models")),

@@ -13,6 +13,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, fields
 from typing import Any, NamedTuple, TypeGuard
 
+from specdec.methods import METHODS
 from specdec.tree import TreeShape
 
 GREEDY_TEMPERATURE = 1e-5  # temperatures below this sample greedily
@@ -458,41 +459,21 @@ def quantization_from_arg(text: str) -> str | None:
     return None if text == "none" else text
 
 
-SPECULATIVE_METHODS = (
-    "auto",
-    "draft_model",
-    "ngram",
-    "lookup_then_draft",
-    "eagle",
-    "early_exit",
-    "staged",
-    "suffix",
-    "suffix_then_draft",
-)
-TREE_METHODS = ("draft_model", "eagle", "early_exit")  # the drafters that grow trees (Drafter.grows_trees)
-NEEDS_DRAFT_MODEL = ("draft_model", "lookup_then_draft", "eagle", "staged", "suffix_then_draft")  # "eagle": a head's
-SUFFIX_METHODS = ("suffix", "suffix_then_draft", "auto")  # the methods that draft (or may) by suffix decoding
+# the method lists the checks read, from the table of methods (methods.py)
+SPECULATIVE_METHODS = tuple(METHODS)
+TREE_METHODS = tuple(name for name, m in METHODS.items() if m.grows_trees)  # (Drafter.grows_trees)
+NEEDS_DRAFT_MODEL = tuple(name for name, m in METHODS.items() if m.needs_model)  # "eagle": a head's
+SUFFIX_METHODS = tuple(name for name, m in METHODS.items() if m.suffix)  # drafting (or maybe) by suffix decoding
 NO_SPECULATION = "none"  # speculative_method="none" / --speculative-method none: plain decoding
-# "auto" may choose a draft model (drafters/auto.py), so it takes the draft model's settings too
-DRAFT_MODEL_SETTINGS = (*NEEDS_DRAFT_MODEL, "auto")
+# the methods that take the draft model's settings ("auto" may choose a draft model: drafters/auto.py)
+DRAFT_MODEL_SETTINGS = tuple(name for name, m in METHODS.items() if m.draft_model_settings)
 # the settings of a draft model, each with its value that sets nothing (SpeculativeConfig refuses others
 # with a method that drafts by no model)
 DRAFT_MODEL_NEUTRAL = {"draft_dtype": "auto", "draft_confidence_threshold": 0, "draft_quantization": "auto"}
 DRAFT_MODEL_FIELDS = tuple(DRAFT_MODEL_NEUTRAL)
-# the shortest n-gram match prompt lookup trusts, by method: with a draft model to fall back
-# on, a one-token match is too weak to use instead of it; as the first stage of staged drafts,
-# a draft model checks its proposals, and a wrong one costs only a slightly wider draft forward
-DEFAULT_NGRAM_MIN = {
-    "auto": None,  # the chosen method's (drafters/auto.py)
-    "ngram": 1,
-    "lookup_then_draft": 2,
-    "draft_model": 1,
-    "eagle": 1,
-    "early_exit": 1,
-    "staged": 1,
-    "suffix": 1,
-    "suffix_then_draft": 1,
-}
+# the shortest n-gram match prompt lookup trusts, by method (as the first stage of staged drafts,
+# a draft model checks its proposals, and a wrong one costs only a slightly wider draft forward)
+DEFAULT_NGRAM_MIN = {name: m.ngram_min for name, m in METHODS.items()}
 MAX_SUFFIX_TREE_DEPTH = 1024  # past this a match is longer than any draft a round could verify
 MAX_SUFFIX_CACHED_REQUESTS = 2**31 - 1  # arctic-inference's bound (its sequence ids are int32)
 NGRAM_STAGE = "[ngram]"  # prompt lookup as a stage of staged drafts (vLLM's spelling of prompt lookup as a model)

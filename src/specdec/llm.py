@@ -34,7 +34,7 @@ from specdec.config import (
     keyword,
     requantization,
 )
-from specdec.drafters import DRAFTERS, Drafter, auto
+from specdec.drafters import DRAFTERS, Drafter, auto, factories
 from specdec.engine import Engine
 from specdec.engine.parallel_sampling import fork
 from specdec.engine.swap import DEFAULT_SWAP_SPACE_GIB
@@ -48,7 +48,6 @@ from specdec.progress import stage
 from specdec.prompts import PromptEncoder
 from specdec.sampling import request_generator
 from specdec.sequence import Sequence
-from specdec.spec.staged import StagedDrafter
 from specdec.tree import TreeShape
 from specdec.worker import ModelRunner, check_compile_mode
 
@@ -345,7 +344,7 @@ class LLM:
 
 # Every method's drafter: drafters/'s, and staged drafts, whose stages verify one another with
 # the rejection sampler (spec/), a layer above drafters/
-ALL_DRAFTERS = {**DRAFTERS, "staged": StagedDrafter.from_config}
+ALL_DRAFTERS = {**DRAFTERS, **factories("specdec.spec")}
 
 # LLM's flat keyword for each SpeculativeConfig field
 FLAT_NAMES = {

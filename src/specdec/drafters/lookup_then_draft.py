@@ -36,12 +36,12 @@ from typing import Protocol
 
 import torch
 
-from specdec.config import DEFAULT_NGRAM_MIN
 from specdec.drafters.base import Draft, Drafter, RowOutlook
 from specdec.drafters.draft_model import DraftModelDrafter
 from specdec.drafters.eagle import EagleDrafter
 from specdec.drafters.ngram import NgramDrafter
 from specdec.kv_cache import BlockPool
+from specdec.methods import METHODS
 from specdec.metrics import AcceptanceEstimate
 from specdec.models.eagle import is_head_directory
 from specdec.sampling import SamplingTensors, point_mass
@@ -87,7 +87,7 @@ class LookupThenDraftDrafter(Drafter):
         """Prompt lookup with this method's default n-gram lengths in front of draft_model's
         weights (and runner: see DraftModelDrafter.sharing_weights)."""
         return cls(
-            NgramDrafter(DEFAULT_NGRAM_MIN["lookup_then_draft"], device=draft_model.model.device),
+            NgramDrafter(METHODS["lookup_then_draft"].ngram_min or 1, device=draft_model.model.device),
             draft_model.sharing_weights(),
         )
 
