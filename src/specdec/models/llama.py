@@ -25,6 +25,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from specdec.kv_cache import BLOCK_SIZE, BlockPool, CacheRows, KVCache, TreeAttention, blocks_for
+from specdec.models.attention import TorchAttention, attention_for
 
 
 @dataclass(frozen=True)
@@ -145,6 +146,7 @@ class Attention(nn.Module):
             self.k_norm = RMSNorm(config.head_dim, config.rms_norm_eps)
         else:
             self.q_norm = self.k_norm = None
+        self.backend: TorchAttention | None = None  # how it attends (attention.py); None: its device's
 
     def forward(
         self, x, cos, signed_sin, mask, positions, cache: KVCache | CacheRows | None, num_keys: int
@@ -159,79 +161,17 @@ class Attention(nn.Module):
             q, k = self.q_norm(qkv[:, :, :H]), self.k_norm(qkv[:, :, H : H + Hkv])
             q, k = apply_rope(q, cos, signed_sin), apply_rope(k, cos, signed_sin)
         v = qkv[:, :, H + Hkv :]  # [B, T, Hkv, D]
-        if isinstance(cache, (KVCache, CacheRows)) and _attends_cache_by_query(q):  # any forward over the cache
-            if num_keys > cache.max_len:
-                raise ValueError(f"position {num_keys - 1} is past the cache length {cache.max_len}")
-            cache.write(self.layer_index, positions, k, v)
-            keys, values, blocks = cache.layer(self.layer_index, B)  # the pool, read through each row's blocks
-            out = torch.ops.specdec.attend_paged(
-                q, keys, values, blocks, mask, num_keys, self.head_dim**-0.5
-            )  # [B, T, H, D]
-            return self.o_proj(out.reshape(B, T, -1))  # [B, T, H*D] -> [B, T, hidden]
-        if cache is None:  # training: the keys are this sequence's own, causal by construction
-            keys, values = k, v
-        else:
-            keys, values = cache.write_and_read(self.layer_index, positions, k, v, num_keys)  # [B, S, Hkv, D] each
-        if cache is not None and _attends_by_rows(q, T):  # another cache (training's steps): its keys as read
-            out = torch.ops.specdec.attend(q, keys, values, mask, self.head_dim**-0.5)  # [B, T, H, D]
-            return self.o_proj(out.reshape(B, T, -1))  # [B, T, H*D] -> [B, T, hidden]
-        q, keys, values = q.transpose(1, 2), keys.transpose(1, 2), values.transpose(1, 2)  # [B, H(kv), T|S, D]
-        if _attend_in_float32(q, T):
-            q, keys, values = q.float(), keys.float(), values.float()
-        out = F.scaled_dot_product_attention(
-            q,
-            keys,
-            values,
-            attn_mask=mask,
-            is_causal=mask is None and cache is None,
-            enable_gqa=self.num_heads != self.num_kv_heads,
-        ).to(x.dtype)  # [B, H, T, D]
-        return self.o_proj(out.transpose(1, 2).reshape(B, T, -1))  # [B, T, H*D] -> [B, T, hidden]
+        backend = self.backend if self.backend is not None else attention_for(q.device.type)
+        out = backend.attend(self.layer_index, q, k, v, mask, positions, cache, num_keys)  # [B, T, H, D]
+        return self.o_proj(out.reshape(B, T, -1))  # [B, T, H*D] -> [B, T, hidden]
 
 
-FLOAT32_ATTENTION_MAX_QUERIES = 16
-
-
-def _attends_cache_by_query(q: torch.Tensor) -> bool:
-    """On the CPU, every forward over the KV cache (a decode step, a verify forward, a prefill
-    or a chunk of one) attends with specdec's kernel (kernels/attention.cpp), which computes each
-    query alone over its own keys: a verify forward then gives bit for bit what the decode steps
-    would, and a row's values do not depend on the rows it shares a forward with (their lengths,
-    the padding up to the longest) nor on where its prefill was split into chunks. PyTorch's
-    attention does neither: it rounds a query by the block of queries and keys it shares, so a
-    prompt prefilled beside a longer one cached slightly different keys, and a seeded request's
-    tokens changed with its batch. Where the kernel cannot be built, PyTorch's attention."""
-    return q.device.type == "cpu" and _attention_kernel_built()
-
-
-def _attends_by_rows(q: torch.Tensor, num_queries: int) -> bool:
-    """A forward of up to FLOAT32_ATTENTION_MAX_QUERIES queries over another cache (training's
-    steps) attends with the same kernel, for the same reason (a step rounds as a verify would)."""
-    return num_queries <= FLOAT32_ATTENTION_MAX_QUERIES and _attends_cache_by_query(q)
-
-
-def _attention_kernel_built() -> bool:
-    from specdec import kernels
-
-    return kernels.available()
-
-
-# Functions torch.compile may take as constants (the runner marks them with torch._dynamo.
-# assume_constant_result when it compiles; marking them here would import torch._dynamo with
-# every model, which costs memory and time: docs/runner.md, "Compiling: what, when, and where the
-# cache lives").
-COMPILE_TIME_CONSTANTS = (_attention_kernel_built,)
-
-
-def _attend_in_float32(q: torch.Tensor, num_queries: int) -> bool:
-    """On the CPU, half-precision attention over a few queries (a decode step or a verify
-    forward) runs in float32: PyTorch's bf16 CPU kernel is several times slower there
-    (docs/runner.md, "Attention"; the decode step it gives is in docs/core_speed.md, from
-    benchmarks/bench_core.py). Decode steps and verify forwards of up to
-    FLOAT32_ATTENTION_MAX_QUERIES tokens (k <= 15) both do, so they round
-    alike; longer forwards (prefills, and verifying k >= 16) keep the half-precision kernel,
-    which is as fast there."""
-    return q.device.type == "cpu" and q.dtype != torch.float32 and num_queries <= FLOAT32_ATTENTION_MAX_QUERIES
+def use_attention(model: nn.Module, backend: TorchAttention) -> None:
+    """Every attention layer of model attends with backend from now on (attention.py: a runner
+    fixes its model's once, before anything runs; elsewhere each forward takes its device's)."""
+    for module in model.modules():
+        if isinstance(module, Attention):
+            module.backend = backend
 
 
 class MLP(nn.Module):

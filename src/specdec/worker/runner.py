@@ -46,9 +46,10 @@ import torch
 
 from specdec.config import COMPILE_MODES
 from specdec.kv_cache import BlockPool, KVCache, TreeAttention, ragged_batch
+from specdec.models.attention import attention_for
 from specdec.models.cpu_linear import can_pack, pack_large_linears_in_bf16, pack_linears
 from specdec.models.gguf_linear import runs_gguf_kernels
-from specdec.models.llama import LlamaModel
+from specdec.models.llama import LlamaModel, use_attention
 from specdec.models.quantized_linear import check_quantization, quantize_linears
 from specdec.platform import Platform, detect_platform
 from specdec.progress import stage
@@ -146,6 +147,7 @@ class ModelRunner:
         quantization: str | None = None,
     ):
         self.model = model
+        use_attention(model, attention_for(model.device.type))  # chosen once: nothing compiled chooses
         self.platform = platform or detect_platform(model.device)
         if model.device.type == "cuda":
             avoid_cudnn_attention()
@@ -288,10 +290,6 @@ class ModelRunner:
     def _compile(self):
         import torch._dynamo  # imported when first needed: with inductor, it costs memory and time
 
-        from specdec.models.llama import COMPILE_TIME_CONSTANTS
-
-        for function in COMPILE_TIME_CONSTANTS:
-            torch._dynamo.assume_constant_result(function)
         torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, DYNAMO_RECOMPILE_LIMIT)
         torch._dynamo.config.accumulated_recompile_limit = max(
             torch._dynamo.config.accumulated_recompile_limit, 4 * DYNAMO_RECOMPILE_LIMIT
