@@ -177,7 +177,7 @@ class ReplicaClient:
         stopping (stop): APIError 503 shutting_down."""
         if self._stopping:
             raise _shutting_down()
-        route = self.router.route(request_id, prompt_token_ids, params.max_tokens)
+        route = self.router.route(request_id, prompt_token_ids, params.max_tokens * params.n)  # n completions
         self.routed.labels(self.model_name, str(route.replica), route.reason).inc()
         streaming = self.handles[route.replica].options(stream=True)
         response = cast(
