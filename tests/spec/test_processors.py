@@ -160,7 +160,17 @@ DRAFTERS = {
     "chain": dict(speculative_method="draft_model", num_speculative_tokens=4),
     "tree": dict(speculative_method="draft_model", num_speculative_tokens=6, speculative_tree="2,2,1"),
     "lookup": dict(speculative_model="[ngram]", num_speculative_tokens=4),
+    "staged": dict(speculative_method="staged", num_speculative_tokens=4),  # prompt lookup, then the draft model
 }
+
+
+def drafter_kwargs(pair, drafter: str) -> dict:
+    kwargs = dict(DRAFTERS[drafter])
+    if drafter == "staged":
+        kwargs["speculative_model"] = ["[ngram]", str(pair["draft"])]
+    elif kwargs.get("speculative_model") is None:
+        kwargs["speculative_model"] = str(pair["draft"])
+    return kwargs
 
 
 @pytest.mark.parametrize("drafter", sorted(DRAFTERS))
@@ -168,10 +178,7 @@ def test_greedy_equals_transformers_generate_with_the_same_processors(pair, draf
     """repetition_penalty, logit_bias (EOS pushed up, another token down) and min_tokens (which
     holds the EOS back for a while): the tokens transformers' generate gives, EOS included."""
     model = load_hf(pair["target"])
-    kwargs = dict(DRAFTERS[drafter])
-    if kwargs.get("speculative_model") is None:
-        kwargs["speculative_model"] = str(pair["draft"])
-    llm = LLM(str(pair["target"]), dtype="float32", speculative_k_policy="fixed", **kwargs)
+    llm = LLM(str(pair["target"]), dtype="float32", speculative_k_policy="fixed", **drafter_kwargs(pair, drafter))
     (eos,) = llm.target.eos_token_ids
     rng = random.Random(2)
     prompts = [[rng.randrange(2, 300) for _ in range(rng.randint(4, 12))] for _ in range(3)]
@@ -193,6 +200,36 @@ def test_greedy_equals_transformers_generate_with_the_same_processors(pair, draf
             assert len(want) >= params.min_tokens
     assert stopped_by_eos >= 2  # min_tokens held the EOS back until its time, then let it through
     assert accepted > 0
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_staged_drafts_come_from_the_processed_stage(pair, monkeypatch, temperature):
+    """Staged drafts' inner verify processes the draft model's logits as the target's are: under
+    allowed_token_ids every token the staged drafter proposes is an allowed one (the draft
+    model's own corrections and bonus tokens come from its processed distribution; unprocessed,
+    most would fall outside the 12 allowed of 320), and the greedy output is transformers'."""
+    from specdec.spec.staged import StagedDrafter
+
+    proposed: list[int] = []
+    propose = StagedDrafter.propose
+
+    def recording(self, batch, ks, sampling):
+        draft = propose(self, batch, ks, sampling)
+        for row, n in enumerate(draft.num_tokens.tolist()):
+            proposed.extend(draft.token_ids[row, :n].tolist())
+        return draft
+
+    monkeypatch.setattr(StagedDrafter, "propose", recording)
+    llm = LLM(str(pair["target"]), dtype="float32", speculative_k_policy="fixed", **drafter_kwargs(pair, "staged"))
+    allowed = list(range(200, 212))
+    params = SamplingParams(temperature=temperature, max_tokens=24, allowed_token_ids=allowed, ignore_eos=True, seed=3)
+    prompts = [[200, 201, 202, 203, 200, 201, 202, 203, 200, 201], [5, 6, 7, 8, 9]]
+    outputs = llm.generate(prompts, params)
+    assert len(proposed) > 20 and set(proposed) <= set(allowed), sorted(set(proposed) - set(allowed))[:10]
+    if temperature == 0:
+        model = load_hf(pair["target"])
+        (eos,) = llm.target.eos_token_ids
+        assert [o.outputs[0].token_ids for o in outputs] == [hf_greedy(model, p, params, eos) for p in prompts]
 
 
 @pytest.mark.parametrize("drafter", ["chain", "tree"])
@@ -289,6 +326,8 @@ SAMPLED_DRAFTERS = {
     "eagle": (dict(speculative_method="eagle", num_speculative_tokens=2), NUM_DRAWS // 2),
     "ngram": (dict(speculative_model="[ngram]", num_speculative_tokens=2), NUM_DRAWS // 2),
     "tree": (dict(speculative_tree="3,2", num_speculative_tokens=5), NUM_DRAWS // 2),
+    # prompt lookup, then the draft model verifying it with processed logits (spec/staged.py)
+    "staged": (dict(speculative_method="staged", num_speculative_tokens=2), NUM_DRAWS // 2),
 }
 
 
@@ -301,7 +340,9 @@ def test_sampled_tokens_follow_the_processed_target(setup, drafter):  # noqa: F8
     params = SamplingParams(max_tokens=3, ignore_eos=True, **PROCESSED)
     setting = dict(temperature=PROCESSED["temperature"])
     joints = exact_distributions(processed_continuation_logits(setup, params), setting)
-    model = {"eagle": setup["head"], "ngram": "[ngram]"}.get(drafter, setup["draft"])
+    model = {"eagle": setup["head"], "ngram": "[ngram]", "staged": ["[ngram]", setup["draft"]]}.get(
+        drafter, setup["draft"]
+    )
     llm = LLM(
         setup["target"],
         **{"speculative_model": model, **options},

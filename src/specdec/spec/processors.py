@@ -115,6 +115,13 @@ class LogitsProcessors:
         counts.scatter_add_(1, drafts[None, :].expand(on_branch.shape[0], -1), on_branch.to(torch.float32))
         return counts
 
+    def for_chain(self, logits: torch.Tensor, batch: list[Sequence], drafts: torch.Tensor) -> torch.Tensor:
+        """A chain's verify logits [B, k+1, V] after its drafts [B, k] processed (column t follows
+        drafts 0..t-1), or as they came where the vocabulary is another model's."""
+        if logits.shape[-1] != self.vocab_size:
+            return logits
+        return self(logits, batch, drafts, chain_branches(drafts))
+
     def for_draft(
         self, scores: torch.Tensor, batch: list[Sequence], drafted: torch.Tensor | None, scored_ids=None, vocab_size=0
     ) -> torch.Tensor:
@@ -203,3 +210,11 @@ def _paths(drafts: torch.Tensor, on_branch: torch.Tensor) -> list[list[int]]:
     branch's ancestors come before it."""
     draft_list = drafts.tolist()
     return [[draft_list[s] for s in row.nonzero().flatten().tolist()] for row in on_branch]
+
+
+def chain_branches(drafts: torch.Tensor) -> torch.Tensor:
+    """[B, k+1, k] bool: the drafts (drafts [B, k]) in each verify column's context: a chain's
+    column t follows drafts 0..t-1."""
+    B, D = drafts.shape
+    columns = torch.arange(D + 1, device=drafts.device)  # [k+1]
+    return (columns[None, :-1] < columns[:, None])[None].expand(B, -1, -1)  # [B, k+1, k]

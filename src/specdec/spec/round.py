@@ -29,7 +29,7 @@ from specdec.kv_cache import TreeAttention
 from specdec.models.tokenizer import Tokenizer
 from specdec.sampling import SamplingTensors, sample, token_logprobs, warp
 from specdec.sequence import Sequence
-from specdec.spec.processors import LogitsProcessors
+from specdec.spec.processors import LogitsProcessors, chain_branches
 from specdec.spec.tree_width import TreeWidth
 from specdec.spec.verify import greedy_tree_verify, greedy_verify, rejection_sample, tree_rejection_sample
 from specdec.tree import TreeShape, branches
@@ -344,11 +344,9 @@ class SpeculativeRound:
 def _on_branch(draft: Draft, tree: TreeAttention | None) -> torch.Tensor:
     """[B, k+1, k] bool: the drafts in each verify column's context: a chain's column t follows
     drafts 0..t-1; a tree's column follows the nodes of its branch, itself included."""
-    B, D = draft.token_ids.shape
     if tree is not None:
         return tree.visible[:, :, 1:]  # columns 1..k are the nodes
-    columns = torch.arange(D + 1, device=draft.token_ids.device)  # [k+1]
-    return (columns[None, :-1] < columns[:, None])[None].expand(B, -1, -1)  # [B, k+1, k]
+    return chain_branches(draft.token_ids)
 
 
 def _warp(target_logits: torch.Tensor, sampling: SamplingTensors) -> torch.Tensor:

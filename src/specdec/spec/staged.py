@@ -296,7 +296,11 @@ class StagedDrafter(DraftModelDrafter):
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
         """Rejection sampling of the inner draft against the model (greedy: prefix matching) ->
         tokens [R, k'+1], num_accepted [R], the model's warped distributions [R, k'+1, V] (None
-        when all greedy)."""
+        when all greedy). The model's logits are processed as the target's are (the requests'
+        penalties, biases, grammar: spec/processors.py), so that the stage drafts what the target
+        may take."""
+        if sampling.processors is not None:
+            logits = sampling.processors.for_chain(logits, views, draft.token_ids)
         if sampling.all_greedy:
             return *greedy_verify(draft.token_ids, num_draft, logits.argmax(-1)), None
         R, T, V = logits.shape  # T = k' + 1
