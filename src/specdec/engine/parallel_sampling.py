@@ -92,10 +92,11 @@ class RequestTable:
         """A step's outputs (each sequence's, under its request's id: OutputProcessor.new_output),
         one per request: a parent's completions that moved joined, in index order, finished once
         all its completions are (it is then forgotten)."""
-        by_request: dict[str, RequestOutput] = {}
+        by_request: dict[str, RequestOutput] = {}  # a request's first output, its completions' joined into it
         for output in outputs:
-            joined = by_request.setdefault(output.request_id, dataclasses.replace(output, outputs=[]))
-            joined.outputs += output.outputs
+            joined = by_request.setdefault(output.request_id, output)
+            if joined is not output:  # each output's list of completions is its own (new_output's)
+                joined.outputs += output.outputs
         for request_id, joined in by_request.items():
             completions = self._completions.get(request_id)
             if completions is None:
