@@ -11,7 +11,19 @@ import torch
 
 from gguf_files import tiny_hf_model, write_gguf
 from helpers import save_tiny_model
-from specdec.kv_cache import BlockPool, BlockTable, KVCache, blocks_for
+from specdec.block_manager import BlockManager
+from specdec.kv_cache import (
+    COMPILED_MAX_QUERIES,
+    SCRATCH_ROW_BLOCKS,
+    BlockPool,
+    BlockTable,
+    KVCache,
+    blocks_for,
+    compiled_batch,
+    compiled_length,
+    entries,
+    pool_for,
+)
 from specdec.models.loader import load_pretrained
 
 MAX_LEN = 70  # 5 blocks, the last in part
@@ -92,3 +104,41 @@ def test_a_table_refuses_blocks_past_its_end():
         table.assign(0, 2, [5, 6])
     with pytest.raises(ValueError, match="smaller than the cache's"):
         KVCache(1, 2, 64, 1, 16, torch.float32, "cpu", table=table, num_blocks=10)
+
+
+@pytest.mark.parametrize("max_seqs,max_len,num_blocks", [(1, 40, 4), (3, 300, 60), (8, 700, 400)])
+def test_a_compiled_pool_is_shaped_for_its_graphs(max_seqs, max_len, num_blocks):
+    """pool_for(compiled=True): slots for the batch padded to a power of two, then the scratch
+    slot; a power of two of positions per slot (at least 256); blocks for every slot at full
+    length (exact: the budget's) and the scratch slot's own, which hold each of its first
+    COMPILED_MAX_QUERIES positions in an entry of its own, and which no block manager hands out."""
+    for exact in (False, True):
+        pool = pool_for(None, max_seqs, max_len, num_blocks, "cpu", exact=exact, compiled=True)
+        rows, length = compiled_batch(max_seqs), compiled_length(max_len)
+        assert rows >= max_seqs and rows & (rows - 1) == 0 and rows < 2 * max_seqs + 1
+        assert length >= max(max_len, 256) and length & (length - 1) == 0 and length < 2 * max(max_len, 256)
+        assert (pool.table.max_seqs, pool.table.max_blocks) == (rows + 1, blocks_for(length))
+        sequence_blocks = num_blocks if exact else 1 + rows * blocks_for(length)
+        assert pool.num_blocks == sequence_blocks + SCRATCH_ROW_BLOCKS == pool.sequence_blocks + SCRATCH_ROW_BLOCKS
+        scratch = pool.table.table[pool.scratch_slot]
+        written = entries(scratch[None], torch.arange(COMPILED_MAX_QUERIES)[None])[0]  # [64]
+        assert written.unique().numel() == COMPILED_MAX_QUERIES
+        assert bool((written >= sequence_blocks * 16).all()) and bool((written < pool.num_blocks * 16).all())
+        manager = BlockManager(pool.sequence_blocks, pool.table)
+        each = min(manager.num_free // max_seqs, pool.table.max_blocks)
+        for slot in range(max_seqs):
+            manager.grow(slot, each * 16)
+        handed = [block for slot in range(max_seqs) for block in manager.blocks_of(slot)]
+        assert len(handed) == max_seqs * each and max(handed) < sequence_blocks
+        assert pool.table.table[:max_seqs].max() < sequence_blocks  # no sequence's slot reads the scratch blocks
+
+
+def test_a_held_pool_is_kept_only_where_it_suits_the_work():
+    """A compiled pool serves eager work of its size too (its scratch slot unused), and is kept
+    with its scratch slot's blocks assigned again; an eager pool is not kept for compiled work."""
+    compiled = pool_for(None, 3, 300, 60, "cpu", compiled=True)
+    assert pool_for(compiled, 2, 200, 30, "cpu") is compiled
+    again = pool_for(compiled, 4, 256, 10, "cpu", compiled=True)
+    assert again is compiled and int(again.table.table[again.scratch_slot, 0]) == again.sequence_blocks
+    eager = pool_for(None, 3, 300, 60, "cpu")
+    assert not eager.compiled and pool_for(eager, 3, 300, 60, "cpu", compiled=True).compiled

@@ -87,26 +87,78 @@ class BlockTable:
 @dataclass(frozen=True)
 class BlockPool:
     """What the caches of one engine's sequences share: the block table (the engine's block
-    manager writes it) and the number of blocks each cache's pool holds."""
+    manager writes it) and the number of blocks each cache's pool holds.
+
+    compiled: the pool is shaped for compiled forwards (pool_for): its table's last row is the
+    scratch slot, where the padding rows of a compiled batch go, and it owns the pool's last
+    SCRATCH_ROW_BLOCKS blocks (positions 0..COMPILED_MAX_QUERIES-1, so that a probe of a
+    compiled graph against eager writes each position to an entry of its own)."""
 
     table: BlockTable
     num_blocks: int
+    compiled: bool = False
+
+    @property
+    def scratch_slot(self) -> int:
+        """A compiled pool's scratch slot: its table's last row, never a sequence's."""
+        assert self.compiled, "only a compiled pool has a scratch slot"
+        return self.table.max_seqs - 1
+
+    @property
+    def sequence_blocks(self) -> int:
+        """The blocks a block manager hands out from (0..sequence_blocks-1, block 0 the scratch
+        block): all but the scratch slot's."""
+        return self.num_blocks - (SCRATCH_ROW_BLOCKS if self.compiled else 0)
+
+
+COMPILED_MAX_QUERIES = 64  # tokens a row of a compiled forward feeds at most (longer: eager)
+SCRATCH_ROW_BLOCKS = -(-COMPILED_MAX_QUERIES // BLOCK_SIZE)  # a compiled pool's scratch slot's blocks
+MIN_COMPILED_LEN = 256  # a compiled pool's positions per slot: a power of two from here (few shapes)
+
+
+def compiled_batch(max_seqs: int) -> int:
+    """The rows of a compiled graph for max_seqs sequences: the next power of two."""
+    return 1 << (max_seqs - 1).bit_length()
+
+
+def compiled_length(max_len: int) -> int:
+    """The positions per slot of a compiled cache: the next power of two, at least MIN_COMPILED_LEN."""
+    return max(MIN_COMPILED_LEN, 1 << (max_len - 1).bit_length())
 
 
 def pool_for(
-    held: BlockPool | None, max_seqs: int, max_len: int, num_blocks: int, device, exact: bool = False
+    held: BlockPool | None,
+    max_seqs: int,
+    max_len: int,
+    num_blocks: int,
+    device,
+    exact: bool = False,
+    compiled: bool = False,
 ) -> BlockPool:
     """A pool of num_blocks for max_seqs slots of max_len positions: held where it is large
-    enough (exact: of num_blocks exactly, a memory budget's), else a new one; its table cleared."""
+    enough (exact: of num_blocks exactly, a memory budget's), else a new one; its table cleared.
+
+    compiled: shaped for compiled forwards, whose shapes it fixes (a compiled graph reads every
+    slot's blocks for all its positions): compiled_batch(max_seqs) slots and the scratch slot,
+    compiled_length(max_len) positions each, and blocks for all of them (exact: num_blocks and
+    the scratch slot's), so that work of similar sizes finds the same shapes."""
+    if compiled:
+        max_seqs, max_len = compiled_batch(max_seqs) + 1, compiled_length(max_len)
+        whole = 1 + (max_seqs - 1) * blocks_for(max_len)
+        num_blocks = (num_blocks if exact else whole) + SCRATCH_ROW_BLOCKS
     if (
         held is None
         or held.table.max_seqs < max_seqs
         or held.table.max_blocks < blocks_for(max_len)
         or held.num_blocks < num_blocks
         or (exact and held.num_blocks > num_blocks)
+        or (compiled and not held.compiled)
     ):
-        held = BlockPool(BlockTable(max_seqs, blocks_for(max_len), device), num_blocks)
+        held = BlockPool(BlockTable(max_seqs, blocks_for(max_len), device), num_blocks, compiled)
     held.table.table.fill_(SCRATCH_BLOCK)
+    if held.compiled:
+        first = held.num_blocks - SCRATCH_ROW_BLOCKS
+        held.table.assign(held.scratch_slot, 0, list(range(first, held.num_blocks)))
     return held
 
 

@@ -320,21 +320,25 @@ def test_generate_calls_one_after_another_find_the_prefixes_of_the_calls_before(
 
 
 @pytest.mark.slow
-def test_a_compiled_target_shares_no_prefix_and_outputs_are_the_same(tiny_pair, plain):
-    """A compiled target's cache is static, of slots of its own, not the pool's blocks: a
-    request joining while another with the same 50-token system prompt runs finds no prefix
-    (its own slot holds none of those entries) and gets what the target alone gives it."""
+def test_a_compiled_target_shares_prefixes_as_an_eager_one(tiny_pair, plain):
+    """A compiled target reads the pool's blocks as an eager one does (one KV format): requests
+    joining while another with the same 50-token system prompt runs find its 3 whole blocks in
+    the prefix cache, and each gets what the target alone gives it."""
     system = shared_random_prompts(1, seed=41, lengths=(50, 51))[0]
     prompts = [system + tail for tail in shared_random_prompts(3, seed=43, lengths=(2, 20))]
     params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
     expected = {f"r{i}": out.outputs[0].token_ids for i, out in enumerate(plain.generate(prompts, params))}
-    llm = LLM(str(tiny_pair["target"]), dtype="float32", max_num_seqs=4, compile="on", speculative_method="none")
-    llm.engine.prepare_to_serve(max_model_len=128)
-    assert llm.runner.cache.static
-    joined: dict = {}
-    run_to_end(llm.engine, joined, [(2 * i, f"r{i}", prompt, params) for i, prompt in enumerate(prompts)])
-    assert {request_id: ids for request_id, (ids, _, _) in joined.items()} == expected
-    assert llm.engine.capacity.prefix_cache_counts == (0, 0)
+    counts = {}
+    for compile in ("on", "off"):
+        llm = LLM(str(tiny_pair["target"]), dtype="float32", max_num_seqs=4, compile=compile, speculative_method="none")
+        llm.engine.prepare_to_serve(max_model_len=128)
+        assert llm.runner.cache.static == (compile == "on")
+        assert llm.runner.reads_pool(llm.engine.capacity.pool)
+        joined: dict = {}
+        run_to_end(llm.engine, joined, [(2 * i, f"r{i}", prompt, params) for i, prompt in enumerate(prompts)])
+        assert {request_id: ids for request_id, (ids, _, _) in joined.items()} == expected
+        counts[compile] = llm.engine.capacity.prefix_cache_counts
+    assert counts["on"] == counts["off"] and counts["on"][1] == 2 * 3 * 16  # 2 later requests x 3 blocks
 
 
 def recording(runner, method: str, monkeypatch) -> list[int]:

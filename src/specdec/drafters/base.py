@@ -133,6 +133,11 @@ class Drafter(ABC):
         positions shares (its cache then holds what the sequence's blocks hold; kv_cache.py);
         None, or a drafter of other positions: a cache of its own."""
 
+    def compiles(self, max_batch: int, max_len: int, num_forwards: int) -> bool:
+        """Whether reserve() for this work runs a model of this drafter compiled (then the
+        engine's pool is shaped for compiled forwards: kv_cache.pool_for)."""
+        return False
+
     @abstractmethod
     def propose(self, batch: list[Sequence], ks: list[int], sampling: SamplingTensors) -> Draft:
         """Draft up to ks[i] tokens for sequence i (whose tokens so far are seq.token_ids): a

@@ -160,9 +160,10 @@ class CrossTokenizerDrafter(Drafter):
         own_len = max_len * DRAFT_LENGTH_FACTOR
         whole = 1 + max_batch * blocks_for(own_len)
         num_blocks = whole if pool is None else min(whole, 1 + (pool.num_blocks - 1) * DRAFT_LENGTH_FACTOR)
-        own = self.pool = pool_for(self.pool, max_batch, own_len, num_blocks, self.model.device, exact=True)
-        self.blocks = BlockManager(num_blocks, own.table)
         # a round feeds up to CATCH_UP_WIDTH tokens per row (catch-up), then one per draft step
+        compiled = self.runner.compiles(max_batch, own_len, (1, CATCH_UP_WIDTH), num_forwards)
+        own = self.pool = pool_for(self.pool, max_batch, own_len, num_blocks, self.model.device, True, compiled)
+        self.blocks = BlockManager(own.sequence_blocks, own.table)
         self.runner.prepare(max_batch, own_len, (1, CATCH_UP_WIDTH), num_forwards, pool=own)
         self.fed.clear()
 

@@ -43,6 +43,7 @@ DRAFT_BLOCK_TYPE = "Q4_0"  # what draft_quantization "auto" requantizes a wide G
 REQUANTIZE_ABOVE_BITS = 5.25  # a GGUF draft stored with more bits per weight is requantized (Q4_0: 4.5;
 # Q4_K_M files: 4.8-5.0, their 6-bit output layer weighing more where the vocabulary is large)
 CATCH_UP_WIDTH = 2  # tokens a row the batch's catch-up forward feeds (a round's accepted ones: see _catch_up)
+QUERY_LENGTHS = (1, CATCH_UP_WIDTH)  # a round's forwards: the catch-up, then one token a draft step
 
 
 class DraftModelDrafter(Drafter):
@@ -78,9 +79,11 @@ class DraftModelDrafter(Drafter):
         threshold = self.confidence_threshold if confidence_threshold is None else confidence_threshold
         return DraftModelDrafter(self.runner, self.vocab_size, threshold)
 
+    def compiles(self, max_batch: int, max_len: int, num_forwards: int) -> bool:
+        return self.runner.compiles(max_batch, max_len, QUERY_LENGTHS, num_forwards)
+
     def reserve(self, max_batch: int, max_len: int, num_forwards: int = 0, pool: BlockPool | None = None) -> None:
-        # each round feeds 1 or 2 tokens per row (catch-up), then one per draft step
-        self.runner.prepare(max_batch, max_len, (1, 2), num_forwards, pool=pool)
+        self.runner.prepare(max_batch, max_len, QUERY_LENGTHS, num_forwards, pool=pool)
         self.fed.clear()
         self.shares_pool = self.runner.reads_pool(pool)
 

@@ -136,6 +136,9 @@ class LookupThenDraftDrafter(Drafter):
     ) -> None:
         self.drafter.observe_hidden(batch, first_positions, hidden, num_valid)
 
+    def compiles(self, max_batch: int, max_len: int, num_forwards: int) -> bool:
+        return self.drafter.compiles(max_batch, max_len, num_forwards)
+
     def reserve(self, max_batch: int, max_len: int, num_forwards: int = 0, pool: BlockPool | None = None) -> None:
         self.drafter.reserve(max_batch, max_len, num_forwards, pool)
 

@@ -173,8 +173,14 @@ class Capacity:
         most) in a pool of num_blocks blocks (within_budget: exactly that many); the runners
         compile for it if they are to, and (calibrate) the policy measures its costs at max_batch."""
         held_pool, held_blocks = self.pool, self.blocks
+        # shaped for compiled forwards where the target or the drafter compiles for this work
+        compiled = self.target.compiles(max_batch, max_len, self.k_choice.query_lengths(), num_forwards) or (
+            self.drafter is not None and self.drafter.compiles(max_batch, max_len, num_forwards)
+        )
         # the pool held where it is large enough (within_budget: of num_blocks exactly, the budget's)
-        pool = self.pool = pool_for(self.pool, max_batch, max_len, num_blocks, self.target.device, within_budget)
+        pool = self.pool = pool_for(
+            self.pool, max_batch, max_len, num_blocks, self.target.device, within_budget, compiled
+        )
         readers_made = pool.table.readers_made
         self.blocks = None
         try:
@@ -199,8 +205,8 @@ class Capacity:
             self._calibrate(max_batch, max_len, k)
 
     def _block_manager(self, pool: BlockPool, held: BlockManager | None, entries_kept: bool) -> BlockManager:
-        """Who hands out pool's blocks. Prefix caching shares blocks only where the target's cache
-        reads the pool (a compiled target's static cache keeps slots of its own); a drafter fed
+        """Who hands out pool's blocks. Prefix caching shares blocks where the target's cache
+        reads the pool (compiled or not); a drafter fed
         the target's features needs its own entries of a shared prefix too. held: the block
         manager of the last reserve; entries_kept: the pool and every cache reading it are the
         ones it was for (the entries of its cached prefixes are still there). It is kept then, if
@@ -217,7 +223,7 @@ class Capacity:
             and held.drafter_needs_target == needs_target
         ):
             return held
-        blocks = BlockManager(pool.num_blocks, pool.table, prefix_caching, drafter_needs_target=needs_target)
+        blocks = BlockManager(pool.sequence_blocks, pool.table, prefix_caching, drafter_needs_target=needs_target)
         if held is not None:
             blocks.prefix_queries, blocks.prefix_hits = held.prefix_queries, held.prefix_hits
         return blocks

@@ -143,6 +143,12 @@ class StagedDrafter(DraftModelDrafter):
 
     # --- the engine's calls ------------------------------------------------------------------
 
+    def compiles(self, max_batch: int, max_len: int, num_forwards: int) -> bool:
+        query_lengths = (1, CATCH_UP_WIDTH, self.k_max + 1)
+        return self.runner.compiles(max_batch, max_len, query_lengths, num_forwards) or self.inner.compiles(
+            max_batch, max_len, num_forwards
+        )
+
     def reserve(self, max_batch: int, max_len: int, num_forwards: int = 0, pool: BlockPool | None = None) -> None:
         """The model's cache, for forwards of a catch-up and up to k_max - 1 drafts a row, and the
         inner drafter's; with goodput, the model's forward costs and the inner drafter's step

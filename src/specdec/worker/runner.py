@@ -14,10 +14,12 @@ Two ways to run:
   compiled  torch.compile (inductor) with frozen weights and max-autotune's C++ GEMM
             templates on the CPU (CUDA graphs, mode "reduce-overhead", on CUDA). Shapes are
             made static so nothing recompiles while generating: the cache is static (every
-            forward reads all of its positions, masked), the batch is padded to the cache's
-            slot count and the query length to the next of the runner's query buckets (padding
-            rows write into a scratch slot, padding positions past the row's own). A forward
-            longer than the largest bucket (a prefill) runs eagerly on the same cache.
+            forward reads all positions of its slots' blocks, masked, through the block table:
+            the same pool as eager forwards, shaped by kv_cache.pool_for(compiled=True)), the
+            batch is padded to the cache's slot count and the query length to the next of the
+            runner's query buckets (padding rows write into the scratch slot, padding positions
+            past the row's own). A forward longer than the largest bucket (a prefill) runs
+            eagerly on the same cache.
 
 compile: "off" (eager), "on" (compiled), or "auto": compiled for work of at least
 AUTO_COMPILE_MIN_FORWARDS forwards (waves of requests x the longest max_tokens; the engine
@@ -45,7 +47,16 @@ from typing import Any, Literal, overload
 import torch
 
 from specdec.config import COMPILE_MODES
-from specdec.kv_cache import BlockPool, KVCache, TreeAttention, ragged_batch
+from specdec.kv_cache import (
+    BLOCK_SIZE,
+    COMPILED_MAX_QUERIES,
+    BlockPool,
+    KVCache,
+    TreeAttention,
+    compiled_batch,
+    compiled_length,
+    ragged_batch,
+)
 from specdec.models.attention import attention_for
 from specdec.models.cpu_linear import can_pack, pack_large_linears_in_bf16, pack_linears
 from specdec.models.gguf_linear import runs_gguf_kernels
@@ -60,7 +71,6 @@ log = logging.getLogger("specdec")
 
 AUTO_COMPILE_MIN_FORWARDS = 8192
 MAX_COMPILED_QUERIES = 16  # longer forwards (prefills) run eagerly
-MIN_STATIC_CACHE_LEN = 256  # a static cache's length is a power of two from here: few shapes to compile
 INDUCTOR_CACHE_DIR = Path.home() / ".cache" / "specdec" / "inductor"
 DYNAMO_RECOMPILE_LIMIT = 256  # each shape is one compile of LlamaModel.forward, target and draft alike
 
@@ -220,29 +230,50 @@ class ModelRunner:
     ) -> None:
         """Make the cache for max_batch rows of up to max_len positions (the one held is kept if
         it fits and suits the way this work runs): in the pool's blocks, as its table says (None:
-        each slot its own max_len positions). A compiled cache is static, of slots of its own
-        whatever the pool (its graphs' shapes are fixed). If the work is to run compiled, compile (or
-        load) and run once the graphs for forwards of 1..max(query_lengths) tokens per row,
-        bucketed up to query_lengths, and log how long that took. return_hidden: the work's
+        each slot its own max_len positions). If the work is to run compiled (compiles() says so;
+        then a pool must be shaped for it: kv_cache.pool_for(compiled=True)), the cache reads
+        every position of every slot of the pool's table, and the graphs for forwards of
+        1..max(query_lengths) tokens per row, bucketed up to query_lengths, are compiled (or
+        loaded) and run once, and how long that took is logged. return_hidden: the work's
         forwards will ask for hidden states too (their graphs are the ones compiled)."""
         if return_hidden != self.return_hidden:
             self._warm_shapes.clear()
         self.return_hidden = return_hidden
-        compiled = self._will_compile(num_forwards) or self._compiled_fits(max_batch, max_len, query_lengths)
-        if not compiled:
+        if not self.compiles(max_batch, max_len, query_lengths, num_forwards):
             self.query_buckets = ()
             self.cache = self._cache(max_batch, max_len, static=False, pool=pool)
             return
-        self.cache = self._cache(_batch_bucket(max_batch) + 1, _length_bucket(max_len), static=True)  # + scratch
-        self.query_buckets = tuple(sorted(set(query_lengths)))
+        if pool is not None and not pool.compiled:
+            raise ValueError(f"{self.name} runs this work compiled: its pool must be made by pool_for(compiled=True)")
+        if self._compiled is None:
+            self._compiled = self._compile()
+        if pool is None:  # slots of its own, the last the scratch slot
+            self.cache = self._cache(compiled_batch(max_batch) + 1, compiled_length(max_len), static=True)
+        else:
+            self.cache = self._cache(pool.table.max_seqs, pool.table.max_blocks * BLOCK_SIZE, static=True, pool=pool)
+        self.query_buckets = tuple(sorted({q for q in query_lengths if q <= COMPILED_MAX_QUERIES}))
         with torch.inference_mode():  # as the engine runs: a graph warmed up with autograd on would recompile
             self._warm_up()
         if self._compiled is None:  # it fell back to eager: a cache sized to the work
             self.cache = self._cache(max_batch, max_len, static=False, keep=False, pool=pool)
 
+    def compiles(self, max_batch: int, max_len: int, query_lengths: tuple[int, ...], num_forwards: int) -> bool:
+        """Whether prepare() for this work (num_forwards forwards at most) runs it compiled:
+        compiling pays (compile "on", or "auto" and long work), or graphs already compiled run
+        it as they are (then "auto" uses them for short work too: nothing to pay)."""
+        if self._eager_only or self.compile_mode == "off":
+            return False
+        if not any(q <= COMPILED_MAX_QUERIES for q in query_lengths):
+            return False
+        if self._compiled_fits(max_batch, max_len, query_lengths):
+            return True
+        if self.compile_mode == "auto" and num_forwards < AUTO_COMPILE_MIN_FORWARDS:
+            return False
+        # GGUF weights under "auto": measured no faster, and minutes to compile a shape (docs/runner.md, "GGUF weights")
+        return not (self.compile_mode == "auto" and self._runs_gguf_kernels)
+
     def reads_pool(self, pool: BlockPool | None) -> bool:
-        """Whether the cache prepare() made keeps its entries in pool's blocks (a compiled,
-        static cache keeps slots of its own: a block shared by prefix caching is not its)."""
+        """Whether the cache prepare() made keeps its entries in pool's blocks."""
         return pool is not None and self.cache is not None and self.cache.reads(pool)
 
     def _cache(
@@ -264,8 +295,7 @@ class ModelRunner:
         return self.model.new_cache(num_slots, max_len, static=static, pool=pool)
 
     def _compiled_fits(self, max_batch: int, max_len: int, query_lengths) -> bool:
-        """Whether graphs already compiled run this work as they are (then "auto" uses them
-        for short work too: nothing to pay)."""
+        """Whether graphs already compiled run this work as they are."""
         cache = self.cache
         return (
             self._compiled is not None
@@ -273,19 +303,8 @@ class ModelRunner:
             and cache.static
             and cache.max_batch > max_batch
             and cache.max_len >= max_len
-            and set(query_lengths) <= set(self.query_buckets)
+            and {q for q in query_lengths if q <= COMPILED_MAX_QUERIES} <= set(self.query_buckets)
         )
-
-    def _will_compile(self, num_forwards: int) -> bool:
-        if self._eager_only or self.compile_mode == "off":
-            return False
-        if self.compile_mode == "auto" and num_forwards < AUTO_COMPILE_MIN_FORWARDS:
-            return False
-        if self.compile_mode == "auto" and self._runs_gguf_kernels:
-            return False  # measured no faster, and minutes to compile a shape (docs/runner.md, "GGUF weights")
-        if self._compiled is None:
-            self._compiled = self._compile()
-        return self._compiled is not None
 
     def _compile(self):
         import torch._dynamo  # imported when first needed: with inductor, it costs memory and time
@@ -510,7 +529,8 @@ class ModelRunner:
     def _pad(self, batch: ForwardBatch, num_queries: int) -> ForwardBatch:
         """batch [B, T] padded to the compiled shape [cache.max_batch - 1, num_queries]: extra
         columns continue each row's positions (clamped to the cache's last one, which the engine
-        keeps free), extra rows feed token 0 into the scratch slot (the cache's last)."""
+        keeps free), extra rows feed token 0 into the scratch slot (the cache's last: a compiled
+        pool's scratch slot, or a cache of its own's last)."""
         input_ids, positions = batch.input_ids, batch.positions
         B, T = input_ids.shape
         max_batch, max_len = self._kv.max_batch, self._kv.max_len
@@ -605,13 +625,3 @@ def _relative_error(got: torch.Tensor, expected: torch.Tensor) -> float:
     if not bool(finite.any()):
         return 0.0
     return float((got[finite] - expected[finite]).abs().max() / expected[finite].abs().max().clamp(min=1e-6))
-
-
-def _batch_bucket(batch: int) -> int:
-    """The batch a compiled graph is made for: the next power of two."""
-    return 1 << (batch - 1).bit_length()
-
-
-def _length_bucket(length: int) -> int:
-    """A static cache's length: the next power of two, at least MIN_STATIC_CACHE_LEN."""
-    return max(MIN_STATIC_CACHE_LEN, 1 << (length - 1).bit_length())
