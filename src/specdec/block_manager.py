@@ -139,13 +139,16 @@ class BlockManager:
 
     # --- prefixes -----------------------------------------------------------------------------
 
-    def admit(self, slot: int, token_ids: list[int], num_positions: int) -> tuple[int, int] | None:
+    def admit(
+        self, slot: int, token_ids: list[int], num_positions: int, look_up: bool = True
+    ) -> tuple[int, int] | None:
         """Blocks for a new sequence in slot, of tokens token_ids, to hold positions
         0..num_positions-1: its longest registered prefix of whole blocks (never its last token,
-        which its prefill must compute), then new blocks. Returns the positions found cached
-        for the target and, of those, for the drafter ((0, 0) without prefix caching), or None
-        if the pool is short (nothing taken)."""
-        cached = self._cached_prefix(token_ids)
+        which its prefill must compute; none where not look_up: a prefill that must compute
+        every position), then new blocks. Returns the positions found cached for the target
+        and, of those, for the drafter ((0, 0) without prefix caching), or None if the pool is
+        short (nothing taken)."""
+        cached = self._cached_prefix(token_ids) if look_up else []
         num_drafted = next((i for i, block in enumerate(cached) if block not in self._drafted), len(cached))
         if self.drafter_needs_target:
             cached = cached[:num_drafted]

@@ -218,6 +218,10 @@ class SamplingParams:
         its `logprobs` most likely tokens (0: the generated token's alone; None: none). They are
         of the target's own distribution, before temperature and the other warps (vLLM's
         default), so they do not depend on the sampling settings or on speculation.
+    prompt_logprobs: also return each prompt token's log-probability under the target given the
+        tokens before it (the first token has none), and those of the `prompt_logprobs` most
+        likely tokens there (vLLM's; None: none). A request asking for them finds no prefix in
+        the prefix cache: its prefill computes every position (as in vLLM).
     num_speculative_tokens: this request's most draft tokens a round (specdec's own, not
         vLLM's): None = the engine's k; 0 = no speculation for it; above the engine's k, the
         engine's k. Requests with different values share a batch. With a tree shape, a
@@ -254,6 +258,7 @@ class SamplingParams:
     seed: int | None = None
     ignore_eos: bool = False
     logprobs: int | None = None
+    prompt_logprobs: int | None = None
     num_speculative_tokens: int | None = None
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
@@ -323,6 +328,14 @@ class SamplingParams:
             "own), or None, got {got!r}",
             most=MAX_LOGPROBS,
             got=self.logprobs,
+        )
+        need(
+            self.prompt_logprobs is None
+            or (is_int(self.prompt_logprobs) and 0 <= self.prompt_logprobs <= MAX_LOGPROBS),
+            "{prompt_logprobs} must be an integer from 0 to {most} (the most likely tokens to return with each prompt "
+            "token's own), or None, got {got!r}",
+            most=MAX_LOGPROBS,
+            got=self.prompt_logprobs,
         )
         need(
             self.num_speculative_tokens is None

@@ -339,7 +339,15 @@ class LLM:
         ]
         first = seqs[0]
         stats = first.stats if len(seqs) == 1 else SpecStats.merge([seq.stats for seq in seqs])
-        return RequestOutput(first.output_request_id, first.prompt, first.prompt_token_ids, completions, stats)
+        prompt_logprobs = list(first.prompt_logprobs) if first.params.prompt_logprobs is not None else None
+        return RequestOutput(
+            first.output_request_id,
+            first.prompt,
+            first.prompt_token_ids,
+            completions,
+            stats,
+            prompt_logprobs=prompt_logprobs,
+        )
 
 
 # Every method's drafter: drafters/'s, and staged drafts, whose stages verify one another with

@@ -22,6 +22,7 @@ class TokenLogprob:
     token_id: int
     logprob: float
     top: tuple[tuple[int, float], ...] = ()
+    rank: int | None = None  # 1 + how many tokens are more likely (vLLM's)
 
 
 @dataclass
@@ -42,3 +43,7 @@ class RequestOutput:
     outputs: list[CompletionOutput]
     metrics: SpecStats = field(default_factory=SpecStats)
     finished: bool = True
+    # per prompt token, when SamplingParams.prompt_logprobs asked for them: None for the first (no
+    # token before it), then each token's TokenLogprob given the ones before; in the request's
+    # first output that has them all (a stream's first tokens), and in its whole output
+    prompt_logprobs: list[TokenLogprob | None] | None = None

@@ -263,9 +263,12 @@ def token_logprobs(logits: torch.Tensor, token_ids: torch.Tensor, num_top: int) 
     """Each row's token's log-probability under log_softmax(logits) (logits [N, V], token_ids
     [N]), with the num_top most likely tokens' (ids and log-probabilities, most likely first)."""
     logprobs = torch.log_softmax(logits.float(), dim=-1)  # [N, V]
-    chosen = logprobs.gather(1, token_ids[:, None].to(logprobs.device))[:, 0].tolist()  # [N]
+    chosen = logprobs.gather(1, token_ids[:, None].to(logprobs.device))  # [N, 1]
+    ranks = ((logprobs > chosen).sum(dim=-1) + 1).tolist()  # [N]
     top_values, top_ids = logprobs.topk(num_top, dim=-1) if num_top else (logprobs[:, :0], logprobs[:, :0].long())
     return [
-        TokenLogprob(token, value, tuple(zip(ids, values)))
-        for token, value, ids, values in zip(token_ids.tolist(), chosen, top_ids.tolist(), top_values.tolist())
+        TokenLogprob(token, value, tuple(zip(ids, values)), rank)
+        for token, value, ids, values, rank in zip(
+            token_ids.tolist(), chosen[:, 0].tolist(), top_ids.tolist(), top_values.tolist(), ranks
+        )
     ]

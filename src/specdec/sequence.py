@@ -27,6 +27,10 @@ class Sequence:
     output_token_ids: list[int] = field(default_factory=list)
     output_from_draft: list[bool] = field(default_factory=list)  # per output token: an accepted draft token?
     output_logprobs: list = field(default_factory=list)  # per output token, when params.logprobs asks: TokenLogprob
+    # per prompt token, when params.prompt_logprobs asks (its prefill fills them): None for the first, then a
+    # TokenLogprob each; reported in its first output once all are there
+    prompt_logprobs: list = field(default_factory=list)
+    prompt_logprobs_reported: bool = False
     text: str = ""  # filled when finished (cut before a stop string)
     finish_reason: str | None = None  # "stop" (EOS, stop token or stop string) or "length"
     stats: SpecStats = field(default_factory=SpecStats)

@@ -165,6 +165,46 @@ def test_n_completions_and_echo_in_openais_shapes(server, offline):
     assert echoed.choices[0].message.content.startswith("Sure")
 
 
+def test_echo_with_logprobs_and_prompt_logprobs(server, offline):
+    """echo with logprobs: the prompt's tokens first in the choice's logprobs (the first one's
+    null), then the completion's, each what LLM.generate gives with prompt_logprobs and
+    logprobs, whole and streamed; vLLM's prompt_logprobs field, in completions' choices and at
+    the top of a chat answer."""
+    client = server.client()
+    prompt = "def add(a, b):"
+    params = SamplingParams(temperature=0, max_tokens=5, ignore_eos=True, logprobs=2, prompt_logprobs=2)
+    want = offline.generate(prompt, params)[0]
+    length = len(want.prompt_token_ids)
+    expected = [entry.logprob for entry in want.prompt_logprobs[1:] + want.outputs[0].logprobs]
+    fields = dict(model=MODEL, prompt=prompt, max_tokens=5, temperature=0, echo=True, logprobs=2)
+    got = client.completions.create(**fields, extra_body={"ignore_eos": True, "prompt_logprobs": 1})
+    (choice,) = got.choices
+    logprobs = choice.logprobs
+    assert choice.text == prompt + want.outputs[0].text
+    assert len(logprobs.tokens) == length + 5 and logprobs.text_offset[0] == 0
+    assert logprobs.token_logprobs[0] is None and logprobs.top_logprobs[0] is None
+    assert logprobs.token_logprobs[1:] == pytest.approx(expected, abs=1e-4)
+    assert all(len(top) in (2, 3) for top in logprobs.top_logprobs[1:])  # the top 2, and the token's own
+    vllm = choice.model_extra["prompt_logprobs"]
+    assert len(vllm) == length and vllm[0] is None
+    for token_id, entry, shaped in zip(want.prompt_token_ids[1:], want.prompt_logprobs[1:], vllm[1:]):
+        assert shaped[str(token_id)]["logprob"] == pytest.approx(entry.logprob, abs=1e-4)
+        assert shaped[str(token_id)]["rank"] == entry.rank >= 1 and len(shaped) in (2, 3)
+    chunks = list(client.completions.create(**fields, extra_body={"ignore_eos": True}, stream=True))
+    streamed = [item for chunk in chunks for item in chunk.choices[0].logprobs.token_logprobs]
+    assert streamed[0] is None and streamed[1:] == pytest.approx(expected, abs=1e-4)
+    assert "".join(chunk.choices[0].text for chunk in chunks) == choice.text
+
+    messages = [{"role": "user", "content": "hi"}]
+    chat_ids = offline.chat_token_ids(messages)
+    chat = client.chat.completions.create(
+        model=MODEL, messages=messages, max_tokens=3, extra_body={"prompt_logprobs": 0}
+    )
+    shaped = chat.model_extra["prompt_logprobs"]
+    assert len(shaped) == len(chat_ids) and shaped[0] is None
+    assert [list(entry)[0] for entry in shaped[1:]] == [str(token_id) for token_id in chat_ids[1:]]
+
+
 WEATHER_TOOL = {
     "type": "function",
     "function": {
@@ -519,7 +559,7 @@ BAD_REQUESTS = [
     ("max_tokens past the context", {"model": MODEL, "prompt": "hi", "max_tokens": CONTEXT}, None),
     ("n 0", {"model": MODEL, "prompt": "hi", "n": 0}, "n"),
     ("n over 128", {"model": MODEL, "prompt": "hi", "n": 129}, "n"),
-    ("echo with logprobs", {"model": MODEL, "prompt": "hi", "echo": True, "logprobs": 1}, "echo"),
+    ("prompt_logprobs over 20", {"model": MODEL, "prompt": "hi", "prompt_logprobs": 21}, "prompt_logprobs"),
     ("logprobs over 20", {"model": MODEL, "prompt": "hi", "logprobs": 21}, "logprobs"),
     ("penalty past 2", {"model": MODEL, "prompt": "hi", "presence_penalty": 2.5}, "presence_penalty"),
     ("vLLM's penalty 0", {"model": MODEL, "prompt": "hi", "repetition_penalty": 0}, "repetition_penalty"),

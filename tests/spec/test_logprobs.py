@@ -4,6 +4,8 @@ trees), greedy and sampled; requests without logprobs beside them get none."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -78,3 +80,74 @@ def test_logprobs_are_checked(tiny_pair):
         SamplingParams(logprobs=21)
     with pytest.raises(ValueError, match="logprobs"):
         SamplingParams(logprobs=-1)
+
+
+def assert_prompt_logprobs(output, sampling: SamplingParams, model) -> None:
+    """output.prompt_logprobs against transformers' log_softmax over the prompt: None for the
+    first token, then each token's and the top sampling.prompt_logprobs."""
+    prompt = output.prompt_token_ids
+    with torch.no_grad():
+        want = torch.log_softmax(model(torch.tensor([prompt])).logits[0, :-1].float(), dim=-1)  # [L - 1, V]
+    got = output.prompt_logprobs
+    assert got is not None and len(got) == len(prompt) and got[0] is None
+    assert [entry.token_id for entry in got[1:]] == prompt[1:]
+    chosen = want.gather(1, torch.tensor(prompt[1:])[:, None])[:, 0]
+    torch.testing.assert_close(torch.tensor([entry.logprob for entry in got[1:]]), chosen, atol=1e-4, rtol=1e-4)
+    for entry, row in zip(got[1:], want):
+        assert len(entry.top) == sampling.prompt_logprobs
+        top_values = torch.tensor([value for _, value in entry.top])
+        torch.testing.assert_close(top_values, row.topk(sampling.prompt_logprobs).values, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("drafting", ["target alone", "draft model"])
+def test_prompt_logprobs_are_the_targets_own(tiny_pair, drafting):
+    """prompt_logprobs, against transformers' logits over each prompt: requests asking beside
+    ones that do not (which get none, and the same tokens as without them), prompts of 4-40
+    tokens, a request of n = 2 (the prompt's once); asked again for a prompt already in the
+    prefix cache, every position is computed all the same."""
+    options = DRAFTING[drafting] | (
+        {"speculative_model": str(tiny_pair["target"])} if drafting != "target alone" else {}
+    )
+    llm = LLM(
+        str(tiny_pair["target"]),
+        dtype="float32",
+        num_speculative_tokens=3 if drafting != "target alone" else None,
+        **options,
+    )
+    model = load_hf(tiny_pair["target"])
+    prompts = shared_random_prompts(4, seed=17, lengths=(4, 40))
+    params = [
+        SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, prompt_logprobs=n, n=2 if i == 3 else 1)
+        for i, n in enumerate((2, None, 0, 5))
+    ]
+    plain = llm.generate(prompts, [dataclasses.replace(p, prompt_logprobs=None) for p in params])
+    before = llm.engine.capacity.prefix_cache_counts[1]
+    outputs = llm.generate(prompts, params)  # the prompts are in the prefix cache now
+    assert llm.engine.capacity.prefix_cache_counts[1] - before == 16 * 2  # found: the 22-token prompt, completion 1
+    assert outputs[1].prompt_logprobs is None
+    for output, sampling, alone in zip(outputs, params, plain):
+        assert [c.token_ids for c in output.outputs] == [alone.outputs[0].token_ids] * sampling.n
+        if sampling.prompt_logprobs is not None:
+            assert_prompt_logprobs(output, sampling, model)
+
+
+def test_prompt_logprobs_of_a_prompt_prefilled_in_chunks(tiny_pair):
+    """A 70-token prompt prefilled 16 tokens a step, through Engine.step: its prompt logprobs
+    come whole in its first output (none in the later ones), equal to transformers'."""
+    llm = LLM(str(tiny_pair["target"]), dtype="float32", speculative_method="none")
+    engine = llm.engine
+    engine.prepare_to_serve(max_model_len=128, max_prefill_tokens=16)
+    prompt = shared_random_prompts(1, seed=23, lengths=(70, 71))[0]
+    sampling = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True, prompt_logprobs=1)
+    engine.add_request("r", prompt, sampling)
+    outputs = []
+    with torch.inference_mode():
+        while engine.has_unfinished_requests():
+            outputs += engine.step()
+    assert outputs[0].prompt_logprobs is not None and all(o.prompt_logprobs is None for o in outputs[1:])
+    assert_prompt_logprobs(outputs[0], sampling, load_hf(tiny_pair["target"]))
+
+
+def test_prompt_logprobs_are_checked():
+    with pytest.raises(ValueError, match="prompt_logprobs must be an integer from 0 to 20"):
+        SamplingParams(prompt_logprobs=21)

@@ -96,8 +96,17 @@ class OutputProcessor:
         new_text = text[len(seq.text_reported) :] if text.startswith(seq.text_reported) else ""
         seq.text_reported += new_text
         completion = CompletionOutput(seq.index, new_text, new_token_ids, seq.finish_reason, from_draft, logprobs)
+        prompt_logprobs = None
+        if seq.params.prompt_logprobs is not None and not seq.prompt_logprobs_reported:
+            prompt_logprobs, seq.prompt_logprobs_reported = list(seq.prompt_logprobs), True
         return RequestOutput(
-            seq.output_request_id, seq.prompt, seq.prompt_token_ids, [completion], seq.stats, finished=seq.finished
+            seq.output_request_id,
+            seq.prompt,
+            seq.prompt_token_ids,
+            [completion],
+            seq.stats,
+            finished=seq.finished,
+            prompt_logprobs=prompt_logprobs,
         )
 
     def finish(self, seq: Sequence) -> None:

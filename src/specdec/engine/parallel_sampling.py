@@ -45,7 +45,9 @@ def fork(
     completions: list[Sequence] = []
     for index in range(params.n):
         seed = None if params.seed is None else params.seed + index
-        completion_params = dataclasses.replace(params, n=1, seed=seed)
+        # the prompt's logprobs are the request's: the first completion computes them
+        prompt_logprobs = params.prompt_logprobs if index == 0 else None
+        completion_params = dataclasses.replace(params, n=1, seed=seed, prompt_logprobs=prompt_logprobs)
         completions.append(
             Sequence(
                 f"{index}_{request_id}",
@@ -97,6 +99,7 @@ class RequestTable:
             joined = by_request.setdefault(output.request_id, output)
             if joined is not output:  # each output's list of completions is its own (new_output's)
                 joined.outputs += output.outputs
+                joined.prompt_logprobs = joined.prompt_logprobs or output.prompt_logprobs
         for request_id, joined in by_request.items():
             completions = self._completions.get(request_id)
             if completions is None:

@@ -87,7 +87,11 @@ class Scheduler:
                 break
             slot = self._free_slots[-1]
             tokens = seq.prefill_token_ids
-            cached = (0, 0) if self.blocks is None else self.blocks.admit(slot, tokens, self.room(seq))
+            # a new sequence asking for its prompt's logprobs: its prefill computes every position
+            every_position = seq.params.prompt_logprobs is not None and not seq.output_token_ids
+            cached = (
+                (0, 0) if self.blocks is None else self.blocks.admit(slot, tokens, self.room(seq), not every_position)
+            )
             if cached is None:
                 break  # first come, first served: the next waits for blocks too
             self.waiting.popleft()
@@ -99,16 +103,19 @@ class Scheduler:
     def _waits_for_sibling(self, seq: Sequence) -> bool:
         """Whether seq, one of a request's n completions, waits for the sibling whose prompt blocks
         it will share (engine/parallel_sampling.py): until that one's prefill is done (its first
-        token sampled, its blocks then registered). Never where no block could be shared."""
+        token sampled, its blocks then registered). Never where no block could be shared, unless
+        the first computes the request's prompt logprobs (they then come in the request's first
+        output, before any other completion's)."""
         first = seq.fork_of
         return (
             first is not None
-            and self.blocks is not None
-            and self.blocks.prefix_caching
-            and len(seq.prompt_token_ids) > BLOCK_SIZE
+            and (first.params.prompt_logprobs is not None or self._shares_prompt_blocks(seq))
             and not first.output_token_ids
             and not first.finished
         )
+
+    def _shares_prompt_blocks(self, seq: Sequence) -> bool:
+        return self.blocks is not None and self.blocks.prefix_caching and len(seq.prompt_token_ids) > BLOCK_SIZE
 
     def grow(self, seq: Sequence) -> bool:
         """Give running seq the blocks its next forward writes; False (nothing taken) if the

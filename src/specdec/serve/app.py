@@ -28,6 +28,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import functools
 import json
 import logging
 import time
@@ -63,6 +64,7 @@ from specdec.serve.protocol import (
     model_list,
     new_id,
     usage,
+    vllm_prompt_logprobs,
 )
 from specdec.serve.tools import (
     ToolCallStream,
@@ -306,20 +308,36 @@ async def _complete(state: ServerState, body: CompletionRequest, cache_scope: st
     ]
     firsts = await _first_outputs(streams)
     prompt_tokens = sum(len(ids) for _, ids, _ in requests)
+    prompt_ids = [ids for _, ids, _ in requests]
     if body.stream:
-        return _sse(_completion_events(state, request_id, body, streams, firsts, prompt_tokens, echoes))
+        return _sse(_completion_events(state, request_id, body, streams, firsts, prompt_ids, echoes))
     outputs = await _until_finished(streams, firsts)
-    choices = [
-        completion_choice(
-            i * body.n + j,
-            echoes[i] + "".join(part.text for part in parts),
-            parts[-1].finish_reason,
-            _joined_logprobs(parts, lambda entries: completion_logprobs(entries, state.token_text)),
-        )
-        for i, outs in enumerate(outputs)
-        for j, parts in enumerate(_completions(outs, body.n))
-    ]
+    choices = []
+    for i, outs in enumerate(outputs):
+        prompt_logprobs = _prompt_logprobs(outs)
+        echoed = (prompt_ids[i], prompt_logprobs) if body.echoes_logprobs and prompt_logprobs is not None else None
+        for j, parts in enumerate(_completions(outs, body.n)):
+            logprobs = _joined_logprobs(
+                parts, functools.partial(completion_logprobs, token_text=state.token_text, prompt=echoed)
+            )
+            choice = completion_choice(
+                i * body.n + j, echoes[i] + "".join(part.text for part in parts), parts[-1].finish_reason, logprobs
+            )
+            choices.append(_with_prompt_logprobs(state, body, choice, prompt_logprobs))
     return completion_response(request_id, state.model_name, choices, prompt_tokens, _num_tokens(outputs))
+
+
+def _prompt_logprobs(outputs: list[RequestOutput]) -> list | None:
+    """A request's prompt logprobs: in the first of its outputs that has them (None: not asked)."""
+    return next((output.prompt_logprobs for output in outputs if output.prompt_logprobs is not None), None)
+
+
+def _with_prompt_logprobs(state: ServerState, body, answer: dict, prompt_logprobs: list | None) -> dict:
+    """answer (a completion's choice, a chat response or chunk) with vLLM's prompt_logprobs field
+    where the request asked for it (body.prompt_logprobs) and they are known."""
+    if body.prompt_logprobs is not None and prompt_logprobs is not None:
+        answer["prompt_logprobs"] = vllm_prompt_logprobs(prompt_logprobs, state.token_text, body.prompt_logprobs)
+    return answer
 
 
 async def _chat(state: ServerState, body: ChatCompletionRequest, cache_scope: str | None = None):
@@ -346,7 +364,8 @@ async def _chat(state: ServerState, body: ChatCompletionRequest, cache_scope: st
         _chat_choice(state, j, echo + "".join(part.text for part in parts), parts, tools)
         for j, parts in enumerate(_completions(outputs, body.n))
     ]
-    return chat_response(request_id, state.model_name, choices, len(ids), _num_tokens([outputs]))
+    answer = chat_response(request_id, state.model_name, choices, len(ids), _num_tokens([outputs]))
+    return _with_prompt_logprobs(state, body, answer, _prompt_logprobs(outputs))
 
 
 def _chat_choice(state: ServerState, index: int, text: str, parts: list[CompletionOutput], tools) -> dict:
@@ -539,27 +558,38 @@ async def _completion_events(
     body: CompletionRequest,
     streams,
     firsts,
-    prompt_tokens: int,
+    prompt_ids: list[list[int]],
     echoes: list[str],
 ) -> AsyncGenerator[dict, None]:
-    """Prompt i's completion j is choice i x n + j; an echoed prompt comes before its first text."""
+    """Prompt i's completion j is choice i x n + j; an echoed prompt comes before its first text
+    (and, echo with logprobs, its tokens before the first logprobs: the prompt's logprobs come
+    in a request's first output, before any completion's first tokens)."""
     created, completion_tokens = int(time.time()), 0
     text_offsets: dict[int, int] = {}  # where each choice's next text starts, for logprobs' text_offset
+    prompt_logprobs: dict[int, list] = {}  # prompt index -> its logprobs, once they came
     async with contextlib.aclosing(_merged(streams, firsts)) as outputs:
         async for prompt_index, output in outputs:
+            if output.prompt_logprobs is not None:
+                prompt_logprobs[prompt_index] = output.prompt_logprobs
             for completion in output.outputs:
                 index = prompt_index * body.n + completion.index
-                text = completion.text if index in text_offsets else echoes[prompt_index] + completion.text
+                first = index not in text_offsets
+                text = echoes[prompt_index] + completion.text if first else completion.text
                 offset = text_offsets.get(index, len(echoes[prompt_index]))
                 completion_tokens += len(completion.token_ids)
-                logprobs = None
+                logprobs, echoed = None, None
+                if first and body.echoes_logprobs and prompt_index in prompt_logprobs:
+                    echoed = (prompt_ids[prompt_index], prompt_logprobs[prompt_index])
                 if completion.logprobs is not None:
-                    logprobs = completion_logprobs(completion.logprobs, state.token_text, offset)
+                    logprobs = completion_logprobs(completion.logprobs, state.token_text, offset, echoed)
                 text_offsets[index] = offset + len(completion.text)
                 if text or completion.finish_reason or logprobs is not None and completion.token_ids:
                     choice = completion_choice(index, text, completion.finish_reason, logprobs)
+                    if first:
+                        choice = _with_prompt_logprobs(state, body, choice, prompt_logprobs.get(prompt_index))
                     yield completion_chunk(request_id, state.model_name, created, [choice])
     if body.include_usage:
+        prompt_tokens = sum(map(len, prompt_ids))
         yield completion_chunk(request_id, state.model_name, created, [], usage(prompt_tokens, completion_tokens))
 
 
@@ -579,7 +609,8 @@ async def _chat_events(
     created, completion_tokens = int(time.time()), 0
     calls = [ToolCallStream() for _ in range(body.n)] if tools is not None and tools.mode != "none" else None
     for index in range(body.n):
-        yield chat_chunk(request_id, state.model_name, created, {"role": "assistant", "content": echo}, index=index)
+        chunk = chat_chunk(request_id, state.model_name, created, {"role": "assistant", "content": echo}, index=index)
+        yield chunk if index else _with_prompt_logprobs(state, body, chunk, first.prompt_logprobs)
     async with contextlib.aclosing(_merged([stream], [first])) as outputs:
         async for _, output in outputs:
             for completion in output.outputs:

@@ -8,6 +8,7 @@ responses are plain dicts in the API's shapes, built by the functions below. Eve
 
 from __future__ import annotations
 
+import dataclasses
 import re
 import time
 import uuid
@@ -84,6 +85,7 @@ class SamplingFields(BaseModel):
     min_tokens: int = 0  # vLLM's
     allowed_token_ids: list[int] | None = None  # vLLM's
     bad_words: list[str] | None = None  # vLLM's
+    prompt_logprobs: int | None = None  # vLLM's: each prompt token's logprob and the top ones', in the answer
     # structured output: OpenAI's response_format, vLLM's guided_* and structured_outputs (one of them)
     response_format: dict | None = None
     guided_json: dict | str | None = None
@@ -110,6 +112,7 @@ class SamplingFields(BaseModel):
             seed=self.seed,
             ignore_eos=self.ignore_eos,
             logprobs=self.logprobs_count(),
+            prompt_logprobs=self.prompt_logprobs_count(),
             num_speculative_tokens=self.num_speculative_tokens,
             presence_penalty=self.presence_penalty or 0.0,
             frequency_penalty=self.frequency_penalty or 0.0,
@@ -160,6 +163,10 @@ class SamplingFields(BaseModel):
         """How many top tokens' logprobs to return with each token's own (None: no logprobs)."""
         return None
 
+    def prompt_logprobs_count(self) -> int | None:
+        """How many top tokens' logprobs to compute with each prompt token's own (None: none)."""
+        return self.prompt_logprobs
+
     @property
     def include_usage(self) -> bool:
         return self.stream_options is not None and self.stream_options.include_usage
@@ -173,14 +180,16 @@ class CompletionRequest(SamplingFields):
     echo: bool = False  # the prompt's text before each choice's
 
     def logprobs_count(self) -> int | None:
-        if self.echo and self.logprobs is not None:
-            raise APIError(
-                400,
-                "echo with logprobs asks for the prompt's logprobs, which this server does not compute; "
-                "ask for echo or for logprobs",
-                param="echo",
-            )
         return self.logprobs
+
+    @property
+    def echoes_logprobs(self) -> bool:
+        """echo with logprobs: the prompt's tokens come first in each choice's logprobs (OpenAI's)."""
+        return self.echo and self.logprobs is not None
+
+    def prompt_logprobs_count(self) -> int | None:
+        counts = [count for count in (self.prompt_logprobs, self.logprobs if self.echo else None) if count is not None]
+        return max(counts) if counts else None
 
 
 class ChatMessage(BaseModel):
@@ -267,22 +276,49 @@ def _from_structured_outputs(fields: dict | None) -> dict[str, Any] | None:
     return {name: value for name, value in fields.items() if name in STRUCTURED_OUTPUTS_FIELDS}
 
 
-def completion_logprobs(entries: list[TokenLogprob], token_text, offset: int = 0) -> dict:
+def completion_logprobs(
+    entries: list[TokenLogprob], token_text, offset: int = 0, prompt: tuple[list[int], list] | None = None
+) -> dict:
     """The completions API's logprobs of entries (each chosen token is also in its top
     dict, as vLLM returns it); token_text(id) is a token's text; offset: where the first
-    token's text starts in the choice's text."""
-    tokens = [token_text(entry.token_id) for entry in entries]
+    token's text starts in the choice's text. prompt: (its token ids, their logprobs) to come
+    first, from offset 0 (echo with logprobs: the first token's logprob and top are null)."""
+    first: list[int] = []
+    scored = list(entries)
+    if prompt is not None:
+        (ids, prompt_logprobs), offset = prompt, 0
+        num_top = len(entries[0].top) if entries else None  # the request's logprobs (prompt_logprobs may be more)
+        echoed = [dataclasses.replace(entry, top=entry.top[:num_top]) for entry in prompt_logprobs[1:]]
+        first, scored = ids[:1], echoed + scored
+    tokens = [token_text(token_id) for token_id in first] + [token_text(entry.token_id) for entry in scored]
     offsets = [offset + sum(len(token) for token in tokens[:i]) for i in range(len(tokens))]
     tops = [
-        {**{token_text(token_id): value for token_id, value in entry.top}, token: entry.logprob}
-        for entry, token in zip(entries, tokens)
+        {**{token_text(token_id): value for token_id, value in entry.top}, token_text(entry.token_id): entry.logprob}
+        for entry in scored
     ]
+    nulls: list[None] = [None] * len(first)
     return {
         "tokens": tokens,
-        "token_logprobs": [entry.logprob for entry in entries],
-        "top_logprobs": tops,
+        "token_logprobs": nulls + [entry.logprob for entry in scored],
+        "top_logprobs": nulls + tops,
         "text_offset": offsets,
     }
+
+
+def vllm_prompt_logprobs(entries: list[TokenLogprob | None], token_text, num_top: int) -> list[dict | None]:
+    """vLLM's prompt_logprobs: None for the first prompt token, then for each a dict of token id
+    (a string, as JSON keys are) -> {logprob, rank, decoded_token}: the token's own and the
+    num_top most likely ones'."""
+
+    def item(token_id: int, logprob: float, rank: int | None) -> dict:
+        return {"logprob": logprob, "rank": rank, "decoded_token": token_text(token_id)}
+
+    shaped: list[dict | None] = [None]
+    for entry in entries[1:]:
+        assert entry is not None
+        top = {str(token_id): item(token_id, value, i + 1) for i, (token_id, value) in enumerate(entry.top[:num_top])}
+        shaped.append({str(entry.token_id): item(entry.token_id, entry.logprob, entry.rank), **top})
+    return shaped
 
 
 def chat_logprobs(entries: list[TokenLogprob], token_text) -> dict:

@@ -85,7 +85,6 @@ REFUSED: dict[str, Refused] = {
     "skip_special_tokens": Refused(_one_of(None, True)),
     "spaces_between_special_tokens": Refused(_one_of(None, True)),
     "truncate_prompt_tokens": Refused(_empty),
-    "prompt_logprobs": Refused(_empty),
     "logits_processors": Refused(_empty),
     # vLLM's structured output
     "guided_decoding_backend": Refused(_one_of(None, "auto", "guidance", "llguidance"), STRUCTURED_BACKEND),

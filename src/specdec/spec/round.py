@@ -105,7 +105,7 @@ class SpeculativeRound:
         start = time.perf_counter()
         starts = [s.num_written for s in batch]  # every row is prefilling: its num_prefilled
         chunks = [s.prefill_token_ids[first : first + n] for s, first, n in zip(batch, starts, chunk_lengths)]
-        logits = self._feed(batch, chunks, starts)  # [B, V]
+        logits = self._feed_keeping_prompt_logprobs(batch, chunks, starts)  # [B, V]
         done = []
         for seq, first, chunk in zip(batch, starts, chunks):
             seq.num_prefilled = first + len(chunk)
@@ -137,6 +137,39 @@ class SpeculativeRound:
             logprobs,
             seconds={"prefill": time.perf_counter() - start},
         )
+
+    def _feed_keeping_prompt_logprobs(
+        self, batch: list[Sequence], chunks: list[list[int]], starts: list[int]
+    ) -> torch.Tensor:
+        """_feed, where the rows of new sequences asking for their prompt's logprobs are fed on
+        their own with the logits at every position, and the logprobs of the prompt tokens
+        those predict kept in the sequences (rows fed apart give what they would together: the
+        target's rows are independent). -> [B, V]."""
+        asking = [
+            row for row, seq in enumerate(batch) if seq.params.prompt_logprobs is not None and not seq.output_token_ids
+        ]
+        if not asking:
+            return self._feed(batch, chunks, starts)
+        rows = [batch[r] for r in asking]
+        forward, last_index = self.target.ragged_batch(
+            [chunks[r] for r in asking], [starts[r] for r in asking], [s.slot for s in rows]
+        )
+        outputs = self.target.forward(forward, return_hidden=self.return_hidden)  # [A, W, V] (, hidden [A, W, H])
+        every, hidden = outputs if isinstance(outputs, tuple) else (outputs, None)
+        if hidden is not None:
+            assert self.drafter is not None
+            first_positions = torch.tensor([starts[r] for r in asking], device=hidden.device)  # [A]
+            self.drafter.observe_hidden(rows, first_positions, hidden, (last_index + 1).to(hidden.device))
+        logits = every.new_empty(len(batch), every.shape[-1])  # [B, V]
+        logits[asking] = every[torch.arange(len(rows), device=every.device), last_index.to(every.device)]  # [A, V]
+        others = [row for row in range(len(batch)) if row not in asking]
+        if others:
+            logits[others] = self._feed(
+                [batch[r] for r in others], [chunks[r] for r in others], [starts[r] for r in others]
+            )
+        for seq, row, start, chunk in zip(rows, every, (starts[r] for r in asking), (chunks[r] for r in asking)):
+            _keep_prompt_logprobs(seq, start, len(chunk), row)
+        return logits
 
     def _feed(self, batch: list[Sequence], chunks: list[list[int]], starts: list[int]) -> torch.Tensor:
         """The target's forward over each row's chunk from its start (the drafter given the
@@ -353,6 +386,22 @@ def _warp(target_logits: torch.Tensor, sampling: SamplingTensors) -> torch.Tenso
     """The target's warped distributions [B, T, V] from its logits [B, T, V]."""
     B, T, V = target_logits.shape  # T = k + 1
     return warp(target_logits.reshape(B * T, V), sampling.repeat_rows(T)).view(B, T, V)
+
+
+def _keep_prompt_logprobs(seq: Sequence, start: int, length: int, logits: torch.Tensor) -> None:
+    """Keep in seq the logprobs of the prompt tokens that logits [W, V] at positions
+    start..start+length-1 predict (position p's predicts token p + 1), from the first not kept
+    yet (a prefill begun again after preemption computes some twice); None for token 0."""
+    prompt = seq.prompt_token_ids
+    kept = seq.prompt_logprobs
+    if not kept:
+        kept.append(None)  # no token before the first
+    first, last = max(start + 1, len(kept)), min(start + length, len(prompt) - 1)  # tokens predicted, kept anew
+    if first > last:
+        return
+    tokens = torch.tensor(prompt[first : last + 1], device=logits.device)  # [n]
+    assert seq.params.prompt_logprobs is not None
+    kept += token_logprobs(logits[first - 1 - start : last - start], tokens, seq.params.prompt_logprobs)
 
 
 def _logprobs(
