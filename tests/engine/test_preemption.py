@@ -149,3 +149,28 @@ def test_a_swapped_out_request_aborted_while_it_waits_frees_its_slot_and_space(t
 def test_a_bad_swap_space_is_refused_naming_it(tiny_pair, swap_space):
     with pytest.raises(ValueError, match="swap_space"):
         LLM(str(tiny_pair["target"]), dtype="float32", swap_space=swap_space, speculative_method="none")
+
+
+@pytest.mark.slow
+def test_a_compiled_target_and_draft_preempted_give_the_tokens_they_give_unpreempted(tiny_pair, tmp_path):
+    """Compiled, the target and the draft read the engine's pool as eager ones do: swapped out and
+    back in with their blocks, requests give what the same engine gives them unpreempted, and
+    what the target alone gives them greedy (float32)."""
+    llm = LLM(
+        str(tiny_pair["target"]),
+        dtype="float32",
+        max_num_seqs=NUM_REQUESTS,
+        compile="on",
+        **drafter_kwargs("draft_model", tiny_pair, tmp_path),
+    )
+    prompts = random_prompts(NUM_REQUESTS, seed=59, lengths=(7, 16), repeat=True)
+    params = request_params(seed=101)
+    expected, none = serve_all(llm, prompts, params, num_blocks=None)
+    assert none == 0 and llm.runner.cache.static and llm.runner.reads_pool(llm.engine.capacity.pool)
+    got, preemptions = serve_all(llm, prompts, params, num_blocks=14)
+    assert preemptions >= 3 and llm.engine.preemption.swap.num_swapped_out == preemptions
+    assert got == expected
+    alone = LLM(str(tiny_pair["target"]), dtype="float32", compile="off", speculative_method="none")
+    greedy = [i for i, p in enumerate(params) if p.temperature == 0]
+    outputs = alone.generate([prompts[i] for i in greedy], [params[i] for i in greedy])
+    assert [got[f"r{i}"] for i in greedy] == [out.outputs[0].token_ids for out in outputs]
