@@ -19,6 +19,7 @@ LAYERS = [  # bottom first (docs/architecture.md): a module imports from its own
             "specdec.metrics",
             "specdec.outputs",
             "specdec.config",
+            "specdec.structural_tag",
             "specdec.sequence",
             "specdec.sampling",
             "specdec.platform",

@@ -13,6 +13,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, fields
 from typing import Any, NamedTuple, TypeGuard
 
+from specdec import structural_tag
 from specdec.methods import METHODS
 from specdec.tree import TreeShape
 
@@ -151,7 +152,9 @@ def _shown(default) -> str:
 class StructuredOutputsParams:
     """What the output must follow, in vLLM's names (exactly one of them): json, a JSON schema
     (a dict, or its JSON text); json_object, any JSON object; regex, a regular expression;
-    choice, one of these strings; grammar, a Lark or GBNF (llama.cpp's) grammar. Enforced by
+    choice, one of these strings; grammar, a Lark or GBNF (llama.cpp's) grammar; structural_tag,
+    free text whose tags hold JSON of their schemas ({"structures": [{"begin", "schema", "end"}],
+    "triggers": [...]}, a dict or its JSON text: spec/structural_tag.py). Enforced by
     llguidance (spec/grammar.py) at every position the target samples from, drafts included.
     disable_any_whitespace: JSON without whitespace between its tokens (vLLM's; by default up to
     64 whitespace characters between two tokens: pretty-printing, not a run of spaces until
@@ -163,16 +166,19 @@ class StructuredOutputsParams:
     grammar: str | None = None
     json_object: bool = False
     disable_any_whitespace: bool = False
+    structural_tag: dict | str | None = None
 
     def __post_init__(self) -> None:
         need = Refusal(self)
         if isinstance(self.choice, list):
             object.__setattr__(self, "choice", tuple(self.choice))
-        given = [name for name in ("json", "regex", "choice", "grammar") if getattr(self, name) is not None]
+        kinds = ("json", "regex", "choice", "grammar", "structural_tag")
+        given = [name for name in kinds if getattr(self, name) is not None]
         given += ["json_object"] if self.json_object else []
         need(
             len(given) == 1,
-            "structured outputs take exactly one of json, regex, choice, grammar and json_object, got {got}",
+            "structured outputs take exactly one of json, regex, choice, grammar, structural_tag and json_object, "
+            "got {got}",
             got=given or "none",
         )
         need(
@@ -192,6 +198,8 @@ class StructuredOutputsParams:
         for name in ("json_object", "disable_any_whitespace"):
             value = getattr(self, name)
             need(isinstance(value, bool), f"{{{name}}} must be True or False, got {{got!r}}", got=value)
+        if self.structural_tag is not None:
+            structural_tag.parse(self.structural_tag)  # a ValueError names what is wrong
 
 
 @dataclass(frozen=True)

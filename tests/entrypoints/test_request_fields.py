@@ -6,6 +6,7 @@ models)."""
 
 from __future__ import annotations
 
+import json
 import random
 import typing
 
@@ -47,7 +48,6 @@ API_DEFAULTS = {
     "logits_processors": None,
     "guided_decoding_backend": None,
     "guided_whitespace_pattern": None,
-    "structural_tag": None,
     "continue_final_message": False,
     "documents": None,
     "chat_template": None,
@@ -81,7 +81,6 @@ CHANGING = {
     "logits_processors": [["my.Processor"]],
     "guided_decoding_backend": ["xgrammar", "outlines"],
     "guided_whitespace_pattern": [" *"],
-    "structural_tag": ['{"structures": []}'],
     "continue_final_message": [True],
     "documents": [[{"title": "t", "text": "x"}]],
     "chat_template": ["{{ messages[0].content }}"],
@@ -156,9 +155,9 @@ def test_a_field_no_list_knows_is_refused_by_name(endpoint):
 
 def test_several_refused_fields_are_named_together_in_the_order_sent():
     model, required = REQUESTS[CHAT]
-    body = model.model_validate({**required, "suffix": "}", "user": "u", "structural_tag": "x", "nope": 1})
+    body = model.model_validate({**required, "suffix": "}", "user": "u", "guided_whitespace_pattern": "x", "nope": 1})
     problems = body.refused()
-    assert [name for name, _ in problems] == ["suffix", "structural_tag", "nope"]
+    assert [name for name, _ in problems] == ["suffix", "guided_whitespace_pattern", "nope"]
     assert all(message.startswith(name) for name, message in problems)
 
 
@@ -188,6 +187,7 @@ def test_messages_name_the_value_and_what_to_do():
 # --- structured output's fields -------------------------------------------------------------
 
 SCHEMA = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
+TAG = {"structures": [{"begin": "<f=a>", "schema": SCHEMA, "end": "</f>"}], "triggers": ["<f="]}
 
 
 @pytest.mark.parametrize(
@@ -204,6 +204,9 @@ SCHEMA = {"type": "object", "properties": {"a": {"type": "integer"}}, "required"
         ({"guided_choice": ["yes", "no"]}, {"choice": ("yes", "no")}),
         ({"guided_grammar": 'start: "a"+'}, {"grammar": 'start: "a"+'}),
         ({"structured_outputs": {"choice": ["a"], "disable_fallback": False}}, {"choice": ("a",)}),
+        ({"response_format": {"type": "structural_tag", **TAG}}, {"structural_tag": {"type": "structural_tag", **TAG}}),
+        ({"structured_outputs": {"structural_tag": json.dumps(TAG)}}, {"structural_tag": json.dumps(TAG)}),
+        ({"structural_tag": json.dumps(TAG)}, {"structural_tag": json.dumps(TAG)}),
     ],
 )
 @pytest.mark.parametrize("endpoint", [COMPLETIONS, CHAT])
@@ -224,6 +227,7 @@ def test_structured_output_fields_become_structured_outputs_params(endpoint, fie
         ({"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}}, "response_format"),
         ({"response_format": {"type": "structural_tag"}}, "response_format"),
         ({"structured_outputs": {"structural_tag": "x"}}, "structured_outputs"),
+        ({"structural_tag": '{"structures": [], "triggers": ["<f"]}'}, "structural_tag"),
         ({"structured_outputs": {"regex": "a", "choice": ["b"]}}, "structured_outputs"),
         ({"guided_choice": []}, "guided_choice"),
     ],

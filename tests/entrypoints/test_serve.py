@@ -616,6 +616,7 @@ def test_chat_bad_requests(server):
     for fields in (
         {"response_format": no_schema},
         {"extra_body": {"structured_outputs": {"structural_tag": "x"}}},
+        {"response_format": {"type": "structural_tag", "structures": [], "triggers": ["<f"]}},
         {"extra_body": {"guided_whitespace_pattern": " +"}},
     ):
         with pytest.raises(openai.BadRequestError) as refused:

@@ -92,6 +92,7 @@ class SamplingFields(BaseModel):
     guided_regex: str | None = None
     guided_choice: list[str] | None = None
     guided_grammar: str | None = None
+    structural_tag: str | dict | None = None  # vLLM's (its JSON text): free text whose tags hold JSON
     structured_outputs: dict | None = None
 
     def refused(self) -> list[tuple[str, str]]:
@@ -136,6 +137,7 @@ class SamplingFields(BaseModel):
                 ("guided_regex", None if self.guided_regex is None else {"regex": self.guided_regex}),
                 ("guided_choice", None if self.guided_choice is None else {"choice": self.guided_choice}),
                 ("guided_grammar", None if self.guided_grammar is None else {"grammar": self.guided_grammar}),
+                ("structural_tag", None if self.structural_tag is None else {"structural_tag": self.structural_tag}),
                 ("structured_outputs", _from_structured_outputs(self.structured_outputs)),
             )
             if value is not None
@@ -258,10 +260,22 @@ def _from_response_format(response_format: dict | None) -> dict[str, Any] | None
                 'response_format of type json_schema needs {"json_schema": {"name": ..., "schema": {...}}}'
             )
         return {"json": json_schema["schema"]}
-    raise ValueError(f"response_format type {kind!r} is not supported; give text, json_object or json_schema")
+    if kind == "structural_tag":  # vLLM's: {"type": "structural_tag", "structures": [...], "triggers": [...]}
+        return {"structural_tag": response_format}
+    raise ValueError(
+        f"response_format type {kind!r} is not supported; give text, json_object, json_schema or structural_tag"
+    )
 
 
-STRUCTURED_OUTPUTS_FIELDS = ("json", "regex", "choice", "grammar", "json_object", "disable_any_whitespace")
+STRUCTURED_OUTPUTS_FIELDS = (
+    "json",
+    "regex",
+    "choice",
+    "grammar",
+    "json_object",
+    "disable_any_whitespace",
+    "structural_tag",
+)
 
 
 def _from_structured_outputs(fields: dict | None) -> dict[str, Any] | None:

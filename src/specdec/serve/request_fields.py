@@ -89,7 +89,6 @@ REFUSED: dict[str, Refused] = {
     # vLLM's structured output
     "guided_decoding_backend": Refused(_one_of(None, "auto", "guidance", "llguidance"), STRUCTURED_BACKEND),
     "guided_whitespace_pattern": Refused(_empty, STRUCTURED),
-    "structural_tag": Refused(_empty, STRUCTURED),
     # vLLM's extra parameters: what the prompt is made of, and the answer's shape
     "continue_final_message": Refused(_one_of(None, False)),
     "documents": Refused(_empty),

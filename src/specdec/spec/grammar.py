@@ -27,6 +27,7 @@ import json
 
 import torch
 
+from specdec import structural_tag
 from specdec.config import StructuredOutputsParams
 from specdec.models.tokenizer import Tokenizer
 
@@ -56,6 +57,8 @@ def grammar_text(params: StructuredOutputsParams) -> str:
         return llguidance.LLMatcher.grammar_from_regex(params.regex)
     if params.choice is not None:
         return llguidance.grammar_from("choice", json.dumps(list(params.choice)))
+    if params.structural_tag is not None:
+        return llguidance.grammar_from("lark", structural_tag.lark_grammar(structural_tag.parse(params.structural_tag)))
     assert params.grammar is not None  # exactly one is set (StructuredOutputsParams)
     try:
         return llguidance.grammar_from("grammar", params.grammar)
@@ -69,7 +72,8 @@ def check(params: StructuredOutputsParams) -> None:
 
     error = llguidance.LLMatcher.validate_grammar(grammar_text(params))
     if error:
-        kind = next(name for name in ("json", "regex", "choice", "grammar") if getattr(params, name) is not None)
+        kinds = ("json", "regex", "choice", "grammar", "structural_tag")
+        kind = next(name for name in kinds if getattr(params, name) is not None)
         raise ValueError(f"structured output's {kind} is not valid: {error}")
 
 
