@@ -17,8 +17,11 @@ from tokenizers import AddedToken
 from helpers import make_tokenizer
 from specdec.models.tokenizer import Tokenizer
 from specdec.serve.tools import (
+    HERMES,
+    LLAMA3_JSON,
     ToolCallStream,
     ToolError,
+    format_for,
     parse,
     template_messages,
     tool_choice_from,
@@ -171,3 +174,96 @@ def test_bad_tool_fields_are_refused_by_name(tools, tool_choice, field, message)
     with pytest.raises(ToolError, match=message) as refused:
         tool_choice_from(tools, tool_choice, None)
     assert refused.value.field == field
+
+
+# --- Llama 3's format (llama3_json): the answer is the calls, {"name", "parameters"} joined by "; " ---
+
+
+def llama_call(name: str, parameters: dict) -> str:
+    return json.dumps({"name": name, "parameters": parameters})
+
+
+L_PARIS, L_ROME = llama_call("get_weather", {"city": "Paris"}), llama_call("get_weather", {"city": "Rome", "days": 3})
+L_NOW = llama_call("get_time", {})
+LLAMA3_ANSWERS = [
+    ("Just words, and a { or two.", {"auto", "auto-single"}),
+    ("Let me look. " + L_PARIS, {"auto", "auto-single"}),  # text: a call only where the answer starts with one
+    (L_PARIS, {"auto", "required", "named", "auto-single", "required-single"}),
+    (L_PARIS + "; " + L_ROME, {"auto", "required"}),
+    (L_PARIS + "; " + L_NOW, {"auto", "required"}),
+    (L_NOW, {"auto", "required", "auto-single", "required-single"}),
+    (llama_call("get_weather", {"town": "Paris"}), set()),
+    (llama_call("get_weather", {"city": 3}), set()),
+    (llama_call("get_news", {}), set()),
+    (L_PARIS + " and some words after", set()),
+    ('{"not": "a call"}', set()),
+    (call("get_weather", {"city": "Paris"}), {"auto", "auto-single"}),  # hermes's tags: text here
+]
+
+
+@pytest.mark.parametrize("choice", CHOICES)
+def test_each_tool_choices_llama3_grammar_allows_exactly_its_answers(choice):
+    tokenizer = Tokenizer(make_tokenizer(320))
+    tool_choice, parallel = CHOICES[choice]
+    structured = tool_choice_from(TOOLS, tool_choice, parallel, LLAMA3_JSON).structured_outputs(tokenizer)
+    assert structured is not None
+    for answer, allowed_by in LLAMA3_ANSWERS:
+        state = GrammarState(structured, tokenizer, tokenizer.vocab_size, eos_token_ids=(1,))
+        tokens = tokenizer.encode(answer, add_special_tokens=False)
+        allowed = state.valid_prefix(tokens + [1]) == len(tokens) + 1
+        assert allowed == (choice in allowed_by), (choice, answer)
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_llama3_answers_read_back_whole_and_streamed_in_random_pieces(seed):
+    rng = random.Random(seed)
+    choice = tool_choice_from(TOOLS, "auto", None, LLAMA3_JSON)
+    assert choice is not None
+    for answer, allowed_by in LLAMA3_ANSWERS:
+        if not allowed_by:
+            continue
+        content, calls = choice.parse(answer)
+        if answer.startswith("{"):
+            assert content is None and [c["function"]["name"] for c in calls] == [
+                json.loads(part)["name"] for part in answer.split("; ")
+            ]
+            for c in calls:
+                parameters = json.loads(c["function"]["arguments"])
+                schema = next(t for t in TOOLS if t["function"]["name"] == c["function"]["name"])["function"]
+                jsonschema.validate(parameters, schema["parameters"])
+        else:
+            assert (content, calls) == (answer, [])
+        stream, deltas, start = choice.stream(), [], 0
+        while start < len(answer):
+            end = min(len(answer), start + rng.randint(1, 9))
+            deltas += stream.feed(answer[start:end], final=end == len(answer))
+            start = end
+        assert "".join(d.get("content", "") for d in deltas) == (content or "")
+        streamed = [c for d in deltas for c in d.get("tool_calls", ())]
+        assert [c["index"] for c in streamed] == list(range(len(calls)))
+        assert [c["function"] for c in streamed] == [c["function"] for c in calls]
+    cut = choice.parse(L_PARIS + '; {"name": "get_ti')  # cut short by max_tokens: the whole calls
+    assert cut[0] is None and [c["function"] for c in cut[1]] == [c["function"] for c in choice.parse(L_PARIS)[1]]
+
+
+def test_the_format_is_the_one_the_chat_template_teaches():
+    qwen = '{% for tool in tools %}...{% endfor %}<tool_call>\n{"name": <function-name>, ...}\n</tool_call>'
+    llama = (
+        '{%- if tools %}Respond in the format {"name": function name, "parameters": dictionary of argument '
+        "name and its value}.{% endif %}<|start_header_id|>ipython<|end_header_id|>"
+    )
+    assert [format_for(t) for t in (qwen, llama, "{{ messages }}", None)] == [HERMES, LLAMA3_JSON, HERMES, HERMES]
+
+
+def test_the_server_takes_the_format_of_its_flag_else_of_the_chat_template():
+    from types import SimpleNamespace
+
+    from specdec.serve.app import ServerState
+
+    def state(template, flag="auto"):
+        engine = SimpleNamespace(llm=SimpleNamespace(tokenizer=SimpleNamespace(chat_template=template)))
+        return ServerState(engine, ["m"], 64, tool_call_parser=flag)  # pyright: ignore[reportArgumentType]
+
+    llama = '{"name": function name, "parameters": ...} <|start_header_id|>ipython'
+    assert state(llama).tool_format == LLAMA3_JSON and state("<tool_call>").tool_format == HERMES
+    assert state(llama, HERMES).tool_format == HERMES and state(None, LLAMA3_JSON).tool_format == LLAMA3_JSON

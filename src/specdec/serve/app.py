@@ -67,13 +67,12 @@ from specdec.serve.protocol import (
     vllm_prompt_logprobs,
 )
 from specdec.serve.tools import (
-    ToolCallStream,
     ToolChoice,
     ToolError,
+    format_for,
     template_messages,
     tool_choice_from,
 )
-from specdec.serve.tools import parse as parse_tool_calls
 
 log = logging.getLogger("specdec")
 T = TypeVar("T")
@@ -119,6 +118,7 @@ class ServerState:
     metrics_text: Callable[[], Awaitable[bytes]] | None = None
     drain: Drain = field(default_factory=Drain)
     speculation: dict | None = None  # what /v1/models says of the drafters (settings.speculation)
+    tool_call_parser: str = "auto"  # --tool-call-parser: a tools.TOOL_FORMATS name, or auto (the chat template's)
 
     @property
     def llm(self):
@@ -127,6 +127,14 @@ class ServerState:
     @property
     def model_name(self) -> str:
         return self.served_names[0]
+
+    @property
+    def tool_format(self) -> str:
+        """The format the model writes tool calls in (tools.py)."""
+        if self.tool_call_parser != "auto":
+            return self.tool_call_parser
+        tokenizer = self.llm.tokenizer
+        return format_for(None if tokenizer is None else tokenizer.chat_template)
 
     def token_text(self, token_id: int) -> str:
         """A token as logprobs name it: its string in the vocabulary ("Ġthe", as vLLM returns it:
@@ -345,7 +353,7 @@ async def _chat(state: ServerState, body: ChatCompletionRequest, cache_scope: st
     and answered whole or as a stream (which starts once the first output is there)."""
     _check_common(state, body)
     try:
-        tools = tool_choice_from(body.tools, body.tool_choice, body.parallel_tool_calls)
+        tools = tool_choice_from(body.tools, body.tool_choice, body.parallel_tool_calls, state.tool_format)
     except ToolError as e:
         raise APIError(400, str(e), param=e.field) from None
     messages = [m.template_fields() for m in body.messages]
@@ -374,7 +382,7 @@ def _chat_choice(state: ServerState, index: int, text: str, parts: list[Completi
     reason = parts[-1].finish_reason
     if tools is None or tools.mode == "none":
         return chat_choice(index, text, reason, logprobs)
-    content, calls = parse_tool_calls(text)
+    content, calls = tools.parse(text)
     return chat_choice(index, content, tools.finish_reason(reason, bool(calls)), logprobs, calls)
 
 
@@ -607,7 +615,7 @@ async def _chat_events(
     (with tools: its content, then each tool call whole: tools.ToolCallStream), then its finish
     reason."""
     created, completion_tokens = int(time.time()), 0
-    calls = [ToolCallStream() for _ in range(body.n)] if tools is not None and tools.mode != "none" else None
+    calls = [tools.stream() for _ in range(body.n)] if tools is not None and tools.mode != "none" else None
     for index in range(body.n):
         chunk = chat_chunk(request_id, state.model_name, created, {"role": "assistant", "content": echo}, index=index)
         yield chunk if index else _with_prompt_logprobs(state, body, chunk, first.prompt_logprobs)

@@ -29,6 +29,7 @@ def add_serve_parser(commands) -> None:
     from specdec.engine.swap import DEFAULT_SWAP_SPACE_GIB
     from specdec.model_flags import add_model_argument, add_model_arguments
     from specdec.serve.settings import REQUEST_BYTES_PER_TOKEN, SUFFIX_CACHE_SCOPES
+    from specdec.serve.tools import TOOL_FORMATS
 
     p = commands.add_parser(
         "serve",
@@ -55,6 +56,14 @@ def add_serve_parser(commands) -> None:
         help="whose answers suffix decoding drafts a request from: key (default), those of requests sent "
         "with the same --api-key, so that no client's speed tells what another's requests were "
         "answered; global, every request's (the same with one key, or none)",
+    )
+    p.add_argument(
+        "--tool-call-parser",
+        choices=("auto", *TOOL_FORMATS),
+        default="auto",
+        help="the format the model writes tool calls in (vLLM's parser names): hermes (<tool_call> JSON "
+        "</tool_call>: Qwen2.5, Hermes, SmolLM), llama3_json (the answer a JSON call with parameters: Llama "
+        "3.1-3.3); auto (default): the one its chat template teaches, else hermes",
     )
     p.add_argument(
         "--served-model-name",
@@ -223,6 +232,7 @@ def run_serve(args: argparse.Namespace) -> int:
         suffix_cache_scope=args.suffix_cache_scope,
         max_request_bytes=max_request_bytes(args, max_model_len),
         speculation=speculation(llm.speculative_config, llm.draft_choice),
+        tool_call_parser=args.tool_call_parser,
     )
     try:
         run_server(

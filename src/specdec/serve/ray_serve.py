@@ -327,6 +327,7 @@ def ingress_state(args: argparse.Namespace, prompts: PromptEncoder, handles: lis
         max_request_bytes=max_request_bytes(args, max_model_len),
         metrics_text=client.metrics_text,
         speculation=speculation_from_flags(args),
+        tool_call_parser=args.tool_call_parser,
     )
 
 
