@@ -195,6 +195,16 @@ def test_echo_with_logprobs_and_prompt_logprobs(server, offline):
     assert streamed[0] is None and streamed[1:] == pytest.approx(expected, abs=1e-4)
     assert "".join(chunk.choices[0].text for chunk in chunks) == choice.text
 
+    # echo with max_tokens 0 (lm-evaluation-harness's scoring): the prompt and its logprobs alone
+    for stream in (False, True):
+        answer = client.completions.create(**{**fields, "max_tokens": 0}, stream=stream)
+        (alone,) = [chunk.choices[0] for chunk in answer] if stream else answer.choices
+        assert (alone.text, alone.finish_reason) == (prompt, "length")
+        assert alone.logprobs.token_logprobs[0] is None and len(alone.logprobs.tokens) == length
+        assert alone.logprobs.token_logprobs[1:] == pytest.approx(expected[: length - 1], abs=1e-4)
+        assert all(len(top) in (2, 3) for top in alone.logprobs.top_logprobs[1:])
+    assert client.completions.create(**{**fields, "max_tokens": 0}).usage.completion_tokens == 0
+
     messages = [{"role": "user", "content": "hi"}]
     chat_ids = offline.chat_token_ids(messages)
     chat = client.chat.completions.create(

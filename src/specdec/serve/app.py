@@ -297,10 +297,14 @@ def _cache_scope(state: ServerState, raw: Request) -> str | None:
 async def _complete(state: ServerState, body: CompletionRequest, cache_scope: str | None = None):
     """A completion: its prompts tokenized (in a thread), run, and answered whole or as a stream
     (which starts once every prompt has its first output, so that a refusal is still a status).
-    Prompt i's completion j (of n) is choice i x n + j, as in vLLM."""
+    Prompt i's completion j (of n) is choice i x n + j, as in vLLM. echo with max_tokens 0 (vLLM's,
+    lm-evaluation-harness's scoring): the prompt alone, with its logprobs where asked (one token
+    is generated and left out)."""
     _check_common(state, body)
     prompts = _prompt_list(body.prompt)
-    requests = [await asyncio.to_thread(_prepare, state, body, prompt, body.max_tokens) for prompt in prompts]
+    prompt_only = body.echo and body.max_tokens == 0
+    max_tokens = 1 if prompt_only else body.max_tokens
+    requests = [await asyncio.to_thread(_prepare, state, body, prompt, max_tokens) for prompt in prompts]
     echoes = [_echo_text(state, prompt, ids) if body.echo else "" for prompt, ids, _ in requests]
     request_id = new_id("cmpl")
     streams = [
@@ -317,9 +321,11 @@ async def _complete(state: ServerState, body: CompletionRequest, cache_scope: st
     firsts = await _first_outputs(streams)
     prompt_tokens = sum(len(ids) for _, ids, _ in requests)
     prompt_ids = [ids for _, ids, _ in requests]
-    if body.stream:
+    if body.stream and not prompt_only:
         return _sse(_completion_events(state, request_id, body, streams, firsts, prompt_ids, echoes))
     outputs = await _until_finished(streams, firsts)
+    if prompt_only:
+        return _prompts_alone(state, request_id, body, outputs, prompt_ids, echoes)
     choices = []
     for i, outs in enumerate(outputs):
         prompt_logprobs = _prompt_logprobs(outs)
@@ -333,6 +339,32 @@ async def _complete(state: ServerState, body: CompletionRequest, cache_scope: st
             )
             choices.append(_with_prompt_logprobs(state, body, choice, prompt_logprobs))
     return completion_response(request_id, state.model_name, choices, prompt_tokens, _num_tokens(outputs))
+
+
+def _prompts_alone(state: ServerState, request_id: str, body: CompletionRequest, outputs, prompt_ids, echoes):
+    """echo with max_tokens 0: each choice the prompt's text (and the prompt's logprobs), finish
+    reason length, no completion tokens; as one chunk a choice, then [DONE], where streamed."""
+    choices = []
+    for i, outs in enumerate(outputs):
+        prompt_logprobs = _prompt_logprobs(outs)
+        logprobs = None
+        if body.echoes_logprobs and prompt_logprobs is not None:
+            logprobs = completion_logprobs([], state.token_text, 0, (prompt_ids[i], prompt_logprobs), body.logprobs)
+        for j in range(body.n):
+            choice = completion_choice(i * body.n + j, echoes[i], "length", logprobs)
+            choices.append(_with_prompt_logprobs(state, body, choice, prompt_logprobs))
+    prompt_tokens = sum(map(len, prompt_ids))
+    if not body.stream:
+        return completion_response(request_id, state.model_name, choices, prompt_tokens, 0)
+
+    async def events():
+        created = int(time.time())
+        for choice in choices:
+            yield completion_chunk(request_id, state.model_name, created, [choice])
+        if body.include_usage:
+            yield completion_chunk(request_id, state.model_name, created, [], usage(prompt_tokens, 0))
+
+    return _sse(events())
 
 
 def _prompt_logprobs(outputs: list[RequestOutput]) -> list | None:
