@@ -305,6 +305,14 @@ class LLM:
         """One conversation rendered with the model's chat template, as token ids (prompts.py)."""
         return self.prompts.chat_token_ids(messages, add_generation_prompt, tools)
 
+    def fill_in_the_middle_ids(self, prefix: str, suffix: str) -> list[int]:
+        """The prompt of a gap between prefix and suffix for a code model to fill (prompts.py)."""
+        return self.prompts.fill_in_the_middle_ids(prefix, suffix)
+
+    def fill_in_the_middle_stops(self) -> tuple[int, ...]:
+        """The tokens that end a middle (prompts.py): give them as stop_token_ids."""
+        return self.prompts.fill_in_the_middle_stops()
+
     def prompt_token_ids(self, prompt, params: SamplingParams) -> list[int]:
         """The prompt (text or token ids) as token ids, checked as generate checks a request
         with these params: a ValueError names what is wrong before any work is done."""

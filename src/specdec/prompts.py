@@ -1,8 +1,9 @@
 """Prompts as checked token ids: what the engine's callers (LLM, the server's routes, a Ray Serve
 ingress that holds no weights) do to a request's prompt before any work is done.
 
-A prompt is text (encoded by the model's tokenizer), token ids, or a conversation (a list of
-{"role", "content"} messages rendered by the model's chat template). The ids must lie in the
+A prompt is text (encoded by the model's tokenizer), token ids, a conversation (a list of
+{"role", "content"} messages rendered by the model's chat template), or the text before and
+after a gap for a code model to fill (fill in the middle: the model's FIM tokens around them). The ids must lie in the
 model's vocabulary, and the prompt and max_tokens must fit its context length; a ValueError
 names what is wrong.
 """
@@ -14,6 +15,17 @@ from pathlib import Path
 from specdec.config import SamplingParams, check
 from specdec.models.tokenizer import Tokenizer
 from specdec.spec import grammar
+
+# the fill-in-the-middle tokens of the code model families that have them: (before the prefix, before
+# the suffix, before the middle the model writes), as the prompt orders them
+FIM_TOKENS = (
+    ("<|fim_prefix|>", "<|fim_suffix|>", "<|fim_middle|>"),  # Qwen2.5-Coder, CodeGemma
+    ("<fim_prefix>", "<fim_suffix>", "<fim_middle>"),  # StarCoder, StarCoder2, SantaCoder
+    ("<｜fim▁begin｜>", "<｜fim▁hole｜>", "<｜fim▁end｜>"),  # DeepSeek-Coder
+)
+# tokens that end a middle (where the model has them): an instruct model's end of sequence is its
+# chat turn's end (Qwen2.5's <|im_end|>), not what it writes after a middle (llama.cpp stops on these too)
+FIM_END_TOKENS = ("<|endoftext|>", "<|fim_pad|>", "<|file_sep|>", "<|repo_name|>", "<file_sep>", "<|end_of_text|>")
 
 
 class PromptEncoder:
@@ -42,6 +54,27 @@ class PromptEncoder:
         return tokenizer.encode(
             tokenizer.apply_chat_template(messages, add_generation_prompt, tools), add_special_tokens=False
         )
+
+    def fill_in_the_middle_ids(self, prefix: str, suffix: str) -> list[int]:
+        """The prompt of a gap between prefix and suffix for the model to fill: its FIM tokens
+        (FIM_TOKENS) around them, prefix first; the model's answer is the middle (a ValueError
+        where the model has no such tokens)."""
+        tokenizer = self.need_tokenizer("suffix (fill in the middle)")
+        for names in FIM_TOKENS:
+            before_prefix, before_suffix, before_middle = (tokenizer.token_to_id(name) for name in names)
+            if before_prefix is not None and before_suffix is not None and before_middle is not None:
+                prefix_ids = tokenizer.encode(prefix, add_special_tokens=False)
+                suffix_ids = tokenizer.encode(suffix, add_special_tokens=False)
+                return [before_prefix, *prefix_ids, before_suffix, *suffix_ids, before_middle]
+        raise ValueError(
+            "suffix asks to fill in the middle, and this model has no fill-in-the-middle tokens "
+            f"({', '.join(names[0] for names in FIM_TOKENS)}, ...); leave suffix out"
+        )
+
+    def fill_in_the_middle_stops(self) -> tuple[int, ...]:
+        """The tokens that end a middle (FIM_END_TOKENS the model has): stop tokens of a gap's request."""
+        tokenizer = self.need_tokenizer("suffix (fill in the middle)")
+        return tuple(i for i in (tokenizer.token_to_id(name) for name in FIM_END_TOKENS) if i is not None)
 
     def prompt_token_ids(self, prompt, params: SamplingParams) -> list[int]:
         """The prompt (text or token ids) as token ids, checked as generate checks a request

@@ -4,10 +4,13 @@
 from __future__ import annotations
 
 import pytest
+from tokenizers import AddedToken
 
 from gguf_files import tiny_hf_model, write_gguf
+from helpers import make_tokenizer
 from specdec import LLM, SamplingParams
-from specdec.prompts import PromptEncoder
+from specdec.models.tokenizer import Tokenizer
+from specdec.prompts import FIM_TOKENS, PromptEncoder
 
 MESSAGES = [{"role": "user", "content": "hello there"}]
 
@@ -60,3 +63,26 @@ def test_a_gguf_file_is_read_without_its_tensors_before_and_after_it_is_packed(t
 
 def no_weights(*args, **kwargs):
     raise AssertionError("the prompt encoder read the model's weights")
+
+
+@pytest.mark.parametrize("family", range(len(FIM_TOKENS)))
+def test_fill_in_the_middle_puts_the_models_fim_tokens_around_prefix_and_suffix(family):
+    """Each family's FIM tokens (added as the models' tokenizers have them) around the prefix and
+    suffix, prefix first, the middle's token last; a model without them is refused by name."""
+    backend = make_tokenizer(320)
+    before_prefix, before_suffix, before_middle = FIM_TOKENS[family]
+    backend.add_special_tokens([AddedToken(name, special=True) for name in FIM_TOKENS[family]])
+    encoder = PromptEncoder(Tokenizer(backend), backend.get_vocab_size(), 512)
+    prefix, suffix = "def add(a, b):\n    ", "\n\nprint(add(1, 2))\n"
+    encode = lambda text: backend.encode(text, add_special_tokens=False).ids  # noqa: E731
+    assert encoder.fill_in_the_middle_ids(prefix, suffix) == [
+        backend.token_to_id(before_prefix),
+        *encode(prefix),
+        backend.token_to_id(before_suffix),
+        *encode(suffix),
+        backend.token_to_id(before_middle),
+    ]
+    backend.add_special_tokens([AddedToken("<|fim_pad|>", special=True)])
+    assert encoder.fill_in_the_middle_stops() == (backend.token_to_id("<|fim_pad|>"),)  # what ends a middle
+    plain = PromptEncoder(Tokenizer(make_tokenizer(320)), 320, 512)
+    assert "suffix" in refusal(plain.fill_in_the_middle_ids, prefix, suffix)

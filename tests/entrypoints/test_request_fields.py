@@ -30,7 +30,6 @@ CLIENT_FIELDS = {
 # each refused field's default in OpenAI's API or vLLM's request models: a value that changes nothing
 API_DEFAULTS = {
     "best_of": 1,
-    "suffix": None,
     "functions": None,
     "function_call": "none",
     "audio": None,
@@ -64,7 +63,6 @@ API_DEFAULTS = {
 CHANGING = {
     "length_penalty": [0.5, 2],
     "best_of": [2, 0],
-    "suffix": ["\n}"],
     "functions": [[{"name": "f"}]],
     "function_call": ["auto", {"name": "f"}],
     "audio": [{"voice": "alloy", "format": "wav"}],

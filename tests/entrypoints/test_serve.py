@@ -569,6 +569,8 @@ BAD_REQUESTS = [
     ("max_tokens past the context", {"model": MODEL, "prompt": "hi", "max_tokens": CONTEXT}, None),
     ("n 0", {"model": MODEL, "prompt": "hi", "n": 0}, "n"),
     ("n over 128", {"model": MODEL, "prompt": "hi", "n": 129}, "n"),
+    ("suffix, and no FIM tokens", {"model": MODEL, "prompt": "def f():", "suffix": "\n}"}, "suffix"),
+    ("suffix after token ids", {"model": MODEL, "prompt": [5, 6], "suffix": "\n}"}, "suffix"),
     ("prompt_logprobs over 20", {"model": MODEL, "prompt": "hi", "prompt_logprobs": 21}, "prompt_logprobs"),
     ("logprobs over 20", {"model": MODEL, "prompt": "hi", "logprobs": 21}, "logprobs"),
     ("penalty past 2", {"model": MODEL, "prompt": "hi", "presence_penalty": 2.5}, "presence_penalty"),

@@ -304,8 +304,17 @@ async def _complete(state: ServerState, body: CompletionRequest, cache_scope: st
     prompts = _prompt_list(body.prompt)
     prompt_only = body.echo and body.max_tokens == 0
     max_tokens = 1 if prompt_only else body.max_tokens
+    texts = prompts  # what echo returns: the prompts as sent
+    if body.suffix:  # fill in the middle: each prompt the text before the gap
+        prompts = [await asyncio.to_thread(_gap_prompt, state, prompt, body.suffix) for prompt in prompts]
     requests = [await asyncio.to_thread(_prepare, state, body, prompt, max_tokens) for prompt in prompts]
-    echoes = [_echo_text(state, prompt, ids) if body.echo else "" for prompt, ids, _ in requests]
+    if body.suffix:  # the middle ends where the model ends it (FIM_END_TOKENS), besides the request's stops
+        stops = state.llm.fill_in_the_middle_stops()
+        requests = [
+            (prompt, ids, dataclasses.replace(params, stop_token_ids=params.stop_token_ids + stops))
+            for prompt, ids, params in requests
+        ]
+    echoes = [_echo_text(state, text, ids) if body.echo else "" for text, (_, ids, _) in zip(texts, requests)]
     request_id = new_id("cmpl")
     streams = [
         state.async_engine.generate(
@@ -339,6 +348,17 @@ async def _complete(state: ServerState, body: CompletionRequest, cache_scope: st
             )
             choices.append(_with_prompt_logprobs(state, body, choice, prompt_logprobs))
     return completion_response(request_id, state.model_name, choices, prompt_tokens, _num_tokens(outputs))
+
+
+def _gap_prompt(state: ServerState, prompt, suffix: str) -> list[int]:
+    """A completion prompt and suffix as the model's fill-in-the-middle prompt (a 400 names suffix
+    where the prompt is not text or the model has no FIM tokens)."""
+    if not isinstance(prompt, str):
+        raise APIError(400, "suffix needs the prompt as text (the code before the gap), not token ids", param="suffix")
+    try:
+        return state.llm.fill_in_the_middle_ids(prompt, suffix)
+    except ValueError as e:
+        raise APIError(400, str(e), param="suffix") from None
 
 
 def _prompts_alone(state: ServerState, request_id: str, body: CompletionRequest, outputs, prompt_ids, echoes):

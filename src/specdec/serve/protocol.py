@@ -180,6 +180,7 @@ class CompletionRequest(SamplingFields):
     max_tokens: int | None = 16
     logprobs: int | None = None  # the top tokens' logprobs with each token's own
     echo: bool = False  # the prompt's text before each choice's
+    suffix: str | None = None  # the text after the completion: the model fills the gap (fill in the middle)
 
     def logprobs_count(self) -> int | None:
         return self.logprobs

@@ -69,7 +69,6 @@ TOOLS = "functions and function_call are OpenAI's older names: send tools and to
 REFUSED: dict[str, Refused] = {
     # OpenAI's API
     "best_of": Refused(_one_of(None, 1)),
-    "suffix": Refused(_empty),
     "functions": Refused(_empty, TOOLS),
     "function_call": Refused(_no_tool, TOOLS),
     "audio": Refused(_absent, "this server answers in text; leave it out"),
