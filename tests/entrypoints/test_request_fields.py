@@ -29,7 +29,6 @@ CLIENT_FIELDS = {
 
 # each refused field's default in OpenAI's API or vLLM's request models: a value that changes nothing
 API_DEFAULTS = {
-    "best_of": 1,
     "functions": None,
     "function_call": "none",
     "audio": None,
@@ -62,7 +61,6 @@ API_DEFAULTS = {
 # values that change the output (or the answer's shape), by field
 CHANGING = {
     "length_penalty": [0.5, 2],
-    "best_of": [2, 0],
     "functions": [[{"name": "f"}]],
     "function_call": ["auto", {"name": "f"}],
     "audio": [{"voice": "alloy", "format": "wav"}],
@@ -122,7 +120,6 @@ def test_a_refused_field_is_refused_by_name_unless_it_changes_nothing(endpoint, 
 
 
 def test_a_bool_is_not_taken_for_a_number():
-    assert refused(COMPLETIONS, best_of=True) == ["best_of"]
     assert refused(COMPLETIONS, length_penalty=True) == ["length_penalty"]
     assert refused(COMPLETIONS, use_beam_search=0) == ["use_beam_search"]
 

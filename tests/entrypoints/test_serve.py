@@ -215,6 +215,26 @@ def test_echo_with_logprobs_and_prompt_logprobs(server, offline):
     assert [list(entry)[0] for entry in shaped[1:]] == [str(token_id) for token_id in chat_ids[1:]]
 
 
+def test_best_of_answers_the_completions_likeliest_per_token(server, offline):
+    """best_of 4, n 2: the two of LLM.generate's four seeded completions of the highest mean
+    logprob, the likeliest first, without logprobs where none were asked; every completion made
+    counted in usage."""
+    client = server.client()
+    prompt = "def add(a, b):"
+    params = SamplingParams(temperature=1.0, max_tokens=8, ignore_eos=True, seed=5, n=4, logprobs=0)
+    made = offline.generate(prompt, params)[0].outputs
+    per_token = {c.text: sum(e.logprob for e in c.logprobs) / len(c.logprobs) for c in made}
+    assert len(set(per_token.values())) == 4  # four different completions
+    want = sorted(per_token, key=per_token.__getitem__, reverse=True)[:2]
+    fields = dict(model=MODEL, prompt=prompt, max_tokens=8, temperature=1.0, seed=5, n=2, best_of=4)
+    got = client.completions.create(**fields, extra_body={"ignore_eos": True})
+    assert [(c.index, c.text, c.logprobs) for c in got.choices] == [(0, want[0], None), (1, want[1], None)]
+    assert got.usage.completion_tokens == 4 * 8
+    with_logprobs = client.completions.create(**fields, logprobs=1, extra_body={"ignore_eos": True})
+    assert [c.text for c in with_logprobs.choices] == want
+    assert all(len(c.logprobs.token_logprobs) == 8 for c in with_logprobs.choices)
+
+
 WEATHER_TOOL = {
     "type": "function",
     "function": {
@@ -578,7 +598,9 @@ BAD_REQUESTS = [
     ("min_tokens > max_tokens", {"model": MODEL, "prompt": "hi", "min_tokens": 4, "max_tokens": 2}, "min_tokens"),
     ("logit_bias of no token", {"model": MODEL, "prompt": "hi", "logit_bias": {"abc": 1}}, "logit_bias"),
     ("logit_bias outside the vocabulary", {"model": MODEL, "prompt": "hi", "logit_bias": {"99999": 1}}, None),
-    ("best_of", {"model": MODEL, "prompt": "hi", "best_of": 3}, "best_of"),
+    ("best_of below n", {"model": MODEL, "prompt": "hi", "n": 3, "best_of": 2}, "best_of"),
+    ("best_of over 128", {"model": MODEL, "prompt": "hi", "best_of": 129}, "best_of"),
+    ("best_of streamed", {"model": MODEL, "prompt": "hi", "best_of": 2, "stream": True}, "best_of"),
     ("guided_json of no schema", {"model": MODEL, "prompt": "hi", "guided_json": {"type": "objekt"}}, None),
     (
         "two structured outputs",

@@ -339,7 +339,10 @@ async def _complete(state: ServerState, body: CompletionRequest, cache_scope: st
     for i, outs in enumerate(outputs):
         prompt_logprobs = _prompt_logprobs(outs)
         echoed = (prompt_ids[i], prompt_logprobs) if body.echoes_logprobs and prompt_logprobs is not None else None
-        for j, parts in enumerate(_completions(outs, body.n)):
+        completions = _completions(outs, body.completions_made)
+        if body.chooses:
+            completions = _likeliest(completions, body.n, keep_logprobs=body.logprobs is not None)
+        for j, parts in enumerate(completions):
             logprobs = _joined_logprobs(
                 parts, functools.partial(completion_logprobs, token_text=state.token_text, prompt=echoed)
             )
@@ -385,6 +388,20 @@ def _prompts_alone(state: ServerState, request_id: str, body: CompletionRequest,
             yield completion_chunk(request_id, state.model_name, created, [], usage(prompt_tokens, 0))
 
     return _sse(events())
+
+
+def _likeliest(completions: list[list[CompletionOutput]], n: int, keep_logprobs: bool) -> list[list[CompletionOutput]]:
+    """best_of: the n completions of the highest log-probability per token (OpenAI's "best"), the
+    likeliest first; their logprobs dropped where the request did not ask for them."""
+
+    def per_token(parts: list[CompletionOutput]) -> float:
+        entries = [entry for part in parts for entry in part.logprobs or ()]
+        return sum(entry.logprob for entry in entries) / len(entries) if entries else float("-inf")
+
+    chosen = sorted(completions, key=per_token, reverse=True)[:n]
+    if keep_logprobs:
+        return chosen
+    return [[dataclasses.replace(part, logprobs=None) for part in parts] for parts in chosen]
 
 
 def _prompt_logprobs(outputs: list[RequestOutput]) -> list | None:

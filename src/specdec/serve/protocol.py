@@ -16,7 +16,7 @@ from typing import Any, ClassVar
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from specdec.config import SamplingParams, StructuredOutputsParams
+from specdec.config import MAX_N, SamplingParams, StructuredOutputsParams
 from specdec.outputs import TokenLogprob
 from specdec.serve import request_fields
 
@@ -123,7 +123,7 @@ class SamplingFields(BaseModel):
             allowed_token_ids=None if self.allowed_token_ids is None else tuple(self.allowed_token_ids),
             bad_words=tuple(self.bad_words or ()),
             structured_outputs=self._structured_outputs(),
-            n=self.n,
+            n=self.completions_made,
         )
 
     def _structured_outputs(self) -> StructuredOutputsParams | None:
@@ -165,6 +165,11 @@ class SamplingFields(BaseModel):
         """How many top tokens' logprobs to return with each token's own (None: no logprobs)."""
         return None
 
+    @property
+    def completions_made(self) -> int:
+        """The completions made of each prompt (n; completions' best_of)."""
+        return self.n
+
     def prompt_logprobs_count(self) -> int | None:
         """How many top tokens' logprobs to compute with each prompt token's own (None: none)."""
         return self.prompt_logprobs
@@ -181,8 +186,32 @@ class CompletionRequest(SamplingFields):
     logprobs: int | None = None  # the top tokens' logprobs with each token's own
     echo: bool = False  # the prompt's text before each choice's
     suffix: str | None = None  # the text after the completion: the model fills the gap (fill in the middle)
+    best_of: int | None = None  # OpenAI's: this many completions made, the n likeliest per token returned
+
+    @property
+    def completions_made(self) -> int:
+        if self.best_of is None:
+            return self.n
+        if isinstance(self.best_of, bool) or not self.n <= self.best_of <= MAX_N:
+            raise APIError(
+                400, f"best_of must be an integer from n ({self.n}) to {MAX_N}, got {self.best_of!r}", param="best_of"
+            )
+        if self.stream and self.best_of > self.n:
+            raise APIError(
+                400,
+                "best_of more than n cannot be streamed (OpenAI's rule); leave best_of out or stream off",
+                param="best_of",
+            )
+        return self.best_of
+
+    @property
+    def chooses(self) -> bool:
+        """Whether the answer is the n likeliest of more completions (best_of > n)."""
+        return self.completions_made > self.n
 
     def logprobs_count(self) -> int | None:
+        if self.chooses and self.logprobs is None:
+            return 0  # each token's own: what a completion's likelihood is scored by
         return self.logprobs
 
     @property

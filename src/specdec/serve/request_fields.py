@@ -68,7 +68,6 @@ TOOLS = "functions and function_call are OpenAI's older names: send tools and to
 # field -> which of its values change nothing, and what to do instead (on both endpoints)
 REFUSED: dict[str, Refused] = {
     # OpenAI's API
-    "best_of": Refused(_one_of(None, 1)),
     "functions": Refused(_empty, TOOLS),
     "function_call": Refused(_no_tool, TOOLS),
     "audio": Refused(_absent, "this server answers in text; leave it out"),
