@@ -212,7 +212,8 @@ class SamplingParams:
     top_p: keep the smallest set of most likely tokens whose mass reaches top_p.
     min_p: drop tokens whose probability is below min_p times the most likely one's.
     max_tokens: the most tokens to generate.
-    stop: strings that end the generation; the text stops before them.
+    stop: strings that end the generation; the text stops before them (include_stop_str_in_output,
+        vLLM's: after them).
     stop_token_ids: token ids that end the generation (kept in the token ids, like EOS).
     seed: a per-request seed (any integer torch.Generator takes: from -2**63 to 2**64 - 1).
         The request draws the same random numbers whatever else is batched, so in float32 it
@@ -265,6 +266,7 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
     seed: int | None = None
     ignore_eos: bool = False
+    include_stop_str_in_output: bool = False
     logprobs: int | None = None
     prompt_logprobs: int | None = None
     num_speculative_tokens: int | None = None
@@ -329,7 +331,9 @@ class SamplingParams:
             "{seed} must be an integer from -2**63 to 2**64 - 1, or None, got {got!r}",
             got=self.seed,
         )
-        need(isinstance(self.ignore_eos, bool), "{ignore_eos} must be True or False, got {got!r}", got=self.ignore_eos)
+        for name in ("ignore_eos", "include_stop_str_in_output"):
+            value = getattr(self, name)
+            need(isinstance(value, bool), f"{{{name}}} must be True or False, got {{got!r}}", got=value)
         need(
             self.logprobs is None or (is_int(self.logprobs) and 0 <= self.logprobs <= MAX_LOGPROBS),
             "{logprobs} must be an integer from 0 to {most} (the most likely tokens to return with each token's "

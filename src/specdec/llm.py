@@ -300,10 +300,14 @@ class LLM:
         return self.generate(prompts, sampling_params)
 
     def chat_token_ids(
-        self, messages: list[dict], add_generation_prompt: bool = True, tools: list[dict] | None = None
+        self,
+        messages: list[dict],
+        add_generation_prompt: bool = True,
+        tools: list[dict] | None = None,
+        template_kwargs: dict | None = None,
     ) -> list[int]:
         """One conversation rendered with the model's chat template, as token ids (prompts.py)."""
-        return self.prompts.chat_token_ids(messages, add_generation_prompt, tools)
+        return self.prompts.chat_token_ids(messages, add_generation_prompt, tools, template_kwargs)
 
     def fill_in_the_middle_ids(self, prefix: str, suffix: str) -> list[int]:
         """The prompt of a gap between prefix and suffix for a code model to fill (prompts.py)."""

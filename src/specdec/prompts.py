@@ -45,15 +45,19 @@ class PromptEncoder:
         return cls(tokenizer, config.vocab_size, config.max_position_embeddings)
 
     def chat_token_ids(
-        self, messages: list[dict], add_generation_prompt: bool = True, tools: list[dict] | None = None
+        self,
+        messages: list[dict],
+        add_generation_prompt: bool = True,
+        tools: list[dict] | None = None,
+        template_kwargs: dict | None = None,
     ) -> list[int]:
-        """One conversation rendered with the model's chat template (with the tools it may call),
-        as token ids (the template writes its own special tokens, so none are added)."""
+        """One conversation rendered with the model's chat template (with the tools it may call,
+        and template_kwargs: more of its variables), as token ids (the template writes its own
+        special tokens, so none are added)."""
         tokenizer = self.need_tokenizer("chat")
         check_messages(messages)
-        return tokenizer.encode(
-            tokenizer.apply_chat_template(messages, add_generation_prompt, tools), add_special_tokens=False
-        )
+        rendered = tokenizer.apply_chat_template(messages, add_generation_prompt, tools, template_kwargs)
+        return tokenizer.encode(rendered, add_special_tokens=False)
 
     def fill_in_the_middle_ids(self, prefix: str, suffix: str) -> list[int]:
         """The prompt of a gap between prefix and suffix for the model to fill: its FIM tokens

@@ -73,6 +73,30 @@ def test_a_stop_string_stops_at_the_token_that_completes_it_and_the_text_ends_be
 
 
 @pytest.mark.parametrize("seed", [0, 1, 2, 3])
+def test_include_stop_str_in_output_ends_the_text_after_the_stop_string(tokenizer, seed):
+    """vLLM's include_stop_str_in_output: the same stop, the text through the stop string (the
+    first to start, the shorter of two starting there), whole and streamed."""
+    rng = random.Random(seed)
+    ids = tokenizer.encode(TEXT, add_special_tokens=False)
+    stops = rng.choice([("return",), ("+ b", "+ b\n\nprint"), ("three", "Stack")])
+    processor = OutputProcessor(tokenizer, eos_token_ids=(EOS,))
+    seq = sequence(SamplingParams(max_tokens=200, stop=stops, include_stop_str_in_output=True))
+    seq.stream_text = True
+    deltas, at = [], 0
+    while not seq.finished:
+        at += processor.append(seq, ids[at : at + rng.randint(1, 6)], num_from_draft=0)
+        if seq.finished:
+            finish(processor, seq)
+        output = processor.new_output(seq)
+        if output is not None:
+            deltas.append(output.outputs[0].text)
+    full = tokenizer.backend.decode(ids[:at])
+    start = min(full.index(s) for s in stops if s in full)
+    stop = min((s for s in stops if full.find(s) == start), key=len)
+    assert seq.finish_reason == "stop" and "".join(deltas) == seq.text == full[: start + len(stop)]
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2, 3])
 def test_streamed_text_joins_into_the_final_text_and_never_shows_a_stop_string(tokenizer, seed):
     """Tokens arrive in runs of random length (as rounds accept them); a stop string, when the
     output holds one, is cut; each delta is text that later tokens cannot change."""

@@ -215,6 +215,43 @@ def test_echo_with_logprobs_and_prompt_logprobs(server, offline):
     assert [list(entry)[0] for entry in shaped[1:]] == [str(token_id) for token_id in chat_ids[1:]]
 
 
+def test_vllms_prompt_and_answer_fields(server, offline):
+    """truncate_prompt_tokens (the prompt's last k tokens), return_token_ids (the prompt's and the
+    answer's token ids, whole and streamed), include_stop_str_in_output (the text through the stop
+    string) and chat_template_kwargs (reserved names refused), each as LLM.generate gives it."""
+    client = server.client()
+    ids = list(range(40, 60))
+    greedy = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    want = offline.generate([ids[-5:]], greedy)[0].outputs[0]
+    fields = dict(model=MODEL, prompt=ids, max_tokens=12, temperature=0)
+    extra = {"ignore_eos": True, "truncate_prompt_tokens": 5, "return_token_ids": True}
+    got = client.completions.create(**fields, extra_body=extra)
+    (choice,) = got.choices
+    assert got.usage.prompt_tokens == 5 and choice.text == want.text
+    assert (choice.model_extra["prompt_token_ids"], choice.model_extra["token_ids"]) == (ids[-5:], want.token_ids)
+    chunks = [chunk.choices[0] for chunk in client.completions.create(**fields, extra_body=extra, stream=True)]
+    assert chunks[0].model_extra["prompt_token_ids"] == ids[-5:]
+    assert [t for c in chunks for t in c.model_extra.get("token_ids", [])] == want.token_ids
+
+    stop = want.text[3:6]
+    cut = client.completions.create(**fields, stop=[stop], extra_body={**extra, "include_stop_str_in_output": True})
+    assert cut.choices[0].text == want.text[: want.text.index(stop) + len(stop)]
+
+    messages = [{"role": "user", "content": "hi"}]
+    chat_want = offline.chat(messages, greedy)[0].outputs[0]
+    chat_extra = {"ignore_eos": True, "return_token_ids": True, "chat_template_kwargs": {"flavour": "plain"}}
+    chat = client.chat.completions.create(
+        model=MODEL, messages=messages, max_tokens=12, temperature=0, extra_body=chat_extra
+    )
+    assert chat.model_extra["prompt_token_ids"] == offline.chat_token_ids(messages)
+    assert chat.choices[0].model_extra["token_ids"] == chat_want.token_ids
+    with pytest.raises(openai.BadRequestError) as refused:
+        client.chat.completions.create(
+            model=MODEL, messages=messages, max_tokens=2, extra_body={"chat_template_kwargs": {"messages": []}}
+        )
+    assert refused.value.body["param"] == "chat_template_kwargs"  # pyright: ignore[reportIndexIssue, reportOptionalSubscript]
+
+
 def test_best_of_answers_the_completions_likeliest_per_token(server, offline):
     """best_of 4, n 2: the two of LLM.generate's four seeded completions of the highest mean
     logprob, the likeliest first, without logprobs where none were asked; every completion made

@@ -764,3 +764,23 @@ def test_eos_ids_from_generation_config_and_config(eos_case, tmp_path, case):
         assert out.token_ids == hf_generate(hf, prompt, 16, eos_token_id=sorted(expected_ids))
     else:
         assert out.token_ids == free
+
+
+def test_chat_template_kwargs_are_the_templates_variables_as_transformers_passes_them():
+    """vLLM's chat_template_kwargs: more variables for the template (transformers' extra keyword
+    arguments to apply_chat_template render the same); the request's own names are refused."""
+    from transformers import PreTrainedTokenizerFast
+
+    from helpers import make_tokenizer
+    from specdec.models.tokenizer import Tokenizer
+
+    template = "{% for m in messages %}{{ m.content }}{% endfor %}{% if enable_thinking %}<think>{% endif %}"
+    ours = Tokenizer(make_tokenizer(320), chat_template=template)
+    theirs = PreTrainedTokenizerFast(tokenizer_object=make_tokenizer(320))
+    theirs.chat_template = template
+    messages = [{"role": "user", "content": "hi"}]
+    for kwargs in ({"enable_thinking": True}, {"enable_thinking": False}, {}):
+        want = theirs.apply_chat_template(messages, tokenize=False, **kwargs)
+        assert ours.apply_chat_template(messages, template_kwargs=kwargs) == want
+    with pytest.raises(ValueError, match="chat_template_kwargs may not set"):
+        ours.apply_chat_template(messages, template_kwargs={"messages": []})

@@ -117,8 +117,10 @@ class OutputProcessor:
     def final_text(self, seq: Sequence) -> str:
         """The decoded output, cut before the first stop string that counts (min_tokens)."""
         text = self._output_text(seq)
-        cut = _stop_string_index(text, seq.params.stop, self._held_chars(seq))
-        return text if cut is None else text[:cut]
+        span = _stop_string_span(text, seq.params.stop, self._held_chars(seq))
+        if span is None:
+            return text
+        return text[: span[1]] if seq.params.include_stop_str_in_output else text[: span[0]]
 
     def _stop_string_ends_now(self, seq: Sequence) -> bool:
         """Whether a stop string that counts ends in the output's text (checked after each token:
@@ -171,5 +173,12 @@ def _settled_text(text: str, stops: tuple[str, ...]) -> str:
 
 def _stop_string_index(text: str, stops: tuple[str, ...], min_end: int = 0) -> int | None:
     """Where the first of the stop strings that end past min_end characters starts in text, or None."""
-    found = [i for i in (text.find(stop, max(0, min_end - len(stop) + 1)) for stop in stops) if i >= 0]
+    span = _stop_string_span(text, stops, min_end)
+    return None if span is None else span[0]
+
+
+def _stop_string_span(text: str, stops: tuple[str, ...], min_end: int = 0) -> tuple[int, int] | None:
+    """(start, end) in text of the first of the stop strings that end past min_end characters (of
+    two starting there, the shorter), or None."""
+    found = [(i, i + len(stop)) for stop in stops if (i := text.find(stop, max(0, min_end - len(stop) + 1))) >= 0]
     return min(found) if found else None

@@ -68,10 +68,21 @@ class Tokenizer:
         return self.decode(token_ids)
 
     def apply_chat_template(
-        self, messages: list[dict], add_generation_prompt: bool = True, tools: list[dict] | None = None
+        self,
+        messages: list[dict],
+        add_generation_prompt: bool = True,
+        tools: list[dict] | None = None,
+        template_kwargs: dict | None = None,
     ) -> str:
         """Render a conversation with the model's own template (Jinja, sandboxed); tools: the
-        functions it may call (OpenAI's tool entries), as the template's `tools`."""
+        functions it may call (OpenAI's tool entries), as the template's `tools`; template_kwargs:
+        more of the template's variables (vLLM's chat_template_kwargs: {"enable_thinking": False}),
+        none of the ones set here."""
+        taken = sorted(
+            set(template_kwargs or ()) & {"messages", "add_generation_prompt", "tools", *self.special_tokens}
+        )
+        if taken:
+            raise ValueError(f"chat_template_kwargs may not set {taken}: the request's own fields set them")
         if not self.chat_template:
             raise ValueError(
                 "this tokenizer has no chat template (none in tokenizer_config.json "
@@ -82,7 +93,11 @@ class Tokenizer:
                 _template_environment()
                 .from_string(self.chat_template)
                 .render(
-                    messages=messages, add_generation_prompt=add_generation_prompt, tools=tools, **self.special_tokens
+                    messages=messages,
+                    add_generation_prompt=add_generation_prompt,
+                    tools=tools,
+                    **self.special_tokens,
+                    **(template_kwargs or {}),
                 )
             )
         except ValueError:  # raise_exception(): the template's own message

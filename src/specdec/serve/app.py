@@ -240,7 +240,7 @@ def _prepare(state: ServerState, body: SamplingFields, prompt, max_tokens: int |
         params = body.sampling_params(max_tokens)
         if tools is not None:
             params = _with_tools(params, tools, state.llm.tokenizer)
-        prompt_ids = state.llm.prompt_token_ids(tokens, params)
+        prompt_ids = _truncated(state, body, state.llm.prompt_token_ids(tokens, params))
     except ValueError as e:
         raise APIError(400, str(e), param=_named_field(str(e), body)) from None
     if len(prompt_ids) + params.max_tokens > state.max_model_len:
@@ -253,6 +253,23 @@ def _prepare(state: ServerState, body: SamplingFields, prompt, max_tokens: int |
             code="context_length_exceeded",
         )
     return prompt, prompt_ids, params
+
+
+def _truncated(state: ServerState, body: SamplingFields, prompt_ids: list[int]) -> list[int]:
+    """vLLM's truncate_prompt_tokens: the prompt's last k tokens (-1: the context length's worth)."""
+    k = body.truncate_prompt_tokens
+    if k is None:
+        return prompt_ids
+    if isinstance(k, bool) or not (k >= 1 or k == -1):
+        raise APIError(
+            400, f"truncate_prompt_tokens must be -1 or at least 1, got {k!r}", param="truncate_prompt_tokens"
+        )
+    return prompt_ids[-(state.max_model_len if k == -1 else k) :]
+
+
+def _with_token_ids(body: SamplingFields, answer: dict, **token_ids) -> dict:
+    """answer with vLLM's token id fields (prompt_token_ids, token_ids) where return_token_ids asks."""
+    return {**answer, **token_ids} if body.return_token_ids else answer
 
 
 def _with_tools(params: SamplingParams, tools: ToolChoice, tokenizer) -> SamplingParams:
@@ -270,12 +287,23 @@ def _with_tools(params: SamplingParams, tools: ToolChoice, tokenizer) -> Samplin
 
 
 def _chat_token_ids(
-    state: ServerState, messages: list[dict], add_generation_prompt: bool, tools: list[dict] | None = None
+    state: ServerState,
+    messages: list[dict],
+    add_generation_prompt: bool,
+    tools: list[dict] | None = None,
+    template_kwargs: dict | None = None,
 ) -> list[int]:
     try:
-        return state.llm.chat_token_ids(template_messages(messages), add_generation_prompt, tools)
+        return state.llm.chat_token_ids(template_messages(messages), add_generation_prompt, tools, template_kwargs)
     except ValueError as e:
-        raise APIError(400, str(e), param=e.field if isinstance(e, ToolError) else "messages") from None
+        field = (
+            e.field
+            if isinstance(e, ToolError)
+            else "chat_template_kwargs"
+            if "chat_template_kwargs" in str(e)
+            else "messages"
+        )
+        raise APIError(400, str(e), param=field) from None
 
 
 def _named_field(message: str, body: SamplingFields) -> str | None:
@@ -349,6 +377,8 @@ async def _complete(state: ServerState, body: CompletionRequest, cache_scope: st
             choice = completion_choice(
                 i * body.n + j, echoes[i] + "".join(part.text for part in parts), parts[-1].finish_reason, logprobs
             )
+            token_ids = [token for part in parts for token in part.token_ids]
+            choice = _with_token_ids(body, choice, prompt_token_ids=prompt_ids[i], token_ids=token_ids)
             choices.append(_with_prompt_logprobs(state, body, choice, prompt_logprobs))
     return completion_response(request_id, state.model_name, choices, prompt_tokens, _num_tokens(outputs))
 
@@ -427,7 +457,9 @@ async def _chat(state: ServerState, body: ChatCompletionRequest, cache_scope: st
         raise APIError(400, str(e), param=e.field) from None
     messages = [m.template_fields() for m in body.messages]
     rendered = None if tools is None else tools.template_tools
-    prompt_ids = await asyncio.to_thread(_chat_token_ids, state, messages, body.add_generation_prompt, rendered)
+    prompt_ids = await asyncio.to_thread(
+        _chat_token_ids, state, messages, body.add_generation_prompt, rendered, body.chat_template_kwargs
+    )
     max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
     _, ids, params = await asyncio.to_thread(_prepare, state, body, prompt_ids, max_tokens, tools)
     request_id = new_id("chatcmpl")
@@ -435,13 +467,20 @@ async def _chat(state: ServerState, body: ChatCompletionRequest, cache_scope: st
     (first,) = await _first_outputs([stream])
     echo = body.echoed_text()
     if body.stream:
-        return _sse(_chat_events(state, request_id, body, stream, first, len(ids), echo, tools))
+        return _sse(_chat_events(state, request_id, body, stream, first, ids, echo, tools))
     (outputs,) = await _until_finished([stream], [first])
     choices = [
         _chat_choice(state, j, echo + "".join(part.text for part in parts), parts, tools)
         for j, parts in enumerate(_completions(outputs, body.n))
     ]
+    if body.return_token_ids:
+        completions = _completions(outputs, body.n)
+        choices = [
+            {**choice, "token_ids": [token for part in parts for token in part.token_ids]}
+            for choice, parts in zip(choices, completions)
+        ]
     answer = chat_response(request_id, state.model_name, choices, len(ids), _num_tokens([outputs]))
+    answer = _with_token_ids(body, answer, prompt_token_ids=ids)
     return _with_prompt_logprobs(state, body, answer, _prompt_logprobs(outputs))
 
 
@@ -660,9 +699,12 @@ async def _completion_events(
                 if completion.logprobs is not None:
                     logprobs = completion_logprobs(completion.logprobs, state.token_text, offset, echoed)
                 text_offsets[index] = offset + len(completion.text)
-                if text or completion.finish_reason or logprobs is not None and completion.token_ids:
+                with_ids = completion.token_ids and (logprobs is not None or body.return_token_ids)
+                if text or completion.finish_reason or with_ids:
                     choice = completion_choice(index, text, completion.finish_reason, logprobs)
+                    choice = _with_token_ids(body, choice, token_ids=completion.token_ids)
                     if first:
+                        choice = _with_token_ids(body, choice, prompt_token_ids=prompt_ids[prompt_index])
                         choice = _with_prompt_logprobs(state, body, choice, prompt_logprobs.get(prompt_index))
                     yield completion_chunk(request_id, state.model_name, created, [choice])
     if body.include_usage:
@@ -676,7 +718,7 @@ async def _chat_events(
     body: ChatCompletionRequest,
     stream,
     first,
-    prompt_tokens: int,
+    prompt_ids: list[int],
     echo: str,
     tools: ToolChoice | None = None,
 ) -> AsyncGenerator[dict, None]:
@@ -687,7 +729,10 @@ async def _chat_events(
     calls = [tools.stream() for _ in range(body.n)] if tools is not None and tools.mode != "none" else None
     for index in range(body.n):
         chunk = chat_chunk(request_id, state.model_name, created, {"role": "assistant", "content": echo}, index=index)
-        yield chunk if index else _with_prompt_logprobs(state, body, chunk, first.prompt_logprobs)
+        if index == 0:
+            chunk = _with_token_ids(body, chunk, prompt_token_ids=prompt_ids)
+            chunk = _with_prompt_logprobs(state, body, chunk, first.prompt_logprobs)
+        yield chunk
     async with contextlib.aclosing(_merged([stream], [first])) as outputs:
         async for _, output in outputs:
             for completion in output.outputs:
@@ -702,13 +747,16 @@ async def _chat_events(
                     reason = tools.finish_reason(reason, calls[index].num_calls > 0)  # pyright: ignore[reportOptionalMemberAccess]
                     if logprobs is not None:
                         yield chat_chunk(request_id, state.model_name, created, {}, logprobs=logprobs, index=index)
-                elif completion.text or logprobs is not None:
+                elif completion.text or logprobs is not None or (body.return_token_ids and completion.token_ids):
                     delta = {"content": completion.text}
-                    yield chat_chunk(request_id, state.model_name, created, delta, logprobs=logprobs, index=index)
+                    chunk = chat_chunk(request_id, state.model_name, created, delta, logprobs=logprobs, index=index)
+                    if body.return_token_ids:
+                        chunk["choices"][0]["token_ids"] = completion.token_ids
+                    yield chunk
                 if reason:
                     yield chat_chunk(request_id, state.model_name, created, {}, reason, index=index)
     if body.include_usage:
-        yield chat_chunk(request_id, state.model_name, created, None, usage_=usage(prompt_tokens, completion_tokens))
+        yield chat_chunk(request_id, state.model_name, created, None, usage_=usage(len(prompt_ids), completion_tokens))
 
 
 # --- errors ---------------------------------------------------------------------------------------------

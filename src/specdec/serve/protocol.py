@@ -77,6 +77,7 @@ class SamplingFields(BaseModel):
     stream_options: StreamOptions | None = None
     n: int = 1
     ignore_eos: bool = False
+    include_stop_str_in_output: bool = False  # vLLM's: the text ends after a stop string, not before it
     num_speculative_tokens: int | None = Field(default=None, ge=0)
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
@@ -86,6 +87,8 @@ class SamplingFields(BaseModel):
     allowed_token_ids: list[int] | None = None  # vLLM's
     bad_words: list[str] | None = None  # vLLM's
     prompt_logprobs: int | None = None  # vLLM's: each prompt token's logprob and the top ones', in the answer
+    truncate_prompt_tokens: int | None = None  # vLLM's: only the prompt's last k tokens (-1: the context length)
+    return_token_ids: bool = False  # vLLM's: the prompt's and each choice's token ids in the answer
     # structured output: OpenAI's response_format, vLLM's guided_* and structured_outputs (one of them)
     response_format: dict | None = None
     guided_json: dict | str | None = None
@@ -112,6 +115,7 @@ class SamplingFields(BaseModel):
             stop_token_ids=self.stop_token_ids or (),  # pyright: ignore[reportArgumentType]
             seed=self.seed,
             ignore_eos=self.ignore_eos,
+            include_stop_str_in_output=self.include_stop_str_in_output,
             logprobs=self.logprobs_count(),
             prompt_logprobs=self.prompt_logprobs_count(),
             num_speculative_tokens=self.num_speculative_tokens,
@@ -263,6 +267,7 @@ class ChatCompletionRequest(SamplingFields):
     tools: list[dict] | None = None  # functions the model may call (serve/tools.py)
     tool_choice: str | dict | None = None  # none, auto (the default with tools), required, or a named function
     parallel_tool_calls: bool | None = None  # False: one call at most
+    chat_template_kwargs: dict | None = None  # vLLM's: more of the chat template's variables
 
     def echoed_text(self) -> str:
         """What echo puts before each choice's content: the last message's, where that is the

@@ -79,10 +79,8 @@ REFUSED: dict[str, Refused] = {
     # vLLM's sampling parameters
     "use_beam_search": Refused(_one_of(None, False)),
     "length_penalty": Refused(_unit),
-    "include_stop_str_in_output": Refused(_one_of(None, False)),
     "skip_special_tokens": Refused(_one_of(None, True)),
     "spaces_between_special_tokens": Refused(_one_of(None, True)),
-    "truncate_prompt_tokens": Refused(_empty),
     "logits_processors": Refused(_empty),
     # vLLM's structured output
     "guided_decoding_backend": Refused(_one_of(None, "auto", "guidance", "llguidance"), STRUCTURED_BACKEND),
@@ -91,11 +89,9 @@ REFUSED: dict[str, Refused] = {
     "continue_final_message": Refused(_one_of(None, False)),
     "documents": Refused(_empty),
     "chat_template": Refused(_empty, "the model's own chat template renders every conversation; leave it out"),
-    "chat_template_kwargs": Refused(_empty),
     "mm_processor_kwargs": Refused(_empty, "this server takes text; leave it out"),
     "prompt_embeds": Refused(_empty, "send the prompt as text or token ids"),
     "return_tokens_as_token_ids": Refused(_one_of(None, False)),
-    "return_token_ids": Refused(_one_of(None, False)),
     "vllm_xargs": Refused(_empty),
     "include_reasoning": Refused(_one_of(None, True)),
 }
