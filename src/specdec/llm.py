@@ -305,9 +305,12 @@ class LLM:
         add_generation_prompt: bool = True,
         tools: list[dict] | None = None,
         template_kwargs: dict | None = None,
+        continue_final_message: bool = False,
     ) -> list[int]:
         """One conversation rendered with the model's chat template, as token ids (prompts.py)."""
-        return self.prompts.chat_token_ids(messages, add_generation_prompt, tools, template_kwargs)
+        return self.prompts.chat_token_ids(
+            messages, add_generation_prompt, tools, template_kwargs, continue_final_message
+        )
 
     def fill_in_the_middle_ids(self, prefix: str, suffix: str) -> list[int]:
         """The prompt of a gap between prefix and suffix for a code model to fill (prompts.py)."""

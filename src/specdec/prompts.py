@@ -50,13 +50,16 @@ class PromptEncoder:
         add_generation_prompt: bool = True,
         tools: list[dict] | None = None,
         template_kwargs: dict | None = None,
+        continue_final_message: bool = False,
     ) -> list[int]:
         """One conversation rendered with the model's chat template (with the tools it may call,
-        and template_kwargs: more of its variables), as token ids (the template writes its own
-        special tokens, so none are added)."""
+        template_kwargs: more of its variables, continue_final_message: Tokenizer's), as token
+        ids (the template writes its own special tokens, so none are added)."""
         tokenizer = self.need_tokenizer("chat")
         check_messages(messages)
-        rendered = tokenizer.apply_chat_template(messages, add_generation_prompt, tools, template_kwargs)
+        rendered = tokenizer.apply_chat_template(
+            messages, add_generation_prompt, tools, template_kwargs, continue_final_message
+        )
         return tokenizer.encode(rendered, add_special_tokens=False)
 
     def fill_in_the_middle_ids(self, prefix: str, suffix: str) -> list[int]:

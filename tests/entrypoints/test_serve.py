@@ -251,6 +251,22 @@ def test_vllms_prompt_and_answer_fields(server, offline):
         )
     assert refused.value.body["param"] == "chat_template_kwargs"  # pyright: ignore[reportIndexIssue, reportOptionalSubscript]
 
+    started = [*messages, {"role": "assistant", "content": "Sure, here"}]  # continue_final_message: go on with it
+    prompt = offline.chat_token_ids(started, False, continue_final_message=True)
+    go_on = client.chat.completions.create(
+        model=MODEL,
+        messages=started,
+        max_tokens=12,
+        temperature=0,
+        extra_body={"ignore_eos": True, "continue_final_message": True, "add_generation_prompt": False},
+    )
+    assert go_on.choices[0].message.content == offline.generate([prompt], greedy)[0].outputs[0].text
+    with pytest.raises(openai.BadRequestError) as refused:
+        client.chat.completions.create(
+            model=MODEL, messages=started, max_tokens=2, extra_body={"continue_final_message": True}
+        )
+    assert refused.value.body["param"] == "continue_final_message"  # pyright: ignore[reportIndexIssue, reportOptionalSubscript]
+
 
 def test_best_of_answers_the_completions_likeliest_per_token(server, offline):
     """best_of 4, n 2: the two of LLM.generate's four seeded completions of the highest mean

@@ -784,3 +784,28 @@ def test_chat_template_kwargs_are_the_templates_variables_as_transformers_passes
         assert ours.apply_chat_template(messages, template_kwargs=kwargs) == want
     with pytest.raises(ValueError, match="chat_template_kwargs may not set"):
         ours.apply_chat_template(messages, template_kwargs={"messages": []})
+
+
+def test_continue_final_message_and_documents_render_as_transformers_renders_them():
+    """continue_final_message: the text ends where the last message's content does (transformers'
+    cut); documents reach the template as its variable; with add_generation_prompt it is refused."""
+    from transformers import PreTrainedTokenizerFast
+
+    from helpers import make_tokenizer
+    from specdec.models.tokenizer import Tokenizer
+
+    template = (
+        "{% for d in documents or [] %}[{{ d.title }}]{% endfor %}"
+        "{% for m in messages %}<{{ m.role }}>{{ m.content }}</{{ m.role }}>\n{% endfor %}"
+        "{% if add_generation_prompt %}<assistant>{% endif %}"
+    )
+    ours = Tokenizer(make_tokenizer(320), chat_template=template)
+    theirs = PreTrainedTokenizerFast(tokenizer_object=make_tokenizer(320))
+    theirs.chat_template = template
+    messages = [{"role": "user", "content": "add two numbers"}, {"role": "assistant", "content": "def add(a, b):"}]
+    documents = [{"title": "math", "text": "a + b"}]
+    want = theirs.apply_chat_template(messages, tokenize=False, continue_final_message=True, documents=documents)
+    got = ours.apply_chat_template(messages, False, None, {"documents": documents}, continue_final_message=True)
+    assert got == want and got.endswith("<assistant>def add(a, b):") and got.startswith("[math]")
+    with pytest.raises(ValueError, match="add_generation_prompt"):
+        ours.apply_chat_template(messages, True, continue_final_message=True)

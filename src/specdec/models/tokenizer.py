@@ -73,11 +73,18 @@ class Tokenizer:
         add_generation_prompt: bool = True,
         tools: list[dict] | None = None,
         template_kwargs: dict | None = None,
+        continue_final_message: bool = False,
     ) -> str:
         """Render a conversation with the model's own template (Jinja, sandboxed); tools: the
         functions it may call (OpenAI's tool entries), as the template's `tools`; template_kwargs:
-        more of the template's variables (vLLM's chat_template_kwargs: {"enable_thinking": False}),
-        none of the ones set here."""
+        more of the template's variables (vLLM's chat_template_kwargs: {"enable_thinking": False},
+        or documents), none of the ones set here. continue_final_message: the text ends where the
+        last message's content does (what the template writes after it cut), so that the model
+        goes on with that message (transformers' and vLLM's; not with add_generation_prompt)."""
+        if continue_final_message:
+            if add_generation_prompt:
+                raise ValueError("continue_final_message continues the last message: set add_generation_prompt false")
+            return _cut_after_final_message(self.apply_chat_template(messages, False, tools, template_kwargs), messages)
         taken = sorted(
             set(template_kwargs or ()) & {"messages", "add_generation_prompt", "tools", *self.special_tokens}
         )
@@ -107,6 +114,20 @@ class Tokenizer:
                 f"the model's chat template failed ({type(e).__name__}: {e}); fix chat_template in "
                 "tokenizer_config.json (or chat_template.jinja), or pass a plain prompt"
             ) from e
+
+
+def _cut_after_final_message(rendered: str, messages: list[dict]) -> str:
+    """rendered cut after the last message's content (its last occurrence, as transformers cuts)."""
+    content = messages[-1].get("content") if messages else None
+    if isinstance(content, list):  # OpenAI's parts: their text
+        content = "".join(part.get("text", "") for part in content if isinstance(part, dict))
+    if not isinstance(content, str) or not content.strip():
+        raise ValueError("continue_final_message needs a last message with text content to continue")
+    for text in (content, content.strip()):
+        end = rendered.rfind(text)
+        if end >= 0:
+            return rendered[: end + len(text)]
+    raise ValueError("continue_final_message: the chat template does not write the last message's content as it is")
 
 
 def _special_tokens(config: dict) -> dict[str, str]:

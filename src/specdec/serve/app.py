@@ -287,22 +287,19 @@ def _with_tools(params: SamplingParams, tools: ToolChoice, tokenizer) -> Samplin
 
 
 def _chat_token_ids(
-    state: ServerState,
-    messages: list[dict],
-    add_generation_prompt: bool,
-    tools: list[dict] | None = None,
-    template_kwargs: dict | None = None,
+    state: ServerState, body: ChatCompletionRequest, messages: list[dict], tools: list[dict] | None = None
 ) -> list[int]:
     try:
-        return state.llm.chat_token_ids(template_messages(messages), add_generation_prompt, tools, template_kwargs)
-    except ValueError as e:
-        field = (
-            e.field
-            if isinstance(e, ToolError)
-            else "chat_template_kwargs"
-            if "chat_template_kwargs" in str(e)
-            else "messages"
+        return state.llm.chat_token_ids(
+            template_messages(messages),
+            body.add_generation_prompt,
+            tools,
+            body.template_kwargs(),
+            body.continue_final_message,
         )
+    except ValueError as e:
+        named = [name for name in ("chat_template_kwargs", "continue_final_message") if name in str(e)]
+        field = e.field if isinstance(e, ToolError) else named[0] if named else "messages"
         raise APIError(400, str(e), param=field) from None
 
 
@@ -457,9 +454,7 @@ async def _chat(state: ServerState, body: ChatCompletionRequest, cache_scope: st
         raise APIError(400, str(e), param=e.field) from None
     messages = [m.template_fields() for m in body.messages]
     rendered = None if tools is None else tools.template_tools
-    prompt_ids = await asyncio.to_thread(
-        _chat_token_ids, state, messages, body.add_generation_prompt, rendered, body.chat_template_kwargs
-    )
+    prompt_ids = await asyncio.to_thread(_chat_token_ids, state, body, messages, rendered)
     max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
     _, ids, params = await asyncio.to_thread(_prepare, state, body, prompt_ids, max_tokens, tools)
     request_id = new_id("chatcmpl")

@@ -268,6 +268,15 @@ class ChatCompletionRequest(SamplingFields):
     tool_choice: str | dict | None = None  # none, auto (the default with tools), required, or a named function
     parallel_tool_calls: bool | None = None  # False: one call at most
     chat_template_kwargs: dict | None = None  # vLLM's: more of the chat template's variables
+    documents: list[dict] | None = None  # vLLM's: the template's documents (retrieval, as transformers passes them)
+    continue_final_message: bool = False  # vLLM's: the answer goes on with the last message
+
+    def template_kwargs(self) -> dict | None:
+        """The chat template's variables beyond messages and tools (chat_template_kwargs, documents)."""
+        extra = dict(self.chat_template_kwargs or {})
+        if self.documents is not None:
+            extra["documents"] = self.documents
+        return extra or None
 
     def echoed_text(self) -> str:
         """What echo puts before each choice's content: the last message's, where that is the

@@ -86,8 +86,6 @@ REFUSED: dict[str, Refused] = {
     "guided_decoding_backend": Refused(_one_of(None, "auto", "guidance", "llguidance"), STRUCTURED_BACKEND),
     "guided_whitespace_pattern": Refused(_empty, STRUCTURED),
     # vLLM's extra parameters: what the prompt is made of, and the answer's shape
-    "continue_final_message": Refused(_one_of(None, False)),
-    "documents": Refused(_empty),
     "chat_template": Refused(_empty, "the model's own chat template renders every conversation; leave it out"),
     "mm_processor_kwargs": Refused(_empty, "this server takes text; leave it out"),
     "prompt_embeds": Refused(_empty, "send the prompt as text or token ids"),
