@@ -223,6 +223,7 @@ class SamplingParams:
         draft the fixed num_speculative_tokens (not the goodput policy's choice, which varies
         with timings), since its tokens depend on how many drafts each round judged.
     ignore_eos: keep generating past the model's end-of-sequence tokens.
+    skip_special_tokens: the text leaves special tokens out (vLLM's default; False: writes them).
     logprobs: also return each generated token's log-probability under the target, and those of
         its `logprobs` most likely tokens (0: the generated token's alone; None: none). They are
         of the target's own distribution, before temperature and the other warps (vLLM's
@@ -267,6 +268,7 @@ class SamplingParams:
     seed: int | None = None
     ignore_eos: bool = False
     include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
     logprobs: int | None = None
     prompt_logprobs: int | None = None
     num_speculative_tokens: int | None = None
@@ -331,7 +333,7 @@ class SamplingParams:
             "{seed} must be an integer from -2**63 to 2**64 - 1, or None, got {got!r}",
             got=self.seed,
         )
-        for name in ("ignore_eos", "include_stop_str_in_output"):
+        for name in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens"):
             value = getattr(self, name)
             need(isinstance(value, bool), f"{{{name}}} must be True or False, got {{got!r}}", got=value)
         need(

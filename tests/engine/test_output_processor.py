@@ -151,3 +151,20 @@ def test_with_min_tokens_a_stop_string_counts_where_it_ends_in_a_later_token(tok
     assert len(seq.output_token_ids) == want_length
     assert seq.text == want_text
     assert TEXT.count(stop) > 0 and held > 0
+
+
+@pytest.mark.parametrize("skip", [True, False])
+def test_skip_special_tokens_false_writes_them_in_the_text(tokenizer, skip):
+    """vLLM's skip_special_tokens: the text as the tokenizers library decodes the output with and
+    without its special tokens (EOS inside an output that ignores it)."""
+    ids = (
+        tokenizer.encode("def add(a, b):", add_special_tokens=False)
+        + [EOS]
+        + tokenizer.encode(" return a", add_special_tokens=False)
+    )
+    processor = OutputProcessor(tokenizer, eos_token_ids=(EOS,))
+    seq = sequence(SamplingParams(max_tokens=len(ids), ignore_eos=True, skip_special_tokens=skip))
+    processor.append(seq, ids, num_from_draft=0)
+    finish(processor, seq)
+    assert seq.text == tokenizer.backend.decode(ids, skip_special_tokens=skip)
+    assert ("</s>" in seq.text) == (not skip)

@@ -39,7 +39,6 @@ API_DEFAULTS = {
     "moderation": None,
     "use_beam_search": False,
     "length_penalty": 1.0,
-    "skip_special_tokens": True,
     "spaces_between_special_tokens": True,
     "logits_processors": None,
     "guided_decoding_backend": None,
@@ -64,7 +63,6 @@ CHANGING = {
     "web_search_options": [{}, {"search_context_size": "low"}],  # {}: search with the defaults
     "moderation": ["auto", {"enabled": True}],
     "use_beam_search": [True],
-    "skip_special_tokens": [False],
     "spaces_between_special_tokens": [False],
     "logits_processors": [["my.Processor"]],
     "guided_decoding_backend": ["xgrammar", "outlines"],

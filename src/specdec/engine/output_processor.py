@@ -138,7 +138,11 @@ class OutputProcessor:
         """The length of the text before the min_tokens-th token's: no stop string ends in it."""
         if seq.params.min_tokens <= 1 or self.tokenizer is None:
             return 0
-        return len(self.tokenizer.decode_after(seq.prompt_token_ids, seq.output_token_ids[: seq.params.min_tokens - 1]))
+        return len(
+            self.tokenizer.decode_after(
+                seq.prompt_token_ids, seq.output_token_ids[: seq.params.min_tokens - 1], seq.params.skip_special_tokens
+            )
+        )
 
     def _tail_text(self, seq: Sequence) -> str:
         """The text of the output's last tokens, enough to hold any stop string that the last one
@@ -149,13 +153,13 @@ class OutputProcessor:
         if len(seq.output_token_ids) <= window or self.tokenizer is None:
             return self._output_text(seq)
         before = seq.output_token_ids[-window - DECODE_CONTEXT_TOKENS : -window]  # what the tail reads after
-        return self.tokenizer.decode_after(before, seq.output_token_ids[-window:])
+        return self.tokenizer.decode_after(before, seq.output_token_ids[-window:], seq.params.skip_special_tokens)
 
     def _output_text(self, seq: Sequence) -> str:
         """The output's text as it reads after the prompt (Tokenizer.decode_after)."""
         if self.tokenizer is None:
             return ""
-        return self.tokenizer.decode_after(seq.prompt_token_ids, seq.output_token_ids)
+        return self.tokenizer.decode_after(seq.prompt_token_ids, seq.output_token_ids, seq.params.skip_special_tokens)
 
 
 def _stop_window(stops: tuple[str, ...]) -> int:

@@ -54,18 +54,18 @@ class Tokenizer:
     def decode(self, token_ids: list[int], skip_special_tokens: bool = True) -> str:
         return self.backend.decode(list(token_ids), skip_special_tokens=skip_special_tokens)
 
-    def decode_after(self, context_ids: list[int], token_ids: list[int]) -> str:
+    def decode_after(self, context_ids: list[int], token_ids: list[int], skip_special_tokens: bool = True) -> str:
         """token_ids' text as it reads after context_ids: decoded together with the context's
         last DECODE_CONTEXT_TOKENS tokens, less their text. Decoded alone, a SentencePiece-style
         decoder (Llama 2, Mistral) strips the first token's leading space ("▁al" -> "al"). Falls
         back to decoding token_ids alone where the context's text does not end cleanly (a
         character split between the two)."""
         context = list(context_ids[-DECODE_CONTEXT_TOKENS:])
-        prefix = self.decode(context)
-        text = self.decode(context + list(token_ids))
+        prefix = self.decode(context, skip_special_tokens)
+        text = self.decode(context + list(token_ids), skip_special_tokens)
         if prefix and not prefix.endswith("\ufffd") and text.startswith(prefix):
             return text[len(prefix) :]
-        return self.decode(token_ids)
+        return self.decode(token_ids, skip_special_tokens)
 
     def apply_chat_template(
         self,

@@ -78,6 +78,7 @@ class SamplingFields(BaseModel):
     n: int = 1
     ignore_eos: bool = False
     include_stop_str_in_output: bool = False  # vLLM's: the text ends after a stop string, not before it
+    skip_special_tokens: bool = True  # vLLM's: False writes special tokens in the text
     num_speculative_tokens: int | None = Field(default=None, ge=0)
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
@@ -116,6 +117,7 @@ class SamplingFields(BaseModel):
             seed=self.seed,
             ignore_eos=self.ignore_eos,
             include_stop_str_in_output=self.include_stop_str_in_output,
+            skip_special_tokens=self.skip_special_tokens,
             logprobs=self.logprobs_count(),
             prompt_logprobs=self.prompt_logprobs_count(),
             num_speculative_tokens=self.num_speculative_tokens,

@@ -79,7 +79,6 @@ REFUSED: dict[str, Refused] = {
     # vLLM's sampling parameters
     "use_beam_search": Refused(_one_of(None, False)),
     "length_penalty": Refused(_unit),
-    "skip_special_tokens": Refused(_one_of(None, True)),
     "spaces_between_special_tokens": Refused(_one_of(None, True)),
     "logits_processors": Refused(_empty),
     # vLLM's structured output
