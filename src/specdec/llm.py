@@ -306,10 +306,11 @@ class LLM:
         tools: list[dict] | None = None,
         template_kwargs: dict | None = None,
         continue_final_message: bool = False,
+        add_special_tokens: bool = False,
     ) -> list[int]:
         """One conversation rendered with the model's chat template, as token ids (prompts.py)."""
         return self.prompts.chat_token_ids(
-            messages, add_generation_prompt, tools, template_kwargs, continue_final_message
+            messages, add_generation_prompt, tools, template_kwargs, continue_final_message, add_special_tokens
         )
 
     def fill_in_the_middle_ids(self, prefix: str, suffix: str) -> list[int]:
@@ -320,10 +321,11 @@ class LLM:
         """The tokens that end a middle (prompts.py): give them as stop_token_ids."""
         return self.prompts.fill_in_the_middle_stops()
 
-    def prompt_token_ids(self, prompt, params: SamplingParams) -> list[int]:
+    def prompt_token_ids(self, prompt, params: SamplingParams, add_special_tokens: bool = True) -> list[int]:
         """The prompt (text or token ids) as token ids, checked as generate checks a request
-        with these params: a ValueError names what is wrong before any work is done."""
-        return self.prompts.prompt_token_ids(prompt, params)
+        with these params: a ValueError names what is wrong before any work is done
+        (add_special_tokens: prompts.py's)."""
+        return self.prompts.prompt_token_ids(prompt, params, add_special_tokens)
 
     def _new_sequences(self, prompt, params: SamplingParams) -> list[Sequence]:
         """The sequences that run one prompt: one, or params.n (engine/parallel_sampling.py)."""

@@ -51,16 +51,18 @@ class PromptEncoder:
         tools: list[dict] | None = None,
         template_kwargs: dict | None = None,
         continue_final_message: bool = False,
+        add_special_tokens: bool = False,
     ) -> list[int]:
         """One conversation rendered with the model's chat template (with the tools it may call,
         template_kwargs: more of its variables, continue_final_message: Tokenizer's), as token
-        ids (the template writes its own special tokens, so none are added)."""
+        ids (the template writes its own special tokens, so the tokenizer adds none unless
+        add_special_tokens)."""
         tokenizer = self.need_tokenizer("chat")
         check_messages(messages)
         rendered = tokenizer.apply_chat_template(
             messages, add_generation_prompt, tools, template_kwargs, continue_final_message
         )
-        return tokenizer.encode(rendered, add_special_tokens=False)
+        return tokenizer.encode(rendered, add_special_tokens=add_special_tokens)
 
     def fill_in_the_middle_ids(self, prefix: str, suffix: str) -> list[int]:
         """The prompt of a gap between prefix and suffix for the model to fill: its FIM tokens
@@ -83,9 +85,10 @@ class PromptEncoder:
         tokenizer = self.need_tokenizer("suffix (fill in the middle)")
         return tuple(i for i in (tokenizer.token_to_id(name) for name in FIM_END_TOKENS) if i is not None)
 
-    def prompt_token_ids(self, prompt, params: SamplingParams) -> list[int]:
+    def prompt_token_ids(self, prompt, params: SamplingParams, add_special_tokens: bool = True) -> list[int]:
         """The prompt (text or token ids) as token ids, checked as generate checks a request
-        with these params: a ValueError names what is wrong before any work is done."""
+        with these params: a ValueError names what is wrong before any work is done.
+        add_special_tokens: a text's tokenizer adds its own (a BOS) as it encodes it."""
         if isinstance(prompt, str):
             if not prompt:
                 raise ValueError("empty prompt: give at least one character or token id")
@@ -95,7 +98,7 @@ class PromptEncoder:
                 raise ValueError(
                     f"the prompt is not valid UTF-8 text (at character {e.start}); give it as UTF-8"
                 ) from e
-            prompt_ids = self.need_tokenizer("text prompts").encode(prompt)
+            prompt_ids = self.need_tokenizer("text prompts").encode(prompt, add_special_tokens)
         else:
             prompt_ids = list(prompt)
         self._check(prompt_ids, params)

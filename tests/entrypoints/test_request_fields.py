@@ -86,7 +86,7 @@ def refused(endpoint: str, **fields) -> list[str]:
 @pytest.mark.parametrize("endpoint", [COMPLETIONS, CHAT])
 def test_every_field_the_openai_client_sends_is_taken_refused_or_ignored(endpoint):
     model, _ = REQUESTS[endpoint]
-    known = set(model.model_fields) | set(REFUSED) | set(IGNORED) | {"add_special_tokens"}
+    known = set(model.model_fields) | set(REFUSED) | set(IGNORED)
     assert CLIENT_FIELDS[endpoint] - known == set()
 
 
@@ -110,12 +110,9 @@ def test_a_bool_is_not_taken_for_a_number():
     assert refused(COMPLETIONS, use_beam_search=0) == ["use_beam_search"]
 
 
-def test_add_special_tokens_is_neutral_at_each_endpoints_own_default():
-    """vLLM's defaults: a completion's tokenizer adds its special tokens; a chat template writes its own."""
-    assert refused(COMPLETIONS, add_special_tokens=True) == []
-    assert refused(COMPLETIONS, add_special_tokens=False) == ["add_special_tokens"]
-    assert refused(CHAT, add_special_tokens=False) == []
-    assert refused(CHAT, add_special_tokens=True) == ["add_special_tokens"]
+def test_add_special_tokens_is_taken_at_both_endpoints():
+    for endpoint in (COMPLETIONS, CHAT):
+        assert refused(endpoint, add_special_tokens=True) == refused(endpoint, add_special_tokens=False) == []
 
 
 @pytest.mark.parametrize("endpoint", [COMPLETIONS, CHAT])

@@ -233,6 +233,16 @@ def test_vllms_prompt_and_answer_fields(server, offline):
     assert chunks[0].model_extra["prompt_token_ids"] == ids[-5:]
     assert [t for c in chunks for t in c.model_extra.get("token_ids", [])] == want.token_ids
 
+    plain_ids = offline.tokenizer.encode("def f():", add_special_tokens=False)  # add_special_tokens: no BOS
+    bare = client.completions.create(
+        model=MODEL, prompt="def f():", max_tokens=6, temperature=0, extra_body={"add_special_tokens": False}
+    )
+    assert bare.usage.prompt_tokens == len(plain_ids) == len(offline.tokenizer.encode("def f():")) - 1
+    assert (
+        bare.choices[0].text
+        == offline.generate([plain_ids], SamplingParams(temperature=0, max_tokens=6))[0].outputs[0].text
+    )
+
     stop = want.text[3:6]
     cut = client.completions.create(**fields, stop=[stop], extra_body={**extra, "include_stop_str_in_output": True})
     assert cut.choices[0].text == want.text[: want.text.index(stop) + len(stop)]

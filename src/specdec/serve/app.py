@@ -232,15 +232,17 @@ def _prepare(state: ServerState, body: SamplingFields, prompt, max_tokens: int |
     as many as the context leaves; tools: the calls the answer may make (their grammar its
     structured output). Bad values raise a 400 that names them. It tokenizes (a long prompt
     takes seconds): the routes run it in a thread."""
+    add_special_tokens = body.add_special_tokens is not False  # a completion's text: by default
     try:
         tokens = prompt  # the prompt, as text or as token ids once tokenized
         if max_tokens is None:
-            tokens = state.llm.prompt_token_ids(prompt, body.sampling_params(1))
+            ids = state.llm.prompt_token_ids(prompt, body.sampling_params(1), add_special_tokens)
+            tokens = _truncated(state, body, ids)
             max_tokens = max(1, state.max_model_len - len(tokens))
         params = body.sampling_params(max_tokens)
         if tools is not None:
             params = _with_tools(params, tools, state.llm.tokenizer)
-        prompt_ids = _truncated(state, body, state.llm.prompt_token_ids(tokens, params))
+        prompt_ids = _truncated(state, body, state.llm.prompt_token_ids(tokens, params, add_special_tokens))
     except ValueError as e:
         raise APIError(400, str(e), param=_named_field(str(e), body)) from None
     if len(prompt_ids) + params.max_tokens > state.max_model_len:
@@ -296,6 +298,7 @@ def _chat_token_ids(
             tools,
             body.template_kwargs(),
             body.continue_final_message,
+            bool(body.add_special_tokens),
         )
     except ValueError as e:
         named = [name for name in ("chat_template_kwargs", "continue_final_message") if name in str(e)]

@@ -93,10 +93,6 @@ REFUSED: dict[str, Refused] = {
     "include_reasoning": Refused(_one_of(None, True)),
 }
 
-# add_special_tokens: the prompt's own BOS and such, which the chat template writes itself
-# (neutral False) and a completion's tokenizer adds (neutral True)
-ADD_SPECIAL_TOKENS = {COMPLETIONS: Refused(_one_of(None, True)), CHAT: Refused(_one_of(None, False))}
-
 # fields that cannot change what is generated, with why
 IGNORED: dict[str, str] = {
     "user": "who the end user is, for the provider's abuse checks",
@@ -121,7 +117,7 @@ def problems(sent: dict, honoured: Iterable[str], endpoint: str) -> list[tuple[s
     honoured = set(honoured)
     found = []
     for name, value in sent.items():
-        refused = ADD_SPECIAL_TOKENS[endpoint] if name == "add_special_tokens" else REFUSED.get(name)
+        refused = REFUSED.get(name)
         if refused is not None:
             if not refused.neutral(value):
                 found.append((name, f"{name}={_short(value)}: not supported by this server; {refused.instead}"))
