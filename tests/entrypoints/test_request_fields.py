@@ -46,7 +46,6 @@ API_DEFAULTS = {
     "chat_template": None,
     "mm_processor_kwargs": None,
     "prompt_embeds": None,
-    "return_tokens_as_token_ids": False,
     "vllm_xargs": None,
     "include_reasoning": True,
 }
@@ -70,7 +69,6 @@ CHANGING = {
     "chat_template": ["{{ messages[0].content }}"],
     "mm_processor_kwargs": [{"num_crops": 4}],
     "prompt_embeds": ["AAAA"],
-    "return_tokens_as_token_ids": [True],
     "vllm_xargs": [{"k": 1}],
     "include_reasoning": [False],
 }

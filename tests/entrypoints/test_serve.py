@@ -243,6 +243,9 @@ def test_vllms_prompt_and_answer_fields(server, offline):
         == offline.generate([plain_ids], SamplingParams(temperature=0, max_tokens=6))[0].outputs[0].text
     )
 
+    named = client.completions.create(**fields, logprobs=1, extra_body={**extra, "return_tokens_as_token_ids": True})
+    assert named.choices[0].logprobs.tokens == [f"token_id:{token}" for token in want.token_ids]
+
     stop = want.text[3:6]
     cut = client.completions.create(**fields, stop=[stop], extra_body={**extra, "include_stop_str_in_output": True})
     assert cut.choices[0].text == want.text[: want.text.index(stop) + len(stop)]

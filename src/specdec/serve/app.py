@@ -257,6 +257,14 @@ def _prepare(state: ServerState, body: SamplingFields, prompt, max_tokens: int |
     return prompt, prompt_ids, params
 
 
+def _token_text(state: ServerState, body: SamplingFields) -> Callable[[int], str]:
+    """How the answer's logprobs name a token: its string in the vocabulary (ServerState.token_text),
+    or with vLLM's return_tokens_as_token_ids "token_id:{id}" (text that does not decode alone)."""
+    if body.return_tokens_as_token_ids:
+        return lambda token_id: f"token_id:{token_id}"
+    return state.token_text
+
+
 def _truncated(state: ServerState, body: SamplingFields, prompt_ids: list[int]) -> list[int]:
     """vLLM's truncate_prompt_tokens: the prompt's last k tokens (-1: the context length's worth)."""
     k = body.truncate_prompt_tokens
@@ -372,7 +380,7 @@ async def _complete(state: ServerState, body: CompletionRequest, cache_scope: st
             completions = _likeliest(completions, body.n, keep_logprobs=body.logprobs is not None)
         for j, parts in enumerate(completions):
             logprobs = _joined_logprobs(
-                parts, functools.partial(completion_logprobs, token_text=state.token_text, prompt=echoed)
+                parts, functools.partial(completion_logprobs, token_text=_token_text(state, body), prompt=echoed)
             )
             choice = completion_choice(
                 i * body.n + j, echoes[i] + "".join(part.text for part in parts), parts[-1].finish_reason, logprobs
@@ -402,7 +410,9 @@ def _prompts_alone(state: ServerState, request_id: str, body: CompletionRequest,
         prompt_logprobs = _prompt_logprobs(outs)
         logprobs = None
         if body.echoes_logprobs and prompt_logprobs is not None:
-            logprobs = completion_logprobs([], state.token_text, 0, (prompt_ids[i], prompt_logprobs), body.logprobs)
+            logprobs = completion_logprobs(
+                [], _token_text(state, body), 0, (prompt_ids[i], prompt_logprobs), body.logprobs
+            )
         for j in range(body.n):
             choice = completion_choice(i * body.n + j, echoes[i], "length", logprobs)
             choices.append(_with_prompt_logprobs(state, body, choice, prompt_logprobs))
@@ -443,7 +453,9 @@ def _with_prompt_logprobs(state: ServerState, body, answer: dict, prompt_logprob
     """answer (a completion's choice, a chat response or chunk) with vLLM's prompt_logprobs field
     where the request asked for it (body.prompt_logprobs) and they are known."""
     if body.prompt_logprobs is not None and prompt_logprobs is not None:
-        answer["prompt_logprobs"] = vllm_prompt_logprobs(prompt_logprobs, state.token_text, body.prompt_logprobs)
+        answer["prompt_logprobs"] = vllm_prompt_logprobs(
+            prompt_logprobs, _token_text(state, body), body.prompt_logprobs
+        )
     return answer
 
 
@@ -468,7 +480,7 @@ async def _chat(state: ServerState, body: ChatCompletionRequest, cache_scope: st
         return _sse(_chat_events(state, request_id, body, stream, first, ids, echo, tools))
     (outputs,) = await _until_finished([stream], [first])
     choices = [
-        _chat_choice(state, j, echo + "".join(part.text for part in parts), parts, tools)
+        _chat_choice(_token_text(state, body), j, echo + "".join(part.text for part in parts), parts, tools)
         for j, parts in enumerate(_completions(outputs, body.n))
     ]
     if body.return_token_ids:
@@ -482,9 +494,9 @@ async def _chat(state: ServerState, body: ChatCompletionRequest, cache_scope: st
     return _with_prompt_logprobs(state, body, answer, _prompt_logprobs(outputs))
 
 
-def _chat_choice(state: ServerState, index: int, text: str, parts: list[CompletionOutput], tools) -> dict:
+def _chat_choice(token_text, index: int, text: str, parts: list[CompletionOutput], tools) -> dict:
     """A whole chat choice: its text, or with tools, its content and tool calls (tools.py)."""
-    logprobs = _joined_logprobs(parts, lambda entries: chat_logprobs(entries, state.token_text))
+    logprobs = _joined_logprobs(parts, lambda entries: chat_logprobs(entries, token_text))
     reason = parts[-1].finish_reason
     if tools is None or tools.mode == "none":
         return chat_choice(index, text, reason, logprobs)
@@ -695,7 +707,7 @@ async def _completion_events(
                 if first and body.echoes_logprobs and prompt_index in prompt_logprobs:
                     echoed = (prompt_ids[prompt_index], prompt_logprobs[prompt_index])
                 if completion.logprobs is not None:
-                    logprobs = completion_logprobs(completion.logprobs, state.token_text, offset, echoed)
+                    logprobs = completion_logprobs(completion.logprobs, _token_text(state, body), offset, echoed)
                 text_offsets[index] = offset + len(completion.text)
                 with_ids = completion.token_ids and (logprobs is not None or body.return_token_ids)
                 if text or completion.finish_reason or with_ids:
@@ -738,7 +750,7 @@ async def _chat_events(
                 completion_tokens += len(completion.token_ids)
                 logprobs = None
                 if completion.logprobs:
-                    logprobs = chat_logprobs(completion.logprobs, state.token_text)
+                    logprobs = chat_logprobs(completion.logprobs, _token_text(state, body))
                 if calls is not None:
                     for delta in calls[index].feed(completion.text, final=reason is not None):
                         yield chat_chunk(request_id, state.model_name, created, delta, index=index)

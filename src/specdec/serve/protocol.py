@@ -90,6 +90,7 @@ class SamplingFields(BaseModel):
     prompt_logprobs: int | None = None  # vLLM's: each prompt token's logprob and the top ones', in the answer
     truncate_prompt_tokens: int | None = None  # vLLM's: only the prompt's last k tokens (-1: the context length)
     return_token_ids: bool = False  # vLLM's: the prompt's and each choice's token ids in the answer
+    return_tokens_as_token_ids: bool = False  # vLLM's: logprobs name tokens "token_id:{id}"
     # vLLM's: the tokenizer adds its special tokens (a BOS) to a text prompt (None: a completion's
     # tokenizer does, a chat template writes its own)
     add_special_tokens: bool | None = None

@@ -88,7 +88,6 @@ REFUSED: dict[str, Refused] = {
     "chat_template": Refused(_empty, "the model's own chat template renders every conversation; leave it out"),
     "mm_processor_kwargs": Refused(_empty, "this server takes text; leave it out"),
     "prompt_embeds": Refused(_empty, "send the prompt as text or token ids"),
-    "return_tokens_as_token_ids": Refused(_one_of(None, False)),
     "vllm_xargs": Refused(_empty),
     "include_reasoning": Refused(_one_of(None, True)),
 }
