@@ -299,19 +299,10 @@ class LLM:
         prompts = [{"prompt_token_ids": self.chat_token_ids(c, add_generation_prompt, tools)} for c in conversations]
         return self.generate(prompts, sampling_params)
 
-    def chat_token_ids(
-        self,
-        messages: list[dict],
-        add_generation_prompt: bool = True,
-        tools: list[dict] | None = None,
-        template_kwargs: dict | None = None,
-        continue_final_message: bool = False,
-        add_special_tokens: bool = False,
-    ) -> list[int]:
-        """One conversation rendered with the model's chat template, as token ids (prompts.py)."""
-        return self.prompts.chat_token_ids(
-            messages, add_generation_prompt, tools, template_kwargs, continue_final_message, add_special_tokens
-        )
+    def chat_token_ids(self, messages: list[dict], *rendering, **options) -> list[int]:
+        """One conversation rendered with the model's chat template, as token ids
+        (prompts.PromptEncoder.chat_token_ids's arguments)."""
+        return self.prompts.chat_token_ids(messages, *rendering, **options)
 
     def fill_in_the_middle_ids(self, prefix: str, suffix: str) -> list[int]:
         """The prompt of a gap between prefix and suffix for a code model to fill (prompts.py)."""

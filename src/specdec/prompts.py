@@ -45,23 +45,15 @@ class PromptEncoder:
         return cls(tokenizer, config.vocab_size, config.max_position_embeddings)
 
     def chat_token_ids(
-        self,
-        messages: list[dict],
-        add_generation_prompt: bool = True,
-        tools: list[dict] | None = None,
-        template_kwargs: dict | None = None,
-        continue_final_message: bool = False,
-        add_special_tokens: bool = False,
+        self, messages: list[dict], *rendering, add_special_tokens: bool = False, **options
     ) -> list[int]:
-        """One conversation rendered with the model's chat template (with the tools it may call,
-        template_kwargs: more of its variables, continue_final_message: Tokenizer's), as token
-        ids (the template writes its own special tokens, so the tokenizer adds none unless
-        add_special_tokens)."""
+        """One conversation rendered with the model's chat template (rendering and options:
+        Tokenizer.apply_chat_template's: add_generation_prompt, the tools it may call, more of its
+        variables, continue_final_message), as token ids (the template writes its own special
+        tokens, so the tokenizer adds none unless add_special_tokens)."""
         tokenizer = self.need_tokenizer("chat")
         check_messages(messages)
-        rendered = tokenizer.apply_chat_template(
-            messages, add_generation_prompt, tools, template_kwargs, continue_final_message
-        )
+        rendered = tokenizer.apply_chat_template(messages, *rendering, **options)
         return tokenizer.encode(rendered, add_special_tokens=add_special_tokens)
 
     def fill_in_the_middle_ids(self, prefix: str, suffix: str) -> list[int]:

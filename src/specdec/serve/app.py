@@ -304,9 +304,9 @@ def _chat_token_ids(
             template_messages(messages),
             body.add_generation_prompt,
             tools,
-            body.template_kwargs(),
-            body.continue_final_message,
-            bool(body.add_special_tokens),
+            template_kwargs=body.template_kwargs(),
+            continue_final_message=body.continue_final_message,
+            add_special_tokens=bool(body.add_special_tokens),
         )
     except ValueError as e:
         named = [name for name in ("chat_template_kwargs", "continue_final_message") if name in str(e)]
