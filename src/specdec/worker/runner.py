@@ -70,7 +70,6 @@ from specdec.worker.ragged_groups import ragged_groups
 log = logging.getLogger("specdec")
 
 AUTO_COMPILE_MIN_FORWARDS = 8192
-MAX_COMPILED_QUERIES = 16  # longer forwards (prefills) run eagerly
 INDUCTOR_CACHE_DIR = Path.home() / ".cache" / "specdec" / "inductor"
 DYNAMO_RECOMPILE_LIMIT = 256  # each shape is one compile of LlamaModel.forward, target and draft alike
 
