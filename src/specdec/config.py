@@ -158,7 +158,8 @@ class StructuredOutputsParams:
     llguidance (spec/grammar.py) at every position the target samples from, drafts included.
     disable_any_whitespace: JSON without whitespace between its tokens (vLLM's; by default up to
     64 whitespace characters between two tokens: pretty-printing, not a run of spaces until
-    max_tokens, which a small model can fall into)."""
+    max_tokens, which a small model can fall into). whitespace_pattern: the regex JSON's
+    whitespace between two tokens follows instead (vLLM's; json and json_object only)."""
 
     json: dict | str | None = None
     regex: str | None = None
@@ -167,6 +168,7 @@ class StructuredOutputsParams:
     json_object: bool = False
     disable_any_whitespace: bool = False
     structural_tag: dict | str | None = None
+    whitespace_pattern: str | None = None
 
     def __post_init__(self) -> None:
         need = Refusal(self)
@@ -200,6 +202,16 @@ class StructuredOutputsParams:
             need(isinstance(value, bool), f"{{{name}}} must be True or False, got {{got!r}}", got=value)
         if self.structural_tag is not None:
             structural_tag.parse(self.structural_tag)  # a ValueError names what is wrong
+        need(
+            self.whitespace_pattern is None
+            or (isinstance(self.whitespace_pattern, str) and (self.json is not None or self.json_object)),
+            "{whitespace_pattern} is JSON's whitespace: a regex, with json or json_object only, got {got!r}",
+            got=self.whitespace_pattern,
+        )
+        need(
+            self.whitespace_pattern is None or not self.disable_any_whitespace,
+            "{whitespace_pattern} and {disable_any_whitespace} both say JSON's whitespace; give one",
+        )
 
 
 @dataclass(frozen=True)

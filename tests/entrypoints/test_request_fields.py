@@ -42,7 +42,6 @@ API_DEFAULTS = {
     "spaces_between_special_tokens": True,
     "logits_processors": None,
     "guided_decoding_backend": None,
-    "guided_whitespace_pattern": None,
     "chat_template": None,
     "mm_processor_kwargs": None,
     "prompt_embeds": None,
@@ -65,7 +64,6 @@ CHANGING = {
     "spaces_between_special_tokens": [False],
     "logits_processors": [["my.Processor"]],
     "guided_decoding_backend": ["xgrammar", "outlines"],
-    "guided_whitespace_pattern": [" *"],
     "chat_template": ["{{ messages[0].content }}"],
     "mm_processor_kwargs": [{"num_crops": 4}],
     "prompt_embeds": ["AAAA"],
@@ -131,9 +129,9 @@ def test_a_field_no_list_knows_is_refused_by_name(endpoint):
 
 def test_several_refused_fields_are_named_together_in_the_order_sent():
     model, required = REQUESTS[CHAT]
-    body = model.model_validate({**required, "suffix": "}", "user": "u", "guided_whitespace_pattern": "x", "nope": 1})
+    body = model.model_validate({**required, "suffix": "}", "user": "u", "vllm_xargs": {"k": 1}, "nope": 1})
     problems = body.refused()
-    assert [name for name, _ in problems] == ["suffix", "guided_whitespace_pattern", "nope"]
+    assert [name for name, _ in problems] == ["suffix", "vllm_xargs", "nope"]
     assert all(message.startswith(name) for name, message in problems)
 
 
@@ -156,8 +154,8 @@ def test_a_chat_message_keeps_its_fields_for_the_template():
 
 
 def test_messages_name_the_value_and_what_to_do():
-    ((_, message),) = request_fields.problems({"guided_whitespace_pattern": " *"}, set(), CHAT)
-    assert "guided_whitespace_pattern=' *'" in message and "response_format" in message
+    ((_, message),) = request_fields.problems({"guided_decoding_backend": "xgrammar"}, set(), CHAT)
+    assert "guided_decoding_backend='xgrammar'" in message and "llguidance" in message
 
 
 # --- structured output's fields -------------------------------------------------------------
@@ -183,6 +181,8 @@ TAG = {"structures": [{"begin": "<f=a>", "schema": SCHEMA, "end": "</f>"}], "tri
         ({"response_format": {"type": "structural_tag", **TAG}}, {"structural_tag": {"type": "structural_tag", **TAG}}),
         ({"structured_outputs": {"structural_tag": json.dumps(TAG)}}, {"structural_tag": json.dumps(TAG)}),
         ({"structural_tag": json.dumps(TAG)}, {"structural_tag": json.dumps(TAG)}),
+        ({"guided_json": SCHEMA, "guided_whitespace_pattern": " ?"}, {"json": SCHEMA, "whitespace_pattern": " ?"}),
+        ({"guided_whitespace_pattern": " ?"}, None),  # no JSON asked for: it changes nothing
     ],
 )
 @pytest.mark.parametrize("endpoint", [COMPLETIONS, CHAT])
@@ -206,6 +206,7 @@ def test_structured_output_fields_become_structured_outputs_params(endpoint, fie
         ({"structural_tag": '{"structures": [], "triggers": ["<f"]}'}, "structural_tag"),
         ({"structured_outputs": {"regex": "a", "choice": ["b"]}}, "structured_outputs"),
         ({"guided_choice": []}, "guided_choice"),
+        ({"guided_regex": "a+", "guided_whitespace_pattern": " "}, "guided_whitespace_pattern"),
     ],
 )
 def test_structured_output_said_wrongly_is_a_value_error_that_names_the_field(fields, named):

@@ -717,7 +717,7 @@ def test_chat_bad_requests(server):
         {"response_format": no_schema},
         {"extra_body": {"structured_outputs": {"structural_tag": "x"}}},
         {"response_format": {"type": "structural_tag", "structures": [], "triggers": ["<f"]}},
-        {"extra_body": {"guided_whitespace_pattern": " +"}},
+        {"extra_body": {"guided_decoding_backend": "xgrammar"}},
     ):
         with pytest.raises(openai.BadRequestError) as refused:
             client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "x"}], **fields)

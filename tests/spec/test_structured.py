@@ -207,3 +207,27 @@ def test_sampled_answers_follow_the_masked_target(models, drafter):
     probs = np.array([exact[answer] for answer in answers])
     p_value = chi_square_p_value(samples, probs, f"{drafter} answers")
     assert p_value > 1e-3, f"chi-square p-value {p_value:.2e} over {NUM_DRAWS} answers"
+
+
+def test_a_whitespace_pattern_is_the_whitespace_json_allows():
+    """vLLM's whitespace_pattern: JSON's whitespace between two tokens follows it instead of the
+    default (up to 64 whitespace characters); with a regex instead of JSON it is refused."""
+    from helpers import make_tokenizer
+    from specdec.models.tokenizer import Tokenizer
+    from specdec.spec.grammar import GrammarState
+
+    tokenizer = Tokenizer(make_tokenizer(320))
+    tight, compact = '{"ok":true,"n":3,"tag":"red"}', '{"ok": true, "n": 3, "tag": "red"}'
+    pretty = '{\n  "ok": true,\n  "n": 3,\n  "tag": "red"\n}'
+    for params, allowed in (
+        (StructuredOutputsParams(json=SCHEMA), {tight, compact, pretty}),
+        (StructuredOutputsParams(json=SCHEMA, whitespace_pattern=" ?"), {tight, compact}),
+        (StructuredOutputsParams(json=SCHEMA, whitespace_pattern="[ \n]*"), {tight, compact, pretty}),
+        (StructuredOutputsParams(json=SCHEMA, disable_any_whitespace=True), {tight}),
+    ):
+        for answer in (tight, compact, pretty):
+            state = GrammarState(params, tokenizer, tokenizer.vocab_size, eos_token_ids=(1,))
+            tokens = tokenizer.encode(answer, add_special_tokens=False)
+            assert (state.valid_prefix(tokens + [1]) == len(tokens) + 1) == (answer in allowed), (params, answer)
+    with pytest.raises(ValueError, match="whitespace_pattern"):
+        StructuredOutputsParams(regex="a+", whitespace_pattern=" ")

@@ -100,6 +100,7 @@ class SamplingFields(BaseModel):
     guided_regex: str | None = None
     guided_choice: list[str] | None = None
     guided_grammar: str | None = None
+    guided_whitespace_pattern: str | None = None  # vLLM's: the regex of JSON's whitespace (with a JSON schema)
     structural_tag: str | dict | None = None  # vLLM's (its JSON text): free text whose tags hold JSON
     structured_outputs: dict | None = None
 
@@ -157,6 +158,10 @@ class SamplingFields(BaseModel):
         if not given:
             return None
         ((name, fields),) = given.items()
+        if self.guided_whitespace_pattern is not None:
+            if "json" not in fields and not fields.get("json_object"):
+                raise ValueError(f"guided_whitespace_pattern is JSON's whitespace; {name} asks for no JSON")
+            fields = {**fields, "whitespace_pattern": self.guided_whitespace_pattern}
         try:
             return StructuredOutputsParams(**fields)
         except ValueError as e:
@@ -325,6 +330,7 @@ STRUCTURED_OUTPUTS_FIELDS = (
     "json_object",
     "disable_any_whitespace",
     "structural_tag",
+    "whitespace_pattern",
 )
 
 

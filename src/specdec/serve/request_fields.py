@@ -58,10 +58,6 @@ def _text_only(value) -> bool:
     return value is None or value == ["text"]
 
 
-STRUCTURED = (
-    "structured output takes response_format, guided_json, guided_regex, guided_choice, guided_grammar or "
-    "structured_outputs; leave it out"
-)
 STRUCTURED_BACKEND = "structured output runs on llguidance here; leave it out, or give 'guidance'"
 TOOLS = "functions and function_call are OpenAI's older names: send tools and tool_choice"
 
@@ -83,7 +79,6 @@ REFUSED: dict[str, Refused] = {
     "logits_processors": Refused(_empty),
     # vLLM's structured output
     "guided_decoding_backend": Refused(_one_of(None, "auto", "guidance", "llguidance"), STRUCTURED_BACKEND),
-    "guided_whitespace_pattern": Refused(_empty, STRUCTURED),
     # vLLM's extra parameters: what the prompt is made of, and the answer's shape
     "chat_template": Refused(_empty, "the model's own chat template renders every conversation; leave it out"),
     "mm_processor_kwargs": Refused(_empty, "this server takes text; leave it out"),

@@ -49,7 +49,7 @@ def grammar_text(params: StructuredOutputsParams) -> str:
                 schema,  # pyright: ignore[reportArgumentType]
                 defaults={"whitespace_flexible": False}
                 if params.disable_any_whitespace
-                else {"whitespace_flexible": True, "whitespace_pattern": JSON_WHITESPACE},
+                else {"whitespace_flexible": True, "whitespace_pattern": params.whitespace_pattern or JSON_WHITESPACE},
             )
         except ValueError as e:
             raise ValueError(f"structured output's json is not a JSON schema: {e}") from None
