@@ -380,7 +380,10 @@ async def _complete(state: ServerState, body: CompletionRequest, cache_scope: st
             completions = _likeliest(completions, body.n, keep_logprobs=body.logprobs is not None)
         for j, parts in enumerate(completions):
             logprobs = _joined_logprobs(
-                parts, functools.partial(completion_logprobs, token_text=_token_text(state, body), prompt=echoed)
+                parts,
+                functools.partial(
+                    completion_logprobs, token_text=_token_text(state, body), prompt=echoed, num_top=body.logprobs
+                ),
             )
             choice = completion_choice(
                 i * body.n + j, echoes[i] + "".join(part.text for part in parts), parts[-1].finish_reason, logprobs
@@ -707,7 +710,9 @@ async def _completion_events(
                 if first and body.echoes_logprobs and prompt_index in prompt_logprobs:
                     echoed = (prompt_ids[prompt_index], prompt_logprobs[prompt_index])
                 if completion.logprobs is not None:
-                    logprobs = completion_logprobs(completion.logprobs, _token_text(state, body), offset, echoed)
+                    logprobs = completion_logprobs(
+                        completion.logprobs, _token_text(state, body), offset, echoed, body.logprobs
+                    )
                 text_offsets[index] = offset + len(completion.text)
                 with_ids = completion.token_ids and (logprobs is not None or body.return_token_ids)
                 if text or completion.finish_reason or with_ids:

@@ -357,13 +357,11 @@ def completion_logprobs(
     dict, as vLLM returns it); token_text(id) is a token's text; offset: where the first
     token's text starts in the choice's text. prompt: (its token ids, their logprobs) to come
     first, from offset 0 (echo with logprobs: the first token's logprob and top are null), each
-    with its num_top likeliest tokens (None: as many as the entries have)."""
+    with its num_top likeliest tokens (the request's logprobs: prompt_logprobs may have kept more)."""
     first: list[int] = []
     scored = list(entries)
     if prompt is not None:
         (ids, prompt_logprobs), offset = prompt, 0
-        if num_top is None:  # the request's logprobs (prompt_logprobs may be more)
-            num_top = len(entries[0].top) if entries else None
         echoed = [dataclasses.replace(entry, top=entry.top[:num_top]) for entry in prompt_logprobs[1:]]
         first, scored = ids[:1], echoed + scored
     tokens = [token_text(token_id) for token_id in first] + [token_text(entry.token_id) for entry in scored]
