@@ -277,6 +277,11 @@ def _truncated(state: ServerState, body: SamplingFields, prompt_ids: list[int]) 
     return prompt_ids[-(state.max_model_len if k == -1 else k) :]
 
 
+def _token_ids(parts: list[CompletionOutput]) -> list[int]:
+    """A completion's token ids, its parts' joined."""
+    return [token for part in parts for token in part.token_ids]
+
+
 def _with_token_ids(body: SamplingFields, answer: dict, **token_ids) -> dict:
     """answer with vLLM's token id fields (prompt_token_ids, token_ids) where return_token_ids asks."""
     return {**answer, **token_ids} if body.return_token_ids else answer
@@ -388,8 +393,7 @@ async def _complete(state: ServerState, body: CompletionRequest, cache_scope: st
             choice = completion_choice(
                 i * body.n + j, echoes[i] + "".join(part.text for part in parts), parts[-1].finish_reason, logprobs
             )
-            token_ids = [token for part in parts for token in part.token_ids]
-            choice = _with_token_ids(body, choice, prompt_token_ids=prompt_ids[i], token_ids=token_ids)
+            choice = _with_token_ids(body, choice, prompt_token_ids=prompt_ids[i], token_ids=_token_ids(parts))
             choices.append(_with_prompt_logprobs(state, body, choice, prompt_logprobs))
     return completion_response(request_id, state.model_name, choices, prompt_tokens, _num_tokens(outputs))
 
@@ -483,15 +487,13 @@ async def _chat(state: ServerState, body: ChatCompletionRequest, cache_scope: st
         return _sse(_chat_events(state, request_id, body, stream, first, ids, echo, tools))
     (outputs,) = await _until_finished([stream], [first])
     choices = [
-        _chat_choice(_token_text(state, body), j, echo + "".join(part.text for part in parts), parts, tools)
+        _with_token_ids(
+            body,
+            _chat_choice(_token_text(state, body), j, echo + "".join(part.text for part in parts), parts, tools),
+            token_ids=_token_ids(parts),
+        )
         for j, parts in enumerate(_completions(outputs, body.n))
     ]
-    if body.return_token_ids:
-        completions = _completions(outputs, body.n)
-        choices = [
-            {**choice, "token_ids": [token for part in parts for token in part.token_ids]}
-            for choice, parts in zip(choices, completions)
-        ]
     answer = chat_response(request_id, state.model_name, choices, len(ids), _num_tokens([outputs]))
     answer = _with_token_ids(body, answer, prompt_token_ids=ids)
     return _with_prompt_logprobs(state, body, answer, _prompt_logprobs(outputs))
