@@ -216,11 +216,14 @@ class KVCache:
             return self.shared_table is None
         return self.shared_table is pool.table and self.num_blocks == pool.num_blocks
 
-    def rows(self, slots: torch.Tensor | Sequence[int]) -> CacheRows:
-        """The cache as a forward whose row i reads and writes slot slots[i] sees it."""
+    def rows(self, slots: torch.Tensor | Sequence[int], flat: FlatRows | None = None) -> CacheRows:
+        """The cache as a forward whose row i reads and writes slot slots[i] sees it (flat: the
+        rows' tokens run as one [1, N], see FlatRows)."""
         slots = torch.as_tensor(slots, dtype=torch.long, device=self.keys[0].device)  # [B]
         if bool((slots < 0).any()) or bool((slots >= self.max_batch).any()):
             raise ValueError(f"cache slots must be in [0, {self.max_batch}), got {slots.tolist()}")
+        if flat is not None:
+            return CacheRows(self, slots, flat)
         if not self.static and torch.equal(slots, self._arange[: len(slots)]):
             return CacheRows(self, None)  # rows 0..B-1
         return CacheRows(self, slots)
@@ -298,13 +301,42 @@ def entries(blocks: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
     return blocks.gather(1, positions // BLOCK_SIZE) * BLOCK_SIZE + positions % BLOCK_SIZE
 
 
+@dataclass(frozen=True)
+class FlatRows:
+    """Rows of different lengths as one run of tokens [1, N] with no padding (vLLM's flattened
+    batch): row b's tokens are starts[b]..starts[b+1]-1 of the run, consecutive positions of its
+    slot, and its queries read the slot's positions 0..num_keys[b]-1. A forward's linear layers
+    then multiply the N real tokens only, where a padded batch [B, W] multiplies B x W.
+
+    starts [B + 1], num_keys [B], token_rows [N] (each token's row): int64."""
+
+    starts: torch.Tensor
+    num_keys: torch.Tensor
+    token_rows: torch.Tensor
+
+    @classmethod
+    def of(cls, positions: torch.Tensor, lengths: torch.Tensor) -> tuple[FlatRows, torch.Tensor]:
+        """Rows whose first lengths[b] [B] of positions [B, W] are real -> the FlatRows and which
+        entries of [B, W] are real, a bool mask [B, W] (row-major: the run's order)."""
+        B, W = positions.shape
+        real = torch.arange(W, device=positions.device) < lengths[:, None]  # [B, W]
+        starts = torch.zeros(B + 1, dtype=torch.long, device=positions.device)
+        starts[1:] = lengths.cumsum(0)
+        num_keys = positions.masked_fill(~real, -1).amax(1) + 1  # [B]: past each row's last real position
+        token_rows = torch.arange(B, device=positions.device).repeat_interleave(lengths)  # [N]
+        return cls(starts, num_keys, token_rows), real
+
+
 class CacheRows:
     """A KVCache as one forward sees it: its row i reads and writes slot slots[i] (slots None:
     rows 0..B-1, as a KVCache given to a model directly). A model takes either where it takes a
-    cache."""
+    cache. flat: the forward's tokens are the rows' runs one after another, [1, N] (FlatRows;
+    slots given); attention that reads the pool through each row's blocks takes them so."""
 
-    def __init__(self, cache: KVCache, slots: torch.Tensor | None):
-        self.cache, self.slots = cache, slots
+    def __init__(self, cache: KVCache, slots: torch.Tensor | None, flat: FlatRows | None = None):
+        if flat is not None and slots is None:
+            raise ValueError("flat rows name their slots")
+        self.cache, self.slots, self.flat = cache, slots, flat
         self.static, self.max_len = cache.static, cache.max_len
         # read once per forward, not once per layer (the table does not change within a forward)
         self._blocks: torch.Tensor | None = None  # the rows' blocks
@@ -314,8 +346,11 @@ class CacheRows:
         return self.cache.num_keys(positions)
 
     def blocks(self, batch_size: int) -> torch.Tensor:
-        """Each of the forward's batch_size rows' blocks [B, max_blocks] (its slot's table row)."""
+        """Each of the forward's batch_size rows' blocks [B, max_blocks] (its slot's table row);
+        flat, every row's, whatever batch_size (the run's 1)."""
         blocks = self._blocks
+        if self.flat is not None:
+            batch_size = len(self.flat.num_keys)
         if blocks is None or blocks.shape[0] != batch_size:
             table = self.cache.table.table
             blocks = self._blocks = table[:batch_size] if self.slots is None else table[self.slots]
@@ -326,7 +361,11 @@ class CacheRows:
         layer writes the same ones)."""
         written = self._written
         if written is None or written[0] is not positions:
-            written = self._written = (positions, entries(blocks, positions))
+            if self.flat is None:
+                written = self._written = (positions, entries(blocks, positions))
+            else:  # each token through its own row's blocks: [N, max_blocks], [N, 1] -> [1, N]
+                tokens = entries(blocks[self.flat.token_rows], positions.reshape(-1, 1))
+                written = self._written = (positions, tokens.reshape(positions.shape))
         return written[1]
 
     def layer(self, layer: int, batch_size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -347,6 +386,8 @@ class CacheRows:
         """Store k, v [B, T, Hkv, D] at positions [B, T]; return this layer's keys and values for
         the rows' slots at positions 0..num_keys-1: [B, num_keys, Hkv, D] each."""
         B = positions.shape[0]
+        if self.flat is not None:
+            raise ValueError("flat rows are read through the pool's blocks (an attention backend that reads them so)")
         if num_keys > self.max_len:
             raise ValueError(f"position {num_keys - 1} is past the cache length {self.max_len}")
         self.write(layer, positions, k, v)

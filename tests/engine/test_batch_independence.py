@@ -23,6 +23,7 @@ from specdec.models.cpu_linear import PackedLinear, can_pack
 from specdec.models.loader import load_pretrained
 from specdec.paths import SMOLLM2_GGUF
 from specdec.worker import ModelRunner
+from specdec.worker.runner import ForwardBatch
 
 
 @pytest.fixture(scope="module")
@@ -85,6 +86,39 @@ def test_a_decode_step_in_a_batch_gets_the_bits_of_the_step_alone(models, form, 
     together = runner.feed([[5], [6], [7]], starts, [0, 1, 2])  # [3, V]
     for row, start in enumerate(starts):
         assert torch.equal(together[row], runner.feed([[5 + row]], [start], [3 + row])[0]), f"row {row}"
+
+
+@pytest.mark.parametrize(("form", "dtype"), FORMS)
+def test_a_ragged_verify_runs_its_real_tokens_only_with_each_rows_bits(models, form, dtype):
+    """A verify forward of chains of 6, 1 and 3 tokens, padded to [3, 6] with each row's length
+    given (ForwardBatch.lengths): the model runs the 10 real tokens as one flat run [1, 10] (not
+    18), each real position's logits are those of its row fed alone, and the padding's are zero."""
+    runner = runner_of(models[form], dtype)
+    prompts = random_prompts(3, seed=13, lengths=(20, 150), vocab=250)
+    for slot, prompt in enumerate(prompts):
+        runner.feed([prompt], [0], [slot])
+        runner.feed([prompt], [0], [3 + slot])
+    gen = torch.Generator().manual_seed(14)
+    lengths = [6, 1, 3]
+    chains = [torch.randint(2, 250, (n,), generator=gen).tolist() for n in lengths]
+    starts = [len(prompt) for prompt in prompts]
+    input_ids = torch.zeros(3, 6, dtype=torch.long)
+    for row, chain in enumerate(chains):
+        input_ids[row, : len(chain)] = torch.tensor(chain)
+    positions = torch.tensor(starts)[:, None] + torch.arange(6)  # [3, 6]
+    seen = []
+    hook = runner.model.embed_tokens.register_forward_hook(lambda module, args, out: seen.append(args[0].shape))
+    try:
+        logits = runner.forward(ForwardBatch.of(input_ids, positions, [0, 1, 2], lengths=lengths))  # [3, 6, V]
+    finally:
+        hook.remove()
+    assert seen == [torch.Size([1, 10])]
+    for row, (chain, start) in enumerate(zip(chains, starts)):
+        alone = runner.forward(
+            ForwardBatch.of(torch.tensor([chain]), torch.arange(start, start + len(chain))[None], [3 + row])
+        )  # [1, n, V]
+        assert torch.equal(logits[row, : len(chain)], alone[0]), f"row {row}"
+        assert not logits[row, len(chain) :].any()
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

@@ -94,3 +94,52 @@ def test_bad_shapes_are_named():
         ops().attend(q, keys, values, mask[:, :, :2], 1.0)
     with pytest.raises(RuntimeError, match="multiple of key/value heads"):
         ops().attend(q[:, :, :5], keys, values, mask, 1.0)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_flat_rows_get_the_bits_of_each_row_alone(dtype):
+    """Rows of 5, 1 and 9 queries packed into one run [1, 15] (attend_packed: a ragged verify or
+    prefill with no padding), each reading its own blocks of a shared pool up to its own key count,
+    under one causal mask: every query's output equals its row run alone (attend_paged) bit for
+    bit, and the row's keys past its count are never read (NaN there changes nothing)."""
+    g = torch.Generator().manual_seed(11)
+    H, Hkv, D, max_blocks = 6, 2, 64, 4
+    pool_keys, pool_values = (torch.randn(1 + 3 * max_blocks, 16, Hkv, D, generator=g).to(dtype) for _ in range(2))
+    blocks = (1 + torch.randperm(3 * max_blocks, generator=g)).view(3, max_blocks)  # [3, 4]: scattered blocks
+    lengths, firsts = [5, 1, 9], [20, 47, 3]  # each row's queries and its first query's position
+    num_keys = [f + n for f, n in zip(firsts, lengths)]  # [25, 48, 12]
+    for row, keys_of_row in enumerate(num_keys):  # what no query may read: past each row's keys
+        for p in range(keys_of_row, max_blocks * 16):
+            pool_keys[blocks[row, p // 16], p % 16] = float("nan")
+    positions = torch.cat([torch.arange(f, f + n) for f, n in zip(firsts, lengths)])  # [15]
+    S = max(num_keys)
+    mask = (torch.arange(S) <= positions[:, None])[None, None]  # [1, 1, 15, S] causal by position
+    q = torch.randn(1, len(positions), H, D, generator=g).to(dtype)
+    starts = torch.tensor([0, 5, 6, 15])
+    scale = D**-0.5
+    flat = ops().attend_packed(
+        q, pool_keys, pool_values, blocks, starts, torch.tensor(num_keys), mask, S, scale
+    )  # [1, 15, H, D]
+    assert not flat.isnan().any()
+    for row in range(3):
+        first, last = int(starts[row]), int(starts[row + 1])
+        alone = ops().attend_paged(
+            q[:, first:last],
+            pool_keys,
+            pool_values,
+            blocks[row : row + 1],
+            mask[:, :, first:last, : num_keys[row]].contiguous(),
+            num_keys[row],
+            scale,
+        )
+        assert torch.equal(flat[:, first:last], alone), f"row {row}"
+
+
+def test_flat_rows_out_of_range_are_named():
+    q = torch.randn(1, 4, 2, 16)
+    keys = torch.randn(3, 16, 2, 16)
+    blocks = torch.ones(2, 2, dtype=torch.long)
+    with pytest.raises(RuntimeError, match="row_starts must end"):
+        ops().attend_packed(q, keys, keys, blocks, torch.tensor([0, 1, 3]), torch.tensor([2, 3]), None, 3, 1.0)
+    with pytest.raises(RuntimeError, match="out of range"):
+        ops().attend_packed(q, keys, keys, blocks, torch.tensor([0, 3, 4]), torch.tensor([2, 9]), None, 3, 1.0)

@@ -234,6 +234,10 @@ def _register_fakes() -> None:
     def _(q, keys, values, blocks, mask, num_keys, scale):
         return torch.empty_like(q, memory_format=torch.contiguous_format)
 
+    @torch.library.register_fake("specdec::attend_packed")
+    def _(q, keys, values, blocks, row_starts, row_keys, mask, num_keys, scale):
+        return torch.empty_like(q, memory_format=torch.contiguous_format)
+
     @torch.library.register_fake("specdec::dequantize_rows")
     def _(ids, codes, sc, mn, d, dmin, K, bits, S, SB, z, sc_signed):
         return d.new_empty(ids.shape[0], K, dtype=torch.float32)

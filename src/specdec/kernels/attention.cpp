@@ -191,38 +191,61 @@ struct HeadTask {
   }
 };
 
+// Batch row b's queries: the first query's index in q (rows of T queries, or packed rows' spans),
+// how many, and the keys it reads
+struct RowQueries {
+  int64_t first, T, S;
+};
+
+inline RowQueries row_queries(int64_t b, int64_t T, int64_t S, const specdec_kernels::RowSpans* spans) {
+  if (spans == nullptr) return {b * T, T, S};
+  return {spans->starts[b], spans->starts[b + 1] - spans->starts[b], spans->keys[b]};
+}
+
 template <typename scalar_t>
 void attend_heads(const float* q, int64_t B, int64_t T, int64_t H, const at::Tensor& keys, const at::Tensor& values,
-                  const int64_t* blocks, int64_t max_blocks, int64_t S, const at::Tensor* mask, float scale, float* out) {
-  const int64_t D = keys.size(3), Hkv = keys.size(2), G = H / Hkv, R = G * T, S16 = (S + LANES - 1) / LANES * LANES;
+                  const int64_t* blocks, int64_t max_blocks, int64_t S, const at::Tensor* mask, float scale, float* out,
+                  const specdec_kernels::RowSpans* spans) {
+  const int64_t D = keys.size(3), Hkv = keys.size(2), G = H / Hkv, S16_max = (S + LANES - 1) / LANES * LANES;
+  int64_t T_max = T;  // the scratch rows' count: the longest row's queries
+  if (spans != nullptr) {
+    T_max = 0;
+    for (int64_t b = 0; b < B; ++b) T_max = std::max(T_max, spans->starts[b + 1] - spans->starts[b]);
+  }
   const bool* mask_ptr = mask == nullptr ? nullptr : mask->data_ptr<bool>();
   const int64_t mask_b = mask == nullptr || mask->size(0) == 1 ? 0 : mask->stride(0);
   const int64_t mask_t = mask == nullptr ? 0 : mask->stride(2), mask_j = mask == nullptr ? 0 : mask->stride(3);
   at::parallel_for(0, B * Hkv, 1, [&](int64_t task0, int64_t task1) {
-    std::vector<float> query(R * D), probs(R * S16), acc(R * D), block(LANES * D);
+    std::vector<float> query(G * T_max * D), probs(G * T_max * S16_max), acc(G * T_max * D), block(LANES * D);
     for (int64_t task = task0; task < task1; ++task) {
       const int64_t b = task / Hkv, hkv = task % Hkv;
+      const RowQueries rq = row_queries(b, T, S, spans);
+      const int64_t R = G * rq.T, S16 = (rq.S + LANES - 1) / LANES * LANES;
       for (int64_t g = 0; g < G; ++g)
-        for (int64_t t = 0; t < T; ++t) {
-          const float* qr = q + ((b * T + t) * H + hkv * G + g) * D;
-          for (int64_t d = 0; d < D; ++d) query[(g * T + t) * D + d] = qr[d] * scale;
+        for (int64_t t = 0; t < rq.T; ++t) {
+          const float* qr = q + ((rq.first + t) * H + hkv * G + g) * D;
+          for (int64_t d = 0; d < D; ++d) query[(g * rq.T + t) * D + d] = qr[d] * scale;
         }
       const int64_t row = blocks == nullptr ? b : 0;  // contiguous: keys [B, S, Hkv, D]; blocks: the pool's
+      // packed rows share one mask [1, 1, N, S]: the row's queries from its first
+      const bool* row_mask = mask_ptr == nullptr ? nullptr
+                             : spans == nullptr  ? mask_ptr + b * mask_b
+                                                 : mask_ptr + rq.first * mask_t;
       const HeadTask<scalar_t> head{query.data(),
                                     keys.data_ptr<scalar_t>() + row * keys.stride(0) + hkv * keys.stride(2),
                                     values.data_ptr<scalar_t>() + row * values.stride(0) + hkv * values.stride(2),
                                     blocks == nullptr ? nullptr : blocks + b * max_blocks,
                                     keys.stride(1), values.stride(1), keys.stride(0), values.stride(0),
-                                    mask_ptr == nullptr ? nullptr : mask_ptr + b * mask_b, mask_t, mask_j,
-                                    G, T, S, S16, D};
+                                    row_mask, mask_t, mask_j,
+                                    G, rq.T, rq.S, S16, D};
       head.scores(probs.data(), block.data());
       head.exponentiate(probs.data());
       head.weigh_values(probs.data(), acc.data());
       for (int64_t r = 0; r < R; ++r) {
-        const int64_t g = r / T, t = r % T;
+        const int64_t g = r / rq.T, t = r % rq.T;
         const float total = head.denominator(&probs[r * S16], t);
         const float inverse = total > 0.f ? 1.f / total : 0.f;
-        float* o = out + ((b * T + t) * H + hkv * G + g) * D;
+        float* o = out + ((rq.first + t) * H + hkv * G + g) * D;
         for (int64_t d = 0; d < D; ++d) o[d] = acc[r * D + d] * inverse;
       }
     }
@@ -233,7 +256,8 @@ void attend_heads(const float* q, int64_t B, int64_t T, int64_t H, const at::Ten
 
 void specdec_kernels::attend_cache(const float* q, int64_t B, int64_t T, int64_t H, const at::Tensor& keys,
                                    const at::Tensor& values, const int64_t* blocks, int64_t max_blocks,
-                                   int64_t num_keys, const at::Tensor* mask, float scale, float* out) {
+                                   int64_t num_keys, const at::Tensor* mask, float scale, float* out,
+                                   const specdec_kernels::RowSpans* spans) {
   TORCH_CHECK(keys.dim() == 4 && keys.sizes() == values.sizes() && keys.scalar_type() == values.scalar_type(),
               "keys and values: [rows or blocks, positions, Hkv, D] of one dtype");
   TORCH_CHECK(H % keys.size(2) == 0, "query heads must be a multiple of key/value heads");
@@ -248,16 +272,30 @@ void specdec_kernels::attend_cache(const float* q, int64_t B, int64_t T, int64_t
       for (int64_t i = 0; i < (num_keys + LANES - 1) / LANES; ++i)
         TORCH_CHECK(blocks[b * max_blocks + i] >= 0 && blocks[b * max_blocks + i] < keys.size(0), "cache block out of range");
   }
-  if (mask != nullptr)
+  if (spans != nullptr) {
+    TORCH_CHECK(spans->starts[0] == 0, "packed rows start at query 0");
+    for (int64_t b = 0; b < B; ++b)
+      TORCH_CHECK(spans->starts[b + 1] >= spans->starts[b] && spans->keys[b] >= 0 && spans->keys[b] <= num_keys,
+                  "packed row ", b, ": its queries or keys are out of range");
+    if (mask != nullptr)
+      TORCH_CHECK(mask->scalar_type() == at::kBool && mask->dim() == 4 && mask->size(0) == 1 && mask->size(1) == 1 &&
+                      mask->size(2) == spans->starts[B] && mask->size(3) == num_keys,
+                  "packed rows' mask: bool [1, 1, N, S]");
+  } else if (mask != nullptr) {
     TORCH_CHECK(mask->scalar_type() == at::kBool && mask->dim() == 4 && mask->size(1) == 1 && mask->size(2) == T &&
                     mask->size(3) == num_keys && (mask->size(0) == B || mask->size(0) == 1),
                 "mask: bool [B or 1, 1, T, S]");
+  }
   switch (keys.scalar_type()) {
-    case at::kFloat: attend_heads<float>(q, B, T, H, keys, values, blocks, max_blocks, num_keys, mask, scale, out); break;
-    case at::kBFloat16:
-      attend_heads<c10::BFloat16>(q, B, T, H, keys, values, blocks, max_blocks, num_keys, mask, scale, out);
+    case at::kFloat:
+      attend_heads<float>(q, B, T, H, keys, values, blocks, max_blocks, num_keys, mask, scale, out, spans);
       break;
-    case at::kHalf: attend_heads<c10::Half>(q, B, T, H, keys, values, blocks, max_blocks, num_keys, mask, scale, out); break;
+    case at::kBFloat16:
+      attend_heads<c10::BFloat16>(q, B, T, H, keys, values, blocks, max_blocks, num_keys, mask, scale, out, spans);
+      break;
+    case at::kHalf:
+      attend_heads<c10::Half>(q, B, T, H, keys, values, blocks, max_blocks, num_keys, mask, scale, out, spans);
+      break;
     default: TORCH_CHECK(false, "attend: float32, bfloat16 or float16 keys, got ", keys.scalar_type());
   }
 }
@@ -300,12 +338,43 @@ at::Tensor attend_paged(const at::Tensor& q, const at::Tensor& keys, const at::T
   return out.to(q.scalar_type());
 }
 
+// attend_paged with rows packed: q [1, N, H, D], the B rows' queries one after another (row b's
+// are row_starts[b]..row_starts[b+1]-1, int64 [B + 1]), row b reading its positions
+// 0..row_keys[b]-1 (int64 [B]) through blocks [B, max_blocks], those mask [1, 1, N, num_keys]
+// lets it: [1, N, H, D] in q's dtype, each query's bits those of its row run alone.
+at::Tensor attend_packed(const at::Tensor& q, const at::Tensor& keys, const at::Tensor& values, const at::Tensor& blocks,
+                         const at::Tensor& row_starts, const at::Tensor& row_keys, const c10::optional<at::Tensor>& mask,
+                         int64_t num_keys, double scale) {
+  TORCH_CHECK(q.dim() == 4 && q.size(0) == 1 && keys.dim() == 4 && values.dim() == 4,
+              "q [1, N, H, D], keys and values [blocks, 16, Hkv, D]");
+  TORCH_CHECK(q.scalar_type() == keys.scalar_type() && q.scalar_type() == values.scalar_type(),
+              "q, keys and values must share a dtype");
+  const int64_t B = blocks.size(0), N = q.size(1), H = q.size(2);
+  TORCH_CHECK(blocks.scalar_type() == at::kLong && blocks.dim() == 2, "blocks: int64 [B, max_blocks]");
+  TORCH_CHECK(row_starts.scalar_type() == at::kLong && row_starts.dim() == 1 && row_starts.size(0) == B + 1 &&
+                  row_keys.scalar_type() == at::kLong && row_keys.dim() == 1 && row_keys.size(0) == B,
+              "row_starts int64 [B + 1], row_keys int64 [B]");
+  auto starts = row_starts.contiguous(), row_key_counts = row_keys.contiguous();
+  TORCH_CHECK(starts.data_ptr<int64_t>()[B] == N, "row_starts must end at the queries' count");
+  auto q32 = q.to(at::kFloat).contiguous();
+  auto blocks_c = blocks.contiguous();
+  auto out = at::empty({1, N, H, q.size(3)}, q.options().dtype(at::kFloat));
+  const at::Tensor* mask_ptr = mask.has_value() && mask->defined() ? &*mask : nullptr;
+  const specdec_kernels::RowSpans spans{starts.data_ptr<int64_t>(), row_key_counts.data_ptr<int64_t>()};
+  specdec_kernels::attend_cache(q32.data_ptr<float>(), B, 0, H, keys, values, blocks_c.data_ptr<int64_t>(),
+                                blocks_c.size(1), num_keys, mask_ptr, (float)scale, out.data_ptr<float>(), &spans);
+  return out.to(q.scalar_type());
+}
+
 TORCH_LIBRARY_FRAGMENT(specdec, m) {
   m.def("attend(Tensor q, Tensor keys, Tensor values, Tensor? mask, float scale) -> Tensor");
   m.def("attend_paged(Tensor q, Tensor keys, Tensor values, Tensor blocks, Tensor? mask, int num_keys, float scale) -> Tensor");
+  m.def("attend_packed(Tensor q, Tensor keys, Tensor values, Tensor blocks, Tensor row_starts, Tensor row_keys, "
+        "Tensor? mask, int num_keys, float scale) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(specdec, CPU, m) {
   m.impl("attend", &attend);
   m.impl("attend_paged", &attend_paged);
+  m.impl("attend_packed", &attend_packed);
 }

@@ -70,8 +70,16 @@ Prologue make_prologue(const c10::optional<at::Tensor>& norm_weight, double eps,
 // blocks[b * max_blocks + j / 16] at offset j % 16. Each row reads positions 0..num_keys-1, those
 // mask [B or 1, 1, T, num_keys] lets it (null: all); out [B, T, H, D] float32. Each query is
 // computed alone (see attention.cpp).
+//
+// Rows packed (spans given): the B rows' queries one run of N = starts[B] (q [N, H, D], out likewise,
+// mask [1, 1, N, num_keys]): row b's queries are starts[b]..starts[b+1]-1 and read its positions
+// 0..keys[b]-1 (keys[b] <= num_keys); T is ignored. The same bits as each row run alone.
+struct RowSpans {
+  const int64_t* starts;  // [B + 1]
+  const int64_t* keys;    // [B]
+};
 void attend_cache(const float* q, int64_t B, int64_t T, int64_t H, const at::Tensor& keys, const at::Tensor& values,
                   const int64_t* blocks, int64_t max_blocks, int64_t num_keys, const at::Tensor* mask, float scale,
-                  float* out);
+                  float* out, const RowSpans* spans = nullptr);
 
 }  // namespace specdec_kernels

@@ -49,17 +49,41 @@ struct DecoderLayerPlan {
   // x [B, T, hidden]; cos, signed_sin [B, T, 1, D] (rotate-half RoPE: x * cos + roll(x, D/2) * signed_sin);
   // keys, values: this layer's cache [blocks, 16, Hkv, D]; blocks [B, max_blocks]: each batch row's
   // block table row (position p in block blocks[b, p / 16] at offset p % 16); write_positions [B, T]:
-  // where each token's key and value go; mask [B or 1, 1, T, num_keys] or none
+  // where each token's key and value go; mask [B or 1, 1, T, num_keys] or none.
+  // Rows packed (row_starts given): x [1, N, hidden] holds the R rows' tokens one after another
+  // (row r's are row_starts[r]..row_starts[r+1]-1, int64 [R + 1]; it reads its positions
+  // 0..row_keys[r]-1, int64 [R]) and blocks is [R, max_blocks]; mask [1, 1, N, num_keys] or none.
   at::Tensor forward(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& signed_sin, at::Tensor keys,
                      at::Tensor values, const at::Tensor& blocks, const at::Tensor& write_positions,
-                     const c10::optional<at::Tensor>& mask, int64_t num_keys) const {
+                     const c10::optional<at::Tensor>& mask, int64_t num_keys,
+                     const c10::optional<at::Tensor>& row_starts, const c10::optional<at::Tensor>& row_keys) const {
     TORCH_CHECK(x.dim() == 3 && x.size(2) == qkv.K, "x: [B, T, hidden]");
     const int64_t B = x.size(0), T = x.size(1), M = B * T, hidden = x.size(2);
+    const bool packed = row_starts.has_value() && row_starts->defined();
+    TORCH_CHECK(packed == (row_keys.has_value() && row_keys->defined()), "row_starts and row_keys come together");
     TORCH_CHECK(keys.scalar_type() == x.scalar_type() && values.scalar_type() == x.scalar_type(),
                 "the cache must be in x's dtype");
-    TORCH_CHECK(blocks.scalar_type() == at::kLong && blocks.dim() == 2 && blocks.size(0) == B &&
+    TORCH_CHECK(blocks.scalar_type() == at::kLong && blocks.dim() == 2 && (packed || blocks.size(0) == B) &&
                     write_positions.scalar_type() == at::kLong && write_positions.sizes() == at::IntArrayRef({B, T}),
                 "blocks [B, max_blocks], write_positions [B, T]: int64");
+    const int64_t rows = blocks.size(0);  // the block table's rows: B, or the packed rows
+    at::Tensor starts_c, row_keys_c;
+    std::vector<int64_t> row_of(M);  // each token's block table row
+    if (packed) {
+      TORCH_CHECK(B == 1 && row_starts->scalar_type() == at::kLong && row_starts->numel() == rows + 1 &&
+                      row_keys->scalar_type() == at::kLong && row_keys->numel() == rows,
+                  "packed rows: x [1, N, hidden], row_starts int64 [R + 1], row_keys int64 [R]");
+      starts_c = row_starts->contiguous();
+      row_keys_c = row_keys->contiguous();
+      const int64_t* starts = starts_c.data_ptr<int64_t>();
+      TORCH_CHECK(starts[0] == 0 && starts[rows] == M, "row_starts must run from 0 to the tokens' count");
+      for (int64_t r = 0; r < rows; ++r) {
+        TORCH_CHECK(starts[r] <= starts[r + 1], "row_starts must not decrease");
+        for (int64_t m = starts[r]; m < starts[r + 1]; ++m) row_of[m] = r;
+      }
+    } else {
+      for (int64_t m = 0; m < M; ++m) row_of[m] = m / T;
+    }
     TORCH_CHECK(keys.size(1) == 16 && values.sizes() == keys.sizes() && keys.is_contiguous() && values.is_contiguous(),
                 "the cache: contiguous [blocks, 16, Hkv, D]");
     auto x2 = x.reshape({M, hidden}).contiguous();                       // [M, hidden]
@@ -74,7 +98,7 @@ struct DecoderLayerPlan {
     for (int64_t m = 0; m < M; ++m) {
       const int64_t p = position_of[m];
       TORCH_CHECK(p >= 0 && p < max_blocks * 16, "a write position out of range");
-      const int64_t block = block_of[(m / T) * max_blocks + p / 16];
+      const int64_t block = block_of[row_of[m] * max_blocks + p / 16];
       TORCH_CHECK(block >= 0 && block < keys.size(0), "a cache block out of range");
       entry_of[m] = block * 16 + p % 16;
     }
@@ -101,8 +125,9 @@ struct DecoderLayerPlan {
     });
     auto attention = at::empty({M, H * D}, x.options().dtype(at::kFloat));  // [B, T, H, D]
     const at::Tensor* mask_ptr = mask.has_value() && mask->defined() ? &*mask : nullptr;
-    attend_cache(q.data_ptr<float>(), B, T, H, keys, values, block_of, max_blocks, num_keys, mask_ptr,
-                 (float)(1.0 / std::sqrt((double)D)), attention.data_ptr<float>());
+    const RowSpans spans{packed ? starts_c.data_ptr<int64_t>() : nullptr, packed ? row_keys_c.data_ptr<int64_t>() : nullptr};
+    attend_cache(q.data_ptr<float>(), packed ? rows : B, T, H, keys, values, block_of, max_blocks, num_keys, mask_ptr,
+                 (float)(1.0 / std::sqrt((double)D)), attention.data_ptr<float>(), packed ? &spans : nullptr);
     auto h = o.run_plus(attention, Prologue(), x2);  // [M, hidden] in x's dtype
     auto gate_up_out = gate_up.run(h, make_prologue(post_norm, eps, false, hidden));  // [M, 2I] float32
     Prologue gated;

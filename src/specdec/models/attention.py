@@ -36,6 +36,8 @@ FLOAT32_ATTENTION_MAX_QUERIES = 16
 class TorchAttention:
     """PyTorch's scaled_dot_product_attention (see the module)."""
 
+    reads_flat_rows = False  # whether it takes a forward of flat rows (kv_cache.FlatRows)
+
     def attend(self, layer: int, q, k, v, mask, positions, cache, num_keys: int) -> torch.Tensor:
         if cache is None:  # training: the keys are this sequence's own, causal by construction
             return self._sdpa(q, k, v, None, causal=True)
@@ -60,7 +62,11 @@ class TorchAttention:
 
 
 class KernelAttention(TorchAttention):
-    """specdec's CPU kernel (see the module)."""
+    """specdec's CPU kernel (see the module). Flat rows (q [1, N, H, D]: rows' runs one after
+    another, kv_cache.FlatRows) attend each row's queries over its own slot's keys, the bits of
+    the row run alone."""
+
+    reads_flat_rows = True
 
     def attend(self, layer: int, q, k, v, mask, positions, cache, num_keys: int) -> torch.Tensor:
         scale = q.shape[-1] ** -0.5
@@ -69,6 +75,11 @@ class KernelAttention(TorchAttention):
                 raise ValueError(f"position {num_keys - 1} is past the cache length {cache.max_len}")
             cache.write(layer, positions, k, v)
             keys, values, blocks = cache.layer(layer, q.shape[0])  # the pool, read through each row's blocks
+            flat = getattr(cache, "flat", None)
+            if flat is not None:
+                return torch.ops.specdec.attend_packed(
+                    q, keys, values, blocks, flat.starts, flat.num_keys, mask, num_keys, scale
+                )  # [1, N, H, D]
             return torch.ops.specdec.attend_paged(q, keys, values, blocks, mask, num_keys, scale)  # [B, T, H, D]
         if cache is not None and q.shape[1] <= FLOAT32_ATTENTION_MAX_QUERIES:  # another cache: its keys as read
             keys, values = cache.write_and_read(layer, positions, k, v, num_keys)  # [B, S, Hkv, D] each

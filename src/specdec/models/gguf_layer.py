@@ -37,7 +37,11 @@ class GGUFDecoderLayer(nn.Module):
             if num_keys > cache.max_len:
                 raise ValueError(f"position {num_keys - 1} is past the cache length {cache.max_len}")
             keys, values, blocks = cache.layer(self.self_attn.layer_index, x.shape[0])  # each row's blocks [B, M]
-            return self.plan.forward(x, cos, signed_sin, keys, values, blocks, positions, mask, num_keys)
+            flat = getattr(cache, "flat", None)  # x [1, N, hidden]: rows one after another (kv_cache.FlatRows)
+            starts, row_keys = (None, None) if flat is None else (flat.starts, flat.num_keys)
+            return self.plan.forward(
+                x, cos, signed_sin, keys, values, blocks, positions, mask, num_keys, starts, row_keys
+            )
         x = x + self.self_attn(self.input_layernorm(x), cos, signed_sin, mask, positions, cache, num_keys)
         return x + self.mlp(self.post_attention_layernorm(x))
 

@@ -204,9 +204,10 @@ class SpeculativeRound:
             draft = draft.narrowed(int(num_draft.max()))
         input_ids, positions, tree = self._verify_inputs(batch, draft)  # [B, k+1] each, and a tree's layout
         slots = [s.slot for s in batch]
+        lengths = None if tree is not None else (num_draft + 1).tolist()  # each chain's real tokens
         outputs = self.target(
-            ForwardBatch.of(input_ids, positions, slots, tree), return_hidden=self.return_hidden
-        )  # [B, k+1, V] (return_hidden: and [B, k+1, H])
+            ForwardBatch.of(input_ids, positions, slots, tree, lengths), return_hidden=self.return_hidden
+        )  # [B, k+1, V] (return_hidden: and [B, k+1, H]; zero past a row's own tokens, or what they say)
         target_logits, target_hidden = outputs if isinstance(outputs, tuple) else (outputs, None)
         t2 = time.perf_counter()
         processed = self.processors(target_logits, batch, draft.token_ids, _on_branch(draft, tree))  # [B, k+1, V]

@@ -51,6 +51,7 @@ from specdec.kv_cache import (
     BLOCK_SIZE,
     COMPILED_MAX_QUERIES,
     BlockPool,
+    FlatRows,
     KVCache,
     TreeAttention,
     compiled_batch,
@@ -102,12 +103,15 @@ def check_compile_mode(compile: str) -> str:
 class ForwardBatch:
     """One forward's work: row i feeds input_ids[i] at positions[i] [B, T] and reads and writes
     the cache slot slots[i] [B]. tree: a forward over a tree of tokens (kv_cache.TreeAttention:
-    where each token's K/V goes and what it reads), which runs eagerly."""
+    where each token's K/V goes and what it reads), which runs eagerly. lengths: row i's first
+    lengths[i] tokens are real and the rest padding, whose outputs nobody reads (None: all real);
+    the runner may then run the real tokens alone, as one flat run (kv_cache.FlatRows)."""
 
     input_ids: torch.Tensor
     positions: torch.Tensor
     slots: torch.Tensor
     tree: TreeAttention | None = None
+    lengths: tuple[int, ...] | None = None
 
     def __post_init__(self):
         if self.input_ids.shape != self.positions.shape or self.slots.shape != self.input_ids.shape[:1]:
@@ -115,13 +119,27 @@ class ForwardBatch:
                 f"a forward batch needs input_ids and positions [B, T] and slots [B]; got "
                 f"{tuple(self.input_ids.shape)}, {tuple(self.positions.shape)}, {tuple(self.slots.shape)}"
             )
+        B, T = self.input_ids.shape
+        if self.lengths is not None and (len(self.lengths) != B or not all(0 < n <= T for n in self.lengths)):
+            raise ValueError(f"lengths must give each of the {B} rows 1..{T} real tokens, got {self.lengths}")
 
     @classmethod
     def of(
-        cls, input_ids: torch.Tensor, positions: torch.Tensor, slots, tree: TreeAttention | None = None
+        cls,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        slots,
+        tree: TreeAttention | None = None,
+        lengths: list[int] | tuple[int, ...] | None = None,
     ) -> ForwardBatch:
         """slots as a tensor on input_ids' device, from a list of ints or a tensor."""
-        return cls(input_ids, positions, torch.as_tensor(slots, dtype=torch.long, device=input_ids.device), tree)
+        slots = torch.as_tensor(slots, dtype=torch.long, device=input_ids.device)
+        return cls(input_ids, positions, slots, tree, None if lengths is None else tuple(lengths))
+
+    @property
+    def num_padding(self) -> int:
+        """How many of the batch's B x T tokens are padding."""
+        return 0 if self.lengths is None else self.input_ids.numel() - sum(self.lengths)
 
 
 def avoid_cudnn_attention() -> None:
@@ -156,7 +174,8 @@ class ModelRunner:
         quantization: str | None = None,
     ):
         self.model = model
-        use_attention(model, attention_for(model.device.type))  # chosen once: nothing compiled chooses
+        self._attention = attention_for(model.device.type)
+        use_attention(model, self._attention)  # chosen once: nothing compiled chooses
         self.platform = platform or detect_platform(model.device)
         if model.device.type == "cuda":
             avoid_cudnn_attention()
@@ -172,6 +191,7 @@ class ModelRunner:
             )
         self.bf16_pack_min_bytes = bf16_pack_min_bytes
         self.pack_weights = pack_weights  # False: eager runs the model's own layers (to measure what packing is worth)
+        self.flat_rows = True  # False: ragged forwards run padded (to measure what flat rows are worth)
         self.name = name
         self.query_buckets: tuple[int, ...] = ()  # query lengths compiled for (empty: eager)
         self.compile_seconds = 0.0
@@ -422,9 +442,49 @@ class ModelRunner:
     __call__ = forward
 
     def _forward_eager(self, batch: ForwardBatch, return_hidden: bool = False):
+        if self._runs_flat(batch):
+            return self._forward_flat(batch, return_hidden)
         return self.eager_model()(
             batch.input_ids, batch.positions, self._kv.rows(batch.slots), return_hidden=return_hidden, tree=batch.tree
         )
+
+    # --- flat rows: a ragged batch's real tokens as one run, no padding -------------------------
+
+    def _runs_flat(self, batch: ForwardBatch) -> bool:
+        """Whether an eager forward of batch runs its real tokens only, as one flat run
+        (kv_cache.FlatRows): where it has padding and the model's attention reads flat rows (each
+        row's queries over its own slot's keys, in the pool: the bits of the row alone)."""
+        return self.flat_rows and batch.tree is None and batch.num_padding > 0 and self._attention.reads_flat_rows
+
+    def _flat_hidden(self, batch: ForwardBatch, return_hidden: bool):
+        """The eager model over batch's real tokens as one run [1, N]: its final hidden states
+        [1, N, hidden], the features [1, N, F] (return_hidden, else None) and which of [B, T] are
+        real [B, T] (row-major: the run's order)."""
+        assert batch.lengths is not None
+        lengths = torch.tensor(batch.lengths, device=batch.positions.device)  # [B]
+        flat, real = FlatRows.of(batch.positions, lengths)
+        input_ids, positions = batch.input_ids[real][None], batch.positions[real][None]  # [1, N] each
+        rows = self._kv.rows(batch.slots, flat)
+        model = self.eager_model()
+        if not return_hidden:
+            return model.hidden_states(input_ids, positions, rows), None, real
+        hidden, features = model.hidden_and_features(input_ids, positions, rows)
+        return hidden, features, real
+
+    def _forward_flat(self, batch: ForwardBatch, return_hidden: bool):
+        """forward over the real tokens only: logits [B, T, V] (and features [B, T, F]), zero at
+        the padding."""
+        hidden, features, real = self._flat_hidden(batch, return_hidden)
+        logits = _padded(self.eager_model().logits(hidden[0]), real)  # [N, V] -> [B, T, V]
+        return (logits, _padded(features[0], real)) if features is not None else logits
+
+    def _last_token_logits_flat(self, batch: ForwardBatch, return_hidden: bool):
+        """last_token_logits over the real tokens only: the output layer on each row's last."""
+        assert batch.lengths is not None
+        hidden, features, real = self._flat_hidden(batch, return_hidden)
+        last = torch.tensor(batch.lengths, device=hidden.device).cumsum(0) - 1  # [B]: each row's last in the run
+        logits = self.eager_model().logits(hidden[0, last])  # [B, V]
+        return (logits, _padded(features[0], real)) if features is not None else logits
 
     @overload
     def last_token_logits(
@@ -442,7 +502,9 @@ class ModelRunner:
     def last_token_logits(self, batch: ForwardBatch, last_index: torch.Tensor, return_hidden: bool = False):
         """Forward padded rows; logits after each row's last real token (last_index [B]): [B, V].
         return_hidden: (those logits, every position's hidden states [B, T, hidden])."""
-        if self._query_bucket(batch.input_ids.shape[1]) is None:  # long: eager, in groups of similar lengths
+        if self._query_bucket(batch.input_ids.shape[1]) is None:  # long: eager, flat or in groups of similar lengths
+            if self._runs_flat(batch):
+                return self._last_token_logits_flat(batch, return_hidden)
             groups = ragged_groups((last_index + 1).tolist())
             if len(groups) == 1:
                 return self._last_token_logits_eager(batch, last_index, return_hidden)
@@ -508,7 +570,8 @@ class ModelRunner:
     ) -> tuple[ForwardBatch, torch.Tensor]:
         """The ForwardBatch of feed(chunks, starts, slots) and each row's last real index [B]."""
         input_ids, positions, last_index = ragged_batch(chunks, starts, self._kv.max_len)  # [B, W], [B, W], [B]
-        return ForwardBatch.of(input_ids.to(self.device), positions.to(self.device), slots), last_index
+        lengths = [len(chunk) for chunk in chunks]
+        return ForwardBatch.of(input_ids.to(self.device), positions.to(self.device), slots, lengths=lengths), last_index
 
     def move(self, slots: list[int], sources: torch.Tensor, destinations: torch.Tensor) -> None:
         """Copy each row's K/V entries at positions sources [B, M] to destinations [B, M] in the
@@ -607,6 +670,14 @@ class ModelRunner:
         if packs_own_dtype:
             pack_linears(model)  # the rest in the model's dtype
         return model
+
+
+def _padded(flat: torch.Tensor, real: torch.Tensor) -> torch.Tensor:
+    """flat [N, F], the real entries of a batch [B, T] in row-major order (real [B, T] bool) ->
+    [B, T, F], zero at the padding."""
+    padded = flat.new_zeros(*real.shape, flat.shape[-1])  # [B, T, F]
+    padded[real] = flat
+    return padded
 
 
 def _sharing_copy(model: LlamaModel) -> LlamaModel:
