@@ -140,9 +140,7 @@ class Engine:
         return bool(aborted)
 
     def request_ids(self, waiting: bool = True, running: bool = True) -> list[str]:
-        """The unfinished requests' ids (a request of n completions once), waiting and/or running."""
-        seqs = (list(self.scheduler.waiting) if waiting else []) + (self.scheduler.running if running else [])
-        return list(dict.fromkeys(seq.output_request_id for seq in seqs))
+        return self.scheduler.request_ids(waiting, running)  # a request of n completions once
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished()

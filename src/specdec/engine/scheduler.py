@@ -194,6 +194,11 @@ class Scheduler:
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
 
+    def request_ids(self, waiting: bool = True, running: bool = True) -> list[str]:
+        """The unfinished requests' ids (a request of n completions once), waiting and/or running."""
+        seqs = (list(self.waiting) if waiting else []) + (self.running if running else [])
+        return list(dict.fromkeys(seq.output_request_id for seq in seqs))
+
     @property
     def num_waiting(self) -> int:
         return len(self.waiting)
