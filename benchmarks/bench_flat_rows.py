@@ -12,9 +12,9 @@ by run on the same loaded model:
    (ragged_groups.py); flat, one forward of their tokens.
 2. Generation: the same prompts served together, greedy, --tokens new tokens each, by the target
    alone (its steps are one token a row: only the prefill is ragged) and with an EAGLE head
-   drafting (--head, default the shipped one; k by goodput, each row its own, so the verify
-   forwards are ragged; a head, not "auto", whose suffix trees would learn from the earlier
-   runs' answers). Tokens/s end to end and whether the outputs are equal (they must be: flat
+   drafting (--head, default the shipped one) chains and trees (k by goodput and trees cut by the
+   verify's cost, each row its own, so the verify forwards are ragged; a head, not "auto", whose
+   suffix trees would learn from the earlier runs' answers). Tokens/s end to end and whether the outputs are equal (they must be: flat
    rows change no bit).
 Prints Markdown tables.
 """
@@ -100,8 +100,12 @@ def main() -> None:
     print(f"model {args.model}, batch {args.batch}, {args.tokens} new tokens, {torch.get_num_threads()} threads\n")
 
     rows = []
-    for method in ("none", "eagle"):
-        drafter = {"speculative_method": "none"} if method == "none" else {"speculative_model": args.head}
+    systems = {
+        "the target alone": {"speculative_method": "none"},
+        "the head, chains": {"speculative_model": args.head},
+        "the head, trees (EAGLE-2's)": {"speculative_model": args.head, "speculative_tree": "auto"},
+    }
+    for method, drafter in systems.items():
         llm = LLM(args.model, **drafter, max_num_seqs=args.batch, enable_prefix_caching=False)
         requests = text_prompts(llm, args.batch)
         time_generation(llm, requests[:1], params, flat=True)  # warm up
@@ -113,7 +117,7 @@ def main() -> None:
         rows.append(
             (method, statistics.median(speed[False]), statistics.median(speed[True]), outs[False] == outs[True])
         )
-        if method == "none":
+        if method == "the target alone":
             print_prefill(llm.engine.target, prompts(args.batch), args.repeats)
         del llm
     print("| generation | padded tok/s | flat tok/s | flat x padded | outputs equal |")

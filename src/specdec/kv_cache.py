@@ -438,6 +438,26 @@ class TreeAttention:
         return (before | (region & in_tree[:, None, :]))[:, None]  # [B, 1, T, S]
 
 
+@dataclass(frozen=True)
+class FlatTree:
+    """A tree's forward run as flat rows (FlatRows): tree's layout over the batch [B, T] for its
+    real tokens only (real [B, T], row-major: the run's order), as a model reads a TreeAttention.
+    positions [B, T]: the tokens' RoPE positions in the batch's shape."""
+
+    tree: TreeAttention
+    positions: torch.Tensor
+    real: torch.Tensor
+
+    @property
+    def write_positions(self) -> torch.Tensor:
+        return self.tree.write_positions[self.real][None]  # [1, N]
+
+    def mask(self, num_keys: int, positions: torch.Tensor, window: int | None) -> torch.Tensor:
+        """The tree's mask of the real tokens, [1, 1, N, num_keys] (positions: the run's [1, N],
+        the same tokens')."""
+        return self.tree.mask(num_keys, self.positions, window)[:, 0][self.real][None, None]  # [B, T, S] -> [N, S]
+
+
 def ragged_batch(
     chunks: list[list[int]], starts: list[int], max_len: int
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

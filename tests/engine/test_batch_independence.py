@@ -19,9 +19,11 @@ import torch
 from gguf_files import tiny_hf_model, write_gguf
 from helpers import random_prompts, save_tiny_model
 from specdec import LLM, SamplingParams
+from specdec.kv_cache import TreeAttention
 from specdec.models.cpu_linear import PackedLinear, can_pack
 from specdec.models.loader import load_pretrained
 from specdec.paths import SMOLLM2_GGUF
+from specdec.tree import branches
 from specdec.worker import ModelRunner
 from specdec.worker.runner import ForwardBatch
 
@@ -119,6 +121,54 @@ def test_a_ragged_verify_runs_its_real_tokens_only_with_each_rows_bits(models, f
         )  # [1, n, V]
         assert torch.equal(logits[row, : len(chain)], alone[0]), f"row {row}"
         assert not logits[row, len(chain) :].any()
+
+
+def tree_forward(token_ids: list[int], parents: list[int], start: int, width: int, slot: int) -> ForwardBatch:
+    """A verify forward of one row's tree (the root token_ids[0] at start, its nodes
+    token_ids[1:] with parents' columns in the nodes, -1 the root), padded to width nodes."""
+    padded_parents = torch.tensor([parents + [-1] * (width - len(parents))])  # [1, width]
+    visible = branches(padded_parents)  # [1, width + 1, width + 1]
+    depth = visible.sum(-1) - 1  # [1, width + 1]
+    columns = torch.arange(width + 1)
+    tree = TreeAttention(start + columns[None], torch.tensor([start]), visible)
+    input_ids = torch.tensor([token_ids + [0] * (width + 1 - len(token_ids))])
+    return ForwardBatch.of(input_ids, start + depth, [slot], tree, [len(token_ids)])
+
+
+@pytest.mark.parametrize(("form", "dtype"), FORMS)
+def test_a_ragged_tree_verify_runs_its_real_nodes_only_with_each_rows_bits(models, form, dtype):
+    """Trees of 5 and 2 nodes verified in one forward padded to [2, 6], each row's length given:
+    the model runs their 9 real tokens as one run (the trees' layouts kept), and each node's
+    logits are those of its tree verified alone, unpadded."""
+    runner = runner_of(models[form], dtype)
+    prompts = random_prompts(2, seed=15, lengths=(30, 90), vocab=250)
+    for slot, prompt in enumerate(prompts):
+        runner.feed([prompt], [0], [slot])
+        runner.feed([prompt], [0], [2 + slot])
+    trees = [([7, 11, 12, 13, 14, 15], [-1, -1, 0, 0, 2]), ([8, 21, 22], [-1, 0])]  # (root + nodes, parents)
+    alone = [
+        runner.forward(tree_forward(ids, parents, len(prompts[row]) - 1, len(parents), 2 + row))
+        for row, (ids, parents) in enumerate(trees)  # each tree alone, unpadded: [1, its nodes + 1]
+    ]
+    rows = [tree_forward(ids, parents, len(prompts[row]) - 1, 5, row) for row, (ids, parents) in enumerate(trees)]
+    batch = ForwardBatch.of(
+        torch.cat([r.input_ids for r in rows]),
+        torch.cat([r.positions for r in rows]),
+        [0, 1],
+        TreeAttention(
+            *(torch.cat([getattr(r.tree, f) for r in rows]) for f in ("write_positions", "tree_start", "visible"))
+        ),
+        [6, 3],
+    )
+    seen = []
+    hook = runner.model.embed_tokens.register_forward_hook(lambda module, args, out: seen.append(args[0].shape))
+    try:
+        logits = runner.forward(batch)  # [2, 6, V]
+    finally:
+        hook.remove()
+    assert seen == [torch.Size([1, 9])]
+    for row, (ids, _) in enumerate(trees):
+        assert torch.equal(logits[row, : len(ids)], alone[row][0, : len(ids)]), f"row {row}"
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

@@ -24,7 +24,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from specdec.kv_cache import BLOCK_SIZE, BlockPool, CacheRows, KVCache, TreeAttention, blocks_for
+from specdec.kv_cache import BLOCK_SIZE, BlockPool, CacheRows, FlatTree, KVCache, TreeAttention, blocks_for
 from specdec.models.attention import TorchAttention, attention_for
 
 
@@ -260,7 +260,7 @@ class DecoderStack(nn.Module):
         x: torch.Tensor,
         positions: torch.Tensor,
         cache: KVCache | CacheRows | None,
-        tree: TreeAttention | None = None,
+        tree: TreeAttention | FlatTree | None = None,
         kept: list[torch.Tensor] | None = None,
     ) -> torch.Tensor:
         """Input vectors x [B, T, hidden] at positions [B, T] -> final normed hidden states [B, T, hidden].
@@ -339,7 +339,7 @@ class LlamaModel(DecoderStack):
         positions: torch.Tensor,
         cache: KVCache | CacheRows | None,
         return_hidden: bool = False,
-        tree: TreeAttention | None = None,
+        tree: TreeAttention | FlatTree | None = None,
     ):
         """input_ids, positions [B, T] -> logits [B, T, V] (float32); with return_hidden, also
         the features: (logits, features).
@@ -367,7 +367,7 @@ class LlamaModel(DecoderStack):
         input_ids: torch.Tensor,
         positions: torch.Tensor,
         cache: KVCache | CacheRows | None,
-        tree: TreeAttention | None = None,
+        tree: TreeAttention | FlatTree | None = None,
     ) -> torch.Tensor:
         """input_ids, positions [B, T] -> final normed hidden states [B, T, hidden]."""
         return self.transform(self.embed_tokens(input_ids), positions, cache, tree)  # embeddings [B, T, hidden]
@@ -377,7 +377,7 @@ class LlamaModel(DecoderStack):
         input_ids: torch.Tensor,
         positions: torch.Tensor,
         cache: KVCache | CacheRows | None,
-        tree: TreeAttention | None = None,
+        tree: TreeAttention | FlatTree | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """input_ids, positions [B, T] -> the final normed hidden states [B, T, hidden] and the
         features (see forward)."""

@@ -204,7 +204,7 @@ class SpeculativeRound:
             draft = draft.narrowed(int(num_draft.max()))
         input_ids, positions, tree = self._verify_inputs(batch, draft)  # [B, k+1] each, and a tree's layout
         slots = [s.slot for s in batch]
-        lengths = None if tree is not None else (num_draft + 1).tolist()  # each chain's real tokens
+        lengths = (num_draft + 1).tolist()  # each row's real tokens: its last token and its drafts
         outputs = self.target(
             ForwardBatch.of(input_ids, positions, slots, tree, lengths), return_hidden=self.return_hidden
         )  # [B, k+1, V] (return_hidden: and [B, k+1, H]; zero past a row's own tokens, or what they say)

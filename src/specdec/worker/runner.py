@@ -52,6 +52,7 @@ from specdec.kv_cache import (
     COMPILED_MAX_QUERIES,
     BlockPool,
     FlatRows,
+    FlatTree,
     KVCache,
     TreeAttention,
     compiled_batch,
@@ -454,21 +455,23 @@ class ModelRunner:
         """Whether an eager forward of batch runs its real tokens only, as one flat run
         (kv_cache.FlatRows): where it has padding and the model's attention reads flat rows (each
         row's queries over its own slot's keys, in the pool: the bits of the row alone)."""
-        return self.flat_rows and batch.tree is None and batch.num_padding > 0 and self._attention.reads_flat_rows
+        return self.flat_rows and batch.num_padding > 0 and self._attention.reads_flat_rows
 
     def _flat_hidden(self, batch: ForwardBatch, return_hidden: bool):
-        """The eager model over batch's real tokens as one run [1, N]: its final hidden states
-        [1, N, hidden], the features [1, N, F] (return_hidden, else None) and which of [B, T] are
-        real [B, T] (row-major: the run's order)."""
+        """The eager model over batch's real tokens as one run [1, N] (a tree's too, its layout
+        kept: kv_cache.FlatTree): its final hidden states [1, N, hidden], the features [1, N, F]
+        (return_hidden, else None) and which of [B, T] are real [B, T] (row-major: the run's order)."""
         assert batch.lengths is not None
         lengths = torch.tensor(batch.lengths, device=batch.positions.device)  # [B]
-        flat, real = FlatRows.of(batch.positions, lengths)
+        written = batch.positions if batch.tree is None else batch.tree.write_positions  # [B, T]
+        flat, real = FlatRows.of(written, lengths)
         input_ids, positions = batch.input_ids[real][None], batch.positions[real][None]  # [1, N] each
+        tree = None if batch.tree is None else FlatTree(batch.tree, batch.positions, real)
         rows = self._kv.rows(batch.slots, flat)
         model = self.eager_model()
         if not return_hidden:
-            return model.hidden_states(input_ids, positions, rows), None, real
-        hidden, features = model.hidden_and_features(input_ids, positions, rows)
+            return model.hidden_states(input_ids, positions, rows, tree), None, real
+        hidden, features = model.hidden_and_features(input_ids, positions, rows, tree)
         return hidden, features, real
 
     def _forward_flat(self, batch: ForwardBatch, return_hidden: bool):
