@@ -14,8 +14,8 @@ by run on the same loaded model:
    alone (its steps are one token a row: only the prefill is ragged) and with an EAGLE head
    drafting (--head, default the shipped one) chains and trees (k by goodput and trees cut by the
    verify's cost, each row its own, so the verify forwards are ragged; a head, not "auto", whose
-   suffix trees would learn from the earlier runs' answers). Tokens/s end to end and whether the outputs are equal (they must be: flat
-   rows change no bit).
+   suffix trees would learn from the earlier runs' answers). Tokens/s end to end and whether the
+   outputs are equal (they must be: flat rows change no bit).
 Prints Markdown tables.
 """
 
@@ -108,7 +108,7 @@ def main() -> None:
     for method, drafter in systems.items():
         llm = LLM(args.model, **drafter, max_num_seqs=args.batch, enable_prefix_caching=False)
         requests = text_prompts(llm, args.batch)
-        time_generation(llm, requests[:1], params, flat=True)  # warm up
+        time_generation(llm, requests, params, flat=True)  # warm up: the batch's round costs are timed here
         speed, outs = {True: [], False: []}, {}
         for _ in range(args.repeats):
             for flat in (False, True):

@@ -18,7 +18,7 @@ from specdec.drafters.suffix import SuffixDrafter
 from specdec.sampling import SamplingTensors
 from specdec.sequence import Sequence
 from specdec.spec import k_choice
-from specdec.spec.goodput import GoodputPolicy
+from specdec.spec.goodput import GoodputPolicy, padded_width
 from specdec.tree import ROOT
 
 arctic = pytest.importorskip("arctic_inference.suffix_decoding", reason="arctic-inference is not installed: make setup")
@@ -291,7 +291,7 @@ STEP_SECONDS = 1e-3  # simulated: a target forward of one token a row
 DRAFT_STEP_SECONDS = STEP_SECONDS / 10  # simulated: a draft step, as a small draft model's
 
 
-def simulated_verify_seconds(num_tokens: int) -> float:
+def simulated_verify_seconds(num_tokens: float) -> float:
     """A target forward of num_tokens tokens a row: a step, and a tenth of one per token past the first."""
     return STEP_SECONDS * (1 + 0.1 * (num_tokens - 1))
 
@@ -303,9 +303,9 @@ class SimulatedGoodputPolicy(GoodputPolicy):
     timings drafting barely pays and a loaded machine can switch it off for a whole test; on
     these, which rounds draft rests on acceptance alone."""
 
-    def __init__(self, k_max: int, padded_tokens=lambda num_tokens: num_tokens):
+    def __init__(self, k_max: int, cost_width=padded_width):
         self.now = 0.0
-        super().__init__(k_max, padded_tokens, clock=lambda: self.now)
+        super().__init__(k_max, cost_width, clock=lambda: self.now)
 
     def calibrate(self, batch_size: int, k: int, time_target, time_draft) -> None:
         def target_forward(num_tokens: int) -> None:
@@ -319,11 +319,18 @@ class SimulatedGoodputPolicy(GoodputPolicy):
         super().calibrate(batch_size, k, target_forward, draft_step)
 
     def observe_round(
-        self, batch_size: int, k: int, verify_tokens: int, target_seconds: float, draft_seconds: float | None
+        self,
+        batch_size: int,
+        k: int,
+        verify_tokens: int,
+        target_seconds: float,
+        draft_seconds: float | None,
+        num_verified: int | None = None,
     ) -> None:
-        target_seconds = simulated_verify_seconds(self.padded_tokens(verify_tokens))
+        num_verified = batch_size * verify_tokens if num_verified is None else num_verified
+        target_seconds = simulated_verify_seconds(self.cost_width(batch_size, num_verified, verify_tokens))
         draft_seconds = None if draft_seconds is None else k * DRAFT_STEP_SECONDS  # None: not every row drafted
-        super().observe_round(batch_size, k, verify_tokens, target_seconds, draft_seconds)
+        super().observe_round(batch_size, k, verify_tokens, target_seconds, draft_seconds, num_verified)
 
 
 @pytest.mark.parametrize("k_policy", ["fixed", "goodput"])

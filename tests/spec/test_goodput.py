@@ -651,3 +651,46 @@ def test_a_seeded_sampled_request_runs_at_the_fixed_k_and_keeps_its_tokens(dirs)
     assert rounds_by_k[K] > 0 and rounds_by_k[0] <= 1  # k = 0 only in a last round with no room
     unseeded_alone = goodput.generate(PROMPTS[:1], unseeded)[0]
     assert unseeded_alone.metrics.rounds_by_k[0] > 0  # an unseeded one is
+
+
+def flat_width(num_rows: int, num_tokens: int, longest: int) -> float:
+    """A runner of flat rows (ModelRunner.cost_width, eager): a forward costs as its rows' mean."""
+    return num_tokens / num_rows
+
+
+@pytest.mark.parametrize(("cost_width", "drafts"), [(None, False), (flat_width, True)])
+def test_with_flat_rows_one_good_row_of_a_batch_drafts_alone(cost_width, drafts):
+    """Four rows, one whose drafts are accepted 0.9 of the time and three at 0.05, on a machine
+    where a forward costs as its tokens do (4 rows of T tokens: 0.875 + 0.5 T; a plain step
+    1.375 for 4 tokens) and a draft step is free. Padded, the good row drafting k pads every row
+    to k + 1: at k 1, 4.9 expected tokens for 1.875, less than plain's rate; nobody drafts.
+    Flat, its drafts add only themselves (0.125 each): at k 4, 7.1 tokens for 1.875, 1.3x plain;
+    it alone drafts (the others' drafts would cost more than the 0.05 they add)."""
+    B = 4
+    costs = RoundCosts(
+        CostCurve({t: 1 + 0.5 * (B * t - 1) / B for t in range(1, K + 2)}), CostCurve({k: 0.0 for k in range(1, K + 1)})
+    )
+    policy = GoodputPolicy(K) if cost_width is None else GoodputPolicy(K, cost_width)
+    policy.costs[B] = costs
+    for slot, alpha in enumerate([0.9, 0.05, 0.05, 0.05]):
+        policy.start(slot)
+        estimate = policy.estimate(slot)
+        estimate.accepted, estimate.judged = alpha * 1e6, 1e6
+    ks = policy.plan([0, 1, 2, 3], [100] * B)
+    assert (ks[0] > 0) == drafts
+    assert ks[1:] == [0, 0, 0]
+
+
+def test_a_round_of_flat_rows_is_costed_at_its_mean_length():
+    """observe_round with num_verified: a round of 4 rows, 10 real tokens, longest 4, under flat
+    rows counts as width 2.5, between the calibrated 2 and 3; padded, as width 4."""
+    curve = {t: float(t) for t in range(1, 6)}
+    flat = GoodputPolicy(4, flat_width)
+    padded = GoodputPolicy(4)
+    for policy in (flat, padded):
+        policy.costs[4] = RoundCosts(CostCurve(dict(curve)), CostCurve({1: 0.1}))
+        for _ in range(COST_WINDOW):
+            policy.observe_round(4, k=3, verify_tokens=4, target_seconds=5.0, draft_seconds=None, num_verified=10)
+    assert flat.costs[4].verify.scale(2) == pytest.approx(2.0)  # 5 s where 2.5 was calibrated
+    assert flat.verify_seconds(4, 2) == pytest.approx(4.0)
+    assert padded.costs[4].verify.scale(4) == pytest.approx(1.25)  # 5 s where 4 was calibrated

@@ -64,7 +64,7 @@ class Engine:
     ):
         self.target, self.drafter, self.max_num_seqs = target, drafter, max_num_seqs
         k = num_speculative_tokens if drafter is not None else 0
-        self.k_choice = KChoice(k, k_policy, tree, drafter is not None and drafter.grows_trees, target.padded_queries)
+        self.k_choice = KChoice(k, k_policy, tree, drafter is not None and drafter.grows_trees, target.cost_width)
         self.round = SpeculativeRound(
             target, drafter, self.k_choice.tree, k, self.k_choice.tree_width, eos_token_ids, tokenizer
         )

@@ -9,21 +9,25 @@ Terms:
            (1 - α^(k+1)) / (1 - α); k = 0 (plain decoding) emits exactly 1.
   cost(k)  the seconds of a round that drafts k tokens for a batch of B rows: the drafter's k
            steps plus the target's forward over k + 1 tokens per row (padded as the runner
-           pads it), plus sampling. Measured (RoundCosts), per batch size rounded up to a power
-           of two: a calibration when the engine first prepares for that batch size and k, of
-           every forward length 1..k + 1 (past 9, each kernel tile's ends: _calibrated_lengths;
-           a float32 matrix product over 2 or 3 rows can cost more
-           than one over 4 or 5: the cost is not a line in T), each timed warm (after untimed
+           pads it; where it runs flat rows, kv_cache.FlatRows, over each row's own tokens: it
+           costs as B rows of their mean length, the cost width), plus sampling. Measured
+           (RoundCosts), per batch size rounded up to a power of two: a calibration when the
+           engine first prepares for that batch size and k, of every forward length 1..k + 1
+           (past 9, each kernel tile's ends: _calibrated_lengths; a float32 matrix product over
+           2 or 3 rows can cost more than one over 4 or 5: the cost is not a line in T), each
+           timed warm (after untimed
            runs: the first calls of a shape pay for allocation, weight packing and kernel
            selection); then every round's own timing, by a median of the recent rounds at that
            size (CostCurve), which one disturbed round does not move.
 
 Each round takes the plan (k, and the rows that draft) that maximises
-    (B + sum over drafting rows of (E(α_i, min(k, room_i)) - 1)) / (verify(k + 1) + draft(k) * n / B)
+    (B + sum over drafting rows of (E(α_i, min(k, room_i)) - 1)) / (verify(width) + draft(k) * n / B)
 for B rows of which n draft, room_i being what row i can still emit: the rows share the round's
-target forward, padded to k + 1 tokens a row if any row drafts, while the drafter's work is
-per row. So a row whose drafts would not pay their way drafts nothing, the others draft k; at
-batch 1 this is the sequence's own k.
+target forward, padded to k + 1 tokens a row if any row drafts (width k + 1), or, flat, of B
+tokens plus the drafts (width 1 + n k / B), while the drafter's work is per row. So a row whose
+drafts would not pay their way drafts nothing, the others draft k; at batch 1 this is the
+sequence's own k. Flat, a row that drafts adds only its own tokens to the verify: drafting some
+rows of a batch pays where padding every row to their k would not.
 
 A drafter made of several (a lookup or suffix tree, a head behind it) says before the round
 which of them could draft each row (Drafter.outlook: its source, whether it is free, and the
@@ -97,8 +101,10 @@ class CostCurve:
     calibrated: dict[int, float]
     ratios: dict[int, deque] = field(default_factory=dict)  # by size: recent timings ÷ calibrated
 
-    def seconds(self, x: int) -> float:
-        return self.scale(x) * self.calibrated_seconds(x)
+    def seconds(self, x: float) -> float:
+        """x may fall between sizes (a forward of flat rows costs as their mean length): the
+        calibration's line there, scaled as the nearest size."""
+        return self.scale(round(x)) * self.calibrated_seconds(x)
 
     def scale(self, x: int) -> float:
         if x in self.ratios:
@@ -106,14 +112,14 @@ class CostCurve:
         scales = [statistics.median_low(ratios) for ratios in self.ratios.values()]
         return statistics.median_low(scales) if scales else 1.0
 
-    def observe(self, x: int, seconds: float) -> None:
-        """Doing it at size x took seconds."""
-        ratios = self.ratios.setdefault(x, deque([1.0], maxlen=COST_WINDOW))
+    def observe(self, x: float, seconds: float) -> None:
+        """Doing it at size x took seconds (a fractional x counts for the nearest size's scale)."""
+        ratios = self.ratios.setdefault(round(x), deque([1.0], maxlen=COST_WINDOW))
         ratios.append(seconds / max(self.calibrated_seconds(x), 1e-9))
 
-    def calibrated_seconds(self, x: int) -> float:
-        if x in self.calibrated:
-            return self.calibrated[x]
+    def calibrated_seconds(self, x: float) -> float:
+        if x == int(x) and int(x) in self.calibrated:
+            return self.calibrated[int(x)]
         below = max((t for t in self.calibrated if t < x), default=None)
         above = min((t for t in self.calibrated if t > x), default=None)
         if below is None or above is None:  # past the measured ones: the nearest two's slope
@@ -138,22 +144,30 @@ class RoundCosts:
     verify: CostCurve
     draft: CostCurve
 
-    def seconds(self, k: int, verify_tokens: int) -> float:
+    def seconds(self, k: int, verify_tokens: float) -> float:
         return self.verify.seconds(verify_tokens) + (self.draft.seconds(k) if k else 0.0)
 
     def copy(self) -> RoundCosts:
         return RoundCosts(self.verify.copy(), self.draft.copy())
 
 
+def padded_width(num_rows: int, num_tokens: int, longest: int) -> float:
+    """The cost width of a forward padded to its longest row (no buckets, no flat rows)."""
+    return longest
+
+
 class GoodputPolicy:
     """Picks each round's k (0..k_max) for the engine; see the module's docstring.
 
-    padded_tokens(T): the query length the target runs a T-token forward at (a compiled runner
-    pads to its buckets). clock: what calibration times with (tests pass their own)."""
+    cost_width(rows, tokens, longest): the tokens per row a target forward of rows rows, tokens
+    real tokens in all and its longest row longest tokens, costs as (ModelRunner.cost_width: the
+    longest, padded to a compiled runner's bucket; flat rows, their mean: a round's verify then
+    costs its rows' own tokens, B + its drafts, not B x (k + 1)). clock: what calibration times
+    with (tests pass their own)."""
 
-    def __init__(self, k_max: int, padded_tokens=lambda num_tokens: num_tokens, clock=time.perf_counter):
+    def __init__(self, k_max: int, cost_width=padded_width, clock=time.perf_counter):
         self.k_max = k_max
-        self.padded_tokens = padded_tokens
+        self.cost_width = cost_width
         self.clock = clock
         self.costs: dict[int, RoundCosts] = {}  # by batch bucket
         self.estimates: dict[int, dict[str, AcceptanceEstimate]] = {}  # by slot, then source
@@ -184,7 +198,7 @@ class GoodputPolicy:
             costs = self.costs[bucket] = RoundCosts(verify, CostCurve({1: draft_step, 2: 2 * draft_step}))
             self._calibrated.add((bucket, "draft"))
         assert costs is not None  # made with the draft step's calibration
-        lengths = sorted({self.padded_tokens(t) for t in _calibrated_lengths(k)})
+        lengths = sorted({int(self.cost_width(1, t, t)) for t in _calibrated_lengths(k)})
         if bucket >= LINEAR_FROM_ROWS:
             lengths = sorted({lengths[0], lengths[-1]})
         for length in lengths:
@@ -194,13 +208,21 @@ class GoodputPolicy:
                 self._calibrated.add((bucket, length))
 
     def observe_round(
-        self, batch_size: int, k: int, verify_tokens: int, target_seconds: float, draft_seconds: float | None
+        self,
+        batch_size: int,
+        k: int,
+        verify_tokens: int,
+        target_seconds: float,
+        draft_seconds: float | None,
+        num_verified: int | None = None,
     ) -> None:
         """A round's own timings (the round choose() was last asked for): the target's forward
-        (with sampling) over verify_tokens tokens per row, and the drafter's k steps for every
-        row (None: only some rows drafted, which says little of the whole batch's cost)."""
+        (with sampling) over verify_tokens tokens in its longest row, num_verified in all (None:
+        every row's), and the drafter's k steps for every row (None: only some rows drafted,
+        which says little of the whole batch's cost)."""
         costs = self._costs(batch_size)
-        costs.verify.observe(self.padded_tokens(verify_tokens), target_seconds)
+        num_verified = batch_size * verify_tokens if num_verified is None else num_verified
+        costs.verify.observe(self.cost_width(batch_size, num_verified, verify_tokens), target_seconds)
         if k and draft_seconds is not None:
             # after k = 0 rounds the draft also caught up on what it skipped: a timing that can
             # only say its steps cost less than thought (else a draft once timed dear would
@@ -210,7 +232,8 @@ class GoodputPolicy:
 
     def verify_seconds(self, batch_size: int, num_tokens: int) -> float:
         """The running cost of a target forward of num_tokens tokens a row for batch_size rows."""
-        return self._costs(batch_size).verify.seconds(self.padded_tokens(num_tokens))
+        width = self.cost_width(batch_size, batch_size * num_tokens, num_tokens)
+        return self._costs(batch_size).verify.seconds(width)
 
     def start(self, slot: int) -> None:
         """A new sequence in slot: its estimates start from the priors."""
@@ -270,7 +293,8 @@ class GoodputPolicy:
             for k in range(1, min(self.k_max, cap) + 1):
                 draft = 0.0 if outlook.free else costs.draft.seconds(k) / B
                 tokens = B + expected_tokens_per_round(alpha, k) - 1
-                best = max(best, tokens / (costs.verify.seconds(self.padded_tokens(k + 1)) + draft))
+                verify = costs.verify.seconds(self.cost_width(B, B + k, k + 1))  # this row's drafts alone
+                best = max(best, tokens / (verify + draft))
             return best
 
         return [
@@ -311,7 +335,7 @@ class GoodputPolicy:
         step = costs.verify.seconds(1)
         tokens = B + expected_tokens_per_round(self._alpha(slots[row], outlooks[row].source), k) - 1
         draft = 0.0 if outlooks[row].free else costs.draft.seconds(k) / B
-        loss = (costs.verify.seconds(self.padded_tokens(k + 1)) + draft) / step - tokens / B
+        loss = (costs.verify.seconds(self.cost_width(B, B + k, k + 1)) + draft) / step - tokens / B
         return min(MAX_PROBE_INTERVAL, max(PROBE_INTERVAL, math.ceil(max(0.0, loss) / PROBE_BUDGET)))
 
     def _alpha(self, slot: int, source: str = DRAFT) -> float:
@@ -326,8 +350,9 @@ class GoodputPolicy:
         if no row has room). For each verify width k + 1: the free rows draft min(k, room_i),
         and for each k_c <= k (only k_c = k where no row is free) the paying rows that gain most
         from drafting (E(α_i, min(k_c, room_i)) - 1 extra tokens) draft first, each adding its
-        share of k_c draft steps (rows that do not draft spare the drafter a row; the verify
-        forward is the whole batch's, at k + 1 tokens if anyone drafts)."""
+        share of k_c draft steps (rows that do not draft spare the drafter a row) and its drafts
+        to the verify forward: the whole batch's, costing as cost_width says (padded: the longest
+        row's tokens a row; flat rows: B plus the drafts, over B)."""
         B = len(slots)
         costs = self._costs(B)
         alphas = [self._alpha(slot, outlook.source) for slot, outlook in zip(slots, outlooks)]
@@ -335,19 +360,25 @@ class GoodputPolicy:
         paying = [row for row, outlook in enumerate(outlooks) if not outlook.free and rooms[row] > 0]
         best, best_ks = 0.0, [0] * B
         for k in range(1, min(self.k_max, max(rooms)) + 1):
-            verify = costs.verify.seconds(self.padded_tokens(k + 1))
             free_ks = {row: min(k, rooms[row]) for row in free}
             free_tokens = B + sum(expected_tokens_per_round(alphas[row], free_ks[row]) - 1 for row in free)
-            if free and free_tokens / verify > best:
-                best, best_ks = free_tokens / verify, [free_ks.get(row, 0) for row in range(B)]
+            free_drafts, free_longest = sum(free_ks.values()), max(free_ks.values(), default=0)
+            if free:
+                verify = costs.verify.seconds(self.cost_width(B, B + free_drafts, free_longest + 1))
+                if free_tokens / verify > best:
+                    best, best_ks = free_tokens / verify, [free_ks.get(row, 0) for row in range(B)]
             for k_paying in range(1, k + 1) if free else (k,):
                 gains = sorted(
                     ((expected_tokens_per_round(alphas[row], min(k_paying, rooms[row])) - 1, row) for row in paying),
                     reverse=True,
                 )
-                tokens, draft = free_tokens, costs.draft.seconds(k_paying)
-                for n, (gain, _) in enumerate(gains, start=1):
+                tokens, drafts, longest = free_tokens, free_drafts, free_longest
+                draft = costs.draft.seconds(k_paying)
+                for n, (gain, row) in enumerate(gains, start=1):
                     tokens += gain
+                    drafts += min(k_paying, rooms[row])
+                    longest = max(longest, min(k_paying, rooms[row]))
+                    verify = costs.verify.seconds(self.cost_width(B, B + drafts, longest + 1))
                     goodput = tokens / (verify + draft * n / B)
                     if goodput > best:
                         drafting = {row: min(k_paying, rooms[row]) for _, row in gains[:n]}

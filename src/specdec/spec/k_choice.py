@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from specdec.drafters.base import Drafter, RowOutlook
 from specdec.sequence import Sequence
-from specdec.spec.goodput import GoodputPolicy
+from specdec.spec.goodput import GoodputPolicy, padded_width
 from specdec.spec.round import RoundResult
 from specdec.spec.tree_width import TreeWidth
 from specdec.tree import TreeShape
@@ -29,7 +29,8 @@ class KChoice:
     row's no deeper than its k of the round; with k_policy "goodput" the policy chooses that
     depth and tree_width cuts each tree to what the verify's costs buy, with "fixed" the whole
     tree, as deep as the room, is verified. k_policy: "goodput" or "fixed".
-    padded_tokens(T): the query length a T-token target forward runs at (its cost)."""
+    cost_width(rows, tokens, longest): the tokens per row a target forward costs as
+    (ModelRunner.cost_width; goodput.py)."""
 
     def __init__(
         self,
@@ -37,7 +38,7 @@ class KChoice:
         k_policy: str,
         tree: TreeShape | None,
         drafter_grows_trees: bool,
-        padded_tokens=lambda num_tokens: num_tokens,
+        cost_width=padded_width,
     ):
         self.k = k
         self.tree = tree if tree is not None and not tree.is_chain and k else None
@@ -48,7 +49,7 @@ class KChoice:
                 "speculative_tree='chain'"
             )
         use_goodput = k > 0 and k_policy == "goodput"
-        self.policy = GoodputPolicy(k, padded_tokens) if use_goodput else None
+        self.policy = GoodputPolicy(k, cost_width) if use_goodput else None
         # a tree's depth by the policy, its width by its verify's cost (a grown tree's, or the tree
         # a drafter of chains proposes where its text branches: suffix decoding's)
         self.tree_width = TreeWidth(self.policy) if self.policy is not None else None
@@ -132,4 +133,5 @@ class KChoice:
             result.verify_tokens,
             target_seconds=result.seconds["target"] + result.seconds["sampling"],
             draft_seconds=result.seconds["draft"] if result.all_rows_drafted and not free_drafted else None,
+            num_verified=result.num_verified,
         )

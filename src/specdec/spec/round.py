@@ -48,7 +48,8 @@ class RoundResult:
     ks[i]             the k row i was given (None: a prefill)
     tree_depths[i]    the depth of row i's tree (None for a chain)
     logprobs[i]       a TokenLogprob per new token where the request asks for logprobs, else None
-    verify_tokens     the verify forward's tokens per row (k + 1; the policy's cost key)
+    verify_tokens     the verify forward's tokens per row (k + 1, its longest row's)
+    num_verified      its real tokens in all (each row's last and its drafts; None: every row's)
     all_rows_drafted  whether every row drafted (else the draft's time says little of a batch's)
     seconds           where the round's time went: {"draft", "target", "sampling", "bookkeeping"}
                       ({"prefill"} for a prefill)
@@ -61,6 +62,7 @@ class RoundResult:
     tree_depths: collections.abc.Sequence[int | None]
     logprobs: list[list | None]
     verify_tokens: int = 1
+    num_verified: int | None = None
     all_rows_drafted: bool = False
     num_forced: list[int] = field(default_factory=list)
     seconds: dict[str, float] = field(default_factory=dict)
@@ -238,6 +240,7 @@ class SpeculativeRound:
             depths,
             logprobs,
             verify_tokens=input_ids.shape[1],
+            num_verified=sum(lengths),
             all_rows_drafted=all_rows_drafted,
             num_forced=forced_accepted,
             seconds={"draft": t1 - t0, "target": t2 - t1, "sampling": t3 - t2, "bookkeeping": time.perf_counter() - t3},

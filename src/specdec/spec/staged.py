@@ -110,7 +110,7 @@ class StagedDrafter(DraftModelDrafter):
     ):
         super().__init__(model.runner, model.vocab_size)
         self.inner, self.k_max, self.k_policy, self.stages = inner, k_max, k_policy, stages
-        self.policy = GoodputPolicy(k_max, self.runner.padded_queries)  # inner k' by goodput
+        self.policy = GoodputPolicy(k_max, self.runner.cost_width)  # inner k' by goodput
         self.started: set[int] = set()  # the slots whose sequence the policy estimates
         self.stats = SpecStats()  # every row's inner rounds since reserve, merged: the inner α and τ
 
@@ -215,7 +215,7 @@ class StagedDrafter(DraftModelDrafter):
         num_draft = torch.minimum(draft.num_tokens, torch.tensor(inner_ks, device=draft.num_tokens.device))  # [R]
         draft = draft.narrowed(int(num_draft.max()))  # [R, k']
         t1 = time.perf_counter()
-        logits, width = self._model_logits(seqs, views, draft.token_ids, num_draft)  # [R, k'+1, V]
+        logits, width, num_fed = self._model_logits(seqs, views, draft.token_ids, num_draft)  # [R, k'+1, V]
         tokens, num_accepted, probs = self._verify(views, draft, num_draft, logits, sampling)
         t2 = time.perf_counter()
         self.inner.observe(views, num_accepted)
@@ -226,7 +226,7 @@ class StagedDrafter(DraftModelDrafter):
         if by_goodput:
             self.policy.observe([view.slot for view in views], proposed, accepted)
             draft_seconds = t1 - t0 if all_rows_drafted else None
-            self.policy.observe_round(len(views), max(inner_ks), width, t2 - t1, draft_seconds)
+            self.policy.observe_round(len(views), max(inner_ks), width, t2 - t1, draft_seconds, num_fed)
         return InnerRound(tokens, num_accepted + 1, probs)
 
     def _inner_ks(self, views: list[Sequence], needs: list[int]) -> tuple[list[int], bool]:
@@ -264,11 +264,11 @@ class StagedDrafter(DraftModelDrafter):
 
     def _model_logits(
         self, seqs: list[Sequence], views: list[Sequence], drafts: torch.Tensor, num_draft: torch.Tensor
-    ) -> tuple[torch.Tensor, int]:
+    ) -> tuple[torch.Tensor, int, int]:
         """One forward of the model over each view's tokens its cache lacks and its drafts
         [R, k'] (num_draft [R] of them) -> its logits at the view's last token and after each
-        draft [R, k'+1, V] (columns past a row's drafts hold its padding's: never read), and the
-        forward's width.
+        draft [R, k'+1, V] (columns past a row's drafts hold its padding's: never read), the
+        forward's width and its real tokens in all.
         A row that lacks more than CATCH_UP_WIDTH tokens (a new sequence, one back from plain
         rounds) is fed the rest first, alone with the other such rows (as draft_model.py does)."""
         catch_ups, starts = [], []
@@ -290,7 +290,7 @@ class StagedDrafter(DraftModelDrafter):
         R, W, V = logits.shape
         first = last_index.to(logits.device) - num_draft.to(logits.device)  # [R]: each view's last token's column
         columns = (first[:, None] + torch.arange(drafts.shape[1] + 1, device=logits.device)).clamp(max=W - 1)
-        return logits.gather(1, columns[:, :, None].expand(R, -1, V)), W  # [R, k'+1, V]
+        return logits.gather(1, columns[:, :, None].expand(R, -1, V)), W, sum(map(len, chunks))  # [R, k'+1, V]
 
     def _verify(
         self,

@@ -581,9 +581,16 @@ class ModelRunner:
         slots [B] (kv_cache.KVCache.move: a tree's accepted branch into the sequence's next positions)."""
         self._kv.move(slots, sources, destinations)
 
-    def padded_queries(self, num_queries: int) -> int:
-        """The query length a forward of num_queries tokens per row runs at (what it costs)."""
-        return self._query_bucket(num_queries) or num_queries
+    def cost_width(self, num_rows: int, num_tokens: int, longest: int) -> float:
+        """The tokens per row a forward of num_rows rows (num_tokens real tokens in all, the
+        longest row longest) costs as, what its layers multiply over num_rows: compiled, the
+        longest padded to its bucket; eager with flat rows, the rows' mean; else the longest."""
+        bucket = self._query_bucket(longest)
+        if bucket is not None:
+            return bucket
+        if self.flat_rows and self._attention.reads_flat_rows:
+            return num_tokens / num_rows
+        return longest
 
     def _query_bucket(self, num_queries: int) -> int | None:
         """The compiled query length a forward of num_queries tokens runs at, or None (eager)."""
