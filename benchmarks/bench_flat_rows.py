@@ -10,8 +10,10 @@ by run on the same loaded model:
 1. Prefill: --batch prompts of different lengths (40 to 300 tokens) fed in one call
    (`ModelRunner.feed`): padded, the runner splits them into forwards of similar lengths
    (ragged_groups.py); flat, one forward of their tokens.
-2. Generation: the same prompts served together, greedy, --tokens new tokens each, by the target
-   alone (its steps are one token a row: only the prefill is ragged) and with an EAGLE head
+2. Generation: --batch of the bench's held-out chat prompts (write, edit, explain a function)
+   served together, greedy, --tokens new tokens each, by the target alone (its steps are one
+   token a row: only the prefill is ragged), with prompt lookup (long drafts where a reply
+   copies its prompt, none elsewhere) and with an EAGLE head
    drafting (--head, default the shipped one) chains and trees (k by goodput and trees cut by the
    verify's cost, each row its own, so the verify forwards are ragged; a head, not "auto", whose
    suffix trees would learn from the earlier runs' answers). Tokens/s end to end and whether the
@@ -29,6 +31,7 @@ from pathlib import Path
 import torch
 
 from specdec import LLM, SamplingParams
+from specdec.tools.benchmark.prompts import held_out_chat_prompts
 
 ROOT = Path(__file__).resolve().parent.parent
 PROMPT_LENGTHS = (40, 300, 120, 200, 70, 260, 150, 90)
@@ -40,22 +43,11 @@ def prompts(batch: int, vocab_low: int = 200, vocab_high: int = 20000) -> list[l
     return [torch.randint(vocab_low, vocab_high, (n,), generator=gen).tolist() for n in lengths]
 
 
-def text_prompts(llm: LLM, batch: int) -> list[dict]:
-    """Chat prompts of code to write, as token ids: text the drafters can draft."""
-    tasks = [
-        "Write a Python function that parses an ISO 8601 date string and returns a datetime.",
-        "Write a Python class for an LRU cache with get and put, with docstrings and type hints.",
-        "Write a function that merges two sorted lists into one sorted list, with tests.",
-        "Explain what a Python generator is and write one that yields prime numbers.",
-        "Write a Python function that flattens a nested dictionary into dotted keys.",
-        "Write a binary search in Python that returns the insertion point, with doctests.",
-        "Write a Python script that counts word frequencies in a text file and prints the top ten.",
-        "Write a function that validates an email address with a regular expression, and tests.",
-    ]
-    return [
-        {"prompt_token_ids": llm.chat_token_ids([{"role": "user", "content": tasks[i % len(tasks)]}])}
-        for i in range(batch)
-    ]
+def chat_requests(llm: LLM, batch: int) -> list[dict]:
+    """The bench's held-out chat prompts (write, edit and explain a function), as token ids with
+    the chat template: some copy their code (prompt lookup drafts long there), some do not."""
+    prompts = held_out_chat_prompts(per_module=1, max_chars=700)[:batch]
+    return [{"prompt_token_ids": llm.chat_token_ids([{"role": "user", "content": p.text}])} for p in prompts]
 
 
 def time_prefill(runner, chunks: list[list[int]], flat: bool) -> float:
@@ -102,12 +94,13 @@ def main() -> None:
     rows = []
     systems = {
         "the target alone": {"speculative_method": "none"},
+        "prompt lookup (ngram)": {"speculative_method": "ngram"},
         "the head, chains": {"speculative_model": args.head},
         "the head, trees (EAGLE-2's)": {"speculative_model": args.head, "speculative_tree": "auto"},
     }
     for method, drafter in systems.items():
         llm = LLM(args.model, **drafter, max_num_seqs=args.batch, enable_prefix_caching=False)
-        requests = text_prompts(llm, args.batch)
+        requests = chat_requests(llm, args.batch)
         time_generation(llm, requests, params, flat=True)  # warm up: the batch's round costs are timed here
         speed, outs = {True: [], False: []}, {}
         for _ in range(args.repeats):
