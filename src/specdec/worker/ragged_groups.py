@@ -1,4 +1,6 @@
-"""Which rows of a ragged forward (a prefill, a draft's catch-up) run together.
+"""Which rows of a ragged forward (a prefill, a draft's catch-up) run together, where the
+model's attention cannot take flat rows (PyTorch's, on CUDA; elsewhere the runner runs the real
+tokens alone, kv_cache.FlatRows, and needs no groups).
 
 A forward over rows of different lengths runs as one padded batch [B, W]: every row as long as
 the longest, and the linear layers, nearly all of a long forward's time, multiply the padding
