@@ -15,10 +15,9 @@ Terms:
            engine first prepares for that batch size and k, of every forward length 1..k + 1
            (past 9, each kernel tile's ends: _calibrated_lengths; a float32 matrix product over
            2 or 3 rows can cost more than one over 4 or 5: the cost is not a line in T), each
-           timed warm (after untimed
-           runs: the first calls of a shape pay for allocation, weight packing and kernel
-           selection); then every round's own timing, by a median of the recent rounds at that
-           size (CostCurve), which one disturbed round does not move.
+           timed warm (after untimed runs: the first calls of a shape pay for allocation, weight
+           packing and kernel selection); then every round's own timing, by a median of the
+           recent rounds at that size (CostCurve), which one disturbed round does not move.
 
 Each round takes the plan (k, and the rows that draft) that maximises
     (B + sum over drafting rows of (E(α_i, min(k, room_i)) - 1)) / (verify(width) + draft(k) * n / B)
@@ -355,6 +354,7 @@ class GoodputPolicy:
         row's tokens a row; flat rows: B plus the drafts, over B)."""
         B = len(slots)
         costs = self._costs(B)
+        verify_at = functools.cache(costs.verify.seconds)  # each width once a plan: a scale is a median
         alphas = [self._alpha(slot, outlook.source) for slot, outlook in zip(slots, outlooks)]
         free = [row for row, outlook in enumerate(outlooks) if outlook.free and rooms[row] > 0]
         paying = [row for row, outlook in enumerate(outlooks) if not outlook.free and rooms[row] > 0]
@@ -364,7 +364,7 @@ class GoodputPolicy:
             free_tokens = B + sum(expected_tokens_per_round(alphas[row], free_ks[row]) - 1 for row in free)
             free_drafts, free_longest = sum(free_ks.values()), max(free_ks.values(), default=0)
             if free:
-                verify = costs.verify.seconds(self.cost_width(B, B + free_drafts, free_longest + 1))
+                verify = verify_at(self.cost_width(B, B + free_drafts, free_longest + 1))
                 if free_tokens / verify > best:
                     best, best_ks = free_tokens / verify, [free_ks.get(row, 0) for row in range(B)]
             for k_paying in range(1, k + 1) if free else (k,):
@@ -378,7 +378,7 @@ class GoodputPolicy:
                     tokens += gain
                     drafts += min(k_paying, rooms[row])
                     longest = max(longest, min(k_paying, rooms[row]))
-                    verify = costs.verify.seconds(self.cost_width(B, B + drafts, longest + 1))
+                    verify = verify_at(self.cost_width(B, B + drafts, longest + 1))
                     goodput = tokens / (verify + draft * n / B)
                     if goodput > best:
                         drafting = {row: min(k_paying, rooms[row]) for _, row in gains[:n]}
