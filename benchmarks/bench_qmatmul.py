@@ -8,10 +8,11 @@ so a one-row product here runs faster than inside a whole model, where every wei
 memory; a layer's ratio here is an upper bound of what it costs in a model.
 
     .venv/bin/python benchmarks/bench_qmatmul.py [MODEL] [--threads N] [--rows 1,2,4,7,8,16]
-        [--kernels amx,avx512_vnni]
+        [--kernels avx512_vnni,auto,amx]
 
-Each kernel the build holds gets a table (--kernels: some of them): on a Sapphire Rapids both AMX
-and AVX-512 VNNI (the amx build holds both). Run it held to AVX2 with ATEN_CPU_CAPABILITY=avx2 or
+Each kernel the build holds gets a table (--kernels: some of them): on a Sapphire Rapids AVX-512
+VNNI, auto (the default: AMX tiles for the Q4_K and Q5_K products of 12 rows or more) and amx
+(the tiles for every product of 2 rows or more). Run it held to AVX2 with ATEN_CPU_CAPABILITY=avx2 or
 SPECDEC_KERNEL=avx2 (the AVX2 kernel is then the one used).
 """
 
@@ -62,7 +63,7 @@ def main() -> None:
     tensors = {t.name: t for t in reader.tensors}
     module = qmatmul()
     original = module.isa()
-    built = ["avx512_vnni", "amx"] if variant() == "amx" else [original]
+    built = ["avx512_vnni", "auto", "amx"] if variant() == "amx" else [original]
     kernels = args.kernels.split(",") if args.kernels else built
     layers = {}
     for name in TENSORS:
@@ -79,7 +80,7 @@ def main() -> None:
             times = [timed(layer, torch.randn(m, cols), args.repeats) * 1e3 for m in rows]
             cells = " ".join(f"{t:>7.3f} ({t / times[0]:>4.2f}x)" for t in times)
             print(f"{name:<24} {kind:<5} {f'{n_rows}x{cols}':>14} {cells}")
-    module.set_kernel(original)
+    module.set_kernel("auto" if original == "avx512_vnni+amx" else original)
 
 
 if __name__ == "__main__":

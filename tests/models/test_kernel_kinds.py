@@ -1,7 +1,8 @@
 """Which GGUF kernel runs (kernels/__init__.py's variants, SPECDEC_KERNEL), and that every kernel a
 CPU has gives the same bits: AMX tiles (amx.h) against the AVX-512 VNNI kernel they stand in for,
 for every packed type and 1-40 rows (one row, verify widths, past a tile's 16 and a pass's 32),
-and AVX-VNNI's 256-bit kernel against AVX2's."""
+and as the default uses them (Q4_K and Q5_K products of 12 rows or more); AVX-VNNI's 256-bit kernel against AVX2's;
+and for Q4_K and Q5_K, whose super-blocks every kernel sums in integers, AVX2's against AVX-512's."""
 
 from __future__ import annotations
 
@@ -42,7 +43,7 @@ def test_an_alder_lake_gets_avx_vnni_and_an_older_cpu_avx2(monkeypatch):
 def test_the_loaded_kernel_is_the_variants():
     built = variant()
     # the amx build multiplies with AVX-512 VNNI unless SPECDEC_KERNEL=amx asks for its tiles
-    assert qmatmul().isa() in ({"amx", "avx512_vnni"} if built == "amx" else {built})
+    assert qmatmul().isa() in ({"amx", "avx512_vnni+amx", "avx512_vnni"} if built == "amx" else {built})
 
 
 def test_a_held_kernel_is_taken_or_refused_by_name(monkeypatch):
@@ -64,22 +65,29 @@ def test_a_held_kernel_is_taken_or_refused_by_name(monkeypatch):
         variant()
 
 
+SET_KERNEL_NAME = {"avx512_vnni+amx": "auto"}  # isa() -> set_kernel()'s name for it
+
+
+@pytest.fixture
 def amx_module():
-    """The amx build with its tiles on (as SPECDEC_KERNEL=amx has it), or a skip."""
+    """The amx build with its tiles on (as SPECDEC_KERNEL=amx has it), or a skip; afterwards the
+    kernel it had."""
     module = qmatmul()
     if variant() != "amx":
         pytest.skip("no AMX on this CPU: the VNNI or AVX2 kernel is the only one")
+    original = module.isa()
     try:
         kernels._enable_amx(module)
     except KernelUnavailable as e:
         pytest.skip(str(e))
     assert module.isa() == "amx"
-    return module
+    yield module
+    module.set_kernel(SET_KERNEL_NAME.get(original, original))
 
 
 @pytest.mark.parametrize("kind", TYPES)
-def test_amx_gives_the_bits_of_the_vnni_kernel(kind):
-    module = amx_module()
+def test_amx_gives_the_bits_of_the_vnni_kernel(kind, amx_module):
+    module = amx_module
     rng = np.random.default_rng(11)
     block = LAYOUTS[kind].block_size
     for cols in sorted({block * 2, 1536}):  # two super-blocks (or 16 sub-blocks), and a 1.5B model's width
@@ -88,21 +96,35 @@ def test_amx_gives_the_bits_of_the_vnni_kernel(kind):
         data = encode(rng.standard_normal((48, cols)).astype(np.float32) * 0.05, kind, rng)
         layer = GGUFLinear([pack(kind, data, 48, cols)])
         x = torch.randn(40, cols, generator=torch.Generator().manual_seed(12))
-        try:
-            for rows in (1, 2, 3, 7, 8, 15, 16, 17, 31, 32, 33, 40):
-                module.set_kernel("avx512_vnni")
-                vnni = layer(x[:rows])
-                module.set_kernel("amx")
-                assert torch.equal(layer(x[:rows]), vnni), (kind, cols, rows)
-        finally:
+        for rows in (1, 2, 3, 7, 8, 15, 16, 17, 31, 32, 33, 40):
             module.set_kernel("avx512_vnni")
+            vnni = layer(x[:rows])
+            module.set_kernel("amx")
+            assert torch.equal(layer(x[:rows]), vnni), (kind, cols, rows)
+
+
+@pytest.mark.parametrize("kind", ["Q4_K", "Q5_K", "Q6_K", "Q8_0"])
+def test_the_default_tiles_give_the_bits_of_the_vnni_kernel(kind, amx_module):
+    """The default ("auto") multiplies Q4_K and Q5_K products of 12 rows or more on the tiles, the
+    rest on the VNNI kernel: the same bits either way, around the threshold and over a few tiles of rows."""
+    module = amx_module
+    rng = np.random.default_rng(15)
+    data = encode(rng.standard_normal((48, 1536)).astype(np.float32) * 0.05, kind, rng)
+    layer = GGUFLinear([pack(kind, data, 48, 1536)])
+    x = torch.randn(100, 1536, generator=torch.Generator().manual_seed(16))
+    for rows in (2, 11, 12, 16, 47, 100):
+        module.set_kernel("avx512_vnni")
+        vnni = layer(x[:rows])
+        module.set_kernel("auto")
+        assert module.isa() == "avx512_vnni+amx"
+        assert torch.equal(layer(x[:rows]), vnni), (kind, rows)
 
 
 def test_set_kernel_refuses_a_kernel_the_build_lacks():
     module = qmatmul()
     with pytest.raises(RuntimeError, match="has no avx1024 kernel"):
         module.set_kernel("avx1024")
-    assert module.isa() in ("amx", "avx512_vnni", "avx_vnni", "avx2")
+    assert module.isa() in ("amx", "avx512_vnni+amx", "avx512_vnni", "avx_vnni", "avx2")
 
 
 PRODUCTS_SCRIPT = """
@@ -140,3 +162,23 @@ def test_avx_vnni_gives_the_bits_of_the_avx2_kernel(tmp_path):
     assert avx2.keys() == avx_vnni.keys()
     for key in avx2:
         assert torch.equal(avx_vnni[key], avx2[key]), key
+
+
+@pytest.mark.slow
+def test_avx512_gives_the_bits_of_the_avx2_kernel_for_q4_k_and_q5_k(tmp_path, monkeypatch):
+    """Both sum a super-block's sc_s * dot_s in integers and take the same float steps from there
+    (qmatmul.cpp's group_tile_k), so a Q4_K or Q5_K model gives the same bits on every x86 CPU. The
+    AVX-512 side is this process's own build (the amx build's default uses its tiles from 12 rows)."""
+    monkeypatch.delenv(kernels.KERNEL_ENV, raising=False)
+    if variant() not in ("amx", "avx512_vnni"):
+        pytest.skip("no AVX-512 VNNI here (or PyTorch held below it)")
+    tests = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    held = {"avx2": {"ATEN_CPU_CAPABILITY": "avx2", kernels.KERNEL_ENV: "avx2"}, qmatmul().isa(): {}}
+    for kernel, env in held.items():
+        script = PRODUCTS_SCRIPT.format(tests=tests, kernel=kernel, path=str(tmp_path / f"{kernel}.pt"))
+        subprocess.run([sys.executable, "-c", script], check=True, env={**os.environ, **env}, timeout=600)
+    avx2, avx512 = (torch.load(tmp_path / f"{kernel}.pt") for kernel in held)
+    keys = [key for key in avx2 if key[0] in ("Q4_K", "Q5_K")]
+    assert len(keys) == 18
+    for key in keys:
+        assert torch.equal(avx512[key], avx2[key]), key

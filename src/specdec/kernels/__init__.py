@@ -8,9 +8,10 @@ the three share).
 qmatmul.cpp multiplies activations by GGUF-quantized weights held in their integer codes (see
 its header for the layout). It is compiled for the CPU it runs on, in one of three variants:
   amx          the avx512_vnni kernel, and AMX-INT8 tiles (amx.h: a tile multiply-add of 16 rows x 16
-               outputs x up to 64 inputs) for products of 2 rows or more, on Sapphire Rapids and later;
-               the tiles run only where SPECDEC_KERNEL=amx asks (bit for bit the VNNI kernel's
-               products, but slower so far: docs/runner.md, "AMX tiles")
+               outputs x up to 64 inputs), on Sapphire Rapids and later, bit for bit the VNNI
+               kernel's products: by default the tiles multiply the Q4_K and Q5_K products of 12
+               rows or more (a prefill, a wide tree's verify: where they are faster, docs/runner.md
+               "AMX tiles"), and where SPECDEC_KERNEL=amx asks, every product of 2 rows or more
   avx512_vnni  AVX-512 with VNNI (vpdpbusd: 64 unsigned codes x 4 int8 activations a step)
   avx_vnni     the avx2 kernel with AVX-VNNI's 256-bit vpdpbusd for the k-quants' products (Alder Lake
                and later; a Sapphire Rapids held to AVX2): the same integers, so the same bits
@@ -130,19 +131,23 @@ def qmatmul() -> Any:  # a C++ extension module: its attributes are unknown to t
         elapsed = time.perf_counter() - start
     if elapsed > 1:
         log.info("built specdec's quantized kernel (%s) in %.0f s", name, elapsed)
-    if name == "amx" and os.environ.get(KERNEL_ENV) == "amx":
-        _enable_amx(module)
+    if name == "amx":
+        _enable_amx(module, held=os.environ.get(KERNEL_ENV) == "amx")
     _register_fakes()
     return module
 
 
-def _enable_amx(module: Any) -> None:
-    """Turn the amx build's tiles on (SPECDEC_KERNEL=amx only: measured slower than its AVX-512
-    VNNI kernel so far, docs/runner.md "AMX tiles"); an error names why where Linux refuses them."""
+def _enable_amx(module: Any, held: bool = True) -> None:
+    """Turn the amx build's tiles on: for every product of 2 rows or more where SPECDEC_KERNEL=amx
+    holds them (an error names why where Linux refuses them), else for the Q4_K and Q5_K products
+    of 12 rows or more alone ("auto": where they are faster; on Linux's refusal a log line, and
+    the VNNI kernel)."""
     try:
-        module.set_kernel("amx")
+        module.set_kernel("amx" if held else "auto")
     except RuntimeError as e:
-        raise KernelUnavailable(str(e)) from e
+        if held:
+            raise KernelUnavailable(str(e)) from e
+        log.warning("AMX tiles unavailable, the AVX-512 VNNI kernel multiplies every product: %s", e)
 
 
 def _build_and_load(name: str, build_dir: Path) -> Any:

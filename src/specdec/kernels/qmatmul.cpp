@@ -25,10 +25,13 @@
 // dot_s: the sub-block's codes times activation codes (vpdpbusd; maddubs + madd on AVX2), xs_s:
 // the sub-block's sum of activation codes, and the correction c_s = mn_s with cc = dmin, or
 // c_s = sc_s with cc = -z * d (no k-quant has both), two sub-blocks per vpdpwssd (madd on AVX2).
-// A row pays per sub-block one conversion and one FMA (AVX-512: sc_s * d as a float; an integer
-// vpmulld instead measured slower on Q6_K: docs/runner.md) or one madd that also widens (AVX2:
-// sc_s as the int16 multiplier), and per super-block one FMA by dx. The legacy types (no sc) sum
-// in floats per sub-block of 32.
+// Q4_K and Q5_K (S = 32, sc 0..63) sum sc_s * dot_s over a super-block in integers on every
+// kernel: AVX2 by the madd that widens (sc_s the int16 multiplier), AVX-512 by a float FMA by sc_s
+// over runs of sub-blocks whose products and partial sums stay below 2^24 (exact), AMX with sc
+// folded into the codes (amx.h); from that integer all take the same float steps, so the three
+// give the same bits. The 16-input k-quants pay per sub-block one conversion and one FMA on
+// AVX-512 (sc_s * d as a float; an integer vpmulld measured slower on Q6_K: docs/runner.md), and
+// per super-block one FMA by dx. The legacy types (no sc) sum in floats per sub-block of 32.
 //
 // The prologue (optional) is what a layer did to its input before the product: an RMSNorm, an
 // MLP's gate (silu(gate) * up); the kernel does it in float32 while quantizing the input.
@@ -140,6 +143,8 @@ void quantize_rows(const scalar_t* x, int64_t M, int64_t K, const Prologue& pro,
 
 struct Acts {
   const int8_t* xq; const float* dx; const int16_t* xsum; int64_t M, AB;
+  const int8_t* xt = nullptr;  // AMX: xq packed as A tiles (amx.h, pack_tile_activations), or null
+  int64_t xt_rows = 0;         // rows per A tile there
 };
 
 // the activation sums of row r's sub-blocks of size S
@@ -222,19 +227,19 @@ inline void dot_sub(const uint8_t* codes, int64_t steps, const int8_t* const* xr
   }
 }
 
-// A k-quant super-block's start for T rows (xs[t]: row t's sub-block sums of activation codes):
-// fsum[t] = cc * sum_s c_s xs_s, the correction, two sub-blocks per vpdpwssd (int16 pairs c_s,
-// c_s+1 per lane); returns the super-block's scale d
+inline __m512 super_block_d(const Layout& L, const Weights& w, int64_t g, int64_t sb) {
+  return load_half16(w.d + (g * (L.K / L.SB) + sb) * LANES);
+}
+
+// A k-quant super-block's correction for T rows (xs[t]: row t's sub-block sums of activation codes):
+// icorr[t] = sum_s c_s xs_s, two sub-blocks per vpdpwssd (int16 pairs c_s, c_s+1 per lane); returns
+// its float factor cc
 template <int T>
-inline __m512 k_correction(const Layout& L, const Weights& w, int64_t g, int64_t sb, const int16_t* const* xs,
-                           __m512* fsum) {
+inline __m512 k_correction_sums(const Layout& L, const Weights& w, int64_t g, int64_t sb, const int16_t* const* xs,
+                                __m512i* icorr) {
   const int64_t nsub = L.K / L.S, subs_per_sb = L.SB / L.S, s0 = sb * subs_per_sb;
   const uint8_t* coefs = L.has_mn ? w.mn : w.sc;  // the correction's c_s
   const bool coef_signed = !L.has_mn && L.sc_signed;
-  const __m512 d = load_half16(w.d + (g * (L.K / L.SB) + sb) * LANES);
-  const __m512 cc = L.has_mn ? load_half16(w.dmin + (g * (L.K / L.SB) + sb) * LANES)
-                             : _mm512_mul_ps(d, _mm512_set1_ps(-(float)L.z));
-  __m512i icorr[T];
   for (int t = 0; t < T; ++t) icorr[t] = _mm512_setzero_si512();
   for (int64_t s = s0; s < s0 + subs_per_sb; s += 2) {
     const __m128i c0 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(coefs + (g * nsub + s) * LANES));
@@ -244,8 +249,19 @@ inline __m512 k_correction(const Layout& L, const Weights& w, int64_t g, int64_t
     for (int t = 0; t < T; ++t)
       icorr[t] = _mm512_dpwssd_epi32(icorr[t], pairs, _mm512_set1_epi32(load_i32(xs[t] + s)));
   }
+  return L.has_mn ? load_half16(w.dmin + (g * (L.K / L.SB) + sb) * LANES)
+                  : _mm512_mul_ps(super_block_d(L, w, g, sb), _mm512_set1_ps(-(float)L.z));
+}
+
+// A k-quant super-block's start for T rows with float sums per sub-block: fsum[t] = cc * sum_s c_s xs_s;
+// returns the super-block's scale d
+template <int T>
+inline __m512 k_correction(const Layout& L, const Weights& w, int64_t g, int64_t sb, const int16_t* const* xs,
+                           __m512* fsum) {
+  __m512i icorr[T];
+  const __m512 cc = k_correction_sums<T>(L, w, g, sb, xs, icorr);
   for (int t = 0; t < T; ++t) fsum[t] = _mm512_mul_ps(_mm512_cvtepi32_ps(icorr[t]), cc);
-  return d;
+  return super_block_d(L, w, g, sb);
 }
 
 // k-quants (sc per sub-block, SB = AB): integer sums per super-block
@@ -264,6 +280,40 @@ void group_tile_k(const Layout& L, const Weights& w, int64_t g, const Acts& a, i
   for (int t = 0; t < T; ++t) _mm512_storeu_ps(y + (r0 + t) * ldy + col0 + g * LANES, _mm512_setzero_ps());
   for (int64_t sb = 0; sb < L.K / L.SB; ++sb) {
     const int64_t s0 = sb * subs_per_sb;
+    if constexpr (S == 32) {
+      // sum_s sc_s * dot_s in floats of P sub-blocks: every product and partial sum an integer
+      // below 2^24, so exact; the parts then summed as integers (all but the last part's wait in
+      // memory: in registers beside the parts and the dots they cost spills)
+      constexpr int64_t P = BITS == 4 ? 4 : 2;
+      alignas(64) int32_t earlier[T][LANES];
+      __m512i isum[T];
+      for (int64_t p0 = s0; p0 < s0 + subs_per_sb; p0 += P) {
+        __m512 part[T];
+        for (int t = 0; t < T; ++t) part[t] = _mm512_setzero_ps();
+        for (int64_t s = p0; s < p0 + P; ++s) {
+          const __m512 sc = _mm512_cvtepi32_ps(load_int16x(w.sc + (g * nsub + s) * LANES, false));
+          __m512i iacc[T];
+          for (int t = 0; t < T; ++t) iacc[t] = _mm512_setzero_si512();
+          dot_sub<T, BITS>(codes + s * steps_per_sub * step_bytes<BITS>(), steps_per_sub, xr, s * S, iacc);
+          for (int t = 0; t < T; ++t) part[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(iacc[t]), sc, part[t]);
+        }
+        for (int t = 0; t < T; ++t) {
+          const __m512i ipart = _mm512_cvtps_epi32(part[t]);
+          isum[t] = p0 == s0 ? ipart : _mm512_add_epi32(_mm512_load_si512(earlier[t]), ipart);
+          if (p0 + P < s0 + subs_per_sb) _mm512_store_si512(earlier[t], isum[t]);
+        }
+      }
+      __m512i icorr[T];
+      const __m512 cc = k_correction_sums<T>(L, w, g, sb, xs, icorr);
+      const __m512 d = super_block_d(L, w, g, sb);
+      for (int t = 0; t < T; ++t) {
+        float* out = y + (r0 + t) * ldy + col0 + g * LANES;
+        const __m512 dxt = _mm512_set1_ps(dx[t][sb]);
+        const __m512 o = _mm512_fmadd_ps(_mm512_cvtepi32_ps(icorr[t]), _mm512_mul_ps(cc, dxt), _mm512_loadu_ps(out));
+        _mm512_storeu_ps(out, _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum[t]), _mm512_mul_ps(d, dxt), o));
+      }
+      continue;
+    }
     __m512 fsum[T];
     const __m512 d = k_correction<T>(L, w, g, sb, xs, fsum);
     for (int64_t s = s0; s < s0 + subs_per_sb; ++s) {
@@ -592,11 +642,22 @@ void run_last_rows(const Layout& L, const Weights& w, int64_t g, const Acts& a, 
 template <int BITS>
 void run_group(const Layout& L, const Weights& w, int64_t g, const Acts& a, float* y, int64_t ldy, int64_t col0) {
 #if defined(__AMX_INT8__) && defined(__AMX_TILE__)
-  if (amx_takes(a)) return amx_run_group<BITS>(L, w, g, a, y, ldy, col0);
+  if (amx_takes(a, L)) return amx_run_group<BITS>(L, w, g, a, y, ldy, col0);
 #endif
   int64_t r = 0;
   for (; r + MAX_TILE <= a.M; r += MAX_TILE) group_tile<MAX_TILE, BITS>(L, w, g, a, r, y, ldy, col0);
   if (r < a.M) run_last_rows<BITS>(L, w, g, a, r, y, ldy, col0);
+}
+
+// a, with its activation codes packed as A tiles where the AMX kernel takes the product (their bytes
+// in storage, which must outlive the product)
+inline Acts with_tiles(Acts a, int64_t K, std::vector<int8_t>& storage) {
+#if defined(__AMX_INT8__) && defined(__AMX_TILE__)
+  if (amx_packs(a)) pack_tile_activations(a, K, storage);
+#else
+  (void)K, (void)storage;
+#endif
+  return a;
 }
 
 const uint8_t* bytes_or_null(const c10::optional<at::Tensor>& t) {
@@ -650,7 +711,9 @@ void qmatmul_into(const at::Tensor& xq, const at::Tensor& dx, const at::Tensor& 
             L.has_dmin ? reinterpret_cast<const at::Half*>(dmin->data_ptr()) : nullptr};
   TORCH_CHECK(dx.size(1) == L.K / act_block(L.K) && xsum.scalar_type() == at::kShort, "dx, xsum: from quantize_activations");
   TORCH_CHECK(!L.has_sc || L.SB == act_block(L.K), "k-quants need one activation scale per super-block");
-  Acts a{xq.data_ptr<int8_t>(), dx.data_ptr<float>(), xsum.data_ptr<int16_t>(), xq.size(0), act_block(L.K)};
+  std::vector<int8_t> tiles;
+  const Acts a = with_tiles(Acts{xq.data_ptr<int8_t>(), dx.data_ptr<float>(), xsum.data_ptr<int16_t>(), xq.size(0), act_block(L.K)},
+                            L.K, tiles);
   float* out = y.data_ptr<float>();
   const int64_t ldy = y.size(1), groups = L.N / LANES;
   at::parallel_for(0, groups, 1, [&](int64_t g0, int64_t g1) {
@@ -709,7 +772,8 @@ specdec_kernels::QLinear::QLinear(const std::vector<at::Tensor>& codes, const Op
 
 void specdec_kernels::QLinear::run_into(const int8_t* xq, const float* dx, const int16_t* xsum, int64_t M, float* out,
                                        const std::function<void(int64_t, int64_t)>* after_group) const {
-  const Acts a{xq, dx, xsum, M, act_block(K)};
+  std::vector<int8_t> tiles;
+  const Acts a = with_tiles(Acts{xq, dx, xsum, M, act_block(K)}, K, tiles);
   const int64_t parts = (int64_t)L.size();
   at::parallel_for(0, first_group[parts], 1, [&](int64_t g0, int64_t g1) {
     int64_t p = 0;
@@ -826,10 +890,12 @@ at::Tensor dequantize_rows(const at::Tensor& ids, const at::Tensor& codes, const
   return out;
 }
 
-// the kernel multiplying products of several rows: "amx", "avx512_vnni" or "avx2"
+// the kernel multiplying products of several rows: "amx", "avx512_vnni+amx" (VNNI, and the tiles
+// for Q4_K and Q5_K products of 12 rows or more: amx.h, AmxUse), "avx512_vnni", "avx_vnni" or "avx2"
 std::string isa() {
 #if defined(__AMX_INT8__) && defined(__AMX_TILE__)
-  if (amx_enabled) return "amx";
+  if (amx_use == AmxUse::always) return "amx";
+  if (amx_use == AmxUse::wide) return "avx512_vnni+amx";
 #endif
 #if defined(__AVX512F__) && defined(__AVX512VNNI__)
   return "avx512_vnni";
@@ -840,19 +906,20 @@ std::string isa() {
 #endif
 }
 
-// Choose the kernel for products of several rows among those this build holds: "amx" (asks Linux
-// for the tile state: an error where it refuses) or this build's vector kernel (isa() without AMX).
+// Choose the kernel for products of several rows among those this build holds: "amx" (every type
+// on the tiles), "auto" (the tiles where they are faster: isa() "avx512_vnni+amx"), both asking Linux
+// for the tile state (an error where it refuses), or this build's vector kernel (isa() without AMX).
 void set_kernel(const std::string& name) {
 #if defined(__AMX_INT8__) && defined(__AMX_TILE__)
   const std::string vector_kernel = "avx512_vnni";
-  if (name == "amx") {
+  if (name == "amx" || name == "auto") {
     TORCH_CHECK(amx_request(), "Linux refused the AMX tile state (arch_prctl ARCH_REQ_XCOMP_PERM): ",
                 "a kernel older than 5.16, or a VM that hides AMX; use SPECDEC_KERNEL=avx512_vnni");
   } else {
-    TORCH_CHECK(name == vector_kernel, "this build of specdec's kernels has no ", name, " kernel (it has amx and ",
+    TORCH_CHECK(name == vector_kernel, "this build of specdec's kernels has no ", name, " kernel (it has amx, auto and ",
                 vector_kernel, ")");
   }
-  amx_enabled = name == "amx";
+  amx_use = name == "amx" ? AmxUse::always : name == "auto" ? AmxUse::wide : AmxUse::never;
 #else
   TORCH_CHECK(name == isa(), "this build of specdec's kernels has no ", name, " kernel (it has ", isa(), ")");
 #endif
