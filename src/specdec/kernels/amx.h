@@ -443,15 +443,12 @@ void amx_group_folded(const Layout& L, const Weights& w, int64_t g, const Acts& 
   epilogue(super_blocks * chunks - 1);
 }
 
-// Whether a product of these rows may use the tiles (its activations are then packed as A tiles)
-inline bool amx_packs(const Acts& a) {
-  return amx_use == AmxUse::always ? a.M >= AMX_MIN_ROWS : amx_use == AmxUse::wide && a.M >= AMX_AUTO_ROWS;
-}
 inline bool folds_scales(const Layout& L) { return L.bits != 8 && L.has_sc && L.S == 32; }  // Q4_K, Q5_K
 
 // Whether AMX multiplies this product (else the VNNI tiles do)
 inline bool amx_takes(const Acts& a, const Layout& L) {
-  return amx_packs(a) && (amx_use == AmxUse::always || folds_scales(L));
+  if (amx_use == AmxUse::always) return a.M >= AMX_MIN_ROWS;
+  return amx_use == AmxUse::wide && a.M >= AMX_AUTO_ROWS && folds_scales(L);
 }
 
 template <int BITS>
