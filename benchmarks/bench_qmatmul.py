@@ -11,7 +11,7 @@ memory; a layer's ratio here is an upper bound of what it costs in a model.
         [--kernels avx512_vnni,auto,amx]
 
 Each kernel the build holds gets a table (--kernels: some of them): on a Sapphire Rapids AVX-512
-VNNI, auto (the default: AMX tiles for the Q4_K and Q5_K products of 12 rows or more) and amx
+VNNI, auto (the default: AMX tiles for the Q4_K and Q5_K products of 32 rows or more) and amx
 (the tiles for every product of 2 rows or more). Run it held to AVX2 with ATEN_CPU_CAPABILITY=avx2 or
 SPECDEC_KERNEL=avx2 (the AVX2 kernel is then the one used).
 """

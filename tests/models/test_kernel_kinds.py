@@ -1,8 +1,9 @@
 """Which GGUF kernel runs (kernels/__init__.py's variants, SPECDEC_KERNEL), and that every kernel a
 CPU has gives the same bits: AMX tiles (amx.h) against the AVX-512 VNNI kernel they stand in for,
 for every packed type and 1-40 rows (one row, verify widths, past a tile's 16 and a pass's 32),
-and as the default uses them (Q4_K and Q5_K products of 12 rows or more); AVX-VNNI's 256-bit kernel against AVX2's;
-and for Q4_K and Q5_K, whose super-blocks every kernel sums in integers, AVX2's against AVX-512's."""
+and as the default uses them (Q4_K and Q5_K products of 32 rows or more); AVX-VNNI's 256-bit
+kernel against AVX2's; and for Q4_K and Q5_K, whose super-blocks every kernel sums in integers,
+AVX2's against AVX-512's."""
 
 from __future__ import annotations
 
@@ -105,14 +106,14 @@ def test_amx_gives_the_bits_of_the_vnni_kernel(kind, amx_module):
 
 @pytest.mark.parametrize("kind", ["Q4_K", "Q5_K", "Q6_K", "Q8_0"])
 def test_the_default_tiles_give_the_bits_of_the_vnni_kernel(kind, amx_module):
-    """The default ("auto") multiplies Q4_K and Q5_K products of 12 rows or more on the tiles, the
+    """The default ("auto") multiplies Q4_K and Q5_K products of 32 rows or more on the tiles, the
     rest on the VNNI kernel: the same bits either way, around the threshold and over a few tiles of rows."""
     module = amx_module
     rng = np.random.default_rng(15)
     data = encode(rng.standard_normal((48, 1536)).astype(np.float32) * 0.05, kind, rng)
     layer = GGUFLinear([pack(kind, data, 48, 1536)])
     x = torch.randn(100, 1536, generator=torch.Generator().manual_seed(16))
-    for rows in (2, 11, 12, 16, 47, 100):
+    for rows in (2, 16, 31, 32, 47, 100):
         module.set_kernel("avx512_vnni")
         vnni = layer(x[:rows])
         module.set_kernel("auto")
@@ -168,7 +169,7 @@ def test_avx_vnni_gives_the_bits_of_the_avx2_kernel(tmp_path):
 def test_avx512_gives_the_bits_of_the_avx2_kernel_for_q4_k_and_q5_k(tmp_path, monkeypatch):
     """Both sum a super-block's sc_s * dot_s in integers and take the same float steps from there
     (qmatmul.cpp's group_tile_k), so a Q4_K or Q5_K model gives the same bits on every x86 CPU. The
-    AVX-512 side is this process's own build (the amx build's default uses its tiles from 12 rows)."""
+    AVX-512 side is this process's own build (the amx build's default uses its tiles from 32 rows)."""
     monkeypatch.delenv(kernels.KERNEL_ENV, raising=False)
     if variant() not in ("amx", "avx512_vnni"):
         pytest.skip("no AVX-512 VNNI here (or PyTorch held below it)")

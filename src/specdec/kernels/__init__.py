@@ -9,8 +9,8 @@ qmatmul.cpp multiplies activations by GGUF-quantized weights held in their integ
 its header for the layout). It is compiled for the CPU it runs on, in one of three variants:
   amx          the avx512_vnni kernel, and AMX-INT8 tiles (amx.h: a tile multiply-add of 16 rows x 16
                outputs x up to 64 inputs), on Sapphire Rapids and later, bit for bit the VNNI
-               kernel's products: by default the tiles multiply the Q4_K and Q5_K products of 12
-               rows or more (a prefill, a wide tree's verify: where they are faster, docs/runner.md
+               kernel's products: by default the tiles multiply the Q4_K and Q5_K products of 32
+               rows or more (a prefill, a batch's verify: where they are faster, docs/runner.md
                "AMX tiles"), and where SPECDEC_KERNEL=amx asks, every product of 2 rows or more
   avx512_vnni  AVX-512 with VNNI (vpdpbusd: 64 unsigned codes x 4 int8 activations a step)
   avx_vnni     the avx2 kernel with AVX-VNNI's 256-bit vpdpbusd for the k-quants' products (Alder Lake
@@ -140,7 +140,7 @@ def qmatmul() -> Any:  # a C++ extension module: its attributes are unknown to t
 def _enable_amx(module: Any, held: bool = True) -> None:
     """Turn the amx build's tiles on: for every product of 2 rows or more where SPECDEC_KERNEL=amx
     holds them (an error names why where Linux refuses them), else for the Q4_K and Q5_K products
-    of 12 rows or more alone ("auto": where they are faster; on Linux's refusal a log line, and
+    of 32 rows or more alone ("auto": where they are faster; on Linux's refusal a log line, and
     the VNNI kernel)."""
     try:
         module.set_kernel("amx" if held else "auto")

@@ -29,15 +29,16 @@ constexpr int AMX_EPILOGUE_ROWS = 8;  // rows whose float sums an epilogue pass 
 
 // Which products the tiles multiply (set_kernel): none ("avx512_vnni"); Q4_K and Q5_K products of at
 // least AMX_AUTO_ROWS rows ("auto", the default where Linux grants the tiles: the only ones
-// measured faster than the VNNI kernel, docs/runner.md "AMX tiles"): a prefill, a wide tree's
-// verify, a batch's; or every product of at least AMX_MIN_ROWS rows ("amx", held for measuring).
+// measured faster than the VNNI kernel, docs/runner.md "AMX tiles"): a prefill, a batch's
+// verify; or every product of at least AMX_MIN_ROWS rows ("amx", held for measuring).
 // All give the same bits, so the choice never changes an output.
 enum class AmxUse { never, wide, always };
 AmxUse amx_use = AmxUse::never;
 constexpr int64_t AMX_MIN_ROWS = 2;       // one row (a decode step) stays on the VNNI kernel
-// from here the tiles were faster on this project's Sapphire Rapids (2 threads, a quiet host: even
-// at 9 rows, 1.05x at 10, 1.6x at 12-16, 1.7x at 200; docs/runner.md "AMX tiles")
-constexpr int64_t AMX_AUTO_ROWS = 12;
+// from here the tiles were never slower on this project's Sapphire Rapids (2 threads, both kernels
+// in one process: 0.95-1.5x at 32 rows, 1.5-1.8x at 64, 1.6-1.7x at 200; at 12-16 rows 0.63x in one
+// hour and 1.25x in the next: docs/runner.md "AMX tiles")
+constexpr int64_t AMX_AUTO_ROWS = 32;
 
 // Ask Linux for the tile state (once per process); false where it refuses.
 bool amx_request() {

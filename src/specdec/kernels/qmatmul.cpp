@@ -895,7 +895,7 @@ at::Tensor dequantize_rows(const at::Tensor& ids, const at::Tensor& codes, const
 }
 
 // the kernel multiplying products of several rows: "amx", "avx512_vnni+amx" (VNNI, and the tiles
-// for Q4_K and Q5_K products of 12 rows or more: amx.h, AmxUse), "avx512_vnni", "avx_vnni" or "avx2"
+// for Q4_K and Q5_K products of 32 rows or more: amx.h, AmxUse), "avx512_vnni", "avx_vnni" or "avx2"
 std::string isa() {
 #if defined(__AMX_INT8__) && defined(__AMX_TILE__)
   if (amx_use == AmxUse::always) return "amx";
