@@ -651,15 +651,15 @@ void run_group(const Layout& L, const Weights& w, int64_t g, const Acts& a, floa
 
 // a, with its activation codes packed as A tiles where the AMX kernel takes the product of a's rows
 // by some of the weights laid out as layouts (their bytes in storage, which must outlive the product)
-inline Acts with_tiles(Acts a, const std::vector<Layout>& layouts, std::vector<int8_t>& storage) {
+inline Acts with_tiles(Acts a, const Layout* layouts, size_t count, std::vector<int8_t>& storage) {
 #if defined(__AMX_INT8__) && defined(__AMX_TILE__)
-  for (const Layout& L : layouts)
-    if (amx_takes(a, L)) {
-      pack_tile_activations(a, L.K, storage);
+  for (size_t i = 0; i < count; ++i)
+    if (amx_takes(a, layouts[i])) {
+      pack_tile_activations(a, layouts[i].K, storage);
       break;
     }
 #else
-  (void)layouts, (void)storage;
+  (void)layouts, (void)count, (void)storage;
 #endif
   return a;
 }
@@ -717,7 +717,7 @@ void qmatmul_into(const at::Tensor& xq, const at::Tensor& dx, const at::Tensor& 
   TORCH_CHECK(!L.has_sc || L.SB == act_block(L.K), "k-quants need one activation scale per super-block");
   std::vector<int8_t> tiles;
   const Acts a = with_tiles(Acts{xq.data_ptr<int8_t>(), dx.data_ptr<float>(), xsum.data_ptr<int16_t>(), xq.size(0), act_block(L.K)},
-                            {L}, tiles);
+                            &L, 1, tiles);
   float* out = y.data_ptr<float>();
   const int64_t ldy = y.size(1), groups = L.N / LANES;
   at::parallel_for(0, groups, 1, [&](int64_t g0, int64_t g1) {
@@ -777,7 +777,7 @@ specdec_kernels::QLinear::QLinear(const std::vector<at::Tensor>& codes, const Op
 void specdec_kernels::QLinear::run_into(const int8_t* xq, const float* dx, const int16_t* xsum, int64_t M, float* out,
                                        const std::function<void(int64_t, int64_t)>* after_group) const {
   std::vector<int8_t> tiles;
-  const Acts a = with_tiles(Acts{xq, dx, xsum, M, act_block(K)}, L, tiles);
+  const Acts a = with_tiles(Acts{xq, dx, xsum, M, act_block(K)}, L.data(), L.size(), tiles);
   const int64_t parts = (int64_t)L.size();
   at::parallel_for(0, first_group[parts], 1, [&](int64_t g0, int64_t g1) {
     int64_t p = 0;
