@@ -80,24 +80,11 @@ inline void configure_tiles(int pass_rows, int S) {
 template <int BITS, int S>
 inline const uint8_t* codes_as_bytes(const uint8_t* codes, uint8_t* buf) {
   if constexpr (BITS == 8) return codes;  // already one byte per code, 4 inputs per 64 bytes
-  const __m512i low4 = _mm512_set1_epi8(0x0F), bits45 = _mm512_set1_epi8(0x30);
-  constexpr int64_t steps = S / step_k<BITS>();
+  constexpr int64_t steps = S / step_k<BITS>(), rows_per_step = step_k<BITS>() / 4;
   for (int64_t c = 0; c < steps; ++c) {
-    const uint8_t* chunk = codes + c * step_bytes<BITS>();
-    const __m512i raw = _mm512_loadu_si512(chunk);
-    uint8_t* rows = buf + c * step_k<BITS>() / 4 * 64;
-    if constexpr (BITS == 4) {
-      _mm512_store_si512(rows, _mm512_and_si512(raw, low4));
-      _mm512_store_si512(rows + 64, _mm512_and_si512(_mm512_srli_epi16(raw, 4), low4));
-    } else {
-      const __m512i raw2 = _mm512_loadu_si512(chunk + 64), top = _mm512_loadu_si512(chunk + 128);
-      _mm512_store_si512(rows, _mm512_or_si512(_mm512_and_si512(raw, low4), _mm512_and_si512(_mm512_slli_epi16(top, 4), bits45)));
-      _mm512_store_si512(rows + 64, _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(raw, 4), low4),
-                                                    _mm512_and_si512(_mm512_slli_epi16(top, 2), bits45)));
-      _mm512_store_si512(rows + 128, _mm512_or_si512(_mm512_and_si512(raw2, low4), _mm512_and_si512(top, bits45)));
-      _mm512_store_si512(rows + 192, _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(raw2, 4), low4),
-                                                     _mm512_and_si512(_mm512_srli_epi16(top, 2), bits45)));
-    }
+    __m512i rows[4];
+    step_rows<BITS>(codes + c * step_bytes<BITS>(), rows);
+    for (int64_t r = 0; r < rows_per_step; ++r) _mm512_store_si512(buf + (c * rows_per_step + r) * 64, rows[r]);
   }
   return buf;
 }
@@ -310,7 +297,6 @@ template <int BITS>
 inline void fold_super_block(const uint8_t* sb_codes, const uint8_t* sb_sc, FoldedSuperBlock* out) {
   constexpr int FOLD = fold_shift<BITS>();
   constexpr int64_t steps_per_sub = 32 / step_k<BITS>(), rows_per_step = step_k<BITS>() / 4;
-  const __m512i low4 = _mm512_set1_epi8(0x0F), bits45 = _mm512_set1_epi8(0x30);
   const __m512i lo_mask = _mm512_set1_epi32((1 << FOLD) - 1);
   for (int64_t sub = 0; sub < 8; ++sub) {
     const __m512i sc = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sb_sc + sub * LANES)));
@@ -318,18 +304,8 @@ inline void fold_super_block(const uint8_t* sb_codes, const uint8_t* sb_sc, Fold
     uint8_t* lo_rows = out->lo[sub / 2] + (sub % 2) * 8 * 64;  // a sub-block is 8 of its window's 16 rows
     uint8_t* hi_rows = out->hi[sub / 2] + (sub % 2) * 8 * 64;
     for (int64_t c = 0; c < steps_per_sub; ++c) {
-      const uint8_t* chunk = sb_codes + (sub * steps_per_sub + c) * step_bytes<BITS>();
       __m512i rows[4];
-      const __m512i raw = _mm512_loadu_si512(chunk);
-      if constexpr (BITS == 4) {
-        rows[0] = _mm512_and_si512(raw, low4), rows[1] = _mm512_and_si512(_mm512_srli_epi16(raw, 4), low4);
-      } else {
-        const __m512i raw2 = _mm512_loadu_si512(chunk + 64), top = _mm512_loadu_si512(chunk + 128);
-        rows[0] = _mm512_or_si512(_mm512_and_si512(raw, low4), _mm512_and_si512(_mm512_slli_epi16(top, 4), bits45));
-        rows[1] = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(raw, 4), low4), _mm512_and_si512(_mm512_slli_epi16(top, 2), bits45));
-        rows[2] = _mm512_or_si512(_mm512_and_si512(raw2, low4), _mm512_and_si512(top, bits45));
-        rows[3] = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(raw2, 4), low4), _mm512_and_si512(_mm512_srli_epi16(top, 2), bits45));
-      }
+      step_rows<BITS>(sb_codes + (sub * steps_per_sub + c) * step_bytes<BITS>(), rows);
       for (int64_t r = 0; r < rows_per_step; ++r) {
         _mm512_store_si512(lo_rows + (c * rows_per_step + r) * 64, _mm512_mullo_epi16(rows[r], lo));
         _mm512_store_si512(hi_rows + (c * rows_per_step + r) * 64, _mm512_mullo_epi16(rows[r], hi));

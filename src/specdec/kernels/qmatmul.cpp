@@ -195,7 +195,29 @@ inline __m512i load_int16x(const uint8_t* p, bool is_signed) {  // 16 bytes -> 1
   return is_signed ? _mm512_cvtepi8_epi32(v) : _mm512_cvtepu8_epi32(v);
 }
 
+// One step's codes as rows of 4 inputs x 16 outputs, one byte each (byte 4n+j: input 4r+j of
+// output n in rows[r]): 4-bit codes 2 rows, 6-bit codes 4 (the low 4 bits joined with the top 2),
+// 8-bit codes 1 (as stored): what the AMX tiles store as B rows, and what dot_sub multiplies.
+template <int BITS>
+inline void step_rows(const uint8_t* chunk, __m512i* rows) {
+  const __m512i low4 = _mm512_set1_epi8(0x0F), bits45 = _mm512_set1_epi8(0x30);
+  const __m512i raw = _mm512_loadu_si512(chunk);
+  if constexpr (BITS == 6) {
+    const __m512i raw2 = _mm512_loadu_si512(chunk + 64), top = _mm512_loadu_si512(chunk + 128);
+    rows[0] = _mm512_or_si512(_mm512_and_si512(raw, low4), _mm512_and_si512(_mm512_slli_epi16(top, 4), bits45));
+    rows[1] = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(raw, 4), low4), _mm512_and_si512(_mm512_slli_epi16(top, 2), bits45));
+    rows[2] = _mm512_or_si512(_mm512_and_si512(raw2, low4), _mm512_and_si512(top, bits45));
+    rows[3] = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(raw2, 4), low4), _mm512_and_si512(_mm512_srli_epi16(top, 2), bits45));
+  } else if constexpr (BITS == 4) {
+    rows[0] = _mm512_and_si512(raw, low4), rows[1] = _mm512_and_si512(_mm512_srli_epi16(raw, 4), low4);
+  } else {
+    rows[0] = raw;
+  }
+}
+
 // iacc[t] += one sub-block's codes (steps of the layout) times row t's activation codes at k0
+// (the unpacking is step_rows', written out here: through step_rows the compiler stopped inlining
+// the one-row tiles of 6-bit codes into their callers, a call per group of a decode step)
 template <int T, int BITS>
 inline void dot_sub(const uint8_t* codes, int64_t steps, const int8_t* const* xr, int64_t k0, __m512i* iacc) {
   const __m512i low4 = _mm512_set1_epi8(0x0F), bits45 = _mm512_set1_epi8(0x30);
