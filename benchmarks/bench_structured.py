@@ -4,8 +4,11 @@ speculation, the same schema for both (issue: everything a request can ask).
 Each prompt asks for a held-out standard-library function described as JSON by one of SCHEMAS
 (our own set: a summary, test cases, a review, what it calls), with the schema in the prompt
 and enforced as structured output. Greedy, one request after another, end to end (prefill
-included). For each system: tokens per second, how many answers parse and validate against
-their schema, and whether each answer's tokens equal plain decoding's.
+included). For each system: tokens per second, end to end and after the first token (the decode
+rate, 1 / vLLM's TPOT: what speculation speeds up, where the prefill, the same for every system,
+weighs on the end-to-end rate), the time to the first tokens (TTFT, summed), how many answers
+parse and validate against their schema, and whether each answer's tokens equal plain
+decoding's.
 
     python benchmarks/bench_structured.py [--model qwen2.5-coder-1.5b-instruct] [--prompts 8]
         [--systems none,auto]
@@ -20,6 +23,7 @@ import time
 import jsonschema
 
 from specdec import LLM, SamplingParams, StructuredOutputsParams
+from specdec.metrics import SpecStats
 from specdec.tools.benchmark.prompts import held_out_sources
 from specdec.tools.training.chat_prompts import code_block, find_functions
 from specdec.tools.training.corpus import Document
@@ -122,10 +126,10 @@ def prompts(count: int, max_chars: int = 900) -> list[tuple[str, list[dict], dic
     return chosen
 
 
-def run(llm: LLM, work, max_tokens: int) -> tuple[list[list[int]], list[str], float, int, list, int]:
+def run(llm: LLM, work, max_tokens: int) -> tuple[list[list[int]], list[str], float, int, list, int, SpecStats]:
     """Each prompt answered alone, in turn: (token ids, texts, seconds, tokens, finish reasons,
-    tokens the grammar forced: jump-forward)."""
-    ids, texts, seconds, reasons, forced = [], [], 0.0, [], 0
+    tokens the grammar forced: jump-forward, the requests' stats merged)."""
+    ids, texts, seconds, reasons, forced, stats = [], [], 0.0, [], 0, []
     for _, messages, schema in work:
         params = SamplingParams(
             temperature=0, max_tokens=max_tokens, structured_outputs=StructuredOutputsParams(json=schema)
@@ -137,7 +141,14 @@ def run(llm: LLM, work, max_tokens: int) -> tuple[list[list[int]], list[str], fl
         texts.append(output.outputs[0].text)
         reasons.append(output.outputs[0].finish_reason)
         forced += output.metrics.num_forced_tokens
-    return ids, texts, seconds, sum(len(i) for i in ids), reasons, forced
+        stats.append(output.metrics)
+    merged = SpecStats.merge(stats, one_after_another=True)
+    return ids, texts, seconds, sum(len(i) for i in ids), reasons, forced, merged
+
+
+def decode_rate(stats: SpecStats, requests: int) -> float:
+    """Tokens after each request's first ÷ the seconds after it (merged one after another)."""
+    return (stats.num_emitted_tokens - requests) / (stats.seconds - stats.first_token_seconds)
 
 
 def valid(text: str, schema: dict) -> bool:
@@ -162,20 +173,33 @@ def main() -> None:
         run(llm, work[:1], 16)  # warm: packs weights, calibrates
         results[method] = run(llm, work, args.max_tokens)
         del llm
-    base_ids, _, base_seconds, base_tokens, _, _ = results[args.systems.split(",")[0]]
-    print(f"{args.model}, {len(work)} prompts, greedy, one after another\n")
-    print("| system | tok/s | x first | answers valid | ended by the grammar | equal to first | forced tokens |")
-    print("|---|---:|---:|---:|---:|---:|---:|")
-    for method, (ids, texts, seconds, tokens, reasons, forced) in results.items():
+    base_ids, _, base_seconds, base_tokens, _, _, base_stats = results[args.systems.split(",")[0]]
+    n = len(work)
+    print(f"{args.model}, {n} prompts, greedy, one after another\n")
+    print(
+        "| system | tok/s | x first | decode tok/s | x first | TTFT, all prompts | answers valid "
+        "| ended by the grammar | equal to first | forced tokens |"
+    )
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+    for method, (ids, texts, seconds, tokens, reasons, forced, stats) in results.items():
         ok = sum(valid(text, schema) for text, (_, _, schema) in zip(texts, work))
         equal = sum(a == b for a, b in zip(ids, base_ids))
         rate = tokens / seconds
         stopped = sum(reason == "stop" for reason in reasons)
         speedup = rate / (base_tokens / base_seconds)
-        n = len(work)
+        decode = decode_rate(stats, n)
         print(
-            f"| {method} | {rate:.1f} | {speedup:.2f}x | {ok}/{n} | {stopped}/{n} | {equal}/{n} | {forced}/{tokens} |"
+            f"| {method} | {rate:.1f} | {speedup:.2f}x | {decode:.1f} | {decode / decode_rate(base_stats, n):.2f}x "
+            f"| {stats.first_token_seconds:.1f} s | {ok}/{n} | {stopped}/{n} | {equal}/{n} | {forced}/{tokens} |"
         )
+    for method, (ids, *_rest) in results.items():
+        for (name, _, _), mine, base in zip(work, ids, base_ids):
+            if mine != base:
+                at = next((i for i, (a, b) in enumerate(zip(mine, base)) if a != b), min(len(mine), len(base)))
+                print(
+                    f"\n{method} differs from the first system, {name}: from token {at} of {len(base)}: "
+                    f"{mine[at : at + 5]} against {base[at : at + 5]}"
+                )
     last = results[args.systems.split(",")[-1]]
     for (name, _, schema), text, reason in zip(work, last[1], last[4]):
         if not valid(text, schema):

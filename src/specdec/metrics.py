@@ -10,6 +10,10 @@
            lower than α when k > 1, because unjudged drafts count as failures.
   τ        tokens emitted per target forward, bonus and the prefill's first token included
            (plain decoding: exactly 1.0)
+  TTFT     time to first token: from the request's arrival at the engine to its first output
+           token (its prefill, and any wait for it), which speculation does not shorten; the
+           decode rate, the tokens after the first ÷ the seconds after it (1 / vLLM's TPOT), is
+           what it speeds up
 Acceptance by position i is the fraction of rounds that proposed a draft token at position i
 (0-based) in which it was accepted. For a tree draft (tree.py), position i is depth i + 1:
 proposed when the tree reaches that depth, accepted when the accepted branch does; a round's
@@ -40,6 +44,7 @@ class SpecStats:
     accepted_by_position: list[int] = field(default_factory=list)
     rounds_by_k: list[int] = field(default_factory=list)
     seconds: float = 0.0  # wall time from the start of generate() to this request's end
+    first_token_seconds: float = 0.0  # TTFT: wall time from the start of generate() to its first token
 
     def record_round(
         self,
@@ -95,8 +100,8 @@ class SpecStats:
 
     @classmethod
     def merge(cls, stats: list[SpecStats], one_after_another: bool = False) -> SpecStats:
-        """Totals over requests; seconds is the longest (the requests ran together), or their sum
-        where they ran one_after_another."""
+        """Totals over requests; seconds (and first_token_seconds) is the longest (the requests ran
+        together), or their sum where they ran one_after_another."""
         total = cls()
         for s in stats:
             total.num_draft_tokens += s.num_draft_tokens
@@ -114,6 +119,11 @@ class SpecStats:
                 for i, n in enumerate(theirs):
                     mine[i] += n
             total.seconds = total.seconds + s.seconds if one_after_another else max(total.seconds, s.seconds)
+            total.first_token_seconds = (
+                total.first_token_seconds + s.first_token_seconds
+                if one_after_another
+                else max(total.first_token_seconds, s.first_token_seconds)
+            )
         return total
 
     def summary(self) -> str:

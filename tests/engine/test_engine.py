@@ -198,6 +198,7 @@ def test_metrics_plain_and_self_draft(tiny_pair, plain):
     assert len(from_draft) == 40 and sum(from_draft) == out.metrics.num_accepted_tokens
     assert from_draft[:11] == [False] + [True] * 4 + [False] + [True] * 4 + [False]  # prefill, then rounds
     assert out.metrics.tokens_per_second > 0
+    assert 0 < out.metrics.first_token_seconds < out.metrics.seconds  # TTFT: the prefill's token
 
 
 def test_zero_speculative_tokens_is_plain_decoding(tiny_pair, plain):

@@ -168,3 +168,16 @@ def test_skip_special_tokens_false_writes_them_in_the_text(tokenizer, skip):
     finish(processor, seq)
     assert seq.text == tokenizer.backend.decode(ids, skip_special_tokens=skip)
     assert ("</s>" in seq.text) == (not skip)
+
+
+def test_the_time_to_first_token_is_stamped_by_the_first_token_only(monkeypatch):
+    processor = OutputProcessor(None, eos_token_ids=(EOS,))
+    seq = sequence(SamplingParams(max_tokens=10))
+    seq.arrival_time = 10.0
+    clock = iter([12.5, 20.0])  # the first token's round, then the finish: read once each
+    monkeypatch.setattr("time.perf_counter", lambda: next(clock))
+    processor.append(seq, [], num_from_draft=0)  # a prefill chunk under way: no token yet
+    processor.append(seq, [7], num_from_draft=0)
+    processor.append(seq, [8, 9], num_from_draft=1)
+    processor.finish(seq)
+    assert seq.stats.first_token_seconds == 2.5 and seq.stats.seconds == 10.0

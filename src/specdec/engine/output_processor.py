@@ -37,6 +37,8 @@ class OutputProcessor:
         The first num_from_draft tokens are accepted drafts, the rest the target's own;
         logprobs: each token's, kept with it."""
         params = seq.params
+        if tokens and not seq.output_token_ids:
+            seq.stats.first_token_seconds = time.perf_counter() - seq.arrival_time
         for count, token in enumerate(tokens, start=1):
             seq.output_token_ids.append(token)
             seq.output_from_draft.append(count <= num_from_draft)
