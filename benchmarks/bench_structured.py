@@ -147,8 +147,10 @@ def run(llm: LLM, work, max_tokens: int) -> tuple[list[list[int]], list[str], fl
 
 
 def decode_rate(stats: SpecStats, requests: int) -> float:
-    """Tokens after each request's first ÷ the seconds after it (merged one after another)."""
-    return (stats.num_emitted_tokens - requests) / (stats.seconds - stats.first_token_seconds)
+    """Tokens after each request's first ÷ the seconds after it (merged one after another); nan
+    where no answer went past its first token."""
+    seconds = stats.seconds - stats.first_token_seconds
+    return (stats.num_emitted_tokens - requests) / seconds if seconds > 0 else float("nan")
 
 
 def valid(text: str, schema: dict) -> bool:
