@@ -364,8 +364,8 @@ void folded_epilogue(const Layout& L, const Weights& w, int64_t g, const Acts& a
   const int16_t* xs[C];
   for (int t = 0; t < C; ++t) xs[t] = sub_sums(a, L, r0 + t0 + t);
   __m512i icorr[C];
-  const __m512 cc = k_correction_sums<C>(L, w, g, sb, xs, icorr);
   const __m512 d = super_block_d(L, w, g, sb);
+  const __m512 cc = k_correction_sums<C>(L, w, g, sb, d, xs, icorr);
   for (int t = 0; t < C; ++t) {
     float* out = y + (r0 + t0 + t) * ldy + col0 + g * LANES;
     const __m512 dx = _mm512_set1_ps(act_scales(a, L, r0 + t0 + t)[sb]);

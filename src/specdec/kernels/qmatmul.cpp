@@ -255,10 +255,10 @@ inline __m512 super_block_d(const Layout& L, const Weights& w, int64_t g, int64_
 
 // A k-quant super-block's correction for T rows (xs[t]: row t's sub-block sums of activation codes):
 // icorr[t] = sum_s c_s xs_s, two sub-blocks per vpdpwssd (int16 pairs c_s, c_s+1 per lane); returns
-// its float factor cc
+// its float factor cc (from the super-block's scale d where the type has no dmin)
 template <int T>
-inline __m512 k_correction_sums(const Layout& L, const Weights& w, int64_t g, int64_t sb, const int16_t* const* xs,
-                                __m512i* icorr) {
+inline __m512 k_correction_sums(const Layout& L, const Weights& w, int64_t g, int64_t sb, __m512 d,
+                                const int16_t* const* xs, __m512i* icorr) {
   const int64_t nsub = L.K / L.S, subs_per_sb = L.SB / L.S, s0 = sb * subs_per_sb;
   const uint8_t* coefs = L.has_mn ? w.mn : w.sc;  // the correction's c_s
   const bool coef_signed = !L.has_mn && L.sc_signed;
@@ -272,7 +272,7 @@ inline __m512 k_correction_sums(const Layout& L, const Weights& w, int64_t g, in
       icorr[t] = _mm512_dpwssd_epi32(icorr[t], pairs, _mm512_set1_epi32(load_i32(xs[t] + s)));
   }
   return L.has_mn ? load_half16(w.dmin + (g * (L.K / L.SB) + sb) * LANES)
-                  : _mm512_mul_ps(super_block_d(L, w, g, sb), _mm512_set1_ps(-(float)L.z));
+                  : _mm512_mul_ps(d, _mm512_set1_ps(-(float)L.z));
 }
 
 // A k-quant super-block's start for T rows with float sums per sub-block: fsum[t] = cc * sum_s c_s xs_s;
@@ -281,9 +281,10 @@ template <int T>
 inline __m512 k_correction(const Layout& L, const Weights& w, int64_t g, int64_t sb, const int16_t* const* xs,
                            __m512* fsum) {
   __m512i icorr[T];
-  const __m512 cc = k_correction_sums<T>(L, w, g, sb, xs, icorr);
+  const __m512 d = super_block_d(L, w, g, sb);
+  const __m512 cc = k_correction_sums<T>(L, w, g, sb, d, xs, icorr);
   for (int t = 0; t < T; ++t) fsum[t] = _mm512_mul_ps(_mm512_cvtepi32_ps(icorr[t]), cc);
-  return super_block_d(L, w, g, sb);
+  return d;
 }
 
 // k-quants (sc per sub-block, SB = AB): integer sums per super-block
@@ -326,8 +327,8 @@ void group_tile_k(const Layout& L, const Weights& w, int64_t g, const Acts& a, i
         }
       }
       __m512i icorr[T];
-      const __m512 cc = k_correction_sums<T>(L, w, g, sb, xs, icorr);
       const __m512 d = super_block_d(L, w, g, sb);
+      const __m512 cc = k_correction_sums<T>(L, w, g, sb, d, xs, icorr);
       for (int t = 0; t < T; ++t) {
         float* out = y + (r0 + t) * ldy + col0 + g * LANES;
         const __m512 dxt = _mm512_set1_ps(dx[t][sb]);
