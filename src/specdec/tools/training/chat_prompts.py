@@ -33,6 +33,7 @@ are skipped; the result's `unparsed` names them.
 from __future__ import annotations
 
 import ast
+import functools
 import random
 import re
 import warnings
@@ -93,7 +94,18 @@ def chat_prompts(
     kinds = _check_kinds(kinds)
     if limit is not None and limit < 0:
         raise ValueError(f"limit must be None or >= 0, not {limit}")
-    functions, unparsed = find_functions(documents, max_source_chars)
+    every = _every_prompt(documents, kinds, seed, max_source_chars)
+    result = PromptList(every[:limit])
+    result.unparsed = every.unparsed
+    return result
+
+
+@functools.lru_cache(maxsize=4)
+def _every_prompt(documents: tuple[Document, ...], kinds: tuple[str, ...], seed: int, max_chars: int) -> PromptList:
+    """Every prompt of documents, in the seed's order. Kept for the next call with the same
+    arguments: parsing the standard library takes seconds, and the first n prompts depend on all
+    of them (the order is drawn over the whole list)."""
+    functions, unparsed = find_functions(documents, max_chars)
     rng = random.Random(seed)
     by_kind: dict[str, list[ChatPrompt]] = {kind: [] for kind in kinds}
     for function in functions:
@@ -102,9 +114,9 @@ def chat_prompts(
             by_kind[prompt.kind].append(prompt)
     for prompts in by_kind.values():
         rng.shuffle(prompts)
-    result = PromptList(_interleave(list(by_kind.values()))[:limit])
-    result.unparsed = tuple(unparsed)
-    return result
+    every = PromptList(_interleave(list(by_kind.values())))
+    every.unparsed = tuple(unparsed)
+    return every
 
 
 def describe(prompts: list[ChatPrompt]) -> str:
