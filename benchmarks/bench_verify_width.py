@@ -31,6 +31,11 @@ HELD_TO_AVX2 = {"ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2"}
 GOALS = {"amx": {7: 1.2, 16: 1.5}, "avx512_vnni": {7: 1.5, 16: 2.5}, "avx_vnni": {7: 2.0}, "avx2": {7: 2.0}}
 
 
+def widths_of(rows: list[int]) -> list[int]:
+    """The widths timed: 1 (the step every V(n) divides by) first, then the others, each once."""
+    return [1, *sorted(set(rows) - {1})]
+
+
 def measure(model: str, rows: list[int], repeats: int, context: int) -> dict:
     """In this process (its kernel as SPECDEC_KERNEL holds it): the step's median seconds and
     V(n) for each n in rows."""
@@ -43,7 +48,8 @@ def measure(model: str, rows: list[int], repeats: int, context: int) -> dict:
     llm = LLM(model, speculative_method="none")
     runner = llm.runner
     widest = max(rows)
-    runner.prepare(1, context + widest + 16, tuple(sorted(set(rows))), 0)
+    widths = widths_of(rows)
+    runner.prepare(1, context + widest + 16, tuple(widths), 0)
     generator = torch.Generator().manual_seed(0)
     ids = torch.randint(0, runner.config.vocab_size, (1, context + widest), generator=generator)  # [1, positions]
 
@@ -54,7 +60,6 @@ def measure(model: str, rows: list[int], repeats: int, context: int) -> dict:
         runner(batch)
         return time.perf_counter() - start
 
-    widths = [1, *(n for n in rows if n != 1)]
     with torch.inference_mode():
         runner(ForwardBatch.of(ids[:, :context], torch.arange(context)[None], [0]))  # the context
         for n in widths:  # warm: pages, code, any lazily packed layout
@@ -129,7 +134,7 @@ def main() -> None:
     for kind in kinds:
         print(f"measuring {kind} ...", file=sys.stderr, flush=True)
         results[kind] = run_kind(kind, args)
-    widths = [1, *(n for n in rows if n != 1)]
+    widths = widths_of(rows)
     print(f"{args.model}, {cpu_model()}, a forward of n tokens after {args.context}, in decode steps")
     print(f"(median of {args.repeats} rotated repetitions each)\n")
     print("| kernel | PyTorch | step, ms | " + " | ".join(f"V({n})" for n in widths[1:]) + " |")
