@@ -214,6 +214,17 @@ def test_deterministic_for_a_seed_and_different_for_another(corpus):
     assert chat_prompts(corpus, seed=3, limit=0) == []
 
 
+def test_a_caller_changing_its_list_leaves_the_next_calls_prompts_as_they_were(corpus):
+    """A split's prompts are kept for the next call with the same arguments: each call still
+    gets a list of its own."""
+    first = chat_prompts(corpus, seed=5)
+    expected = list(first)
+    first.reverse()
+    first.pop()
+    assert chat_prompts(corpus, seed=5) == expected
+    assert chat_prompts(corpus, seed=5).unparsed == ("broken.py",)
+
+
 def test_kinds_are_interleaved_evenly():
     from specdec.tools.training.chat_prompts import _interleave
 
