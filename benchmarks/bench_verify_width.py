@@ -2,15 +2,19 @@
 the number a round's cost, goodput and tree width live on (issue 52's goals).
 
     python benchmarks/bench_verify_width.py [--model qwen2.5-coder-1.5b-instruct]
-        [--kinds amx,avx512_vnni,avx_vnni,avx2] [--rows 1,2,4,7,8,12,16,24,32] [--repeats 9]
+        [--kinds default,amx,avx512_vnni,avx_vnni,avx2] [--rows 1,2,4,7,8,12,16,24,32] [--repeats 9]
 
 Each kernel kind runs in a Python of its own, held by SPECDEC_KERNEL (avx_vnni and avx2 with
 PyTorch held to AVX2 too, ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2: a CPU without AVX-512
-runs every op that way); a kind the CPU lacks is left out with the reason. In each, the target is
-loaded as LLM loads it, a context of --context tokens is prefilled, and then forwards of each
-width in --rows (1 = a decode step) are timed in turn, the order rotated every repetition, so that
-the host's drift hits every width alike; V(n) is the median over repetitions of the n-token
-forward's time ÷ the 1-token forward's of the same repetition. Threads: PyTorch's default (the
+runs every op that way), and "default" with nothing held (what a user gets: on an AMX CPU, VNNI
+with the tiles for the Q4_K and Q5_K products of 32 rows or more); a kind the CPU lacks is left
+out with the reason. Kinds in different processes compare only roughly: a wide forward is bound by
+the core and a step by memory, and a shared host's drift moves the two apart (to compare the tiles
+with VNNI on an AMX CPU, `set_kernel` switches them within one process: docs/runner.md). In each,
+the target is loaded as LLM loads it, a context of --context tokens is prefilled, and then
+forwards of each width in --rows (1 = a decode step) are timed in turn, the order rotated every
+repetition, so that the host's drift hits every width alike; V(n) is the median over repetitions
+of the n-token forward's time ÷ the 1-token forward's of the same repetition. Threads: PyTorch's default (the
 cores). Prints a table (the step in ms, V(n) per width) and issue 52's goals for the kinds measured.
 """
 
@@ -24,8 +28,9 @@ import subprocess
 import sys
 import time
 
-# a kind: (SPECDEC_KERNEL, whether PyTorch is held to AVX2 too)
-KINDS = {"amx": False, "avx512_vnni": False, "avx_vnni": True, "avx2": True}
+# a kind: whether PyTorch is held to AVX2 too; SPECDEC_KERNEL holds the kernel, except for
+# "default", the kernel (and AMX policy) this CPU gets with nothing held
+KINDS = {"default": False, "amx": False, "avx512_vnni": False, "avx_vnni": True, "avx2": True}
 HELD_TO_AVX2 = {"ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2"}
 # issue 52's goals: kind -> {rows: the most steps a verify of that many rows may cost}
 GOALS = {"amx": {7: 1.2, 16: 1.5}, "avx512_vnni": {7: 1.5, 16: 2.5}, "avx_vnni": {7: 2.0}, "avx2": {7: 2.0}}
@@ -84,6 +89,8 @@ def measure(model: str, rows: list[int], repeats: int, context: int) -> dict:
 def run_kind(kind: str, args) -> dict:
     """measure() in a fresh Python held to kind (PyTorch reads ATEN_CPU_CAPABILITY at start)."""
     env = {**os.environ, "SPECDEC_KERNEL": kind, **(HELD_TO_AVX2 if KINDS[kind] else {})}
+    if kind == "default":
+        env.pop("SPECDEC_KERNEL")
     command = [sys.executable, __file__, "--model", args.model, "--rows", args.rows, "--repeats", str(args.repeats)]
     command += ["--context", str(args.context), "--child"]
     done = subprocess.run(command, env=env, capture_output=True, text=True)
