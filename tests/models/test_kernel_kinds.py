@@ -2,8 +2,8 @@
 CPU has gives the same bits: AMX tiles (amx.h) against the AVX-512 VNNI kernel they stand in for,
 for every packed type and 1-40 rows (one row, verify widths, past a tile's 16 and a pass's 32),
 and as the default uses them (Q4_K and Q5_K products of 32 rows or more); AVX-VNNI's 256-bit
-kernel against AVX2's; and for Q4_K and Q5_K, whose super-blocks every kernel sums in integers,
-AVX2's against AVX-512's."""
+kernel against AVX2's (1-33 rows); and for Q4_K and Q5_K, whose super-blocks every kernel sums in
+integers, AVX2's against AVX-512's (the default's tiles at 32 and 33 rows)."""
 
 from __future__ import annotations
 
@@ -143,8 +143,8 @@ for kind in sorted(LAYOUTS):
     cols = 2 * LAYOUTS[kind].block_size if LAYOUTS[kind].block_size == 256 else 96
     data = encode(rng.standard_normal((48, cols)).astype(np.float32) * 0.05, kind, rng)
     layer = GGUFLinear([pack(kind, data, 48, cols)])
-    x = torch.randn(17, cols, generator=torch.Generator().manual_seed(14))
-    for rows in (1, 2, 3, 4, 7, 8, 9, 16, 17):
+    x = torch.randn(33, cols, generator=torch.Generator().manual_seed(14))
+    for rows in (1, 2, 3, 4, 7, 8, 9, 16, 17, 24, 31, 32, 33):
         out[kind, rows] = layer(x[:rows])
 torch.save(out, {path!r})
 """
@@ -153,7 +153,7 @@ torch.save(out, {path!r})
 @pytest.mark.skipif("avx_vnni" not in cpu_flags(), reason="the CPU has no AVX-VNNI")
 @pytest.mark.slow
 def test_avx_vnni_gives_the_bits_of_the_avx2_kernel(tmp_path):
-    """Each kernel in a process held to it (and PyTorch to AVX2), for every packed type and 1-17 rows."""
+    """Each kernel in a process held to it (and PyTorch to AVX2), for every packed type and 1-33 rows."""
     tests = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     for kernel in ("avx2", "avx_vnni"):
         script = PRODUCTS_SCRIPT.format(tests=tests, kernel=kernel, path=str(tmp_path / f"{kernel}.pt"))
@@ -180,6 +180,6 @@ def test_avx512_gives_the_bits_of_the_avx2_kernel_for_q4_k_and_q5_k(tmp_path, mo
         subprocess.run([sys.executable, "-c", script], check=True, env={**os.environ, **env}, timeout=600)
     avx2, avx512 = (torch.load(tmp_path / f"{kernel}.pt") for kernel in held)
     keys = [key for key in avx2 if key[0] in ("Q4_K", "Q5_K")]
-    assert len(keys) == 18
+    assert len(keys) == 26  # 2 types x 13 row counts, the default's tiles at 32 and 33 rows
     for key in keys:
         assert torch.equal(avx512[key], avx2[key]), key
