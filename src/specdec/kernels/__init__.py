@@ -41,7 +41,9 @@ from specdec.kernels.build_lock import LOCK_NAME, build_lock
 log = logging.getLogger("specdec")
 
 SOURCE_DIR = Path(__file__).parent
-SOURCES = [SOURCE_DIR / name for name in ("qmatmul.cpp", "attention.cpp", "layer.cpp")]  # and kernels.h, vec16.h
+# extension.cpp includes qmatmul.cpp, attention.cpp and layer.cpp (and they kernels.h, vec16.h, amx.h):
+# one translation unit, so that PyTorch's headers are compiled once (its comment has the times)
+SOURCES = [SOURCE_DIR / "extension.cpp"]
 COMMON_FLAGS = [
     "-O3",
     "-std=c++17",

@@ -50,7 +50,7 @@ inline specdec_vec::vfloat load16_float(const c10::Half* p) {
 }
 
 using namespace specdec_vec;
-constexpr int LANES = LANES16;
+constexpr int KEY_LANES = LANES16;  // scores or keys a vector holds
 
 // exp(x) for x <= 0 (a score minus its row's maximum; above 0 taken as 0); below -87, 0
 inline vfloat exp_nonpositive(vfloat x) {
@@ -75,26 +75,26 @@ struct HeadTask {
   bool visible(int64_t t, int64_t j) const { return mask == nullptr || mask[t * mask_t + j * mask_j]; }
 
   const scalar_t* key(int64_t j) const {
-    return blocks == nullptr ? keys + j * key_stride : keys + blocks[j / LANES] * key_block_stride + (j % LANES) * key_stride;
+    return blocks == nullptr ? keys + j * key_stride : keys + blocks[j / KEY_LANES] * key_block_stride + (j % KEY_LANES) * key_stride;
   }
   const scalar_t* value(int64_t j) const {
     return blocks == nullptr ? values + j * value_stride
-                             : values + blocks[j / LANES] * value_block_stride + (j % LANES) * value_stride;
+                             : values + blocks[j / KEY_LANES] * value_block_stride + (j % KEY_LANES) * value_stride;
   }
 
   // scores [R, S16]: 16 keys at a time, transposed to [D, 16] so that each lane is one key's dot
   // product summed over d in order (no sum across lanes); keys past S score 0
   void scores(float* out, float* block) const {
     const int64_t R = G * T;
-    for (int64_t j0 = 0; j0 < S; j0 += LANES) {
-      const int64_t n = std::min<int64_t>(LANES, S - j0);
-      for (int64_t l = 0; l < LANES; ++l) {
+    for (int64_t j0 = 0; j0 < S; j0 += KEY_LANES) {
+      const int64_t n = std::min<int64_t>(KEY_LANES, S - j0);
+      for (int64_t l = 0; l < KEY_LANES; ++l) {
         if (l >= n) {
-          for (int64_t d = 0; d < D; ++d) block[d * LANES + l] = 0.f;
+          for (int64_t d = 0; d < D; ++d) block[d * KEY_LANES + l] = 0.f;
           continue;
         }
         const scalar_t* k = key(j0 + l);
-        for (int64_t d = 0; d < D; ++d) block[d * LANES + l] = to_float(k[d]);
+        for (int64_t d = 0; d < D; ++d) block[d * KEY_LANES + l] = to_float(k[d]);
       }
       int64_t r = 0;
       for (; r + 4 <= R; r += 4) score_rows<4>(query + r * D, block, out + r * S16 + j0);
@@ -109,7 +109,7 @@ struct HeadTask {
     vfloat acc[N];
     for (int i = 0; i < N; ++i) acc[i] = splat(0.f);
     for (int64_t d = 0; d < D; ++d) {
-      const vfloat key_lanes = load16(block + d * LANES);
+      const vfloat key_lanes = load16(block + d * KEY_LANES);
       for (int i = 0; i < N; ++i) acc[i] += q[i * D + d] * key_lanes;
     }
     for (int i = 0; i < N; ++i) store16(out + i * S16, acc[i]);
@@ -123,7 +123,7 @@ struct HeadTask {
       float best = -INFINITY;
       for (int64_t j = 0; j < S; ++j)
         if (visible(t, j) && s[j] > best) best = s[j];
-      for (int64_t j0 = 0; j0 < S16; j0 += LANES) store16(s + j0, exp_nonpositive(load16(s + j0) - best));
+      for (int64_t j0 = 0; j0 < S16; j0 += KEY_LANES) store16(s + j0, exp_nonpositive(load16(s + j0) - best));
       for (int64_t j = 0; j < S16; ++j)
         if (j >= S || !visible(t, j)) s[j] = 0.f;
     }
@@ -134,18 +134,18 @@ struct HeadTask {
   // wherever the verify forward wrote them) sums as the same token in a chain would, and as a
   // decode step would: its keys are the same values in the same order.
   float denominator(const float* s, int64_t t) const {
-    float sums[LANES];
+    float sums[KEY_LANES];
     if (mask == nullptr) {  // every key is seen: key j is the j-th (past S, the zeros add nothing)
       vfloat lanes = splat(0.f);
-      for (int64_t j0 = 0; j0 < S16; j0 += LANES) lanes += load16(s + j0);
+      for (int64_t j0 = 0; j0 < S16; j0 += KEY_LANES) lanes += load16(s + j0);
       store16(sums, lanes);
     } else {
-      std::fill(sums, sums + LANES, 0.f);
+      std::fill(sums, sums + KEY_LANES, 0.f);
       int64_t seen = 0;
       for (int64_t j = 0; j < S; ++j)
-        if (visible(t, j)) sums[seen++ % LANES] += s[j];
+        if (visible(t, j)) sums[seen++ % KEY_LANES] += s[j];
     }
-    for (int width = LANES / 2; width > 0; width /= 2)
+    for (int width = KEY_LANES / 2; width > 0; width /= 2)
       for (int l = 0; l < width; ++l) sums[l] += sums[l + width];
     return sums[0];
   }
@@ -155,8 +155,8 @@ struct HeadTask {
   void weigh_values(const float* p, float* acc) const {
     for (int64_t r = 0; r < G * T; ++r) {
       int64_t d0 = 0;
-      for (; d0 + 4 * LANES <= D; d0 += 4 * LANES) weigh_dims<4>(p + r * S16, r % T, d0, acc + r * D + d0);
-      for (; d0 + LANES <= D; d0 += LANES) weigh_dims<1>(p + r * S16, r % T, d0, acc + r * D + d0);
+      for (; d0 + 4 * KEY_LANES <= D; d0 += 4 * KEY_LANES) weigh_dims<4>(p + r * S16, r % T, d0, acc + r * D + d0);
+      for (; d0 + KEY_LANES <= D; d0 += KEY_LANES) weigh_dims<1>(p + r * S16, r % T, d0, acc + r * D + d0);
       if (d0 < D) weigh_last_dims(p + r * S16, r % T, d0, acc + r * D + d0);
     }
   }
@@ -169,16 +169,16 @@ struct HeadTask {
     for (int64_t j = 0; j < S; ++j) {
       if (!visible(t, j)) continue;
       const scalar_t* v = value(j) + d0;
-      for (int i = 0; i < N; ++i) sum[i] += p[j] * load16_float(v + i * LANES);
+      for (int i = 0; i < N; ++i) sum[i] += p[j] * load16_float(v + i * KEY_LANES);
     }
-    for (int i = 0; i < N; ++i) store16(out + i * LANES, sum[i]);
+    for (int i = 0; i < N; ++i) store16(out + i * KEY_LANES, sum[i]);
   }
 
   // out[0 : D - d0] likewise for a head size not a multiple of 16: its last D - d0 < 16 dimensions,
   // one to a lane (the lanes past D sum zeros), the same sum in the same order as weigh_dims'
   void weigh_last_dims(const float* p, int64_t t, int64_t d0, float* out) const {
     const int64_t n = D - d0;
-    float v16[LANES] = {}, sum16[LANES];
+    float v16[KEY_LANES] = {}, sum16[KEY_LANES];
     vfloat sum = splat(0.f);
     for (int64_t j = 0; j < S; ++j) {
       if (!visible(t, j)) continue;
@@ -206,7 +206,7 @@ template <typename scalar_t>
 void attend_heads(const float* q, int64_t B, int64_t T, int64_t H, const at::Tensor& keys, const at::Tensor& values,
                   const int64_t* blocks, int64_t max_blocks, int64_t S, const at::Tensor* mask, float scale, float* out,
                   const specdec_kernels::RowSpans* spans) {
-  const int64_t D = keys.size(3), Hkv = keys.size(2), G = H / Hkv, S16_max = (S + LANES - 1) / LANES * LANES;
+  const int64_t D = keys.size(3), Hkv = keys.size(2), G = H / Hkv, S16_max = (S + KEY_LANES - 1) / KEY_LANES * KEY_LANES;
   int64_t T_max = T;  // the scratch rows' count: the longest row's queries
   if (spans != nullptr) {
     T_max = 0;
@@ -216,11 +216,11 @@ void attend_heads(const float* q, int64_t B, int64_t T, int64_t H, const at::Ten
   const int64_t mask_b = mask == nullptr || mask->size(0) == 1 ? 0 : mask->stride(0);
   const int64_t mask_t = mask == nullptr ? 0 : mask->stride(2), mask_j = mask == nullptr ? 0 : mask->stride(3);
   at::parallel_for(0, B * Hkv, 1, [&](int64_t task0, int64_t task1) {
-    std::vector<float> query(G * T_max * D), probs(G * T_max * S16_max), acc(G * T_max * D), block(LANES * D);
+    std::vector<float> query(G * T_max * D), probs(G * T_max * S16_max), acc(G * T_max * D), block(KEY_LANES * D);
     for (int64_t task = task0; task < task1; ++task) {
       const int64_t b = task / Hkv, hkv = task % Hkv;
       const RowQueries rq = row_queries(b, T, S, spans);
-      const int64_t R = G * rq.T, S16 = (rq.S + LANES - 1) / LANES * LANES;
+      const int64_t R = G * rq.T, S16 = (rq.S + KEY_LANES - 1) / KEY_LANES * KEY_LANES;
       for (int64_t g = 0; g < G; ++g)
         for (int64_t t = 0; t < rq.T; ++t) {
           const float* qr = q + ((rq.first + t) * H + hkv * G + g) * D;
@@ -266,10 +266,10 @@ void specdec_kernels::attend_cache(const float* q, int64_t B, int64_t T, int64_t
     TORCH_CHECK(keys.size(0) == B && num_keys <= keys.size(1), "keys [B, S, Hkv, D]: position ", num_keys - 1,
                 " is past them");
   } else {
-    TORCH_CHECK(keys.size(1) == LANES, "a block holds 16 positions");
-    TORCH_CHECK(num_keys <= max_blocks * LANES, "position ", num_keys - 1, " is past the cache");
+    TORCH_CHECK(keys.size(1) == KEY_LANES, "a block holds 16 positions");
+    TORCH_CHECK(num_keys <= max_blocks * KEY_LANES, "position ", num_keys - 1, " is past the cache");
     for (int64_t b = 0; b < B; ++b)
-      for (int64_t i = 0; i < (num_keys + LANES - 1) / LANES; ++i)
+      for (int64_t i = 0; i < (num_keys + KEY_LANES - 1) / KEY_LANES; ++i)
         TORCH_CHECK(blocks[b * max_blocks + i] >= 0 && blocks[b * max_blocks + i] < keys.size(0), "cache block out of range");
   }
   if (spans != nullptr) {
