@@ -172,7 +172,8 @@ def _build_and_load(name: str, build_dir: Path) -> Any:
 def _load(name: str, build_dir: Path) -> Any:
     from torch.utils import cpp_extension
 
-    # the sources' hash in the flags: torch rebuilds when flags or the .cpp files change, not a header
+    # every source's hash in the flags: torch rebuilds when the flags or extension.cpp change, not a
+    # file it includes (qmatmul.cpp, attention.cpp, layer.cpp, the headers)
     digest = hashlib.sha256(b"".join(p.read_bytes() for p in sorted(SOURCE_DIR.glob("*.[ch]*")))).hexdigest()[:16]
     try:
         return cpp_extension.load(
