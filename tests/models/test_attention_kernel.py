@@ -28,7 +28,7 @@ def random_case(seed: int, B=2, T=5, H=6, Hkv=2, D=32, S=37, dtype=torch.float32
 
 
 @pytest.mark.parametrize("dtype, tolerance", [(torch.float32, 2e-6), (torch.bfloat16, 1e-2)])
-@pytest.mark.parametrize("heads", [(6, 2), (4, 4), (3, 1)])
+@pytest.mark.parametrize("heads", [(6, 2), (4, 4), (3, 1), (14, 2)])  # 14, 2: 7 query heads a group, 4 + 3 weighed at once
 @pytest.mark.parametrize("head_dim", [32, 40, 8])  # 40: the shipped draft's; a head size need not be a multiple of 16
 def test_attention_matches_pytorch_in_float64(dtype, tolerance, heads, head_dim):
     q, keys, values, mask = random_case(1, H=heads[0], Hkv=heads[1], D=head_dim, dtype=dtype)
@@ -86,6 +86,36 @@ def test_a_query_over_scattered_keys_gets_what_it_gets_over_them_in_a_row(dtype)
                 q[b : b + 1, t : t + 1], keys[b : b + 1, seen], values[b : b + 1, seen], None, scale
             )
             assert torch.equal(in_a_row, scattered[b : b + 1, t : t + 1])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_causal_mask_gets_the_bits_of_its_keys_alone_and_scattered(dtype):
+    """A verify's causal mask (query t sees the first ctx + t + 1 keys; more are cached after
+    them), at Qwen2.5-1.5B's heads: bit for bit what each query gets over its keys alone with no
+    mask, and over the same keys in order among decoys it cannot see (a tree's node). The kernel
+    takes a shorter path where a query sees a prefix of the keys (the first two) than for any
+    other mask (the last)."""
+    g = torch.Generator().manual_seed(6)
+    B, T, H, Hkv, D, ctx, S = 1, 7, 12, 2, 128, 40, 60
+    q = torch.randn(B, T, H, D, generator=g).to(dtype)
+    keys, values = (torch.randn(B, S, Hkv, D, generator=g).to(dtype) for _ in range(2))
+    mask = (torch.arange(S)[None, :] <= ctx + torch.arange(T)[:, None])[None, None]  # [1, 1, T, S]
+    scale = D**-0.5
+    causal = ops().attend(q, keys, values, mask, scale)
+    for t in range(T):
+        seen = ctx + t + 1
+        alone = ops().attend(q[:, t : t + 1], keys[:, :seen], values[:, :seen], None, scale)
+        assert torch.equal(alone, causal[:, t : t + 1])
+        decoys = [torch.randn(B, seen, Hkv, D, generator=g).to(dtype) for _ in range(2)]
+        # [B, seen, 2, Hkv, D] -> [B, 2 seen, Hkv, D]: key i at position 2i, a decoy at 2i + 1
+        spread_keys, spread_values = (
+            torch.stack([real[:, :seen], decoy], dim=2).reshape(B, 2 * seen, Hkv, D)
+            for real, decoy in zip((keys, values), decoys)
+        )
+        every_other = torch.zeros(1, 1, 1, 2 * seen, dtype=torch.bool)
+        every_other[..., 0::2] = True
+        scattered = ops().attend(q[:, t : t + 1], spread_keys, spread_values, every_other, scale)
+        assert torch.equal(scattered, causal[:, t : t + 1])
 
 
 def test_bad_shapes_are_named():

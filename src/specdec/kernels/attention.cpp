@@ -51,6 +51,14 @@ inline specdec_vec::vfloat load16_float(const c10::Half* p) {
 
 using namespace specdec_vec;
 constexpr int KEY_LANES = LANES16;  // scores or keys a vector holds
+// a value's weighing: query rows sharing each value vector, and 16-dimension vectors of a row in
+// registers (AVX2's 16 registers hold a vector in two)
+constexpr int VALUE_ROWS = 4;
+#if defined(__AVX512F__)
+constexpr int VALUE_VECTORS = 4;
+#else
+constexpr int VALUE_VECTORS = 1;
+#endif
 
 // exp(x) for x <= 0 (a score minus its row's maximum; above 0 taken as 0); below -87, 0
 inline vfloat exp_nonpositive(vfloat x) {
@@ -71,8 +79,19 @@ struct HeadTask {
   const bool* mask;          // visible(t, j) = mask[t * mask_t + j * mask_j]; null: every key
   int64_t mask_t, mask_j;
   int64_t G, T, S, S16, D;   // S16: S rounded up to 16
+  const int64_t* seen_prefix;  // per query t: P where it sees exactly keys 0..P-1 (a chain's causal
+                               // mask, a step's none), else -1 (a tree's node); from visible_prefix
 
   bool visible(int64_t t, int64_t j) const { return mask == nullptr || mask[t * mask_t + j * mask_j]; }
+
+  // P where query t sees exactly the keys 0..P-1, else -1
+  int64_t visible_prefix(int64_t t) const {
+    int64_t P = 0;
+    while (P < S && visible(t, P)) ++P;
+    for (int64_t j = P; j < S; ++j)
+      if (visible(t, j)) return -1;
+    return P;
+  }
 
   const scalar_t* key(int64_t j) const {
     return blocks == nullptr ? keys + j * key_stride : keys + blocks[j / KEY_LANES] * key_block_stride + (j % KEY_LANES) * key_stride;
@@ -120,12 +139,26 @@ struct HeadTask {
     for (int64_t r = 0; r < G * T; ++r) {
       const int64_t t = r % T;
       float* s = s_all + r * S16;
+      const int64_t P = seen_prefix[t];
       float best = -INFINITY;
-      for (int64_t j = 0; j < S; ++j)
-        if (visible(t, j) && s[j] > best) best = s[j];
+      if (P >= 0) {  // the largest of s[0..P-1] in vectors: a maximum is the same in any order (a
+        // score takes a lane only where it is larger, as below: a NaN never does)
+        vfloat lanes = splat(-INFINITY);
+        int64_t j = 0;
+        for (; j + KEY_LANES <= P; j += KEY_LANES) lanes = vmax(load16(s + j), lanes);
+        for (int l = 0; l < KEY_LANES; ++l) best = std::max(best, lanes[l]);
+        for (; j < P; ++j) best = std::max(best, s[j]);
+      } else {
+        for (int64_t j = 0; j < S; ++j)
+          if (visible(t, j) && s[j] > best) best = s[j];
+      }
       for (int64_t j0 = 0; j0 < S16; j0 += KEY_LANES) store16(s + j0, exp_nonpositive(load16(s + j0) - best));
-      for (int64_t j = 0; j < S16; ++j)
-        if (j >= S || !visible(t, j)) s[j] = 0.f;
+      if (P >= 0) {
+        std::fill(s + P, s + S16, 0.f);
+      } else {
+        for (int64_t j = 0; j < S16; ++j)
+          if (j >= S || !visible(t, j)) s[j] = 0.f;
+      }
     }
   }
 
@@ -135,7 +168,7 @@ struct HeadTask {
   // decode step would: its keys are the same values in the same order.
   float denominator(const float* s, int64_t t) const {
     float sums[KEY_LANES];
-    if (mask == nullptr) {  // every key is seen: key j is the j-th (past S, the zeros add nothing)
+    if (seen_prefix[t] >= 0) {  // keys 0..P-1 seen: key j is the j-th (past P, the zeros add nothing)
       vfloat lanes = splat(0.f);
       for (int64_t j0 = 0; j0 < S16; j0 += KEY_LANES) lanes += load16(s + j0);
       store16(sums, lanes);
@@ -150,28 +183,66 @@ struct HeadTask {
     return sums[0];
   }
 
-  // acc [R, D] = sum over visible j, in key order, of p_j v_j: a row at a time, 64 (then 16)
-  // dimensions of it held in registers over all keys
+  // acc [R, D] = sum over visible j, in key order, of p_j v_j. The G rows of one query t (its
+  // query heads, which see the same keys) go VALUE_ROWS at a time, so that each value vector is
+  // loaded and widened once for them, VALUE_VECTORS x 16 dimensions held in registers over all
+  // keys; each row's sums are the ones it would get alone, in the same order.
   void weigh_values(const float* p, float* acc) const {
-    for (int64_t r = 0; r < G * T; ++r) {
-      int64_t d0 = 0;
-      for (; d0 + 4 * KEY_LANES <= D; d0 += 4 * KEY_LANES) weigh_dims<4>(p + r * S16, r % T, d0, acc + r * D + d0);
-      for (; d0 + KEY_LANES <= D; d0 += KEY_LANES) weigh_dims<1>(p + r * S16, r % T, d0, acc + r * D + d0);
-      if (d0 < D) weigh_last_dims(p + r * S16, r % T, d0, acc + r * D + d0);
+    for (int64_t t = 0; t < T; ++t) {
+      int64_t g = 0;
+      for (; g + VALUE_ROWS <= G; g += VALUE_ROWS) weigh_rows<VALUE_ROWS>(p, t, g, acc);
+      weigh_last_rows(p, t, g, acc);
     }
   }
 
-  // out[0 : 16 N] = sum over visible j of p_j v_j[d0 : d0 + 16 N], for query t
-  template <int N>
-  void weigh_dims(const float* p, int64_t t, int64_t d0, float* out) const {
-    vfloat sum[N];
-    for (int i = 0; i < N; ++i) sum[i] = splat(0.f);
-    for (int64_t j = 0; j < S; ++j) {
-      if (!visible(t, j)) continue;
-      const scalar_t* v = value(j) + d0;
-      for (int i = 0; i < N; ++i) sum[i] += p[j] * load16_float(v + i * KEY_LANES);
+  // rows g0.. of query t, fewer than VALUE_ROWS, as one call of NR = their count
+  template <int NR = 1>
+  void weigh_last_rows(const float* p, int64_t t, int64_t g0, float* acc) const {
+    if constexpr (NR < VALUE_ROWS) {
+      if (G - g0 == NR) weigh_rows<NR>(p, t, g0, acc);
+      else if (G - g0 > NR) weigh_last_rows<NR + 1>(p, t, g0, acc);
     }
-    for (int i = 0; i < N; ++i) store16(out + i * KEY_LANES, sum[i]);
+  }
+
+  // acc's rows of query t and query heads g0 .. g0 + NR - 1 of the group
+  template <int NR>
+  void weigh_rows(const float* p, int64_t t, int64_t g0, float* acc) const {
+    const float* row_probs[NR];
+    float* row_acc[NR];
+    for (int i = 0; i < NR; ++i) {
+      const int64_t r = (g0 + i) * T + t;
+      row_probs[i] = p + r * S16, row_acc[i] = acc + r * D;
+    }
+    int64_t d0 = 0;
+    for (; d0 + VALUE_VECTORS * KEY_LANES <= D; d0 += VALUE_VECTORS * KEY_LANES)
+      weigh_dims<NR, VALUE_VECTORS>(row_probs, t, d0, row_acc);
+    for (; d0 + KEY_LANES <= D; d0 += KEY_LANES) weigh_dims<NR, 1>(row_probs, t, d0, row_acc);
+    if (d0 < D)
+      for (int i = 0; i < NR; ++i) weigh_last_dims(row_probs[i], t, d0, row_acc[i] + d0);
+  }
+
+  // out[i][d0 : d0 + 16 N] = sum over visible j of p[i][j] v_j[d0 : d0 + 16 N], for NR rows of query t;
+  // a block's keys by their offset from its first (no block-table lookup per key)
+  template <int NR, int N>
+  void weigh_dims(const float* const* p, int64_t t, int64_t d0, float* const* out) const {
+    vfloat sum[NR][N];
+    for (int k = 0; k < NR; ++k)
+      for (int i = 0; i < N; ++i) sum[k][i] = splat(0.f);
+    const int64_t P = seen_prefix[t], end = P >= 0 ? P : S;  // a prefix: no key to skip
+    for (int64_t j0 = 0; j0 < end; j0 += KEY_LANES) {
+      const scalar_t* block_values = value(j0) + d0;  // key j0's; key j0 + l's at l * value_stride on
+      const int64_t n = std::min<int64_t>(KEY_LANES, end - j0);
+      for (int64_t l = 0; l < n; ++l) {
+        if (P < 0 && !visible(t, j0 + l)) continue;
+        const scalar_t* v = block_values + l * value_stride;
+        for (int i = 0; i < N; ++i) {
+          const vfloat v_i = load16_float(v + i * KEY_LANES);
+          for (int k = 0; k < NR; ++k) sum[k][i] += p[k][j0 + l] * v_i;
+        }
+      }
+    }
+    for (int k = 0; k < NR; ++k)
+      for (int i = 0; i < N; ++i) store16(out[k] + d0 + i * KEY_LANES, sum[k][i]);
   }
 
   // out[0 : D - d0] likewise for a head size not a multiple of 16: its last D - d0 < 16 dimensions,
@@ -217,6 +288,7 @@ void attend_heads(const float* q, int64_t B, int64_t T, int64_t H, const at::Ten
   const int64_t mask_t = mask == nullptr ? 0 : mask->stride(2), mask_j = mask == nullptr ? 0 : mask->stride(3);
   at::parallel_for(0, B * Hkv, 1, [&](int64_t task0, int64_t task1) {
     std::vector<float> query(G * T_max * D), probs(G * T_max * S16_max), acc(G * T_max * D), block(KEY_LANES * D);
+    std::vector<int64_t> seen_prefix(T_max);
     for (int64_t task = task0; task < task1; ++task) {
       const int64_t b = task / Hkv, hkv = task % Hkv;
       const RowQueries rq = row_queries(b, T, S, spans);
@@ -237,7 +309,8 @@ void attend_heads(const float* q, int64_t B, int64_t T, int64_t H, const at::Ten
                                     blocks == nullptr ? nullptr : blocks + b * max_blocks,
                                     keys.stride(1), values.stride(1), keys.stride(0), values.stride(0),
                                     row_mask, mask_t, mask_j,
-                                    G, rq.T, rq.S, S16, D};
+                                    G, rq.T, rq.S, S16, D, seen_prefix.data()};
+      for (int64_t t = 0; t < rq.T; ++t) seen_prefix[t] = head.visible_prefix(t);
       head.scores(probs.data(), block.data());
       head.exponentiate(probs.data());
       head.weigh_values(probs.data(), acc.data());
