@@ -28,7 +28,8 @@ def random_case(seed: int, B=2, T=5, H=6, Hkv=2, D=32, S=37, dtype=torch.float32
 
 
 @pytest.mark.parametrize("dtype, tolerance", [(torch.float32, 2e-6), (torch.bfloat16, 1e-2)])
-@pytest.mark.parametrize("heads", [(6, 2), (4, 4), (3, 1), (14, 2)])  # 14, 2: 7 query heads a group, 4 + 3 weighed at once
+# (14, 2): 7 query heads a group, weighed 4 and then 3 at once
+@pytest.mark.parametrize("heads", [(6, 2), (4, 4), (3, 1), (14, 2)])
 @pytest.mark.parametrize("head_dim", [32, 40, 8])  # 40: the shipped draft's; a head size need not be a multiple of 16
 def test_attention_matches_pytorch_in_float64(dtype, tolerance, heads, head_dim):
     q, keys, values, mask = random_case(1, H=heads[0], Hkv=heads[1], D=head_dim, dtype=dtype)
