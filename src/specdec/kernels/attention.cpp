@@ -66,6 +66,14 @@ inline vfloat exp_nonpositive(vfloat x) {
   return where_less(x, splat(-87.f), zero, exp16(vmin(x, zero)));
 }
 
+// The keys a query sees, as far as they run from the first: keys 0..lead-1 all seen, and whether
+// those are all (a chain's causal mask, a step's none) or more follow here and there (a tree's node
+// sees its ancestors among the other nodes)
+struct KeysSeen {
+  int64_t lead;
+  bool only_lead;
+};
+
 // The work of one (batch row b, key/value head): its R = G x T query rows (query head g of the
 // group, query t: row g * T + t) against the keys and values of that head.
 template <typename scalar_t>
@@ -79,18 +87,16 @@ struct HeadTask {
   const bool* mask;          // visible(t, j) = mask[t * mask_t + j * mask_j]; null: every key
   int64_t mask_t, mask_j;
   int64_t G, T, S, S16, D;   // S16: S rounded up to 16
-  const int64_t* seen_prefix;  // per query t: P where it sees exactly keys 0..P-1 (a chain's causal
-                               // mask, a step's none), else -1 (a tree's node); from visible_prefix
+  const KeysSeen* seen;      // per query t, from keys_seen: the keys below seen[t].lead need no mask check
 
   bool visible(int64_t t, int64_t j) const { return mask == nullptr || mask[t * mask_t + j * mask_j]; }
 
-  // P where query t sees exactly the keys 0..P-1, else -1
-  int64_t visible_prefix(int64_t t) const {
-    int64_t P = 0;
-    while (P < S && visible(t, P)) ++P;
-    for (int64_t j = P; j < S; ++j)
-      if (visible(t, j)) return -1;
-    return P;
+  KeysSeen keys_seen(int64_t t) const {
+    int64_t lead = 0;
+    while (lead < S && visible(t, lead)) ++lead;
+    for (int64_t j = lead; j < S; ++j)
+      if (visible(t, j)) return {lead, false};
+    return {lead, true};
   }
 
   const scalar_t* key(int64_t j) const {
@@ -139,24 +145,24 @@ struct HeadTask {
     for (int64_t r = 0; r < G * T; ++r) {
       const int64_t t = r % T;
       float* s = s_all + r * S16;
-      const int64_t P = seen_prefix[t];
+      const KeysSeen& seen_t = seen[t];
+      const int64_t lead = seen_t.lead;
+      // the largest of s[0..lead-1] in vectors (a maximum is the same in any order; a score takes a
+      // lane only where it is larger, as the scalar test below: a NaN never does), then the rest
+      vfloat lanes = splat(-INFINITY);
+      int64_t j = 0;
+      for (; j + KEY_LANES <= lead; j += KEY_LANES) lanes = vmax(load16(s + j), lanes);
       float best = -INFINITY;
-      if (P >= 0) {  // the largest of s[0..P-1] in vectors: a maximum is the same in any order (a
-        // score takes a lane only where it is larger, as below: a NaN never does)
-        vfloat lanes = splat(-INFINITY);
-        int64_t j = 0;
-        for (; j + KEY_LANES <= P; j += KEY_LANES) lanes = vmax(load16(s + j), lanes);
-        for (int l = 0; l < KEY_LANES; ++l) best = std::max(best, lanes[l]);
-        for (; j < P; ++j) best = std::max(best, s[j]);
-      } else {
-        for (int64_t j = 0; j < S; ++j)
+      for (int l = 0; l < KEY_LANES; ++l) best = std::max(best, lanes[l]);
+      for (; j < lead; ++j) best = std::max(best, s[j]);
+      if (!seen_t.only_lead)
+        for (j = lead; j < S; ++j)
           if (visible(t, j) && s[j] > best) best = s[j];
-      }
       for (int64_t j0 = 0; j0 < S16; j0 += KEY_LANES) store16(s + j0, exp_nonpositive(load16(s + j0) - best));
-      if (P >= 0) {
-        std::fill(s + P, s + S16, 0.f);
+      if (seen_t.only_lead) {
+        std::fill(s + lead, s + S16, 0.f);
       } else {
-        for (int64_t j = 0; j < S16; ++j)
+        for (j = lead; j < S16; ++j)
           if (j >= S || !visible(t, j)) s[j] = 0.f;
       }
     }
@@ -168,15 +174,17 @@ struct HeadTask {
   // decode step would: its keys are the same values in the same order.
   float denominator(const float* s, int64_t t) const {
     float sums[KEY_LANES];
-    if (seen_prefix[t] >= 0) {  // keys 0..P-1 seen: key j is the j-th (past P, the zeros add nothing)
-      vfloat lanes = splat(0.f);
-      for (int64_t j0 = 0; j0 < S16; j0 += KEY_LANES) lanes += load16(s + j0);
-      store16(sums, lanes);
-    } else {
-      std::fill(sums, sums + KEY_LANES, 0.f);
-      int64_t seen = 0;
-      for (int64_t j = 0; j < S; ++j)
-        if (visible(t, j)) sums[seen++ % KEY_LANES] += s[j];
+    const KeysSeen& seen_t = seen[t];
+    // the leading keys, all seen, in vectors of 16 (key j the j-th seen: lane j mod 16; where the lead
+    // is all, past it the zeros add nothing), then the rest one by one in the lane of their rank
+    const int64_t whole = seen_t.only_lead ? S16 : seen_t.lead / KEY_LANES * KEY_LANES;
+    vfloat lanes = splat(0.f);
+    for (int64_t j0 = 0; j0 < whole; j0 += KEY_LANES) lanes += load16(s + j0);
+    store16(sums, lanes);
+    if (!seen_t.only_lead) {
+      int64_t rank = whole;
+      for (int64_t j = whole; j < S; ++j)
+        if (visible(t, j)) sums[rank++ % KEY_LANES] += s[j];
     }
     for (int width = KEY_LANES / 2; width > 0; width /= 2)
       for (int l = 0; l < width; ++l) sums[l] += sums[l + width];
@@ -228,12 +236,12 @@ struct HeadTask {
     vfloat sum[NR][N];
     for (int k = 0; k < NR; ++k)
       for (int i = 0; i < N; ++i) sum[k][i] = splat(0.f);
-    const int64_t P = seen_prefix[t], end = P >= 0 ? P : S;  // a prefix: no key to skip
+    const int64_t lead = seen[t].lead, end = seen[t].only_lead ? lead : S;  // below lead, no key to skip
     for (int64_t j0 = 0; j0 < end; j0 += KEY_LANES) {
       const scalar_t* block_values = value(j0) + d0;  // key j0's; key j0 + l's at l * value_stride on
       const int64_t n = std::min<int64_t>(KEY_LANES, end - j0);
       for (int64_t l = 0; l < n; ++l) {
-        if (P < 0 && !visible(t, j0 + l)) continue;
+        if (j0 + l >= lead && !visible(t, j0 + l)) continue;
         const scalar_t* v = block_values + l * value_stride;
         for (int i = 0; i < N; ++i) {
           const vfloat v_i = load16_float(v + i * KEY_LANES);
@@ -288,7 +296,7 @@ void attend_heads(const float* q, int64_t B, int64_t T, int64_t H, const at::Ten
   const int64_t mask_t = mask == nullptr ? 0 : mask->stride(2), mask_j = mask == nullptr ? 0 : mask->stride(3);
   at::parallel_for(0, B * Hkv, 1, [&](int64_t task0, int64_t task1) {
     std::vector<float> query(G * T_max * D), probs(G * T_max * S16_max), acc(G * T_max * D), block(KEY_LANES * D);
-    std::vector<int64_t> seen_prefix(T_max);
+    std::vector<KeysSeen> seen(T_max);
     for (int64_t task = task0; task < task1; ++task) {
       const int64_t b = task / Hkv, hkv = task % Hkv;
       const RowQueries rq = row_queries(b, T, S, spans);
@@ -309,8 +317,8 @@ void attend_heads(const float* q, int64_t B, int64_t T, int64_t H, const at::Ten
                                     blocks == nullptr ? nullptr : blocks + b * max_blocks,
                                     keys.stride(1), values.stride(1), keys.stride(0), values.stride(0),
                                     row_mask, mask_t, mask_j,
-                                    G, rq.T, rq.S, S16, D, seen_prefix.data()};
-      for (int64_t t = 0; t < rq.T; ++t) seen_prefix[t] = head.visible_prefix(t);
+                                    G, rq.T, rq.S, S16, D, seen.data()};
+      for (int64_t t = 0; t < rq.T; ++t) seen[t] = head.keys_seen(t);
       head.scores(probs.data(), block.data());
       head.exponentiate(probs.data());
       head.weigh_values(probs.data(), acc.data());
