@@ -72,7 +72,7 @@ def main() -> None:
             module.product(inputs[n][id(module)])
 
     every = [m for ms in kinds.values() for m in ms]
-    parts = {"forward": lambda n: forward(n), "all products": lambda n: products(n, every)}
+    parts = {"forward": forward, "all products": lambda n: products(n, every)}
     parts.update({kind: (lambda n, ms=ms: products(n, ms)) for kind, ms in kinds.items()})
     times: dict[tuple[str, int], list[float]] = {(part, n): [] for part in parts for n in rows}
     with torch.inference_mode():
