@@ -66,6 +66,7 @@ using namespace specdec_kernels;
 namespace {
 
 constexpr int SUM_BLOCK = 16;   // inputs per activation sum of a 16-input sub-block (also kept per 32)
+constexpr int64_t K_SUPER = 256;  // a k-quant's super-block SB (every GGUF k-quant's; checked at load)
 
 // inputs per activation scale for K inputs
 inline int64_t act_block(int64_t K) { return K % 256 == 0 ? 256 : 32; }
@@ -250,49 +251,64 @@ inline void dot_sub(const uint8_t* codes, int64_t steps, const int8_t* const* xr
 }
 
 inline __m512 super_block_d(const Layout& L, const Weights& w, int64_t g, int64_t sb) {
-  return load_half16(w.d + (g * (L.K / L.SB) + sb) * LANES);
+  return load_half16(w.d + (g * (L.K / K_SUPER) + sb) * LANES);
 }
 
 // A k-quant super-block's correction for T rows (xs[t]: row t's sub-block sums of activation codes):
 // icorr[t] = sum_s c_s xs_s, two sub-blocks per vpdpwssd (int16 pairs c_s, c_s+1 per lane); returns
-// its float factor cc (from the super-block's scale d where the type has no dmin)
-template <int T>
+// its float factor cc (from the super-block's scale d where the type has no dmin). S and the
+// super-block are constants, so that the loop over the pairs unrolls (with a length known only at
+// run time GCC kept two divisions per super-block and a register copy per row and pair in it:
+// docs/runner.md, "A verify in steps, by kernel")
+template <int T, int S>
 inline __m512 k_correction_sums(const Layout& L, const Weights& w, int64_t g, int64_t sb, __m512 d,
                                 const int16_t* const* xs, __m512i* icorr) {
-  const int64_t nsub = L.K / L.S, subs_per_sb = L.SB / L.S, s0 = sb * subs_per_sb;
-  const uint8_t* coefs = L.has_mn ? w.mn : w.sc;  // the correction's c_s
+  constexpr int64_t subs_per_sb = K_SUPER / S;
+  const int64_t s0 = sb * subs_per_sb;
+  const uint8_t* coefs = (L.has_mn ? w.mn : w.sc) + (g * (L.K / S) + s0) * LANES;  // the correction's c_s
   const bool coef_signed = !L.has_mn && L.sc_signed;
   for (int t = 0; t < T; ++t) icorr[t] = _mm512_setzero_si512();
-  for (int64_t s = s0; s < s0 + subs_per_sb; s += 2) {
-    const __m128i c0 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(coefs + (g * nsub + s) * LANES));
-    const __m128i c1 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(coefs + (g * nsub + s + 1) * LANES));
+  for (int64_t s = 0; s < subs_per_sb; s += 2) {
+    const __m128i c0 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(coefs + s * LANES));
+    const __m128i c1 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(coefs + (s + 1) * LANES));
     const __m256i pairs8 = _mm256_set_m128i(_mm_unpackhi_epi8(c0, c1), _mm_unpacklo_epi8(c0, c1));
     const __m512i pairs = coef_signed ? _mm512_cvtepi8_epi16(pairs8) : _mm512_cvtepu8_epi16(pairs8);
     for (int t = 0; t < T; ++t)
-      icorr[t] = _mm512_dpwssd_epi32(icorr[t], pairs, _mm512_set1_epi32(load_i32(xs[t] + s)));
+      icorr[t] = _mm512_dpwssd_epi32(icorr[t], pairs, _mm512_set1_epi32(load_i32(xs[t] + s0 + s)));
   }
-  return L.has_mn ? load_half16(w.dmin + (g * (L.K / L.SB) + sb) * LANES)
+  return L.has_mn ? load_half16(w.dmin + (g * (L.K / K_SUPER) + sb) * LANES)
                   : _mm512_mul_ps(d, _mm512_set1_ps(-(float)L.z));
+}
+template <int T>
+inline __m512 k_correction_sums(const Layout& L, const Weights& w, int64_t g, int64_t sb, __m512 d,
+                                const int16_t* const* xs, __m512i* icorr) {
+  return L.S == 16 ? k_correction_sums<T, 16>(L, w, g, sb, d, xs, icorr) : k_correction_sums<T, 32>(L, w, g, sb, d, xs, icorr);
 }
 
 // A k-quant super-block's start for T rows with float sums per sub-block: fsum[t] = cc * sum_s c_s xs_s;
 // returns the super-block's scale d
-template <int T>
+template <int T, int S>
 inline __m512 k_correction(const Layout& L, const Weights& w, int64_t g, int64_t sb, const int16_t* const* xs,
                            __m512* fsum) {
   __m512i icorr[T];
   const __m512 d = super_block_d(L, w, g, sb);
-  const __m512 cc = k_correction_sums<T>(L, w, g, sb, d, xs, icorr);
+  const __m512 cc = k_correction_sums<T, S>(L, w, g, sb, d, xs, icorr);
   for (int t = 0; t < T; ++t) fsum[t] = _mm512_mul_ps(_mm512_cvtepi32_ps(icorr[t]), cc);
   return d;
+}
+
+template <int T>
+inline __m512 k_correction(const Layout& L, const Weights& w, int64_t g, int64_t sb, const int16_t* const* xs,
+                           __m512* fsum) {
+  return L.S == 16 ? k_correction<T, 16>(L, w, g, sb, xs, fsum) : k_correction<T, 32>(L, w, g, sb, xs, fsum);
 }
 
 // k-quants (sc per sub-block, SB = AB): integer sums per super-block
 template <int T, int BITS, int S>
 void group_tile_k(const Layout& L, const Weights& w, int64_t g, const Acts& a, int64_t r0, float* y, int64_t ldy,
                   int64_t col0) {
-  constexpr int64_t steps_per_sub = S / step_k<BITS>();
-  const int64_t nsub = L.K / S, subs_per_sb = L.SB / S;
+  constexpr int64_t steps_per_sub = S / step_k<BITS>(), subs_per_sb = K_SUPER / S;
+  const int64_t nsub = L.K / S, super_blocks = L.K / K_SUPER;
   const uint8_t* codes = w.codes + g * (L.K / step_k<BITS>()) * step_bytes<BITS>();
   const int8_t* xr[T];
   const int16_t* xs[T];
@@ -301,7 +317,7 @@ void group_tile_k(const Layout& L, const Weights& w, int64_t g, const Acts& a, i
   // the rows' sums so far live in y (a load and a store per super-block), which leaves the
   // registers to the super-block's sums
   for (int t = 0; t < T; ++t) _mm512_storeu_ps(y + (r0 + t) * ldy + col0 + g * LANES, _mm512_setzero_ps());
-  for (int64_t sb = 0; sb < L.K / L.SB; ++sb) {
+  for (int64_t sb = 0; sb < super_blocks; ++sb) {
     const int64_t s0 = sb * subs_per_sb;
     if constexpr (S == 32) {
       // sum_s sc_s * dot_s in floats of P sub-blocks: every product and partial sum an integer
@@ -328,7 +344,7 @@ void group_tile_k(const Layout& L, const Weights& w, int64_t g, const Acts& a, i
       }
       __m512i icorr[T];
       const __m512 d = super_block_d(L, w, g, sb);
-      const __m512 cc = k_correction_sums<T>(L, w, g, sb, d, xs, icorr);
+      const __m512 cc = k_correction_sums<T, S>(L, w, g, sb, d, xs, icorr);
       for (int t = 0; t < T; ++t) {
         float* out = y + (r0 + t) * ldy + col0 + g * LANES;
         const __m512 dxt = _mm512_set1_ps(dx[t][sb]);
@@ -338,7 +354,7 @@ void group_tile_k(const Layout& L, const Weights& w, int64_t g, const Acts& a, i
       continue;
     }
     __m512 fsum[T];
-    const __m512 d = k_correction<T>(L, w, g, sb, xs, fsum);
+    const __m512 d = k_correction<T, S>(L, w, g, sb, xs, fsum);
     for (int64_t s = s0; s < s0 + subs_per_sb; ++s) {
       const __m512 scale = _mm512_mul_ps(_mm512_cvtepi32_ps(load_int16x(w.sc + (g * nsub + s) * LANES, L.sc_signed)), d);
       __m512i iacc[T];
@@ -737,7 +753,8 @@ void qmatmul_into(const at::Tensor& xq, const at::Tensor& dx, const at::Tensor& 
             reinterpret_cast<const at::Half*>(d.data_ptr()),
             L.has_dmin ? reinterpret_cast<const at::Half*>(dmin->data_ptr()) : nullptr};
   TORCH_CHECK(dx.size(1) == L.K / act_block(L.K) && xsum.scalar_type() == at::kShort, "dx, xsum: from quantize_activations");
-  TORCH_CHECK(!L.has_sc || L.SB == act_block(L.K), "k-quants need one activation scale per super-block");
+  TORCH_CHECK(!L.has_sc || (L.SB == K_SUPER && act_block(L.K) == K_SUPER),
+              "k-quants need super-blocks of 256 inputs, one activation scale each");
   std::vector<int8_t> tiles;
   const Acts a = with_tiles(Acts{xq.data_ptr<int8_t>(), dx.data_ptr<float>(), xsum.data_ptr<int16_t>(), xq.size(0), act_block(L.K)},
                             &L, 1, tiles);
@@ -778,7 +795,8 @@ specdec_kernels::QLinear::QLinear(const std::vector<at::Tensor>& codes, const Op
     K = l.K;
     TORCH_CHECK(codes[p].numel() == l.N * K * bits / 8 && K % 32 == 0, "codes do not hold N x K codes");
     TORCH_CHECK(K % SB == 0 && SB % S == 0 && d[p].numel() == l.N / LANES * (K / SB) * LANES, "d: [G, K/SB, 16]");
-    TORCH_CHECK(!l.has_sc || SB == act_block(K), "k-quants need one activation scale per super-block");
+    TORCH_CHECK(!l.has_sc || (SB == K_SUPER && act_block(K) == K_SUPER),
+                "k-quants need super-blocks of 256 inputs, one activation scale each");
     TORCH_CHECK(!(l.has_mn && l.z != 0), "a type with both mn and z is not of the kernel's forms");
     L.push_back(l);
     W.push_back(Weights{codes[p].data_ptr<uint8_t>(), bytes_or_null(sc_p), bytes_or_null(mn_p),
