@@ -615,8 +615,11 @@ void group_tile_legacy(const Layout& L, const Weights& w, int64_t g, const Acts&
                        int64_t ldy, int64_t col0) {
   const int64_t nsub = L.K / 32, sub_bytes = 32 / step_k<BITS>() * step_bytes<BITS>();
   const uint8_t* codes = w.codes + g * (L.K / step_k<BITS>()) * step_bytes<BITS>();
+  // Q8_0 (codes above 127): pairs_sub sums x (code - 128), and the sums start at 128 xs, which takes
+  // them to the sums of x code that the AVX-512 kernel makes, so that both take the same float steps
+  // (z = 128) and give the same bits
   const bool signed8 = BITS == 8 && L.z == 128;
-  const float z = signed8 ? 0.f : (float)L.z;
+  const float z = (float)L.z;
   const __m256i ones16 = _mm256_set1_epi16(1);
   const int8_t* xr[T];
   const int16_t* xs[T];
@@ -627,7 +630,8 @@ void group_tile_legacy(const Layout& L, const Weights& w, int64_t g, const Acts&
   for (int t = 0; t < T; ++t) acc[t][0] = acc[t][1] = _mm256_setzero_ps();
   for (int64_t s = 0; s < nsub; ++s) {
     __m256i iacc[T][2];
-    for (int t = 0; t < T; ++t) iacc[t][0] = iacc[t][1] = _mm256_setzero_si256();
+    for (int t = 0; t < T; ++t)
+      iacc[t][0] = iacc[t][1] = signed8 ? _mm256_set1_epi32(128 * (int32_t)xs[t][s]) : _mm256_setzero_si256();
     if (BITS == 4) {
       __m256i pairs16[T][2];
       for (int t = 0; t < T; ++t) pairs16[t][0] = pairs16[t][1] = _mm256_setzero_si256();
