@@ -7,7 +7,8 @@ dequantization (llama.cpp's reference in Python) and plain float products.
   must equal the float64 product of those quantized activations and W (up to float32
   summation), and each row must be the same whether run alone or in a batch (so speculation,
   which verifies several rows at once, stays exact with respect to the model as it runs).
-- The AVX2 kernel (what an AVX2-only CPU runs) is checked the same way, in a process held to AVX2.
+- The AVX2 kernel (what an AVX2-only CPU runs) against the AVX-512 one, in a process held to
+  AVX2: tests/models/test_kernel_kinds.py.
 - A whole model loaded quantized matches the dequantized model closely, holds no float copy of
   a quantized matrix, and decodes speculatively exactly as it decodes alone.
 """
@@ -15,8 +16,6 @@ dequantization (llama.cpp's reference in Python) and plain float products.
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
 
 import gguf
 import numpy as np
@@ -25,7 +24,7 @@ import torch
 
 from gguf_files import encode, tiny_hf_model, write_gguf
 from specdec import LLM, SamplingParams
-from specdec.kernels import cpu_flags, qmatmul
+from specdec.kernels import qmatmul
 from specdec.models.gguf_linear import GGUFEmbedding, GGUFLinear, dequantize
 from specdec.models.gguf_quants import LAYOUTS, dequantize_split, pack, split_blocks
 from specdec.models.loader import load_pretrained
@@ -151,41 +150,6 @@ def test_a_fused_norm_and_gate_compute_what_the_ops_they_replace_do(kind):
         assert (got - expected).abs().max() <= 2e-3 * expected.abs().max()
         exact = activations @ weight.T
         assert (got - exact).abs().max() <= 0.03 * exact.abs().max()
-
-
-@pytest.mark.skipif(
-    not {"avx512_vnni", "avx512bw", "avx512vl"} <= cpu_flags(),
-    reason="the CPU has no AVX-512 VNNI: the default run already is the AVX2 kernel",
-)
-@pytest.mark.slow
-def test_the_avx2_kernel_computes_what_the_avx512_one_does(tmp_path):
-    """An AVX2-only CPU's kernel, run here in a process that PyTorch holds to AVX2."""
-    products = {}
-    x = torch.randn(9, 512, generator=torch.Generator().manual_seed(8))
-    torch.save(x, tmp_path / "x.pt")
-    for kind in TYPES:
-        data = quantized_matrix(kind, 32, 512, seed=9)
-        np.save(tmp_path / f"{kind}.npy", data)
-        products[kind] = kernel_product(pack(kind, data, 32, 512), x)
-    script = f"""
-import numpy as np, torch
-from specdec.kernels import variant
-from specdec.models.gguf_linear import GGUFLinear
-from specdec.models.gguf_quants import pack
-assert variant() == "avx2", variant()
-x = torch.load({str(tmp_path / "x.pt")!r})
-out = {{}}
-for kind in {TYPES!r}:
-    out[kind] = GGUFLinear([pack(kind, np.load({str(tmp_path)!r} + f"/{{kind}}.npy"), 32, 512)])(x)
-torch.save(out, {str(tmp_path / "avx2.pt")!r})
-"""
-    env = {**os.environ, "ATEN_CPU_CAPABILITY": "avx2", "SPECDEC_KERNEL": "avx2"}  # not avx_vnni, where the CPU has it
-    subprocess.run([sys.executable, "-c", script], check=True, env=env, timeout=600)
-    avx2 = torch.load(tmp_path / "avx2.pt")
-    for kind in TYPES:  # the same integer products, summed in another order (AVX2: a k-quant's super-block in
-        # integers; AVX-512: its sub-blocks in float32): float32 rounding apart, relative to the outputs' scale
-        scale = products[kind].abs().max()
-        assert (avx2[kind] - products[kind]).abs().max() <= 1e-6 * scale, kind
 
 
 # --- whole models ---------------------------------------------------------------------------

@@ -175,8 +175,9 @@ def test_avx512_gives_the_bits_of_the_avx2_kernel_for_every_type_but_q6_k(tmp_pa
     """Q4_K and Q5_K: both sum a super-block's sc_s * dot_s in integers and take the same float
     steps from there (qmatmul.cpp's group_tile_k); the legacy types: the same integer sum per
     sub-block (Q8_0's too: AVX2 sums x (code - 128) and starts from 128 xs) and the same float
-    steps. So a model of these types gives the same bits on every x86 CPU. The AVX-512 side is this
-    process's own build (the amx build's default uses its tiles from 32 rows)."""
+    steps. So a model of these types gives the same bits on every x86 CPU; Q6_K's products agree to
+    float32 rounding. The AVX-512 side is this process's own build (the amx build's default uses
+    its tiles from 32 rows)."""
     monkeypatch.delenv(kernels.KERNEL_ENV, raising=False)
     if variant() not in ("amx", "avx512_vnni"):
         pytest.skip("no AVX-512 VNNI here (or PyTorch held below it)")
@@ -190,3 +191,5 @@ def test_avx512_gives_the_bits_of_the_avx2_kernel_for_every_type_but_q6_k(tmp_pa
     assert len(keys) == 13 * len(SAME_BITS_ON_AVX2_AND_AVX512)  # 13 row counts, the default's tiles at 32 and 33
     for key in keys:
         assert torch.equal(avx512[key], avx2[key]), key
+    for key in avx2.keys() - set(keys):  # Q6_K: the same integer products, float32 rounding apart
+        assert (avx2[key] - avx512[key]).abs().max() <= 1e-6 * avx512[key].abs().max(), key
