@@ -103,6 +103,25 @@ void prepare_row(const scalar_t* x, int64_t m, int64_t K, const Prologue& pro, f
   }
 }
 
+// q's 16 lanes (integers in -127..127) stored as int8 at p; returns their sum
+inline int32_t store_codes(const specdec_vec::vint& q, int8_t* p) {
+#if defined(__AVX512F__)
+  const __m512i lanes = (__m512i)q;
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(p), _mm512_cvtepi32_epi8(lanes));
+  return _mm512_reduce_add_epi32(lanes);
+#else
+  const __m256i lo = (__m256i)q.lo, hi = (__m256i)q.hi;
+  const __m256i words = _mm256_permute4x64_epi64(_mm256_packs_epi32(lo, hi), 0xD8);  // lanes 0-15 as int16
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(p),
+                   _mm_packs_epi16(_mm256_castsi256_si128(words), _mm256_extracti128_si256(words, 1)));
+  const __m256i pairs = _mm256_add_epi32(lo, hi);
+  __m128i sum = _mm_add_epi32(_mm256_castsi256_si128(pairs), _mm256_extracti128_si256(pairs, 1));
+  sum = _mm_add_epi32(sum, _mm_shuffle_epi32(sum, 0x4E));
+  sum = _mm_add_epi32(sum, _mm_shuffle_epi32(sum, 0xB1));
+  return _mm_cvtsi128_si32(sum);
+#endif
+}
+
 // x [M, K] (or [M, 2K] gated) -> xq [M, K] int8, dx [M, K/AB] (scales), xsum [M, K/16 + K/32] int16
 // (sums of codes: per 16 inputs, then per 32)
 template <typename scalar_t>
@@ -130,9 +149,7 @@ void quantize_rows(const scalar_t* x, int64_t M, int64_t K, const Prologue& pro,
         const vfloat rounder = splat(12582912.f);  // 1.5 * 2^23: adding it rounds to the nearest integer (ties even)
         for (int64_t i = 0; i < AB; i += SUM_BLOCK) {  // SUM_BLOCK = 16 = LANES16
           const vint q = to_int((load16(xb + i) * id + rounder) - rounder);
-          int32_t sum = 0;
-          for (int l = 0; l < LANES16; ++l) qb[i + l] = (int8_t)q[l], sum += q[l];
-          row_sums[(b * AB + i) / SUM_BLOCK] = (int16_t)sum;
+          row_sums[(b * AB + i) / SUM_BLOCK] = (int16_t)store_codes(q, qb + i);
         }
         dx[m * (K / AB) + b] = d;
       }
