@@ -159,14 +159,14 @@ inline void run_sums(const SubBlockRun& run, const Acts& a, int64_t K, int64_t r
 
 // k-quants, C rows from t0: a super-block's outputs from its sub-blocks' sums, with the VNNI tile's
 // float operations in its order (group_tile_k)
-template <int C>
+template <int C, int S>
 void k_epilogue(const Layout& L, const Weights& w, int64_t g, const Acts& a, int64_t r0, int t0, int64_t sb,
                 const __m512* scales, int32_t (*sums)[AMX_ROWS][LANES], float* y, int64_t ldy, int64_t col0) {
   const int64_t subs_per_sb = L.SB / L.S;
   const int16_t* xs[C];
   for (int t = 0; t < C; ++t) xs[t] = sub_sums(a, L, r0 + t0 + t);
   __m512 fsum[C];
-  k_correction<C>(L, w, g, sb, xs, fsum);
+  k_correction<C, S>(L, w, g, sb, xs, fsum);
   for (int64_t j = 0; j < subs_per_sb; ++j)
     for (int t = 0; t < C; ++t)
       fsum[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_load_si512(sums[j][t0 + t])), scales[j], fsum[t]);
@@ -241,7 +241,7 @@ void amx_group_k(const Layout& L, const Weights& w, int64_t g, const Acts& a, in
     for (int64_t j = 0; j < subs_per_sb; ++j)
       scales[j] = _mm512_mul_ps(_mm512_cvtepi32_ps(load_int16x(w.sc + (g * nsub + s0 + j) * LANES, L.sc_signed)), d);
     by_row_chunks(T, [&](auto c, int t0) {
-      k_epilogue<decltype(c)::value>(L, w, g, a, r0, t0, sb, scales, scratch->sums, y, ldy, col0);
+      k_epilogue<decltype(c)::value, S>(L, w, g, a, r0, t0, sb, scales, scratch->sums, y, ldy, col0);
     });
   }
 }
@@ -365,7 +365,7 @@ void folded_epilogue(const Layout& L, const Weights& w, int64_t g, const Acts& a
   for (int t = 0; t < C; ++t) xs[t] = sub_sums(a, L, r0 + t0 + t);
   __m512i icorr[C];
   const __m512 d = super_block_d(L, w, g, sb);
-  const __m512 cc = k_correction_sums<C>(L, w, g, sb, d, xs, icorr);
+  const __m512 cc = k_correction_sums<C, 32>(L, w, g, sb, d, xs, icorr);
   for (int t = 0; t < C; ++t) {
     float* out = y + (r0 + t0 + t) * ldy + col0 + g * LANES;
     const __m512 dx = _mm512_set1_ps(act_scales(a, L, r0 + t0 + t)[sb]);

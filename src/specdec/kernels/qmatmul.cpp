@@ -296,11 +296,6 @@ inline __m512 k_correction_sums(const Layout& L, const Weights& w, int64_t g, in
   return L.has_mn ? load_half16(w.dmin + (g * (L.K / K_SUPER) + sb) * LANES)
                   : _mm512_mul_ps(d, _mm512_set1_ps(-(float)L.z));
 }
-template <int T>
-inline __m512 k_correction_sums(const Layout& L, const Weights& w, int64_t g, int64_t sb, __m512 d,
-                                const int16_t* const* xs, __m512i* icorr) {
-  return L.S == 16 ? k_correction_sums<T, 16>(L, w, g, sb, d, xs, icorr) : k_correction_sums<T, 32>(L, w, g, sb, d, xs, icorr);
-}
 
 // A k-quant super-block's start for T rows with float sums per sub-block: fsum[t] = cc * sum_s c_s xs_s;
 // returns the super-block's scale d
@@ -312,12 +307,6 @@ inline __m512 k_correction(const Layout& L, const Weights& w, int64_t g, int64_t
   const __m512 cc = k_correction_sums<T, S>(L, w, g, sb, d, xs, icorr);
   for (int t = 0; t < T; ++t) fsum[t] = _mm512_mul_ps(_mm512_cvtepi32_ps(icorr[t]), cc);
   return d;
-}
-
-template <int T>
-inline __m512 k_correction(const Layout& L, const Weights& w, int64_t g, int64_t sb, const int16_t* const* xs,
-                           __m512* fsum) {
-  return L.S == 16 ? k_correction<T, 16>(L, w, g, sb, xs, fsum) : k_correction<T, 32>(L, w, g, sb, xs, fsum);
 }
 
 // k-quants (sc per sub-block, SB = AB): integer sums per super-block
