@@ -162,7 +162,7 @@ inline void run_sums(const SubBlockRun& run, const Acts& a, int64_t K, int64_t r
 template <int C, int S>
 void k_epilogue(const Layout& L, const Weights& w, int64_t g, const Acts& a, int64_t r0, int t0, int64_t sb,
                 const __m512* scales, int32_t (*sums)[AMX_ROWS][LANES], float* y, int64_t ldy, int64_t col0) {
-  const int64_t subs_per_sb = L.SB / L.S;
+  constexpr int64_t subs_per_sb = K_SUPER / S;
   const int16_t* xs[C];
   for (int t = 0; t < C; ++t) xs[t] = sub_sums(a, L, r0 + t0 + t);
   __m512 fsum[C];
